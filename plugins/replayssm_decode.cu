@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// Entry points, ordered as TensorRT's AOT plugins pass them: inputs, int32 scalars, outputs.
+// Aliased outputs (the checkpoint and the buffers) receive the same pointers as their inputs.
+#include "replayssm.cuh"
+
+#if RSSM_HAS_Z
+#define RSSM_Z_PARAM const act_t* __restrict__ z,
+#define RSSM_Z_ARG z
+#else
+#define RSSM_Z_PARAM
+#define RSSM_Z_ARG nullptr
+#endif
+
+// ReplaySSM decode step: output from checkpoint + buffer, append, flush when the buffer fills.
+// grid (nheads * headdim / kRows, batch), block (kWarps * 32).
+extern "C" __global__ void __launch_bounds__(rssm::kThreads) replayssm_decode(
+    const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
+    const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
+    const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
+    const int* __restrict__ cursor, const state_t* state_in, const act_t* xc_in,
+    const act_t* Bc_in, const float* dtc_in, int batch, int nslots, act_t* __restrict__ y,
+    state_t* state_out, act_t* xc_out, act_t* Bc_out, float* dtc_out) {
+  rssm::ReplayArgs a{x,       B,     C,      dt,    dt_bias, A,         D,      RSSM_Z_ARG,
+                     sbi,     cursor, state_in, xc_in, Bc_in, dtc_in,    batch,  nslots,
+                     y,       state_out, xc_out, Bc_out, dtc_out};
+  rssm::replay_decode(a);
+}
+
+// Conventional Mamba-2 step (the baseline): S <- exp(A dt) S + dt x B^T, y = S C + D x.
+extern "C" __global__ void __launch_bounds__(rssm::kThreads) replayssm_conventional(
+    const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
+    const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
+    const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
+    const state_t* state_in, int batch, int nslots, act_t* __restrict__ y, state_t* state_out) {
+  rssm::ConvArgs a{x, B, C, dt, dt_bias, A, D, RSSM_Z_ARG, sbi, state_in, batch, nslots, y,
+                   state_out};
+  rssm::conventional_step(a);
+}
+
+// Advance every valid row's cursor by one entry, wrapping at the buffer length (a flush empties
+// the buffer). One launch per decode step for all layers, which share the cursor.
+extern "C" __global__ void replayssm_advance_cursor(const int* __restrict__ sbi, int batch,
+                                                    int nslots, int* cursor) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= batch) return;
+  const int slot = sbi[b];
+  if (slot < 0 || slot >= nslots) return;
+  cursor[slot] = (cursor[slot] + 1) % kL;
+}

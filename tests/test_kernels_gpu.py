@@ -1,0 +1,211 @@
+# SPDX-License-Identifier: Apache-2.0
+"""GPU kernels against the references, step by step across several flushes.
+
+Oracles:
+- float64 reference (:mod:`trtllm_replayssm.reference`) fed the very activation values the
+  kernel sees, with its checkpoint rounded to the kernel's state dtype wherever the kernel stores
+  one (after each flush for ReplaySSM, every step for the conventional kernel). This "mirror"
+  leaves only the kernel's fp32 arithmetic and the rounding of y to the activation dtype.
+- Bookkeeping exactly: x/B caches are copies of inputs (rtol = atol = 0), cursors exact, padding
+  rows' y and unused slots bit-identical to what they were.
+Tolerances (relative Frobenius norm over the valid rows):
+- y in bf16: one rounding of 2^-9 relative per element -> 5e-3; f16 (2^-11) -> 2e-3;
+  f32 with f32 state -> 2e-5 (fp32 sums of <= 3*dstate terms, exp/log1p in fp32).
+- checkpoint after a flush: f32 -> 2e-5; bf16/f16 -> one storage rounding, 8e-3 / 2e-3.
+- dt_cache: fp32 softplus vs float64 on the same inputs -> 1e-5 relative per element.
+"""
+
+import zlib
+
+import pytest
+import torch
+
+from trtllm_replayssm import ops
+from trtllm_replayssm import reference as ref
+
+from .problems import GEOMETRIES, make_inputs, make_params
+
+pytestmark = pytest.mark.gpu
+F64 = torch.float64
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+Y_TOL = {torch.bfloat16: 5e-3, torch.float16: 2e-3, torch.float32: 2e-5}
+S_TOL = {torch.bfloat16: 8e-3, torch.float16: 2e-3, torch.float32: 2e-5}
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+class Problem:
+    """Kernel-side caches on the GPU and float64 mirrors on the CPU, evolving together."""
+
+    def __init__(self, geom, state, act, L, batch, slots, pad_rows=(), has_z=False, seed=0):
+        H, P, N, G = GEOMETRIES[geom] if isinstance(geom, str) else geom
+        self.H, self.P, self.N, self.G, self.L = H, P, N, G, L
+        self.sdt, self.act, self.has_z, self.batch = DT[state], DT[act], has_z, batch
+        self.gen = torch.Generator().manual_seed(seed)
+        self.prm = make_params(H, self.gen, "cuda")
+        S0 = torch.randn(slots, H, P, N, generator=self.gen).to(self.sdt)
+        self.state = S0.cuda()
+        self.ref_state = S0.to(F64)
+        # Buffers start poisoned: entries beyond the cursor must never be read.
+        self.xc = torch.full((slots, H, L, P), float("nan"), dtype=self.act, device="cuda")
+        self.Bc = torch.full((slots, G, L, N), float("nan"), dtype=self.act, device="cuda")
+        self.dtc = torch.full((slots, H, L), float("nan"), device="cuda")
+        self.ref_xc, self.ref_Bc, self.ref_dtc = self.xc.cpu(), self.Bc.cpu(), self.dtc.cpu().to(F64)
+        self.cursor = torch.zeros(slots, dtype=torch.int32, device="cuda")
+        self.ref_cursor = self.cursor.cpu()
+        sbi = torch.randperm(slots, generator=self.gen)[:batch].to(torch.int32)
+        sbi[list(pad_rows)] = -1
+        self.sbi = sbi.cuda()
+        self.valid = sbi >= 0
+        self.unused = sorted(set(range(slots)) - set(sbi[self.valid].tolist()))
+
+    def inputs(self):
+        t = make_inputs(self.batch, self.H, self.P, self.N, self.G, self.act, self.gen, "cuda", self.has_z)
+        return t
+
+    def prm_args(self):
+        p = self.prm
+        return p.dt_bias, p.A, p.D
+
+    def snapshot_unused(self):
+        u = self.unused
+        return [t[u].clone() for t in (self.state, self.xc, self.Bc, self.dtc, self.cursor)]
+
+    def replay_step(self):
+        x, B, C, dt, z = self.inputs()
+        flushing = [s for s in self.sbi.cpu().tolist() if s >= 0 and int(self.ref_cursor[s]) == self.L - 1]
+        y = torch.full_like(x, float("nan"))
+        ops.replay_decode(x, B, C, dt, *self.prm_args(), self.state, self.xc, self.Bc, self.dtc, self.cursor,
+                          self.sbi, z=z, out=y)
+        ops.advance_cursor(self.cursor, self.sbi, self.L)
+        cpu = [None if t is None else t.cpu().to(F64) for t in (x, B, C, dt, z)]
+        y_ref = ref.replay_decode(self.ref_state, self.ref_xc, self.ref_Bc, self.ref_dtc, self.ref_cursor,
+                                  *cpu[:4], *(t.cpu().double() for t in self.prm_args()), cpu[4], self.sbi.cpu())
+        ref.advance_cursor(self.ref_cursor, self.sbi.cpu(), self.L)
+        for s in flushing:  # the kernel stores the new checkpoint in its state dtype
+            self.ref_state[s] = self.ref_state[s].to(self.sdt).to(F64)
+        return y, y_ref, flushing
+
+    def conventional_step(self):
+        x, B, C, dt, z = self.inputs()
+        y = torch.full_like(x, float("nan"))
+        ops.conventional_step(x, B, C, dt, *self.prm_args(), self.state, self.sbi, z=z, out=y)
+        cpu = [None if t is None else t.cpu().to(F64) for t in (x, B, C, dt, z)]
+        y_ref = ref.conventional_step(self.ref_state, *cpu[:4], *(t.cpu().double() for t in self.prm_args()),
+                                      cpu[4], self.sbi.cpu())
+        used = self.sbi.cpu()[self.valid].long()
+        self.ref_state[used] = self.ref_state[used].to(self.sdt).to(F64)
+        return y, y_ref
+
+    def check_y(self, y, y_ref):
+        v = self.valid.cuda()
+        assert torch.isnan(y[~v]).all(), "padding rows' output was written"
+        assert not torch.isnan(y[v]).any(), "some output elements were not written"
+        err = rel(y[v].cpu(), y_ref[self.valid])
+        assert err < Y_TOL[self.act], f"y relative error {err:.3e}"
+        return err
+
+    def check_buffers(self):
+        used = self.sbi.cpu()[self.valid].long()
+        assert torch.equal(self.cursor.cpu(), self.ref_cursor)
+        for s in used.tolist():
+            k = int(self.ref_cursor[s])
+            assert torch.equal(self.xc[s, :, :k].cpu(), self.ref_xc[s, :, :k])
+            assert torch.equal(self.Bc[s, :, :k].cpu(), self.ref_Bc[s, :, :k])
+            torch.testing.assert_close(self.dtc[s, :, :k].cpu().double(), self.ref_dtc[s, :, :k], rtol=1e-5, atol=0)
+
+    def check_state(self, slots):
+        for s in slots:
+            err = rel(self.state[s].cpu(), self.ref_state[s])
+            assert err < S_TOL[self.sdt], f"checkpoint of slot {s}: relative error {err:.3e}"
+
+
+BASE = dict(geom="tiny", state="f32", act="bf16", L=4, batch=3, slots=5, pad_rows=(1,), has_z=False)
+CASES = [
+    BASE,
+    {**BASE, "act": "f16"},
+    {**BASE, "act": "f32"},
+    {**BASE, "state": "bf16"},
+    {**BASE, "state": "f16", "act": "f16"},
+    {**BASE, "has_z": True},
+    {**BASE, "L": 8},
+    {**BASE, "L": 16},
+    {**BASE, "L": 32},
+    {**BASE, "pad_rows": ()},
+    {**BASE, "batch": 1, "slots": 2, "pad_rows": ()},
+    {**BASE, "geom": (8, 128, 64, 8)},
+    {**BASE, "geom": (4, 64, 256, 1)},
+    {**BASE, "geom": "nemotron_h_8b", "L": 16},
+    {**BASE, "geom": "nano_9b_v2", "L": 8},
+    {**BASE, "geom": "h_56b", "L": 4},
+    {**BASE, "geom": "nemotron_h_8b", "state": "bf16", "act": "bf16", "L": 8, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
+]
+
+
+def _id(c):
+    return ",".join(f"{k}={v}" for k, v in c.items() if BASE[k] != v) or "base"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_replay_decode_matches_reference(case):
+    pb = Problem(**case, seed=zlib.crc32(_id(case).encode()))
+    before = pb.snapshot_unused()
+    steps = 3 * pb.L + 2
+    flushed = 0
+    for _ in range(steps):
+        y, y_ref, flushing = pb.replay_step()
+        pb.check_y(y, y_ref)
+        pb.check_buffers()
+        pb.check_state(flushing)
+        flushed += len(flushing)
+    assert flushed >= 3 * int(pb.valid.sum())
+    for now, then in zip(pb.snapshot_unused(), before):
+        assert torch.equal(now.view(torch.uint8) if now.dtype != torch.int32 else now,
+                           then.view(torch.uint8) if then.dtype != torch.int32 else then)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c["L"] == 4 or c is CASES[13]], ids=_id)
+def test_conventional_matches_reference(case):
+    pb = Problem(**case, seed=1 + zlib.crc32(_id(case).encode()))
+    before = pb.snapshot_unused()
+    for _ in range(6):
+        y, y_ref = pb.conventional_step()
+        pb.check_y(y, y_ref)
+        pb.check_state(pb.sbi.cpu()[pb.valid].tolist())
+    assert torch.equal(pb.snapshot_unused()[0].view(torch.uint8), before[0].view(torch.uint8))
+
+
+def test_teeth_corrupted_cache_fails_the_comparison():
+    pb = Problem(**BASE, seed=7)
+    for _ in range(2):
+        pb.check_y(*pb.replay_step()[:2])
+    s = int(pb.sbi[0])
+    pb.Bc[s, 0, 0, 3] += 1.0  # a used entry; the mirror keeps the true value
+    y, y_ref, _ = pb.replay_step()
+    with pytest.raises(AssertionError):
+        pb.check_y(y, y_ref)
+
+
+def test_long_run_fp32_stays_within_1e5_of_float64():
+    """1024 steps (64 flushes at L=16), fp32 state and activations: no drift beyond 1e-5."""
+    pb = Problem(geom=(8, 64, 128, 2), state="f32", act="f32", L=16, batch=2, slots=2, seed=11)
+    worst = 0.0
+    for _ in range(1024):
+        y, y_ref, _ = pb.replay_step()
+        worst = max(worst, rel(y.cpu(), y_ref))
+    assert worst < 1e-5, worst
+
+
+def test_bad_indices_rejected_before_launch():
+    pb = Problem(**BASE, seed=3)
+    x, B, C, dt, z = pb.inputs()
+    args = (x, B, C, dt, *pb.prm_args(), pb.state, pb.xc, pb.Bc, pb.dtc, pb.cursor)
+    with pytest.raises(ValueError, match="state_batch_indices"):
+        ops.replay_decode(*args, torch.tensor([0, 9, 1], dtype=torch.int32, device="cuda"))
+    with pytest.raises(ValueError, match="more than one row"):
+        ops.replay_decode(*args, torch.tensor([0, 0, 1], dtype=torch.int32, device="cuda"))
+    pb.cursor[int(pb.sbi[0])] = pb.L
+    with pytest.raises(ValueError, match="cursor"):
+        ops.replay_decode(*args, pb.sbi)

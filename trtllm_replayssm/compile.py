@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""NVRTC compilation of the kernels in ``plugins/`` for one :class:`~.config.KernelSpec`.
+
+Route: a generated prelude (``using state_t``/``act_t``, sizes as ``constexpr``) is prepended to
+``plugins/replayssm_decode.cu`` and compiled by NVRTC through ``cuda.bindings.nvrtc``. That needs no
+GPU and no driver, so CI compiles every variant for sm_90 and sm_100. Headers come from the
+``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into NVRTC). Results are cached on disk
+under the spec's readable key plus a hash of source, options and NVRTC version.
+Loading and launching (``cuda.core``) live in :mod:`.ops`.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pathlib
+import tempfile
+
+from .config import CUDA_TYPES, KernelSpec
+
+PLUGIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "plugins"
+if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the package
+    PLUGIN_DIR = pathlib.Path(__file__).resolve().parent / "plugins"
+ENTRY_FILE = "replayssm_decode.cu"
+KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
+
+
+class CompileError(RuntimeError):
+    """NVRTC rejected a kernel; the message carries the spec key and the compiler log."""
+
+
+def cache_dir() -> pathlib.Path:
+    root = os.environ.get("TRTLLM_REPLAYSSM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "trtllm_replayssm"
+    )
+    path = pathlib.Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def prelude(spec: KernelSpec) -> str:
+    return "\n".join(
+        [
+            f"// generated for {spec.key}",
+            "#include <cuda_bf16.h>",
+            "#include <cuda_fp16.h>",
+            f"using state_t = {CUDA_TYPES[spec.state]};",
+            f"using act_t = {CUDA_TYPES[spec.act]};",
+            f"constexpr int kH = {spec.nheads};",
+            f"constexpr int kP = {spec.headdim};",
+            f"constexpr int kN = {spec.dstate};",
+            f"constexpr int kG = {spec.ngroups};",
+            f"constexpr int kL = {spec.buffer_len};",
+            f"constexpr int kRows = {spec.rows};",
+            f"constexpr int kWarps = {spec.warps};",
+            f"constexpr bool kHasZ = {'true' if spec.has_z else 'false'};",
+            f"#define RSSM_HAS_Z {int(spec.has_z)}",
+            "",
+        ]
+    )
+
+
+def source(spec: KernelSpec) -> str:
+    return prelude(spec) + f'#include "{ENTRY_FILE}"\n'
+
+
+@functools.lru_cache(maxsize=1)
+def _include_dirs() -> tuple[str, ...]:
+    import cuda.pathfinder
+
+    cudart = cuda.pathfinder.find_nvidia_header_directory("cudart")
+    if cudart is None:
+        raise CompileError("CUDA runtime headers not found: install the 'nvidia-cuda-runtime' wheel")
+    return (str(PLUGIN_DIR), cudart)
+
+
+@functools.lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+
+    err, major, minor = nvrtc.nvrtcVersion()
+    _check(err, "nvrtcVersion")
+    return major, minor
+
+
+def _check(err, what: str, log: str = "") -> None:
+    from cuda.bindings import nvrtc
+
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"{what} failed ({err!r})" + (f"\n{log}" if log else ""))
+
+
+def options(spec: KernelSpec, target: str) -> list[str]:
+    if target not in ("ptx", "cubin"):
+        raise ValueError(f"target: expected 'ptx' or 'cubin', got {target!r}")
+    arch = f"compute_{spec.arch}" if target == "ptx" else f"sm_{spec.arch}"
+    opts = [f"--gpu-architecture={arch}", "-std=c++17"]
+    opts += [f"--include-path={d}" for d in _include_dirs()]
+    return opts
+
+
+def _plugin_sources_digest() -> str:
+    h = hashlib.sha256()
+    for path in sorted(PLUGIN_DIR.glob("*.cu*")):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def compile_spec(spec: KernelSpec, target: str = "ptx", use_cache: bool = True) -> bytes:
+    """PTX (text, as bytes) or cubin for ``spec``; cached on disk."""
+    opts = options(spec, target)
+    src = source(spec)
+    digest = hashlib.sha256(
+        "\x00".join([src, *opts, _plugin_sources_digest(), repr(nvrtc_version())]).encode()
+    ).hexdigest()[:16]
+    path = cache_dir() / f"{spec.key}_{digest}.{target}"
+    if use_cache and path.exists():
+        return path.read_bytes()
+    out = _nvrtc_compile(src, spec.key, opts, target)
+    if use_cache:  # atomic publish: concurrent compilers never see a half-written file
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(out)
+        os.replace(tmp, path)
+    return out
+
+
+def _nvrtc_compile(src: str, key: str, opts: list[str], target: str) -> bytes:
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), f"{key}.cu".encode(), 0, [], [])
+    _check(err, "nvrtcCreateProgram")
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * n
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            _check(err, f"NVRTC compile of {key}", log.decode(errors="replace"))
+        if target == "ptx":
+            err, n = nvrtc.nvrtcGetPTXSize(prog)
+            _check(err, "nvrtcGetPTXSize")
+            buf = b" " * n
+            (err,) = nvrtc.nvrtcGetPTX(prog, buf)
+            _check(err, "nvrtcGetPTX")
+            return buf.rstrip(b"\x00")
+        err, n = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(err, "nvrtcGetCUBINSize")
+        buf = b" " * n
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, buf)
+        _check(err, "nvrtcGetCUBIN")
+        return buf
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)

@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kernel specializations and launch geometry, in one table.
+
+A :class:`KernelSpec` names everything that is compiled into one kernel module (dtypes, sizes,
+buffer length, rows per block, warps, gate, target arch). :func:`choose_geometry` picks rows per
+block and warps from the state geometry and the batch; :func:`override_geometry` pins them for
+sweeps. Every entry point of ``plugins/replayssm_decode.cu`` shares one spec per module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+
+import torch
+
+DTYPE_CODES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
+CUDA_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half"}
+ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2}
+
+SUPPORTED_HEADDIM = (64, 80, 128)
+SUPPORTED_DSTATE = (64, 128, 256)
+SUPPORTED_BUFFER_LEN = (4, 8, 16, 32)
+MAX_THREADS = 512
+# Waves worth of blocks below which a head is split into row chunks (small batches).
+MIN_BLOCKS = 2 * 132
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    state: str  # "f32" | "bf16" | "f16"
+    act: str  # "f32" | "bf16" | "f16"
+    nheads: int
+    headdim: int
+    dstate: int
+    ngroups: int
+    buffer_len: int
+    rows: int  # rows of one head per block
+    warps: int
+    has_z: bool = False
+    arch: int = 90
+
+    def __post_init__(self):
+        for name in ("state", "act"):
+            if getattr(self, name) not in CUDA_TYPES:
+                raise ValueError(f"KernelSpec.{name}: expected one of {sorted(CUDA_TYPES)}, got {getattr(self, name)!r}")
+        if self.nheads % self.ngroups:
+            raise ValueError(f"ngroups ({self.ngroups}) must divide nheads ({self.nheads})")
+        if not 1 <= self.buffer_len <= 32:
+            raise ValueError(f"buffer_len must be in 1..32, got {self.buffer_len}")
+        lay = vector_layout(self.state, self.dstate)
+        if self.headdim % self.rows or self.rows % (lay.rows_per_warp_load * self.warps):
+            raise ValueError(
+                f"rows={self.rows}, warps={self.warps}: rows must divide headdim={self.headdim} and be a "
+                f"multiple of warps*{lay.rows_per_warp_load}"
+            )
+        if self.rows > self.warps * 32 or self.warps * 32 > MAX_THREADS:
+            raise ValueError(f"rows={self.rows}, warps={self.warps}: need rows <= threads <= {MAX_THREADS}")
+
+    @property
+    def key(self) -> str:
+        """Readable cache key, e.g. ``replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sm90``."""
+        return (
+            f"replayssm_s-{self.state}_a-{self.act}_H{self.nheads}_P{self.headdim}_N{self.dstate}"
+            f"_G{self.ngroups}_L{self.buffer_len}_R{self.rows}_W{self.warps}_z{int(self.has_z)}_sm{self.arch}"
+        )
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    def grid(self, batch: int) -> tuple[int, int, int]:
+        return (self.nheads * (self.headdim // self.rows), batch, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorLayout:
+    elems_per_vec: int  # state elements in one 16-byte vector
+    lanes_per_row: int
+    vecs_per_lane: int
+    rows_per_warp_load: int
+
+
+def vector_layout(state: str, dstate: int) -> VectorLayout:
+    """Mirror of the constexpr layout in plugins/replayssm.cuh (kEPV, kLPR, kVPL, kRPW)."""
+    epv = 16 // ITEMSIZE[state]
+    if dstate % epv:
+        raise ValueError(f"dstate={dstate} must be a multiple of {epv} for a {state} state")
+    vec_per_row = dstate // epv
+    lpr = min(32, vec_per_row)
+    if 32 % lpr or vec_per_row % lpr:
+        raise ValueError(f"dstate={dstate} does not map to whole warps for a {state} state")
+    return VectorLayout(epv, lpr, vec_per_row // lpr, 32 // lpr)
+
+
+_local = threading.local()
+
+# State elements each thread keeps in registers: 32 fp32 values keeps ~4 blocks of 256 threads
+# resident per SM with enough bytes in flight (DESIGN.md §3: 32 KB/SM covers the latency).
+STATE_REGS_PER_THREAD = 32
+
+
+def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int) -> tuple[int, int]:
+    """(rows per block, warps) for this geometry and batch."""
+    forced = getattr(_local, "override", None)
+    if forced is not None:
+        return forced
+    lay = vector_layout(state, dstate)
+    per_row = lay.vecs_per_lane * lay.elems_per_vec  # state elements per thread per row
+    rows_per_thread = max(1, STATE_REGS_PER_THREAD // per_row)
+    def warps_for(rows: int) -> int:
+        w = max(1, rows // (lay.rows_per_warp_load * rows_per_thread))
+        while rows % (lay.rows_per_warp_load * w):
+            w -= 1
+        return w
+
+    def can_halve(rows: int) -> bool:
+        half = rows // 2
+        return rows % 2 == 0 and half >= 8 and half % lay.rows_per_warp_load == 0
+
+    rows = headdim
+    # Split heads into row chunks while a block would need too many threads, or while the grid
+    # would leave the GPU under two waves of blocks (small batches).
+    while can_halve(rows) and (
+        warps_for(rows) * 32 > MAX_THREADS or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
+    ):
+        rows //= 2
+    warps = warps_for(rows)
+    if warps * 32 > MAX_THREADS or rows > warps * 32:
+        raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
+    return rows, warps
+
+
+@contextlib.contextmanager
+def override_geometry(rows: int, warps: int):
+    """Pin (rows per block, warps) for every launch inside the block (benchmark sweeps)."""
+    prev = getattr(_local, "override", None)
+    _local.override = (rows, warps)
+    try:
+        yield
+    finally:
+        _local.override = prev

@@ -1,0 +1,244 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Validated launchers on torch tensors, and the torch.library custom ops that wrap them.
+
+Every tensor is checked once, here, before launch (shape, dtype, device, contiguity; slot and
+cursor ranges when not capturing a CUDA graph); errors name the tensor with what was expected and
+what was given. Kernels are compiled by :mod:`.compile` (NVRTC) for the device's arch, loaded and
+launched with ``cuda.core`` on torch's current stream, so the launches are CUDA-graph safe.
+
+Shapes (batch rows, H heads, P headdim, N dstate, G groups, L buffer length, S slots):
+
+=====================  ==================  =================  ==========================
+tensor                 shape               dtype              mutated
+=====================  ==================  =================  ==========================
+x, z (optional)        (batch, H, P)       act (bf16/f16/f32)
+B, C                   (batch, G, N)       act
+dt                     (batch, H)          act (raw; softplus(dt + dt_bias) inside)
+dt_bias, A, D          (H,)                f32                (A = -exp(A_log))
+state                  (S, H, P, N)        f32 / bf16 / f16   replay: on flush; conv: always
+x_cache                (S, H, L, P)        act                replay (append)
+B_cache                (S, G, L, N)        act                replay (append)
+dt_cache               (S, H, L)           f32 (processed)    replay (append)
+cursor                 (S,)                int32              by advance_cursor only
+state_batch_indices    (batch,)            int32              slot per row, -1 = padding
+y (output)             (batch, H, P)       act                padding rows left untouched
+=====================  ==================  =================  ==========================
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from . import compile as _compile
+from .config import DTYPE_CODES, KernelSpec, choose_geometry
+
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---- validation -----------------------------------------------------------------------------------
+def _fmt_dtypes(dtypes) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(t, name: str, shape: tuple | None = None, dtypes=None, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.Tensor | None, L: int) -> None:
+    """Value checks that need a device->host copy (skipped while capturing a CUDA graph)."""
+    sbi = state_batch_indices.cpu()
+    bad = sbi[(sbi < -1) | (sbi >= nslots)]
+    if bad.numel():
+        raise ValueError(f"state_batch_indices: expected values in [-1, {nslots}), got {bad.tolist()[:8]}")
+    used = sbi[sbi >= 0]
+    if used.unique().numel() != used.numel():
+        raise ValueError("state_batch_indices: a slot appears in more than one row (rows would race)")
+    if cursor is not None and used.numel():
+        cur = cursor.cpu()[used.long()]
+        if ((cur < 0) | (cur >= L)).any():
+            raise ValueError(f"cursor: expected values in [0, {L}) for the rows' slots, got {cur.tolist()[:8]}")
+
+
+def _geometry(x, B, state, x_cache=None):
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x: expected a (batch, nheads, headdim) tensor, got {getattr(x, 'shape', type(x))}")
+    if not isinstance(state, torch.Tensor) or state.dim() != 4:
+        raise ValueError(f"state: expected a (slots, nheads, headdim, dstate) tensor, got {getattr(state, 'shape', type(state))}")
+    if not isinstance(B, torch.Tensor) or B.dim() != 3:
+        raise ValueError(f"B: expected a (batch, ngroups, dstate) tensor, got {getattr(B, 'shape', type(B))}")
+    batch, H, P = x.shape
+    S, N = state.shape[0], state.shape[3]
+    G = B.shape[1]
+    if G < 1 or H % G:
+        raise ValueError(f"B: ngroups={G} must divide nheads={H}")
+    L = None
+    if x_cache is not None:
+        if not isinstance(x_cache, torch.Tensor) or x_cache.dim() != 4:
+            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {getattr(x_cache, 'shape', type(x_cache))}")
+        L = x_cache.shape[2]
+        if not 1 <= L <= 32:
+            raise ValueError(f"x_cache: buffer_len (dim 2) must be in 1..32, got {L}")
+    return batch, H, P, N, G, S, L
+
+
+def _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, H, P, N, G, S):
+    check_tensor(x, "x", (batch, H, P), _ACT_DTYPES)
+    dev, act = x.device, (x.dtype,)
+    check_tensor(state, "state", (S, H, P, N), _STATE_DTYPES, dev)
+    check_tensor(B, "B", (batch, G, N), act, dev)
+    check_tensor(C, "C", (batch, G, N), act, dev)
+    check_tensor(dt, "dt", (batch, H), act, dev)
+    for name, t in (("dt_bias", dt_bias), ("A", A), ("D", D)):
+        check_tensor(t, name, (H,), (torch.float32,), dev)
+    if z is not None:
+        check_tensor(z, "z", (batch, H, P), act, dev)
+    check_tensor(state_batch_indices, "state_batch_indices", (batch,), (torch.int32,), dev)
+
+
+def _require_cuda(x) -> None:
+    # Last, so that shape and dtype errors are reported (and testable) on any device.
+    if x.device.type != "cuda":
+        raise ValueError(f"x: expected CUDA tensors, got device {x.device}")
+
+
+# ---- loading and launching ---------------------------------------------------------------------------
+_lock = threading.Lock()
+_kernels: dict = {}
+
+
+def _arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
+
+
+def get_kernel(spec: KernelSpec, name: str, device: torch.device):
+    """Load (once) the cubin of ``spec`` on ``device`` and return the cuda.core kernel ``name``."""
+    key = (spec, name, device.index)
+    kern = _kernels.get(key)
+    if kern is None:
+        from cuda.core import Device, ObjectCode
+
+        with _lock:
+            Device(device.index).set_current()
+            obj = ObjectCode.from_cubin(_compile.compile_spec(spec, "cubin"))
+            for n in _compile.KERNEL_NAMES:
+                _kernels[(spec, n, device.index)] = obj.get_kernel(n)
+        kern = _kernels[key]
+    return kern
+
+
+def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
+    """Launch kernel ``name`` of ``spec`` on torch's current stream. ``args``: ints for pointers,
+    numpy.int32 for the int32 scalars, in the kernel's parameter order."""
+    from cuda.core import LaunchConfig, Stream
+    from cuda.core import launch as _launch
+
+    kern = get_kernel(spec, name, device)
+    stream = Stream.from_handle(torch.cuda.current_stream(device).cuda_stream)
+    _launch(stream, LaunchConfig(grid=grid, block=block), kern, *args)
+
+
+def make_spec(state, x, H, P, N, G, L, batch, has_z, device) -> KernelSpec:
+    rows, warps = choose_geometry(DTYPE_CODES[state.dtype], P, N, H, batch)
+    return KernelSpec(DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype], H, P, N, G, L or 1, rows, warps,
+                      has_z, _arch(device))
+
+
+def _ptr(t):
+    return 0 if t is None else t.data_ptr()
+
+
+def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
+                  state_batch_indices, z=None, out=None, check_values: bool | None = None):
+    """One fused ReplaySSM decode step (output, append, flush when full); returns y.
+
+    The cursor is read, not moved: call :func:`advance_cursor` once per model step (all layers
+    share it). ``check_values`` (default: when not capturing a graph) checks slot and cursor values
+    on the host, which synchronizes.
+    """
+    batch, H, P, N, G, S, L = _geometry(x, B, state, x_cache)
+    _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, H, P, N, G, S)
+    dev, act = x.device, (x.dtype,)
+    check_tensor(x_cache, "x_cache", (S, H, L, P), act, dev)
+    check_tensor(B_cache, "B_cache", (S, G, L, N), act, dev)
+    check_tensor(dt_cache, "dt_cache", (S, H, L), (torch.float32,), dev)
+    check_tensor(cursor, "cursor", (S,), (torch.int32,), dev)
+    y = _output(out, x)
+    _require_cuda(x)
+    if check_values if check_values is not None else not _capturing():
+        check_indices(state_batch_indices, S, cursor, L)
+    if batch == 0:
+        return y
+    spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev)
+    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
+            D.data_ptr()]
+    if z is not None:
+        args.append(z.data_ptr())
+    args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
+             B_cache.data_ptr(), dt_cache.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
+             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr()]
+    launch(spec, "replayssm_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=None, out=None,
+                      check_values: bool | None = None):
+    """One conventional Mamba-2 decode step (reads and writes the whole state); returns y."""
+    batch, H, P, N, G, S, _ = _geometry(x, B, state)
+    _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, H, P, N, G, S)
+    y = _output(out, x)
+    _require_cuda(x)
+    if check_values if check_values is not None else not _capturing():
+        check_indices(state_batch_indices, S, None, 1)
+    if batch == 0:
+        return y
+    spec = make_spec(state, x, H, P, N, G, None, batch, z is not None, x.device)
+    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
+            D.data_ptr()]
+    if z is not None:
+        args.append(z.data_ptr())
+    args += [state_batch_indices.data_ptr(), state.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
+             state.data_ptr()]
+    launch(spec, "replayssm_conventional", x.device, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def advance_cursor(cursor, state_batch_indices, buffer_len: int) -> None:
+    """cursor[slot] = (cursor[slot] + 1) % buffer_len for every row with a slot, on the GPU."""
+    check_tensor(cursor, "cursor", None, (torch.int32,))
+    if cursor.dim() != 1 or cursor.device.type != "cuda":
+        raise ValueError(f"cursor: expected a 1-D CUDA tensor, got shape {tuple(cursor.shape)} on {cursor.device}")
+    check_tensor(state_batch_indices, "state_batch_indices", None, (torch.int32,), cursor.device)
+    if not 1 <= buffer_len <= 32:
+        raise ValueError(f"buffer_len must be in 1..32, got {buffer_len}")
+    batch = state_batch_indices.numel()
+    if batch == 0:
+        return
+    # Any spec with this L carries the same advance kernel; use the smallest valid one.
+    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, _arch(cursor.device))
+    launch(spec, "replayssm_advance_cursor", cursor.device, ((batch + 255) // 256, 1, 1), (256, 1, 1),
+           [state_batch_indices.data_ptr(), np.int32(batch), np.int32(cursor.numel()), cursor.data_ptr()])
+
+
+def _output(out, x):
+    if out is None:
+        return torch.empty_like(x)
+    check_tensor(out, "out", tuple(x.shape), (x.dtype,), x.device)
+    return out
