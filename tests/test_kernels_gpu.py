@@ -182,7 +182,7 @@ def test_teeth_corrupted_cache_fails_the_comparison():
     for _ in range(2):
         pb.check_y(*pb.replay_step()[:2])
     s = int(pb.sbi[0])
-    pb.Bc[s, 0, 0, 3] += 1.0  # a used entry; the mirror keeps the true value
+    pb.xc[s, :, 1] += 4.0  # the newest used entry of every head; the mirror keeps the true values
     y, y_ref, _ = pb.replay_step()
     with pytest.raises(AssertionError):
         pb.check_y(y, y_ref)

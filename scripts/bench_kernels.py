@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Kernel benchmark: ReplaySSM decode vs our conventional kernel vs mamba_ssm's Triton kernel.
+
+Every number comes from CUDA-graph replays timed with CUDA events, after a warm-up that includes
+compilation and module loading. Inputs rotate over enough slot sets that the state read by one
+launch is not in L2 from the previous ones (>= ROTATE_BYTES of state per graph).
+
+ReplaySSM is timed at every buffer position k = 1..L (cursor pinned at k-1, so each launch is the
+k-th step of a cycle; k = L is the flush step); the amortized step is the mean over k, i.e. one
+full flush cycle. The cursor advance (one tiny launch per model step, shared by all layers) is not
+part of a layer's cost and is not timed here.
+
+Bytes model (per batch row; s = state itemsize, a = activation itemsize, H P N G L as usual):
+  inputs      x H*P*a + B,C 2*G*N*a + dt H*a        output y H*P*a
+  conventional  state read + write 2*H*P*N*s + inputs + y
+  replay, k     state read H*P*N*s + inputs + y
+                + history read (k-1) * (H*P*a + G*N*a + 4*H)          (x, B, processed dt)
+                + k < L: append write H*P*a + G*N*a + 4*H
+                + k = L: state write H*P*N*s
+Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measured in the same run
+(bytes read + written).
+
+Usage: python scripts/bench_kernels.py [--quick] [--out bench/results] [--commit SHA]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import statistics
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.problems import GEOMETRIES, make_inputs, make_params  # noqa: E402
+from trtllm_replayssm import ops  # noqa: E402
+
+ROTATE_BYTES = 512 << 20  # ~8x the H200's 60 MB L2
+MAX_ROTATIONS = 64
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+
+
+def graph_time_us(fn, launches: int, reps: int = 20) -> tuple[float, float]:
+    """Median and spread (p90 - p10) of one launch inside a captured graph of ``launches`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    times.sort()
+    return statistics.median(times), times[int(0.9 * len(times)) - 1] - times[int(0.1 * len(times))]
+
+
+def copy_ceiling_tbps(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us, _ = graph_time_us(lambda: dst.copy_(src), 1, reps=30)
+    del src, dst
+    return 2 * nbytes / (us * 1e-6) / 1e12
+
+
+def bytes_model(H, P, N, G, L, s, a):
+    inputs = H * P * a + 2 * G * N * a + H * a
+    y = H * P * a
+    state = H * P * N * s
+    entry = H * P * a + G * N * a + 4 * H
+    conv = 2 * state + inputs + y
+    replay = {k: state + inputs + y + (k - 1) * entry + (entry if k < L else state) for k in range(1, L + 1)}
+    return conv, replay
+
+
+def load_mamba(path: str | None):
+    if not path:
+        return None
+    try:
+        sys.path.insert(0, path)
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+        return selective_state_update
+    except Exception as e:  # a missing peer only drops its column
+        print(f"# mamba_ssm peer not available ({e}); its column is left empty", file=sys.stderr)
+        return None
+
+
+def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0):
+    H, P, N, G = GEOMETRIES[geom]
+    sdt, act = DT[state_code], DT[act_code]
+    s, a = sdt.itemsize, act.itemsize
+    per_row_state = H * P * N * s
+    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (per_row_state * batch))))
+    slots = batch * R
+    gen = torch.Generator().manual_seed(seed)
+    prm = make_params(H, gen, "cuda")
+    state = (torch.randn(slots, H, P, N, device="cuda") * 0.1).to(sdt)
+    xc = torch.randn(slots, H, L, P, device="cuda").to(act)
+    Bc = (torch.randn(slots, G, L, N, device="cuda") * 0.3).to(act)
+    dtc = torch.rand(slots, H, L, device="cuda") * 0.05
+    cursor = torch.zeros(slots, dtype=torch.int32, device="cuda")
+    perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
+    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
+    inputs = [make_inputs(batch, H, P, N, G, act, gen, "cuda") for _ in range(min(R, 4))]
+    y = torch.empty(batch, H, P, dtype=act, device="cuda")
+
+    def conv():
+        for r in range(R):
+            x, B, C, dt, _ = inputs[r % len(inputs)]
+            ops.conventional_step(x, B, C, dt, prm.dt_bias, prm.A, prm.D, state, sbis[r], out=y)
+
+    def replay():
+        for r in range(R):
+            x, B, C, dt, _ = inputs[r % len(inputs)]
+            ops.replay_decode(x, B, C, dt, prm.dt_bias, prm.A, prm.D, state, xc, Bc, dtc, cursor, sbis[r], out=y)
+
+    row = dict(geom=geom, H=H, P=P, N=N, G=G, state=state_code, act=act_code, L=L, batch=batch, rotations=R)
+    row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
+    per_k = []
+    for k in range(1, L + 1):
+        cursor.fill_(k - 1)
+        per_k.append(graph_time_us(replay, R)[0])
+    row["replay_us_k"] = per_k
+    row["replay_us_k1"], row["replay_us_flush"] = per_k[0], per_k[-1]
+    row["replay_us_amortized"] = sum(per_k) / L
+    conv_b, rep_b = bytes_model(H, P, N, G, L, s, a)
+    row["bytes_conv"] = conv_b * batch
+    row["bytes_replay_amortized"] = sum(rep_b.values()) / L * batch
+    row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
+    row["tbps_replay"] = row["bytes_replay_amortized"] / row["replay_us_amortized"] / 1e6
+    row["tbps_replay_k1"] = rep_b[1] * batch / per_k[0] / 1e6
+    row["tbps_replay_flush"] = rep_b[L] * batch / per_k[-1] / 1e6
+    row["speedup_vs_conv"] = row["conv_us"] / row["replay_us_amortized"]
+    row["flush_over_conv"] = per_k[-1] / row["conv_us"]
+    if mamba_fn is not None and state_code == "f32":
+        # tie_hdim: dt, A, dt_bias, D broadcast over headdim with stride 0, as Nemotron-H runs it.
+        A_t = prm.A[:, None, None].expand(H, P, N)
+        bias_t = prm.dt_bias[:, None].expand(H, P)
+        D_t = prm.D[:, None].expand(H, P)
+        sbis_l = [t.long() for t in sbis]
+
+        def mamba():
+            for r in range(R):
+                x, B, C, dt, _ = inputs[r % len(inputs)]
+                mamba_fn(state, x, dt[:, :, None].expand(batch, H, P), A_t, B, C, D=D_t, dt_bias=bias_t,
+                         dt_softplus=True, state_batch_indices=sbis_l[r])
+
+        row["mamba_us"] = graph_time_us(mamba, R)[0]
+        row["speedup_vs_mamba"] = row["mamba_us"] / row["replay_us_amortized"]
+    del state, xc, Bc, dtc
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="main geometry only, fp32 state, L=16")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
+    ap.add_argument("--batches", default="1,8,32,64,128,256,512")
+    ap.add_argument("--tag", default="kernels")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_kernels.py needs a CUDA GPU")
+    batches = [int(b) for b in args.batches.split(",")]
+    mamba_fn = load_mamba(args.mamba_path)
+    ceiling = copy_ceiling_tbps()
+    meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=args.commit, torch=torch.__version__, copy_ceiling_tbps=ceiling)
+    print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
+    plan = [("nemotron_h_8b", "f32", "bf16", 16, b) for b in batches]
+    if not args.quick:
+        plan += [("nemotron_h_8b", "bf16", "bf16", 16, b) for b in batches]
+        plan += [("nemotron_h_8b", "f32", "bf16", L, b) for L in (8, 32) for b in (1, 32, 256)]
+        plan += [(g, "f32", "bf16", 16, b) for g in ("nano_9b_v2", "h_56b") for b in (1, 32, 256)]
+    rows = []
+    for p in plan:
+        row = bench_point(*p, mamba_fn)
+        row["pct_ceiling_conv"] = 100 * row["tbps_conv"] / ceiling
+        row["pct_ceiling_replay"] = 100 * row["tbps_replay"] / ceiling
+        row["pct_ceiling_replay_k1"] = 100 * row["tbps_replay_k1"] / ceiling
+        rows.append(row)
+        print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = meta["date"][:10]
+    path = out / f"{stamp}_{args.tag}_{args.commit[:10]}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    hdr = f"{'geom':14s} {'st':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}"
+    print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
+    print(hdr)
+    for r in rows:
+        print(f"{r['geom']:14s} {r['state']:4s} {r['L']:2d} {r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} "
+              f"{r['replay_us_k1']:7.1f} {r['replay_us_flush']:7.1f} {r['replay_us_amortized']:7.1f} {r['pct_ceiling_replay']:5.1f} "
+              f"{r['speedup_vs_conv']:6.2f} {r.get('mamba_us', float('nan')):7.1f} {r.get('speedup_vs_mamba', float('nan')):7.2f}")
+
+
+if __name__ == "__main__":
+    main()
