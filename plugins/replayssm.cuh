@@ -31,10 +31,22 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
 
 // n contiguous elements moved as one aligned vector access (up to 16 bytes, else several).
+// Alignment: the largest power of two dividing the vector's bytes, at most 16 (so a vector of
+// n elements at an offset that is a multiple of n elements is always aligned).
+constexpr int vec_align(int bytes) {
+  return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : bytes % 2 == 0 ? 2 : 1;
+}
 template <typename T, int n>
-struct alignas(sizeof(T) * n >= 16 ? 16 : sizeof(T) * n) Vec {
+struct alignas(vec_align(sizeof(T) * n)) Vec {
   T v[n];
 };
+template <typename T, int n>
+__device__ __forceinline__ void store_f(T* p, const float (&in)[n]) {
+  Vec<T, n> t;
+#pragma unroll
+  for (int i = 0; i < n; ++i) t.v[i] = from_f<T>(in[i]);
+  *reinterpret_cast<Vec<T, n>*>(p) = t;
+}
 
 template <typename T, int n>
 __device__ __forceinline__ void load_f(const T* p, float (&out)[n]) {
@@ -81,8 +93,11 @@ static_assert(kRows % (kRPW * kWarps) == 0, "rows per block must split evenly ov
 static_assert(kP % kRows == 0, "rows per block must divide headdim");
 static_assert(kH % kG == 0, "ngroups must divide nheads");
 static_assert(kL >= 1 && kL <= 32, "replay buffer length is 1..32 (one warp scans it)");
-static_assert(kRows <= kThreads, "one thread finalizes each row");
 
+static_assert(kRT <= kLPR, "the lanes of a row group finalize one row each");
+
+// Each thread owns kRT consecutive rows (row-major inside its row group) so that a thread's rows
+// of an smem tile are one vector read; a warp-wide state load still covers whole rows.
 struct Coords {
   int b, h, g, chunk, row0;
 };
@@ -95,19 +110,18 @@ __device__ __forceinline__ Coords block_coords() {
   c.g = c.h / kHPG;
   return c;
 }
-// Row (within the block's chunk) and first column of vector v for this thread's r-th row.
-__device__ __forceinline__ int my_row(int r) {
+__device__ __forceinline__ int row_base() {  // first of this thread's kRT rows, within the chunk
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  return (warp * kRT + r) * kRPW + lane / kLPR;
+  return (warp * kRPW + lane / kLPR) * kRT;
 }
 __device__ __forceinline__ int my_col(int v) {
   const int lane = threadIdx.x % 32;
   return (v * kLPR + lane % kLPR) * kEPV;
 }
-// Sum over the kLPR lanes that share a row (xor stays inside the aligned lane group).
-__device__ __forceinline__ float row_sum(float v) {
+template <int kLanes>
+__device__ __forceinline__ float group_sum(float v) {  // xor stays inside aligned lane groups
 #pragma unroll
-  for (int o = kLPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
 
@@ -115,18 +129,20 @@ struct StateRegs {
   float s[kRT][kVPL][kEPV];
 };
 __device__ __forceinline__ void load_state(StateRegs& st, const state_t* base) {
+  const int rb = row_base();
 #pragma unroll
   for (int r = 0; r < kRT; ++r)
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
-      load_stream_f<state_t, kEPV>(base + (size_t)my_row(r) * kN + my_col(v), st.s[r][v]);
+      load_stream_f<state_t, kEPV>(base + (size_t)(rb + r) * kN + my_col(v), st.s[r][v]);
 }
 __device__ __forceinline__ void store_state(const StateRegs& st, state_t* base) {
+  const int rb = row_base();
 #pragma unroll
   for (int r = 0; r < kRT; ++r)
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
-      store_stream_f<state_t, kEPV>(base + (size_t)my_row(r) * kN + my_col(v), st.s[r][v]);
+      store_stream_f<state_t, kEPV>(base + (size_t)(rb + r) * kN + my_col(v), st.s[r][v]);
 }
 struct ColRegs {
   float c[kVPL][kEPV];
@@ -135,10 +151,11 @@ __device__ __forceinline__ void load_cols(ColRegs& cr, const act_t* vec) {
 #pragma unroll
   for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(vec + my_col(v), cr.c[v]);
 }
-// Row dots of the thread's state rows with C, reduced over the row's lanes; lane 0 of each
-// row group writes the dot for its row into out[row].
-__device__ __forceinline__ void state_dot_rows(const StateRegs& st, const ColRegs& cc, float* out) {
-  const int lane = threadIdx.x % 32;
+// Dots of the thread's rows with C, summed over the row group; lane l of the group returns the
+// dot of row (row_base + l) for l < kRT (every lane ends with every sum; it keeps its own).
+__device__ __forceinline__ float state_dot_mine(const StateRegs& st, const ColRegs& cc) {
+  const int l = threadIdx.x % kLPR;
+  float mine = 0.f;
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
     float acc = 0.f;
@@ -146,20 +163,30 @@ __device__ __forceinline__ void state_dot_rows(const StateRegs& st, const ColReg
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
       for (int e = 0; e < kEPV; ++e) acc = fmaf(st.s[r][v][e], cc.c[v][e], acc);
-    acc = row_sum(acc);
-    if (lane % kLPR == 0) out[my_row(r)] = acc;
+    acc = group_sum<kLPR>(acc);
+    if (r == l) mine = acc;
   }
+  return mine;
 }
 
-// ---- shared memory of the replay kernel -------------------------------------------------------
+// ---- buffer tiles: loaded as 16-byte vectors (fewer bytes where rows are short), all at once --
+constexpr int kBV = 16 / sizeof(act_t);                // B elements per vector
+constexpr int kBVecRow = kN / kBV;                     // vectors per B row
+constexpr int kBLanes = kBVecRow < 32 ? kBVecRow : 32; // lanes sharing one B row (dot reduce)
+constexpr int kBVPL = kBVecRow / kBLanes;              // vectors per lane per B row
+constexpr int kBRowsPerPass = kThreads / kBLanes;
+constexpr int kBPasses = (kL + kBRowsPerPass - 1) / kBRowsPerPass;
+static_assert(kThreads % kBLanes == 0, "B rows map to whole lane groups");
+constexpr int kXV0 = 16 / sizeof(act_t);
+constexpr int kXV = (kRows % kXV0 == 0) ? kXV0 : (kRows % (kXV0 / 2) == 0) ? kXV0 / 2 : (kRows % 2 == 0 ? 2 : 1);
+constexpr int kXVecRow = kRows / kXV;
+constexpr int kXPasses = (kL * kXVecRow + kThreads - 1) / kThreads;
+
 struct alignas(16) ReplaySmem {
-  act_t Bt[kL][kN];      // B_1..B_k (B_k = this step's input)
-  act_t xt[kL][kRows];   // x_1..x_k for this block's rows
-  float C[kN];
-  float dt[kL];          // processed dt_1..dt_k
+  act_t Bt[kL][kN];      // B_1..B_k, needed by the flush only
+  float xt[kL][kRows];   // x_1..x_k for this block's rows
   float w[kL];           // w_j
   float bc[kL];          // B_j . C_k
-  float sdot[kRows];     // S0 . C_k (or S_k . C_k on flush) per row
   float decay;           // exp(c_k)
 };
 
@@ -186,11 +213,9 @@ struct ReplayArgs {
   float* dtc_out;             // aliases dtc_in
 };
 
-// y for the block's rows: y = sdot_scaled + extra, times silu(z) when gated.
-__device__ __forceinline__ void write_y(const ReplayArgs& a, const Coords& c, float val, int t) {
-  const size_t o = ((size_t)c.b * kH + c.h) * kP + c.row0 + t;
-  if constexpr (kHasZ) val *= silu(to_f(a.z[o]));
-  a.y[o] = from_f<act_t>(val);
+template <typename T, int n>
+__device__ __forceinline__ void copy_vec(T* dst, const T* src) {
+  *reinterpret_cast<Vec<T, n>*>(dst) = *reinterpret_cast<const Vec<T, n>*>(src);
 }
 
 __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
@@ -199,59 +224,96 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
   const int pos = a.cursor[slot];
-  const int t = threadIdx.x;
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const int rb = row_base(), l = t % kLPR;
+  const size_t yo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb + l;  // the row this lane finalizes
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
-    if (t < kRows) write_y(a, c, __int_as_float(0x7fc00000), t);
+    if (l < kRT) a.y[yo] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
   const int k = pos + 1;
   const bool flush = (k == kL);
 
-  // 1. Checkpoint rows first: they are the bulk of the bytes and need the most time in flight.
+  // 1. Issue every load before using any: checkpoint rows (the bulk), C, buffer tiles, dt, z.
   const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
   StateRegs st;
   load_state(st, a.state_in + sbase);
+  const act_t* Cg = a.C + ((size_t)c.b * kG + c.g) * kN;
   ColRegs cc;
-  load_cols(cc, a.C + ((size_t)c.b * kG + c.g) * kN);
+  load_cols(cc, Cg);
 
-  // 2. Stage the buffer (history from the caches, entry k from this step's inputs).
   const act_t* Bc = a.Bc_in + ((size_t)slot * kG + c.g) * kL * kN;
   const act_t* Bnow = a.B + ((size_t)c.b * kG + c.g) * kN;
-  for (int i = t; i < k * kN; i += kThreads) {
-    const int j = i / kN, n = i % kN;
-    sm.Bt[j][n] = j == pos ? Bnow[n] : Bc[i];
+  const int bj0 = t / kBLanes, bl = t % kBLanes;
+  float bv[kBPasses][kBVPL][kBV];
+  float cb[kBVPL][kBV];
+#pragma unroll
+  for (int v = 0; v < kBVPL; ++v) load_f<act_t, kBV>(Cg + (v * kBLanes + bl) * kBV, cb[v]);
+#pragma unroll
+  for (int u = 0; u < kBPasses; ++u) {
+    const int j = bj0 + u * kBRowsPerPass;
+    if (j < k) {
+      const act_t* row = j == pos ? Bnow : Bc + (size_t)j * kN;
+#pragma unroll
+      for (int v = 0; v < kBVPL; ++v) load_f<act_t, kBV>(row + (v * kBLanes + bl) * kBV, bv[u][v]);
+    }
   }
   const act_t* xc = a.xc_in + ((size_t)slot * kH + c.h) * kL * kP + c.row0;
   const act_t* xnow = a.x + ((size_t)c.b * kH + c.h) * kP + c.row0;
-  for (int i = t; i < k * kRows; i += kThreads) {
-    const int j = i / kRows, p = i % kRows;
-    sm.xt[j][p] = j == pos ? xnow[p] : xc[(size_t)j * kP + p];
+  float xv[kXPasses][kXV];
+#pragma unroll
+  for (int u = 0; u < kXPasses; ++u) {
+    const int i = t + u * kThreads, j = i / kXVecRow, p = (i % kXVecRow) * kXV;
+    if (j < k) load_f<act_t, kXV>(j == pos ? xnow + p : xc + (size_t)j * kP + p, xv[u]);
   }
-  for (int n = t; n < kN; n += kThreads) sm.C[n] = to_f(a.C[((size_t)c.b * kG + c.g) * kN + n]);
-  const float* dtc = a.dtc_in + ((size_t)slot * kH + c.h) * kL;
-  if (t < k) {
-    sm.dt[t] = t == pos ? softplus(to_f(a.dt[(size_t)c.b * kH + c.h]) + a.dt_bias[c.h]) : dtc[t];
+  float dtj = 0.f;
+  if (warp == 0 && lane < k)
+    dtj = lane == pos ? softplus(to_f(a.dt[(size_t)c.b * kH + c.h]) + a.dt_bias[c.h])
+                      : a.dtc_in[((size_t)slot * kH + c.h) * kL + lane];
+  float zv = 0.f;
+  if constexpr (kHasZ) {
+    if (l < kRT) zv = to_f(a.z[yo]);
   }
-  __syncthreads();
 
-  // 3. Append entry k unless this step flushes (the flush empties the buffer).
-  if (!flush) {
-    act_t* xo = a.xc_out + (((size_t)slot * kH + c.h) * kL + pos) * kP + c.row0;
-    for (int p = t; p < kRows; p += kThreads) xo[p] = xnow[p];
-    if (c.chunk == 0) {
-      if (c.h % kHPG == 0) {
+  // 2. Buffer part, from registers: B_j . C_k per entry, x tile (and B tile on flush) to smem,
+  //    the dt scan in warp 0; this step's entry is appended unless the step flushes.
+#pragma unroll
+  for (int u = 0; u < kBPasses; ++u) {
+    const int j = bj0 + u * kBRowsPerPass;
+    float acc = 0.f;
+    if (j < k) {
+#pragma unroll
+      for (int v = 0; v < kBVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < kBV; ++e) acc = fmaf(bv[u][v][e], cb[v][e], acc);
+    }
+    acc = group_sum<kBLanes>(acc);  // every lane takes part: the shuffles need the full warp
+    if (j < k) {
+      if (bl == 0) sm.bc[j] = acc;
+      if (flush) {
+#pragma unroll
+        for (int v = 0; v < kBVPL; ++v) store_f<act_t, kBV>(&sm.Bt[j][(v * kBLanes + bl) * kBV], bv[u][v]);
+      } else if (j == pos && c.chunk == 0 && c.h % kHPG == 0) {
         act_t* Bo = a.Bc_out + (((size_t)slot * kG + c.g) * kL + pos) * kN;
-        for (int n = t; n < kN; n += kThreads) Bo[n] = Bnow[n];
+#pragma unroll
+        for (int v = 0; v < kBVPL; ++v) store_f<act_t, kBV>(Bo + (v * kBLanes + bl) * kBV, bv[u][v]);
       }
-      if (t == 0) a.dtc_out[((size_t)slot * kH + c.h) * kL + pos] = sm.dt[pos];
     }
   }
-
-  // 4. Warp 0: cumulative decay over the buffer (one lane per entry).
-  const int warp = t / 32, lane = t % 32;
+#pragma unroll
+  for (int u = 0; u < kXPasses; ++u) {
+    const int i = t + u * kThreads, j = i / kXVecRow, p = (i % kXVecRow) * kXV;
+    if (j < k) {
+#pragma unroll
+      for (int e = 0; e < kXV; ++e) sm.xt[j][p + e] = xv[u][e];
+      if (j == pos && !flush) {
+        act_t* xo = a.xc_out + (((size_t)slot * kH + c.h) * kL + pos) * kP + c.row0 + p;
+        store_f<act_t, kXV>(xo, xv[u]);
+      }
+    }
+  }
   if (warp == 0) {
     const float A = a.A[c.h];
-    const float dtj = lane < k ? sm.dt[lane] : 0.f;
     float cum = dtj;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -261,66 +323,57 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
     const float total = __shfl_sync(0xffffffffu, cum, k - 1);
     if (lane < k) sm.w[lane] = dtj * expf(A * (total - cum));
     if (lane == 0) sm.decay = expf(A * total);
+    if (lane == pos && !flush && c.chunk == 0) a.dtc_out[((size_t)slot * kH + c.h) * kL + pos] = dtj;
   }
-  if (!flush) {
-    // B_j . C_k for every entry: one warp per entry, lanes over dstate.
-    for (int j = warp; j < k; j += kWarps) {
-      float acc = 0.f;
-      for (int n = lane; n < kN; n += 32) acc = fmaf(to_f(sm.Bt[j][n]), sm.C[n], acc);
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-      if (lane == 0) sm.bc[j] = acc;
-    }
-    state_dot_rows(st, cc, sm.sdot);
-  }
+  const float D = a.D[c.h];
   __syncthreads();
 
-  const float D = a.D[c.h];
+  float val;
   if (!flush) {
-    if (t < kRows) {
-      float acc = sm.decay * sm.sdot[t] + D * to_f(sm.xt[pos][t]);
+    // 3. Output form: exp(c_k) S0.C_k + sum_j w_j (B_j.C_k) x_j + D x_k; no state write.
+    const float sdot = state_dot_mine(st, cc);
+    if (l >= kRT) return;
+    const int row = rb + l;
+    val = sm.decay * sdot + D * sm.xt[pos][row];
 #pragma unroll
-      for (int j = 0; j < kL; ++j)
-        if (j < k) acc = fmaf(sm.w[j] * sm.bc[j], to_f(sm.xt[j][t]), acc);
-      write_y(a, c, acc, t);
-    }
-    return;
-  }
-
-  // 5. Flush: S_k = exp(c_k) S0 + sum_j (w_j x_j) B_j^T, written as the new checkpoint.
-  const float decay = sm.decay;
+    for (int j = 0; j < kL; ++j)
+      if (j < k) val = fmaf(sm.w[j] * sm.bc[j], sm.xt[j][row], val);
+  } else {
+    // 3'. Flush: S_k = exp(c_k) S0 + sum_j (w_j x_j) B_j^T becomes the checkpoint; y = S_k C_k + D x_k.
+    const float decay = sm.decay;
 #pragma unroll
-  for (int r = 0; r < kRT; ++r)
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-      for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
-#pragma unroll 4
-  for (int j = 0; j < kL; ++j) {
-    const float wj = sm.w[j];
-    float bj[kVPL][kEPV];
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sm.Bt[j][my_col(v)], bj[v]);
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      const float xw = wj * to_f(sm.xt[j][my_row(r)]);
+    for (int r = 0; r < kRT; ++r)
 #pragma unroll
       for (int v = 0; v < kVPL; ++v)
 #pragma unroll
-        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(xw, bj[v][e], st.s[r][v][e]);
+        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
+#pragma unroll 4
+    for (int j = 0; j < kL; ++j) {
+      const float wj = sm.w[j];
+      float bj[kVPL][kEPV];
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sm.Bt[j][my_col(v)], bj[v]);
+      float xw[kRT];
+      load_f<float, kRT>(&sm.xt[j][rb], xw);
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) {
+        const float s = wj * xw[r];
+#pragma unroll
+        for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+          for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(s, bj[v][e], st.s[r][v][e]);
+      }
     }
+    store_state(st, a.state_out + sbase);
+    const float sdot = state_dot_mine(st, cc);
+    if (l >= kRT) return;
+    val = sdot + D * sm.xt[pos][rb + l];
   }
-  store_state(st, a.state_out + sbase);
-  state_dot_rows(st, cc, sm.sdot);
-  __syncthreads();
-  if (t < kRows) write_y(a, c, sm.sdot[t] + D * to_f(sm.xt[pos][t]), t);
+  if constexpr (kHasZ) val *= silu(zv);
+  a.y[yo] = from_f<act_t>(val);
 }
 
 // ---- conventional step (baseline): reads and writes the whole state every step ----------------
-struct ConvSmem {
-  float x[kRows];
-  float sdot[kRows];
-};
 struct ConvArgs {
   const act_t* x;
   const act_t* B;
@@ -338,39 +391,44 @@ struct ConvArgs {
 };
 
 __device__ __forceinline__ void conventional_step(const ConvArgs& a) {
-  __shared__ ConvSmem sm;
   const Coords c = block_coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;
-  const int t = threadIdx.x;
+  const int rb = row_base(), l = threadIdx.x % kLPR;
   const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
   StateRegs st;
   load_state(st, a.state_in + sbase);
   ColRegs bb, cc;
   load_cols(bb, a.B + ((size_t)c.b * kG + c.g) * kN);
   load_cols(cc, a.C + ((size_t)c.b * kG + c.g) * kN);
-  const act_t* xnow = a.x + ((size_t)c.b * kH + c.h) * kP + c.row0;
-  for (int p = t; p < kRows; p += kThreads) sm.x[p] = to_f(xnow[p]);
+  const size_t xo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb;
+  float xr[kRT];
+  load_f<act_t, kRT>(a.x + xo, xr);
+  float zv = 0.f;
+  if constexpr (kHasZ) {
+    if (l < kRT) zv = to_f(a.z[xo + l]);
+  }
   const float dt = softplus(to_f(a.dt[(size_t)c.b * kH + c.h]) + a.dt_bias[c.h]);
   const float decay = expf(a.A[c.h] * dt);
-  __syncthreads();
+  const float D = a.D[c.h];
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    const float xd = dt * sm.x[my_row(r)];
+    const float xd = dt * xr[r];
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
       for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(decay, st.s[r][v][e], xd * bb.c[v][e]);
   }
   store_state(st, a.state_out + sbase);
-  state_dot_rows(st, cc, sm.sdot);
-  __syncthreads();
-  if (t < kRows) {
-    float val = sm.sdot[t] + a.D[c.h] * sm.x[t];
-    const size_t o = ((size_t)c.b * kH + c.h) * kP + c.row0 + t;
-    if constexpr (kHasZ) val *= silu(to_f(a.z[o]));
-    a.y[o] = from_f<act_t>(val);
-  }
+  const float sdot = state_dot_mine(st, cc);
+  if (l >= kRT) return;
+  float xm = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r)
+    if (r == l) xm = xr[r];
+  float val = sdot + D * xm;
+  if constexpr (kHasZ) val *= silu(zv);
+  a.y[xo + l] = from_f<act_t>(val);
 }
 
 }  // namespace rssm
