@@ -33,7 +33,7 @@ template <> __device__ __forceinline__ __half from_f<__half>(float v) { return _
 // n contiguous elements moved as one aligned vector access (up to 16 bytes, else several).
 // Alignment: the largest power of two dividing the vector's bytes, at most 16 (so a vector of
 // n elements at an offset that is a multiple of n elements is always aligned).
-constexpr int vec_align(int bytes) {
+__host__ __device__ constexpr int vec_align(int bytes) {
   return bytes % 16 == 0 ? 16 : bytes % 8 == 0 ? 8 : bytes % 4 == 0 ? 4 : bytes % 2 == 0 ? 2 : 1;
 }
 template <typename T, int n>
