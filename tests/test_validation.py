@@ -68,7 +68,7 @@ def test_conventional_step_rejects():
     for k in ("x_cache", "B_cache", "dt_cache", "cursor"):
         t.pop(k)
     with pytest.raises(ValueError, match=r"state: expected shape"):
-        ops.conventional_step(**{**t, "state": torch.zeros(S, H, P, N + 4)})
+        ops.conventional_step(**{**t, "state": torch.zeros(S, H + 1, P, N)})
     with pytest.raises(ValueError, match="expected CUDA tensors"):
         ops.conventional_step(**t)
 
