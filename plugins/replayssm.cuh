@@ -182,7 +182,22 @@ constexpr int kXV = (kRows % kXV0 == 0) ? kXV0 : (kRows % (kXV0 / 2) == 0) ? kXV
 constexpr int kXVecRow = kRows / kXV;
 constexpr int kXPasses = (kL * kXVecRow + kThreads - 1) / kThreads;
 
+// cp.async (sm_80+): 16-byte global->shared copies that hold no registers while in flight, so
+// occupancy is bounded by shared memory, not by the state held in registers.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Resident blocks asked of the register allocator: 64 registers a thread for blocks of >= 256
+// threads (state lives in shared memory, so that is enough); small blocks are left free.
+constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
+constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
+
 struct alignas(16) ReplaySmem {
+  float4 S[kStateVecs];  // checkpoint rows of this block, same layout as in global memory
   act_t Bt[kL][kN];      // B_1..B_k, needed by the flush only
   float xt[kL][kRows];   // x_1..x_k for this block's rows
   float w[kL];           // w_j
@@ -223,21 +238,30 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const Coords c = block_coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
-  const int pos = a.cursor[slot];
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
+  // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory.
+  const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
+  {
+    const float4* src = reinterpret_cast<const float4*>(a.state_in + sbase);
+#pragma unroll
+    for (int u = 0; u < (kStateVecs + kThreads - 1) / kThreads; ++u) {
+      const int i = t + u * kThreads;
+      if (kStateVecs % kThreads == 0 || i < kStateVecs) cp_async16(&sm.S[i], src + i);
+    }
+    cp_async_commit();
+  }
+  const int pos = a.cursor[slot];
   const size_t yo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb + l;  // the row this lane finalizes
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
     if (l < kRT) a.y[yo] = from_f<act_t>(__int_as_float(0x7fc00000));
+    cp_async_wait_all();
     return;
   }
   const int k = pos + 1;
   const bool flush = (k == kL);
 
-  // 1. Issue every load before using any: checkpoint rows (the bulk), C, buffer tiles, dt, z.
-  const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
-  StateRegs st;
-  load_state(st, a.state_in + sbase);
+  // 1. Issue every load before using any: C, buffer tiles, dt, z (the checkpoint is in flight).
   const act_t* Cg = a.C + ((size_t)c.b * kG + c.g) * kN;
   ColRegs cc;
   load_cols(cc, Cg);
@@ -326,12 +350,27 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
     if (lane == pos && !flush && c.chunk == 0) a.dtc_out[((size_t)slot * kH + c.h) * kL + pos] = dtj;
   }
   const float D = a.D[c.h];
+  cp_async_wait_all();
   __syncthreads();
 
   float val;
+  const state_t* Ss = reinterpret_cast<const state_t*>(sm.S);
   if (!flush) {
     // 3. Output form: exp(c_k) S0.C_k + sum_j w_j (B_j.C_k) x_j + D x_k; no state write.
-    const float sdot = state_dot_mine(st, cc);
+    float sdot = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      float acc = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v) {
+        float sv[kEPV];
+        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) acc = fmaf(sv[e], cc.c[v][e], acc);
+      }
+      acc = group_sum<kLPR>(acc);
+      if (r == l) sdot = acc;
+    }
     if (l >= kRT) return;
     const int row = rb + l;
     val = sm.decay * sdot + D * sm.xt[pos][row];
@@ -341,12 +380,15 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   } else {
     // 3'. Flush: S_k = exp(c_k) S0 + sum_j (w_j x_j) B_j^T becomes the checkpoint; y = S_k C_k + D x_k.
     const float decay = sm.decay;
+    StateRegs st;
 #pragma unroll
     for (int r = 0; r < kRT; ++r)
 #pragma unroll
-      for (int v = 0; v < kVPL; ++v)
+      for (int v = 0; v < kVPL; ++v) {
+        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), st.s[r][v]);
 #pragma unroll
         for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
+      }
 #pragma unroll 4
     for (int j = 0; j < kL; ++j) {
       const float wj = sm.w[j];

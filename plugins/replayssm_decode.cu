@@ -13,7 +13,7 @@
 
 // ReplaySSM decode step: output from checkpoint + buffer, append, flush when the buffer fills.
 // grid (nheads * headdim / kRows, batch), block (kWarps * 32).
-extern "C" __global__ void __launch_bounds__(rssm::kThreads) replayssm_decode(
+extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_decode(
     const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
     const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
     const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,

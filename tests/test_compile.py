@@ -18,7 +18,7 @@ ARCHS = (90, 100)
 
 
 def _spec(state, act, P, N, L, batch, has_z, arch, H=128, G=8):
-    rows, warps = choose_geometry(state, P, N, H, batch)
+    rows, warps = choose_geometry(state, P, N, H, batch, act, L)
     return KernelSpec(state, act, H, P, N, G, L, rows, warps, has_z, arch)
 
 

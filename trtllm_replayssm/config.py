@@ -102,7 +102,17 @@ _local = threading.local()
 STATE_REGS_PER_THREAD = 32
 
 
-def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int) -> tuple[int, int]:
+SMEM_LIMIT = 48 * 1024  # static shared memory of one block
+
+
+def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int) -> int:
+    """Mirror of ``ReplaySmem`` in plugins/replayssm.cuh: state tile, B tile, x tile, scalars."""
+    tiles = rows * dstate * ITEMSIZE[state] + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
+    return tiles + 2 * buffer_len * 4 + 16
+
+
+def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int, act: str = "bf16",
+                    buffer_len: int = 16) -> tuple[int, int]:
     """(rows per block, warps) for this geometry and batch."""
     forced = getattr(_local, "override", None)
     if forced is not None:
@@ -124,11 +134,13 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     # Split heads into row chunks while a block would need too many threads, or while the grid
     # would leave the GPU under two waves of blocks (small batches).
     while can_halve(rows) and (
-        warps_for(rows) * 32 > MAX_THREADS or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
+        warps_for(rows) * 32 > MAX_THREADS
+        or replay_smem_bytes(state, act, rows, dstate, buffer_len) > SMEM_LIMIT
+        or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
     ):
         rows //= 2
     warps = warps_for(rows)
-    if warps * 32 > MAX_THREADS or rows > warps * 32:
+    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
 

@@ -156,7 +156,7 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
 
 
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device) -> KernelSpec:
-    rows, warps = choose_geometry(DTYPE_CODES[state.dtype], P, N, H, batch)
+    rows, warps = choose_geometry(DTYPE_CODES[state.dtype], P, N, H, batch, DTYPE_CODES[x.dtype], L or 1)
     return KernelSpec(DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype], H, P, N, G, L or 1, rows, warps,
                       has_z, _arch(device))
 
