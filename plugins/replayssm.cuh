@@ -16,6 +16,12 @@
 // kVPL 16-byte vectors of the state, so a warp load covers whole contiguous rows. The state loads
 // are issued first; the buffer part (dt scan, B.C dots, x tile) runs while they are in flight.
 #pragma once
+#ifndef RSSM_CURSOR_FIRST
+#define RSSM_CURSOR_FIRST 0
+#endif
+#ifndef RSSM_PREFETCH_ALL
+#define RSSM_PREFETCH_ALL 0
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -193,7 +199,11 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 
 // Resident blocks asked of the register allocator: 64 registers a thread for blocks of >= 256
 // threads (state lives in shared memory, so that is enough); small blocks are left free.
+#ifdef RSSM_MIN_BLOCKS
+constexpr int kMinBlocks = RSSM_MIN_BLOCKS;
+#else
 constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
+#endif
 constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
 
 struct alignas(16) ReplaySmem {
@@ -240,6 +250,9 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
+#if RSSM_CURSOR_FIRST
+  const int pos = a.cursor[slot];
+#endif
   // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory.
   const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
   {
@@ -251,7 +264,9 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
     }
     cp_async_commit();
   }
+#if !RSSM_CURSOR_FIRST
   const int pos = a.cursor[slot];
+#endif
   const size_t yo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb + l;  // the row this lane finalizes
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
     if (l < kRT) a.y[yo] = from_f<act_t>(__int_as_float(0x7fc00000));
@@ -260,6 +275,9 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   }
   const int k = pos + 1;
   const bool flush = (k == kL);
+  // Entries loaded: only those in use, or every slot of the buffer so that the loads do not wait
+  // for the cursor (RSSM_PREFETCH_ALL; entries past k are loaded and ignored).
+  const int kload = RSSM_PREFETCH_ALL ? kL : k;
 
   // 1. Issue every load before using any: C, buffer tiles, dt, z (the checkpoint is in flight).
   const act_t* Cg = a.C + ((size_t)c.b * kG + c.g) * kN;
@@ -276,7 +294,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
 #pragma unroll
   for (int u = 0; u < kBPasses; ++u) {
     const int j = bj0 + u * kBRowsPerPass;
-    if (j < k) {
+    if (j < kload) {
       const act_t* row = j == pos ? Bnow : Bc + (size_t)j * kN;
 #pragma unroll
       for (int v = 0; v < kBVPL; ++v) load_f<act_t, kBV>(row + (v * kBLanes + bl) * kBV, bv[u][v]);
@@ -288,7 +306,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
 #pragma unroll
   for (int u = 0; u < kXPasses; ++u) {
     const int i = t + u * kThreads, j = i / kXVecRow, p = (i % kXVecRow) * kXV;
-    if (j < k) load_f<act_t, kXV>(j == pos ? xnow + p : xc + (size_t)j * kP + p, xv[u]);
+    if (j < kload) load_f<act_t, kXV>(j == pos ? xnow + p : xc + (size_t)j * kP + p, xv[u]);
   }
   float dtj = 0.f;
   if (warp == 0 && lane < k)

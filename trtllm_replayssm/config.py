@@ -41,6 +41,8 @@ class KernelSpec:
     warps: int
     has_z: bool = False
     arch: int = 90
+    # Extra preprocessor definitions (name, value) for kernel experiments; part of the key.
+    defines: tuple = ()
 
     def __post_init__(self):
         for name in ("state", "act"):
@@ -65,6 +67,7 @@ class KernelSpec:
         return (
             f"replayssm_s-{self.state}_a-{self.act}_H{self.nheads}_P{self.headdim}_N{self.dstate}"
             f"_G{self.ngroups}_L{self.buffer_len}_R{self.rows}_W{self.warps}_z{int(self.has_z)}_sm{self.arch}"
+            + "".join(f"_{k}{v}" for k, v in self.defines)
         )
 
     @property
@@ -143,6 +146,21 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
+
+
+def current_defines() -> tuple:
+    return getattr(_local, "defines", ())
+
+
+@contextlib.contextmanager
+def override_defines(defines: tuple):
+    """Compile every kernel launched inside the block with extra ``RSSM_*`` definitions."""
+    prev = current_defines()
+    _local.defines = tuple(defines)
+    try:
+        yield
+    finally:
+        _local.defines = prev
 
 
 @contextlib.contextmanager

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import compile as _compile
-from .config import DTYPE_CODES, KernelSpec, choose_geometry
+from .config import DTYPE_CODES, KernelSpec, choose_geometry, current_defines
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -158,7 +158,7 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device) -> KernelSpec:
     rows, warps = choose_geometry(DTYPE_CODES[state.dtype], P, N, H, batch, DTYPE_CODES[x.dtype], L or 1)
     return KernelSpec(DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype], H, P, N, G, L or 1, rows, warps,
-                      has_z, _arch(device))
+                      has_z, _arch(device), current_defines())
 
 
 def _ptr(t):
