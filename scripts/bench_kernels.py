@@ -177,7 +177,6 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None)
 
         row["mamba_us"] = graph_time_us(mamba, R)[0]
         row["speedup_vs_mamba"] = row["mamba_us"] / row["replay_us_amortized"]
-    del state, xc, Bc, dtc
     return row
 
 
@@ -195,7 +194,8 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     mamba_fn = load_mamba(args.mamba_path)
     ceiling = copy_ceiling_tbps()
-    meta = dict(device=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = dict(device=torch.cuda.get_device_name(), date=now,
                 commit=args.commit, torch=torch.__version__, copy_ceiling_tbps=ceiling)
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     plan = [("nemotron_h_8b", "f32", "bf16", 16, b) for b in batches]
@@ -216,13 +216,15 @@ def main():
     stamp = meta["date"][:10]
     path = out / f"{stamp}_{args.tag}_{args.commit[:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    hdr = f"{'geom':14s} {'st':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}"
+    hdr = (f"{'geom':14s} {'st':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} "
+           f"{'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}")
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(hdr)
     for r in rows:
         print(f"{r['geom']:14s} {r['state']:4s} {r['L']:2d} {r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} "
-              f"{r['replay_us_k1']:7.1f} {r['replay_us_flush']:7.1f} {r['replay_us_amortized']:7.1f} {r['pct_ceiling_replay']:5.1f} "
-              f"{r['speedup_vs_conv']:6.2f} {r.get('mamba_us', float('nan')):7.1f} {r.get('speedup_vs_mamba', float('nan')):7.2f}")
+              f"{r['replay_us_k1']:7.1f} {r['replay_us_flush']:7.1f} {r['replay_us_amortized']:7.1f} "
+              f"{r['pct_ceiling_replay']:5.1f} {r['speedup_vs_conv']:6.2f} {r.get('mamba_us', float('nan')):7.1f} "
+              f"{r.get('speedup_vs_mamba', float('nan')):7.2f}")
 
 
 if __name__ == "__main__":

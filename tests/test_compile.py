@@ -12,7 +12,13 @@ import re
 import pytest
 
 from trtllm_replayssm import compile as cc
-from trtllm_replayssm.config import SUPPORTED_BUFFER_LEN, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, KernelSpec, choose_geometry
+from trtllm_replayssm.config import (
+    SUPPORTED_BUFFER_LEN,
+    SUPPORTED_DSTATE,
+    SUPPORTED_HEADDIM,
+    KernelSpec,
+    choose_geometry,
+)
 
 ARCHS = (90, 100)
 

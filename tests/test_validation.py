@@ -31,7 +31,8 @@ def good(**over):
 
 
 CASES = [
-    (dict(x=torch.zeros(BATCH, H, P, dtype=torch.float64)), TypeError, r"x: expected dtype bfloat16 or float16 or float32, got float64"),
+    (dict(x=torch.zeros(BATCH, H, P, dtype=torch.float64)), TypeError,
+     r"x: expected dtype bfloat16 or float16 or float32, got float64"),
     (dict(B=torch.zeros(BATCH, G, N, dtype=torch.float16)), TypeError, r"B: expected dtype bfloat16, got float16"),
     (dict(C=torch.zeros(BATCH, G, N + 1, dtype=torch.bfloat16)), ValueError, r"C: expected shape \(3, 2, 64\), got \(3, 2, 65\)"),
     (dict(dt=torch.zeros(BATCH, H, 1, dtype=torch.bfloat16)), ValueError, r"dt: expected shape"),

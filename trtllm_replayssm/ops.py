@@ -91,7 +91,8 @@ def _geometry(x, B, state, x_cache=None):
     L = None
     if x_cache is not None:
         if not isinstance(x_cache, torch.Tensor) or x_cache.dim() != 4:
-            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {getattr(x_cache, 'shape', type(x_cache))}")
+            got = getattr(x_cache, "shape", type(x_cache))
+            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {got}")
         L = x_cache.shape[2]
         if not 1 <= L <= 32:
             raise ValueError(f"x_cache: buffer_len (dim 2) must be in 1..32, got {L}")
@@ -242,3 +243,40 @@ def _output(out, x):
         return torch.empty_like(x)
     check_tensor(out, "out", tuple(x.shape), (x.dtype,), x.device)
     return out
+
+
+# ---- torch.library custom ops (torch.compile / export see them as opaque, with fake shapes) --------
+@torch.library.custom_op("trtllm_replayssm::replay_decode", mutates_args=("state", "x_cache", "B_cache", "dt_cache"))
+def replay_decode_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
+                     A: torch.Tensor, D: torch.Tensor, state: torch.Tensor, x_cache: torch.Tensor,
+                     B_cache: torch.Tensor, dt_cache: torch.Tensor, cursor: torch.Tensor,
+                     state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    return replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
+                         z=z)
+
+
+@replay_decode_op.register_fake
+def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("trtllm_replayssm::conventional_step", mutates_args=("state",))
+def conventional_step_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor,
+                         dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                         state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    return conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=z)
+
+
+@conventional_step_op.register_fake
+def _(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=None):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("trtllm_replayssm::advance_cursor", mutates_args=("cursor",))
+def advance_cursor_op(cursor: torch.Tensor, state_batch_indices: torch.Tensor, buffer_len: int) -> None:
+    advance_cursor(cursor, state_batch_indices, buffer_len)
+
+
+@advance_cursor_op.register_fake
+def _(cursor, state_batch_indices, buffer_len):
+    return None
