@@ -19,6 +19,9 @@
 #ifndef RSSM_CURSOR_FIRST
 #define RSSM_CURSOR_FIRST 0
 #endif
+#ifndef RSSM_PERSISTENT
+#define RSSM_PERSISTENT 0
+#endif
 #ifndef RSSM_PREFETCH_ALL
 #define RSSM_PREFETCH_ALL 0
 #endif
@@ -431,6 +434,264 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   }
   if constexpr (kHasZ) val *= silu(zv);
   a.y[yo] = from_f<act_t>(val);
+}
+
+// ---- v4: persistent blocks, two-stage cp.async pipeline over work items -----------------------
+// A work item is (batch row, head, chunk of kRows rows). Each block walks items i, i + G, ...
+// (G = gridDim.x). While it computes item i from one shared-memory stage, every byte item i + G
+// needs (checkpoint rows, B and x tiles, history dt, C) is already in flight into the other stage,
+// so the memory pipe never waits for a block's buffer arithmetic. The slot and cursor of an item
+// are read two iterations before use, so their latency is hidden as well.
+template <int kBytes>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  } else {
+    static_assert(kBytes == 8 || kBytes == 4, "cp.async moves 4, 8 or 16 bytes");
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(s), "l"(gmem), "n"(kBytes));
+  }
+}
+template <int n>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(n) : "memory"); }
+
+static_assert(kXV * sizeof(act_t) >= 4, "x tile vectors must be at least 4 bytes for cp.async");
+constexpr int kItemsPerRow = kH * kChunks;
+
+struct alignas(16) Stage {
+  float4 S[kStateVecs];  // checkpoint rows
+  act_t Bt[kL][kN];      // B_1..B_k
+  act_t xt[kL][kRows];   // x_1..x_k (this item's rows)
+  act_t C[kN];
+  float dt[kL];          // processed dt_1..dt_{k-1} (dt_k is computed from the raw input)
+};
+struct alignas(16) PipeSmem {
+  Stage st[2];
+  float w[kL];
+  float bc[kL];
+  float decay;
+};
+
+struct Item {
+  int b, h, g, chunk, row0;
+};
+__device__ __forceinline__ Item item_coords(int i) {
+  Item it;
+  it.b = i / kItemsPerRow;
+  const int r = i % kItemsPerRow;
+  it.h = r / kChunks;
+  it.chunk = r % kChunks;
+  it.row0 = it.chunk * kRows;
+  it.g = it.h / kHPG;
+  return it;
+}
+
+// Issue every copy item `it` (slot, pos already known and valid) needs into stage `sg`.
+__device__ __forceinline__ void issue_item(Stage& sg, const ReplayArgs& a, const Item& it, int slot, int pos) {
+  const int t = threadIdx.x, k = pos + 1;
+  const float4* src = reinterpret_cast<const float4*>(a.state_in + (((size_t)slot * kH + it.h) * kP + it.row0) * kN);
+#pragma unroll
+  for (int u = 0; u < (kStateVecs + kThreads - 1) / kThreads; ++u) {
+    const int i = t + u * kThreads;
+    if (kStateVecs % kThreads == 0 || i < kStateVecs) cp_async<16>(&sg.S[i], src + i);
+  }
+  const act_t* Bc = a.Bc_in + ((size_t)slot * kG + it.g) * kL * kN;
+  const act_t* Bnow = a.B + ((size_t)it.b * kG + it.g) * kN;
+  constexpr int kBVecs = kL * kBVecRow;
+#pragma unroll
+  for (int u = 0; u < (kBVecs + kThreads - 1) / kThreads; ++u) {
+    const int i = t + u * kThreads, j = i / kBVecRow, n = (i % kBVecRow) * kBV;
+    if (j < k) cp_async<16>(&sg.Bt[j][n], j == pos ? Bnow + n : Bc + (size_t)j * kN + n);
+  }
+  const act_t* xc = a.xc_in + ((size_t)slot * kH + it.h) * kL * kP + it.row0;
+  const act_t* xnow = a.x + ((size_t)it.b * kH + it.h) * kP + it.row0;
+  constexpr int kXVecs = kL * kXVecRow;
+#pragma unroll
+  for (int u = 0; u < (kXVecs + kThreads - 1) / kThreads; ++u) {
+    const int i = t + u * kThreads, j = i / kXVecRow, p = (i % kXVecRow) * kXV;
+    if (j < k) cp_async<kXV * sizeof(act_t)>(&sg.xt[j][p], j == pos ? xnow + p : xc + (size_t)j * kP + p);
+  }
+  const act_t* Cg = a.C + ((size_t)it.b * kG + it.g) * kN;
+  for (int n = t * kBV; n < kN; n += kThreads * kBV) cp_async<16>(&sg.C[n], Cg + n);
+  const float* dtc = a.dtc_in + ((size_t)slot * kH + it.h) * kL;
+  if (t < pos) cp_async<4>(&sg.dt[t], dtc + t);
+}
+
+// Scalars of an item, read into registers one iteration ahead of its computation.
+struct ItemScalars {
+  float dt_raw, dt_bias, A, D, z;
+};
+__device__ __forceinline__ ItemScalars load_scalars(const ReplayArgs& a, const Item& it) {
+  ItemScalars s;
+  s.dt_raw = to_f(a.dt[(size_t)it.b * kH + it.h]);
+  s.dt_bias = a.dt_bias[it.h];
+  s.A = a.A[it.h];
+  s.D = a.D[it.h];
+  s.z = 0.f;
+  if constexpr (kHasZ) {
+    const int l = threadIdx.x % kLPR;
+    if (l < kRT) s.z = to_f(a.z[((size_t)it.b * kH + it.h) * kP + it.row0 + row_base() + l]);
+  }
+  return s;
+}
+
+__device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, const ReplayArgs& a, const Item& it,
+                                             int slot, int pos, const ItemScalars& sc) {
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const int rb = row_base(), l = t % kLPR;
+  const size_t yo = ((size_t)it.b * kH + it.h) * kP + it.row0 + rb + l;
+  const int k = pos + 1;
+  const bool flush = (k == kL);
+  const float dt_now = softplus(sc.dt_raw + sc.dt_bias);
+
+  // Buffer weights (warp 0) and B_j . C_k (one warp per entry), from the stage.
+  if (warp == 0) {
+    const float dtj = lane < pos ? sg.dt[lane] : (lane == pos ? dt_now : 0.f);
+    float cum = dtj;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float u = __shfl_up_sync(0xffffffffu, cum, o);
+      if (lane >= o) cum += u;
+    }
+    const float total = __shfl_sync(0xffffffffu, cum, pos);
+    if (lane < k) sm.w[lane] = dtj * expf(sc.A * (total - cum));
+    if (lane == 0) sm.decay = expf(sc.A * total);
+  }
+  if (!flush) {
+    for (int j = warp; j < k; j += kWarps) {
+      float acc = 0.f;
+      for (int n = lane; n < kN; n += 32) acc = fmaf(to_f(sg.Bt[j][n]), to_f(sg.C[n]), acc);
+      acc = group_sum<32>(acc);
+      if (lane == 0) sm.bc[j] = acc;
+    }
+  }
+  ColRegs cc;
+#pragma unroll
+  for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sg.C[my_col(v)], cc.c[v]);
+  __syncthreads();
+
+  const state_t* Ss = reinterpret_cast<const state_t*>(sg.S);
+  float val;
+  if (!flush) {
+    float sdot = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      float acc = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v) {
+        float sv[kEPV];
+        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) acc = fmaf(sv[e], cc.c[v][e], acc);
+      }
+      acc = group_sum<kLPR>(acc);
+      if (r == l) sdot = acc;
+    }
+    // Append entry k: x rows of this item, B once per group, dt once per head.
+    act_t* xo = a.xc_out + (((size_t)slot * kH + it.h) * kL + pos) * kP + it.row0;
+    for (int p = t * kXV; p < kRows; p += kThreads * kXV)
+      *reinterpret_cast<Vec<act_t, kXV>*>(xo + p) = *reinterpret_cast<const Vec<act_t, kXV>*>(&sg.xt[pos][p]);
+    if (it.chunk == 0) {
+      if (it.h % kHPG == 0) {
+        act_t* Bo = a.Bc_out + (((size_t)slot * kG + it.g) * kL + pos) * kN;
+        for (int n = t * kBV; n < kN; n += kThreads * kBV)
+          *reinterpret_cast<Vec<act_t, kBV>*>(Bo + n) = *reinterpret_cast<const Vec<act_t, kBV>*>(&sg.Bt[pos][n]);
+      }
+      if (t == 0) a.dtc_out[((size_t)slot * kH + it.h) * kL + pos] = dt_now;
+    }
+    if (l < kRT) {
+      const int row = rb + l;
+      val = sm.decay * sdot + sc.D * to_f(sg.xt[pos][row]);
+#pragma unroll
+      for (int j = 0; j < kL; ++j)
+        if (j < k) val = fmaf(sm.w[j] * sm.bc[j], to_f(sg.xt[j][row]), val);
+    }
+  } else {
+    const float decay = sm.decay;
+    StateRegs st;
+#pragma unroll
+    for (int r = 0; r < kRT; ++r)
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v) {
+        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), st.s[r][v]);
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
+      }
+#pragma unroll 4
+    for (int j = 0; j < kL; ++j) {
+      const float wj = sm.w[j];
+      float bj[kVPL][kEPV];
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sg.Bt[j][my_col(v)], bj[v]);
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) {
+        const float s = wj * to_f(sg.xt[j][rb + r]);
+#pragma unroll
+        for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+          for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(s, bj[v][e], st.s[r][v][e]);
+      }
+    }
+    store_state(st, a.state_out + (((size_t)slot * kH + it.h) * kP + it.row0) * kN);
+    const float sdot = state_dot_mine(st, cc);
+    if (l < kRT) val = sdot + sc.D * to_f(sg.xt[pos][rb + l]);
+  }
+  if (l < kRT) {
+    if constexpr (kHasZ) val *= silu(sc.z);
+    a.y[yo] = from_f<act_t>(val);
+  }
+}
+
+__device__ __forceinline__ void replay_decode_persistent(const ReplayArgs& a) {
+  __shared__ PipeSmem sm;
+  const int G = gridDim.x, nitems = a.batch * kItemsPerRow;
+  int i = blockIdx.x;
+  if (i >= nitems) return;
+  // Meta pipeline: (slot, pos) of items i and i + G, slot of item i + 2G.
+  auto slot_of = [&](int item) { return item < nitems ? a.sbi[item / kItemsPerRow] : -1; };
+  auto valid = [&](int slot) { return slot >= 0 && slot < a.nslots; };
+  auto pos_of = [&](int slot) { return valid(slot) ? a.cursor[slot] : -1; };
+  auto usable = [&](int slot, int pos) { return valid(slot) && pos >= 0 && pos < kL; };
+  int slot0 = slot_of(i), pos0 = pos_of(slot0);
+  int slot1 = slot_of(i + G), pos1 = pos_of(slot1);
+  int slot2 = slot_of(i + 2 * G);
+  Item it0 = item_coords(i);
+  ItemScalars sc0 = load_scalars(a, it0);
+  if (usable(slot0, pos0)) issue_item(sm.st[0], a, it0, slot0, pos0);
+  cp_async_commit();
+  for (int n = 0; i < nitems; ++n, i += G) {
+    const int s = n & 1;
+    // Prefetch item i + G into the other stage; read the cursor of i + 2G and the slot of i + 3G.
+    const int inext = i + G;
+    Item it1 = item_coords(inext < nitems ? inext : i);
+    ItemScalars sc1;
+    if (inext < nitems) {
+      sc1 = load_scalars(a, it1);
+      if (usable(slot1, pos1)) issue_item(sm.st[s ^ 1], a, it1, slot1, pos1);
+    }
+    cp_async_commit();
+    const int pos2 = pos_of(slot2);
+    const int slot3 = slot_of(i + 3 * G);
+    cp_async_wait<1>();
+    __syncthreads();
+    if (valid(slot0)) {
+      if (pos0 < 0 || pos0 >= kL) {  // corrupt cursor: loud y, no state touched
+        const int l = threadIdx.x % kLPR;
+        if (l < kRT) a.y[((size_t)it0.b * kH + it0.h) * kP + it0.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
+      } else {
+        compute_item(sm, sm.st[s], a, it0, slot0, pos0, sc0);
+      }
+    }
+    __syncthreads();
+    it0 = it1;
+    sc0 = sc1;
+    slot0 = slot1;
+    pos0 = pos1;
+    slot1 = slot2;
+    pos1 = pos2;
+    slot2 = slot3;
+  }
+  cp_async_wait<0>();
 }
 
 // ---- conventional step (baseline): reads and writes the whole state every step ----------------

@@ -23,7 +23,11 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) r
   rssm::ReplayArgs a{x,       B,     C,      dt,    dt_bias, A,         D,      RSSM_Z_ARG,
                      sbi,     cursor, state_in, xc_in, Bc_in, dtc_in,    batch,  nslots,
                      y,       state_out, xc_out, Bc_out, dtc_out};
+#if RSSM_PERSISTENT
+  rssm::replay_decode_persistent(a);
+#else
   rssm::replay_decode(a);
+#endif
 }
 
 // Conventional Mamba-2 step (the baseline): S <- exp(A dt) S + dt x B^T, y = S C + D x.

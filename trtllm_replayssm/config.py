@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 
 import torch
@@ -74,8 +75,19 @@ class KernelSpec:
     def threads(self) -> int:
         return self.warps * 32
 
-    def grid(self, batch: int) -> tuple[int, int, int]:
-        return (self.nheads * (self.headdim // self.rows), batch, 1)
+    @property
+    def persistent(self) -> bool:
+        return dict(self.defines).get("PERSISTENT", 0) == 1
+
+    @property
+    def blocks_per_sm(self) -> int:
+        return dict(self.defines).get("MIN_BLOCKS", 4)
+
+    def grid(self, batch: int, sm_count: int = 132) -> tuple[int, int, int]:
+        items_per_row = self.nheads * (self.headdim // self.rows)
+        if self.persistent:  # persistent blocks walk the items; the kernel reads batch from its args
+            return (max(1, min(batch * items_per_row, sm_count * self.blocks_per_sm)), 1, 1)
+        return (items_per_row, batch, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +120,18 @@ STATE_REGS_PER_THREAD = 32
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 
 
-def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int) -> int:
-    """Mirror of ``ReplaySmem`` in plugins/replayssm.cuh: state tile, B tile, x tile, scalars."""
+def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False) -> int:
+    """Mirror of ``ReplaySmem`` / ``PipeSmem`` in plugins/replayssm.cuh (state, B, x tiles, scalars)."""
+    if persistent:  # two stages of: state rows, B tile, x tile (act), C, history dt
+        stage = (rows * dstate * ITEMSIZE[state] + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * ITEMSIZE[act]
+                 + dstate * ITEMSIZE[act] + buffer_len * 4)
+        return 2 * (stage + 15) // 16 * 16 + 2 * buffer_len * 4 + 16
     tiles = rows * dstate * ITEMSIZE[state] + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
     return tiles + 2 * buffer_len * 4 + 16
 
 
 def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int, act: str = "bf16",
-                    buffer_len: int = 16) -> tuple[int, int]:
+                    buffer_len: int = 16, persistent: bool = False) -> tuple[int, int]:
     """(rows per block, warps) for this geometry and batch."""
     forced = getattr(_local, "override", None)
     if forced is not None:
@@ -138,18 +154,24 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     # would leave the GPU under two waves of blocks (small batches).
     while can_halve(rows) and (
         warps_for(rows) * 32 > MAX_THREADS
-        or replay_smem_bytes(state, act, rows, dstate, buffer_len) > SMEM_LIMIT
+        or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent) > SMEM_LIMIT
         or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
     ):
         rows //= 2
     warps = warps_for(rows)
-    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len) > SMEM_LIMIT:
+    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
 
 
+def _env_defines() -> tuple:
+    """``TRTLLM_REPLAYSSM_DEFINES="PERSISTENT=1,MIN_BLOCKS=4"``: defaults for experiments and test runs."""
+    raw = os.environ.get("TRTLLM_REPLAYSSM_DEFINES", "")
+    return tuple((k.strip(), int(v)) for k, v in (p.split("=") for p in raw.split(",") if p.strip()))
+
+
 def current_defines() -> tuple:
-    return getattr(_local, "defines", ())
+    return getattr(_local, "defines", None) or _env_defines()
 
 
 @contextlib.contextmanager

@@ -27,6 +27,7 @@ y (output)             (batch, H, P)       act                padding rows left 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -157,9 +158,20 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
 
 
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device) -> KernelSpec:
-    rows, warps = choose_geometry(DTYPE_CODES[state.dtype], P, N, H, batch, DTYPE_CODES[x.dtype], L or 1)
+    defines = current_defines()
+    sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
+    try:
+        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1, dict(defines).get("PERSISTENT", 0) == 1)
+    except ValueError:  # two pipeline stages do not fit (large B tiles): one-shot blocks
+        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
+        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1)
     return KernelSpec(DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype], H, P, N, G, L or 1, rows, warps,
-                      has_z, _arch(device), current_defines())
+                      has_z, _arch(device), defines)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _ptr(t):
@@ -195,7 +207,7 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
              B_cache.data_ptr(), dt_cache.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr()]
-    launch(spec, "replayssm_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "replayssm_decode", dev, spec.grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args)
     return y
 
 
