@@ -229,7 +229,8 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
         args.append(z.data_ptr())
     args += [state_batch_indices.data_ptr(), state.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr()]
-    launch(spec, "replayssm_conventional", x.device, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "replayssm_conventional", x.device, spec.grid(batch, sm_count(x.device.index)), (spec.threads, 1, 1),
+           args)
     return y
 
 
