@@ -27,7 +27,7 @@ def parse(v: str) -> tuple:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="")
-    ap.add_argument("--batches", default="32,256")
+    ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     variants = [()] + [parse(v) for v in args.variants.split(";") if v]

@@ -115,6 +115,7 @@ _local = threading.local()
 # State elements each thread keeps in registers: 32 fp32 values keeps ~4 blocks of 256 threads
 # resident per SM with enough bytes in flight (DESIGN.md §3: 32 KB/SM covers the latency).
 STATE_REGS_PER_THREAD = 32
+SMALL_BATCH = 4
 
 
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
@@ -138,7 +139,10 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
         return forced
     lay = vector_layout(state, dstate)
     per_row = lay.vecs_per_lane * lay.elems_per_vec  # state elements per thread per row
-    rows_per_thread = max(1, STATE_REGS_PER_THREAD // per_row)
+    # Small batches are latency-bound: fewer rows per thread shortens each thread's serial work
+    # (the flush's rank-L update above all) and puts more warps on the few blocks there are.
+    regs = STATE_REGS_PER_THREAD if batch > SMALL_BATCH else STATE_REGS_PER_THREAD // 4
+    rows_per_thread = max(1, regs // per_row)
     def warps_for(rows: int) -> int:
         w = max(1, rows // (lay.rows_per_warp_load * rows_per_thread))
         while rows % (lay.rows_per_warp_load * w):
