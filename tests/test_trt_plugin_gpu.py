@@ -30,7 +30,8 @@ def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L):
     pb.sbi = torch.arange(3, dtype=torch.int32, device="cuda")  # per-row state, as in an engine
     pb.valid = pb.sbi.cpu() >= 0
     major, minor = torch.cuda.get_device_capability()
-    k = tp.aot_kernel(pb.H, pb.P, pb.N, pb.G, L, state, act, major * 10 + minor, tactic)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    k = tp.aot_kernel(pb.H, pb.P, pb.N, pb.G, L, state, act, major * 10 + minor, tactic, sms)
     Device().set_current()
     kern = ObjectCode.from_ptx(k.ptx).get_kernel(k.kernel_name)
 
@@ -40,7 +41,7 @@ def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L):
         extra = {"batch": x.shape[0], "slots": state_.shape[0]}
         args = [t.data_ptr() for t in ins] + [np.int32(extra[n]) for n in k.extra_args] + [t.data_ptr() for t in outs]
         stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
-        launch(stream, LaunchConfig(grid=(k.grid_x, x.shape[0], 1), block=(k.block_x, 1, 1), shmem_size=k.shared_mem),
+        launch(stream, LaunchConfig(grid=(k.grid_x, x.shape[0] if k.grid_y_is_batch else 1, 1), block=(k.block_x, 1, 1), shmem_size=k.shared_mem),
                kern, *args)
         return out
 

@@ -174,8 +174,13 @@ def _env_defines() -> tuple:
     return tuple((k.strip(), int(v)) for k, v in (p.split("=") for p in raw.split(",") if p.strip()))
 
 
+# The shipped kernel variant (bench/NOTES.md says why); overridden by TRTLLM_REPLAYSSM_DEFINES or
+# override_defines() for experiments.
+DEFAULT_DEFINES: tuple = ()
+
+
 def current_defines() -> tuple:
-    return getattr(_local, "defines", None) or _env_defines()
+    return getattr(_local, "defines", None) or _env_defines() or DEFAULT_DEFINES
 
 
 @contextlib.contextmanager

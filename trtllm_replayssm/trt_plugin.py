@@ -30,7 +30,9 @@ Attributes (checked against the shapes; not serialized with AOT plugins, so ever
 compiled into the PTX): nheads, headdim, dstate, ngroups, buffer_len (int).
 Kernel parameters, in TensorRT's order: the 13 input pointers, int32 batch, int32 slots, the
 5 output pointers (aliased outputs receive their inputs' pointers).
-Tactics: 1 = large-batch geometry (whole heads per block), 2 = small-batch geometry (row chunks).
+Tactics: 1 = large-batch geometry, 2 = small-batch geometry (smaller row chunks, more warps).
+Grid: (heads * chunks, batch) for one-shot blocks, or (SMs * blocks per SM, 1) for the persistent
+pipelined kernel, which walks batch * heads * chunks work items itself.
 Aliased I/O needs the preview feature ``PreviewFeature.ALIASED_PLUGIN_IO_10_03`` on the builder
 config. Importing this module does not need TensorRT; :func:`register` does.
 """
@@ -40,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 from .compile import compile_spec
-from .config import KernelSpec, choose_geometry
+from .config import KernelSpec, choose_geometry, current_defines
 
 PLUGIN_NAMESPACE = "replayssm"
 PLUGIN_NAME = "mamba2_decode"
@@ -62,7 +64,8 @@ class AotKernel:
 
     kernel_name: str
     ptx: bytes
-    grid_x: int  # grid_y = batch (symbolic in the engine), grid_z = 1
+    grid_x: int
+    grid_y_is_batch: bool  # True: grid_y = batch (symbolic in the engine); False: 1 (persistent blocks)
     block_x: int
     shared_mem: int  # dynamic shared memory (the kernel uses static shared memory only)
     extra_args: tuple[str, ...]  # int32 scalars, in order, named by the dimension they carry
@@ -70,7 +73,7 @@ class AotKernel:
 
 
 def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int, state: str, act: str,
-               arch: int, tactic: int = 1) -> AotKernel:
+               arch: int, tactic: int = 1, sm_count: int = 132) -> AotKernel:
     """The PTX and launch parameters for one plugin layer (the core of ``aot_impl``)."""
     if state not in STATE_DTYPES:
         raise ValueError(f"state: expected one of {STATE_DTYPES}, got {state!r}")
@@ -78,9 +81,17 @@ def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len:
         raise ValueError(f"act: expected one of {ACT_DTYPES}, got {act!r}")
     if tactic not in TACTICS:
         raise ValueError(f"tactic: expected one of {sorted(TACTICS)}, got {tactic!r}")
-    rows, warps = choose_geometry(state, headdim, dstate, nheads, TACTICS[tactic], act, buffer_len)
-    spec = KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, False, arch)
-    return AotKernel(KERNEL_NAME, compile_spec(spec, "ptx"), spec.grid(1)[0], spec.threads, 0,
+    defines = current_defines()
+    try:
+        rows, warps = choose_geometry(state, headdim, dstate, nheads, TACTICS[tactic], act, buffer_len,
+                                      dict(defines).get("PERSISTENT", 0) == 1)
+    except ValueError:  # two pipeline stages do not fit: one-shot blocks (as ops.make_spec does)
+        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
+        rows, warps = choose_geometry(state, headdim, dstate, nheads, TACTICS[tactic], act, buffer_len)
+    spec = KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, False, arch, defines)
+    # Persistent blocks: a fixed grid of sm_count * blocks_per_sm, the kernel walks batch*items.
+    grid_x = sm_count * spec.blocks_per_sm if spec.persistent else spec.grid(1)[0]
+    return AotKernel(KERNEL_NAME, compile_spec(spec, "ptx"), grid_x, not spec.persistent, spec.threads, 0,
                      ("batch", "slots"), spec)
 
 
@@ -106,18 +117,23 @@ def type_combination(state: str, act: str) -> list[str]:
     return ins + [a] + [ins[i] for i in ALIASES.values()]
 
 
-def current_arch() -> int:
-    """Compute capability of the GPU the engine is built on (TensorRT builds for that GPU)."""
+def current_device() -> tuple[int, int]:
+    """(compute capability, multiprocessor count) of the GPU the engine is built on (TensorRT
+    builds for that GPU)."""
     from cuda.bindings import runtime
 
     err, dev = runtime.cudaGetDevice()
     if err != runtime.cudaError_t.cudaSuccess:
         raise RuntimeError(f"no CUDA device to build for ({err!r})")
-    err, major = runtime.cudaDeviceGetAttribute(runtime.cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor, dev)
-    err2, minor = runtime.cudaDeviceGetAttribute(runtime.cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor, dev)
-    if err != runtime.cudaError_t.cudaSuccess or err2 != runtime.cudaError_t.cudaSuccess:
-        raise RuntimeError("could not read the device's compute capability")
-    return major * 10 + minor
+    attrs = runtime.cudaDeviceAttr
+    vals = []
+    for a in (attrs.cudaDevAttrComputeCapabilityMajor, attrs.cudaDevAttrComputeCapabilityMinor,
+              attrs.cudaDevAttrMultiProcessorCount):
+        err, v = runtime.cudaDeviceGetAttribute(a, dev)
+        if err != runtime.cudaError_t.cudaSuccess:
+            raise RuntimeError(f"could not read device attribute {a!r} ({err!r})")
+        vals.append(v)
+    return vals[0] * 10 + vals[1], vals[2]
 
 
 def register():  # pragma: no cover - needs TensorRT, exercised where it is installed
@@ -162,11 +178,12 @@ def register():  # pragma: no cover - needs TensorRT, exercised where it is inst
              cursor: trtp.TensorDesc, state: trtp.TensorDesc, x_cache: trtp.TensorDesc, B_cache: trtp.TensorDesc,
              dt_cache: trtp.TensorDesc, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int,
              outputs: tuple[trtp.TensorDesc], tactic: int):
+        arch, sms = current_device()
         k = aot_kernel(nheads, headdim, dstate, ngroups, buffer_len, dt_code[state.dtype], dt_code[x.dtype],
-                       current_arch(), tactic)
+                       arch, tactic, sms)
         launch = trtp.KernelLaunchParams()
         launch.grid_x = k.grid_x
-        launch.grid_y = x.shape_expr[0]
+        launch.grid_y = x.shape_expr[0] if k.grid_y_is_batch else 1
         launch.block_x = k.block_x
         launch.shared_mem = k.shared_mem
         extra = trtp.SymIntExprs(2)
