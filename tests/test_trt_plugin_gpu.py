@@ -41,8 +41,8 @@ def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L):
         extra = {"batch": x.shape[0], "slots": state_.shape[0]}
         args = [t.data_ptr() for t in ins] + [np.int32(extra[n]) for n in k.extra_args] + [t.data_ptr() for t in outs]
         stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
-        launch(stream, LaunchConfig(grid=(k.grid_x, x.shape[0] if k.grid_y_is_batch else 1, 1), block=(k.block_x, 1, 1), shmem_size=k.shared_mem),
-               kern, *args)
+        grid = (k.grid_x, x.shape[0] if k.grid_y_is_batch else 1, 1)
+        launch(stream, LaunchConfig(grid=grid, block=(k.block_x, 1, 1), shmem_size=k.shared_mem), kern, *args)
         return out
 
     real = ops.replay_decode
