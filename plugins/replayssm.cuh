@@ -22,6 +22,9 @@
 #ifndef RSSM_PERSISTENT
 #define RSSM_PERSISTENT 0
 #endif
+#ifndef RSSM_CONV_PERSISTENT
+#define RSSM_CONV_PERSISTENT 0
+#endif
 #ifndef RSSM_PREFETCH_ALL
 #define RSSM_PREFETCH_ALL 0
 #endif
@@ -207,6 +210,9 @@ constexpr int kMinBlocks = RSSM_MIN_BLOCKS;
 #else
 constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
 #endif
+// The one-shot conventional kernel is left to the compiler (64 registers, no spills, ~91% of the
+// copy ceiling); its persistent variant runs under the same cap as the replay kernel.
+constexpr int kConvMinBlocks = RSSM_CONV_PERSISTENT ? kMinBlocks : 1;
 constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
 
 struct alignas(16) ReplaySmem {

@@ -83,9 +83,10 @@ class KernelSpec:
     def blocks_per_sm(self) -> int:
         return dict(self.defines).get("MIN_BLOCKS", 4)
 
-    def grid(self, batch: int, sm_count: int = 132) -> tuple[int, int, int]:
+    def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
-        if self.persistent:  # persistent blocks walk the items; the kernel reads batch from its args
+        flag = "CONV_PERSISTENT" if kernel == "replayssm_conventional" else "PERSISTENT"
+        if dict(self.defines).get(flag, 0) == 1:  # persistent blocks walk the items; batch is a kernel arg
             return (max(1, min(batch * items_per_row, sm_count * self.blocks_per_sm)), 1, 1)
         return (items_per_row, batch, 1)
 
@@ -176,7 +177,7 @@ def _env_defines() -> tuple:
 
 # The shipped kernel variant (bench/NOTES.md says why); overridden by TRTLLM_REPLAYSSM_DEFINES or
 # override_defines() for experiments.
-DEFAULT_DEFINES: tuple = ()
+DEFAULT_DEFINES: tuple = (("PERSISTENT", 1), ("MIN_BLOCKS", 5))
 
 
 def current_defines() -> tuple:
