@@ -13,6 +13,7 @@ import pytest
 
 from trtllm_replayssm import compile as cc
 from trtllm_replayssm.config import (
+    DEFAULT_DEFINES,
     SUPPORTED_BUFFER_LEN,
     SUPPORTED_DSTATE,
     SUPPORTED_HEADDIM,
