@@ -206,7 +206,8 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // Resident blocks asked of the register allocator: 64 registers a thread for blocks of >= 256
 // threads (state lives in shared memory, so that is enough); small blocks are left free.
 #ifdef RSSM_MIN_BLOCKS
-constexpr int kMinBlocks = RSSM_MIN_BLOCKS;
+// Never below 64 registers a thread: past that the flush's state registers spill.
+constexpr int kMinBlocks = RSSM_MIN_BLOCKS < 1024 / kThreads ? RSSM_MIN_BLOCKS : (1024 / kThreads > 0 ? 1024 / kThreads : 1);
 #else
 constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
 #endif

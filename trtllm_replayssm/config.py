@@ -81,7 +81,8 @@ class KernelSpec:
 
     @property
     def blocks_per_sm(self) -> int:
-        return dict(self.defines).get("MIN_BLOCKS", 4)
+        """Resident blocks the kernel is built for (mirror of kMinBlocks in replayssm.cuh)."""
+        return max(1, min(dict(self.defines).get("MIN_BLOCKS", 4), 1024 // self.threads))
 
     def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
@@ -167,6 +168,32 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
+
+
+def plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
+         conventional: bool = False) -> tuple[int, int, tuple]:
+    """(rows, warps, defines) of the kernel variant to launch: the one place that decides.
+
+    The persistent pipelined replay kernel copies each item's B tile next to its state rows; it
+    is used where the state rows outweigh the B tile at least 4:1 (else the tile traffic and the
+    small items it forces cost more than the pipeline saves: measured, bench/NOTES.md v4) and
+    where two stages fit in static shared memory. The conventional kernel runs one-shot unless
+    CONV_PERSISTENT is asked for.
+    """
+    defines = current_defines()
+    flag = "CONV_PERSISTENT" if conventional else "PERSISTENT"
+    if conventional:
+        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
+    if dict(defines).get(flag, 0) == 1:
+        try:
+            rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True)
+            if conventional or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
+                return rows, warps, defines
+        except ValueError:  # two stages do not fit
+            pass
+        defines = tuple((k, v) for k, v in defines if k != flag)
+    rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len)
+    return rows, warps, defines
 
 
 def _env_defines() -> tuple:

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import compile as _compile
-from .config import DTYPE_CODES, KernelSpec, choose_geometry, current_defines
+from .config import DTYPE_CODES, KernelSpec, plan
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -158,18 +158,9 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
 
 
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool = False) -> KernelSpec:
-    defines = current_defines()
-    flag = "CONV_PERSISTENT" if conventional else "PERSISTENT"
-    if conventional:  # the baseline uses its own best variant (one-shot unless CONV_PERSISTENT)
-        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
     sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
-    try:
-        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1, dict(defines).get(flag, 0) == 1)
-    except ValueError:  # two pipeline stages do not fit (large B tiles): one-shot blocks
-        defines = tuple((k, v) for k, v in defines if k != flag)
-        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1)
-    return KernelSpec(DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype], H, P, N, G, L or 1, rows, warps,
-                      has_z, _arch(device), defines)
+    rows, warps, defines = plan(sd, ad, H, P, N, L or 1, batch, conventional)
+    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, _arch(device), defines)
 
 
 @functools.cache
