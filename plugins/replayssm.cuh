@@ -181,6 +181,59 @@ __device__ __forceinline__ float state_dot_mine(const StateRegs& st, const ColRe
   return mine;
 }
 
+// Row dots of checkpoint rows held in shared memory (same layout as global) with C.
+__device__ __forceinline__ float state_dot_smem(const state_t* Ss, const ColRegs& cc) {
+  const int rb = row_base(), l = threadIdx.x % kLPR;
+  float mine = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    float acc = 0.f;
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v) {
+      float sv[kEPV];
+      load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
+#pragma unroll
+      for (int e = 0; e < kEPV; ++e) acc = fmaf(sv[e], cc.c[v][e], acc);
+    }
+    acc = group_sum<kLPR>(acc);
+    if (r == l) mine = acc;
+  }
+  return mine;
+}
+
+// State form of the flush for this thread's elements, from tiles in shared memory:
+// st = exp(c_k) S0 + sum_j (w_j x_j) B_j^T. Bt is [kL][kN]; xt is [kL][kRows] (float or act_t).
+template <typename XT>
+__device__ __forceinline__ void flush_rows(StateRegs& st, const state_t* Ss, float decay, const float* w,
+                                           const act_t (*Bt)[kN], const XT (*xt)[kRows]) {
+  const int rb = row_base();
+#pragma unroll
+  for (int r = 0; r < kRT; ++r)
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v) {
+      load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), st.s[r][v]);
+#pragma unroll
+      for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
+    }
+#pragma unroll 4
+  for (int j = 0; j < kL; ++j) {
+    const float wj = w[j];
+    float bj[kVPL][kEPV];
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&Bt[j][my_col(v)], bj[v]);
+    float xw[kRT];
+    load_f<XT, kRT>(&xt[j][rb], xw);
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      const float sc = wj * xw[r];
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(sc, bj[v][e], st.s[r][v][e]);
+    }
+  }
+}
+
 // ---- buffer tiles: loaded as 16-byte vectors (fewer bytes where rows are short), all at once --
 constexpr int kBV = 16 / sizeof(act_t);                // B elements per vector
 constexpr int kBVecRow = kN / kBV;                     // vectors per B row
@@ -385,20 +438,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const state_t* Ss = reinterpret_cast<const state_t*>(sm.S);
   if (!flush) {
     // 3. Output form: exp(c_k) S0.C_k + sum_j w_j (B_j.C_k) x_j + D x_k; no state write.
-    float sdot = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      float acc = 0.f;
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) {
-        float sv[kEPV];
-        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
-#pragma unroll
-        for (int e = 0; e < kEPV; ++e) acc = fmaf(sv[e], cc.c[v][e], acc);
-      }
-      acc = group_sum<kLPR>(acc);
-      if (r == l) sdot = acc;
-    }
+    const float sdot = state_dot_smem(Ss, cc);
     if (l >= kRT) return;
     const int row = rb + l;
     val = sm.decay * sdot + D * sm.xt[pos][row];
@@ -407,33 +447,8 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
       if (j < k) val = fmaf(sm.w[j] * sm.bc[j], sm.xt[j][row], val);
   } else {
     // 3'. Flush: S_k = exp(c_k) S0 + sum_j (w_j x_j) B_j^T becomes the checkpoint; y = S_k C_k + D x_k.
-    const float decay = sm.decay;
     StateRegs st;
-#pragma unroll
-    for (int r = 0; r < kRT; ++r)
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) {
-        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), st.s[r][v]);
-#pragma unroll
-        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
-      }
-#pragma unroll 4
-    for (int j = 0; j < kL; ++j) {
-      const float wj = sm.w[j];
-      float bj[kVPL][kEPV];
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sm.Bt[j][my_col(v)], bj[v]);
-      float xw[kRT];
-      load_f<float, kRT>(&sm.xt[j][rb], xw);
-#pragma unroll
-      for (int r = 0; r < kRT; ++r) {
-        const float s = wj * xw[r];
-#pragma unroll
-        for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-          for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(s, bj[v][e], st.s[r][v][e]);
-      }
-    }
+    flush_rows(st, Ss, sm.decay, sm.w, sm.Bt, sm.xt);
     store_state(st, a.state_out + sbase);
     const float sdot = state_dot_mine(st, cc);
     if (l >= kRT) return;
@@ -580,20 +595,7 @@ __device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, cons
   const state_t* Ss = reinterpret_cast<const state_t*>(sg.S);
   float val;
   if (!flush) {
-    float sdot = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      float acc = 0.f;
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) {
-        float sv[kEPV];
-        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
-#pragma unroll
-        for (int e = 0; e < kEPV; ++e) acc = fmaf(sv[e], cc.c[v][e], acc);
-      }
-      acc = group_sum<kLPR>(acc);
-      if (r == l) sdot = acc;
-    }
+    const float sdot = state_dot_smem(Ss, cc);
     // Append entry k: x rows of this item, B once per group, dt once per head.
     act_t* xo = a.xc_out + (((size_t)slot * kH + it.h) * kL + pos) * kP + it.row0;
     for (int p = t * kXV; p < kRows; p += kThreads * kXV)
@@ -614,31 +616,8 @@ __device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, cons
         if (j < k) val = fmaf(sm.w[j] * sm.bc[j], to_f(sg.xt[j][row]), val);
     }
   } else {
-    const float decay = sm.decay;
     StateRegs st;
-#pragma unroll
-    for (int r = 0; r < kRT; ++r)
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) {
-        load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), st.s[r][v]);
-#pragma unroll
-        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
-      }
-#pragma unroll 4
-    for (int j = 0; j < kL; ++j) {
-      const float wj = sm.w[j];
-      float bj[kVPL][kEPV];
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sg.Bt[j][my_col(v)], bj[v]);
-#pragma unroll
-      for (int r = 0; r < kRT; ++r) {
-        const float s = wj * to_f(sg.xt[j][rb + r]);
-#pragma unroll
-        for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-          for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(s, bj[v][e], st.s[r][v][e]);
-      }
-    }
+    flush_rows(st, Ss, sm.decay, sm.w, sg.Bt, sg.xt);
     store_state(st, a.state_out + (((size_t)slot * kH + it.h) * kP + it.row0) * kN);
     const float sdot = state_dot_mine(st, cc);
     if (l < kRT) val = sdot + sc.D * to_f(sg.xt[pos][rb + l]);
