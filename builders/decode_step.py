@@ -5,6 +5,7 @@ Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) 
 
  1. input_ids       (batch, 1) int64
  2. lengths         (batch,) int32     tokens already in the KV caches; the new one is written there
+                                       (the caller keeps lengths < max_seq_len)
  3. cursor          (batch,) int32     ReplaySSM buffer fill, shared by all Mamba layers
  4. per attention layer i: k_cache_i, v_cache_i  (batch, kv_heads, max_seq_len, head_dim)  act
  5. per Mamba layer i:     conv_state_i (batch, conv_dim, conv_kernel) act,
@@ -100,7 +101,7 @@ class NemotronHDecodeStep(torch.nn.Module):
         self.backend = backend or reference_backend
         self.act_dtype = next(model.parameters()).dtype
         self.kinds = list(cfg.layers_block_type)
-        # Per-head SSM constants as fp32 buffers (graph initializers, never computed in the graph).
+        # Per-head SSM constants in fp32 (constants of the graph; A is not computed in the graph).
         for i, kind in enumerate(self.kinds):
             if kind == "linear_attention":
                 mx = model.model.layers[i].mixer

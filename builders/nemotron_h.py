@@ -25,6 +25,7 @@ Not covered: beam reordering and assisted decoding (caches that record the past)
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import torch
@@ -90,7 +91,7 @@ def randomize_(model, seed: int = 0):
         if leaf == "A_log":  # A = -exp(A_log) in [-16, -1]
             v = torch.log(torch.rand(p.shape, generator=gen) * 15 + 1)
         elif leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 0.1]
-            dt = torch.exp(torch.rand(p.shape, generator=gen) * (torch.log(torch.tensor(100.0))) + torch.log(torch.tensor(1e-3)))
+            dt = torch.exp(torch.rand(p.shape, generator=gen) * math.log(0.1 / 1e-3) + math.log(1e-3))
             v = dt + torch.log(-torch.expm1(-dt))
         elif leaf == "D" or name.endswith("norm.weight") or name.endswith("norm_f.weight"):
             v = 1 + 0.1 * torch.randn(p.shape, generator=gen)
@@ -212,16 +213,18 @@ class ReplaySSMDecoder:
         self.caches: dict[int, dict[str, torch.Tensor]] = {}
         self.cursor: torch.Tensor | None = None
         self._step: str | None = None
+        self._cache_id: int | None = None  # the transformers cache our buffers continue
         self._handles = []
 
     # prefill: the model's own path, then its final state becomes the checkpoint
     def _begin_prefill(self, mixer, cache) -> None:
         c = self.caches.get(mixer.layer_idx)
-        if c is not None and self.cursor is not None and int(self.cursor.max()) > 0:
-            rec = cache.get_recurrent_state(mixer.layer_idx)
-            A = -torch.exp(mixer.A_log.float())
-            for s in range(rec.shape[0]):
-                rec[s] = reference.replay_state(c["state"], c["x_cache"], c["B_cache"], c["dt_cache"], self.cursor, A, s)
+        rec = cache.get_recurrent_state(mixer.layer_idx)
+        if c is None or rec is None or self._cache_id != id(cache):
+            return  # a fresh cache: nothing to continue from
+        A = -torch.exp(mixer.A_log.float())
+        for s in range(rec.shape[0]):
+            rec[s] = reference.replay_state(c["state"], c["x_cache"], c["B_cache"], c["dt_cache"], self.cursor, A, s)
 
     def _end_prefill(self, mixer, cache, act_dtype) -> None:
         S = cache.get_recurrent_state(mixer.layer_idx)
@@ -236,6 +239,7 @@ class ReplaySSMDecoder:
         )
         if self.cursor is None or self.cursor.shape[0] != batch:
             self.cursor = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self._cache_id = id(cache)
 
     def _decode(self, mixer, hidden_states, cache, attention_mask):
         from transformers.models.nemotron_h import modeling_nemotron_h as m
@@ -265,7 +269,7 @@ class ReplaySSMDecoder:
             return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
         if cache.is_recording_past(mixer.layer_idx):
             raise NotImplementedError("ReplaySSM patch: caches that record the past (assisted decoding) are not supported")
-        decode = (hidden_states.shape[1] == 1 and mixer.layer_idx in self.caches
+        decode = (hidden_states.shape[1] == 1 and mixer.layer_idx in self.caches and id(cache) == self._cache_id
                   and cache.get_conv_state(mixer.layer_idx) is not None)
         if decode:
             self._step = "decode"
@@ -306,6 +310,7 @@ class ReplaySSMDecoder:
     def reset(self) -> None:
         self.caches.clear()
         self.cursor = None
+        self._cache_id = None
 
 
 def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):

@@ -157,7 +157,8 @@ def build(args) -> pathlib.Path:
 
     t0 = time.time()
     act, state_dtype = DTYPES[args.dtype], DTYPES[args.state_dtype]
-    log(f"[1/5] loading {'model from ' + str(args.model) if args.model else 'embedded tiny Nemotron-H (seed %d)' % args.seed}")
+    source = f"model from {args.model}" if args.model else f"embedded tiny Nemotron-H (seed {args.seed})"
+    log(f"[1/5] loading {source}")
     model = load_nemotron_h(args.model, dtype=act, seed=args.seed)
     cfg = model.config
     H, P, N, G = check_geometry(cfg, args.buffer_len)

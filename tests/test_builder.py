@@ -62,10 +62,11 @@ def test_greedy_tokens_match_unpatched_model(model):
     dec = patch_replayssm(model, buffer_len=L)
     try:
         out = model.generate(ids, **kw)
+        again = model.generate(ids, **kw)  # a fresh cache: the previous buffers must not leak in
     finally:
         dec.unpatch()
     assert out.sequences.shape[1] == 7 + 64
-    assert torch.equal(out.sequences, ref.sequences)
+    assert torch.equal(out.sequences, ref.sequences) and torch.equal(again.sequences, ref.sequences)
     # 63 decode steps went through ReplaySSM (the first new token comes from the prefill).
     assert dec.cursor.tolist() == [63 % L] * 2
     s_ref, s_out = torch.stack(ref.scores), torch.stack(out.scores)
