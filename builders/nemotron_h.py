@@ -122,7 +122,10 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
     if raw.get("model_type") != "nemotron_h":
         raise CheckpointError(f"{cfg_path}: model_type: expected 'nemotron_h', got {raw.get('model_type')!r}")
-    config = NemotronHConfig.from_pretrained(str(root))
+    try:
+        config = NemotronHConfig.from_pretrained(str(root))
+    except Exception as e:  # transformers raises several types for a bad config
+        raise CheckpointError(f"{cfg_path}: not a valid NemotronHConfig ({type(e).__name__}: {e})") from e
     _check_layers(config)
     files = sorted(root.glob("*.safetensors"))
     if not files:
@@ -130,38 +133,51 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
     with torch.device("meta"):
         model = NemotronHForCausalLM(config)
     expected = model.state_dict()
-    tensors = _read_safetensors(files)
+    index = _index_safetensors(files)  # names and shapes only: errors come before any tensor is read
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    missing = sorted(set(expected) - set(tensors) - optional)
+    missing = sorted(set(expected) - set(index) - optional)
     if missing:
         raise CheckpointError(f"model: {len(missing)} tensors missing from {str(root)!r}: {missing[:8]}")
-    unexpected = sorted(set(tensors) - set(expected))
+    unexpected = sorted(set(index) - set(expected))
     if unexpected:
         raise CheckpointError(f"model: {len(unexpected)} unexpected tensors in {str(root)!r}: {unexpected[:8]}")
-    for name, t in tensors.items():
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise CheckpointError(f"{name}: expected shape {tuple(expected[name].shape)}, got {tuple(t.shape)}")
-    model.load_state_dict(tensors, strict=not optional, assign=True)
+    for name, (_, _, shape) in index.items():
+        if shape != tuple(expected[name].shape):
+            raise CheckpointError(f"{name}: expected shape {tuple(expected[name].shape)}, got {shape}")
+    model.load_state_dict(_read_tensors(index, dtype), strict=not optional, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _read_safetensors(files) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def _index_safetensors(files) -> dict:
+    """{model key: (file, key in the file, shape)}; NVIDIA's ``backbone.`` prefix is read as ``model.``."""
+    from safetensors import SafetensorError, safe_open
 
-    out = {}
+    index = {}
     for f in files:
         try:
-            part = load_file(str(f))
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():
+                    if k.startswith("mtp."):  # multi-token-prediction heads are not used for decode
+                        continue
+                    name = "model." + k[len("backbone."):] if k.startswith("backbone.") else k
+                    index[name] = (f, k, tuple(st.get_slice(k).get_shape()))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from e
-        for k, v in part.items():
-            k = "model." + k[len("backbone."):] if k.startswith("backbone.") else k  # NVIDIA's original naming
-            if k.startswith("mtp."):  # multi-token-prediction heads are not used for decode
-                continue
-            out[k] = v
+    return index
+
+
+def _read_tensors(index: dict, dtype: torch.dtype) -> dict:
+    from safetensors import safe_open
+
+    out, by_file = {}, {}
+    for name, (f, k, _) in index.items():
+        by_file.setdefault(f, []).append((name, k))
+    for f, keys in by_file.items():
+        with safe_open(str(f), framework="pt") as st:
+            for name, k in keys:
+                out[name] = st.get_tensor(k).to(dtype)
     return out
 
 

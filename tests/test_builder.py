@@ -208,7 +208,7 @@ def test_onnx_comparison_has_teeth(exported):
 
 
 # ---- loading checkpoints --------------------------------------------------------------------------
-def _save(model, d: pathlib.Path, rename=lambda k: k, drop=(), reshape=()):
+def _save(model, d: pathlib.Path, rename=lambda k: k, drop=(), reshape=(), extra=()):
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
@@ -216,6 +216,7 @@ def _save(model, d: pathlib.Path, rename=lambda k: k, drop=(), reshape=()):
     sd = {rename(k): v.contiguous() for k, v in model.state_dict().items() if k not in drop}
     for k in reshape:
         sd[k] = sd[k][:-1].contiguous()
+    sd.update({k: torch.zeros(2) for k in extra})
     save_file(sd, str(d / "model.safetensors"))
     return d
 
@@ -238,10 +239,15 @@ def test_load_checkpoint_errors(model, tmp_path):
         load_nemotron_h(_save(model, tmp_path / "missing", drop=("model.layers.0.mixer.A_log",)))
     with pytest.raises(CheckpointError, match=r"model.layers.0.mixer.D: expected shape \(4,\), got \(3,\)"):
         load_nemotron_h(_save(model, tmp_path / "shape", reshape=("model.layers.0.mixer.D",)))
-    empty = _save(model, tmp_path / "empty")
-    (empty / "model.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="safetensors"):
-        load_nemotron_h(empty)
+    with pytest.raises(CheckpointError, match="unexpected tensors.*model.extra"):
+        load_nemotron_h(_save(model, tmp_path / "extra", extra=("model.extra",)))
+    broken = _save(model, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        load_nemotron_h(broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"expected \*.safetensors files"):
+        load_nemotron_h(broken)
 
 
 # ---- scripts/build_engine.py ----------------------------------------------------------------------
@@ -291,3 +297,22 @@ def test_build_engine_broken_checkpoint(model, tmp_path):
     r = _build("--out", tmp_path / "engine", "--model", ckpt)
     assert r.returncode == 1 and "missing" in r.stderr and "lm_head.weight" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_greedy_tokens_match_unpatched_model_cuda():
+    """Same as the CPU test with the CUDA kernel (trtllm_replayssm.ops.replay_decode) as the backend."""
+    model = load_nemotron_h(seed=0, device="cuda")
+    ids = _prompt(2, 7).cuda()
+    kw = dict(max_new_tokens=64, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    dec = patch_replayssm(model, buffer_len=L)
+    try:
+        out = model.generate(ids, **kw)
+    finally:
+        dec.unpatch()
+    assert torch.equal(out.sequences, ref.sequences)
+    assert dec.cursor.tolist() == [63 % L] * 2
+    # fp32 kernel vs fp32 conventional update: both round in fp32, different orders
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=0, atol=1e-3)
