@@ -41,7 +41,6 @@ from .nemotron_h import _check_layers, reference_backend
 
 OP_TYPE = "mamba2_decode"
 DOMAIN = "replayssm"
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ONNX_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                      torch.int32: "int32", torch.int64: "int64"}
 
@@ -145,7 +144,7 @@ class NemotronHDecodeStep(torch.nn.Module):
             if kind == "full_attention":
                 layer = cache.layers[i]
                 for t in (layer.keys, layer.values):
-                    buf = torch.zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]), dtype=t.dtype)
+                    buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
                     buf[:, :, :lengths] = t[:, :, :lengths]
                     out.append(buf)
             elif kind == "linear_attention":

@@ -93,7 +93,7 @@ def randomize_(model, seed: int = 0):
         elif leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 0.1]
             dt = torch.exp(torch.rand(p.shape, generator=gen) * math.log(0.1 / 1e-3) + math.log(1e-3))
             v = dt + torch.log(-torch.expm1(-dt))
-        elif leaf == "D" or name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+        elif leaf == "D" or name.endswith(("norm.weight", "norm_f.weight")):
             v = 1 + 0.1 * torch.randn(p.shape, generator=gen)
         elif leaf == "bias":
             v = 0.1 * torch.randn(p.shape, generator=gen)
@@ -158,7 +158,7 @@ def _index_safetensors(files) -> dict:
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
+                for k in st.keys():  # noqa: SIM118  (safe_open is not a dict)
                     if k.startswith("mtp."):  # multi-token-prediction heads are not used for decode
                         continue
                     name = "model." + k[len("backbone."):] if k.startswith("backbone.") else k
