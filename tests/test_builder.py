@@ -146,6 +146,7 @@ def test_onnx_graph_has_one_plugin_node_per_mamba_layer(model, exported):
 
     step, path = exported
     g = onnx.load(str(path))
+    onnx.checker.check_model(g)
     assert max(o.version for o in g.opset_import if o.domain in ("", "ai.onnx")) >= 17
     nodes = [n for n in g.graph.node if n.domain == DOMAIN]
     assert len(nodes) == len(mamba_layers(model)) and all(n.op_type == OP_TYPE for n in nodes)
