@@ -13,7 +13,7 @@
 
 // ReplaySSM decode step: output from checkpoint + buffer, append, flush when the buffer fills.
 // grid (nheads * headdim / kRows, batch), block (kWarps * 32).
-extern "C" __global__ void __launch_bounds__(rssm::kThreads) replayssm_decode(
+extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_decode(
     const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
     const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
     const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
@@ -23,18 +23,26 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads) replayssm_decode(
   rssm::ReplayArgs a{x,       B,     C,      dt,    dt_bias, A,         D,      RSSM_Z_ARG,
                      sbi,     cursor, state_in, xc_in, Bc_in, dtc_in,    batch,  nslots,
                      y,       state_out, xc_out, Bc_out, dtc_out};
+#if RSSM_PERSISTENT
+  rssm::replay_decode_persistent(a);
+#else
   rssm::replay_decode(a);
+#endif
 }
 
 // Conventional Mamba-2 step (the baseline): S <- exp(A dt) S + dt x B^T, y = S C + D x.
-extern "C" __global__ void __launch_bounds__(rssm::kThreads) replayssm_conventional(
+extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_conventional(
     const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
     const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
     const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
     const state_t* state_in, int batch, int nslots, act_t* __restrict__ y, state_t* state_out) {
   rssm::ConvArgs a{x, B, C, dt, dt_bias, A, D, RSSM_Z_ARG, sbi, state_in, batch, nslots, y,
                    state_out};
+#if RSSM_PERSISTENT
+  rssm::conventional_persistent(a);
+#else
   rssm::conventional_step(a);
+#endif
 }
 
 // Advance every valid row's cursor by one entry, wrapping at the buffer length (a flush empties

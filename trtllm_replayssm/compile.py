@@ -56,6 +56,7 @@ def prelude(spec: KernelSpec) -> str:
             f"constexpr int kWarps = {spec.warps};",
             f"constexpr bool kHasZ = {'true' if spec.has_z else 'false'};",
             f"#define RSSM_HAS_Z {int(spec.has_z)}",
+            *(f"#define RSSM_{k} {v}" for k, v in spec.defines),
             "",
         ]
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 
 import torch
@@ -41,6 +42,8 @@ class KernelSpec:
     warps: int
     has_z: bool = False
     arch: int = 90
+    # Extra preprocessor definitions (name, value) for kernel experiments; part of the key.
+    defines: tuple = ()
 
     def __post_init__(self):
         for name in ("state", "act"):
@@ -65,14 +68,26 @@ class KernelSpec:
         return (
             f"replayssm_s-{self.state}_a-{self.act}_H{self.nheads}_P{self.headdim}_N{self.dstate}"
             f"_G{self.ngroups}_L{self.buffer_len}_R{self.rows}_W{self.warps}_z{int(self.has_z)}_sm{self.arch}"
+            + "".join(f"_{k}{v}" for k, v in self.defines)
         )
 
     @property
     def threads(self) -> int:
         return self.warps * 32
 
-    def grid(self, batch: int) -> tuple[int, int, int]:
-        return (self.nheads * (self.headdim // self.rows), batch, 1)
+    @property
+    def persistent(self) -> bool:
+        return dict(self.defines).get("PERSISTENT", 0) == 1
+
+    @property
+    def blocks_per_sm(self) -> int:
+        return dict(self.defines).get("MIN_BLOCKS", 4)
+
+    def grid(self, batch: int, sm_count: int = 132) -> tuple[int, int, int]:
+        items_per_row = self.nheads * (self.headdim // self.rows)
+        if self.persistent:  # persistent blocks walk the items; the kernel reads batch from its args
+            return (max(1, min(batch * items_per_row, sm_count * self.blocks_per_sm)), 1, 1)
+        return (items_per_row, batch, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,16 +115,34 @@ _local = threading.local()
 # State elements each thread keeps in registers: 32 fp32 values keeps ~4 blocks of 256 threads
 # resident per SM with enough bytes in flight (DESIGN.md §3: 32 KB/SM covers the latency).
 STATE_REGS_PER_THREAD = 32
+SMALL_BATCH = 4
 
 
-def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int) -> tuple[int, int]:
+SMEM_LIMIT = 48 * 1024  # static shared memory of one block
+
+
+def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False) -> int:
+    """Mirror of ``ReplaySmem`` / ``PipeSmem`` in plugins/replayssm.cuh (state, B, x tiles, scalars)."""
+    if persistent:  # two stages of: state rows, B tile, x tile (act), C, history dt
+        stage = (rows * dstate * ITEMSIZE[state] + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * ITEMSIZE[act]
+                 + dstate * ITEMSIZE[act] + buffer_len * 4)
+        return 2 * (stage + 15) // 16 * 16 + 2 * buffer_len * 4 + 16
+    tiles = rows * dstate * ITEMSIZE[state] + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
+    return tiles + 2 * buffer_len * 4 + 16
+
+
+def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int, act: str = "bf16",
+                    buffer_len: int = 16, persistent: bool = False) -> tuple[int, int]:
     """(rows per block, warps) for this geometry and batch."""
     forced = getattr(_local, "override", None)
     if forced is not None:
         return forced
     lay = vector_layout(state, dstate)
     per_row = lay.vecs_per_lane * lay.elems_per_vec  # state elements per thread per row
-    rows_per_thread = max(1, STATE_REGS_PER_THREAD // per_row)
+    # Small batches are latency-bound: fewer rows per thread shortens each thread's serial work
+    # (the flush's rank-L update above all) and puts more warps on the few blocks there are.
+    regs = STATE_REGS_PER_THREAD if batch > SMALL_BATCH else STATE_REGS_PER_THREAD // 4
+    rows_per_thread = max(1, regs // per_row)
     def warps_for(rows: int) -> int:
         w = max(1, rows // (lay.rows_per_warp_load * rows_per_thread))
         while rows % (lay.rows_per_warp_load * w):
@@ -124,13 +157,41 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     # Split heads into row chunks while a block would need too many threads, or while the grid
     # would leave the GPU under two waves of blocks (small batches).
     while can_halve(rows) and (
-        warps_for(rows) * 32 > MAX_THREADS or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
+        warps_for(rows) * 32 > MAX_THREADS
+        or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent) > SMEM_LIMIT
+        or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
     ):
         rows //= 2
     warps = warps_for(rows)
-    if warps * 32 > MAX_THREADS or rows > warps * 32:
+    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
+
+
+def _env_defines() -> tuple:
+    """``TRTLLM_REPLAYSSM_DEFINES="PERSISTENT=1,MIN_BLOCKS=4"``: defaults for experiments and test runs."""
+    raw = os.environ.get("TRTLLM_REPLAYSSM_DEFINES", "")
+    return tuple((k.strip(), int(v)) for k, v in (p.split("=") for p in raw.split(",") if p.strip()))
+
+
+# The shipped kernel variant (bench/NOTES.md says why); overridden by TRTLLM_REPLAYSSM_DEFINES or
+# override_defines() for experiments.
+DEFAULT_DEFINES: tuple = ()
+
+
+def current_defines() -> tuple:
+    return getattr(_local, "defines", None) or _env_defines() or DEFAULT_DEFINES
+
+
+@contextlib.contextmanager
+def override_defines(defines: tuple):
+    """Compile every kernel launched inside the block with extra ``RSSM_*`` definitions."""
+    prev = current_defines()
+    _local.defines = tuple(defines)
+    try:
+        yield
+    finally:
+        _local.defines = prev
 
 
 @contextlib.contextmanager

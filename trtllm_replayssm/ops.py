@@ -27,13 +27,14 @@ y (output)             (batch, H, P)       act                padding rows left 
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 import torch
 
 from . import compile as _compile
-from .config import DTYPE_CODES, KernelSpec, choose_geometry
+from .config import DTYPE_CODES, KernelSpec, choose_geometry, current_defines
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -91,7 +92,8 @@ def _geometry(x, B, state, x_cache=None):
     L = None
     if x_cache is not None:
         if not isinstance(x_cache, torch.Tensor) or x_cache.dim() != 4:
-            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {getattr(x_cache, 'shape', type(x_cache))}")
+            got = getattr(x_cache, "shape", type(x_cache))
+            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {got}")
         L = x_cache.shape[2]
         if not 1 <= L <= 32:
             raise ValueError(f"x_cache: buffer_len (dim 2) must be in 1..32, got {L}")
@@ -156,9 +158,20 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
 
 
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device) -> KernelSpec:
-    rows, warps = choose_geometry(DTYPE_CODES[state.dtype], P, N, H, batch)
+    defines = current_defines()
+    sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
+    try:
+        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1, dict(defines).get("PERSISTENT", 0) == 1)
+    except ValueError:  # two pipeline stages do not fit (large B tiles): one-shot blocks
+        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
+        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1)
     return KernelSpec(DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype], H, P, N, G, L or 1, rows, warps,
-                      has_z, _arch(device))
+                      has_z, _arch(device), defines)
+
+
+@functools.cache
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _ptr(t):
@@ -194,7 +207,7 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
              B_cache.data_ptr(), dt_cache.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr()]
-    launch(spec, "replayssm_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "replayssm_decode", dev, spec.grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args)
     return y
 
 
@@ -216,7 +229,8 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
         args.append(z.data_ptr())
     args += [state_batch_indices.data_ptr(), state.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr()]
-    launch(spec, "replayssm_conventional", x.device, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "replayssm_conventional", x.device, spec.grid(batch, sm_count(x.device.index)), (spec.threads, 1, 1),
+           args)
     return y
 
 
@@ -242,3 +256,40 @@ def _output(out, x):
         return torch.empty_like(x)
     check_tensor(out, "out", tuple(x.shape), (x.dtype,), x.device)
     return out
+
+
+# ---- torch.library custom ops (torch.compile / export see them as opaque, with fake shapes) --------
+@torch.library.custom_op("trtllm_replayssm::replay_decode", mutates_args=("state", "x_cache", "B_cache", "dt_cache"))
+def replay_decode_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
+                     A: torch.Tensor, D: torch.Tensor, state: torch.Tensor, x_cache: torch.Tensor,
+                     B_cache: torch.Tensor, dt_cache: torch.Tensor, cursor: torch.Tensor,
+                     state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    return replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
+                         z=z)
+
+
+@replay_decode_op.register_fake
+def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("trtllm_replayssm::conventional_step", mutates_args=("state",))
+def conventional_step_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor,
+                         dt_bias: torch.Tensor, A: torch.Tensor, D: torch.Tensor, state: torch.Tensor,
+                         state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    return conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=z)
+
+
+@conventional_step_op.register_fake
+def _(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=None):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("trtllm_replayssm::advance_cursor", mutates_args=("cursor",))
+def advance_cursor_op(cursor: torch.Tensor, state_batch_indices: torch.Tensor, buffer_len: int) -> None:
+    advance_cursor(cursor, state_batch_indices, buffer_len)
+
+
+@advance_cursor_op.register_fake
+def _(cursor, state_batch_indices, buffer_len):
+    return None

@@ -1,0 +1,87 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every kernel variant compiles to PTX for sm_90 and sm_100 through NVRTC (no GPU needed).
+
+The matrix crosses every state dtype x activation dtype x (headdim, dstate) at L=16 with the
+large-batch geometry, and every buffer length x gate x small-batch geometry on the main model
+shape, for both archs. A compile error fails with NVRTC's log and the spec key.
+"""
+
+import itertools
+import re
+
+import pytest
+
+from trtllm_replayssm import compile as cc
+from trtllm_replayssm.config import (
+    SUPPORTED_BUFFER_LEN,
+    SUPPORTED_DSTATE,
+    SUPPORTED_HEADDIM,
+    KernelSpec,
+    choose_geometry,
+)
+
+ARCHS = (90, 100)
+
+
+def _spec(state, act, P, N, L, batch, has_z, arch, H=128, G=8):
+    rows, warps = choose_geometry(state, P, N, H, batch, act, L)
+    return KernelSpec(state, act, H, P, N, G, L, rows, warps, has_z, arch)
+
+
+FULL = [
+    _spec(s, a, P, N, 16, 256, False, arch)
+    for s, a, P, N, arch in itertools.product(("f32", "bf16", "f16"), ("bf16", "f16", "f32"), SUPPORTED_HEADDIM,
+                                              SUPPORTED_DSTATE, ARCHS)
+]
+EDGES = [
+    _spec(s, "bf16", 64, 128, L, batch, z, arch)
+    for s, L, batch, z, arch in itertools.product(("f32", "bf16"), SUPPORTED_BUFFER_LEN, (1, 256), (False, True), ARCHS)
+]
+
+
+@pytest.mark.parametrize("spec", FULL + EDGES, ids=lambda s: s.key)
+def test_compiles_to_ptx(spec):
+    ptx = cc.compile_spec(spec, "ptx").decode()
+    assert f".target sm_{spec.arch}" in ptx
+    for name in cc.KERNEL_NAMES:
+        assert re.search(rf"\.entry {name}\(", ptx), name
+
+
+def test_decode_parameter_list_is_tensorrt_order():
+    """9 inputs (10 with z), the 4 in-place inputs, 2 int32 scalars, then 5 outputs."""
+    for has_z, n_ptr_in in ((False, 13), (True, 14)):
+        ptx = cc.compile_spec(_spec("f32", "bf16", 64, 128, 16, 256, has_z, 90), "ptx").decode()
+        params = re.search(r"\.entry replayssm_decode\((.*?)\)", ptx, re.S).group(1)
+        kinds = re.findall(r"\.param \.(u64|u32|b32|s32)", params)
+        assert kinds == ["u64"] * n_ptr_in + ["u32"] * 2 + ["u64"] * 5, kinds
+
+
+def test_cache_key_is_readable_and_hit(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_CACHE", str(tmp_path))
+    spec = _spec("f32", "bf16", 64, 128, 16, 256, False, 90)
+    assert spec.key == "replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sm90"
+    first = cc.compile_spec(spec, "ptx")
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].name.startswith(spec.key)
+    files[0].write_bytes(b"// cached")
+    assert cc.compile_spec(spec, "ptx") == b"// cached"  # served from disk, not recompiled
+    assert cc.compile_spec(spec, "ptx", use_cache=False) == first
+
+
+def test_compile_error_names_the_spec(monkeypatch):
+    spec = _spec("f32", "bf16", 64, 128, 16, 256, False, 90)
+    monkeypatch.setattr(cc, "prelude", lambda s: "this is not C++;\n")
+    with pytest.raises(cc.CompileError, match=spec.key):
+        cc.compile_spec(spec, "ptx", use_cache=False)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(state="f64"), "KernelSpec.state"),
+    (dict(ngroups=3), "ngroups"),
+    (dict(buffer_len=33), "buffer_len"),
+    (dict(rows=48), "rows"),
+])
+def test_bad_specs_rejected(bad, match):
+    base = dict(state="f32", act="bf16", nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, rows=64, warps=8)
+    with pytest.raises(ValueError, match=match):
+        KernelSpec(**{**base, **bad})
