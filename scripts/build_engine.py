@@ -11,7 +11,9 @@ the build elsewhere (also saved as trtexec.sh).
 
 Output (written to a temporary sibling directory, renamed to --out at the end):
   model.onnx            decode step, batch dimension dynamic (1..--max-batch)
-  <spec key>.ptx        the plugin kernel (entry ``replayssm_decode``) shared by all Mamba layers
+  <spec key>.ptx        the plugin kernel (entry ``replayssm_decode``) shared by all Mamba layers, one
+                        per plugin tactic (large / small batch), from ``trt_plugin.aot_kernel``: the
+                        same PTX and launch parameters ``aot_impl`` hands TensorRT
   config.json           sizes, dtypes, state tensors (name, shape with batch -1, dtype, output), plugin
   trtexec.sh            the command that builds model.plan from model.onnx
   model.plan            only where TensorRT >= 10.9 and a GPU are present
@@ -36,14 +38,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from trtllm_replayssm.config import (  # noqa: E402
-    DTYPE_CODES,
-    SUPPORTED_BUFFER_LEN,
-    SUPPORTED_DSTATE,
-    SUPPORTED_HEADDIM,
-    KernelSpec,
-    choose_geometry,
-)
+from trtllm_replayssm import trt_plugin  # noqa: E402
+from trtllm_replayssm.compile import CompileError  # noqa: E402
+from trtllm_replayssm.config import DTYPE_CODES, SUPPORTED_BUFFER_LEN, SUPPORTED_DSTATE, SUPPORTED_HEADDIM  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "int32", "int64": "int64"}
@@ -68,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--state-dtype", choices=sorted(DTYPES), default="fp32", help="checkpoint state dtype")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="activation / weight dtype")
     p.add_argument("--arch", type=int, default=90, help="SM architecture of the plugin PTX (90 = Hopper)")
+    p.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (persistent-kernel grid)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache capacity per row")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
@@ -78,6 +76,8 @@ def parse_args(argv=None):
         p.error(f"--buffer-len: expected one of {SUPPORTED_BUFFER_LEN}, got {a.buffer_len}")
     if a.arch < 70:
         p.error(f"--arch: expected an SM version such as 90 or 100, got {a.arch}")
+    if a.sm_count < 1:
+        p.error(f"--sm-count: expected >= 1, got {a.sm_count}")
     if a.max_seq_len < 1:
         p.error(f"--max-seq-len: expected >= 1, got {a.max_seq_len}")
     if a.model is not None and not a.model.is_dir():
@@ -122,10 +122,7 @@ def tensorrt_status() -> tuple[object | None, str]:
         return None, f"tensorrt {trt.__version__} is installed, {MIN_TRT[0]}.{MIN_TRT[1]} or newer is needed"
     if not torch.cuda.is_available():
         return None, "no CUDA GPU is visible"
-    try:
-        import trtllm_replayssm.trt_plugin  # noqa: F401  (registers replayssm::mamba2_decode)
-    except ImportError:
-        return None, "the plugin registration module trtllm_replayssm.trt_plugin is not available yet"
+    trt_plugin.register()
     return trt, ""
 
 
@@ -153,7 +150,6 @@ def build_plan(trt, onnx_path: pathlib.Path, plan_path: pathlib.Path, io_shapes,
 def build(args) -> pathlib.Path:
     from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
     from builders.nemotron_h import load_nemotron_h, mamba_layers
-    from trtllm_replayssm import compile as nvrtc
 
     t0 = time.time()
     act, state_dtype = DTYPES[args.dtype], DTYPES[args.state_dtype]
@@ -175,16 +171,18 @@ def build(args) -> pathlib.Path:
         log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{OP_TYPE} nodes)")
         export_onnx(step, tmp / "model.onnx")
 
-        rows, warps = choose_geometry(DTYPE_CODES[state_dtype], P, N, H, args.max_batch)
-        spec = KernelSpec(DTYPE_CODES[state_dtype], DTYPE_CODES[act], H, P, N, G, args.buffer_len, rows, warps,
-                          False, args.arch)
-        log(f"[3/5] compiling plugin PTX {spec.key} (NVRTC)")
-        try:
-            ptx = nvrtc.compile_spec(spec, "ptx")
-        except nvrtc.CompileError as e:
-            raise BuildError(f"plugin PTX for {spec.key} did not compile:\n{str(e).rstrip(chr(0))}") from e
-        ptx_name = f"{spec.key}.ptx"
-        (tmp / ptx_name).write_bytes(ptx)
+        kernels = []
+        for tactic in sorted(trt_plugin.TACTICS):
+            try:
+                k = trt_plugin.aot_kernel(H, P, N, G, args.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act],
+                                          args.arch, tactic, args.sm_count)
+            except CompileError as e:
+                raise BuildError(f"plugin PTX (tactic {tactic}) did not compile:\n{str(e).rstrip(chr(0))}") from e
+            log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
+            (tmp / f"{k.spec.key}.ptx").write_bytes(k.ptx)
+            kernels.append(dict(tactic=tactic, ptx=f"{k.spec.key}.ptx", spec=k.spec.key, kernel=k.kernel_name,
+                                grid=[k.grid_x, "batch" if k.grid_y_is_batch else 1, 1], block=[k.block_x, 1, 1],
+                                shared_mem=k.shared_mem, extra_int32_args=list(k.extra_args)))
 
         log("[4/5] writing config.json and trtexec.sh")
         io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
@@ -193,8 +191,8 @@ def build(args) -> pathlib.Path:
         states += [s.to_json() for s in step.state_specs()]
         io_shapes = [(n, s) for n, s, _ in io] + [(s["name"], tuple(s["shape"])) for s in states[2:]]
         cmd = trtexec_command(io_shapes, args.max_batch)
-        (tmp / "trtexec.sh").write_text("#!/bin/sh\n# Needs the replayssm::mamba2_decode plugin registered (TensorRT >= 10.9).\n"
-                                        + cmd + "\n")
+        (tmp / "trtexec.sh").write_text("#!/bin/sh\n# TensorRT >= 10.9 with replayssm::mamba2_decode registered in the "
+                                        "builder process (trtllm_replayssm.trt_plugin.register()).\n" + cmd + "\n")
         config = dict(
             format="trtllm-replayssm-decode-step/1",
             model=dict(source=str(args.model) if args.model else "embedded-tiny", seed=None if args.model else args.seed,
@@ -208,15 +206,11 @@ def build(args) -> pathlib.Path:
                 dict(name=s["output"], shape=s["shape"], dtype=s["dtype"]) for s in states],
             states=states,
             plugin=dict(
-                op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, ptx=ptx_name,
-                kernel="replayssm_decode", spec=spec.key, nheads=H, headdim=P, dstate=N, ngroups=G,
-                buffer_len=args.buffer_len, rows=rows, warps=warps, block=[spec.threads, 1, 1],
-                grid=[H * (P // rows), "batch", 1], extra_int32_args=["batch", "slots"],
-                inputs=["x", "B", "C", "dt", "dt_bias", "A", "D", "state_batch_indices", "cursor", "state",
-                        "x_cache", "B_cache", "dt_cache"],
-                outputs=["y", "state_out", "x_cache_out", "B_cache_out", "dt_cache_out"],
-                aliased_outputs={"state_out": "state", "x_cache_out": "x_cache", "B_cache_out": "B_cache",
-                                 "dt_cache_out": "dt_cache"},
+                op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
+                dstate=N, ngroups=G, buffer_len=args.buffer_len, sm_count=args.sm_count, kernels=kernels,
+                inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
+                aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i]
+                                 for o, i in trt_plugin.ALIASES.items()},
             ),
             plan=None,
             trtexec=cmd,
@@ -229,7 +223,8 @@ def build(args) -> pathlib.Path:
             config["plan"] = "model.plan"
         else:
             log(f"[5/5] model.plan not built: {why}. TensorRT >= {MIN_TRT[0]}.{MIN_TRT[1]} with a GPU is needed "
-                "for the plan; finish the build there (in --out, with the replayssm plugin registered) with:")
+                "for the plan. Finish there by rerunning this script (it registers the plugin through "
+                "trtllm_replayssm.trt_plugin), or in --out, with replayssm::mamba2_decode registered, with:")
             print(cmd, flush=True)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 

@@ -98,7 +98,10 @@ def _step_states(step, batch, gen):
     """Random but realistic states: O(1) values, processed dt in (0, 0.1] as softplus gives."""
     out = []
     for spec, z in zip(step.state_specs(), step.empty_states(batch)):
-        t = torch.rand(z.shape, generator=gen) * 0.1 if spec.name.startswith("dt_cache") else torch.randn(z.shape, generator=gen) * 0.5
+        if spec.name.startswith("dt_cache"):
+            t = torch.rand(z.shape, generator=gen) * 0.1
+        else:
+            t = torch.randn(z.shape, generator=gen) * 0.5
         out.append(t.to(z.dtype))
     return out
 
@@ -263,14 +266,13 @@ def test_build_engine_tiny(tmp_path):
     r = _build("--out", out, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 4)
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "engine"]
     assert not leftovers, leftovers  # no temporary directory survives, success or not
-    if r.returncode and "did not compile" in r.stderr:
-        assert not out.exists()
-        pytest.xfail("plugin PTX does not compile with this NVRTC: " + r.stderr.splitlines()[2][:300])
     assert r.returncode == 0, r.stderr
     assert "TensorRT >= 10.9" in r.stdout and "trtexec --onnx=model.onnx" in r.stdout
     cfg = json.loads((out / "config.json").read_text())
-    ptx = (out / cfg["plugin"]["ptx"]).read_text()
-    assert ".entry replayssm_decode" in ptx and cfg["plugin"]["spec"] in cfg["plugin"]["ptx"]
+    assert [k["tactic"] for k in cfg["plugin"]["kernels"]] == [1, 2]
+    for k in cfg["plugin"]["kernels"]:  # the PTX trt_plugin.aot_impl hands TensorRT, one per tactic
+        assert ".entry replayssm_decode" in (out / k["ptx"]).read_text() and k["spec"] in k["ptx"]
+        assert k["extra_int32_args"] == ["batch", "slots"]
     import onnx
 
     g = onnx.load(str(out / "model.onnx"))
