@@ -63,11 +63,15 @@ class CheckpointError(ValueError):
 
 def _require_transformers():
     try:
-        from transformers import NemotronHConfig, NemotronHForCausalLM
+        from transformers import DynamicCache, NemotronHConfig, NemotronHForCausalLM
     except ImportError as e:  # pragma: no cover - depends on the installed version
         raise ImportError(
-            "transformers with NemotronHConfig / NemotronHForCausalLM is required (pip install -U transformers)"
+            "transformers with NemotronHConfig / NemotronHForCausalLM is required (pip install 'transformers>=5.24')"
         ) from e
+    if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover
+        import transformers
+
+        raise ImportError(f"transformers {transformers.__version__}: expected >= 5.24 (the Mamba cache API this patch uses)")
     return NemotronHConfig, NemotronHForCausalLM
 
 
