@@ -22,6 +22,9 @@
 #ifndef RSSM_PERSISTENT
 #define RSSM_PERSISTENT 0
 #endif
+#ifndef RSSM_CONV_PERSISTENT
+#define RSSM_CONV_PERSISTENT 0
+#endif
 #ifndef RSSM_PREFETCH_ALL
 #define RSSM_PREFETCH_ALL 0
 #endif
@@ -203,10 +206,14 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // Resident blocks asked of the register allocator: 64 registers a thread for blocks of >= 256
 // threads (state lives in shared memory, so that is enough); small blocks are left free.
 #ifdef RSSM_MIN_BLOCKS
-constexpr int kMinBlocks = RSSM_MIN_BLOCKS;
+// Never below 64 registers a thread: past that the flush's state registers spill.
+constexpr int kMinBlocks = RSSM_MIN_BLOCKS < 1024 / kThreads ? RSSM_MIN_BLOCKS : (1024 / kThreads > 0 ? 1024 / kThreads : 1);
 #else
 constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
 #endif
+// The one-shot conventional kernel is left to the compiler (64 registers, no spills, ~91% of the
+// copy ceiling); its persistent variant runs under the same cap as the replay kernel.
+constexpr int kConvMinBlocks = RSSM_CONV_PERSISTENT ? kMinBlocks : 1;
 constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
 
 struct alignas(16) ReplaySmem {

@@ -31,14 +31,14 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) r
 }
 
 // Conventional Mamba-2 step (the baseline): S <- exp(A dt) S + dt x B^T, y = S C + D x.
-extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_conventional(
+extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kConvMinBlocks) replayssm_conventional(
     const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
     const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
     const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
     const state_t* state_in, int batch, int nslots, act_t* __restrict__ y, state_t* state_out) {
   rssm::ConvArgs a{x, B, C, dt, dt_bias, A, D, RSSM_Z_ARG, sbi, state_in, batch, nslots, y,
                    state_out};
-#if RSSM_PERSISTENT
+#if RSSM_CONV_PERSISTENT
   rssm::conventional_persistent(a);
 #else
   rssm::conventional_step(a);

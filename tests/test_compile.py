@@ -13,6 +13,7 @@ import pytest
 
 from trtllm_replayssm import compile as cc
 from trtllm_replayssm.config import (
+    DEFAULT_DEFINES,
     SUPPORTED_BUFFER_LEN,
     SUPPORTED_DSTATE,
     SUPPORTED_HEADDIM,
@@ -39,7 +40,14 @@ EDGES = [
 ]
 
 
-@pytest.mark.parametrize("spec", FULL + EDGES, ids=lambda s: s.key)
+PERSISTENT = [
+    KernelSpec(s, "bf16", H, P, N, 8, L, *choose_geometry(s, P, N, H, batch, "bf16", L, True), False, arch, DEFAULT_DEFINES)
+    for s, (H, P, N), L, batch, arch in itertools.product(("f32", "bf16"), ((128, 64, 128), (128, 80, 128), (256, 64, 256)),
+                                                         (8, 16), (1, 256), ARCHS)
+]
+
+
+@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx

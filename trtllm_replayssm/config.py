@@ -81,11 +81,13 @@ class KernelSpec:
 
     @property
     def blocks_per_sm(self) -> int:
-        return dict(self.defines).get("MIN_BLOCKS", 4)
+        """Resident blocks the kernel is built for (mirror of kMinBlocks in replayssm.cuh)."""
+        return max(1, min(dict(self.defines).get("MIN_BLOCKS", 4), 1024 // self.threads))
 
-    def grid(self, batch: int, sm_count: int = 132) -> tuple[int, int, int]:
+    def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
-        if self.persistent:  # persistent blocks walk the items; the kernel reads batch from its args
+        flag = "CONV_PERSISTENT" if kernel == "replayssm_conventional" else "PERSISTENT"
+        if dict(self.defines).get(flag, 0) == 1:  # persistent blocks walk the items; batch is a kernel arg
             return (max(1, min(batch * items_per_row, sm_count * self.blocks_per_sm)), 1, 1)
         return (items_per_row, batch, 1)
 
@@ -168,6 +170,32 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     return rows, warps
 
 
+def plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
+         conventional: bool = False) -> tuple[int, int, tuple]:
+    """(rows, warps, defines) of the kernel variant to launch: the one place that decides.
+
+    The persistent pipelined replay kernel copies each item's B tile next to its state rows; it
+    is used where the state rows outweigh the B tile at least 4:1 (else the tile traffic and the
+    small items it forces cost more than the pipeline saves: measured, bench/NOTES.md v4) and
+    where two stages fit in static shared memory. The conventional kernel runs one-shot unless
+    CONV_PERSISTENT is asked for.
+    """
+    defines = current_defines()
+    flag = "CONV_PERSISTENT" if conventional else "PERSISTENT"
+    if conventional:
+        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
+    if dict(defines).get(flag, 0) == 1:
+        try:
+            rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True)
+            if conventional or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
+                return rows, warps, defines
+        except ValueError:  # two stages do not fit
+            pass
+        defines = tuple((k, v) for k, v in defines if k != flag)
+    rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len)
+    return rows, warps, defines
+
+
 def _env_defines() -> tuple:
     """``TRTLLM_REPLAYSSM_DEFINES="PERSISTENT=1,MIN_BLOCKS=4"``: defaults for experiments and test runs."""
     raw = os.environ.get("TRTLLM_REPLAYSSM_DEFINES", "")
@@ -176,7 +204,7 @@ def _env_defines() -> tuple:
 
 # The shipped kernel variant (bench/NOTES.md says why); overridden by TRTLLM_REPLAYSSM_DEFINES or
 # override_defines() for experiments.
-DEFAULT_DEFINES: tuple = ()
+DEFAULT_DEFINES: tuple = (("PERSISTENT", 1), ("MIN_BLOCKS", 5))
 
 
 def current_defines() -> tuple:

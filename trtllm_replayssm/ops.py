@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from . import compile as _compile
-from .config import DTYPE_CODES, KernelSpec, choose_geometry, current_defines
+from .config import DTYPE_CODES, KernelSpec, plan
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -157,16 +157,10 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
     _launch(stream, LaunchConfig(grid=grid, block=block), kern, *args)
 
 
-def make_spec(state, x, H, P, N, G, L, batch, has_z, device) -> KernelSpec:
-    defines = current_defines()
+def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool = False) -> KernelSpec:
     sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
-    try:
-        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1, dict(defines).get("PERSISTENT", 0) == 1)
-    except ValueError:  # two pipeline stages do not fit (large B tiles): one-shot blocks
-        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
-        rows, warps = choose_geometry(sd, P, N, H, batch, ad, L or 1)
-    return KernelSpec(DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype], H, P, N, G, L or 1, rows, warps,
-                      has_z, _arch(device), defines)
+    rows, warps, defines = plan(sd, ad, H, P, N, L or 1, batch, conventional)
+    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, _arch(device), defines)
 
 
 @functools.cache
@@ -222,15 +216,15 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
         check_indices(state_batch_indices, S, None, 1)
     if batch == 0:
         return y
-    spec = make_spec(state, x, H, P, N, G, None, batch, z is not None, x.device)
+    spec = make_spec(state, x, H, P, N, G, None, batch, z is not None, x.device, conventional=True)
     args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
             D.data_ptr()]
     if z is not None:
         args.append(z.data_ptr())
     args += [state_batch_indices.data_ptr(), state.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr()]
-    launch(spec, "replayssm_conventional", x.device, spec.grid(batch, sm_count(x.device.index)), (spec.threads, 1, 1),
-           args)
+    grid = spec.grid(batch, sm_count(x.device.index), "replayssm_conventional")
+    launch(spec, "replayssm_conventional", x.device, grid, (spec.threads, 1, 1), args)
     return y
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 from .compile import compile_spec
-from .config import KernelSpec, choose_geometry, current_defines
+from .config import KernelSpec, plan
 
 PLUGIN_NAMESPACE = "replayssm"
 PLUGIN_NAME = "mamba2_decode"
@@ -81,13 +81,7 @@ def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len:
         raise ValueError(f"act: expected one of {ACT_DTYPES}, got {act!r}")
     if tactic not in TACTICS:
         raise ValueError(f"tactic: expected one of {sorted(TACTICS)}, got {tactic!r}")
-    defines = current_defines()
-    try:
-        rows, warps = choose_geometry(state, headdim, dstate, nheads, TACTICS[tactic], act, buffer_len,
-                                      dict(defines).get("PERSISTENT", 0) == 1)
-    except ValueError:  # two pipeline stages do not fit: one-shot blocks (as ops.make_spec does)
-        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
-        rows, warps = choose_geometry(state, headdim, dstate, nheads, TACTICS[tactic], act, buffer_len)
+    rows, warps, defines = plan(state, act, nheads, headdim, dstate, buffer_len, TACTICS[tactic])
     spec = KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, False, arch, defines)
     # Persistent blocks: a fixed grid of sm_count * blocks_per_sm, the kernel walks batch*items.
     grid_x = sm_count * spec.blocks_per_sm if spec.persistent else spec.grid(1)[0]
