@@ -1,0 +1,11 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builders: patch model definitions for ReplaySSM decode and export the decode step.
+
+* :mod:`.nemotron_h` loads transformers' Nemotron-H (an HF directory or an embedded tiny config)
+  and patches its Mamba-2 mixers so single-token decode runs through ReplaySSM.
+* :mod:`.decode_step` is the export form: one decode step as a module with explicit state I/O,
+  exported to ONNX with one ``replayssm::mamba2_decode`` node per Mamba layer.
+
+Builders contain no kernel code (STYLE.md): the SSM step is a pluggable backend with the signature
+of :func:`trtllm_replayssm.reference.replay_decode`, called with keyword arguments.
+"""

@@ -1,0 +1,339 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Nemotron-H (transformers' ``NemotronHForCausalLM``) with ReplaySSM single-token decode.
+
+Loading: :func:`load_nemotron_h` reads an HF directory (``config.json`` + ``*.safetensors``,
+checked for model type, missing, unexpected and mis-shaped tensors) or, without a directory,
+builds :data:`TINY_CONFIG` with seeded random weights (geometry the GPU kernels support:
+headdim 64, dstate 64, 4 heads in 2 groups).
+
+Patching (:func:`patch_replayssm`), per Mamba-2 mixer, mirroring the mixer's own decode path:
+
+    zxbcdt = in_proj(h);  z, xBC, dt = split(zxbcdt, [H*P, H*P + 2*G*N, H])
+    xBC    = silu(conv1d over the conv state window)        (the model's causal_conv1d_update)
+    x, B, C = split(xBC);  y = backend(x, B, C, dt raw, dt_bias, A = -exp(A_log), D, z=None)
+    out    = out_proj(norm(y, z))                            (gated RMSNorm: y * silu(z), grouped)
+
+``backend`` is the SSM step with the signature of :func:`trtllm_replayssm.reference.replay_decode`
+(called with keywords): the float64 reference on the CPU, :func:`trtllm_replayssm.ops.replay_decode`
+on CUDA. Prefill (more than one token) is the model's own chunked path; its final SSM state becomes
+the checkpoint with an empty buffer (cursor 0). A continuation prefill after decode steps first folds
+the buffer into the model's recurrent state (:func:`~trtllm_replayssm.reference.replay_state`).
+The cursor is shared by all Mamba layers and advanced once per model step (``advance_cursor``).
+Not covered: beam reordering and assisted decoding (caches that record the past).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import torch
+
+from trtllm_replayssm import reference
+
+# Layers: M = Mamba-2, * = attention, - = MLP.
+TINY_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=128,
+    hybrid_override_pattern="M*-M-M*-",
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    mamba_num_heads=4,
+    mamba_head_dim=64,
+    ssm_state_size=64,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=16,
+    max_position_embeddings=1024,
+    layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False,
+    eos_token_id=None,  # greedy runs always produce the requested number of tokens
+    pad_token_id=0,
+    bos_token_id=1,
+)
+SUPPORTED_LAYERS = ("linear_attention", "full_attention", "mlp")
+
+
+class CheckpointError(ValueError):
+    """A model directory that is not a loadable Nemotron-H checkpoint; the message says what is wrong."""
+
+
+def _require_transformers():
+    try:
+        from transformers import DynamicCache, NemotronHConfig, NemotronHForCausalLM
+    except ImportError as e:  # pragma: no cover - depends on the installed version
+        raise ImportError(
+            "transformers with NemotronHConfig / NemotronHForCausalLM is required (pip install 'transformers>=5.24')"
+        ) from e
+    if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover
+        import transformers
+
+        raise ImportError(f"transformers {transformers.__version__}: expected >= 5.24 (the Mamba cache API this patch uses)")
+    return NemotronHConfig, NemotronHForCausalLM
+
+
+def _check_layers(config) -> None:
+    bad = sorted({t for t in config.layers_block_type if t not in SUPPORTED_LAYERS})
+    if bad:
+        raise CheckpointError(f"layers_block_type: expected only {SUPPORTED_LAYERS}, got {bad} (MoE is not supported yet)")
+
+
+def tiny_config(**overrides):
+    NemotronHConfig, _ = _require_transformers()
+    return NemotronHConfig(**{**TINY_CONFIG, **overrides})
+
+
+@torch.no_grad()
+def randomize_(model, seed: int = 0):
+    """Seeded random weights with O(1) activations (so greedy decoding is not degenerate)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":  # A = -exp(A_log) in [-16, -1]
+            v = torch.log(torch.rand(p.shape, generator=gen) * 15 + 1)
+        elif leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 0.1]
+            dt = torch.exp(torch.rand(p.shape, generator=gen) * math.log(0.1 / 1e-3) + math.log(1e-3))
+            v = dt + torch.log(-torch.expm1(-dt))
+        elif leaf == "D" or name.endswith(("norm.weight", "norm_f.weight")):
+            v = 1 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif leaf == "bias":
+            v = 0.1 * torch.randn(p.shape, generator=gen)
+        elif p.dim() >= 2:
+            fan_in = p[0].numel() if "embeddings" not in name else 1
+            v = torch.randn(p.shape, generator=gen) * fan_in ** -0.5
+        else:
+            v = torch.randn(p.shape, generator=gen)
+        p.copy_(v.to(p.dtype))
+    return model
+
+
+def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu"):
+    """``NemotronHForCausalLM`` in eval mode: from ``model_dir`` or the tiny config with random weights."""
+    NemotronHConfig, NemotronHForCausalLM = _require_transformers()
+    if model_dir is None:
+        model = randomize_(NemotronHForCausalLM(tiny_config()), seed)
+        return model.to(device=device, dtype=dtype).eval()
+    root = pathlib.Path(model_dir)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"model: expected a directory with config.json, got {str(root)!r} without one")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    if raw.get("model_type") != "nemotron_h":
+        raise CheckpointError(f"{cfg_path}: model_type: expected 'nemotron_h', got {raw.get('model_type')!r}")
+    try:
+        config = NemotronHConfig.from_pretrained(str(root))
+    except Exception as e:  # transformers raises several types for a bad config
+        raise CheckpointError(f"{cfg_path}: not a valid NemotronHConfig ({type(e).__name__}: {e})") from e
+    _check_layers(config)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"model: expected *.safetensors files in {str(root)!r}, found none")
+    with torch.device("meta"):
+        model = NemotronHForCausalLM(config)
+    expected = model.state_dict()
+    index = _index_safetensors(files)  # names and shapes only: errors come before any tensor is read
+    optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(set(expected) - set(index) - optional)
+    if missing:
+        raise CheckpointError(f"model: {len(missing)} tensors missing from {str(root)!r}: {missing[:8]}")
+    unexpected = sorted(set(index) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"model: {len(unexpected)} unexpected tensors in {str(root)!r}: {unexpected[:8]}")
+    for name, (_, _, shape) in index.items():
+        if shape != tuple(expected[name].shape):
+            raise CheckpointError(f"{name}: expected shape {tuple(expected[name].shape)}, got {shape}")
+    model.load_state_dict(_read_tensors(index, dtype), strict=not optional, assign=True)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _index_safetensors(files) -> dict:
+    """{model key: (file, key in the file, shape)}; NVIDIA's ``backbone.`` prefix is read as ``model.``."""
+    from safetensors import SafetensorError, safe_open
+
+    index = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for k in st.keys():  # noqa: SIM118  (safe_open is not a dict)
+                    if k.startswith("mtp."):  # multi-token-prediction heads are not used for decode
+                        continue
+                    name = "model." + k[len("backbone."):] if k.startswith("backbone.") else k
+                    index[name] = (f, k, tuple(st.get_slice(k).get_shape()))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: cannot read safetensors ({e})") from e
+    return index
+
+
+def _read_tensors(index: dict, dtype: torch.dtype) -> dict:
+    from safetensors import safe_open
+
+    out, by_file = {}, {}
+    for name, (f, k, _) in index.items():
+        by_file.setdefault(f, []).append((name, k))
+    for f, keys in by_file.items():
+        with safe_open(str(f), framework="pt") as st:
+            for name, k in keys:
+                out[name] = st.get_tensor(k).to(dtype)
+    return out
+
+
+# ---- SSM backends ---------------------------------------------------------------------------------
+_CACHES = ("state", "x_cache", "B_cache", "dt_cache")
+
+
+def reference_backend(**kw):
+    """``reference.replay_decode`` in float64; caches written back in their own dtypes, y in x's dtype."""
+    orig = {k: kw[k] for k in _CACHES}
+    wide = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
+    y = reference.replay_decode(**wide)
+    for k in _CACHES:
+        orig[k].copy_(wide[k])
+    return y.to(kw["x"].dtype)
+
+
+def default_backend(device):
+    if torch.device(device).type == "cuda":
+        from trtllm_replayssm import ops
+
+        return ops.replay_decode, ops.advance_cursor
+    return reference_backend, reference.advance_cursor
+
+
+def mamba_layers(model) -> list[int]:
+    return [i for i, t in enumerate(model.config.layers_block_type) if t == "linear_attention"]
+
+
+# ---- patching ---------------------------------------------------------------------------------------
+class ReplaySSMDecoder:
+    """ReplaySSM caches of a patched model: per Mamba layer (state, x_cache, B_cache, dt_cache), one cursor.
+
+    Row b of the batch uses slot b. ``state`` is the checkpoint S0 (batch, H, P, N) in ``state_dtype``;
+    x_cache / B_cache are in the activation dtype, dt_cache fp32 (processed dt), cursor int32.
+    """
+
+    def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32):
+        if not 1 <= buffer_len <= 32:
+            raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+        self.model = model
+        self.buffer_len = buffer_len
+        self.state_dtype = state_dtype
+        dev = next(model.parameters()).device
+        dflt = default_backend(dev)
+        self.backend = backend or dflt[0]
+        self.advance = advance or dflt[1]
+        self.layers = mamba_layers(model)
+        self.caches: dict[int, dict[str, torch.Tensor]] = {}
+        self.cursor: torch.Tensor | None = None
+        self._step: str | None = None
+        self._cache_id: int | None = None  # the transformers cache our buffers continue
+        self._handles = []
+
+    # prefill: the model's own path, then its final state becomes the checkpoint
+    def _begin_prefill(self, mixer, cache) -> None:
+        c = self.caches.get(mixer.layer_idx)
+        rec = cache.get_recurrent_state(mixer.layer_idx)
+        if c is None or rec is None or self._cache_id != id(cache):
+            return  # a fresh cache: nothing to continue from
+        A = -torch.exp(mixer.A_log.float())
+        for s in range(rec.shape[0]):
+            rec[s] = reference.replay_state(c["state"], c["x_cache"], c["B_cache"], c["dt_cache"], self.cursor, A, s)
+
+    def _end_prefill(self, mixer, cache, act_dtype) -> None:
+        S = cache.get_recurrent_state(mixer.layer_idx)
+        batch, H, P, N = S.shape
+        G, L = mixer.n_groups, self.buffer_len
+        dev = S.device
+        self.caches[mixer.layer_idx] = dict(
+            state=S.detach().to(self.state_dtype).clone(),
+            x_cache=torch.zeros(batch, H, L, P, dtype=act_dtype, device=dev),
+            B_cache=torch.zeros(batch, G, L, N, dtype=act_dtype, device=dev),
+            dt_cache=torch.zeros(batch, H, L, dtype=torch.float32, device=dev),
+        )
+        if self.cursor is None or self.cursor.shape[0] != batch:
+            self.cursor = torch.zeros(batch, dtype=torch.int32, device=dev)
+        self._cache_id = id(cache)
+
+    def _decode(self, mixer, hidden_states, cache, attention_mask):
+        from transformers.models.nemotron_h import modeling_nemotron_h as m
+
+        batch = hidden_states.shape[0]
+        dtype = hidden_states.dtype
+        H, P, N, G = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.n_groups
+        proj = mixer.in_proj(m.apply_mask_to_padding_states(hidden_states, attention_mask))
+        gate, xBC, dt = proj.split([mixer.intermediate_size, mixer.conv_dim, H], dim=-1)
+        xBC = m.causal_conv1d_update(xBC.transpose(1, 2), cache.get_conv_state(mixer.layer_idx),
+                                     mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, activation=mixer.activation)
+        xBC = m.apply_mask_to_padding_states(xBC.transpose(1, 2), attention_mask)
+        x, B, C = xBC.split([mixer.intermediate_size, G * N, G * N], dim=-1)
+        c = self.caches[mixer.layer_idx]
+        y = self.backend(
+            state=c["state"], x_cache=c["x_cache"], B_cache=c["B_cache"], dt_cache=c["dt_cache"], cursor=self.cursor,
+            x=x.reshape(batch, H, P).contiguous(), B=B.reshape(batch, G, N).contiguous(),
+            C=C.reshape(batch, G, N).contiguous(), dt=dt.reshape(batch, H).contiguous(),
+            dt_bias=mixer.dt_bias.float().contiguous(), A=-torch.exp(mixer.A_log.float()), D=mixer.D.float().contiguous(),
+            z=None, state_batch_indices=torch.arange(batch, dtype=torch.int32, device=x.device),
+        )
+        y = mixer.norm(y.reshape(batch, 1, -1).to(dtype), gate)
+        return mixer.out_proj(y.to(dtype))
+
+    def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
+        if cache is None:
+            return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
+        if cache.is_recording_past(mixer.layer_idx):
+            raise NotImplementedError("ReplaySSM patch: caches that record the past (assisted decoding) are not supported")
+        decode = (hidden_states.shape[1] == 1 and mixer.layer_idx in self.caches and id(cache) == self._cache_id
+                  and cache.get_conv_state(mixer.layer_idx) is not None)
+        if decode:
+            self._step = "decode"
+            return self._decode(mixer, hidden_states, cache, attention_mask)
+        self._step = "prefill"
+        self._begin_prefill(mixer, cache)
+        out = orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
+        self._end_prefill(mixer, cache, hidden_states.dtype)
+        return out
+
+    def _after_model_step(self, module, args, output) -> None:
+        if self._step == "decode":
+            rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
+            self.advance(self.cursor, rows, self.buffer_len)
+        elif self._step == "prefill":
+            self.cursor.zero_()
+        self._step = None
+
+    def patch(self):
+        for i in self.layers:
+            mixer = self.model.model.layers[i].mixer
+            orig = mixer.forward
+
+            def fwd(hidden_states, cache=None, attention_mask=None, _mixer=mixer, _orig=orig, **kw):
+                return self._forward(_mixer, _orig, hidden_states, cache, attention_mask, **kw)
+
+            mixer.forward = fwd
+            self._handles.append(lambda _m=mixer: _m.__dict__.pop("forward", None))
+        h = self.model.model.register_forward_hook(self._after_model_step)
+        self._handles.append(h.remove)
+        return self
+
+    def unpatch(self) -> None:
+        for undo in self._handles:
+            undo()
+        self._handles.clear()
+
+    def reset(self) -> None:
+        self.caches.clear()
+        self.cursor = None
+        self._cache_id = None
+
+
+def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):
+    """Patch every Mamba-2 mixer of ``model`` in place; returns the :class:`ReplaySSMDecoder` (``unpatch()`` undoes)."""
+    _check_layers(model.config)
+    return ReplaySSMDecoder(model, buffer_len, backend, advance, state_dtype).patch()

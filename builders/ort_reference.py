@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``replayssm::mamba2_decode`` for onnxruntime on the CPU, through onnxruntime-extensions' Python ops.
+
+The op body is :func:`builders.nemotron_h.reference_backend` (``reference.replay_decode`` in float64),
+applied to copies of the state inputs, which become the outputs: (y, state_out, x_cache_out,
+B_cache_out, dt_cache_out). Declared for fp32 activations and an fp32 state (the graphs the CPU
+tests export); attributes are accepted and checked against the input shapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .decode_step import DOMAIN, OP_TYPE
+from .nemotron_h import reference_backend
+
+_registered = False
+
+
+def _op(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, **attrs):
+    got = (x.shape[1], x.shape[2], B.shape[2], B.shape[1], x_cache.shape[2])
+    want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len"))
+    if got != want:
+        raise ValueError(f"{DOMAIN}::{OP_TYPE}: attributes (nheads, headdim, dstate, ngroups, buffer_len) = {want}, "
+                         f"inputs have {got}")
+    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (copies: the outputs must not alias the inputs)
+    caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
+    y = reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
+                          state_batch_indices=t(sbi), cursor=t(cursor), **caches)
+    return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
+
+
+def register() -> str:
+    """Register the op (once per process); returns the library path for ``SessionOptions.register_custom_ops_library``."""
+    global _registered
+    from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+
+    if not _registered:
+        f, i32, i64 = PyCustomOpDef.dt_float, PyCustomOpDef.dt_int32, PyCustomOpDef.dt_int64
+        attrs = {"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "nheads": i64, "headdim": i64,
+                 "dstate": i64, "ngroups": i64, "buffer_len": i64}
+        onnx_op(op_type=f"{DOMAIN}::{OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 4, outputs=[f] * 5, attrs=attrs)(_op)
+        _registered = True
+    return get_library_path()
+
+
+def session(path):
+    """An onnxruntime CPU session of ``path`` with the reference op registered."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(register())
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])

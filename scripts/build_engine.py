@@ -1,0 +1,258 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Build a ReplaySSM decode-step engine directory for a Nemotron-H model.
+
+Route: load the model (``--model DIR`` or the embedded tiny config with seeded random weights),
+export one decode step to ONNX with one ``replayssm::mamba2_decode`` node per Mamba layer
+(builders/decode_step.py), compile the plugin kernel to PTX with NVRTC (no GPU needed), describe
+every input, output and state tensor in config.json, and build ``model.plan`` where TensorRT >= 10.9,
+a GPU and the plugin registration are available; otherwise print the trtexec command that finishes
+the build elsewhere (also saved as trtexec.sh).
+
+Output (written to a temporary sibling directory, renamed to --out at the end):
+  model.onnx            decode step, batch dimension dynamic (1..--max-batch)
+  <spec key>.ptx        the plugin kernel (entry ``replayssm_decode``) shared by all Mamba layers, one
+                        per plugin tactic (large / small batch), from ``trt_plugin.aot_kernel``: the
+                        same PTX and launch parameters ``aot_impl`` hands TensorRT
+  config.json           sizes, dtypes, state tensors (name, shape with batch -1, dtype, output), plugin
+  trtexec.sh            the command that builds model.plan from model.onnx
+  model.plan            only where TensorRT >= 10.9 and a GPU are present
+
+Usage: python scripts/build_engine.py --out DIR [--model HF_DIR] [--max-batch 8] [--buffer-len 16]
+       [--state-dtype fp32] [--dtype fp32] [--arch 90] [--max-seq-len 4096] [--overwrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from trtllm_replayssm import trt_plugin  # noqa: E402
+from trtllm_replayssm.compile import CompileError  # noqa: E402
+from trtllm_replayssm.config import DTYPE_CODES, SUPPORTED_BUFFER_LEN, SUPPORTED_DSTATE, SUPPORTED_HEADDIM  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+TRT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "int32", "int64": "int64"}
+MIN_TRT = (10, 9)
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[build_engine] {msg}", flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=pathlib.Path, default=None,
+                   help="HF directory (config.json + *.safetensors); default: embedded tiny config")
+    p.add_argument("--out", type=pathlib.Path, required=True, help="output directory (must not exist)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--buffer-len", type=int, default=16, help=f"ReplaySSM buffer length, one of {SUPPORTED_BUFFER_LEN}")
+    p.add_argument("--state-dtype", choices=sorted(DTYPES), default="fp32", help="checkpoint state dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="activation / weight dtype")
+    p.add_argument("--arch", type=int, default=90, help="SM architecture of the plugin PTX (90 = Hopper)")
+    p.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (persistent-kernel grid)")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache capacity per row")
+    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    a = p.parse_args(argv)
+    if a.max_batch < 1:
+        p.error(f"--max-batch: expected >= 1, got {a.max_batch}")
+    if a.buffer_len not in SUPPORTED_BUFFER_LEN:
+        p.error(f"--buffer-len: expected one of {SUPPORTED_BUFFER_LEN}, got {a.buffer_len}")
+    if a.arch < 70:
+        p.error(f"--arch: expected an SM version such as 90 or 100, got {a.arch}")
+    if a.sm_count < 1:
+        p.error(f"--sm-count: expected >= 1, got {a.sm_count}")
+    if a.max_seq_len < 1:
+        p.error(f"--max-seq-len: expected >= 1, got {a.max_seq_len}")
+    if a.model is not None and not a.model.is_dir():
+        p.error(f"--model: expected an existing directory, got {str(a.model)!r}")
+    if a.out.exists() and not a.overwrite:
+        p.error(f"--out: {str(a.out)!r} already exists (choose another directory or pass --overwrite)")
+    return a
+
+
+def check_geometry(cfg, buffer_len: int) -> tuple[int, int, int, int]:
+    H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
+    if P not in SUPPORTED_HEADDIM:
+        raise BuildError(f"mamba_head_dim: the plugin supports {SUPPORTED_HEADDIM}, got {P}")
+    if N not in SUPPORTED_DSTATE:
+        raise BuildError(f"ssm_state_size: the plugin supports {SUPPORTED_DSTATE}, got {N}")
+    if H % G:
+        raise BuildError(f"n_groups: expected a divisor of mamba_num_heads={H}, got {G}")
+    return H, P, N, G
+
+
+def shape_arg(specs, batch: int) -> str:
+    return ",".join(f"{name}:" + "x".join(str(batch if d == -1 else d) for d in shape) for name, shape in specs)
+
+
+def trtexec_command(io_shapes, max_batch: int) -> str:
+    opt = max(1, max_batch // 2)
+    return (
+        "trtexec --onnx=model.onnx --saveEngine=model.plan --stronglyTyped"
+        f" --minShapes={shape_arg(io_shapes, 1)} --optShapes={shape_arg(io_shapes, opt)}"
+        f" --maxShapes={shape_arg(io_shapes, max_batch)}"
+    )
+
+
+def tensorrt_status() -> tuple[object | None, str]:
+    """(tensorrt module or None, why not)."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return None, "tensorrt is not installed"
+    version = tuple(int(v) for v in trt.__version__.split(".")[:2])
+    if version < MIN_TRT:
+        return None, f"tensorrt {trt.__version__} is installed, {MIN_TRT[0]}.{MIN_TRT[1]} or newer is needed"
+    if not torch.cuda.is_available():
+        return None, "no CUDA GPU is visible"
+    trt_plugin.register()
+    return trt, ""
+
+
+def build_plan(trt, onnx_path: pathlib.Path, plan_path: pathlib.Path, io_shapes, max_batch: int) -> None:
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errs = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise BuildError(f"TensorRT could not parse {onnx_path}:\n{errs}")
+    config = builder.create_builder_config()
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    profile = builder.create_optimization_profile()
+    opt = max(1, max_batch // 2)
+    for name, shape in io_shapes:
+        profile.set_shape(name, *([b if d == -1 else d for d in shape] for b in (1, opt, max_batch)))
+    config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise BuildError("TensorRT failed to build the engine (see the log above)")
+    plan_path.write_bytes(bytes(plan))
+
+
+def build(args) -> pathlib.Path:
+    from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
+    from builders.nemotron_h import load_nemotron_h, mamba_layers
+
+    t0 = time.time()
+    act, state_dtype = DTYPES[args.dtype], DTYPES[args.state_dtype]
+    source = f"model from {args.model}" if args.model else f"embedded tiny Nemotron-H (seed {args.seed})"
+    log(f"[1/5] loading {source}")
+    model = load_nemotron_h(args.model, dtype=act, seed=args.seed)
+    cfg = model.config
+    H, P, N, G = check_geometry(cfg, args.buffer_len)
+    nmamba = len(mamba_layers(model))
+    log(f"      {cfg.hybrid_override_pattern!r}: {nmamba} Mamba layers, nheads={H} headdim={P} dstate={N} ngroups={G}")
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=args.out.parent, prefix=f".{args.out.name}.tmp-"))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise survive the rename
+    try:
+        step = NemotronHDecodeStep(model, args.buffer_len, args.max_seq_len, state_dtype)
+        log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{OP_TYPE} nodes)")
+        export_onnx(step, tmp / "model.onnx")
+
+        kernels = []
+        for tactic in sorted(trt_plugin.TACTICS):
+            try:
+                k = trt_plugin.aot_kernel(H, P, N, G, args.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act],
+                                          args.arch, tactic, args.sm_count)
+            except CompileError as e:
+                raise BuildError(f"plugin PTX (tactic {tactic}) did not compile:\n{str(e).rstrip(chr(0))}") from e
+            log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
+            (tmp / f"{k.spec.key}.ptx").write_bytes(k.ptx)
+            kernels.append(dict(tactic=tactic, ptx=f"{k.spec.key}.ptx", spec=k.spec.key, kernel=k.kernel_name,
+                                grid=[k.grid_x, "batch" if k.grid_y_is_batch else 1, 1], block=[k.block_x, 1, 1],
+                                shared_mem=k.shared_mem, extra_int32_args=list(k.extra_args)))
+
+        log("[4/5] writing config.json and trtexec.sh")
+        io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
+        states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
+                  dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
+        states += [s.to_json() for s in step.state_specs()]
+        io_shapes = [(n, s) for n, s, _ in io] + [(s["name"], tuple(s["shape"])) for s in states[2:]]
+        cmd = trtexec_command(io_shapes, args.max_batch)
+        (tmp / "trtexec.sh").write_text("#!/bin/sh\n# TensorRT >= 10.9 with replayssm::mamba2_decode registered in the "
+                                        "builder process (trtllm_replayssm.trt_plugin.register()).\n" + cmd + "\n")
+        config = dict(
+            format="trtllm-replayssm-decode-step/1",
+            model=dict(source=str(args.model) if args.model else "embedded-tiny", seed=None if args.model else args.seed,
+                       pattern=cfg.hybrid_override_pattern, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                       mamba_layers=mamba_layers(model)),
+            max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
+            act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
+            inputs=[dict(name=n, shape=list(s), dtype=d) for n, s, d in io] + [
+                dict(name=s["name"], shape=s["shape"], dtype=s["dtype"]) for s in states[2:]],
+            outputs=[dict(name="logits", shape=[-1, cfg.vocab_size], dtype="float32")] + [
+                dict(name=s["output"], shape=s["shape"], dtype=s["dtype"]) for s in states],
+            states=states,
+            plugin=dict(
+                op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
+                dstate=N, ngroups=G, buffer_len=args.buffer_len, sm_count=args.sm_count, kernels=kernels,
+                inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
+                aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i]
+                                 for o, i in trt_plugin.ALIASES.items()},
+            ),
+            plan=None,
+            trtexec=cmd,
+        )
+
+        trt, why = tensorrt_status()
+        if trt is not None:
+            log(f"[5/5] building model.plan with TensorRT {trt.__version__}")
+            build_plan(trt, tmp / "model.onnx", tmp / "model.plan", io_shapes, args.max_batch)
+            config["plan"] = "model.plan"
+        else:
+            log(f"[5/5] model.plan not built: {why}. TensorRT >= {MIN_TRT[0]}.{MIN_TRT[1]} with a GPU is needed "
+                "for the plan. Finish there by rerunning this script (it registers the plugin through "
+                "trtllm_replayssm.trt_plugin), or in --out, with replayssm::mamba2_decode registered, with:")
+            print(cmd, flush=True)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+        if args.out.exists():  # --overwrite: swap, then drop the old directory
+            old = pathlib.Path(tempfile.mkdtemp(dir=args.out.parent, prefix=f".{args.out.name}.old-"))
+            os.replace(args.out, old / "x")
+            os.replace(tmp, args.out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, args.out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"done in {time.time() - t0:.1f} s: {args.out}")
+    return args.out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from builders.nemotron_h import CheckpointError
+
+    try:
+        build(args)
+    except (BuildError, CheckpointError) as e:
+        print(f"build_engine.py: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,320 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Builders on the CPU: patched Nemotron-H, the decode-step module, its ONNX graph, build_engine.py.
+
+Oracles, each where it holds:
+* the unpatched transformers model (its own generate / cache path, fp32): the patched model must
+  produce the same greedy tokens; logits agree to ~1e-5 because only the SSM step differs (float64
+  ReplaySSM reference vs the model's fp32 conventional update).
+* the patched model for the decode-step module (same weights, same float64 SSM reference; the conv
+  and attention are re-expressed with plain ops, so agreement is fp32 summation order, ~1e-6).
+* the decode-step module in PyTorch for the ONNX graph in onnxruntime (custom op = the same float64
+  reference): fp32 kernels of two runtimes, ~1e-6 relative. Bookkeeping (cursor, lengths) exactly.
+All runs use L = 4 and 3L+1 steps, so every row crosses at least three flushes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from transformers import DynamicCache, NemotronHForCausalLM  # noqa: F401
+except ImportError:  # pragma: no cover
+    pytest.skip("transformers without NemotronHForCausalLM (needs transformers >= 5)", allow_module_level=True)
+
+from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
+from builders.nemotron_h import CheckpointError, load_nemotron_h, mamba_layers, patch_replayssm
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+L = 4
+STEPS = 3 * L + 1
+MAX_SEQ = 48
+# fp32 graph vs fp32 module: different kernels (ORT vs torch), same math; values are O(1)-O(10).
+RTOL, ATOL = 1e-4, 2e-5
+
+needs_ort = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("onnxruntime_extensions") is None,
+    reason="onnxruntime-extensions is not installed (pip install onnxruntime onnxruntime-extensions)",
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_nemotron_h(seed=0)
+
+
+def _prompt(batch, length, seed=1):
+    return torch.randint(2, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def test_greedy_tokens_match_unpatched_model(model):
+    ids = _prompt(2, 7)
+    kw = dict(max_new_tokens=64, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    dec = patch_replayssm(model, buffer_len=L)
+    try:
+        out = model.generate(ids, **kw)
+        again = model.generate(ids, **kw)  # a fresh cache: the previous buffers must not leak in
+    finally:
+        dec.unpatch()
+    assert out.sequences.shape[1] == 7 + 64
+    assert torch.equal(out.sequences, ref.sequences) and torch.equal(again.sequences, ref.sequences)
+    # 63 decode steps went through ReplaySSM (the first new token comes from the prefill).
+    assert dec.cursor.tolist() == [63 % L] * 2
+    s_ref, s_out = torch.stack(ref.scores), torch.stack(out.scores)
+    # only the SSM step differs (float64 replay vs fp32 conventional): fp32 rounding of O(1) logits
+    assert torch.allclose(s_out, s_ref, rtol=0, atol=1e-4)
+    assert (s_ref.std(-1) > 0.1).all()  # random weights are not degenerate
+
+
+@torch.no_grad()
+def test_prefill_after_decode_folds_the_buffer(model):
+    """A multi-token chunk after some decode steps sees the state S_k, not the stale checkpoint."""
+    ids, more = _prompt(2, 5), _prompt(2, 3, seed=2)
+    logits = []
+    for patched in (False, True):
+        dec = patch_replayssm(model, buffer_len=L) if patched else None
+        try:
+            cache = DynamicCache(config=model.config)
+            tok = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(L + 2):  # one flush, then cursor 2
+                tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            logits.append(model(more, cache=cache, use_cache=True).logits)
+        finally:
+            if dec is not None:
+                dec.unpatch()
+    assert torch.allclose(logits[1], logits[0], rtol=0, atol=1e-4)
+
+
+def _step_states(step, batch, gen):
+    """Random but realistic states: O(1) values, processed dt in (0, 0.1] as softplus gives."""
+    out = []
+    for spec, z in zip(step.state_specs(), step.empty_states(batch)):
+        if spec.name.startswith("dt_cache"):
+            t = torch.rand(z.shape, generator=gen) * 0.1
+        else:
+            t = torch.randn(z.shape, generator=gen) * 0.5
+        out.append(t.to(z.dtype))
+    return out
+
+
+@torch.no_grad()
+def test_decode_step_matches_patched_model(model):
+    dec = patch_replayssm(model, buffer_len=L)
+    try:
+        step = NemotronHDecodeStep(model, L, MAX_SEQ)
+        cache = DynamicCache(config=model.config)
+        prompt = 6
+        out = model(_prompt(2, prompt), cache=cache, use_cache=True)
+        states = step.states_from_patched(dec, cache, prompt)
+        tok = out.logits[:, -1:].argmax(-1)
+        lengths, cursor = torch.full((2,), prompt, dtype=torch.int32), dec.cursor.clone()
+        for _ in range(STEPS):
+            want = model(tok, cache=cache, use_cache=True).logits[:, -1]
+            got = step(tok, lengths, cursor, *states)
+            # same float64 SSM reference on both sides; conv/attention in plain fp32 ops
+            torch.testing.assert_close(got[0], want, rtol=RTOL, atol=ATOL)
+            assert torch.equal(got[2], dec.cursor)
+            lengths, cursor, states = got[1], got[2], list(got[3:])
+            tok = want.argmax(-1, keepdim=True)
+        named = dict(zip([s.name for s in step.state_specs()], states))
+        for i in mamba_layers(model):
+            for k in ("state", "x_cache", "B_cache", "dt_cache"):
+                key = "ssm_state" if k == "state" else k
+                torch.testing.assert_close(named[f"{key}_{i}"], dec.caches[i][k], rtol=RTOL, atol=ATOL)
+            torch.testing.assert_close(named[f"conv_state_{i}"], cache.get_conv_state(i), rtol=RTOL, atol=ATOL)
+        assert lengths.tolist() == [prompt + STEPS] * 2
+    finally:
+        dec.unpatch()
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    step = NemotronHDecodeStep(model, L, MAX_SEQ)
+    path = tmp_path_factory.mktemp("onnx") / "model.onnx"
+    export_onnx(step, path)
+    return step, path
+
+
+def test_onnx_graph_has_one_plugin_node_per_mamba_layer(model, exported):
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+
+    step, path = exported
+    g = onnx.load(str(path))
+    onnx.checker.check_model(g)
+    assert max(o.version for o in g.opset_import if o.domain in ("", "ai.onnx")) >= 17
+    nodes = [n for n in g.graph.node if n.domain == DOMAIN]
+    assert len(nodes) == len(mamba_layers(model)) and all(n.op_type == OP_TYPE for n in nodes)
+    cfg = model.config
+    for n, i in zip(nodes, mamba_layers(model)):
+        attrs = {a.name: (a.s.decode() if a.type == onnx.AttributeProto.STRING else a.i) for a in n.attribute}
+        assert attrs == dict(plugin_namespace=DOMAIN, aot=1, nheads=cfg.mamba_num_heads, headdim=cfg.mamba_head_dim,
+                             dstate=cfg.ssm_state_size, ngroups=cfg.n_groups, buffer_len=L)
+        assert len(n.input) == 13 and len(n.output) == 5
+        assert list(n.input[8:]) == ["cursor", f"ssm_state_{i}", f"x_cache_{i}", f"B_cache_{i}", f"dt_cache_{i}"]
+        assert list(n.output[1:]) == [f"ssm_state_{i}_out", f"x_cache_{i}_out", f"B_cache_{i}_out", f"dt_cache_{i}_out"]
+    assert [i.name for i in g.graph.input] == step.input_names()
+    assert [o.name for o in g.graph.output] == step.output_names()
+
+
+def _run_both(step, sess, steps, corrupt=None):
+    gen = torch.Generator().manual_seed(0)
+    batch = 3
+    tok = torch.randint(0, 256, (batch, 1), generator=gen)
+    lengths = torch.tensor([0, 3, 5], dtype=torch.int32)
+    cursor = torch.tensor([0, 1, 3], dtype=torch.int32)  # row 2 flushes on the first step
+    states = _step_states(step, batch, gen)
+    names = step.output_names()
+    for s in range(steps):
+        with torch.no_grad():
+            want = step(tok, lengths, cursor, *states)
+        feed = [t.numpy().copy() for t in (tok, lengths, cursor, *states)]
+        if corrupt is not None and s == 0:
+            corrupt(dict(zip(step.input_names(), feed)))
+        got = sess.run(None, dict(zip(step.input_names(), feed)))
+        for name, g, w in zip(names, got, want):
+            if name in ("lengths_out", "cursor_out"):
+                np.testing.assert_array_equal(g, w.numpy(), err_msg=name)
+            else:
+                np.testing.assert_allclose(g, w.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"step {s}: {name}")
+        lengths, cursor, states = want[1], want[2], list(want[3:])
+        tok = want[0].argmax(-1, keepdim=True)
+
+
+@needs_ort
+def test_onnx_matches_decode_step(exported):
+    from builders.ort_reference import session
+
+    step, path = exported
+    _run_both(step, session(path), STEPS)
+
+
+@needs_ort
+def test_onnx_comparison_has_teeth(exported):
+    """One corrupted buffered x entry (row 1, position 0 < its cursor) must be caught."""
+    from builders.ort_reference import session
+
+    step, path = exported
+
+    def corrupt(feed):
+        feed[f"x_cache_{mamba_layers(step.model)[0]}"][1, :, 0] += 1.0
+
+    with pytest.raises(AssertionError):
+        _run_both(step, session(path), 1, corrupt)
+
+
+# ---- loading checkpoints --------------------------------------------------------------------------
+def _save(model, d: pathlib.Path, rename=lambda k: k, drop=(), reshape=(), extra=()):
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    model.config.to_json_file(str(d / "config.json"))
+    sd = {rename(k): v.contiguous() for k, v in model.state_dict().items() if k not in drop}
+    for k in reshape:
+        sd[k] = sd[k][:-1].contiguous()
+    sd.update({k: torch.zeros(2) for k in extra})
+    save_file(sd, str(d / "model.safetensors"))
+    return d
+
+
+def test_load_checkpoint_round_trip(model, tmp_path):
+    loaded = load_nemotron_h(_save(model, tmp_path / "ok", rename=lambda k: k.replace("model.", "backbone.", 1)))
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), k
+
+
+def test_load_checkpoint_errors(model, tmp_path):
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_nemotron_h(tmp_path)
+    bad = _save(model, tmp_path / "llama")
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    with pytest.raises(CheckpointError, match="model_type: expected 'nemotron_h', got 'llama'"):
+        load_nemotron_h(bad)
+    with pytest.raises(CheckpointError, match="missing.*model.layers.0.mixer.A_log"):
+        load_nemotron_h(_save(model, tmp_path / "missing", drop=("model.layers.0.mixer.A_log",)))
+    with pytest.raises(CheckpointError, match=r"model.layers.0.mixer.D: expected shape \(4,\), got \(3,\)"):
+        load_nemotron_h(_save(model, tmp_path / "shape", reshape=("model.layers.0.mixer.D",)))
+    with pytest.raises(CheckpointError, match="unexpected tensors.*model.extra"):
+        load_nemotron_h(_save(model, tmp_path / "extra", extra=("model.extra",)))
+    broken = _save(model, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(CheckpointError, match="cannot read safetensors"):
+        load_nemotron_h(broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match=r"expected \*.safetensors files"):
+        load_nemotron_h(broken)
+
+
+# ---- scripts/build_engine.py ----------------------------------------------------------------------
+def _build(*args):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=170, check=False)
+
+
+def test_build_engine_tiny(tmp_path):
+    out = tmp_path / "engine"
+    r = _build("--out", out, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 4)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "engine"]
+    assert not leftovers, leftovers  # no temporary directory survives, success or not
+    assert r.returncode == 0, r.stderr
+    assert "TensorRT >= 10.9" in r.stdout and "trtexec --onnx=model.onnx" in r.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    assert [k["tactic"] for k in cfg["plugin"]["kernels"]] == [1, 2]
+    for k in cfg["plugin"]["kernels"]:  # the PTX trt_plugin.aot_impl hands TensorRT, one per tactic
+        assert ".entry replayssm_decode" in (out / k["ptx"]).read_text() and k["spec"] in k["ptx"]
+        assert k["extra_int32_args"] == ["batch", "slots"]
+    g = onnx.load(str(out / "model.onnx"))
+    inputs = {i.name for i in g.graph.input}
+    outputs = {o.name for o in g.graph.output}
+    assert all(s["name"] in inputs and s["output"] in outputs and s["shape"][0] == -1 for s in cfg["states"])
+    assert {s["name"] for s in cfg["states"]} | {"input_ids"} == inputs
+    assert sum(n.domain == DOMAIN for n in g.graph.node) == len(cfg["model"]["mamba_layers"]) == 3
+    assert (out / "trtexec.sh").read_text().count("--maxShapes=input_ids:4x1") == 1
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--buffer-len", "5"], "--buffer-len: expected one of"),
+    (["--max-batch", "0"], "--max-batch: expected >= 1, got 0"),
+    (["--model", "/nonexistent"], "--model: expected an existing directory"),
+])
+def test_build_engine_bad_arguments(tmp_path, args, message):
+    r = _build("--out", tmp_path / "engine", *args)
+    assert r.returncode == 2 and message in r.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_build_engine_broken_checkpoint(model, tmp_path):
+    ckpt = _save(model, tmp_path / "ckpt", drop=("lm_head.weight",))
+    r = _build("--out", tmp_path / "engine", "--model", ckpt)
+    assert r.returncode == 1 and "missing" in r.stderr and "lm_head.weight" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.gpu
+@torch.no_grad()
+def test_greedy_tokens_match_unpatched_model_cuda():
+    """Same as the CPU test with the CUDA kernel (trtllm_replayssm.ops.replay_decode) as the backend."""
+    model = load_nemotron_h(seed=0, device="cuda")
+    ids = _prompt(2, 7).cuda()
+    kw = dict(max_new_tokens=64, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    ref = model.generate(ids, **kw)
+    dec = patch_replayssm(model, buffer_len=L)
+    try:
+        out = model.generate(ids, **kw)
+    finally:
+        dec.unpatch()
+    assert torch.equal(out.sequences, ref.sequences)
+    assert dec.cursor.tolist() == [63 % L] * 2
+    # fp32 kernel vs fp32 conventional update: both round in fp32, different orders
+    torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=0, atol=1e-3)
