@@ -127,6 +127,7 @@ def _run(H=4, P=16, N=16, G=2, L=16, T=4, batch=3, slots=5, steps=40, has_z=Fals
 BASE = dict(H=4, P=16, N=16, G=2, L=16, T=4, batch=3, slots=5, steps=40, has_z=False, pad_rows=(), accept="random")
 CASES = [
     BASE,
+    {**BASE, "T": 1, "L": 4},  # T = 1: standard decode on the ring
     {**BASE, "T": 2},
     {**BASE, "T": 6},
     {**BASE, "T": 8},
@@ -207,6 +208,59 @@ def test_flush_folds_committed_history_only():
     assert torch.allclose(state, S_conv, rtol=RTOL, atol=0)
     for t, t0 in zip((xc, Bc, dtc), rings):
         assert torch.equal(t, t0)
+
+
+def test_verify_writes_only_the_window():
+    """verify: the T window ring entries change, nothing else (checkpoint, other entries, cursor), exactly."""
+    gen = torch.Generator().manual_seed(8)
+    H, P, N, G, L, T = 4, 8, 8, 2, 12, 4
+    prm = make_params(H, gen)
+    dt_bias, A, D = (t.to(F64) for t in (prm.dt_bias, prm.A, prm.D))
+    state = torch.randn(2, H, P, N, generator=gen, dtype=F64)
+    xc, Bc, dtc = torch.randn(2, H, L, P, dtype=F64), torch.randn(2, G, L, N, dtype=F64), torch.rand(2, H, L, dtype=F64)
+    cursor = torch.tensor([[10, 3], [0, 0]], dtype=torch.int32)  # window at ring 1, 2, 3, 4
+    before = [t.clone() for t in (state, xc, Bc, dtc, cursor)]
+    sbi = torch.tensor([0], dtype=torch.int32)
+    x, B, C, dt, _ = _window(1, T, H, P, N, G, gen)
+    sr.verify(state, xc, Bc, dtc, cursor, x, B, C, dt, dt_bias, A, D, None, sbi)
+    win = [1, 2, 3, 4]
+    keep = [i for i in range(L) if i not in win]
+    assert torch.equal(state, before[0]) and torch.equal(cursor, before[4])
+    for now, then, ax in ((xc, before[1], 2), (Bc, before[2], 2), (dtc, before[3], 2)):
+        assert torch.equal(now[1], then[1])
+        assert torch.equal(now[0].index_select(ax - 1, torch.tensor(keep)), then[0].index_select(ax - 1, torch.tensor(keep)))
+    assert torch.equal(xc[0][:, win], x[0].transpose(0, 1)) and torch.equal(Bc[0][:, win], B[0].transpose(0, 1))
+    assert torch.equal(dtc[0][:, win], ref.process_dt(dt, dt_bias)[0].transpose(0, 1))
+
+
+def test_low_precision_caches_track_float64_oracle():
+    """fp32 checkpoint, bf16 x/B rings, fp32 dt ring (the kernels' dtypes), bf16 inputs: the spec runs in
+    float64 on the stored values, so against a float64 oracle fed the same bf16 inputs the only
+    differences are the fp32 roundings of dt (rel 6e-8) and of the checkpoint at a flush (rel 6e-8),
+    amplified by at most a few tens of steps: 1e-5 is far above that and far below any real bug (~1e-2)."""
+    gen = torch.Generator().manual_seed(12)
+    H, P, N, G, L, T = 4, 16, 16, 2, 8, 2
+    prm = make_params(H, gen)
+    state = torch.randn(1, H, P, N, generator=gen).float()
+    S_conv = state.double()
+    xc, Bc = torch.zeros(1, H, L, P, dtype=torch.bfloat16), torch.zeros(1, G, L, N, dtype=torch.bfloat16)
+    dtc = torch.zeros(1, H, L, dtype=torch.float32)
+    cursor = torch.zeros(1, 2, dtype=torch.int32)
+    sbi = torch.tensor([0], dtype=torch.int32)
+    one = torch.tensor([0], dtype=torch.int32)
+    for _ in range(20):
+        x, B, C, dt = (t.to(torch.bfloat16) for t in _window(1, T, H, P, N, G, gen)[:4])
+        n = int(torch.randint(1, T + 1, (1,), generator=gen))
+        y = sr.spec_step(state, xc, Bc, dtc, cursor, x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi)
+        S_try = S_conv.clone()
+        for t in range(T):
+            y_or = ref.conventional_step(S_try, x[:, t].double(), B[:, t].double(), C[:, t].double(), dt[:, t].double(),
+                                         prm.dt_bias.double(), prm.A.double(), prm.D.double(), None, one)
+            assert _rel(y[:, t], y_or) < 1e-5
+            if t + 1 == n:
+                S_conv = S_try.clone()
+        sr.commit(cursor, torch.tensor([n]), T, L, sbi)
+        assert _rel(sr.committed_state(state, xc, Bc, dtc, cursor, prm.A, 0), S_conv[0]) < 1e-5
 
 
 def test_padding_rows_and_unused_slots_untouched():
