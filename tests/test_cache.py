@@ -251,3 +251,18 @@ def test_memory_per_request_named_geometries():
         H, P, N, G = GEOMETRIES[name]
         ratios = [memory_per_request(H, P, N, G, 10, 16, d)["ratio"] for d in (1, 3, 7)]
         assert 1.5 < ratios[0] < ratios[1] < ratios[2] < 8  # native grows with the drafts, replay barely
+
+
+def test_teeth_cache_corrupted_ring_entry_is_detected():
+    """Corrupting one committed x entry of one layer changes that layer's committed state, not the other's."""
+    gen = torch.Generator().manual_seed(6)
+    c = _cache()
+    prm, weights = _layer_params(2, c, gen)
+    s = c.allocate()
+    sbi = torch.tensor([s], dtype=torch.int32)
+    _spec_step(c, sbi, 4, prm, weights, gen, nacc=torch.tensor([3], dtype=torch.int32))
+    good = [c.committed_state(l, s, prm[l].A) for l in range(2)]
+    start = int(c.cursor[s, 0])
+    c.x_cache[1, s, 2, (start + 1) % c.buffer_len, 5] += 0.25
+    assert torch.equal(c.committed_state(0, s, prm[0].A), good[0])
+    assert (c.committed_state(1, s, prm[1].A) - good[1]).norm() / good[1].norm() > 1e-6

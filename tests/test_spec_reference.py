@@ -210,6 +210,29 @@ def test_flush_folds_committed_history_only():
         assert torch.equal(t, t0)
 
 
+def test_flush_does_not_change_outputs_or_window_positions():
+    """Flushing before verify is invisible to the outputs (1e-12: float64, only the fold order differs) and
+    the window lands at the same ring indices ((start + count + t) % L == (start' + t) % L), so a fused
+    kernel can decide the flush and write the window without waiting for the cursor."""
+    gen = torch.Generator().manual_seed(9)
+    H, P, N, G, L, T = 4, 8, 8, 2, 12, 4
+    prm = make_params(H, gen)
+    dt_bias, A, D = (t.to(F64) for t in (prm.dt_bias, prm.A, prm.D))
+    state = torch.randn(1, H, P, N, generator=gen, dtype=F64)
+    xc, Bc, dtc = torch.randn(1, H, L, P, dtype=F64), torch.randn(1, G, L, N, dtype=F64), torch.rand(1, H, L, dtype=F64) * 0.05
+    cursor = torch.tensor([[9, 6]], dtype=torch.int32)  # 6 + 8 > 12: flush due; the window still fits (6 + 4 <= 12)
+    sbi = torch.tensor([0], dtype=torch.int32)
+    x, B, C, dt, z = _window(1, T, H, P, N, G, gen, has_z=True)
+    a = [t.clone() for t in (state, xc, Bc, dtc, cursor)]
+    y_no_flush = sr.verify(*a, x, B, C, dt, dt_bias, A, D, z, sbi)
+    b = [t.clone() for t in (state, xc, Bc, dtc, cursor)]
+    assert sr.maybe_flush(*b, A, T, sbi) == [0] and b[4].tolist() == [[3, 0]]
+    y_flush = sr.verify(*b, x, B, C, dt, dt_bias, A, D, z, sbi)
+    assert _rel(y_flush, y_no_flush) < 1e-12
+    for i in (1, 2, 3):
+        assert torch.equal(a[i], b[i])
+
+
 def test_verify_writes_only_the_window():
     """verify: the T window ring entries change, nothing else (checkpoint, other entries, cursor), exactly."""
     gen = torch.Generator().manual_seed(8)
