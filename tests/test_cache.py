@@ -238,6 +238,8 @@ def test_memory_model_matches_allocation():
     assert c.bytes_per_slot() == m["replay"]
     cs = ReplayStateCache(3, 2, 8, 16, 32, 2, 16, num_draft=3, act_dtype=torch.bfloat16, shadow_dtype=torch.bfloat16)
     assert cs.bytes_per_slot() == memory_per_request(8, 16, 32, 2, 3, 16, 3, shadow_bytes=2)["replay"]
+    c8 = ReplayStateCache(3, 2, 8, 16, 32, 2, 16, num_draft=3, act_dtype=torch.bfloat16, shadow_dtype=torch.float8_e4m3fn)
+    assert c8.bytes_per_slot() == memory_per_request(8, 16, 32, 2, 3, 16, 3, shadow_bytes=1)["replay"]
 
 
 def test_memory_per_request_named_geometries():

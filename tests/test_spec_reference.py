@@ -388,5 +388,9 @@ def test_errors_name_the_argument():
         sr.maybe_flush(state, xc[:, :, :6], Bc[:, :, :6], dtc[:, :, :6], torch.zeros(1, 2, dtype=torch.int32), p, T, sbi)
     with pytest.raises(ValueError, match=r"n_accepted\[0\]"):
         sr.commit(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([T + 1]), T, L, sbi)
+    cur = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"n_accepted\[1\]: expected 0 <= n <= T=4, got 9"):
+        sr.commit(cur, torch.tensor([1, 9]), T, L, torch.tensor([0, 1], dtype=torch.int32))
+    assert cur.tolist() == [[0, 1], [3, 2]]  # validated before any cursor moved
     with pytest.raises(ValueError, match="more than one row"):
         sr.commit(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([1, 1]), T, L, torch.tensor([0, 0], dtype=torch.int32))

@@ -251,7 +251,7 @@ def memory_per_request(nheads: int, headdim: int, dstate: int, ngroups: int, num
     """Bytes of decode state one request holds, ReplaySSM spec vs native spec (all Mamba layers).
 
     Per layer:
-      ReplaySSM: state H P N s + shadow H P N sh (+ H P 4 fp8 scales, not counted) + ring L (H P + G N) a
+      ReplaySSM: state H P N s + shadow H P N sh (+ H P 4 of scales for an fp8 shadow) + ring L (H P + G N) a
                  + dt ring H L 4 + conv window conv_dim (K - 1 + num_draft) a;  plus one cursor (8 bytes).
       native:    (1 + num_draft) snapshots of the state H P N s and of the conv state conv_dim (K - 1) a
                  (vLLM / TensorRT-LLM keep a state per draft position for both).
@@ -262,7 +262,7 @@ def memory_per_request(nheads: int, headdim: int, dstate: int, ngroups: int, num
     state = H * P * N * state_bytes
     replay_layer = {
         "state": state,
-        "shadow": H * P * N * shadow_bytes,
+        "shadow": H * P * N * shadow_bytes + (H * P * 4 if shadow_bytes == 1 else 0),
         "ring": L * (H * P + G * N) * act_bytes + H * L * 4,
         "conv": cd * (conv_kernel - 1 + num_draft) * act_bytes,
     }

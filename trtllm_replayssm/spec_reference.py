@@ -101,7 +101,7 @@ def _slots(state_batch_indices, batch: int, nslots: int) -> list[int]:
     return sbi
 
 
-def _check_cursor(cursor, nslots: int, L: int) -> None:
+def _check_cursor(cursor, nslots: int) -> None:
     _check_shape(cursor, "cursor", (nslots, 2))
     if cursor.dtype != torch.int32:
         raise TypeError(f"cursor: expected dtype int32, got {cursor.dtype}")
@@ -149,7 +149,7 @@ def flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: i
     Returns the list of flushed slots. Run it for every layer, then :func:`flush_cursor` once.
     """
     nslots, L = state.shape[0], x_cache.shape[2]
-    _check_cursor(cursor, nslots, L)
+    _check_cursor(cursor, nslots)
     _check_window(num_tokens, L)
     batch = nslots if state_batch_indices is None else state_batch_indices.shape[0]
     flushed = []
@@ -160,11 +160,13 @@ def flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: i
     return flushed
 
 
-def flush_cursor(cursor, num_tokens: int, buffer_len: int, state_batch_indices):
+def flush_cursor(cursor, num_tokens: int, buffer_len: int, state_batch_indices=None):
     """The cursor part of the flush (once per model step): start <- (start + count) % L, count <- 0."""
+    _check_cursor(cursor, cursor.shape[0])
     _check_window(num_tokens, buffer_len)
+    batch = cursor.shape[0] if state_batch_indices is None else state_batch_indices.shape[0]
     flushed = []
-    for s in _slots(state_batch_indices, state_batch_indices.shape[0], cursor.shape[0]):
+    for s in _slots(state_batch_indices, batch, cursor.shape[0]):
         if s >= 0 and needs_flush(cursor, s, num_tokens, buffer_len):
             start, count = _get(cursor, s)
             cursor[s, START] = (start + count) % buffer_len
@@ -173,7 +175,7 @@ def flush_cursor(cursor, num_tokens: int, buffer_len: int, state_batch_indices):
     return flushed
 
 
-def maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, state_batch_indices):
+def maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, state_batch_indices=None):
     """Single-layer flush: :func:`flush_checkpoint` then :func:`flush_cursor`. Returns the flushed slots."""
     flushed = flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens, state_batch_indices)
     flush_cursor(cursor, num_tokens, x_cache.shape[2], state_batch_indices)
@@ -203,7 +205,7 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
         _check_shape(v, name, (H,))
     if H % G:
         raise ValueError(f"B_cache: ngroups must divide nheads={H}, got {G}")
-    _check_cursor(cursor, nslots, L)
+    _check_cursor(cursor, nslots)
     if T > L:
         raise ValueError(f"x: expected at most L={L} tokens per window, got T={T}")
     hpg = H // G
@@ -237,35 +239,35 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
     return y
 
 
-def commit(cursor, n_accepted, num_tokens: int, buffer_len: int, state_batch_indices):
+def commit(cursor, n_accepted, num_tokens: int, buffer_len: int, state_batch_indices=None):
     """count += n_accepted[row] for every row with a slot (in place): a cursor move, no state copy.
 
     n_accepted (batch,) int: accepted tokens of the window including the first one, 0 <= n <= T.
+    All rows are validated before any cursor moves.
     """
-    batch = state_batch_indices.shape[0]
+    _check_cursor(cursor, cursor.shape[0])
+    batch = n_accepted.shape[0] if state_batch_indices is None else state_batch_indices.shape[0]
     _check_shape(n_accepted, "n_accepted", (batch,))
     nacc = [int(v) for v in n_accepted.cpu().tolist()]
-    for b, s in enumerate(_slots(state_batch_indices, batch, cursor.shape[0])):
-        if s < 0:
-            continue
-        n = nacc[b]
+    rows = [(b, s) for b, s in enumerate(_slots(state_batch_indices, batch, cursor.shape[0])) if s >= 0]
+    for b, s in rows:
+        n, count = nacc[b], int(cursor[s, COUNT])
         if not 0 <= n <= num_tokens:
             raise ValueError(f"n_accepted[{b}]: expected 0 <= n <= T={num_tokens}, got {n}")
-        count = int(cursor[s, COUNT])
         if count + n > buffer_len:
             raise ValueError(f"cursor[{s}]: count + n_accepted = {count} + {n} exceeds L={buffer_len}")
-        cursor[s, COUNT] = count + n
+    for b, s in rows:
+        cursor[s, COUNT] = int(cursor[s, COUNT]) + nacc[b]
     return cursor
 
 
 def spec_step(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None,
               state_batch_indices=None):
     """Single-layer convenience: :func:`maybe_flush` then :func:`verify` (what a fused kernel does)."""
-    batch, T = x.shape[:2]
     sbi = state_batch_indices
     if sbi is None:
-        sbi = torch.arange(batch, dtype=torch.int32)
-    maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi)
+        sbi = torch.arange(x.shape[0], dtype=torch.int32)
+    maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, x.shape[1], sbi)
     return verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sbi)
 
 
