@@ -118,9 +118,9 @@ def _get(cursor, s: int) -> tuple[int, int]:
     return int(cursor[s, START]), int(cursor[s, COUNT])
 
 
-def ring_indices(start: int, first: int, n: int, L: int) -> torch.Tensor:
+def ring_indices(start: int, first: int, n: int, L: int, device=None) -> torch.Tensor:
     """Ring indices of entries first+1 .. first+n after the checkpoint (entry j at (start + j - 1) % L)."""
-    return (start + first + torch.arange(n)) % L
+    return (start + first + torch.arange(n, device=device)) % L
 
 
 # ---- committed state and flush -----------------------------------------------------------------------
@@ -131,7 +131,7 @@ def committed_state(state, x_cache, B_cache, dt_cache, cursor, A, slot: int) -> 
     S0 = state[slot].to(F64)
     if count == 0:
         return S0
-    idx = ring_indices(start, 0, count, L)
+    idx = ring_indices(start, 0, count, L, x_cache.device)
     xs = x_cache[slot][:, idx].to(F64)  # (H, m, P)
     Bs = B_cache[slot][:, idx].to(F64).repeat_interleave(H // B_cache.shape[1], dim=0)  # (H, m, N)
     w, decay = buffer_weights(dt_cache[slot][:, idx].to(F64), A.to(F64))
@@ -219,23 +219,26 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
         if not (0 <= start < L and 0 <= count and count + T <= L):
             raise ValueError(f"cursor[{s}]: expected 0 <= start < {L} and count + T <= {L} (T={T}), got "
                              f"start={start}, count={count}; run maybe_flush before verify")
-        win = ring_indices(start, count, T, L)
+        win = ring_indices(start, count, T, L, x_cache.device)
         x_cache[s][:, win] = x[b].transpose(0, 1).to(x_cache.dtype)
         B_cache[s][:, win] = B[b].transpose(0, 1).to(B_cache.dtype)
         dt_cache[s][:, win] = dtp[b].transpose(0, 1).to(dt_cache.dtype)
-        idx = ring_indices(start, 0, count + T, L)
+        idx = ring_indices(start, 0, count + T, L, x_cache.device)
         xs = x_cache[s][:, idx].to(F64)  # (H, m+T, P)
         Bs = B_cache[s][:, idx].to(F64)  # (G, m+T, N)
         dts = dt_cache[s][:, idx].to(F64)  # (H, m+T)
         Cw = C[b].to(F64).transpose(0, 1)  # (G, T, N)
         bc = torch.einsum("gjn,gtn->gtj", Bs, Cw).repeat_interleave(hpg, dim=0)  # (H, T, m+T), once per group
         S0C = torch.einsum("hpn,htn->htp", state[s].to(F64), Cw.repeat_interleave(hpg, dim=0))  # (H, T, P)
-        for t in range(T):
-            k = count + t + 1
-            w, decay = buffer_weights(dts[:, :k], A64)
-            yt = decay[:, None] * S0C[:, t] + torch.einsum("hj,hjp->hp", w * bc[:, t, :k], xs[:, :k])
-            yt = yt + D64[:, None] * xs[:, k - 1]
-            y[b, t] = _gate(yt, None if z is None else z[b, t].to(F64))
+        # causal-masked weights: position t (k = count + t + 1 entries) sees entries j < k
+        cum = A64[:, None] * torch.cumsum(dts, dim=-1)  # (H, m+T): c_j
+        ck = cum[:, count:]  # (H, T): c_k of each window position
+        seen = torch.arange(count + T, device=cum.device)[None, :] < (count + 1 + torch.arange(T, device=cum.device))[:, None]
+        expo = torch.where(seen, ck[:, :, None] - cum[:, None, :], torch.tensor(float("-inf"), dtype=F64, device=cum.device))
+        w = dts[:, None, :] * torch.exp(expo)  # (H, T, m+T), zero above the causal boundary
+        yw = torch.exp(ck)[:, :, None] * S0C + torch.einsum("htj,hjp->htp", w * bc, xs)
+        yw = yw + D64[:, None, None] * xs[:, count:]
+        y[b] = _gate(yw.transpose(0, 1), None if z is None else z[b].to(F64))
     return y
 
 
