@@ -389,6 +389,12 @@ def test_errors_name_the_argument():
     p = z(H, dtype=F64)
     with pytest.raises(ValueError, match=r"cursor\[0\].*count \+ T"):
         sr.verify(state, xc, Bc, dtc, torch.tensor([[0, 5]], dtype=torch.int32), x, B, C, dt, p, p, p, None, sbi)
+    xc2, cur2 = torch.zeros(2, H, L, P, dtype=F64), torch.tensor([[0, 0], [0, 5]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"cursor\[1\]"):  # row 0 is fine, row 1 is not: nothing written
+        sr.verify(state.expand(2, -1, -1, -1).clone(), xc2, Bc.expand(2, -1, -1, -1).clone(), dtc.expand(2, -1, -1).clone(),
+                  cur2, x.expand(2, -1, -1, -1) + 1, B.expand(2, -1, -1, -1), C.expand(2, -1, -1, -1),
+                  dt.expand(2, -1, -1), p, p, p, None, torch.tensor([0, 1], dtype=torch.int32))
+    assert not xc2.any()
     with pytest.raises(ValueError, match=r"C: expected shape \(1, 4, 1, 8\), got \(1, 4, 1, 7\)"):
         sr.verify(state, xc, Bc, dtc, torch.zeros(1, 2, dtype=torch.int32), x, B, C[..., :7], dt, p, p, p, None, sbi)
     with pytest.raises(TypeError, match="cursor: expected dtype int32"):

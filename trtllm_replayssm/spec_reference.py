@@ -212,13 +212,14 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
     A64, D64 = A.to(F64), D.to(F64)
     dtp = process_dt(dt.to(F64), dt_bias.to(F64))  # (batch, T, H)
     y = torch.full((batch, T, H, P), float("nan"), dtype=F64, device=x.device)
-    for b, s in enumerate(_slots(state_batch_indices, batch, nslots)):
-        if s < 0:
-            continue
+    rows = [(b, s) for b, s in enumerate(_slots(state_batch_indices, batch, nslots)) if s >= 0]
+    for _, s in rows:  # every row is validated before anything is written
         start, count = _get(cursor, s)
         if not (0 <= start < L and 0 <= count and count + T <= L):
             raise ValueError(f"cursor[{s}]: expected 0 <= start < {L} and count + T <= {L} (T={T}), got "
                              f"start={start}, count={count}; run maybe_flush before verify")
+    for b, s in rows:
+        start, count = _get(cursor, s)
         win = ring_indices(start, count, T, L, x_cache.device)
         x_cache[s][:, win] = x[b].transpose(0, 1).to(x_cache.dtype)
         B_cache[s][:, win] = B[b].transpose(0, 1).to(B_cache.dtype)
