@@ -409,3 +409,23 @@ def test_errors_name_the_argument():
     assert cur.tolist() == [[0, 1], [3, 2]]  # validated before any cursor moved
     with pytest.raises(ValueError, match="more than one row"):
         sr.commit(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([1, 1]), T, L, torch.tensor([0, 0], dtype=torch.int32))
+
+
+def test_native_snapshots_beyond_T_and_zero_accept_untouched():
+    """native_spec_verify writes snapshots 0..T-1 only; native_spec_commit with n = 0 keeps the state (exact)."""
+    gen = torch.Generator().manual_seed(13)
+    H, P, N, G, T = 2, 8, 8, 1, 2
+    prm = make_params(H, gen)
+    dt_bias, A, D = (t.to(F64) for t in (prm.dt_bias, prm.A, prm.D))
+    state = torch.randn(2, H, P, N, generator=gen, dtype=F64)
+    snaps = torch.randn(2, 4, H, P, N, generator=gen, dtype=F64)
+    s0, st0 = snaps.clone(), state.clone()
+    sbi = torch.tensor([1], dtype=torch.int32)
+    x, B, C, dt, _ = _window(1, T, H, P, N, G, gen)
+    sr.native_spec_verify(state, snaps, x, B, C, dt, dt_bias, A, D, None, sbi)
+    assert torch.equal(state, st0) and torch.equal(snaps[0], s0[0]) and torch.equal(snaps[1, T:], s0[1, T:])
+    assert not torch.equal(snaps[1, :T], s0[1, :T])
+    sr.native_spec_commit(state, snaps, torch.tensor([0]), sbi)
+    assert torch.equal(state, st0)
+    sr.native_spec_commit(state, snaps, torch.tensor([T]), sbi)
+    assert torch.equal(state[1], snaps[1, T - 1]) and torch.equal(state[0], st0[0])
