@@ -1,0 +1,279 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ReplayStateCache: slot lifecycle, prefill hand-off, speculative steps over several layers, memory model.
+
+Oracles and precision:
+- Per request and layer, a conventional float64 state advanced by :func:`reference.conventional_step`
+  over the accepted tokens only, and the full committed conv input history fed to
+  torch.nn.functional.conv1d. The cache runs with float64 state and activations, so agreement is to
+  rounding: RTOL = 1e-10 (different summation order over tens of steps with flushes).
+- Bookkeeping (cursors, recycled vs fresh slots, slots outside the batch, prefill hand-off) is compared
+  exactly (torch.equal, i.e. rtol = atol = 0).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trtllm_replayssm import reference as ref
+from trtllm_replayssm.cache import ReplayStateCache, memory_per_request
+
+from .problems import GEOMETRIES, make_params
+
+F64 = torch.float64
+RTOL = 1e-10  # float64 both sides; summation order only
+GEOM = dict(nheads=4, headdim=8, dstate=8, ngroups=2)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Thousands of tiny float64 ops: intra-op threads only spin (10x slower on a loaded 2-core host)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _cache(layers=2, slots=3, L=8, num_draft=3, K=4, **kw):
+    return ReplayStateCache(layers, slots, **GEOM, buffer_len=L, num_draft=num_draft, conv_kernel=K,
+                            **{"state_dtype": F64, "act_dtype": F64, "dt_dtype": F64, **kw})
+
+
+def _inputs(batch, T, c, gen):
+    H, P, N, G = c.nheads, c.headdim, c.dstate, c.ngroups
+    x = torch.randn(batch, T, H, P, generator=gen, dtype=F64)
+    B = torch.randn(batch, T, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4
+    C = torch.randn(batch, T, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4
+    dt = torch.randn(batch, T, H, generator=gen, dtype=F64) - 2.0
+    u = torch.randn(batch, T, c.conv_dim, generator=gen, dtype=F64)
+    return x, B, C, dt, u
+
+
+def _slot_tensors(c, slot):
+    return [t[:, slot].clone() for t in c._tensors()] + [c.cursor[slot].clone()]
+
+
+def test_lifecycle_and_errors():
+    c = _cache()
+    assert [c.allocate() for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(RuntimeError, match="all 3 slots are live"):
+        c.allocate()
+    c.free(1)
+    with pytest.raises(ValueError, match="slot 1 is not allocated"):
+        c.free(1)
+    with pytest.raises(ValueError, match="verify: slot 1 is not allocated"):
+        x, B, C, dt, _ = _inputs(1, 2, c, torch.Generator().manual_seed(0))
+        p = torch.zeros(4, dtype=F64)
+        c.verify(0, x, B, C, dt, p, p, p, None, torch.tensor([1], dtype=torch.int32))
+    assert c.allocate() == 1 and c.num_free == 0
+    with pytest.raises(ValueError, match=r"buffer_len: expected >= 2 \* \(num_draft \+ 1\) = 8"):
+        _cache(L=7)
+    with pytest.raises(ValueError, match="shadow_dtype"):
+        _cache(shadow_dtype=torch.float32)
+    with pytest.raises(ValueError, match="ngroups: expected a divisor of nheads=4, got 3"):
+        ReplayStateCache(1, 1, 4, 8, 8, 3, 8)
+
+
+def _spec_step(c, sbi, T, prm, weights, gen, nacc=None):
+    """One model step over all layers; returns (ys, conv outs, inputs, nacc)."""
+    batch = sbi.shape[0]
+    c.last_flushed = c.flush(sbi, T, [p.A for p in prm])
+    ys, outs, ins = [], [], []
+    for l in range(c.num_layers):
+        x, B, C, dt, u = _inputs(batch, T, c, gen)
+        ys.append(c.verify(l, x, B, C, dt, prm[l].dt_bias, prm[l].A, prm[l].D, None, sbi))
+        outs.append(c.conv_update(l, u, *weights[l], sbi))
+        ins.append((x, B, C, dt, u))
+    if nacc is None:
+        nacc = torch.randint(1, T + 1, (batch,), generator=gen, dtype=torch.int32)
+    c.commit(sbi, nacc, T)
+    return ys, outs, ins, nacc
+
+
+def _layer_params(layers, c, gen):
+    prm = [make_params(c.nheads, gen) for _ in range(layers)]
+    prm = [type(p)(*(t.to(F64) for t in (p.dt_bias, p.A, p.D))) for p in prm]
+    weights = [(torch.randn(c.conv_dim, c.conv_kernel, generator=gen, dtype=F64),
+                torch.randn(c.conv_dim, generator=gen, dtype=F64)) for _ in range(layers)]
+    return prm, weights
+
+
+def test_recycled_slot_equals_fresh_slot():
+    gen = torch.Generator().manual_seed(1)
+    used, fresh = _cache(), _cache()
+    prm, weights = _layer_params(2, used, gen)
+    s = used.allocate()
+    used.load_prefill(s, 0, torch.randn(4, 8, 8, dtype=F64), torch.randn(used.conv_dim, 3, dtype=F64))
+    sbi = torch.tensor([s], dtype=torch.int32)
+    for _ in range(5):
+        _spec_step(used, sbi, 4, prm, weights, gen)
+    assert used.cursor[s].tolist() != [0, 0]
+    used.free(s)
+    assert used.allocate() == s and fresh.allocate() == s
+    for a, b in zip(_slot_tensors(used, s), _slot_tensors(fresh, s)):
+        assert torch.equal(a, b)  # exact: nothing stale survives a reset
+    g1, g2 = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    r1 = _spec_step(used, sbi, 4, prm, weights, g1)
+    r2 = _spec_step(fresh, sbi, 4, prm, weights, g2)
+    for a, b in zip(r1[0] + r1[1], r2[0] + r2[1]):
+        assert torch.equal(a, b)
+    for a, b in zip(_slot_tensors(used, s), _slot_tensors(fresh, s)):
+        assert torch.equal(a, b)
+
+
+def test_load_prefill_hands_off_state_and_conv():
+    c = _cache(shadow_dtype=torch.bfloat16)
+    s = c.allocate()
+    c.cursor[s] = torch.tensor([5, 2], dtype=torch.int32)  # whatever was there before
+    S = torch.randn(4, 8, 8, dtype=F64)
+    conv = torch.randn(c.conv_dim, 3, dtype=F64)
+    c.load_prefill(s, 1, S, conv)
+    lay = c.layer(1)
+    assert torch.equal(lay.state[s], S) and c.cursor[s].tolist() == [0, 0]
+    assert torch.equal(lay.conv[s][:, -3:], conv) and not lay.conv[s][:, :-3].any()
+    assert not lay.x_cache[s].any() and not lay.B_cache[s].any() and not lay.dt_cache[s].any()
+    assert torch.equal(lay.shadow[s], S.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"conv_state: expected shape \(64, 3\), got \(64, 2\)"):
+        c.load_prefill(s, 1, S, conv[:, :2])
+    with pytest.raises(ValueError, match="load_prefill: slot 2 is not allocated"):
+        c.load_prefill(2, 0, S, conv)
+
+
+@pytest.mark.parametrize("shadow", [torch.bfloat16, torch.float8_e4m3fn])
+def test_shadow_follows_checkpoint_on_flush(shadow):
+    gen = torch.Generator().manual_seed(2)
+    c = _cache(shadow_dtype=shadow)
+    prm, weights = _layer_params(2, c, gen)
+    s = c.allocate()
+    for l in range(2):
+        c.load_prefill(s, l, torch.randn(4, 8, 8, dtype=F64))
+    sbi = torch.tensor([s], dtype=torch.int32)
+    flushed = False
+    for _ in range(4):
+        flushed |= bool(c.flush(sbi, 4, [p.A for p in prm]))
+        for l in range(2):
+            lay = c.layer(l)
+            deq = lay.shadow[s].double() * (1.0 if lay.shadow_scale is None else lay.shadow_scale[s][..., None].double())
+            # bf16: 8 mantissa bits -> rel 2^-8 per element; fp8 e4m3 with per-row amax scale: 2^-4 at worst
+            # per element, ~2^-5 in norm; 0.05 bounds both
+            assert (deq - lay.state[s]).norm() / lay.state[s].norm() < (4e-3 if shadow == torch.bfloat16 else 0.05)
+        _spec_step(c, sbi, 4, prm, weights, gen, nacc=torch.tensor([4], dtype=torch.int32))
+    assert flushed
+
+
+@pytest.mark.parametrize("T", [2, 4])
+def test_continuous_batching_against_oracle(T):
+    """7 requests through 3 slots, 2 layers, a padding row, random acceptance, slots recycled."""
+    gen = torch.Generator().manual_seed(T)
+    c = _cache(layers=2, slots=3, L=9, num_draft=3)
+    prm, weights = _layer_params(2, c, gen)
+    K = c.conv_kernel
+    pending = list(range(7))
+    live = {}  # slot -> dict(req, left, S (per layer), hist (per layer))
+    flushes, allocations = 0, 0
+    for _step in range(30):
+        while pending and c.num_free:
+            req = pending.pop(0)
+            s = c.allocate()
+            allocations += 1
+            S = [torch.randn(4, 8, 8, generator=gen, dtype=F64) for _ in range(2)]
+            hist = [torch.randn(c.conv_dim, K - 1, generator=gen, dtype=F64) for _ in range(2)]
+            for l in range(2):
+                c.load_prefill(s, l, S[l], hist[l])
+            live[s] = dict(req=req, left=int(torch.randint(2, 8, (1,), generator=gen)), S=S, hist=hist)
+        if not live:
+            break
+        slots = sorted(live)
+        sbi = torch.tensor(slots + [-1], dtype=torch.int32)  # one padding row at the end
+        idle = [s for s in range(c.num_slots) if s not in live]
+        idle_before = [_slot_tensors(c, s) for s in idle]
+        ys, outs, ins, nacc = _spec_step(c, sbi, T, prm, weights, gen)
+        flushes += len(c.last_flushed)
+        for now, then in zip([_slot_tensors(c, s) for s in idle], idle_before):
+            assert all(torch.equal(a, b) for a, b in zip(now, then))  # exact
+        for l in range(2):
+            assert torch.isnan(ys[l][-1]).all() and torch.isnan(outs[l][-1]).all()
+        one = torch.tensor([0], dtype=torch.int32)
+        for b, s in enumerate(slots):
+            r = live[s]
+            n = int(nacc[b])
+            for l in range(2):
+                x, B, C, dt, u = ins[l]
+                S_try = r["S"][l][None].clone()
+                for t in range(T):
+                    y_or = ref.conventional_step(S_try, x[b:b + 1, t], B[b:b + 1, t], C[b:b + 1, t], dt[b:b + 1, t],
+                                                 prm[l].dt_bias, prm[l].A, prm[l].D, None, one)[0]
+                    assert torch.allclose(ys[l][b, t], y_or, rtol=RTOL, atol=RTOL * float(y_or.abs().max()))
+                    if t + 1 == n:
+                        r["S"][l] = S_try[0].clone()
+                seq = torch.cat([r["hist"][l][:, -(K - 1):], u[b].T], dim=1)
+                o = F.silu(F.conv1d(seq[None], weights[l][0][:, None], weights[l][1], groups=c.conv_dim))[0].T
+                assert torch.allclose(outs[l][b], o, rtol=1e-12, atol=1e-12)  # K-term sums, different order
+                r["hist"][l] = torch.cat([r["hist"][l], u[b, :n].T], dim=1)
+                assert torch.equal(c.conv[l, s][:, -(K - 1):], r["hist"][l][:, -(K - 1):])  # exact
+                S_now = c.committed_state(l, s, prm[l].A)
+                assert torch.allclose(S_now, r["S"][l], rtol=RTOL, atol=RTOL * float(r["S"][l].abs().max()))
+            assert 0 <= int(c.cursor[s, 1]) <= c.buffer_len - T
+            r["left"] -= 1
+            if r["left"] == 0:
+                c.free(s)
+                del live[s]
+    assert not pending and not live and allocations == 7 and flushes >= 3
+
+
+def test_commit_rejects_bad_n_and_leaves_cache_unchanged():
+    gen = torch.Generator().manual_seed(4)
+    c = _cache()
+    prm, weights = _layer_params(2, c, gen)
+    s0, s1 = c.allocate(), c.allocate()
+    sbi = torch.tensor([s0, s1], dtype=torch.int32)
+    c.flush(sbi, 4, [p.A for p in prm])
+    for l in range(2):
+        x, B, C, dt, u = _inputs(2, 4, c, gen)
+        c.verify(l, x, B, C, dt, prm[l].dt_bias, prm[l].A, prm[l].D, None, sbi)
+        c.conv_update(l, u, *weights[l], sbi)
+    before = [_slot_tensors(c, s) for s in (s0, s1)]
+    with pytest.raises(ValueError, match=r"n_accepted\[1\]: expected 1 <= n <= T=4"):
+        c.commit(sbi, torch.tensor([2, 0], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="num_tokens: expected 1 <= T <= num_draft \\+ 1 = 4, got 5"):
+        c.commit(sbi, torch.tensor([2, 2], dtype=torch.int32), 5)
+    for s, then in zip((s0, s1), before):
+        assert all(torch.equal(a, b) for a, b in zip(_slot_tensors(c, s), then))
+
+
+def test_memory_model_matches_allocation():
+    """memory_per_request's ReplaySSM column is exactly what the cache allocates per slot (bf16 act, fp32 state)."""
+    c = ReplayStateCache(3, 2, 8, 16, 32, 2, 16, num_draft=3, act_dtype=torch.bfloat16)
+    m = memory_per_request(8, 16, 32, 2, 3, 16, 3)
+    assert c.bytes_per_slot() == m["replay"]
+    cs = ReplayStateCache(3, 2, 8, 16, 32, 2, 16, num_draft=3, act_dtype=torch.bfloat16, shadow_dtype=torch.bfloat16)
+    assert cs.bytes_per_slot() == memory_per_request(8, 16, 32, 2, 3, 16, 3, shadow_bytes=2)["replay"]
+    c8 = ReplayStateCache(3, 2, 8, 16, 32, 2, 16, num_draft=3, act_dtype=torch.bfloat16, shadow_dtype=torch.float8_e4m3fn)
+    assert c8.bytes_per_slot() == memory_per_request(8, 16, 32, 2, 3, 16, 3, shadow_bytes=1)["replay"]
+
+
+def test_memory_per_request_named_geometries():
+    H, P, N, G = GEOMETRIES["nemotron_h_8b"]
+    m = memory_per_request(H, P, N, G, num_layers=1, buffer_len=16, num_draft=3)
+    state = 128 * 64 * 128 * 4  # 4 MiB fp32 state per layer
+    conv_dim = 128 * 64 + 2 * 8 * 128
+    assert m["native"] == 4 * state + 4 * conv_dim * 3 * 2
+    assert m["replay"] == state + 16 * (128 * 64 + 8 * 128) * 2 + 128 * 16 * 4 + conv_dim * 6 * 2 + 8
+    for name in ("nemotron_h_8b", "nano_9b_v2", "h_56b"):
+        H, P, N, G = GEOMETRIES[name]
+        ratios = [memory_per_request(H, P, N, G, 10, 16, d)["ratio"] for d in (1, 3, 7)]
+        assert 1.5 < ratios[0] < ratios[1] < ratios[2] < 8  # native grows with the drafts, replay barely
+
+
+def test_teeth_cache_corrupted_ring_entry_is_detected():
+    """Corrupting one committed x entry of one layer changes that layer's committed state, not the other's."""
+    gen = torch.Generator().manual_seed(6)
+    c = _cache()
+    prm, weights = _layer_params(2, c, gen)
+    s = c.allocate()
+    sbi = torch.tensor([s], dtype=torch.int32)
+    _spec_step(c, sbi, 4, prm, weights, gen, nacc=torch.tensor([3], dtype=torch.int32))
+    good = [c.committed_state(l, s, prm[l].A) for l in range(2)]
+    start = int(c.cursor[s, 0])
+    c.x_cache[1, s, 2, (start + 1) % c.buffer_len, 5] += 0.25
+    assert torch.equal(c.committed_state(0, s, prm[0].A), good[0])
+    assert (c.committed_state(1, s, prm[1].A) - good[1]).norm() / good[1].norm() > 1e-6
