@@ -1,0 +1,70 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Triton model repository: built through Triton's ModelConfig protobuf and checked against
+the engine description that scripts/build_engine.py writes (every state paired, nothing missing).
+"""
+
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "scripts" / "make_triton_repo.py")
+mtr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mtr)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("engine") / "tiny"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--out", str(out), "--max-batch", "4"],
+                   check=True, capture_output=True)
+    return out
+
+
+def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    target = mtr.make_repo(engine_dir, tmp_path / "repo", "nh")
+    cfg = json.loads((engine_dir / "config.json").read_text())
+    mc = pb.ModelConfig()
+    text_format.Parse((target / "config.pbtxt").read_text(), mc)
+    assert mc.platform == "tensorrt_plan" and mc.max_batch_size == 4
+    assert [i.name for i in mc.input] == ["input_ids"] and list(mc.input[0].dims) == [1]
+    assert [o.name for o in mc.output] == ["logits"]
+    states = {s.input_name: s for s in mc.sequence_batching.state}
+    assert set(states) == {s["name"] for s in cfg["states"]}
+    for s in cfg["states"]:
+        st = states[s["name"]]
+        assert st.output_name == s["output"] and list(st.dims) == s["shape"][1:]
+        assert st.use_same_buffer_for_input_output and st.initial_state[0].zero_data
+    for name in ("cursor", "lengths"):
+        assert states[name].data_type == pb.TYPE_INT32
+    assert (target / "1" / "MISSING_PLAN.txt").is_file()  # no TensorRT here
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda c: c["states"][0].update(output="nope"), "is not an engine output"),
+    (lambda c: c["states"][1].update(dtype="float16"), "expected float16"),
+    (lambda c: c["inputs"].append({"name": "extra", "shape": [-1], "dtype": "int32"}), "neither a request input"),
+    (lambda c: c["outputs"][0].update(dtype="complex64"), "has no Triton type"),
+    (lambda c: c.pop("states"), "missing 'states'"),
+])
+def test_bad_engine_description_is_rejected(engine_dir, mutate, match):
+    cfg = json.loads((engine_dir / "config.json").read_text())
+    mutate(cfg)
+    with pytest.raises(mtr.RepoError, match=match):
+        mtr.model_config(cfg, "nh")
+
+
+def test_cli_refuses_to_overwrite_and_reports(engine_dir, tmp_path):
+    args = ["--engine-dir", str(engine_dir), "--repo", str(tmp_path / "r")]
+    assert mtr.main(args) == 0
+    assert mtr.main(args) == 2  # exists: refused, nothing half-written
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["nemotron_h_replayssm"]
+    assert mtr.main(["--engine-dir", str(tmp_path / "none"), "--repo", str(tmp_path / "r2")]) == 2
