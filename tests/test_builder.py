@@ -27,7 +27,12 @@ import torch
 try:
     from transformers import DynamicCache, NemotronHForCausalLM  # noqa: F401
 except ImportError:  # pragma: no cover
-    pytest.skip("transformers without NemotronHForCausalLM (needs transformers >= 5)", allow_module_level=True)
+    pytest.skip("transformers without NemotronHForCausalLM (needs transformers >= 5.24)", allow_module_level=True)
+if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H200 image's 5.17
+    import transformers
+
+    pytest.skip(f"transformers {transformers.__version__} lacks the Mamba cache API the patch uses (needs >= 5.24)",
+                allow_module_level=True)
 
 from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
 from builders.nemotron_h import CheckpointError, load_nemotron_h, mamba_layers, patch_replayssm
