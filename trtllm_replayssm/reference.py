@@ -20,6 +20,46 @@ from __future__ import annotations
 
 import torch
 
+FP8_E4M3_MAX = 448.0
+
+
+class Shadow:
+    """Low-precision copy of the checkpoint that the output form reads (DESIGN.md §1).
+
+    ``kind`` "bf16": q = S in bfloat16. ``kind`` "fp8": q = S / scale in float8_e4m3fn with one fp32
+    scale per (slot, head, row), scale = max |S[row]| / 448 (1 for an all-zero row). Written from
+    the stored full-precision values at every flush (and at prefill hand-off), read every step.
+    """
+
+    def __init__(self, slots: int, nheads: int, headdim: int, dstate: int, kind: str, device="cpu"):
+        if kind not in ("bf16", "fp8"):
+            raise ValueError(f"kind: expected 'bf16' or 'fp8', got {kind!r}")
+        self.kind = kind
+        dtype = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
+        self.q = torch.zeros(slots, nheads, headdim, dstate, dtype=dtype, device=device)
+        self.scale = torch.ones(slots, nheads, headdim, device=device) if kind == "fp8" else None
+
+    @classmethod
+    def of(cls, state: torch.Tensor, kind: str) -> Shadow:
+        sh = cls(*state.shape, kind, state.device)
+        for s in range(state.shape[0]):
+            sh.write(s, state[s])
+        return sh
+
+    def write(self, slot: int, S: torch.Tensor) -> None:
+        if self.kind == "bf16":
+            self.q[slot] = S.to(torch.bfloat16)
+            return
+        S32 = S.float()
+        amax = S32.abs().amax(dim=-1)
+        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+        self.scale[slot] = scale
+        self.q[slot] = (S32 / scale[..., None]).to(torch.float8_e4m3fn)
+
+    def read(self, slot: int, dtype=torch.float32) -> torch.Tensor:
+        q = self.q[slot].to(dtype)
+        return q if self.kind == "bf16" else q * self.scale[slot].to(dtype)[..., None]
+
 
 def softplus(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v > 20.0, v, torch.log1p(torch.exp(v)))
@@ -71,13 +111,16 @@ def buffer_weights(dts: torch.Tensor, A: torch.Tensor):
 
 
 def replay_decode(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None,
-                  state_batch_indices=None):
+                  state_batch_indices=None, shadow: Shadow | None = None):
     """One ReplaySSM decode step without moving the cursor; returns y (batch, H, P).
 
     Caches (mutated in place, as the kernel does): state (slots, H, P, N), x_cache (slots, H, L, P),
     B_cache (slots, G, L, N), dt_cache (slots, H, L) processed dt, cursor (slots,) read only.
     Non-flush step: entry k = cursor+1 is appended at position cursor. Flush step (k == L): the
     state form is written as the new checkpoint; the buffers are not written.
+    With ``shadow``, the output form of non-flush steps reads the low-precision shadow of the
+    checkpoint; a flush updates from the full-precision checkpoint and rewrites the shadow from the
+    values it stored, so rounding errors do not accumulate across flushes.
     """
     batch, H, P = x.shape
     L = x_cache.shape[2]
@@ -102,10 +145,13 @@ def replay_decode(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bia
         if k == L:
             S = decay[:, None, None] * state[s].to(ct) + torch.einsum("hk,hkp,hkn->hpn", w, xs, Bs)
             state[s] = S.to(state.dtype)
+            if shadow is not None:
+                shadow.write(s, state[s])
             yb = torch.einsum("hpn,hn->hp", S, Ch[b])
         else:
             bc = torch.einsum("hkn,hn->hk", Bs, Ch[b])
-            yb = decay[:, None] * torch.einsum("hpn,hn->hp", state[s].to(ct), Ch[b])
+            S0 = state[s].to(ct) if shadow is None else shadow.read(s, ct)
+            yb = decay[:, None] * torch.einsum("hpn,hn->hp", S0, Ch[b])
             yb = yb + torch.einsum("hk,hkp->hp", w * bc, xs)
             x_cache[s, :, pos] = x[b].to(x_cache.dtype)
             B_cache[s, :, pos] = B[b].to(B_cache.dtype)
