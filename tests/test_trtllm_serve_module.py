@@ -380,3 +380,18 @@ def test_ops_backend_matches_reference_backend_on_cuda():
         for b in (0, 2):
             assert torch.allclose(out[b].double().cpu(), y_c[b], rtol=2e-2, atol=2e-2)
     assert gpu.cursor.cpu().tolist() == cpu.cursor.tolist()
+
+
+def test_the_oracle_is_the_reference_conventional_step():
+    """conventional_ssu (per (head, dim), TRT-LLM's layout) equals reference.conventional_step (per head)."""
+    from trtllm_replayssm import reference
+
+    kw = _call_args(seed=5)
+    kw["state_batch_indices"] = torch.tensor([2, -1], dtype=torch.int32)
+    s1, s2 = kw["state"].clone(), kw["state"].clone()
+    out = torch.full_like(kw["x"], SENTINEL)
+    conventional_ssu(**{**kw, "state": s1}, out=out)
+    y = reference.conventional_step(s2, kw["x"], kw["B"], kw["C"], kw["dt"][:, :, 0], kw["dt_bias"][:, 0],
+                                    kw["A"][:, 0, 0], kw["D"][:, 0], None, kw["state_batch_indices"])
+    assert torch.allclose(out[0], y[0], rtol=1e-12, atol=1e-12) and torch.allclose(s1, s2, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[1], torch.full_like(out[1], SENTINEL))

@@ -32,6 +32,8 @@ TensorRT-LLM facts this relies on (read from source, commits are of the files na
   kernel skips rows whose slot equals ``pad_slot_id`` and takes tie_hdim from zero strides of A/dt/dt_bias.
 * mamba2_metadata.py (04fa7c4c): ``Mamba2Metadata.state_indices`` is a persistent (max_batch_size,)
   int32 CUDA tensor (stable pointer for CUDA-graph replay).
+* checkpoints/hf/nemotron_h_weight_mapper.py (05b033ac): ``A_log`` is loaded as ``A = -exp(A_log)`` in
+  fp32; ``D`` and ``dt_bias`` in fp32 (so A reaches us negative, as our kernels expect).
 * modeling_nemotron_h.py (00620eb0): ``NemotronHModel.forward(attn_metadata, ...)`` runs all layers of a
   step; "M" layers are ``Mamba2Mixer(..., layer_idx=layer_idx, ...)``.
 * llmapi/utils.py + executor/executor.py: a TP1 model runs in a spawned worker unless
