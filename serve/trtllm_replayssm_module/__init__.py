@@ -36,6 +36,9 @@ TensorRT-LLM facts this relies on (read from source, commits are of the files na
   fp32; ``D`` and ``dt_bias`` in fp32 (so A reaches us negative, as our kernels expect).
 * modeling_nemotron_h.py (00620eb0): ``NemotronHModel.forward(attn_metadata, ...)`` runs all layers of a
   step; "M" layers are ``Mamba2Mixer(..., layer_idx=layer_idx, ...)``.
+* pyexecutor/cuda_graph_runner.py (000a01de): ``capture()`` runs the forward twice eagerly, then once
+  under ``torch.cuda.graph``; so our buffers are allocated before any capture, and the Python step
+  hooks run at capture time while the cursor-advance kernel they launch is replayed with the graph.
 * llmapi/utils.py + executor/executor.py: a TP1 model runs in a spawned worker unless
   ``TLLM_WORKER_USE_SINGLE_PROCESS=1``.
 """
