@@ -395,3 +395,29 @@ def test_the_oracle_is_the_reference_conventional_step():
                                     kw["A"][:, 0, 0], kw["D"][:, 0], None, kw["state_batch_indices"])
     assert torch.allclose(out[0], y[0], rtol=1e-12, atol=1e-12) and torch.allclose(s1, s2, rtol=1e-12, atol=1e-12)
     assert torch.equal(out[1], torch.full_like(out[1], SENTINEL))
+
+
+def test_rows_sharing_a_dummy_slot_leave_the_real_slots_exact(fake_trtllm):
+    """CUDA-graph padding rows are dummy requests that may share one slot; real rows must not notice."""
+    mixer_cls, model_cls = fake_trtllm
+    H, P, N, S, G = 4, 8, 16, 4, 2
+    gen = torch.Generator().manual_seed(11)
+    prm = fp32_params(H, gen)
+    oracle = mixer_cls(layer_idx=0, head_dim=P, d_state=N, **prm)
+    adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L))
+    model = model_cls([mixer_cls(layer_idx=0, head_dim=P, d_state=N, **prm)])
+    init = torch.randn(S, H, P, N, generator=gen, dtype=F64)
+    ssm_rep, ssm_conv = {0: init.clone()}, {0: init.clone()}
+    rows = [1, 3, 3, 0]  # slot 3 is the dummy slot, used by two padding rows
+    for _ in range(2 * L + 1):
+        n = len(rows)
+        inputs = {0: dict(x=torch.randn(n, H, P, generator=gen, dtype=F64), B=torch.randn(n, G, N, generator=gen, dtype=F64),
+                          C=torch.randn(n, G, N, generator=gen, dtype=F64), dt=torch.randn(n, H, generator=gen, dtype=F64) - 2)}
+        md_rep, md_conv = metadata(rows, 0, ssm_rep, inputs, H, P), metadata(rows, 0, ssm_conv, inputs, H, P)
+        model.forward(md_rep)
+        oracle.forward(md_conv)
+        for b in (0, 3):
+            assert torch.allclose(md_rep.out[0][b], md_conv.out[0][b], rtol=1e-10, atol=1e-10)
+        for s in (0, 1):
+            assert torch.allclose(adapter.current_state(0, s), ssm_conv[0][s], rtol=1e-10, atol=1e-10)
+    assert torch.equal(ssm_rep[0][2], init[2]) and int(adapter.cursor[2]) == 0
