@@ -1,0 +1,67 @@
+# SPDX-License-Identifier: Apache-2.0
+"""trtllm-serve custom module: Nemotron-H Mamba-2 single-token decode through ReplaySSM.
+
+Load with ``trtllm-serve MODEL --backend pytorch --custom_module_dirs serve/trtllm_replayssm_module``
+(README "trtllm-serve"). What TensorRT-LLM does with that flag (tensorrt_llm/commands/serve.py,
+read at 00209af1; tensorrt_llm/tools/importlib_utils.py): ``serve()`` calls
+``import_custom_module_from_dir(dir)`` for each directory before it builds the LLM; that inserts the
+directory's parent into ``sys.path`` and ``importlib.import_module(<directory name>)``. Nothing is
+required to be exported or registered: importing this package is the hook. serve.py has imported
+``tensorrt_llm`` by then, so on import we call :func:`install` when ``tensorrt_llm`` is already in
+``sys.modules`` (or ``TRTLLM_REPLAYSSM_INSTALL=1``; ``TRTLLM_REPLAYSSM_DISABLE=1`` turns it off).
+
+Route: :mod:`.install` wraps TRT-LLM's ``Mamba2Mixer.__init__`` so its ``selective_state_update_func``
+becomes :func:`.adapter.replay_selective_state_update` (ReplaySSM: TRT-LLM's state tensor is the
+checkpoint, we own the replay buffers and the cursor, flush when the buffer is full), and wraps
+``NemotronHModel.forward`` to advance the cursor once per step. Prefill is TRT-LLM's own chunked
+scan, unchanged; its final state is the checkpoint (the prefill rows' cursors are zeroed).
+:mod:`.adapter` needs only torch and trtllm_replayssm; only :func:`install` needs tensorrt_llm.
+
+TensorRT-LLM facts this relies on (read from source, commits are of the files named):
+
+* mamba2_mixer.py (02140fd4): non-MTP decode calls ``self.selective_state_update_func(ssm_states,
+  x_d, dt_d, A, B_d, C_d, D, z=None, dt_bias=dt_bias, dt_softplus=self.delta_softplus,
+  state_batch_indices=state_indices_d, out=preallocated_ssm_out_d.view(num_decodes, -1, head_dim))``
+  with x_d/B_d/C_d made contiguous, ``dt_d`` = fp32 dt repeated over head_dim, and A/dt_bias/D the
+  ``_A_expanded`` (h p n) / ``_dt_bias_expanded`` (h p) / ``_D_expanded`` (h p) repeats of per-head
+  fp32 parameters built in ``post_load_weights``. Prefill writes ``ssm_states[state_indices_p]``.
+  ``ssm_states`` is ``kv_cache_manager.get_ssm_states(layer_idx)`` or ``mamba_layer_cache(...).temporal``.
+* mamba_cache_manager.py (00bce92c): SSM states are (slot_size, num_heads, head_dim, d_state) per layer;
+  CUDA-graph padding rows use persistent dummy requests (real slots), not -1.
+* modules/mamba/__init__.py: ``PAD_SLOT_ID = -1``; selective_state_update.py (1d2bb3b7): the native
+  kernel skips rows whose slot equals ``pad_slot_id`` and takes tie_hdim from zero strides of A/dt/dt_bias.
+* mamba2_metadata.py (04fa7c4c): ``Mamba2Metadata.state_indices`` is a persistent (max_batch_size,)
+  int32 CUDA tensor (stable pointer for CUDA-graph replay).
+* checkpoints/hf/nemotron_h_weight_mapper.py (05b033ac): ``A_log`` is loaded as ``A = -exp(A_log)`` in
+  fp32; ``D`` and ``dt_bias`` in fp32 (so A reaches us negative, as our kernels expect).
+* modeling_nemotron_h.py (00620eb0): ``NemotronHModel.forward(attn_metadata, ...)`` runs all layers of a
+  step; "M" layers are ``Mamba2Mixer(..., layer_idx=layer_idx, ...)``.
+* pyexecutor/cuda_graph_runner.py (000a01de): ``capture()`` runs the forward twice eagerly, then once
+  under ``torch.cuda.graph``; so our buffers are allocated before any capture, and the Python step
+  hooks run at capture time while the cursor-advance kernel they launch is replayed with the graph.
+* llmapi/utils.py + executor/executor.py: a TP1 model runs in a spawned worker unless
+  ``TLLM_WORKER_USE_SINGLE_PROCESS=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+try:
+    import trtllm_replayssm  # noqa: F401
+except ImportError:  # not pip-installed: use the repository this directory lives in
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    import trtllm_replayssm  # noqa: F401
+
+from .adapter import ReplaySSMAdapter, replay_selective_state_update  # noqa: E402
+from .install import VERIFIED_AGAINST, install, patch_classes, uninstall  # noqa: E402
+
+__all__ = ["ReplaySSMAdapter", "replay_selective_state_update", "install", "uninstall", "patch_classes",
+           "VERIFIED_AGAINST", "ADAPTER"]
+
+ADAPTER = None
+if os.environ.get("TRTLLM_REPLAYSSM_DISABLE") != "1" and (
+        "tensorrt_llm" in sys.modules or os.environ.get("TRTLLM_REPLAYSSM_INSTALL") == "1"):
+    ADAPTER = install()

@@ -1,0 +1,295 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ReplaySSM behind TensorRT-LLM's ``selective_state_update`` call: the adapter (no tensorrt_llm needed).
+
+Route: TRT-LLM's Mamba2Mixer decode calls ``selective_state_update(state, x, dt, A, B, C, D, z=None,
+dt_bias=..., dt_softplus=..., state_batch_indices=..., out=...)`` once per Mamba layer per step
+(tensorrt_llm/_torch/modules/mamba/mamba2_mixer.py, non-MTP branch). The installer
+(:mod:`.install`) replaces that call with :func:`replay_selective_state_update`, which converts the
+arguments to our state contract and calls ``trtllm_replayssm.ops.replay_decode`` (CUDA) or
+``trtllm_replayssm.reference.replay_decode`` (CPU, float64 tests).
+
+Argument conversion (TRT-LLM layout -> ours, README "State contract"):
+
+=====================  ==========================================  =====================================
+TRT-LLM argument       TRT-LLM layout                               ReplaySSM
+=====================  ==========================================  =====================================
+state                  (slots, H, P, N) ssm_states of the layer     the checkpoint S0, used in place
+x                      (batch, H, P) contiguous                     x
+dt                     (batch, H, P) fp32, ``repeat(dt, "b h ->     (batch, H) in x's dtype: [..., 0];
+                       b h p")`` (stride 0 on P)                    exact, dt came from the bf16 in_proj
+A                      (H, P, N) fp32 ``_A_expanded`` (strides 0)   (H,) fp32 = A[:, 0, 0]
+dt_bias, D             (H, P) fp32 ``_dt_bias_expanded``, ...       (H,) fp32 = [:, 0]
+B, C                   (batch, G, N) contiguous                     B, C
+z                      None for Nemotron-H (gate is in the norm)    z (optional)
+dt_softplus            True (``delta_softplus``)                    required: our kernels always apply it
+state_batch_indices    (batch,) int32, pad slot -1 (PAD_SLOT_ID)   state_batch_indices, -1 = padding
+out                    (batch, H, P) view of the preallocated out   written for rows with a slot
+=====================  ==========================================  =====================================
+
+tie_hdim: the kernels take one A, dt, dt_bias, D per head. A per-(head, dim) argument is accepted when
+it is a broadcast (stride 0, as TRT-LLM passes it) or, outside CUDA-graph capture, when its values
+are constant within each head; otherwise the error names the argument.
+
+State the adapter owns, per Mamba layer (allocated lazily on the first decode call, sized like the
+layer's TRT-LLM state pool: ``slots = state.shape[0]``): x_cache (slots, H, L, P) and B_cache
+(slots, G, L, N) in the activation dtype, dt_cache (slots, H, L) fp32 (float64 when the
+activations are); one cursor (slots,) int32
+shared by all layers. TRT-LLM's ``state`` tensor stays the checkpoint: written only on a flush
+(the step whose buffer becomes full), and by TRT-LLM's own prefill.
+
+Step protocol ("once per step"): :meth:`ReplaySSMAdapter.begin_step` before the model's layers run
+(zeroes the cursor of the prefill rows' slots: their prefill writes a fresh checkpoint), one decode
+call per Mamba layer, :meth:`ReplaySSMAdapter.end_step` after the last layer (advances the cursor
+once, for the slot tensor the step's decode calls used). The installer calls both around
+``NemotronHModel.forward``, which is inside TRT-LLM's CUDA-graph capture, so the cursor advance is
+recorded in the graph. A layer decoded twice in one step, or two different slot tensors in one
+step, is an error (the hooks are missing or the step is not what we think).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trtllm_replayssm import reference
+
+# TRT-LLM / FlashInfer selective_state_update arguments of the multi-token (speculative verify) and
+# stochastic-rounding paths. ReplaySSM single-token decode does not implement them.
+UNSUPPORTED = ("disable_state_update", "intermediate_states_buffer", "cache_steps", "retrieve_parent_token",
+               "intermediate_state_indices", "rand_seed", "philox_rounds")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def reference_backend(out=None, check_values=None, **kw):
+    """``reference.replay_decode`` with the launcher's keyword signature (``out`` is handled by the caller)."""
+    return reference.replay_decode(**kw)
+
+
+def default_backend(device: torch.device):
+    if device.type == "cuda":
+        from trtllm_replayssm import ops
+
+        return ops.replay_decode, ops.advance_cursor
+    return reference_backend, reference.advance_cursor
+
+
+def per_head(name: str, t, H: int, tail: tuple, check: bool) -> torch.Tensor | None:
+    """(H,) fp32 from TRT-LLM's per-head (H,) or per-(head, dim...) broadcast ``(H, *tail)`` argument."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) == (H,):
+        return t.float().contiguous()
+    if tuple(t.shape) != (H, *tail):
+        raise ValueError(f"{name}: expected shape ({H},) or {(H, *tail)} (per-head values broadcast over the "
+                         f"head's dims), got {tuple(t.shape)}")
+    head = t[(slice(None),) + (0,) * len(tail)]
+    tied = all(s == 0 for s in t.stride()[1:])
+    if not tied and check and not torch.equal(t, head.reshape(H, *(1,) * len(tail)).expand_as(t)):
+        raise ValueError(f"{name}: expected one value per head (tie_hdim, as Mamba-2 / Nemotron-H), got values "
+                         f"that vary within a head")
+    return head.float().contiguous()
+
+
+def per_head_dt(dt, batch: int, H: int, P: int, dtype: torch.dtype, check: bool) -> torch.Tensor:
+    """(batch, H) in the activation dtype from TRT-LLM's (batch, H, P) broadcast or (batch, H) dt."""
+    if not isinstance(dt, torch.Tensor):
+        raise TypeError(f"dt: expected a torch.Tensor, got {type(dt).__name__}")
+    if tuple(dt.shape) == (batch, H):
+        return dt.to(dtype).contiguous()
+    if tuple(dt.shape) != (batch, H, P):
+        raise ValueError(f"dt: expected shape ({batch}, {H}) or ({batch}, {H}, {P}), got {tuple(dt.shape)}")
+    head = dt[:, :, 0]
+    if dt.stride(2) != 0 and check and not torch.equal(dt, head[:, :, None].expand_as(dt)):
+        raise ValueError("dt: expected one value per (row, head) (tie_hdim), got values that vary along head_dim")
+    return head.to(dtype).contiguous()
+
+
+class ReplaySSMAdapter:
+    """Per-layer replay buffers and the shared cursor behind TRT-LLM's ``selective_state_update``.
+
+    ``backend(x=, B=, C=, dt=, dt_bias=, A=, D=, z=, state=, x_cache=, B_cache=, dt_cache=, cursor=,
+    state_batch_indices=, out=, check_values=)`` returns y (batch, H, P) and leaves padding rows of
+    ``out`` untouched; ``advance(cursor, state_batch_indices, buffer_len)`` moves the cursor. Defaults:
+    ``ops.replay_decode`` / ``ops.advance_cursor`` on CUDA, the reference elsewhere.
+    ``check_values``: host-side slot/cursor and tie_hdim value checks (each synchronizes; off in serving).
+    """
+
+    def __init__(self, buffer_len: int = 16, backend=None, advance=None, check_values: bool = False):
+        if not isinstance(buffer_len, int) or not 1 <= buffer_len <= 32:
+            raise ValueError(f"buffer_len: expected an int in 1..32, got {buffer_len!r}")
+        self.buffer_len = buffer_len
+        self.backend, self.advance = backend, advance
+        self.check_values = check_values
+        self.layers: dict[int, dict] = {}
+        self.cursor: torch.Tensor | None = None
+        self._step_slots: torch.Tensor | None = None
+        self._step_layers: set[int] = set()
+
+    # ---- bookkeeping ------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget every buffer and the cursor (a new state pool: every slot starts from its checkpoint)."""
+        self.layers.clear()
+        self.cursor = None
+        self.abort_step()
+
+    def _buffers(self, layer_idx: int, state: torch.Tensor, x: torch.Tensor, G: int) -> dict:
+        S, H, P, N = state.shape
+        L = self.buffer_len
+        lay = self.layers.get(layer_idx)
+        if lay is not None and (lay["state"].data_ptr() != state.data_ptr() or lay["state"].shape != state.shape):
+            # TRT-LLM re-creates its cache manager after memory estimation: a new pool, fresh slots.
+            if _capturing():
+                raise RuntimeError(f"state: layer {layer_idx}'s SSM state pool changed during CUDA-graph capture")
+            self.reset()
+            lay = None
+        if lay is None:
+            if _capturing():
+                raise RuntimeError(f"layer {layer_idx}: ReplaySSM buffers would be allocated (and zeroed) inside a "
+                                   "CUDA-graph capture; run one eager decode step first, or disable CUDA graphs")
+            if self.cursor is None:
+                self.cursor = torch.zeros(S, dtype=torch.int32, device=state.device)
+            elif self.cursor.shape[0] != S or self.cursor.device != state.device:
+                raise ValueError(f"state: expected {self.cursor.shape[0]} slots on {self.cursor.device} like the other "
+                                 f"Mamba layers, got {S} on {state.device}")
+            lay = dict(state=state,
+                       x_cache=torch.zeros(S, H, L, P, dtype=x.dtype, device=state.device),
+                       B_cache=torch.zeros(S, G, L, N, dtype=x.dtype, device=state.device),
+                       # fp32 per the contract; float64 only when the activations are (CPU tests)
+                       dt_cache=torch.zeros(S, H, L, dtype=torch.promote_types(torch.float32, x.dtype),
+                                            device=state.device),
+                       params=None)
+            self.layers[layer_idx] = lay
+        for name, want in (("x_cache", (S, H, L, P)), ("B_cache", (S, G, L, N))):
+            got = lay[name]
+            if tuple(got.shape) != want or got.dtype != x.dtype:
+                raise ValueError(f"layer {layer_idx}: expected activations giving {name} {want} {x.dtype}, got buffers "
+                                 f"{tuple(got.shape)} {got.dtype} from an earlier step")
+        return lay
+
+    def _note_step(self, layer_idx: int, slots: torch.Tensor) -> None:
+        if layer_idx in self._step_layers:
+            raise RuntimeError(f"layer {layer_idx}: decoded twice in one model step; begin_step()/end_step() are not "
+                               "being called around the model forward")
+        if self._step_slots is None:
+            self._step_slots = slots
+        elif (slots.data_ptr(), slots.shape, slots.stride()) != (
+                self._step_slots.data_ptr(), self._step_slots.shape, self._step_slots.stride()):
+            raise RuntimeError(f"state_batch_indices: layer {layer_idx} got a different slot tensor than the step's "
+                               "first Mamba layer; expected one slot tensor per step")
+        self._step_layers.add(layer_idx)
+
+    def begin_step(self, prefill_slots: torch.Tensor | None = None) -> None:
+        """Start a model step. ``prefill_slots``: slots whose prefill (or prefill chunk) runs this step;
+        their checkpoint is rewritten by TRT-LLM's prefill, so their buffers are emptied (cursor 0)."""
+        if self._step_layers:
+            raise RuntimeError("begin_step: the previous step decoded layers "
+                               f"{sorted(self._step_layers)} but was not closed by end_step()")
+        if prefill_slots is None or self.cursor is None or prefill_slots.numel() == 0:
+            return
+        S = self.cursor.shape[0]
+        idx = prefill_slots.to(device=self.cursor.device, dtype=torch.long)
+        # Padding (-1) goes to a scratch entry: no host sync, CUDA-graph safe.
+        ext = torch.cat([self.cursor, self.cursor.new_zeros(1)])
+        ext.index_fill_(0, torch.where(idx >= 0, idx, torch.full_like(idx, S)), 0)
+        self.cursor.copy_(ext[:S])
+
+    def end_step(self) -> None:
+        """Close a model step: advance the cursor once for the slots the step's decode rows used."""
+        slots = self._step_slots
+        self.abort_step()
+        if slots is not None:
+            advance = self.advance or default_backend(self.cursor.device)[1]
+            advance(self.cursor, slots, self.buffer_len)
+
+    def abort_step(self) -> None:
+        """Drop the step's bookkeeping without moving the cursor (the forward raised)."""
+        self._step_slots = None
+        self._step_layers = set()
+
+    # ---- the decode call ----------------------------------------------------------------------------
+    def selective_state_update(self, layer_idx: int, state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                               dt_softplus: bool = False, state_batch_indices=None, pad_slot_id: int = -1,
+                               out=None, **extra):
+        """One single-token Mamba-2 decode step of layer ``layer_idx``, TRT-LLM's arguments; returns ``out`` (or y)."""
+        for k, v in extra.items():
+            if k not in UNSUPPORTED:
+                raise TypeError(f"selective_state_update: unexpected argument {k!r}")
+            if v is not None and v is not False:
+                raise NotImplementedError(f"{k}: expected None (ReplaySSM routes single-token decode only; speculative "
+                                          f"verify and stochastic rounding are not supported), got {type(v).__name__}")
+        if not isinstance(state, torch.Tensor) or state.dim() != 4:
+            raise ValueError(f"state: expected a (slots, nheads, head_dim, d_state) tensor, got {_shape(state)}")
+        S, H, P, N = state.shape
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[1:]) != (H, P):
+            raise NotImplementedError(f"x: expected single-token (batch, {H}, {P}), got {_shape(x)} (multi-token / "
+                                      "speculative verify is not routed to ReplaySSM)")
+        if not dt_softplus:
+            raise NotImplementedError("dt_softplus: expected True (the ReplaySSM kernels always apply "
+                                      "softplus(dt + dt_bias)), got False")
+        if pad_slot_id != -1:
+            raise ValueError(f"pad_slot_id: expected -1 (our padding slot), got {pad_slot_id}")
+        if not isinstance(B, torch.Tensor) or B.dim() != 3:
+            raise ValueError(f"B: expected a (batch, ngroups, d_state) tensor, got {_shape(B)}")
+        batch, G = x.shape[0], B.shape[1]
+        if state_batch_indices is None:
+            sbi = torch.arange(batch, dtype=torch.int32, device=x.device)
+        elif not isinstance(state_batch_indices, torch.Tensor) or tuple(state_batch_indices.shape) != (batch,):
+            raise ValueError(f"state_batch_indices: expected shape ({batch},), got {_shape(state_batch_indices)}")
+        else:
+            sbi = state_batch_indices if state_batch_indices.dtype == torch.int32 else state_batch_indices.int()
+        check = self.check_values and not _capturing()
+
+        lay = self._buffers(layer_idx, state, x, G)
+        params = lay["params"]
+        key = tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride()) for t in (A, dt_bias, D))
+        if params is None or params[0] != key:
+            # A, dt_bias, D are parameters: convert once (eagerly, before any graph capture).
+            A_h = per_head("A", A, H, (P, N), check=not _capturing())
+            dtb = per_head("dt_bias", dt_bias, H, (P,), check=not _capturing())
+            D_h = per_head("D", D, H, (P,), check=not _capturing())
+            zeros = torch.zeros(H, dtype=torch.float32, device=state.device)
+            params = lay["params"] = (key, A_h, zeros if dtb is None else dtb, zeros if D_h is None else D_h)
+        _, A_h, dtb, D_h = params
+        dt_h = per_head_dt(dt, batch, H, P, x.dtype, check)
+
+        self._note_step(layer_idx, sbi)
+        backend = self.backend or default_backend(x.device)[0]
+        direct = (out is not None and out.is_contiguous() and tuple(out.shape) == tuple(x.shape)
+                  and out.dtype == x.dtype and backend is not reference_backend)
+        y = backend(x=x, B=B, C=C, dt=dt_h, dt_bias=dtb, A=A_h, D=D_h, z=z, state=state, x_cache=lay["x_cache"],
+                    B_cache=lay["B_cache"], dt_cache=lay["dt_cache"], cursor=self.cursor, state_batch_indices=sbi,
+                    out=out if direct else None, check_values=check)
+        if out is None:
+            return y
+        if not direct:
+            if tuple(out.shape) != tuple(x.shape):
+                raise ValueError(f"out: expected shape {tuple(x.shape)}, got {tuple(out.shape)}")
+            # Padding rows keep whatever out held (no host sync: a select, not a boolean index).
+            out.copy_(torch.where((sbi >= 0).to(out.device)[:, None, None], y.to(out.dtype), out))
+        return out
+
+    # ---- inspection ---------------------------------------------------------------------------------
+    def current_state(self, layer_idx: int, slot: int) -> torch.Tensor:
+        """The recurrent state of ``slot`` that checkpoint + buffer stand for (float64)."""
+        lay = self.layers[layer_idx]
+        A_h = lay["params"][1]
+        return reference.replay_state(lay["state"], lay["x_cache"], lay["B_cache"], lay["dt_cache"], self.cursor,
+                                      A_h, slot)
+
+
+def replay_selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                                  state_batch_indices=None, pad_slot_id=-1, out=None, *, adapter: ReplaySSMAdapter,
+                                  layer_idx: int, **extra):
+    """Drop-in for TRT-LLM's ``selective_state_update`` (same positional order: state, x, dt, A, B, C, D)
+    routed to ReplaySSM; ``adapter`` and ``layer_idx`` are bound by the installer per Mamba2Mixer."""
+    return adapter.selective_state_update(layer_idx, state, x, dt, A, B, C, D=D, z=z, dt_bias=dt_bias,
+                                          dt_softplus=dt_softplus, state_batch_indices=state_batch_indices,
+                                          pad_slot_id=pad_slot_id, out=out, **extra)

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Monkeypatch installer: route TensorRT-LLM's Nemotron-H Mamba-2 single-token decode to ReplaySSM.
+
+Route (facts from TensorRT-LLM's source, read, not run; see the package docstring for commits):
+
+* ``Mamba2Mixer.__init__`` (tensorrt_llm/_torch/modules/mamba/mamba2_mixer.py) stores the decode kernel
+  in the instance attribute ``selective_state_update_func`` (FlashInfer's
+  ``flashinfer.mamba.selective_state_update`` or the native Triton ``selective_state_update``; the
+  attribute exists since PR #10757, merged 2026-01). ``Mamba2Mixer.forward`` calls it in the non-MTP
+  decode branch as ``func(ssm_states, x_d, dt_d, A, B_d, C_d, D, z=None, dt_bias=..., dt_softplus=
+  self.delta_softplus, state_batch_indices=state_indices_d, out=...)``. We wrap ``__init__`` so every
+  mixer built afterwards carries :func:`.adapter.replay_selective_state_update` bound to its
+  ``layer_idx``; the MTP / speculative-verify branch calls the same attribute with 4-D x and
+  ``cache_steps`` / ``intermediate_states_buffer`` and gets a NotImplementedError.
+* ``NemotronHModel.forward(attn_metadata, ...)`` (tensorrt_llm/_torch/models/modeling_nemotron_h.py)
+  runs every decoder layer of one step and reads ``attn_metadata.mamba_metadata``. We wrap it:
+  ``begin_step(prefill slots)`` before, ``end_step()`` after (the cursor advance). Prefill rows come
+  first in the batch: their slots are ``mamba_metadata.state_indices[:attn_metadata.num_contexts]``
+  (the same split Mamba2Mixer.forward makes).
+
+Only mixers constructed after :func:`install` are routed, in the process that ran it: trtllm-serve
+imports ``--custom_module_dirs`` in its own process before it builds the LLM; with the default
+single-GPU executor the model runs in a spawned worker process instead, so set
+``TLLM_WORKER_USE_SINGLE_PROCESS=1`` (tensorrt_llm/llmapi/utils.py,
+``enable_worker_single_process_for_tp1``; tensorrt_llm/executor/executor.py then builds the worker
+in-process).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from .adapter import ReplaySSMAdapter, replay_selective_state_update
+
+log = logging.getLogger("trtllm_replayssm_module")
+
+VERIFIED_AGAINST = ("TensorRT-LLM main, 2026 (PyTorch backend; Mamba2Mixer.selective_state_update_func since "
+                    "PR #10757), read from source at mamba2_mixer.py 02140fd4, modeling_nemotron_h.py "
+                    "00620eb0, mamba_cache_manager.py 00bce92c, commands/serve.py 00209af1; not run")
+
+_installed: dict = {}
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+def prefill_slots(attn_metadata):
+    """Slots of this step's prefill rows (prefill rows come first), or None."""
+    n = int(getattr(attn_metadata, "num_contexts", 0) or 0)
+    if n == 0:
+        return None
+    idx = getattr(getattr(attn_metadata, "mamba_metadata", None), "state_indices", None)
+    if idx is None:  # older layout: the Python Mamba cache manager hands out the indices
+        idx = attn_metadata.kv_cache_manager.get_state_indices()
+    return idx[:n]
+
+
+def patch_classes(mixer_cls, model_cls, adapter: ReplaySSMAdapter) -> ReplaySSMAdapter:
+    """Wrap ``mixer_cls.__init__`` (decode call) and ``model_cls.forward`` (step hooks) for ``adapter``."""
+    if "mixer" in _installed:
+        raise RuntimeError("trtllm_replayssm_module: already installed; call uninstall() first")
+    orig_init, orig_forward = mixer_cls.__init__, model_cls.forward
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        if not hasattr(self, "selective_state_update_func"):
+            raise RuntimeError(f"{mixer_cls.__name__}: expected the attribute selective_state_update_func after "
+                               f"__init__, found none; this tensorrt_llm is outside the verified range "
+                               f"({VERIFIED_AGAINST})")
+        self.replayssm_conventional_func = self.selective_state_update_func
+        self.selective_state_update_func = functools.partial(replay_selective_state_update, adapter=adapter,
+                                                             layer_idx=self.layer_idx)
+
+    @functools.wraps(orig_forward)
+    def forward(self, attn_metadata, *args, **kwargs):
+        adapter.begin_step(prefill_slots(attn_metadata))
+        try:
+            out = orig_forward(self, attn_metadata, *args, **kwargs)
+        except BaseException:
+            adapter.abort_step()
+            raise
+        adapter.end_step()
+        return out
+
+    mixer_cls.__init__, model_cls.forward = __init__, forward
+    _installed.update(mixer=(mixer_cls, orig_init), model=(model_cls, orig_forward), adapter=adapter)
+    return adapter
+
+
+def uninstall() -> None:
+    """Restore the original classes (mixers already constructed keep the replay function)."""
+    if "mixer" in _installed:
+        cls, init = _installed.pop("mixer")
+        cls.__init__ = init
+        cls, fwd = _installed.pop("model")
+        cls.forward = fwd
+        _installed.pop("adapter", None)
+
+
+def install(adapter: ReplaySSMAdapter | None = None) -> ReplaySSMAdapter:
+    """Patch tensorrt_llm's Mamba2Mixer and NemotronHModel in this process; returns the adapter.
+
+    Environment: ``TRTLLM_REPLAYSSM_BUFFER_LEN`` (L, default 16), ``TRTLLM_REPLAYSSM_CHECK_VALUES=1``
+    (host-side slot/cursor checks; synchronizes every layer).
+    """
+    try:
+        from tensorrt_llm._torch.models import modeling_nemotron_h
+        from tensorrt_llm._torch.modules.mamba import mamba2_mixer
+    except ImportError as e:
+        raise ImportError("trtllm_replayssm_module.install: expected tensorrt_llm's PyTorch backend "
+                          "(tensorrt_llm._torch.modules.mamba.mamba2_mixer, tensorrt_llm._torch.models."
+                          f"modeling_nemotron_h); verified against {VERIFIED_AGAINST}; got: {e}") from e
+    if adapter is None:
+        adapter = ReplaySSMAdapter(buffer_len=_env_int("TRTLLM_REPLAYSSM_BUFFER_LEN", 16),
+                                   check_values=os.environ.get("TRTLLM_REPLAYSSM_CHECK_VALUES") == "1")
+    if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
+        log.warning("trtllm_replayssm_module: patched this process only; a spawned executor worker does not import "
+                    "--custom_module_dirs. For TP1 set TLLM_WORKER_USE_SINGLE_PROCESS=1.")
+    return patch_classes(mamba2_mixer.Mamba2Mixer, modeling_nemotron_h.NemotronHModel, adapter)

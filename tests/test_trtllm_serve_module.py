@@ -1,0 +1,423 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The trtllm-serve custom module (serve/trtllm_replayssm_module): adapter logic on the CPU.
+
+tensorrt_llm cannot be installed here, so the module is driven through a stand-in of the two
+TensorRT-LLM call sites it patches, written from their source (see the module docstring):
+``Mamba2Mixer`` stores ``selective_state_update_func`` in ``__init__`` and calls it in decode with
+TRT-LLM's arguments (x (b, h, p); dt fp32 repeated over head_dim; A (h, p, n), dt_bias and D (h, p)
+broadcasts; B, C (b, g, n); ``state_batch_indices`` with -1 padding; a preallocated ``out``), and
+writes ``ssm_states[state_indices_p]`` in prefill; ``NemotronHModel.forward`` runs the layers of a step.
+
+Oracle: the same stand-in left unpatched, whose ``selective_state_update_func`` is the conventional
+Mamba-2 step written out per (head, dim) like TRT-LLM's native kernel without tie_hdim (not our
+reference), in float64. Both sides run in float64 on identical inputs; the ReplaySSM side reorganises
+the sums (exp(c_k - c_j) products vs repeated multiplication), so agreement is ~1e-13 relative and the
+1e-10 tolerance (as in test_reference.py) leaves room over 3L+ steps. Parameters are fp32 values
+(TRT-LLM keeps A, D, dt_bias in fp32 and the adapter passes them on as fp32). Bookkeeping (padding
+rows of ``out``, slots no request uses, cursors) is compared exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+import types
+
+import pytest
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "serve"))
+import trtllm_replayssm_module as mod  # noqa: E402
+from trtllm_replayssm_module import ReplaySSMAdapter, patch_classes, uninstall  # noqa: E402
+
+F64 = torch.float64
+SENTINEL = 123.25
+
+
+# ---- the oracle: TRT-LLM's selective_state_update semantics, per (head, dim) ---------------------------
+def conventional_ssu(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                     state_batch_indices=None, pad_slot_id=-1, out=None):
+    H = x.shape[1]
+    rep = H // B.shape[1]
+    dtf = dt + dt_bias if dt_bias is not None else dt.clone()  # (b, h, p)
+    if dt_softplus:
+        dtf = torch.where(dtf > 20.0, dtf, torch.log1p(torch.exp(dtf)))
+    for b, s in enumerate(state_batch_indices.tolist()):
+        if s == pad_slot_id:
+            continue
+        Bh, Ch = B[b].repeat_interleave(rep, 0), C[b].repeat_interleave(rep, 0)  # (h, n)
+        dA = torch.exp(A * dtf[b][:, :, None])  # (h, p, n)
+        state[s] = state[s] * dA + (dtf[b] * x[b])[:, :, None] * Bh[:, None, :]
+        y = (state[s] * Ch[:, None, :]).sum(-1)
+        if D is not None:
+            y = y + x[b] * D
+        if z is not None:
+            y = y * z[b] * torch.sigmoid(z[b])
+        out[b] = y
+    return out
+
+
+# ---- stand-in of the two TRT-LLM call sites ----------------------------------------------------------
+def make_fake_trtllm():
+    class Mamba2Mixer:
+        def __init__(self, *, layer_idx, A, D, dt_bias, head_dim, d_state):
+            self.layer_idx, self.head_dim = layer_idx, head_dim
+            self.selective_state_update_func = conventional_ssu
+            H = A.shape[0]
+            # post_load_weights: repeat(A, "h -> h p n"), repeat(dt_bias / D, "h -> h p") (views, stride 0)
+            self._A_expanded = A[:, None, None].expand(H, head_dim, d_state)
+            self._dt_bias_expanded = dt_bias[:, None].expand(H, head_dim)
+            self._D_expanded = D[:, None].expand(H, head_dim)
+
+        def forward(self, md):
+            n_p, n_d = md.num_contexts, md.num_seqs - md.num_contexts
+            si_p, si_d = torch.split(md.mamba_metadata.state_indices[:n_p + n_d], [n_p, n_d])
+            ssm = md.ssm_states[self.layer_idx]
+            inp = md.inputs[self.layer_idx]
+            if n_p:
+                ssm[si_p.long()] = inp["prefill_state"]
+            if n_d:
+                dt_d = inp["dt"][:, :, None].expand(n_d, inp["dt"].shape[1], self.head_dim)
+                self.selective_state_update_func(
+                    ssm, inp["x"].contiguous(), dt_d, self._A_expanded, inp["B"].contiguous(), inp["C"].contiguous(),
+                    self._D_expanded, z=None, dt_bias=self._dt_bias_expanded, dt_softplus=True,
+                    state_batch_indices=si_d, out=md.out[self.layer_idx].view(n_d, -1, self.head_dim))
+
+    class NemotronHModel:
+        def __init__(self, mixers):
+            self.mixers = mixers
+
+        def forward(self, attn_metadata, input_ids=None):
+            for m in self.mixers:
+                m.forward(attn_metadata)
+
+    return Mamba2Mixer, NemotronHModel
+
+
+@pytest.fixture
+def fake_trtllm():
+    mixer_cls, model_cls = make_fake_trtllm()
+    yield mixer_cls, model_cls
+    uninstall()
+
+
+def fp32_params(H, gen):
+    dt0 = torch.exp(torch.rand(H, generator=gen, dtype=F64) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    dt_bias = dt0 + torch.log(-torch.expm1(-dt0))
+    A = -torch.exp(torch.log(torch.rand(H, generator=gen, dtype=F64) * 15 + 1))
+    D = torch.randn(H, generator=gen, dtype=F64) * 0.5 + 1.0
+    return {k: v.float().double() for k, v in dict(A=A, D=D, dt_bias=dt_bias).items()}
+
+
+def metadata(state_indices, num_contexts, ssm_states, inputs, H, P):
+    n_d = len(state_indices) - num_contexts
+    out = {i: torch.full((n_d, H * P), SENTINEL, dtype=F64) for i in inputs}
+    return types.SimpleNamespace(num_contexts=num_contexts, num_seqs=len(state_indices),
+                                 mamba_metadata=types.SimpleNamespace(
+                                     state_indices=torch.tensor(state_indices, dtype=torch.int32)),
+                                 ssm_states=ssm_states, inputs=inputs, out=out)
+
+
+# A schedule crossing flushes: (prefill slots, decode slots) per step. Slot 0's request finishes after
+# step 5; a new request is prefilled into slot 0 in two chunks (steps 7, 8) and decodes from step 9.
+# Slots 1, 2, 4, 6 are never used; one padding row (-1) rides along in every decode batch.
+L = 4
+
+
+def schedule(steps):
+    plan = [([3, 0, 5], [])]
+    for t in range(1, steps):
+        dec = [3, 5] + ([0] if t <= 5 or t >= 9 else [])
+        pre = [0] if t in (7, 8) else []
+        plan.append((pre, dec))
+    return plan
+
+
+@pytest.mark.parametrize("G", [2, 1, 4])
+def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, G):
+    mixer_cls, model_cls = fake_trtllm
+    H, P, N, S, layers = 4, 8, 16, 7, (0, 2)
+    steps = 3 * L + 3
+    gen = torch.Generator().manual_seed(G)
+    prm = {i: fp32_params(H, gen) for i in layers}
+    oracle = [mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in layers]  # built before patching
+    adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L))
+    model = model_cls([mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in layers])
+    assert all(m.selective_state_update_func.func is mod.replay_selective_state_update for m in model.mixers)
+
+    init = {i: torch.randn(S, H, P, N, generator=gen, dtype=F64) for i in layers}
+    ssm_rep = {i: init[i].clone() for i in layers}
+    ssm_conv = {i: init[i].clone() for i in layers}
+    flushed_at_zero = 0
+    for t, (pre, dec) in enumerate(schedule(steps)):
+        rows = [dec[j] for j in torch.randperm(len(dec), generator=gen).tolist()] if dec else []
+        if rows:
+            rows.insert(int(torch.randint(len(rows) + 1, (1,), generator=gen)), -1)  # padding row
+        nd = len(rows)
+        inputs = {i: dict(prefill_state=torch.randn(len(pre), H, P, N, generator=gen, dtype=F64),
+                          x=torch.randn(nd, H, P, generator=gen, dtype=F64),
+                          B=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                          C=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                          dt=torch.randn(nd, H, generator=gen, dtype=F64) - 2.0) for i in layers}
+        md_rep = metadata(pre + rows, len(pre), ssm_rep, inputs, H, P)
+        md_conv = metadata(pre + rows, len(pre), ssm_conv, inputs, H, P)
+        model.forward(md_rep)
+        for m in oracle:
+            m.forward(md_conv)
+        if not rows:
+            continue
+        pad = rows.index(-1)
+        valid = [b for b in range(nd) if b != pad]
+        for i in layers:
+            y_rep, y_conv = md_rep.out[i], md_conv.out[i]
+            assert torch.equal(y_rep[pad], torch.full_like(y_rep[pad], SENTINEL))  # padding row untouched
+            err = (y_rep[valid] - y_conv[valid]).norm() / y_conv[valid].norm()
+            assert err < 1e-10, (t, i, float(err))
+            for s in dec:  # the state checkpoint + buffer stand for is the conventional state
+                assert torch.allclose(adapter.current_state(i, s), ssm_conv[i][s], rtol=1e-10, atol=1e-10), (t, i, s)
+                if int(adapter.cursor[s]) == 0:  # just flushed: the checkpoint itself is current
+                    assert torch.allclose(ssm_rep[i][s], ssm_conv[i][s], rtol=1e-10, atol=1e-10)
+                    flushed_at_zero += 1
+    assert flushed_at_zero >= 2 * len(layers) * 3  # slots 3 and 5 flushed 3 times each over 3L+2 decode steps
+    assert int(adapter.cursor[3]) == (steps - 1) % L and int(adapter.cursor[5]) == (steps - 1) % L
+    assert int(adapter.cursor[0]) == (steps - 9) % L  # reset by its new prefill, then decoded from step 9
+    for i in layers:
+        lay = adapter.layers[i]
+        for s in (1, 2, 4, 6):  # slots no request used: checkpoint and buffers untouched
+            assert torch.equal(ssm_rep[i][s], init[i][s])
+            assert not lay["x_cache"][s].any() and not lay["B_cache"][s].any() and not lay["dt_cache"][s].any()
+            assert int(adapter.cursor[s]) == 0
+
+
+def test_teeth_a_corrupted_buffer_entry_is_caught(fake_trtllm):
+    """The state oracle is not vacuous: one changed cached x entry moves the state it stands for."""
+    mixer_cls, model_cls = fake_trtllm
+    H, P, N, S, G = 4, 8, 16, 3, 2
+    gen = torch.Generator().manual_seed(7)
+    prm = fp32_params(H, gen)
+    oracle = mixer_cls(layer_idx=0, head_dim=P, d_state=N, **prm)
+    adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L))
+    model = model_cls([mixer_cls(layer_idx=0, head_dim=P, d_state=N, **prm)])
+    init = torch.randn(S, H, P, N, generator=gen, dtype=F64)
+    ssm_rep, ssm_conv = {0: init.clone()}, {0: init.clone()}
+    for _ in range(2):
+        inputs = {0: dict(x=torch.randn(1, H, P, generator=gen, dtype=F64), B=torch.randn(1, G, N, generator=gen, dtype=F64),
+                          C=torch.randn(1, G, N, generator=gen, dtype=F64), dt=torch.randn(1, H, generator=gen, dtype=F64) - 2)}
+        model.forward(metadata([1], 0, ssm_rep, inputs, H, P))
+        oracle.forward(metadata([1], 0, ssm_conv, inputs, H, P))
+    assert torch.allclose(adapter.current_state(0, 1), ssm_conv[0][1], rtol=1e-10, atol=1e-10)
+    adapter.layers[0]["x_cache"][1, 2, 1, 3] += 1e-3
+    assert not torch.allclose(adapter.current_state(0, 1), ssm_conv[0][1], rtol=1e-10, atol=1e-10)
+
+
+# ---- argument conversion and errors ---------------------------------------------------------------
+def _call_args(H=4, P=8, N=16, G=2, S=3, batch=2, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    prm = fp32_params(H, gen)
+    return dict(state=torch.randn(S, H, P, N, generator=gen, dtype=F64),
+                x=torch.randn(batch, H, P, generator=gen, dtype=F64),
+                dt=(torch.randn(batch, H, generator=gen, dtype=F64) - 2)[:, :, None].expand(batch, H, P),
+                A=prm["A"][:, None, None].expand(H, P, N), B=torch.randn(batch, G, N, generator=gen, dtype=F64),
+                C=torch.randn(batch, G, N, generator=gen, dtype=F64), D=prm["D"][:, None].expand(H, P),
+                dt_bias=prm["dt_bias"][:, None].expand(H, P), dt_softplus=True,
+                state_batch_indices=torch.tensor([2, 0], dtype=torch.int32)[:batch])
+
+
+def _step(adapter, kw, layer=0):
+    adapter.begin_step()
+    y = adapter.selective_state_update(layer, **kw)
+    adapter.end_step()
+    return y
+
+
+def test_tie_hdim_materialized_per_dim_arguments_equal_the_broadcast_ones():
+    kw = _call_args()
+    y_b = _step(ReplaySSMAdapter(buffer_len=L), {**kw, "state": kw["state"].clone()})
+    dense = {k: (kw[k].contiguous() if k in ("A", "D", "dt_bias", "dt") else kw[k]) for k in kw}
+    dense["state"] = kw["state"].clone()
+    y_d = _step(ReplaySSMAdapter(buffer_len=L, check_values=True), dense)
+    assert torch.equal(y_b, y_d)
+    per_head = {**kw, "state": kw["state"].clone(), "A": kw["A"][:, 0, 0], "D": kw["D"][:, 0],
+                "dt_bias": kw["dt_bias"][:, 0], "dt": kw["dt"][:, :, 0]}
+    assert torch.equal(_step(ReplaySSMAdapter(buffer_len=L), per_head), y_b)
+
+
+@pytest.mark.parametrize("name", ["A", "D", "dt_bias", "dt"])
+def test_per_dim_values_that_vary_within_a_head_are_refused(name):
+    kw = _call_args()
+    bad = kw[name].contiguous().clone()
+    bad[(0,) * bad.dim()] += 1.0
+    kw[name] = bad
+    adapter = ReplaySSMAdapter(buffer_len=L, check_values=True)
+    with pytest.raises(ValueError, match=rf"^{name}: expected one value per"):
+        _step(adapter, kw)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(dt_softplus=False), NotImplementedError, r"^dt_softplus: expected True"),
+    (dict(intermediate_states_buffer=torch.zeros(1)), NotImplementedError, r"^intermediate_states_buffer: expected None"),
+    (dict(cache_steps=4), NotImplementedError, r"^cache_steps: expected None"),
+    (dict(rand_seed=torch.zeros(1, dtype=torch.int64)), NotImplementedError, r"^rand_seed: expected None"),
+    (dict(bogus=1), TypeError, r"unexpected argument 'bogus'"),
+    (dict(x=torch.zeros(2, 3, 4, 8, dtype=F64)), NotImplementedError, r"^x: expected single-token \(batch, 4, 8\)"),
+    (dict(state_batch_indices=torch.zeros(3, dtype=torch.int32)), ValueError, r"^state_batch_indices: expected shape \(2,\)"),
+    (dict(A=torch.zeros(4, 8, dtype=F64)), ValueError, r"^A: expected shape \(4,\) or \(4, 8, 16\)"),
+    (dict(pad_slot_id=0), ValueError, r"^pad_slot_id: expected -1"),
+])
+def test_unsupported_arguments_are_named(change, exc, match):
+    with pytest.raises(exc, match=match):
+        ReplaySSMAdapter(buffer_len=L).selective_state_update(0, **{**_call_args(), **change})
+
+
+def test_buffer_len_is_checked():
+    with pytest.raises(ValueError, match=r"^buffer_len: expected an int in 1\.\.32, got 0"):
+        ReplaySSMAdapter(buffer_len=0)
+
+
+def test_step_guards():
+    kw = _call_args()
+    adapter = ReplaySSMAdapter(buffer_len=L)
+    adapter.begin_step()
+    adapter.selective_state_update(0, **kw)
+    with pytest.raises(RuntimeError, match=r"^layer 0: decoded twice in one model step"):
+        adapter.selective_state_update(0, **kw)
+    with pytest.raises(RuntimeError, match=r"^state_batch_indices: layer 1 got a different slot tensor"):
+        adapter.selective_state_update(1, **{**kw, "state_batch_indices": kw["state_batch_indices"].clone()})
+    with pytest.raises(RuntimeError, match=r"^begin_step: the previous step decoded layers \[0\]"):
+        adapter.begin_step()
+    adapter.end_step()
+    assert adapter.cursor.tolist() == [1, 0, 1]
+    adapter.begin_step()
+    adapter.end_step()  # a step without decode rows does not move the cursor
+    assert adapter.cursor.tolist() == [1, 0, 1]
+    adapter.begin_step(torch.tensor([2, -1], dtype=torch.int32))  # prefill of slot 2: its buffer is emptied
+    assert adapter.cursor.tolist() == [1, 0, 0]
+    adapter.abort_step()
+
+
+def test_a_new_state_pool_starts_every_slot_from_its_checkpoint():
+    kw = _call_args()
+    adapter = ReplaySSMAdapter(buffer_len=L)
+    _step(adapter, kw)
+    assert adapter.cursor.tolist() == [1, 0, 1]
+    _step(adapter, {**kw, "state": kw["state"].clone()})  # TRT-LLM re-created its cache manager
+    assert adapter.cursor.tolist() == [1, 0, 1] and len(adapter.layers) == 1
+    assert not adapter.layers[0]["x_cache"][:, :, 1:].any()
+
+
+def test_out_padding_rows_untouched_and_out_returned():
+    kw = _call_args()
+    kw["state_batch_indices"] = torch.tensor([-1, 1], dtype=torch.int32)
+    out = torch.full_like(kw["x"], SENTINEL)
+    adapter = ReplaySSMAdapter(buffer_len=L)
+    adapter.begin_step()
+    assert adapter.selective_state_update(0, **kw, out=out) is out
+    adapter.end_step()
+    assert torch.equal(out[0], torch.full_like(out[0], SENTINEL)) and not torch.isnan(out[1]).any()
+    assert adapter.cursor.tolist() == [0, 1, 0]
+
+
+# ---- packaging: import without tensorrt_llm, installer ---------------------------------------------
+def test_import_without_tensorrt_llm_installs_nothing():
+    if "tensorrt_llm" in sys.modules:
+        pytest.skip("tensorrt_llm is imported in this process")
+    assert mod.ADAPTER is None
+
+
+def test_install_without_tensorrt_llm_names_what_was_verified():
+    try:
+        import tensorrt_llm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("tensorrt_llm is installed")
+    with pytest.raises(ImportError, match=r"expected tensorrt_llm's PyTorch backend .* verified against TensorRT-LLM"):
+        mod.install()
+
+
+def test_install_into_real_tensorrt_llm():
+    pytest.importorskip("tensorrt_llm", reason="tensorrt_llm is not installed here (its PyPI package is a stub that "
+                                               "downloads from NVIDIA's index); run where it is")
+    from tensorrt_llm._torch.models.modeling_nemotron_h import NemotronHModel
+    from tensorrt_llm._torch.modules.mamba.mamba2_mixer import Mamba2Mixer
+
+    init, fwd = Mamba2Mixer.__init__, NemotronHModel.forward
+    if mod.ADAPTER is None:
+        adapter = mod.install(ReplaySSMAdapter(buffer_len=L))
+        assert isinstance(adapter, ReplaySSMAdapter)
+    assert Mamba2Mixer.__init__ is not init or mod.ADAPTER is not None
+    assert NemotronHModel.forward.__wrapped__ is not None
+    uninstall()
+    if mod.ADAPTER is None:
+        assert Mamba2Mixer.__init__ is init and NemotronHModel.forward is fwd
+
+
+# ---- CUDA: the ops backend behind the same adapter (runs on the device machine) ---------------------
+@pytest.mark.gpu
+def test_ops_backend_matches_reference_backend_on_cuda():
+    H, P, N, G, S, batch = 8, 64, 64, 2, 5, 3
+    gen = torch.Generator().manual_seed(3)
+    prm = fp32_params(H, gen)
+    state = torch.randn(S, H, P, N, generator=gen)
+    sbi = torch.tensor([4, -1, 1], dtype=torch.int32)
+    gpu, cpu = ReplaySSMAdapter(buffer_len=L), ReplaySSMAdapter(buffer_len=L)
+    st_g, st_c = state.cuda(), state.double()
+    for _ in range(2 * L + 1):
+        x = torch.randn(batch, H, P, generator=gen).bfloat16()
+        B, C = (torch.randn(batch, G, N, generator=gen).bfloat16() * 0.5 for _ in range(2))
+        dt = (torch.randn(batch, H, generator=gen) - 2).bfloat16().float()  # TRT-LLM: bf16 in_proj -> fp32
+        kw = dict(dt=dt[:, :, None].expand(batch, H, P), A=prm["A"].float()[:, None, None].expand(H, P, N),
+                  D=prm["D"].float()[:, None].expand(H, P), dt_bias=prm["dt_bias"].float()[:, None].expand(H, P),
+                  dt_softplus=True)
+        out = torch.full((batch, H, P), SENTINEL, dtype=torch.bfloat16, device="cuda")
+        _step(gpu, dict(state=st_g, x=x.cuda(), B=B.cuda(), C=C.cuda(), state_batch_indices=sbi.cuda(), out=out,
+                        **{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}))
+        y_c = _step(cpu, dict(state=st_c, x=x.double(), B=B.double(), C=C.double(), state_batch_indices=sbi,
+                              **{k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}))
+        assert torch.equal(out[1].cpu(), torch.full((H, P), SENTINEL, dtype=torch.bfloat16))
+        # bf16 output rounding (2^-8 relative) dominates the fp32-vs-float64 arithmetic difference
+        for b in (0, 2):
+            assert torch.allclose(out[b].double().cpu(), y_c[b], rtol=2e-2, atol=2e-2)
+    assert gpu.cursor.cpu().tolist() == cpu.cursor.tolist()
+
+
+def test_the_oracle_is_the_reference_conventional_step():
+    """conventional_ssu (per (head, dim), TRT-LLM's layout) equals reference.conventional_step (per head)."""
+    from trtllm_replayssm import reference
+
+    kw = _call_args(seed=5)
+    kw["state_batch_indices"] = torch.tensor([2, -1], dtype=torch.int32)
+    s1, s2 = kw["state"].clone(), kw["state"].clone()
+    out = torch.full_like(kw["x"], SENTINEL)
+    conventional_ssu(**{**kw, "state": s1}, out=out)
+    y = reference.conventional_step(s2, kw["x"], kw["B"], kw["C"], kw["dt"][:, :, 0], kw["dt_bias"][:, 0],
+                                    kw["A"][:, 0, 0], kw["D"][:, 0], None, kw["state_batch_indices"])
+    assert torch.allclose(out[0], y[0], rtol=1e-12, atol=1e-12) and torch.allclose(s1, s2, rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[1], torch.full_like(out[1], SENTINEL))
+
+
+def test_rows_sharing_a_dummy_slot_leave_the_real_slots_exact(fake_trtllm):
+    """CUDA-graph padding rows are dummy requests that may share one slot; real rows must not notice."""
+    mixer_cls, model_cls = fake_trtllm
+    H, P, N, S, G = 4, 8, 16, 4, 2
+    gen = torch.Generator().manual_seed(11)
+    prm = fp32_params(H, gen)
+    oracle = mixer_cls(layer_idx=0, head_dim=P, d_state=N, **prm)
+    adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L))
+    model = model_cls([mixer_cls(layer_idx=0, head_dim=P, d_state=N, **prm)])
+    init = torch.randn(S, H, P, N, generator=gen, dtype=F64)
+    ssm_rep, ssm_conv = {0: init.clone()}, {0: init.clone()}
+    rows = [1, 3, 3, 0]  # slot 3 is the dummy slot, used by two padding rows
+    for _ in range(2 * L + 1):
+        n = len(rows)
+        inputs = {0: dict(x=torch.randn(n, H, P, generator=gen, dtype=F64), B=torch.randn(n, G, N, generator=gen, dtype=F64),
+                          C=torch.randn(n, G, N, generator=gen, dtype=F64), dt=torch.randn(n, H, generator=gen, dtype=F64) - 2)}
+        md_rep, md_conv = metadata(rows, 0, ssm_rep, inputs, H, P), metadata(rows, 0, ssm_conv, inputs, H, P)
+        model.forward(md_rep)
+        oracle.forward(md_conv)
+        for b in (0, 3):
+            assert torch.allclose(md_rep.out[0][b], md_conv.out[0][b], rtol=1e-10, atol=1e-10)
+        for s in (0, 1):
+            assert torch.allclose(adapter.current_state(0, s), ssm_conv[0][s], rtol=1e-10, atol=1e-10)
+    assert torch.equal(ssm_rep[0][2], init[2]) and int(adapter.cursor[2]) == 0
