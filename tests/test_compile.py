@@ -93,3 +93,14 @@ def test_bad_specs_rejected(bad, match):
     base = dict(state="f32", act="bf16", nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, rows=64, warps=8)
     with pytest.raises(ValueError, match=match):
         KernelSpec(**{**base, **bad})
+
+
+def test_ptx_newer_than_the_driver_is_refused(monkeypatch):
+    monkeypatch.setattr(cc, "driver_version", lambda: (13, 0))
+    monkeypatch.setattr(cc, "nvrtc_version", lambda: (13, 5))
+    with pytest.raises(cc.CompileError, match=r"NVRTC 13.5 emits PTX that this driver \(CUDA 13.0\)"):
+        cc.check_ptx_loadable()
+    monkeypatch.setattr(cc, "driver_version", lambda: None)  # no driver (CI): nothing to check
+    cc.check_ptx_loadable()
+    monkeypatch.setattr(cc, "driver_version", lambda: (13, 5))
+    cc.check_ptx_loadable()

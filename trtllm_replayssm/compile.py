@@ -85,6 +85,29 @@ def nvrtc_version() -> tuple[int, int]:
     return major, minor
 
 
+def driver_version() -> tuple[int, int] | None:
+    """CUDA version the installed driver supports, or None where there is no driver (CI)."""
+    try:
+        from cuda.bindings import driver
+
+        err, v = driver.cuDriverGetVersion()
+    except Exception:  # no libcuda on this machine
+        return None
+    if err != driver.CUresult.CUDA_SUCCESS:
+        return None
+    return v // 1000, (v % 1000) // 10
+
+
+def check_ptx_loadable() -> None:
+    """PTX is JIT-compiled by the driver, which rejects a PTX ISA newer than itself (NVRTC 13.5
+    emits ISA 9.5, a CUDA 13.0 driver reads up to 9.0). Cubins are not affected."""
+    drv, rtc = driver_version(), nvrtc_version()
+    if drv is not None and rtc > drv:
+        raise CompileError(
+            f"NVRTC {rtc[0]}.{rtc[1]} emits PTX that this driver (CUDA {drv[0]}.{drv[1]}) cannot load; "
+            f"install a matching NVRTC: pip install 'nvidia-cuda-nvrtc=={drv[0]}.{drv[1]}.*'")
+
+
 def _check(err, what: str, log: str = "") -> None:
     from cuda.bindings import nvrtc
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .compile import compile_spec
+from .compile import check_ptx_loadable, compile_spec
 from .config import KernelSpec, plan
 
 PLUGIN_NAMESPACE = "replayssm"
@@ -172,6 +172,7 @@ def register():  # pragma: no cover - needs TensorRT, exercised where it is inst
              cursor: trtp.TensorDesc, state: trtp.TensorDesc, x_cache: trtp.TensorDesc, B_cache: trtp.TensorDesc,
              dt_cache: trtp.TensorDesc, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int,
              outputs: tuple[trtp.TensorDesc], tactic: int):
+        check_ptx_loadable()  # the engine's driver JIT-compiles this PTX
         arch, sms = current_device()
         k = aot_kernel(nheads, headdim, dstate, ngroups, buffer_len, dt_code[state.dtype], dt_code[x.dtype],
                        arch, tactic, sms)
