@@ -24,13 +24,7 @@ RTOL = 1e-10  # float64 both sides; summation order only
 GEOM = dict(nheads=4, headdim=8, dstate=8, ngroups=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Thousands of tiny float64 ops: intra-op threads only spin (10x slower on a loaded 2-core host)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cache(layers=2, slots=3, L=8, num_draft=3, K=4, **kw):

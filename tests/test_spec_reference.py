@@ -29,13 +29,7 @@ F64 = torch.float64
 RTOL = 1e-10  # float64 both sides; different summation order only (see module docstring)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Thousands of tiny float64 ops: intra-op threads only spin (10x slower on a loaded 2-core host)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(a, b):
