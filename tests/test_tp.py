@@ -8,6 +8,8 @@ float64 with identical per-head arithmetic, so agreement is exact up to summatio
 out_proj (rtol 1e-12). The GPU version of this test (TP=2 on nvidia-h200-x2, NCCL) is issue 6.
 """
 
+import pathlib
+
 import pytest
 import torch
 
@@ -71,3 +73,29 @@ def test_plan_errors_and_bytes():
     assert [(x.head0, x.nheads, x.group0, x.ngroups) for x in s] == [(0, 128, 0, 4), (128, 128, 4, 4)]
     full = tp.local_bytes_per_slot(tp.shard_plan(256, 8, 1)[0], 64, 128, 16)
     assert sum(tp.local_bytes_per_slot(x, 64, 128, 16) for x in s) == full
+
+
+def _rank_main(rank, world, init_file, out_file, geometry):
+    import importlib.util
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("tp_decode", pathlib.Path(__file__).parent.parent / "scripts" / "tp_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    worst = mod.run(*geometry, device="cpu")
+    if rank == 0:
+        pathlib.Path(out_file).write_text(repr(worst))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world, geometry", [(2, (16, 64, 64, 8)), (2, (16, 64, 64, 1))])
+def test_tp_decode_processes_all_reduce_to_tp1(tmp_path, world, geometry):
+    """Two processes (gloo): each runs its shard, all_reduce of out_proj partials == TP=1 output."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "worst"
+    mp.spawn(_rank_main, args=(world, str(tmp_path / "rdzv"), str(out), geometry), nprocs=world, join=True)
+    assert float(out.read_text()) < 1e-12  # float64 on both sides
