@@ -277,7 +277,7 @@ class HybridDecodeStep:
         for name in ("conv", "k", "v"):
             for i, t in getattr(self, name).items():
                 t.copy_(snap[name][i])
-        self.ssm.load({i: t.to(self.device) for i, t in snap["ssm"].items()})
+        self.ssm.load(snap["ssm"])  # layer by layer (copy_ crosses devices): no second full copy on the GPU
 
     # ---- layers -----------------------------------------------------------------------------------------
     def _mamba(self, i, mx, h):

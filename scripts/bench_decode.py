@@ -220,8 +220,9 @@ def check_gate(name: str, ref: torch.Tensor, margin: torch.Tensor, got: torch.Te
     exact = ref.shape[0] - len(rows)
     if bad:
         shown = ", ".join(f"row {b} step {t} (margin {m:.3g} std)" for b, t, m in bad[:8])
+        why = "strict gate: no forks allowed" if strict else f"not near ties (tie_rel {tie_rel})"
         raise GateError(f"greedy-token gate: mode {name!r} differs from conventional in {len(bad)} of {ref.shape[0]} "
-                        f"rows at positions that are not near ties (tie_rel {tie_rel}): {shown}")
+                        f"rows ({why}): {shown}")
     allowed = max(1, int(max_tie_frac * ref.shape[0]))
     if len(ties) > allowed:
         raise GateError(f"greedy-token gate: mode {name!r} forks at near ties in {len(ties)} of {ref.shape[0]} rows "
@@ -490,6 +491,8 @@ def main(argv=None):
             r["batch_wall_s"] = time.perf_counter() - t1
             if cuda:
                 r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+                r["planned_gib"] = (plan_["gpu_snapshot"] if snap_dev == dev else plan_["cpu_snapshot"]) / GiB
+                r["snapshot"] = str(snap_dev)
             print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **r}), flush=True)
         rows += batch_rows
         if cuda:

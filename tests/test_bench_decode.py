@@ -78,8 +78,11 @@ def test_check_gate_near_ties():
     margin = torch.tensor([[1.0, 0.001, 1.0], [1.0, 1.0, 1.0]])
     fork = torch.tensor([[5, 9, 9], [1, 2, 3]])  # row 0 forks at a near tie (step 1)
     assert bd.check_gate("m", ref, margin, fork, 0.02, 0.5, False) == dict(exact=1, ties=1)
-    with pytest.raises(bd.GateError, match="not near ties"):
-        bd.check_gate("m", ref, margin, fork, 0.02, 0.5, True)  # strict
+    with pytest.raises(bd.GateError, match="strict gate"):
+        bd.check_gate("m", ref, margin, fork, 0.02, 0.5, True)
+    both = torch.tensor([[5, 9, 9], [0, 2, 3]])  # and row 1 at step 0, a near tie too: 2 forks > 1 allowed
+    with pytest.raises(bd.GateError, match="allowed 1"):
+        bd.check_gate("m", ref, torch.tensor([[1.0, 0.001, 1.0], [0.001, 1.0, 1.0]]), both, 0.02, 0.0, False)
     with pytest.raises(bd.GateError, match="row 1 step 0"):
         bd.check_gate("m", ref, margin, torch.tensor([[5, 6, 7], [0, 2, 3]]), 0.02, 0.5, False)
 
@@ -113,3 +116,18 @@ def test_main_writes_json_and_plot(tmp_path):
         for key in ("batch", "mode", "ms_step", "tokens_per_s", "ssm_share", "speedup_vs_conventional", "timing",
                     "gate"):
             assert key in r
+
+
+@pytest.mark.gpu
+def test_cuda_graph_route_tiny():
+    """The H200 route on the tiny config: eager warm-up, one captured step per mode, gate, graph timing."""
+    model = bd.build_model(bd.model_config(tiny=True), "cuda", torch.bfloat16, seed=0)
+    fn = bd._load_mamba(ROOT / "third_party" / "mamba_ssm_peer")
+    modes = ["conventional", "replay", "noop"] + (["mamba_ssm"] if fn is not None else [])
+    rows = bd.run_batch(model, 4, modes, mamba_fn=fn, **RUN)
+    assert {r["mode"] for r in rows} == set(modes)
+    for r in rows:
+        assert r["timing"] == "cuda-graph" and r["ms_step"] > 0
+    broken = Replay(L, advance=lambda cursor, sbi, n: None)
+    with pytest.raises(bd.GateError, match="replay"):
+        bd.run_batch(model, 4, ["conventional", "replay"], backends={"replay": broken}, **RUN)
