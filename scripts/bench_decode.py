@@ -453,6 +453,10 @@ def main(argv=None):
                 vocab=config.vocab_size, dtype=str(dtype).replace("torch.", ""), state_dtype="float32",
                 weights_gb=weight_bytes / 1e9, buffer_len=args.buffer_len, modes=modes,
                 weights="seeded random (no checkpoint)", build_s=time.perf_counter() - t0)
+    if cuda:  # the same kernel copy as bench_kernels.py, so rows can say how close the step is to it
+        from scripts.bench_kernels import copy_ceiling_tbps
+
+        meta["copy_ceiling_tbps"] = copy_ceiling_tbps()
     try:
         import transformers
 
@@ -493,6 +497,7 @@ def main(argv=None):
                 r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
                 r["planned_gib"] = (plan_["gpu_snapshot"] if snap_dev == dev else plan_["cpu_snapshot"]) / GiB
                 r["snapshot"] = str(snap_dev)
+                r["pct_ceiling"] = 100 * r["tbps"] / meta["copy_ceiling_tbps"]
             print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **r}), flush=True)
         rows += batch_rows
         if cuda:
