@@ -236,8 +236,10 @@ def _percentile_spread(xs):
     return xs[max(0, int(0.9 * len(xs)) - 1)] - xs[int(0.1 * len(xs))]
 
 
-def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int) -> dict:
-    """Gate tokens and timing of one SSM backend (see the module docstring for the route)."""
+def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
+             on_tokens=None) -> dict:
+    """Gate tokens and timing of one SSM backend (see the module docstring for the route).
+    ``on_tokens(tokens, margin)`` runs after the greedy tokens and before any timing (it may raise)."""
     step.set_ssm(ssm)
     step.restore(snap)
     cuda = step.device.type == "cuda"
@@ -264,6 +266,8 @@ def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, 
         tokens[:, t] = step.ids
         top = step.logits.topk(2, dim=-1).values
         margin[:, t] = (top[:, 0] - top[:, 1]) / step.logits.std(dim=-1)
+    if on_tokens is not None:
+        on_tokens(tokens.cpu(), margin.cpu())
     for _ in range(warmup * L):
         run()
     times = []
@@ -284,8 +288,9 @@ def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, 
     if cuda:
         torch.cuda.synchronize()
     del graph
-    return dict(tokens=tokens.cpu(), margin=margin.cpu(), ms=statistics.median(times),
-                spread_ms=_percentile_spread(times), timing="cuda-graph" if cuda else "eager-cpu (no CUDA graph)")
+    return dict(tokens=tokens.cpu(), margin=margin.cpu(), ms=statistics.median(times) if times else None,
+                spread_ms=_percentile_spread(times) if times else None,
+                timing="cuda-graph" if cuda else "eager-cpu (no CUDA graph)")
 
 
 def make_backend(name: str, L: int, mamba_fn=None):
@@ -302,27 +307,75 @@ def make_backend(name: str, L: int, mamba_fn=None):
     raise ValueError(f"mode: expected one of {MODES}, got {name!r}")
 
 
+def _backend(name, L, mamba_fn, backends):
+    return (backends or {}).get(name) or make_backend(name, L, mamba_fn)
+
+
+def gate_phase(model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max_tie_frac, strict_gate, mamba_fn,
+               backends, snapshot_device) -> dict:
+    """Greedy tokens of every mode (noop excluded) on ``model``, each checked against the conventional
+    mode's before the next mode runs; returns {mode: {exact, ties}}. Raises :class:`GateError`."""
+    dev = next(model.parameters()).device
+    step = HybridDecodeStep(model, batch, kv_len, Conventional())
+    step.feed(prompt.to(dev))
+    snap = step.snapshot(snapshot_device)
+    out, ref = {}, {}
+
+    def check(name):
+        def on_tokens(tokens, margin):
+            if name == "conventional":
+                ref.update(tokens=tokens, margin=margin)
+                out[name] = dict(exact=batch, ties=0)
+            else:
+                out[name] = check_gate(name, ref["tokens"], ref["margin"], tokens, tie_rel, max_tie_frac, strict_gate)
+        return on_tokens
+
+    for name in [m for m in modes if m != "noop"]:
+        run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, 0, 0, on_tokens=check(name))
+    step.ssm.free()
+    return out
+
+
 def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_tokens: int = 32, warmup: int = 1,
               reps: int = 10, context: int = 1024, seed: int = 0, tie_rel: float = 0.02, max_tie_frac: float = 0.05,
-              strict_gate: bool = False, mamba_fn=None, backends: dict | None = None, snapshot_device=None) -> list[dict]:
-    """All modes at one batch size; returns one row per mode. ``backends`` overrides a mode's
-    backend object (the tests break one on purpose)."""
+              strict_gate: bool = False, mamba_fn=None, backends: dict | None = None, snapshot_device=None,
+              gate_model=None) -> list[dict]:
+    """All modes at one batch size; returns one row per mode.
+
+    The gate runs first, on ``gate_model`` (e.g. an fp32 twin of a bf16 ``model``; default: ``model``
+    itself, gated during each mode's run before its timing). ``backends`` overrides a mode's backend
+    object (the tests break one on purpose)."""
     if "conventional" not in modes:
         raise ValueError("modes: 'conventional' is required (it is the gate's reference and the speedup's base)")
     modes = ["conventional"] + [m for m in modes if m != "conventional"]
     kv_len = max(context, prompt_len + gate_tokens + (warmup + reps) * L + 1)
+    gen = torch.Generator().manual_seed(seed + batch)
+    prompt = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=gen)
+    separate = gate_model is not None and gate_model is not model
+    gate_src = next((gate_model if separate else model).parameters()).dtype
+    gates = {}
+    if separate:
+        gates = gate_phase(gate_model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max_tie_frac,
+                           strict_gate, mamba_fn, backends, snapshot_device)
     dev = next(model.parameters()).device
     step = HybridDecodeStep(model, batch, kv_len, Conventional())
-    gen = torch.Generator().manual_seed(seed + batch)
-    prompt = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=gen).to(dev)
-    step.feed(prompt)
+    step.feed(prompt.to(dev))
     snap = step.snapshot(snapshot_device)
-    results = {}
+    results, ref = {}, {}
+
+    def on_tokens(name):
+        def f(tokens, margin):
+            if name == "conventional":
+                ref.update(tokens=tokens, margin=margin)
+            elif not separate and name != "noop":
+                gates[name] = check_gate(name, ref["tokens"], ref["margin"], tokens, tie_rel, max_tie_frac, strict_gate)
+        return f
+
     for name in modes:
-        ssm = (backends or {}).get(name) or make_backend(name, L, mamba_fn)
-        results[name] = run_mode(step, ssm, snap, gate_tokens, L, warmup, reps)
+        results[name] = run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, warmup, reps,
+                                 on_tokens=on_tokens(name))
     step.ssm.free()
-    ref = results["conventional"]
+    conv = results["conventional"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = []
     for name in modes:
@@ -332,16 +385,19 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
         elif name == "noop":
             gate = dict(gate="not gated (no SSM)", gate_exact=None, gate_ties=None)
         else:
-            g = check_gate(name, ref["tokens"], ref["margin"], r["tokens"], tie_rel, max_tie_frac, strict_gate)
+            g = gates[name]
             gate = dict(gate="exact" if g["ties"] == 0 else f"{g['ties']} near-tie forks", gate_exact=g["exact"],
                         gate_ties=g["ties"])
+        gate["gate_dtype"] = str(gate_src).replace("torch.", "")
+        if name != "noop":  # the timed run's own greedy tokens (informational when the gate ran on a twin)
+            gate["timed_rows_identical"] = int((r["tokens"] == conv["tokens"]).all(dim=1).sum())
         noop = results.get("noop")
         nbytes = step_bytes(model.config, batch, kv_len, L, weight_bytes, name)
         rows.append(dict(
             batch=batch, mode=name, ms_step=r["ms"], spread_ms=r["spread_ms"], tokens_per_s=batch / (r["ms"] * 1e-3),
             ssm_share=(None if noop is None or name == "noop" else 1 - noop["ms"] / r["ms"]),
             ssm_ms=(None if noop is None or name == "noop" else r["ms"] - noop["ms"]),
-            speedup_vs_conventional=ref["ms"] / r["ms"], bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
+            speedup_vs_conventional=conv["ms"] / r["ms"], bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
             timing=r["timing"], buffer_len=L, kv_len=kv_len, prompt_len=prompt_len, gate_tokens=gate_tokens,
             reps=reps, **gate))
     return rows
@@ -420,6 +476,9 @@ def main(argv=None):
     ap.add_argument("--tie-rel", type=float, default=0.02)
     ap.add_argument("--max-tie-frac", type=float, default=0.05)
     ap.add_argument("--strict-gate", action="store_true")
+    ap.add_argument("--gate-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="activation dtype of the model the gate runs on (float32: a twin of the bf16 timed model "
+                         "with the same seeded weights; bf16 greedy tokens fork at rounding level, see bench/NOTES.md)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
@@ -443,6 +502,8 @@ def main(argv=None):
     config = model_config(args.tiny, args.layers, args.vocab)
     t0 = time.perf_counter()
     model = build_model(config, dev, dtype, args.seed)
+    gate_dtype = getattr(torch, args.gate_dtype)
+    gate_model = build_model(config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     kinds = list(config.layers_block_type)
@@ -452,7 +513,8 @@ def main(argv=None):
                 mamba_layers=kinds.count("linear_attention"), attention_layers=kinds.count("full_attention"),
                 vocab=config.vocab_size, dtype=str(dtype).replace("torch.", ""), state_dtype="float32",
                 weights_gb=weight_bytes / 1e9, buffer_len=args.buffer_len, modes=modes,
-                weights="seeded random (no checkpoint)", build_s=time.perf_counter() - t0)
+                weights="seeded random (no checkpoint)", build_s=time.perf_counter() - t0,
+                gate_dtype=args.gate_dtype if gate_model is not None else str(dtype).replace("torch.", ""))
     if cuda:  # the same kernel copy as bench_kernels.py, so rows can say how close the step is to it
         from scripts.bench_kernels import copy_ceiling_tbps
 
@@ -472,6 +534,9 @@ def main(argv=None):
             free = torch.cuda.mem_get_info(dev)[0]  # the weights are already resident
             kv_len = max(args.context, args.prompt_len + args.gate_tokens + (args.warmup + args.reps) * args.buffer_len + 1)
             plan_ = memory_plan(config, batch, kv_len, args.buffer_len, 0)
+            if gate_model is not None:  # the gate phase (fp32 activations) runs before the timed one
+                gplan = memory_plan(config, batch, kv_len, args.buffer_len, 0, act_bytes=gate_dtype.itemsize)
+                plan_ = {k: max(v, gplan[k]) for k, v in plan_.items()}
             if plan_["gpu_snapshot"] <= free:
                 snap_dev = dev
             elif plan_["cpu_snapshot"] <= free:
@@ -490,7 +555,8 @@ def main(argv=None):
         batch_rows = run_batch(model, batch, modes, L=args.buffer_len, prompt_len=args.prompt_len,
                                gate_tokens=args.gate_tokens, warmup=args.warmup, reps=args.reps, context=args.context,
                                seed=args.seed, tie_rel=args.tie_rel, max_tie_frac=args.max_tie_frac,
-                               strict_gate=args.strict_gate, mamba_fn=mamba_fn, snapshot_device=snap_dev)
+                               strict_gate=args.strict_gate, mamba_fn=mamba_fn, snapshot_device=snap_dev,
+                               gate_model=gate_model)
         for r in batch_rows:
             r["batch_wall_s"] = time.perf_counter() - t1
             if cuda:

@@ -59,6 +59,16 @@ def test_gate_has_teeth(model):
         bd.run_batch(model, 3, ["conventional", "replay"], backends={"replay": broken}, **RUN)
 
 
+def test_gate_on_a_twin_runs_first(model):
+    twin = bd.build_model(bd.model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
+    rows = bd.run_batch(model, 2, ["conventional", "replay", "noop"], gate_model=twin, **RUN)
+    assert {r["mode"]: r["gate"] for r in rows}["replay"] == "exact"
+    assert all(r["gate_dtype"] == "float32" for r in rows)
+    broken = Replay(L, advance=lambda cursor, sbi, n: None)
+    with pytest.raises(bd.GateError, match="replay"):  # raised by the gate phase, before the timed model runs
+        bd.run_batch(model, 2, ["conventional", "replay"], gate_model=twin, backends={"replay": broken}, **RUN)
+
+
 def test_step_matches_transformers_generate(model):
     prompt = torch.randint(2, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
     n = 2 * L + 1
@@ -122,12 +132,13 @@ def test_main_writes_json_and_plot(tmp_path):
 def test_cuda_graph_route_tiny():
     """The H200 route on the tiny config: eager warm-up, one captured step per mode, gate, graph timing."""
     model = bd.build_model(bd.model_config(tiny=True), "cuda", torch.bfloat16, seed=0)
+    twin = bd.build_model(bd.model_config(tiny=True), "cuda", torch.float32, seed=0)
     fn = bd._load_mamba(ROOT / "third_party" / "mamba_ssm_peer")
     modes = ["conventional", "replay", "noop"] + (["mamba_ssm"] if fn is not None else [])
-    rows = bd.run_batch(model, 4, modes, mamba_fn=fn, **RUN)
+    rows = bd.run_batch(model, 4, modes, mamba_fn=fn, gate_model=twin, **RUN)
     assert {r["mode"] for r in rows} == set(modes)
     for r in rows:
-        assert r["timing"] == "cuda-graph" and r["ms_step"] > 0
+        assert r["timing"] == "cuda-graph" and r["ms_step"] > 0 and r["gate_dtype"] == "float32"
     broken = Replay(L, advance=lambda cursor, sbi, n: None)
     with pytest.raises(bd.GateError, match="replay"):
-        bd.run_batch(model, 4, ["conventional", "replay"], backends={"replay": broken}, **RUN)
+        bd.run_batch(model, 4, ["conventional", "replay"], backends={"replay": broken}, gate_model=twin, **RUN)
