@@ -531,6 +531,10 @@ def main(argv=None):
     except ImportError:  # pragma: no cover
         pass
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or ("decode-tiny" if args.tiny else "decode")
+    path = out / f"{meta['date'][:10]}_{tag}_{meta['commit'][:10]}.json"
     rows = []
     for batch in [int(b) for b in args.batches.split(",") if b]:
         snap_dev = None
@@ -571,12 +575,9 @@ def main(argv=None):
                 r["pct_ceiling"] = 100 * r["tbps"] / meta["copy_ceiling_tbps"]
             print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **r}), flush=True)
         rows += batch_rows
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # after every batch: a cut run keeps its rows
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or ("decode-tiny" if args.tiny else "decode")
-    path = out / f"{meta['date'][:10]}_{tag}_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"# {meta['device']}, {meta['model']} ({meta['layers']} layers, vocab {meta['vocab']}), L={args.buffer_len}; "
           f"results in {path}")
