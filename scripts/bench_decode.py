@@ -362,6 +362,8 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
     if separate:
         gates = gate_phase(gate_model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max_tie_frac,
                            strict_gate, mamba_fn, backends, snapshot_device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the fp32 phase's blocks have other sizes than the timed phase's
     dev = next(model.parameters()).device
     step = HybridDecodeStep(model, batch, kv_len, Conventional())
     step.feed(prompt.to(dev))

@@ -59,6 +59,12 @@ def test_gate_has_teeth(model):
         bd.run_batch(model, 3, ["conventional", "replay"], backends={"replay": broken}, **RUN)
 
 
+def test_twin_weights_are_the_rounded_fp32_weights():
+    cfg = bd.model_config(tiny=True)
+    lo, hi = bd.build_model(cfg, "cpu", torch.bfloat16), bd.build_model(cfg, "cpu", torch.float32)
+    assert all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(lo.parameters(), hi.parameters()))
+
+
 def test_gate_on_a_twin_runs_first(model):
     twin = bd.build_model(bd.model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
     rows = bd.run_batch(model, 2, ["conventional", "replay", "noop"], gate_model=twin, **RUN)
