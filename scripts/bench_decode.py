@@ -16,7 +16,8 @@ one full step (all layers, greedy argmax written back into the input ids) is cap
 graph, the greedy gate runs (``--gate-tokens`` replays), then timing: ``--warmup`` flush cycles,
 then ``--reps`` samples of one flush cycle each (L replays between two CUDA events); ms/step =
 median sample / L. On the CPU there are no graphs: plain ``perf_counter`` around eager steps,
-labelled ``timing: eager-cpu``.
+labelled ``timing: eager-cpu``. No L2 rotation is needed: one step streams the weights (16 GB)
+and every layer's state, far more than the H200's 60 MB L2, at every batch size.
 
 Modes (everything but the SSM step identical, :mod:`builders.graph_step`):
   conventional  our conventional kernel (reads and writes S every step)
@@ -42,7 +43,7 @@ layers; W = weight bytes, all read once per step):
   conventional  + M*b*2*H*P*N*s
   replay        + M*b*(H*P*N*s*(1 + 1/L) + (L-1)/2 * entry + entry),  entry = H*P*a + G*N*a + 4*H
   noop          + 0
-At batch 256: W ~ 16.2 GB, conventional SSM ~ 51.5 GB, replay ~ 27.9 GB: the SSM dominates the
+At batch 256: W ~ 16.2 GB, conventional SSM ~ 51.5 GB, replay ~ 28.4 GB: the SSM dominates the
 step and its ~1.6x kernel gain (bench/NOTES.md) should show as ~1.3-1.4x per step.
 
 Usage:
