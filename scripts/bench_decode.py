@@ -1,0 +1,599 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""End-to-end hybrid decode benchmark: one full Nemotron-H decode step with each SSM step.
+
+Model: Nemotron-H-8B geometry through transformers' ``NemotronHConfig`` (Megatron-Bridge's
+``NemotronHModelProvider8B``: 52 layers "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+24 Mamba-2 / 4 attention / 24 MLP, hidden 4096, MLP 21504 (relu2), Mamba (H, P, N, G) =
+(128, 64, 128, 8), 32 query / 8 KV heads of 128, real vocab 131072 unless ``--vocab``), bf16
+weights drawn from a seeded generator (no checkpoint is downloaded). ``--tiny``: the small
+embedded config (CPU smoke test); ``--layers N``: the first N layers of the pattern.
+
+Route, per batch: random prompts are fed token by token through the conventional step (the
+"prefill"; its final SSM state is what a real prefill hands over), everything is snapshotted,
+then for every mode the snapshot is restored, one step is run eagerly (compilation, autotuning),
+one full step (all layers, greedy argmax written back into the input ids) is captured in a CUDA
+graph, the greedy gate runs (``--gate-tokens`` replays), then timing: ``--warmup`` flush cycles,
+then ``--reps`` samples of one flush cycle each (L replays between two CUDA events); ms/step =
+median sample / L. On the CPU there are no graphs: plain ``perf_counter`` around eager steps,
+labelled ``timing: eager-cpu``. No L2 rotation is needed: one step streams the weights (16 GB)
+and every layer's state, far more than the H200's 60 MB L2, at every batch size.
+
+Modes (everything but the SSM step identical, :mod:`builders.graph_step`):
+  conventional  our conventional kernel (reads and writes S every step)
+  replay        ReplaySSM: ``replay_decode`` per Mamba layer + one ``advance_cursor`` per step
+  mamba_ssm     mamba_ssm's Triton ``selective_state_update`` (if importable from --mamba-path)
+  noop          the SSM step removed (y = 0): SSM share of a mode = 1 - t(noop) / t(mode)
+
+Gate (before anything is timed): each mode's first ``--gate-tokens`` greedy tokens must equal the
+conventional mode's, for every row. It runs on an fp32 twin of the timed bf16 model (same seeded
+weights, ``--gate-dtype float32``, same route: prompt, snapshot, captured step): with bf16
+activations a random 52-layer model amplifies rounding-level differences between two correct SSM
+kernels into different tokens within a few steps (measured on the CPU, 20 layers: logits differ by
+up to 0.06 std after one step and the first token forks at the second; fp32: 5e-6 std, flat over 16
+steps, tokens equal). The timed bf16 run's own tokens are reported (``timed_rows_identical``), not
+gated. A row may fork only where the conventional top-2 margin is below ``--tie-rel`` (default 1e-3,
+200x the fp32 noise) x the logits' standard deviation, in at most ``--max-tie-frac`` of the rows
+(``--strict-gate``: no forks). Anything else aborts, naming the rows and steps.
+
+Bytes model of one step (b rows, a = 2 bytes bf16, s = 4 bytes fp32 state; M Mamba / T attention
+layers; W = weight bytes, all read once per step):
+  common      W + M*b*2*conv_dim*K*a (conv windows) + T*b*2*kvh*kv_len*hd*a (K and V, dense
+              over the whole cache: attention reads kv_len positions whatever the fill)
+  conventional  + M*b*2*H*P*N*s
+  replay        + M*b*(H*P*N*s*(1 + 1/L) + (L-1)/2 * entry + entry),  entry = H*P*a + G*N*a + 4*H
+  noop          + 0
+At batch 256: W ~ 16.2 GB, conventional SSM ~ 51.5 GB, replay ~ 28.4 GB: the SSM dominates the
+step and its ~1.6x kernel gain (bench/NOTES.md) should show as ~1.3-1.4x per step.
+
+Usage:
+  python scripts/bench_decode.py [--batches 1,8,32,64,128,256] [--tiny] [--layers N] [--vocab V]
+         [--buffer-len 16] [--modes conventional,replay,mamba_ssm,noop] [--plot] [--out bench/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from builders.graph_step import Conventional, HybridDecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
+from builders.nemotron_h import TINY_CONFIG  # noqa: E402
+
+# Megatron-Bridge NemotronHModelProvider8B (hybrid_layer_pattern, hidden 4096, ffn 21504, 128 Mamba
+# heads of 64, state 128, 8 groups, 32 heads, 8 query groups, kv_channels 128) + HF defaults.
+NEMOTRON_H_8B = dict(
+    vocab_size=131072,
+    hidden_size=4096,
+    hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=21504,
+    mlp_hidden_act="relu2",
+    mamba_num_heads=128,
+    mamba_head_dim=64,
+    ssm_state_size=128,
+    n_groups=8,
+    conv_kernel=4,
+    chunk_size=128,
+    use_conv_bias=True,
+    mamba_proj_bias=False,
+    mlp_bias=False,
+    attention_bias=False,
+    max_position_embeddings=8192,
+    layer_norm_epsilon=1e-5,
+    tie_word_embeddings=False,
+    eos_token_id=None,
+    pad_token_id=0,
+    bos_token_id=1,
+)
+MODES = ("conventional", "replay", "mamba_ssm", "noop")
+GiB = 1 << 30
+
+
+class GateError(RuntimeError):
+    """A mode's greedy tokens differ from the conventional mode's beyond near ties."""
+
+
+# ---- model ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def model_config(tiny: bool = False, layers: int | None = None, vocab: int | None = None, **overrides):
+    from transformers import NemotronHConfig
+
+    d = dict(TINY_CONFIG if tiny else NEMOTRON_H_8B)
+    if vocab:
+        d["vocab_size"] = vocab
+    if layers:
+        pattern = d["hybrid_override_pattern"]
+        if not 1 <= layers <= len(pattern):
+            raise ValueError(f"--layers: expected 1..{len(pattern)}, got {layers}")
+        d["hybrid_override_pattern"] = pattern[:layers]
+    d.update(overrides)
+    return NemotronHConfig(**d)
+
+
+@torch.no_grad()
+def randomize_(model, seed: int = 0):
+    """Seeded random weights drawn on the parameters' device, O(1) activations (the distributions of
+    :func:`builders.nemotron_h.randomize_`, one generator per tensor so no host round trip)."""
+    for idx, (name, p) in enumerate(model.named_parameters()):
+        g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + idx)
+        leaf = name.rsplit(".", 1)[-1]
+
+        def rand(gen=g, p=p):
+            return torch.rand(p.shape, generator=gen, device=p.device)
+
+        def randn(gen=g, p=p):
+            return torch.randn(p.shape, generator=gen, device=p.device)
+
+        if leaf == "A_log":  # A = -exp(A_log) in [-16, -1]
+            v = torch.log(rand() * 15 + 1)
+        elif leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 0.1]
+            dt = torch.exp(rand() * math.log(100.0) + math.log(1e-3))
+            v = dt + torch.log(-torch.expm1(-dt))
+        elif leaf == "D" or name.endswith(("norm.weight", "norm_f.weight")):
+            v = 1 + 0.1 * randn()
+        elif leaf == "bias":
+            v = 0.1 * randn()
+        elif p.dim() >= 2:
+            fan_in = p[0].numel() if "embeddings" not in name else 1
+            v = randn() * fan_in ** -0.5
+        else:
+            v = randn()
+        p.copy_(v.to(p.dtype))
+    return model
+
+
+def build_model(config, device="cpu", dtype=torch.bfloat16, seed: int = 0):
+    """``NemotronHForCausalLM`` of ``config`` materialized directly on ``device`` in ``dtype``."""
+    from transformers import NemotronHForCausalLM
+
+    with _default_dtype(dtype), torch.device("meta"):
+        model = NemotronHForCausalLM(config)
+    model = model.to_empty(device=device)
+    return randomize_(model, seed).eval()
+
+
+# ---- memory ----------------------------------------------------------------------------------------------
+def memory_plan(config, batch: int, kv_len: int, L: int, weight_bytes: int, act_bytes: int = 2) -> dict:
+    """Bytes the run of one batch needs on the GPU (peak: model state + snapshot + one backend)."""
+    c = config
+    H, P, N, G, K = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups, c.conv_kernel
+    kinds = list(c.layers_block_type)
+    M, T = kinds.count("linear_attention"), kinds.count("full_attention")
+    conv_dim = H * P + 2 * G * N
+    ssm = M * batch * H * P * N * 4
+    buffers = M * batch * (H * L * P * act_bytes + G * L * N * act_bytes + H * L * 4)
+    conv = M * batch * conv_dim * K * act_bytes
+    kv = T * 2 * batch * c.num_key_value_heads * kv_len * c.head_dim * act_bytes
+    widest = max(2 * H * P + 2 * G * N + H, c.intermediate_size, c.hidden_size)
+    scratch = batch * (c.vocab_size * 4 * 4 + widest * 4 * 8 + c.num_attention_heads * kv_len * 4 * 4) + 2 * GiB
+    live = weight_bytes + conv + kv + ssm + buffers + scratch
+    return dict(gpu_snapshot=live + ssm + conv + kv, cpu_snapshot=live, snapshot_bytes=ssm + conv + kv)
+
+
+def step_bytes(config, batch: int, kv_len: int, L: int, weight_bytes: int, mode: str, a: int = 2) -> int:
+    """The bytes model of the module docstring, for one step of ``mode``."""
+    c = config
+    H, P, N, G, K = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups, c.conv_kernel
+    kinds = list(c.layers_block_type)
+    M, T = kinds.count("linear_attention"), kinds.count("full_attention")
+    common = (weight_bytes + M * batch * 2 * (H * P + 2 * G * N) * K * a
+              + T * batch * 2 * c.num_key_value_heads * kv_len * c.head_dim * a)
+    state = H * P * N * 4
+    entry = H * P * a + G * N * a + 4 * H
+    ssm = {"conventional": 2 * state, "mamba_ssm": 2 * state, "noop": 0,
+           "replay": state * (1 + 1 / L) + (L - 1) / 2 * entry + entry}.get(mode, 0)
+    return int(common + M * batch * ssm)
+
+
+# ---- gate ------------------------------------------------------------------------------------------------
+def check_gate(name: str, ref: torch.Tensor, margin: torch.Tensor, got: torch.Tensor, tie_rel: float,
+               max_tie_frac: float, strict: bool) -> dict:
+    """ref/got (batch, T) tokens, margin (batch, T) conventional top-2 gap / std of the logits.
+
+    Returns {exact, ties}; raises :class:`GateError` on a fork that is not a near tie, or too many."""
+    diff = ref != got
+    rows = diff.any(dim=1).nonzero().flatten().tolist()
+    bad, ties = [], []
+    for b in rows:
+        t = int(diff[b].nonzero()[0])
+        m = float(margin[b, t])
+        (ties if (not strict and m < tie_rel) else bad).append((b, t, m))
+    exact = ref.shape[0] - len(rows)
+    if bad:
+        shown = ", ".join(f"row {b} step {t} (margin {m:.3g} std)" for b, t, m in bad[:8])
+        why = "strict gate: no forks allowed" if strict else f"not near ties (tie_rel {tie_rel})"
+        raise GateError(f"greedy-token gate: mode {name!r} differs from conventional in {len(bad)} of {ref.shape[0]} "
+                        f"rows ({why}): {shown}")
+    allowed = max(1, int(max_tie_frac * ref.shape[0]))
+    if len(ties) > allowed:
+        raise GateError(f"greedy-token gate: mode {name!r} forks at near ties in {len(ties)} of {ref.shape[0]} rows "
+                        f"(allowed {allowed}); first: {ties[:4]}")
+    return dict(exact=exact, ties=len(ties))
+
+
+# ---- one mode --------------------------------------------------------------------------------------------
+def _percentile_spread(xs):
+    xs = sorted(xs)
+    return xs[max(0, int(0.9 * len(xs)) - 1)] - xs[int(0.1 * len(xs))]
+
+
+def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
+             on_tokens=None) -> dict:
+    """Gate tokens and timing of one SSM backend (see the module docstring for the route).
+    ``on_tokens(tokens, margin)`` runs after the greedy tokens and before any timing (it may raise)."""
+    step.set_ssm(ssm)
+    step.restore(snap)
+    cuda = step.device.type == "cuda"
+    graph = None
+    if cuda:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step()  # compilation, autotuning, cuBLAS handles: never inside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        step.restore(snap)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        torch.cuda.synchronize()
+        step.restore(snap)
+    run = graph.replay if graph is not None else step
+    b = step.batch
+    tokens = torch.empty(b, gate_tokens, dtype=torch.int64, device=step.device)
+    margin = torch.empty(b, gate_tokens, dtype=torch.float32, device=step.device)
+    for t in range(gate_tokens):
+        run()
+        tokens[:, t] = step.ids
+        top = step.logits.topk(2, dim=-1).values
+        margin[:, t] = (top[:, 0] - top[:, 1]) / step.logits.std(dim=-1)
+    if on_tokens is not None:
+        on_tokens(tokens.cpu(), margin.cpu())
+    for _ in range(warmup * L):
+        run()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(L):
+                run()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1) / L)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(L):
+                run()
+            times.append((time.perf_counter() - t0) * 1e3 / L)
+    if cuda:
+        torch.cuda.synchronize()
+    del graph
+    return dict(tokens=tokens.cpu(), margin=margin.cpu(), ms=statistics.median(times) if times else None,
+                spread_ms=_percentile_spread(times) if times else None,
+                timing="cuda-graph" if cuda else "eager-cpu (no CUDA graph)")
+
+
+def make_backend(name: str, L: int, mamba_fn=None):
+    if name == "conventional":
+        return Conventional()
+    if name == "replay":
+        return Replay(L)
+    if name == "mamba_ssm":
+        if mamba_fn is None:
+            raise ValueError("mode mamba_ssm: mamba_ssm's selective_state_update is not importable")
+        return MambaSSM(mamba_fn)
+    if name == "noop":
+        return NoOp()
+    raise ValueError(f"mode: expected one of {MODES}, got {name!r}")
+
+
+def _backend(name, L, mamba_fn, backends):
+    return (backends or {}).get(name) or make_backend(name, L, mamba_fn)
+
+
+def gate_phase(model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max_tie_frac, strict_gate, mamba_fn,
+               backends, snapshot_device) -> dict:
+    """Greedy tokens of every mode (noop excluded) on ``model``, each checked against the conventional
+    mode's before the next mode runs; returns {mode: {exact, ties}}. Raises :class:`GateError`."""
+    dev = next(model.parameters()).device
+    step = HybridDecodeStep(model, batch, kv_len, Conventional())
+    step.feed(prompt.to(dev))
+    snap = step.snapshot(snapshot_device)
+    out, ref = {}, {}
+
+    def check(name):
+        def on_tokens(tokens, margin):
+            if name == "conventional":
+                ref.update(tokens=tokens, margin=margin)
+                out[name] = dict(exact=batch, ties=0)
+            else:
+                out[name] = check_gate(name, ref["tokens"], ref["margin"], tokens, tie_rel, max_tie_frac, strict_gate)
+        return on_tokens
+
+    for name in [m for m in modes if m != "noop"]:
+        run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, 0, 0, on_tokens=check(name))
+    step.ssm.free()
+    return out
+
+
+def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_tokens: int = 32, warmup: int = 1,
+              reps: int = 10, context: int = 1024, seed: int = 0, tie_rel: float = 1e-3, max_tie_frac: float = 0.05,
+              strict_gate: bool = False, mamba_fn=None, backends: dict | None = None, snapshot_device=None,
+              gate_model=None) -> list[dict]:
+    """All modes at one batch size; returns one row per mode.
+
+    The gate runs first, on ``gate_model`` (e.g. an fp32 twin of a bf16 ``model``; default: ``model``
+    itself, gated during each mode's run before its timing). ``backends`` overrides a mode's backend
+    object (the tests break one on purpose)."""
+    if "conventional" not in modes:
+        raise ValueError("modes: 'conventional' is required (it is the gate's reference and the speedup's base)")
+    modes = ["conventional"] + [m for m in modes if m != "conventional"]
+    kv_len = max(context, prompt_len + gate_tokens + (warmup + reps) * L + 1)
+    gen = torch.Generator().manual_seed(seed + batch)
+    prompt = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=gen)
+    separate = gate_model is not None and gate_model is not model
+    gate_src = next((gate_model if separate else model).parameters()).dtype
+    gates = {}
+    if separate:
+        gates = gate_phase(gate_model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max_tie_frac,
+                           strict_gate, mamba_fn, backends, snapshot_device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the fp32 phase's blocks have other sizes than the timed phase's
+    dev = next(model.parameters()).device
+    step = HybridDecodeStep(model, batch, kv_len, Conventional())
+    step.feed(prompt.to(dev))
+    snap = step.snapshot(snapshot_device)
+    results, ref = {}, {}
+
+    def on_tokens(name):
+        def f(tokens, margin):
+            if name == "conventional":
+                ref.update(tokens=tokens, margin=margin)
+            elif not separate and name != "noop":
+                gates[name] = check_gate(name, ref["tokens"], ref["margin"], tokens, tie_rel, max_tie_frac, strict_gate)
+        return f
+
+    for name in modes:
+        results[name] = run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, warmup, reps,
+                                 on_tokens=on_tokens(name))
+    step.ssm.free()
+    conv = results["conventional"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = []
+    for name in modes:
+        r = results[name]
+        if name == "conventional":
+            gate = dict(gate="reference", gate_exact=batch, gate_ties=0)
+        elif name == "noop":
+            gate = dict(gate="not gated (no SSM)", gate_exact=None, gate_ties=None)
+        else:
+            g = gates[name]
+            gate = dict(gate="exact" if g["ties"] == 0 else f"{g['ties']} near-tie forks", gate_exact=g["exact"],
+                        gate_ties=g["ties"])
+        gate["gate_dtype"] = str(gate_src).replace("torch.", "")
+        if name != "noop":  # the timed run's own greedy tokens (informational when the gate ran on a twin)
+            gate["timed_rows_identical"] = int((r["tokens"] == conv["tokens"]).all(dim=1).sum())
+        noop = results.get("noop")
+        nbytes = step_bytes(model.config, batch, kv_len, L, weight_bytes, name)
+        rows.append(dict(
+            batch=batch, mode=name, ms_step=r["ms"], spread_ms=r["spread_ms"], tokens_per_s=batch / (r["ms"] * 1e-3),
+            ssm_share=(None if noop is None or name == "noop" else 1 - noop["ms"] / r["ms"]),
+            ssm_ms=(None if noop is None or name == "noop" else r["ms"] - noop["ms"]),
+            speedup_vs_conventional=conv["ms"] / r["ms"], bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
+            timing=r["timing"], buffer_len=L, kv_len=kv_len, prompt_len=prompt_len, gate_tokens=gate_tokens,
+            reps=reps, **gate))
+    return rows
+
+
+# ---- driver -----------------------------------------------------------------------------------------------
+def _load_mamba(path):
+    if not path or not torch.cuda.is_available():
+        return None
+    try:
+        sys.path.insert(0, str(path))
+        from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+        return selective_state_update
+    except Exception as e:  # a missing peer only drops its mode
+        print(f"# mamba_ssm peer not available ({type(e).__name__}: {e}); mode mamba_ssm skipped", file=sys.stderr)
+        return None
+
+
+def _commit(arg):
+    if arg:
+        return arg
+    try:
+        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"],
+                                       stderr=subprocess.DEVNULL, text=True).strip()
+    except Exception:
+        return os.environ.get("GIT_COMMIT", "unknown")
+
+
+def print_table(rows):
+    print(f"{'batch':>5s} {'mode':12s} {'ms/step':>9s} {'spread':>7s} {'tok/s':>10s} {'SSM share':>9s} "
+          f"{'x conv':>7s} {'TB/s':>6s}  gate")
+    for r in rows:
+        if r.get("skipped"):
+            print(f"{r['batch']:5d} skipped: needs {r['needed_gib']:.1f} GiB, {r['free_gib']:.1f} GiB free")
+            continue
+        share = "-" if r["ssm_share"] is None else f"{100 * r['ssm_share']:.1f}%"
+        print(f"{r['batch']:5d} {r['mode']:12s} {r['ms_step']:9.3f} {r['spread_ms']:7.3f} {r['tokens_per_s']:10.0f} "
+              f"{share:>9s} {r['speedup_vs_conventional']:7.2f} {r['tbps']:6.2f}  {r['gate']}")
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in ("replay", "mamba_ssm", "noop"):
+        pts = [(r["batch"], r["speedup_vs_conventional"]) for r in rows if r.get("mode") == mode]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=mode if mode != "noop" else "no SSM (bound)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode step speedup vs conventional")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--tiny", action="store_true", help="the small embedded config (CPU smoke test)")
+    ap.add_argument("--layers", type=int, default=None, help="first N layers of the hybrid pattern")
+    ap.add_argument("--vocab", type=int, default=None, help="reduce the vocabulary (default: the config's)")
+    ap.add_argument("--buffer-len", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gate-tokens", type=int, default=32)
+    ap.add_argument("--context", type=int, default=1024, help="KV cache positions (attention reads all of them)")
+    ap.add_argument("--warmup", type=int, default=2, help="flush cycles before timing")
+    ap.add_argument("--reps", type=int, default=10, help="timed flush cycles (median)")
+    ap.add_argument("--tie-rel", type=float, default=1e-3, help="near tie: top-2 margin below this x std(logits)")
+    ap.add_argument("--max-tie-frac", type=float, default=0.05)
+    ap.add_argument("--strict-gate", action="store_true")
+    ap.add_argument("--gate-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="activation dtype of the model the gate runs on (float32: a twin of the bf16 timed model "
+                         "with the same seeded weights; bf16 greedy tokens fork at rounding level, see bench/NOTES.md)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--tag", default=None)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--plot", action="store_true")
+    args = ap.parse_args(argv)
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            ap.error(f"--modes: expected names from {MODES}, got {m!r}")
+    mamba_fn = _load_mamba(args.mamba_path) if "mamba_ssm" in modes and cuda else None
+    if "mamba_ssm" in modes and mamba_fn is None:
+        modes.remove("mamba_ssm")
+        print("# mode mamba_ssm dropped (needs CUDA and mamba_ssm's Triton kernel)", file=sys.stderr)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    config = model_config(args.tiny, args.layers, args.vocab)
+    t0 = time.perf_counter()
+    model = build_model(config, dev, dtype, args.seed)
+    gate_dtype = getattr(torch, args.gate_dtype)
+    gate_model = build_model(config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    kinds = list(config.layers_block_type)
+    meta = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now, commit=_commit(args.commit),
+                torch=torch.__version__, model="tiny" if args.tiny else "nemotron_h_8b_geometry",
+                pattern=config.hybrid_override_pattern, layers=len(kinds),
+                mamba_layers=kinds.count("linear_attention"), attention_layers=kinds.count("full_attention"),
+                vocab=config.vocab_size, dtype=str(dtype).replace("torch.", ""), state_dtype="float32",
+                weights_gb=weight_bytes / 1e9, buffer_len=args.buffer_len, modes=modes,
+                weights="seeded random (no checkpoint)", build_s=time.perf_counter() - t0,
+                gate_dtype=args.gate_dtype if gate_model is not None else str(dtype).replace("torch.", ""))
+    if cuda:  # the same kernel copy as bench_kernels.py, so rows can say how close the step is to it
+        from scripts.bench_kernels import copy_ceiling_tbps
+
+        meta["copy_ceiling_tbps"] = copy_ceiling_tbps()
+    try:
+        import transformers
+
+        meta["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or ("decode-tiny" if args.tiny else "decode")
+    path = out / f"{meta['date'][:10]}_{tag}_{meta['commit'][:10]}.json"
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",") if b]:
+        snap_dev = None
+        if cuda:
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(dev)[0]  # the weights are already resident
+            kv_len = max(args.context, args.prompt_len + args.gate_tokens + (args.warmup + args.reps) * args.buffer_len + 1)
+            plan_ = memory_plan(config, batch, kv_len, args.buffer_len, 0)
+            if gate_model is not None:  # the gate phase (fp32 activations) runs before the timed one
+                gplan = memory_plan(config, batch, kv_len, args.buffer_len, 0, act_bytes=gate_dtype.itemsize)
+                plan_ = {k: max(v, gplan[k]) for k, v in plan_.items()}
+            if plan_["gpu_snapshot"] <= free:
+                snap_dev = dev
+            elif plan_["cpu_snapshot"] <= free:
+                snap_dev = torch.device("cpu")
+                print(f"# batch {batch}: snapshot ({plan_['snapshot_bytes'] / GiB:.1f} GiB) kept in host memory",
+                      file=sys.stderr)
+            else:
+                row = dict(kind="skip", batch=batch, skipped=True, needed_gib=plan_["cpu_snapshot"] / GiB,
+                           free_gib=free / GiB)
+                print(f"# skip batch {batch}: needs {row['needed_gib']:.1f} GiB besides the weights, "
+                      f"{row['free_gib']:.1f} GiB free", file=sys.stderr)
+                print("RESULT_JSON " + json.dumps({**meta, **row}), flush=True)
+                rows.append(row)
+                continue
+        t1 = time.perf_counter()
+        batch_rows = run_batch(model, batch, modes, L=args.buffer_len, prompt_len=args.prompt_len,
+                               gate_tokens=args.gate_tokens, warmup=args.warmup, reps=args.reps, context=args.context,
+                               seed=args.seed, tie_rel=args.tie_rel, max_tie_frac=args.max_tie_frac,
+                               strict_gate=args.strict_gate, mamba_fn=mamba_fn, snapshot_device=snap_dev,
+                               gate_model=gate_model)
+        for r in batch_rows:
+            r["batch_wall_s"] = time.perf_counter() - t1
+            if cuda:
+                r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+                r["planned_gib"] = (plan_["gpu_snapshot"] if snap_dev == dev else plan_["cpu_snapshot"]) / GiB
+                r["snapshot"] = str(snap_dev)
+                r["pct_ceiling"] = 100 * r["tbps"] / meta["copy_ceiling_tbps"]
+            print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **r}), flush=True)
+        rows += batch_rows
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # after every batch: a cut run keeps its rows
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"# {meta['device']}, {meta['model']} ({meta['layers']} layers, vocab {meta['vocab']}), L={args.buffer_len}; "
+          f"results in {path}")
+    print_table(rows)
+    if args.plot:
+        png = path.with_suffix(".png")
+        plot(rows, png)
+        print(f"# plot: {png}")
+    return rows
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except GateError as e:
+        sys.exit(f"ABORT: {e}")

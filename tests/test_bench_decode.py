@@ -1,0 +1,150 @@
+# SPDX-License-Identifier: Apache-2.0
+"""CPU smoke test of scripts/bench_decode.py (the end-to-end decode benchmark) on the tiny config.
+
+Oracles:
+* transformers' own ``generate`` (fp32, greedy) for the hand-written graph step
+  (:mod:`builders.graph_step`): the same greedy tokens. Only fp32 summation order differs; the
+  config sets ``time_step_min=0`` so transformers' prefill does not clamp dt (its decode never does).
+* the conventional mode (float64 reference SSM on the CPU) for every other mode: greedy tokens equal
+  exactly (float64 replay and conventional forms agree to ~1e-15, far from any near tie).
+* teeth: a ReplaySSM whose cursor never advances must fail the gate.
+L = 4 and 2L+1 gate tokens, so every row crosses two flushes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
+bd = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bd)
+
+from builders.graph_step import Conventional, HybridDecodeStep, Replay  # noqa: E402
+
+L = 4
+RUN = dict(L=L, prompt_len=5, gate_tokens=2 * L + 1, warmup=0, reps=1, context=16)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)  # tiny float64 ops: one thread is much faster on a loaded host
+    return bd.build_model(bd.model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
+
+
+def test_rows_and_gate_across_modes(model):
+    rows = bd.run_batch(model, 3, ["conventional", "replay", "noop"], **RUN)
+    assert [r["mode"] for r in rows] == ["conventional", "replay", "noop"]
+    by = {r["mode"]: r for r in rows}
+    assert by["replay"]["gate"] == "exact" and by["replay"]["gate_exact"] == 3
+    assert by["conventional"]["gate"] == "reference"
+    for r in rows:
+        assert r["timing"].startswith("eager-cpu")
+        assert r["batch"] == 3 and r["buffer_len"] == L and r["kv_len"] >= 16
+        assert r["ms_step"] > 0 and r["tokens_per_s"] == pytest.approx(3 / (r["ms_step"] * 1e-3))
+        assert r["speedup_vs_conventional"] == pytest.approx(by["conventional"]["ms_step"] / r["ms_step"])
+    assert by["noop"]["ssm_share"] is None
+    assert by["replay"]["ssm_share"] == pytest.approx(1 - by["noop"]["ms_step"] / by["replay"]["ms_step"])
+
+
+def test_gate_has_teeth(model):
+    broken = Replay(L, advance=lambda cursor, sbi, n: None)  # buffer never fills, entry 0 overwritten
+    with pytest.raises(bd.GateError, match="replay"):
+        bd.run_batch(model, 3, ["conventional", "replay"], backends={"replay": broken}, **RUN)
+
+
+def test_twin_weights_are_the_rounded_fp32_weights():
+    cfg = bd.model_config(tiny=True)
+    lo, hi = bd.build_model(cfg, "cpu", torch.bfloat16), bd.build_model(cfg, "cpu", torch.float32)
+    assert all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(lo.parameters(), hi.parameters()))
+
+
+def test_gate_on_a_twin_runs_first(model):
+    twin = bd.build_model(bd.model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
+    rows = bd.run_batch(model, 2, ["conventional", "replay", "noop"], gate_model=twin, **RUN)
+    assert {r["mode"]: r["gate"] for r in rows}["replay"] == "exact"
+    assert all(r["gate_dtype"] == "float32" for r in rows)
+    broken = Replay(L, advance=lambda cursor, sbi, n: None)
+    with pytest.raises(bd.GateError, match="replay"):  # raised by the gate phase, before the timed model runs
+        bd.run_batch(model, 2, ["conventional", "replay"], gate_model=twin, backends={"replay": broken}, **RUN)
+
+
+def test_step_matches_transformers_generate(model):
+    prompt = torch.randint(2, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    n = 2 * L + 1
+    want = model.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n)[:, prompt.shape[1]:]
+    for ssm in (Conventional(), Replay(L)):
+        step = HybridDecodeStep(model, 2, 16, ssm)
+        step.feed(prompt)
+        got = [step.ids.clone()]
+        for _ in range(n - 1):
+            step()
+            got.append(step.ids.clone())
+        assert torch.equal(torch.stack(got, 1), want), ssm.name
+
+
+def test_check_gate_near_ties():
+    ref = torch.tensor([[5, 6, 7], [1, 2, 3]])
+    margin = torch.tensor([[1.0, 0.001, 1.0], [1.0, 1.0, 1.0]])
+    fork = torch.tensor([[5, 9, 9], [1, 2, 3]])  # row 0 forks at a near tie (step 1)
+    assert bd.check_gate("m", ref, margin, fork, 0.02, 0.5, False) == dict(exact=1, ties=1)
+    with pytest.raises(bd.GateError, match="strict gate"):
+        bd.check_gate("m", ref, margin, fork, 0.02, 0.5, True)
+    both = torch.tensor([[5, 9, 9], [0, 2, 3]])  # and row 1 at step 0, a near tie too: 2 forks > 1 allowed
+    with pytest.raises(bd.GateError, match="allowed 1"):
+        bd.check_gate("m", ref, torch.tensor([[1.0, 0.001, 1.0], [0.001, 1.0, 1.0]]), both, 0.02, 0.0, False)
+    with pytest.raises(bd.GateError, match="row 1 step 0"):
+        bd.check_gate("m", ref, margin, torch.tensor([[5, 6, 7], [0, 2, 3]]), 0.02, 0.5, False)
+
+
+def test_8b_geometry_and_memory_model():
+    cfg = bd.model_config()
+    kinds = list(cfg.layers_block_type)
+    assert len(kinds) == 52 and kinds.count("linear_attention") == 24 and kinds.count("full_attention") == 4
+    assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups) == (128, 64, 128, 8)
+    b = 256
+    conv = bd.step_bytes(cfg, b, 1024, 16, 0, "conventional")
+    noop = bd.step_bytes(cfg, b, 1024, 16, 0, "noop")
+    assert conv - noop == 24 * b * 2 * 128 * 64 * 128 * 4  # state read + write per Mamba layer
+    assert 1.7 < (conv - noop) / (bd.step_bytes(cfg, b, 1024, 16, 0, "replay") - noop) < 1.9  # DESIGN.md ceiling
+    plan = bd.memory_plan(cfg, b, 1024, 16, 16 * 10**9)
+    assert plan["gpu_snapshot"] - plan["cpu_snapshot"] == plan["snapshot_bytes"]
+    assert plan["gpu_snapshot"] < 139 * bd.GiB  # batch 256 fits an H200 with the snapshot on the GPU
+    assert bd.memory_plan(cfg, 1024, 1024, 16, 16 * 10**9)["cpu_snapshot"] > 139 * bd.GiB  # 1024 would not
+
+
+def test_main_writes_json_and_plot(tmp_path):
+    rows = bd.main(["--tiny", "--batches", "2", "--buffer-len", str(L), "--prompt-len", "3", "--gate-tokens", "5",
+                    "--warmup", "0", "--reps", "1", "--context", "16", "--device", "cpu", "--out", str(tmp_path),
+                    "--plot", "--commit", "abc123"])
+    assert {r["mode"] for r in rows} == {"conventional", "replay", "noop"}
+    files = sorted(tmp_path.glob("*_decode-tiny_abc123.json"))
+    assert len(files) == 1 and files[0].with_suffix(".png").exists()
+    data = json.loads(files[0].read_text())
+    assert data["meta"]["device"] == "cpu" and data["meta"]["commit"] == "abc123" and data["meta"]["date"]
+    for r in data["rows"]:
+        for key in ("batch", "mode", "ms_step", "tokens_per_s", "ssm_share", "speedup_vs_conventional", "timing",
+                    "gate"):
+            assert key in r
+
+
+@pytest.mark.gpu
+def test_cuda_graph_route_tiny():
+    """The H200 route on the tiny config: eager warm-up, one captured step per mode, gate, graph timing."""
+    model = bd.build_model(bd.model_config(tiny=True), "cuda", torch.bfloat16, seed=0)
+    twin = bd.build_model(bd.model_config(tiny=True), "cuda", torch.float32, seed=0)
+    fn = bd._load_mamba(ROOT / "third_party" / "mamba_ssm_peer")
+    modes = ["conventional", "replay", "noop"] + (["mamba_ssm"] if fn is not None else [])
+    rows = bd.run_batch(model, 4, modes, mamba_fn=fn, gate_model=twin, **RUN)
+    assert {r["mode"] for r in rows} == set(modes)
+    for r in rows:
+        assert r["timing"] == "cuda-graph" and r["ms_step"] > 0 and r["gate_dtype"] == "float32"
+    broken = Replay(L, advance=lambda cursor, sbi, n: None)
+    with pytest.raises(bd.GateError, match="replay"):
+        bd.run_batch(model, 4, ["conventional", "replay"], backends={"replay": broken}, gate_model=twin, **RUN)
