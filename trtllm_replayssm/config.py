@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import threading
 
@@ -172,6 +173,14 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
 
 def plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
          conventional: bool = False) -> tuple[int, int, tuple]:
+    # The geometry override is part of the key: choose_geometry reads it.
+    return _plan(state, act, nheads, headdim, dstate, buffer_len, batch, conventional, current_defines(),
+                 getattr(_local, "override", None))
+
+
+@functools.lru_cache(maxsize=4096)  # called on every eager launch: keep the geometry search off the hot path
+def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
+          conventional: bool, defines: tuple, _override) -> tuple[int, int, tuple]:
     """(rows, warps, defines) of the kernel variant to launch: the one place that decides.
 
     The persistent pipelined replay kernel copies each item's B tile next to its state rows; it
@@ -180,7 +189,6 @@ def plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_le
     where two stages fit in static shared memory. The conventional kernel runs one-shot unless
     CONV_PERSISTENT is asked for.
     """
-    defines = current_defines()
     flag = "CONV_PERSISTENT" if conventional else "PERSISTENT"
     if conventional:
         defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
