@@ -6,6 +6,8 @@
 //   kH, kP, kN, kG, kL             nheads, headdim, dstate, ngroups, replay buffer length
 //   kRows, kWarps                  rows of one head handled by one block, warps per block
 //   kHasZ                          whether the output is gated by silu(z)
+//   shadow_t, RSSM_SHADOW          low-precision shadow of the checkpoint: 0 none (shadow_t =
+//                                  state_t, unused), 1 bf16, 2 fp8-e4m3 with one fp32 scale per row
 //
 // Math (DESIGN.md §1). Per (slot, head): checkpoint S0 (P x N), buffer entries j = 1..k (k = now),
 // c_j = A * sum_{i<=j} dt_i, w_j = dt_j * exp(c_k - c_j):
@@ -28,8 +30,14 @@
 #ifndef RSSM_PREFETCH_ALL
 #define RSSM_PREFETCH_ALL 0
 #endif
+#ifndef RSSM_SHADOW
+#define RSSM_SHADOW 0
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#if RSSM_SHADOW == 2
+#include <cuda_fp8.h>
+#endif
 
 namespace rssm {
 
@@ -41,6 +49,11 @@ template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+#if RSSM_SHADOW == 2
+__device__ __forceinline__ float to_f(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
+// Round to nearest even, saturating to +-448 (values here are |v| <= 448 by construction of the scale).
+template <> __device__ __forceinline__ __nv_fp8_e4m3 from_f<__nv_fp8_e4m3>(float v) { return __nv_fp8_e4m3(v); }
+#endif
 
 // n contiguous elements moved as one aligned vector access (up to 16 bytes, else several).
 // Alignment: the largest power of two dividing the vector's bytes, at most 16 (so a vector of
@@ -181,8 +194,10 @@ __device__ __forceinline__ float state_dot_mine(const StateRegs& st, const ColRe
   return mine;
 }
 
-// Row dots of checkpoint rows held in shared memory (same layout as global) with C.
-__device__ __forceinline__ float state_dot_smem(const state_t* Ss, const ColRegs& cc) {
+// Row dots of checkpoint rows held in shared memory (same layout as global) with C. T is the
+// checkpoint's type or the shadow's (same element layout, fewer bytes); fp8 rows carry a scale.
+template <typename T>
+__device__ __forceinline__ float state_dot_smem(const T* Ss, const ColRegs& cc, const float* scale = nullptr) {
   const int rb = row_base(), l = threadIdx.x % kLPR;
   float mine = 0.f;
 #pragma unroll
@@ -191,14 +206,49 @@ __device__ __forceinline__ float state_dot_smem(const state_t* Ss, const ColRegs
 #pragma unroll
     for (int v = 0; v < kVPL; ++v) {
       float sv[kEPV];
-      load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
+      load_f<T, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
 #pragma unroll
       for (int e = 0; e < kEPV; ++e) acc = fmaf(sv[e], cc.c[v][e], acc);
     }
     acc = group_sum<kLPR>(acc);
-    if (r == l) mine = acc;
+    if (r == l) mine = scale ? acc * scale[rb + r] : acc;
   }
   return mine;
+}
+
+template <int kLanes>
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+  for (int o = kLanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// The shadow of freshly flushed checkpoint rows, from the fp32 values just stored (DESIGN.md §1):
+// bf16: one rounding; fp8-e4m3: q = S / scale, scale = max|S[row]| / 448 (1 for a zero row).
+constexpr int kShadow = RSSM_SHADOW;
+__device__ __forceinline__ void store_shadow(const StateRegs& st, shadow_t* base, float* scales) {
+  const int rb = row_base(), l = threadIdx.x % kLPR;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    float scale = 1.f;
+    if constexpr (kShadow == 2) {
+      float m = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) m = fmaxf(m, fabsf(st.s[r][v][e]));
+      m = group_max<kLPR>(m);
+      scale = m > 0.f ? m / 448.f : 1.f;
+      if (l == r) scales[rb + r] = scale;
+    }
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v) {
+      float q[kEPV];
+#pragma unroll
+      for (int e = 0; e < kEPV; ++e) q[e] = kShadow == 2 ? st.s[r][v][e] / scale : st.s[r][v][e];
+      store_f<shadow_t, kEPV>(base + (size_t)(rb + r) * kN + my_col(v), q);
+    }
+  }
 }
 
 // State form of the flush for this thread's elements, from tiles in shared memory:
@@ -268,9 +318,13 @@ constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
 // copy ceiling); its persistent variant runs under the same cap as the replay kernel.
 constexpr int kConvMinBlocks = RSSM_CONV_PERSISTENT ? kMinBlocks : 1;
 constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
+constexpr int kShadowVecs = kRows * kN * (int)sizeof(shadow_t) / 16;
+constexpr int kScaleVecs = kShadow == 2 ? kRows / 4 : 1;  // fp8 row scales (16 bytes when unused)
+static_assert(kShadow != 2 || kRows % 4 == 0, "fp8 row scales move as 16-byte vectors");
 
 struct alignas(16) ReplaySmem {
-  float4 S[kStateVecs];  // checkpoint rows of this block, same layout as in global memory
+  float4 S[kStateVecs];  // checkpoint rows of this block (or their shadow), same layout as in global memory
+  float4 scale[kScaleVecs];
   act_t Bt[kL][kN];      // B_1..B_k, needed by the flush only
   float xt[kL][kRows];   // x_1..x_k for this block's rows
   float w[kL];           // w_j
@@ -299,7 +353,48 @@ struct ReplayArgs {
   act_t* xc_out;              // aliases xc_in
   act_t* Bc_out;              // aliases Bc_in
   float* dtc_out;             // aliases dtc_in
+  const shadow_t* sh_in;      // (slots, H, P, N) shadow of the checkpoint, or null
+  const float* sc_in;         // (slots, H, P) fp8 row scales, or null
+  shadow_t* sh_out;           // aliases sh_in (written on flush)
+  float* sc_out;              // aliases sc_in
 };
+
+// Copy rows [row0, row0 + kRows) of head h of the checkpoint into shared memory: the shadow
+// (and its scales) on steps that only read it, the full-precision rows on flush steps.
+__device__ __forceinline__ void issue_rows(float4* S, float4* scale, const ReplayArgs& a, int slot, int h, int row0,
+                                           bool flush) {
+  const int t = threadIdx.x;
+  const size_t base = (((size_t)slot * kH + h) * kP + row0) * kN;
+  if (kShadow && !flush) {
+    const float4* src = reinterpret_cast<const float4*>(a.sh_in + base);
+#pragma unroll
+    for (int u = 0; u < (kShadowVecs + kThreads - 1) / kThreads; ++u) {
+      const int i = t + u * kThreads;
+      if (kShadowVecs % kThreads == 0 || i < kShadowVecs) cp_async16(&S[i], src + i);
+    }
+    if constexpr (kShadow == 2) {
+      const float4* sc = reinterpret_cast<const float4*>(a.sc_in + ((size_t)slot * kH + h) * kP + row0);
+      for (int i = t; i < kScaleVecs; i += kThreads) cp_async16(&scale[i], sc + i);
+    }
+    return;
+  }
+  const float4* src = reinterpret_cast<const float4*>(a.state_in + base);
+#pragma unroll
+  for (int u = 0; u < (kStateVecs + kThreads - 1) / kThreads; ++u) {
+    const int i = t + u * kThreads;
+    if (kStateVecs % kThreads == 0 || i < kStateVecs) cp_async16(&S[i], src + i);
+  }
+}
+
+// Output-form dot of this thread's rows with C, from the checkpoint or its shadow in smem.
+__device__ __forceinline__ float checkpoint_dot(const float4* S, const float4* scale, const ColRegs& cc) {
+  if constexpr (kShadow != 0) {
+    return state_dot_smem(reinterpret_cast<const shadow_t*>(S), cc,
+                          kShadow == 2 ? reinterpret_cast<const float*>(scale) : nullptr);
+  } else {
+    return state_dot_smem(reinterpret_cast<const state_t*>(S), cc);
+  }
+}
 
 template <typename T, int n>
 __device__ __forceinline__ void copy_vec(T* dst, const T* src) {
@@ -313,23 +408,14 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
-#if RSSM_CURSOR_FIRST
-  const int pos = a.cursor[slot];
-#endif
+  // With a shadow the cursor decides which copy of the checkpoint to read, so it comes first.
+  constexpr bool kCursorFirst = RSSM_CURSOR_FIRST || kShadow != 0;
+  int pos = kCursorFirst ? a.cursor[slot] : 0;
   // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory.
   const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
-  {
-    const float4* src = reinterpret_cast<const float4*>(a.state_in + sbase);
-#pragma unroll
-    for (int u = 0; u < (kStateVecs + kThreads - 1) / kThreads; ++u) {
-      const int i = t + u * kThreads;
-      if (kStateVecs % kThreads == 0 || i < kStateVecs) cp_async16(&sm.S[i], src + i);
-    }
-    cp_async_commit();
-  }
-#if !RSSM_CURSOR_FIRST
-  const int pos = a.cursor[slot];
-#endif
+  issue_rows(sm.S, sm.scale, a, slot, c.h, c.row0, pos == kL - 1);
+  cp_async_commit();
+  if (!kCursorFirst) pos = a.cursor[slot];
   const size_t yo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb + l;  // the row this lane finalizes
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
     if (l < kRT) a.y[yo] = from_f<act_t>(__int_as_float(0x7fc00000));
@@ -438,7 +524,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const state_t* Ss = reinterpret_cast<const state_t*>(sm.S);
   if (!flush) {
     // 3. Output form: exp(c_k) S0.C_k + sum_j w_j (B_j.C_k) x_j + D x_k; no state write.
-    const float sdot = state_dot_smem(Ss, cc);
+    const float sdot = checkpoint_dot(sm.S, sm.scale, cc);
     if (l >= kRT) return;
     const int row = rb + l;
     val = sm.decay * sdot + D * sm.xt[pos][row];
@@ -450,6 +536,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
     StateRegs st;
     flush_rows(st, Ss, sm.decay, sm.w, sm.Bt, sm.xt);
     store_state(st, a.state_out + sbase);
+    if constexpr (kShadow != 0) store_shadow(st, a.sh_out + sbase, a.sc_out + sbase / kN);
     const float sdot = state_dot_mine(st, cc);
     if (l >= kRT) return;
     val = sdot + D * sm.xt[pos][rb + l];
@@ -481,7 +568,8 @@ static_assert(kXV * sizeof(act_t) >= 4, "x tile vectors must be at least 4 bytes
 constexpr int kItemsPerRow = kH * kChunks;
 
 struct alignas(16) Stage {
-  float4 S[kStateVecs];  // checkpoint rows
+  float4 S[kStateVecs];  // checkpoint rows (or their shadow on non-flush items)
+  float4 scale[kScaleVecs];
   act_t Bt[kL][kN];      // B_1..B_k
   act_t xt[kL][kRows];   // x_1..x_k (this item's rows)
   act_t C[kN];
@@ -511,12 +599,7 @@ __device__ __forceinline__ Item item_coords(int i) {
 // Issue every copy item `it` (slot, pos already known and valid) needs into stage `sg`.
 __device__ __forceinline__ void issue_item(Stage& sg, const ReplayArgs& a, const Item& it, int slot, int pos) {
   const int t = threadIdx.x, k = pos + 1;
-  const float4* src = reinterpret_cast<const float4*>(a.state_in + (((size_t)slot * kH + it.h) * kP + it.row0) * kN);
-#pragma unroll
-  for (int u = 0; u < (kStateVecs + kThreads - 1) / kThreads; ++u) {
-    const int i = t + u * kThreads;
-    if (kStateVecs % kThreads == 0 || i < kStateVecs) cp_async<16>(&sg.S[i], src + i);
-  }
+  issue_rows(sg.S, sg.scale, a, slot, it.h, it.row0, k == kL);
   const act_t* Bc = a.Bc_in + ((size_t)slot * kG + it.g) * kL * kN;
   const act_t* Bnow = a.B + ((size_t)it.b * kG + it.g) * kN;
   constexpr int kBVecs = kL * kBVecRow;
@@ -595,7 +678,7 @@ __device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, cons
   const state_t* Ss = reinterpret_cast<const state_t*>(sg.S);
   float val;
   if (!flush) {
-    const float sdot = state_dot_smem(Ss, cc);
+    const float sdot = checkpoint_dot(sg.S, sg.scale, cc);
     // Append entry k: x rows of this item, B once per group, dt once per head.
     act_t* xo = a.xc_out + (((size_t)slot * kH + it.h) * kL + pos) * kP + it.row0;
     for (int p = t * kXV; p < kRows; p += kThreads * kXV)
@@ -618,7 +701,9 @@ __device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, cons
   } else {
     StateRegs st;
     flush_rows(st, Ss, sm.decay, sm.w, sg.Bt, sg.xt);
-    store_state(st, a.state_out + (((size_t)slot * kH + it.h) * kP + it.row0) * kN);
+    const size_t sbase = (((size_t)slot * kH + it.h) * kP + it.row0) * kN;
+    store_state(st, a.state_out + sbase);
+    if constexpr (kShadow != 0) store_shadow(st, a.sh_out + sbase, a.sc_out + sbase / kN);
     const float sdot = state_dot_mine(st, cc);
     if (l < kRT) val = sdot + sc.D * to_f(sg.xt[pos][rb + l]);
   }

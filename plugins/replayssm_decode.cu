@@ -11,6 +11,22 @@
 #define RSSM_Z_ARG nullptr
 #endif
 
+// The shadow (RSSM_SHADOW 1: bf16, 2: fp8-e4m3 + fp32 row scales) comes after the buffers, in
+// both the inputs and the aliased outputs.
+#if RSSM_SHADOW == 2
+#define RSSM_SHADOW_IN , const shadow_t* shadow_in, const float* scale_in
+#define RSSM_SHADOW_OUT , shadow_t* shadow_out, float* scale_out
+#define RSSM_SHADOW_ARGS shadow_in, scale_in, shadow_out, scale_out
+#elif RSSM_SHADOW == 1
+#define RSSM_SHADOW_IN , const shadow_t* shadow_in
+#define RSSM_SHADOW_OUT , shadow_t* shadow_out
+#define RSSM_SHADOW_ARGS shadow_in, nullptr, shadow_out, nullptr
+#else
+#define RSSM_SHADOW_IN
+#define RSSM_SHADOW_OUT
+#define RSSM_SHADOW_ARGS nullptr, nullptr, nullptr, nullptr
+#endif
+
 // ReplaySSM decode step: output from checkpoint + buffer, append, flush when the buffer fills.
 // grid (nheads * headdim / kRows, batch), block (kWarps * 32).
 extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_decode(
@@ -18,11 +34,11 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) r
     const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
     const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
     const int* __restrict__ cursor, const state_t* state_in, const act_t* xc_in,
-    const act_t* Bc_in, const float* dtc_in, int batch, int nslots, act_t* __restrict__ y,
-    state_t* state_out, act_t* xc_out, act_t* Bc_out, float* dtc_out) {
+    const act_t* Bc_in, const float* dtc_in RSSM_SHADOW_IN, int batch, int nslots, act_t* __restrict__ y,
+    state_t* state_out, act_t* xc_out, act_t* Bc_out, float* dtc_out RSSM_SHADOW_OUT) {
   rssm::ReplayArgs a{x,       B,     C,      dt,    dt_bias, A,         D,      RSSM_Z_ARG,
                      sbi,     cursor, state_in, xc_in, Bc_in, dtc_in,    batch,  nslots,
-                     y,       state_out, xc_out, Bc_out, dtc_out};
+                     y,       state_out, xc_out, Bc_out, dtc_out, RSSM_SHADOW_ARGS};
 #if RSSM_PERSISTENT
   rssm::replay_decode_persistent(a);
 #else

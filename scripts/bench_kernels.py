@@ -18,6 +18,9 @@ Bytes model (per batch row; s = state itemsize, a = activation itemsize, H P N G
                 + history read (k-1) * (H*P*a + G*N*a + 4*H)          (x, B, processed dt)
                 + k < L: append write H*P*a + G*N*a + 4*H
                 + k = L: state write H*P*N*s
+  replay with a shadow (q = shadow itemsize: bf16 2, fp8 1 + 4 bytes of scale per row):
+                k < L reads the shadow H*P*(N*q + scale) instead of the state; k = L reads the
+                state and writes state + shadow: 2*H*P*N*s + H*P*(N*q + scale)
 Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measured in the same run
 (bytes read + written).
 
@@ -88,13 +91,20 @@ def copy_ceiling_tbps(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times) / 1e12
 
 
-def bytes_model(H, P, N, G, L, s, a):
+SHADOW_BYTES = {"none": None, "bf16": (2, 0), "fp8": (1, 4)}  # (bytes per element, bytes of scale per row)
+
+
+def bytes_model(H, P, N, G, L, s, a, shadow="none"):
     inputs = H * P * a + 2 * G * N * a + H * a
     y = H * P * a
     state = H * P * N * s
     entry = H * P * a + G * N * a + 4 * H
     conv = 2 * state + inputs + y
-    replay = {k: state + inputs + y + (k - 1) * entry + (entry if k < L else state) for k in range(1, L + 1)}
+    sh = SHADOW_BYTES[shadow]
+    read = state if sh is None else H * P * (N * sh[0] + sh[1])  # what a non-flush step reads
+    flush_extra = state if sh is None else state + read  # a flush also reads the state and rewrites the shadow
+    replay = {k: (read if k < L else state) + inputs + y + (k - 1) * entry + (entry if k < L else flush_extra)
+              for k in range(1, L + 1)}
     return conv, replay
 
 
@@ -111,7 +121,7 @@ def load_mamba(path: str | None):
         return None
 
 
-def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None):
+def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None, shadow="none"):
     H, P, N, G = GEOMETRIES[geom]
     sdt, act = DT[state_code], DT[act_code]
     s, a = sdt.itemsize, act.itemsize
@@ -129,6 +139,10 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None)
     sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
     inputs = [make_inputs(batch, H, P, N, G, act, gen, "cuda") for _ in range(min(R, 4))]
     y = torch.empty(batch, H, P, dtype=act, device="cuda")
+    sh = sc = None
+    if shadow != "none":
+        sh = state.to(torch.bfloat16 if shadow == "bf16" else torch.float8_e4m3fn)  # values do not matter here
+        sc = torch.ones(slots, H, P, device="cuda") if shadow == "fp8" else None
 
     def conv():
         for r in range(R):
@@ -138,9 +152,11 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None)
     def replay():
         for r in range(R):
             x, B, C, dt, _ = inputs[r % len(inputs)]
-            ops.replay_decode(x, B, C, dt, prm.dt_bias, prm.A, prm.D, state, xc, Bc, dtc, cursor, sbis[r], out=y)
+            ops.replay_decode(x, B, C, dt, prm.dt_bias, prm.A, prm.D, state, xc, Bc, dtc, cursor, sbis[r], out=y,
+                              shadow=sh, shadow_scale=sc)
 
-    row = dict(geom=geom, H=H, P=P, N=N, G=G, state=state_code, act=act_code, L=L, batch=batch, rotations=R)
+    row = dict(geom=geom, H=H, P=P, N=N, G=G, state=state_code, act=act_code, L=L, batch=batch, rotations=R,
+               shadow=shadow)
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     measured = {}
     for k in ks or range(1, L + 1):
@@ -153,7 +169,7 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None)
     row["replay_us_k_measured"] = sorted(measured)
     row["replay_us_k1"], row["replay_us_flush"] = per_k[0], per_k[-1]
     row["replay_us_amortized"] = sum(per_k) / L
-    conv_b, rep_b = bytes_model(H, P, N, G, L, s, a)
+    conv_b, rep_b = bytes_model(H, P, N, G, L, s, a, shadow)
     row["bytes_conv"] = conv_b * batch
     row["bytes_replay_amortized"] = sum(rep_b.values()) / L * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
@@ -162,7 +178,7 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None)
     row["tbps_replay_flush"] = rep_b[L] * batch / per_k[-1] / 1e6
     row["speedup_vs_conv"] = row["conv_us"] / row["replay_us_amortized"]
     row["flush_over_conv"] = per_k[-1] / row["conv_us"]
-    if mamba_fn is not None and state_code == "f32":
+    if mamba_fn is not None and state_code == "f32" and shadow == "none":
         # tie_hdim: dt, A, dt_bias, D broadcast over headdim with stride 0, as Nemotron-H runs it.
         A_t = prm.A[:, None, None].expand(H, P, N)
         bias_t = prm.dt_bias[:, None].expand(H, P)
@@ -188,6 +204,7 @@ def main():
     ap.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--tag", default="kernels")
+    ap.add_argument("--shadows", default="none,bf16,fp8", help="checkpoint shadows for the main fp32 rows")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -198,14 +215,14 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), date=now,
                 commit=args.commit, torch=torch.__version__, copy_ceiling_tbps=ceiling)
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
-    plan = [("nemotron_h_8b", "f32", "bf16", 16, b) for b in batches]
+    plan = [("nemotron_h_8b", "f32", "bf16", 16, b, sh) for sh in args.shadows.split(",") for b in batches]
     if not args.quick:
-        plan += [("nemotron_h_8b", "bf16", "bf16", 16, b) for b in batches]
-        plan += [("nemotron_h_8b", "f32", "bf16", L, b) for L in (8, 32) for b in (1, 32, 256)]
-        plan += [(g, "f32", "bf16", 16, b) for g in ("nano_9b_v2", "h_56b") for b in (1, 32, 256)]
+        plan += [("nemotron_h_8b", "bf16", "bf16", 16, b, "none") for b in batches]
+        plan += [("nemotron_h_8b", "f32", "bf16", L, b, "none") for L in (8, 32) for b in (1, 32, 256)]
+        plan += [(g, "f32", "bf16", 16, b, "none") for g in ("nano_9b_v2", "h_56b") for b in (1, 32, 256)]
     rows = []
-    for p in plan:
-        row = bench_point(*p, mamba_fn)
+    for *p, sh in plan:
+        row = bench_point(*p, mamba_fn, shadow=sh)
         row["pct_ceiling_conv"] = 100 * row["tbps_conv"] / ceiling
         row["pct_ceiling_replay"] = 100 * row["tbps_replay"] / ceiling
         row["pct_ceiling_replay_k1"] = 100 * row["tbps_replay_k1"] / ceiling
@@ -216,12 +233,13 @@ def main():
     stamp = meta["date"][:10]
     path = out / f"{stamp}_{args.tag}_{args.commit[:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    hdr = (f"{'geom':14s} {'st':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} "
+    hdr = (f"{'geom':14s} {'st':4s} {'sh':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} "
            f"{'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}")
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(hdr)
     for r in rows:
-        print(f"{r['geom']:14s} {r['state']:4s} {r['L']:2d} {r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} "
+        print(f"{r['geom']:14s} {r['state']:4s} {r['shadow']:4s} {r['L']:2d} {r['batch']:4d} {r['conv_us']:8.1f} "
+              f"{r['pct_ceiling_conv']:5.1f} "
               f"{r['replay_us_k1']:7.1f} {r['replay_us_flush']:7.1f} {r['replay_us_amortized']:7.1f} "
               f"{r['pct_ceiling_replay']:5.1f} {r['speedup_vs_conv']:6.2f} {r.get('mamba_us', float('nan')):7.1f} "
               f"{r.get('speedup_vs_mamba', float('nan')):7.2f}")

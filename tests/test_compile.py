@@ -47,7 +47,18 @@ PERSISTENT = [
 ]
 
 
-@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT, ids=lambda s: s.key)
+# Shadow variants: both kernel variants, every (headdim, dstate) on the main buffer lengths.
+SHADOW = [
+    KernelSpec("f32", a, H, P, N, 8, L, *choose_geometry("f32", P, N, H, batch, a, L, persistent, sh), z, arch,
+               DEFAULT_DEFINES if persistent else (), sh)
+    for sh, a, (H, P, N), L, batch, persistent, z, arch in itertools.product(
+        ("bf16", "fp8"), ("bf16",), ((128, 64, 128), (128, 80, 128), (256, 64, 256)), (8, 16), (1, 256),
+        (False, True), (False,), ARCHS)
+] + [KernelSpec("f32", a, 128, 64, 128, 8, 16, 32, 4, True, 90, DEFAULT_DEFINES, sh)
+     for sh in ("bf16", "fp8") for a in ("f16", "f32")]
+
+
+@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
@@ -62,6 +73,17 @@ def test_decode_parameter_list_is_tensorrt_order():
         params = re.search(r"\.entry replayssm_decode\((.*?)\)", ptx, re.S).group(1)
         kinds = re.findall(r"\.param \.(u64|u32|b32|s32)", params)
         assert kinds == ["u64"] * n_ptr_in + ["u32"] * 2 + ["u64"] * 5, kinds
+
+
+@pytest.mark.parametrize("shadow, n_sh", [("bf16", 1), ("fp8", 2)])
+def test_shadow_parameters_follow_the_buffers(shadow, n_sh):
+    """The shadow (and fp8 scales) come after dt_cache among the inputs and after dt_cache_out among the outputs."""
+    rows, warps = choose_geometry("f32", 64, 128, 128, 256, "bf16", 16, True, shadow)
+    spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, DEFAULT_DEFINES, shadow)
+    assert spec.key.endswith(f"_z0_sh-{shadow}_sm90_PERSISTENT1_MIN_BLOCKS5")
+    params = re.search(r"\.entry replayssm_decode\((.*?)\)", cc.compile_spec(spec, "ptx").decode(), re.S).group(1)
+    kinds = re.findall(r"\.param \.(u64|u32|b32|s32)", params)
+    assert kinds == ["u64"] * (13 + n_sh) + ["u32"] * 2 + ["u64"] * (5 + n_sh), kinds
 
 
 def test_cache_key_is_readable_and_hit(tmp_path, monkeypatch):
@@ -88,6 +110,8 @@ def test_compile_error_names_the_spec(monkeypatch):
     (dict(ngroups=3), "ngroups"),
     (dict(buffer_len=33), "buffer_len"),
     (dict(rows=48), "rows"),
+    (dict(shadow="fp4"), "KernelSpec.shadow"),
+    (dict(state="bf16", shadow="bf16"), "needs an f32 checkpoint"),
 ])
 def test_bad_specs_rejected(bad, match):
     base = dict(state="f32", act="bf16", nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, rows=64, warps=8)

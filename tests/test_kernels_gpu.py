@@ -13,6 +13,10 @@ Tolerances (relative Frobenius norm over the valid rows):
   f32 with f32 state -> 2e-5 (fp32 sums of <= 3*dstate terms, exp/log1p in fp32).
 - checkpoint after a flush: f32 -> 2e-5; bf16/f16 -> one storage rounding, 8e-3 / 2e-3.
 - dt_cache: fp32 softplus vs float64 on the same inputs -> 1e-5 relative per element.
+- Shadow (bf16 / fp8-e4m3 copy of an f32 checkpoint): after every flush the kernel's shadow must be
+  bit-identical to ``reference.Shadow.write`` of the f32 checkpoint the kernel stored (bf16: one
+  round-to-nearest-even; fp8: scale = max|row| / 448 and q = S / scale, IEEE fp32 divisions and RNE
+  in both). The mirror then reads that very shadow, so y keeps the tolerances above.
 """
 
 import zlib
@@ -20,7 +24,7 @@ import zlib
 import pytest
 import torch
 
-from trtllm_replayssm import ops
+from trtllm_replayssm import config, ops
 from trtllm_replayssm import reference as ref
 
 from .problems import GEOMETRIES, make_inputs, make_params
@@ -39,7 +43,7 @@ def rel(a, b):
 class Problem:
     """Kernel-side caches on the GPU and float64 mirrors on the CPU, evolving together."""
 
-    def __init__(self, geom, state, act, L, batch, slots, pad_rows=(), has_z=False, seed=0):
+    def __init__(self, geom, state, act, L, batch, slots, pad_rows=(), has_z=False, seed=0, shadow="none"):
         H, P, N, G = GEOMETRIES[geom] if isinstance(geom, str) else geom
         self.H, self.P, self.N, self.G, self.L = H, P, N, G, L
         self.sdt, self.act, self.has_z, self.batch = DT[state], DT[act], has_z, batch
@@ -48,6 +52,12 @@ class Problem:
         S0 = torch.randn(slots, H, P, N, generator=self.gen).to(self.sdt)
         self.state = S0.cuda()
         self.ref_state = S0.to(F64)
+        self.shadow_kind = shadow
+        self.ref_shadow = self.shadow = self.scale = None
+        if shadow != "none":  # written at the hand-off, from the stored checkpoint
+            self.ref_shadow = ref.Shadow.of(S0, shadow)
+            self.shadow = self.ref_shadow.q.cuda()
+            self.scale = None if self.ref_shadow.scale is None else self.ref_shadow.scale.cuda()
         # Buffers start poisoned: entries beyond the cursor must never be read.
         self.xc = torch.full((slots, H, L, P), float("nan"), dtype=self.act, device="cuda")
         self.Bc = torch.full((slots, G, L, N), float("nan"), dtype=self.act, device="cuda")
@@ -71,22 +81,38 @@ class Problem:
 
     def snapshot_unused(self):
         u = self.unused
-        return [t[u].clone() for t in (self.state, self.xc, self.Bc, self.dtc, self.cursor)]
+        extra = [t for t in (self.shadow, self.scale) if t is not None]
+        return [t[u].clone() for t in (self.state, self.xc, self.Bc, self.dtc, self.cursor, *extra)]
 
     def replay_step(self):
         x, B, C, dt, z = self.inputs()
         flushing = [s for s in self.sbi.cpu().tolist() if s >= 0 and int(self.ref_cursor[s]) == self.L - 1]
         y = torch.full_like(x, float("nan"))
         ops.replay_decode(x, B, C, dt, *self.prm_args(), self.state, self.xc, self.Bc, self.dtc, self.cursor,
-                          self.sbi, z=z, out=y)
+                          self.sbi, z=z, out=y, shadow=self.shadow, shadow_scale=self.scale)
         ops.advance_cursor(self.cursor, self.sbi, self.L)
         cpu = [None if t is None else t.cpu().to(F64) for t in (x, B, C, dt, z)]
         y_ref = ref.replay_decode(self.ref_state, self.ref_xc, self.ref_Bc, self.ref_dtc, self.ref_cursor,
-                                  *cpu[:4], *(t.cpu().double() for t in self.prm_args()), cpu[4], self.sbi.cpu())
+                                  *cpu[:4], *(t.cpu().double() for t in self.prm_args()), cpu[4], self.sbi.cpu(),
+                                  shadow=self.ref_shadow)
         ref.advance_cursor(self.ref_cursor, self.sbi.cpu(), self.L)
         for s in flushing:  # the kernel stores the new checkpoint in its state dtype
             self.ref_state[s] = self.ref_state[s].to(self.sdt).to(F64)
+            if self.shadow is not None:
+                self.check_shadow(s)
         return y, y_ref, flushing
+
+    def check_shadow(self, s):
+        """The shadow the kernel wrote for slot s == Shadow.write of the checkpoint it stored, bit for bit."""
+        want = ref.Shadow(1, self.H, self.P, self.N, self.shadow_kind)
+        want.write(0, self.state[s].cpu())
+        got = self.shadow[s].cpu()
+        bad = (got.view(torch.uint8) != want.q[0].view(torch.uint8)).sum()
+        assert bad == 0, f"shadow of slot {s}: {int(bad)} of {got.numel()} elements differ from Shadow.write"
+        if self.scale is not None:
+            assert torch.equal(self.scale[s].cpu(), want.scale[0]), f"fp8 row scales of slot {s} differ"
+            self.ref_shadow.scale[s] = want.scale[0]
+        self.ref_shadow.q[s] = got  # the mirror reads what the kernel will read
 
     def conventional_step(self):
         x, B, C, dt, z = self.inputs()
@@ -175,6 +201,53 @@ def test_conventional_matches_reference(case):
         pb.check_y(y, y_ref)
         pb.check_state(pb.sbi.cpu()[pb.valid].tolist())
     assert torch.equal(pb.snapshot_unused()[0].view(torch.uint8), before[0].view(torch.uint8))
+
+
+SHADOW_BASE = {**BASE, "L": 8}
+SHADOW_CASES = [
+    {**SHADOW_BASE, "shadow": "bf16"},
+    {**SHADOW_BASE, "shadow": "fp8"},
+    {**SHADOW_BASE, "shadow": "fp8", "has_z": True, "act": "f16"},
+    {**SHADOW_BASE, "shadow": "bf16", "geom": (4, 64, 256, 1), "L": 4},
+    {**SHADOW_BASE, "shadow": "fp8", "geom": "nano_9b_v2", "L": 16},
+    {**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron_h_8b", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
+    {**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
+]
+VARIANTS = {"persistent": (("PERSISTENT", 1), ("MIN_BLOCKS", 5)), "one-shot": (("MIN_BLOCKS", 5),)}
+
+
+def _sid(c):
+    return ",".join(f"{k}={v}" for k, v in c.items() if SHADOW_BASE.get(k, "none") != v)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("case", SHADOW_CASES, ids=_sid)
+def test_replay_decode_with_shadow(case, variant):
+    """Non-flush steps read the shadow, flushes rewrite it exactly; both kernel variants."""
+    pb = Problem(**case, seed=zlib.crc32((_sid(case) + variant).encode()))
+    before = pb.snapshot_unused()
+    flushed = 0
+    with config.override_defines(VARIANTS[variant]):
+        for _ in range(3 * pb.L + 2):
+            y, y_ref, flushing = pb.replay_step()
+            pb.check_y(y, y_ref)
+            pb.check_buffers()
+            pb.check_state(flushing)
+            flushed += len(flushing)
+    assert flushed >= 3 * int(pb.valid.sum())
+    for now, then in zip(pb.snapshot_unused(), before):
+        assert torch.equal(now.view(torch.uint8) if now.dtype != torch.int32 else now,
+                           then.view(torch.uint8) if then.dtype != torch.int32 else then)
+
+
+def test_shadow_is_what_the_output_reads():
+    """Teeth: perturb the shadow (not the f32 checkpoint) of one slot and y must move."""
+    pb = Problem(**{**SHADOW_BASE, "shadow": "bf16"}, seed=5)
+    pb.check_y(*pb.replay_step()[:2])
+    pb.shadow[int(pb.sbi[0])] *= 2
+    y, y_ref, _ = pb.replay_step()
+    with pytest.raises(AssertionError):
+        pb.check_y(y, y_ref)
 
 
 def test_teeth_corrupted_cache_fails_the_comparison():

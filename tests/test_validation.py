@@ -64,6 +64,29 @@ def test_out_is_checked():
         ops.replay_decode(**good(), out=torch.zeros(BATCH, H, P))
 
 
+SH = (S, H, P, N)
+SHADOW_CASES = [
+    (dict(shadow=torch.zeros(S, H, P, N, dtype=torch.float16)), TypeError, r"shadow: expected dtype bfloat16 or float8_e4m3fn"),
+    (dict(shadow=torch.zeros(S, H, P, N + 1, dtype=torch.bfloat16)), ValueError, r"shadow: expected shape \(5, 4, 64, 64\)"),
+    (dict(shadow=torch.zeros(SH, dtype=torch.bfloat16), state=torch.zeros(SH, dtype=torch.bfloat16)), TypeError,
+     r"state: a shadow needs a float32 checkpoint, got bfloat16"),
+    (dict(shadow=torch.zeros(SH, dtype=torch.float8_e4m3fn)), ValueError, r"shadow_scale: an fp8 shadow needs"),
+    (dict(shadow=torch.zeros(SH, dtype=torch.float8_e4m3fn), shadow_scale=torch.ones(S, H, P + 1)), ValueError,
+     r"shadow_scale: expected shape \(5, 4, 64\)"),
+    (dict(shadow=torch.zeros(SH, dtype=torch.bfloat16), shadow_scale=torch.ones(S, H, P)), ValueError,
+     r"shadow_scale: only an fp8 shadow has row scales"),
+    (dict(shadow_scale=torch.ones(S, H, P)), ValueError, r"shadow_scale: given without a shadow"),
+    (dict(shadow=torch.zeros(SH, dtype=torch.float8_e4m3fn), shadow_scale=torch.ones(S, H, P)), ValueError,
+     r"x: expected CUDA tensors"),  # a valid fp8 shadow passes every check before the device one
+]
+
+
+@pytest.mark.parametrize("over, exc, match", SHADOW_CASES, ids=[c[2][:40] for c in SHADOW_CASES])
+def test_replay_decode_rejects_bad_shadow(over, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.replay_decode(**good(**over))
+
+
 def test_conventional_step_rejects():
     t = good()
     for k in ("x_cache", "B_cache", "dt_cache", "cursor"):

@@ -17,7 +17,7 @@ import os
 import pathlib
 import tempfile
 
-from .config import CUDA_TYPES, KernelSpec
+from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, KernelSpec
 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "plugins"
 if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the package
@@ -45,8 +45,11 @@ def prelude(spec: KernelSpec) -> str:
             f"// generated for {spec.key}",
             "#include <cuda_bf16.h>",
             "#include <cuda_fp16.h>",
+            *(["#include <cuda_fp8.h>"] if spec.shadow == "fp8" else []),
             f"using state_t = {CUDA_TYPES[spec.state]};",
             f"using act_t = {CUDA_TYPES[spec.act]};",
+            f"using shadow_t = {SHADOW_CUDA_TYPES.get(spec.shadow, 'state_t')};",
+            f"#define RSSM_SHADOW {('none', 'bf16', 'fp8').index(spec.shadow)}",
             f"constexpr int kH = {spec.nheads};",
             f"constexpr int kP = {spec.headdim};",
             f"constexpr int kN = {spec.dstate};",

@@ -21,6 +21,11 @@ DTYPE_CODES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 CUDA_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half"}
 ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2}
+# Low-precision shadow of the checkpoint (read by the output form, written at each flush).
+SHADOW_KINDS = ("none", "bf16", "fp8")
+SHADOW_CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
+SHADOW_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+SHADOW_ITEMSIZE = {"none": 0, "bf16": 2, "fp8": 1}
 
 SUPPORTED_HEADDIM = (64, 80, 128)
 SUPPORTED_DSTATE = (64, 128, 256)
@@ -45,11 +50,16 @@ class KernelSpec:
     arch: int = 90
     # Extra preprocessor definitions (name, value) for kernel experiments; part of the key.
     defines: tuple = ()
+    shadow: str = "none"  # "none" | "bf16" | "fp8" (needs an f32 checkpoint)
 
     def __post_init__(self):
         for name in ("state", "act"):
             if getattr(self, name) not in CUDA_TYPES:
                 raise ValueError(f"KernelSpec.{name}: expected one of {sorted(CUDA_TYPES)}, got {getattr(self, name)!r}")
+        if self.shadow not in SHADOW_KINDS:
+            raise ValueError(f"KernelSpec.shadow: expected one of {SHADOW_KINDS}, got {self.shadow!r}")
+        if self.shadow != "none" and self.state != "f32":
+            raise ValueError(f"KernelSpec.shadow={self.shadow!r} needs an f32 checkpoint, got state={self.state!r}")
         if self.nheads % self.ngroups:
             raise ValueError(f"ngroups ({self.ngroups}) must divide nheads ({self.nheads})")
         if not 1 <= self.buffer_len <= 32:
@@ -68,7 +78,8 @@ class KernelSpec:
         """Readable cache key, e.g. ``replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sm90``."""
         return (
             f"replayssm_s-{self.state}_a-{self.act}_H{self.nheads}_P{self.headdim}_N{self.dstate}"
-            f"_G{self.ngroups}_L{self.buffer_len}_R{self.rows}_W{self.warps}_z{int(self.has_z)}_sm{self.arch}"
+            f"_G{self.ngroups}_L{self.buffer_len}_R{self.rows}_W{self.warps}_z{int(self.has_z)}"
+            + (f"_sh-{self.shadow}" if self.shadow != "none" else "") + f"_sm{self.arch}"
             + "".join(f"_{k}{v}" for k, v in self.defines)
         )
 
@@ -124,18 +135,20 @@ SMALL_BATCH = 4
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 
 
-def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False) -> int:
+def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False,
+                      shadow: str = "none") -> int:
     """Mirror of ``ReplaySmem`` / ``PipeSmem`` in plugins/replayssm.cuh (state, B, x tiles, scalars)."""
-    if persistent:  # two stages of: state rows, B tile, x tile (act), C, history dt
-        stage = (rows * dstate * ITEMSIZE[state] + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * ITEMSIZE[act]
-                 + dstate * ITEMSIZE[act] + buffer_len * 4)
-        return 2 * (stage + 15) // 16 * 16 + 2 * buffer_len * 4 + 16
-    tiles = rows * dstate * ITEMSIZE[state] + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
+    scales = rows * 4 if shadow == "fp8" else 16  # fp8 row scales (one 16-byte vector when unused)
+    if persistent:  # two stages of: state rows, scales, B tile, x tile (act), C, history dt
+        stage = (rows * dstate * ITEMSIZE[state] + scales + buffer_len * dstate * ITEMSIZE[act]
+                 + buffer_len * rows * ITEMSIZE[act] + dstate * ITEMSIZE[act] + buffer_len * 4)
+        return 2 * ((stage + 15) // 16 * 16) + 2 * buffer_len * 4 + 16
+    tiles = rows * dstate * ITEMSIZE[state] + scales + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
     return tiles + 2 * buffer_len * 4 + 16
 
 
 def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int, act: str = "bf16",
-                    buffer_len: int = 16, persistent: bool = False) -> tuple[int, int]:
+                    buffer_len: int = 16, persistent: bool = False, shadow: str = "none") -> tuple[int, int]:
     """(rows per block, warps) for this geometry and batch."""
     forced = getattr(_local, "override", None)
     if forced is not None:
@@ -161,26 +174,26 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     # would leave the GPU under two waves of blocks (small batches).
     while can_halve(rows) and (
         warps_for(rows) * 32 > MAX_THREADS
-        or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent) > SMEM_LIMIT
+        or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow) > SMEM_LIMIT
         or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
     ):
         rows //= 2
     warps = warps_for(rows)
-    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent) > SMEM_LIMIT:
+    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
 
 
 def plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
-         conventional: bool = False) -> tuple[int, int, tuple]:
+         conventional: bool = False, shadow: str = "none") -> tuple[int, int, tuple]:
     # The geometry override is part of the key: choose_geometry reads it.
     return _plan(state, act, nheads, headdim, dstate, buffer_len, batch, conventional, current_defines(),
-                 getattr(_local, "override", None))
+                 getattr(_local, "override", None), shadow)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every eager launch: keep the geometry search off the hot path
 def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
-          conventional: bool, defines: tuple, _override) -> tuple[int, int, tuple]:
+          conventional: bool, defines: tuple, _override, shadow: str = "none") -> tuple[int, int, tuple]:
     """(rows, warps, defines) of the kernel variant to launch: the one place that decides.
 
     The persistent pipelined replay kernel copies each item's B tile next to its state rows; it
@@ -194,13 +207,13 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
         defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
     if dict(defines).get(flag, 0) == 1:
         try:
-            rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True)
+            rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True, shadow)
             if conventional or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
                 return rows, warps, defines
         except ValueError:  # two stages do not fit
             pass
         defines = tuple((k, v) for k, v in defines if k != flag)
-    rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len)
+    rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, False, shadow)
     return rows, warps, defines
 
 

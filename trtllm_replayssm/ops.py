@@ -20,6 +20,8 @@ x_cache                (S, H, L, P)        act                replay (append)
 B_cache                (S, G, L, N)        act                replay (append)
 dt_cache               (S, H, L)           f32 (processed)    replay (append)
 cursor                 (S,)                int32              by advance_cursor only
+shadow (optional)      (S, H, P, N)        bf16 / fp8-e4m3fn  replay: on flush (needs an f32 state)
+shadow_scale (fp8)     (S, H, P)           f32                replay: on flush (max |S[row]| / 448)
 state_batch_indices    (batch,)            int32              slot per row, -1 = padding
 y (output)             (batch, H, P)       act                padding rows left untouched
 =====================  ==================  =================  ==========================
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from . import compile as _compile
-from .config import DTYPE_CODES, KernelSpec, plan
+from .config import DTYPE_CODES, SHADOW_DTYPES, KernelSpec, plan
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -157,10 +159,31 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
     _launch(stream, LaunchConfig(grid=grid, block=block), kern, *args)
 
 
-def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool = False) -> KernelSpec:
+def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool = False,
+              shadow: str = "none") -> KernelSpec:
     sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
-    rows, warps, defines = plan(sd, ad, H, P, N, L or 1, batch, conventional)
-    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, _arch(device), defines)
+    rows, warps, defines = plan(sd, ad, H, P, N, L or 1, batch, conventional, shadow)
+    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, _arch(device), defines, shadow)
+
+
+def shadow_kind(shadow, shadow_scale, state) -> str:
+    """Validate the optional shadow of ``state`` and name its kind ("none", "bf16" or "fp8")."""
+    if shadow is None:
+        if shadow_scale is not None:
+            raise ValueError("shadow_scale: given without a shadow")
+        return "none"
+    kinds = {v: k for k, v in SHADOW_DTYPES.items()}
+    check_tensor(shadow, "shadow", tuple(state.shape), tuple(kinds), state.device)
+    if state.dtype != torch.float32:
+        raise TypeError(f"state: a shadow needs a float32 checkpoint, got {str(state.dtype).replace('torch.', '')}")
+    kind = kinds[shadow.dtype]
+    if kind == "fp8":
+        if shadow_scale is None:
+            raise ValueError("shadow_scale: an fp8 shadow needs its (slots, nheads, headdim) float32 row scales")
+        check_tensor(shadow_scale, "shadow_scale", tuple(state.shape[:3]), (torch.float32,), state.device)
+    elif shadow_scale is not None:
+        raise ValueError("shadow_scale: only an fp8 shadow has row scales, got one with a bfloat16 shadow")
+    return kind
 
 
 @functools.cache
@@ -173,12 +196,16 @@ def _ptr(t):
 
 
 def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
-                  state_batch_indices, z=None, out=None, check_values: bool | None = None):
+                  state_batch_indices, z=None, out=None, check_values: bool | None = None, shadow=None,
+                  shadow_scale=None):
     """One fused ReplaySSM decode step (output, append, flush when full); returns y.
 
     The cursor is read, not moved: call :func:`advance_cursor` once per model step (all layers
     share it). ``check_values`` (default: when not capturing a graph) checks slot and cursor values
-    on the host, which synchronizes.
+    on the host, which synchronizes. With ``shadow`` (bf16, or fp8-e4m3fn with ``shadow_scale``),
+    non-flush steps read the shadow instead of the f32 checkpoint and a flush rewrites both; the
+    shadow must hold the checkpoint's current values when the call starts (see
+    :class:`~.reference.Shadow`: written at prefill hand-off and by every flush).
     """
     batch, H, P, N, G, S, L = _geometry(x, B, state, x_cache)
     _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, H, P, N, G, S)
@@ -187,20 +214,22 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     check_tensor(B_cache, "B_cache", (S, G, L, N), act, dev)
     check_tensor(dt_cache, "dt_cache", (S, H, L), (torch.float32,), dev)
     check_tensor(cursor, "cursor", (S,), (torch.int32,), dev)
+    kind = shadow_kind(shadow, shadow_scale, state)
     y = _output(out, x)
     _require_cuda(x)
     if check_values if check_values is not None else not _capturing():
         check_indices(state_batch_indices, S, cursor, L)
     if batch == 0:
         return y
-    spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev)
+    spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev, shadow=kind)
+    sh = [t.data_ptr() for t in (shadow, shadow_scale) if t is not None]
     args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
             D.data_ptr()]
     if z is not None:
         args.append(z.data_ptr())
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
-             B_cache.data_ptr(), dt_cache.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
-             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr()]
+             B_cache.data_ptr(), dt_cache.data_ptr(), *sh, np.int32(batch), np.int32(S), y.data_ptr(),
+             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr(), *sh]
     launch(spec, "replayssm_decode", dev, spec.grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args)
     return y
 
@@ -253,17 +282,20 @@ def _output(out, x):
 
 
 # ---- torch.library custom ops (torch.compile / export see them as opaque, with fake shapes) --------
-@torch.library.custom_op("trtllm_replayssm::replay_decode", mutates_args=("state", "x_cache", "B_cache", "dt_cache"))
+@torch.library.custom_op("trtllm_replayssm::replay_decode",
+                         mutates_args=("state", "x_cache", "B_cache", "dt_cache", "shadow", "shadow_scale"))
 def replay_decode_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
                      A: torch.Tensor, D: torch.Tensor, state: torch.Tensor, x_cache: torch.Tensor,
                      B_cache: torch.Tensor, dt_cache: torch.Tensor, cursor: torch.Tensor,
-                     state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+                     state_batch_indices: torch.Tensor, z: torch.Tensor | None = None,
+                     shadow: torch.Tensor | None = None, shadow_scale: torch.Tensor | None = None) -> torch.Tensor:
     return replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
-                         z=z)
+                         z=z, shadow=shadow, shadow_scale=shadow_scale)
 
 
 @replay_decode_op.register_fake
-def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None):
+def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None,
+      shadow=None, shadow_scale=None):
     return torch.empty_like(x)
 
 
