@@ -253,6 +253,7 @@ __device__ __forceinline__ void store_shadow(const StateRegs& st, shadow_t* base
 
 // State form of the flush for this thread's elements, from tiles in shared memory:
 // st = exp(c_k) S0 + sum_j (w_j x_j) B_j^T. Bt is [kL][kN]; xt is [kL][kRows] (float or act_t).
+// Ss: the checkpoint rows in shared memory, or in global memory (generic pointer) with a shadow.
 template <typename XT>
 __device__ __forceinline__ void flush_rows(StateRegs& st, const state_t* Ss, float decay, const float* w,
                                            const act_t (*Bt)[kN], const XT (*xt)[kRows]) {
@@ -319,12 +320,15 @@ constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
 constexpr int kConvMinBlocks = RSSM_CONV_PERSISTENT ? kMinBlocks : 1;
 constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
 constexpr int kShadowVecs = kRows * kN * (int)sizeof(shadow_t) / 16;
-constexpr int kScaleVecs = kShadow == 2 ? kRows / 4 : 1;  // fp8 row scales (16 bytes when unused)
+constexpr int kScaleVecs = kShadow == 2 ? kRows / 4 : 0;  // fp8 row scales, after the shadow rows
 static_assert(kShadow != 2 || kRows % 4 == 0, "fp8 row scales move as 16-byte vectors");
+// Rows staged in shared memory: the checkpoint's, or with a shadow only the shadow's (+ scales);
+// flush steps then read the f32 rows straight from global memory into registers. Half (bf16) or
+// a quarter (fp8) of the bytes per row lets an item cover twice or four times the rows.
+constexpr int kStageVecs = kShadow ? kShadowVecs + kScaleVecs : kStateVecs;
 
 struct alignas(16) ReplaySmem {
-  float4 S[kStateVecs];  // checkpoint rows of this block (or their shadow), same layout as in global memory
-  float4 scale[kScaleVecs];
+  float4 S[kStageVecs];  // checkpoint rows of this block (or their shadow), same layout as in global memory
   act_t Bt[kL][kN];      // B_1..B_k, needed by the flush only
   float xt[kL][kRows];   // x_1..x_k for this block's rows
   float w[kL];           // w_j
@@ -359,13 +363,13 @@ struct ReplayArgs {
   float* sc_out;              // aliases sc_in
 };
 
-// Copy rows [row0, row0 + kRows) of head h of the checkpoint into shared memory: the shadow
-// (and its scales) on steps that only read it, the full-precision rows on flush steps.
-__device__ __forceinline__ void issue_rows(float4* S, float4* scale, const ReplayArgs& a, int slot, int h, int row0,
-                                           bool flush) {
+// Copy rows [row0, row0 + kRows) of head h of the checkpoint into shared memory: without a
+// shadow the full-precision rows; with one its rows and scales, and nothing on flush steps.
+__device__ __forceinline__ void issue_rows(float4* S, const ReplayArgs& a, int slot, int h, int row0, bool flush) {
   const int t = threadIdx.x;
   const size_t base = (((size_t)slot * kH + h) * kP + row0) * kN;
-  if (kShadow && !flush) {
+  if (kShadow) {
+    if (flush) return;
     const float4* src = reinterpret_cast<const float4*>(a.sh_in + base);
 #pragma unroll
     for (int u = 0; u < (kShadowVecs + kThreads - 1) / kThreads; ++u) {
@@ -374,7 +378,7 @@ __device__ __forceinline__ void issue_rows(float4* S, float4* scale, const Repla
     }
     if constexpr (kShadow == 2) {
       const float4* sc = reinterpret_cast<const float4*>(a.sc_in + ((size_t)slot * kH + h) * kP + row0);
-      for (int i = t; i < kScaleVecs; i += kThreads) cp_async16(&scale[i], sc + i);
+      for (int i = t; i < kScaleVecs; i += kThreads) cp_async16(&S[kShadowVecs + i], sc + i);
     }
     return;
   }
@@ -387,10 +391,10 @@ __device__ __forceinline__ void issue_rows(float4* S, float4* scale, const Repla
 }
 
 // Output-form dot of this thread's rows with C, from the checkpoint or its shadow in smem.
-__device__ __forceinline__ float checkpoint_dot(const float4* S, const float4* scale, const ColRegs& cc) {
+__device__ __forceinline__ float checkpoint_dot(const float4* S, const ColRegs& cc) {
   if constexpr (kShadow != 0) {
     return state_dot_smem(reinterpret_cast<const shadow_t*>(S), cc,
-                          kShadow == 2 ? reinterpret_cast<const float*>(scale) : nullptr);
+                          kShadow == 2 ? reinterpret_cast<const float*>(S + kShadowVecs) : nullptr);
   } else {
     return state_dot_smem(reinterpret_cast<const state_t*>(S), cc);
   }
@@ -413,7 +417,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   int pos = kCursorFirst ? a.cursor[slot] : 0;
   // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory.
   const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
-  issue_rows(sm.S, sm.scale, a, slot, c.h, c.row0, pos == kL - 1);
+  issue_rows(sm.S, a, slot, c.h, c.row0, pos == kL - 1);
   cp_async_commit();
   if (!kCursorFirst) pos = a.cursor[slot];
   const size_t yo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb + l;  // the row this lane finalizes
@@ -524,7 +528,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const state_t* Ss = reinterpret_cast<const state_t*>(sm.S);
   if (!flush) {
     // 3. Output form: exp(c_k) S0.C_k + sum_j w_j (B_j.C_k) x_j + D x_k; no state write.
-    const float sdot = checkpoint_dot(sm.S, sm.scale, cc);
+    const float sdot = checkpoint_dot(sm.S, cc);
     if (l >= kRT) return;
     const int row = rb + l;
     val = sm.decay * sdot + D * sm.xt[pos][row];
@@ -534,7 +538,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   } else {
     // 3'. Flush: S_k = exp(c_k) S0 + sum_j (w_j x_j) B_j^T becomes the checkpoint; y = S_k C_k + D x_k.
     StateRegs st;
-    flush_rows(st, Ss, sm.decay, sm.w, sm.Bt, sm.xt);
+    flush_rows(st, kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sm.Bt, sm.xt);
     store_state(st, a.state_out + sbase);
     if constexpr (kShadow != 0) store_shadow(st, a.sh_out + sbase, a.sc_out + sbase / kN);
     const float sdot = state_dot_mine(st, cc);
@@ -568,8 +572,7 @@ static_assert(kXV * sizeof(act_t) >= 4, "x tile vectors must be at least 4 bytes
 constexpr int kItemsPerRow = kH * kChunks;
 
 struct alignas(16) Stage {
-  float4 S[kStateVecs];  // checkpoint rows (or their shadow on non-flush items)
-  float4 scale[kScaleVecs];
+  float4 S[kStageVecs];  // checkpoint rows (or their shadow + scales on non-flush items)
   act_t Bt[kL][kN];      // B_1..B_k
   act_t xt[kL][kRows];   // x_1..x_k (this item's rows)
   act_t C[kN];
@@ -599,7 +602,7 @@ __device__ __forceinline__ Item item_coords(int i) {
 // Issue every copy item `it` (slot, pos already known and valid) needs into stage `sg`.
 __device__ __forceinline__ void issue_item(Stage& sg, const ReplayArgs& a, const Item& it, int slot, int pos) {
   const int t = threadIdx.x, k = pos + 1;
-  issue_rows(sg.S, sg.scale, a, slot, it.h, it.row0, k == kL);
+  issue_rows(sg.S, a, slot, it.h, it.row0, k == kL);
   const act_t* Bc = a.Bc_in + ((size_t)slot * kG + it.g) * kL * kN;
   const act_t* Bnow = a.B + ((size_t)it.b * kG + it.g) * kN;
   constexpr int kBVecs = kL * kBVecRow;
@@ -678,7 +681,7 @@ __device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, cons
   const state_t* Ss = reinterpret_cast<const state_t*>(sg.S);
   float val;
   if (!flush) {
-    const float sdot = checkpoint_dot(sg.S, sg.scale, cc);
+    const float sdot = checkpoint_dot(sg.S, cc);
     // Append entry k: x rows of this item, B once per group, dt once per head.
     act_t* xo = a.xc_out + (((size_t)slot * kH + it.h) * kL + pos) * kP + it.row0;
     for (int p = t * kXV; p < kRows; p += kThreads * kXV)
@@ -700,8 +703,8 @@ __device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, cons
     }
   } else {
     StateRegs st;
-    flush_rows(st, Ss, sm.decay, sm.w, sg.Bt, sg.xt);
     const size_t sbase = (((size_t)slot * kH + it.h) * kP + it.row0) * kN;
+    flush_rows(st, kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sg.Bt, sg.xt);
     store_state(st, a.state_out + sbase);
     if constexpr (kShadow != 0) store_shadow(st, a.sh_out + sbase, a.sc_out + sbase / kN);
     const float sdot = state_dot_mine(st, cc);

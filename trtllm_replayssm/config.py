@@ -138,12 +138,14 @@ SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False,
                       shadow: str = "none") -> int:
     """Mirror of ``ReplaySmem`` / ``PipeSmem`` in plugins/replayssm.cuh (state, B, x tiles, scalars)."""
-    scales = rows * 4 if shadow == "fp8" else 16  # fp8 row scales (one 16-byte vector when unused)
-    if persistent:  # two stages of: state rows, scales, B tile, x tile (act), C, history dt
-        stage = (rows * dstate * ITEMSIZE[state] + scales + buffer_len * dstate * ITEMSIZE[act]
+    # Staged rows: the checkpoint's, or only the shadow's + fp8 row scales (flushes read global memory).
+    rows_bytes = rows * dstate * ITEMSIZE[state] if shadow == "none" else (
+        rows * dstate * SHADOW_ITEMSIZE[shadow] + (rows * 4 if shadow == "fp8" else 0))
+    if persistent:  # two stages of: staged rows, B tile, x tile (act), C, history dt
+        stage = (rows_bytes + buffer_len * dstate * ITEMSIZE[act]
                  + buffer_len * rows * ITEMSIZE[act] + dstate * ITEMSIZE[act] + buffer_len * 4)
         return 2 * ((stage + 15) // 16 * 16) + 2 * buffer_len * 4 + 16
-    tiles = rows * dstate * ITEMSIZE[state] + scales + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
+    tiles = rows_bytes + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
     return tiles + 2 * buffer_len * 4 + 16
 
 
@@ -208,7 +210,7 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
     if dict(defines).get(flag, 0) == 1:
         try:
             rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True, shadow)
-            if conventional or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
+            if conventional or shadow != "none" or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
                 return rows, warps, defines
         except ValueError:  # two stages do not fit
             pass
