@@ -4,9 +4,11 @@
 main geometry, at k = 1, 2, L/2, L-1 and the flush, in one process (bench_kernels.py's harness).
 
 Usage: python scripts/sweep_variants.py --variants "CURSOR_FIRST=1;PREFETCH_ALL=1,CURSOR_FIRST=1"
+       [--shadow bf16] [--geometries "64x8;32x4"] (rows x warps, pinned with override_geometry)
 """
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -17,7 +19,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from trtllm_replayssm.config import override_defines  # noqa: E402
+from trtllm_replayssm.config import override_defines, override_geometry  # noqa: E402
 
 
 def parse(v: str) -> tuple:
@@ -29,19 +31,25 @@ def main():
     ap.add_argument("--variants", default="")
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--out", default="")
+    ap.add_argument("--shadow", default="none")
+    ap.add_argument("--geometries", default="", help="rows x warps per variant, e.g. 64x8;32x4 (default: planned)")
     args = ap.parse_args()
     variants = [()] + [parse(v) for v in args.variants.split(";") if v]
+    geoms = [tuple(int(x) for x in g.split("x")) for g in args.geometries.split(";") if g] or [None]
     L = 16
     rows = []
     for d in variants:
-        with override_defines(d):
-            for b in (int(x) for x in args.batches.split(",")):
-                r = bk.bench_point("nemotron_h_8b", "f32", "bf16", L, b, None, ks=(1, 2, L // 2, L - 1, L))
-                r["defines"] = d
-                rows.append(r)
-                print(f"{str(d):40s} bs{b:4d} conv {r['conv_us']:7.1f}  k1 {r['replay_us_k1']:7.1f}  "
-                      f"k2 {r['replay_us_k'][1]:7.1f}  k8 {r['replay_us_k'][7]:7.1f}  flush {r['replay_us_flush']:7.1f}  "
-                      f"amort {r['replay_us_amortized']:7.1f}  x{r['speedup_vs_conv']:.2f}", flush=True)
+        for geom in geoms:
+            with override_defines(d), (override_geometry(*geom) if geom else contextlib.nullcontext()):
+                for b in (int(x) for x in args.batches.split(",")):
+                    r = bk.bench_point("nemotron_h_8b", "f32", "bf16", L, b, None, ks=(1, 2, L // 2, L - 1, L),
+                                       shadow=args.shadow)
+                    r["defines"], r["geometry"] = d, geom
+                    rows.append(r)
+                    print(f"{str(d):34s} {str(geom):8s} {args.shadow:4s} bs{b:4d} conv {r['conv_us']:7.1f}  "
+                          f"k1 {r['replay_us_k1']:7.1f}  k2 {r['replay_us_k'][1]:7.1f}  k8 {r['replay_us_k'][7]:7.1f}  "
+                          f"flush {r['replay_us_flush']:7.1f}  amort {r['replay_us_amortized']:7.1f}  "
+                          f"x{r['speedup_vs_conv']:.2f}", flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
 
