@@ -176,22 +176,53 @@ __device__ __forceinline__ void load_cols(ColRegs& cr, const act_t* vec) {
 #pragma unroll
   for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(vec + my_col(v), cr.c[v]);
 }
+// Sums kRT per-row partials over the kLPR lanes of a row group; lane l gets the total of row
+// l % kRT. With kRT a power of two, a transposing butterfly: at offset o < kRT each lane keeps the
+// rows whose bit o matches its own and sends the others, halving its rows, so kRT - 1 + log2(kLPR /
+// kRT) shuffles replace kRT * log2(kLPR) (bs256 main geometry: 9 instead of 40 per thread and item).
+__device__ __forceinline__ float rows_reduce(float (&acc)[kRT]) {
+  const int lane = threadIdx.x % 32;
+  if constexpr ((kRT & (kRT - 1)) == 0) {
+#pragma unroll
+    for (int o = 1; o < kRT; o <<= 1) {
+      const bool up = lane & o;
+#pragma unroll
+      for (int m = 0; m < kRT / (2 * o); ++m) {
+        // acc[i] holds row i*o + (lane mod o); pair rows 2m and 2m+1 of that list.
+        const float keep = up ? acc[2 * m + 1] : acc[2 * m];
+        const float send = up ? acc[2 * m] : acc[2 * m + 1];
+        acc[m] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+    }
+    float v = acc[0];  // row lane % kRT, summed over the lanes that share those low bits
+#pragma unroll
+    for (int o = kRT; o < kLPR; o <<= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  } else {
+    const int l = lane % kLPR;
+    float mine = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      const float t = group_sum<kLPR>(acc[r]);
+      if (r == l % kRT) mine = t;
+    }
+    return mine;
+  }
+}
+
 // Dots of the thread's rows with C, summed over the row group; lane l of the group returns the
-// dot of row (row_base + l) for l < kRT (every lane ends with every sum; it keeps its own).
+// dot of row (row_base + l) for l < kRT.
 __device__ __forceinline__ float state_dot_mine(const StateRegs& st, const ColRegs& cc) {
-  const int l = threadIdx.x % kLPR;
-  float mine = 0.f;
+  float acc[kRT];
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    float acc = 0.f;
+    acc[r] = 0.f;
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
-      for (int e = 0; e < kEPV; ++e) acc = fmaf(st.s[r][v][e], cc.c[v][e], acc);
-    acc = group_sum<kLPR>(acc);
-    if (r == l) mine = acc;
+      for (int e = 0; e < kEPV; ++e) acc[r] = fmaf(st.s[r][v][e], cc.c[v][e], acc[r]);
   }
-  return mine;
+  return rows_reduce(acc);
 }
 
 // Row dots of checkpoint rows held in shared memory (same layout as global) with C. T is the
@@ -199,21 +230,20 @@ __device__ __forceinline__ float state_dot_mine(const StateRegs& st, const ColRe
 template <typename T>
 __device__ __forceinline__ float state_dot_smem(const T* Ss, const ColRegs& cc, const float* scale = nullptr) {
   const int rb = row_base(), l = threadIdx.x % kLPR;
-  float mine = 0.f;
+  float acc[kRT];
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    float acc = 0.f;
+    acc[r] = 0.f;
 #pragma unroll
     for (int v = 0; v < kVPL; ++v) {
       float sv[kEPV];
       load_f<T, kEPV>(Ss + (rb + r) * kN + my_col(v), sv);
 #pragma unroll
-      for (int e = 0; e < kEPV; ++e) acc = fmaf(sv[e], cc.c[v][e], acc);
+      for (int e = 0; e < kEPV; ++e) acc[r] = fmaf(sv[e], cc.c[v][e], acc[r]);
     }
-    acc = group_sum<kLPR>(acc);
-    if (r == l) mine = scale ? acc * scale[rb + r] : acc;
   }
-  return mine;
+  const float mine = rows_reduce(acc);
+  return scale ? mine * scale[rb + l % kRT] : mine;
 }
 
 template <int kLanes>
