@@ -10,6 +10,7 @@ Usage: python scripts/sweep_variants.py --variants "CURSOR_FIRST=1;PREFETCH_ALL=
 import argparse
 import contextlib
 import json
+import os
 import pathlib
 import sys
 
@@ -51,7 +52,13 @@ def main():
                           f"flush {r['replay_us_flush']:7.1f}  amort {r['replay_us_amortized']:7.1f}  "
                           f"x{r['speedup_vs_conv']:.2f}", flush=True)
     if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(rows, indent=1))
+        import datetime
+
+        import torch
+
+        meta = dict(device=torch.cuda.get_device_name(), commit=os.environ.get("GIT_COMMIT", "unknown"),
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -128,3 +128,17 @@ def test_ptx_newer_than_the_driver_is_refused(monkeypatch):
     cc.check_ptx_loadable()
     monkeypatch.setattr(cc, "driver_version", lambda: (13, 5))
     cc.check_ptx_loadable()
+
+
+def test_shadow_variant_choice():
+    """A shadow runs one-shot by default (measured faster), persistent when forced with PERSISTENT=2."""
+    from trtllm_replayssm.config import override_defines, plan
+
+    for shadow in ("bf16", "fp8"):
+        rows, warps, defines = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
+        assert dict(defines).get("PERSISTENT") is None and (rows, warps) == (64, 8)
+        with override_defines((("PERSISTENT", 2), ("MIN_BLOCKS", 5))):
+            rows, warps, defines = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
+        spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, defines, shadow)
+        assert spec.persistent and spec.grid(256, 132)[1] == 1
+    assert dict(plan("f32", "bf16", 128, 64, 128, 16, 256)[2]).get("PERSISTENT") == 1  # no shadow: unchanged
