@@ -11,16 +11,14 @@
 #define RSSM_Z_ARG nullptr
 #endif
 
-// The shadow (RSSM_SHADOW 1: bf16, 2: fp8-e4m3 + fp32 row scales) comes after the buffers, in
-// both the inputs and the aliased outputs.
-#if RSSM_SHADOW == 2
+// The shadow (RSSM_SHADOW 1: bf16, 2: fp8-e4m3) and its fp32 row scales come after the buffers, in
+// both the inputs and the aliased outputs. A bf16 shadow has no scales: the two scale pointers are
+// never read or written (null from ops.py, a 1-element placeholder in a TensorRT engine), so both
+// kinds share one parameter list and one plugin.
+#if RSSM_SHADOW
 #define RSSM_SHADOW_IN , const shadow_t* shadow_in, const float* scale_in
 #define RSSM_SHADOW_OUT , shadow_t* shadow_out, float* scale_out
 #define RSSM_SHADOW_ARGS shadow_in, scale_in, shadow_out, scale_out
-#elif RSSM_SHADOW == 1
-#define RSSM_SHADOW_IN , const shadow_t* shadow_in
-#define RSSM_SHADOW_OUT , shadow_t* shadow_out
-#define RSSM_SHADOW_ARGS shadow_in, nullptr, shadow_out, nullptr
 #else
 #define RSSM_SHADOW_IN
 #define RSSM_SHADOW_OUT

@@ -75,9 +75,9 @@ def test_decode_parameter_list_is_tensorrt_order():
         assert kinds == ["u64"] * n_ptr_in + ["u32"] * 2 + ["u64"] * 5, kinds
 
 
-@pytest.mark.parametrize("shadow, n_sh", [("bf16", 1), ("fp8", 2)])
+@pytest.mark.parametrize("shadow, n_sh", [("bf16", 2), ("fp8", 2)])
 def test_shadow_parameters_follow_the_buffers(shadow, n_sh):
-    """The shadow (and fp8 scales) come after dt_cache among the inputs and after dt_cache_out among the outputs."""
+    """The shadow and its scales come after dt_cache among the inputs and after dt_cache_out among the outputs."""
     rows, warps = choose_geometry("f32", 64, 128, 128, 256, "bf16", 16, True, shadow)
     spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, DEFAULT_DEFINES, shadow)
     assert spec.key.endswith(f"_z0_sh-{shadow}_sm90_PERSISTENT1_MIN_BLOCKS5")

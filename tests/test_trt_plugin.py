@@ -79,3 +79,27 @@ def test_network_with_plugin_builds():
     config = builder.create_builder_config()
     config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
     assert builder.build_serialized_network(net, config) is not None
+
+
+@pytest.mark.parametrize("shadow", tp.SHADOW_KINDS)
+def test_shadow_plugin_contract(shadow):
+    """mamba2_decode_shadow: 15 inputs, 2 int32 args, 7 outputs; the shadow and its scales alias."""
+    k = tp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=1, shadow=shadow)
+    assert k.spec.shadow == shadow and f"_sh-{shadow}_" in k.spec.key
+    params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
+    kinds = re.findall(r"\.param \.(u64|u32)", params)
+    assert kinds == ["u64"] * len(tp.SHADOW_INPUT_NAMES) + ["u32"] * 2 + ["u64"] * len(tp.SHADOW_OUTPUT_NAMES)
+    shapes = tp.io_shapes(4, 6, 128, 64, 128, 8, 16, shadow)
+    assert list(shapes)[: len(tp.SHADOW_INPUT_NAMES)] == list(tp.SHADOW_INPUT_NAMES)
+    assert shapes["shadow_out"] == shapes["shadow"] == (6, 128, 64, 128)
+    assert shapes["shadow_scale_out"] == shapes["shadow_scale"] == ((6, 128, 64) if shadow == "fp8" else (1,))
+    types = tp.type_combination("f32", "bf16", shadow)
+    n_in = len(tp.SHADOW_INPUT_NAMES)
+    assert len(types) == n_in + len(tp.SHADOW_OUTPUT_NAMES) and types[13] == {"bf16": "BF16", "fp8": "FP8"}[shadow]
+    for o, i in tp.SHADOW_ALIASES.items():
+        assert types[n_in + o] == types[i]
+
+
+def test_shadow_plugin_rejects_a_non_f32_checkpoint():
+    with pytest.raises(ValueError, match="shadow: expected one of"):
+        tp.aot_kernel(128, 64, 128, 8, 16, "bf16", "bf16", 90, shadow="bf16")

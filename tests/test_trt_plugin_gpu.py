@@ -5,7 +5,8 @@ TensorRT's builder cannot be installed here, so this test takes the kernel name,
 by the driver from PTX, as TensorRT does), the grid/block/shared memory and the int32 extra args
 from :func:`trt_plugin.aot_kernel`, passes pointers in TensorRT's order (inputs, extra args,
 outputs; aliased outputs get their inputs' pointers) and compares with the float64 mirror over
-3L+2 steps crossing flushes, for both tactics. Tolerances: see test_kernels_gpu.py.
+3L+2 steps crossing flushes, for both tactics, with and without a bf16 / fp8 shadow
+(``mamba2_decode_shadow``). Tolerances: see test_kernels_gpu.py.
 """
 
 import numpy as np
@@ -20,24 +21,31 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("tactic", sorted(tp.TACTICS))
-@pytest.mark.parametrize("state, act, L", [("f32", "bf16", 4), ("bf16", "f16", 8)])
-def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L):
+@pytest.mark.parametrize("state, act, L, shadow", [("f32", "bf16", 4, "none"), ("bf16", "f16", 8, "none"),
+                                                   ("f32", "bf16", 8, "bf16"), ("f32", "bf16", 8, "fp8")])
+def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L, shadow):
     from cuda.core import Device, LaunchConfig, ObjectCode, Stream, launch
 
     from trtllm_replayssm import ops
 
-    pb = Problem(geom="nemotron_h_8b", state=state, act=act, L=L, batch=3, slots=3, seed=5 + tactic)
+    pb = Problem(geom="nemotron_h_8b", state=state, act=act, L=L, batch=3, slots=3, seed=5 + tactic, shadow=shadow)
     pb.sbi = torch.arange(3, dtype=torch.int32, device="cuda")  # per-row state, as in an engine
     pb.valid = pb.sbi.cpu() >= 0
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    k = tp.aot_kernel(pb.H, pb.P, pb.N, pb.G, L, state, act, major * 10 + minor, tactic, sms)
+    k = tp.aot_kernel(pb.H, pb.P, pb.N, pb.G, L, state, act, major * 10 + minor, tactic, sms, shadow)
+    placeholder = torch.ones(1, device="cuda")  # a bf16 shadow's scale input (never read or written)
     Device().set_current()
     kern = ObjectCode.from_ptx(k.ptx).get_kernel(k.kernel_name)
 
-    def plugin_step(x, B, C, dt, dt_bias, A, D, state_, xc, Bc, dtc, cursor, sbi, z=None, out=None, **_):
+    def plugin_step(x, B, C, dt, dt_bias, A, D, state_, xc, Bc, dtc, cursor, sbi, z=None, out=None, shadow=None,
+                    shadow_scale=None, **_):
         ins = [x, B, C, dt, dt_bias, A, D, sbi, cursor, state_, xc, Bc, dtc]
-        outs = [out] + [ins[i] for i in tp.ALIASES.values()]
+        aliases = tp.ALIASES
+        if shadow is not None:
+            ins += [shadow, placeholder if shadow_scale is None else shadow_scale]
+            aliases = tp.SHADOW_ALIASES
+        outs = [out] + [ins[i] for i in aliases.values()]
         extra = {"batch": x.shape[0], "slots": state_.shape[0]}
         args = [t.data_ptr() for t in ins] + [np.int32(extra[n]) for n in k.extra_args] + [t.data_ptr() for t in outs]
         stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
@@ -55,3 +63,4 @@ def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L):
             pb.check_state(flushing)
     finally:
         ops.replay_decode = real
+    assert torch.equal(placeholder.cpu(), torch.ones(1))

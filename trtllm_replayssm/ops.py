@@ -222,7 +222,7 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     if batch == 0:
         return y
     spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev, shadow=kind)
-    sh = [t.data_ptr() for t in (shadow, shadow_scale) if t is not None]
+    sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
     args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
             D.data_ptr()]
     if z is not None:
