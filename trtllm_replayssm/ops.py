@@ -134,10 +134,10 @@ def _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, bat
     check_tensor(state_batch_indices, "state_batch_indices", (batch,), (torch.int32,), dev)
 
 
-def _require_cuda(x) -> None:
+def _require_cuda(x, name: str = "x") -> None:
     # Last, so that shape and dtype errors are reported (and testable) on any device.
     if x.device.type != "cuda":
-        raise ValueError(f"x: expected CUDA tensors, got device {x.device}")
+        raise ValueError(f"{name}: expected CUDA tensors, got device {x.device}")
 
 
 # ---- loading and launching ---------------------------------------------------------------------------
@@ -404,8 +404,7 @@ def spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, buffer
         raise ValueError(f"state_batch_indices: expected shape (batch,), got {tuple(state_batch_indices.shape)}")
     batch = state_batch_indices.shape[0]
     check_tensor(n_accepted, "n_accepted", (batch,), (torch.int32,), dev)
-    if dev.type != "cuda":
-        raise ValueError(f"cursor: expected CUDA tensors, got device {dev}")
+    _require_cuda(cursor, "cursor")
     S = cursor.shape[0]
     if _values(check_values):
         check_spec_values(state_batch_indices, S, num_tokens, cursor, buffer_len, n_accepted)
@@ -465,8 +464,7 @@ def native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_
         raise ValueError(f"state_batch_indices: expected shape (batch,), got {tuple(state_batch_indices.shape)}")
     batch = state_batch_indices.shape[0]
     check_tensor(n_accepted, "n_accepted", (batch,), (torch.int32,), dev)
-    if dev.type != "cuda":
-        raise ValueError(f"state: expected CUDA tensors, got device {dev}")
+    _require_cuda(state, "state")
     if _values(check_values):
         check_spec_values(state_batch_indices, S, T, n_accepted=n_accepted)
     if batch == 0:
