@@ -25,16 +25,22 @@
 // sum (entries e = l, l + kLPR, ... of the row group), summed over the row group by halving
 // shuffles (row_group_sum: kRT/2 + kRT/4 + ... shuffles instead of kRT log2(kLPR)).
 //
-// Bytes per (batch row, head), state_t s bytes, act a bytes, P rows, N columns, G groups of H/G heads:
-//   verify, no flush: read S0 s*P*N + x tiles (m+T)*P*a + dt 4m (+2T raw) + per group B tiles
-//     (m+T)*N*a and C T*N*a; write the window x T*P*a, dt 4T, B (per group) T*N*a, y T*P*a.
+// Bytes per (batch row, head), state_t s bytes, act a bytes, P rows, N columns, H/G heads per group
+// (B and C are read from DRAM once per group; the other heads hit L2):
+//   verify, no flush: read S0 s*P*N, history m*(P*a + 4 + N*a*G/H), window T*(P*a + a + 2*N*a*G/H);
+//     write the window to the rings T*(P*a + 4 + N*a*G/H) and y T*P*a.
 //   verify, flush: the same plus the new checkpoint s*P*N.
 //   native verify: read S s*P*N and the window; write T snapshots T*s*P*N and y.
-//   native commit: read one snapshot s*P*N, write S s*P*N (per row with n >= 1).
-// Geometry (128,64,128,8), fp32 state, bf16 act, T = 4, L = 16, batch 256 (state 4 MiB per row):
-//   verify 1.10 GB without flush, 2.17 GB with one; one flush every 4 steps at full acceptance
-//   (count 0, 4, 8, 12 -> flush) -> 1.37 GB per step amortized; native verify + commit 5.38 +
-//   2.15 = 7.53 GB per step; standard ReplaySSM 1.08 GB (k=1) per token.
+//   native commit: read one snapshot s*P*N, write S s*P*N (rows with n >= 1).
+// Geometry (128,64,128,8), fp32 state (4 MiB per row), bf16 act, T = 4, L = 16, batch 256:
+//   verify 1.131 GB at count 0, 1.170 GB at count 8, 2.263 GB with a flush (count 12); at full
+//   acceptance counts run 0, 4, 8, 12 -> flush: 1.429 GB per step amortized = 0.357 GB per token
+//   (uniform n in 1..4: 1.428 GB per step, 0.572 GB per token).
+//   native verify 5.407 GB + native commit 2.147 GB = 7.554 GB per step (1.889 GB per token at full
+//   acceptance). Standard ReplaySSM, one token per step: 1.088 GB (k=1) .. 2.230 GB (flush),
+//   1.191 GB per token amortized over L.
+// Credits: ReplaySSM (Dao AI Lab + NVIDIA, 2026); ring cursor after FlashInfer checkpointing_ssu
+// (>= 0.6.16); the native baseline is the per-draft-position state cache of vLLM / TensorRT-LLM.
 #pragma once
 #include "replayssm.cuh"
 

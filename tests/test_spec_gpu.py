@@ -164,7 +164,8 @@ CASES = [
     {**BASE, "pad_rows": ()},
     {**BASE, "batch": 1, "slots": 2, "pad_rows": ()},
     {**BASE, "geom": (8, 64, 128, 2), "T": 2, "L": 8},
-    {**BASE, "geom": "nemotron_h_8b", "batch": 4, "slots": 6},
+    {**BASE, "geom": (8, 64, 128, 2), "batch": 6, "slots": 8, "pad_rows": (2,)},  # batch > 4: 8 rows a thread
+    {**BASE, "geom": "nemotron_h_8b", "batch": 6, "slots": 8},
     {**BASE, "geom": "nano_9b_v2", "T": 2, "L": 8},
     {**BASE, "geom": "h_56b", "T": 8, "L": 16},
     {**BASE, "geom": "nemotron_h_8b", "state": "bf16", "T": 8, "L": 16, "has_z": True, "batch": 6, "slots": 8,
@@ -277,7 +278,7 @@ class NativeProblem(SpecProblem):
 
 
 NATIVE_CASES = [BASE, {**BASE, "T": 2, "L": 8}, {**BASE, "T": 8, "has_z": True}, {**BASE, "state": "bf16"},
-                {**BASE, "act": "f32"}, {**BASE, "geom": "nemotron_h_8b", "batch": 4, "slots": 6}]
+                {**BASE, "act": "f32"}, {**BASE, "geom": "nemotron_h_8b", "batch": 6, "slots": 8}]
 
 
 @pytest.mark.parametrize("case", NATIVE_CASES, ids=_id)
