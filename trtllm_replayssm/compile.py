@@ -2,10 +2,11 @@
 """NVRTC compilation of the kernels in ``plugins/`` for one :class:`~.config.KernelSpec`.
 
 Route: a generated prelude (``using state_t``/``act_t``, sizes as ``constexpr``) is prepended to
-``plugins/replayssm_decode.cu`` and compiled by NVRTC through ``cuda.bindings.nvrtc``. That needs no
-GPU and no driver, so CI compiles every variant for sm_90 and sm_100. Headers come from the
-``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into NVRTC). Results are cached on disk
-under the spec's readable key plus a hash of source, options and NVRTC version.
+the spec's entry file (``plugins/replayssm_decode.cu``; for speculative specs, ``num_tokens`` >= 1,
+``plugins/replayssm_spec.cu`` and ``constexpr int kT``) and compiled by NVRTC through
+``cuda.bindings.nvrtc``. That needs no GPU and no driver, so CI compiles every variant for sm_90 and
+sm_100. Headers come from the ``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into NVRTC).
+Results are cached on disk under the spec's readable key plus a hash of source, options and NVRTC version.
 Loading and launching (``cuda.core``) live in :mod:`.ops`.
 """
 
@@ -24,6 +25,17 @@ if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the
     PLUGIN_DIR = pathlib.Path(__file__).resolve().parent / "plugins"
 ENTRY_FILE = "replayssm_decode.cu"
 KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
+SPEC_ENTRY_FILE = "replayssm_spec.cu"
+SPEC_KERNEL_NAMES = ("replayssm_verify", "replayssm_spec_commit", "replayssm_native_verify", "replayssm_native_commit")
+
+
+def entry_file(spec: KernelSpec) -> str:
+    return SPEC_ENTRY_FILE if spec.num_tokens else ENTRY_FILE
+
+
+def kernel_names(spec: KernelSpec) -> tuple[str, ...]:
+    """The entry points of the module ``spec`` compiles."""
+    return SPEC_KERNEL_NAMES if spec.num_tokens else KERNEL_NAMES
 
 
 class CompileError(RuntimeError):
@@ -55,6 +67,7 @@ def prelude(spec: KernelSpec) -> str:
             f"constexpr int kN = {spec.dstate};",
             f"constexpr int kG = {spec.ngroups};",
             f"constexpr int kL = {spec.buffer_len};",
+            *([f"constexpr int kT = {spec.num_tokens};"] if spec.num_tokens else []),
             f"constexpr int kRows = {spec.rows};",
             f"constexpr int kWarps = {spec.warps};",
             f"constexpr bool kHasZ = {'true' if spec.has_z else 'false'};",
@@ -66,7 +79,7 @@ def prelude(spec: KernelSpec) -> str:
 
 
 def source(spec: KernelSpec) -> str:
-    return prelude(spec) + f'#include "{ENTRY_FILE}"\n'
+    return prelude(spec) + f'#include "{entry_file(spec)}"\n'
 
 
 @functools.lru_cache(maxsize=1)

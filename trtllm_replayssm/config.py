@@ -5,6 +5,8 @@ A :class:`KernelSpec` names everything that is compiled into one kernel module (
 buffer length, rows per block, warps, gate, target arch). :func:`choose_geometry` picks rows per
 block and warps from the state geometry and the batch; :func:`override_geometry` pins them for
 sweeps. Every entry point of ``plugins/replayssm_decode.cu`` shares one spec per module.
+Speculative-decoding modules (``num_tokens`` = T >= 1, ``plugins/replayssm_spec.cu``) take their
+geometry from :func:`plan_spec`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ SHADOW_ITEMSIZE = {"none": 0, "bf16": 2, "fp8": 1}
 SUPPORTED_HEADDIM = (64, 80, 128)
 SUPPORTED_DSTATE = (64, 128, 256)
 SUPPORTED_BUFFER_LEN = (4, 8, 16, 32)
+SUPPORTED_NUM_TOKENS = (1, 2, 4, 6, 8)  # T = 1 + num_draft; T = 1 (standard decode on the ring) for tests
 MAX_THREADS = 512
 # Waves worth of blocks below which a head is split into row chunks (small batches).
 MIN_BLOCKS = 2 * 132
@@ -51,6 +54,8 @@ class KernelSpec:
     # Extra preprocessor definitions (name, value) for kernel experiments; part of the key.
     defines: tuple = ()
     shadow: str = "none"  # "none" | "bf16" | "fp8" (needs an f32 checkpoint)
+    # 0: the standard decode module; T >= 1: the speculative module (verify T tokens per step).
+    num_tokens: int = 0
 
     def __post_init__(self):
         for name in ("state", "act"):
@@ -72,6 +77,20 @@ class KernelSpec:
             )
         if self.rows > self.warps * 32 or self.warps * 32 > MAX_THREADS:
             raise ValueError(f"rows={self.rows}, warps={self.warps}: need rows <= threads <= {MAX_THREADS}")
+        if self.num_tokens:
+            self._check_spec()
+
+    def _check_spec(self):
+        T, L = self.num_tokens, self.buffer_len
+        if T not in SUPPORTED_NUM_TOKENS:
+            raise ValueError(f"num_tokens: expected 0 (standard decode) or one of {SUPPORTED_NUM_TOKENS}, got {T}")
+        if L < 2 * T:
+            raise ValueError(f"buffer_len={L}: expected >= 2 * num_tokens = {2 * T} (flush one window early)")
+        if self.rows * ITEMSIZE[self.act] % 4:
+            raise ValueError(f"rows={self.rows}: x rows of a block must be a multiple of 4 bytes (cp.async)")
+        smem = spec_smem_bytes(self.act, self.rows, self.dstate, L, T, self.has_z)
+        if smem > SMEM_LIMIT:
+            raise ValueError(f"rows={self.rows}: verify needs {smem} bytes of static shared memory, limit {SMEM_LIMIT}")
 
     @property
     def key(self) -> str:
@@ -80,6 +99,7 @@ class KernelSpec:
             f"replayssm_s-{self.state}_a-{self.act}_H{self.nheads}_P{self.headdim}_N{self.dstate}"
             f"_G{self.ngroups}_L{self.buffer_len}_R{self.rows}_W{self.warps}_z{int(self.has_z)}"
             + (f"_sh-{self.shadow}" if self.shadow != "none" else "") + f"_sm{self.arch}"
+            + (f"_T{self.num_tokens}" if self.num_tokens else "")
             + "".join(f"_{k}{v}" for k, v in self.defines)
         )
 
@@ -147,6 +167,14 @@ def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: 
         return 2 * ((stage + 15) // 16 * 16) + 2 * buffer_len * 4 + 16
     tiles = rows_bytes + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
     return tiles + 2 * buffer_len * 4 + 16
+
+
+def spec_smem_bytes(act: str, rows: int, dstate: int, buffer_len: int, num_tokens: int, has_z: bool) -> int:
+    """Mirror of ``SpecSmem`` in plugins/replayssm_spec.cuh (the verify kernel; native verify needs less)."""
+    a, L, T = ITEMSIZE[act], buffer_len, num_tokens
+    tiles = (L + T) * dstate * a + (L + (T if has_z else 1)) * rows * a  # B, C; x, z
+    scalars = 4 * (T * L + 3 * L + T + 1)  # W, c, dte, wf, decay, decay_f
+    return (tiles + scalars + 15) // 16 * 16
 
 
 def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int, act: str = "bf16",
@@ -220,6 +248,37 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
         defines = tuple((k, v) for k, v in defines if k != flag)
     rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, False, shadow)
     return rows, warps, defines
+
+
+def plan_spec(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, num_tokens: int,
+              batch: int, has_z: bool) -> tuple[int, int]:
+    """(rows, warps) of the speculative kernels (verify, native verify and commit; one-shot blocks).
+
+    The standard one-shot geometry (the state in registers needs the same rows per thread), with
+    rows halved while the verify tiles overflow static shared memory or x rows are not whole 4 bytes.
+    """
+    return _plan_spec(state, act, nheads, headdim, dstate, buffer_len, num_tokens, batch, has_z,
+                      getattr(_local, "override", None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_spec(state, act, nheads, headdim, dstate, buffer_len, num_tokens, batch, has_z, _override):
+    rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len)
+    rpw = vector_layout(state, dstate).rows_per_warp_load
+    while spec_smem_bytes(act, rows, dstate, buffer_len, num_tokens, has_z) > SMEM_LIMIT or rows * ITEMSIZE[act] % 4:
+        if _override is not None or rows % 2 or (rows // 2) % rpw or rows // 2 < 8:
+            raise ValueError(f"no speculative launch geometry for headdim={headdim}, dstate={dstate}, act={act}, "
+                             f"buffer_len={buffer_len}, num_tokens={num_tokens} (rows={rows})")
+        rows //= 2
+        warps = max(1, warps // 2)
+        while rows % (rpw * warps):
+            warps -= 1
+    return rows, warps
+
+
+def spec_grid(spec: KernelSpec, batch: int) -> tuple[int, int, int]:
+    """One-shot grid of the speculative verify / native kernels: (heads * row chunks, batch)."""
+    return (spec.nheads * (spec.headdim // spec.rows), batch, 1)
 
 
 def _env_defines() -> tuple:

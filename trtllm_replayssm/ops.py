@@ -25,6 +25,26 @@ shadow_scale (fp8)     (S, H, P)           f32                replay: on flush (
 state_batch_indices    (batch,)            int32              slot per row, -1 = padding
 y (output)             (batch, H, P)       act                padding rows left untouched
 =====================  ==================  =================  ==========================
+
+Speculative decoding (T = 1 + num_draft tokens per window; ring cursor, spec_reference.py):
+
+=====================  ==================  =================  ==========================================
+tensor                 shape               dtype              mutated
+=====================  ==================  =================  ==========================================
+x, z (optional)        (batch, T, H, P)    act
+B, C                   (batch, T, G, N)    act
+dt                     (batch, T, H)       act (raw)
+state                  (S, H, P, N)        f32 / bf16 / f16   replay_verify: on flush (count + 2T > L);
+                                                              native_spec_commit: snapshot n-1 copied in
+x_cache, B_cache,      as above            as above           replay_verify: window appended at ring
+dt_cache                                                      index (start + count + t) % L
+cursor                 (S, 2)              int32              (start, count); by spec_commit only
+n_accepted             (batch,)            int32              accepted tokens of the window, 0..T
+snapshots              (S, T, H, P, N)     state dtype        native_spec_verify: state after token t
+y (output)             (batch, T, H, P)    act                padding rows left untouched
+=====================  ==================  =================  ==========================================
+Needs L >= 2T. Per model step: replay_verify for every layer, then one spec_commit (the flush the
+verify kernels did, start += count and count = 0 when count + 2T > L, then count += n_accepted).
 """
 
 from __future__ import annotations
@@ -36,7 +56,7 @@ import numpy as np
 import torch
 
 from . import compile as _compile
-from .config import DTYPE_CODES, SHADOW_DTYPES, KernelSpec, plan
+from .config import DTYPE_CODES, SHADOW_DTYPES, SUPPORTED_NUM_TOKENS, KernelSpec, plan, plan_spec, spec_grid
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -116,10 +136,10 @@ def _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, bat
     check_tensor(state_batch_indices, "state_batch_indices", (batch,), (torch.int32,), dev)
 
 
-def _require_cuda(x) -> None:
+def _require_cuda(x, name: str = "x") -> None:
     # Last, so that shape and dtype errors are reported (and testable) on any device.
     if x.device.type != "cuda":
-        raise ValueError(f"x: expected CUDA tensors, got device {x.device}")
+        raise ValueError(f"{name}: expected CUDA tensors, got device {x.device}")
 
 
 # ---- loading and launching ---------------------------------------------------------------------------
@@ -142,7 +162,7 @@ def get_kernel(spec: KernelSpec, name: str, device: torch.device):
         with _lock:
             Device(device.index).set_current()
             obj = ObjectCode.from_cubin(_compile.compile_spec(spec, "cubin"))
-            for n in _compile.KERNEL_NAMES:
+            for n in _compile.kernel_names(spec):
                 _kernels[(spec, n, device.index)] = obj.get_kernel(n)
         kern = _kernels[key]
     return kern
@@ -281,6 +301,209 @@ def _output(out, x):
     return out
 
 
+# ---- speculative decoding -----------------------------------------------------------------------------
+def _spec_geometry(x, B, state, x_cache=None):
+    """(batch, T, H, P, N, G, S, L) of a speculative call; L is None without x_cache."""
+    for name, t, want in (("x", x, "(batch, T, nheads, headdim)"), ("B", B, "(batch, T, ngroups, dstate)"),
+                          ("state", state, "(slots, nheads, headdim, dstate)")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a {want} tensor, got {getattr(t, 'shape', type(t))}")
+    batch, T, H, P = x.shape
+    S, N = state.shape[0], state.shape[3]
+    G = B.shape[2]
+    if T not in SUPPORTED_NUM_TOKENS:
+        raise ValueError(f"x: expected T = 1 + num_draft (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
+    if G < 1 or H % G:
+        raise ValueError(f"B: ngroups={G} must divide nheads={H}")
+    L = None
+    if x_cache is not None:
+        if not isinstance(x_cache, torch.Tensor) or x_cache.dim() != 4:
+            got = getattr(x_cache, "shape", type(x_cache))
+            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {got}")
+        L = x_cache.shape[2]
+        _check_window(T, L, "x_cache: buffer_len (dim 2)")
+    return batch, T, H, P, N, G, S, L
+
+
+def _check_window(T: int, L: int, what: str) -> None:
+    if not 2 * T <= L <= 32:
+        raise ValueError(f"{what}: expected in [2T, 32] = [{2 * T}, 32] (flush one window early, T={T}), got {L}")
+
+
+def _check_spec_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, T, H, P, N, G, S):
+    check_tensor(x, "x", (batch, T, H, P), _ACT_DTYPES)
+    dev, act = x.device, (x.dtype,)
+    check_tensor(state, "state", (S, H, P, N), _STATE_DTYPES, dev)
+    check_tensor(B, "B", (batch, T, G, N), act, dev)
+    check_tensor(C, "C", (batch, T, G, N), act, dev)
+    check_tensor(dt, "dt", (batch, T, H), act, dev)
+    for name, t in (("dt_bias", dt_bias), ("A", A), ("D", D)):
+        check_tensor(t, name, (H,), (torch.float32,), dev)
+    if z is not None:
+        check_tensor(z, "z", (batch, T, H, P), act, dev)
+    check_tensor(state_batch_indices, "state_batch_indices", (batch,), (torch.int32,), dev)
+
+
+def check_spec_values(state_batch_indices: torch.Tensor, nslots: int, num_tokens: int, cursor: torch.Tensor | None = None,
+                      buffer_len: int | None = None, n_accepted: torch.Tensor | None = None) -> None:
+    """Host value checks of the speculative ops (a device->host copy; skipped while capturing a graph):
+    slots, cursor start in [0, L) and count in [0, L - T] for the rows' slots, n_accepted in [0, T]."""
+    check_indices(state_batch_indices, nslots, None, 1)
+    sbi = state_batch_indices.cpu()
+    rows = (sbi >= 0).nonzero()[:, 0]
+    T, L = num_tokens, buffer_len
+    if cursor is not None and rows.numel():
+        cur = cursor.cpu()[sbi[rows].long()]
+        start, count = cur[:, 0], cur[:, 1]
+        bad = (start < 0) | (start >= L)
+        if bad.any():
+            raise ValueError(f"cursor: expected start (column 0) in [0, {L}) for the rows' slots, got {start[bad].tolist()[:8]}")
+        bad = (count < 0) | (count > L - T)
+        if bad.any():
+            raise ValueError(f"cursor: expected count (column 1) in [0, L - T] = [0, {L - T}] for the rows' slots, "
+                             f"got {count[bad].tolist()[:8]}")
+    if n_accepted is not None and rows.numel():
+        n = n_accepted.cpu()[rows]
+        bad = (n < 0) | (n > T)
+        if bad.any():
+            raise ValueError(f"n_accepted: expected values in [0, T] = [0, {T}] for rows with a slot, got {n[bad].tolist()[:8]}")
+
+
+def make_verify_spec(state_dtype, act_dtype, H, P, N, G, L, T, batch, has_z, device) -> KernelSpec:
+    sd, ad = DTYPE_CODES[state_dtype], DTYPE_CODES[act_dtype]
+    rows, warps = plan_spec(sd, ad, H, P, N, L, T, batch, has_z)
+    return KernelSpec(sd, ad, H, P, N, G, L, rows, warps, has_z, _arch(device), num_tokens=T)
+
+
+def _values(check_values: bool | None) -> bool:
+    return check_values if check_values is not None else not _capturing()
+
+
+def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
+                  z=None, out=None, check_values: bool | None = None):
+    """Verify the T tokens of a speculative window for one layer; returns y (batch, T, H, P).
+
+    y_t comes from the checkpoint, the committed history and the window tokens 0..t; the window is
+    appended to the rings at (start + count + t) % L. When count + 2T > L the committed history is
+    first folded into the checkpoint (state), as :func:`spec_reference.maybe_flush` does. The cursor
+    is read, not moved: call :func:`spec_commit` once per model step after sampling.
+    """
+    batch, T, H, P, N, G, S, L = _spec_geometry(x, B, state, x_cache)
+    _check_spec_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, T, H, P, N, G, S)
+    dev, act = x.device, (x.dtype,)
+    check_tensor(x_cache, "x_cache", (S, H, L, P), act, dev)
+    check_tensor(B_cache, "B_cache", (S, G, L, N), act, dev)
+    check_tensor(dt_cache, "dt_cache", (S, H, L), (torch.float32,), dev)
+    check_tensor(cursor, "cursor", (S, 2), (torch.int32,), dev)
+    y = _output(out, x)
+    _require_cuda(x)
+    if _values(check_values):
+        check_spec_values(state_batch_indices, S, T, cursor, L)
+    if batch == 0:
+        return y
+    spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, L, T, batch, z is not None, dev)
+    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
+            D.data_ptr()]
+    if z is not None:
+        args.append(z.data_ptr())
+    args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
+             B_cache.data_ptr(), dt_cache.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
+             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr()]
+    launch(spec, "replayssm_verify", dev, spec_grid(spec, batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, buffer_len: int,
+                check_values: bool | None = None) -> None:
+    """Commit n_accepted[row] tokens of the window for every row with a slot, on the GPU (in place).
+
+    Once per model step after sampling, shared by all layers: the flush the verify kernels did
+    (count + 2T > L: start = (start + count) % L, count = 0), then count += n (n clamped to [0, T]
+    on the device; checked on the host unless capturing a graph).
+    """
+    if num_tokens not in SUPPORTED_NUM_TOKENS:
+        raise ValueError(f"num_tokens: expected one of {SUPPORTED_NUM_TOKENS}, got {num_tokens}")
+    _check_window(num_tokens, buffer_len, "buffer_len")
+    check_tensor(cursor, "cursor", None, (torch.int32,))
+    if cursor.dim() != 2 or cursor.shape[1] != 2:
+        raise ValueError(f"cursor: expected shape (slots, 2), got {tuple(cursor.shape)}")
+    dev = cursor.device
+    check_tensor(state_batch_indices, "state_batch_indices", None, (torch.int32,), dev)
+    if state_batch_indices.dim() != 1:
+        raise ValueError(f"state_batch_indices: expected shape (batch,), got {tuple(state_batch_indices.shape)}")
+    batch = state_batch_indices.shape[0]
+    check_tensor(n_accepted, "n_accepted", (batch,), (torch.int32,), dev)
+    _require_cuda(cursor, "cursor")
+    S = cursor.shape[0]
+    if _values(check_values):
+        check_spec_values(state_batch_indices, S, num_tokens, cursor, buffer_len, n_accepted)
+    if batch == 0:
+        return
+    # Any spec with this (T, L) carries the same commit kernel; use the smallest valid one.
+    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, _arch(dev), num_tokens=num_tokens)
+    launch(spec, "replayssm_spec_commit", dev, ((batch + 255) // 256, 1, 1), (256, 1, 1),
+           [state_batch_indices.data_ptr(), n_accepted.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()])
+
+
+def _check_snapshots(snapshots, state, T):
+    S, H, P, N = state.shape
+    check_tensor(snapshots, "snapshots", (S, T, H, P, N), (state.dtype,), state.device)
+
+
+def native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch_indices, z=None, out=None,
+                       check_values: bool | None = None):
+    """Native-spec baseline (vLLM / TensorRT-LLM style): the conventional recurrence over the T window
+    tokens from state[slot] (read only); snapshots[slot, t] = state after token t; returns y (batch, T, H, P)."""
+    batch, T, H, P, N, G, S, _ = _spec_geometry(x, B, state)
+    _check_spec_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, T, H, P, N, G, S)
+    _check_snapshots(snapshots, state, T)
+    y = _output(out, x)
+    _require_cuda(x)
+    if _values(check_values):
+        check_spec_values(state_batch_indices, S, T)
+    if batch == 0:
+        return y
+    spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, 2 * T, T, batch, z is not None, x.device)
+    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
+            D.data_ptr()]
+    if z is not None:
+        args.append(z.data_ptr())
+    args += [state_batch_indices.data_ptr(), state.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
+             snapshots.data_ptr()]
+    launch(spec, "replayssm_native_verify", x.device, spec_grid(spec, batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values: bool | None = None) -> None:
+    """Native-spec baseline commit: state[slot] = snapshots[slot, n - 1] for rows with n >= 1 (a copy)."""
+    if not isinstance(state, torch.Tensor) or state.dim() != 4:
+        raise ValueError(f"state: expected a (slots, nheads, headdim, dstate) tensor, got {getattr(state, 'shape', type(state))}")
+    if not isinstance(snapshots, torch.Tensor) or snapshots.dim() != 5:
+        got = getattr(snapshots, "shape", type(snapshots))
+        raise ValueError(f"snapshots: expected a (slots, T, nheads, headdim, dstate) tensor, got {got}")
+    S, H, P, N = state.shape
+    T = snapshots.shape[1]
+    if T not in SUPPORTED_NUM_TOKENS:
+        raise ValueError(f"snapshots: expected T (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
+    check_tensor(state, "state", None, _STATE_DTYPES)
+    dev = state.device
+    _check_snapshots(snapshots, state, T)
+    check_tensor(state_batch_indices, "state_batch_indices", None, (torch.int32,), dev)
+    if state_batch_indices.dim() != 1:
+        raise ValueError(f"state_batch_indices: expected shape (batch,), got {tuple(state_batch_indices.shape)}")
+    batch = state_batch_indices.shape[0]
+    check_tensor(n_accepted, "n_accepted", (batch,), (torch.int32,), dev)
+    _require_cuda(state, "state")
+    if _values(check_values):
+        check_spec_values(state_batch_indices, S, T, n_accepted=n_accepted)
+    if batch == 0:
+        return
+    spec = make_verify_spec(state.dtype, state.dtype, H, P, N, 1, 2 * T, T, batch, False, dev)
+    launch(spec, "replayssm_native_commit", dev, spec_grid(spec, batch), (spec.threads, 1, 1),
+           [state_batch_indices.data_ptr(), n_accepted.data_ptr(), np.int32(batch), np.int32(S), snapshots.data_ptr(),
+            state.data_ptr()])
+
+
 # ---- torch.library custom ops (torch.compile / export see them as opaque, with fake shapes) --------
 @torch.library.custom_op("trtllm_replayssm::replay_decode",
                          mutates_args=("state", "x_cache", "B_cache", "dt_cache", "shadow", "shadow_scale"))
@@ -318,4 +541,52 @@ def advance_cursor_op(cursor: torch.Tensor, state_batch_indices: torch.Tensor, b
 
 @advance_cursor_op.register_fake
 def _(cursor, state_batch_indices, buffer_len):
+    return None
+
+
+@torch.library.custom_op("trtllm_replayssm::replay_verify", mutates_args=("state", "x_cache", "B_cache", "dt_cache"))
+def replay_verify_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
+                     A: torch.Tensor, D: torch.Tensor, state: torch.Tensor, x_cache: torch.Tensor,
+                     B_cache: torch.Tensor, dt_cache: torch.Tensor, cursor: torch.Tensor,
+                     state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    return replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
+                         z=z)
+
+
+@replay_verify_op.register_fake
+def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("trtllm_replayssm::spec_commit", mutates_args=("cursor",))
+def spec_commit_op(cursor: torch.Tensor, n_accepted: torch.Tensor, state_batch_indices: torch.Tensor, num_tokens: int,
+                   buffer_len: int) -> None:
+    spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len)
+
+
+@spec_commit_op.register_fake
+def _(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len):
+    return None
+
+
+@torch.library.custom_op("trtllm_replayssm::native_spec_verify", mutates_args=("snapshots",))
+def native_spec_verify_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
+                          A: torch.Tensor, D: torch.Tensor, state: torch.Tensor, snapshots: torch.Tensor,
+                          state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+    return native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch_indices, z=z)
+
+
+@native_spec_verify_op.register_fake
+def _(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch_indices, z=None):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("trtllm_replayssm::native_spec_commit", mutates_args=("state",))
+def native_spec_commit_op(state: torch.Tensor, snapshots: torch.Tensor, n_accepted: torch.Tensor,
+                          state_batch_indices: torch.Tensor) -> None:
+    native_spec_commit(state, snapshots, n_accepted, state_batch_indices)
+
+
+@native_spec_commit_op.register_fake
+def _(state, snapshots, n_accepted, state_batch_indices):
     return None
