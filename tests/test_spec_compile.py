@@ -43,6 +43,9 @@ MATRIX = (
     + [_spec(T=T, L=L, has_z=True, arch=a) for (T, L), a in itertools.product(((2, 8), (8, 32)), ARCHS)]
     + [_spec(geom=g, batch=1, arch=a) for g, a in itertools.product(GEOMS[:3], ARCHS)]
     + [_spec(geom=GEOMS[3], T=1, L=4, arch=a) for a in ARCHS]
+    # the module ops.spec_commit loads (any spec with this (T, L) carries the commit kernel)
+    + [KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, a, num_tokens=T)
+       for (T, L), a in itertools.product(((1, 2), (8, 16)), ARCHS)]
 )
 
 
