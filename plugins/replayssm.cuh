@@ -442,14 +442,12 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
-  // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory, without
-  //    waiting for the cursor: with a shadow they are the shadow's rows even on a flush step
-  //    (1 in L; its f32 rows then come from global memory), which saves a dependent round trip on
-  //    the other L - 1.
-  constexpr bool kCursorFirst = RSSM_CURSOR_FIRST;
+  // With a shadow the cursor decides which copy of the checkpoint to read, so it comes first.
+  constexpr bool kCursorFirst = RSSM_CURSOR_FIRST || kShadow != 0;
   int pos = kCursorFirst ? a.cursor[slot] : 0;
+  // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory.
   const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
-  issue_rows(sm.S, a, slot, c.h, c.row0, kCursorFirst && pos == kL - 1);
+  issue_rows(sm.S, a, slot, c.h, c.row0, pos == kL - 1);
   cp_async_commit();
   if (!kCursorFirst) pos = a.cursor[slot];
   const size_t yo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb + l;  // the row this lane finalizes

@@ -20,7 +20,7 @@ Bytes model (per batch row; s = state itemsize, a = activation itemsize, H P N G
                 + k = L: state write H*P*N*s
   replay with a shadow (q = shadow itemsize: bf16 2, fp8 1 + 4 bytes of scale per row):
                 k < L reads the shadow H*P*(N*q + scale) instead of the state; k = L reads the
-                state and the shadow and writes state + shadow: 2*H*P*N*s + 2*H*P*(N*q + scale)
+                state and writes state + shadow: 2*H*P*N*s + H*P*(N*q + scale)
 Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measured in the same run
 (bytes read + written).
 
@@ -102,9 +102,7 @@ def bytes_model(H, P, N, G, L, s, a, shadow="none"):
     conv = 2 * state + inputs + y
     sh = SHADOW_BYTES[shadow]
     read = state if sh is None else H * P * (N * sh[0] + sh[1])  # what a non-flush step reads
-    # A flush writes the state (and rewrites the shadow, after reading it too: the one-shot kernel
-    # prefetches the shadow before it knows the step flushes).
-    flush_extra = state if sh is None else state + 2 * read
+    flush_extra = state if sh is None else state + read  # a flush also reads the state and rewrites the shadow
     replay = {k: (read if k < L else state) + inputs + y + (k - 1) * entry + (entry if k < L else flush_extra)
               for k in range(1, L + 1)}
     return conv, replay
