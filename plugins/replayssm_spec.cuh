@@ -285,8 +285,8 @@ __device__ __forceinline__ void spec_verify(const SpecArgs& a) {
   }
   __syncthreads();
 
-  // 3'. Flush: S_m = exp(c_{m-1}) S0 + sum_{e<m} (wf_e x_e) B_e^T, stored (rounded) as the checkpoint
-  //     and, with a shadow, rewritten into it from the stored values (store_shadow, as the decode flush).
+  // 3'. Flush: S_m = exp(c_{m-1}) S0 + sum_{e<m} (wf_e x_e) B_e^T, stored (rounded) as the checkpoint;
+  //     with a shadow, the shadow is rewritten from the stored values (store_shadow, as the decode flush).
   if (flush) {
     const float df = sm.decay_f;
 #pragma unroll
