@@ -88,6 +88,25 @@ __device__ __forceinline__ void load_stream_f(const T* p, float (&out)[n]) {
 #pragma unroll
   for (int i = 0; i < n; ++i) out[i] = to_f(e[i]);
 }
+// The same for vectors of 4 or 8 bytes (a bf16 or fp8 shadow of 4 state elements) or 16.
+template <typename T, int n>
+__device__ __forceinline__ void load_stream_small_f(const T* p, float (&out)[n]) {
+  constexpr int kBytes = sizeof(T) * n;
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "streamed vectors are 4, 8 or 16 bytes");
+  if constexpr (kBytes == 16) {
+    load_stream_f<T, n>(p, out);
+  } else if constexpr (kBytes == 8) {
+    const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < n; ++i) out[i] = to_f(e[i]);
+  } else {
+    const unsigned raw = __ldcs(reinterpret_cast<const unsigned*>(p));
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < n; ++i) out[i] = to_f(e[i]);
+  }
+}
 template <typename T, int n>
 __device__ __forceinline__ void store_stream_f(T* p, const float (&in)[n]) {
   static_assert(sizeof(T) * n == 16, "state vectors are 16 bytes");
@@ -281,6 +300,25 @@ __device__ __forceinline__ void store_shadow(const StateRegs& st, shadow_t* base
   }
 }
 
+// The shadow of this thread's checkpoint rows into registers, in the layout load_state gives:
+// bf16 widened; fp8 times its row scale (one fp32 product, the value Shadow.read gives).
+__device__ __forceinline__ void load_shadow(StateRegs& st, const shadow_t* base, const float* scales) {
+  const int rb = row_base();  // kShadow != 0 only, so state_t is float and kEPV = 4
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v)
+      load_stream_small_f<shadow_t, kEPV>(base + (size_t)(rb + r) * kN + my_col(v), st.s[r][v]);
+    if constexpr (kShadow == 2) {
+      const float scale = scales[rb + r];
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= scale;
+    }
+  }
+}
+
 // State form of the flush for this thread's elements, from tiles in shared memory:
 // st = exp(c_k) S0 + sum_j (w_j x_j) B_j^T. Bt is [kL][kN]; xt is [kL][kRows] (float or act_t).
 // Ss: the checkpoint rows in shared memory, or in global memory (generic pointer) with a shadow.
@@ -351,7 +389,7 @@ constexpr int kConvMinBlocks = RSSM_CONV_PERSISTENT ? kMinBlocks : 1;
 constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
 constexpr int kShadowVecs = kRows * kN * (int)sizeof(shadow_t) / 16;
 constexpr int kScaleVecs = kShadow == 2 ? kRows / 4 : 0;  // fp8 row scales, after the shadow rows
-static_assert(kShadow != 2 || kRows % 4 == 0, "fp8 row scales move as 16-byte vectors");
+// (the decode entry file asserts kRows % 4 == 0 for them; the verify kernel reads scales one by one)
 // Rows staged in shared memory: the checkpoint's, or with a shadow only the shadow's (+ scales);
 // flush steps then read the f32 rows straight from global memory into registers. Half (bf16) or
 // a quarter (fp8) of the bytes per row lets an item cover twice or four times the rows.

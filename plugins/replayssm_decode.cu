@@ -3,6 +3,9 @@
 // Aliased outputs (the checkpoint and the buffers) receive the same pointers as their inputs.
 #include "replayssm.cuh"
 
+// issue_rows stages the fp8 row scales of a block as 16-byte vectors.
+static_assert(rssm::kShadow != 2 || kRows % 4 == 0, "fp8 row scales move as 16-byte vectors");
+
 #if RSSM_HAS_Z
 #define RSSM_Z_PARAM const act_t* __restrict__ z,
 #define RSSM_Z_ARG z

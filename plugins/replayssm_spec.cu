@@ -15,18 +15,32 @@
 #define RSSM_Z_ARG nullptr
 #endif
 
+// The shadow of the checkpoint (RSSM_SHADOW 1: bf16, 2: fp8-e4m3) and its fp32 row scales come
+// after dtc_in among the inputs and after dtc_out among the aliased outputs, as in replayssm_decode;
+// a bf16 shadow passes null scales (never read or written).
+#if RSSM_SHADOW
+#define RSSM_SHADOW_IN , const shadow_t* shadow_in, const float* scale_in
+#define RSSM_SHADOW_OUT , shadow_t* shadow_out, float* scale_out
+#define RSSM_SHADOW_ARGS shadow_in, scale_in, shadow_out, scale_out
+#else
+#define RSSM_SHADOW_IN
+#define RSSM_SHADOW_OUT
+#define RSSM_SHADOW_ARGS nullptr, nullptr, nullptr, nullptr
+#endif
+
 // Verify kT tokens: y (batch, kT, H, P) from checkpoint + committed history + the causal window,
-// window appended to the rings; when count + 2 kT > L the history is folded into the checkpoint first.
+// window appended to the rings; when count + 2 kT > L the history is folded into the checkpoint first
+// (and the shadow rewritten; non-flush steps read the shadow instead of the checkpoint).
 extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_verify(
     const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
     const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
     const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
     const int* __restrict__ cursor, const state_t* state_in, const act_t* xc_in,
-    const act_t* Bc_in, const float* dtc_in, int batch, int nslots, act_t* __restrict__ y,
-    state_t* state_out, act_t* xc_out, act_t* Bc_out, float* dtc_out) {
+    const act_t* Bc_in, const float* dtc_in RSSM_SHADOW_IN, int batch, int nslots, act_t* __restrict__ y,
+    state_t* state_out, act_t* xc_out, act_t* Bc_out, float* dtc_out RSSM_SHADOW_OUT) {
   rssm::SpecArgs a{x,       B,      C,        dt,    dt_bias, A,      D,      RSSM_Z_ARG,
                    sbi,     cursor, state_in, xc_in, Bc_in,   dtc_in, batch,  nslots,
-                   y,       state_out, xc_out, Bc_out, dtc_out};
+                   y,       state_out, xc_out, Bc_out, dtc_out, RSSM_SHADOW_ARGS};
   rssm::spec_verify(a);
 }
 

@@ -16,6 +16,11 @@
 //     (scan from 0) is stored as the new checkpoint, rounded to state_t, and the window is computed
 //     from it with base = m. The cursor is not moved here: replayssm_spec_commit repeats the flush
 //     decision (start += count, count = 0) and adds the accepted tokens, once for all layers.
+//   shadow (RSSM_SHADOW 1: bf16, 2: fp8-e4m3 with fp32 row scales; f32 checkpoint only): a
+//     non-flush step reads S = S0 from the shadow (fp8 values times their row scale) instead of
+//     the f32 checkpoint; a flush step reads the f32 checkpoint, folds, stores f32 and rewrites the
+//     shadow from the stored values (store_shadow, as the decode flush), and its window outputs use
+//     the f32 S_m it holds in registers. spec_reference.verify(shadow=, flushed=) is the spec.
 //
 // Work split (verify and native): one block per (batch row, head, chunk of kRows rows); the
 // checkpoint rows are streamed into registers (StateRegs, 16-byte evict-first loads) first; the
@@ -30,6 +35,8 @@
 //   verify, no flush: read S0 s*P*N, history m*(P*a + 4 + N*a*G/H), window T*(P*a + a + 2*N*a*G/H);
 //     write the window to the rings T*(P*a + 4 + N*a*G/H) and y T*P*a.
 //   verify, flush: the same plus the new checkpoint s*P*N.
+//   with a shadow (q bytes, + 4*P of row scales for fp8): no flush reads q*P*N (+ 4P) instead of
+//     s*P*N; a flush reads s*P*N and writes s*P*N + q*P*N (+ 4P).
 //   native verify: read S s*P*N and the window; write T snapshots T*s*P*N and y.
 //   native commit: read one snapshot s*P*N, write S s*P*N (rows with n >= 1).
 // Geometry (128,64,128,8), fp32 state (4 MiB per row), bf16 act, T = 4, L = 16, batch 256:
@@ -39,6 +46,9 @@
 //   native verify 5.407 GB + native commit 2.147 GB = 7.554 GB per step (1.889 GB per token at full
 //   acceptance). Standard ReplaySSM, one token per step: 1.088 GB (k=1) .. 2.230 GB (flush),
 //   1.191 GB per token amortized over L.
+//   With a bf16 shadow: verify 0.594 GB at count 0, 0.633 GB at count 8, 2.800 GB with a flush;
+//   1.160 GB per step (0.290 GB per token) at full acceptance. fp8: 0.334 / 0.373 / 2.540 GB,
+//   0.900 GB per step (0.225 GB per token).
 // Credits: ReplaySSM (Dao AI Lab + NVIDIA, 2026); ring cursor after FlashInfer checkpointing_ssu
 // (>= 0.6.16); the native baseline is the per-draft-position state cache of vLLM / TensorRT-LLM.
 #pragma once
@@ -141,6 +151,10 @@ struct SpecArgs {
   act_t* xc_out;            // aliases xc_in (window appended)
   act_t* Bc_out;            // aliases Bc_in
   float* dtc_out;           // aliases dtc_in
+  const shadow_t* sh_in;    // (slots, H, P, N) shadow of the checkpoint, or null (RSSM_SHADOW 0)
+  const float* sc_in;       // (slots, H, P) fp8 row scales, or null
+  shadow_t* sh_out;         // aliases sh_in (rewritten on flush)
+  float* sc_out;            // aliases sc_in
 };
 
 struct alignas(16) SpecSmem {
@@ -166,10 +180,12 @@ __device__ __forceinline__ void spec_verify(const SpecArgs& a) {
   if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int rb = row_base(), l = tid % kLPR;
-  // 0. The checkpoint rows (the bulk of the bytes) go first, into registers.
+  // 0. The checkpoint rows (the bulk of the bytes) go first, into registers. With a shadow the
+  //    cursor decides which copy to read (the f32 rows to fold on a flush, else the shadow), so it
+  //    is read first.
   const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
   StateRegs st;
-  load_state(st, a.state_in + sbase);
+  if constexpr (kShadow == 0) load_state(st, a.state_in + sbase);
   const int start = a.cursor[2 * slot], m = a.cursor[2 * slot + 1];
   if (start < 0 || start >= kL || m < 0 || m > kL - kT) {  // corrupt cursor: loud y, nothing written
     if (owns_row())
@@ -178,6 +194,10 @@ __device__ __forceinline__ void spec_verify(const SpecArgs& a) {
     return;
   }
   const bool flush = m + 2 * kT > kL;
+  if constexpr (kShadow != 0) {
+    if (flush) load_state(st, a.state_in + sbase);
+    else load_shadow(st, a.sh_in + sbase, a.sc_in + sbase / kN);
+  }
   const int base = flush ? m : 0;  // first entry the window outputs see (after S)
   const int n = m + kT;            // entries loaded
 
@@ -265,7 +285,8 @@ __device__ __forceinline__ void spec_verify(const SpecArgs& a) {
   }
   __syncthreads();
 
-  // 3'. Flush: S_m = exp(c_{m-1}) S0 + sum_{e<m} (wf_e x_e) B_e^T, stored (rounded) as the checkpoint.
+  // 3'. Flush: S_m = exp(c_{m-1}) S0 + sum_{e<m} (wf_e x_e) B_e^T, stored (rounded) as the checkpoint;
+  //     with a shadow, the shadow is rewritten from the stored values (store_shadow, as the decode flush).
   if (flush) {
     const float df = sm.decay_f;
 #pragma unroll
@@ -297,9 +318,11 @@ __device__ __forceinline__ void spec_verify(const SpecArgs& a) {
 #pragma unroll
         for (int i = 0; i < kEPV; ++i) st.s[r][u][i] = to_f(from_f<state_t>(st.s[r][u][i]));  // as stored
     store_state(st, a.state_out + sbase);
+    if constexpr (kShadow != 0) store_shadow(st, a.sh_out + sbase, a.sc_out + sbase / kN);
   }
 
-  // 3. Window outputs: y_t = exp(c_{m+t}) S.C_t + sum_{base <= e <= m+t} W[t][e] x_e + D x_t.
+  // 3. Window outputs: y_t = exp(c_{m+t}) S.C_t + sum_{base <= e <= m+t} W[t][e] x_e + D x_t
+  //    (S: the shadow's values on a non-flush step with a shadow, else the f32 rows in registers).
   const float D = a.D[c.h];
 #pragma unroll
   for (int t = 0; t < kT; ++t) {

@@ -27,9 +27,9 @@ GEOM = dict(nheads=4, headdim=8, dstate=8, ngroups=2)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _cache(layers=2, slots=3, L=8, num_draft=3, K=4, **kw):
-    return ReplayStateCache(layers, slots, **GEOM, buffer_len=L, num_draft=num_draft, conv_kernel=K,
-                            **{"state_dtype": F64, "act_dtype": F64, "dt_dtype": F64, **kw})
+def _cache(layers=2, slots=3, L=8, num_draft=3, K=4, cls=ReplayStateCache, **kw):
+    return cls(layers, slots, **GEOM, buffer_len=L, num_draft=num_draft, conv_kernel=K,
+               **{"state_dtype": F64, "act_dtype": F64, "dt_dtype": F64, **kw})
 
 
 def _inputs(batch, T, c, gen):
@@ -271,3 +271,187 @@ def test_teeth_cache_corrupted_ring_entry_is_detected():
     c.x_cache[1, s, 2, (start + 1) % c.buffer_len, 5] += 0.25
     assert torch.equal(c.committed_state(0, s, prm[0].A), good[0])
     assert (c.committed_state(1, s, prm[1].A) - good[1]).norm() / good[1].norm() > 1e-6
+
+
+# ---- the CUDA path's bookkeeping on the CPU: kernels replaced by their float64 contract ----------------------
+class _HostReadGuard:
+    """Makes device->host reads (item, tolist, cpu, numpy, bool/int/float/index of a tensor) fail while on, so a
+    CPU run of the CUDA path proves it never reads device values back (what graph capture needs)."""
+
+    NAMES = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+    def __init__(self, monkeypatch):
+        self.on = False
+        for name in self.NAMES:
+            orig = getattr(torch.Tensor, name)
+
+            def guarded(t, *a, _orig=orig, _name=name, **k):
+                if self.on:
+                    raise AssertionError(f"host read of a tensor on the CUDA path: Tensor.{_name}")
+                return _orig(t, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, guarded)
+
+    def off(self):
+        guard = self
+
+        class _Off:
+            def __enter__(self):
+                self.was, guard.on = guard.on, False
+
+            def __exit__(self, *exc):
+                guard.on = self.was
+
+        return _Off()
+
+
+def _emulated_kernels(monkeypatch, guard):
+    """ops.replay_verify / ops.spec_commit as their contracts say (ops.py docstrings), in float64 on the CPU:
+    verify folds the checkpoint (+ shadow) of slots with count + 2T > L on the pre-step cursor, computes the
+    window from the flushed cursor and leaves the cursor alone; spec_commit repeats the flush decision, then
+    count += n (clamped to [0, T])."""
+    from trtllm_replayssm import ops
+    from trtllm_replayssm import spec_reference as sr
+
+    def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi, z=None, out=None,
+                      check_values=None, shadow=None, shadow_scale=None):
+        with guard.off():
+            T, L = x.shape[1], x_cache.shape[2]
+            sh = None if shadow is None else ref.Shadow.wrap(shadow, shadow_scale)
+            after = cursor.clone()
+            flushed = sr.flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi, shadow=sh)
+            sr.flush_cursor(after, T, L, sbi)
+            y = sr.verify(state, x_cache, B_cache, dt_cache, after, x, B, C, dt, dt_bias, A, D, z, sbi, shadow=sh,
+                          flushed=flushed)
+            out = torch.full_like(x, float("nan")) if out is None else out
+            out[sbi >= 0] = y[sbi >= 0].to(out.dtype)
+            return out
+
+    def spec_commit(cursor, n_accepted, sbi, num_tokens, buffer_len, check_values=None):
+        with guard.off():
+            sr.flush_cursor(cursor, num_tokens, buffer_len, sbi)
+            sr.commit(cursor, n_accepted.clamp(0, num_tokens), num_tokens, buffer_len, sbi)
+
+    monkeypatch.setattr(ops, "replay_verify", replay_verify)
+    monkeypatch.setattr(ops, "spec_commit", spec_commit)
+
+
+class _KernelPathCache(ReplayStateCache):
+    uses_kernels = True  # CPU tensors, CUDA code path (with the emulated kernels)
+
+
+@pytest.mark.parametrize("shadow", [None, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("T", [2, 4])
+def test_kernel_path_bookkeeping_equals_cpu_path(monkeypatch, T, shadow):
+    """The CUDA path's sequence (flush = nothing, each verify folds its layer on the pre-step cursor,
+    spec_commit moves the cursor; gathered conv updates) leaves every tensor of the cache bit-identical to
+    the CPU path's after each full step, outputs equal (conv: 1e-12, the same float64 K-term sums in another
+    order), over continuous batching with recycled slots and padding rows; no host read on the way.
+    f32 checkpoint (the kernels' shadow needs one), float64 activations."""
+    guard = _HostReadGuard(monkeypatch)
+    _emulated_kernels(monkeypatch, guard)
+    gen = torch.Generator().manual_seed(40 + T)
+    kw = dict(layers=2, slots=3, L=9, num_draft=3, state_dtype=torch.float32, shadow_dtype=shadow)
+    cpu = _cache(**kw, read_shadow=shadow is not None)
+    dev = _cache(**kw, check_values=False, cls=_KernelPathCache)
+    prm, weights = _layer_params(2, cpu, gen)
+    live, flushes = {}, 0
+    for step in range(40):
+        while cpu.num_free and len(live) < 3:
+            s = cpu.allocate()
+            assert dev.allocate() == s
+            for l in range(2):
+                S, conv = torch.randn(4, 8, 8, generator=gen, dtype=F64), torch.randn(cpu.conv_dim, 3, generator=gen, dtype=F64)
+                cpu.load_prefill(s, l, S, conv)
+                dev.load_prefill(s, l, S, conv)
+            live[s] = int(torch.randint(2, 9, (1,), generator=gen))
+        rows = sorted(live)
+        rows.insert(step % (len(rows) + 1), -1)  # a padding row, anywhere
+        sbi = torch.tensor(rows, dtype=torch.int32)
+        nacc = torch.randint(1, T + 1, (len(rows),), generator=gen, dtype=torch.int32)
+        flushed = cpu.flush(sbi, T, [p.A for p in prm])
+        flushes += len(flushed)
+        guard.on = True
+        assert dev.flush(sbi, T, [p.A for p in prm]) is None
+        guard.on = False
+        for l in range(2):
+            x, B, C, dt, u = _inputs(len(rows), T, cpu, gen)
+            args = (x, B, C, dt, prm[l].dt_bias, prm[l].A, prm[l].D, None, sbi)
+            y_cpu, o_cpu = cpu.verify(l, *args), cpu.conv_update(l, u, *weights[l], sbi)
+            guard.on = True
+            y_dev, o_dev = dev.verify(l, *args), dev.conv_update(l, u, *weights[l], sbi)
+            guard.on = False
+            v = sbi >= 0
+            assert torch.equal(y_dev[v], y_cpu[v])
+            assert torch.isnan(o_dev[~v]).all() and torch.allclose(o_dev[v], o_cpu[v], rtol=1e-12, atol=1e-12)
+        cpu.commit(sbi, nacc, T)
+        guard.on = True
+        dev.commit(sbi, nacc, T)
+        guard.on = False
+        for a, b in zip(dev._tensors() + [dev.cursor], cpu._tensors() + [cpu.cursor]):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        for s in rows:
+            if s >= 0:
+                live[s] -= 1
+                if not live[s]:
+                    del live[s]
+                    cpu.free(s)
+                    dev.free(s)
+    assert flushes >= 6
+
+
+def test_kernel_path_step_rules(monkeypatch):
+    """On CUDA a step is flush, verify of every layer with the step's T, commit: anything else is refused on the
+    host before a kernel runs (a layer left out would lose its history to the cursor move)."""
+    guard = _HostReadGuard(monkeypatch)
+    _emulated_kernels(monkeypatch, guard)
+    gen = torch.Generator().manual_seed(5)
+    c = _cache(state_dtype=torch.float32, cls=_KernelPathCache)
+    prm, weights = _layer_params(2, c, gen)
+    s = c.allocate()
+    sbi, n = torch.tensor([s], dtype=torch.int32), torch.tensor([2], dtype=torch.int32)
+    x, B, C, dt, u = _inputs(1, 4, c, gen)
+    args = (x, B, C, dt, prm[0].dt_bias, prm[0].A, prm[0].D, None, sbi)
+    with pytest.raises(RuntimeError, match=r"verify: call flush\(\) first"):
+        c.verify(0, *args)
+    c.flush(sbi, 4, [p.A for p in prm])
+    with pytest.raises(ValueError, match="verify: num_tokens T=2 differs from the step's T=4"):
+        c.verify(0, x[:, :2], B[:, :2], C[:, :2], dt[:, :2], *args[4:])
+    c.verify(0, *args)
+    with pytest.raises(RuntimeError, match=r"commit: layers \[1\] were not verified since flush\(\)"):
+        c.commit(sbi, n, 4)
+    c.verify(1, *args)
+    with pytest.raises(ValueError, match=r"n_accepted\[0\]: expected 1 <= n <= T=4"):
+        c.commit(sbi, torch.tensor([0], dtype=torch.int32), 4)  # host checks on (check_values=None, not capturing)
+    c.commit(sbi, n, 4)
+    assert c.cursor[s].tolist() == [0, 2]
+    with pytest.raises(RuntimeError, match=r"commit: call flush\(\) first"):
+        c.commit(sbi, n, 4)
+
+
+def test_gathered_conv_updates_equal_the_spec_in_bf16():
+    """conv_update_rows / conv_rollback_rows against spec_reference's per-row loops on bf16 windows: windows
+    bit-identical (copies of inputs and zeros), outputs within one bf16 rounding (2^-8 relative per element:
+    fp32 vs float64 math, rounded to bf16), padding rows write only the scratch slot."""
+    from trtllm_replayssm import spec_reference as sr
+    from trtllm_replayssm.cache import conv_rollback_rows, conv_update_rows
+
+    gen = torch.Generator().manual_seed(8)
+    S, Dc, K, nd, T = 4, 24, 4, 3, 4
+    W = K - 1 + nd
+    full = torch.randn(S + 1, Dc, W, generator=gen).to(torch.bfloat16)
+    spec = full[:S].clone()
+    weight, bias = torch.randn(Dc, K, generator=gen), torch.randn(Dc, generator=gen)
+    sbi = torch.tensor([2, -1, 0, 3], dtype=torch.int32)
+    dst = torch.where(sbi >= 0, sbi, S).long()
+    for _ in range(5):
+        u = torch.randn(4, T, Dc, generator=gen).to(torch.bfloat16)
+        o = conv_update_rows(full, u, weight, bias, dst, K, "silu")
+        o_ref = sr.conv_window_update(spec, u, weight, bias, sbi, "silu")
+        v = sbi >= 0
+        assert ((o[v].double() - o_ref[v]).abs() <= 2 ** -8 * o_ref[v].abs() + 1e-6).all()
+        n = torch.randint(1, T + 1, (4,), generator=gen, dtype=torch.int32)
+        conv_rollback_rows(full, n, T, dst)
+        sr.conv_window_rollback(spec, n, T, K, sbi)
+        assert torch.equal(full[:S], spec)

@@ -3,8 +3,9 @@
 static shared memory mirror, the launch geometry table, and launcher validation before any CUDA use.
 
 The compile matrix is a table: every (T, L >= 2T) on the main geometry, every state x activation
-dtype on every named geometry at T=4, L=16, then gate, small-batch geometry and T=1 rows; all for
-sm_90 and sm_100.
+dtype on every named geometry at T=4, L=16, then gate, small-batch geometry and T=1 rows, then the
+shadow variants (bf16, fp8-e4m3: every geometry at two (T, L, gate) rows, small batch, other
+activation dtypes); all for sm_90 and sm_100.
 """
 
 import itertools
@@ -31,10 +32,10 @@ GEOMS = [MAIN, (128, 80, 128, 8), (256, 64, 256, 8), (4, 64, 64, 2)]
 TL = [(T, L) for T in (2, 4, 6, 8) for L in (8, 16, 32) if L >= 2 * T]
 
 
-def _spec(state="f32", act="bf16", geom=MAIN, T=4, L=16, batch=256, has_z=False, arch=90):
+def _spec(state="f32", act="bf16", geom=MAIN, T=4, L=16, batch=256, has_z=False, arch=90, shadow="none"):
     H, P, N, G = geom
     rows, warps = plan_spec(state, act, H, P, N, L, T, batch, has_z)
-    return KernelSpec(state, act, H, P, N, G, L, rows, warps, has_z, arch, num_tokens=T)
+    return KernelSpec(state, act, H, P, N, G, L, rows, warps, has_z, arch, shadow=shadow, num_tokens=T)
 
 
 MATRIX = (
@@ -47,9 +48,16 @@ MATRIX = (
     + [KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, a, num_tokens=T)
        for (T, L), a in itertools.product(((1, 2), (8, 16)), ARCHS)]
 )
+SHADOW = (
+    [_spec(geom=g, T=T, L=L, has_z=z, arch=a, shadow=sh)
+     for sh, g, (T, L, z), a in itertools.product(("bf16", "fp8"), GEOMS[:3], ((4, 16, False), (8, 32, True)), ARCHS)]
+    + [_spec(batch=1, arch=a, shadow=sh) for sh, a in itertools.product(("bf16", "fp8"), ARCHS)]
+    + [_spec(geom=(128, 80, 256, 8), batch=1, shadow="fp8")]  # 10 rows a block: fp8 scales read one by one
+    + [_spec(act=act, geom=GEOMS[3], T=2, L=8, shadow=sh) for sh, act in itertools.product(("bf16", "fp8"), ("f16", "f32"))]
+)
 
 
-@pytest.mark.parametrize("spec", MATRIX, ids=lambda s: s.key)
+@pytest.mark.parametrize("spec", MATRIX + SHADOW, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
@@ -75,6 +83,18 @@ def test_parameter_lists_are_tensorrt_order(has_z):
     assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"]
     assert _params(ptx, "replayssm_native_verify") == ["u64"] * (9 + z) + ["u32"] * 2 + ["u64"] * 2
     assert _params(ptx, "replayssm_native_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"] * 2
+
+
+@pytest.mark.parametrize("shadow", ["bf16", "fp8"])
+def test_verify_shadow_parameters_follow_the_rings(shadow):
+    """As replayssm_decode: shadow and scales after dt_cache among the inputs and after dt_cache_out among
+    the outputs; the other entry points of the module keep their lists."""
+    spec = _spec(shadow=shadow)
+    assert spec.key == f"replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sh-{shadow}_sm90_T4"
+    ptx = cc.compile_spec(spec, "ptx").decode()
+    assert _params(ptx, "replayssm_verify") == ["u64"] * (13 + 2) + ["u32"] * 2 + ["u64"] * (5 + 2)
+    assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"]
+    assert _params(ptx, "replayssm_native_verify") == ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2
 
 
 def test_keys_and_entry_files():
@@ -152,6 +172,20 @@ VERIFY_CASES = [
     (dict(cursor=torch.zeros(S, 2, dtype=torch.int64)), TypeError, r"cursor: expected dtype int32"),
     (dict(state_batch_indices=torch.arange(BATCH)), TypeError, r"state_batch_indices: expected dtype int32"),
     (dict(out=torch.zeros(BATCH, T, H, P)), TypeError, r"out: expected dtype bfloat16"),
+    (dict(shadow=torch.zeros(S, H, P, N, dtype=torch.float16)), TypeError,
+     r"shadow: expected dtype bfloat16 or float8_e4m3fn, got float16"),
+    (dict(shadow=torch.zeros(S, H, P, N - 1, dtype=BF)), ValueError, r"shadow: expected shape \(5, 4, 64, 64\)"),
+    (dict(shadow=torch.zeros(S, H, P, N, dtype=torch.float8_e4m3fn)), ValueError,
+     r"shadow_scale: an fp8 shadow needs its \(slots, nheads, headdim\) float32 row scales"),
+    (dict(shadow=torch.zeros(S, H, P, N, dtype=torch.float8_e4m3fn), shadow_scale=torch.ones(S, H, P + 1)), ValueError,
+     r"shadow_scale: expected shape \(5, 4, 64\)"),
+    (dict(shadow=torch.zeros(S, H, P, N, dtype=BF), shadow_scale=torch.ones(S, H, P)), ValueError,
+     r"shadow_scale: only an fp8 shadow has row scales"),
+    (dict(shadow_scale=torch.ones(S, H, P)), ValueError, r"shadow_scale: given without a shadow"),
+    (dict(state=torch.zeros(S, H, P, N, dtype=BF), shadow=torch.zeros(S, H, P, N, dtype=BF)), TypeError,
+     r"state: a shadow needs a float32 checkpoint, got bfloat16"),
+    (dict(shadow=torch.zeros(S, H, P, N, dtype=torch.float8_e4m3fn), shadow_scale=torch.ones(S, H, P)), ValueError,
+     r"x: expected CUDA tensors, got device cpu"),
     ({}, ValueError, r"x: expected CUDA tensors, got device cpu"),
 ]
 
@@ -225,10 +259,12 @@ def test_custom_ops_fake_shapes():
     with FakeTensorMode():
         t = {k: torch.empty_like(v) for k, v in good().items()}
         y = torch.ops.trtllm_replayssm.replay_verify(**t)
+        y_sh = torch.ops.trtllm_replayssm.replay_verify(**t, shadow=torch.empty(S, H, P, N, dtype=torch.float8_e4m3fn),
+                                                         shadow_scale=torch.empty(S, H, P))
         snaps = torch.empty(S, T, H, P, N)
         y2 = torch.ops.trtllm_replayssm.native_spec_verify(
             *(t[k] for k in ("x", "B", "C", "dt", "dt_bias", "A", "D", "state")), snaps, t["state_batch_indices"])
         n = torch.empty(BATCH, dtype=torch.int32)
         torch.ops.trtllm_replayssm.spec_commit(t["cursor"], n, t["state_batch_indices"], T, L)
         torch.ops.trtllm_replayssm.native_spec_commit(t["state"], snaps, n, t["state_batch_indices"])
-    assert y.shape == y2.shape == (BATCH, T, H, P)
+    assert y.shape == y2.shape == y_sh.shape == (BATCH, T, H, P)

@@ -18,6 +18,11 @@ Tolerances (relative Frobenius norm over the valid rows), as tests/test_kernels_
   f32 state -> 2e-5 (fp32 sums of <= dstate + L terms, exp/log1p in fp32).
 - checkpoint after a flush, snapshots, native state: f32 -> 2e-5; bf16/f16 -> one storage rounding.
 - dt_cache: fp32 softplus vs float64 on the same inputs -> 1e-5 relative per element.
+- Shadow (bf16 / fp8-e4m3 copy of the f32 checkpoint, RSSM_SHADOW): after every flush the kernel's
+  shadow must be bit-identical to ``reference.Shadow.write`` of the f32 checkpoint it stored (bf16:
+  one round-to-nearest-even; fp8: scale = max|row| / 448, q = S / scale, IEEE fp32 division and RNE),
+  and slots that did not flush keep their shadow bit for bit. The mirror then reads that very shadow
+  (spec_reference.verify(shadow=, flushed=)), so y keeps the tolerances above.
 - equivalence (all fp32, three kernels with different summation orders and state roundings over
   ~100 tokens): 2e-5, the f32 y tolerance; a wrong weight or a missed entry is >= 1e-3.
 """
@@ -28,6 +33,7 @@ import pytest
 import torch
 
 from trtllm_replayssm import ops
+from trtllm_replayssm import reference as ref
 from trtllm_replayssm import spec_reference as sr
 
 from .problems import GEOMETRIES, make_params
@@ -52,7 +58,7 @@ def bits(t):
 class SpecProblem:
     """Kernel-side state and rings on the device, float64 mirrors on the CPU, evolving together."""
 
-    def __init__(self, geom, state, act, T, L, batch, slots, pad_rows=(), has_z=False, seed=0):
+    def __init__(self, geom, state, act, T, L, batch, slots, pad_rows=(), has_z=False, seed=0, shadow="none"):
         H, P, N, G = GEOMETRIES[geom] if isinstance(geom, str) else geom
         self.H, self.P, self.N, self.G, self.T, self.L = H, P, N, G, T, L
         self.sdt, self.act, self.has_z, self.batch = DT[state], DT[act], has_z, batch
@@ -62,6 +68,12 @@ class SpecProblem:
         S0 = torch.randn(slots, H, P, N, generator=self.gen).to(self.sdt)
         self.state = S0.to(DEV)
         self.ref_state = S0.to(F64)
+        self.shadow_kind = shadow
+        self.ref_shadow = self.shadow = self.scale = None
+        if shadow != "none":  # written at the hand-off, from the stored checkpoint
+            self.ref_shadow = ref.Shadow.of(S0, shadow)
+            self.shadow = self.ref_shadow.q.to(DEV, copy=True)
+            self.scale = None if self.ref_shadow.scale is None else self.ref_shadow.scale.to(DEV, copy=True)
         # Rings start poisoned: entries outside the committed range must never be read.
         self.xc = torch.full((slots, H, L, P), NAN, dtype=self.act, device=DEV)
         self.Bc = torch.full((slots, G, L, N), NAN, dtype=self.act, device=DEV)
@@ -98,7 +110,8 @@ class SpecProblem:
         return n
 
     def snapshot_unused(self):
-        return [t[self.unused].clone() for t in (self.state, self.xc, self.Bc, self.dtc, self.cursor)]
+        extra = [t for t in (self.shadow, self.scale) if t is not None]
+        return [t[self.unused].clone() for t in (self.state, self.xc, self.Bc, self.dtc, self.cursor, *extra)]
 
     def verify(self, inputs=None):
         """One verify launch and its mirror; returns (y, y_ref, flushed slots)."""
@@ -106,17 +119,34 @@ class SpecProblem:
         y = torch.full_like(x, NAN)
         before = self.cursor.clone()
         ops.replay_verify(x, B, C, dt, *self.prm_args(), self.state, self.xc, self.Bc, self.dtc, self.cursor,
-                          self.sbi, z=z, out=y)
+                          self.sbi, z=z, out=y, shadow=self.shadow, shadow_scale=self.scale)
         assert torch.equal(self.cursor, before), "verify moved the cursor"
         cpu = [None if t is None else t.cpu().to(F64) for t in (x, B, C, dt, z)]
         A64 = self.prm64[1]
         flushed = sr.maybe_flush(self.ref_state, self.ref_xc, self.ref_Bc, self.ref_dtc, self.ref_cursor, A64, self.T,
-                                 self.sbi_cpu)
+                                 self.sbi_cpu, shadow=self.ref_shadow)
         for s in flushed:  # the kernel stores the new checkpoint in its state dtype and reads it back
             self.ref_state[s] = self.ref_state[s].to(self.sdt).to(F64)
+            if self.shadow is not None:
+                self.check_shadow(s)
+        if self.shadow is not None:  # slots that did not flush keep their shadow, bit for bit
+            for s in self.used:
+                assert torch.equal(self.shadow[s].cpu().view(torch.uint8), self.ref_shadow.q[s].view(torch.uint8)), s
         y_ref = sr.verify(self.ref_state, self.ref_xc, self.ref_Bc, self.ref_dtc, self.ref_cursor, *cpu[:4],
-                          *self.prm64, cpu[4], self.sbi_cpu)
+                          *self.prm64, cpu[4], self.sbi_cpu, shadow=self.ref_shadow, flushed=flushed)
         return y, y_ref, flushed
+
+    def check_shadow(self, s):
+        """The shadow the kernel wrote for slot s == Shadow.write of the checkpoint it stored, bit for bit."""
+        want = ref.Shadow(1, self.H, self.P, self.N, self.shadow_kind)
+        want.write(0, self.state[s].cpu())
+        got = self.shadow[s].cpu()
+        bad = (got.view(torch.uint8) != want.q[0].view(torch.uint8)).sum()
+        assert bad == 0, f"shadow of slot {s}: {int(bad)} of {got.numel()} elements differ from Shadow.write"
+        if self.scale is not None:
+            assert torch.equal(self.scale[s].cpu(), want.scale[0]), f"fp8 row scales of slot {s} differ"
+            self.ref_shadow.scale[s] = want.scale[0]
+        self.ref_shadow.q[s] = got  # the mirror reads what the kernel will read
 
     def commit(self, n):
         ops.spec_commit(self.cursor, n.to(DEV), self.sbi, self.T, self.L)
@@ -241,6 +271,72 @@ def test_equivalent_to_sequential_decoding_of_the_accepted_prefix():
                 assert rel(y[:, t][k], y_c[k]) < Y_TOL[torch.float32], (step, t, "conventional")
                 compared += int(take.sum())
     assert compared >= STEPS * len(pb.used)
+
+
+SHADOW_CASES = [
+    {**BASE, "shadow": "bf16"},
+    {**BASE, "shadow": "fp8"},
+    {**BASE, "shadow": "fp8", "T": 8, "L": 16, "has_z": True, "act": "f16"},  # a flush almost every step
+    {**BASE, "shadow": "bf16", "T": 2, "L": 8, "act": "f32"},
+    {**BASE, "shadow": "fp8", "T": 4, "L": 12, "act": "f32"},
+    {**BASE, "shadow": "fp8", "geom": (8, 64, 128, 2), "batch": 6, "slots": 8, "pad_rows": (2,)},  # 8 rows a thread
+    {**BASE, "shadow": "fp8", "geom": (4, 80, 256, 2), "batch": 1, "slots": 2, "pad_rows": ()},  # 10 rows a block
+    {**BASE, "shadow": "bf16", "geom": "nano_9b_v2", "T": 2, "L": 8},
+    {**BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "batch": 6, "slots": 8},
+    {**BASE, "shadow": "bf16", "geom": "h_56b", "T": 8, "L": 32, "has_z": True},
+]
+
+
+def _shid(c):
+    return ",".join(f"{k}={v}" for k, v in c.items() if BASE.get(k, "none") != v)
+
+
+@pytest.mark.parametrize("case", SHADOW_CASES, ids=_shid)
+def test_verify_with_shadow_matches_spec_reference(case):
+    """Non-flush steps read the shadow, flushes rewrite it exactly (Shadow.write of the stored f32
+    checkpoint); 40 steps crossing several flushes per slot, bookkeeping exact."""
+    pb = SpecProblem(**case, seed=zlib.crc32(_shid(case).encode()))
+    before = pb.snapshot_unused()
+    flushes = 0
+    for step in range(STEPS):
+        y, y_ref, flushed = pb.verify()
+        pb.check_y(y, y_ref)
+        pb.check_state(flushed)
+        flushes += len(flushed)
+        pb.commit(pb.accepted(step))
+        pb.check_rings()
+    assert flushes >= 3 * len(pb.used), flushes
+    for now, then in zip(pb.snapshot_unused(), before):
+        assert torch.equal(bits(now), bits(then))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_shadow_is_what_the_window_reads(kind):
+    """Teeth: on a step without a flush, perturbing the f32 checkpoint leaves y bit-identical (the kernel
+    reads the shadow) and perturbing the shadow moves y beyond the tolerance."""
+    twins = [SpecProblem(**{**BASE, "shadow": kind}, seed=31) for _ in range(3)]
+    full = torch.full((BASE["batch"],), BASE["T"], dtype=torch.int32)
+    for pb in twins:  # identical histories; count = T afterwards, so the next step does not flush (T + 2T <= L)
+        pb.check_y(*pb.verify()[:2])
+        pb.commit(full)
+    s = twins[0].used[0]
+    twins[1].state[s] += 1.0
+    twins[2].shadow[s] = (twins[2].shadow[s].float() * 0.5).to(twins[2].shadow.dtype)  # halved (fp8: to rounding)
+
+    def launch(pb, inputs):
+        x, B, C, dt, z = inputs
+        y = torch.full_like(x, NAN)
+        ops.replay_verify(x, B, C, dt, *pb.prm_args(), pb.state, pb.xc, pb.Bc, pb.dtc, pb.cursor, pb.sbi, z=z,
+                          out=y, shadow=pb.shadow, shadow_scale=pb.scale)
+        return y
+
+    inputs = twins[0].window()
+    y0, y_ref, flushed = twins[0].verify(inputs)
+    assert not flushed
+    twins[0].check_y(y0, y_ref)
+    assert torch.equal(bits(launch(twins[1], inputs)), bits(y0))
+    with pytest.raises(AssertionError, match="y relative error"):
+        twins[0].check_y(launch(twins[2], inputs), y_ref)
 
 
 class NativeProblem(SpecProblem):

@@ -423,3 +423,83 @@ def test_native_snapshots_beyond_T_and_zero_accept_untouched():
     assert torch.equal(state, st0)
     sr.native_spec_commit(state, snaps, torch.tensor([T]), sbi)
     assert torch.equal(state[1], snaps[1, T - 1]) and torch.equal(state[0], st0[0])
+
+
+# ---- low-precision shadow (spec of the verify kernel with RSSM_SHADOW) -------------------------------
+def _shadow_setup(kind, seed, slots=3, H=4, P=8, N=16, G=2, L=8):
+    gen = torch.Generator().manual_seed(seed)
+    prm = make_params(H, gen)
+    state = torch.randn(slots, H, P, N, generator=gen).float()  # an f32 checkpoint, as the kernels require
+    xc, Bc = torch.zeros(slots, H, L, P, dtype=torch.bfloat16), torch.zeros(slots, G, L, N, dtype=torch.bfloat16)
+    dtc = torch.zeros(slots, H, L)
+    cursor = torch.zeros(slots, 2, dtype=torch.int32)
+    return gen, prm, [state, xc, Bc, dtc, cursor], ref.Shadow.of(state, kind)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_shadow_verify_reads_the_shadow_and_flush_rewrites_it(kind):
+    """Exact statements (float64 on identical values, torch.equal): a non-flushed slot's outputs are those
+    of a checkpoint equal to Shadow.read; a flushed slot's are those without a shadow; maybe_flush rewrites
+    the shadow of exactly the flushed slots with Shadow.write of the checkpoint it stored; the shadow
+    never reaches the checkpoint (twin caches without a shadow keep bit-identical checkpoints)."""
+    gen, prm, caches, sh = _shadow_setup(kind, seed=21)
+    twin = [t.clone() for t in caches]
+    state, cursor = caches[0], caches[4]
+    H, P, N, G, L, T = 4, 8, 16, 2, 8, 2
+    sbi = torch.tensor([2, -1, 0], dtype=torch.int32)
+    flushes = 0
+    for _ in range(12):
+        x, B, C, dt = (t.to(torch.bfloat16) for t in _window(3, T, H, P, N, G, gen)[:4])
+        q_before = sh.q.clone()
+        flushed = sr.maybe_flush(*caches[:5], prm.A, T, sbi, shadow=sh)
+        sr.maybe_flush(*twin[:5], prm.A, T, sbi)
+        assert torch.equal(state, twin[0]) and torch.equal(cursor, twin[4])
+        for s in range(3):
+            if s in flushed:
+                want = ref.Shadow(1, H, P, N, kind)
+                want.write(0, state[s])
+                assert torch.equal(sh.q[s].view(torch.uint8), want.q[0].view(torch.uint8))
+            else:
+                assert torch.equal(sh.q[s].view(torch.uint8), q_before[s].view(torch.uint8))
+        flushes += len(flushed)
+        # the same window on three copies: with the shadow, without it, and with S0 := Shadow.read
+        as_read = [t.clone() for t in caches]
+        as_read[0] = torch.stack([sh.read(s, F64) if s not in flushed else state[s].double() for s in range(3)])
+        plain = [t.clone() for t in caches]
+        y = sr.verify(*caches[:5], x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi, shadow=sh, flushed=flushed)
+        y_read = sr.verify(*as_read[:5], x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi)
+        y_plain = sr.verify(*plain[:5], x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi)
+        sr.verify(*twin[:5], x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi)
+        assert torch.equal(y[[0, 2]], y_read[[0, 2]])
+        for b, s in ((0, 2), (2, 0)):
+            if s in flushed:
+                assert torch.equal(y[b], y_plain[b])
+            else:  # a shadow that is read changes y (bf16: ~1e-3, fp8: ~1e-2 relative)
+                assert 0 < _rel(y[b], y_plain[b]) < (4e-3 if kind == "bf16" else 6e-2)
+        n = torch.randint(1, T + 1, (3,), generator=gen, dtype=torch.int32)
+        sr.commit(cursor, n, T, L, sbi)
+        sr.commit(twin[4], n, T, L, sbi)
+    assert flushes >= 4
+
+
+def test_spec_step_with_shadow_and_teeth():
+    """spec_step = maybe_flush(shadow) + verify(shadow, flushed); perturbing a non-flushed slot's shadow moves
+    its outputs, perturbing a flushed slot's shadow does not (that step reads the checkpoint)."""
+    gen, prm, caches, sh = _shadow_setup("bf16", seed=22, slots=2)
+    H, P, N, G, T = 4, 8, 16, 2, 2
+    sbi = torch.tensor([0, 1], dtype=torch.int32)
+    caches[4][1] = torch.tensor([3, 5], dtype=torch.int32)  # slot 1 flushes at the next step (5 + 4 > 8), slot 0 does not
+    x, B, C, dt = (t.to(torch.bfloat16) for t in _window(2, T, H, P, N, G, gen)[:4])
+    a = [t.clone() for t in caches]
+    sh_a = ref.Shadow.wrap(sh.q.clone())
+    y = sr.spec_step(*a, x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi, shadow=sh_a)
+    b = [t.clone() for t in caches]
+    sh_b = ref.Shadow.wrap(sh.q.clone())
+    sh_b.q[0] *= 2
+    sh_b.q[1] *= 2
+    y_b = sr.spec_step(*b, x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi, shadow=sh_b)
+    assert _rel(y_b[0], y[0]) > 1e-3
+    assert torch.equal(y_b[1], y[1])
+    assert torch.equal(sh_b.q[1], sh_a.q[1])  # the flush rewrote slot 1's shadow from the checkpoint
+    with pytest.raises(ValueError, match="scale: an fp8 shadow needs row scales"):
+        ref.Shadow.wrap(sh.q.to(torch.float8_e4m3fn))

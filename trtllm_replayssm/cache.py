@@ -15,25 +15,52 @@ B_cache        (layers, slots, G, L, N)       act_dtype          ring of B_j
 dt_cache       (layers, slots, H, L)          dt_dtype (f32)     ring of processed dt_j (f64 only in tests)
 cursor         (slots, 2)                     int32              [s, 0] = ring start, [s, 1] = committed count;
                                                                  shared by all layers (spec_reference docstring)
-conv           (layers, slots, conv_dim, W)   act_dtype          conv1d window, newest input in column W-1
+conv           (layers, slots, conv_dim, W)   act_dtype          conv1d window, newest input in column W-1 (a view
+                                                                 of (layers, slots + 1, ...): one scratch slot)
 =============  =============================  =================  ===============================================
 
 ``layer(l)`` gives per-layer views in the layouts of :mod:`.spec_reference` / :mod:`.reference` (the
-kernels' contract). The methods here run the float64 spec on whatever device the tensors live on; a
-GPU build swaps in the kernels for :meth:`verify` and :meth:`flush` without changing the bookkeeping.
+kernels' contract).
 
 Slot lifecycle: :meth:`allocate` returns the lowest free slot, already reset; :meth:`free` returns it.
 :meth:`reset` zeroes everything the slot owns in every layer (checkpoint, shadow, rings, conv window,
 cursor start and count), so a recycled slot reads exactly what a fresh one reads: zeros, never a stale
 cursor, stale history or a poison value. :meth:`load_prefill` hands off a prefill: its final SSM state
-becomes the checkpoint, the ring is empty (start = count = 0), its conv state fills the last K-1
-columns of the window.
+becomes the checkpoint (and its shadow), the ring is empty (start = count = 0), its conv state fills
+the last K-1 columns of the window.
 
-One speculative step (T <= T_max tokens, rows ``state_batch_indices``, -1 = padding row):
-    cache.flush(sbi, T, A_by_layer)          # flush rule on the pre-step cursors, every layer, then cursors
-    y_l = cache.verify(l, x, B, C, dt, dt_bias, A, D, z, sbi)   # per layer; ring append, no state write
-    u_l = cache.conv_update(l, u, weight, bias, sbi)             # per layer
+One speculative step (T <= T_max tokens, rows ``state_batch_indices``, -1 = padding row), the same
+sequence on every device:
+    cache.flush(sbi, T, A_by_layer)          # the flush rule on the pre-step cursors (see below)
+    y_l = cache.verify(l, x, B, C, dt, dt_bias, A, D, z, sbi)   # every layer; ring append
+    u_l = cache.conv_update(l, u, weight, bias, sbi)             # every layer
     cache.commit(sbi, n_accepted, T)         # count += n; conv windows drop the T - n rejected inputs
+
+Two paths run that sequence, with the same bookkeeping after each full step (checkpoint and shadow
+folded where count + 2T > L, rings, cursors, conv windows):
+
+=========  ==========================================  =============================================
+call       CPU tensors: the float64 spec               CUDA tensors: the kernels (:mod:`.ops`)
+=========  ==========================================  =============================================
+flush      ``spec_reference.flush_checkpoint`` for     validation only (returns None): the verify
+           every layer (+ shadow), then                kernel of each layer folds its own checkpoint
+           ``flush_cursor`` once; returns the slots    (and rewrites its shadow) on the pre-step cursor
+verify     ``spec_reference.verify`` (reads the        ``ops.replay_verify`` with the layer's shadow:
+           checkpoint; the shadow with read_shadow)    fold if count + 2T > L, window outputs, append
+conv       ``spec_reference.conv_window_update``       gathered rows, fp32 math, scattered back
+commit     ``spec_reference.commit`` + conv rollback   ``ops.spec_commit`` (start += count, count = 0
+                                                       where the kernels folded; count += n) + rollback
+=========  ==========================================  =============================================
+The fused kernel's flush maps onto flush() / verify() / commit() like this: the flush decision is taken
+on the pre-step cursor by every verify kernel (the checkpoint of layer l is folded inside verify(l))
+and again by spec_commit, which moves the cursor once for all layers. So on CUDA, between flush() and
+commit() the verified layers already hold the folded checkpoint while the cursor still counts the
+folded entries; read :meth:`committed_state` between steps only. A CUDA step therefore needs every
+layer verified, with the same T, between flush() and commit() (checked on the host: a layer left out
+would have its history dropped by the cursor move). The CUDA path is graph-safe: no host reads of
+device values unless ``check_values`` (default: when not capturing a CUDA graph) asks for the host
+checks of slots, cursors and n_accepted. Eager serving without syncs: ``check_values=False``.
+There is no separate standard-decode path: num_draft = 0 and T = 1 is standard decode on the ring.
 
 :func:`memory_per_request` models the bytes one request holds (ReplaySSM spec vs native spec).
 """
@@ -44,7 +71,9 @@ import dataclasses
 
 import torch
 
+from . import ops
 from . import spec_reference as sr
+from .reference import Shadow
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -63,10 +92,14 @@ class LayerState:
 
 
 class ReplayStateCache:
+    """See the module docstring. ``check_values`` (CUDA path): None = host checks unless capturing a CUDA
+    graph, False = never (no device->host reads), True = always. ``read_shadow`` (CPU path): the output
+    form reads the shadow as the kernels do (a CUDA cache with a shadow always reads it)."""
+
     def __init__(self, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int,
                  buffer_len: int, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
-                 device="cpu"):
+                 device="cpu", check_values: bool | None = None, read_shadow: bool = False):
         for name, v in (("num_layers", num_layers), ("num_slots", num_slots), ("nheads", nheads), ("headdim", headdim),
                         ("dstate", dstate), ("ngroups", ngroups), ("conv_kernel", conv_kernel)):
             if v < 1:
@@ -80,11 +113,15 @@ class ReplayStateCache:
                              f"early), got {buffer_len}")
         if shadow_dtype not in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
             raise ValueError(f"shadow_dtype: expected None, bfloat16, float16 or float8_e4m3fn, got {shadow_dtype}")
+        if shadow_dtype == torch.float16 and (read_shadow or torch.device(device).type == "cuda"):
+            raise ValueError("shadow_dtype: float16 is kept but never read (no kernel reads it); use bfloat16 or "
+                             "float8_e4m3fn for a shadow the output form reads")
         self.num_layers, self.num_slots = num_layers, num_slots
         self.nheads, self.headdim, self.dstate, self.ngroups = nheads, headdim, dstate, ngroups
         self.buffer_len, self.num_draft, self.conv_kernel = buffer_len, num_draft, conv_kernel
         self.conv_dim = nheads * headdim + 2 * ngroups * dstate if conv_dim is None else conv_dim
         self.conv_width = conv_kernel - 1 + num_draft
+        self.check_values, self.read_shadow = check_values, read_shadow
         Ly, S, H, P, N, G, L = num_layers, num_slots, nheads, headdim, dstate, ngroups, buffer_len
         kw = dict(device=device)
         self.state = torch.zeros(Ly, S, H, P, N, dtype=state_dtype, **kw)
@@ -94,9 +131,21 @@ class ReplayStateCache:
         self.B_cache = torch.zeros(Ly, S, G, L, N, dtype=act_dtype, **kw)
         self.dt_cache = torch.zeros(Ly, S, H, L, dtype=dt_dtype, **kw)
         self.cursor = torch.zeros(S, 2, dtype=torch.int32, **kw)
-        self.conv = torch.zeros(Ly, S, self.conv_dim, self.conv_width, dtype=act_dtype, **kw)
+        # Slot S is scratch: the gathered conv updates of the CUDA path send padding rows there.
+        self._conv = torch.zeros(Ly, S + 1, self.conv_dim, self.conv_width, dtype=act_dtype, **kw)
+        self.conv = self._conv[:, :S]
         self._free = list(range(S))
         self._live: set[int] = set()
+        self._flushed: set[int] = set()  # CPU path: slots folded by this step's flush()
+        self._step: tuple[int, set[int]] | None = None  # CUDA path: (T, layers verified) since flush()
+
+    @property
+    def uses_kernels(self) -> bool:
+        """True when the tensors live on a CUDA device: verify / flush / commit dispatch to the kernels."""
+        return self.state.device.type == "cuda"
+
+    def _checking(self) -> bool:
+        return self.check_values if self.check_values is not None else not ops._capturing()
 
     # ---- views ----------------------------------------------------------------------------------------
     def layer(self, l: int) -> LayerState:
@@ -161,6 +210,19 @@ class ReplayStateCache:
         if not 1 <= T <= self.num_draft + 1:
             raise ValueError(f"num_tokens: expected 1 <= T <= num_draft + 1 = {self.num_draft + 1}, got {T}")
 
+    def _step_T(self, T: int, what: str) -> set[int]:
+        """CUDA path: the layers verified in the step flush() opened, after checking T against it."""
+        if self._step is None:
+            raise RuntimeError(f"{what}: call flush() first (a CUDA step is flush, verify of every layer, commit)")
+        if T != self._step[0]:
+            raise ValueError(f"{what}: num_tokens T={T} differs from the step's T={self._step[0]} (given to flush)")
+        return self._step[1]
+
+    def _dst(self, state_batch_indices) -> torch.Tensor:
+        """Slot per row for the gathered conv updates; padding (and out-of-range) rows -> the scratch slot."""
+        sbi = state_batch_indices
+        return torch.where((sbi >= 0) & (sbi < self.num_slots), sbi, self.num_slots).long()
+
     # ---- prefill hand-off ------------------------------------------------------------------------------------
     def load_prefill(self, slot: int, layer: int, ssm_state: torch.Tensor, conv_state: torch.Tensor | None = None) -> None:
         """Prefill's final SSM state (H, P, N) becomes the checkpoint; ring empty; conv_state (conv_dim, K-1)."""
@@ -180,23 +242,39 @@ class ReplayStateCache:
         self.cursor[slot].zero_()
 
     def _refresh_shadow(self, layer: int, slot: int) -> None:
+        """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (bf16: RNE of the fp32
+        value; fp8: scale = max|row| / 448, 1 for an all-zero row, q = S / scale)."""
         if self.shadow is None:
             return
         S = self.state[layer, slot].float()
         if self.shadow_scale is None:
             self.shadow[layer, slot] = S.to(self.shadow.dtype)
             return
-        scale = (S.abs().amax(dim=-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # per (head, row)
+        amax = S.abs().amax(dim=-1)  # per (head, row)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         self.shadow_scale[layer, slot] = scale
         self.shadow[layer, slot] = (S / scale[..., None]).to(self.shadow.dtype)
 
+    def _shadow_view(self, layer: int) -> Shadow | None:
+        lay = self.layer(layer)
+        return None if lay.shadow is None else Shadow.wrap(lay.shadow, lay.shadow_scale)
+
     # ---- speculative step ----------------------------------------------------------------------------------------
-    def flush(self, state_batch_indices, num_tokens: int, A_by_layer) -> list[int]:
-        """Flush rule on the pre-step cursors: fold committed history in every layer, then move cursors once."""
+    def flush(self, state_batch_indices, num_tokens: int, A_by_layer) -> list[int] | None:
+        """Flush rule on the pre-step cursors: fold committed history in every layer, then move cursors once.
+
+        CPU: returns the flushed slots. CUDA: opens the step and returns None; the verify kernels fold
+        (module docstring), so nothing is read back from the device.
+        """
         self._check_T(num_tokens)
-        self._rows(state_batch_indices, "flush")
         if len(A_by_layer) != self.num_layers:
             raise ValueError(f"A_by_layer: expected {self.num_layers} tensors, got {len(A_by_layer)}")
+        if self.uses_kernels:
+            if self._checking():
+                self._rows(state_batch_indices, "flush")
+            self._step = (num_tokens, set())
+            return None
+        self._rows(state_batch_indices, "flush")
         flushed = []
         for l in range(self.num_layers):
             lay = self.layer(l)
@@ -205,43 +283,136 @@ class ReplayStateCache:
             for s in flushed:
                 self._refresh_shadow(l, s)
         sr.flush_cursor(self.cursor, num_tokens, self.buffer_len, state_batch_indices)
+        self._flushed = set(flushed)
         return flushed
 
-    def verify(self, layer: int, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None) -> torch.Tensor:
-        """Outputs (batch, T, H, P) of the T window tokens of one layer; appends the window to its ring."""
-        self._check_T(x.shape[1])
-        self._rows(state_batch_indices, "verify")
+    def verify(self, layer: int, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None) -> torch.Tensor:
+        """Outputs (batch, T, H, P) of the T window tokens of one layer; appends the window to its ring.
+
+        CPU: float64 (padding rows NaN), or written into ``out`` (rows with a slot, cast). CUDA: the
+        kernel's outputs in the activation dtype (into ``out`` if given; padding rows untouched).
+        """
+        T = x.shape[1]
+        self._check_T(T)
         lay = self.layer(layer)
-        return sr.verify(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x, B, C, dt, dt_bias, A, D, z,
-                         state_batch_indices)
+        if self.uses_kernels:
+            verified = self._step_T(T, "verify")
+            check = self._checking()
+            if check:
+                self._rows(state_batch_indices, "verify")
+            y = ops.replay_verify(x, B, C, dt, dt_bias, A, D, lay.state, lay.x_cache, lay.B_cache, lay.dt_cache,
+                                  self.cursor, state_batch_indices, z=z, out=out, check_values=check,
+                                  shadow=lay.shadow, shadow_scale=lay.shadow_scale)
+            verified.add(layer)
+            return y
+        self._rows(state_batch_indices, "verify")
+        shadow = self._shadow_view(layer) if self.read_shadow else None
+        y = sr.verify(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x, B, C, dt, dt_bias, A, D, z,
+                      state_batch_indices, shadow=shadow, flushed=self._flushed)
+        if out is None:
+            return y
+        rows = state_batch_indices >= 0
+        out[rows] = y[rows].to(out.dtype)
+        return out
 
     def conv_update(self, layer: int, u, weight, bias=None, state_batch_indices=None, activation="silu") -> torch.Tensor:
-        self._check_T(u.shape[1])
-        self._rows(state_batch_indices, "conv_update")
-        return sr.conv_window_update(self.layer(layer).conv, u, weight, bias, state_batch_indices, activation)
+        """Causal conv of the T window inputs u (batch, T, conv_dim) of one layer; shifts them into its window.
+
+        CPU: float64 outputs (``spec_reference.conv_window_update``). CUDA: gathered rows, math in fp32
+        (float64 for float64 tensors), outputs in u's dtype; padding rows NaN and no slot touched.
+        """
+        T = u.shape[1]
+        self._check_T(T)
+        if not self.uses_kernels:
+            self._rows(state_batch_indices, "conv_update")
+            return sr.conv_window_update(self.layer(layer).conv, u, weight, bias, state_batch_indices, activation)
+        if self._step is not None:
+            self._step_T(T, "conv_update")
+        if self._checking():
+            self._rows(state_batch_indices, "conv_update")
+        batch, K = state_batch_indices.shape[0], self.conv_kernel
+        sr._check_shape(u, "u", (batch, T, self.conv_dim))
+        sr._check_shape(weight, "weight", (self.conv_dim, K))
+        if bias is not None:
+            sr._check_shape(bias, "bias", (self.conv_dim,))
+        if activation not in (None, "silu"):
+            raise ValueError(f"activation: expected None or 'silu', got {activation!r}")
+        out = conv_update_rows(self._conv[layer], u, weight, bias, self._dst(state_batch_indices), K, activation)
+        return torch.where((state_batch_indices >= 0)[:, None, None], out, float("nan"))
 
     def commit(self, state_batch_indices, n_accepted, num_tokens: int) -> None:
         """Accept n of T tokens per row: count += n (cursor move), conv windows drop T - n inputs (all layers)."""
         self._check_T(num_tokens)
-        self._rows(state_batch_indices, "commit")
-        # validate every row before mutating anything, so a bad n leaves the cache as it was
-        nacc = n_accepted.cpu().tolist()
-        for b, s in enumerate(state_batch_indices.cpu().tolist()):
-            if s >= 0 and not num_tokens - self.num_draft <= nacc[b] <= num_tokens:
-                raise ValueError(f"n_accepted[{b}]: expected {max(0, num_tokens - self.num_draft)} <= n <= T={num_tokens} "
-                                 f"(conv window keeps K-1 inputs), got {nacc[b]}")
+        kernels = self.uses_kernels
+        if kernels:
+            missing = sorted(set(range(self.num_layers)) - self._step_T(num_tokens, "commit"))
+            if missing:
+                raise RuntimeError(f"commit: layers {missing} were not verified since flush(); on CUDA their "
+                                   f"history would be dropped by the cursor move")
+        if not kernels or self._checking():
+            self._rows(state_batch_indices, "commit")
+            # validate every row before mutating anything, so a bad n leaves the cache as it was
+            nacc = n_accepted.cpu().tolist()
+            for b, s in enumerate(state_batch_indices.cpu().tolist()):
+                if s >= 0 and not num_tokens - self.num_draft <= nacc[b] <= num_tokens:
+                    raise ValueError(f"n_accepted[{b}]: expected {max(0, num_tokens - self.num_draft)} <= n <= "
+                                     f"T={num_tokens} (conv window keeps K-1 inputs), got {nacc[b]}")
+        if kernels:
+            ops.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.buffer_len,
+                            check_values=self._checking())
+            dst = self._dst(state_batch_indices)
+            for l in range(self.num_layers):  # one layer at a time: the gathered windows stay small
+                conv_rollback_rows(self._conv[l], n_accepted, num_tokens, dst)
+            self._step = None
+            return
         sr.commit(self.cursor, n_accepted, num_tokens, self.buffer_len, state_batch_indices)
         for l in range(self.num_layers):
             sr.conv_window_rollback(self.conv[l], n_accepted, num_tokens, self.conv_kernel, state_batch_indices)
+        self._flushed = set()
 
     def committed_state(self, layer: int, slot: int, A) -> torch.Tensor:
-        """The recurrent state after the committed tokens (float64), e.g. for prefix caching or migration."""
+        """The recurrent state after the committed tokens (float64), e.g. for prefix caching or migration.
+        Between steps only on CUDA (module docstring)."""
         lay = self.layer(layer)
         return sr.committed_state(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, A, slot)
 
     def bytes_per_slot(self) -> int:
         """Bytes one slot holds across all layers (allocated tensors, cursor included)."""
         return sum(t[:, 0].numel() * t.element_size() for t in self._tensors()) + 2 * 4
+
+
+# ---- gathered conv window updates (CUDA path; device-agnostic torch, no host reads) -----------------------------
+def conv_update_rows(conv, u, weight, bias, dst, conv_kernel: int, activation) -> torch.Tensor:
+    """``spec_reference.conv_window_update`` for all rows at once: gather the rows' windows, compute, scatter.
+
+    conv (slots + 1, conv_dim, W) of one layer, mutated; dst (batch,) int64 slot per row (the scratch
+    slot for padding rows); u (batch, T, conv_dim). Returns (batch, T, conv_dim) in u's dtype, math in
+    fp32 (float64 if any operand is float64).
+    """
+    W, K, T = conv.shape[2], conv_kernel, u.shape[1]
+    ct = torch.promote_types(torch.promote_types(conv.dtype, u.dtype), torch.float32)
+    win = conv.index_select(0, dst)  # (batch, conv_dim, W)
+    new = u.transpose(1, 2)  # (batch, conv_dim, T)
+    seq = torch.cat([win[:, :, W - (K - 1):].to(ct), new.to(ct)], dim=2)  # last K-1 committed inputs, then the window
+    o = (seq.unfold(2, K, 1) * weight.to(ct)[None, :, None, :]).sum(-1)  # (batch, conv_dim, T)
+    if bias is not None:
+        o = o + bias.to(ct)[None, :, None]
+    if activation == "silu":
+        o = o * torch.sigmoid(o)
+    conv.index_copy_(0, dst, torch.cat([win, new.to(conv.dtype)], dim=2)[:, :, T:])
+    return o.transpose(1, 2).to(u.dtype)
+
+
+def conv_rollback_rows(conv, n_accepted, num_tokens: int, dst) -> None:
+    """``spec_reference.conv_window_rollback`` for all rows at once: shift each row's window right by T - n
+    (n clamped to [0, T]), zero-fill the front. conv (slots + 1, conv_dim, W) of one layer, mutated."""
+    W = conv.shape[2]
+    r = (num_tokens - n_accepted.clamp(0, num_tokens)).long()  # (batch,)
+    win = conv.index_select(0, dst)  # (batch, conv_dim, W)
+    src = torch.arange(W, device=conv.device)[None, :] - r[:, None]  # (batch, W): column j takes column j - r
+    moved = win.gather(2, src.clamp_min(0)[:, None, :].expand_as(win))
+    conv.index_copy_(0, dst, torch.where((src >= 0)[:, None, :], moved, torch.zeros((), dtype=conv.dtype,
+                                                                                      device=conv.device)))
 
 
 # ---- memory model -----------------------------------------------------------------------------------------------

@@ -39,6 +39,8 @@ state                  (S, H, P, N)        f32 / bf16 / f16   replay_verify: on 
 x_cache, B_cache,      as above            as above           replay_verify: window appended at ring
 dt_cache                                                      index (start + count + t) % L
 cursor                 (S, 2)              int32              (start, count); by spec_commit only
+shadow, shadow_scale   as above            as above           replay_verify: on flush; read on the other
+                                                              steps instead of state (f32 state only)
 n_accepted             (batch,)            int32              accepted tokens of the window, 0..T
 snapshots              (S, T, H, P, N)     state dtype        native_spec_verify: state after token t
 y (output)             (batch, T, H, P)    act                padding rows left untouched
@@ -369,10 +371,10 @@ def check_spec_values(state_batch_indices: torch.Tensor, nslots: int, num_tokens
             raise ValueError(f"n_accepted: expected values in [0, T] = [0, {T}] for rows with a slot, got {n[bad].tolist()[:8]}")
 
 
-def make_verify_spec(state_dtype, act_dtype, H, P, N, G, L, T, batch, has_z, device) -> KernelSpec:
+def make_verify_spec(state_dtype, act_dtype, H, P, N, G, L, T, batch, has_z, device, shadow: str = "none") -> KernelSpec:
     sd, ad = DTYPE_CODES[state_dtype], DTYPE_CODES[act_dtype]
     rows, warps = plan_spec(sd, ad, H, P, N, L, T, batch, has_z)
-    return KernelSpec(sd, ad, H, P, N, G, L, rows, warps, has_z, _arch(device), num_tokens=T)
+    return KernelSpec(sd, ad, H, P, N, G, L, rows, warps, has_z, _arch(device), shadow=shadow, num_tokens=T)
 
 
 def _values(check_values: bool | None) -> bool:
@@ -380,13 +382,18 @@ def _values(check_values: bool | None) -> bool:
 
 
 def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
-                  z=None, out=None, check_values: bool | None = None):
+                  z=None, out=None, check_values: bool | None = None, shadow=None, shadow_scale=None):
     """Verify the T tokens of a speculative window for one layer; returns y (batch, T, H, P).
 
     y_t comes from the checkpoint, the committed history and the window tokens 0..t; the window is
     appended to the rings at (start + count + t) % L. When count + 2T > L the committed history is
     first folded into the checkpoint (state), as :func:`spec_reference.maybe_flush` does. The cursor
     is read, not moved: call :func:`spec_commit` once per model step after sampling.
+    With ``shadow`` (bf16, or fp8-e4m3fn with ``shadow_scale``; f32 state only), as in
+    :func:`replay_decode`: steps without a flush read the shadow instead of the f32 checkpoint for
+    the S0 C_t dots; a flush folds the f32 checkpoint, stores it, rewrites the shadow (and scales)
+    from the stored values and computes that step's window from the f32 values
+    (:func:`spec_reference.verify` with ``shadow`` and ``flushed`` is the spec).
     """
     batch, T, H, P, N, G, S, L = _spec_geometry(x, B, state, x_cache)
     _check_spec_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, T, H, P, N, G, S)
@@ -395,20 +402,22 @@ def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     check_tensor(B_cache, "B_cache", (S, G, L, N), act, dev)
     check_tensor(dt_cache, "dt_cache", (S, H, L), (torch.float32,), dev)
     check_tensor(cursor, "cursor", (S, 2), (torch.int32,), dev)
+    kind = shadow_kind(shadow, shadow_scale, state)
     y = _output(out, x)
     _require_cuda(x)
     if _values(check_values):
         check_spec_values(state_batch_indices, S, T, cursor, L)
     if batch == 0:
         return y
-    spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, L, T, batch, z is not None, dev)
+    spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, L, T, batch, z is not None, dev, kind)
+    sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
     args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
             D.data_ptr()]
     if z is not None:
         args.append(z.data_ptr())
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
-             B_cache.data_ptr(), dt_cache.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
-             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr()]
+             B_cache.data_ptr(), dt_cache.data_ptr(), *sh, np.int32(batch), np.int32(S), y.data_ptr(),
+             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr(), *sh]
     launch(spec, "replayssm_verify", dev, spec_grid(spec, batch), (spec.threads, 1, 1), args)
     return y
 
@@ -544,17 +553,20 @@ def _(cursor, state_batch_indices, buffer_len):
     return None
 
 
-@torch.library.custom_op("trtllm_replayssm::replay_verify", mutates_args=("state", "x_cache", "B_cache", "dt_cache"))
+@torch.library.custom_op("trtllm_replayssm::replay_verify",
+                         mutates_args=("state", "x_cache", "B_cache", "dt_cache", "shadow", "shadow_scale"))
 def replay_verify_op(x: torch.Tensor, B: torch.Tensor, C: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor,
                      A: torch.Tensor, D: torch.Tensor, state: torch.Tensor, x_cache: torch.Tensor,
                      B_cache: torch.Tensor, dt_cache: torch.Tensor, cursor: torch.Tensor,
-                     state_batch_indices: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+                     state_batch_indices: torch.Tensor, z: torch.Tensor | None = None,
+                     shadow: torch.Tensor | None = None, shadow_scale: torch.Tensor | None = None) -> torch.Tensor:
     return replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
-                         z=z)
+                         z=z, shadow=shadow, shadow_scale=shadow_scale)
 
 
 @replay_verify_op.register_fake
-def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None):
+def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None,
+      shadow=None, shadow_scale=None):
     return torch.empty_like(x)
 
 

@@ -61,6 +61,13 @@ conv1d window (Mamba-2's causal depthwise conv of width K over the conv_dim chan
     W-1 (vacated columns are zeroed; they are older than the last K-1 inputs and never read).
     Needs W - T + n >= K - 1, i.e. n >= 1 when T = num_draft + 1.
 
+Low-precision shadow (optional ``shadow``: a :class:`.reference.Shadow` of ``state``, as in
+:func:`.reference.replay_decode`): :func:`flush_checkpoint` / :func:`maybe_flush` rewrite the shadow of
+every slot they fold from the checkpoint they store; :func:`verify` reads S0 from the shadow for the
+exp(c_k) S0 C_t term, except for the slots in ``flushed`` (folded just before, this step), whose
+outputs read the full-precision checkpoint, as the fused kernel does (it holds the new checkpoint in
+registers). :func:`spec_step` passes both.
+
 Padding rows (slot -1): no slot is touched; their outputs are NaN here (the kernels leave them untouched).
 Credits: ReplaySSM (Dao AI Lab + NVIDIA, 2026); ring API after FlashInfer ``checkpointing_ssu`` (>= 0.6.16).
 """
@@ -69,7 +76,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import _gate, buffer_weights, process_dt
+from .reference import Shadow, _gate, buffer_weights, process_dt
 
 F64 = torch.float64
 START, COUNT = 0, 1  # columns of ``cursor``
@@ -143,10 +150,12 @@ def needs_flush(cursor, slot: int, num_tokens: int, buffer_len: int) -> bool:
     return int(cursor[slot, COUNT]) + 2 * num_tokens > buffer_len
 
 
-def flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, state_batch_indices=None):
+def flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, state_batch_indices=None,
+                     shadow: Shadow | None = None):
     """One layer's part of the flush: S0 <- S_count for rows whose slot needs a flush. Cursor read only.
 
-    Returns the list of flushed slots. Run it for every layer, then :func:`flush_cursor` once.
+    Returns the list of flushed slots. Run it for every layer, then :func:`flush_cursor` once. With
+    ``shadow``, each flushed slot's shadow is rewritten from the checkpoint as stored.
     """
     nslots, L = state.shape[0], x_cache.shape[2]
     _check_cursor(cursor, nslots)
@@ -156,6 +165,8 @@ def flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: i
     for s in _slots(state_batch_indices, batch, nslots):
         if s >= 0 and needs_flush(cursor, s, num_tokens, L):
             state[s] = committed_state(state, x_cache, B_cache, dt_cache, cursor, A, s).to(state.dtype)
+            if shadow is not None:
+                shadow.write(s, state[s])
             flushed.append(s)
     return flushed
 
@@ -175,21 +186,25 @@ def flush_cursor(cursor, num_tokens: int, buffer_len: int, state_batch_indices=N
     return flushed
 
 
-def maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, state_batch_indices=None):
+def maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, state_batch_indices=None,
+                shadow: Shadow | None = None):
     """Single-layer flush: :func:`flush_checkpoint` then :func:`flush_cursor`. Returns the flushed slots."""
-    flushed = flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens, state_batch_indices)
+    flushed = flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens, state_batch_indices, shadow)
     flush_cursor(cursor, num_tokens, x_cache.shape[2], state_batch_indices)
     return flushed
 
 
 # ---- verify / commit -----------------------------------------------------------------------------------
-def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None):
+def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None,
+           shadow: Shadow | None = None, flushed=()):
     """Verify T tokens: y (batch, T, H, P) float64; the window is appended to the ring, S0 and cursor untouched.
 
     Inputs: x, z (batch, T, H, P); B, C (batch, T, G, N); dt (batch, T, H) raw; dt_bias, A, D (H,).
     Window entry t is stored at ring index (start + count + t) % L (x, B in the cache dtypes, processed
     dt in the dt_cache dtype) and the outputs are computed from the ring as stored, so later steps
     replay exactly the values this step used. Needs count + T <= L (run :func:`maybe_flush` first).
+    With ``shadow`` the S0 C_t term reads the shadow (:meth:`.reference.Shadow.read`, float64), except
+    for the slots in ``flushed`` (those :func:`maybe_flush` folded this step), which read ``state``.
     """
     batch, T, H, P = x.shape
     nslots, G, L, N = B_cache.shape
@@ -208,10 +223,13 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
     _check_cursor(cursor, nslots)
     if T > L:
         raise ValueError(f"x: expected at most L={L} tokens per window, got T={T}")
+    if shadow is not None:
+        _check_shape(shadow.q, "shadow", (nslots, H, P, N))
     hpg = H // G
     A64, D64 = A.to(F64), D.to(F64)
     dtp = process_dt(dt.to(F64), dt_bias.to(F64))  # (batch, T, H)
     y = torch.full((batch, T, H, P), float("nan"), dtype=F64, device=x.device)
+    exact = {int(s) for s in flushed}
     rows = [(b, s) for b, s in enumerate(_slots(state_batch_indices, batch, nslots)) if s >= 0]
     for _, s in rows:  # every row is validated before anything is written
         start, count = _get(cursor, s)
@@ -230,7 +248,8 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
         dts = dt_cache[s][:, idx].to(F64)  # (H, m+T)
         Cw = C[b].to(F64).transpose(0, 1)  # (G, T, N)
         bc = torch.einsum("gjn,gtn->gtj", Bs, Cw).repeat_interleave(hpg, dim=0)  # (H, T, m+T), once per group
-        S0C = torch.einsum("hpn,htn->htp", state[s].to(F64), Cw.repeat_interleave(hpg, dim=0))  # (H, T, P)
+        S0 = state[s].to(F64) if shadow is None or s in exact else shadow.read(s, F64)
+        S0C = torch.einsum("hpn,htn->htp", S0, Cw.repeat_interleave(hpg, dim=0))  # (H, T, P)
         # causal-masked weights: position t (k = count + t + 1 entries) sees entries j < k
         cum = A64[:, None] * torch.cumsum(dts, dim=-1)  # (H, m+T): c_j
         ck = cum[:, count:]  # (H, T): c_k of each window position
@@ -266,13 +285,13 @@ def commit(cursor, n_accepted, num_tokens: int, buffer_len: int, state_batch_ind
 
 
 def spec_step(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None,
-              state_batch_indices=None):
+              state_batch_indices=None, shadow: Shadow | None = None):
     """Single-layer convenience: :func:`maybe_flush` then :func:`verify` (what a fused kernel does)."""
     sbi = state_batch_indices
     if sbi is None:
         sbi = torch.arange(x.shape[0], dtype=torch.int32)
-    maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, x.shape[1], sbi)
-    return verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sbi)
+    flushed = maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, x.shape[1], sbi, shadow)
+    return verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sbi, shadow, flushed)
 
 
 # ---- native-spec baseline ---------------------------------------------------------------------------------
