@@ -142,3 +142,14 @@ def test_shadow_variant_choice():
         spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, defines, shadow)
         assert spec.persistent and spec.grid(256, 132)[1] == 1
     assert dict(plan("f32", "bf16", 128, 64, 128, 16, 256)[2]).get("PERSISTENT") == 1  # no shadow: unchanged
+
+
+def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
+    """Small batches split heads into row chunks; with an fp8 shadow the chunks stay whole 4-row scale vectors."""
+    from trtllm_replayssm.config import plan
+
+    for P, N in ((80, 256), (80, 128), (64, 128)):
+        for batch in (1, 4, 32, 256):
+            rows, warps, defines = plan("f32", "bf16", 128, P, N, 16, batch, shadow="fp8")
+            assert rows % 4 == 0, (P, N, batch, rows)
+            cc.compile_spec(KernelSpec("f32", "bf16", 128, P, N, 8, 16, rows, warps, False, 90, defines, "fp8"), "ptx")

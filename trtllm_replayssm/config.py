@@ -197,7 +197,8 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
 
     def can_halve(rows: int) -> bool:
         half = rows // 2
-        return rows % 2 == 0 and half >= 8 and half % lay.rows_per_warp_load == 0
+        # fp8 row scales move as 16-byte vectors of 4 rows (replayssm_decode.cu).
+        return rows % 2 == 0 and half >= 8 and half % lay.rows_per_warp_load == 0 and (shadow != "fp8" or half % 4 == 0)
 
     rows = headdim
     # Split heads into row chunks while a block would need too many threads, or while the grid
@@ -209,6 +210,10 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     ):
         rows //= 2
     warps = warps_for(rows)
+    if warps * 32 > MAX_THREADS:  # rows could not be split further (fp8 scales): more rows per thread
+        warps = MAX_THREADS // 32
+        while rows % (lay.rows_per_warp_load * warps):
+            warps -= 1
     if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
