@@ -69,7 +69,7 @@ def test_parameter_lists_are_tensorrt_order(has_z):
     ptx = cc.compile_spec(_spec(has_z=has_z), "ptx").decode()
     z = int(has_z)
     assert _params(ptx, "replayssm_verify") == ["u64"] * (13 + z) + ["u32"] * 2 + ["u64"] * 5
-    assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"]
+    assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 3 + ["u32"] * 2 + ["u64"]  # cursor in, cursor out
     assert _params(ptx, "replayssm_native_verify") == ["u64"] * (9 + z) + ["u32"] * 2 + ["u64"] * 2
     assert _params(ptx, "replayssm_native_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"] * 2
 
