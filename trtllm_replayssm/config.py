@@ -301,7 +301,7 @@ def commit_spec(num_tokens: int, buffer_len: int, arch: int) -> KernelSpec:
 
 def commit_grid(batch):
     """Grid of ``replayssm_spec_commit``; ``batch`` may be an int or a symbolic TensorRT expression."""
-    return ((batch + COMMIT_THREADS - 1) // COMMIT_THREADS, 1, 1)
+    return ((batch + (COMMIT_THREADS - 1)) // COMMIT_THREADS, 1, 1)
 
 
 def _env_defines() -> tuple:
