@@ -103,9 +103,11 @@ def test_spec_network_with_plugins_builds():
     ns = getattr(trtp.op, tp.PLUGIN_NAMESPACE)
     attrs = dict(zip(tp.VERIFY_ATTRIBUTES, (H, P, N, G, L, T)))
     verify = net.add_plugin(getattr(ns, tp.VERIFY_PLUGIN_NAME)(*ins.values(), **attrs), aot=True)
+    # commit in the same network on its own cursor input (engines run verify and commit as separate graphs)
     n_acc = net.add_input("n_accepted", trt.int32, (b,))
-    commit = net.add_plugin(getattr(ns, tp.COMMIT_PLUGIN_NAME)(ins["state_batch_indices"], n_acc, ins["cursor"],
-                                                                num_tokens=T, buffer_len=L), aot=True)
+    cur = net.add_input("cursor_commit", trt.int32, (b, 2))
+    commit = net.add_plugin(getattr(ns, tp.COMMIT_PLUGIN_NAME)(ins["state_batch_indices"], n_acc, cur, num_tokens=T,
+                                                                buffer_len=L), aot=True)
     for layer, names in ((verify, tp.VERIFY_OUTPUT_NAMES), (commit, tp.COMMIT_OUTPUT_NAMES)):
         for i, name in enumerate(names):
             layer.get_output(i).name = name
