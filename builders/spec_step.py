@@ -305,13 +305,16 @@ class NemotronHSpecCommit(torch.nn.Module):
     def forward(self, n_accepted, cursor, lengths, *windows):
         T, W = self.num_tokens, self.window
         sbi = torch.arange(n_accepted.shape[0], dtype=torch.int32, device=n_accepted.device)
-        n = n_accepted.clamp(0, T)  # as the commit kernel clamps
+        # n clamped to [0, T] as the commit kernel does (Max / Min, not Clip: TensorRT's integer support)
+        zero = torch.zeros_like(n_accepted)
+        n = torch.minimum(torch.maximum(n_accepted, zero), zero + T)
         cursor_out = SpecCommit.apply(sbi, n, cursor, T, self.buffer_len, self.backend)
         # Drop the T - n rejected inputs: out[:, :, c] = window[:, :, c - (T - n)], zero where c < T - n.
         src = torch.arange(W, device=n.device)[None, :] - (T - n.long())[:, None]  # (batch, W)
+        safe = torch.maximum(src, torch.zeros_like(src))
         outs = []
         for w in windows:
-            idx = src.clamp(min=0)[:, None, :].expand(-1, w.shape[1], -1)
+            idx = safe[:, None, :].expand(-1, w.shape[1], -1)
             outs.append(torch.where((src >= 0)[:, None, :], torch.gather(w, 2, idx), torch.zeros_like(w)))
         return (cursor_out, lengths + n, *outs)
 

@@ -342,3 +342,34 @@ def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
     drafted = STEPS * len(prompts) * NUM_DRAFT
     assert 0.2 * drafted < accepted < drafted, accepted  # both accepted and rejected drafts occurred
     assert min(run.flushes) >= 2, run.flushes
+
+
+def test_commit_graph_bookkeeping_is_exact(graphs):
+    """Every n in 0..T (and out-of-range n, clamped as the kernel clamps): cursor = spec_reference flush +
+    commit, lengths += n, conv windows = spec_reference.conv_window_rollback, all bit-exact, module and ORT."""
+    step, commit, _, sv, sc = graphs
+    gen = torch.Generator().manual_seed(8)
+    batch = T + 3
+    n = torch.tensor(list(range(T + 1)) + [T + 3, -2], dtype=torch.int32)
+    cursor = torch.stack([torch.randint(0, L_SPEC, (batch,), generator=gen),
+                          torch.randint(0, L_SPEC - T + 1, (batch,), generator=gen)], dim=1).to(torch.int32)
+    lengths = torch.randint(0, 50, (batch,), generator=gen, dtype=torch.int32)
+    windows = [torch.randn((batch, *s.shape[1:]), generator=gen) for s in commit.state_specs()]
+    ort, mod = OrtRunner(step, commit, sv, sc), ModuleRunner(step, commit, sv, sc)
+    n_c = n.clamp(0, T)
+    sbi = torch.arange(batch, dtype=torch.int32)
+    want_cursor = cursor.clone()
+    sr.flush_cursor(want_cursor, T, L_SPEC, sbi)
+    sr.commit(want_cursor, n_c, T, L_SPEC, sbi)
+    K = step.config.conv_kernel
+    for runner in (ort, mod):
+        cur, lens, wins = runner.commit(n, cursor, lengths, windows)
+        assert torch.equal(cur, want_cursor) and torch.equal(lens, lengths + n_c)
+        for w, got in zip(windows, wins):
+            want = w.clone()
+            live = n_c >= 1  # spec_reference refuses n = 0 with this window width (it would drop a kept input)
+            rows = sbi[live]
+            sr.conv_window_rollback(want, n_c[live], T, K, rows)
+            assert torch.equal(got[live], want[live])
+            r = T  # n = 0: shifted right by T, zero-filled
+            assert torch.equal(got[~live], torch.cat([torch.zeros_like(w[~live][..., :r]), w[~live][..., :-r]], -1))
