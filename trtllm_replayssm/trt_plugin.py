@@ -4,7 +4,7 @@
 ``mamba2_decode`` (+ ``mamba2_decode_shadow``) for standard decode, ``mamba2_verify`` + ``spec_commit``
 for speculative decoding. Each plugin layer is one kernel launch.
 
-One plugin layer = one launch of ``replayssm_decode`` (plugins/replayssm_decode.cu): the fused
+``replayssm::mamba2_decode``: one launch of ``replayssm_decode`` (plugins/replayssm_decode.cu): the fused
 ReplaySSM step (output, append, flush when the buffer fills). The engine runs it without Python:
 ``aot_impl`` hands TensorRT the PTX, the kernel name, the launch geometry and int32 extra args.
 
@@ -47,6 +47,7 @@ e4m3), so it is compiled into the PTX like every other type. Two more inputs and
                                         (1,) placeholder, never read or written
   outputs 5 shadow_out -> input 13, 6 shadow_scale_out -> input 14
 Kernel parameters: the 15 input pointers, int32 batch, int32 slots, the 7 output pointers.
+
 ``replayssm::mamba2_verify``: one launch of ``replayssm_verify`` (plugins/replayssm_spec.cu) per Mamba
 layer of a speculative step: the outputs of the T = 1 + num_draft window tokens from the checkpoint,
 the committed ring history and the causal part of the window; the window appended to the rings at
