@@ -5,6 +5,9 @@
   and patches its Mamba-2 mixers so single-token decode runs through ReplaySSM.
 * :mod:`.decode_step` is the export form: one decode step as a module with explicit state I/O,
   exported to ONNX with one ``replayssm::mamba2_decode`` node per Mamba layer.
+* :mod:`.spec_step` is the speculative form: a verify graph of T = 1 + num_draft tokens with one
+  ``replayssm::mamba2_verify`` node per Mamba layer, and a commit graph with one
+  ``replayssm::spec_commit`` node (cursor, lengths, conv-window rollback) run after sampling.
 
 Builders contain no kernel code (STYLE.md): the SSM step is a pluggable backend with the signature
 of :func:`trtllm_replayssm.reference.replay_decode`, called with keyword arguments.

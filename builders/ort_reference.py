@@ -1,10 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``replayssm::mamba2_decode`` for onnxruntime on the CPU, through onnxruntime-extensions' Python ops.
+"""The ``replayssm::*`` plugin ops for onnxruntime on the CPU, through onnxruntime-extensions' Python ops.
 
-The op body is :func:`builders.nemotron_h.reference_backend` (``reference.replay_decode`` in float64),
-applied to copies of the state inputs, which become the outputs: (y, state_out, x_cache_out,
-B_cache_out, dt_cache_out). Declared for fp32 activations and an fp32 state (the graphs the CPU
-tests export); attributes are accepted and checked against the input shapes.
+* ``mamba2_decode``: :func:`builders.nemotron_h.reference_backend` (``reference.replay_decode`` in
+  float64), applied to copies of the state inputs, which become the outputs: (y, state_out,
+  x_cache_out, B_cache_out, dt_cache_out).
+* ``mamba2_verify``: :func:`builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
+  verify in float64), same outputs; the cursor is read only.
+* ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
+Declared for fp32 activations and an fp32 state (the graphs the CPU tests export); attributes are
+accepted and checked against the input shapes.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 
 from .decode_step import DOMAIN, OP_TYPE
 from .nemotron_h import reference_backend
+from .spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, commit_reference_backend, verify_reference_backend
 
 _registered = False
 
@@ -31,6 +36,27 @@ def _op(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cac
     return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
 
 
+def _verify(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, **attrs):
+    got = (x.shape[2], x.shape[3], B.shape[3], B.shape[2], x_cache.shape[2], x.shape[1])
+    want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len", "num_tokens"))
+    if got != want:
+        raise ValueError(f"{DOMAIN}::{VERIFY_OP_TYPE}: attributes (nheads, headdim, dstate, ngroups, buffer_len, "
+                         f"num_tokens) = {want}, inputs have {got}")
+    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (copies: the outputs must not alias the inputs)
+    caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
+    y = verify_reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
+                                 state_batch_indices=t(sbi), cursor=t(cursor), **caches)
+    return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
+
+
+def _commit(sbi, n_accepted, cursor, **attrs):
+    cur = torch.from_numpy(np.array(cursor))
+    commit_reference_backend(cursor=cur, n_accepted=torch.from_numpy(np.array(n_accepted)),
+                             state_batch_indices=torch.from_numpy(np.array(sbi)), num_tokens=attrs["num_tokens"],
+                             buffer_len=attrs["buffer_len"])
+    return cur.numpy()
+
+
 def register() -> str:
     """Register the op (once per process); returns the library path for ``SessionOptions.register_custom_ops_library``."""
     global _registered
@@ -41,6 +67,11 @@ def register() -> str:
         attrs = {"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "nheads": i64, "headdim": i64,
                  "dstate": i64, "ngroups": i64, "buffer_len": i64}
         onnx_op(op_type=f"{DOMAIN}::{OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 4, outputs=[f] * 5, attrs=attrs)(_op)
+        onnx_op(op_type=f"{DOMAIN}::{VERIFY_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 4, outputs=[f] * 5,
+                attrs={**attrs, "num_tokens": i64})(_verify)
+        onnx_op(op_type=f"{DOMAIN}::{COMMIT_OP_TYPE}", inputs=[i32] * 3, outputs=[i32],
+                attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_tokens": i64,
+                       "buffer_len": i64})(_commit)
         _registered = True
     return get_library_path()
 

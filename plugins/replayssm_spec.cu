@@ -45,8 +45,10 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) r
 }
 
 // cursor (slots, 2) = (start, count): flush as the verify kernels did, then count += n_accepted.
+// cursor_in is the input the in-place cursor output aliases (TensorRT passes both pointers; they are
+// the same memory): read and written through `cursor` only.
 extern "C" __global__ void replayssm_spec_commit(const int* __restrict__ sbi, const int* __restrict__ n_accepted,
-                                                 int batch, int nslots, int* cursor) {
+                                                 const int* cursor_in, int batch, int nslots, int* cursor) {
   rssm::spec_commit(sbi, n_accepted, batch, nslots, cursor);
 }
 

@@ -18,8 +18,24 @@ Output (written to a temporary sibling directory, renamed to --out at the end):
   trtexec.sh            the command that builds model.plan from model.onnx
   model.plan            only where TensorRT >= 10.9 and a GPU are present
 
+With ``--num-draft N`` (speculative decoding, T = N + 1 tokens per step; builders/spec_step.py) the
+directory holds two graphs instead of model.onnx, run once each per step with sampling in between:
+  verify.onnx           input_ids (batch, T), lengths, cursor (batch, 2) and the states; logits
+                        (batch, T, vocab); one ``replayssm::mamba2_verify`` node per Mamba layer
+  commit.onnx           n_accepted, cursor, lengths, conv windows -> cursor_out (one
+                        ``replayssm::spec_commit`` node), lengths_out, rolled-back conv windows
+  <spec key>.ptx        ``replayssm_verify`` per tactic and ``replayssm_spec_commit``
+  config.json           format trtllm-replayssm-spec-step/1: both graphs' I/O, the states and which
+                        graph updates each, the plugin manifest (ids, I/O, aliases, attributes, kernels)
+  trtexec.sh            the commands for verify.plan and commit.plan
+  verify.plan, commit.plan  only where TensorRT >= 10.9 and a GPU are present
+
+TensorRT's Python plugins are registered by the building process (``trt_plugin.register()``; this
+script does it). trtexec cannot register them, so its commands only work from a process that can, or
+to run the built plans (AOT plugins need no Python at run time: ``trtexec --loadEngine=...``).
+
 Usage: python scripts/build_engine.py --out DIR [--model HF_DIR] [--max-batch 8] [--buffer-len 16]
-       [--state-dtype fp32] [--dtype fp32] [--arch 90] [--max-seq-len 4096] [--overwrite]
+       [--state-dtype fp32] [--dtype fp32] [--arch 90] [--max-seq-len 4096] [--num-draft N] [--overwrite]
 """
 
 from __future__ import annotations
@@ -40,7 +56,13 @@ import torch  # noqa: E402
 
 from trtllm_replayssm import trt_plugin  # noqa: E402
 from trtllm_replayssm.compile import CompileError  # noqa: E402
-from trtllm_replayssm.config import DTYPE_CODES, SUPPORTED_BUFFER_LEN, SUPPORTED_DSTATE, SUPPORTED_HEADDIM  # noqa: E402
+from trtllm_replayssm.config import (  # noqa: E402
+    DTYPE_CODES,
+    SUPPORTED_BUFFER_LEN,
+    SUPPORTED_DSTATE,
+    SUPPORTED_HEADDIM,
+    SUPPORTED_NUM_TOKENS,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "int32", "int64": "int64"}
@@ -68,12 +90,22 @@ def parse_args(argv=None):
     p.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (persistent-kernel grid)")
     p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache capacity per row")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
+    p.add_argument("--num-draft", type=int, default=0,
+                   help="speculative decoding: draft tokens per step (T = N + 1 verified at once); exports the "
+                        "verify and commit graphs instead of the decode step")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     a = p.parse_args(argv)
     if a.max_batch < 1:
         p.error(f"--max-batch: expected >= 1, got {a.max_batch}")
     if a.buffer_len not in SUPPORTED_BUFFER_LEN:
         p.error(f"--buffer-len: expected one of {SUPPORTED_BUFFER_LEN}, got {a.buffer_len}")
+    if a.num_draft:
+        drafts = sorted(t - 1 for t in SUPPORTED_NUM_TOKENS if t > 1)
+        if a.num_draft + 1 not in SUPPORTED_NUM_TOKENS:
+            p.error(f"--num-draft: expected 0 (standard decode) or one of {drafts}, got {a.num_draft}")
+        if a.buffer_len < 2 * (a.num_draft + 1):
+            p.error(f"--buffer-len: speculative decoding needs >= 2 (num_draft + 1) = {2 * (a.num_draft + 1)} "
+                    f"(flush one window early), got {a.buffer_len}")
     if a.arch < 70:
         p.error(f"--arch: expected an SM version such as 90 or 100, got {a.arch}")
     if a.sm_count < 1:
@@ -147,12 +179,171 @@ def build_plan(trt, onnx_path: pathlib.Path, plan_path: pathlib.Path, io_shapes,
     plan_path.write_bytes(bytes(plan))
 
 
-def build(args) -> pathlib.Path:
+def _kernel_entry(k, tactic) -> dict:
+    return dict(tactic=tactic, ptx=f"{k.spec.key}.ptx", spec=k.spec.key, kernel=k.kernel_name,
+                grid=[k.grid_x, "batch" if k.grid_y_is_batch else 1, 1] if not k.rows_per_block
+                else [f"ceil(batch / {k.rows_per_block})", 1, 1],
+                block=[k.block_x, 1, 1], shared_mem=k.shared_mem, extra_int32_args=list(k.extra_args))
+
+
+def _write_ptx(tmp: pathlib.Path, make, what: str):
+    try:
+        k = make()
+    except CompileError as e:
+        raise BuildError(f"plugin PTX ({what}) did not compile:\n{str(e).rstrip(chr(0))}") from e
+    (tmp / f"{k.spec.key}.ptx").write_bytes(k.ptx)
+    return k
+
+
+TRTEXEC_NOTE = ("# TensorRT >= 10.9 with {plugins} registered in the building process\n"
+                "# (trtllm_replayssm.trt_plugin.register(); scripts/build_engine.py does it where TensorRT is installed).\n"
+                "# trtexec cannot register Python plugins itself; the built AOT plans run without Python\n"
+                "# (trtexec --loadEngine=...).\n")
+
+
+def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
+    """model.onnx, the mamba2_decode PTX per tactic, config.json's content and the trtexec command."""
     from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
+    from builders.nemotron_h import mamba_layers
+
+    act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
+    step = NemotronHDecodeStep(model, args.buffer_len, args.max_seq_len, state_dtype)
+    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{OP_TYPE} nodes)")
+    export_onnx(step, tmp / "model.onnx")
+
+    kernels = []
+    for tactic in sorted(trt_plugin.TACTICS):
+        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_kernel(
+            H, P, N, G, args.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act], args.arch, t, args.sm_count),
+            f"tactic {tactic}")
+        log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
+        kernels.append(_kernel_entry(k, tactic))
+
+    log("[4/5] writing config.json and trtexec.sh")
+    io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
+    states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
+              dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
+    states += [s.to_json() for s in step.state_specs()]
+    io_shapes = [(n, s) for n, s, _ in io] + [(s["name"], tuple(s["shape"])) for s in states[2:]]
+    cmd = trtexec_command(io_shapes, args.max_batch)
+    (tmp / "trtexec.sh").write_text("#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=f"{DOMAIN}::{OP_TYPE}") + cmd + "\n")
+    config = dict(
+        format="trtllm-replayssm-decode-step/1",
+        model=dict(source=str(args.model) if args.model else "embedded-tiny", seed=None if args.model else args.seed,
+                   pattern=cfg.hybrid_override_pattern, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                   mamba_layers=mamba_layers(model)),
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
+        act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
+        inputs=[dict(name=n, shape=list(s), dtype=d) for n, s, d in io] + [
+            dict(name=s["name"], shape=s["shape"], dtype=s["dtype"]) for s in states[2:]],
+        outputs=[dict(name="logits", shape=[-1, cfg.vocab_size], dtype="float32")] + [
+            dict(name=s["output"], shape=s["shape"], dtype=s["dtype"]) for s in states],
+        states=states,
+        plugin=dict(
+            op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
+            dstate=N, ngroups=G, buffer_len=args.buffer_len, sm_count=args.sm_count, kernels=kernels,
+            inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
+            aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i]
+                             for o, i in trt_plugin.ALIASES.items()},
+        ),
+        plan=None,
+        trtexec=cmd,
+    )
+    return config, [("model.onnx", "model.plan", io_shapes)]
+
+
+def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
+    """verify.onnx + commit.onnx, the mamba2_verify PTX per tactic and the spec_commit PTX, config.json's
+    content and the trtexec commands."""
+    from builders.decode_step import DOMAIN
+    from builders.nemotron_h import mamba_layers
+    from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecCommit, NemotronHSpecStep, export_onnx
+
+    act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
+    T = args.num_draft + 1
+    step = NemotronHSpecStep(model, args.buffer_len, args.max_seq_len, args.num_draft, state_dtype)
+    commit = NemotronHSpecCommit(step)
+    log(f"[2/5] exporting verify.onnx ({nmamba} {DOMAIN}::{VERIFY_OP_TYPE} nodes, T = {T}) and commit.onnx "
+        f"(one {DOMAIN}::{COMMIT_OP_TYPE} node)")
+    export_onnx(step, tmp / "verify.onnx", tmp / "commit.onnx")
+
+    verify_kernels = []
+    for tactic in sorted(trt_plugin.TACTICS):
+        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_verify_kernel(
+            H, P, N, G, args.buffer_len, T, DTYPE_CODES[state_dtype], DTYPE_CODES[act], args.arch, t),
+            f"{VERIFY_OP_TYPE}, tactic {tactic}")
+        log(f"[3/5] plugin PTX {VERIFY_OP_TYPE}, tactic {tactic}: {k.spec.key} (NVRTC)")
+        verify_kernels.append(_kernel_entry(k, tactic))
+    k = _write_ptx(tmp, lambda: trt_plugin.aot_commit_kernel(T, args.buffer_len, args.arch), COMMIT_OP_TYPE)
+    log(f"[3/5] plugin PTX {COMMIT_OP_TYPE}: {k.spec.key} (NVRTC)")
+    commit_kernels = [_kernel_entry(k, trt_plugin.COMMIT_TACTICS[0])]
+
+    log("[4/5] writing config.json and trtexec.sh")
+    specs = step.state_specs()
+    windows = {s.name for s in commit.state_specs()}
+    states = [dict(name="cursor", shape=[-1, 2], dtype="int32", updated_by={"commit": "cursor_out"}),
+              dict(name="lengths", shape=[-1], dtype="int32", updated_by={"commit": "lengths_out"})]
+    for s in specs:
+        j = s.to_json()
+        upd = {"verify": j.pop("output")}
+        if s.name in windows:
+            upd["commit"] = s.output
+        states.append({**j, "updated_by": upd})
+    by_name = {s["name"]: s for s in states}
+    verify_io = [("input_ids", (-1, T), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1, 2), "int32")]
+    verify_io += [(s.name, s.shape, by_name[s.name]["dtype"]) for s in specs]
+    commit_io = [("n_accepted", (-1,), "int32"), ("cursor", (-1, 2), "int32"), ("lengths", (-1,), "int32")]
+    commit_io += [(n, tuple(by_name[n]["shape"]), by_name[n]["dtype"]) for n in commit.input_names()[3:]]
+    graphs = {}
+    cmds = []
+    for name, io, module, out_first in (
+            ("verify", verify_io, step, [dict(name="logits", shape=[-1, T, cfg.vocab_size], dtype="float32")]),
+            ("commit", commit_io, commit, [])):
+        shapes = [(n, tuple(sh)) for n, sh, _ in io]
+        cmd = trtexec_command(shapes, args.max_batch).replace("model.onnx", f"{name}.onnx").replace(
+            "model.plan", f"{name}.plan")
+        cmds.append(cmd)
+        outs = out_first + [dict(name=s["updated_by"][name], shape=s["shape"], dtype=s["dtype"]) for s in states
+                            if name in s["updated_by"]]
+        assert [o["name"] for o in outs] == module.output_names()
+        assert [n for n, _, _ in io] == module.input_names()
+        graphs[name] = dict(onnx=f"{name}.onnx", plan=None, inputs=[dict(name=n, shape=list(sh), dtype=d)
+                                                                    for n, sh, d in io],
+                            outputs=outs, trtexec=cmd)
+    plugins = [VERIFY_OP_TYPE, COMMIT_OP_TYPE]
+    (tmp / "trtexec.sh").write_text(
+        "#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=" and ".join(f"{DOMAIN}::{p}" for p in plugins))
+        + "set -e\n" + "\n".join(cmds) + "\n")
+    verify_manifest = trt_plugin.PLUGINS[trt_plugin.VERIFY_PLUGIN_NAME].manifest()
+    commit_manifest = trt_plugin.PLUGINS[trt_plugin.COMMIT_PLUGIN_NAME].manifest()
+    config = dict(
+        format="trtllm-replayssm-spec-step/1",
+        model=dict(source=str(args.model) if args.model else "embedded-tiny", seed=None if args.model else args.seed,
+                   pattern=cfg.hybrid_override_pattern, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                   mamba_layers=mamba_layers(model)),
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
+        num_draft=args.num_draft, num_tokens=T, conv_window=step.window,
+        act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
+        graphs=graphs,
+        states=states,
+        step=["verify", "sample n_accepted (batch,) int32 in 1..T from the logits", "commit"],
+        plugin=dict(domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, plugins=[
+            dict(verify_manifest, op_type=VERIFY_OP_TYPE, graph="verify", nodes=nmamba,
+                 attributes=dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=args.buffer_len, num_tokens=T),
+                 kernels=verify_kernels),
+            dict(commit_manifest, op_type=COMMIT_OP_TYPE, graph="commit", nodes=1,
+                 attributes=dict(num_tokens=T, buffer_len=args.buffer_len), kernels=commit_kernels)]),
+        trtexec=cmds,
+    )
+    return config, [(f"{n}.onnx", f"{n}.plan", [(i, tuple(sh)) for i, sh, _ in (verify_io if n == "verify" else commit_io)])
+                    for n in ("verify", "commit")]
+
+
+def build(args) -> pathlib.Path:
     from builders.nemotron_h import load_nemotron_h, mamba_layers
 
     t0 = time.time()
-    act, state_dtype = DTYPES[args.dtype], DTYPES[args.state_dtype]
+    act = DTYPES[args.dtype]
     source = f"model from {args.model}" if args.model else f"embedded tiny Nemotron-H (seed {args.seed})"
     log(f"[1/5] loading {source}")
     model = load_nemotron_h(args.model, dtype=act, seed=args.seed)
@@ -167,65 +358,24 @@ def build(args) -> pathlib.Path:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise survive the rename
     try:
-        step = NemotronHDecodeStep(model, args.buffer_len, args.max_seq_len, state_dtype)
-        log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{OP_TYPE} nodes)")
-        export_onnx(step, tmp / "model.onnx")
-
-        kernels = []
-        for tactic in sorted(trt_plugin.TACTICS):
-            try:
-                k = trt_plugin.aot_kernel(H, P, N, G, args.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act],
-                                          args.arch, tactic, args.sm_count)
-            except CompileError as e:
-                raise BuildError(f"plugin PTX (tactic {tactic}) did not compile:\n{str(e).rstrip(chr(0))}") from e
-            log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
-            (tmp / f"{k.spec.key}.ptx").write_bytes(k.ptx)
-            kernels.append(dict(tactic=tactic, ptx=f"{k.spec.key}.ptx", spec=k.spec.key, kernel=k.kernel_name,
-                                grid=[k.grid_x, "batch" if k.grid_y_is_batch else 1, 1], block=[k.block_x, 1, 1],
-                                shared_mem=k.shared_mem, extra_int32_args=list(k.extra_args)))
-
-        log("[4/5] writing config.json and trtexec.sh")
-        io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
-        states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
-                  dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
-        states += [s.to_json() for s in step.state_specs()]
-        io_shapes = [(n, s) for n, s, _ in io] + [(s["name"], tuple(s["shape"])) for s in states[2:]]
-        cmd = trtexec_command(io_shapes, args.max_batch)
-        (tmp / "trtexec.sh").write_text("#!/bin/sh\n# TensorRT >= 10.9 with replayssm::mamba2_decode registered in the "
-                                        "builder process (trtllm_replayssm.trt_plugin.register()).\n" + cmd + "\n")
-        config = dict(
-            format="trtllm-replayssm-decode-step/1",
-            model=dict(source=str(args.model) if args.model else "embedded-tiny", seed=None if args.model else args.seed,
-                       pattern=cfg.hybrid_override_pattern, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                       mamba_layers=mamba_layers(model)),
-            max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
-            act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
-            inputs=[dict(name=n, shape=list(s), dtype=d) for n, s, d in io] + [
-                dict(name=s["name"], shape=s["shape"], dtype=s["dtype"]) for s in states[2:]],
-            outputs=[dict(name="logits", shape=[-1, cfg.vocab_size], dtype="float32")] + [
-                dict(name=s["output"], shape=s["shape"], dtype=s["dtype"]) for s in states],
-            states=states,
-            plugin=dict(
-                op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
-                dstate=N, ngroups=G, buffer_len=args.buffer_len, sm_count=args.sm_count, kernels=kernels,
-                inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
-                aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i]
-                                 for o, i in trt_plugin.ALIASES.items()},
-            ),
-            plan=None,
-            trtexec=cmd,
-        )
-
+        make = _spec_artifacts if args.num_draft else _decode_artifacts
+        config, plans = make(args, model, tmp, H, P, N, G, nmamba)
         trt, why = tensorrt_status()
         if trt is not None:
-            log(f"[5/5] building model.plan with TensorRT {trt.__version__}")
-            build_plan(trt, tmp / "model.onnx", tmp / "model.plan", io_shapes, args.max_batch)
-            config["plan"] = "model.plan"
+            for onnx_name, plan_name, io_shapes in plans:
+                log(f"[5/5] building {plan_name} with TensorRT {trt.__version__}")
+                build_plan(trt, tmp / onnx_name, tmp / plan_name, io_shapes, args.max_batch)
+                if args.num_draft:
+                    config["graphs"][plan_name.split(".")[0]]["plan"] = plan_name
+                else:
+                    config["plan"] = plan_name
         else:
-            log(f"[5/5] model.plan not built: {why}. TensorRT >= {MIN_TRT[0]}.{MIN_TRT[1]} with a GPU is needed "
-                "for the plan. Finish there by rerunning this script (it registers the plugin through "
-                "trtllm_replayssm.trt_plugin), or in --out, with replayssm::mamba2_decode registered, with:")
-            print(cmd, flush=True)
+            names = " and ".join(p for _, p, _ in plans)
+            log(f"[5/5] {names} not built: {why}. TensorRT >= {MIN_TRT[0]}.{MIN_TRT[1]} with a GPU is needed "
+                "for the plan. Finish there by rerunning this script (it registers the plugins through "
+                "trtllm_replayssm.trt_plugin), or in --out, with the plugins registered, with:")
+            for cmd in ([config["trtexec"]] if isinstance(config["trtexec"], str) else config["trtexec"]):
+                print(cmd, flush=True)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
         if args.out.exists():  # --overwrite: swap, then drop the old directory

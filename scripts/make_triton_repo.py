@@ -64,6 +64,9 @@ def _dtype(entry: dict) -> str:
 def model_config(cfg: dict, name: str, max_queue_delay_us: int = 100, idle_us: int = 60_000_000):
     """Triton ``ModelConfig`` for the decode-step engine described by build_engine's ``cfg``."""
     pb = _pb()
+    if str(cfg.get("format", "")).startswith("trtllm-replayssm-spec-step"):
+        raise RepoError("config.json describes a speculative engine pair (verify.plan + commit.plan, sampling in "
+                        "between; scripts/build_engine.py --num-draft): one Triton sequence model cannot run it")
     for key in ("max_batch", "inputs", "outputs", "states"):
         if key not in cfg:
             raise RepoError(f"config.json: missing {key!r} (was it written by scripts/build_engine.py?)")

@@ -288,10 +288,46 @@ def test_build_engine_tiny(tmp_path):
     assert (out / "trtexec.sh").read_text().count("--maxShapes=input_ids:4x1") == 1
 
 
+def test_build_engine_spec(tmp_path):
+    """--num-draft: verify.onnx + commit.onnx, the two plugins' PTX, config and trtexec naming both plugins."""
+    out = tmp_path / "spec"
+    r = _build("--out", out, "--buffer-len", 8, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--num-draft", 3)
+    assert r.returncode == 0, r.stderr
+    assert "verify.plan and commit.plan not built" in r.stdout and "trtexec --onnx=verify.onnx" in r.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["format"] == "trtllm-replayssm-spec-step/1" and (cfg["num_draft"], cfg["num_tokens"]) == (3, 4)
+    plugins = {p["id"]: p for p in cfg["plugin"]["plugins"]}
+    assert set(plugins) == {"replayssm::mamba2_verify", "replayssm::spec_commit"}
+    verify, commit = plugins["replayssm::mamba2_verify"], plugins["replayssm::spec_commit"]
+    assert verify["attributes"] == dict(nheads=4, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4)
+    assert commit["attributes"] == dict(num_tokens=4, buffer_len=8) and commit["aliased_outputs"] == {
+        "cursor_out": "cursor"}
+    assert [k["tactic"] for k in verify["kernels"]] == [1, 2] and len(commit["kernels"]) == 1
+    for p in (verify, commit):
+        for k in p["kernels"]:
+            assert f".entry {p['kernel']}(" in (out / k["ptx"]).read_text()
+    script = (out / "trtexec.sh").read_text()
+    assert "replayssm::mamba2_verify and replayssm::spec_commit" in script
+    assert script.count("--maxShapes=input_ids:4x4,") == 1 and script.count("--onnx=commit.onnx") == 1
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    for name, op, count in (("verify", "mamba2_verify", 3), ("commit", "spec_commit", 1)):
+        g = onnx.load(str(out / f"{name}.onnx"))
+        assert [n.op_type for n in g.graph.node if n.domain == DOMAIN] == [op] * count
+        graph = cfg["graphs"][name]
+        assert [i.name for i in g.graph.input] == [i["name"] for i in graph["inputs"]]
+        assert [o.name for o in g.graph.output] == [o["name"] for o in graph["outputs"]]
+    states = {s["name"]: s for s in cfg["states"]}
+    assert states["conv_window_0"]["shape"] == [-1, 4 * 64 + 2 * 2 * 64, 3 + 3]
+    assert states["conv_window_0"]["updated_by"] == {"verify": "conv_window_0_out", "commit": "conv_window_0_out"}
+    assert states["cursor"]["updated_by"] == {"commit": "cursor_out"} and states["cursor"]["shape"] == [-1, 2]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--buffer-len", "5"], "--buffer-len: expected one of"),
     (["--max-batch", "0"], "--max-batch: expected >= 1, got 0"),
     (["--model", "/nonexistent"], "--model: expected an existing directory"),
+    (["--num-draft", "2"], "--num-draft: expected 0 (standard decode) or one of [1, 3, 5, 7], got 2"),
+    (["--num-draft", "7", "--buffer-len", "8"], "--buffer-len: speculative decoding needs >= 2 (num_draft + 1) = 16"),
 ])
 def test_build_engine_bad_arguments(tmp_path, args, message):
     r = _build("--out", tmp_path / "engine", *args)

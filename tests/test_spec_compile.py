@@ -80,7 +80,7 @@ def test_parameter_lists_are_tensorrt_order(has_z):
     ptx = cc.compile_spec(_spec(has_z=has_z), "ptx").decode()
     z = int(has_z)
     assert _params(ptx, "replayssm_verify") == ["u64"] * (13 + z) + ["u32"] * 2 + ["u64"] * 5
-    assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"]
+    assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 3 + ["u32"] * 2 + ["u64"]  # cursor in, cursor out
     assert _params(ptx, "replayssm_native_verify") == ["u64"] * (9 + z) + ["u32"] * 2 + ["u64"] * 2
     assert _params(ptx, "replayssm_native_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"] * 2
 
@@ -93,7 +93,7 @@ def test_verify_shadow_parameters_follow_the_rings(shadow):
     assert spec.key == f"replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sh-{shadow}_sm90_T4"
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert _params(ptx, "replayssm_verify") == ["u64"] * (13 + 2) + ["u32"] * 2 + ["u64"] * (5 + 2)
-    assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 2 + ["u32"] * 2 + ["u64"]
+    assert _params(ptx, "replayssm_spec_commit") == ["u64"] * 3 + ["u32"] * 2 + ["u64"]  # sbi, n, cursor_in; cursor_out
     assert _params(ptx, "replayssm_native_verify") == ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2
 
 

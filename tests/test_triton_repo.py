@@ -54,6 +54,7 @@ def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
     (lambda c: c["inputs"].append({"name": "extra", "shape": [-1], "dtype": "int32"}), "neither a request input"),
     (lambda c: c["outputs"][0].update(dtype="complex64"), "has no Triton type"),
     (lambda c: c.pop("states"), "missing 'states'"),
+    (lambda c: c.update(format="trtllm-replayssm-spec-step/1"), "speculative engine pair"),
 ])
 def test_bad_engine_description_is_rejected(engine_dir, mutate, match):
     cfg = json.loads((engine_dir / "config.json").read_text())

@@ -1,8 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The TensorRT plugin's plain parts: what aot_impl hands TensorRT, checked without TensorRT.
+"""The TensorRT plugins' plain parts: what aot_impl hands TensorRT, checked without TensorRT.
 
-The GPU proxy test (tests/test_trt_plugin_gpu.py) launches exactly this PTX with these launch
-parameters in TensorRT's argument order. A network-building test runs where TensorRT is installed.
+Plugins: mamba2_decode, mamba2_decode_shadow, mamba2_verify, spec_commit. Checked here: the PTX
+entry's parameter list is TensorRT's order (input pointers, int32 args, output pointers), the module
+and grid are what ops launches, shapes, aliases, type combinations, bad attributes; and register()
+itself, driven through a stand-in of ``tensorrt.plugin`` that enforces the documented signature rules
+(it caught string annotations and placeholder-shape queries that real TensorRT would have refused).
+The GPU proxy tests (tests/test_trt_plugin_gpu.py, tests/test_trt_plugin_spec_gpu.py) launch exactly
+this PTX with these launch parameters in TensorRT's argument order. Network-building tests run where
+TensorRT is installed.
 """
 
 import re
@@ -81,6 +87,36 @@ def test_network_with_plugin_builds():
     assert builder.build_serialized_network(net, config) is not None
 
 
+def test_spec_network_with_plugins_builds():
+    trt = pytest.importorskip("tensorrt", reason="TensorRT >= 10.9 is not installed here (its builder "
+                                                 "library cannot be installed on this machine)")
+    pytest.importorskip("torch").cuda.is_available() or pytest.skip("needs a GPU to build an engine")
+    import tensorrt.plugin as trtp
+
+    tp.register()
+    H, P, N, G, L, T, b = 8, 64, 64, 2, 8, 4, 2
+    builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
+    net = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    shapes = tp.verify_io_shapes(b, b, H, P, N, G, L, T)
+    types = dict(zip(tp.VERIFY_INPUT_NAMES, (trt.float32,) * 7 + (trt.int32, trt.int32) + (trt.float32,) * 4))
+    ins = {n: net.add_input(n, types[n], shapes[n]) for n in tp.VERIFY_INPUT_NAMES}
+    ns = getattr(trtp.op, tp.PLUGIN_NAMESPACE)
+    attrs = dict(zip(tp.VERIFY_ATTRIBUTES, (H, P, N, G, L, T)))
+    verify = net.add_plugin(getattr(ns, tp.VERIFY_PLUGIN_NAME)(*ins.values(), **attrs), aot=True)
+    # commit in the same network on its own cursor input (engines run verify and commit as separate graphs)
+    n_acc = net.add_input("n_accepted", trt.int32, (b,))
+    cur = net.add_input("cursor_commit", trt.int32, (b, 2))
+    commit = net.add_plugin(getattr(ns, tp.COMMIT_PLUGIN_NAME)(ins["state_batch_indices"], n_acc, cur, num_tokens=T,
+                                                                buffer_len=L), aot=True)
+    for layer, names in ((verify, tp.VERIFY_OUTPUT_NAMES), (commit, tp.COMMIT_OUTPUT_NAMES)):
+        for i, name in enumerate(names):
+            layer.get_output(i).name = name
+            net.mark_output(layer.get_output(i))
+    config = builder.create_builder_config()
+    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
+    assert builder.build_serialized_network(net, config) is not None
+
+
 @pytest.mark.parametrize("shadow", tp.SHADOW_KINDS)
 def test_shadow_plugin_contract(shadow):
     """mamba2_decode_shadow: 15 inputs, 2 int32 args, 7 outputs; the shadow and its scales alias."""
@@ -103,3 +139,354 @@ def test_shadow_plugin_contract(shadow):
 def test_shadow_plugin_rejects_a_non_f32_checkpoint():
     with pytest.raises(ValueError, match="shadow: expected one of"):
         tp.aot_kernel(128, 64, 128, 8, 16, "bf16", "bf16", 90, shadow="bf16")
+
+
+# ---- speculative decoding: mamba2_verify and spec_commit -------------------------------------------------
+def _entry_params(k):
+    params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
+    return re.findall(r"\.param \.(u64|u32|b32|s32)", params)
+
+
+@pytest.mark.parametrize("tactic", sorted(tp.TACTICS))
+def test_verify_kernel_is_what_ops_launches_in_tensorrt_order(tactic):
+    from trtllm_replayssm import config
+
+    k = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, tactic)
+    assert k.kernel_name == "replayssm_verify" and ".target sm_90" in k.ptx.decode()
+    n_in, n_out = len(tp.VERIFY_INPUT_NAMES), len(tp.VERIFY_OUTPUT_NAMES)
+    assert _entry_params(k) == ["u64"] * n_in + ["u32"] * len(k.extra_args) + ["u64"] * n_out
+    assert k.extra_args == ("batch", "slots") and k.extra_values(3, 5) == [3, 5]
+    # ops.replay_verify plans the same module for this batch and launches spec_grid(spec, batch)
+    assert k.spec == config.verify_spec("f32", "bf16", 128, 64, 128, 8, 16, 4, tp.TACTICS[tactic], False, 90)
+    assert k.grid(7) == config.spec_grid(k.spec, 7) == (128 * 64 // k.spec.rows, 7, 1)
+    assert k.block_x == k.spec.threads and k.shared_mem == 0 and not k.spec.has_z
+
+
+def test_verify_tactics_choose_geometries():
+    big = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 1)
+    small = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 2)
+    assert small.spec.rows <= big.spec.rows and small.spec.threads // small.spec.rows > big.spec.threads // big.spec.rows
+
+
+def test_commit_kernel_is_what_ops_launches_in_tensorrt_order():
+    from trtllm_replayssm import config
+
+    k = tp.aot_commit_kernel(4, 16, 90)
+    assert k.kernel_name == "replayssm_spec_commit"
+    assert _entry_params(k) == ["u64"] * 3 + ["u32"] * 2 + ["u64"]  # sbi, n_accepted, cursor; batch, slots; cursor
+    assert k.spec == config.commit_spec(4, 16, 90)
+    for b in (1, 255, 256, 257, 1000):
+        assert k.grid(b) == config.commit_grid(b) == (-(-b // 256), 1, 1)
+    assert k.block_x == config.COMMIT_THREADS == 256 and k.shared_mem == 0
+    assert k.extra_values(3, 5) == [3, 5]
+
+
+@pytest.mark.parametrize("kernel, bad, match", [
+    ("verify", dict(num_tokens=3), r"num_tokens: expected one of \(1, 2, 4, 6, 8\)"),
+    ("verify", dict(num_tokens=8, buffer_len=8), r"buffer_len: expected in \[2 \* num_tokens, 32\] = \[16, 32\]"),
+    ("verify", dict(buffer_len=64), r"buffer_len: expected in"),
+    ("verify", dict(state="f64"), "state: expected one of"),
+    ("verify", dict(act="i8"), "act: expected one of"),
+    ("verify", dict(tactic=3), "tactic: expected one of"),
+    ("commit", dict(num_tokens=0), "num_tokens: expected one of"),
+    ("commit", dict(num_tokens=4, buffer_len=6), r"buffer_len: expected in \[2 \* num_tokens, 32\] = \[8, 32\]"),
+])
+def test_spec_kernels_reject(kernel, bad, match):
+    if kernel == "verify":
+        args = dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, num_tokens=4, state="f32", act="bf16",
+                    arch=90)
+        fn = tp.aot_verify_kernel
+    else:
+        args, fn = dict(num_tokens=4, buffer_len=16, arch=90), tp.aot_commit_kernel
+    with pytest.raises(ValueError, match=match):
+        fn(**{**args, **bad})
+
+
+def test_spec_io_contract_and_aliases():
+    shapes = tp.verify_io_shapes(4, 6, 128, 64, 128, 8, 16, 4)
+    assert list(shapes)[: len(tp.VERIFY_INPUT_NAMES)] == list(tp.VERIFY_INPUT_NAMES)
+    assert list(shapes)[len(tp.VERIFY_INPUT_NAMES):] == list(tp.VERIFY_OUTPUT_NAMES)
+    assert shapes["x"] == shapes["y"] == (4, 4, 128, 64) and shapes["B"] == shapes["C"] == (4, 4, 8, 128)
+    assert shapes["dt"] == (4, 4, 128) and shapes["cursor"] == (6, 2)
+    assert shapes["state_out"] == shapes["state"] == (6, 128, 64, 128)
+    assert shapes["x_cache_out"] == (6, 128, 16, 64) and shapes["B_cache_out"] == (6, 8, 16, 128)
+    assert shapes["dt_cache_out"] == (6, 128, 16)
+    c = tp.commit_io_shapes(4, 6)
+    assert list(c) == list(tp.COMMIT_INPUT_NAMES + tp.COMMIT_OUTPUT_NAMES) and c["cursor_out"] == c["cursor"] == (6, 2)
+    assert tp.COMMIT_TYPES == ["INT32"] * 4 and tp.COMMIT_ALIASES == {0: 2}
+    for info in tp.PLUGINS.values():  # every aliased output has its input's shape
+        m = info.manifest()
+        assert m["id"] == f"replayssm::{info.name}" and len(m["aliased_outputs"]) == len(info.aliases)
+    v = tp.PLUGINS[tp.VERIFY_PLUGIN_NAME].manifest()
+    assert v["attributes"][-1] == "num_tokens" and v["aliased_outputs"]["state_out"] == "state"
+
+
+def test_attribute_checks():
+    ok = dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, num_tokens=4)
+    shapes = {k: v for k, v in tp.verify_io_shapes(None, None, 128, 64, 128, 8, 16, 4).items()
+              if k in tp.VERIFY_INPUT_NAMES}
+    assert tp.shape_attributes(tp.VERIFY_PLUGIN_NAME, shapes) == ok
+    tp.check_attributes(tp.VERIFY_PLUGIN_NAME, ok, shapes)
+    tp.check_attributes(tp.VERIFY_PLUGIN_NAME, {**ok, "nheads": 7}, {})  # nothing known yet: nothing to compare
+    with pytest.raises(ValueError, match=r"mamba2_verify: attributes do not match the input shapes: num_tokens=2 but "
+                                         r"the inputs have 4"):
+        tp.check_attributes(tp.VERIFY_PLUGIN_NAME, {**ok, "num_tokens": 2}, shapes)
+    with pytest.raises(ValueError, match=r"ngroups=4 but the inputs have 8"):
+        tp.check_attributes(tp.VERIFY_PLUGIN_NAME, {**ok, "ngroups": 4}, shapes)
+    with pytest.raises(ValueError, match=r"cursor: expected shape \(slots, 2\), got \(6,\)"):
+        tp.check_attributes(tp.VERIFY_PLUGIN_NAME, ok, {**shapes, "cursor": (6,)})
+    with pytest.raises(ValueError, match="num_tokens: expected one of"):
+        tp.check_attributes(tp.COMMIT_PLUGIN_NAME, dict(num_tokens=5, buffer_len=16), {"cursor": (None, 2)})
+    tp.check_attributes(tp.COMMIT_PLUGIN_NAME, dict(num_tokens=4, buffer_len=16), {"cursor": (None, 2)})
+    dec = tp.shape_attributes(tp.PLUGIN_NAME, tp.io_shapes(2, 2, 128, 64, 128, 8, 16))
+    assert dec == dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16)
+
+
+# ---- register() against a stand-in of tensorrt.plugin ----------------------------------------------------
+# TensorRT's builder cannot be installed here. The stand-in below follows tensorrt.plugin's documented
+# rules (docs.nvidia.com, tensorrt.plugin.register / autotune / aot_impl): annotations are classes;
+# register: TensorDescs then attributes, returns a tuple of TensorDescs; autotune: inputs, attributes,
+# outputs; aot_impl: inputs, ALL attributes in order, outputs, tactic, returning (kernel name, PTX,
+# KernelLaunchParams, SymIntExprs of SymInt32). Output types are first queried with placeholder
+# ("fake") dimensions, whose constness may not be asked. Symbolic dimensions refuse ==.
+class Sym:
+    def __init__(self, fn=None, const=None):
+        self.fn, self.const = fn, const
+
+    @property
+    def is_fake(self):
+        return self.fn is None and self.const is None
+
+    @property
+    def is_constant(self):
+        if self.is_fake:
+            raise RuntimeError("Not accessible for fake 'ShapeExpr's")
+        return self.const is not None
+
+    def constant_value(self):
+        if not self.is_constant:
+            raise RuntimeError("not a constant")
+        return self.const
+
+    def __call__(self, env):
+        return self.const if self.const is not None else self.fn(env)
+
+    def _op(self, other, f):
+        return Sym(lambda env: f(self(env), other(env) if isinstance(other, Sym) else other))
+
+    def __add__(self, other):
+        return self._op(other, lambda a, b: a + b)
+
+    def __floordiv__(self, other):
+        return self._op(other, lambda a, b: a // b)
+
+    def __eq__(self, other):
+        raise TypeError("a symbolic dimension has no truth value")
+
+    __hash__ = None
+
+
+def _fake_tensorrt():
+    import inspect
+    import types
+    import typing
+
+    trt = types.ModuleType("tensorrt")
+    for n in ("float32", "float16", "bfloat16", "fp8", "int32", "int64"):
+        setattr(trt, n, f"trt.{n}")
+    trtp = types.ModuleType("tensorrt.plugin")
+    trt.plugin = trtp
+    registry = {}
+
+    class TensorDesc:
+        def __init__(self, dims, dtype, name=None):
+            self.shape_expr, self.dtype, self.name, self.aliased_to = list(dims), dtype, name, None
+
+        def like(self):
+            return TensorDesc(self.shape_expr, self.dtype)
+
+        def aliased(self):
+            d = TensorDesc(self.shape_expr, self.dtype)
+            d.aliased_to = self
+            return d
+
+    class KernelLaunchParams:
+        def __init__(self):
+            self.grid_x = self.grid_y = self.grid_z = self.block_x = self.block_y = self.block_z = 1
+            self.shared_mem = 0
+
+    class SymInt32:
+        def __init__(self, v):
+            self.v = v
+
+    class SymIntExprs(list):
+        def __init__(self, n):
+            super().__init__([None] * n)
+
+    class AutoTuneCombination:
+        def __init__(self, io_types, layouts, tactics=None):
+            self.io_types, self.layouts, self.tactics = io_types, layouts, tactics
+
+    def annotations(fn):
+        sig = inspect.signature(fn)
+        for name, p in sig.parameters.items():
+            if isinstance(p.annotation, str):
+                raise TypeError(f"{fn.__name__}: annotation of {name!r} is the string {p.annotation!r}")
+            if p.default is not inspect.Parameter.empty:
+                raise ValueError(f"{fn.__name__}: {name!r} has a default value")
+        return sig
+
+    def register(pid):
+        def deco(fn):
+            sig = annotations(fn)
+            tensors, attrs = [], []
+            for name, p in sig.parameters.items():
+                if p.annotation is TensorDesc:
+                    assert not attrs, f"{pid}: TensorDescs and attributes interleaved"
+                    tensors.append(name)
+                else:
+                    assert p.annotation in (int, float, str, bool, bytes), f"{pid}: attribute {name}: {p.annotation}"
+                    attrs.append(name)
+            ret = sig.return_annotation
+            assert typing.get_origin(ret) is tuple and all(a is TensorDesc for a in typing.get_args(ret)), ret
+            registry[pid] = dict(desc=fn, tensors=tensors, attrs=attrs, n_out=len(typing.get_args(ret)))
+            return fn
+        return deco
+
+    def autotune(pid):
+        def deco(fn):
+            sig, r = annotations(fn), registry[pid]
+            names = list(sig.parameters)
+            assert names[: len(r["tensors"])] == r["tensors"] and names[-1] == "outputs", names
+            assert all(n in r["attrs"] for n in names[len(r["tensors"]):-1]), names
+            assert typing.get_origin(sig.return_annotation) is list
+            assert typing.get_args(sig.return_annotation) == (AutoTuneCombination,)
+            r["tune"] = fn
+            return fn
+        return deco
+
+    def aot_impl(pid):
+        def deco(fn):
+            sig, r = annotations(fn), registry[pid]
+            assert list(sig.parameters) == r["tensors"] + r["attrs"] + ["outputs", "tactic"], list(sig.parameters)
+            ret = sig.return_annotation
+            assert typing.get_origin(ret) is tuple, ret
+            args = typing.get_args(ret)
+            assert len(args) == 4 and args[2] is KernelLaunchParams and args[3] is SymIntExprs, ret
+            assert all(set(typing.get_args(a)) == {str, bytes} for a in args[:2]), ret
+            r["aot"] = fn
+            return fn
+        return deco
+
+    for obj in (TensorDesc, KernelLaunchParams, SymInt32, SymIntExprs, AutoTuneCombination, register, autotune,
+                aot_impl):
+        setattr(trtp, obj.__name__, obj)
+    return trt, trtp, registry
+
+
+@pytest.fixture
+def fake_trt(monkeypatch):
+    import sys
+
+    trt, trtp, registry = _fake_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.setattr(tp.register, "_done", False, raising=False)
+    monkeypatch.setattr(tp, "current_device", lambda: (90, 132))
+    monkeypatch.setattr(tp, "check_ptx_loadable", lambda: None)
+    tp.register()
+    tp.register()  # idempotent
+    return trt, trtp, registry
+
+
+BATCH, SLOTS = Sym(lambda env: env["batch"]), Sym(lambda env: env["slots"])
+_TRT_DT = {"f32": "trt.float32", "f16": "trt.float16", "bf16": "trt.bfloat16", "fp8": "trt.fp8", "i32": "trt.int32"}
+
+
+def _descs(trtp, plugin, shapes, dtypes, fake=False):
+    def dim(d):
+        if fake:
+            return Sym()
+        return BATCH if d == "b" else SLOTS if d == "s" else Sym(const=d)
+
+    return [trtp.TensorDesc([dim(d) for d in shapes[n]], _TRT_DT[dtypes[n]], n) for n in tp.PLUGINS[plugin].inputs]
+
+
+def _ev(v, env):
+    v = v.v if hasattr(v, "v") else v
+    return v(env) if isinstance(v, Sym) else v
+
+
+PLUGIN_CASES = {
+    tp.PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=4),
+                     lambda a: tp.io_shapes("b", "s", *a.values()), ("f32", "bf16", None)),
+    tp.SHADOW_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=4),
+                            lambda a: tp.io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
+    tp.VERIFY_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4),
+                            lambda a: tp.verify_io_shapes("b", "s", *a.values()), ("bf16", "f16", None)),
+    tp.COMMIT_PLUGIN_NAME: (dict(num_tokens=2, buffer_len=8), lambda a: tp.commit_io_shapes("b", "s"),
+                            (None, None, None)),
+}
+
+
+def _dtypes(plugin, state, act, shadow):
+    info = tp.PLUGINS[plugin]
+    if plugin == tp.COMMIT_PLUGIN_NAME:
+        return dict.fromkeys(info.inputs, "i32")
+    types = tp.type_combination(state, act, shadow or "none")
+    back = {v: k for k, v in tp._TRT_TYPE_NAMES.items()} | {"INT32": "i32"}
+    return {n: back[t] for n, t in zip(info.inputs, types)}
+
+
+@pytest.mark.parametrize("plugin", list(PLUGIN_CASES))
+def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
+    trt, trtp, registry = fake_trt
+    info = tp.PLUGINS[plugin]
+    attrs, shapes_of, (state, act, shadow) = PLUGIN_CASES[plugin]
+    reg = registry[info.id]
+    assert set(registry) == {p.id for p in tp.PLUGINS.values()}
+    assert reg["tensors"] == list(info.inputs) and reg["attrs"] == list(info.attributes)
+    assert reg["n_out"] == len(info.outputs)
+    shapes, dtypes = shapes_of(attrs), _dtypes(plugin, state, act, shadow)
+
+    # output types: placeholder dimensions; then shapes with the real (constant + symbolic) dimensions
+    for fake in (True, False):
+        ins = _descs(trtp, plugin, shapes, dtypes, fake)
+        outs = reg["desc"](*ins, **attrs)
+        assert len(outs) == len(info.outputs)
+        for o, desc in enumerate(outs):
+            if o in info.aliases:
+                assert desc.aliased_to is ins[info.aliases[o]], (o, info.outputs[o])
+            else:
+                assert desc.aliased_to is None and desc.dtype == ins[0].dtype
+    name = next(iter(k for k in ("nheads", "num_tokens") if k in attrs))
+    if plugin != tp.COMMIT_PLUGIN_NAME:  # a wrong attribute is refused once the shapes are known
+        with pytest.raises(ValueError, match=f"{name}={attrs[name] + 2} but the inputs have {attrs[name]}"):
+            reg["desc"](*_descs(trtp, plugin, shapes, dtypes), **{**attrs, name: attrs[name] + 2})
+    else:
+        with pytest.raises(ValueError, match="num_tokens: expected one of"):
+            reg["desc"](*_descs(trtp, plugin, shapes, dtypes), **{**attrs, "num_tokens": 3})
+
+    combos = reg["tune"](*ins, outs)
+    assert all(c.layouts == "LINEAR" for c in combos)
+    if plugin == tp.COMMIT_PLUGIN_NAME:
+        assert [c.io_types for c in combos] == ["INT32, INT32, INT32, INT32"] and combos[0].tactics == [1]
+    else:
+        assert ", ".join(tp.type_combination(state, act, shadow or "none")) in [c.io_types for c in combos]
+        assert all(c.tactics == sorted(tp.TACTICS) for c in combos)
+
+    env = dict(batch=5, slots=7)
+    for tactic in (tp.COMMIT_TACTICS if plugin == tp.COMMIT_PLUGIN_NAME else sorted(tp.TACTICS)):
+        name_, ptx, launch, extra = reg["aot"](*ins, *attrs.values(), outs, tactic)
+        if plugin == tp.COMMIT_PLUGIN_NAME:
+            want = tp.aot_commit_kernel(attrs["num_tokens"], attrs["buffer_len"], 90)
+        elif plugin == tp.VERIFY_PLUGIN_NAME:
+            want = tp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic)
+        else:
+            want = tp.aot_kernel(*attrs.values(), state, act, 90, tactic, 132, shadow or "none")
+        assert (name_, ptx) == (want.kernel_name, want.ptx)
+        grid = tuple(_ev(getattr(launch, f"grid_{a}"), env) for a in "xyz")
+        assert grid == want.grid(5)
+        assert (_ev(launch.block_x, env), _ev(launch.shared_mem, env)) == (want.block_x, want.shared_mem)
+        assert all(isinstance(e, trtp.SymInt32) for e in extra)
+        assert [_ev(e, env) for e in extra] == [5, 7]

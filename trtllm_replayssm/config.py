@@ -281,9 +281,32 @@ def _plan_spec(state, act, nheads, headdim, dstate, buffer_len, num_tokens, batc
     return rows, warps
 
 
+def verify_spec(state: str, act: str, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int,
+                num_tokens: int, batch: int, has_z: bool, arch: int, shadow: str = "none") -> KernelSpec:
+    """The speculative module (verify / native kernels) for this geometry, planned for ``batch`` rows
+    (ops launches it; the TensorRT plugin plans it for each tactic's batch)."""
+    rows, warps = plan_spec(state, act, nheads, headdim, dstate, buffer_len, num_tokens, batch, has_z)
+    return KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, has_z, arch,
+                      shadow=shadow, num_tokens=num_tokens)
+
+
 def spec_grid(spec: KernelSpec, batch: int) -> tuple[int, int, int]:
     """One-shot grid of the speculative verify / native kernels: (heads * row chunks, batch)."""
     return (spec.nheads * (spec.headdim // spec.rows), batch, 1)
+
+
+COMMIT_THREADS = 256  # replayssm_spec_commit: one thread per batch row
+
+
+def commit_spec(num_tokens: int, buffer_len: int, arch: int) -> KernelSpec:
+    """The module ``replayssm_spec_commit`` is launched from: the kernel depends only on (T, L), so any
+    speculative spec with them carries it; this is the smallest valid one (ops and the TensorRT plugin)."""
+    return KernelSpec("f32", "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, arch, num_tokens=num_tokens)
+
+
+def commit_grid(batch):
+    """Grid of ``replayssm_spec_commit``; ``batch`` may be an int or a symbolic TensorRT expression."""
+    return ((batch + (COMMIT_THREADS - 1)) // COMMIT_THREADS, 1, 1)
 
 
 def _env_defines() -> tuple:

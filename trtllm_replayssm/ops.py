@@ -58,7 +58,18 @@ import numpy as np
 import torch
 
 from . import compile as _compile
-from .config import DTYPE_CODES, SHADOW_DTYPES, SUPPORTED_NUM_TOKENS, KernelSpec, plan, plan_spec, spec_grid
+from .config import (
+    COMMIT_THREADS,
+    DTYPE_CODES,
+    SHADOW_DTYPES,
+    SUPPORTED_NUM_TOKENS,
+    KernelSpec,
+    commit_grid,
+    commit_spec,
+    plan,
+    spec_grid,
+    verify_spec,
+)
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -372,9 +383,8 @@ def check_spec_values(state_batch_indices: torch.Tensor, nslots: int, num_tokens
 
 
 def make_verify_spec(state_dtype, act_dtype, H, P, N, G, L, T, batch, has_z, device, shadow: str = "none") -> KernelSpec:
-    sd, ad = DTYPE_CODES[state_dtype], DTYPE_CODES[act_dtype]
-    rows, warps = plan_spec(sd, ad, H, P, N, L, T, batch, has_z)
-    return KernelSpec(sd, ad, H, P, N, G, L, rows, warps, has_z, _arch(device), shadow=shadow, num_tokens=T)
+    return verify_spec(DTYPE_CODES[state_dtype], DTYPE_CODES[act_dtype], H, P, N, G, L, T, batch, has_z, _arch(device),
+                       shadow)
 
 
 def _values(check_values: bool | None) -> bool:
@@ -448,10 +458,11 @@ def spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, buffer
         check_spec_values(state_batch_indices, S, num_tokens, cursor, buffer_len, n_accepted)
     if batch == 0:
         return
-    # Any spec with this (T, L) carries the same commit kernel; use the smallest valid one.
-    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, _arch(dev), num_tokens=num_tokens)
-    launch(spec, "replayssm_spec_commit", dev, ((batch + 255) // 256, 1, 1), (256, 1, 1),
-           [state_batch_indices.data_ptr(), n_accepted.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()])
+    spec = commit_spec(num_tokens, buffer_len, _arch(dev))
+    # TensorRT's order: inputs (the cursor is the aliased input of the in-place cursor output), int32s, outputs.
+    launch(spec, "replayssm_spec_commit", dev, commit_grid(batch), (COMMIT_THREADS, 1, 1),
+           [state_batch_indices.data_ptr(), n_accepted.data_ptr(), cursor.data_ptr(), np.int32(batch), np.int32(S),
+            cursor.data_ptr()])
 
 
 def _check_snapshots(snapshots, state, T):

@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""TensorRT AOT quickly-deployable plugin ``replayssm::mamba2_decode`` (TensorRT >= 10.9, 11.x).
+"""TensorRT AOT quickly-deployable plugins ``replayssm::*`` (TensorRT >= 10.9, 11.x).
 
-One plugin layer = one launch of ``replayssm_decode`` (plugins/replayssm_decode.cu): the fused
+``mamba2_decode`` (+ ``mamba2_decode_shadow``) for standard decode, ``mamba2_verify`` + ``spec_commit``
+for speculative decoding. Each plugin layer is one kernel launch.
+
+``replayssm::mamba2_decode``: one launch of ``replayssm_decode`` (plugins/replayssm_decode.cu): the fused
 ReplaySSM step (output, append, flush when the buffer fills). The engine runs it without Python:
 ``aot_impl`` hands TensorRT the PTX, the kernel name, the launch geometry and int32 extra args.
 
@@ -44,14 +47,60 @@ e4m3), so it is compiled into the PTX like every other type. Two more inputs and
                                         (1,) placeholder, never read or written
   outputs 5 shadow_out -> input 13, 6 shadow_scale_out -> input 14
 Kernel parameters: the 15 input pointers, int32 batch, int32 slots, the 7 output pointers.
+
+``replayssm::mamba2_verify``: one launch of ``replayssm_verify`` (plugins/replayssm_spec.cu) per Mamba
+layer of a speculative step: the outputs of the T = 1 + num_draft window tokens from the checkpoint,
+the committed ring history and the causal part of the window; the window appended to the rings at
+(start + count + t) % L; when count + 2T > L the committed history is first folded into the
+checkpoint (spec_reference.py). The cursor is read only. Inputs (T = num_tokens):
+  0  x                    (b, T, H, P)  act
+  1  B                    (b, T, G, N)  act
+  2  C                    (b, T, G, N)  act
+  3  dt                   (b, T, H)     act, raw
+  4  dt_bias              (H,)          fp32
+  5  A                    (H,)          fp32
+  6  D                    (H,)          fp32
+  7  state_batch_indices  (b,)          int32, -1 = padding row
+  8  cursor               (S, 2)        int32 (ring start, committed count), read only
+  9  state                (S, H, P, N)  fp32 / fp16 / bf16 checkpoint
+  10 x_cache              (S, H, L, P)  act ring
+  11 B_cache              (S, G, L, N)  act ring
+  12 dt_cache             (S, H, L)     fp32 ring, processed dt
+Outputs: 0 y (b, T, H, P) act; 1-4 state_out, x_cache_out, B_cache_out, dt_cache_out aliased to
+inputs 9-12 (state written on flush steps only, the rings at the window's entries).
+Attributes: nheads, headdim, dstate, ngroups, buffer_len, num_tokens (checked against the shapes;
+compiled into the PTX). Kernel parameters: the 13 input pointers, int32 batch, int32 slots, the 5
+output pointers. Tactics as above; grid (heads * chunks, batch), static shared memory only.
+
+``replayssm::spec_commit``: one launch of ``replayssm_spec_commit`` per model step, after sampling
+(all Mamba layers share the cursor): the flush the verify layers did (count + 2T > L: start =
+(start + count) % L, count = 0), then count += n_accepted (clamped to [0, T]). Inputs:
+  0  state_batch_indices  (b,)          int32
+  1  n_accepted           (b,)          int32, accepted tokens of the window including the first
+  2  cursor               (S, 2)        int32
+Output: 0 cursor_out aliased to input 2. Attributes: num_tokens, buffer_len. Kernel parameters: the
+3 input pointers, int32 batch, int32 slots, the output pointer. Grid ceil(b / 256), block 256.
+
+Everything ``register`` hands TensorRT comes from plain functions that the CPU tests run:
+:func:`aot_kernel`, :func:`aot_verify_kernel`, :func:`aot_commit_kernel` (PTX, kernel name, grid,
+block, int32 args), :func:`shape_attributes` + :func:`check_attributes`, :func:`type_combination`.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: tensorrt.plugin checks the annotations of the
+# functions register() decorates with issubclass(), so they must be classes, not strings.
 
 import dataclasses
 
 from .compile import check_ptx_loadable, compile_spec
-from .config import KernelSpec, plan
+from .config import (
+    COMMIT_THREADS,
+    SUPPORTED_NUM_TOKENS,
+    KernelSpec,
+    commit_spec,
+    plan,
+    spec_grid,
+    verify_spec,
+)
 
 PLUGIN_NAMESPACE = "replayssm"
 PLUGIN_NAME = "mamba2_decode"
@@ -73,6 +122,55 @@ SHADOW_OUTPUT_NAMES = OUTPUT_NAMES + ("shadow_out", "shadow_scale_out")
 SHADOW_ALIASES = {**ALIASES, 5: 13, 6: 14}
 SHADOW_KINDS = ("bf16", "fp8")
 
+VERIFY_PLUGIN_NAME = "mamba2_verify"
+VERIFY_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{VERIFY_PLUGIN_NAME}"
+VERIFY_KERNEL_NAME = "replayssm_verify"
+VERIFY_ATTRIBUTES = ATTRIBUTES + ("num_tokens",)
+VERIFY_INPUT_NAMES = INPUT_NAMES  # same names; x, B, C, dt carry a window axis, cursor is (S, 2)
+VERIFY_OUTPUT_NAMES = OUTPUT_NAMES
+VERIFY_ALIASES = ALIASES
+
+COMMIT_PLUGIN_NAME = "spec_commit"
+COMMIT_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{COMMIT_PLUGIN_NAME}"
+COMMIT_KERNEL_NAME = "replayssm_spec_commit"
+COMMIT_ATTRIBUTES = ("num_tokens", "buffer_len")
+COMMIT_INPUT_NAMES = ("state_batch_indices", "n_accepted", "cursor")
+COMMIT_OUTPUT_NAMES = ("cursor_out",)
+COMMIT_ALIASES = {0: 2}
+COMMIT_TACTICS = (1,)  # one kernel; advertised so that TensorRT always sets a tactic
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginInfo:
+    """The contract of one plugin: what the build manifest lists and the CPU tests check."""
+
+    name: str
+    kernel_name: str
+    inputs: tuple
+    outputs: tuple
+    aliases: dict  # output index -> input index
+    attributes: tuple
+
+    @property
+    def id(self) -> str:
+        return f"{PLUGIN_NAMESPACE}::{self.name}"
+
+    def manifest(self) -> dict:
+        return dict(id=self.id, kernel=self.kernel_name, inputs=list(self.inputs), outputs=list(self.outputs),
+                    attributes=list(self.attributes),
+                    aliased_outputs={self.outputs[o]: self.inputs[i] for o, i in self.aliases.items()})
+
+
+PLUGINS = {
+    PLUGIN_NAME: PluginInfo(PLUGIN_NAME, KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES, ALIASES, ATTRIBUTES),
+    SHADOW_PLUGIN_NAME: PluginInfo(SHADOW_PLUGIN_NAME, KERNEL_NAME, SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES,
+                                   SHADOW_ALIASES, ATTRIBUTES),
+    VERIFY_PLUGIN_NAME: PluginInfo(VERIFY_PLUGIN_NAME, VERIFY_KERNEL_NAME, VERIFY_INPUT_NAMES, VERIFY_OUTPUT_NAMES,
+                                   VERIFY_ALIASES, VERIFY_ATTRIBUTES),
+    COMMIT_PLUGIN_NAME: PluginInfo(COMMIT_PLUGIN_NAME, COMMIT_KERNEL_NAME, COMMIT_INPUT_NAMES, COMMIT_OUTPUT_NAMES,
+                                   COMMIT_ALIASES, COMMIT_ATTRIBUTES),
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class AotKernel:
@@ -80,12 +178,33 @@ class AotKernel:
 
     kernel_name: str
     ptx: bytes
-    grid_x: int
+    grid_x: int  # blocks in x (unused when rows_per_block > 0)
     grid_y_is_batch: bool  # True: grid_y = batch (symbolic in the engine); False: 1 (persistent blocks)
     block_x: int
-    shared_mem: int  # dynamic shared memory (the kernel uses static shared memory only)
+    shared_mem: int  # dynamic shared memory (the kernels use static shared memory only)
     extra_args: tuple[str, ...]  # int32 scalars, in order, named by the dimension they carry
     spec: KernelSpec
+    rows_per_block: int = 0  # > 0: one thread per batch row, grid_x = ceil(batch / rows_per_block)
+
+    def grid(self, batch):
+        """(x, y, z) for ``batch`` rows: an int, or TensorRT's symbolic expression (only + and // are used)."""
+        if self.rows_per_block:
+            return ((batch + (self.rows_per_block - 1)) // self.rows_per_block, 1, 1)
+        return (self.grid_x, batch if self.grid_y_is_batch else 1, 1)
+
+    def extra_values(self, batch, slots) -> list:
+        """The int32 extra args in kernel order (ints or symbolic expressions)."""
+        dims = {"batch": batch, "slots": slots}
+        return [dims[n] for n in self.extra_args]
+
+
+def _check_dtypes(state: str, act: str, tactic: int, tactics=TACTICS) -> None:
+    if state not in STATE_DTYPES:
+        raise ValueError(f"state: expected one of {STATE_DTYPES}, got {state!r}")
+    if act not in ACT_DTYPES:
+        raise ValueError(f"act: expected one of {ACT_DTYPES}, got {act!r}")
+    if tactic not in tactics:
+        raise ValueError(f"tactic: expected one of {sorted(tactics)}, got {tactic!r}")
 
 
 def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int, state: str, act: str,
@@ -97,10 +216,7 @@ def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len:
     if shadow != "none" and (shadow not in SHADOW_KINDS or state != "f32"):
         raise ValueError(f"shadow: expected one of {SHADOW_KINDS} with an f32 state, got shadow={shadow!r}, "
                          f"state={state!r}")
-    if act not in ACT_DTYPES:
-        raise ValueError(f"act: expected one of {ACT_DTYPES}, got {act!r}")
-    if tactic not in TACTICS:
-        raise ValueError(f"tactic: expected one of {sorted(TACTICS)}, got {tactic!r}")
+    _check_dtypes(state, act, tactic)
     rows, warps, defines = plan(state, act, nheads, headdim, dstate, buffer_len, TACTICS[tactic], shadow=shadow)
     spec = KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, False, arch, defines,
                       shadow)
@@ -108,6 +224,35 @@ def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len:
     grid_x = sm_count * spec.blocks_per_sm if spec.persistent else spec.grid(1)[0]
     return AotKernel(KERNEL_NAME, compile_spec(spec, "ptx"), grid_x, not spec.persistent, spec.threads, 0,
                      ("batch", "slots"), spec)
+
+
+def check_spec_attributes(num_tokens: int, buffer_len: int) -> None:
+    """The window attributes of mamba2_verify / spec_commit: T = 1 + num_draft supported, 2T <= L <= 32."""
+    if num_tokens not in SUPPORTED_NUM_TOKENS:
+        raise ValueError(f"num_tokens: expected one of {SUPPORTED_NUM_TOKENS} (1 + num_draft), got {num_tokens!r}")
+    if not isinstance(buffer_len, int) or not 2 * num_tokens <= buffer_len <= 32:
+        raise ValueError(f"buffer_len: expected in [2 * num_tokens, 32] = [{2 * num_tokens}, 32] (flush one window "
+                         f"early), got {buffer_len!r}")
+
+
+def aot_verify_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int, num_tokens: int,
+                      state: str, act: str, arch: int, tactic: int = 1) -> AotKernel:
+    """PTX and launch parameters of one ``mamba2_verify`` layer: the kernel ``ops.replay_verify``
+    launches (same spec, grid and argument order) for the tactic's batch geometry."""
+    check_spec_attributes(num_tokens, buffer_len)
+    _check_dtypes(state, act, tactic)
+    spec = verify_spec(state, act, nheads, headdim, dstate, ngroups, buffer_len, num_tokens, TACTICS[tactic], False,
+                       arch)
+    return AotKernel(VERIFY_KERNEL_NAME, compile_spec(spec, "ptx"), spec_grid(spec, 1)[0], True, spec.threads, 0,
+                     ("batch", "slots"), spec)
+
+
+def aot_commit_kernel(num_tokens: int, buffer_len: int, arch: int) -> AotKernel:
+    """PTX and launch parameters of the ``spec_commit`` layer (what ``ops.spec_commit`` launches)."""
+    check_spec_attributes(num_tokens, buffer_len)
+    spec = commit_spec(num_tokens, buffer_len, arch)
+    return AotKernel(COMMIT_KERNEL_NAME, compile_spec(spec, "ptx"), 0, False, COMMIT_THREADS, 0, ("batch", "slots"),
+                     spec, rows_per_block=COMMIT_THREADS)
 
 
 def io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, shadow: str = "none") -> dict[str, tuple]:
@@ -127,11 +272,61 @@ def io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, shadow
     return {**ins, **outs}
 
 
+def verify_io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, num_tokens) -> dict[str, tuple]:
+    """Shapes of every ``mamba2_verify`` input and output."""
+    H, P, N, G, L, T = nheads, headdim, dstate, ngroups, buffer_len, num_tokens
+    ins = {"x": (batch, T, H, P), "B": (batch, T, G, N), "C": (batch, T, G, N), "dt": (batch, T, H), "dt_bias": (H,),
+           "A": (H,), "D": (H,), "state_batch_indices": (batch,), "cursor": (slots, 2), "state": (slots, H, P, N),
+           "x_cache": (slots, H, L, P), "B_cache": (slots, G, L, N), "dt_cache": (slots, H, L)}
+    outs = {"y": (batch, T, H, P)}
+    for o, i in VERIFY_ALIASES.items():
+        outs[VERIFY_OUTPUT_NAMES[o]] = ins[VERIFY_INPUT_NAMES[i]]
+    return {**ins, **outs}
+
+
+def commit_io_shapes(batch, slots) -> dict[str, tuple]:
+    """Shapes of every ``spec_commit`` input and output."""
+    return {"state_batch_indices": (batch,), "n_accepted": (batch,), "cursor": (slots, 2), "cursor_out": (slots, 2)}
+
+
+def shape_attributes(plugin: str, shapes: dict) -> dict:
+    """The attribute values the input shapes imply (``shapes``: input name -> shape; a dimension may be
+    None where it is not known yet). ``spec_commit``'s attributes are not visible in its shapes."""
+    def dim(name, axis):
+        shape = shapes.get(name)
+        return None if shape is None or len(shape) <= axis else shape[axis]
+
+    if plugin in (PLUGIN_NAME, SHADOW_PLUGIN_NAME):
+        return dict(nheads=dim("x", 1), headdim=dim("x", 2), dstate=dim("state", 3), ngroups=dim("B", 1),
+                    buffer_len=dim("x_cache", 2))
+    if plugin == VERIFY_PLUGIN_NAME:
+        return dict(nheads=dim("x", 2), headdim=dim("x", 3), dstate=dim("state", 3), ngroups=dim("B", 2),
+                    buffer_len=dim("x_cache", 2), num_tokens=dim("x", 1))
+    if plugin == COMMIT_PLUGIN_NAME:
+        return {}
+    raise ValueError(f"plugin: expected one of {sorted(PLUGINS)}, got {plugin!r}")
+
+
+def check_attributes(plugin: str, attrs: dict, shapes: dict) -> None:
+    """Raise if an attribute disagrees with a known input dimension (attributes are compiled into the PTX)."""
+    implied = shape_attributes(plugin, shapes)
+    bad = {k: (attrs[k], v) for k, v in implied.items() if v is not None and v != attrs[k]}
+    if bad:
+        got = ", ".join(f"{k}={a} but the inputs have {v}" for k, (a, v) in bad.items())
+        raise ValueError(f"{PLUGINS[plugin].id}: attributes do not match the input shapes: {got}")
+    if plugin in (VERIFY_PLUGIN_NAME, COMMIT_PLUGIN_NAME):
+        check_spec_attributes(attrs["num_tokens"], attrs["buffer_len"])
+        cursor = shapes.get("cursor")
+        if cursor is not None and (len(cursor) != 2 or cursor[1] not in (2, None)):
+            raise ValueError(f"{PLUGINS[plugin].id}: cursor: expected shape (slots, 2), got {tuple(cursor)}")
+
+
 _TRT_TYPE_NAMES = {"f32": "FP32", "f16": "FP16", "bf16": "BF16", "fp8": "FP8"}
 
 
 def type_combination(state: str, act: str, shadow: str = "none") -> list[str]:
-    """TensorRT type names of the inputs then the outputs for one (state, act[, shadow]) combination."""
+    """TensorRT type names of the inputs then the outputs for one (state, act[, shadow]) combination
+    (mamba2_decode[_shadow]; mamba2_verify has the same types)."""
     a, s = _TRT_TYPE_NAMES[act], _TRT_TYPE_NAMES[state]
     ins = [a, a, a, a, "FP32", "FP32", "FP32", "INT32", "INT32", s, a, a, "FP32"]
     aliases = ALIASES
@@ -139,6 +334,9 @@ def type_combination(state: str, act: str, shadow: str = "none") -> list[str]:
         ins += [_TRT_TYPE_NAMES[shadow], "FP32"]
         aliases = SHADOW_ALIASES
     return ins + [a] + [ins[i] for i in aliases.values()]
+
+
+COMMIT_TYPES = ["INT32"] * (len(COMMIT_INPUT_NAMES) + len(COMMIT_OUTPUT_NAMES))
 
 
 def current_device() -> tuple[int, int]:
@@ -160,98 +358,137 @@ def current_device() -> tuple[int, int]:
     return vals[0] * 10 + vals[1], vals[2]
 
 
-def register():  # pragma: no cover - needs TensorRT, exercised where it is installed
-    """Register the plugin with TensorRT's Python plugin registry (idempotent)."""
+def register():
+    """Register the four plugins with TensorRT's Python plugin registry (idempotent).
+
+    Thin on purpose: every value it hands TensorRT comes from the plain functions above. Runs only
+    where TensorRT is installed; tests/test_trt_plugin.py drives it through a stand-in of
+    ``tensorrt.plugin`` that checks the documented signature rules.
+    """
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
     if getattr(register, "_done", False):
         return
+    Desc = trtp.TensorDesc
+    AotResult = tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymIntExprs]
+    Tune = list[trtp.AutoTuneCombination]
     dt_code = {trt.float32: "f32", trt.float16: "f16", trt.bfloat16: "bf16"}
+    shadow_code = {trt.bfloat16: "bf16", trt.fp8: "fp8"}
 
-    def const(expr, what):
-        if not expr.is_constant:
-            raise ValueError(f"{PLUGIN_ID}: {what} must be a build-time constant")
-        return expr.constant_value()
+    def shape(desc):
+        """Constant dimensions; None where TensorRT has not resolved one (placeholder shapes when it
+        asks for output types, the dynamic batch)."""
+        return tuple(None if e.is_fake or not e.is_constant else e.constant_value() for e in desc.shape_expr)
 
-    def check_attributes(plugin_id, x, B, state, x_cache, want):
-        got = (const(x.shape_expr[1], "x.shape[1]"), const(x.shape_expr[2], "x.shape[2]"),
-               const(state.shape_expr[3], "state.shape[3]"), const(B.shape_expr[1], "B.shape[1]"),
-               const(x_cache.shape_expr[2], "x_cache.shape[2]"))
-        if got != want:
-            raise ValueError(f"{plugin_id}: attributes {dict(zip(ATTRIBUTES, want))} do not match the input shapes "
-                             f"{dict(zip(ATTRIBUTES, got))}")
+    def check(plugin, attrs, **descs):
+        check_attributes(plugin, attrs, {name: shape(d) for name, d in descs.items()})
 
+    def result(k, batch, slots):
+        check_ptx_loadable()  # the engine's driver JIT-compiles this PTX
+        launch = trtp.KernelLaunchParams()
+        launch.grid_x, launch.grid_y, launch.grid_z = k.grid(batch)
+        launch.block_x = k.block_x
+        launch.shared_mem = k.shared_mem
+        vals = k.extra_values(batch, slots)
+        extra = trtp.SymIntExprs(len(vals))
+        for i, v in enumerate(vals):
+            extra[i] = trtp.SymInt32(v)
+        return k.kernel_name, k.ptx, launch, extra
+
+    # ---- mamba2_decode ----------------------------------------------------------------------------
     @trtp.register(PLUGIN_ID)
-    def _desc(x: trtp.TensorDesc, B: trtp.TensorDesc, C: trtp.TensorDesc, dt: trtp.TensorDesc,
-              dt_bias: trtp.TensorDesc, A: trtp.TensorDesc, D: trtp.TensorDesc, state_batch_indices: trtp.TensorDesc,
-              cursor: trtp.TensorDesc, state: trtp.TensorDesc, x_cache: trtp.TensorDesc, B_cache: trtp.TensorDesc,
-              dt_cache: trtp.TensorDesc, nheads: int, headdim: int, dstate: int, ngroups: int,
-              buffer_len: int) -> tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc,
-                                        trtp.TensorDesc]:
-        check_attributes(PLUGIN_ID, x, B, state, x_cache, (nheads, headdim, dstate, ngroups, buffer_len))
+    def _desc(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+              cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
+              dstate: int, ngroups: int, buffer_len: int) -> tuple[Desc, Desc, Desc, Desc, Desc]:
+        check(PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups, buffer_len=buffer_len),
+              x=x, B=B, state=state, x_cache=x_cache)
         return x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased()
 
     @trtp.autotune(PLUGIN_ID)
     def _tune(x, B, C, dt, dt_bias, A, D, state_batch_indices, cursor, state, x_cache, B_cache, dt_cache,
-              outputs) -> list[trtp.AutoTuneCombination]:
+              outputs) -> Tune:
         return [trtp.AutoTuneCombination(", ".join(type_combination(st, act)), "LINEAR", list(TACTICS))
                 for st in STATE_DTYPES for act in ACT_DTYPES]
 
     @trtp.aot_impl(PLUGIN_ID)
-    def _aot(x: trtp.TensorDesc, B: trtp.TensorDesc, C: trtp.TensorDesc, dt: trtp.TensorDesc,
-             dt_bias: trtp.TensorDesc, A: trtp.TensorDesc, D: trtp.TensorDesc, state_batch_indices: trtp.TensorDesc,
-             cursor: trtp.TensorDesc, state: trtp.TensorDesc, x_cache: trtp.TensorDesc, B_cache: trtp.TensorDesc,
-             dt_cache: trtp.TensorDesc, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int,
-             outputs: tuple[trtp.TensorDesc], tactic: int):
-        check_ptx_loadable()  # the engine's driver JIT-compiles this PTX
+    def _aot(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+             cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
+             dstate: int, ngroups: int, buffer_len: int, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, sms = current_device()
-        k = aot_kernel(nheads, headdim, dstate, ngroups, buffer_len, dt_code[state.dtype], dt_code[x.dtype],
-                       arch, tactic, sms)
-        return k.kernel_name, k.ptx, *_launch(k, x, state)
+        k = aot_kernel(nheads, headdim, dstate, ngroups, buffer_len, dt_code[state.dtype], dt_code[x.dtype], arch,
+                       tactic, sms)
+        return result(k, x.shape_expr[0], state.shape_expr[0])
 
-    def _launch(k, x, state):
-        launch = trtp.KernelLaunchParams()
-        launch.grid_x = k.grid_x
-        launch.grid_y = x.shape_expr[0] if k.grid_y_is_batch else 1
-        launch.block_x = k.block_x
-        launch.shared_mem = k.shared_mem
-        extra = trtp.SymIntExprs(2)
-        extra[0] = trtp.SymInt32(x.shape_expr[0])
-        extra[1] = trtp.SymInt32(state.shape_expr[0])
-        return launch, extra
-
-    shadow_code = {trt.bfloat16: "bf16", trt.fp8: "fp8"}
-
+    # ---- mamba2_decode_shadow ------------------------------------------------------------------------
     @trtp.register(SHADOW_PLUGIN_ID)
-    def _desc_sh(x: trtp.TensorDesc, B: trtp.TensorDesc, C: trtp.TensorDesc, dt: trtp.TensorDesc,
-                 dt_bias: trtp.TensorDesc, A: trtp.TensorDesc, D: trtp.TensorDesc, state_batch_indices: trtp.TensorDesc,
-                 cursor: trtp.TensorDesc, state: trtp.TensorDesc, x_cache: trtp.TensorDesc, B_cache: trtp.TensorDesc,
-                 dt_cache: trtp.TensorDesc, shadow: trtp.TensorDesc, shadow_scale: trtp.TensorDesc, nheads: int,
-                 headdim: int, dstate: int, ngroups: int, buffer_len: int
-                 ) -> tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc,
-                            trtp.TensorDesc, trtp.TensorDesc]:
-        check_attributes(SHADOW_PLUGIN_ID, x, B, state, x_cache, (nheads, headdim, dstate, ngroups, buffer_len))
+    def _desc_sh(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+                 cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, shadow: Desc,
+                 shadow_scale: Desc, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int
+                 ) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+        check(SHADOW_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
+                                       buffer_len=buffer_len), x=x, B=B, state=state, x_cache=x_cache)
         return (x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased(), shadow.aliased(),
                 shadow_scale.aliased())
 
     @trtp.autotune(SHADOW_PLUGIN_ID)
     def _tune_sh(x, B, C, dt, dt_bias, A, D, state_batch_indices, cursor, state, x_cache, B_cache, dt_cache, shadow,
-                 shadow_scale, outputs) -> list[trtp.AutoTuneCombination]:
+                 shadow_scale, outputs) -> Tune:
         return [trtp.AutoTuneCombination(", ".join(type_combination("f32", act, sh)), "LINEAR", list(TACTICS))
                 for sh in SHADOW_KINDS for act in ACT_DTYPES]
 
     @trtp.aot_impl(SHADOW_PLUGIN_ID)
-    def _aot_sh(x: trtp.TensorDesc, B: trtp.TensorDesc, C: trtp.TensorDesc, dt: trtp.TensorDesc,
-                dt_bias: trtp.TensorDesc, A: trtp.TensorDesc, D: trtp.TensorDesc, state_batch_indices: trtp.TensorDesc,
-                cursor: trtp.TensorDesc, state: trtp.TensorDesc, x_cache: trtp.TensorDesc, B_cache: trtp.TensorDesc,
-                dt_cache: trtp.TensorDesc, shadow: trtp.TensorDesc, shadow_scale: trtp.TensorDesc, nheads: int,
-                headdim: int, dstate: int, ngroups: int, buffer_len: int, outputs: tuple[trtp.TensorDesc],
-                tactic: int):
-        check_ptx_loadable()
+    def _aot_sh(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+                cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, shadow: Desc,
+                shadow_scale: Desc, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int,
+                outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, sms = current_device()
         k = aot_kernel(nheads, headdim, dstate, ngroups, buffer_len, dt_code[state.dtype], dt_code[x.dtype], arch,
                        tactic, sms, shadow_code[shadow.dtype])
-        return k.kernel_name, k.ptx, *_launch(k, x, state)
+        return result(k, x.shape_expr[0], state.shape_expr[0])
+
+    # ---- mamba2_verify ---------------------------------------------------------------------------------
+    @trtp.register(VERIFY_PLUGIN_ID)
+    def _desc_v(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+                cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
+                dstate: int, ngroups: int, buffer_len: int, num_tokens: int) -> tuple[Desc, Desc, Desc, Desc, Desc]:
+        check(VERIFY_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
+                                       buffer_len=buffer_len, num_tokens=num_tokens),
+              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor)
+        return x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased()
+
+    @trtp.autotune(VERIFY_PLUGIN_ID)
+    def _tune_v(x, B, C, dt, dt_bias, A, D, state_batch_indices, cursor, state, x_cache, B_cache, dt_cache,
+                outputs) -> Tune:
+        return [trtp.AutoTuneCombination(", ".join(type_combination(st, act)), "LINEAR", list(TACTICS))
+                for st in STATE_DTYPES for act in ACT_DTYPES]
+
+    @trtp.aot_impl(VERIFY_PLUGIN_ID)
+    def _aot_v(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+               cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
+               dstate: int, ngroups: int, buffer_len: int, num_tokens: int, outputs: tuple[Desc],
+               tactic: int) -> AotResult:
+        arch, _ = current_device()
+        k = aot_verify_kernel(nheads, headdim, dstate, ngroups, buffer_len, num_tokens, dt_code[state.dtype],
+                              dt_code[x.dtype], arch, tactic)
+        return result(k, x.shape_expr[0], state.shape_expr[0])
+
+    # ---- spec_commit --------------------------------------------------------------------------------------
+    @trtp.register(COMMIT_PLUGIN_ID)
+    def _desc_c(state_batch_indices: Desc, n_accepted: Desc, cursor: Desc, num_tokens: int,
+                buffer_len: int) -> tuple[Desc]:
+        check(COMMIT_PLUGIN_NAME, dict(num_tokens=num_tokens, buffer_len=buffer_len), cursor=cursor)
+        return (cursor.aliased(),)
+
+    @trtp.autotune(COMMIT_PLUGIN_ID)
+    def _tune_c(state_batch_indices, n_accepted, cursor, outputs) -> Tune:
+        return [trtp.AutoTuneCombination(", ".join(COMMIT_TYPES), "LINEAR", list(COMMIT_TACTICS))]
+
+    @trtp.aot_impl(COMMIT_PLUGIN_ID)
+    def _aot_c(state_batch_indices: Desc, n_accepted: Desc, cursor: Desc, num_tokens: int, buffer_len: int,
+               outputs: tuple[Desc], tactic: int) -> AotResult:
+        arch, _ = current_device()
+        k = aot_commit_kernel(num_tokens, buffer_len, arch)
+        return result(k, state_batch_indices.shape_expr[0], cursor.shape_expr[0])
 
     register._done = True

@@ -1,0 +1,346 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative decoding of Nemotron-H as two exported graphs: verify (every layer) and commit (after sampling).
+
+One speculative step of T = 1 + num_draft tokens per row (row b is slot b; state_batch_indices =
+arange(batch) inside both graphs) is
+
+    logits, states = verify(input_ids, lengths, cursor, states)   # outputs of all T positions
+    n = accept(logits, input_ids)                                 # sampling: outside the graphs
+    cursor, lengths, conv windows = commit(n, cursor, lengths, conv windows)
+
+Verify graph (:class:`NemotronHSpecStep`). Inputs:
+
+ 1. input_ids       (batch, T) int64     the last sampled token, then the num_draft draft tokens
+ 2. lengths         (batch,) int32       tokens in the KV caches; the T new ones are written at
+                                         lengths .. lengths + T - 1 (the caller keeps lengths + T <= max_seq_len)
+ 3. cursor          (batch, 2) int32     ReplaySSM ring (start, count) shared by all Mamba layers; read only here
+ 4. per attention layer i: k_cache_i, v_cache_i  (batch, kv_heads, max_seq_len, head_dim)  act
+ 5. per Mamba layer i:     conv_window_i (batch, conv_dim, K - 1 + num_draft) act,
+                           ssm_state_i (batch, H, P, N) state dtype (checkpoint S0),
+                           x_cache_i (batch, H, L, P) act, B_cache_i (batch, G, L, N) act,
+                           dt_cache_i (batch, H, L) fp32 (processed dt)
+Outputs: logits (batch, T, vocab) fp32, then every state of 4-5 as ``<name>_out`` (same shape and
+dtype; in-place aliases for the plugin's state tensors in TensorRT). Lengths and cursor are not
+outputs: verify does not commit anything.
+
+Per Mamba layer: in_proj of the T tokens; causal depthwise conv over [last K-1 committed inputs
+(the window's last K-1 columns), the T new inputs], silu; the T new inputs shifted into the window;
+ONE ``replayssm::mamba2_verify`` node (:class:`Mamba2Verify`: window outputs from checkpoint +
+committed ring history + the causal part of the window; the window appended to the rings; the
+committed history folded into the checkpoint first when count + 2T > L); gated RMSNorm and out_proj.
+Attention (NoPE): the T new K/V written at lengths + t, query t attends keys j <= lengths + t.
+Rejected positions leave K/V and ring entries beyond the committed range; they are never read and
+are overwritten by later windows.
+
+Commit graph (:class:`NemotronHSpecCommit`). Inputs: n_accepted (batch,) int32 (accepted tokens of
+the window including the first one, 1..T for live rows; clamped to [0, T]), cursor (batch, 2),
+lengths (batch,), conv_window_i per Mamba layer. Outputs: cursor_out (ONE ``replayssm::spec_commit``
+node: the flush the verify layers did, then count += n), lengths_out = lengths + n, conv_window_i_out
+(shifted right by T - n, zero-filled: spec_reference.conv_window_rollback; n = 0 drops the oldest
+committed conv input, so use it for padding rows only).
+
+Why two graphs: the accepted count depends on sampling the verify logits (greedy, rejection
+sampling against a draft model, ...), which belongs to the serving layer, not to the engine; and the
+commit is a handful of tiny ops, so a second small engine costs one launch per step. The cursor move
+must follow every layer's verify (they all read the same cursor), which a separate graph guarantees.
+
+Math and state layouts: :mod:`trtllm_replayssm.spec_reference`. Export route: as
+:mod:`.decode_step` (TorchScript exporter, ``autograd.Function.symbolic``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from trtllm_replayssm import spec_reference as sr
+
+from .decode_step import DOMAIN, NemotronHDecodeStep, StateSpec
+
+VERIFY_OP_TYPE = "mamba2_verify"
+COMMIT_OP_TYPE = "spec_commit"
+_CACHES = ("state", "x_cache", "B_cache", "dt_cache")
+
+
+# ---- reference backends (float64 spec; the ORT custom ops run the same functions) ----------------------
+def verify_reference_backend(*, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None,
+                             state_batch_indices):
+    """``replayssm::mamba2_verify`` in float64 (what the kernel does): fold the committed history into
+    the checkpoint where count + 2T > L (stored in the state dtype), then verify the window on the
+    flushed cursor. Caches are written back in their own dtypes; the cursor is not moved; y in x's dtype."""
+    T, L = x.shape[1], x_cache.shape[2]
+    wide = {k: v.double() for k, v in dict(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache).items()}
+    A64 = A.double()
+    sr.flush_checkpoint(wide["state"], wide["x_cache"], wide["B_cache"], wide["dt_cache"], cursor, A64, T,
+                        state_batch_indices)
+    wide["state"].copy_(wide["state"].to(state.dtype))  # the kernel computes the window from the stored checkpoint
+    flushed = cursor.clone()
+    sr.flush_cursor(flushed, T, L, state_batch_indices)
+    y = sr.verify(wide["state"], wide["x_cache"], wide["B_cache"], wide["dt_cache"], flushed, x.double(), B.double(),
+                  C.double(), dt.double(), dt_bias.double(), A64, D.double(), None if z is None else z.double(),
+                  state_batch_indices)
+    for k, t in zip(_CACHES, (state, x_cache, B_cache, dt_cache)):
+        t.copy_(wide[k])
+    return y.to(x.dtype)
+
+
+def commit_reference_backend(*, cursor, n_accepted, state_batch_indices, num_tokens: int, buffer_len: int):
+    """``replayssm::spec_commit``: the verify layers' flush (count + 2T > L), then count += n (in place)."""
+    sr.flush_cursor(cursor, num_tokens, buffer_len, state_batch_indices)
+    sr.commit(cursor, n_accepted, num_tokens, buffer_len, state_batch_indices)
+    return cursor
+
+
+# ---- graph nodes -------------------------------------------------------------------------------------
+class Mamba2Verify(torch.autograd.Function):
+    """``replayssm::mamba2_verify``: inputs (x, B, C, dt, dt_bias, A, D, state_batch_indices, cursor, state,
+    x_cache, B_cache, dt_cache), outputs (y, state_out, x_cache_out, B_cache_out, dt_cache_out). Eager: the
+    backend runs on copies of the caches (the graph is functional; TensorRT aliases the last four outputs)."""
+
+    @staticmethod
+    def forward(ctx, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, sizes, backend):
+        state, x_cache, B_cache, dt_cache = (t.clone() for t in (state, x_cache, B_cache, dt_cache))
+        y = backend(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x, B=B, C=C,
+                    dt=dt, dt_bias=dt_bias, A=A, D=D, z=None, state_batch_indices=sbi)
+        return y.to(x.dtype), state, x_cache, B_cache, dt_cache
+
+    @staticmethod
+    def symbolic(g, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, sizes, backend):
+        nheads, headdim, dstate, ngroups, buffer_len, num_tokens = sizes
+        outs = g.op(f"{DOMAIN}::{VERIFY_OP_TYPE}", x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
+                    dt_cache, plugin_namespace_s=DOMAIN, aot_i=1, nheads_i=nheads, headdim_i=headdim,
+                    dstate_i=dstate, ngroups_i=ngroups, buffer_len_i=buffer_len, num_tokens_i=num_tokens, outputs=5)
+        for o, like in zip(outs, (x, state, x_cache, B_cache, dt_cache)):
+            o.setType(like.type())
+        return outs
+
+
+class SpecCommit(torch.autograd.Function):
+    """``replayssm::spec_commit``: inputs (state_batch_indices, n_accepted, cursor), output cursor_out."""
+
+    @staticmethod
+    def forward(ctx, sbi, n_accepted, cursor, num_tokens, buffer_len, backend):
+        cursor = cursor.clone()
+        backend(cursor=cursor, n_accepted=n_accepted, state_batch_indices=sbi, num_tokens=num_tokens,
+                buffer_len=buffer_len)
+        return cursor
+
+    @staticmethod
+    def symbolic(g, sbi, n_accepted, cursor, num_tokens, buffer_len, backend):
+        out = g.op(f"{DOMAIN}::{COMMIT_OP_TYPE}", sbi, n_accepted, cursor, plugin_namespace_s=DOMAIN, aot_i=1,
+                   num_tokens_i=num_tokens, buffer_len_i=buffer_len, outputs=1)
+        out.setType(cursor.type())
+        return out
+
+
+def _check_window(num_draft: int, buffer_len: int) -> int:
+    T = num_draft + 1
+    if num_draft < 1:
+        raise ValueError(f"num_draft: expected >= 1, got {num_draft}")
+    if not 2 * T <= buffer_len <= 32:
+        raise ValueError(f"buffer_len: expected in [2 (num_draft + 1), 32] = [{2 * T}, 32] (flush one window early), "
+                         f"got {buffer_len}")
+    return T
+
+
+# ---- verify -------------------------------------------------------------------------------------------
+class NemotronHSpecStep(NemotronHDecodeStep):
+    """Verify graph of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights."""
+
+    def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int,
+                 state_dtype: torch.dtype = torch.float32, backend=None):
+        super().__init__(model, buffer_len, max_seq_len, state_dtype, backend or verify_reference_backend)
+        self.num_draft = num_draft
+        self.num_tokens = _check_window(num_draft, buffer_len)
+        self.window = model.config.conv_kernel - 1 + num_draft
+
+    def state_specs(self) -> list[StateSpec]:
+        cfg, act, L = self.config, self.act_dtype, self.buffer_len
+        H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
+        conv_dim = H * P + 2 * G * N
+        specs = []
+        for i, kind in enumerate(self.kinds):
+            if kind == "full_attention":
+                kv = (-1, cfg.num_key_value_heads, self.max_seq_len, cfg.head_dim)
+                specs += [StateSpec(f"k_cache_{i}", kv, act, f"k_cache_{i}_out"),
+                          StateSpec(f"v_cache_{i}", kv, act, f"v_cache_{i}_out")]
+            elif kind == "linear_attention":
+                specs += [StateSpec(f"conv_window_{i}", (-1, conv_dim, self.window), act, f"conv_window_{i}_out"),
+                          StateSpec(f"ssm_state_{i}", (-1, H, P, N), self.state_dtype, f"ssm_state_{i}_out"),
+                          StateSpec(f"x_cache_{i}", (-1, H, L, P), act, f"x_cache_{i}_out"),
+                          StateSpec(f"B_cache_{i}", (-1, G, L, N), act, f"B_cache_{i}_out"),
+                          StateSpec(f"dt_cache_{i}", (-1, H, L), torch.float32, f"dt_cache_{i}_out")]
+        return specs
+
+    def input_names(self) -> list[str]:
+        return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]
+
+    def output_names(self) -> list[str]:
+        return ["logits"] + [s.output for s in self.state_specs()]
+
+    def states_from_patched(self, decoder, cache, lengths: int, start=0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(cursor, state inputs) equivalent to a patched model after prefill/decode (``decoder`` =
+        ReplaySSMDecoder with the same buffer length, ``cache`` its transformers cache holding ``lengths``
+        tokens per row). The standard buffer (entries 0..k-1) is the ring with count k; ``start`` (int or
+        (batch,) tensor) rotates it to ring start ``start`` (any start is valid)."""
+        if decoder.buffer_len != self.buffer_len:
+            raise ValueError(f"decoder: buffer_len {decoder.buffer_len} differs from the step's {self.buffer_len}")
+        count = decoder.cursor.to(torch.int32)
+        batch = count.shape[0]
+        if int(count.max()) > self.buffer_len - self.num_tokens:
+            raise ValueError(f"decoder.cursor: a verify window needs count <= L - T = "
+                             f"{self.buffer_len - self.num_tokens}, got {count.tolist()}")
+        start = torch.as_tensor(start, dtype=torch.int32).expand(batch) % self.buffer_len
+        K = self.config.conv_kernel
+        out = []
+        for i, kind in enumerate(self.kinds):
+            if kind == "full_attention":
+                layer = cache.layers[i]
+                for t in (layer.keys, layer.values):
+                    buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
+                    buf[:, :, :lengths] = t[:, :, :lengths]
+                    out.append(buf)
+            elif kind == "linear_attention":
+                conv = cache.get_conv_state(i)  # (batch, conv_dim, K): the last K inputs, newest last
+                window = conv.new_zeros((batch, conv.shape[1], self.window))
+                window[:, :, self.window - (K - 1):] = conv[:, :, 1:]
+                c = decoder.caches[i]
+                rings = [torch.stack([torch.roll(t[b], int(start[b]), dims=1) for b in range(batch)])
+                         for t in (c["x_cache"], c["B_cache"], c["dt_cache"])]
+                out += [window, c["state"].to(self.state_dtype).clone(), *rings]
+        return torch.stack([start, count], dim=1), out
+
+    def _attention(self, layer, h, k_cache, v_cache, lengths):
+        cfg, att = self.config, layer.mixer
+        batch, T = h.shape[:2]
+        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q = att.q_proj(h).view(batch, T, nh, hd).transpose(1, 2)
+        k = att.k_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
+        v = att.v_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
+        pos = torch.arange(self.max_seq_len, device=h.device)
+        at = lengths.long()[:, None] + torch.arange(T, device=h.device)[None, :]  # (batch, T) new positions
+        for t in range(T):  # T one-hot selects: exact copies, no arithmetic on the cache
+            here = (pos[None, :] == at[:, t:t + 1])[:, None, :, None]
+            k_cache = torch.where(here, k[:, :, t:t + 1], k_cache)
+            v_cache = torch.where(here, v[:, :, t:t + 1], v_cache)
+        rep = nh // kvh
+        keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
+        vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
+        scores = torch.matmul(q, keys.transpose(2, 3)) * att.scaling  # (batch, nh, T, S)
+        visible = (pos[None, None, :] <= at[:, :, None])[:, None]  # query t sees keys j <= lengths + t
+        scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(probs, vals).transpose(1, 2).reshape(batch, T, nh * hd)
+        return att.o_proj(o), k_cache, v_cache
+
+    def _mamba(self, i, layer, h, window, state, x_cache, B_cache, dt_cache, cursor, sbi):
+        mx = layer.mixer
+        batch, T = h.shape[:2]
+        H, P, N, G = mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups
+        K, W = self.config.conv_kernel, self.window
+        gate, xBC, dt = mx.in_proj(h).split([mx.intermediate_size, mx.conv_dim, H], dim=-1)
+        u = xBC.transpose(1, 2).to(window.dtype)  # (batch, conv_dim, T)
+        seq = torch.cat([window[:, :, W - (K - 1):], u], dim=-1)  # last K-1 committed inputs, then the window
+        weight = mx.conv1d.weight.squeeze(1)
+        conv = torch.stack([(seq[:, :, t:t + K] * weight).sum(-1) for t in range(T)], dim=1)  # (batch, T, conv_dim)
+        if mx.conv1d.bias is not None:
+            conv = conv + mx.conv1d.bias
+        new_window = torch.cat([window, u], dim=-1)[:, :, T:]  # the last W inputs
+        xBC = F.silu(conv).to(h.dtype)
+        x, B, C = xBC.split([mx.intermediate_size, G * N, G * N], dim=-1)
+        y, state, x_cache, B_cache, dt_cache = Mamba2Verify.apply(
+            x.reshape(batch, T, H, P), B.reshape(batch, T, G, N), C.reshape(batch, T, G, N), dt,
+            getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"), getattr(self, f"D_{i}"), sbi, cursor,
+            state, x_cache, B_cache, dt_cache, (H, P, N, G, self.buffer_len, T), self.backend)
+        out = mx.out_proj(mx.norm(y.reshape(batch, T, H * P), gate).to(h.dtype))
+        return out, [new_window, state, x_cache, B_cache, dt_cache]
+
+    def forward(self, input_ids, lengths, cursor, *states):
+        m = self.model.model
+        if input_ids.shape[1] != self.num_tokens:
+            raise ValueError(f"input_ids: expected (batch, {self.num_tokens}) (1 + num_draft tokens), "
+                             f"got {tuple(input_ids.shape)}")
+        h = m.embeddings(input_ids)
+        sbi = torch.arange(input_ids.shape[0], dtype=torch.int32, device=input_ids.device)
+        new_states, k = [], 0
+        for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
+            res = h
+            hn = layer.norm(h.to(layer.norm.weight.dtype))
+            if kind == "full_attention":
+                out, kc, vc = self._attention(layer, hn, states[k], states[k + 1], lengths)
+                new_states += [kc, vc]
+                k += 2
+            elif kind == "linear_attention":
+                out, st = self._mamba(i, layer, hn, *states[k:k + 5], cursor, sbi)
+                new_states += st
+                k += 5
+            else:
+                out = layer.mixer(hn)
+            h = res + out
+        logits = self.model.lm_head(m.norm_f(h)).float()
+        return (logits, *new_states)
+
+
+# ---- commit -------------------------------------------------------------------------------------------
+class NemotronHSpecCommit(torch.nn.Module):
+    """Commit graph: cursor (spec_commit node), lengths += n, conv windows rolled back by T - n."""
+
+    def __init__(self, step: NemotronHSpecStep, backend=None):
+        super().__init__()
+        self.num_tokens, self.buffer_len, self.window = step.num_tokens, step.buffer_len, step.window
+        self.conv_specs = [s for s in step.state_specs() if s.name.startswith("conv_window_")]
+        self.backend = backend or commit_reference_backend
+
+    def state_specs(self) -> list[StateSpec]:
+        return self.conv_specs
+
+    def input_names(self) -> list[str]:
+        return ["n_accepted", "cursor", "lengths"] + [s.name for s in self.conv_specs]
+
+    def output_names(self) -> list[str]:
+        return ["cursor_out", "lengths_out"] + [s.output for s in self.conv_specs]
+
+    def forward(self, n_accepted, cursor, lengths, *windows):
+        T, W = self.num_tokens, self.window
+        sbi = torch.arange(n_accepted.shape[0], dtype=torch.int32, device=n_accepted.device)
+        # n clamped to [0, T] as the commit kernel does (Max / Min, not Clip: TensorRT's integer support)
+        zero = torch.zeros_like(n_accepted)
+        n = torch.minimum(torch.maximum(n_accepted, zero), zero + T)
+        cursor_out = SpecCommit.apply(sbi, n, cursor, T, self.buffer_len, self.backend)
+        # Drop the T - n rejected inputs: out[:, :, c] = window[:, :, c - (T - n)], zero where c < T - n.
+        src = torch.arange(W, device=n.device)[None, :] - (T - n.long())[:, None]  # (batch, W)
+        safe = torch.maximum(src, torch.zeros_like(src))
+        outs = []
+        for w in windows:
+            idx = safe[:, None, :].expand(-1, w.shape[1], -1)
+            outs.append(torch.where((src >= 0)[:, None, :], torch.gather(w, 2, idx), torch.zeros_like(w)))
+        return (cursor_out, lengths + n, *outs)
+
+
+# ---- export --------------------------------------------------------------------------------------------
+def _export(module, args, path, opset):
+    names_in, names_out = module.input_names(), module.output_names()
+    dyn = {n: {0: "batch"} for n in names_in + names_out}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # TracerWarnings from the Python reference; DeprecationWarning of the route
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=opset, input_names=names_in,
+                          output_names=names_out, dynamic_axes=dyn, custom_opsets={DOMAIN: 1},
+                          do_constant_folding=True)
+
+
+def export_onnx(step: NemotronHSpecStep, verify_path, commit_path, batch: int = 2, opset: int = 17) -> None:
+    """Trace the verify step and the commit on zero states of ``batch`` rows; ONNX with a dynamic batch."""
+    if opset < 17:
+        raise ValueError(f"opset: expected >= 17, got {opset}")
+    dev = next(step.parameters()).device
+    T = step.num_tokens
+    cursor = torch.zeros(batch, 2, dtype=torch.int32, device=dev)
+    lengths = torch.zeros(batch, dtype=torch.int32, device=dev)
+    states = step.empty_states(batch, dev)
+    _export(step, (torch.ones(batch, T, dtype=torch.int64, device=dev), lengths, cursor, *states), verify_path, opset)
+    commit = NemotronHSpecCommit(step)
+    windows = [t for s, t in zip(step.state_specs(), states) if s.name.startswith("conv_window_")]
+    n = torch.ones(batch, dtype=torch.int32, device=dev)
+    _export(commit, (n, cursor, lengths, *windows), commit_path, opset)

@@ -1,0 +1,375 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative export on the CPU: the verify + commit graphs in onnxruntime against sequential decoding.
+
+Graphs: builders/spec_step.py (one ``replayssm::mamba2_verify`` node per Mamba layer, one
+``replayssm::spec_commit`` node), the plugin ops supplied in Python (builders/ort_reference.py: the
+float64 spec_reference flush + verify, and commit). Rows have different prompt lengths and start
+from a hand-off after prefill + 2 standard ReplaySSM decode steps (a committed history of 2 and
+ring starts that wrap).
+
+Oracles, each where it holds:
+* the PyTorch spec modules for the ONNX graphs (same float64 SSM spec in both; attention, conv and
+  projections are fp32 ops of two runtimes): rtol 1e-4, atol 2e-5 as tests/test_builder.py; cursor,
+  lengths and conv-window rollback (a gather) exactly.
+* the patched transformers model (builders/nemotron_h.py, float64 ReplaySSM reference, its own L=4
+  buffer and flush points) fed the committed tokens one at a time, one row at a time: the verify
+  logits of every accepted position equal the sequential logits. Both sides run the float64 SSM
+  recurrence on fp32 activations; they differ by fp32 summation orders (T-row vs 1-row matmuls,
+  the conv, dense masked attention vs transformers' attention) and by where the fp32 checkpoint is
+  rounded (different flush points), which after ~40 tokens leaves a few 1e-6 absolute on O(1)
+  logits (measured max 4e-6 on |logits| <= 4.3): rtol 1e-4, atol 2e-5 as above, while a corrupted
+  history entry moves the logits by ~0.1 (the teeth test). At the end, bookkeeping against the oracle's caches: committed
+  SSM state S_count (float64 fold of checkpoint + committed ring entries) vs the oracle's S_k to
+  1e-5 relative; the last K-1 conv inputs and the committed K/V positions to 1e-5.
+* plain greedy decoding of the unpatched model: with greedy acceptance (drafts from the greedy
+  continuation, 30% corrupted) the generated tokens equal plain greedy decoding.
+Random acceptance: n in 1..T per row, all T every 3rd step, 1 every 4th; every row crosses >= 2
+flushes (count + 2T > L) in 12 steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    from transformers import DynamicCache, NemotronHForCausalLM  # noqa: F401
+except ImportError:  # pragma: no cover
+    pytest.skip("transformers without NemotronHForCausalLM (needs transformers >= 5.24)", allow_module_level=True)
+if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H200 image's 5.17
+    import transformers
+
+    pytest.skip(f"transformers {transformers.__version__} lacks the Mamba cache API the patch uses (needs >= 5.24)",
+                allow_module_level=True)
+
+from builders.decode_step import DOMAIN
+from builders.nemotron_h import load_nemotron_h, mamba_layers, patch_replayssm
+from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecCommit, NemotronHSpecStep, export_onnx
+from trtllm_replayssm import reference
+from trtllm_replayssm import spec_reference as sr
+
+NUM_DRAFT, L_SPEC, L_SEQ = 3, 16, 4
+T = NUM_DRAFT + 1
+MAX_SEQ = 96
+STEPS = 12
+PRE_DECODE = 2
+PROMPT_LENS = (5, 7, 6)
+STARTS = (0, 11, 15)  # ring starts at the hand-off: the committed history wraps for rows 1 and 2
+RTOL, ATOL = 1e-4, 2e-5  # see the module docstring
+VOCAB = 256
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(importlib.util.find_spec("onnxruntime_extensions") is None,
+                       reason="onnxruntime-extensions is not installed (pip install onnxruntime onnxruntime-extensions)"),
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_nemotron_h(seed=0)
+
+
+@pytest.fixture(scope="module")
+def graphs(model, tmp_path_factory):
+    from builders.ort_reference import session
+
+    step = NemotronHSpecStep(model, L_SPEC, MAX_SEQ, NUM_DRAFT)
+    commit = NemotronHSpecCommit(step)
+    d = tmp_path_factory.mktemp("spec_onnx")
+    export_onnx(step, d / "verify.onnx", d / "commit.onnx")
+    return step, commit, d, session(d / "verify.onnx"), session(d / "commit.onnx")
+
+
+def _prompts(seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, VOCAB, (n,), generator=gen) for n in PROMPT_LENS]
+
+
+# ---- runners: the graphs in onnxruntime, or the modules in PyTorch -----------------------------------------
+class OrtRunner:
+    def __init__(self, step, commit, sv, sc):
+        self.step, self.commit_m, self.sv, self.sc = step, commit, sv, sc
+
+    def verify(self, ids, lengths, cursor, states):
+        feed = [t.numpy().copy() for t in (ids, lengths, cursor, *states)]
+        got = self.sv.run(None, dict(zip(self.step.input_names(), feed)))
+        return torch.from_numpy(got[0]), [torch.from_numpy(a) for a in got[1:]]
+
+    def commit(self, n, cursor, lengths, windows):
+        feed = [t.numpy().copy() for t in (n, cursor, lengths, *windows)]
+        got = [torch.from_numpy(a) for a in self.sc.run(None, dict(zip(self.commit_m.input_names(), feed)))]
+        return got[0], got[1], got[2:]
+
+
+class ModuleRunner(OrtRunner):
+    @torch.no_grad()
+    def verify(self, ids, lengths, cursor, states):
+        out = self.step(ids, lengths, cursor, *states)
+        return out[0], list(out[1:])
+
+    @torch.no_grad()
+    def commit(self, n, cursor, lengths, windows):
+        out = self.commit_m(n, cursor, lengths, *windows)
+        return out[0], out[1], list(out[2:])
+
+
+# ---- spec decoding driver -------------------------------------------------------------------------------------
+class SpecDecode:
+    """Rows with their own prompts, handed off to the spec graphs after prefill + PRE_DECODE decode steps."""
+
+    @torch.no_grad()
+    def __init__(self, model, step, prompts):
+        self.model, self.step = model, step
+        self.prompts = prompts
+        self.tokens = []  # per row: tokens after the prompt, the last one sampled but not yet in the caches
+        per_row = []
+        for b, prompt in enumerate(prompts):
+            dec = patch_replayssm(model, buffer_len=step.buffer_len)
+            try:
+                cache = DynamicCache(config=model.config)
+                tok = model(prompt[None], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                toks = [int(tok)]
+                for _ in range(PRE_DECODE):
+                    tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                    toks.append(int(tok))
+                per_row.append(step.states_from_patched(dec, cache, len(prompt) + PRE_DECODE, start=STARTS[b]))
+            finally:
+                dec.unpatch()
+            self.tokens.append(toks)
+        self.cursor = torch.cat([c for c, _ in per_row])
+        self.states = [torch.cat(ts) for ts in zip(*(s for _, s in per_row))]
+        self.lengths = torch.tensor([len(p) + PRE_DECODE for p in prompts], dtype=torch.int32)
+        self.names = [s.name for s in step.state_specs()]
+        self.records = [[] for _ in prompts]  # per row: (token, its verify logits) of committed positions
+        self.flushes = [0] * len(prompts)
+
+    def window_of(self, states):
+        return [t for n, t in zip(self.names, states) if n.startswith("conv_window_")]
+
+    def run_step(self, runner, drafts, accept):
+        """One verify + accept + commit; ``accept(ids, logits) -> n (batch,) int32``."""
+        last = torch.tensor([t[-1] for t in self.tokens])
+        ids = torch.cat([last[:, None], drafts], dim=1)
+        for b in range(len(self.tokens)):
+            self.flushes[b] += int(self.cursor[b, 1]) + 2 * T > L_SPEC
+        logits, states = runner.verify(ids, self.lengths, self.cursor, self.states)
+        n = accept(ids, logits)
+        for b in range(len(self.tokens)):
+            k = int(n[b])
+            self.records[b] += [(int(ids[b, t]), logits[b, t].clone()) for t in range(k)]
+            self.tokens[b] += [int(ids[b, t]) for t in range(1, k)] + [int(logits[b, k - 1].argmax())]
+        cursor, lengths, windows = runner.commit(n, self.cursor, self.lengths, self.window_of(states))
+        it = iter(windows)
+        self.states = [next(it) if name.startswith("conv_window_") else t for name, t in zip(self.names, states)]
+        self.cursor, self.lengths = cursor, lengths
+        return ids, logits, n
+
+
+def _random_accept(gen):
+    step = [0]
+
+    def accept(ids, logits):
+        n = torch.randint(1, T + 1, (ids.shape[0],), generator=gen, dtype=torch.int32)
+        if step[0] % 3 == 2:
+            n[:] = T
+        if step[0] % 4 == 3:
+            n[0] = 1
+        step[0] += 1
+        return n
+
+    return accept
+
+
+def _greedy_accept(ids, logits):
+    pred = logits.argmax(-1)  # (batch, T): the token each position predicts next
+    n = torch.ones(ids.shape[0], dtype=torch.int32)
+    for b in range(ids.shape[0]):
+        while int(n[b]) < T and int(ids[b, n[b]]) == int(pred[b, n[b] - 1]):
+            n[b] += 1
+    return n
+
+
+@torch.no_grad()
+def _sequential_check(model, step, run: SpecDecode, check_state: bool = True):
+    """Feed each row's committed tokens one at a time through the patched model; compare logits and caches."""
+    compared = 0
+    names = run.names
+    for b, prompt in enumerate(run.prompts):
+        dec = patch_replayssm(model, buffer_len=L_SEQ)
+        try:
+            cache = DynamicCache(config=model.config)
+            tok = model(prompt[None], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(PRE_DECODE):
+                tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            for i, (token, spec_logits) in enumerate(run.records[b]):
+                want = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+                torch.testing.assert_close(spec_logits, want, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m, b=b, i=i: f"row {b}, committed token {i}: {m}")
+                compared += 1
+            if not check_state:
+                continue
+            st = dict(zip(names, run.states))
+            length = int(run.lengths[b])
+            assert length == len(prompt) + PRE_DECODE + len(run.records[b])
+            for i in mamba_layers(model):
+                A = -torch.exp(model.model.layers[i].mixer.A_log.detach().double())
+                got = sr.committed_state(st[f"ssm_state_{i}"], st[f"x_cache_{i}"], st[f"B_cache_{i}"],
+                                         st[f"dt_cache_{i}"], run.cursor, A, b)
+                c = dec.caches[i]
+                want_s = reference.replay_state(c["state"], c["x_cache"], c["B_cache"], c["dt_cache"], dec.cursor, A, 0)
+                rel = float((got - want_s).norm() / want_s.norm())
+                assert rel < 1e-5, (b, i, rel)
+                K = model.config.conv_kernel
+                torch.testing.assert_close(st[f"conv_window_{i}"][b, :, -(K - 1):], cache.get_conv_state(i)[0, :, 1:],
+                                           rtol=1e-5, atol=1e-5)
+            for i, kind in enumerate(model.config.layers_block_type):
+                if kind == "full_attention":
+                    layer = cache.layers[i]
+                    torch.testing.assert_close(st[f"k_cache_{i}"][b, :, :length], layer.keys[0, :, :length],
+                                               rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(st[f"v_cache_{i}"][b, :, :length], layer.values[0, :, :length],
+                                               rtol=1e-5, atol=1e-5)
+        finally:
+            dec.unpatch()
+    return compared
+
+
+# ---- tests ----------------------------------------------------------------------------------------------------
+def test_graphs_have_the_plugin_nodes(model, graphs):
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    step, commit, d, _, _ = graphs
+    cfg = model.config
+    g = onnx.load(str(d / "verify.onnx"))
+    onnx.checker.check_model(g)
+    nodes = [n for n in g.graph.node if n.domain == DOMAIN]
+    assert len(nodes) == len(mamba_layers(model)) and all(n.op_type == VERIFY_OP_TYPE for n in nodes)
+    for n, i in zip(nodes, mamba_layers(model)):
+        attrs = {a.name: (a.s.decode() if a.type == onnx.AttributeProto.STRING else a.i) for a in n.attribute}
+        assert attrs == dict(plugin_namespace=DOMAIN, aot=1, nheads=cfg.mamba_num_heads, headdim=cfg.mamba_head_dim,
+                             dstate=cfg.ssm_state_size, ngroups=cfg.n_groups, buffer_len=L_SPEC, num_tokens=T)
+        assert list(n.input[8:]) == ["cursor", f"ssm_state_{i}", f"x_cache_{i}", f"B_cache_{i}", f"dt_cache_{i}"]
+        assert list(n.output[1:]) == [f"ssm_state_{i}_out", f"x_cache_{i}_out", f"B_cache_{i}_out", f"dt_cache_{i}_out"]
+    assert [i.name for i in g.graph.input] == step.input_names()
+    assert [o.name for o in g.graph.output] == step.output_names()
+    c = onnx.load(str(d / "commit.onnx"))
+    onnx.checker.check_model(c)
+    nodes = [n for n in c.graph.node if n.domain == DOMAIN]
+    assert [n.op_type for n in nodes] == [COMMIT_OP_TYPE]
+    attrs = {a.name: (a.s.decode() if a.type == onnx.AttributeProto.STRING else a.i) for a in nodes[0].attribute}
+    assert attrs == dict(plugin_namespace=DOMAIN, aot=1, num_tokens=T, buffer_len=L_SPEC)
+    assert list(nodes[0].output) == ["cursor_out"] and list(nodes[0].input)[1:] != []
+    assert [i.name for i in c.graph.input] == commit.input_names()
+    assert [o.name for o in c.graph.output] == commit.output_names()
+    windows = {i.name: [d.dim_value or d.dim_param for d in i.type.tensor_type.shape.dim] for i in g.graph.input
+               if i.name.startswith("conv_window_")}
+    assert all(s == ["batch", cfg.mamba_num_heads * cfg.mamba_head_dim + 2 * cfg.n_groups * cfg.ssm_state_size,
+                     cfg.conv_kernel - 1 + NUM_DRAFT] for s in windows.values()), windows
+
+
+def test_onnx_graphs_match_the_modules(model, graphs):
+    step, commit, _, sv, sc = graphs
+    ort, mod = OrtRunner(step, commit, sv, sc), ModuleRunner(step, commit, sv, sc)
+    gen = torch.Generator().manual_seed(3)
+    a, b = SpecDecode(model, step, _prompts()), SpecDecode(model, step, _prompts())
+    accept = _random_accept(torch.Generator().manual_seed(4))
+    for s in range(4):
+        drafts = torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen)
+        n = accept(drafts, None)
+        _, lo, _ = a.run_step(ort, drafts, lambda ids, logits, n=n: n)
+        _, lm, _ = b.run_step(mod, drafts, lambda ids, logits, n=n: n)
+        np.testing.assert_allclose(lo.numpy(), lm.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"step {s}: logits")
+        assert torch.equal(a.cursor, b.cursor) and torch.equal(a.lengths, b.lengths), s
+        for name, x, y in zip(a.names, a.states, b.states):
+            np.testing.assert_allclose(x.numpy(), y.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"step {s}: {name}")
+    assert a.tokens == b.tokens
+
+
+def test_random_acceptance_matches_sequential_decoding(model, graphs):
+    step, commit, _, sv, sc = graphs
+    run = SpecDecode(model, step, _prompts())
+    ort = OrtRunner(step, commit, sv, sc)
+    gen = torch.Generator().manual_seed(5)
+    accept = _random_accept(torch.Generator().manual_seed(6))
+    for _ in range(STEPS):
+        run.run_step(ort, torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen), accept)
+    assert min(run.flushes) >= 2, run.flushes
+    compared = _sequential_check(model, step, run)
+    assert compared == sum(len(r) for r in run.records) >= STEPS * len(PROMPT_LENS)
+
+
+def test_sequential_comparison_has_teeth(model, graphs):
+    """One corrupted committed x entry (row 1, a Mamba layer's ring) must be caught by the oracle."""
+    step, commit, _, sv, sc = graphs
+    run = SpecDecode(model, step, _prompts())
+    ort = OrtRunner(step, commit, sv, sc)
+    gen = torch.Generator().manual_seed(5)
+    accept = _random_accept(torch.Generator().manual_seed(6))
+    run.run_step(ort, torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen), accept)
+    start, count = (int(v) for v in run.cursor[1])
+    assert count + 2 * T <= L_SPEC  # the next verify reads the history (no flush first)
+    x = run.states[run.names.index(f"x_cache_{mamba_layers(model)[0]}")]
+    x[1, :, (start + count - 1) % L_SPEC] += 1.0
+    run.run_step(ort, torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen), accept)
+    with pytest.raises(AssertionError):
+        _sequential_check(model, step, run, check_state=False)
+
+
+@torch.no_grad()
+def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
+    step, commit, _, sv, sc = graphs
+    prompts = _prompts()
+    new = PRE_DECODE + 1 + STEPS * T
+    ref = [model.generate(p[None], max_new_tokens=new, do_sample=False)[0, len(p):].tolist() for p in prompts]
+    run = SpecDecode(model, step, prompts)
+    assert all(run.tokens[b] == ref[b][:PRE_DECODE + 1] for b in range(len(prompts)))
+    ort = OrtRunner(step, commit, sv, sc)
+    gen = torch.Generator().manual_seed(7)
+    accepted = 0
+    for _ in range(STEPS):
+        drafts = torch.zeros(len(prompts), NUM_DRAFT, dtype=torch.int64)
+        for b, toks in enumerate(run.tokens):
+            for i in range(NUM_DRAFT):  # the greedy continuation, 30% corrupted
+                good = ref[b][len(toks) + i]
+                drafts[b, i] = good if torch.rand(1, generator=gen).item() > 0.3 else (good + 1) % VOCAB
+        _, _, n = run.run_step(ort, drafts, _greedy_accept)
+        accepted += int(n.sum()) - len(prompts)
+    for b in range(len(prompts)):
+        assert run.tokens[b] == ref[b][:len(run.tokens[b])], b
+    drafted = STEPS * len(prompts) * NUM_DRAFT
+    assert 0.2 * drafted < accepted < drafted, accepted  # both accepted and rejected drafts occurred
+    assert min(run.flushes) >= 2, run.flushes
+
+
+def test_commit_graph_bookkeeping_is_exact(graphs):
+    """Every n in 0..T (and out-of-range n, clamped as the kernel clamps): cursor = spec_reference flush +
+    commit, lengths += n, conv windows = spec_reference.conv_window_rollback, all bit-exact, module and ORT."""
+    step, commit, _, sv, sc = graphs
+    gen = torch.Generator().manual_seed(8)
+    batch = T + 3
+    n = torch.tensor(list(range(T + 1)) + [T + 3, -2], dtype=torch.int32)
+    cursor = torch.stack([torch.randint(0, L_SPEC, (batch,), generator=gen),
+                          torch.randint(0, L_SPEC - T + 1, (batch,), generator=gen)], dim=1).to(torch.int32)
+    lengths = torch.randint(0, 50, (batch,), generator=gen, dtype=torch.int32)
+    windows = [torch.randn((batch, *s.shape[1:]), generator=gen) for s in commit.state_specs()]
+    ort, mod = OrtRunner(step, commit, sv, sc), ModuleRunner(step, commit, sv, sc)
+    n_c = n.clamp(0, T)
+    sbi = torch.arange(batch, dtype=torch.int32)
+    want_cursor = cursor.clone()
+    sr.flush_cursor(want_cursor, T, L_SPEC, sbi)
+    sr.commit(want_cursor, n_c, T, L_SPEC, sbi)
+    K = step.config.conv_kernel
+    for runner in (ort, mod):
+        cur, lens, wins = runner.commit(n, cursor, lengths, windows)
+        assert torch.equal(cur, want_cursor) and torch.equal(lens, lengths + n_c)
+        for w, got in zip(windows, wins):
+            want = w.clone()
+            live = n_c >= 1  # spec_reference refuses n = 0 with this window width (it would drop a kept input)
+            rows = sbi[live]
+            sr.conv_window_rollback(want, n_c[live], T, K, rows)
+            assert torch.equal(got[live], want[live])
+            r = T  # n = 0: shifted right by T, zero-filled
+            assert torch.equal(got[~live], torch.cat([torch.zeros_like(w[~live][..., :r]), w[~live][..., :-r]], -1))
