@@ -349,118 +349,198 @@ def time_spec(model, backend, snap, G, tables: dict, kv_len, T, table_len, steps
         spec.free()
 
 
-def run_batch(model, batch: int, modes, *, T: int = 4, L: int = 16, acceptances=(0.8,), prompt_len: int = 32,
-              steps: int = 16, warmup: int = 1, reps: int = 5, check_steps: int = 6, check_acceptance: float = 0.7,
-              context: int = 1024, seed: int = 0, tie_rel: float = 1e-3, max_tie_frac: float = 0.05,
-              strict_check: bool = False, timed_target: str = "ref", check_model=None, do_check: bool = True,
-              backends: dict | None = None, snapshot_device=None, skip_modes=(), log=print) -> list[dict]:
-    """Check (on ``check_model``, default ``model``) then time every mode at one batch size; returns rows.
+def lengths(T: int, L: int, steps: int, check_steps: int, prompt_len: int, context: int) -> tuple[int, int, int]:
+    """(check table, timing table, KV positions): tables of steps*T + T + 1 tokens (first greedy token,
+    every token a run can emit, the targets and drafts of one more window); KV for the prompt and them."""
+    check_len, time_len = check_steps * T + T + 1, steps * T + T + 1
+    return check_len, time_len, max(context, prompt_len + max(check_len, time_len) + T + 1, prompt_len + L + 1)
 
-    ``backends`` overrides a spec mode's backend object (the tests break one on purpose);
-    ``skip_modes`` {mode: reason} are reported, not run. Raises :class:`GateError` when a check fails."""
-    skip_modes = dict(skip_modes) if isinstance(skip_modes, dict) else {m: "skipped" for m in skip_modes}
-    run_modes = [m for m in modes if m not in skip_modes]
-    vocab = model.config.vocab_size
-    table_len = max(steps, check_steps) * T + T + 1
-    kv_len = max(context, prompt_len + table_len + T + 1, prompt_len + max(L, check_steps) + 1)
-    gen = torch.Generator().manual_seed(seed + batch)
-    prompt = torch.randint(2, vocab, (batch, prompt_len), generator=gen)
-    draft_seed = seed * 7919 + batch
-    cuda = next(model.parameters()).device.type == "cuda"
+
+def _prompt(batch: int, vocab: int, prompt_len: int, seed: int) -> torch.Tensor:
+    return torch.randint(2, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed + batch))
+
+
+def _error(e: BaseException) -> str:
+    kind = "out of memory" if isinstance(e, torch.OutOfMemoryError) else type(e).__name__
+    return f"{kind}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+
+
+def check_batch(check_model, batch: int, modes, *, T: int = 4, L: int = 16, prompt_len: int = 32, check_steps: int = 6,
+                check_acceptance: float = 0.7, context: int = 1024, seed: int = 0, tie_rel: float = 1e-3,
+                max_tie_frac: float = 0.05, strict_check: bool = False, backends: dict | None = None,
+                snapshot_device=None, skip_modes=(), steps: int = 16, log=print) -> dict:
+    """Exactness check of every mode at one batch size with live targets: {mode: {exact, ties, ...}} or
+    {mode: {"error": why}} when a mode could not run (e.g. out of memory). Raises :class:`GateError`."""
+    check_len, _, kv_len = lengths(T, L, steps, check_steps, prompt_len, context)
+    cfg = check_model.config
+    cuda = next(check_model.parameters()).device.type == "cuda"
+    run_modes = [m for m in modes if m in CHECKED and m not in dict.fromkeys(skip_modes)]
+    std, snap, G, margin = prepare(check_model, batch, _prompt(batch, cfg.vocab_size, prompt_len, seed), kv_len,
+                                   check_len, snapshot_device)
+    Gc, Mc = G.cpu(), margin.cpu()
     checks = {}
-    if do_check:  # live targets on the check model, before anything is timed
-        cm = check_model if check_model is not None else model
-        std, snap, G, margin = prepare(cm, batch, prompt, kv_len, table_len, snapshot_device)
-        Gc, Mc = G.cpu(), margin.cpu()
-        if "standard" in run_modes:
-            checks["standard"] = check_standard(std, snap, Gc, Mc, L, check_steps, tie_rel, max_tie_frac, strict_check,
-                                                cuda)
-        std.ssm.free()
-        _free(cuda)
-        drafts = make_drafts(G, check_acceptance, vocab, torch.Generator().manual_seed(draft_seed))
-        for name in run_modes:
-            if name in ("replay_spec", "native_spec"):
-                checks[name] = check_spec(cm, name, _backend(name, L, backends), snap, G, Mc, drafts, kv_len, T,
-                                          table_len, check_steps, tie_rel, max_tie_frac, strict_check, cuda)
-                _free(cuda)
-        log(f"# batch {batch}: check passed: " + ", ".join(
-            f"{k} {v['exact']}/{batch} exact" + (f" ({v['ties']} near-tie forks)" if v["ties"] else "")
-            for k, v in checks.items()))
-        std = snap = G = margin = None
-        _free(cuda)
-
-    std, snap, G, _ = prepare(model, batch, prompt, kv_len, table_len, snapshot_device)
-    results = {}
     if "standard" in run_modes:
-        results[("standard", None)] = time_standard(std, snap, L, warmup, reps, cuda)
+        try:
+            checks["standard"] = check_standard(std, snap, Gc, Mc, L, check_steps, tie_rel, max_tie_frac,
+                                                strict_check, cuda)
+        except GateError:
+            raise
+        except Exception as e:  # a mode that cannot run is reported, the others still run
+            checks["standard"] = dict(error=_error(e))
     std.ssm.free()
     std = None
     _free(cuda)
-    tables = {a: make_drafts(G, a, vocab, torch.Generator().manual_seed(draft_seed + int(a * 1000)))
+    drafts = make_drafts(G, check_acceptance, cfg.vocab_size, torch.Generator().manual_seed(seed * 7919 + batch))
+    for name in run_modes:
+        if name == "standard":
+            continue
+        try:
+            checks[name] = check_spec(check_model, name, _backend(name, L, backends), snap, G, Mc, drafts, kv_len, T,
+                                      check_len, check_steps, tie_rel, max_tie_frac, strict_check, cuda)
+        except GateError:
+            raise
+        except Exception as e:
+            checks[name] = dict(error=_error(e))
+        _free(cuda)
+    log(f"# batch {batch}: check: " + ", ".join(
+        f"{k} " + (v["error"] if "error" in v else f"{v['exact']}/{batch} exact"
+                   + (f" ({v['ties']} near-tie forks)" if v["ties"] else "")) for k, v in checks.items()))
+    return checks
+
+
+def time_batch(model, batch: int, modes, *, T: int = 4, L: int = 16, acceptances=(0.8,), prompt_len: int = 32,
+               steps: int = 16, warmup: int = 1, reps: int = 5, check_steps: int = 6, check_acceptance: float = 0.7,
+               context: int = 1024, seed: int = 0, timed_target: str = "ref", backends: dict | None = None,
+               snapshot_device=None, skip_modes=(), checks: dict | None = None, log=print) -> list[dict]:
+    """Time every mode at one batch size (reference path through the tables unless ``timed_target='live'``);
+    returns one row per (mode, acceptance) plus rows for skipped or failed modes."""
+    skip_modes = dict(skip_modes) if isinstance(skip_modes, dict) else {m: "skipped" for m in skip_modes}
+    checks = checks or {}
+    _, time_len, kv_len = lengths(T, L, steps, check_steps, prompt_len, context)
+    vocab = model.config.vocab_size
+    cuda = next(model.parameters()).device.type == "cuda"
+    run_modes = [m for m in modes if m not in skip_modes]
+    std, snap, G, _ = prepare(model, batch, _prompt(batch, vocab, prompt_len, seed), kv_len, time_len, snapshot_device)
+    results, errors = {}, {}
+    if "standard" in run_modes:
+        try:
+            results[("standard", None)] = time_standard(std, snap, L, warmup, reps, cuda)
+        except Exception as e:
+            errors["standard"] = _error(e)
+    std.ssm.free()
+    std = None
+    _free(cuda)
+    tables = {a: make_drafts(G, a, vocab, torch.Generator().manual_seed(seed * 7919 + batch + int(a * 1000)))
               for a in acceptances}
     noop_alpha = min(acceptances, key=lambda a: abs(a - 0.8))
     for name in run_modes:
         if name == "standard":
             continue
         tab = {noop_alpha: tables[noop_alpha]} if name == "spec_noop" else tables
-        for a, r in time_spec(model, _backend(name, L, backends), snap, G, tab, kv_len, T, table_len, steps, warmup,
-                              reps, timed_target == "live", cuda).items():
-            results[(name, a)] = r
+        try:
+            for a, r in time_spec(model, _backend(name, L, backends), snap, G, tab, kv_len, T, time_len, steps, warmup,
+                                  reps, timed_target == "live", cuda).items():
+                results[(name, a)] = r
+        except Exception as e:
+            errors[name] = _error(e)
         _free(cuda)
     snap = G = None
     _free(cuda)
+    for name, why in errors.items():
+        log(f"# batch {batch}, {name}: failed: {why}")
+    return make_rows(model.config, batch, results, checks, T, L, kv_len, prompt_len, reps, check_steps,
+                     check_acceptance, timed_target, noop_alpha, cuda,
+                     sum(p.numel() * p.element_size() for p in model.parameters()),
+                     {**skip_modes, **{m: f"failed: {w}" for m, w in errors.items()}}, modes)
 
-    # ---- rows -----------------------------------------------------------------------------------------
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cfg = model.config
+
+def make_rows(cfg, batch, results, checks, T, L, kv_len, prompt_len, reps, check_steps, check_acceptance, timed_target,
+              noop_alpha, cuda, weight_bytes, skipped, modes) -> list[dict]:
     std_r = results.get(("standard", None))
+
+    def tok_s(r):
+        return r["tokens_per_step"] / (r["ms"] * 1e-3)
+
     rows = []
     for (name, a), r in results.items():
-        tps = r["tokens_per_step"] / (r["ms"] * 1e-3)
+        tps = tok_s(r)
         nat = results.get(("native_spec", a)) if name == "replay_spec" else None
         noop = results.get(("spec_noop", noop_alpha)) if name in ("replay_spec", "native_spec") else None
         nbytes = step_bytes(cfg, batch, kv_len, T, L, name, weight_bytes, r["accepted_per_step"])
         chk = checks.get(name)
-        row = dict(batch=batch, mode=name, acceptance=a, T=T if name != "standard" else 1, num_draft=T - 1,
-                   ms_step=r["ms"], spread_ms=r["spread"], steps_per_sample=r["steps"], reps=reps,
-                   accepted_per_step=r["accepted_per_step"],
-                   designed_accepted_per_step=None if a is None else designed_accepted_per_step(a, T),
-                   tokens_per_s=tps,
-                   speedup_vs_standard=None if std_r is None else tps / (std_r["tokens_per_step"] / (std_r["ms"] * 1e-3)),
-                   step_time_vs_standard=None if std_r is None else r["ms"] / std_r["ms"],
-                   speedup_vs_native=None if nat is None else tps / (nat["tokens_per_step"] / (nat["ms"] * 1e-3)),
-                   ssm_share=None if noop is None else 1 - noop["ms"] / r["ms"],
-                   partial_step_frac=r["partial"], live_agreement=r["agree"],
-                   timed_target=None if name == "standard" else timed_target,
-                   bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
-                   timing="cuda-graph" if cuda else "eager-cpu (perf_counter)", buffer_len=L, kv_len=kv_len,
-                   prompt_len=prompt_len,
-                   check=("not checked (no SSM)" if name == "spec_noop" else
-                          "not run" if chk is None else "exact" if chk["ties"] == 0 else f"{chk['ties']} near-tie forks"),
-                   check_exact=None if chk is None else chk["exact"], check_ties=None if chk is None else chk["ties"],
-                   check_steps=check_steps if chk else None, check_acceptance=check_acceptance if chk else None,
-                   check_accepted_per_step=None if chk is None else chk.get("check_accepted_per_step"),
-                   check_partial_steps=None if chk is None else chk.get("check_partial_steps"))
-        rows.append(row)
-    for name, why in skip_modes.items():
+        if name == "spec_noop":
+            check = "not checked (no SSM)"
+        elif chk is None:
+            check = "not run"
+        elif "error" in chk:
+            check = f"not run ({chk['error']})"
+        else:
+            check = "exact" if chk["ties"] == 0 else f"{chk['ties']} near-tie forks"
+        ok = chk is not None and "error" not in chk
+        rows.append(dict(
+            batch=batch, mode=name, acceptance=a, T=T if name != "standard" else 1, num_draft=T - 1,
+            ms_step=r["ms"], spread_ms=r["spread"], steps_per_sample=r["steps"], reps=reps,
+            accepted_per_step=r["accepted_per_step"],
+            designed_accepted_per_step=None if a is None else designed_accepted_per_step(a, T), tokens_per_s=tps,
+            speedup_vs_standard=None if std_r is None else tps / tok_s(std_r),
+            step_time_vs_standard=None if std_r is None else r["ms"] / std_r["ms"],
+            speedup_vs_native=None if nat is None else tps / tok_s(nat),
+            ssm_share=None if noop is None else 1 - noop["ms"] / r["ms"],
+            partial_step_frac=r["partial"], live_agreement=r["agree"],
+            timed_target=None if name == "standard" else timed_target,
+            bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
+            timing="cuda-graph" if cuda else "eager-cpu (perf_counter)", buffer_len=L, kv_len=kv_len,
+            prompt_len=prompt_len, check=check, check_exact=chk["exact"] if ok else None,
+            check_ties=chk["ties"] if ok else None, check_steps=check_steps if ok else None,
+            check_acceptance=check_acceptance if ok and name != "standard" else None,
+            check_accepted_per_step=chk.get("check_accepted_per_step") if ok else None,
+            check_partial_steps=chk.get("check_partial_steps") if ok else None,
+            check_peak_gib=chk.get("peak_gib") if ok else None))
+    for name, why in skipped.items():
         if name in modes:
             rows.append(dict(batch=batch, mode=name, skipped=True, reason=why))
     return rows
 
 
+def run_batch(model, batch: int, modes, *, check_model=None, do_check: bool = True, skip_modes=(), log=print,
+              **kw) -> list[dict]:
+    """:func:`check_batch` (on ``check_model``, default ``model``) then :func:`time_batch` at one batch size."""
+    ck = {k: v for k, v in kw.items() if k in ("T", "L", "prompt_len", "check_steps", "check_acceptance", "context",
+                                                "seed", "tie_rel", "max_tie_frac", "strict_check", "backends",
+                                                "snapshot_device", "steps")}
+    checks = {}
+    if do_check:
+        checks = check_batch(check_model if check_model is not None else model, batch, modes, skip_modes=skip_modes,
+                             log=log, **ck)
+    tk = {k: v for k, v in kw.items() if k not in ("tie_rel", "max_tie_frac", "strict_check")}
+    return time_batch(model, batch, modes, skip_modes=skip_modes, checks=checks, log=log, **tk)
+
+
 # ---- driver -------------------------------------------------------------------------------------------------
-def print_plan(config, batches, modes, kv_len, T, L, act_bytes, check_act_bytes, free, weights_resident):
-    print(f"# memory plan (GiB besides {weights_resident / GiB:.1f} GiB of resident weights; free {free / GiB:.1f} GiB):")
-    print(f"# {'batch':>5s} " + " ".join(f"{m:>22s}" for m in modes))
+def decide(config, batch: int, modes, kv_len: int, T: int, L: int, act_bytes: int, avail: int) -> tuple[dict, str]:
+    """({mode: why skipped}, snapshot device "cuda" | "cpu") for one batch of one phase, from :func:`run_plan`
+    and ``avail`` bytes of GPU memory besides the resident weights."""
+    skip, need = {}, 0
+    for m in modes:
+        p = run_plan(config, batch, kv_len, T, L, m, act_bytes)
+        if p["cpu_snapshot"] > avail:
+            skip[m] = (f"does not fit: needs {p['cpu_snapshot'] / GiB:.1f} GiB besides the weights, "
+                       f"{avail / GiB:.1f} GiB available")
+        else:
+            need = max(need, p["gpu_snapshot"])
+    return skip, ("cuda" if need <= avail else "cpu")
+
+
+def print_plan(config, batches, modes, kv_len, T, L, act_bytes, avail, what):
+    print(f"# memory plan, {what} (GiB besides the resident weights; {avail / GiB:.1f} GiB available):")
+    print("#   batch " + " ".join(f"{m:>18s}" for m in modes))
     for b in batches:
         cells = []
         for m in modes:
             p = run_plan(config, b, kv_len, T, L, m, act_bytes)
-            q = run_plan(config, b, kv_len, T, L, m, check_act_bytes) if m in CHECKED else p
-            need = max(p["gpu_snapshot"], q["gpu_snapshot"])
-            cells.append(f"{need / GiB:8.1f}" + (" fits" if need <= free else " host-snap" if
-                                                   max(p["cpu_snapshot"], q["cpu_snapshot"]) <= free else " SKIP") + "        ")
-        print(f"# {b:5d} " + " ".join(f"{c:>22s}" for c in cells))
+            verdict = "fits" if p["gpu_snapshot"] <= avail else "host-snap" if p["cpu_snapshot"] <= avail else "SKIP"
+            cells.append(f"{p['gpu_snapshot'] / GiB:7.1f} {verdict:>9s}")
+        print(f"#   {b:5d} " + " ".join(f"{c:>18s}" for c in cells), flush=True)
 
 
 def print_table(rows):
@@ -519,9 +599,25 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+def weight_bytes_of(config, dtype) -> int:
+    from transformers import NemotronHForCausalLM
+
+    with torch.device("meta"):
+        m = NemotronHForCausalLM(config)
+    return sum(p.numel() for p in m.parameters()) * dtype.itemsize
+
+
+MODE_ORDER = {m: i for i, m in enumerate(MODES)}
+
+
+def _sort(rows):
+    return sorted(rows, key=lambda r: (r["batch"], MODE_ORDER.get(r.get("mode"), -1),
+                                       -1 if r.get("acceptance") is None else r["acceptance"]))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,32,64,128,256")
+    ap.add_argument("--batches", default="1,32,64,128,256", help="run largest first (a cut run keeps the big ones)")
     ap.add_argument("--acceptances", default="0.6,0.8,0.95", help="per-position draft acceptance probabilities")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--num-tokens", "-T", type=int, default=4, help="T = 1 + num_draft tokens per verify step")
@@ -546,8 +642,10 @@ def main(argv=None):
                     help="timed runs: accept against the greedy reference (controlled acceptance) or the live argmax")
     ap.add_argument("--mem-budget-gib", type=float, default=139.0)
     ap.add_argument("--fit-contexts", default="1024,8192", help="contexts of the max-batch table")
-    ap.add_argument("--time-budget-s", type=float, default=280.0,
+    ap.add_argument("--time-budget-s", type=float, default=240.0,
                     help="skip the remaining batches when the next one is predicted to end past this")
+    ap.add_argument("--check-share", type=float, default=0.35,
+                    help="fraction of the time budget the checks may use (later batches are timed unchecked, labelled)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -556,6 +654,9 @@ def main(argv=None):
     ap.add_argument("--plot", action="store_true")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
@@ -570,23 +671,19 @@ def main(argv=None):
     alphas = [float(a) for a in args.acceptances.split(",") if a]
     if not alphas or any(not 0 <= a <= 1 for a in alphas):
         ap.error(f"--acceptances: expected values in [0, 1], got {args.acceptances!r}")
-    batches = [int(b) for b in args.batches.split(",") if b]
+    order = sorted({int(b) for b in args.batches.split(",") if b}, reverse=True)
+    if not order or order[-1] < 1:
+        ap.error(f"--batches: expected positive integers, got {args.batches!r}")
     dtype = torch.bfloat16 if cuda else torch.float32
-    config = bd.model_config(args.tiny, args.layers, args.vocab)
-    t0 = time.perf_counter()
-    model = bd.build_model(config, dev, dtype, args.seed)
     check_dtype = getattr(torch, args.check_dtype)
-    check_model = None
-    if not args.no_check and check_dtype != dtype:
-        check_model = bd.build_model(config, dev, check_dtype, args.seed)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    resident = weight_bytes + (0 if check_model is None else sum(p.numel() * p.element_size()
-                                                                 for p in check_model.parameters()))
+    do_check = not args.no_check
+    config = bd.model_config(args.tiny, args.layers, args.vocab)
+    weight_bytes = weight_bytes_of(config, dtype)
+    check_weight_bytes = weight_bytes_of(config, check_dtype)
     kinds = list(config.layers_block_type)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     budget = int(args.mem_budget_gib * GiB)
-    table_len = max(args.steps, args.check_steps) * T + T + 1
-    kv_len = max(args.context, args.prompt_len + table_len + T + 1, args.prompt_len + max(L, args.check_steps) + 1)
+    _, _, kv_len = lengths(T, L, args.steps, args.check_steps, args.prompt_len, args.context)
     fit = {f"ctx{ctx}": {m: max_batch(config, budget, ctx, T, L, m, weight_bytes) for m in MODES if m != "spec_noop"}
            for ctx in (int(c) for c in args.fit_contexts.split(",") if c)}
     meta = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now, commit=bd._commit(args.commit),
@@ -597,10 +694,10 @@ def main(argv=None):
                 weights="seeded random (no checkpoint)", T=T, num_draft=T - 1, buffer_len=L, acceptances=alphas,
                 modes=modes, steps=args.steps, reps=args.reps, warmup=args.warmup, prompt_len=args.prompt_len,
                 kv_len=kv_len, timed_target=args.timed_target,
-                check=("off" if args.no_check else f"{args.check_steps} live steps at acceptance "
-                       f"{args.check_acceptance} on {args.check_dtype if check_model is not None else meta_dtype(dtype)}"),
-                mem_budget_gib=args.mem_budget_gib, max_batch_at_budget=fit, build_s=time.perf_counter() - t0)
-    if cuda:
+                check=(f"{args.check_steps} live steps at acceptance {args.check_acceptance} on "
+                       f"{args.check_dtype if cuda else 'float32'}" if do_check else "off"),
+                mem_budget_gib=args.mem_budget_gib, max_batch_at_budget=fit)
+    if cuda:  # before anything else is resident
         from scripts.bench_kernels import copy_ceiling_tbps
 
         meta["copy_ceiling_tbps"] = copy_ceiling_tbps()
@@ -613,75 +710,119 @@ def main(argv=None):
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     print(f"# max batch within {args.mem_budget_gib:g} GiB (memory_model; weights {weight_bytes / GiB:.1f} GiB): "
           + "; ".join(f"{c}: " + ", ".join(f"{m} {b}" for m, b in v.items()) for c, v in fit.items()), flush=True)
-    free = None
+    separate = do_check and check_dtype != dtype
+    avail = {}
     if cuda:
         torch.cuda.empty_cache()
-        free = min(torch.cuda.mem_get_info(dev)[0] - GiB, budget - resident)
-        check_act = check_dtype.itemsize if check_model is not None else dtype.itemsize
-        print_plan(config, batches, modes, kv_len, T, L, dtype.itemsize, check_act, free, resident)
+        room = min(torch.cuda.mem_get_info(dev)[0] - GiB, budget)
+        avail = dict(check=room - (check_weight_bytes if separate else weight_bytes), time=room - weight_bytes)
+        if do_check:
+            print_plan(config, order, [m for m in modes if m in CHECKED], kv_len, T, L, check_dtype.itemsize,
+                       avail["check"], f"check on {args.check_dtype}")
+        print_plan(config, order, modes, kv_len, T, L, dtype.itemsize, avail["time"], "timing")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = args.tag or ("spec-decode-tiny" if args.tiny else "spec-decode")
     path = out / f"{meta['date'][:10]}_{tag}_{meta['commit'][:10]}.json"
-    rows, last = [], None
-    for batch in batches:
-        if last is not None:
-            b0, wall0 = last
-            predicted = wall0 * max(1.0, batch / b0)
+    common = dict(T=T, L=L, prompt_len=args.prompt_len, check_steps=args.check_steps, steps=args.steps,
+                  check_acceptance=args.check_acceptance, context=args.context, seed=args.seed)
+    rows, checks, check_info = [], {}, {}
+
+    def save():
+        meta["wall_s"] = time.perf_counter() - t_start
+        path.write_text(json.dumps({"meta": meta, "rows": _sort(rows)}, indent=1))
+
+    def predicted(last, batch):
+        return None if last is None else last[1] * max(1.0, batch / last[0])
+
+    model = None
+    if do_check:  # phase 1: every check before anything is timed; only the check model resident
+        t0 = time.perf_counter()
+        model = bd.build_model(config, dev, check_dtype if cuda else dtype, args.seed)
+        meta["check_build_s"] = time.perf_counter() - t0
+        last = None
+        for batch in order:
+            p = predicted(last, batch)
             elapsed = time.perf_counter() - t_start
-            if elapsed + predicted > args.time_budget_s:
-                row = dict(batch=batch, skipped=True, mode="all",
-                           reason=f"time budget: {elapsed:.0f} s elapsed + ~{predicted:.0f} s predicted > "
-                                  f"{args.time_budget_s:.0f} s")
-                print(f"# skip batch {batch}: {row['reason']}", file=sys.stderr, flush=True)
-                rows.append(row)
+            if p is not None and elapsed + p > args.check_share * args.time_budget_s:
+                check_info[batch] = f"not run (time budget: {elapsed:.0f} s elapsed + ~{p:.0f} s predicted)"
+                log(f"batch {batch}: check {check_info[batch]}")
                 continue
-        skip, snap_dev = {}, None
-        if cuda:
-            act, cact = dtype.itemsize, (check_dtype.itemsize if check_model is not None else dtype.itemsize)
-            need_gpu = 0
-            for m in modes:
-                p = run_plan(config, batch, kv_len, T, L, m, act)
-                q = run_plan(config, batch, kv_len, T, L, m, cact) if (m in CHECKED and not args.no_check) else p
-                if max(p["cpu_snapshot"], q["cpu_snapshot"]) > free:
-                    skip[m] = (f"does not fit: needs {max(p['cpu_snapshot'], q['cpu_snapshot']) / GiB:.1f} GiB besides "
-                               f"the weights, {free / GiB:.1f} GiB available")
-                    continue
-                need_gpu = max(need_gpu, p["gpu_snapshot"], q["gpu_snapshot"])
-            snap_dev = dev if need_gpu <= free else torch.device("cpu")
-            if snap_dev.type == "cpu":
-                print(f"# batch {batch}: snapshot kept in host memory (restores cross PCIe)", file=sys.stderr)
+            skip, snap = {}, None
+            if cuda:
+                skip, snap = decide(config, batch, [m for m in modes if m in CHECKED], kv_len, T, L,
+                                    check_dtype.itemsize, avail["check"])
+                torch.cuda.reset_peak_memory_stats(dev)
+            t1 = time.perf_counter()
+            log(f"batch {batch}: check ({', '.join(m for m in modes if m in CHECKED and m not in skip)})")
+            try:
+                checks[batch] = check_batch(model, batch, modes, tie_rel=args.tie_rel, max_tie_frac=args.max_tie_frac,
+                                            strict_check=args.strict_check, snapshot_device=snap, skip_modes=skip,
+                                            log=log, **common)
+            except GateError:
+                rows.append(dict(batch=batch, mode="all", skipped=True, reason="ABORT: exactness check failed"))
+                save()
+                raise
+            except Exception as e:  # this batch is reported, the others still run
+                checks[batch] = {m: dict(error=_error(e)) for m in modes if m in CHECKED}
+                log(f"batch {batch}: check failed: {_error(e)}")
             for m, why in skip.items():
-                print(f"# batch {batch}, {m}: {why}", file=sys.stderr, flush=True)
-            if all(m in skip for m in modes):
-                rows += [dict(batch=batch, mode=m, skipped=True, reason=skip[m]) for m in modes]
-                continue
+                checks[batch][m] = dict(error=why)
+            last = (batch, time.perf_counter() - t1)
+            for v in checks[batch].values():
+                v["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB if cuda else None
+            _free(cuda)
+        if separate:
+            model = None
+            _free(cuda)
+    if model is None:
+        t0 = time.perf_counter()
+        model = bd.build_model(config, dev, dtype, args.seed)
+        meta["build_s"] = time.perf_counter() - t0
+    last = None
+    for batch in order:  # phase 2: timing
+        p = predicted(last, batch)
+        elapsed = time.perf_counter() - t_start
+        if p is not None and elapsed + p > args.time_budget_s:
+            why = f"time budget: {elapsed:.0f} s elapsed + ~{p:.0f} s predicted > {args.time_budget_s:.0f} s"
+            log(f"skip batch {batch}: {why}")
+            rows.append(dict(batch=batch, mode="all", skipped=True, reason=why))
+            save()
+            continue
+        skip, snap = {}, None
+        if cuda:
+            skip, snap = decide(config, batch, modes, kv_len, T, L, dtype.itemsize, avail["time"])
+            torch.cuda.reset_peak_memory_stats(dev)
+            if snap == "cpu":
+                log(f"batch {batch}: snapshot kept in host memory (restores cross PCIe)")
+        bchecks = checks.get(batch, {})
+        if batch in check_info:
+            bchecks = {m: dict(error=check_info[batch]) for m in modes if m in CHECKED}
         t1 = time.perf_counter()
-        batch_rows = run_batch(model, batch, modes, T=T, L=L, acceptances=alphas, prompt_len=args.prompt_len,
-                               steps=args.steps, warmup=args.warmup, reps=args.reps, check_steps=args.check_steps,
-                               check_acceptance=args.check_acceptance, context=args.context, seed=args.seed,
-                               tie_rel=args.tie_rel, max_tie_frac=args.max_tie_frac, strict_check=args.strict_check,
-                               timed_target=args.timed_target, check_model=check_model, do_check=not args.no_check,
-                               snapshot_device=snap_dev, skip_modes=skip,
-                               log=lambda s: print(s, file=sys.stderr, flush=True))
+        log(f"batch {batch}: timing ({', '.join(m for m in modes if m not in skip)})")
+        try:
+            batch_rows = time_batch(model, batch, modes, acceptances=alphas, warmup=args.warmup, reps=args.reps,
+                                    timed_target=args.timed_target, snapshot_device=snap, skip_modes=skip,
+                                    checks=bchecks, log=log, **common)
+        except Exception as e:
+            log(f"batch {batch}: timing failed: {_error(e)}")
+            batch_rows = [dict(batch=batch, mode="all", skipped=True, reason=f"failed: {_error(e)}")]
         wall = time.perf_counter() - t1
         last = (batch, wall)
         for r in batch_rows:
             r["batch_wall_s"] = wall
-            if cuda and not r.get("skipped"):
-                r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
-                r["snapshot"] = str(snap_dev)
-                r["pct_ceiling"] = 100 * r["tbps"] / meta["copy_ceiling_tbps"]
             if not r.get("skipped"):
-                p = memory_model(config, batch, kv_len, T, L, r["mode"], weight_bytes)
-                r["memory_model_gib"] = p["total"] / GiB
+                r["memory_model_gib"] = memory_model(config, batch, kv_len, T, L, r["mode"], weight_bytes)["total"] / GiB
+                if cuda:
+                    r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+                    r["snapshot"] = snap
+                    r["pct_ceiling"] = 100 * r["tbps"] / meta["copy_ceiling_tbps"]
             print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **r}), flush=True)
         rows += batch_rows
-        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # after every batch
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(dev)
-    meta["wall_s"] = time.perf_counter() - t_start
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        save()  # after every batch: a cut run keeps its rows
+        _free(cuda)
+    save()
+    rows = _sort(rows)
     print(f"# {meta['device']}, {meta['model']} ({meta['layers']} layers, vocab {meta['vocab']}), T={T}, L={L}, "
           f"timed target {args.timed_target}; {meta['wall_s']:.0f} s; results in {path}")
     print_table(rows)
@@ -690,10 +831,6 @@ def main(argv=None):
         plot(rows, png)
         print(f"# plot: {png}")
     return rows
-
-
-def meta_dtype(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 if __name__ == "__main__":
