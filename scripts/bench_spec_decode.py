@@ -27,8 +27,9 @@ acceptance would no longer be controlled. The step still computes its argmax (sa
 fraction of accepted positions where the bf16 argmax equals G is reported (``live_agreement``).
 ``--timed-target live`` compares with the live argmax instead (acceptance then measured, not set).
 
-Exactness check (before anything is timed, per batch): on an fp32 twin of the model (same seeded
-weights), every spec mode runs ``--check-steps`` live-target steps (drafts at ``--check-acceptance``,
+Exactness check (phase 1: every batch is checked before anything is timed, with only the fp32 twin
+resident; phase 2 then builds the bf16 model and times): on the fp32 twin (same seeded weights),
+every spec mode runs ``--check-steps`` live-target steps (drafts at ``--check-acceptance``,
 so rejections, conv rollbacks and ReplaySSM flushes all happen) and the tokens it emits must equal
 plain greedy decoding's (the conventional standard step's) tokens; the standard ReplaySSM baseline is
 checked the same way. A row may fork only at a near tie of the reference (top-2 margin below
@@ -46,8 +47,11 @@ ReplaySSM, + T fp32 snapshots per layer for native spec) + conv windows + KV cac
 gives the largest batch within ``--mem-budget-gib`` (``max_batch``), reported per mode and context.
 Before running, :func:`run_plan` (serving memory + the snapshot + the twin's weights) is printed for
 every (batch, mode); pairs that do not fit the free GPU memory are skipped with the GiB they need.
-``--time-budget-s`` skips the remaining batches when the next one would not finish in time (rows are
-written after every batch, so a cut run keeps what it measured).
+Batches run largest first. ``--time-budget-s`` skips the remaining batches when the next one would
+not finish in time (checks may use ``--check-share`` of it; a batch whose check was cut is timed and
+labelled "not run"); rows are written after every batch, so a cut run keeps what it measured. A mode
+that fails at one batch (e.g. out of memory) is reported in a row and the run goes on; a failed
+exactness check aborts.
 
 Bytes per step (:func:`step_bytes`; b rows, a = 2, s = 4, M Mamba / A attention layers, W weights):
   common      W + A*b*2*kvh*kv_len*hd*a (K, V dense) + conv windows + logits (b*T*V*(2+4+4))
@@ -736,6 +740,9 @@ def main(argv=None):
         return None if last is None else last[1] * max(1.0, batch / last[0])
 
     model = None
+    meta["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    if do_check and meta["float32_matmul_precision"] != "highest":
+        torch.set_float32_matmul_precision("highest")  # TF32 GEMMs would make the fp32 twin fork like bf16
     if do_check:  # phase 1: every check before anything is timed; only the check model resident
         t0 = time.perf_counter()
         model = bd.build_model(config, dev, check_dtype if cuda else dtype, args.seed)
