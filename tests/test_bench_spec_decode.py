@@ -34,6 +34,7 @@ spec.loader.exec_module(bs)
 from builders import spec_step as ss  # noqa: E402
 from scripts import bench_decode as bd  # noqa: E402
 from trtllm_replayssm import spec_reference as sr  # noqa: E402
+from trtllm_replayssm.cache import memory_per_request  # noqa: E402
 
 T, L = 4, 8
 RUN = dict(T=T, L=L, prompt_len=4, steps=3, warmup=0, reps=1, check_steps=4, check_acceptance=0.7, context=48)
@@ -193,6 +194,8 @@ def test_memory_model_nemotron_h_8b():
     assert replay["ssm"] == standard["ssm"] == M * b * (state + rings)
     assert native["kv"] == replay["kv"] == 4 * 2 * b * 8 * kv * 128 * 2 == 4 * GiB
     assert replay["conv"] == M * b * 10240 * 6 * 2 and standard["conv"] == M * b * 10240 * 4 * 2
+    one = bs.memory_model(cfg, 1, kv, 4, 16, "replay_spec", 0)
+    assert one["ssm"] + one["conv"] == memory_per_request(128, 64, 128, 8, M, 16, 3)["replay"] - 8  # 8: the cursor
     W = 16 * 10**9
     assert bs.memory_model(cfg, b, kv, 4, 16, "native_spec", W)["total"] > 139 * GiB  # native bs256 does not fit
     assert bs.memory_model(cfg, b, kv, 4, 16, "replay_spec", W)["total"] < 60 * GiB
