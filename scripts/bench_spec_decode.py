@@ -667,6 +667,8 @@ def main(argv=None):
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
+    if args.tiny and not cuda:
+        torch.set_num_threads(1)  # thousands of tiny float64 ops: intra-op threads only spin
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:
