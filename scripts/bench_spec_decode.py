@@ -45,8 +45,9 @@ sample. Tokens/s = accepted tokens of all rows per step / ms per step. CPU: eage
 Memory (:func:`memory_model`, bytes per mode at serving time: weights + SSM state (+ rings for
 ReplaySSM, + T fp32 snapshots per layer for native spec) + conv windows + KV cache + step scratch)
 gives the largest batch within ``--mem-budget-gib`` (``max_batch``), reported per mode and context.
-Before running, :func:`run_plan` (serving memory + the snapshot + the twin's weights) is printed for
-every (batch, mode); pairs that do not fit the free GPU memory are skipped with the GiB they need.
+Before running, :func:`run_plan` (the mode's memory + the post-prompt snapshot, besides the phase's
+resident model) is printed for every (batch, mode) and phase; pairs that do not fit the free GPU
+memory (capped at the budget) are skipped with the GiB they need.
 Batches run largest first. ``--time-budget-s`` skips the remaining batches when the next one would
 not finish in time (checks may use ``--check-share`` of it; a batch whose check was cut is timed and
 labelled "not run"); rows are written after every batch, so a cut run keeps what it measured. A mode
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import pathlib
 import statistics
@@ -284,7 +286,8 @@ def check_tokens(name, G, margin, got, n_valid, tie_rel, max_tie_frac, strict) -
 
 
 def _free(cuda: bool) -> None:
-    if cuda:
+    if cuda:  # graphs, steps and failed frames of the last mode: their blocks back to the driver
+        gc.collect()
         torch.cuda.empty_cache()
 
 
