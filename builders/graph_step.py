@@ -207,6 +207,18 @@ def _rmsnorm(h, w, eps):
     return (w.float() * v).to(h.dtype)
 
 
+def mamba_constants(model, layers) -> dict:
+    """Per Mamba layer: A = -exp(A_log), D, dt_bias (fp32), conv weight (conv_dim, K) and bias."""
+    out = {}
+    for i in layers:
+        mx = model.model.layers[i].mixer
+        out[i] = dict(A=-torch.exp(mx.A_log.detach().float()), D=mx.D.detach().float().contiguous(),
+                      dt_bias=mx.dt_bias.detach().float().contiguous(),
+                      conv_w=mx.conv1d.weight.detach()[:, 0, :].contiguous(),
+                      conv_b=None if mx.conv1d.bias is None else mx.conv1d.bias.detach())
+    return out
+
+
 class HybridDecodeStep:
     """One decode step over ``model``'s weights for ``batch`` rows, KV caches of ``kv_len`` positions.
 
@@ -230,14 +242,7 @@ class HybridDecodeStep:
         self.mamba = [i for i, k in enumerate(self.kinds) if k == "linear_attention"]
         self.attn = [i for i, k in enumerate(self.kinds) if k == "full_attention"]
         self.eps = cfg.layer_norm_epsilon
-        layers = model.model.layers
-        self.consts = {}
-        for i in self.mamba:
-            mx = layers[i].mixer
-            self.consts[i] = dict(A=-torch.exp(mx.A_log.detach().float()), D=mx.D.detach().float().contiguous(),
-                                  dt_bias=mx.dt_bias.detach().float().contiguous(),
-                                  conv_w=mx.conv1d.weight.detach()[:, 0, :].contiguous(),
-                                  conv_b=None if mx.conv1d.bias is None else mx.conv1d.bias.detach())
+        self.consts = mamba_constants(model, self.mamba)
         dev, b = self.device, batch
         conv_dim = self.H * self.P + 2 * self.G * self.N
         kvh, hd = cfg.num_key_value_heads, cfg.head_dim
