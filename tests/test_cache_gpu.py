@@ -51,7 +51,7 @@ def rel(a, b):
 
 def bits(t):
     """Bit patterns of a float tensor (NaN == NaN, -0 != 0); integers as they are."""
-    return t.view(torch.uint8) if t.is_floating_point() else t
+    return t.contiguous().view(torch.uint8) if t.is_floating_point() else t  # views of the caches are strided
 
 
 class CacheProblem:
