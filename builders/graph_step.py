@@ -26,6 +26,9 @@ state (a snapshot taken after the prompt), so the tokens of every backend can be
 
   conventional   S (batch, H, P, N) fp32, read and written every step
   replay         checkpoint S0 = S, cursor 0, x/B/dt buffers; one fused ``replay_decode`` per layer
+  replay + shadow  the same, plus a bf16 (or fp8-e4m3 + per-(slot, head, row) scale) copy of S0 that
+                 non-flush steps read instead of S0; written from S0 at ``load`` (prefill hand-off)
+                 with :class:`~trtllm_replayssm.reference.Shadow`'s rounding, rewritten by every flush
   mamba_ssm      mamba_ssm's Triton ``selective_state_update`` on the same S (CUDA only)
   noop           no SSM work at all (y = 0): the step without the SSM, for the SSM's share of time
 
@@ -36,6 +39,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from trtllm_replayssm.reference import FP8_E4M3_MAX, Shadow
 
 from .nemotron_h import reference_backend
 
@@ -99,11 +104,16 @@ class Replay(SSMBackend):
 
     name = "replay"
 
-    def __init__(self, buffer_len: int = 16, advance=None):
+    def __init__(self, buffer_len: int = 16, advance=None, shadow: str | None = None):
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+        if shadow not in (None, "bf16", "fp8"):
+            raise ValueError(f"shadow: expected None, 'bf16' or 'fp8', got {shadow!r}")
         self.L = buffer_len
         self.advance = advance
+        self.shadow_kind = shadow
+        if shadow is not None:
+            self.name = f"replay_{shadow}"
 
     def alloc(self, layers, batch, H, P, N, G, device, act_dtype):
         super().alloc(layers, batch, H, P, N, G, device, act_dtype)
@@ -112,10 +122,18 @@ class Replay(SSMBackend):
         self.B_cache = {i: torch.zeros(batch, G, L, N, dtype=act_dtype, device=device) for i in layers}
         self.dt_cache = {i: torch.zeros(batch, H, L, dtype=torch.float32, device=device) for i in layers}
         self.cursor = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.shadow, self.shadow_scale = {}, {}
+        if self.shadow_kind is not None:
+            dtype = torch.bfloat16 if self.shadow_kind == "bf16" else torch.float8_e4m3fn
+            self.shadow = {i: torch.zeros(batch, H, P, N, dtype=dtype, device=device) for i in layers}
+            if self.shadow_kind == "fp8":
+                self.shadow_scale = {i: torch.ones(batch, H, P, dtype=torch.float32, device=device) for i in layers}
 
     def load(self, states: dict) -> None:
         super().load(states)  # the prompt's final state becomes the checkpoint, the buffers are empty
         self.cursor.zero_()
+        for i in self.shadow:  # prefill hand-off: the shadow of the new checkpoint
+            write_shadow(self.state[i], self.shadow[i], self.shadow_scale.get(i))
 
     def states(self) -> dict:
         from trtllm_replayssm import reference
@@ -133,11 +151,28 @@ class Replay(SSMBackend):
     def step(self, i, x, B, C, dt, dt_bias, A, D, sbi):
         kw = dict(state=self.state[i], x_cache=self.x_cache[i], B_cache=self.B_cache[i], dt_cache=self.dt_cache[i],
                   cursor=self.cursor, x=x, B=B, C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, state_batch_indices=sbi)
+        q, scale = self.shadow.get(i), self.shadow_scale.get(i)
         if x.device.type != "cuda":
-            return reference_backend(z=None, **kw)
+            if q is None:
+                return reference_backend(z=None, **kw)
+            # The float64 reference reads Shadow.read(slot) and rewrites the shadow of a flushed slot
+            # from its float64 state; the kernel rewrites it from the stored fp32 checkpoint, so the
+            # flushed slots (cursor L-1 before the step, as the kernel decides) are rewritten here
+            # from self.state once reference_backend has stored it back in fp32.
+            rows = sbi[sbi >= 0].long()
+            flushed = rows[self.cursor[rows] == self.L - 1]
+            y = reference_backend(z=None, shadow=Shadow.wrap(q, scale), **kw)
+            if flushed.numel():
+                sq = q[flushed]
+                ss = None if scale is None else scale[flushed]
+                write_shadow(self.state[i][flushed], sq, ss)
+                q[flushed] = sq
+                if scale is not None:
+                    scale[flushed] = ss
+            return y
         from trtllm_replayssm import ops
 
-        return ops.replay_decode(**kw)
+        return ops.replay_decode(**kw, shadow=q, shadow_scale=scale)
 
     def end_step(self, sbi) -> None:
         if self.advance is not None:
@@ -154,6 +189,21 @@ class Replay(SSMBackend):
     def free(self) -> None:
         super().free()
         self.x_cache = self.B_cache = self.dt_cache = {}
+        self.shadow, self.shadow_scale = {}, {}
+
+
+def write_shadow(state: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """``Shadow.write`` for every slot at once, in place: q = bf16(S), or (fp8, ``scale`` given)
+    scale = max_n |S[slot, h, p, n]| / 448 (1 for an all-zero row), q = e4m3(S / scale). The same
+    elementwise ops in the same order as :meth:`trtllm_replayssm.reference.Shadow.write`, so the
+    bits are the same (tests/test_bench_decode.py compares them)."""
+    if scale is None:
+        q.copy_(state.to(torch.bfloat16))
+        return
+    S32 = state.float()
+    amax = S32.abs().amax(dim=-1)
+    scale.copy_(torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax)))
+    q.copy_((S32 / scale[..., None]).to(torch.float8_e4m3fn))
 
 
 class MambaSSM(SSMBackend):

@@ -101,7 +101,12 @@ NEMOTRON_H_8B = dict(
     pad_token_id=0,
     bos_token_id=1,
 )
-MODES = ("conventional", "replay", "mamba_ssm", "noop")
+MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "mamba_ssm", "noop")
+SHADOW_MODES = {"replay_bf16": "bf16", "replay_fp8": "fp8"}
+# Teacher-forced gate of the shadow modes (module docstring; measurements in bench/NOTES.md):
+# max over (row, step) of max_v |logit - conventional logit| / std(conventional logits), and the
+# fraction of (row, step) positions whose argmax is the conventional token.
+SHADOW_GATE = {"bf16": dict(max_logit_err=0.05, min_agree=0.97), "fp8": dict(max_logit_err=0.25, min_agree=0.9)}
 GiB = 1 << 30
 
 
@@ -178,8 +183,15 @@ def build_model(config, device="cpu", dtype=torch.bfloat16, seed: int = 0):
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
-def memory_plan(config, batch: int, kv_len: int, L: int, weight_bytes: int, act_bytes: int = 2) -> dict:
-    """Bytes the run of one batch needs on the GPU (peak: model state + snapshot + one backend)."""
+def shadow_elem_bytes(modes) -> int:
+    """Bytes per state element of the largest shadow among ``modes`` (0 without a shadow mode)."""
+    return max([{"bf16": 2, "fp8": 1}[SHADOW_MODES[m]] for m in modes if m in SHADOW_MODES], default=0)
+
+
+def memory_plan(config, batch: int, kv_len: int, L: int, weight_bytes: int, act_bytes: int = 2,
+                shadow_bytes: int = 0) -> dict:
+    """Bytes the run of one batch needs on the GPU (peak: model state + snapshot + one backend;
+    ``shadow_bytes`` per state element of the largest shadow backend, fp8 with its row scales)."""
     c = config
     H, P, N, G, K = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups, c.conv_kernel
     kinds = list(c.layers_block_type)
@@ -187,6 +199,7 @@ def memory_plan(config, batch: int, kv_len: int, L: int, weight_bytes: int, act_
     conv_dim = H * P + 2 * G * N
     ssm = M * batch * H * P * N * 4
     buffers = M * batch * (H * L * P * act_bytes + G * L * N * act_bytes + H * L * 4)
+    buffers += M * batch * (H * P * N * shadow_bytes + (H * P * 4 if shadow_bytes == 1 else 0))
     conv = M * batch * conv_dim * K * act_bytes
     kv = T * 2 * batch * c.num_key_value_heads * kv_len * c.head_dim * act_bytes
     widest = max(2 * H * P + 2 * G * N + H, c.intermediate_size, c.hidden_size)
@@ -205,8 +218,12 @@ def step_bytes(config, batch: int, kv_len: int, L: int, weight_bytes: int, mode:
               + T * batch * 2 * c.num_key_value_heads * kv_len * c.head_dim * a)
     state = H * P * N * 4
     entry = H * P * a + G * N * a + 4 * H
-    ssm = {"conventional": 2 * state, "mamba_ssm": 2 * state, "noop": 0,
-           "replay": state * (1 + 1 / L) + (L - 1) / 2 * entry + entry}.get(mode, 0)
+    buf = (L - 1) / 2 * entry + entry
+    # shadow: non-flush steps read the shadow (L-1 of L), the flush reads and writes the fp32
+    # checkpoint and writes the shadow (fp8: + its fp32 row scales): 2 state / L + 1 shadow per step
+    shadow = {"replay_bf16": H * P * N * 2, "replay_fp8": H * P * N + H * P * 4}
+    ssm = {"conventional": 2 * state, "mamba_ssm": 2 * state, "noop": 0, "replay": state * (1 + 1 / L) + buf,
+           **{m: 2 * state / L + sh + buf for m, sh in shadow.items()}}.get(mode, 0)
     return int(common + M * batch * ssm)
 
 
@@ -236,6 +253,29 @@ def check_gate(name: str, ref: torch.Tensor, margin: torch.Tensor, got: torch.Te
     return dict(exact=exact, ties=len(ties))
 
 
+def check_forced_gate(name: str, ref: torch.Tensor, got: torch.Tensor, err: torch.Tensor, max_logit_err: float,
+                      min_agree: float) -> dict:
+    """Teacher-forced gate of a lossy (shadow) mode: ref/got (batch, T) conventional tokens and this
+    mode's argmax when fed the conventional tokens, err (batch, T) max_v |logit - conventional logit|
+    / std(conventional logits). Returns {agree, logit_err_max, logit_err_median, exact}; raises
+    :class:`GateError` when err exceeds ``max_logit_err`` anywhere (NaN included) or the argmax agrees
+    at fewer than ``min_agree`` of the (row, step) positions."""
+    same = ref == got
+    agree = float(same.float().mean())
+    bad = ~(err <= max_logit_err)
+    if bad.any():
+        where = bad.nonzero().tolist()
+        shown = ", ".join(f"row {b} step {t} ({float(err[b, t]):.3g} std)" for b, t in where[:8])
+        raise GateError(f"teacher-forced gate: mode {name!r} logits differ from conventional by more than "
+                        f"{max_logit_err} x std at {len(where)} of {err.numel()} (row, step) positions: {shown}")
+    if agree < min_agree:
+        rows = (~same).nonzero().tolist()[:8]
+        raise GateError(f"teacher-forced gate: mode {name!r} argmax agrees with conventional at {agree:.4f} of the "
+                        f"(row, step) positions (required {min_agree}); first differences (row, step): {rows}")
+    return dict(agree=agree, logit_err_max=float(err.max()), logit_err_median=float(err.median()),
+                exact=int(same.all(dim=1).sum()))
+
+
 # ---- one mode --------------------------------------------------------------------------------------------
 def _percentile_spread(xs):
     xs = sorted(xs)
@@ -243,9 +283,14 @@ def _percentile_spread(xs):
 
 
 def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
-             on_tokens=None) -> dict:
+             on_tokens=None, force: torch.Tensor | None = None, ref_logits=None, keep_logits: bool = False) -> dict:
     """Gate tokens and timing of one SSM backend (see the module docstring for the route).
-    ``on_tokens(tokens, margin)`` runs after the greedy tokens and before any timing (it may raise)."""
+
+    ``on_tokens(result)`` runs after the gate steps and before any timing (it may raise); ``result``
+    has ``tokens`` and ``margin`` (batch, T), ``logits`` (list of T (batch, vocab) fp32 CPU tensors,
+    with ``keep_logits``) and ``err`` (batch, T, with ``ref_logits``: max |logits - ref_logits[t]| /
+    std(ref_logits[t])). ``force`` (batch, T): teacher forcing, the input of gate step t > 0 is
+    ``force[:, t - 1]`` instead of this mode's own argmax (timing is unaffected: the same graph)."""
     step.set_ssm(ssm)
     step.restore(snap)
     cuda = step.device.type == "cuda"
@@ -267,13 +312,24 @@ def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, 
     b = step.batch
     tokens = torch.empty(b, gate_tokens, dtype=torch.int64, device=step.device)
     margin = torch.empty(b, gate_tokens, dtype=torch.float32, device=step.device)
+    err = torch.full((b, gate_tokens), float("nan"), dtype=torch.float32, device=step.device)
+    kept = []
     for t in range(gate_tokens):
+        if force is not None and t > 0:
+            step.ids.copy_(force[:, t - 1])  # a copy into the captured input buffer, outside the graph
         run()
         tokens[:, t] = step.ids
         top = step.logits.topk(2, dim=-1).values
         margin[:, t] = (top[:, 0] - top[:, 1]) / step.logits.std(dim=-1)
+        if keep_logits:
+            kept.append(step.logits.to("cpu", copy=True))  # .cpu() of a CPU tensor would alias the buffer
+        if ref_logits is not None:
+            r = ref_logits[t].to(step.device)
+            err[:, t] = (step.logits - r).abs().amax(dim=-1) / r.std(dim=-1)
+            del r
+    gate_res = dict(tokens=tokens.cpu(), margin=margin.cpu(), err=err.cpu(), logits=kept)
     if on_tokens is not None:
-        on_tokens(tokens.cpu(), margin.cpu())
+        on_tokens(gate_res)
     for _ in range(warmup * L):
         run()
     times = []
@@ -294,7 +350,8 @@ def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, 
     if cuda:
         torch.cuda.synchronize()
     del graph
-    return dict(tokens=tokens.cpu(), margin=margin.cpu(), ms=statistics.median(times) if times else None,
+    return dict(tokens=gate_res["tokens"], margin=gate_res["margin"], err=gate_res["err"],
+                ms=statistics.median(times) if times else None,
                 spread_ms=_percentile_spread(times) if times else None,
                 timing="cuda-graph" if cuda else "eager-cpu (no CUDA graph)")
 
@@ -304,6 +361,8 @@ def make_backend(name: str, L: int, mamba_fn=None):
         return Conventional()
     if name == "replay":
         return Replay(L)
+    if name in SHADOW_MODES:
+        return Replay(L, shadow=SHADOW_MODES[name])
     if name == "mamba_ssm":
         if mamba_fn is None:
             raise ValueError("mode mamba_ssm: mamba_ssm's selective_state_update is not importable")
@@ -317,35 +376,59 @@ def _backend(name, L, mamba_fn, backends):
     return (backends or {}).get(name) or make_backend(name, L, mamba_fn)
 
 
+class _Gate:
+    """The gate of one phase: the conventional mode's tokens, margins and (when a shadow mode is gated)
+    logits, then each other mode checked against them as soon as its gate steps are done."""
+
+    def __init__(self, modes, batch, tie_rel, max_tie_frac, strict_gate, shadow_gate):
+        self.batch, self.tie = batch, (tie_rel, max_tie_frac, strict_gate)
+        self.shadow_gate = shadow_gate
+        self.need_logits = any(m in SHADOW_MODES for m in modes)
+        self.ref, self.out = {}, {}
+
+    def kwargs(self, name) -> dict:
+        """Extra run_mode arguments of ``name``'s gated run (the reference runs first)."""
+        if name == "conventional":
+            return dict(keep_logits=self.need_logits)
+        if name in SHADOW_MODES:
+            return dict(force=self.ref["tokens"], ref_logits=self.ref["logits"])
+        return {}
+
+    def on_tokens(self, name):
+        def f(res):
+            if name == "conventional":
+                self.ref.update(res)
+                self.out[name] = dict(exact=self.batch, ties=0)
+            elif name in SHADOW_MODES:
+                g = self.shadow_gate[SHADOW_MODES[name]]
+                self.out[name] = check_forced_gate(name, self.ref["tokens"], res["tokens"], res["err"],
+                                                   g["max_logit_err"], g["min_agree"])
+            elif name != "noop":
+                self.out[name] = check_gate(name, self.ref["tokens"], self.ref["margin"], res["tokens"], *self.tie)
+        return f
+
+
 def gate_phase(model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max_tie_frac, strict_gate, mamba_fn,
-               backends, snapshot_device) -> dict:
+               backends, snapshot_device, shadow_gate=None) -> dict:
     """Greedy tokens of every mode (noop excluded) on ``model``, each checked against the conventional
-    mode's before the next mode runs; returns {mode: {exact, ties}}. Raises :class:`GateError`."""
+    mode's before the next mode runs (shadow modes: teacher-forced); returns {mode: gate result}.
+    Raises :class:`GateError`."""
     dev = next(model.parameters()).device
     step = HybridDecodeStep(model, batch, kv_len, Conventional())
     step.feed(prompt.to(dev))
     snap = step.snapshot(snapshot_device)
-    out, ref = {}, {}
-
-    def check(name):
-        def on_tokens(tokens, margin):
-            if name == "conventional":
-                ref.update(tokens=tokens, margin=margin)
-                out[name] = dict(exact=batch, ties=0)
-            else:
-                out[name] = check_gate(name, ref["tokens"], ref["margin"], tokens, tie_rel, max_tie_frac, strict_gate)
-        return on_tokens
-
+    gate = _Gate(modes, batch, tie_rel, max_tie_frac, strict_gate, shadow_gate or SHADOW_GATE)
     for name in [m for m in modes if m != "noop"]:
-        run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, 0, 0, on_tokens=check(name))
+        run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, 0, 0,
+                 on_tokens=gate.on_tokens(name), **gate.kwargs(name))
     step.ssm.free()
-    return out
+    return gate.out
 
 
 def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_tokens: int = 32, warmup: int = 1,
               reps: int = 10, context: int = 1024, seed: int = 0, tie_rel: float = 1e-3, max_tie_frac: float = 0.05,
               strict_gate: bool = False, mamba_fn=None, backends: dict | None = None, snapshot_device=None,
-              gate_model=None) -> list[dict]:
+              gate_model=None, shadow_gate: dict | None = None) -> list[dict]:
     """All modes at one batch size; returns one row per mode.
 
     The gate runs first, on ``gate_model`` (e.g. an fp32 twin of a bf16 ``model``; default: ``model``
@@ -362,26 +445,20 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
     gates = {}
     if separate:
         gates = gate_phase(gate_model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max_tie_frac,
-                           strict_gate, mamba_fn, backends, snapshot_device)
+                           strict_gate, mamba_fn, backends, snapshot_device, shadow_gate)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the fp32 phase's blocks have other sizes than the timed phase's
     dev = next(model.parameters()).device
     step = HybridDecodeStep(model, batch, kv_len, Conventional())
     step.feed(prompt.to(dev))
     snap = step.snapshot(snapshot_device)
-    results, ref = {}, {}
-
-    def on_tokens(name):
-        def f(tokens, margin):
-            if name == "conventional":
-                ref.update(tokens=tokens, margin=margin)
-            elif not separate and name != "noop":
-                gates[name] = check_gate(name, ref["tokens"], ref["margin"], tokens, tie_rel, max_tie_frac, strict_gate)
-        return f
-
-    for name in modes:
-        results[name] = run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, warmup, reps,
-                                 on_tokens=on_tokens(name))
+    results = {}
+    gk = None if separate else _Gate(modes, batch, tie_rel, max_tie_frac, strict_gate, shadow_gate or SHADOW_GATE)
+    for name in modes:  # the gate (when it runs on this model) checks each mode before its timing
+        kw = dict(on_tokens=gk.on_tokens(name), **gk.kwargs(name)) if gk is not None else {}
+        results[name] = run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, warmup, reps, **kw)
+    if gk is not None:
+        gates = gk.out
     step.ssm.free()
     conv = results["conventional"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -392,6 +469,13 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
             gate = dict(gate="reference", gate_exact=batch, gate_ties=0)
         elif name == "noop":
             gate = dict(gate="not gated (no SSM)", gate_exact=None, gate_ties=None)
+        elif name in SHADOW_MODES:
+            g, lim = gates[name], (shadow_gate or SHADOW_GATE)[SHADOW_MODES[name]]
+            gate = dict(gate=f"teacher-forced: agree {100 * g['agree']:.2f}%, logit err {g['logit_err_max']:.2g} std",
+                        gate_exact=g["exact"], gate_ties=None, gate_agree=g["agree"],
+                        gate_logit_err_max=g["logit_err_max"], gate_logit_err_median=g["logit_err_median"],
+                        gate_min_agree=lim["min_agree"], gate_max_logit_err=lim["max_logit_err"],
+                        shadow=SHADOW_MODES[name])
         else:
             g = gates[name]
             gate = dict(gate="exact" if g["ties"] == 0 else f"{g['ties']} near-tie forks", gate_exact=g["exact"],
@@ -545,9 +629,11 @@ def main(argv=None):
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(dev)[0]  # the weights are already resident
             kv_len = max(args.context, args.prompt_len + args.gate_tokens + (args.warmup + args.reps) * args.buffer_len + 1)
-            plan_ = memory_plan(config, batch, kv_len, args.buffer_len, 0)
+            sb = shadow_elem_bytes(modes)
+            plan_ = memory_plan(config, batch, kv_len, args.buffer_len, 0, shadow_bytes=sb)
             if gate_model is not None:  # the gate phase (fp32 activations) runs before the timed one
-                gplan = memory_plan(config, batch, kv_len, args.buffer_len, 0, act_bytes=gate_dtype.itemsize)
+                gplan = memory_plan(config, batch, kv_len, args.buffer_len, 0, act_bytes=gate_dtype.itemsize,
+                                    shadow_bytes=sb)
                 plan_ = {k: max(v, gplan[k]) for k, v in plan_.items()}
             if plan_["gpu_snapshot"] <= free:
                 snap_dev = dev
