@@ -54,10 +54,10 @@ into the graph's input buffer before the replay), so both see the same contexts 
 The first is the sharp one: a bounded shadow error bounds every logit, a bug (a shadow never
 rewritten at a flush, a stale or unscaled read) moves them by O(1) std. The second bounds the
 token-level cost (a flip needs a top-2 margin below 2x the logit error). Thresholds come from
-CPU measurements (tiny config, and Nemotron-H-8B geometry truncated to 12 layers with the real
-vocab, fp32 activations; bench/NOTES.md "Shadow modes end to end"): measured max errors are
+CPU measurements (tiny config, and Nemotron-H-8B geometry truncated to 8 layers, vocab 8192,
+fp32 activations; bench/NOTES.md "Shadow modes end to end"): measured max errors are
 bf16 <= 0.005 std, fp8 <= 0.07 std, and a stale shadow >= 1 std; the thresholds sit ~4-10x above
-the former (24 Mamba layers and 8192 positions instead of 6 and ~130) and >= 4x below the latter.
+the former (24 Mamba layers and 8192 positions instead of 4 and <= 530) and >= 4x below the latter.
 Rows report ``gate_agree``, ``gate_logit_err_max`` / ``_median`` and the thresholds.
 
 Bytes model of one step (b rows, a = 2 bytes bf16, s = 4 bytes fp32 state; M Mamba / T attention
