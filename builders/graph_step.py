@@ -269,6 +269,18 @@ def mamba_constants(model, layers) -> dict:
     return out
 
 
+def layer_weights(layer, kind: str) -> dict:
+    """The projections of one layer's mixer as (weight, bias) tensors (the module's own, no copies):
+    Mamba in_w/in_b, out_w/out_b, norm_w; attention q/k/v/o_w and _b; MLP up/down_w and _b."""
+    mx = layer.mixer
+    wb = lambda name, lin: {f"{name}_w": lin.weight, f"{name}_b": lin.bias}  # noqa: E731
+    if kind == "linear_attention":
+        return {**wb("in", mx.in_proj), **wb("out", mx.out_proj), "norm_w": mx.norm.weight}
+    if kind == "full_attention":
+        return {**wb("q", mx.q_proj), **wb("k", mx.k_proj), **wb("v", mx.v_proj), **wb("o", mx.o_proj)}
+    return {**wb("up", mx.up_proj), **wb("down", mx.down_proj)}
+
+
 class HybridDecodeStep:
     """One decode step over ``model``'s weights for ``batch`` rows, KV caches of ``kv_len`` positions.
 
@@ -289,13 +301,16 @@ class HybridDecodeStep:
         p = next(model.parameters())
         self.device, self.act = p.device, p.dtype
         self.H, self.P, self.N, self.G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
+        self.nh, self.kvh = cfg.num_attention_heads, cfg.num_key_value_heads
         self.mamba = [i for i, k in enumerate(self.kinds) if k == "linear_attention"]
         self.attn = [i for i, k in enumerate(self.kinds) if k == "full_attention"]
         self.eps = cfg.layer_norm_epsilon
         self.consts = mamba_constants(model, self.mamba)
+        self.w = {i: layer_weights(model.model.layers[i], k) for i, k in enumerate(self.kinds)}
+        self._shard()  # tensor parallelism (builders/tp_step.py): local dims, consts and weights
         dev, b = self.device, batch
         conv_dim = self.H * self.P + 2 * self.G * self.N
-        kvh, hd = cfg.num_key_value_heads, cfg.head_dim
+        kvh, hd = self.kvh, cfg.head_dim
         self.ids = torch.zeros(b, dtype=torch.int64, device=dev)
         self.lengths = torch.zeros(b, dtype=torch.int64, device=dev)
         self.sbi = torch.arange(b, dtype=torch.int32, device=dev)
@@ -334,11 +349,23 @@ class HybridDecodeStep:
                 t.copy_(snap[name][i])
         self.ssm.load(snap["ssm"])  # layer by layer (copy_ crosses devices): no second full copy on the GPU
 
+    # ---- hooks of tensor parallelism (identities at TP=1) -------------------------------------------------
+    def _shard(self) -> None:
+        """Replace dims, ``consts`` and ``w`` by this rank's share (before any state is allocated)."""
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of the row-parallel partial products over ranks (all-reduce), in place."""
+        return t
+
+    def _group_var(self, g: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm variance per norm group of ``g`` (b, H*P fp32) -> (b, G, 1)."""
+        return g.view(g.shape[0], self.G, -1).pow(2).mean(-1, keepdim=True)
+
     # ---- layers -----------------------------------------------------------------------------------------
-    def _mamba(self, i, mx, h):
-        c, b = self.consts[i], self.batch
+    def _mamba(self, i, h):
+        c, w, b = self.consts[i], self.w[i], self.batch
         H, P, N, G = self.H, self.P, self.N, self.G
-        gate, xBC, dt = mx.in_proj(h).split([H * P, H * P + 2 * G * N, H], dim=-1)
+        gate, xBC, dt = F.linear(h, w["in_w"], w["in_b"]).split([H * P, H * P + 2 * G * N, H], dim=-1)
         cs = self.conv[i]
         cs.copy_(torch.cat([cs[:, :, 1:], xBC[:, :, None]], dim=-1))
         conv = (cs * c["conv_w"]).sum(-1)
@@ -348,23 +375,30 @@ class HybridDecodeStep:
         y = self.ssm.step(i, x.reshape(b, H, P).contiguous(), B.reshape(b, G, N).contiguous(),
                           C.reshape(b, G, N).contiguous(), dt.contiguous(), c["dt_bias"], c["A"], c["D"], self.sbi)
         g = y.reshape(b, H * P).float() * F.silu(gate.float())
-        g = g.view(b, G, -1)
-        g = (g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.eps)).view(b, H * P)
-        return mx.out_proj((mx.norm.weight.float() * g).to(h.dtype))
+        g = (g.view(b, G, -1) * torch.rsqrt(self._group_var(g) + self.eps)).view(b, H * P)
+        return self._out(F.linear((w["norm_w"].float() * g).to(h.dtype), w["out_w"]), w["out_b"])
 
-    def _attention(self, i, att, h):
-        cfg, b = self.cfg, self.batch
-        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = att.q_proj(h).view(b, kvh, nh // kvh, hd)
-        k = att.k_proj(h).view(b, kvh, 1, hd)
-        v = att.v_proj(h).view(b, kvh, 1, hd)
+    def _out(self, partial, bias):
+        out = self._reduce(partial)
+        return out if bias is None else out + bias
+
+    def _attention(self, i, h):
+        cfg, w, b = self.cfg, self.w[i], self.batch
+        nh, kvh, hd = self.nh, self.kvh, cfg.head_dim
+        q = F.linear(h, w["q_w"], w["q_b"]).view(b, kvh, nh // kvh, hd)
+        k = F.linear(h, w["k_w"], w["k_b"]).view(b, kvh, 1, hd)
+        v = F.linear(h, w["v_w"], w["v_b"]).view(b, kvh, 1, hd)
         at = self.lengths.view(b, 1, 1, 1).expand(b, kvh, 1, hd)
         self.k[i].scatter_(2, at, k)
         self.v[i].scatter_(2, at, v)
         scores = torch.matmul(q, self.k[i].transpose(2, 3)).float() * hd ** -0.5  # (b, kvh, rep, S)
         hidden = (self.pos[None, :] > self.lengths[:, None])[:, None, None, :]
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(h.dtype)
-        return att.o_proj(torch.matmul(probs, self.v[i]).reshape(b, nh * hd))
+        return self._out(F.linear(torch.matmul(probs, self.v[i]).reshape(b, nh * hd), w["o_w"]), w["o_b"])
+
+    def _mlp(self, i, h):
+        w = self.w[i]
+        return self._out(F.linear(torch.relu(F.linear(h, w["up_w"], w["up_b"])).square(), w["down_w"]), w["down_b"])
 
     @torch.no_grad()
     def __call__(self) -> torch.Tensor:
@@ -373,12 +407,11 @@ class HybridDecodeStep:
         for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
             hn = _rmsnorm(h, layer.norm.weight, self.eps)
             if kind == "linear_attention":
-                out = self._mamba(i, layer.mixer, hn)
+                out = self._mamba(i, hn)
             elif kind == "full_attention":
-                out = self._attention(i, layer.mixer, hn)
+                out = self._attention(i, hn)
             else:
-                mlp = layer.mixer
-                out = mlp.down_proj(torch.relu(mlp.up_proj(hn)).square())
+                out = self._mlp(i, hn)
             h = h + out
         self.logits.copy_(self.model.lm_head(_rmsnorm(h, m.norm_f.weight, self.eps)).float())
         self.ids.copy_(self.logits.argmax(-1))
