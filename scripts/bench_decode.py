@@ -73,10 +73,29 @@ layers; W = weight bytes, all read once per step):
 At batch 256: W ~ 16.2 GB, conventional SSM ~ 51.5 GB, replay ~ 28.4 GB, bf16 shadow ~ 17.1 GB,
 fp8 ~ 10.9 GB (the kernels are not bandwidth-bound with a shadow: bench/NOTES.md "Shadow reads").
 
+Tensor parallelism (``--tp N``, one process per GPU under torchrun, :mod:`builders.tp_step`):
+  correctness  for each ``--tp-geometries`` Mamba geometry (H,P,N,G) on the first ``--tp-layers``
+               layers (vocab ``--tp-vocab``), every rank builds the same seeded model in fp32 and
+               slices it; rank 0 also runs the TP=1 step on the full model. Both are fed the same
+               random tokens for 3L+2 steps (teacher forcing: crosses two flushes of every row),
+               for the conventional and replay backends; per step, max_v |logits - TP=1 logits| /
+               std(TP=1 logits) must stay <= ``TP_TOL[dtype]``:
+                 float32 1e-4  TP changes only the summation order of the row-parallel products
+                               (and of replicated groups' norm sums); measured on the CPU <= 1e-6
+                 bfloat16 0.1  (GPU, optional ``--tp-check-dtypes``) bf16 rounding of the partial
+                               products before the all-reduce is amplified through the layers
+                               like any bf16 reordering (module docstring: 0.06 std per step)
+               Any failure aborts before timing.
+  timing       (GPU; the CPU runs it eagerly as a smoke test) per ``--batches`` and mode: the TP step
+               fed a prompt, snapshot, captured in a CUDA graph (NCCL all-reduces inside), ms/step as
+               above on every rank; rank 0 reports its median and the slowest rank's, writes JSON.
+  TP=1 in the same code path: ``torchrun --nproc_per_node 1 ... --tp 1``.
+
 Usage:
   python scripts/bench_decode.py [--batches 1,8,32,64,128,256] [--tiny] [--layers N] [--vocab V]
          [--buffer-len 16] [--modes conventional,replay,replay_bf16,replay_fp8,mamba_ssm,noop] [--plot]
          [--out bench/results]
+  torchrun --nproc_per_node 2 scripts/bench_decode.py --tp 2 [--batches 64,256] [--modes conventional,replay]
 """
 
 from __future__ import annotations
@@ -93,13 +112,18 @@ import subprocess
 import sys
 import time
 
-import torch
+# NVLink multicast stays off for NCCL (--tp): set before torch.distributed / NCCL start.
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(_k, _v)
+
+import torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from builders.graph_step import Conventional, HybridDecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
 from builders.nemotron_h import TINY_CONFIG  # noqa: E402
+from builders.tp_step import TPDecodeStep  # noqa: E402
 
 # Megatron-Bridge NemotronHModelProvider8B (hybrid_layer_pattern, hidden 4096, ffn 21504, 128 Mamba
 # heads of 64, state 128, 8 groups, 32 heads, 8 query groups, kv_channels 128) + HF defaults.
@@ -523,6 +547,148 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
     return rows
 
 
+# ---- tensor parallelism -------------------------------------------------------------------------------------
+TP_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1}  # max |dlogit| / std(logits); module docstring
+
+
+def _tp_config(geometry, layers, vocab, tiny=False, **overrides):
+    H, P, N, G = geometry
+    return model_config(tiny, layers, vocab, mamba_num_heads=H, mamba_head_dim=P, ssm_state_size=N, n_groups=G,
+                        **overrides)
+
+
+@torch.no_grad()
+def tp_check(config, modes, rank: int, tp: int, device="cpu", dtype=torch.float32, batch: int = 2, L: int = 4,
+             seed: int = 0, group=None) -> list[dict]:
+    """TP=``tp`` logits vs TP=1 (rank 0) over 3L+2 teacher-forced steps, per mode (module docstring).
+    Returns one dict per mode on every rank (errors only meaningful on rank 0): err_max / err_median
+    (max_v |dlogit| / std), rank_spread (max |logits - rank 0's logits|, 0 when all ranks agree)."""
+    import torch.distributed as dist
+
+    model = build_model(config, device, dtype, seed)
+    steps = 3 * L + 2
+    gen = torch.Generator().manual_seed(seed + 7)
+    tokens = torch.randint(2, config.vocab_size, (batch, steps), generator=gen).to(device)
+    out = []
+    for name in modes:
+        step = TPDecodeStep(model, batch, steps + 1, make_backend(name, L), rank, tp, group)
+        ref = HybridDecodeStep(model, batch, steps + 1, make_backend(name, L)) if rank == 0 else None
+        errs, spread = [], 0.0
+        for t in range(steps):
+            step.ids.copy_(tokens[:, t])
+            step()
+            if tp > 1:
+                r0 = step.logits.clone()
+                dist.broadcast(r0, 0, group=group)
+                spread = max(spread, float((step.logits - r0).abs().max()))
+            if ref is not None:
+                ref.ids.copy_(tokens[:, t])
+                ref()
+                errs.append(float(((step.logits - ref.logits).abs().amax(-1) / ref.logits.std(-1)).max()))
+        step.ssm.free()
+        del step, ref
+        errs_t = torch.tensor(errs or [float("nan")])
+        out.append(dict(mode=name, steps=steps, buffer_len=L, batch=batch, dtype=str(dtype).replace("torch.", ""),
+                        err_max=float(errs_t.max()), err_median=float(errs_t.median()), rank_spread=spread,
+                        tol=TP_TOL[dtype], passed=bool(errs_t.max() <= TP_TOL[dtype]) if errs else None))
+    return out
+
+
+def tp_time(model, batch: int, modes, rank: int, tp: int, L: int = 16, prompt_len: int = 32, warmup: int = 2,
+            reps: int = 10, context: int = 1024, seed: int = 0, group=None) -> list[dict]:
+    """ms/step of each mode on this rank's TP step (every rank runs it; identical collectives)."""
+    import torch.distributed as dist
+
+    kv_len = max(context, prompt_len + (warmup + reps + 1) * L + 1)
+    gen = torch.Generator().manual_seed(seed + batch)
+    prompt = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=gen)
+    dev = next(model.parameters()).device
+    step = TPDecodeStep(model, batch, kv_len, Conventional(), rank, tp, group)
+    step.feed(prompt.to(dev))
+    snap = step.snapshot()
+    rows = []
+    for name in modes:
+        r = run_mode(step, make_backend(name, L), snap, 1, L, warmup, reps)
+        slowest = torch.tensor([r["ms"]], dtype=torch.float64, device=dev)
+        if tp > 1:
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        rows.append(dict(batch=batch, mode=name, tp=tp, ms_step=r["ms"], ms_step_slowest_rank=float(slowest),
+                         spread_ms=r["spread_ms"], tokens_per_s=batch / (r["ms"] * 1e-3), timing=r["timing"],
+                         buffer_len=L, kv_len=kv_len, reps=reps))
+    step.ssm.free()
+    conv = next((x for x in rows if x["mode"] == "conventional"), None)
+    for x in rows:
+        x["speedup_vs_conventional"] = None if conv is None else conv["ms_step"] / x["ms_step"]
+    return rows
+
+
+def tp_main(args) -> list[dict]:
+    """``--tp N``: correctness phase, then timing; rank 0 prints and writes JSON."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.tp:
+        raise SystemExit(f"--tp {args.tp}: expected {args.tp} processes (torchrun --nproc_per_node {args.tp}), "
+                         f"got WORLD_SIZE={world}")
+    rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = args.device.startswith("cuda")
+    dev = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)  # noqa: E731
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    meta = dict(kind="meta", tp=args.tp, device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now,
+                commit=_commit(args.commit), torch=torch.__version__,
+                nccl_env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                         "NVSHMEM_DISABLE_NVLS")})
+    say("RESULT_JSON " + json.dumps(meta))
+    rows, failed = [], []
+    check_dtypes = [getattr(torch, d) for d in args.tp_check_dtypes.split(",") if d]
+    for geo in [tuple(int(v) for v in g.split(",")) for g in args.tp_geometries.split(";") if g]:
+        config = _tp_config(geo, args.tp_layers, args.tp_vocab, args.tiny)
+        for dt in check_dtypes:
+            for r in tp_check(config, ["conventional", "replay"], rank, args.tp, dev, dt, L=args.tp_check_len,
+                              seed=args.seed):
+                r = dict(kind="tp_check", geometry=list(geo), layers=len(config.layers_block_type), tp=args.tp, **r)
+                say("RESULT_JSON " + json.dumps(r))
+                rows.append(r)
+                if rank == 0 and not r["passed"]:
+                    failed.append(r)
+    bad = torch.tensor([len(failed)], device=dev)
+    if world > 1:
+        dist.broadcast(bad, 0)
+    if int(bad):
+        say(f"ABORT: TP={args.tp} logits differ from TP=1 beyond tolerance: {failed}")
+        if world > 1:
+            dist.destroy_process_group()
+        raise SystemExit(1)
+    say(f"# TP={args.tp} vs TP=1: PASS ({len(rows)} checks, worst {max(r['err_max'] for r in rows):.3g} std)")
+    batches = [int(b) for b in args.batches.split(",") if b]
+    modes = [m for m in args.modes.split(",") if m in ("conventional", "replay", "replay_bf16", "replay_fp8", "noop")]
+    if batches:
+        config = model_config(args.tiny, args.layers, args.vocab)
+        model = build_model(config, dev, torch.bfloat16 if cuda else torch.float32, args.seed)
+        for b in batches:
+            for r in tp_time(model, b, modes, rank, args.tp, L=args.buffer_len, prompt_len=args.prompt_len,
+                             warmup=args.warmup, reps=args.reps, context=args.context, seed=args.seed):
+                r = dict(kind="tp_row", layers=len(config.layers_block_type), vocab=config.vocab_size, **r)
+                say("RESULT_JSON " + json.dumps(r))
+                rows.append(r)
+                say(f"{r['batch']:5d} {r['mode']:12s} TP={r['tp']} {r['ms_step']:9.3f} ms/step "
+                    f"(slowest rank {r['ms_step_slowest_rank']:.3f}) x conv {r['speedup_vs_conventional']:.2f}")
+    if rank == 0:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{now[:10]}_{args.tag or f'decode-tp{args.tp}'}_{meta['commit'][:10]}.json"
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        say(f"# results in {path}")
+    if world > 1:
+        dist.destroy_process_group()
+    return rows
+
+
 # ---- driver -----------------------------------------------------------------------------------------------
 def _load_mamba(path):
     if not path or not torch.cuda.is_available():
@@ -606,7 +772,16 @@ def main(argv=None):
     ap.add_argument("--tag", default=None)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--tp", type=int, default=None, help="tensor parallelism: one process per GPU (torchrun)")
+    ap.add_argument("--tp-geometries", default="256,64,128,8;128,64,128,8",
+                    help="--tp correctness: Mamba (H,P,N,G) geometries, ';'-separated (empty: skip)")
+    ap.add_argument("--tp-layers", type=int, default=8, help="--tp correctness: first N layers of the pattern")
+    ap.add_argument("--tp-vocab", type=int, default=4096, help="--tp correctness: vocabulary")
+    ap.add_argument("--tp-check-len", type=int, default=4, help="--tp correctness: buffer length L (3L+2 steps)")
+    ap.add_argument("--tp-check-dtypes", default="float32", help="--tp correctness: float32 and/or bfloat16")
     args = ap.parse_args(argv)
+    if args.tp is not None:
+        return tp_main(args)
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
