@@ -81,10 +81,12 @@ Tensor parallelism (``--tp N``, one process per GPU under torchrun, :mod:`builde
                for the conventional and replay backends; per step, max_v |logits - TP=1 logits| /
                std(TP=1 logits) must stay <= ``TP_TOL[dtype]``:
                  float32 1e-4  TP changes only the summation order of the row-parallel products
-                               (and of replicated groups' norm sums); measured on the CPU <= 1e-6
-                 bfloat16 0.1  (GPU, optional ``--tp-check-dtypes``) bf16 rounding of the partial
-                               products before the all-reduce is amplified through the layers
-                               like any bf16 reordering (module docstring: 0.06 std per step)
+                               (and of replicated groups' norm sums); measured on the CPU (both
+                               geometries, 8 layers, vocab 4096): <= 1.2e-5
+                 bfloat16 0.25 (GPU default, with float32) the partial products are rounded to bf16
+                               before the all-reduce, and bf16 reorderings are amplified through the
+                               layers; measured on the CPU: 0.065 max, 0.048 median. A sharding bug
+                               (wrong rows, norm groups) moves logits by O(1) std
                Any failure aborts before timing.
   timing       (GPU; the CPU runs it eagerly as a smoke test) per ``--batches`` and mode: the TP step
                fed a prompt, snapshot, captured in a CUDA graph (NCCL all-reduces inside), ms/step as
@@ -548,7 +550,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
 
 
 # ---- tensor parallelism -------------------------------------------------------------------------------------
-TP_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.1}  # max |dlogit| / std(logits); module docstring
+TP_TOL = {torch.float32: 1e-4, torch.bfloat16: 0.25}  # max |dlogit| / std(logits); module docstring
 
 
 def _tp_config(geometry, layers, vocab, tiny=False, **overrides):
@@ -645,7 +647,8 @@ def tp_main(args) -> list[dict]:
                                                          "NVSHMEM_DISABLE_NVLS")})
     say("RESULT_JSON " + json.dumps(meta))
     rows, failed = [], []
-    check_dtypes = [getattr(torch, d) for d in args.tp_check_dtypes.split(",") if d]
+    names = args.tp_check_dtypes or ("float32,bfloat16" if cuda else "float32")
+    check_dtypes = [getattr(torch, d) for d in names.split(",") if d]
     for geo in [tuple(int(v) for v in g.split(",")) for g in args.tp_geometries.split(";") if g]:
         config = _tp_config(geo, args.tp_layers, args.tp_vocab, args.tiny)
         for dt in check_dtypes:
@@ -778,7 +781,8 @@ def main(argv=None):
     ap.add_argument("--tp-layers", type=int, default=8, help="--tp correctness: first N layers of the pattern")
     ap.add_argument("--tp-vocab", type=int, default=4096, help="--tp correctness: vocabulary")
     ap.add_argument("--tp-check-len", type=int, default=4, help="--tp correctness: buffer length L (3L+2 steps)")
-    ap.add_argument("--tp-check-dtypes", default="float32", help="--tp correctness: float32 and/or bfloat16")
+    ap.add_argument("--tp-check-dtypes", default=None,
+                    help="--tp correctness: float32 and/or bfloat16 (default: both on CUDA, float32 on the CPU)")
     args = ap.parse_args(argv)
     if args.tp is not None:
         return tp_main(args)
