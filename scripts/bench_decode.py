@@ -337,7 +337,8 @@ def _percentile_spread(xs):
 
 
 def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
-             on_tokens=None, force: torch.Tensor | None = None, ref_logits=None, keep_logits: bool = False) -> dict:
+             on_tokens=None, force: torch.Tensor | None = None, ref_logits=None, keep_logits: bool = False,
+             use_graph: bool = True) -> dict:
     """Gate tokens and timing of one SSM backend (see the module docstring for the route).
 
     ``on_tokens(result)`` runs after the gate steps and before any timing (it may raise); ``result``
@@ -349,7 +350,7 @@ def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, 
     step.restore(snap)
     cuda = step.device.type == "cuda"
     graph = None
-    if cuda:
+    if cuda and use_graph:
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -403,11 +404,12 @@ def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, 
             times.append((time.perf_counter() - t0) * 1e3 / L)
     if cuda:
         torch.cuda.synchronize()
+    graphed = graph is not None
     del graph
     return dict(tokens=gate_res["tokens"], margin=gate_res["margin"], err=gate_res["err"],
                 ms=statistics.median(times) if times else None,
                 spread_ms=_percentile_spread(times) if times else None,
-                timing="cuda-graph" if cuda else "eager-cpu (no CUDA graph)")
+                timing=("cuda-graph" if graphed else "eager-cuda") if cuda else "eager-cpu (no CUDA graph)")
 
 
 def make_backend(name: str, L: int, mamba_fn=None):
@@ -597,8 +599,9 @@ def tp_check(config, modes, rank: int, tp: int, device="cpu", dtype=torch.float3
 
 
 def tp_time(model, batch: int, modes, rank: int, tp: int, L: int = 16, prompt_len: int = 32, warmup: int = 2,
-            reps: int = 10, context: int = 1024, seed: int = 0, group=None) -> list[dict]:
-    """ms/step of each mode on this rank's TP step (every rank runs it; identical collectives)."""
+            reps: int = 10, context: int = 1024, seed: int = 0, group=None, use_graph: bool = True) -> list[dict]:
+    """ms/step of each mode on this rank's TP step (every rank runs it; identical collectives).
+    ``use_graph=False`` (``--tp-eager``): no CUDA graph, should NCCL capture fail on a machine."""
     import torch.distributed as dist
 
     kv_len = max(context, prompt_len + (warmup + reps + 1) * L + 1)
@@ -610,7 +613,7 @@ def tp_time(model, batch: int, modes, rank: int, tp: int, L: int = 16, prompt_le
     snap = step.snapshot()
     rows = []
     for name in modes:
-        r = run_mode(step, make_backend(name, L), snap, 1, L, warmup, reps)
+        r = run_mode(step, make_backend(name, L), snap, 1, L, warmup, reps, use_graph=use_graph)
         slowest = torch.tensor([r["ms"]], dtype=torch.float64, device=dev)
         if tp > 1:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
@@ -675,7 +678,8 @@ def tp_main(args) -> list[dict]:
         model = build_model(config, dev, torch.bfloat16 if cuda else torch.float32, args.seed)
         for b in batches:
             for r in tp_time(model, b, modes, rank, args.tp, L=args.buffer_len, prompt_len=args.prompt_len,
-                             warmup=args.warmup, reps=args.reps, context=args.context, seed=args.seed):
+                             warmup=args.warmup, reps=args.reps, context=args.context, seed=args.seed,
+                             use_graph=not args.tp_eager):
                 r = dict(kind="tp_row", layers=len(config.layers_block_type), vocab=config.vocab_size, **r)
                 say("RESULT_JSON " + json.dumps(r))
                 rows.append(r)
@@ -783,6 +787,7 @@ def main(argv=None):
     ap.add_argument("--tp-check-len", type=int, default=4, help="--tp correctness: buffer length L (3L+2 steps)")
     ap.add_argument("--tp-check-dtypes", default=None,
                     help="--tp correctness: float32 and/or bfloat16 (default: both on CUDA, float32 on the CPU)")
+    ap.add_argument("--tp-eager", action="store_true", help="--tp timing without CUDA graphs")
     args = ap.parse_args(argv)
     if args.tp is not None:
         return tp_main(args)
