@@ -120,12 +120,17 @@ class NemotronHDecodeStep(torch.nn.Module):
                 specs += [StateSpec(f"k_cache_{i}", kv, act, f"k_cache_{i}_out"),
                           StateSpec(f"v_cache_{i}", kv, act, f"v_cache_{i}_out")]
             elif kind == "linear_attention":
-                specs += [StateSpec(f"conv_state_{i}", (-1, conv_dim, cfg.conv_kernel), act, f"conv_state_{i}_out"),
+                specs += [self._conv_spec(i, conv_dim),
                           StateSpec(f"ssm_state_{i}", (-1, H, P, N), self.state_dtype, f"ssm_state_{i}_out"),
                           StateSpec(f"x_cache_{i}", (-1, H, L, P), act, f"x_cache_{i}_out"),
                           StateSpec(f"B_cache_{i}", (-1, G, L, N), act, f"B_cache_{i}_out"),
                           StateSpec(f"dt_cache_{i}", (-1, H, L), torch.float32, f"dt_cache_{i}_out")]
         return specs
+
+    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
+        """The conv1d state of Mamba layer i: the last K inputs (the speculative step keeps a wider window)."""
+        return StateSpec(f"conv_state_{i}", (-1, conv_dim, self.config.conv_kernel), self.act_dtype,
+                         f"conv_state_{i}_out")
 
     def input_names(self) -> list[str]:
         return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]

@@ -156,26 +156,8 @@ class NemotronHSpecStep(NemotronHDecodeStep):
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.conv_kernel - 1 + num_draft
 
-    def state_specs(self) -> list[StateSpec]:
-        cfg, act, L = self.config, self.act_dtype, self.buffer_len
-        H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
-        conv_dim = H * P + 2 * G * N
-        specs = []
-        for i, kind in enumerate(self.kinds):
-            if kind == "full_attention":
-                kv = (-1, cfg.num_key_value_heads, self.max_seq_len, cfg.head_dim)
-                specs += [StateSpec(f"k_cache_{i}", kv, act, f"k_cache_{i}_out"),
-                          StateSpec(f"v_cache_{i}", kv, act, f"v_cache_{i}_out")]
-            elif kind == "linear_attention":
-                specs += [StateSpec(f"conv_window_{i}", (-1, conv_dim, self.window), act, f"conv_window_{i}_out"),
-                          StateSpec(f"ssm_state_{i}", (-1, H, P, N), self.state_dtype, f"ssm_state_{i}_out"),
-                          StateSpec(f"x_cache_{i}", (-1, H, L, P), act, f"x_cache_{i}_out"),
-                          StateSpec(f"B_cache_{i}", (-1, G, L, N), act, f"B_cache_{i}_out"),
-                          StateSpec(f"dt_cache_{i}", (-1, H, L), torch.float32, f"dt_cache_{i}_out")]
-        return specs
-
-    def input_names(self) -> list[str]:
-        return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]
+    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
+        return StateSpec(f"conv_window_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_window_{i}_out")
 
     def output_names(self) -> list[str]:
         return ["logits"] + [s.output for s in self.state_specs()]
