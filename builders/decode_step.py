@@ -199,9 +199,13 @@ class NemotronHDecodeStep(torch.nn.Module):
         return out, [window, state, x_cache, B_cache, dt_cache]
 
     def forward(self, input_ids, lengths, cursor, *states):
+        logits, new_states = self._layers(self.model.model.embeddings(input_ids[:, 0]), lengths, cursor, states)
+        return (logits, lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
+
+    def _layers(self, h, lengths, cursor, states):
+        """Every layer on the embedded tokens h, then the final norm and lm_head: (logits fp32, new states)."""
         m = self.model.model
-        h = m.embeddings(input_ids[:, 0])
-        sbi = torch.arange(input_ids.shape[0], dtype=torch.int32, device=input_ids.device)
+        sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
         new_states, k = [], 0
         for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
             res = h
@@ -217,8 +221,7 @@ class NemotronHDecodeStep(torch.nn.Module):
             else:
                 out = layer.mixer(hn)
             h = res + out
-        logits = self.model.lm_head(m.norm_f(h)).float()
-        return (logits, lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
+        return self.model.lm_head(m.norm_f(h)).float(), new_states
 
 
 def export_onnx(step: NemotronHDecodeStep, path, batch: int = 2, opset: int = 17) -> None:

@@ -244,24 +244,7 @@ class NemotronHSpecStep(NemotronHDecodeStep):
         if input_ids.shape[1] != self.num_tokens:
             raise ValueError(f"input_ids: expected (batch, {self.num_tokens}) (1 + num_draft tokens), "
                              f"got {tuple(input_ids.shape)}")
-        h = m.embeddings(input_ids)
-        sbi = torch.arange(input_ids.shape[0], dtype=torch.int32, device=input_ids.device)
-        new_states, k = [], 0
-        for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
-            res = h
-            hn = layer.norm(h.to(layer.norm.weight.dtype))
-            if kind == "full_attention":
-                out, kc, vc = self._attention(layer, hn, states[k], states[k + 1], lengths)
-                new_states += [kc, vc]
-                k += 2
-            elif kind == "linear_attention":
-                out, st = self._mamba(i, layer, hn, *states[k:k + 5], cursor, sbi)
-                new_states += st
-                k += 5
-            else:
-                out = layer.mixer(hn)
-            h = res + out
-        logits = self.model.lm_head(m.norm_f(h)).float()
+        logits, new_states = self._layers(m.embeddings(input_ids), lengths, cursor, states)
         return (logits, *new_states)
 
 
