@@ -6,27 +6,7 @@
 // issue_rows stages the fp8 row scales of a block as 16-byte vectors.
 static_assert(rssm::kShadow != 2 || kRows % 4 == 0, "fp8 row scales move as 16-byte vectors");
 
-#if RSSM_HAS_Z
-#define RSSM_Z_PARAM const act_t* __restrict__ z,
-#define RSSM_Z_ARG z
-#else
-#define RSSM_Z_PARAM
-#define RSSM_Z_ARG nullptr
-#endif
-
-// The shadow (RSSM_SHADOW 1: bf16, 2: fp8-e4m3) and its fp32 row scales come after the buffers, in
-// both the inputs and the aliased outputs. A bf16 shadow has no scales: the two scale pointers are
-// never read or written (null from ops.py, a 1-element placeholder in a TensorRT engine), so both
-// kinds share one parameter list and one plugin.
-#if RSSM_SHADOW
-#define RSSM_SHADOW_IN , const shadow_t* shadow_in, const float* scale_in
-#define RSSM_SHADOW_OUT , shadow_t* shadow_out, float* scale_out
-#define RSSM_SHADOW_ARGS shadow_in, scale_in, shadow_out, scale_out
-#else
-#define RSSM_SHADOW_IN
-#define RSSM_SHADOW_OUT
-#define RSSM_SHADOW_ARGS nullptr, nullptr, nullptr, nullptr
-#endif
+#include "replayssm_params.cuh"
 
 // ReplaySSM decode step: output from checkpoint + buffer, append, flush when the buffer fills.
 // grid (nheads * headdim / kRows, batch), block (kWarps * 32).

@@ -7,26 +7,7 @@
 //   replayssm_native_commit grid (nheads * headdim / kRows, batch), block kThreads (baseline)
 #include "replayssm_spec.cuh"
 
-#if RSSM_HAS_Z
-#define RSSM_Z_PARAM const act_t* __restrict__ z,
-#define RSSM_Z_ARG z
-#else
-#define RSSM_Z_PARAM
-#define RSSM_Z_ARG nullptr
-#endif
-
-// The shadow of the checkpoint (RSSM_SHADOW 1: bf16, 2: fp8-e4m3) and its fp32 row scales come
-// after dtc_in among the inputs and after dtc_out among the aliased outputs, as in replayssm_decode;
-// a bf16 shadow passes null scales (never read or written).
-#if RSSM_SHADOW
-#define RSSM_SHADOW_IN , const shadow_t* shadow_in, const float* scale_in
-#define RSSM_SHADOW_OUT , shadow_t* shadow_out, float* scale_out
-#define RSSM_SHADOW_ARGS shadow_in, scale_in, shadow_out, scale_out
-#else
-#define RSSM_SHADOW_IN
-#define RSSM_SHADOW_OUT
-#define RSSM_SHADOW_ARGS nullptr, nullptr, nullptr, nullptr
-#endif
+#include "replayssm_params.cuh"
 
 // Verify kT tokens: y (batch, kT, H, P) from checkpoint + committed history + the causal window,
 // window appended to the rings; when count + 2 kT > L the history is folded into the checkpoint first

@@ -228,6 +228,11 @@ def _ptr(t):
     return 0 if t is None else t.data_ptr()
 
 
+def _step_ptrs(x, B, C, dt, dt_bias, A, D, z) -> list[int]:
+    """The step inputs every decode / verify kernel takes first, in its parameter order (z only when given)."""
+    return [t.data_ptr() for t in (x, B, C, dt, dt_bias, A, D, z) if t is not None]
+
+
 def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
                   state_batch_indices, z=None, out=None, check_values: bool | None = None, shadow=None,
                   shadow_scale=None):
@@ -256,10 +261,7 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
         return y
     spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev, shadow=kind)
     sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
-    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
-            D.data_ptr()]
-    if z is not None:
-        args.append(z.data_ptr())
+    args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
              B_cache.data_ptr(), dt_cache.data_ptr(), *sh, np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr(), *sh]
@@ -279,10 +281,7 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
     if batch == 0:
         return y
     spec = make_spec(state, x, H, P, N, G, None, batch, z is not None, x.device, conventional=True)
-    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
-            D.data_ptr()]
-    if z is not None:
-        args.append(z.data_ptr())
+    args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
     args += [state_batch_indices.data_ptr(), state.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr()]
     grid = spec.grid(batch, sm_count(x.device.index), "replayssm_conventional")
@@ -421,10 +420,7 @@ def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
         return y
     spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, L, T, batch, z is not None, dev, kind)
     sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
-    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
-            D.data_ptr()]
-    if z is not None:
-        args.append(z.data_ptr())
+    args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
              B_cache.data_ptr(), dt_cache.data_ptr(), *sh, np.int32(batch), np.int32(S), y.data_ptr(),
              state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr(), *sh]
@@ -484,10 +480,7 @@ def native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch
     if batch == 0:
         return y
     spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, 2 * T, T, batch, z is not None, x.device)
-    args = [x.data_ptr(), B.data_ptr(), C.data_ptr(), dt.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
-            D.data_ptr()]
-    if z is not None:
-        args.append(z.data_ptr())
+    args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
     args += [state_batch_indices.data_ptr(), state.data_ptr(), np.int32(batch), np.int32(S), y.data_ptr(),
              snapshots.data_ptr()]
     launch(spec, "replayssm_native_verify", x.device, spec_grid(spec, batch), (spec.threads, 1, 1), args)
