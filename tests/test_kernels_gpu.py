@@ -148,6 +148,22 @@ class Problem:
             assert err < S_TOL[self.sdt], f"checkpoint of slot {s}: relative error {err:.3e}"
 
 
+def run_and_check(pb):
+    """3L+2 steps (three flushes per row), each checked against the mirror; unused slots bit-identical."""
+    before = pb.snapshot_unused()
+    flushed = 0
+    for _ in range(3 * pb.L + 2):
+        y, y_ref, flushing = pb.replay_step()
+        pb.check_y(y, y_ref)
+        pb.check_buffers()
+        pb.check_state(flushing)
+        flushed += len(flushing)
+    assert flushed >= 3 * int(pb.valid.sum())
+    for now, then in zip(pb.snapshot_unused(), before):
+        assert torch.equal(now.view(torch.uint8) if now.dtype != torch.int32 else now,
+                           then.view(torch.uint8) if then.dtype != torch.int32 else then)
+
+
 BASE = dict(geom="tiny", state="f32", act="bf16", L=4, batch=3, slots=5, pad_rows=(1,), has_z=False)
 CASES = [
     BASE,
@@ -176,20 +192,7 @@ def _id(c):
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_replay_decode_matches_reference(case):
-    pb = Problem(**case, seed=zlib.crc32(_id(case).encode()))
-    before = pb.snapshot_unused()
-    steps = 3 * pb.L + 2
-    flushed = 0
-    for _ in range(steps):
-        y, y_ref, flushing = pb.replay_step()
-        pb.check_y(y, y_ref)
-        pb.check_buffers()
-        pb.check_state(flushing)
-        flushed += len(flushing)
-    assert flushed >= 3 * int(pb.valid.sum())
-    for now, then in zip(pb.snapshot_unused(), before):
-        assert torch.equal(now.view(torch.uint8) if now.dtype != torch.int32 else now,
-                           then.view(torch.uint8) if then.dtype != torch.int32 else then)
+    run_and_check(Problem(**case, seed=zlib.crc32(_id(case).encode())))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["L"] == 4 or c is CASES[13]], ids=_id)
@@ -225,19 +228,8 @@ def _sid(c):
 def test_replay_decode_with_shadow(case, variant):
     """Non-flush steps read the shadow, flushes rewrite it exactly; both kernel variants."""
     pb = Problem(**case, seed=zlib.crc32((_sid(case) + variant).encode()))
-    before = pb.snapshot_unused()
-    flushed = 0
     with config.override_defines(VARIANTS[variant]):
-        for _ in range(3 * pb.L + 2):
-            y, y_ref, flushing = pb.replay_step()
-            pb.check_y(y, y_ref)
-            pb.check_buffers()
-            pb.check_state(flushing)
-            flushed += len(flushing)
-    assert flushed >= 3 * int(pb.valid.sum())
-    for now, then in zip(pb.snapshot_unused(), before):
-        assert torch.equal(now.view(torch.uint8) if now.dtype != torch.int32 else now,
-                           then.view(torch.uint8) if then.dtype != torch.int32 else then)
+        run_and_check(pb)
 
 
 def test_shadow_is_what_the_output_reads():

@@ -24,7 +24,7 @@ from trtllm_replayssm import ops
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.config import DTYPE_CODES
 
-from .test_spec_gpu import STEPS, SpecProblem, bits
+from .test_spec_gpu import STEPS, SpecProblem, run_and_check
 
 pytestmark = pytest.mark.gpu
 
@@ -110,16 +110,5 @@ def test_spec_plugins_launched_as_tensorrt_would(case, tactic, monkeypatch):
     plugin = PluginLaunches(pb, tactic)
     monkeypatch.setattr(ops, "replay_verify", plugin.replay_verify)
     monkeypatch.setattr(ops, "spec_commit", plugin.spec_commit)
-    before = pb.snapshot_unused()
-    flushes = 0
-    for step in range(STEPS):
-        y, y_ref, flushed = pb.verify()
-        pb.check_y(y, y_ref)
-        pb.check_state(flushed)
-        flushes += len(flushed)
-        pb.commit(pb.accepted(step))
-        pb.check_rings()
+    run_and_check(pb)
     assert plugin.count == {"replayssm_verify": STEPS, "replayssm_spec_commit": STEPS}
-    assert flushes >= 3 * len(pb.used), flushes
-    for now, then in zip(pb.snapshot_unused(), before):
-        assert torch.equal(bits(now), bits(then))
