@@ -281,6 +281,15 @@ def layer_weights(layer, kind: str) -> dict:
     return {**wb("up", mx.up_proj), **wb("down", mx.down_proj)}
 
 
+def check_step_args(cfg, batch: int, kv_len: int) -> None:
+    """The model's layer kinds are ones a captured step supports; batch and KV positions are positive."""
+    bad = sorted({t for t in cfg.layers_block_type if t not in SUPPORTED})
+    if bad:
+        raise ValueError(f"layers_block_type: expected only {SUPPORTED}, got {bad}")
+    if batch < 1 or kv_len < 1:
+        raise ValueError(f"batch and kv_len: expected >= 1, got {batch} and {kv_len}")
+
+
 class HybridDecodeStep:
     """One decode step over ``model``'s weights for ``batch`` rows, KV caches of ``kv_len`` positions.
 
@@ -291,11 +300,7 @@ class HybridDecodeStep:
 
     def __init__(self, model, batch: int, kv_len: int, ssm: SSMBackend):
         cfg = model.config
-        bad = sorted({t for t in cfg.layers_block_type if t not in SUPPORTED})
-        if bad:
-            raise ValueError(f"layers_block_type: expected only {SUPPORTED}, got {bad}")
-        if batch < 1 or kv_len < 1:
-            raise ValueError(f"batch and kv_len: expected >= 1, got {batch} and {kv_len}")
+        check_step_args(cfg, batch, kv_len)
         self.model, self.cfg, self.batch, self.kv_len = model, cfg, batch, kv_len
         self.kinds = list(cfg.layers_block_type)
         p = next(model.parameters())

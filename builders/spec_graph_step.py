@@ -46,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .graph_step import SUPPORTED, _rmsnorm, mamba_constants
+from .graph_step import _rmsnorm, check_step_args, mamba_constants
 
 
 # ---- acceptance ------------------------------------------------------------------------------------
@@ -273,11 +273,7 @@ class HybridSpecStep:
 
     def __init__(self, model, batch: int, kv_len: int, T: int, table_len: int, ssm: SpecBackend, live: bool = True):
         cfg = model.config
-        bad = sorted({t for t in cfg.layers_block_type if t not in SUPPORTED})
-        if bad:
-            raise ValueError(f"layers_block_type: expected only {SUPPORTED}, got {bad}")
-        if batch < 1 or kv_len < 1:
-            raise ValueError(f"batch and kv_len: expected >= 1, got {batch} and {kv_len}")
+        check_step_args(cfg, batch, kv_len)
         if T < 2:
             raise ValueError(f"T: expected >= 2 (one token and at least one draft), got {T}")
         if table_len < T + 1:
