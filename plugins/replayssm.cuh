@@ -33,6 +33,12 @@
 #ifndef RSSM_SHADOW
 #define RSSM_SHADOW 0
 #endif
+// RSSM_STAGED: one-shot blocks that stage the buffer tiles by cp.async (the persistent kernel's
+// stage, one item per block) instead of holding them in registers; RSSM_FLUSH_ROWS: rows of a
+// thread folded at a time by the flush (default: all kRT at once).
+#ifndef RSSM_STAGED
+#define RSSM_STAGED 0
+#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #if RSSM_SHADOW == 2
@@ -169,21 +175,26 @@ __device__ __forceinline__ float group_sum(float v) {  // xor stays inside align
   return v;
 }
 
-struct StateRegs {
-  float s[kRT][kVPL][kEPV];
+template <int R>
+struct RowRegs {
+  float s[R][kVPL][kEPV];
 };
-__device__ __forceinline__ void load_state(StateRegs& st, const state_t* base) {
-  const int rb = row_base();
+using StateRegs = RowRegs<kRT>;
+// Rows [r0, r0 + R) of this thread's kRT rows.
+template <int R>
+__device__ __forceinline__ void load_state(RowRegs<R>& st, const state_t* base, int r0 = 0) {
+  const int rb = row_base() + r0;
 #pragma unroll
-  for (int r = 0; r < kRT; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
       load_stream_f<state_t, kEPV>(base + (size_t)(rb + r) * kN + my_col(v), st.s[r][v]);
 }
-__device__ __forceinline__ void store_state(const StateRegs& st, state_t* base) {
-  const int rb = row_base();
+template <int R>
+__device__ __forceinline__ void store_state(const RowRegs<R>& st, state_t* base, int r0 = 0) {
+  const int rb = row_base() + r0;
 #pragma unroll
-  for (int r = 0; r < kRT; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
       store_stream_f<state_t, kEPV>(base + (size_t)(rb + r) * kN + my_col(v), st.s[r][v]);
@@ -275,10 +286,11 @@ __device__ __forceinline__ float group_max(float v) {
 // The shadow of freshly flushed checkpoint rows, from the fp32 values just stored (DESIGN.md §1):
 // bf16: one rounding; fp8-e4m3: q = S / scale, scale = max|S[row]| / 448 (1 for a zero row).
 constexpr int kShadow = RSSM_SHADOW;
-__device__ __forceinline__ void store_shadow(const StateRegs& st, shadow_t* base, float* scales) {
-  const int rb = row_base(), l = threadIdx.x % kLPR;
+template <int R>
+__device__ __forceinline__ void store_shadow(const RowRegs<R>& st, shadow_t* base, float* scales, int r0 = 0) {
+  const int rb = row_base() + r0, l = threadIdx.x % kLPR;
 #pragma unroll
-  for (int r = 0; r < kRT; ++r) {
+  for (int r = 0; r < R; ++r) {
     float scale = 1.f;
     if constexpr (kShadow == 2) {
       float m = 0.f;
@@ -288,7 +300,7 @@ __device__ __forceinline__ void store_shadow(const StateRegs& st, shadow_t* base
         for (int e = 0; e < kEPV; ++e) m = fmaxf(m, fabsf(st.s[r][v][e]));
       m = group_max<kLPR>(m);
       scale = m > 0.f ? m / 448.f : 1.f;
-      if (l == r) scales[rb + r] = scale;
+      if (l == r0 + r) scales[rb + r] = scale;
     }
 #pragma unroll
     for (int v = 0; v < kVPL; ++v) {
@@ -322,12 +334,12 @@ __device__ __forceinline__ void load_shadow(StateRegs& st, const shadow_t* base,
 // State form of the flush for this thread's elements, from tiles in shared memory:
 // st = exp(c_k) S0 + sum_j (w_j x_j) B_j^T. Bt is [kL][kN]; xt is [kL][kRows] (float or act_t).
 // Ss: the checkpoint rows in shared memory, or in global memory (generic pointer) with a shadow.
-template <typename XT>
-__device__ __forceinline__ void flush_rows(StateRegs& st, const state_t* Ss, float decay, const float* w,
-                                           const act_t (*Bt)[kN], const XT (*xt)[kRows]) {
-  const int rb = row_base();
+template <typename XT, int R>
+__device__ __forceinline__ void flush_rows(RowRegs<R>& st, const state_t* Ss, float decay, const float* w,
+                                           const act_t (*Bt)[kN], const XT (*xt)[kRows], int r0 = 0) {
+  const int rb = row_base() + r0;
 #pragma unroll
-  for (int r = 0; r < kRT; ++r)
+  for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int v = 0; v < kVPL; ++v) {
       load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), st.s[r][v]);
@@ -340,10 +352,10 @@ __device__ __forceinline__ void flush_rows(StateRegs& st, const state_t* Ss, flo
     float bj[kVPL][kEPV];
 #pragma unroll
     for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&Bt[j][my_col(v)], bj[v]);
-    float xw[kRT];
-    load_f<XT, kRT>(&xt[j][rb], xw);
+    float xw[R];
+    load_f<XT, R>(&xt[j][rb], xw);
 #pragma unroll
-    for (int r = 0; r < kRT; ++r) {
+    for (int r = 0; r < R; ++r) {
       const float sc = wj * xw[r];
 #pragma unroll
       for (int v = 0; v < kVPL; ++v)
@@ -351,6 +363,40 @@ __device__ __forceinline__ void flush_rows(StateRegs& st, const state_t* Ss, flo
         for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(sc, bj[v][e], st.s[r][v][e]);
     }
   }
+}
+
+// The whole flush of this thread's rows: fold, store the checkpoint (and its shadow), and return
+// this lane's row dot with C (as state_dot_mine). Rows go kFR at a time, so only kFR rows of state
+// are live in registers (RSSM_FLUSH_ROWS; kFR = kRT is the one-pass flush).
+__host__ __device__ constexpr int largest_divisor_upto(int n, int cap) {
+  return cap <= 1 ? 1 : (n % cap == 0 ? cap : largest_divisor_upto(n, cap - 1));
+}
+#ifdef RSSM_FLUSH_ROWS
+constexpr int kFR = largest_divisor_upto(kRT, RSSM_FLUSH_ROWS);
+#else
+constexpr int kFR = kRT;
+#endif
+template <typename XT>
+__device__ __forceinline__ float flush_store_dot(const state_t* Ss, float decay, const float* w,
+                                                 const act_t (*Bt)[kN], const XT (*xt)[kRows], state_t* out,
+                                                 shadow_t* sh, float* sc, const ColRegs& cc) {
+  float acc[kRT];
+#pragma unroll
+  for (int r0 = 0; r0 < kRT; r0 += kFR) {
+    RowRegs<kFR> st;
+    flush_rows(st, Ss, decay, w, Bt, xt, r0);
+    store_state(st, out, r0);
+    if constexpr (kShadow != 0) store_shadow(st, sh, sc, r0);
+#pragma unroll
+    for (int r = 0; r < kFR; ++r) {
+      acc[r0 + r] = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) acc[r0 + r] = fmaf(st.s[r][v][e], cc.c[v][e], acc[r0 + r]);
+    }
+  }
+  return rows_reduce(acc);
 }
 
 // ---- buffer tiles: loaded as 16-byte vectors (fewer bytes where rows are short), all at once --
@@ -378,8 +424,10 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 // Resident blocks asked of the register allocator: 64 registers a thread for blocks of >= 256
 // threads (state lives in shared memory, so that is enough); small blocks are left free.
 #ifdef RSSM_MIN_BLOCKS
-// Never below 64 registers a thread: past that the flush's state registers spill.
-constexpr int kMinBlocks = RSSM_MIN_BLOCKS < 1024 / kThreads ? RSSM_MIN_BLOCKS : (1024 / kThreads > 0 ? 1024 / kThreads : 1);
+// Never below 64 registers a thread (past that the one-pass flush's state registers spill), except
+// for the staged kernel (RSSM_STAGED), which holds no tiles in registers: down to 32.
+constexpr int kMaxMinBlocks = (RSSM_STAGED ? 2048 : 1024) / kThreads > 0 ? (RSSM_STAGED ? 2048 : 1024) / kThreads : 1;
+constexpr int kMinBlocks = RSSM_MIN_BLOCKS < kMaxMinBlocks ? RSSM_MIN_BLOCKS : kMaxMinBlocks;
 #else
 constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
 #endif
@@ -605,11 +653,8 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
       if (j < k) val = fmaf(sm.w[j] * sm.bc[j], sm.xt[j][row], val);
   } else {
     // 3'. Flush: S_k = exp(c_k) S0 + sum_j (w_j x_j) B_j^T becomes the checkpoint; y = S_k C_k + D x_k.
-    StateRegs st;
-    flush_rows(st, kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sm.Bt, sm.xt);
-    store_state(st, a.state_out + sbase);
-    if constexpr (kShadow != 0) store_shadow(st, a.sh_out + sbase, a.sc_out + sbase / kN);
-    const float sdot = state_dot_mine(st, cc);
+    const float sdot = flush_store_dot(kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sm.Bt, sm.xt,
+                                       a.state_out + sbase, a.sh_out + sbase, a.sc_out + sbase / kN, cc);
     if (l >= kRT) return;
     val = sdot + D * sm.xt[pos][rb + l];
   }
@@ -711,7 +756,8 @@ __device__ __forceinline__ ItemScalars load_scalars(const ReplayArgs& a, const I
   return s;
 }
 
-__device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, const ReplayArgs& a, const Item& it,
+template <typename Smem>  // PipeSmem or StagedSmem: w, bc, decay
+__device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const ReplayArgs& a, const Item& it,
                                              int slot, int pos, const ItemScalars& sc) {
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
@@ -770,12 +816,9 @@ __device__ __forceinline__ void compute_item(PipeSmem& sm, const Stage& sg, cons
         if (j < k) val = fmaf(sm.w[j] * sm.bc[j], to_f(sg.xt[j][row]), val);
     }
   } else {
-    StateRegs st;
     const size_t sbase = (((size_t)slot * kH + it.h) * kP + it.row0) * kN;
-    flush_rows(st, kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sg.Bt, sg.xt);
-    store_state(st, a.state_out + sbase);
-    if constexpr (kShadow != 0) store_shadow(st, a.sh_out + sbase, a.sc_out + sbase / kN);
-    const float sdot = state_dot_mine(st, cc);
+    const float sdot = flush_store_dot(kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sg.Bt, sg.xt,
+                                       a.state_out + sbase, a.sh_out + sbase, a.sc_out + sbase / kN, cc);
     if (l < kRT) val = sdot + sc.D * to_f(sg.xt[pos][rb + l]);
   }
   if (l < kRT) {
@@ -834,6 +877,40 @@ __device__ __forceinline__ void replay_decode_persistent(const ReplayArgs& a) {
     slot2 = slot3;
   }
   cp_async_wait<0>();
+}
+
+// ---- v5 (RSSM_STAGED): one-shot blocks staging the whole item by cp.async ----------------------
+// One item per block, in the persistent kernel's stage: checkpoint rows (or shadow), B and x tiles,
+// C and the history dt all go to shared memory by cp.async, so across the wait a thread holds only
+// addresses and a few scalars instead of the buffer tiles the one-shot kernel loads into registers
+// (~62 registers, NOTES "Register budget"). With the flush folded kFR rows at a time
+// (RSSM_FLUSH_ROWS) the block fits a smaller register budget: more resident blocks per SM for the
+// same per-block latency chain (sbi -> cursor -> copies -> barrier -> dots -> barrier -> y).
+struct alignas(16) StagedSmem {
+  Stage st;
+  float w[kL];
+  float bc[kL];
+  float decay;
+};
+
+__device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a) {
+  __shared__ StagedSmem sm;
+  const Coords c = block_coords();
+  const int slot = a.sbi[c.b];
+  if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
+  const int pos = a.cursor[slot];
+  const Item it{c.b, c.h, c.g, c.chunk, c.row0};
+  if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
+    const int l = threadIdx.x % kLPR;
+    if (l < kRT) a.y[((size_t)c.b * kH + c.h) * kP + c.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
+    return;
+  }
+  issue_item(sm.st, a, it, slot, pos);
+  cp_async_commit();
+  const ItemScalars sc = load_scalars(a, it);
+  cp_async_wait_all();
+  __syncthreads();
+  compute_item(sm, sm.st, a, it, slot, pos, sc);
 }
 
 // ---- conventional step (baseline): reads and writes the whole state every step ----------------

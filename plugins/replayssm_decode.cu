@@ -22,6 +22,8 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) r
                      y,       state_out, xc_out, Bc_out, dtc_out, RSSM_SHADOW_ARGS};
 #if RSSM_PERSISTENT
   rssm::replay_decode_persistent(a);
+#elif RSSM_STAGED
+  rssm::replay_decode_staged(a);
 #else
   rssm::replay_decode(a);
 #endif

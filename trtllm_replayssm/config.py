@@ -114,7 +114,9 @@ class KernelSpec:
     @property
     def blocks_per_sm(self) -> int:
         """Resident blocks the kernel is built for (mirror of kMinBlocks in replayssm.cuh)."""
-        return max(1, min(dict(self.defines).get("MIN_BLOCKS", 4), 1024 // self.threads))
+        d = dict(self.defines)
+        threads_per_sm = 2048 if d.get("STAGED", 0) else 1024
+        return max(1, min(d.get("MIN_BLOCKS", 4), threads_per_sm // self.threads))
 
     def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
