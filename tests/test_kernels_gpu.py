@@ -228,7 +228,7 @@ SHADOW_CASES = [
     {**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron_h_8b", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
     {**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
 ]
-VARIANTS = {"persistent": (("PERSISTENT", 2), ("MIN_BLOCKS", 5)), "one-shot": (("MIN_BLOCKS", 5),),
+VARIANTS = {"persistent": (("PERSISTENT", 2), ("MIN_BLOCKS", 5)), "one-shot": (("MIN_BLOCKS", 5), ("STAGED", 0)),
             "staged": STAGED}
 
 

@@ -221,6 +221,11 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     return rows, warps
 
 
+# Resident blocks of the staged one-shot shadow kernel (RSSM_STAGED, flush 2 rows at a time), the
+# best of 5 / 6 / 8 at bs256 on the main geometry (bench/NOTES.md "Staged one-shot shadow step").
+SHADOW_STAGED_BLOCKS = {"bf16": 5, "fp8": 8}
+
+
 def plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
          conventional: bool = False, shadow: str = "none") -> tuple[int, int, tuple]:
     # The geometry override is part of the key: choose_geometry reads it.
@@ -245,6 +250,9 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
     forced = dict(defines).get(flag, 0) == 2  # PERSISTENT=2: persistent wherever it fits (tests, sweeps)
     if conventional or (shadow != "none" and not forced):  # with a shadow one-shot measured as fast or faster
         defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
+        if not conventional and "STAGED" not in dict(defines):  # ... and staged faster still
+            extra = (("STAGED", 1), ("MIN_BLOCKS", SHADOW_STAGED_BLOCKS[shadow]), ("FLUSH_ROWS", 2))
+            defines = tuple((k, v) for k, v in defines if k != "MIN_BLOCKS") + extra
     if dict(defines).get(flag, 0) >= 1:
         try:
             rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True, shadow)
