@@ -39,9 +39,6 @@
 #ifndef RSSM_STAGED
 #define RSSM_STAGED 0
 #endif
-#ifndef RSSM_FLUSH_PREFETCH
-#define RSSM_FLUSH_PREFETCH 0
-#endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #if RSSM_SHADOW == 2
@@ -488,16 +485,7 @@ __device__ __forceinline__ void issue_rows(float4* S, const ReplayArgs& a, int s
   const int t = threadIdx.x;
   const size_t base = (((size_t)slot * kH + h) * kP + row0) * kN;
   if (kShadow) {
-    if (flush) {
-      // The flush reads the f32 rows straight from global memory, a few rows at a time
-      // (flush_store_dot); RSSM_FLUSH_PREFETCH asks L2 for all of them now, while the tiles land.
-      if constexpr (RSSM_FLUSH_PREFETCH != 0) {
-        const char* src = reinterpret_cast<const char*>(a.state_in + base);
-        for (int i = t; i < kRows * kN * (int)sizeof(state_t) / 128; i += kThreads)
-          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + (size_t)i * 128));
-      }
-      return;
-    }
+    if (flush) return;
     const float4* src = reinterpret_cast<const float4*>(a.sh_in + base);
 #pragma unroll
     for (int u = 0; u < (kShadowVecs + kThreads - 1) / kThreads; ++u) {
