@@ -333,7 +333,16 @@ class ReplaySSMDecoder:
         self._cache_id = None
 
 
-def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):
-    """Patch every Mamba-2 mixer of ``model`` in place; returns the :class:`ReplaySSMDecoder` (``unpatch()`` undoes)."""
+def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32, *,
+                    tp: int = 1, rank: int = 0, group=None):
+    """Patch every Mamba-2 mixer of ``model`` in place; returns the :class:`ReplaySSMDecoder` (``unpatch()`` undoes).
+
+    ``tp > 1``: first keep rank ``rank``'s share of every layer (:func:`builders.tp_model.shard_nemotron_h_`,
+    one process per rank, ``torch.distributed`` initialised); the checkpoint, buffers and conv state
+    then hold this rank's heads only. Sharding is not undone by ``unpatch()``."""
     _check_layers(model.config)
+    if tp != 1 or rank != 0:
+        from .tp_model import shard_nemotron_h_
+
+        shard_nemotron_h_(model, rank, tp, group)
     return ReplaySSMDecoder(model, buffer_len, backend, advance, state_dtype).patch()

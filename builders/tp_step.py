@@ -54,11 +54,7 @@ class TPDecodeStep(HybridDecodeStep):
                              f"{cfg.intermediate_size} must be divisible by tp")
         self.shard = s = tpmod.shard_plan(H, G, n)[r]
         self.groups_owned = G % n == 0
-        idx = lambda a, b: torch.arange(a, b, device=self.device)  # noqa: E731
-        hp = idx(s.head0 * P, (s.head0 + s.nheads) * P)
-        gn = idx(s.group0 * N, (s.group0 + s.ngroups) * N)
-        xbc = torch.cat([hp, H * P + gn, H * P + G * N + gn])            # conv channels
-        rows = torch.cat([hp, H * P + xbc, 2 * H * P + 2 * G * N + idx(s.head0, s.head0 + s.nheads)])  # z, xBC, dt
+        hp, xbc, rows = tpmod.mixer_channels(s, P, N, self.device)  # heads' channels, conv channels, in_proj rows
         for i in self.mamba:
             c = self.consts[i]
             for k in ("A", "D", "dt_bias"):

@@ -28,6 +28,8 @@ class HeadShard:
     nheads: int  # local
     group0: int
     ngroups: int  # local
+    tp_nheads: int = 0  # global nheads / ngroups (0: unknown, for hand-built shards)
+    tp_ngroups: int = 0
 
     @property
     def heads(self) -> slice:
@@ -54,7 +56,7 @@ def shard_plan(nheads: int, ngroups: int, tp: int) -> list[HeadShard]:
     for r in range(tp):
         h0 = r * hl
         g0, g1 = h0 // hpg, (h0 + hl - 1) // hpg + 1
-        shards.append(HeadShard(r, tp, h0, hl, g0, g1 - g0))
+        shards.append(HeadShard(r, tp, h0, hl, g0, g1 - g0, nheads, ngroups))
     return shards
 
 
@@ -75,6 +77,21 @@ def shard_cache(shard: HeadShard, state, x_cache, B_cache, dt_cache):
     h, g = shard.heads, shard.groups
     return (state[:, h].contiguous(), x_cache[:, h].contiguous(), B_cache[:, g].contiguous(),
             dt_cache[:, h].contiguous())
+
+
+def mixer_channels(shard: HeadShard, headdim: int, dstate: int, device=None):
+    """Indices of this rank's channels in a Mamba-2 mixer laid out as NemotronH / Mamba-2 do.
+
+    Returns (hp, xbc, in_rows): hp its x / z / norm / out_proj-column channels (local heads x
+    headdim); xbc its conv channels (x of the local heads, then B and C of the local groups); in_rows
+    its rows of in_proj, whose outputs are (z, xBC, dt)."""
+    H, G, P, N, s = shard.tp_nheads, shard.tp_ngroups, headdim, dstate, shard
+    idx = lambda a, b: torch.arange(a, b, device=device)  # noqa: E731
+    hp = idx(s.head0 * P, (s.head0 + s.nheads) * P)
+    gn = idx(s.group0 * N, (s.group0 + s.ngroups) * N)
+    xbc = torch.cat([hp, H * P + gn, H * P + G * N + gn])
+    in_rows = torch.cat([hp, H * P + xbc, 2 * H * P + 2 * G * N + idx(s.head0, s.head0 + s.nheads)])
+    return hp, xbc, in_rows
 
 
 def local_bytes_per_slot(shard: HeadShard, headdim: int, dstate: int, buffer_len: int, state_bytes: int = 4,
