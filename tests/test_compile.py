@@ -17,8 +17,10 @@ from trtllm_replayssm.config import (
     SUPPORTED_BUFFER_LEN,
     SUPPORTED_DSTATE,
     SUPPORTED_HEADDIM,
+    SHADOW_STAGED_BLOCKS,
     KernelSpec,
     choose_geometry,
+    replay_smem_bytes,
 )
 
 ARCHS = (90, 100)
@@ -58,7 +60,16 @@ SHADOW = [
      for sh in ("bf16", "fp8") for a in ("f16", "f32")]
 
 
-@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW, ids=lambda s: s.key)
+# The staged one-shot kernel (the shadow default, config.plan): with and without a shadow.
+STAGED = [
+    KernelSpec("f32", "bf16", H, P, N, 8, L, *choose_geometry("f32", P, N, H, batch, "bf16", L, False, sh), False, arch,
+               (("STAGED", 1), ("MIN_BLOCKS", SHADOW_STAGED_BLOCKS.get(sh, 5)), ("FLUSH_ROWS", 2)), sh)
+    for sh, (H, P, N), L, batch, arch in itertools.product(
+        ("none", "bf16", "fp8"), ((128, 64, 128), (128, 80, 128), (256, 64, 256)), (8, 16), (1, 256), ARCHS)
+]
+
+
+@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW + STAGED, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
@@ -131,12 +142,16 @@ def test_ptx_newer_than_the_driver_is_refused(monkeypatch):
 
 
 def test_shadow_variant_choice():
-    """A shadow runs one-shot by default (measured faster), persistent when forced with PERSISTENT=2."""
+    """A shadow runs the staged one-shot kernel by default (measured fastest), persistent when forced
+    with PERSISTENT=2."""
     from trtllm_replayssm.config import override_defines, plan
 
     for shadow in ("bf16", "fp8"):
         rows, warps, defines = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
         assert dict(defines).get("PERSISTENT") is None and (rows, warps) == (64, 8)
+        assert dict(defines) == {"STAGED": 1, "MIN_BLOCKS": SHADOW_STAGED_BLOCKS[shadow], "FLUSH_ROWS": 2}
+        with override_defines((("STAGED", 0), ("MIN_BLOCKS", 5))):  # the plain one-shot kernel, on request
+            assert dict(plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)[2]) == {"STAGED": 0, "MIN_BLOCKS": 5}
         with override_defines((("PERSISTENT", 2), ("MIN_BLOCKS", 5))):
             rows, warps, defines = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
         spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, defines, shadow)
@@ -153,3 +168,14 @@ def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
             rows, warps, defines = plan("f32", "bf16", 128, P, N, 16, batch, shadow="fp8")
             assert rows % 4 == 0, (P, N, batch, rows)
             cc.compile_spec(KernelSpec("f32", "bf16", 128, P, N, 8, 16, rows, warps, False, 90, defines, "fp8"), "ptx")
+
+
+@pytest.mark.parametrize("spec", [s for s in SHADOW + STAGED + PERSISTENT if s.arch == 90 and s.buffer_len == 16],
+                         ids=lambda s: s.key)
+def test_decode_smem_mirror(spec):
+    """The decode kernel's static shared memory is what config.replay_smem_bytes says, per kernel kind."""
+    ptx = cc.compile_spec(spec, "ptx").decode()
+    smem = re.findall(r"\.shared \.align \d+ \.b8 \w*replay_decode\w*\[(\d+)\]", ptx)
+    staged = dict(spec.defines).get("STAGED", 0) == 1 and not spec.persistent
+    assert [int(v) for v in smem] == [replay_smem_bytes(spec.state, spec.act, spec.rows, spec.dstate, spec.buffer_len,
+                                                        spec.persistent, spec.shadow, staged)]

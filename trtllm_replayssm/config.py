@@ -158,15 +158,17 @@ SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 
 
 def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False,
-                      shadow: str = "none") -> int:
-    """Mirror of ``ReplaySmem`` / ``PipeSmem`` in plugins/replayssm.cuh (state, B, x tiles, scalars)."""
+                      shadow: str = "none", staged: bool = False) -> int:
+    """Mirror of ``ReplaySmem`` / ``PipeSmem`` / ``StagedSmem`` in plugins/replayssm.cuh (state, B, x
+    tiles, scalars). The geometry table sizes blocks by the one-shot kernel's, which is the largest
+    of the one-stage kernels (its x tile is fp32), so a staged block always fits where it does."""
     # Staged rows: the checkpoint's, or only the shadow's + fp8 row scales (flushes read global memory).
     rows_bytes = rows * dstate * ITEMSIZE[state] if shadow == "none" else (
         rows * dstate * SHADOW_ITEMSIZE[shadow] + (rows * 4 if shadow == "fp8" else 0))
-    if persistent:  # two stages of: staged rows, B tile, x tile (act), C, history dt
+    if persistent or staged:  # two stages (one if staged) of: rows, B tile, x tile (act), C, history dt
         stage = (rows_bytes + buffer_len * dstate * ITEMSIZE[act]
                  + buffer_len * rows * ITEMSIZE[act] + dstate * ITEMSIZE[act] + buffer_len * 4)
-        return 2 * ((stage + 15) // 16 * 16) + 2 * buffer_len * 4 + 16
+        return (1 if staged else 2) * ((stage + 15) // 16 * 16) + 2 * buffer_len * 4 + 16
     tiles = rows_bytes + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
     return tiles + 2 * buffer_len * 4 + 16
 
