@@ -14,10 +14,10 @@ import pytest
 from trtllm_replayssm import compile as cc
 from trtllm_replayssm.config import (
     DEFAULT_DEFINES,
+    SHADOW_STAGED_BLOCKS,
     SUPPORTED_BUFFER_LEN,
     SUPPORTED_DSTATE,
     SUPPORTED_HEADDIM,
-    SHADOW_STAGED_BLOCKS,
     KernelSpec,
     choose_geometry,
     replay_smem_bytes,
