@@ -455,3 +455,53 @@ def test_gathered_conv_updates_equal_the_spec_in_bf16():
         conv_rollback_rows(full, n, T, dst)
         sr.conv_window_rollback(spec, n, T, K, sbi)
         assert torch.equal(full[:S], spec)
+
+
+@pytest.mark.parametrize("G, tp", [(2, 2), (1, 2), (2, 4)], ids=["groups-owned", "group-replicated", "tp4"])
+def test_tensor_parallel_caches_are_slices_of_the_tp1_cache(G, tp):
+    """Caches of every rank (ReplayStateCache.for_rank) fed their shard of each input: SSM outputs are
+    TP=1's heads bit for bit (same per-head float64 arithmetic; conv outputs to 1e-12), and after every
+    step each rank's checkpoint, rings, conv windows and cursors are exactly the TP=1 cache's slices."""
+    from trtllm_replayssm import tp as tpmod
+
+    gen = torch.Generator().manual_seed(7 + G + tp)
+    kw = dict(buffer_len=8, num_draft=1, conv_kernel=4, state_dtype=F64, act_dtype=F64, dt_dtype=F64)
+    H, P, N = GEOM["nheads"], GEOM["headdim"], GEOM["dstate"]
+    full = ReplayStateCache(2, 3, H, P, N, G, **kw)
+    ranks = [ReplayStateCache.for_rank(r, tp, 2, 3, H, P, N, G, **kw) for r in range(tp)]
+    prm = [make_params(H, gen) for _ in range(2)]
+    prm = [type(p)(*(t.to(F64) for t in (p.dt_bias, p.A, p.D))) for p in prm]
+    weights = [(torch.randn(full.conv_dim, 4, generator=gen, dtype=F64), torch.randn(full.conv_dim, generator=gen, dtype=F64))
+               for _ in range(2)]
+    for c in [full] + ranks:
+        assert [c.allocate() for _ in range(3)] == [0, 1, 2]
+    chans = [tpmod.mixer_channels(c.shard, P, N) for c in ranks]
+    assert [c.nheads for c in ranks] == [H // tp] * tp and ranks[0].conv_dim == len(chans[0][1])
+    sbi = torch.tensor([2, -1, 0], dtype=torch.int32)
+    T = 2
+    for _ in range(10):  # crosses flushes (count + 2T > L)
+        nacc = torch.randint(1, T + 1, (3,), generator=gen, dtype=torch.int32)
+        for c in [full] + ranks:
+            c.flush(sbi, T, [p.A[c.shard.heads] if c is not full else p.A for p in prm])
+        for l in range(2):
+            x, B, C, dt, u = _inputs(3, T, full, gen)
+            p = prm[l]
+            y = full.verify(l, x, B, C, dt, p.dt_bias, p.A, p.D, None, sbi)
+            v = full.conv_update(l, u, *weights[l], sbi)
+            for c, (_, xbc, _) in zip(ranks, chans):
+                h, g = c.shard.heads, c.shard.groups
+                yr = c.verify(l, x[:, :, h], B[:, :, g], C[:, :, g], dt[:, :, h], p.dt_bias[h], p.A[h], p.D[h], None, sbi)
+                vr = c.conv_update(l, u[..., xbc], weights[l][0][xbc], weights[l][1][xbc], sbi)
+                torch.testing.assert_close(yr, y[:, :, h], rtol=0, atol=0, equal_nan=True)  # padding rows: NaN
+                # conv outputs: torch's grouped conv1d may sum in another order for another channel count
+                torch.testing.assert_close(vr, v[..., xbc], rtol=1e-12, atol=1e-12, equal_nan=True)
+        for c in [full] + ranks:
+            c.commit(sbi, nacc, T)
+        for c, (_, xbc, _) in zip(ranks, chans):
+            h, g = c.shard.heads, c.shard.groups
+            assert torch.equal(c.state, full.state[:, :, h]) and torch.equal(c.x_cache, full.x_cache[:, :, h])
+            assert torch.equal(c.B_cache, full.B_cache[:, :, g]) and torch.equal(c.dt_cache, full.dt_cache[:, :, h])
+            assert torch.equal(c.conv, full.conv[:, :, xbc]) and torch.equal(c.cursor, full.cursor)
+    assert full.cursor[:, 0].any()  # some slot folded its ring at least once
+    with pytest.raises(ValueError, match="rank: expected 0 <= rank < tp=2, got 2"):
+        ReplayStateCache.for_rank(2, 2, 1, 1, H, P, N, G, **kw)

@@ -139,6 +139,22 @@ class ReplayStateCache:
         self._flushed: set[int] = set()  # CPU path: slots folded by this step's flush()
         self._step: tuple[int, set[int]] | None = None  # CUDA path: (T, layers verified) since flush()
 
+    @classmethod
+    def for_rank(cls, rank: int, tp: int, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int,
+                 ngroups: int, buffer_len: int, **kw) -> "ReplayStateCache":
+        """The cache of tensor-parallel rank ``rank`` of ``tp`` (:func:`.tp.shard_plan`): the checkpoint, shadow,
+        x / dt rings of its heads, the B ring of the groups they read, conv windows of its channels
+        (:func:`.tp.mixer_channels` order: x of its heads, B and C of its groups). Cursors are per slot,
+        identical on every rank. ``shard`` records the heads and groups held."""
+        from . import tp as tpmod
+
+        shard = tpmod.shard_plan(nheads, ngroups, tp)[rank] if 0 <= rank < tp else None
+        if shard is None:
+            raise ValueError(f"rank: expected 0 <= rank < tp={tp}, got {rank}")
+        cache = cls(num_layers, num_slots, shard.nheads, headdim, dstate, shard.ngroups, buffer_len, **kw)
+        cache.shard = shard
+        return cache
+
     @property
     def uses_kernels(self) -> bool:
         """True when the tensors live on a CUDA device: verify / flush / commit dispatch to the kernels."""
