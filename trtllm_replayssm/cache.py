@@ -141,7 +141,7 @@ class ReplayStateCache:
 
     @classmethod
     def for_rank(cls, rank: int, tp: int, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int,
-                 ngroups: int, buffer_len: int, **kw) -> "ReplayStateCache":
+                 ngroups: int, buffer_len: int, **kw) -> ReplayStateCache:
         """The cache of tensor-parallel rank ``rank`` of ``tp`` (:func:`.tp.shard_plan`): the checkpoint, shadow,
         x / dt rings of its heads, the B ring of the groups they read, conv windows of its channels
         (:func:`.tp.mixer_channels` order: x of its heads, B and C of its groups). Cursors are per slot,
