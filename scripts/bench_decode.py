@@ -92,6 +92,8 @@ Tensor parallelism (``--tp N``, one process per GPU under torchrun, :mod:`builde
                fed a prompt, snapshot, captured in a CUDA graph (NCCL all-reduces inside), ms/step as
                above on every rank; rank 0 reports its median and the slowest rank's, writes JSON.
   TP=1 in the same code path: ``torchrun --nproc_per_node 1 ... --tp 1``.
+  One GPU, no NCCL (``--tp-backend gloo --tp-same-device --batches ""``): every rank on cuda:0, the
+  all-reduces through gloo; checks the sharded kernels (local head counts) on a single GPU.
 
 Usage:
   python scripts/bench_decode.py [--batches 1,8,32,64,128,256] [--tiny] [--layers N] [--vocab V]
@@ -637,14 +639,16 @@ def tp_main(args) -> list[dict]:
                          f"got WORLD_SIZE={world}")
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     cuda = args.device.startswith("cuda")
-    dev = torch.device(f"cuda:{local}") if cuda else torch.device("cpu")
+    dev = torch.device(f"cuda:{0 if args.tp_same_device else local}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
+    backend = args.tp_backend or ("nccl" if cuda else "gloo")
     if world > 1:
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
+        dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)  # noqa: E731
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = dict(kind="meta", tp=args.tp, device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now,
+                backend=backend, same_device=bool(args.tp_same_device),
                 commit=_commit(args.commit), torch=torch.__version__,
                 nccl_env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                          "NVSHMEM_DISABLE_NVLS")})
@@ -783,6 +787,11 @@ def main(argv=None):
     ap.add_argument("--tp-geometries", default="256,64,128,8;128,64,128,8",
                     help="--tp correctness: Mamba (H,P,N,G) geometries, ';'-separated (empty: skip)")
     ap.add_argument("--tp-layers", type=int, default=8, help="--tp correctness: first N layers of the pattern")
+    ap.add_argument("--tp-backend", choices=("nccl", "gloo"), default=None,
+                    help="--tp: process-group backend (default: nccl on CUDA, gloo on the CPU)")
+    ap.add_argument("--tp-same-device", action="store_true",
+                    help="--tp: every rank on cuda:0 (with --tp-backend gloo: the sharded kernels checked on one GPU; "
+                         "timings then mean nothing)")
     ap.add_argument("--tp-vocab", type=int, default=4096, help="--tp correctness: vocabulary")
     ap.add_argument("--tp-check-len", type=int, default=4, help="--tp correctness: buffer length L (3L+2 steps)")
     ap.add_argument("--tp-check-dtypes", default=None,
