@@ -141,17 +141,22 @@ class NemotronHDecodeStep(torch.nn.Module):
     def empty_states(self, batch: int, device="cpu") -> list[torch.Tensor]:
         return [torch.zeros((batch, *s.shape[1:]), dtype=s.dtype, device=device) for s in self.state_specs()]
 
+    def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
+        """Layer i's K and V from a transformers cache holding ``lengths`` tokens, padded to max_seq_len."""
+        out = []
+        for t in (cache.layers[i].keys, cache.layers[i].values):
+            buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
+            buf[:, :, :lengths] = t[:, :, :lengths]
+            out.append(buf)
+        return out
+
     def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
         """State inputs equivalent to a patched model after prefill/decode (``decoder`` = ReplaySSMDecoder,
         ``cache`` = its transformers cache holding ``lengths`` tokens for every row)."""
         out = []
         for i, kind in enumerate(self.kinds):
             if kind == "full_attention":
-                layer = cache.layers[i]
-                for t in (layer.keys, layer.values):
-                    buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
-                    buf[:, :, :lengths] = t[:, :, :lengths]
-                    out.append(buf)
+                out += self._kv_states(cache, i, lengths)
             elif kind == "linear_attention":
                 c = decoder.caches[i]
                 out += [cache.get_conv_state(i).clone(), c["state"].to(self.state_dtype).clone(),

@@ -179,11 +179,7 @@ class NemotronHSpecStep(NemotronHDecodeStep):
         out = []
         for i, kind in enumerate(self.kinds):
             if kind == "full_attention":
-                layer = cache.layers[i]
-                for t in (layer.keys, layer.values):
-                    buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
-                    buf[:, :, :lengths] = t[:, :, :lengths]
-                    out.append(buf)
+                out += self._kv_states(cache, i, lengths)
             elif kind == "linear_attention":
                 conv = cache.get_conv_state(i)  # (batch, conv_dim, K): the last K inputs, newest last
                 window = conv.new_zeros((batch, conv.shape[1], self.window))

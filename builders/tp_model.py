@@ -35,14 +35,14 @@ def _all_reduce(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
-def _keep_rows(linear: nn.Linear, rows: torch.Tensor) -> None:
+def _keep_rows(linear: nn.Linear, rows) -> None:  # index tensor or slice
     linear.weight = nn.Parameter(linear.weight.detach()[rows].contiguous(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.detach()[rows].contiguous(), requires_grad=False)
     linear.out_features = linear.weight.shape[0]
 
 
-def _row_parallel(linear: nn.Linear, cols: torch.Tensor, rank: int, group) -> None:
+def _row_parallel(linear: nn.Linear, cols, rank: int, group) -> None:
     linear.weight = nn.Parameter(linear.weight.detach()[:, cols].contiguous(), requires_grad=False)
     linear.in_features = linear.weight.shape[1]
     if linear.bias is not None and rank != 0:  # added once, after the sum
@@ -67,13 +67,6 @@ class TPGatedRMSNorm(nn.Module):
         sq = _all_reduce(h.pow(2).sum(-1, keepdim=True), self.group)
         h = h * torch.rsqrt(sq / self.group_size + self.variance_epsilon)
         return self.weight * h.to(dtype)
-
-
-def _check(config, tp: int) -> None:
-    tpmod.shard_plan(config.mamba_num_heads, config.n_groups, tp)  # raises naming what does not divide
-    for name in ("num_key_value_heads", "intermediate_size"):
-        if getattr(config, name) % tp:
-            raise ValueError(f"tp={tp}: {name}={getattr(config, name)} must be divisible by tp")
 
 
 @torch.no_grad()
@@ -102,11 +95,7 @@ def _shard_mixer(m, config, rank: int, tp: int, group) -> None:
 
 @torch.no_grad()
 def _shard_attention(a, config, rank: int, tp: int, group) -> None:
-    hd, rep = a.head_dim, config.num_attention_heads // config.num_key_value_heads
-    kvh = config.num_key_value_heads // tp
-    dev = a.q_proj.weight.device
-    q = torch.arange(rank * kvh * rep * hd, (rank + 1) * kvh * rep * hd, device=dev)
-    kv = torch.arange(rank * kvh * hd, (rank + 1) * kvh * hd, device=dev)
+    q, kv = tpmod.attention_slices(rank, tp, config.num_attention_heads, config.num_key_value_heads, a.head_dim)
     _keep_rows(a.q_proj, q)
     _keep_rows(a.k_proj, kv)
     _keep_rows(a.v_proj, kv)
@@ -115,11 +104,10 @@ def _shard_attention(a, config, rank: int, tp: int, group) -> None:
 
 @torch.no_grad()
 def _shard_mlp(mlp, rank: int, tp: int, group) -> None:
-    ff = mlp.up_proj.out_features // tp
-    f = torch.arange(rank * ff, (rank + 1) * ff, device=mlp.up_proj.weight.device)
+    f = tpmod.even_slice(mlp.up_proj.out_features, rank, tp)
     _keep_rows(mlp.up_proj, f)
     _row_parallel(mlp.down_proj, f, rank, group)
-    mlp.intermediate_size = ff
+    mlp.intermediate_size = f.stop - f.start
 
 
 def shard_nemotron_h_(model, rank: int, tp: int, group=None):
@@ -130,7 +118,8 @@ def shard_nemotron_h_(model, rank: int, tp: int, group=None):
     if tp == 1:
         return model
     config = model.config
-    _check(config, tp)
+    tpmod.shard_plan(config.mamba_num_heads, config.n_groups, tp)  # raises naming what does not divide
+    tpmod.check_dense_split(config.num_key_value_heads, config.intermediate_size, tp)
     for layer, kind in zip(model.model.layers, config.layers_block_type):
         if kind == "linear_attention":
             _shard_mixer(layer.mixer, config, rank, tp, group)

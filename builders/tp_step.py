@@ -49,9 +49,7 @@ class TPDecodeStep(HybridDecodeStep):
     def _shard(self) -> None:
         cfg, r, n = self.cfg, self.rank, self.tp
         H, P, N, G = self.H, self.P, self.N, self.G
-        if cfg.num_key_value_heads % n or cfg.intermediate_size % n:
-            raise ValueError(f"tp={n}: num_key_value_heads={cfg.num_key_value_heads} and intermediate_size="
-                             f"{cfg.intermediate_size} must be divisible by tp")
+        tpmod.check_dense_split(cfg.num_key_value_heads, cfg.intermediate_size, n)
         self.shard = s = tpmod.shard_plan(H, G, n)[r]
         self.groups_owned = G % n == 0
         hp, xbc, rows = tpmod.mixer_channels(s, P, N, self.device)  # heads' channels, conv channels, in_proj rows
@@ -66,17 +64,15 @@ class TPDecodeStep(HybridDecodeStep):
             w["in_b"] = None if w["in_b"] is None else w["in_b"][rows].contiguous()
             w["out_w"] = w["out_w"][:, hp].contiguous()
             w["norm_w"] = w["norm_w"][hp].contiguous()
-        kvh, hd, rep = cfg.num_key_value_heads // n, cfg.head_dim, cfg.num_attention_heads // cfg.num_key_value_heads
-        q = slice(r * kvh * rep * hd, (r + 1) * kvh * rep * hd)
-        kv = slice(r * kvh * hd, (r + 1) * kvh * hd)
+        kvh, rep = cfg.num_key_value_heads // n, cfg.num_attention_heads // cfg.num_key_value_heads
+        q, kv = tpmod.attention_slices(r, n, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         for i in self.attn:
             w = self.w[i]
             for name, sl in (("q", q), ("k", kv), ("v", kv)):
                 w[f"{name}_w"] = w[f"{name}_w"][sl].contiguous()
                 w[f"{name}_b"] = None if w[f"{name}_b"] is None else w[f"{name}_b"][sl].contiguous()
             w["o_w"] = w["o_w"][:, q].contiguous()
-        ff = cfg.intermediate_size // n
-        f = slice(r * ff, (r + 1) * ff)
+        f = tpmod.even_slice(cfg.intermediate_size, r, n)
         for i, kind in enumerate(self.kinds):
             if kind == "mlp":
                 w = self.w[i]

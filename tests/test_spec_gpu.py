@@ -36,6 +36,7 @@ from trtllm_replayssm import ops
 from trtllm_replayssm import reference as ref
 from trtllm_replayssm import spec_reference as sr
 
+from .helpers import check_shadow
 from .problems import GEOMETRIES, make_params
 
 pytestmark = pytest.mark.gpu
@@ -136,17 +137,7 @@ class SpecProblem:
                           *self.prm64, cpu[4], self.sbi_cpu, shadow=self.ref_shadow, flushed=flushed)
         return y, y_ref, flushed
 
-    def check_shadow(self, s):
-        """The shadow the kernel wrote for slot s == Shadow.write of the checkpoint it stored, bit for bit."""
-        want = ref.Shadow(1, self.H, self.P, self.N, self.shadow_kind)
-        want.write(0, self.state[s].cpu())
-        got = self.shadow[s].cpu()
-        bad = (got.view(torch.uint8) != want.q[0].view(torch.uint8)).sum()
-        assert bad == 0, f"shadow of slot {s}: {int(bad)} of {got.numel()} elements differ from Shadow.write"
-        if self.scale is not None:
-            assert torch.equal(self.scale[s].cpu(), want.scale[0]), f"fp8 row scales of slot {s} differ"
-            self.ref_shadow.scale[s] = want.scale[0]
-        self.ref_shadow.q[s] = got  # the mirror reads what the kernel will read
+    check_shadow = check_shadow  # tests/helpers.py
 
     def commit(self, n):
         ops.spec_commit(self.cursor, n.to(DEV), self.sbi, self.T, self.L)

@@ -148,9 +148,9 @@ class ReplayStateCache:
         identical on every rank. ``shard`` records the heads and groups held."""
         from . import tp as tpmod
 
-        shard = tpmod.shard_plan(nheads, ngroups, tp)[rank] if 0 <= rank < tp else None
-        if shard is None:
+        if not 0 <= rank < tp:
             raise ValueError(f"rank: expected 0 <= rank < tp={tp}, got {rank}")
+        shard = tpmod.shard_plan(nheads, ngroups, tp)[rank]
         cache = cls(num_layers, num_slots, shard.nheads, headdim, dstate, shard.ngroups, buffer_len, **kw)
         cache.shard = shard
         return cache

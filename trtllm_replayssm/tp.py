@@ -94,6 +94,26 @@ def mixer_channels(shard: HeadShard, headdim: int, dstate: int, device=None):
     return hp, xbc, in_rows
 
 
+def check_dense_split(num_key_value_heads: int, intermediate_size: int, tp: int) -> None:
+    """Attention splits by KV heads and the MLP by columns: both must divide by tp (ValueError names which)."""
+    for name, v in (("num_key_value_heads", num_key_value_heads), ("intermediate_size", intermediate_size)):
+        if v % tp:
+            raise ValueError(f"tp={tp}: {name}={v} must be divisible by tp")
+
+
+def attention_slices(rank: int, tp: int, num_heads: int, num_key_value_heads: int, head_dim: int):
+    """(q, kv): this rank's rows of q_proj (the query heads of its KV groups) and of k/v_proj."""
+    kvh, rep = num_key_value_heads // tp, num_heads // num_key_value_heads
+    return (slice(rank * kvh * rep * head_dim, (rank + 1) * kvh * rep * head_dim),
+            slice(rank * kvh * head_dim, (rank + 1) * kvh * head_dim))
+
+
+def even_slice(size: int, rank: int, tp: int) -> slice:
+    """This rank's contiguous 1/tp of ``size`` (an MLP's intermediate columns)."""
+    n = size // tp
+    return slice(rank * n, (rank + 1) * n)
+
+
 def local_bytes_per_slot(shard: HeadShard, headdim: int, dstate: int, buffer_len: int, state_bytes: int = 4,
                          act_bytes: int = 2) -> int:
     """Checkpoint + buffers of one slot on this rank, in bytes."""
