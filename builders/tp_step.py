@@ -26,7 +26,7 @@ Per step and rank: one all-reduce of (batch, hidden) per layer (plus one (batch,
 with replicated groups). Every rank builds the full model from the same seed and slices it (the
 simplest route to identical weights; memory is not the point of this TP). ``dist`` must be
 initialised (gloo on the CPU, NCCL on GPUs with NVLink multicast off, see scripts/bench_decode.py);
-``tp=1`` needs no process group and reproduces :class:`~builders.graph_step.HybridDecodeStep`.
+``tp=1`` needs no process group and reproduces :class:`~builders.model_step.DecodeStep`.
 """
 
 from __future__ import annotations
@@ -35,14 +35,14 @@ import torch
 
 from trtllm_replayssm import tp as tpmod
 
-from .graph_step import HybridDecodeStep, SSMBackend
+from .model_step import DecodeStep, SSMMode
 
 
-class TPDecodeStep(HybridDecodeStep):
-    """:class:`HybridDecodeStep` on rank ``rank`` of ``tp``; same attributes, local shapes:
-    ``conv[i]`` (batch, Hl*P + 2*Gl*N, K), ``k/v[i]`` (batch, kvh/tp, kv_len, hd), logits full."""
+class TPDecodeStep(DecodeStep):
+    """:class:`DecodeStep` on rank ``rank`` of ``tp``; same attributes, local shapes:
+    ``conv[i]`` (batch, Hl*P + 2*Gl*N, K-1), ``k/v[i]`` (batch, kvh/tp, kv_len, hd), logits full."""
 
-    def __init__(self, model, batch: int, kv_len: int, ssm: SSMBackend, rank: int = 0, tp: int = 1, group=None):
+    def __init__(self, model, batch: int, kv_len: int, ssm: SSMMode, rank: int = 0, tp: int = 1, group=None):
         self.rank, self.tp, self.group = rank, tp, group
         super().__init__(model, batch, kv_len, ssm)
 
@@ -51,7 +51,7 @@ class TPDecodeStep(HybridDecodeStep):
         H, P, N, G = self.H, self.P, self.N, self.G
         tpmod.check_dense_split(cfg.num_key_value_heads, cfg.intermediate_size, n)
         self.shard = s = tpmod.shard_plan(H, G, n)[r]
-        self.groups_owned = G % n == 0
+        self.groups_owned = self.norm_groups_local = G % n == 0
         hp, xbc, rows = tpmod.mixer_channels(s, P, N, self.device)  # heads' channels, conv channels, in_proj rows
         for i in self.mamba:
             c = self.consts[i]

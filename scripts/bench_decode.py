@@ -19,7 +19,7 @@ median sample / L. On the CPU there are no graphs: plain ``perf_counter`` around
 labelled ``timing: eager-cpu``. No L2 rotation is needed: one step streams the weights (16 GB)
 and every layer's state, far more than the H200's 60 MB L2, at every batch size.
 
-Modes (everything but the SSM step identical, :mod:`builders.graph_step`):
+Modes (everything but the SSM step identical, :mod:`builders.model_step`):
   conventional  our conventional kernel (reads and writes S every step)
   replay        ReplaySSM: ``replay_decode`` per Mamba layer + one ``advance_cursor`` per step
   replay_bf16   replay whose non-flush steps read a bf16 shadow of the fp32 checkpoint (flushes
@@ -125,7 +125,7 @@ import torch  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from builders.graph_step import Conventional, HybridDecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
+from builders.model_step import Conventional, DecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
 from builders.nemotron_h import TINY_CONFIG  # noqa: E402
 from builders.tp_step import TPDecodeStep  # noqa: E402
 
@@ -338,7 +338,7 @@ def _percentile_spread(xs):
     return xs[max(0, int(0.9 * len(xs)) - 1)] - xs[int(0.1 * len(xs))]
 
 
-def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
+def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
              on_tokens=None, force: torch.Tensor | None = None, ref_logits=None, keep_logits: bool = False,
              use_graph: bool = True) -> dict:
     """Gate tokens and timing of one SSM backend (see the module docstring for the route).
@@ -376,13 +376,14 @@ def run_mode(step: HybridDecodeStep, ssm, snap: dict, gate_tokens: int, L: int, 
             step.ids.copy_(force[:, t - 1])  # a copy into the captured input buffer, outside the graph
         run()
         tokens[:, t] = step.ids
-        top = step.logits.topk(2, dim=-1).values
-        margin[:, t] = (top[:, 0] - top[:, 1]) / step.logits.std(dim=-1)
+        lg = step.logits.float()  # bf16 logits in a bf16 model: margins and errors in fp32
+        top = lg.topk(2, dim=-1).values
+        margin[:, t] = (top[:, 0] - top[:, 1]) / lg.std(dim=-1)
         if keep_logits:
-            kept.append(step.logits.to("cpu", copy=True))  # .cpu() of a CPU tensor would alias the buffer
+            kept.append(lg.to("cpu", copy=True))  # .cpu() of a CPU tensor would alias the buffer
         if ref_logits is not None:
             r = ref_logits[t].to(step.device)
-            err[:, t] = (step.logits - r).abs().amax(dim=-1) / r.std(dim=-1)
+            err[:, t] = (lg - r).abs().amax(dim=-1) / r.std(dim=-1)
             del r
     gate_res = dict(tokens=tokens.cpu(), margin=margin.cpu(), err=err.cpu(), logits=kept)
     if on_tokens is not None:
@@ -472,7 +473,7 @@ def gate_phase(model, batch, modes, prompt, kv_len, L, gate_tokens, tie_rel, max
     mode's before the next mode runs (shadow modes: teacher-forced); returns {mode: gate result}.
     Raises :class:`GateError`."""
     dev = next(model.parameters()).device
-    step = HybridDecodeStep(model, batch, kv_len, Conventional())
+    step = DecodeStep(model, batch, kv_len, Conventional())
     step.feed(prompt.to(dev))
     snap = step.snapshot(snapshot_device)
     gate = _Gate(modes, batch, tie_rel, max_tie_frac, strict_gate, shadow_gate or SHADOW_GATE)
@@ -507,7 +508,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the fp32 phase's blocks have other sizes than the timed phase's
     dev = next(model.parameters()).device
-    step = HybridDecodeStep(model, batch, kv_len, Conventional())
+    step = DecodeStep(model, batch, kv_len, Conventional())
     step.feed(prompt.to(dev))
     snap = step.snapshot(snapshot_device)
     results = {}
@@ -578,7 +579,7 @@ def tp_check(config, modes, rank: int, tp: int, device="cpu", dtype=torch.float3
     out = []
     for name in modes:
         step = TPDecodeStep(model, batch, steps + 1, make_backend(name, L), rank, tp, group)
-        ref = HybridDecodeStep(model, batch, steps + 1, make_backend(name, L)) if rank == 0 else None
+        ref = DecodeStep(model, batch, steps + 1, make_backend(name, L)) if rank == 0 else None
         errs, spread = [], 0.0
         for t in range(steps):
             step.ids.copy_(tokens[:, t])

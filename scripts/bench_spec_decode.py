@@ -3,7 +3,7 @@
 """End-to-end speculative decoding benchmark: T-token verify steps through the whole hybrid model.
 
 Model: as scripts/bench_decode.py (Nemotron-H-8B geometry, seeded random bf16 weights, ``--tiny``
-for the CPU smoke path). One speculative step (:class:`builders.spec_graph_step.HybridSpecStep`) feeds
+for the CPU smoke path). One speculative step (:class:`builders.model_step.SpecStep`) feeds
 T = 1 + num_draft tokens per row through every layer (attention with T causal queries over the KV
 cache, MLPs and projections on batch*T tokens, conv1d over the (K-1+num_draft)-wide window, the SSM
 verify per Mamba layer), then accepts, commits and gathers the next drafts on the device; the whole
@@ -82,12 +82,13 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from builders.graph_step import Conventional, HybridDecodeStep, Replay  # noqa: E402
-from builders.spec_graph_step import (  # noqa: E402
-    HybridSpecStep,
+from builders.model_step import (  # noqa: E402
+    Conventional,
+    DecodeStep,
     NativeSpec,
-    NoOpSpec,
-    ReplaySpec,
+    NoOp,
+    Replay,
+    SpecStep,
     designed_accepted_per_step,
     make_drafts,
 )
@@ -248,7 +249,7 @@ def _spread(xs):
 def _backend(name, L, backends):
     if backends and name in backends:
         return backends[name]
-    return {"replay_spec": lambda: ReplaySpec(L), "native_spec": NativeSpec, "spec_noop": NoOpSpec}[name]()
+    return {"replay_spec": lambda: Replay(L), "native_spec": NativeSpec, "spec_noop": NoOp}[name]()
 
 
 def prepare(model, batch: int, prompt: torch.Tensor, kv_len: int, table_len: int, snapshot_device=None):
@@ -258,7 +259,7 @@ def prepare(model, batch: int, prompt: torch.Tensor, kv_len: int, table_len: int
     token (the snapshot's ids); margin (batch, table_len) = top-2 logit gap / std of the logits that
     produced each G token (the near-tie rule of the check). The step is left after the continuation."""
     dev = next(model.parameters()).device
-    step = HybridDecodeStep(model, batch, kv_len, Conventional())
+    step = DecodeStep(model, batch, kv_len, Conventional())
     step.feed(prompt.to(dev))
     snap = step.snapshot(snapshot_device)
     G = torch.empty(batch, table_len, dtype=torch.int64, device=dev)
@@ -266,8 +267,9 @@ def prepare(model, batch: int, prompt: torch.Tensor, kv_len: int, table_len: int
 
     def record(t):
         G[:, t] = step.ids
-        top = step.logits.topk(2, dim=-1).values
-        margin[:, t] = (top[:, 0] - top[:, 1]) / step.logits.std(dim=-1)
+        lg = step.logits.float()  # bf16 logits in a bf16 model: margins and errors in fp32
+        top = lg.topk(2, dim=-1).values
+        margin[:, t] = (top[:, 0] - top[:, 1]) / lg.std(dim=-1)
 
     record(0)
     run, graph = capture(step, lambda: step.restore(snap), dev.type == "cuda")
@@ -310,7 +312,7 @@ def check_spec(model, name, backend, snap, G, margin, drafts, kv_len, T, table_l
                max_tie_frac, strict, cuda) -> dict:
     """``check_steps`` live-target spec steps from the snapshot; the emitted tokens against G (margin: CPU)."""
     batch = G.shape[0]
-    spec = HybridSpecStep(model, batch, kv_len, T, table_len, backend, live=True)
+    spec = SpecStep(model, batch, kv_len, T, table_len, backend, live=True)
     try:
         spec.set_tables(G, drafts)
         spec.restore(snap)
@@ -340,7 +342,7 @@ def time_standard(std, snap, L, warmup, reps, cuda) -> dict:
 def time_spec(model, backend, snap, G, tables: dict, kv_len, T, table_len, steps, warmup, reps, live, cuda) -> dict:
     """{alpha: timing} of one spec mode: one graph, the draft table swapped per acceptance."""
     batch = G.shape[0]
-    spec = HybridSpecStep(model, batch, kv_len, T, table_len, backend, live=live)
+    spec = SpecStep(model, batch, kv_len, T, table_len, backend, live=live)
     out = {}
     try:
         spec.set_tables(G, next(iter(tables.values())))

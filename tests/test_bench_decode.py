@@ -3,7 +3,7 @@
 
 Oracles:
 * transformers' own ``generate`` (fp32, greedy) for the hand-written graph step
-  (:mod:`builders.graph_step`): the same greedy tokens. Only fp32 summation order differs; the
+  (:mod:`builders.model_step`): the same greedy tokens. Only fp32 summation order differs; the
   config sets ``time_step_min=0`` so transformers' prefill does not clamp dt (its decode never does).
 * the conventional mode (float64 reference SSM on the CPU) for every other mode: greedy tokens equal
   exactly (float64 replay and conventional forms agree to ~1e-15, far from any near tie).
@@ -32,7 +32,8 @@ spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" /
 bd = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bd)
 
-from builders.graph_step import Conventional, HybridDecodeStep, Replay, write_shadow  # noqa: E402
+from builders.model_step import Conventional, DecodeStep, Replay  # noqa: E402
+from trtllm_replayssm.backend import write_shadow  # noqa: E402
 from trtllm_replayssm.reference import Shadow  # noqa: E402
 
 L = 4
@@ -87,7 +88,7 @@ def test_step_matches_transformers_generate(model):
     n = 2 * L + 1
     want = model.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n)[:, prompt.shape[1]:]
     for ssm in (Conventional(), Replay(L)):
-        step = HybridDecodeStep(model, 2, 16, ssm)
+        step = DecodeStep(model, 2, 16, ssm)
         step.feed(prompt)
         got = [step.ids.clone()]
         for _ in range(n - 1):
@@ -234,7 +235,7 @@ def _assert_shadow_is_of_checkpoint(ssm):
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_shadow_follows_checkpoint_and_snapshot_restore(model, kind):
     prompt = torch.randint(2, model.config.vocab_size, (2, 3), generator=torch.Generator().manual_seed(2))
-    step = HybridDecodeStep(model, 2, 32, Conventional())
+    step = DecodeStep(model, 2, 32, Conventional())
     step.feed(prompt)
     snap0 = step.snapshot()
     ssm = Replay(L, shadow=kind)

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of scripts/bench_spec_decode.py and builders/spec_graph_step.py (speculative decoding end to end).
+"""CPU tests of scripts/bench_spec_decode.py and builders/model_step.py's SpecStep (speculative decoding end to end).
 
 Oracles:
 * plain greedy decoding (the conventional standard step, float64 reference SSM) for every spec mode's
   emitted tokens: equal exactly on the tiny config in fp32 (the spec step's other arithmetic differs
   from the standard step's only in GEMM shapes, ~1e-7, far from any near tie of a 256-token vocab).
 * hand-built token rows for the acceptance rule (longest matching prefix + bonus token).
-* :mod:`trtllm_replayssm.spec_reference` for the vectorized conv window (update: tolerance of one fp32
-  product-sum; rollback: exact, it only moves values).
+* :mod:`trtllm_replayssm.spec_reference` for the conv window kept with a per-row offset (update +
+  rollback over random acceptances: outputs within one fp32 product-sum, committed inputs exact).
 * a host-side replay of the tables for the on-device acceptance bookkeeping of the timed (reference
   target) path: accepted counts equal exactly.
 * teeth: a ReplaySSM commit that never moves the cursor and a native commit that always keeps the
@@ -31,7 +31,7 @@ spec = importlib.util.spec_from_file_location("bench_spec_decode", ROOT / "scrip
 bs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bs)
 
-from builders import spec_graph_step as ss  # noqa: E402
+from builders import model_step as ss  # noqa: E402
 from scripts import bench_decode as bd  # noqa: E402
 from trtllm_replayssm import spec_reference as sr  # noqa: E402
 from trtllm_replayssm.cache import memory_per_request  # noqa: E402
@@ -94,24 +94,29 @@ def simulate_acceptance(G, D, steps, T):
 
 
 # ---- conv window ------------------------------------------------------------------------------------------
-def test_conv_window_matches_reference():
+def test_conv_window_offset_matches_reference_rollback():
+    """The window is never rolled back: after n accepted of T, the committed K-1 inputs end T - n columns
+    before its end. Against spec_reference's rolled-back window over steps of random acceptance."""
     gen = torch.Generator().manual_seed(3)
     b, C, K = 3, 10, 4
     W = K - 2 + T
-    win = torch.randn(b, C, W, generator=gen)
-    u = torch.randn(b, T, C, generator=gen)
-    w, bias = torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
+    win = torch.zeros(b, C, W)
+    win[:, :, W - (K - 1):] = torch.randn(b, C, K - 1, generator=gen)
     ref_win = win.double().clone()
-    want = sr.conv_window_update(ref_win, u.double(), w.double(), bias.double(), torch.arange(b, dtype=torch.int32),
-                                 activation=None)
-    got = ss.conv_window_update(win, u, w, bias)
-    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)  # fp32 sums of K products
-    assert torch.equal(win.double(), ref_win)  # the shift is a copy
-    n = torch.tensor([1, 3, 4], dtype=torch.int32)
-    stacked = torch.stack([win, win * 2])  # two layers at once
-    ss.conv_window_rollback(stacked, n, T)
-    sr.conv_window_rollback(ref_win, n, T, K, torch.arange(b, dtype=torch.int32))
-    assert torch.equal(stacked[0].double(), ref_win) and torch.equal(stacked[1].double(), 2 * ref_win)
+    shift = torch.zeros(b, dtype=torch.int64)
+    w, bias = torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
+    sbi = torch.arange(b, dtype=torch.int32)
+    for step in range(6):
+        u = torch.randn(b, T, C, generator=gen)
+        want = sr.conv_window_update(ref_win, u.double(), w.double(), bias.double(), sbi, activation="silu")
+        got = ss.conv_update(win, shift if step else None, u, w, bias)
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), step  # fp32 sums of K products
+        n = torch.randint(1, T + 1, (b,), generator=gen, dtype=torch.int32)
+        sr.conv_window_rollback(ref_win, n, T, K, sbi)
+        shift = T - n.long()
+        cols = (W - (K - 1)) - shift[:, None] + torch.arange(K - 1)[None, :]
+        committed = win.gather(2, cols[:, None, :].expand(b, C, K - 1))
+        assert torch.equal(committed.double(), ref_win[:, :, W - (K - 1):]), step  # moved values only
 
 
 # ---- the tiny path end to end --------------------------------------------------------------------------------
@@ -150,13 +155,13 @@ def test_reference_path_acceptance_matches_tables(model):
 
 
 def test_check_has_teeth(model):
-    frozen = ss.ReplaySpec(L, commit_fn=lambda cursor, n, sbi, T_, L_: None)  # history overwritten, no flush
+    frozen = ss.Replay(L, commit_fn=lambda cursor, n, sbi, T_, L_: None)  # history overwritten, no flush
     with pytest.raises(bs.GateError, match="replay_spec"):
         bs.check_batch(model, 2, ["standard", "replay_spec"], backends={"replay_spec": frozen}, **CHECK)
 
     class KeepLast(ss.NativeSpec):  # commits the last snapshot whatever was accepted
-        def commit(self, n_accepted, sbi):
-            super().commit(torch.full_like(n_accepted, self.T), sbi)
+        def end_step(self, sbi, n_accepted=None):
+            super().end_step(sbi, torch.full_like(n_accepted, self.T))
 
     with pytest.raises(bs.GateError, match="native_spec"):
         bs.check_batch(model, 2, ["native_spec"], backends={"native_spec": KeepLast()}, **CHECK)
@@ -233,6 +238,6 @@ def test_cuda_graph_route_tiny():
         assert r["timing"] == "cuda-graph" and r["ms_step"] > 0
         if r["mode"] != "spec_noop":
             assert r["check"] in ("exact",) or "near-tie" in r["check"]
-    frozen = ss.ReplaySpec(16, commit_fn=lambda cursor, n, sbi, T_, L_: None)
+    frozen = ss.Replay(16, commit_fn=lambda cursor, n, sbi, T_, L_: None)
     with pytest.raises(bs.GateError, match="replay_spec"):
         bs.check_batch(twin, 4, ["replay_spec"], backends={"replay_spec": frozen}, **{**CHECK, "L": 16})

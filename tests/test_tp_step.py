@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tensor parallelism of the whole decode step (builders/tp_step.py), two gloo processes on the CPU.
 
-Oracle: the TP=1 :class:`~builders.graph_step.HybridDecodeStep` on the same seeded fp32 model, fed
+Oracle: the TP=1 :class:`~builders.model_step.DecodeStep` on the same seeded fp32 model, fed
 the same tokens (teacher forcing) for 3L+2 steps, so every row crosses two flushes of the replay
 backend; compared by ``scripts/bench_decode.py``'s ``tp_check`` (the correctness phase of
 ``--tp N``) for the conventional and replay backends. The SSM steps are the float64 reference on
@@ -79,12 +79,12 @@ def test_tp2_teeth_norm_groups(tmp_path):
 
 
 def test_tp1_is_the_original_step():
-    from builders.graph_step import HybridDecodeStep, Replay
+    from builders.model_step import DecodeStep, Replay
     from builders.tp_step import TPDecodeStep
 
     bd = _bench()
     model = bd.build_model(bd.model_config(tiny=True), "cpu", torch.float32, seed=0)
-    a, b = HybridDecodeStep(model, 2, 12, Replay(4)), TPDecodeStep(model, 2, 12, Replay(4))
+    a, b = DecodeStep(model, 2, 12, Replay(4)), TPDecodeStep(model, 2, 12, Replay(4))
     for t in range(10):
         for s in (a, b):
             s.ids.fill_(t + 2)
@@ -93,7 +93,7 @@ def test_tp1_is_the_original_step():
 
 
 def test_tp_shard_errors():
-    from builders.graph_step import Conventional
+    from builders.model_step import Conventional
     from builders.tp_step import TPDecodeStep
 
     bd = _bench()
