@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Per-kernel time of one captured model step (builders/model_step.py), by the torch profiler.
+
+For each batch size and T (1: standard decode, > 1: speculative verify), the step with the given SSM
+mode (default ``noop``: the step without the SSM, the part issue 11 is about) is warmed up, captured
+in a CUDA graph, timed by CUDA events over ``--reps`` replays (ms/step), then ``--prof-reps`` replays
+run under ``torch.profiler`` (CUPTI records the kernels of a graph replay with their names). Kernels
+are summed per step and grouped by name:
+
+  gemm       cuBLAS / cuBLASLt / CUTLASS matrix products (nvjet, sm90_xmma, cutlass, gemm, gemv)
+  attention  scaled_dot_product_attention kernels (fmha, flash, efficient_attention)
+  fused      inductor's generated Triton kernels (triton_)
+  ssm        our kernels (replayssm) and mamba_ssm's
+  other      everything else (copies, scatter, index, reductions, argmax)
+
+``kernel_sum_ms`` vs ``ms_step``: the gap is what the GPU spends between kernels inside the graph.
+
+Usage (GPU): python scripts/profile_decode.py [--batches 1,256] [--tokens 1,4] [--mode noop] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from builders.model_step import DecodeStep, NoOp, Replay, SpecStep  # noqa: E402
+from scripts import bench_decode as bd  # noqa: E402
+
+CATEGORIES = (
+    ("ssm", ("replayssm", "selective", "_state_update")),
+    ("attention", ("fmha", "flash", "efficient_attention", "attention")),
+    ("gemm", ("nvjet", "xmma", "cutlass", "gemm", "gemv", "cublas")),
+    ("fused", ("triton_",)),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in low for k in keys):
+            return cat
+    return "other"
+
+
+def make_step(model, batch, T, kv_len, mode, L):
+    ssm = NoOp() if mode == "noop" else Replay(L)
+    if T == 1:
+        return DecodeStep(model, batch, kv_len, ssm)
+    table = 64 * T + T + 1
+    step = SpecStep(model, batch, kv_len, T, table, ssm, live=False)
+    ref = torch.randint(2, model.config.vocab_size, (batch, table), generator=torch.Generator().manual_seed(0))
+    step.set_tables(ref.cuda(), ref.cuda())  # every draft accepted: the path is fixed
+    return step
+
+
+def profile_point(model, batch, T, kv_len, mode, L, reps, prof_reps) -> dict:
+    step = make_step(model, batch, T, kv_len, mode, L)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        for _ in range(L):
+            graph.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / L)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(prof_reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels: dict = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        k = kernels.setdefault(ev.name, [0.0, 0])
+        k[0] += ev.device_time / 1e3 / prof_reps  # ms per step
+        k[1] += 1
+    cats = {c: 0.0 for c, _ in CATEGORIES}
+    cats["other"] = 0.0
+    for name, (ms, _) in kernels.items():
+        cats[category(name)] += ms
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
+    step.free()
+    del graph
+    return dict(batch=batch, T=T, mode=mode, kv_len=kv_len, ms_step=statistics.median(times),
+                kernel_sum_ms=sum(v[0] for v in kernels.values()),
+                kernels_per_step=sum(v[1] for v in kernels.values()) / prof_reps,
+                categories_ms=cats,
+                top=[dict(name=n[:120], ms=v[0], calls_per_step=v[1] / prof_reps, category=category(n))
+                     for n, v in top])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,256")
+    ap.add_argument("--tokens", default="1,4", help="T per step: 1 = standard decode, > 1 = speculative verify")
+    ap.add_argument("--mode", default="noop", choices=("noop", "replay"))
+    ap.add_argument("--buffer-len", type=int, default=16)
+    ap.add_argument("--context", type=int, default=1024, help="KV positions allocated (as bench_decode)")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--prof-reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default="unknown")
+    args = ap.parse_args(argv)
+    model = bd.build_model(bd.model_config(layers=args.layers), "cuda", torch.bfloat16, seed=0)
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            r = profile_point(model, b, T, args.context, args.mode, args.buffer_len, args.reps, args.prof_reps)
+            rows.append(r)
+            c = r["categories_ms"]
+            print(f"T={T} bs={b:4d} {args.mode}: {r['ms_step']:.3f} ms/step, kernels {r['kernel_sum_ms']:.3f} ms "
+                  f"({r['kernels_per_step']:.0f}/step): " + ", ".join(f"{k} {v:.3f}" for k, v in c.items()), flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        date = datetime.date.today().isoformat()
+        meta = dict(device=torch.cuda.get_device_name(), date=date, commit=args.commit, torch=torch.__version__,
+                    context=args.context, layers=args.layers)
+        path = out / f"{date}_profile-{args.mode}_{args.commit}.json"
+        path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        print("wrote", path)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
