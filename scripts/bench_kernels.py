@@ -43,8 +43,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.problems import GEOMETRIES, make_inputs, make_params  # noqa: E402
+from tests.problems import make_inputs, make_params  # noqa: E402
 from trtllm_replayssm import ops  # noqa: E402
+from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 
 ROTATE_BYTES = 512 << 20  # ~8x the H200's 60 MB L2
 MAX_ROTATIONS = 64
@@ -219,7 +220,8 @@ def main():
     if not args.quick:
         plan += [("nemotron_h_8b", "bf16", "bf16", 16, b, "none") for b in batches]
         plan += [("nemotron_h_8b", "f32", "bf16", L, b, "none") for L in (8, 32) for b in (1, 32, 256)]
-        plan += [(g, "f32", "bf16", 16, b, "none") for g in ("nano_9b_v2", "h_56b") for b in (1, 32, 256)]
+        plan += [(g, "f32", "bf16", 16, b, "none") for g in ("nano_9b_v2", "h_56b", "nemotron3_nano", "nemotron3_super")
+                 for b in (1, 32, 256)]
     rows = []
     for *p, sh in plan:
         row = bench_point(*p, mamba_fn, shadow=sh)
@@ -233,12 +235,12 @@ def main():
     stamp = meta["date"][:10]
     path = out / f"{stamp}_{args.tag}_{args.commit[:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    hdr = (f"{'geom':14s} {'st':4s} {'sh':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} "
+    hdr = (f"{'geom':16s} {'st':4s} {'sh':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} "
            f"{'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}")
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(hdr)
     for r in rows:
-        print(f"{r['geom']:14s} {r['state']:4s} {r['shadow']:4s} {r['L']:2d} {r['batch']:4d} {r['conv_us']:8.1f} "
+        print(f"{r['geom']:16s} {r['state']:4s} {r['shadow']:4s} {r['L']:2d} {r['batch']:4d} {r['conv_us']:8.1f} "
               f"{r['pct_ceiling_conv']:5.1f} "
               f"{r['replay_us_k1']:7.1f} {r['replay_us_flush']:7.1f} {r['replay_us_amortized']:7.1f} "
               f"{r['pct_ceiling_replay']:5.1f} {r['speedup_vs_conv']:6.2f} {r.get('mamba_us', float('nan')):7.1f} "

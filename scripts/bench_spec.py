@@ -38,8 +38,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from tests.problems import GEOMETRIES, make_params  # noqa: E402
+from tests.problems import make_params  # noqa: E402
 from trtllm_replayssm import ops  # noqa: E402
+from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 
 
 def counts_visited(T: int, L: int) -> list[int]:

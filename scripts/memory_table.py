@@ -9,7 +9,9 @@ The "x requests" column is native / replay: how many more requests fit in the sa
 Attention KV cache and weights are not counted.
 
 Mamba layer counts: Nemotron-H-8B has 24 (hybrid pattern in NVIDIA's Megatron-Bridge docs); the
-counts for Nano-9B-v2 (27) and H-56B (54) are assumptions, override with --layers NAME=COUNT.
+Nemotron 3 counts come from their config.json patterns (trtllm_replayssm.geometries.MODELS: Nano
+30B-A3B 23, Super 120B-A12B 40); the counts for Nano-9B-v2 (27) and H-56B (54) are assumptions,
+override with --layers NAME=COUNT.
 
 Usage: python scripts/memory_table.py [--buffer-len 16] [--drafts 1 3 5 7] [--shadow-bytes 2] [--json]
 """
@@ -22,13 +24,11 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from trtllm_replayssm.cache import memory_per_request  # noqa: E402
+from trtllm_replayssm.geometries import GEOMETRIES, MODELS  # noqa: E402
 
-GEOMETRIES = {  # (nheads, headdim, dstate, ngroups), DESIGN.md §3
-    "nemotron_h_8b": (128, 64, 128, 8),
-    "nano_9b_v2": (128, 80, 128, 8),
-    "h_56b": (256, 64, 256, 8),
-}
-MAMBA_LAYERS = {"nemotron_h_8b": 24, "nano_9b_v2": 27, "h_56b": 54}
+# Mamba layers per model (the rows of the table; geometries from trtllm_replayssm.geometries)
+MAMBA_LAYERS = {"nemotron_h_8b": 24, "nano_9b_v2": 27, "h_56b": 54,
+                **{name: m.mamba_layers for name, m in MODELS.items()}}
 MIB = 2 ** 20
 
 
@@ -52,7 +52,8 @@ def main() -> None:
     print("| geometry (H,P,N,G) | Mamba layers | num_draft | T | ReplaySSM MiB | native MiB | x requests |")
     print("|---|---|---|---|---|---|---|")
     rows = []
-    for name, (H, P, N, G) in GEOMETRIES.items():
+    for name in layers:
+        H, P, N, G = GEOMETRIES[name]
         for d in args.drafts:
             if args.buffer_len < 2 * (d + 1):
                 print(f"| {name} | {layers[name]} | {d} | {d + 1} | - (needs L >= {2 * (d + 1)}) | - | - |")

@@ -12,15 +12,7 @@ import math
 
 import torch
 
-# (nheads, headdim, dstate, ngroups) of real models (DESIGN.md §3).
-GEOMETRIES = {
-    "tiny": (4, 64, 64, 2),
-    "nemotron_h_8b": (128, 64, 128, 8),
-    "nano_9b_v2": (128, 80, 128, 8),
-    "nano3_4b": (96, 80, 128, 8),
-    "ultra_550b": (256, 64, 128, 8),
-    "h_56b": (256, 64, 256, 8),
-}
+from trtllm_replayssm.geometries import GEOMETRIES  # noqa: F401  (re-exported: tests index it by name)
 
 
 @dataclasses.dataclass

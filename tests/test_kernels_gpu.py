@@ -174,6 +174,8 @@ CASES = [
     {**BASE, "geom": "nano_9b_v2", "L": 8},
     {**BASE, "geom": "h_56b", "L": 4},
     {**BASE, "geom": "nemotron_h_8b", "state": "bf16", "act": "bf16", "L": 8, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
+    {**BASE, "geom": "nemotron3_nano", "L": 16},  # Nemotron 3 Nano 30B-A3B Mamba layer: 64 heads, 8 per group
+    {**BASE, "geom": "nemotron3_super", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
 ]
 
 
@@ -218,6 +220,8 @@ SHADOW_CASES = [
     {**SHADOW_BASE, "shadow": "fp8", "geom": "nano_9b_v2", "L": 16},
     {**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron_h_8b", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
     {**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
+    {**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron3_nano", "L": 16},
+    {**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron3_super", "L": 16},
 ]
 VARIANTS = {"persistent": (("PERSISTENT", 2), ("MIN_BLOCKS", 5)), "one-shot": (("MIN_BLOCKS", 5), ("STAGED", 0)),
             "staged": STAGED}

@@ -191,6 +191,8 @@ CASES = [
     {**BASE, "geom": "h_56b", "T": 8, "L": 16},
     {**BASE, "geom": "nemotron_h_8b", "state": "bf16", "T": 8, "L": 16, "has_z": True, "batch": 6, "slots": 8,
      "pad_rows": (0, 3)},
+    {**BASE, "geom": "nemotron3_nano", "batch": 6, "slots": 8},  # Nemotron 3 Nano 30B-A3B Mamba layer
+    {**BASE, "geom": "nemotron3_super", "T": 2, "L": 8},
 ]
 STEPS = 40
 
