@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One Nemotron-H decode step as a module with explicit state I/O, and its ONNX export.
+"""One Nemotron-H / Nemotron 3 decode step as a module with explicit state I/O, and its ONNX export.
 
 Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) inside):
 
@@ -20,7 +20,11 @@ in TensorRT). :meth:`NemotronHDecodeStep.state_specs` lists them.
 Per Mamba layer: in_proj, conv1d over the window [conv_state[:, :, 1:], xBC] (the new conv state),
 silu, then ONE ``replayssm::mamba2_decode`` node (:class:`Mamba2Decode`), then the model's gated
 RMSNorm with z and out_proj. Attention (Nemotron-H uses no positional encoding): the new K/V is
-written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attended.
+written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attended. MoE layers
+(Nemotron 3) carry no state: :func:`builders.moe.moe_forward` in standard ops (sigmoid routing,
+TopK, the routed experts in the ``moe_formulation`` the step was built with, "dense" by default, and
+the shared expert); transformers' own MoE module cannot be traced (its expert loop reads the routing
+on the host, so a trace would freeze the experts of the tracing input). MLP layers are the model's.
 
 Export route: the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) with
 ``torch.autograd.Function.symbolic``. It emits exactly one custom node with our domain, attributes
@@ -37,6 +41,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .moe import FORMULATIONS, moe_forward
 from .nemotron_h import _check_layers, reference_backend
 
 OP_TYPE = "mamba2_decode"
@@ -87,9 +92,12 @@ class NemotronHDecodeStep(torch.nn.Module):
     """Decode step of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights."""
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype = torch.float32,
-                 backend=None):
+                 backend=None, moe_formulation: str = "dense"):
         super().__init__()
         _check_layers(model.config)
+        if moe_formulation not in FORMULATIONS:
+            raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {moe_formulation!r}")
+        self.moe_formulation = moe_formulation
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
         if max_seq_len < 1:
@@ -223,6 +231,8 @@ class NemotronHDecodeStep(torch.nn.Module):
                 out, st = self._mamba(i, layer, hn, *states[k:k + 5], cursor, sbi)
                 new_states += st
                 k += 5
+            elif kind == "moe":
+                out = moe_forward(hn, layer.mixer, self.moe_formulation)
             else:
                 out = layer.mixer(hn)
             h = res + out

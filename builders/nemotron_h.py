@@ -1,10 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Nemotron-H (transformers' ``NemotronHForCausalLM``) with ReplaySSM single-token decode.
+"""Nemotron-H and Nemotron 3 (transformers' ``NemotronHForCausalLM``) with ReplaySSM single-token decode.
+
+Layer types (``config.layers_block_type``; pattern letters of ``hybrid_override_pattern``):
+``linear_attention`` (M, Mamba-2), ``full_attention`` (*), ``mlp`` (-) and, in Nemotron 3,
+``moe`` (E: transformers' ``NemotronHMoE``, sigmoid top-k routing with a correction bias, routed
+experts, one shared expert, latent projections where the config has ``moe_latent_size``). Only
+the Mamba-2 mixers are patched; every other layer is transformers' own module.
 
 Loading: :func:`load_nemotron_h` reads an HF directory (``config.json`` + ``*.safetensors``,
-checked for model type, missing, unexpected and mis-shaped tensors) or, without a directory,
-builds :data:`TINY_CONFIG` with seeded random weights (geometry the GPU kernels support:
-headdim 64, dstate 64, 4 heads in 2 groups).
+checked for model type, layer types, MoE sizes, missing, unexpected and mis-shaped tensors; NVIDIA's
+per-expert tensors ``experts.<e>.up_proj.weight`` are stacked into transformers' (E, I, D) expert
+parameters as transformers' own loader does) or, without a directory, builds an embedded tiny
+config with seeded random weights: :data:`TINY_CONFIG` (Nemotron-H: ``M*-M-M*-``) or
+:data:`TINY3_CONFIG` (Nemotron 3: ``MEM*EM*E``, 8 experts, top-2, one shared expert); both with the
+Mamba geometry the GPU kernels support (headdim 64, dstate 64, 4 heads in 2 groups). The MoE
+router (``gate.weight``, ``e_score_correction_bias``) stays fp32 in every dtype, as transformers
+keeps it (``_keep_in_fp32_modules_strict``).
 
 Patching (:func:`patch_replayssm`), per Mamba-2 mixer, mirroring the mixer's own decode path:
 
@@ -27,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 
 import torch
 
@@ -54,7 +66,28 @@ TINY_CONFIG = dict(
     pad_token_id=0,
     bos_token_id=1,
 )
-SUPPORTED_LAYERS = ("linear_attention", "full_attention", "mlp")
+# Layers: M = Mamba-2, E = MoE, * = attention. The Mamba geometry is the tiny Nemotron-H's; the MoE
+# follows Nemotron 3 Nano (sigmoid routing, routed_scaling_factor 2.5, one shared expert, relu2).
+TINY3_CONFIG = dict(
+    TINY_CONFIG,
+    hybrid_override_pattern="MEM*EM*E",
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    moe_shared_expert_intermediate_size=128,
+    n_shared_experts=1,
+    moe_latent_size=None,
+    routed_scaling_factor=2.5,
+    n_group=1,
+    topk_group=1,
+    norm_topk_prob=True,
+    mlp_hidden_act="relu2",
+)
+TINY_CONFIGS = {"nemotron_h": TINY_CONFIG, "nemotron3": TINY3_CONFIG}
+SUPPORTED_LAYERS = ("linear_attention", "full_attention", "mlp", "moe")
+PATTERN_LETTERS = {"M": "linear_attention", "E": "moe", "*": "full_attention", "-": "mlp"}
+# config.json spellings of layers_block_type transformers accepts (its legacy names remapped)
+LAYER_NAMES = ("linear_attention", "full_attention", "mlp", "moe", "mamba", "attention")
 
 
 class CheckpointError(ValueError):
@@ -76,14 +109,92 @@ def _require_transformers():
 
 
 def _check_layers(config) -> None:
+    """Layer types we support and, with MoE layers, MoE sizes transformers' router can run; the
+    error names the config key."""
     bad = sorted({t for t in config.layers_block_type if t not in SUPPORTED_LAYERS})
     if bad:
-        raise CheckpointError(f"layers_block_type: expected only {SUPPORTED_LAYERS}, got {bad} (MoE is not supported yet)")
+        raise CheckpointError(f"layers_block_type: expected only {SUPPORTED_LAYERS}, got {bad}")
+    if "moe" in config.layers_block_type:
+        _check_moe(config)
 
 
-def tiny_config(**overrides):
+def _check_moe(config) -> None:
+    def num(key, lo=1):
+        v = getattr(config, key, None)
+        if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+            raise CheckpointError(f"{key}: expected an integer >= {lo} for the MoE layers, got {v!r}")
+        return v
+
+    E, k = num("n_routed_experts"), num("num_experts_per_tok")
+    groups, top_groups = num("n_group"), num("topk_group")
+    num("moe_intermediate_size")
+    num("moe_shared_expert_intermediate_size")
+    if config.moe_latent_size is not None:
+        num("moe_latent_size")
+    if E % groups:
+        raise CheckpointError(f"n_group: expected a divisor of n_routed_experts={E}, got {groups}")
+    if E // groups < 2:  # the router scores each group by its two best experts
+        raise CheckpointError(f"n_group: expected >= 2 experts per group (n_routed_experts={E}), got {groups} groups")
+    if top_groups > groups:
+        raise CheckpointError(f"topk_group: expected <= n_group={groups}, got {top_groups}")
+    if k > top_groups * (E // groups):
+        raise CheckpointError(f"num_experts_per_tok: expected <= the experts of the topk_group={top_groups} kept groups "
+                              f"({top_groups * (E // groups)}), got {k}")
+
+
+def _check_raw_layers(raw: dict, cfg_path) -> None:
+    """Layer types in config.json itself (transformers' own messages for these are a bare KeyError)."""
+    pattern = raw.get("hybrid_override_pattern")
+    if pattern is not None:
+        if not isinstance(pattern, str):
+            raise CheckpointError(f"{cfg_path}: hybrid_override_pattern: expected a string, got {pattern!r}")
+        bad = sorted({(i, c) for i, c in enumerate(pattern) if c not in PATTERN_LETTERS})
+        if bad:
+            raise CheckpointError(f"{cfg_path}: hybrid_override_pattern: expected only {''.join(PATTERN_LETTERS)}, "
+                                  f"got {bad[0][1]!r} at position {bad[0][0]} (of {len(bad)} unknown)")
+    types = raw.get("layers_block_type")
+    if types is not None:
+        if not isinstance(types, list):
+            raise CheckpointError(f"{cfg_path}: layers_block_type: expected a list, got {types!r}")
+        bad = [(i, t) for i, t in enumerate(types) if t not in LAYER_NAMES]
+        if bad:
+            raise CheckpointError(f"{cfg_path}: layers_block_type: expected names in {LAYER_NAMES}, got {bad[0][1]!r} "
+                                  f"at layer {bad[0][0]} (of {len(bad)} unknown)")
+
+
+def tiny_config(tiny: str = "nemotron_h", **overrides):
+    """The embedded tiny config ``tiny`` ("nemotron_h" or "nemotron3") with ``overrides``."""
     NemotronHConfig, _ = _require_transformers()
-    return NemotronHConfig(**{**TINY_CONFIG, **overrides})
+    if tiny not in TINY_CONFIGS:
+        raise ValueError(f"tiny: expected one of {sorted(TINY_CONFIGS)}, got {tiny!r}")
+    return NemotronHConfig(**{**TINY_CONFIGS[tiny], **overrides})
+
+
+def has_moe(config) -> bool:
+    return "moe" in config.layers_block_type
+
+
+def _fp32_names(model) -> list[str]:
+    """Parameters and buffers transformers keeps in fp32 whatever the dtype (the MoE router)."""
+    keep = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    names = [n for n, _ in model.named_parameters()] + [n for n, _ in model.named_buffers()]
+    return [n for n in names if any(k in n for k in keep)]
+
+
+def _to(model, dtype, device, fp32: dict):
+    """``model.to(device, dtype)``, then the router tensors back in fp32 from ``fp32`` (name -> tensor)."""
+    model = model.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for name, t in fp32.items():
+            mod_name, _, leaf = name.rpartition(".")
+            mod = model.get_submodule(mod_name)
+            cur = getattr(mod, leaf)
+            new = t.detach().to(device=device, dtype=torch.float32)
+            if isinstance(cur, torch.nn.Parameter):
+                setattr(mod, leaf, torch.nn.Parameter(new, requires_grad=cur.requires_grad))
+            else:
+                setattr(mod, leaf, new)
+    return model
 
 
 @torch.no_grad()
@@ -101,21 +212,27 @@ def randomize_(model, seed: int = 0):
             v = 1 + 0.1 * torch.randn(p.shape, generator=gen)
         elif leaf == "bias":
             v = 0.1 * torch.randn(p.shape, generator=gen)
-        elif p.dim() >= 2:
-            fan_in = p[0].numel() if "embeddings" not in name else 1
+        elif p.dim() >= 2:  # (out, in), conv (C, 1, K), experts (E, out, in): the last dim is the fan-in
+            fan_in = p.shape[-1] if "embeddings" not in name else 1
             v = torch.randn(p.shape, generator=gen) * fan_in ** -0.5
         else:
             v = torch.randn(p.shape, generator=gen)
         p.copy_(v.to(p.dtype))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # large enough to change which experts are chosen
+            b.copy_((0.1 * torch.randn(b.shape, generator=gen)).to(b.dtype))
     return model
 
 
-def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu"):
-    """``NemotronHForCausalLM`` in eval mode: from ``model_dir`` or the tiny config with random weights."""
+def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: int = 0, device="cpu",
+                    tiny: str = "nemotron_h"):
+    """``NemotronHForCausalLM`` in eval mode: from ``model_dir`` or the tiny config ``tiny`` ("nemotron_h"
+    or "nemotron3") with random weights."""
     NemotronHConfig, NemotronHForCausalLM = _require_transformers()
     if model_dir is None:
-        model = randomize_(NemotronHForCausalLM(tiny_config()), seed)
-        return model.to(device=device, dtype=dtype).eval()
+        model = randomize_(NemotronHForCausalLM(tiny_config(tiny)), seed)
+        sd = model.state_dict()
+        return _to(model, dtype, device, {n: sd[n].clone() for n in _fp32_names(model)}).eval()
     root = pathlib.Path(model_dir)
     cfg_path = root / "config.json"
     if not cfg_path.is_file():
@@ -126,6 +243,7 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
     if raw.get("model_type") != "nemotron_h":
         raise CheckpointError(f"{cfg_path}: model_type: expected 'nemotron_h', got {raw.get('model_type')!r}")
+    _check_raw_layers(raw, cfg_path)
     try:
         config = NemotronHConfig.from_pretrained(str(root))
     except Exception as e:  # transformers raises several types for a bad config
@@ -137,7 +255,8 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
     with torch.device("meta"):
         model = NemotronHForCausalLM(config)
     expected = model.state_dict()
-    index = _index_safetensors(files)  # names and shapes only: errors come before any tensor is read
+    # names and shapes only: every error comes before any tensor is read
+    index = _stack_experts(_index_safetensors(files), expected)
     optional = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(set(expected) - set(index) - optional)
     if missing:
@@ -145,17 +264,23 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
     unexpected = sorted(set(index) - set(expected))
     if unexpected:
         raise CheckpointError(f"model: {len(unexpected)} unexpected tensors in {str(root)!r}: {unexpected[:8]}")
-    for name, (_, _, shape) in index.items():
+    for name, (_, shape, _) in index.items():
         if shape != tuple(expected[name].shape):
             raise CheckpointError(f"{name}: expected shape {tuple(expected[name].shape)}, got {shape}")
-    model.load_state_dict(_read_tensors(index, dtype), strict=not optional, assign=True)
+    fp32 = set(_fp32_names(model))
+    tensors = _read_tensors(index, dtype, fp32)
+    model.load_state_dict(tensors, strict=not optional, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()
-    return model.to(device=device, dtype=dtype).eval()
+    return _to(model, dtype, device, {n: tensors[n] for n in fp32 if n in tensors}).eval()
+
+
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.+\.mixer\.experts)\.(?P<e>\d+)\.(?P<proj>up_proj|down_proj)\.weight$")
 
 
 def _index_safetensors(files) -> dict:
-    """{model key: (file, key in the file, shape)}; NVIDIA's ``backbone.`` prefix is read as ``model.``."""
+    """{model key: ([(file, key in the file)], shape, stacked)}; NVIDIA's ``backbone.`` prefix is read as
+    ``model.``. ``stacked``: the sources are the experts of one stacked tensor (:func:`_stack_experts`)."""
     from safetensors import SafetensorError, safe_open
 
     index = {}
@@ -166,22 +291,61 @@ def _index_safetensors(files) -> dict:
                     if k.startswith("mtp."):  # multi-token-prediction heads are not used for decode
                         continue
                     name = "model." + k[len("backbone."):] if k.startswith("backbone.") else k
-                    index[name] = (f, k, tuple(st.get_slice(k).get_shape()))
+                    if name in index:
+                        raise CheckpointError(f"{name}: stored twice ({index[name][0][0][0].name} and {f.name})")
+                    index[name] = ([(f, k)], tuple(st.get_slice(k).get_shape()), False)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f}: cannot read safetensors ({e})") from e
     return index
 
 
-def _read_tensors(index: dict, dtype: torch.dtype) -> dict:
+def _stack_experts(index: dict, expected: dict) -> dict:
+    """Per-expert ``<layer>.mixer.experts.<e>.{up,down}_proj.weight`` entries (NVIDIA's checkpoints) become
+    one stacked ``<layer>.mixer.experts.{up,down}_proj`` entry (transformers' parameter), experts in
+    order; every expert 0..E-1 present, all of one shape."""
+    groups: dict[str, dict[int, tuple]] = {}
+    out = {}
+    for name, entry in index.items():
+        m = _EXPERT_KEY.match(name)
+        if m is None:
+            out[name] = entry
+        else:
+            groups.setdefault(f"{m['prefix']}.{m['proj']}", {})[int(m["e"])] = (name, entry)
+    for target, by_e in sorted(groups.items()):
+        if target in out:
+            raise CheckpointError(f"{target}: stored both stacked and per expert ({by_e[min(by_e)][0]})")
+        want = expected.get(target)
+        E = want.shape[0] if want is not None else max(by_e) + 1
+        absent = sorted(set(range(E)) - set(by_e))
+        extra = sorted(set(by_e) - set(range(E)))
+        if absent or extra:
+            what = f"missing experts {absent[:8]}" if absent else f"experts beyond {E - 1}: {extra[:8]}"
+            raise CheckpointError(f"{target}: expected per-expert tensors for experts 0..{E - 1} "
+                                  f"({target.rsplit('.', 1)[0]}.<e>.{target.rsplit('.', 1)[1]}.weight), {what}")
+        shapes = {e: by_e[e][1][1] for e in range(E)}
+        odd = [e for e in range(E) if shapes[e] != shapes[0]]
+        if odd:
+            raise CheckpointError(f"{by_e[odd[0]][0]}: expected shape {shapes[0]} like expert 0, got {shapes[odd[0]]}")
+        out[target] = ([by_e[e][1][0][0] for e in range(E)], (E, *shapes[0]), True)
+    return out
+
+
+def _read_tensors(index: dict, dtype: torch.dtype, fp32=()) -> dict:
+    """Every entry of ``index`` in ``dtype`` (names in ``fp32``: float32); stacked entries stacked."""
     from safetensors import safe_open
 
-    out, by_file = {}, {}
-    for name, (f, k, _) in index.items():
-        by_file.setdefault(f, []).append((name, k))
+    parts, by_file = {}, {}
+    for name, (sources, _, _) in index.items():
+        for j, (f, k) in enumerate(sources):
+            by_file.setdefault(f, []).append((name, j, k))
     for f, keys in by_file.items():
         with safe_open(str(f), framework="pt") as st:
-            for name, k in keys:
-                out[name] = st.get_tensor(k).to(dtype)
+            for name, j, k in keys:
+                parts.setdefault(name, {})[j] = st.get_tensor(k).to(torch.float32 if name in fp32 else dtype)
+    out = {}
+    for name, (sources, _, stacked) in index.items():
+        got = parts[name]
+        out[name] = torch.stack([got[j] for j in range(len(sources))]) if stacked else got[0]
     return out
 
 

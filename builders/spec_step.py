@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Speculative decoding of Nemotron-H as two exported graphs: verify (every layer) and commit (after sampling).
+"""Speculative decoding of Nemotron-H / Nemotron 3 as two exported graphs: verify (every layer) and commit
+(after sampling).
 
 One speculative step of T = 1 + num_draft tokens per row (row b is slot b; state_batch_indices =
 arange(batch) inside both graphs) is
@@ -30,7 +31,8 @@ committed ring history + the causal part of the window; the window appended to t
 committed history folded into the checkpoint first when count + 2T > L); gated RMSNorm and out_proj.
 Attention (NoPE): the T new K/V written at lengths + t, query t attends keys j <= lengths + t.
 Rejected positions leave K/V and ring entries beyond the committed range; they are never read and
-are overwritten by later windows.
+are overwritten by later windows. MoE layers (Nemotron 3) route each of the batch * T tokens on its
+own (:func:`builders.moe.moe_forward`, as in :mod:`.decode_step`) and carry no state.
 
 Commit graph (:class:`NemotronHSpecCommit`). Inputs: n_accepted (batch,) int32 (accepted tokens of
 the window including the first one, 1..T for live rows; clamped to [0, T]), cursor (batch, 2),
@@ -150,8 +152,9 @@ class NemotronHSpecStep(NemotronHDecodeStep):
     """Verify graph of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights."""
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int,
-                 state_dtype: torch.dtype = torch.float32, backend=None):
-        super().__init__(model, buffer_len, max_seq_len, state_dtype, backend or verify_reference_backend)
+                 state_dtype: torch.dtype = torch.float32, backend=None, moe_formulation: str = "dense"):
+        super().__init__(model, buffer_len, max_seq_len, state_dtype, backend or verify_reference_backend,
+                         moe_formulation)
         self.num_draft = num_draft
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.conv_kernel - 1 + num_draft
