@@ -45,12 +45,17 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kConvMinBlock
 }
 
 // Advance every valid row's cursor by one entry, wrapping at the buffer length (a flush empties
-// the buffer). One launch per decode step for all layers, which share the cursor.
+// the buffer). One launch per decode step for all layers, which share the cursor. Unchecked values
+// (ops.py check_values=False, graph capture) write nothing but the row's own cursor: an out-of-range
+// slot is skipped, and a cursor outside [0, L) is left as it is, so the decode kernels keep writing
+// NaN for that row instead of a silent wrap making it look valid.
 extern "C" __global__ void replayssm_advance_cursor(const int* __restrict__ sbi, int batch,
                                                     int nslots, int* cursor) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const int slot = sbi[b];
   if (slot < 0 || slot >= nslots) return;
-  cursor[slot] = (cursor[slot] + 1) % kL;
+  const int pos = cursor[slot];
+  if (pos < 0 || pos >= kL) return;
+  cursor[slot] = pos + 1 == kL ? 0 : pos + 1;
 }

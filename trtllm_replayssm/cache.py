@@ -374,7 +374,8 @@ class ReplayStateCache:
                     raise ValueError(f"n_accepted[{b}]: expected {max(0, num_tokens - self.num_draft)} <= n <= "
                                      f"T={num_tokens} (conv window keeps K-1 inputs), got {nacc[b]}")
         if kernels:
-            ops.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.buffer_len,
+            # L of the rings the verify kernels read, not a second copy of it
+            ops.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.x_cache.shape[3],
                             check_values=self._checking())
             dst = self._dst(state_batch_indices)
             for l in range(self.num_layers):  # one layer at a time: the gathered windows stay small

@@ -47,12 +47,33 @@ y (output)             (batch, T, H, P)    act                padding rows left 
 =====================  ==================  =================  ==========================================
 Needs L >= 2T. Per model step: replay_verify for every layer, then one spec_commit (the flush the
 verify kernels did, start += count and count = 0 when count + 2T > L, then count += n_accepted).
+
+Rules every launcher checks before a launch (TypeError / ValueError naming the tensor, got and expected):
+
+- Sizes shared by several tensors (batch, T, nheads, headdim, dstate, ngroups, buffer_len, slots), their
+  activation or state dtype and their device are those most of the tensors carrying them agree on, so
+  an error names the tensor that differs, not the one it was compared with (x on the CPU next to CUDA
+  tensors is reported as x). headdim in SUPPORTED_HEADDIM, dstate in SUPPORTED_DSTATE (config.py).
+- x, z, B, C, state, shadow, shadow_scale, x_cache, B_cache and snapshots are moved in 16-byte vectors:
+  their data pointers must be 16-byte aligned (a contiguous view at an odd offset would fault). The
+  others are read as scalars and need only torch's element alignment.
+- The buffer length of advance_cursor / spec_commit is x_cache's (dim 2) when x_cache is given (a
+  buffer_len given as well must equal it): a cursor moved with another L than the rings' is corrupt.
+- Values (``check_values``; default: unless capturing a CUDA graph; a device->host copy): slots in
+  [-1, slots) and no slot in two rows, the rows' cursors and n_accepted in range. Unchecked, the
+  kernels still write nothing outside a row's own slot: a row whose slot is out of range is skipped,
+  a row whose cursor is out of range gets NaN outputs and leaves every state, ring and cursor as it is
+  (advance_cursor and spec_commit do not move it), n_accepted is clamped to [0, T]; rows sharing a
+  slot race on that slot only.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import numbers
 import threading
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -62,6 +83,8 @@ from .config import (
     COMMIT_THREADS,
     DTYPE_CODES,
     SHADOW_DTYPES,
+    SUPPORTED_DSTATE,
+    SUPPORTED_HEADDIM,
     SUPPORTED_NUM_TOKENS,
     KernelSpec,
     commit_grid,
@@ -73,6 +96,12 @@ from .config import (
 
 _ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_F32, _I32 = (torch.float32,), (torch.int32,)
+# Dtype groups: the tensors of a group share one dtype of the group's set.
+_GROUPS = {"act": _ACT_DTYPES, "state": _STATE_DTYPES}
+# The kernels move x, z, B, C, the checkpoint, its shadow and scales, the x / B rings and the snapshots
+# in 16-byte vectors (cp.async, float4 loads and stores).
+VECTOR_BYTES = 16
 
 
 # ---- validation -----------------------------------------------------------------------------------
@@ -80,7 +109,9 @@ def _fmt_dtypes(dtypes) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def check_tensor(t, name: str, shape: tuple | None = None, dtypes=None, device=None) -> None:
+def check_tensor(t, name: str, shape: tuple | None = None, dtypes=None, device=None,
+                 align: int | None = VECTOR_BYTES) -> None:
+    """One tensor: type, shape, dtype, device, contiguity, and a data pointer aligned to ``align`` bytes."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if shape is not None and tuple(t.shape) != tuple(shape):
@@ -91,10 +122,102 @@ def check_tensor(t, name: str, shape: tuple | None = None, dtypes=None, device=N
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
+    if align and t.data_ptr() % align:
+        raise ValueError(f"{name}: expected a {align}-byte aligned data pointer (vector loads), got {t.data_ptr():#x} "
+                         f"(storage offset {t.storage_offset()} elements)")
+
+
+class _Arg(NamedTuple):
+    """One tensor of a launch. ``dims``: a label per dimension (a size shared with other tensors) or an
+    int (a fixed size); ``dtypes``: the allowed dtypes, or a group of _GROUPS; ``align``: bytes (None:
+    read as scalars, element alignment is enough)."""
+
+    name: str
+    t: object
+    dims: tuple
+    dtypes: tuple | str
+    align: int | None = VECTOR_BYTES
+    optional: bool = False
+
+
+def _vote(values: list, prefer=None):
+    """The value most entries hold; a tie goes to a value ``prefer`` accepts, then to the first seen."""
+    if values.count(values[0]) == len(values):  # the usual case: all agree
+        return values[0]
+    counts = collections.Counter(values)
+    first: dict = {}
+    for i, v in enumerate(values):
+        first.setdefault(v, -i)
+    return max(counts, key=lambda v: (counts[v], bool(prefer and prefer(v)), first[v]))
+
+
+def _check_sizes(args: list, shapes: list, sizes: dict) -> None:
+    """Agreed sizes no kernel supports (headdim, dstate: config.py; ngroups must divide nheads), named on
+    the first tensor that holds them. The first tensor carrying ngroups (B) is checked with its own value
+    too: a B whose groups cannot divide the heads is reported as that, not as a shape mismatch."""
+    def holders(lab):
+        return [(a, a.dims.index(lab), shape[a.dims.index(lab)]) for a, shape in zip(args, shapes)
+                if lab in a.dims and len(shape) == len(a.dims)]
+
+    H = sizes.get("nheads")
+    if H is not None and "ngroups" in sizes:
+        for a, _, v in holders("ngroups")[:1] + [h for h in holders("ngroups") if h[2] == sizes["ngroups"]][:1]:
+            if v < 1 or H % v:
+                raise ValueError(f"{a.name}: ngroups={v} must divide nheads={H}")
+    for lab, supported in (("headdim", SUPPORTED_HEADDIM), ("dstate", SUPPORTED_DSTATE)):
+        if lab in sizes and sizes[lab] not in supported:
+            a, i, v = next(h for h in holders(lab) if h[2] == sizes[lab])
+            raise ValueError(f"{a.name}: {lab} (dim {i}) expected one of {supported}, got {v}")
+
+
+@functools.lru_cache(maxsize=256)
+def _label_positions(dims: tuple) -> tuple:
+    """(label, ((tensor index, dim), ...)) for the dims of a launch's tensors (static per call site)."""
+    pos: dict = {}
+    for i, ds in enumerate(dims):
+        for d, lab in enumerate(ds):
+            if isinstance(lab, str):
+                pos.setdefault(lab, []).append((i, d))
+    return tuple((lab, tuple(p)) for lab, p in pos.items())
+
+
+def _check_args(args: list) -> tuple[dict, torch.device]:
+    """Check the tensors of one launch against the sizes, dtypes and device most of them agree on (see the
+    module docstring); returns (size by label, device). Callers check the rank of every tensor that alone
+    carries a label first, so that every label has a size."""
+    given = []
+    for a in args:
+        if a.t is None and a.optional:
+            continue
+        if not isinstance(a.t, torch.Tensor):
+            raise TypeError(f"{a.name}: expected a torch.Tensor, got {type(a.t).__name__}")
+        given.append(a)
+    shapes = [a.t.shape for a in given]
+    ranked = [len(s) == len(a.dims) for a, s in zip(given, shapes)]  # only these vote
+    sizes = {lab: _vote([shapes[i][d] for i, d in pos if ranked[i]])
+             for lab, pos in _label_positions(tuple(a.dims for a in given))}
+    _check_sizes(given, shapes, sizes)
+    group = {}
+    for g, allowed in _GROUPS.items():
+        seen = [a.t.dtype for a in given if a.dtypes == g and a.t.dtype in allowed]
+        if seen:
+            group[g] = _vote(seen)
+    dev = _vote([a.t.device for a in given], prefer=lambda d: d.type == "cuda")
+    for a in given:
+        shape = tuple(sizes[lab] if isinstance(lab, str) else lab for lab in a.dims)
+        dtypes = a.dtypes
+        if isinstance(dtypes, str):  # a dtype of the group's set that differs from the group's: the group's
+            dtypes = (group[dtypes],) if a.t.dtype in _GROUPS[dtypes] else _GROUPS[dtypes]
+        check_tensor(a.t, a.name, shape, dtypes, dev, a.align)
+    return sizes, dev
 
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _values(check_values: bool | None) -> bool:
+    return check_values if check_values is not None else not _capturing()
 
 
 def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.Tensor | None, L: int) -> None:
@@ -104,53 +227,70 @@ def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.
     if bad.numel():
         raise ValueError(f"state_batch_indices: expected values in [-1, {nslots}), got {bad.tolist()[:8]}")
     used = sbi[sbi >= 0]
-    if used.unique().numel() != used.numel():
-        raise ValueError("state_batch_indices: a slot appears in more than one row (rows would race)")
+    slots, counts = used.unique(return_counts=True)
+    if (counts > 1).any():
+        raise ValueError(f"state_batch_indices: expected each slot in at most one row (rows would race), got slots "
+                         f"{slots[counts > 1].tolist()[:8]} in more than one row")
     if cursor is not None and used.numel():
         cur = cursor.cpu()[used.long()]
         if ((cur < 0) | (cur >= L)).any():
             raise ValueError(f"cursor: expected values in [0, {L}) for the rows' slots, got {cur.tolist()[:8]}")
 
 
+def _check_rank(t, name: str, ndim: int, want: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a {want} torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(t.shape)}")
+
+
 def _geometry(x, B, state, x_cache=None):
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"x: expected a (batch, nheads, headdim) tensor, got {getattr(x, 'shape', type(x))}")
-    if not isinstance(state, torch.Tensor) or state.dim() != 4:
-        raise ValueError(f"state: expected a (slots, nheads, headdim, dstate) tensor, got {getattr(state, 'shape', type(state))}")
-    if not isinstance(B, torch.Tensor) or B.dim() != 3:
-        raise ValueError(f"B: expected a (batch, ngroups, dstate) tensor, got {getattr(B, 'shape', type(B))}")
+    """(batch, H, P, N, G, S, L) of a decode call, from the tensors that define them (L None without x_cache)."""
+    _check_rank(x, "x", 3, "(batch, nheads, headdim)")
+    _check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
+    _check_rank(B, "B", 3, "(batch, ngroups, dstate)")
     batch, H, P = x.shape
     S, N = state.shape[0], state.shape[3]
     G = B.shape[1]
-    if G < 1 or H % G:
-        raise ValueError(f"B: ngroups={G} must divide nheads={H}")
     L = None
     if x_cache is not None:
-        if not isinstance(x_cache, torch.Tensor) or x_cache.dim() != 4:
-            got = getattr(x_cache, "shape", type(x_cache))
-            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {got}")
+        _check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
         L = x_cache.shape[2]
         if not 1 <= L <= 32:
             raise ValueError(f"x_cache: buffer_len (dim 2) must be in 1..32, got {L}")
     return batch, H, P, N, G, S, L
 
 
-def _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, H, P, N, G, S):
-    check_tensor(x, "x", (batch, H, P), _ACT_DTYPES)
-    dev, act = x.device, (x.dtype,)
-    check_tensor(state, "state", (S, H, P, N), _STATE_DTYPES, dev)
-    check_tensor(B, "B", (batch, G, N), act, dev)
-    check_tensor(C, "C", (batch, G, N), act, dev)
-    check_tensor(dt, "dt", (batch, H), act, dev)
-    for name, t in (("dt_bias", dt_bias), ("A", A), ("D", D)):
-        check_tensor(t, name, (H,), (torch.float32,), dev)
-    if z is not None:
-        check_tensor(z, "z", (batch, H, P), act, dev)
-    check_tensor(state_batch_indices, "state_batch_indices", (batch,), (torch.int32,), dev)
+def _step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, lead=("batch",)) -> list:
+    """The tensors every decode / verify launch takes: step inputs, parameters, checkpoint, slots, output."""
+    rows = lead + ("nheads", "headdim")
+    return [
+        _Arg("x", x, rows, "act"),
+        _Arg("state", state, ("slots", "nheads", "headdim", "dstate"), "state"),
+        _Arg("B", B, lead + ("ngroups", "dstate"), "act"),
+        _Arg("C", C, lead + ("ngroups", "dstate"), "act"),
+        _Arg("dt", dt, lead + ("nheads",), "act", None),
+        *(_Arg(name, t, ("nheads",), _F32, None) for name, t in (("dt_bias", dt_bias), ("A", A), ("D", D))),
+        _Arg("z", z, rows, "act", optional=True),
+        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
+        _Arg("out", out, rows, "act", None, optional=True),
+    ]
+
+
+def _ring_args(x_cache, B_cache, dt_cache, cursor, cursor_dims, shadow, shadow_scale) -> list:
+    """The replay tensors: x / B / dt rings, cursor, optional shadow of the checkpoint and its row scales."""
+    return [
+        _Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act"),
+        _Arg("B_cache", B_cache, ("slots", "ngroups", "buffer_len", "dstate"), "act"),
+        _Arg("dt_cache", dt_cache, ("slots", "nheads", "buffer_len"), _F32, None),
+        _Arg("cursor", cursor, cursor_dims, _I32, None),
+        _Arg("shadow", shadow, ("slots", "nheads", "headdim", "dstate"), tuple(SHADOW_DTYPES.values()), optional=True),
+        _Arg("shadow_scale", shadow_scale, ("slots", "nheads", "headdim"), _F32, optional=True),
+    ]
 
 
 def _require_cuda(x, name: str = "x") -> None:
-    # Last, so that shape and dtype errors are reported (and testable) on any device.
+    # Last, so that shape, dtype and value errors are reported (and testable) on any device.
     if x.device.type != "cuda":
         raise ValueError(f"{name}: expected CUDA tensors, got device {x.device}")
 
@@ -200,21 +340,18 @@ def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool 
 
 
 def shadow_kind(shadow, shadow_scale, state) -> str:
-    """Validate the optional shadow of ``state`` and name its kind ("none", "bf16" or "fp8")."""
+    """Name the kind of the optional shadow of ``state`` ("none", "bf16" or "fp8"); shapes, dtypes and
+    devices are checked with the other tensors of the launch (_ring_args)."""
     if shadow is None:
         if shadow_scale is not None:
             raise ValueError("shadow_scale: given without a shadow")
         return "none"
-    kinds = {v: k for k, v in SHADOW_DTYPES.items()}
-    check_tensor(shadow, "shadow", tuple(state.shape), tuple(kinds), state.device)
     if state.dtype != torch.float32:
         raise TypeError(f"state: a shadow needs a float32 checkpoint, got {str(state.dtype).replace('torch.', '')}")
-    kind = kinds[shadow.dtype]
-    if kind == "fp8":
-        if shadow_scale is None:
-            raise ValueError("shadow_scale: an fp8 shadow needs its (slots, nheads, headdim) float32 row scales")
-        check_tensor(shadow_scale, "shadow_scale", tuple(state.shape[:3]), (torch.float32,), state.device)
-    elif shadow_scale is not None:
+    kind = {v: k for k, v in SHADOW_DTYPES.items()}[shadow.dtype]
+    if kind == "fp8" and shadow_scale is None:
+        raise ValueError("shadow_scale: an fp8 shadow needs its (slots, nheads, headdim) float32 row scales")
+    if kind != "fp8" and shadow_scale is not None:
         raise ValueError("shadow_scale: only an fp8 shadow has row scales, got one with a bfloat16 shadow")
     return kind
 
@@ -246,19 +383,16 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     :class:`~.reference.Shadow`: written at prefill hand-off and by every flush).
     """
     batch, H, P, N, G, S, L = _geometry(x, B, state, x_cache)
-    _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, H, P, N, G, S)
-    dev, act = x.device, (x.dtype,)
-    check_tensor(x_cache, "x_cache", (S, H, L, P), act, dev)
-    check_tensor(B_cache, "B_cache", (S, G, L, N), act, dev)
-    check_tensor(dt_cache, "dt_cache", (S, H, L), (torch.float32,), dev)
-    check_tensor(cursor, "cursor", (S,), (torch.int32,), dev)
+    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out)
+                + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots",), shadow, shadow_scale))
     kind = shadow_kind(shadow, shadow_scale, state)
-    y = _output(out, x)
-    _require_cuda(x)
-    if check_values if check_values is not None else not _capturing():
+    if _values(check_values):
         check_indices(state_batch_indices, S, cursor, L)
+    _require_cuda(x)
+    y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
+    dev = x.device
     spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev, shadow=kind)
     sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
     args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
@@ -273,11 +407,11 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
                       check_values: bool | None = None):
     """One conventional Mamba-2 decode step (reads and writes the whole state); returns y."""
     batch, H, P, N, G, S, _ = _geometry(x, B, state)
-    _check_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, H, P, N, G, S)
-    y = _output(out, x)
-    _require_cuda(x)
-    if check_values if check_values is not None else not _capturing():
+    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out))
+    if _values(check_values):
         check_indices(state_batch_indices, S, None, 1)
+    _require_cuda(x)
+    y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
     spec = make_spec(state, x, H, P, N, G, None, batch, z is not None, x.device, conventional=True)
@@ -289,49 +423,68 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
     return y
 
 
-def advance_cursor(cursor, state_batch_indices, buffer_len: int) -> None:
-    """cursor[slot] = (cursor[slot] + 1) % buffer_len for every row with a slot, on the GPU."""
-    check_tensor(cursor, "cursor", None, (torch.int32,))
-    if cursor.dim() != 1 or cursor.device.type != "cuda":
-        raise ValueError(f"cursor: expected a 1-D CUDA tensor, got shape {tuple(cursor.shape)} on {cursor.device}")
-    check_tensor(state_batch_indices, "state_batch_indices", None, (torch.int32,), cursor.device)
-    if not 1 <= buffer_len <= 32:
-        raise ValueError(f"buffer_len must be in 1..32, got {buffer_len}")
-    batch = state_batch_indices.numel()
+def _buffer_len(buffer_len, x_cache) -> tuple[int, str]:
+    """(L, the argument it came from) of a cursor op: x_cache's buffer length (dim 2) when x_cache is
+    given, which a buffer_len given as well must equal; else buffer_len."""
+    if buffer_len is not None and (isinstance(buffer_len, bool) or not isinstance(buffer_len, numbers.Integral)):
+        raise TypeError(f"buffer_len: expected an int, got {type(buffer_len).__name__}")
+    if x_cache is None:
+        if buffer_len is None:
+            raise TypeError("buffer_len: expected an int, or x_cache to take it from; got neither")
+        return int(buffer_len), "buffer_len"
+    _check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
+    L = x_cache.shape[2]
+    if buffer_len is not None and buffer_len != L:
+        raise ValueError(f"buffer_len: expected {L} (the buffer length of x_cache, dim 2), got {buffer_len}")
+    return L, "x_cache: buffer_len (dim 2)"
+
+
+def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, check_values: bool | None = None,
+                   x_cache=None) -> None:
+    """cursor[slot] = (cursor[slot] + 1) % L for every row with a slot, on the GPU (in place).
+
+    cursor (slots,) int32, mutated; state_batch_indices (batch,) int32. L: x_cache's buffer length
+    (dim 2) when the (slots, nheads, L, headdim) ring of any layer is given (then ``buffer_len``, if
+    given too, must equal it), else ``buffer_len``. ``check_values`` (default: unless capturing a
+    graph): slots in [-1, slots), no slot in two rows, the rows' cursors in [0, L). Unchecked, the
+    kernel skips out-of-range slots and leaves a cursor outside [0, L) as it is.
+    """
+    L, what = _buffer_len(buffer_len, x_cache)
+    if not 1 <= L <= 32:
+        raise ValueError(f"{what}: expected in 1..32, got {L}")
+    _check_rank(cursor, "cursor", 1, "(slots,)")
+    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    _, dev = _check_args([
+        _Arg("cursor", cursor, ("slots",), _I32, None),
+        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
+        _Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act", None, optional=True),
+    ])
+    S, batch = cursor.shape[0], state_batch_indices.shape[0]
+    if _values(check_values):
+        check_indices(state_batch_indices, S, cursor, L)
+    _require_cuda(cursor, "cursor")
     if batch == 0:
         return
     # Any spec with this L carries the same advance kernel; use the smallest valid one.
-    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, _arch(cursor.device))
-    launch(spec, "replayssm_advance_cursor", cursor.device, ((batch + 255) // 256, 1, 1), (256, 1, 1),
-           [state_batch_indices.data_ptr(), np.int32(batch), np.int32(cursor.numel()), cursor.data_ptr()])
-
-
-def _output(out, x):
-    if out is None:
-        return torch.empty_like(x)
-    check_tensor(out, "out", tuple(x.shape), (x.dtype,), x.device)
-    return out
+    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, _arch(dev))
+    launch(spec, "replayssm_advance_cursor", dev, ((batch + 255) // 256, 1, 1), (256, 1, 1),
+           [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()])
 
 
 # ---- speculative decoding -----------------------------------------------------------------------------
 def _spec_geometry(x, B, state, x_cache=None):
     """(batch, T, H, P, N, G, S, L) of a speculative call; L is None without x_cache."""
-    for name, t, want in (("x", x, "(batch, T, nheads, headdim)"), ("B", B, "(batch, T, ngroups, dstate)"),
-                          ("state", state, "(slots, nheads, headdim, dstate)")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a {want} tensor, got {getattr(t, 'shape', type(t))}")
+    _check_rank(x, "x", 4, "(batch, T, nheads, headdim)")
+    _check_rank(B, "B", 4, "(batch, T, ngroups, dstate)")
+    _check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
     batch, T, H, P = x.shape
     S, N = state.shape[0], state.shape[3]
     G = B.shape[2]
     if T not in SUPPORTED_NUM_TOKENS:
         raise ValueError(f"x: expected T = 1 + num_draft (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
-    if G < 1 or H % G:
-        raise ValueError(f"B: ngroups={G} must divide nheads={H}")
     L = None
     if x_cache is not None:
-        if not isinstance(x_cache, torch.Tensor) or x_cache.dim() != 4:
-            got = getattr(x_cache, "shape", type(x_cache))
-            raise ValueError(f"x_cache: expected a (slots, nheads, buffer_len, headdim) tensor, got {got}")
+        _check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
         L = x_cache.shape[2]
         _check_window(T, L, "x_cache: buffer_len (dim 2)")
     return batch, T, H, P, N, G, S, L
@@ -340,20 +493,6 @@ def _spec_geometry(x, B, state, x_cache=None):
 def _check_window(T: int, L: int, what: str) -> None:
     if not 2 * T <= L <= 32:
         raise ValueError(f"{what}: expected in [2T, 32] = [{2 * T}, 32] (flush one window early, T={T}), got {L}")
-
-
-def _check_spec_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, T, H, P, N, G, S):
-    check_tensor(x, "x", (batch, T, H, P), _ACT_DTYPES)
-    dev, act = x.device, (x.dtype,)
-    check_tensor(state, "state", (S, H, P, N), _STATE_DTYPES, dev)
-    check_tensor(B, "B", (batch, T, G, N), act, dev)
-    check_tensor(C, "C", (batch, T, G, N), act, dev)
-    check_tensor(dt, "dt", (batch, T, H), act, dev)
-    for name, t in (("dt_bias", dt_bias), ("A", A), ("D", D)):
-        check_tensor(t, name, (H,), (torch.float32,), dev)
-    if z is not None:
-        check_tensor(z, "z", (batch, T, H, P), act, dev)
-    check_tensor(state_batch_indices, "state_batch_indices", (batch,), (torch.int32,), dev)
 
 
 def check_spec_values(state_batch_indices: torch.Tensor, nslots: int, num_tokens: int, cursor: torch.Tensor | None = None,
@@ -386,10 +525,6 @@ def make_verify_spec(state_dtype, act_dtype, H, P, N, G, L, T, batch, has_z, dev
                        shadow)
 
 
-def _values(check_values: bool | None) -> bool:
-    return check_values if check_values is not None else not _capturing()
-
-
 def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
                   z=None, out=None, check_values: bool | None = None, shadow=None, shadow_scale=None):
     """Verify the T tokens of a speculative window for one layer; returns y (batch, T, H, P).
@@ -405,19 +540,16 @@ def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     (:func:`spec_reference.verify` with ``shadow`` and ``flushed`` is the spec).
     """
     batch, T, H, P, N, G, S, L = _spec_geometry(x, B, state, x_cache)
-    _check_spec_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, T, H, P, N, G, S)
-    dev, act = x.device, (x.dtype,)
-    check_tensor(x_cache, "x_cache", (S, H, L, P), act, dev)
-    check_tensor(B_cache, "B_cache", (S, G, L, N), act, dev)
-    check_tensor(dt_cache, "dt_cache", (S, H, L), (torch.float32,), dev)
-    check_tensor(cursor, "cursor", (S, 2), (torch.int32,), dev)
+    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, ("batch", "T"))
+                + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots", 2), shadow, shadow_scale))
     kind = shadow_kind(shadow, shadow_scale, state)
-    y = _output(out, x)
-    _require_cuda(x)
     if _values(check_values):
         check_spec_values(state_batch_indices, S, T, cursor, L)
+    _require_cuda(x)
+    y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
+    dev = x.device
     spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, L, T, batch, z is not None, dev, kind)
     sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
     args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
@@ -428,42 +560,47 @@ def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     return y
 
 
-def spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, buffer_len: int,
-                check_values: bool | None = None) -> None:
+def spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, buffer_len: int | None = None,
+                check_values: bool | None = None, x_cache=None) -> None:
     """Commit n_accepted[row] tokens of the window for every row with a slot, on the GPU (in place).
 
     Once per model step after sampling, shared by all layers: the flush the verify kernels did
     (count + 2T > L: start = (start + count) % L, count = 0), then count += n (n clamped to [0, T]
-    on the device; checked on the host unless capturing a graph).
+    on the device; checked on the host unless capturing a graph). cursor (slots, 2) int32, mutated;
+    n_accepted and state_batch_indices (batch,) int32. L: x_cache's buffer length (dim 2) when the
+    (slots, nheads, L, headdim) ring of any layer is given (``buffer_len``, if given too, must equal
+    it), else ``buffer_len``. Unchecked, the kernel skips out-of-range slots and leaves a cursor out of
+    range as it is.
     """
     if num_tokens not in SUPPORTED_NUM_TOKENS:
         raise ValueError(f"num_tokens: expected one of {SUPPORTED_NUM_TOKENS}, got {num_tokens}")
-    _check_window(num_tokens, buffer_len, "buffer_len")
-    check_tensor(cursor, "cursor", None, (torch.int32,))
+    L, what = _buffer_len(buffer_len, x_cache)
+    _check_window(num_tokens, L, what)
+    if not isinstance(cursor, torch.Tensor):
+        raise TypeError(f"cursor: expected a torch.Tensor, got {type(cursor).__name__}")
     if cursor.dim() != 2 or cursor.shape[1] != 2:
         raise ValueError(f"cursor: expected shape (slots, 2), got {tuple(cursor.shape)}")
-    dev = cursor.device
-    check_tensor(state_batch_indices, "state_batch_indices", None, (torch.int32,), dev)
-    if state_batch_indices.dim() != 1:
-        raise ValueError(f"state_batch_indices: expected shape (batch,), got {tuple(state_batch_indices.shape)}")
-    batch = state_batch_indices.shape[0]
-    check_tensor(n_accepted, "n_accepted", (batch,), (torch.int32,), dev)
-    _require_cuda(cursor, "cursor")
-    S = cursor.shape[0]
+    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    _, dev = _check_args([
+        _Arg("cursor", cursor, ("slots", 2), _I32, None),
+        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
+        _Arg("n_accepted", n_accepted, ("batch",), _I32, None),
+        _Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act", None, optional=True),
+    ])
+    S, batch = cursor.shape[0], state_batch_indices.shape[0]
     if _values(check_values):
-        check_spec_values(state_batch_indices, S, num_tokens, cursor, buffer_len, n_accepted)
+        check_spec_values(state_batch_indices, S, num_tokens, cursor, L, n_accepted)
+    _require_cuda(cursor, "cursor")
     if batch == 0:
         return
-    spec = commit_spec(num_tokens, buffer_len, _arch(dev))
+    spec = commit_spec(num_tokens, L, _arch(dev))
     # TensorRT's order: inputs (the cursor is the aliased input of the in-place cursor output), int32s, outputs.
     launch(spec, "replayssm_spec_commit", dev, commit_grid(batch), (COMMIT_THREADS, 1, 1),
            [state_batch_indices.data_ptr(), n_accepted.data_ptr(), cursor.data_ptr(), np.int32(batch), np.int32(S),
             cursor.data_ptr()])
 
 
-def _check_snapshots(snapshots, state, T):
-    S, H, P, N = state.shape
-    check_tensor(snapshots, "snapshots", (S, T, H, P, N), (state.dtype,), state.device)
+_SNAPSHOT_DIMS = ("slots", "T", "nheads", "headdim", "dstate")
 
 
 def native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch_indices, z=None, out=None,
@@ -471,12 +608,12 @@ def native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch
     """Native-spec baseline (vLLM / TensorRT-LLM style): the conventional recurrence over the T window
     tokens from state[slot] (read only); snapshots[slot, t] = state after token t; returns y (batch, T, H, P)."""
     batch, T, H, P, N, G, S, _ = _spec_geometry(x, B, state)
-    _check_spec_common(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, batch, T, H, P, N, G, S)
-    _check_snapshots(snapshots, state, T)
-    y = _output(out, x)
-    _require_cuda(x)
+    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, ("batch", "T"))
+                + [_Arg("snapshots", snapshots, _SNAPSHOT_DIMS, "state")])
     if _values(check_values):
         check_spec_values(state_batch_indices, S, T)
+    _require_cuda(x)
+    y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
     spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, 2 * T, T, batch, z is not None, x.device)
@@ -489,26 +626,23 @@ def native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch
 
 def native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values: bool | None = None) -> None:
     """Native-spec baseline commit: state[slot] = snapshots[slot, n - 1] for rows with n >= 1 (a copy)."""
-    if not isinstance(state, torch.Tensor) or state.dim() != 4:
-        raise ValueError(f"state: expected a (slots, nheads, headdim, dstate) tensor, got {getattr(state, 'shape', type(state))}")
-    if not isinstance(snapshots, torch.Tensor) or snapshots.dim() != 5:
-        got = getattr(snapshots, "shape", type(snapshots))
-        raise ValueError(f"snapshots: expected a (slots, T, nheads, headdim, dstate) tensor, got {got}")
+    _check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
+    _check_rank(snapshots, "snapshots", 5, "(slots, T, nheads, headdim, dstate)")
+    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
     S, H, P, N = state.shape
     T = snapshots.shape[1]
     if T not in SUPPORTED_NUM_TOKENS:
         raise ValueError(f"snapshots: expected T (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
-    check_tensor(state, "state", None, _STATE_DTYPES)
-    dev = state.device
-    _check_snapshots(snapshots, state, T)
-    check_tensor(state_batch_indices, "state_batch_indices", None, (torch.int32,), dev)
-    if state_batch_indices.dim() != 1:
-        raise ValueError(f"state_batch_indices: expected shape (batch,), got {tuple(state_batch_indices.shape)}")
+    _, dev = _check_args([
+        _Arg("state", state, ("slots", "nheads", "headdim", "dstate"), "state"),
+        _Arg("snapshots", snapshots, _SNAPSHOT_DIMS, "state"),
+        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
+        _Arg("n_accepted", n_accepted, ("batch",), _I32, None),
+    ])
     batch = state_batch_indices.shape[0]
-    check_tensor(n_accepted, "n_accepted", (batch,), (torch.int32,), dev)
-    _require_cuda(state, "state")
     if _values(check_values):
         check_spec_values(state_batch_indices, S, T, n_accepted=n_accepted)
+    _require_cuda(state, "state")
     if batch == 0:
         return
     spec = make_verify_spec(state.dtype, state.dtype, H, P, N, 1, 2 * T, T, batch, False, dev)
@@ -548,12 +682,13 @@ def _(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=None):
 
 
 @torch.library.custom_op("trtllm_replayssm::advance_cursor", mutates_args=("cursor",))
-def advance_cursor_op(cursor: torch.Tensor, state_batch_indices: torch.Tensor, buffer_len: int) -> None:
-    advance_cursor(cursor, state_batch_indices, buffer_len)
+def advance_cursor_op(cursor: torch.Tensor, state_batch_indices: torch.Tensor, buffer_len: int,
+                      x_cache: torch.Tensor | None = None) -> None:
+    advance_cursor(cursor, state_batch_indices, buffer_len, x_cache=x_cache)
 
 
 @advance_cursor_op.register_fake
-def _(cursor, state_batch_indices, buffer_len):
+def _(cursor, state_batch_indices, buffer_len, x_cache=None):
     return None
 
 
@@ -576,12 +711,12 @@ def _(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sta
 
 @torch.library.custom_op("trtllm_replayssm::spec_commit", mutates_args=("cursor",))
 def spec_commit_op(cursor: torch.Tensor, n_accepted: torch.Tensor, state_batch_indices: torch.Tensor, num_tokens: int,
-                   buffer_len: int) -> None:
-    spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len)
+                   buffer_len: int, x_cache: torch.Tensor | None = None) -> None:
+    spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len, x_cache=x_cache)
 
 
 @spec_commit_op.register_fake
-def _(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len):
+def _(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len, x_cache=None):
     return None
 
 
