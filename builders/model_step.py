@@ -13,12 +13,13 @@ one block is fused with the next block's norm):
   embed   h = E[tokens]                                                          (b, T, hidden)
   M       in_proj -> (z, xBC, dt); causal conv1d of the T inputs over the window of the last K-1
           committed inputs (:func:`conv_update`: the window is rewritten with the newest W = K-2+T
-          inputs; after a speculative step the committed K-1 end ``shift = T - n_accepted`` columns
+          inputs; after a speculative step the committed K-1 end ``shift = T - n_accepted`` rows
           before its end, so a rejection moves an offset and copies nothing), silu;
           y = ssm.step(layer, x, B, C, dt, dt_bias, A, D, sbi)   (b, T, H, P)   <- the pluggable part
           gated RMSNorm(y, z) per group; out_proj
   *       q, k, v of the T tokens; k, v written at lengths[b] + t; query t attends to the cache
-          positions <= lengths[b] + t (``F.scaled_dot_product_attention`` with that mask; Nemotron-H
+          positions <= lengths[b] + t (fused: :func:`.decode_attention.decode_attention`, which reads
+          only those positions; eager: ``F.scaled_dot_product_attention`` with that mask; Nemotron-H
           is NoPE); o_proj
   -       down(relu(up(h))^2)
   head    norm_f, lm_head -> logits in the activation dtype; argmax
@@ -59,6 +60,8 @@ import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm import spec_reference
+
+from .decode_attention import decode_attention
 
 SUPPORTED = ("linear_attention", "full_attention", "mlp")
 
@@ -255,25 +258,26 @@ def _residual(h, delta):
 def conv_update(window, shift, u, weight, bias):
     """Causal depthwise conv1d of the T new inputs; rewrites the window (in place). Returns silu(conv).
 
-    window (b, C, W), W = K - 2 + T: the last K-1 committed inputs end ``shift[b]`` columns before its
-    end (``shift`` None: at its end); u (b, T, C); weight (C, K) fp32; bias (C,) or None. The window
-    becomes the last W of [committed K-1, u] (newest in column W-1). fp32 accumulation, out in u's dtype.
+    window (b, W, C), W = K - 2 + T, channels innermost (the layout of u, so every access is
+    coalesced): the last K-1 committed inputs end ``shift[b]`` rows before its end (``shift`` None:
+    at its end); u (b, T, C); weight (C, K) fp32; bias (C,) or None. The window becomes the last W of
+    [committed K-1, u] (newest in row W-1). fp32 accumulation, out (b, T, C) in u's dtype.
     """
-    K, W, T = weight.shape[1], window.shape[2], u.shape[1]
+    K, W, T = weight.shape[1], window.shape[1], u.shape[1]
     if shift is None:
-        committed = window[:, :, W - (K - 1):]
+        committed = window[:, W - (K - 1):]
     else:
-        cols = (W - (K - 1)) - shift[:, None] + torch.arange(K - 1, device=window.device)[None, :]  # (b, K-1)
-        committed = window.gather(2, cols[:, None, :].expand(window.shape[0], window.shape[1], K - 1))
-    seq = torch.cat([committed, u.transpose(1, 2)], dim=2)  # (b, C, K-1+T)
+        rows = (W - (K - 1)) - shift[:, None] + torch.arange(K - 1, device=window.device)[None, :]  # (b, K-1)
+        committed = window.gather(1, rows[:, :, None].expand(window.shape[0], K - 1, window.shape[2]))
+    seq = torch.cat([committed, u], dim=1)  # (b, K-1+T, C)
     s32 = seq.float()
-    out = s32[:, :, 0:T] * weight[:, 0:1]
+    out = s32[:, 0:T] * weight[:, 0]
     for k in range(1, K):
-        out = out + s32[:, :, k:k + T] * weight[:, k:k + 1]
+        out = out + s32[:, k:k + T] * weight[:, k]
     if bias is not None:
-        out = out + bias.float()[:, None]
-    window.copy_(seq[:, :, 1:])
-    return F.silu(out).transpose(1, 2).to(u.dtype)  # (b, T, C)
+        out = out + bias.float()
+    window.copy_(seq[:, 1:])
+    return F.silu(out).to(u.dtype)
 
 
 def mamba_in(h, delta, norm_w, in_w, in_b, window, shift, conv_w, conv_b, eps: float, H: int, P: int, G: int, N: int):
@@ -390,7 +394,8 @@ class HybridStep:
     """Layers and state of a T-token step for ``batch`` rows, KV caches of ``kv_len`` positions.
 
     In-place state: ``tokens`` (batch, T) int64 (the step's inputs), ``lengths`` (batch,) int64 (tokens
-    in the KV caches), ``conv[i]`` (batch, conv_dim, K-2+T) windows (``conv_all`` stacks them),
+    in the KV caches), ``conv[i]`` (batch, K-2+T, conv_dim) windows, channels innermost (``conv_all``
+    stacks them; snapshots hold the last K-1 rows),
     ``shift`` (batch,) int64 (T > 1: where the committed inputs end), ``k[i]``/``v[i]``, ``logits``
     (batch, T, vocab) and ``argmax`` (batch, T), and the SSM mode's state. Subclasses add the tail.
     """
@@ -405,6 +410,7 @@ class HybridStep:
         p = next(model.parameters())
         self.device, self.act = p.device, p.dtype
         self.fuse = self.device.type == "cuda" if fuse is None else fuse
+        self.flash = self.fuse and self.device.type == "cuda"  # Triton decode attention (CUDA only)
         self.H, self.P, self.N, self.G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
         self.K = cfg.conv_kernel
         self.nh, self.kvh, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -426,7 +432,7 @@ class HybridStep:
         self.sbi = torch.arange(b, dtype=torch.int32, device=dev)
         self.ar_T = torch.arange(T, **i64)
         self.kv_pos = torch.arange(self.kv_cap, **i64)
-        self.conv_all = torch.zeros(len(self.mamba), b, conv_dim, self.W, dtype=self.act, device=dev)
+        self.conv_all = torch.zeros(len(self.mamba), b, self.W, conv_dim, dtype=self.act, device=dev)
         self.conv = {i: self.conv_all[j] for j, i in enumerate(self.mamba)}
         self.k = {i: torch.zeros(b, self.kvh, self.kv_cap, self.hd, dtype=self.act, device=dev) for i in self.attn}
         self.v = {i: torch.zeros(b, self.kvh, self.kv_cap, self.hd, dtype=self.act, device=dev) for i in self.attn}
@@ -484,12 +490,15 @@ class HybridStep:
         rep = self.nh // kvh
         h, q, k, v = self.f["attn_in"](h, delta, w["pre"], w["q_w"], w["q_b"], w["k_w"], w["k_b"], w["v_w"], w["v_b"],
                                        self.eps)
-        q = q.view(b, T, kvh, rep, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, rep * T, hd)
         idx = self._kv_at[:, None, :, None].expand(b, kvh, T, hd)
         self.k[i].scatter_(2, idx, k.view(b, T, kvh, hd).transpose(1, 2))
         self.v[i].scatter_(2, idx, v.view(b, T, kvh, hd).transpose(1, 2))
-        o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=self._mask)  # (b, kvh, rep*T, hd)
-        o = o.view(b, kvh, rep, T, hd).permute(0, 3, 1, 2, 4).reshape(b, T, self.nh * hd)
+        if self.flash:  # the filled positions only, as an engine's decode attention reads them
+            o = decode_attention(q, self.k[i], self.v[i], self._kv_at)
+        else:
+            q = q.view(b, T, kvh, rep, hd).permute(0, 2, 3, 1, 4).reshape(b, kvh, rep * T, hd)
+            o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=self._mask)  # (b, kvh, rep*T, hd)
+            o = o.view(b, kvh, rep, T, hd).permute(0, 3, 1, 2, 4).reshape(b, T, self.nh * hd)
         return h, self._out(F.linear(o, w["o_w"]), w["o_b"])
 
     def _mlp(self, i, h, delta):
@@ -502,6 +511,8 @@ class HybridStep:
         of row b sees positions <= lengths[b] + t (clamped into the cache)."""
         b, T = self.batch, self.T
         self._kv_at = (self.lengths[:, None] + self.ar_T[None, :]).clamp(max=self.kv_len - 1)  # (b, T)
+        if self.flash:
+            return  # decode_attention takes _kv_at, no mask
         seen = self.kv_pos[None, None, :] <= self._kv_at[:, :, None]  # (b, T, S)
         rep = self.nh // self.kvh
         self._mask = seen[:, None, None].expand(b, 1, rep, T, self.kv_cap).reshape(b, 1, rep * T, self.kv_cap)
@@ -529,7 +540,7 @@ class HybridStep:
         self.shift.zero_()
         for j, i in enumerate(self.mamba):
             self.conv_all[j].zero_()
-            self.conv_all[j][:, :, W - (K - 1):].copy_(snap["conv"][i])
+            self.conv_all[j][:, W - (K - 1):].copy_(snap["conv"][i])
         for name in ("k", "v"):
             for i, t in getattr(self, name).items():
                 t.copy_(snap[name][i])

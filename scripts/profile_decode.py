@@ -38,7 +38,7 @@ from scripts import bench_decode as bd  # noqa: E402
 
 CATEGORIES = (
     ("ssm", ("replayssm", "selective", "_state_update")),
-    ("attention", ("fmha", "flash", "efficient_attention", "attention")),
+    ("attention", ("fmha", "flash", "efficient_attention", "attention")),  # incl. decode_attention_kernel
     ("gemm", ("nvjet", "xmma", "cutlass", "gemm", "gemv", "cublas")),
     ("fused", ("triton_",)),
 )
@@ -63,8 +63,9 @@ def make_step(model, batch, T, kv_len, mode, L):
     return step
 
 
-def profile_point(model, batch, T, kv_len, mode, L, reps, prof_reps) -> dict:
+def profile_point(model, batch, T, kv_len, mode, L, reps, prof_reps, fill=0) -> dict:
     step = make_step(model, batch, T, kv_len, mode, L)
+    step.lengths.fill_(fill)  # positions already in the KV caches (attention reads those)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -104,7 +105,7 @@ def profile_point(model, batch, T, kv_len, mode, L, reps, prof_reps) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]
     step.free()
     del graph
-    return dict(batch=batch, T=T, mode=mode, kv_len=kv_len, ms_step=statistics.median(times),
+    return dict(batch=batch, T=T, mode=mode, kv_len=kv_len, fill=fill, ms_step=statistics.median(times),
                 kernel_sum_ms=sum(v[0] for v in kernels.values()),
                 kernels_per_step=sum(v[1] for v in kernels.values()) / prof_reps,
                 categories_ms=cats,
@@ -119,6 +120,9 @@ def main(argv=None):
     ap.add_argument("--mode", default="noop", choices=("noop", "replay"))
     ap.add_argument("--buffer-len", type=int, default=16)
     ap.add_argument("--context", type=int, default=1024, help="KV positions allocated (as bench_decode)")
+    ap.add_argument("--fill", type=int, default=256,
+                    help="KV positions filled before the first replay (attention reads those; bench_decode's "
+                         "timed steps sit at ~prompt + gate + warmup cycles, 32 + 32 + 2*16 ... 256)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--prof-reps", type=int, default=5)
@@ -129,7 +133,8 @@ def main(argv=None):
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
-            r = profile_point(model, b, T, args.context, args.mode, args.buffer_len, args.reps, args.prof_reps)
+            r = profile_point(model, b, T, args.context, args.mode, args.buffer_len, args.reps, args.prof_reps,
+                              args.fill)
             rows.append(r)
             c = r["categories_ms"]
             print(f"T={T} bs={b:4d} {args.mode}: {r['ms_step']:.3f} ms/step, kernels {r['kernel_sum_ms']:.3f} ms "
@@ -140,7 +145,7 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         date = datetime.date.today().isoformat()
         meta = dict(device=torch.cuda.get_device_name(), date=date, commit=args.commit, torch=torch.__version__,
-                    context=args.context, layers=args.layers)
+                    context=args.context, fill=args.fill, layers=args.layers)
         path = out / f"{date}_profile-{args.mode}_{args.commit}.json"
         path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print("wrote", path)

@@ -95,14 +95,14 @@ def simulate_acceptance(G, D, steps, T):
 
 # ---- conv window ------------------------------------------------------------------------------------------
 def test_conv_window_offset_matches_reference_rollback():
-    """The window is never rolled back: after n accepted of T, the committed K-1 inputs end T - n columns
+    """The window is never rolled back: after n accepted of T, the committed K-1 inputs end T - n rows
     before its end. Against spec_reference's rolled-back window over steps of random acceptance."""
     gen = torch.Generator().manual_seed(3)
     b, C, K = 3, 10, 4
     W = K - 2 + T
-    win = torch.zeros(b, C, W)
-    win[:, :, W - (K - 1):] = torch.randn(b, C, K - 1, generator=gen)
-    ref_win = win.double().clone()
+    win = torch.zeros(b, W, C)  # the step's layout: channels innermost
+    win[:, W - (K - 1):] = torch.randn(b, K - 1, C, generator=gen)
+    ref_win = win.transpose(1, 2).double().clone()  # spec_reference's (b, C, W)
     shift = torch.zeros(b, dtype=torch.int64)
     w, bias = torch.randn(C, K, generator=gen), torch.randn(C, generator=gen)
     sbi = torch.arange(b, dtype=torch.int32)
@@ -115,8 +115,8 @@ def test_conv_window_offset_matches_reference_rollback():
         sr.conv_window_rollback(ref_win, n, T, K, sbi)
         shift = T - n.long()
         cols = (W - (K - 1)) - shift[:, None] + torch.arange(K - 1)[None, :]
-        committed = win.gather(2, cols[:, None, :].expand(b, C, K - 1))
-        assert torch.equal(committed.double(), ref_win[:, :, W - (K - 1):]), step  # moved values only
+        committed = win.gather(1, cols[:, :, None].expand(b, K - 1, C))
+        assert torch.equal(committed.transpose(1, 2).double(), ref_win[:, :, W - (K - 1):]), step  # moved values only
 
 
 # ---- the tiny path end to end --------------------------------------------------------------------------------

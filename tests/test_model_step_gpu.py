@@ -28,6 +28,7 @@ _spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" 
 bd = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bd)
 
+from builders.decode_attention import decode_attention  # noqa: E402
 from builders.model_step import Conventional, DecodeStep, NoOp, Replay, SpecStep, make_drafts  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
@@ -116,6 +117,34 @@ def test_fused_spec_step_equals_eager_and_has_teeth(dtype):
     assert max(_err(f, e) for f, e in zip(fused, eager)) <= TOL[dtype]
     broken, _ = run(True, drop_shift=True)
     assert max(_err(f, e) for f, e in zip(broken, eager)) > 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,kvh,rep,hd", [(1, 8, 4, 128), (4, 8, 4, 128), (3, 2, 2, 32), (2, 1, 16, 64)])
+def test_decode_attention_matches_float64(dtype, T, kvh, rep, hd):
+    """Against float64 softmax attention with the causal-by-length mask; rows at 0, block edges and
+    the cache's end (clamped); K/V past every row's last key are NaN (never read) and the output is
+    poisoned."""
+    b, cap = 6, 208
+    gen = torch.Generator(device="cuda").manual_seed(T * 100 + hd)
+    q = torch.randn(b, T, kvh * rep * hd, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(b, kvh, cap, hd, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(b, kvh, cap, hd, device="cuda", generator=gen).to(dtype)
+    lengths = torch.tensor([0, 1, 63, 64, 150, cap - 2], device="cuda")
+    last = (lengths[:, None] + torch.arange(T, device="cuda")[None, :]).clamp(max=cap - 1)
+    pos = torch.arange(cap, device="cuda")
+    beyond = pos[None, :] > last[:, -1:]  # (b, cap)
+    k[beyond[:, None, :, None].expand_as(k)] = float("nan")
+    v[beyond[:, None, :, None].expand_as(v)] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    decode_attention(q, k, v, last, out=out)
+    kd, vd = k.double().nan_to_num(0), v.double().nan_to_num(0)
+    qd = q.double().view(b, T, kvh, rep, hd)
+    s = torch.einsum("btgrd,bgsd->btgrs", qd, kd) * hd ** -0.5
+    s = s.masked_fill((pos[None, None, :] > last[:, :, None])[:, :, None, None, :], float("-inf"))
+    want = torch.einsum("btgrs,bgsd->btgrd", s.softmax(-1), vd).reshape(b, T, -1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
 def test_noop_step_runs_fused_in_a_graph():
