@@ -22,9 +22,13 @@ silu, then ONE ``replayssm::mamba2_decode`` node (:class:`Mamba2Decode`), then t
 RMSNorm with z and out_proj. Attention (Nemotron-H uses no positional encoding): the new K/V is
 written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attended. MoE layers
 (Nemotron 3) carry no state: :func:`builders.moe.moe_forward` in standard ops (sigmoid routing,
-TopK, the routed experts in the ``moe_formulation`` the step was built with, "dense" by default, and
-the shared expert); transformers' own MoE module cannot be traced (its expert loop reads the routing
-on the host, so a trace would freeze the experts of the tracing input). MLP layers are the model's.
+TopK, the routed experts in the ``moe_formulation`` the step was built with, and the shared expert);
+transformers' own MoE module cannot be traced (its expert loop reads the routing on the host, so a
+trace would freeze the experts of the tracing input). The default "dense" formulation runs every
+expert on every token as two batched MatMuls over (E, ., .) constants weighted by a (batch, E)
+routing mask: static shapes TensorRT builds as plain GEMMs, each expert matrix read once per step
+whatever the batch; "gather" copies each token's k expert matrices and is cheaper only while
+2·batch·k < E (builders/moe.py has the numbers). MLP layers are the model's.
 
 Export route: the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) with
 ``torch.autograd.Function.symbolic``. It emits exactly one custom node with our domain, attributes

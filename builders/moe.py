@@ -32,8 +32,14 @@ TopK, GatherElements / Gather, Where, Sigmoid, ReduceSum; every shape static but
   (Nano: T <= 10, Super: T <= 11) and grows without bound with the batch.
 
 Neither is what a serving engine does at scale (tokens sorted by expert, one grouped GEMM;
-TensorRT-LLM's fused MoE): standard ONNX has no grouped GEMM, and these engines exist to carry
-the ReplaySSM plugin, so the MoE is expressed in the form TensorRT builds without a plugin.
+TensorRT-LLM's fused MoE): standard ONNX has no grouped GEMM, and sorting tokens by expert needs
+data-dependent shapes (NonZero, per-expert token counts), which TensorRT supports in few layers and
+which break the static-shape optimisation profile these engines are built with. These engines
+exist to carry the ReplaySSM plugin, so the MoE is expressed in the form TensorRT builds without a
+plugin. In the exported graph (tests/test_builder.py checks it): per MoE layer one TopK with a
+constant k on the last axis (TensorRT's ITopKLayer), GatherElements of the sigmoid scores, the
+combine matrix from an Equal one-hot (no ScatterElements), and the expert matrices as (E, ., .)
+constants of two broadcast MatMuls; no NonZero, Loop, If or Scatter anywhere.
 """
 
 from __future__ import annotations

@@ -131,6 +131,11 @@ def _check_moe(config) -> None:
     num("moe_shared_expert_intermediate_size")
     if config.moe_latent_size is not None:
         num("moe_latent_size")
+    shared = getattr(config, "n_shared_experts", 1)
+    if shared != 1:  # transformers builds one shared MLP of moe_shared_expert_intermediate_size whatever this says
+        raise CheckpointError(f"n_shared_experts: expected 1 (transformers' NemotronHMoE has one shared expert of "
+                              f"moe_shared_expert_intermediate_size; TensorRT-LLM would size it n_shared_experts "
+                              f"times that), got {shared!r}")
     if E % groups:
         raise CheckpointError(f"n_group: expected a divisor of n_routed_experts={E}, got {groups}")
     if E // groups < 2:  # the router scores each group by its two best experts

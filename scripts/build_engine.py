@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Build a ReplaySSM decode-step engine directory for a Nemotron-H model.
+"""Build a ReplaySSM decode-step engine directory for a Nemotron-H or Nemotron 3 model.
 
-Route: load the model (``--model DIR`` or the embedded tiny config with seeded random weights),
+Route: load the model (``--model DIR`` or an embedded tiny config with seeded random weights:
+``--tiny nemotron_h``, the default, pattern ``M*-M-M*-``; ``--tiny nemotron3``, Mamba-2 + MoE +
+attention, ``MEM*EM*E``), MoE layers as standard ONNX ops (``--moe-formulation``, builders/moe.py),
 export one decode step to ONNX with one ``replayssm::mamba2_decode`` node per Mamba layer
 (builders/decode_step.py), compile the plugin kernel to PTX with NVRTC (no GPU needed), describe
 every input, output and state tensor in config.json, and build ``model.plan`` where TensorRT >= 10.9,
@@ -14,7 +16,8 @@ Output (written to a temporary sibling directory, renamed to --out at the end):
   <spec key>.ptx        the plugin kernel (entry ``replayssm_decode``) shared by all Mamba layers, one
                         per plugin tactic (large / small batch), from ``trt_plugin.aot_kernel``: the
                         same PTX and launch parameters ``aot_impl`` hands TensorRT
-  config.json           sizes, dtypes, state tensors (name, shape with batch -1, dtype, output), plugin
+  config.json           sizes, dtypes, layers by type (+ the MoE keys and formulation), state tensors
+                        (name, shape with batch -1, dtype, output), plugin
   trtexec.sh            the command that builds model.plan from model.onnx
   model.plan            only where TensorRT >= 10.9 and a GPU are present
 
@@ -34,8 +37,9 @@ TensorRT's Python plugins are registered by the building process (``trt_plugin.r
 script does it). trtexec cannot register them, so its commands only work from a process that can, or
 to run the built plans (AOT plugins need no Python at run time: ``trtexec --loadEngine=...``).
 
-Usage: python scripts/build_engine.py --out DIR [--model HF_DIR] [--max-batch 8] [--buffer-len 16]
-       [--state-dtype fp32] [--dtype fp32] [--arch 90] [--max-seq-len 4096] [--num-draft N] [--overwrite]
+Usage: python scripts/build_engine.py --out DIR [--model HF_DIR | --tiny nemotron3] [--max-batch 8]
+       [--buffer-len 16] [--moe-formulation dense] [--state-dtype fp32] [--dtype fp32] [--arch 90]
+       [--max-seq-len 4096] [--num-draft N] [--overwrite]
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from builders.moe import FORMULATIONS as MOE_FORMULATIONS  # noqa: E402
+from builders.nemotron_h import TINY_CONFIGS  # noqa: E402
 from trtllm_replayssm import trt_plugin  # noqa: E402
 from trtllm_replayssm.compile import CompileError  # noqa: E402
 from trtllm_replayssm.config import (  # noqa: E402
@@ -64,6 +70,7 @@ from trtllm_replayssm.config import (  # noqa: E402
     SUPPORTED_NUM_TOKENS,
 )
 
+TINY_NAMES = tuple(TINY_CONFIGS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "int32", "int64": "int64"}
 MIN_TRT = (10, 9)
@@ -81,6 +88,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=pathlib.Path, default=None,
                    help="HF directory (config.json + *.safetensors); default: embedded tiny config")
+    p.add_argument("--tiny", choices=TINY_NAMES, default=None,
+                   help="embedded tiny config without --model: nemotron_h (default, M*-M-M*-) or nemotron3 "
+                        "(Mamba-2 + MoE + attention, MEM*EM*E)")
+    p.add_argument("--moe-formulation", choices=MOE_FORMULATIONS, default="dense",
+                   help="routed experts of MoE layers in the graph: dense over experts with a routing mask "
+                        "(default) or gathered per token (builders/moe.py says when each is cheaper)")
     p.add_argument("--out", type=pathlib.Path, required=True, help="output directory (must not exist)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--buffer-len", type=int, default=16, help=f"ReplaySSM buffer length, one of {SUPPORTED_BUFFER_LEN}")
@@ -112,6 +125,8 @@ def parse_args(argv=None):
         p.error(f"--sm-count: expected >= 1, got {a.sm_count}")
     if a.max_seq_len < 1:
         p.error(f"--max-seq-len: expected >= 1, got {a.max_seq_len}")
+    if a.model is not None and a.tiny is not None:
+        p.error(f"--tiny: the embedded tiny configs are used only without --model, got --tiny {a.tiny} with --model")
     if a.model is not None and not a.model.is_dir():
         p.error(f"--model: expected an existing directory, got {str(a.model)!r}")
     if a.out.exists() and not a.overwrite:
@@ -195,6 +210,28 @@ def _write_ptx(tmp: pathlib.Path, make, what: str):
     return k
 
 
+MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+            "moe_latent_size", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "mlp_hidden_act")
+
+
+def model_entry(args, model) -> dict:
+    """config.json's ``model``: source, pattern, sizes, the layers by type; the MoE configuration
+    (its config keys and the graph formulation) where the model has MoE layers."""
+    from builders.nemotron_h import has_moe, mamba_layers
+
+    cfg = model.config
+    kinds = list(cfg.layers_block_type)
+    entry = dict(source=str(args.model) if args.model else f"embedded-tiny-{args.tiny or 'nemotron_h'}",
+                 seed=None if args.model else args.seed, pattern=cfg.hybrid_override_pattern,
+                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
+                 mamba_layers=mamba_layers(model),
+                 attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"],
+                 moe_layers=[i for i, k in enumerate(kinds) if k == "moe"])
+    if has_moe(cfg):
+        entry["moe"] = dict({k: getattr(cfg, k) for k in MOE_KEYS}, formulation=args.moe_formulation)
+    return entry
+
+
 TRTEXEC_NOTE = ("# TensorRT >= 10.9 with {plugins} registered in the building process\n"
                 "# (trtllm_replayssm.trt_plugin.register(); scripts/build_engine.py does it where TensorRT is installed).\n"
                 "# trtexec cannot register Python plugins itself; the built AOT plans run without Python\n"
@@ -204,10 +241,10 @@ TRTEXEC_NOTE = ("# TensorRT >= 10.9 with {plugins} registered in the building pr
 def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
     """model.onnx, the mamba2_decode PTX per tactic, config.json's content and the trtexec command."""
     from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
-    from builders.nemotron_h import mamba_layers
 
     act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
-    step = NemotronHDecodeStep(model, args.buffer_len, args.max_seq_len, state_dtype)
+    step = NemotronHDecodeStep(model, args.buffer_len, args.max_seq_len, state_dtype,
+                               moe_formulation=args.moe_formulation)
     log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{OP_TYPE} nodes)")
     export_onnx(step, tmp / "model.onnx")
 
@@ -229,9 +266,7 @@ def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
     (tmp / "trtexec.sh").write_text("#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=f"{DOMAIN}::{OP_TYPE}") + cmd + "\n")
     config = dict(
         format="trtllm-replayssm-decode-step/1",
-        model=dict(source=str(args.model) if args.model else "embedded-tiny", seed=None if args.model else args.seed,
-                   pattern=cfg.hybrid_override_pattern, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                   mamba_layers=mamba_layers(model)),
+        model=model_entry(args, model),
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
         act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
         inputs=[dict(name=n, shape=list(s), dtype=d) for n, s, d in io] + [
@@ -256,12 +291,12 @@ def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
     """verify.onnx + commit.onnx, the mamba2_verify PTX per tactic and the spec_commit PTX, config.json's
     content and the trtexec commands."""
     from builders.decode_step import DOMAIN
-    from builders.nemotron_h import mamba_layers
     from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecCommit, NemotronHSpecStep, export_onnx
 
     act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
     T = args.num_draft + 1
-    step = NemotronHSpecStep(model, args.buffer_len, args.max_seq_len, args.num_draft, state_dtype)
+    step = NemotronHSpecStep(model, args.buffer_len, args.max_seq_len, args.num_draft, state_dtype,
+                             moe_formulation=args.moe_formulation)
     commit = NemotronHSpecCommit(step)
     log(f"[2/5] exporting verify.onnx ({nmamba} {DOMAIN}::{VERIFY_OP_TYPE} nodes, T = {T}) and commit.onnx "
         f"(one {DOMAIN}::{COMMIT_OP_TYPE} node)")
@@ -318,9 +353,7 @@ def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
     commit_manifest = trt_plugin.PLUGINS[trt_plugin.COMMIT_PLUGIN_NAME].manifest()
     config = dict(
         format="trtllm-replayssm-spec-step/1",
-        model=dict(source=str(args.model) if args.model else "embedded-tiny", seed=None if args.model else args.seed,
-                   pattern=cfg.hybrid_override_pattern, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                   mamba_layers=mamba_layers(model)),
+        model=model_entry(args, model),
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
         num_draft=args.num_draft, num_tokens=T, conv_window=step.window,
         act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
@@ -340,17 +373,21 @@ def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
 
 
 def build(args) -> pathlib.Path:
-    from builders.nemotron_h import load_nemotron_h, mamba_layers
+    from builders.nemotron_h import has_moe, load_nemotron_h, mamba_layers
 
     t0 = time.time()
     act = DTYPES[args.dtype]
-    source = f"model from {args.model}" if args.model else f"embedded tiny Nemotron-H (seed {args.seed})"
+    tiny = args.tiny or "nemotron_h"
+    source = f"model from {args.model}" if args.model else f"embedded tiny {tiny} (seed {args.seed})"
     log(f"[1/5] loading {source}")
-    model = load_nemotron_h(args.model, dtype=act, seed=args.seed)
+    model = load_nemotron_h(args.model, dtype=act, seed=args.seed, tiny=tiny)
     cfg = model.config
     H, P, N, G = check_geometry(cfg, args.buffer_len)
     nmamba = len(mamba_layers(model))
     log(f"      {cfg.hybrid_override_pattern!r}: {nmamba} Mamba layers, nheads={H} headdim={P} dstate={N} ngroups={G}")
+    if has_moe(cfg):
+        log(f"      {list(cfg.layers_block_type).count('moe')} MoE layers: {cfg.n_routed_experts} experts, top-"
+            f"{cfg.num_experts_per_tok}, as {args.moe_formulation} standard ONNX ops (builders/moe.py)")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=args.out.parent, prefix=f".{args.out.name}.tmp-"))

@@ -1,5 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Builders on the CPU: patched Nemotron-H, the decode-step module, its ONNX graph, build_engine.py.
+"""Builders on the CPU: patched Nemotron-H / Nemotron 3, the decode-step module, its ONNX graph, build_engine.py.
+
+Every model test runs on both embedded tiny configs: Nemotron-H (``M*-M-M*-``) and Nemotron 3
+(``MEM*EM*E``: MoE layers with 8 experts, top-2 sigmoid routing with a correction bias, a shared
+expert; in the graph as standard ops, builders/moe.py, and in the patched model as transformers'
+own NemotronHMoE).
 
 Oracles, each where it holds:
 * the unpatched transformers model (its own generate / cache path, fp32): the patched model must
@@ -9,6 +14,11 @@ Oracles, each where it holds:
   and attention are re-expressed with plain ops, so agreement is fp32 summation order, ~1e-6).
 * the decode-step module in PyTorch for the ONNX graph in onnxruntime (custom op = the same float64
   reference): fp32 kernels of two runtimes, ~1e-6 relative. Bookkeeping (cursor, lengths) exactly.
+* the patched model for the ONNX graph directly (each side following its own greedy tokens): the
+  same greedy tokens, logits to the tolerance above (measured max 4e-6 absolute on |logits| <= 4;
+  with MoE the graph's dense-over-experts sum and transformers' per-expert loop differ only in fp32
+  summation order). The routing is checked to follow the tokens (more experts used than one
+  token's top-k), so a graph that froze the tracing input's experts would fail.
 All runs use L = 4 and 3L+1 steps, so every row crosses at least three flushes.
 """
 
@@ -35,7 +45,7 @@ if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H
                 allow_module_level=True)
 
 from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
-from builders.nemotron_h import CheckpointError, load_nemotron_h, mamba_layers, patch_replayssm
+from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIGS, CheckpointError, load_nemotron_h, mamba_layers, patch_replayssm
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 L = 4
@@ -50,9 +60,18 @@ needs_ort = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_nemotron_h(seed=0)
+TINIES = ("nemotron_h", "nemotron3")
+# ONNX ops that TensorRT cannot build with static shapes, or that would make the experts data-dependent
+DATA_DEPENDENT_OPS = {"NonZero", "Loop", "If", "Scan", "Unique", "Compress", "ScatterND", "ScatterElements"}
+
+
+@pytest.fixture(scope="module", params=TINIES)
+def model(request):
+    return load_nemotron_h(seed=0, tiny=request.param)
+
+
+def _moe_layers(model) -> list[int]:
+    return [i for i, k in enumerate(model.config.layers_block_type) if k == "moe"]
 
 
 def _prompt(batch, length, seed=1):
@@ -168,6 +187,61 @@ def test_onnx_graph_has_one_plugin_node_per_mamba_layer(model, exported):
         assert list(n.output[1:]) == [f"ssm_state_{i}_out", f"x_cache_{i}_out", f"B_cache_{i}_out", f"dt_cache_{i}_out"]
     assert [i.name for i in g.graph.input] == step.input_names()
     assert [o.name for o in g.graph.output] == step.output_names()
+    # MoE layers (Nemotron 3) as standard ops TensorRT's parser takes: one TopK per layer with a
+    # constant k, every expert matrix a graph constant (dense over experts), nothing data-dependent.
+    ops = {n.op_type for n in g.graph.node if n.domain != DOMAIN}
+    assert all(n.domain in ("", "ai.onnx", DOMAIN) for n in g.graph.node)
+    assert not ops & DATA_DEPENDENT_OPS, ops & DATA_DEPENDENT_OPS
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in g.graph.initializer}
+    consts.update({n.output[0]: onnx.numpy_helper.to_array(n.attribute[0].t) for n in g.graph.node
+                   if n.op_type == "Constant"})
+    topk = [n for n in g.graph.node if n.op_type == "TopK"]
+    moe = _moe_layers(model)
+    assert len(topk) == len(moe)  # n_group = 1: the group TopKs are not there
+    assert all(consts[n.input[1]].tolist() == [cfg.num_experts_per_tok] for n in topk)
+    experts = [t for t in g.graph.initializer if len(t.dims) == 3]
+    assert len(experts) == 2 * len(moe)  # up and down of every MoE layer, all E experts
+    assert all(t.dims[0] == cfg.n_routed_experts for t in experts)
+    if moe:
+        assert {"Sigmoid", "TopK", "GatherElements", "MatMul"} <= ops
+
+
+@needs_ort
+@torch.no_grad()
+def test_onnx_reproduces_the_patched_model(model, exported):
+    """The graph in onnxruntime against the patched transformers model, each following its own greedy
+    tokens over 3L+1 steps from a real prefill: same tokens, same logits, same cursor."""
+    from builders.ort_reference import session
+
+    step, path = exported
+    sess = session(path)
+    used = {i: set() for i in _moe_layers(model)}
+    hooks = [model.model.layers[i].mixer.gate.register_forward_hook(
+        lambda mod, args, out, i=i: used[i].update(out[2].flatten().tolist())) for i in used]
+    dec = patch_replayssm(model, buffer_len=L)
+    try:
+        batch, prompt = 3, 6
+        cache = DynamicCache(config=model.config)
+        tok = model(_prompt(batch, prompt, seed=4), cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for u in used.values():
+            u.clear()  # count the experts of the decode steps only
+        lengths = torch.full((batch,), prompt, dtype=torch.int32)
+        feed = [t.numpy().copy() for t in (tok, lengths, dec.cursor, *step.states_from_patched(dec, cache, prompt))]
+        names = step.input_names()
+        for s in range(STEPS):
+            want = model(tok, cache=cache, use_cache=True).logits[:, -1]
+            got = sess.run(None, dict(zip(names, feed)))
+            np.testing.assert_allclose(got[0], want.numpy(), rtol=RTOL, atol=ATOL, err_msg=f"step {s}: logits")
+            np.testing.assert_array_equal(got[2], dec.cursor.numpy(), err_msg=f"step {s}: cursor")
+            np.testing.assert_array_equal(got[1], lengths.numpy() + s + 1, err_msg=f"step {s}: lengths")
+            tok = want.argmax(-1, keepdim=True)
+            np.testing.assert_array_equal(got[0].argmax(-1), tok[:, 0].numpy(), err_msg=f"step {s}: greedy tokens")
+            feed = [got[0].argmax(-1)[:, None].astype(np.int64), *got[1:]]
+    finally:
+        dec.unpatch()
+        for h in hooks:
+            h.remove()
+    assert all(len(u) > model.config.num_experts_per_tok for u in used.values()), used
 
 
 def _run_both(step, sess, steps, corrupt=None):
@@ -203,6 +277,20 @@ def test_onnx_matches_decode_step(exported):
 
 
 @needs_ort
+def test_onnx_gather_formulation_matches_decode_step(model3, tmp_path):
+    """The other MoE formulation (each token gathers its k experts' matrices): same graph contract."""
+    from builders.ort_reference import session
+
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    step = NemotronHDecodeStep(model3, L, MAX_SEQ, moe_formulation="gather")
+    export_onnx(step, tmp_path / "gather.onnx")
+    g = onnx.load(str(tmp_path / "gather.onnx"))
+    assert not {n.op_type for n in g.graph.node} & DATA_DEPENDENT_OPS
+    assert sum(n.op_type == "TopK" for n in g.graph.node) == len(_moe_layers(model3))
+    _run_both(step, session(tmp_path / "gather.onnx"), STEPS)
+
+
+@needs_ort
 def test_onnx_comparison_has_teeth(exported):
     """One corrupted buffered x entry (row 1, position 0 < its cursor) must be caught."""
     from builders.ort_reference import session
@@ -217,12 +305,27 @@ def test_onnx_comparison_has_teeth(exported):
 
 
 # ---- loading checkpoints --------------------------------------------------------------------------
-def _save(model, d: pathlib.Path, rename=lambda k: k, drop=(), reshape=(), extra=()):
+def _save(model, d: pathlib.Path, rename=lambda k: k, drop=(), reshape=(), extra=(), per_expert=False, config=None,
+          dtype=None):
+    """``model`` as an HF directory; ``per_expert``: NVIDIA's layout (``backbone.``, one tensor per expert,
+    ``...mixer.experts.<e>.up_proj.weight``), applied before ``drop`` / ``reshape`` / ``extra``;
+    ``config``: keys changed in config.json; ``dtype``: the stored dtype of the floating tensors."""
     from safetensors.torch import save_file
 
     d.mkdir(parents=True, exist_ok=True)
     model.config.to_json_file(str(d / "config.json"))
-    sd = {rename(k): v.contiguous() for k, v in model.state_dict().items() if k not in drop}
+    if config:
+        raw = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**raw, **config}))
+    sd = {}
+    for k, v in model.state_dict().items():
+        if per_expert and k.endswith(("mixer.experts.up_proj", "mixer.experts.down_proj")):
+            prefix, proj = k.replace("model.", "backbone.", 1).rsplit(".", 1)
+            sd.update({f"{prefix}.{e}.{proj}.weight": v[e] for e in range(v.shape[0])})
+        else:
+            sd[k.replace("model.", "backbone.", 1) if per_expert else k] = v
+    sd = {rename(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+          for k, v in sd.items() if k not in drop}
     for k in reshape:
         sd[k] = sd[k][:-1].contiguous()
     sd.update({k: torch.zeros(2) for k in extra})
@@ -259,6 +362,51 @@ def test_load_checkpoint_errors(model, tmp_path):
         load_nemotron_h(broken)
 
 
+@pytest.fixture(scope="module")
+def model3():
+    return load_nemotron_h(seed=0, tiny="nemotron3")
+
+
+def test_load_nvidia_moe_checkpoint(model3, tmp_path):
+    """NVIDIA's per-expert tensors are stacked into transformers' expert parameters in expert order; in
+    bf16 the router stays fp32 (transformers' _keep_in_fp32_modules_strict)."""
+    loaded = load_nemotron_h(_save(model3, tmp_path / "ok", per_expert=True))
+    for (k, a), b in zip(model3.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), k
+    bf = load_nemotron_h(_save(model3, tmp_path / "bf16", per_expert=True, dtype=torch.bfloat16), dtype=torch.bfloat16)
+    moe = bf.model.layers[_moe_layers(model3)[0]].mixer
+    assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
+    assert moe.experts.up_proj.dtype == torch.bfloat16
+    assert torch.equal(moe.experts.up_proj[5], model3.model.layers[1].mixer.experts.up_proj[5].bfloat16())
+
+
+UP1 = "backbone.layers.1.mixer.experts.{}.up_proj.weight"
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(drop=(UP1.format(3),)), r"model.layers.1.mixer.experts.up_proj: expected per-expert tensors for experts "
+                                  r"0..7 .*missing experts \[3\]"),
+    (dict(extra=(UP1.format(8),)), r"experts.up_proj: .*experts beyond 7: \[8\]"),
+    (dict(reshape=(UP1.format(2),)), r"experts.2.up_proj.weight: expected shape \(64, 128\) like expert 0, "
+                                     r"got \(63, 128\)"),
+    (dict(extra=("model.layers.4.mixer.experts.down_proj",)), "down_proj: stored both stacked and per expert"),
+    (dict(config=dict(n_routed_experts=16)), r"missing experts \[8, 9, 10, 11, 12, 13, 14, 15\]"),
+    (dict(config=dict(n_group=3)), "n_group: expected a divisor of n_routed_experts=8, got 3"),
+    (dict(config=dict(n_group=2, topk_group=4)), "topk_group: expected <= n_group=2, got 4"),
+    (dict(config=dict(num_experts_per_tok=0)), "num_experts_per_tok: expected an integer >= 1 for the MoE layers"),
+    (dict(config=dict(n_shared_experts=2)), "n_shared_experts: expected 1"),
+    (dict(config=dict(hybrid_override_pattern="MEM*XM*E")), "hybrid_override_pattern: expected only ME\\*-, got 'X' "
+                                                            "at position 4"),
+    (dict(config=dict(layers_block_type=["mamba", "moe", "mamba", "attention", "dense_moe", "mamba", "attention",
+                                         "moe"])), "layers_block_type: expected names in .* got 'dense_moe' at layer 4"),
+], ids=["missing-expert", "extra-expert", "expert-shape", "stacked-and-split", "fewer-experts-than-config",
+        "n_group", "topk_group", "top-k", "shared-experts", "pattern-letter", "layer-type"])
+def test_moe_checkpoint_errors_name_the_key(model3, tmp_path, change, match):
+    d = _save(model3, tmp_path / "bad", per_expert=True, **change)
+    with pytest.raises(CheckpointError, match=match):
+        load_nemotron_h(d)
+
+
 # ---- scripts/build_engine.py ----------------------------------------------------------------------
 def _build(*args):
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -266,9 +414,10 @@ def _build(*args):
                           capture_output=True, text=True, env=env, timeout=170, check=False)
 
 
-def test_build_engine_tiny(tmp_path):
+@pytest.mark.parametrize("tiny", TINIES)
+def test_build_engine_tiny(tmp_path, tiny):
     out = tmp_path / "engine"
-    r = _build("--out", out, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 4)
+    r = _build("--out", out, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--tiny", tiny)
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "engine"]
     assert not leftovers, leftovers  # no temporary directory survives, success or not
     assert r.returncode == 0, r.stderr
@@ -286,12 +435,29 @@ def test_build_engine_tiny(tmp_path):
     assert {s["name"] for s in cfg["states"]} | {"input_ids"} == inputs
     assert sum(n.domain == DOMAIN for n in g.graph.node) == len(cfg["model"]["mamba_layers"]) == 3
     assert (out / "trtexec.sh").read_text().count("--maxShapes=input_ids:4x1") == 1
+    _check_model_entry(cfg["model"], tiny)
 
 
-def test_build_engine_spec(tmp_path):
+def _check_model_entry(entry, tiny):
+    """config.json's model: the layers by type from the pattern; the MoE keys where there are MoE layers."""
+    letters = {"M": "mamba_layers", "*": "attention_layers", "E": "moe_layers"}
+    assert entry["source"] == f"embedded-tiny-{tiny}" and entry["pattern"] == TINY_CONFIGS[tiny]["hybrid_override_pattern"]
+    for letter, key in letters.items():
+        assert entry[key] == [i for i, c in enumerate(entry["pattern"]) if c == letter], key
+    if tiny == "nemotron3":
+        assert entry["moe"] == dict({k: TINY3_CONFIG[k] for k in entry["moe"] if k != "formulation"},
+                                    formulation="dense")
+        assert entry["moe"]["n_routed_experts"] == 8 and entry["moe"]["num_experts_per_tok"] == 2
+    else:
+        assert "moe" not in entry
+
+
+@pytest.mark.parametrize("tiny", TINIES)
+def test_build_engine_spec(tmp_path, tiny):
     """--num-draft: verify.onnx + commit.onnx, the two plugins' PTX, config and trtexec naming both plugins."""
     out = tmp_path / "spec"
-    r = _build("--out", out, "--buffer-len", 8, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--num-draft", 3)
+    r = _build("--out", out, "--buffer-len", 8, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--num-draft", 3,
+               "--tiny", tiny)
     assert r.returncode == 0, r.stderr
     assert "verify.plan and commit.plan not built" in r.stdout and "trtexec --onnx=verify.onnx" in r.stdout
     cfg = json.loads((out / "config.json").read_text())
@@ -320,6 +486,9 @@ def test_build_engine_spec(tmp_path):
     assert states["conv_window_0"]["shape"] == [-1, 4 * 64 + 2 * 2 * 64, 3 + 3]
     assert states["conv_window_0"]["updated_by"] == {"verify": "conv_window_0_out", "commit": "conv_window_0_out"}
     assert states["cursor"]["updated_by"] == {"commit": "cursor_out"} and states["cursor"]["shape"] == [-1, 2]
+    _check_model_entry(cfg["model"], tiny)
+    assert sum(n.op_type == "TopK" for n in onnx.load(str(out / "verify.onnx")).graph.node) == len(
+        cfg["model"]["moe_layers"])
 
 
 @pytest.mark.parametrize("args, message", [
@@ -328,6 +497,9 @@ def test_build_engine_spec(tmp_path):
     (["--model", "/nonexistent"], "--model: expected an existing directory"),
     (["--num-draft", "2"], "--num-draft: expected 0 (standard decode) or one of [1, 3, 5, 7], got 2"),
     (["--num-draft", "7", "--buffer-len", "8"], "--buffer-len: speculative decoding needs >= 2 (num_draft + 1) = 16"),
+    (["--tiny", "nemotron4"], "--tiny: invalid choice: 'nemotron4'"),
+    (["--tiny", "nemotron3", "--model", "."], "--tiny: the embedded tiny configs are used only without --model"),
+    (["--moe-formulation", "sorted"], "--moe-formulation: invalid choice: 'sorted'"),
 ])
 def test_build_engine_bad_arguments(tmp_path, args, message):
     r = _build("--out", tmp_path / "engine", *args)
@@ -340,6 +512,23 @@ def test_build_engine_broken_checkpoint(model, tmp_path):
     r = _build("--out", tmp_path / "engine", "--model", ckpt)
     assert r.returncode == 1 and "missing" in r.stderr and "lm_head.weight" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_build_engine_nvidia_moe_checkpoint(model3, tmp_path):
+    """A Nemotron 3 directory in NVIDIA's layout builds (--model, gather formulation recorded); one
+    missing expert tensor fails naming it, before anything is written."""
+    ckpt = _save(model3, tmp_path / "ckpt", per_expert=True)
+    out = tmp_path / "engine"
+    r = _build("--out", out, "--model", ckpt, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 2,
+               "--moe-formulation", "gather")
+    assert r.returncode == 0, r.stderr
+    assert "3 MoE layers: 8 experts, top-2, as gather" in r.stdout
+    entry = json.loads((out / "config.json").read_text())["model"]
+    assert entry["source"] == str(ckpt) and entry["moe_layers"] == [1, 4, 7] and entry["moe"]["formulation"] == "gather"
+    bad = _save(model3, tmp_path / "bad", per_expert=True, drop=("backbone.layers.7.mixer.experts.0.down_proj.weight",))
+    r = _build("--out", tmp_path / "engine2", "--model", bad)
+    assert r.returncode == 1 and "model.layers.7.mixer.experts.down_proj" in r.stderr and "missing experts [0]" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad", "ckpt", "engine"]
 
 
 @pytest.mark.gpu

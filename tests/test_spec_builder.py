@@ -25,6 +25,9 @@ Oracles, each where it holds:
   continuation, 30% corrupted) the generated tokens equal plain greedy decoding.
 Random acceptance: n in 1..T per row, all T every 3rd step, 1 every 4th; every row crosses >= 2
 flushes (count + 2T > L) in 12 steps.
+Every test runs on both embedded tiny configs: Nemotron-H (``M*-M-M*-``) and Nemotron 3 (``MEM*EM*E``,
+MoE layers as standard ops in the verify graph, transformers' NemotronHMoE in the oracle; the MoE
+adds fp32 summation-order differences only, within the same tolerances).
 """
 
 from __future__ import annotations
@@ -68,9 +71,10 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_nemotron_h(seed=0)
+@pytest.fixture(scope="module", params=("nemotron_h", "nemotron3"))
+def model(request):
+    """Both embedded tiny configs; Nemotron 3's MoE layers route each of the batch * T window tokens."""
+    return load_nemotron_h(seed=0, tiny=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +259,12 @@ def test_graphs_have_the_plugin_nodes(model, graphs):
         assert list(n.output[1:]) == [f"ssm_state_{i}_out", f"x_cache_{i}_out", f"B_cache_{i}_out", f"dt_cache_{i}_out"]
     assert [i.name for i in g.graph.input] == step.input_names()
     assert [o.name for o in g.graph.output] == step.output_names()
+    # MoE layers: standard ops with static shapes (as tests/test_builder.py checks for the decode graph)
+    moe = [i for i, k in enumerate(cfg.layers_block_type) if k == "moe"]
+    assert sum(n.op_type == "TopK" for n in g.graph.node) == len(moe)
+    assert sum(len(t.dims) == 3 and t.dims[0] == getattr(cfg, "n_routed_experts", 0) for t in g.graph.initializer) \
+        == 2 * len(moe)
+    assert not {n.op_type for n in g.graph.node} & {"NonZero", "Loop", "If", "Scan", "ScatterND", "ScatterElements"}
     c = onnx.load(str(d / "commit.onnx"))
     onnx.checker.check_model(c)
     nodes = [n for n in c.graph.node if n.domain == DOMAIN]
