@@ -15,6 +15,12 @@ shared cursor and the sequence length) is a ``state`` entry pairing the engine i
 sequence starts empty, so a client streams the prompt token by token, then decodes; each request
 carries one token (``input_ids``, shape [1]) and returns ``logits``.
 
+Layers (``model.pattern`` in config.json, Nemotron-H / Nemotron 3 letters): every Mamba-2 layer
+``M`` i has the five states conv_state_i, ssm_state_i, x_cache_i, B_cache_i, dt_cache_i, every
+attention layer ``*`` i has k_cache_i and v_cache_i, MoE ``E`` and MLP ``-`` layers have none
+(their weights are in the plan); anything else is refused before a file is written, naming the
+layer and the state.
+
 Usage: python scripts/make_triton_repo.py --engine-dir build/tiny --repo build/triton [--name NAME]
 """
 
@@ -30,6 +36,10 @@ import tempfile
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int32": "TYPE_INT32",
                 "int64": "TYPE_INT64"}
 REQUEST_INPUTS = ("input_ids",)  # what a client sends each step; every other input is implicit state
+SHARED_STATES = ("lengths", "cursor")
+LAYER_STATES = {"M": ("conv_state", "ssm_state", "x_cache", "B_cache", "dt_cache"), "*": ("k_cache", "v_cache"),
+                "E": (), "-": ()}  # per layer letter of hybrid_override_pattern
+LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP"}
 
 
 class RepoError(ValueError):
@@ -61,6 +71,35 @@ def _dtype(entry: dict) -> str:
                         f"(known: {sorted(TRITON_TYPES)})") from None
 
 
+def check_layer_states(cfg: dict) -> None:
+    """The states are exactly the shared ones plus those of each layer of ``model.pattern``."""
+    pattern = cfg.get("model", {}).get("pattern")
+    if not isinstance(pattern, str):
+        raise RepoError(f"config.json: model.pattern: expected the layer pattern string (e.g. 'MEM*EM*E'), "
+                        f"got {pattern!r}")
+    bad = [(i, c) for i, c in enumerate(pattern) if c not in LAYER_STATES]
+    if bad:
+        raise RepoError(f"config.json: model.pattern {pattern!r}: expected only {''.join(LAYER_STATES)}, got "
+                        f"{bad[0][1]!r} at layer {bad[0][0]}")
+    names = [s["name"] for s in cfg["states"]]
+    have = set(names)
+    for i, c in enumerate(pattern):
+        missing = [f"{k}_{i}" for k in LAYER_STATES[c] if f"{k}_{i}" not in have]
+        if missing:
+            raise RepoError(f"layer {i} ({LAYER_NAMES[c]}, pattern {pattern!r}): states {missing} missing")
+    want = set(SHARED_STATES) | {f"{k}_{i}" for i, c in enumerate(pattern) for k in LAYER_STATES[c]}
+    for n in names:
+        if n not in want:
+            idx = n.rpartition("_")[2]
+            if idx.isdigit() and int(idx) < len(pattern):
+                c = pattern[int(idx)]
+                raise RepoError(f"state {n!r}: layer {idx} is a {LAYER_NAMES[c]} layer ({c!r} in pattern {pattern!r}), "
+                                f"which has {'no states' if not LAYER_STATES[c] else list(LAYER_STATES[c])}")
+            raise RepoError(f"state {n!r}: expected {list(SHARED_STATES)} or a per-layer state of pattern {pattern!r}")
+    if len(names) != len(have):
+        raise RepoError(f"config.json: states: {sorted(n for n in have if names.count(n) > 1)} listed twice")
+
+
 def model_config(cfg: dict, name: str, max_queue_delay_us: int = 100, idle_us: int = 60_000_000):
     """Triton ``ModelConfig`` for the decode-step engine described by build_engine's ``cfg``."""
     pb = _pb()
@@ -70,6 +109,7 @@ def model_config(cfg: dict, name: str, max_queue_delay_us: int = 100, idle_us: i
     for key in ("max_batch", "inputs", "outputs", "states"):
         if key not in cfg:
             raise RepoError(f"config.json: missing {key!r} (was it written by scripts/build_engine.py?)")
+    check_layer_states(cfg)
     mc = pb.ModelConfig(name=name, platform="tensorrt_plan", max_batch_size=int(cfg["max_batch"]),
                         default_model_filename="model.plan")
     states = {s["name"]: s for s in cfg["states"]}

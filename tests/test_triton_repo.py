@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Triton model repository: built through Triton's ModelConfig protobuf and checked against
-the engine description that scripts/build_engine.py writes (every state paired, nothing missing).
+the engine description that scripts/build_engine.py writes (every state paired, nothing missing),
+for both embedded tiny configs: Nemotron-H (``M*-M-M*-``) and Nemotron 3 (``MEM*EM*E``: its MoE
+layers carry no state, so the repository holds the states of the Mamba and attention layers only).
 """
 
 import importlib.util
@@ -18,11 +20,11 @@ mtr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mtr)
 
 
-@pytest.fixture(scope="module")
-def engine_dir(tmp_path_factory):
-    out = tmp_path_factory.mktemp("engine") / "tiny"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--out", str(out), "--max-batch", "4"],
-                   check=True, capture_output=True)
+@pytest.fixture(scope="module", params=("nemotron_h", "nemotron3"))
+def engine_dir(tmp_path_factory, request):
+    out = tmp_path_factory.mktemp("engine") / request.param
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--out", str(out), "--max-batch", "4",
+                    "--tiny", request.param], check=True, capture_output=True)
     return out
 
 
@@ -45,6 +47,14 @@ def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
         assert st.use_same_buffer_for_input_output and st.initial_state[0].zero_data
     for name in ("cursor", "lengths"):
         assert states[name].data_type == pb.TYPE_INT32
+    pattern = cfg["model"]["pattern"]
+    per_layer = {"M": 5, "*": 2, "E": 0, "-": 0}
+    assert len(states) == 2 + sum(per_layer[c] for c in pattern)
+    for i, c in enumerate(pattern):
+        mine = {n for n in states if n.endswith(f"_{i}")}
+        assert len(mine) == per_layer[c], (i, c, mine)
+        if c == "M":
+            assert list(states[f"ssm_state_{i}"].dims) == [4, 64, 64] and states[f"ssm_state_{i}"].data_type == pb.TYPE_FP32
     assert (target / "1" / "MISSING_PLAN.txt").is_file()  # no TensorRT here
 
 
@@ -55,6 +65,12 @@ def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
     (lambda c: c["outputs"][0].update(dtype="complex64"), "has no Triton type"),
     (lambda c: c.pop("states"), "missing 'states'"),
     (lambda c: c.update(format="trtllm-replayssm-spec-step/1"), "speculative engine pair"),
+    (lambda c: c["states"].pop(), r"layer \d \(attention, pattern '.*'\): states \['v_cache_\d'\] missing"),
+    (lambda c: c["states"].append(dict(c["states"][-1], name="k_cache_4", output="k_cache_4_out")),  # E / -
+     r"state 'k_cache_4': layer 4 is a (MoE|MLP) layer \('[E-]' in pattern '.*'\), which has no states"),
+    (lambda c: c["states"].append(dict(c["states"][-1])), r"states: \['v_cache_\d'\] listed twice"),
+    (lambda c: c["model"].update(pattern="M?"), r"model.pattern 'M\?': expected only M\*E-, got '\?' at layer 1"),
+    (lambda c: c["states"].append(dict(c["states"][-1], name="conv_state_99")), "'conv_state_99': expected"),
 ])
 def test_bad_engine_description_is_rejected(engine_dir, mutate, match):
     cfg = json.loads((engine_dir / "config.json").read_text())
