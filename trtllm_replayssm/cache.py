@@ -73,6 +73,7 @@ import torch
 
 from . import ops
 from . import spec_reference as sr
+from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
 from .reference import Shadow
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -94,7 +95,8 @@ class LayerState:
 class ReplayStateCache:
     """See the module docstring. ``check_values`` (CUDA path): None = host checks unless capturing a CUDA
     graph, False = never (no device->host reads), True = always. ``read_shadow`` (CPU path): the output
-    form reads the shadow as the kernels do (a CUDA cache with a shadow always reads it)."""
+    form reads the shadow as the kernels do (a CUDA cache with a shadow always reads it). On CUDA, headdim and
+    dstate must be geometries the kernels support (config.SUPPORTED_*) and buffer_len <= 32, checked here."""
 
     def __init__(self, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int,
                  buffer_len: int, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
@@ -116,6 +118,12 @@ class ReplayStateCache:
         if shadow_dtype == torch.float16 and (read_shadow or torch.device(device).type == "cuda"):
             raise ValueError("shadow_dtype: float16 is kept but never read (no kernel reads it); use bfloat16 or "
                              "float8_e4m3fn for a shadow the output form reads")
+        if torch.device(device).type == "cuda":  # the kernels' geometries, named here rather than at the first launch
+            for name, v, ok in (("headdim", headdim, SUPPORTED_HEADDIM), ("dstate", dstate, SUPPORTED_DSTATE)):
+                if v not in ok:
+                    raise ValueError(f"{name}: expected one of {ok} on CUDA (the kernels' geometries), got {v}")
+            if buffer_len > 32:
+                raise ValueError(f"buffer_len: expected <= 32 on CUDA (the kernels' rings), got {buffer_len}")
         self.num_layers, self.num_slots = num_layers, num_slots
         self.nheads, self.headdim, self.dstate, self.ngroups = nheads, headdim, dstate, ngroups
         self.buffer_len, self.num_draft, self.conv_kernel = buffer_len, num_draft, conv_kernel

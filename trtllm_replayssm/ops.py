@@ -233,8 +233,10 @@ def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.
                          f"{slots[counts > 1].tolist()[:8]} in more than one row")
     if cursor is not None and used.numel():
         cur = cursor.cpu()[used.long()]
-        if ((cur < 0) | (cur >= L)).any():
-            raise ValueError(f"cursor: expected values in [0, {L}) for the rows' slots, got {cur.tolist()[:8]}")
+        bad = (cur < 0) | (cur >= L)
+        if bad.any():
+            raise ValueError(f"cursor: expected values in [0, {L}) for the rows' slots, got {cur[bad].tolist()[:8]} "
+                             f"(slots {used[bad].tolist()[:8]})")
 
 
 def _check_rank(t, name: str, ndim: int, want: str) -> None:
@@ -504,20 +506,23 @@ def check_spec_values(state_batch_indices: torch.Tensor, nslots: int, num_tokens
     rows = (sbi >= 0).nonzero()[:, 0]
     T, L = num_tokens, buffer_len
     if cursor is not None and rows.numel():
-        cur = cursor.cpu()[sbi[rows].long()]
+        used = sbi[rows]
+        cur = cursor.cpu()[used.long()]
         start, count = cur[:, 0], cur[:, 1]
         bad = (start < 0) | (start >= L)
         if bad.any():
-            raise ValueError(f"cursor: expected start (column 0) in [0, {L}) for the rows' slots, got {start[bad].tolist()[:8]}")
+            raise ValueError(f"cursor: expected start (column 0) in [0, {L}) for the rows' slots, got {start[bad].tolist()[:8]} "
+                             f"(slots {used[bad].tolist()[:8]})")
         bad = (count < 0) | (count > L - T)
         if bad.any():
             raise ValueError(f"cursor: expected count (column 1) in [0, L - T] = [0, {L - T}] for the rows' slots, "
-                             f"got {count[bad].tolist()[:8]}")
+                             f"got {count[bad].tolist()[:8]} (slots {used[bad].tolist()[:8]})")
     if n_accepted is not None and rows.numel():
         n = n_accepted.cpu()[rows]
         bad = (n < 0) | (n > T)
         if bad.any():
-            raise ValueError(f"n_accepted: expected values in [0, T] = [0, {T}] for rows with a slot, got {n[bad].tolist()[:8]}")
+            raise ValueError(f"n_accepted: expected values in [0, T] = [0, {T}] for rows with a slot, got {n[bad].tolist()[:8]} "
+                             f"(rows {rows[bad].tolist()[:8]})")
 
 
 def make_verify_spec(state_dtype, act_dtype, H, P, N, G, L, T, batch, has_z, device, shadow: str = "none") -> KernelSpec:
