@@ -6,7 +6,11 @@ TensorRT-LLM call sites it patches, written from their source (see the module do
 ``Mamba2Mixer`` stores ``selective_state_update_func`` in ``__init__`` and calls it in decode with
 TRT-LLM's arguments (x (b, h, p); dt fp32 repeated over head_dim; A (h, p, n), dt_bias and D (h, p)
 broadcasts; B, C (b, g, n); ``state_batch_indices`` with -1 padding; a preallocated ``out``), and
-writes ``ssm_states[state_indices_p]`` in prefill; ``NemotronHModel.forward`` runs the layers of a step.
+writes ``ssm_states[state_indices_p]`` in prefill; ``NemotronHModel`` builds one layer per letter of
+``hybrid_override_pattern`` (``layer_idx`` = the position; "M" Mamba2Mixer, "E" NemotronHMOE in
+Nemotron 3, "*" attention, "-" MLP: the stand-ins of the last three run but never call the SSM
+update) and ``forward`` runs the layers of a step. Patterns: a Nemotron-H one (``M*M``) and the
+tiny Nemotron 3 one (``MEM*EM*E``, Mamba layers 0, 2, 5).
 
 Oracle: the same stand-in left unpatched, whose ``selective_state_update_func`` is the conventional
 Mamba-2 step written out per (head, dim) like TRT-LLM's native kernel without tie_hdim (not our
@@ -85,14 +89,34 @@ def make_fake_trtllm():
                     state_batch_indices=si_d, out=md.out[self.layer_idx].view(n_d, -1, self.head_dim))
 
     class NemotronHModel:
-        def __init__(self, mixers):
+        def __init__(self, mixers, pattern=None):
             self.mixers = mixers
+            if pattern is not None:  # NemotronHModel reads it from model_config.pretrained_config
+                self.model_config = types.SimpleNamespace(
+                    pretrained_config=types.SimpleNamespace(hybrid_override_pattern=pattern))
 
         def forward(self, attn_metadata, input_ids=None):
             for m in self.mixers:
                 m.forward(attn_metadata)
 
     return Mamba2Mixer, NemotronHModel
+
+
+class OtherMixer:
+    """Stand-in of NemotronHMOE ("E"), TransformerLayer ("*"), MLPLayer ("-"): runs, no SSM update."""
+
+    def __init__(self, layer_idx, kind):
+        self.layer_idx, self.kind, self.calls = layer_idx, kind, 0
+
+    def forward(self, md):
+        self.calls += 1
+
+
+def build_model(mixer_cls, model_cls, pattern, prm, P, N):
+    """NemotronHModel of ``pattern`` as TRT-LLM builds it: layer i gets layer_idx i; prm[i] for each "M"."""
+    mixers = [mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) if c == "M" else OtherMixer(i, c)
+              for i, c in enumerate(pattern)]
+    return model_cls(mixers, pattern)
 
 
 @pytest.fixture
@@ -134,17 +158,20 @@ def schedule(steps):
     return plan
 
 
-@pytest.mark.parametrize("G", [2, 1, 4])
-def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, G):
+@pytest.mark.parametrize("G, pattern", [(2, "M*M"), (1, "M*M"), (4, "M*M"), (2, "MEM*EM*E")])
+def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, G, pattern):
     mixer_cls, model_cls = fake_trtllm
-    H, P, N, S, layers = 4, 8, 16, 7, (0, 2)
+    H, P, N, S = 4, 8, 16, 7
+    layers = tuple(mod.mamba_layer_indices(pattern))
     steps = 3 * L + 3
     gen = torch.Generator().manual_seed(G)
     prm = {i: fp32_params(H, gen) for i in layers}
     oracle = [mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in layers]  # built before patching
     adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L))
-    model = model_cls([mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in layers])
-    assert all(m.selective_state_update_func.func is mod.replay_selective_state_update for m in model.mixers)
+    model = build_model(mixer_cls, model_cls, pattern, prm, P, N)
+    mamba = [m for m in model.mixers if isinstance(m, mixer_cls)]
+    assert [m.layer_idx for m in mamba] == list(layers)
+    assert all(m.selective_state_update_func.func is mod.replay_selective_state_update for m in mamba)
 
     init = {i: torch.randn(S, H, P, N, generator=gen, dtype=F64) for i in layers}
     ssm_rep = {i: init[i].clone() for i in layers}
@@ -182,12 +209,69 @@ def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, 
     assert flushed_at_zero >= 2 * len(layers) * 3  # slots 3 and 5 flushed 3 times each over 3L+2 decode steps
     assert int(adapter.cursor[3]) == (steps - 1) % L and int(adapter.cursor[5]) == (steps - 1) % L
     assert int(adapter.cursor[0]) == (steps - 9) % L  # reset by its new prefill, then decoded from step 9
+    # only the "M" layers were routed; MoE / attention layers ran every step and own no buffers
+    assert sorted(adapter.layers) == list(layers) and adapter.mamba_layers == set(layers)
+    assert all(m.calls == steps for m in model.mixers if isinstance(m, OtherMixer))
     for i in layers:
         lay = adapter.layers[i]
         for s in (1, 2, 4, 6):  # slots no request used: checkpoint and buffers untouched
             assert torch.equal(ssm_rep[i][s], init[i][s])
             assert not lay["x_cache"][s].any() and not lay["B_cache"][s].any() and not lay["dt_cache"][s].any()
             assert int(adapter.cursor[s]) == 0
+
+
+def test_only_mamba_positions_of_the_pattern_may_decode(fake_trtllm, caplog):
+    """A decode call from an "E" (MoE) position is refused before anything is written; "M" layers whose
+    mixers were built before install (unrouted, conventional) are logged once, the others still match."""
+    mixer_cls, model_cls = fake_trtllm
+    H, P, N, S, G, pattern = 4, 8, 16, 3, 2, "MEM*EM*E"
+    gen = torch.Generator().manual_seed(5)
+    prm = {i: fp32_params(H, gen) for i in range(len(pattern))}
+    early = mixer_cls(layer_idx=5, head_dim=P, d_state=N, **prm[5])  # built before install: not routed
+    oracle = {i: mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in (0, 2)}
+    adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L))
+    model = build_model(mixer_cls, model_cls, pattern, prm, P, N)
+    model.mixers[5] = early
+    init = torch.randn(S, H, P, N, generator=gen, dtype=F64)
+    ssm_rep = {i: init.clone() for i in (0, 2, 5)}
+    ssm_conv = {i: init.clone() for i in (0, 2)}
+
+    def inputs(layers):
+        return {i: dict(x=torch.randn(1, H, P, generator=gen, dtype=F64), B=torch.randn(1, G, N, generator=gen, dtype=F64),
+                        C=torch.randn(1, G, N, generator=gen, dtype=F64),
+                        dt=torch.randn(1, H, generator=gen, dtype=F64) - 2) for i in layers}
+
+    with caplog.at_level("WARNING", logger="trtllm_replayssm_module"):
+        for _ in range(L + 2):
+            inp = inputs((0, 2, 5))
+            model.forward(metadata([1], 0, ssm_rep, inp, H, P))
+            for i in (0, 2):
+                oracle[i].forward(metadata([1], 0, ssm_conv, {i: inp[i]}, H, P))
+                assert torch.allclose(adapter.current_state(i, 1), ssm_conv[i][1], rtol=1e-10, atol=1e-10)
+    warnings = [r for r in caplog.records if "made no ReplaySSM decode call" in r.getMessage()]
+    assert len(warnings) == 1 and "[5]" in warnings[0].getMessage()
+    assert sorted(adapter.layers) == [0, 2] and int(adapter.cursor[1]) == (L + 2) % L
+
+    # a Mamba2Mixer claiming an "E" position: refused, nothing written
+    uninstall()
+    wrong = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L))
+    bad = model_cls([mixer_cls(layer_idx=1, head_dim=P, d_state=N, **prm[1])], pattern)
+    before = init.clone()
+    with pytest.raises(RuntimeError, match=r"layer 1: a selective_state_update call, but position 1 of "
+                                           r"hybrid_override_pattern 'MEM\*EM\*E' is 'E', not 'M' \(Mamba-2 layers "
+                                           r"\[0, 2, 5\]\)"):
+        bad.forward(metadata([1], 0, {1: before}, inputs((1,)), H, P))
+    assert torch.equal(before, init) and wrong.cursor is None and not wrong.layers
+
+
+def test_mamba_layer_indices():
+    assert mod.mamba_layer_indices("MEM*EM*E") == [0, 2, 5]
+    assert mod.mamba_layer_indices("M*-M-M*-") == [0, 3, 5]
+    with pytest.raises(ValueError, match=r"expected only the letters M, E, \* and -, got \['X'\]"):
+        mod.mamba_layer_indices("MXM")
+    model = types.SimpleNamespace(model_config=types.SimpleNamespace(
+        pretrained_config=types.SimpleNamespace(hybrid_override_pattern="ME")))
+    assert mod.model_pattern(model) == "ME" and mod.model_pattern(object()) is None
 
 
 def test_teeth_a_corrupted_buffer_entry_is_caught(fake_trtllm):

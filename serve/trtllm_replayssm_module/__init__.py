@@ -1,5 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""trtllm-serve custom module: Nemotron-H Mamba-2 single-token decode through ReplaySSM.
+"""trtllm-serve custom module: Nemotron-H / Nemotron 3 Mamba-2 single-token decode through ReplaySSM.
+
+Only the Mamba-2 ("M") layers are routed; Nemotron 3's MoE ("E"), the attention ("*") and MLP ("-")
+layers stay TensorRT-LLM's own (see :mod:`.install` for how TRT-LLM names them).
 
 Load with ``trtllm-serve MODEL --backend pytorch --custom_module_dirs serve/trtllm_replayssm_module``
 (README "trtllm-serve"). What TensorRT-LLM does with that flag (tensorrt_llm/commands/serve.py,
@@ -35,7 +38,8 @@ TensorRT-LLM facts this relies on (read from source, commits are of the files na
 * checkpoints/hf/nemotron_h_weight_mapper.py (05b033ac): ``A_log`` is loaded as ``A = -exp(A_log)`` in
   fp32; ``D`` and ``dt_bias`` in fp32 (so A reaches us negative, as our kernels expect).
 * modeling_nemotron_h.py (00620eb0): ``NemotronHModel.forward(attn_metadata, ...)`` runs all layers of a
-  step; "M" layers are ``Mamba2Mixer(..., layer_idx=layer_idx, ...)``.
+  step; one layer per letter of ``hybrid_override_pattern``, "M" layers are ``Mamba2Mixer(...,
+  layer_idx=layer_idx, ...)`` with the letter's position as ``layer_idx``, "E" layers ``NemotronHMOE``.
 * pyexecutor/cuda_graph_runner.py (000a01de): ``capture()`` runs the forward twice eagerly, then once
   under ``torch.cuda.graph``; so our buffers are allocated before any capture, and the Python step
   hooks run at capture time while the cursor-advance kernel they launch is replayed with the graph.
@@ -55,11 +59,11 @@ except ImportError:  # not pip-installed: use the repository this directory live
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
     import trtllm_replayssm  # noqa: F401
 
-from .adapter import ReplaySSMAdapter, replay_selective_state_update  # noqa: E402
-from .install import VERIFIED_AGAINST, install, patch_classes, uninstall  # noqa: E402
+from .adapter import ReplaySSMAdapter, mamba_layer_indices, replay_selective_state_update  # noqa: E402
+from .install import VERIFIED_AGAINST, install, model_pattern, patch_classes, uninstall  # noqa: E402
 
-__all__ = ["ReplaySSMAdapter", "replay_selective_state_update", "install", "uninstall", "patch_classes",
-           "VERIFIED_AGAINST", "ADAPTER"]
+__all__ = ["ReplaySSMAdapter", "replay_selective_state_update", "mamba_layer_indices", "install", "uninstall",
+           "patch_classes", "model_pattern", "VERIFIED_AGAINST", "ADAPTER"]
 
 ADAPTER = None
 if os.environ.get("TRTLLM_REPLAYSSM_DISABLE") != "1" and (

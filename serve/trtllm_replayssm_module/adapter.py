@@ -44,18 +44,42 @@ once, for the slot tensor the step's decode calls used). The installer calls bot
 ``NemotronHModel.forward``, which is inside TRT-LLM's CUDA-graph capture, so the cursor advance is
 recorded in the graph. A layer decoded twice in one step, or two different slot tensors in one
 step, is an error (the hooks are missing or the step is not what we think).
+
+Layers (:meth:`ReplaySSMAdapter.expect_pattern`, called by the installer with the model's
+``hybrid_override_pattern``): TensorRT-LLM builds one layer per pattern letter and gives every
+mixer its position in the pattern as ``layer_idx`` ("M" Mamba2Mixer, "E" NemotronHMOE in Nemotron 3,
+"*" attention, "-" MLP), so the Mamba layers of ``MEM*EM*E`` are 0, 2 and 5, and only they call
+``selective_state_update``; MoE, attention and MLP layers never reach the adapter. A decode call
+from a ``layer_idx`` that is not an "M" of the pattern is refused before anything is written (the
+naming we rely on would be wrong); a step in which some "M" layers did not call is logged once
+(those mixers were built before :func:`.install.install` and run TRT-LLM's conventional kernel on
+their own state, which is correct but not ReplaySSM).
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from trtllm_replayssm import reference
 
+log = logging.getLogger("trtllm_replayssm_module")
+
 # TRT-LLM / FlashInfer selective_state_update arguments of the multi-token (speculative verify) and
 # stochastic-rounding paths. ReplaySSM single-token decode does not implement them.
 UNSUPPORTED = ("disable_state_update", "intermediate_states_buffer", "cache_steps", "retrieve_parent_token",
                "intermediate_state_indices", "rand_seed", "philox_rounds")
+
+
+def mamba_layer_indices(pattern: str) -> list[int]:
+    """The ``layer_idx`` of the Mamba-2 mixers TensorRT-LLM builds for ``hybrid_override_pattern``."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"hybrid_override_pattern: expected a non-empty string of M, E, * and -, got {pattern!r}")
+    bad = sorted({c for c in pattern if c not in "ME*-"})
+    if bad:
+        raise ValueError(f"hybrid_override_pattern: expected only the letters M, E, * and -, got {bad} in {pattern!r}")
+    return [i for i, c in enumerate(pattern) if c == "M"]
 
 
 def _capturing() -> bool:
@@ -132,6 +156,9 @@ class ReplaySSMAdapter:
         self.cursor: torch.Tensor | None = None
         self._step_slots: torch.Tensor | None = None
         self._step_layers: set[int] = set()
+        self.pattern: str | None = None
+        self.mamba_layers: frozenset[int] | None = None  # None: not known, every layer_idx accepted
+        self._warned_unrouted = False
 
     # ---- bookkeeping ------------------------------------------------------------------------------
     def reset(self) -> None:
@@ -174,6 +201,22 @@ class ReplaySSMAdapter:
                                  f"{tuple(got.shape)} {got.dtype} from an earlier step")
         return lay
 
+    def expect_pattern(self, pattern: str | None) -> None:
+        """Accept decode calls only from the "M" layers of ``pattern`` (None: from any layer)."""
+        if pattern == self.pattern:
+            return
+        self.mamba_layers = None if pattern is None else frozenset(mamba_layer_indices(pattern))
+        self.pattern = pattern
+        self._warned_unrouted = False
+
+    def _check_layer(self, layer_idx: int) -> None:
+        if self.mamba_layers is not None and layer_idx not in self.mamba_layers:
+            where = (f"is {self.pattern[layer_idx]!r}, not 'M'" if 0 <= layer_idx < len(self.pattern)
+                     else "does not exist")
+            raise RuntimeError(f"layer {layer_idx}: a selective_state_update call, but position {layer_idx} of "
+                               f"hybrid_override_pattern {self.pattern!r} {where} (Mamba-2 layers "
+                               f"{sorted(self.mamba_layers)}); the layer naming this module relies on does not hold")
+
     def _note_step(self, layer_idx: int, slots: torch.Tensor) -> None:
         if layer_idx in self._step_layers:
             raise RuntimeError(f"layer {layer_idx}: decoded twice in one model step; begin_step()/end_step() are not "
@@ -204,7 +247,14 @@ class ReplaySSMAdapter:
     def end_step(self) -> None:
         """Close a model step: advance the cursor once for the slots the step's decode rows used."""
         slots = self._step_slots
+        decoded = self._step_layers
         self.abort_step()
+        if slots is not None and self.mamba_layers is not None and decoded != self.mamba_layers \
+                and not self._warned_unrouted:
+            self._warned_unrouted = True
+            log.warning("trtllm_replayssm_module: Mamba-2 layers %s of pattern %r made no ReplaySSM decode call this step "
+                        "(mixers built before install()?); they run TensorRT-LLM's own kernel",
+                        sorted(self.mamba_layers - decoded), self.pattern)
         if slots is not None:
             advance = self.advance or default_backend(self.cursor.device)[1]
             advance(self.cursor, slots, self.buffer_len)
@@ -219,6 +269,7 @@ class ReplaySSMAdapter:
                                dt_softplus: bool = False, state_batch_indices=None, pad_slot_id: int = -1,
                                out=None, **extra):
         """One single-token Mamba-2 decode step of layer ``layer_idx``, TRT-LLM's arguments; returns ``out`` (or y)."""
+        self._check_layer(layer_idx)
         for k, v in extra.items():
             if k not in UNSUPPORTED:
                 raise TypeError(f"selective_state_update: unexpected argument {k!r}")

@@ -17,6 +17,18 @@ Route (facts from TensorRT-LLM's source, read, not run; see the package docstrin
   ``begin_step(prefill slots)`` before, ``end_step()`` after (the cursor advance). Prefill rows come
   first in the batch: their slots are ``mamba_metadata.state_indices[:attn_metadata.num_contexts]``
   (the same split Mamba2Mixer.forward makes).
+* Layer naming (modeling_nemotron_h.py 00620eb0): ``NemotronHModel.__init__`` builds one
+  ``NemotronHLayer`` per letter of ``model_config.pretrained_config.hybrid_override_pattern`` with
+  ``layer_idx`` = the letter's position: "M" ``Mamba2Mixer(..., layer_idx=layer_idx)``, "E"
+  ``NemotronHMOE`` (Nemotron 3: DeepseekV3Gate routing, ``create_moe`` fused experts, a shared-expert
+  MLP, latent projections; no SSM state, no ``selective_state_update`` call), "*" ``TransformerLayer``,
+  "-" ``MLPLayer``; ``forward`` runs ``self.layers[:self.num_hidden_layers]``. MTP layers
+  (``NemotronHMTP``, ``mtp_hybrid_override_pattern``) are appended only with an MTP spec config and
+  run in the speculative worker, outside that loop. mamba_cache_manager.py (00bce92c) maps the same
+  global ``layer_idx`` to the layer's offset among the Mamba layers (``mamba_layer_offsets``), so
+  ``get_ssm_states(layer_idx)`` is one (slots, H, P, N) pool per "M". The forward wrapper hands the
+  pattern to :meth:`.adapter.ReplaySSMAdapter.expect_pattern`: decode calls come only from "M"
+  positions (MoE / attention / MLP layers are never routed).
 
 Only mixers constructed after :func:`install` are routed, in the process that ran it: trtllm-serve
 imports ``--custom_module_dirs`` in its own process before it builds the LLM; with the default
@@ -64,6 +76,12 @@ def prefill_slots(attn_metadata):
     return idx[:n]
 
 
+def model_pattern(model) -> str | None:
+    """``hybrid_override_pattern`` of a NemotronHModel (``model_config.pretrained_config``), or None."""
+    cfg = getattr(getattr(model, "model_config", None), "pretrained_config", None)
+    return getattr(cfg, "hybrid_override_pattern", None)
+
+
 def patch_classes(mixer_cls, model_cls, adapter: ReplaySSMAdapter) -> ReplaySSMAdapter:
     """Wrap ``mixer_cls.__init__`` (decode call) and ``model_cls.forward`` (step hooks) for ``adapter``."""
     if "mixer" in _installed:
@@ -83,6 +101,7 @@ def patch_classes(mixer_cls, model_cls, adapter: ReplaySSMAdapter) -> ReplaySSMA
 
     @functools.wraps(orig_forward)
     def forward(self, attn_metadata, *args, **kwargs):
+        adapter.expect_pattern(model_pattern(self))
         adapter.begin_step(prefill_slots(attn_metadata))
         try:
             out = orig_forward(self, attn_metadata, *args, **kwargs)
