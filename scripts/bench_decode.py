@@ -62,8 +62,10 @@ Rows report ``gate_agree``, ``gate_logit_err_max`` / ``_median`` and the thresho
 
 Bytes model of one step (b rows, a = 2 bytes bf16, s = 4 bytes fp32 state; M Mamba / T attention
 layers; W = weight bytes, all read once per step):
-  common      W + M*b*2*conv_dim*K*a (conv windows) + T*b*2*kvh*kv_len*hd*a (K and V, dense
-              over the whole cache: attention reads kv_len positions whatever the fill)
+  common      W + M*b*2*conv_dim*K*a (conv windows) + T*b*2*kvh*fill*hd*a (K and V of the filled
+              positions: the fused step's attention reads only those; fill = the mean over the timed
+              steps, prompt + gate + warmup*L + reps*L/2, reported as ``kv_fill_mean``; the eager
+              CPU step's SDPA reads all kv_len, which the CPU timing does not claim to model)
   conventional  + M*b*2*H*P*N*s
   replay        + M*b*(H*P*N*s*(1 + 1/L) + (L-1)/2 * entry + entry),  entry = H*P*a + G*N*a + 4*H
   replay_bf16   + M*b*(2*H*P*N*s/L + H*P*N*2 + (L-1)/2 * entry + entry)   (shadow read on L-1 steps,
@@ -264,14 +266,14 @@ def memory_plan(config, batch: int, kv_len: int, L: int, weight_bytes: int, act_
     return dict(gpu_snapshot=live + ssm + conv + kv, cpu_snapshot=live, snapshot_bytes=ssm + conv + kv)
 
 
-def step_bytes(config, batch: int, kv_len: int, L: int, weight_bytes: int, mode: str, a: int = 2) -> int:
-    """The bytes model of the module docstring, for one step of ``mode``."""
+def step_bytes(config, batch: int, kv_fill: float, L: int, weight_bytes: int, mode: str, a: int = 2) -> int:
+    """The bytes model of the module docstring, for one step of ``mode``; ``kv_fill``: KV positions read."""
     c = config
     H, P, N, G, K = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups, c.conv_kernel
     kinds = list(c.layers_block_type)
     M, T = kinds.count("linear_attention"), kinds.count("full_attention")
     common = (weight_bytes + M * batch * 2 * (H * P + 2 * G * N) * K * a
-              + T * batch * 2 * c.num_key_value_heads * kv_len * c.head_dim * a)
+              + T * batch * 2 * c.num_key_value_heads * kv_fill * c.head_dim * a)
     state = H * P * N * 4
     entry = H * P * a + G * N * a + 4 * H
     buf = (L - 1) / 2 * entry + entry
@@ -497,6 +499,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
         raise ValueError("modes: 'conventional' is required (it is the gate's reference and the speedup's base)")
     modes = ["conventional"] + [m for m in modes if m != "conventional"]
     kv_len = max(context, prompt_len + gate_tokens + (warmup + reps) * L + 1)
+    kv_fill = prompt_len + gate_tokens + warmup * L + reps * L / 2  # mean over the timed steps
     gen = torch.Generator().manual_seed(seed + batch)
     prompt = torch.randint(2, model.config.vocab_size, (batch, prompt_len), generator=gen)
     separate = gate_model is not None and gate_model is not model
@@ -543,13 +546,14 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
         if name != "noop":  # the timed run's own greedy tokens (informational when the gate ran on a twin)
             gate["timed_rows_identical"] = int((r["tokens"] == conv["tokens"]).all(dim=1).sum())
         noop = results.get("noop")
-        nbytes = step_bytes(model.config, batch, kv_len, L, weight_bytes, name)
+        nbytes = step_bytes(model.config, batch, kv_fill, L, weight_bytes, name)
         rows.append(dict(
             batch=batch, mode=name, ms_step=r["ms"], spread_ms=r["spread_ms"], tokens_per_s=batch / (r["ms"] * 1e-3),
             ssm_share=(None if noop is None or name == "noop" else 1 - noop["ms"] / r["ms"]),
             ssm_ms=(None if noop is None or name == "noop" else r["ms"] - noop["ms"]),
             speedup_vs_conventional=conv["ms"] / r["ms"], bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
-            timing=r["timing"], buffer_len=L, kv_len=kv_len, prompt_len=prompt_len, gate_tokens=gate_tokens,
+            timing=r["timing"], buffer_len=L, kv_len=kv_len, kv_fill_mean=kv_fill, prompt_len=prompt_len,
+            gate_tokens=gate_tokens,
             reps=reps, **gate))
     return rows
 
@@ -768,7 +772,8 @@ def main(argv=None):
     ap.add_argument("--buffer-len", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--gate-tokens", type=int, default=32)
-    ap.add_argument("--context", type=int, default=1024, help="KV cache positions (attention reads all of them)")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="KV cache positions allocated (the fused step's attention reads only the filled ones)")
     ap.add_argument("--warmup", type=int, default=2, help="flush cycles before timing")
     ap.add_argument("--reps", type=int, default=10, help="timed flush cycles (median)")
     ap.add_argument("--tie-rel", type=float, default=1e-3, help="near tie: top-2 margin below this x std(logits)")

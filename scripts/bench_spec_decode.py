@@ -55,7 +55,9 @@ that fails at one batch (e.g. out of memory) is reported in a row and the run go
 exactness check aborts.
 
 Bytes per step (:func:`step_bytes`; b rows, a = 2, s = 4, M Mamba / A attention layers, W weights):
-  common      W + A*b*2*kvh*kv_len*hd*a (K, V dense) + conv windows + logits (b*T*V*(2+4+4))
+  common      W + A*b*2*kvh*fill*hd*a (K, V of the filled positions, which the fused step's
+              attention reads; fill = prompt + accepted_per_step * steps / 2, the mean over a timed
+              run from the snapshot, reported as ``kv_fill_mean``) + conv windows + logits (b*T*V*(2+4+4))
   standard    bench_decode.step_bytes("replay")
   replay_spec + M*b*(state*(1 + f) + (m + T)*entry + T*entry),  f = flush share of steps,
               m = mean committed history (~(L - 2T)/2)
@@ -171,15 +173,16 @@ def run_plan(config, batch: int, kv_len: int, T: int, L: int, mode: str, act_byt
     return dict(gpu_snapshot=live + snapshot, cpu_snapshot=live, snapshot_bytes=snapshot)
 
 
-def step_bytes(config, batch: int, kv_len: int, T: int, L: int, mode: str, weight_bytes: int,
+def step_bytes(config, batch: int, kv_fill: float, T: int, L: int, mode: str, weight_bytes: int,
                accepted: float | None = None, a: int = 2) -> int:
-    """The bytes model of the module docstring for one step of ``mode`` (``accepted``: mean tokens per step)."""
+    """The bytes model of the module docstring for one step of ``mode`` (``kv_fill``: KV positions read;
+    ``accepted``: mean tokens per step)."""
     g, c, b = _geom(config), config, batch
     if mode == "standard":
-        return bd.step_bytes(config, batch, kv_len, L, weight_bytes, "replay", a)
+        return bd.step_bytes(config, batch, kv_fill, L, weight_bytes, "replay", a)
     H, P, N, G, M = g["H"], g["P"], g["N"], g["G"], g["M"]
     W = g["K"] - 2 + T
-    common = (weight_bytes + g["A"] * b * 2 * c.num_key_value_heads * kv_len * c.head_dim * a
+    common = (weight_bytes + g["A"] * b * 2 * c.num_key_value_heads * kv_fill * c.head_dim * a
               + M * b * g["conv_dim"] * 4 * W * a + b * T * c.vocab_size * (2 + 4 + 4))
     state = H * P * N * 4
     entry = H * P * a + G * N * a + 4 * H
@@ -478,7 +481,8 @@ def make_rows(cfg, batch, results, checks, T, L, kv_len, prompt_len, reps, check
         tps = tok_s(r)
         nat = results.get(("native_spec", a)) if name == "replay_spec" else None
         noop = results.get(("spec_noop", noop_alpha)) if name in ("replay_spec", "native_spec") else None
-        nbytes = step_bytes(cfg, batch, kv_len, T, L, name, weight_bytes, r["accepted_per_step"])
+        kv_fill = prompt_len + r["accepted_per_step"] * r["steps"] / 2
+        nbytes = step_bytes(cfg, batch, kv_fill, T, L, name, weight_bytes, r["accepted_per_step"])
         chk = checks.get(name)
         if name == "spec_noop":
             check = "not checked (no SSM)"
@@ -502,7 +506,7 @@ def make_rows(cfg, batch, results, checks, T, L, kv_len, prompt_len, reps, check
             timed_target=None if name == "standard" else timed_target,
             bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
             timing="cuda-graph" if cuda else "eager-cpu (perf_counter)", buffer_len=L, kv_len=kv_len,
-            prompt_len=prompt_len, check=check, check_exact=chk["exact"] if ok else None,
+            kv_fill_mean=kv_fill, prompt_len=prompt_len, check=check, check_exact=chk["exact"] if ok else None,
             check_ties=chk["ties"] if ok else None, check_steps=check_steps if ok else None,
             check_acceptance=check_acceptance if ok and name != "standard" else None,
             check_accepted_per_step=chk.get("check_accepted_per_step") if ok else None,
