@@ -207,13 +207,35 @@ def test_onnx_graph_has_one_plugin_node_per_mamba_layer(model, exported):
 
 
 @needs_ort
-@torch.no_grad()
 def test_onnx_reproduces_the_patched_model(model, exported):
     """The graph in onnxruntime against the patched transformers model, each following its own greedy
     tokens over 3L+1 steps from a real prefill: same tokens, same logits, same cursor."""
+    _ort_against_patched(model, *exported)
+
+
+@needs_ort
+def test_onnx_latent_group_routed_moe_reproduces_the_patched_model(tmp_path):
+    """Nemotron 3 Super's LatentMoE (experts in a moe_latent_size space between fc1/fc2_latent_proj) with
+    group-limited routing (n_group 2, topk_group 1: the group TopKs and the -inf mask in the graph)."""
+    from transformers import NemotronHForCausalLM
+
+    from builders.nemotron_h import randomize_, tiny_config
+
+    cfg = tiny_config("nemotron3", moe_latent_size=32, n_group=2, topk_group=1, num_experts_per_tok=3)
+    model = randomize_(NemotronHForCausalLM(cfg), seed=2).eval()
+    step = NemotronHDecodeStep(model, L, MAX_SEQ)
+    export_onnx(step, tmp_path / "latent.onnx")
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    g = onnx.load(str(tmp_path / "latent.onnx"))
+    assert sum(n.op_type == "TopK" for n in g.graph.node) == 3 * len(_moe_layers(model))  # best-2, groups, experts
+    assert not {n.op_type for n in g.graph.node} & DATA_DEPENDENT_OPS
+    _ort_against_patched(model, step, tmp_path / "latent.onnx")
+
+
+@torch.no_grad()
+def _ort_against_patched(model, step, path):
     from builders.ort_reference import session
 
-    step, path = exported
     sess = session(path)
     used = {i: set() for i in _moe_layers(model)}
     hooks = [model.model.layers[i].mixer.gate.register_forward_hook(
