@@ -22,6 +22,13 @@ one block is fused with the next block's norm):
           only those positions; eager: ``F.scaled_dot_product_attention`` with that mask; Nemotron-H
           is NoPE); o_proj
   -       down(relu(up(h))^2)
+  E       (Nemotron 3) MoE: sigmoid top-k routing with the correction bias (:func:`builders.moe.route`,
+          fp32), the routed experts, the shared expert, latent projections where the config has
+          them. bf16: tokens sorted by expert and the experts' two products as ``torch._grouped_mm``
+          (one grouped GEMM per projection over the batch's (token, expert) pairs, what a serving
+          engine's fused MoE does; sort, counts and offsets on the device, so the step stays
+          capturable); other dtypes: :func:`builders.moe.experts_dense` (grouped_mm is bf16 only).
+          ``expert_load[i]`` (E,) int32: tokens routed to each expert in the last step
   head    norm_f, lm_head -> logits in the activation dtype; argmax
 
 then :class:`DecodeStep` (T = 1): ids <- argmax, lengths += 1, ``ssm.end_step`` (ReplaySSM: the one
@@ -61,9 +68,10 @@ import torch.nn.functional as F
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm import spec_reference
 
+from . import moe as moe_ops
 from .decode_attention import decode_attention
 
-SUPPORTED = ("linear_attention", "full_attention", "mlp")
+SUPPORTED = ("linear_attention", "full_attention", "mlp", "moe")
 
 
 # ---- SSM modes ----------------------------------------------------------------------------------------
@@ -328,13 +336,47 @@ def mlp(h, delta, norm_w, up_w, up_b, down_w, eps: float):
     return h, F.linear(torch.relu(F.linear(rmsnorm(h, norm_w, eps), up_w, up_b)).square(), down_w)
 
 
+def moe_in(h, delta, norm_w, w: moe_ops.MoEWeights, eps: float):
+    """Residual add + RMSNorm + routing + the (token, expert) pairs sorted by expert: returns h, the
+    normed tokens hn (n, D), the sorted expert inputs xs (n*k, Din), the pair order (n*k,) int64,
+    the routing weights in that order (n*k,) fp32 and the per-expert counts and offsets (E,) int32."""
+    h = _residual(h, delta)
+    hn = rmsnorm(h, norm_w, eps).reshape(-1, h.shape[-1])
+    weights, idx = moe_ops.route(hn, w)
+    x = hn if w.fc1_latent is None else F.linear(hn, w.fc1_latent, w.fc1_latent_bias)
+    flat = idx.reshape(-1)
+    order = flat.argsort(stable=True)
+    E = w.gate_weight.shape[0]
+    counts = (flat[:, None] == torch.arange(E, device=flat.device)[None, :]).sum(0).to(torch.int32)
+    offs = counts.cumsum(0).to(torch.int32)
+    k = idx.shape[1]
+    return h, hn, x[order // k], order, weights.reshape(-1)[order], counts, offs
+
+
+def moe_out(y, order, wsorted, hn, w: moe_ops.MoEWeights, shape):
+    """Weighted sum of each token's k expert outputs (y in sorted pair order), fc2_latent, + the shared
+    expert of hn; (b, T, D) in hn's dtype."""
+    n, k = hn.shape[0], order.shape[0] // hn.shape[0]
+    routed = torch.empty_like(y, dtype=torch.float32).index_copy(0, order, y.float() * wsorted[:, None])
+    r = routed.view(n, k, -1).sum(1).to(hn.dtype)
+    if w.fc2_latent is not None:
+        r = F.linear(r, w.fc2_latent, w.fc2_latent_bias)
+    act = w.shared_act or w.act
+    shared = F.linear(act(F.linear(hn, w.shared_up, w.shared_up_bias)), w.shared_down, w.shared_down_bias)
+    return (r + shared).view(shape)
+
+
+def relu2(x):
+    return torch.relu(x).square()
+
+
 def head(h, delta, norm_w, lm_w, eps: float):
     """Residual add + norm_f + lm_head -> logits (activation dtype) and their argmax."""
     logits = F.linear(rmsnorm(_residual(h, delta), norm_w, eps), lm_w)
     return logits, logits.argmax(-1)
 
 
-REGIONS = ("mamba_in", "mamba_out", "attn_in", "mlp", "head")
+REGIONS = ("mamba_in", "mamba_out", "attn_in", "mlp", "moe_in", "moe_out", "relu2", "head")
 _COMPILED: dict = {}
 
 
@@ -368,6 +410,8 @@ def layer_weights(layer, kind: str) -> dict:
     block's RMSNorm weight."""
     mx = layer.mixer
     wb = lambda name, lin: {f"{name}_w": lin.weight, f"{name}_b": lin.bias}  # noqa: E731
+    if kind == "moe":
+        return {"moe": moe_ops.MoEWeights.from_module(mx), "pre": layer.norm.weight}
     if kind == "linear_attention":
         w = {**wb("in", mx.in_proj), **wb("out", mx.out_proj), "norm_w": mx.norm.weight}
     elif kind == "full_attention":
@@ -438,6 +482,9 @@ class HybridStep:
         self.v = {i: torch.zeros(b, self.kvh, self.kv_cap, self.hd, dtype=self.act, device=dev) for i in self.attn}
         self.logits = self.logits_all = torch.zeros(b, T, cfg.vocab_size, dtype=self.act, device=dev)
         self.argmax = torch.zeros(b, T, **i64)
+        self.grouped = self.act == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        self.expert_load = {i: torch.zeros(self.w[i]["moe"].num_experts, dtype=torch.int32, device=dev)
+                            for i, k in enumerate(self.kinds) if k == "moe"}
         self.ssm = None
         self.set_ssm(ssm)
 
@@ -506,6 +553,18 @@ class HybridStep:
         h, out = self.f["mlp"](h, delta, w["pre"], w["up_w"], w["up_b"], w["down_w"], self.eps)
         return h, self._out(out, w["down_b"])
 
+    def _moe(self, i, h, delta):
+        w = self.w[i]["moe"]
+        if not self.grouped:  # fp32 / fp16: every expert on every token, the routing as a combine matrix
+            h = _residual(h, delta)
+            return h, moe_ops.moe_forward(rmsnorm(h, self.w[i]["pre"], self.eps), w, "dense")
+        h, hn, xs, order, wsorted, counts, offs = self.f["moe_in"](h, delta, self.w[i]["pre"], w, self.eps)
+        self.expert_load[i].copy_(counts)
+        up = torch._grouped_mm(xs, w.up.transpose(1, 2), offs=offs)  # (n*k, I): each pair by its expert
+        up = self.f["relu2"](up) if type(w.act).__name__ == "ReLUSquaredActivation" else w.act(up)
+        y = torch._grouped_mm(up, w.down.transpose(1, 2), offs=offs)  # (n*k, Din)
+        return h, self.f["moe_out"](y, order, wsorted, hn, w, h.shape)
+
     def _attention_positions(self) -> None:
         """Cache positions of the T tokens and the mask of every attention layer of this step: query t
         of row b sees positions <= lengths[b] + t (clamped into the cache)."""
@@ -525,7 +584,8 @@ class HybridStep:
         delta = None
         if self.attn:
             self._attention_positions()
-        layer_fn = {"linear_attention": self._mamba, "full_attention": self._attention, "mlp": self._mlp}
+        layer_fn = {"linear_attention": self._mamba, "full_attention": self._attention, "mlp": self._mlp,
+                    "moe": self._moe}
         for i, kind in enumerate(self.kinds):
             h, delta = layer_fn[kind](i, h, delta)
         logits, top = self.f["head"](h, delta, m.norm_f.weight, self.model.lm_head.weight, self.eps)

@@ -128,8 +128,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from builders.model_step import Conventional, DecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
-from builders.nemotron_h import TINY_CONFIG  # noqa: E402
+from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIG  # noqa: E402
 from builders.tp_step import TPDecodeStep  # noqa: E402
+from trtllm_replayssm.geometries import MODELS  # noqa: E402
 
 # Megatron-Bridge NemotronHModelProvider8B (hybrid_layer_pattern, hidden 4096, ffn 21504, 128 Mamba
 # heads of 64, state 128, 8 groups, 32 heads, 8 query groups, kv_channels 128) + HF defaults.
@@ -183,10 +184,25 @@ def _default_dtype(dtype):
         torch.set_default_dtype(old)
 
 
-def model_config(tiny: bool = False, layers: int | None = None, vocab: int | None = None, **overrides):
+MODEL_GEOMETRIES = ("nemotron_h_8b", "nemotron3_nano", "nemotron3_super")
+
+
+def model_config(tiny: bool | str = False, layers: int | None = None, vocab: int | None = None,
+                 geometry: str = "nemotron_h_8b", **overrides):
+    """The benchmark's ``NemotronHConfig``: ``tiny`` (True or "nemotron_h": the embedded tiny Nemotron-H,
+    "nemotron3": the tiny Nemotron 3 with MoE layers) or a real model's layer stack, ``geometry`` one of
+    MODEL_GEOMETRIES (Nemotron-H-8B, or a Nemotron 3 model from trtllm_replayssm.geometries.MODELS, its
+    published config.json sizes); ``layers``: the first N layers of the pattern."""
     from transformers import NemotronHConfig
 
-    d = dict(TINY_CONFIG if tiny else NEMOTRON_H_8B)
+    if tiny:
+        d = dict(TINY3_CONFIG if tiny == "nemotron3" else TINY_CONFIG)
+    elif geometry == "nemotron_h_8b":
+        d = dict(NEMOTRON_H_8B)
+    elif geometry in MODELS:
+        d = {**NEMOTRON_H_8B, **MODELS[geometry].config_overrides()}
+    else:
+        raise ValueError(f"geometry: expected one of {MODEL_GEOMETRIES}, got {geometry!r}")
     if vocab:
         d["vocab_size"] = vocab
     if layers:
@@ -221,12 +237,16 @@ def randomize_(model, seed: int = 0):
             v = 1 + 0.1 * randn()
         elif leaf == "bias":
             v = 0.1 * randn()
-        elif p.dim() >= 2:
-            fan_in = p[0].numel() if "embeddings" not in name else 1
+        elif p.dim() >= 2:  # (out, in), conv (C, 1, K), experts (E, out, in): the last dim is the fan-in
+            fan_in = p.shape[-1] if "embeddings" not in name else 1
             v = randn() * fan_in ** -0.5
         else:
             v = randn()
         p.copy_(v.to(p.dtype))
+    for idx, (name, b) in enumerate(model.named_buffers()):
+        if name.endswith("e_score_correction_bias"):  # MoE routing: large enough to move the choice
+            g = torch.Generator(device=b.device).manual_seed(seed * 1_000_003 + 500_000 + idx)
+            b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
     return model
 
 
@@ -237,6 +257,9 @@ def build_model(config, device="cpu", dtype=torch.bfloat16, seed: int = 0):
     with _default_dtype(dtype), torch.device("meta"):
         model = NemotronHForCausalLM(config)
     model = model.to_empty(device=device)
+    for name, mod in model.named_modules():  # the MoE router stays fp32, as transformers keeps it
+        if name.endswith(".mixer.gate"):
+            mod.float()
     return randomize_(model, seed).eval()
 
 
@@ -521,6 +544,12 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
         results[name] = run_mode(step, _backend(name, L, mamba_fn, backends), snap, gate_tokens, L, warmup, reps, **kw)
     if gk is not None:
         gates = gk.out
+    moe_load = None
+    if step.expert_load:  # MoE: tokens per expert in the last timed step (grouped path), per layer
+        load = torch.stack(list(step.expert_load.values())).float()
+        if load.sum() > 0:
+            moe_load = dict(max_over_mean=float((load.amax(1) / load.mean(1)).mean()),
+                            idle_experts=float((load == 0).float().sum(1).mean()))
     step.ssm.free()
     conv = results["conventional"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -553,8 +582,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
             ssm_ms=(None if noop is None or name == "noop" else r["ms"] - noop["ms"]),
             speedup_vs_conventional=conv["ms"] / r["ms"], bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
             timing=r["timing"], buffer_len=L, kv_len=kv_len, kv_fill_mean=kv_fill, prompt_len=prompt_len,
-            gate_tokens=gate_tokens,
-            reps=reps, **gate))
+            gate_tokens=gate_tokens, reps=reps, moe_load=moe_load, **gate))
     return rows
 
 
@@ -683,7 +711,7 @@ def tp_main(args) -> list[dict]:
     batches = [int(b) for b in args.batches.split(",") if b]
     modes = [m for m in args.modes.split(",") if m in ("conventional", "replay", "replay_bf16", "replay_fp8", "noop")]
     if batches:
-        config = model_config(args.tiny, args.layers, args.vocab)
+        config = model_config(args.tiny or False, args.layers, args.vocab)
         model = build_model(config, dev, torch.bfloat16 if cuda else torch.float32, args.seed)
         for b in batches:
             for r in tp_time(model, b, modes, rank, args.tp, L=args.buffer_len, prompt_len=args.prompt_len,
@@ -766,7 +794,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--tiny", action="store_true", help="the small embedded config (CPU smoke test)")
+    ap.add_argument("--tiny", nargs="?", const="nemotron_h", default=None, choices=("nemotron_h", "nemotron3"),
+                    help="a small embedded config (CPU smoke test): nemotron_h (default) or nemotron3 (MoE)")
+    ap.add_argument("--model-geometry", default="nemotron_h_8b", choices=MODEL_GEOMETRIES,
+                    help="the layer stack: Nemotron-H-8B or a Nemotron 3 model (published config.json sizes, "
+                         "random bf16 weights, a seeded router)")
     ap.add_argument("--layers", type=int, default=None, help="first N layers of the hybrid pattern")
     ap.add_argument("--vocab", type=int, default=None, help="reduce the vocabulary (default: the config's)")
     ap.add_argument("--buffer-len", type=int, default=16)
@@ -818,7 +850,7 @@ def main(argv=None):
         modes.remove("mamba_ssm")
         print("# mode mamba_ssm dropped (needs CUDA and mamba_ssm's Triton kernel)", file=sys.stderr)
     dtype = torch.bfloat16 if cuda else torch.float32
-    config = model_config(args.tiny, args.layers, args.vocab)
+    config = model_config(args.tiny or False, args.layers, args.vocab, geometry=args.model_geometry)
     t0 = time.perf_counter()
     model = build_model(config, dev, dtype, args.seed)
     gate_dtype = getattr(torch, args.gate_dtype)
@@ -827,7 +859,9 @@ def main(argv=None):
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     kinds = list(config.layers_block_type)
     meta = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now, commit=_commit(args.commit),
-                torch=torch.__version__, model="tiny" if args.tiny else "nemotron_h_8b_geometry",
+                torch=torch.__version__,
+                model=f"tiny_{args.tiny}" if args.tiny else f"{args.model_geometry}_geometry",
+                moe_layers=kinds.count("moe"),
                 pattern=config.hybrid_override_pattern, layers=len(kinds),
                 mamba_layers=kinds.count("linear_attention"), attention_layers=kinds.count("full_attention"),
                 vocab=config.vocab_size, dtype=str(dtype).replace("torch.", ""), state_dtype="float32",
@@ -847,7 +881,8 @@ def main(argv=None):
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or ("decode-tiny" if args.tiny else "decode")
+    tag = args.tag or ("decode-tiny" if args.tiny else "decode" if args.model_geometry == "nemotron_h_8b"
+                       else f"decode-{args.model_geometry}")
     path = out / f"{meta['date'][:10]}_{tag}_{meta['commit'][:10]}.json"
     rows = []
     for batch in [int(b) for b in args.batches.split(",") if b]:

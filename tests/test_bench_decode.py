@@ -297,3 +297,55 @@ def test_shadow_bytes_and_memory():
     # the fp32-twin gate phase with the bf16 shadow, weights 16.2 + 32.4 GB resident: fits an H200 at bs256
     twin = bd.memory_plan(cfg, b, 1024, 16, int(48.6e9), act_bytes=4, shadow_bytes=2)
     assert twin["gpu_snapshot"] < 139 * bd.GiB
+
+
+# ---- Nemotron 3: MoE layers in the step ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model3():
+    return bd.build_model(bd.model_config(tiny="nemotron3", time_step_min=0.0), "cpu", torch.float32, seed=0)
+
+
+def test_moe_step_matches_transformers_generate(model3):
+    """Tiny Nemotron 3 (MEM*EM*E, 8 experts, top-2, shared expert): the step's greedy tokens are
+    transformers' own (NemotronHMoE with its router), across two flushes of L = 4."""
+    assert "moe" in model3.config.layers_block_type
+    prompt = torch.randint(2, model3.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
+    n = 2 * 4 + 1
+    want = model3.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n)[:, prompt.shape[1]:]
+    for ssm in (Conventional(), Replay(4)):
+        step = DecodeStep(model3, 2, 16, ssm)
+        step.feed(prompt)
+        got = [step.ids.clone()]
+        for _ in range(n - 1):
+            step()
+            got.append(step.ids.clone())
+        assert torch.equal(torch.stack(got, 1), want), ssm.name
+
+
+def test_grouped_moe_equals_dense_and_counts_the_load():
+    """bf16: the grouped-GEMM experts (tokens sorted by expert, torch._grouped_mm) give the dense
+    formulation's logits (the same bf16 products, fp32 sums); expert_load counts rows * top_k pairs.
+    A wrong inverse permutation of the sorted pairs breaks the equality."""
+    m = bd.build_model(bd.model_config(tiny="nemotron3", time_step_min=0.0), "cpu", torch.bfloat16, seed=0)
+    prompt = torch.randint(2, m.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2))
+    grouped, dense = DecodeStep(m, 3, 16, Conventional()), DecodeStep(m, 3, 16, Conventional())
+    assert grouped.grouped
+    dense.grouped = False
+    for s in (grouped, dense):
+        s.feed(prompt)
+    err = float((grouped.logits.float() - dense.logits.float()).abs().amax() / dense.logits.float().std())
+    assert err <= 1e-2, err
+    assert all(int(v.sum()) == 3 * m.config.num_experts_per_tok for v in grouped.expert_load.values())
+    import builders.model_step as ms
+
+    real = ms.moe_out
+
+    def shuffled(y, order, *a):
+        return real(y, order.flip(0), *a)
+
+    ms_f = dict(grouped.f)
+    grouped.f = {**ms_f, "moe_out": shuffled}
+    grouped.restore(dense.snapshot())
+    grouped(), dense()
+    err = float((grouped.logits.float() - dense.logits.float()).abs().amax() / dense.logits.float().std())
+    assert err > 0.05, err
