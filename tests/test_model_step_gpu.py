@@ -35,7 +35,12 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 
 
 def _model(dtype, layers=None):
-    cfg = bd.model_config(tiny=True) if layers is None else bd.model_config(layers=layers, vocab=2048)
+    if layers == "nemotron3":  # tiny Nemotron 3: MoE layers (grouped experts in bf16)
+        cfg = bd.model_config(tiny="nemotron3")
+    elif layers is None:
+        cfg = bd.model_config(tiny=True)
+    else:
+        cfg = bd.model_config(layers=layers, vocab=2048)
     return bd.build_model(cfg, "cuda", dtype, seed=0)
 
 
@@ -58,7 +63,7 @@ def _graph(step):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["conventional", "replay"])
-@pytest.mark.parametrize("layers", [None, 8])  # tiny config; Nemotron-H-8B geometry, first 8 layers
+@pytest.mark.parametrize("layers", [None, 8, "nemotron3"])  # tiny; Nemotron-H-8B's first 8 layers; tiny MoE
 def test_fused_decode_equals_eager(dtype, mode, layers):
     model = _model(dtype, layers)
     batch, n = 5, 20  # odd batch; 20 steps cross the flushes of L = 8
@@ -145,6 +150,30 @@ def test_decode_attention_matches_float64(dtype, T, kvh, rep, hd):
     want = torch.einsum("btgrs,bgsd->btgrd", s.softmax(-1), vd).reshape(b, T, -1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+
+
+def test_grouped_moe_step_in_a_graph_equals_dense():
+    """Tiny Nemotron 3, bf16, fused and captured: the grouped-GEMM experts against the dense formulation
+    (eager) step by step from the same state; every step routes rows * top_k pairs."""
+    model = _model(torch.bfloat16, "nemotron3")
+    batch = 9
+    prompt = torch.randint(2, model.config.vocab_size, (batch, 3), generator=torch.Generator().manual_seed(5))
+    dense = DecodeStep(model, batch, 64, Conventional(), fuse=False)
+    dense.grouped = False
+    dense.feed(prompt.cuda())
+    fused = DecodeStep(model, batch, 64, Conventional())
+    assert fused.grouped and fused.fuse
+    fused.restore(dense.snapshot())
+    g = _graph(fused)
+    fused.restore(dense.snapshot())
+    k = model.config.num_experts_per_tok
+    for t in range(6):
+        fused.logits.fill_(float("nan"))
+        g.replay()
+        dense()
+        assert _err(fused.logits, dense.logits) <= TOL[torch.bfloat16], t
+        assert all(int(v.sum()) == batch * k for v in fused.expert_load.values())
+        fused.ids.copy_(dense.ids)
 
 
 def test_noop_step_runs_fused_in_a_graph():
