@@ -9,7 +9,7 @@
 //   shadow_t, RSSM_SHADOW          low-precision shadow of the checkpoint: 0 none (shadow_t =
 //                                  state_t, unused), 1 bf16, 2 fp8-e4m3 with one fp32 scale per row
 //
-// Math (DESIGN.md §1). Per (slot, head): checkpoint S0 (P x N), buffer entries j = 1..k (k = now),
+// Math (docs/DESIGN.md §1). Per (slot, head): checkpoint S0 (P x N), buffer entries j = 1..k (k = now),
 // c_j = A * sum_{i<=j} dt_i, w_j = dt_j * exp(c_k - c_j):
 //   y_k = exp(c_k) (S0 C_k) + sum_j w_j (B_j . C_k) x_j + D x_k          (output form, no state write)
 //   S_k = exp(c_k) S0 + sum_j w_j x_j B_j^T                              (state form, used by flush)
@@ -283,7 +283,7 @@ __device__ __forceinline__ float group_max(float v) {
   return v;
 }
 
-// The shadow of freshly flushed checkpoint rows, from the fp32 values just stored (DESIGN.md §1):
+// The shadow of freshly flushed checkpoint rows, from the fp32 values just stored (docs/DESIGN.md §1):
 // bf16: one rounding; fp8-e4m3: q = S / scale, scale = max|S[row]| / 448 (1 for a zero row).
 constexpr int kShadow = RSSM_SHADOW;
 template <int R>

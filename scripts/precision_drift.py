@@ -9,7 +9,7 @@ Variants (all computed in float64; only what is *stored* is rounded, as the kern
   replay_bf16_shadow  ReplaySSM, fp32 checkpoint + bf16 shadow read by the output form
   replay_fp8_shadow   ReplaySSM, fp32 checkpoint + fp8-e4m3 shadow, fp32 scale per (head, row)
 The shadow is rewritten from the fp32 checkpoint at every flush, so its error should not grow
-with the step count (DESIGN.md §1). Inputs: x, B, C ~ N(0, 1) (B, C scaled by 4/sqrt(N)) rounded
+with the step count (docs/DESIGN.md §1). Inputs: x, B, C ~ N(0, 1) (B, C scaled by 4/sqrt(N)) rounded
 to bf16 once and shared by every variant; dt = softplus(N(-2, 1)) (dt_bias = 0); A = -U[1, 16]
 (Nemotron-H's A_log = log U[1, 16] init); D ~ N(1, 0.5).
 

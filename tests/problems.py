@@ -2,7 +2,7 @@
 """Random but realistic Mamba-2 decode problems shared by the tests and the benchmarks.
 
 Value ranges follow the Mamba-2 initialisation: A = -exp(A_log) with A_log = log U[1, 16],
-dt_bias = softplus^-1 of dt in [1e-3, 0.1] (log-uniform), raw dt ~ N(-2, 1) (DESIGN.md §1).
+dt_bias = softplus^-1 of dt in [1e-3, 0.1] (log-uniform), raw dt ~ N(-2, 1) (docs/DESIGN.md §1).
 """
 
 from __future__ import annotations

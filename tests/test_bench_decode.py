@@ -120,7 +120,7 @@ def test_8b_geometry_and_memory_model():
     conv = bd.step_bytes(cfg, b, 1024, 16, 0, "conventional")
     noop = bd.step_bytes(cfg, b, 1024, 16, 0, "noop")
     assert conv - noop == 24 * b * 2 * 128 * 64 * 128 * 4  # state read + write per Mamba layer
-    assert 1.7 < (conv - noop) / (bd.step_bytes(cfg, b, 1024, 16, 0, "replay") - noop) < 1.9  # DESIGN.md ceiling
+    assert 1.7 < (conv - noop) / (bd.step_bytes(cfg, b, 1024, 16, 0, "replay") - noop) < 1.9  # docs/DESIGN.md ceiling
     plan = bd.memory_plan(cfg, b, 1024, 16, 16 * 10**9)
     assert plan["gpu_snapshot"] - plan["cpu_snapshot"] == plan["snapshot_bytes"]
     assert plan["gpu_snapshot"] < 139 * bd.GiB  # batch 256 fits an H200 with the snapshot on the GPU

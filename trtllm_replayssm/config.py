@@ -149,7 +149,7 @@ def vector_layout(state: str, dstate: int) -> VectorLayout:
 _local = threading.local()
 
 # State elements each thread keeps in registers: 32 fp32 values keeps ~4 blocks of 256 threads
-# resident per SM with enough bytes in flight (DESIGN.md §3: 32 KB/SM covers the latency).
+# resident per SM with enough bytes in flight (docs/DESIGN.md §3: 32 KB/SM covers the latency).
 STATE_REGS_PER_THREAD = 32
 SMALL_BATCH = 4
 

@@ -3,7 +3,7 @@
 family the whole layer stack (pattern, MoE sizes), shared by the tests, the benchmarks and the
 memory model.
 
-``GEOMETRIES[name] = (nheads, headdim, dstate, ngroups)`` of one Mamba-2 layer (DESIGN.md §3).
+``GEOMETRIES[name] = (nheads, headdim, dstate, ngroups)`` of one Mamba-2 layer (docs/DESIGN.md §3).
 ``MODELS[name]`` is a :class:`HybridModel`: the same four numbers plus the layer pattern of
 ``config.json`` (``hybrid_override_pattern``: M = Mamba-2, E = MoE, * = attention, - = MLP) and the
 MoE sizes, for the models whose layer stack a benchmark or a memory table needs.
@@ -104,7 +104,7 @@ MODELS = {
     ),
 }
 
-# (nheads, headdim, dstate, ngroups) of one Mamba-2 layer (DESIGN.md §3; Nemotron 3 rows: MODELS).
+# (nheads, headdim, dstate, ngroups) of one Mamba-2 layer (docs/DESIGN.md §3; Nemotron 3 rows: MODELS).
 GEOMETRIES = {
     "tiny": (4, 64, 64, 2),
     "nemotron_h_8b": (128, 64, 128, 8),

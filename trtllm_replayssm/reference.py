@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Executable specification of ReplaySSM Mamba-2 decode (DESIGN.md §1-2), in plain torch.
+"""Executable specification of ReplaySSM Mamba-2 decode (docs/DESIGN.md §1-2), in plain torch.
 
 Runs in any dtype on any device; tests run it in float64 on the CPU. Everything mirrors the
 kernels' contract: shapes, the meaning of ``cursor``, padding rows (slot -1), what is written on
@@ -24,7 +24,7 @@ FP8_E4M3_MAX = 448.0
 
 
 class Shadow:
-    """Low-precision copy of the checkpoint that the output form reads (DESIGN.md §1).
+    """Low-precision copy of the checkpoint that the output form reads (docs/DESIGN.md §1).
 
     ``kind`` "bf16": q = S in bfloat16. ``kind`` "fp8": q = S / scale in float8_e4m3fn with one fp32
     scale per (slot, head, row), scale = max |S[row]| / 448 (1 for an all-zero row). Written from

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Executable specification of speculative decoding with ReplaySSM (DESIGN.md §1, last paragraphs).
+"""Executable specification of speculative decoding with ReplaySSM (docs/DESIGN.md §1, last paragraphs).
 
 float64 math in plain torch, any device; the tests run it on the CPU and the speculative GPU kernels
 are checked against it. :mod:`.reference` is the spec of the standard (one token per step) decode;

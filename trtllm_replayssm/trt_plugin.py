@@ -40,7 +40,7 @@ Aliased I/O needs the preview feature ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``
 config. Importing this module does not need TensorRT; :func:`register` does.
 
 ``replayssm::mamba2_decode_shadow``: the same step with a low-precision shadow of an fp32 checkpoint
-that non-flush steps read (DESIGN.md §1); the shadow kind is the shadow input's dtype (BF16 or FP8
+that non-flush steps read (docs/DESIGN.md §1); the shadow kind is the shadow input's dtype (BF16 or FP8
 e4m3), so it is compiled into the PTX like every other type. Two more inputs and aliased outputs:
   13 shadow               (S, H, P, N)  bf16 or fp8-e4m3 (written on flush steps)
   14 shadow_scale         (S, H, P)     fp32 row scales of an fp8 shadow; with a bf16 shadow a
