@@ -382,12 +382,18 @@ _COMPILED: dict = {}
 
 def regions(fuse: bool) -> dict:
     """{name: function}: the plain functions, or their torch.compile'd versions (built once per process;
-    dynamic shapes, so every batch size shares one compilation per region and dtype)."""
+    the batch becomes a dynamic dim at its second size, so batch sizes share a compilation)."""
     if not fuse:
         return {n: globals()[n] for n in REGIONS}
     if not _COMPILED:
-        for n in REGIONS:
-            _COMPILED[n] = torch.compile(globals()[n], dynamic=True, fullgraph=True)
+        import torch._dynamo
+
+        # one compilation per (dtype, T, first-layer / later-layer, ...) variant of a region: more than
+        # dynamo's default limit of 8 in a process that runs an fp32 twin and the bf16 model
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        for n in REGIONS:  # automatic dynamic shapes: a dim becomes symbolic only once it changes (the
+            # batch), so channel counts and the window width stay constants of the generated kernels
+            _COMPILED[n] = torch.compile(globals()[n], fullgraph=True)
     return dict(_COMPILED)
 
 
