@@ -72,6 +72,7 @@ from . import moe as moe_ops
 from .decode_attention import decode_attention
 
 SUPPORTED = ("linear_attention", "full_attention", "mlp", "moe")
+GROUPED_MOE_ON_CUDA = False  # see HybridStep.grouped
 
 
 # ---- SSM modes ----------------------------------------------------------------------------------------
@@ -488,7 +489,11 @@ class HybridStep:
         self.v = {i: torch.zeros(b, self.kvh, self.kv_cap, self.hd, dtype=self.act, device=dev) for i in self.attn}
         self.logits = self.logits_all = torch.zeros(b, T, cfg.vocab_size, dtype=self.act, device=dev)
         self.argmax = torch.zeros(b, T, **i64)
-        self.grouped = self.act == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        # grouped experts: bf16 only; on CUDA off until tests/test_model_step_gpu.py's grouped test passes
+        # there (H200, 5cc22d2: 0.89-1.8 std from the dense formulation one step from the same state,
+        # while it is exact on the CPU), so no benchmark times a path that is not known to be right
+        self.grouped = (self.act == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+                        and (self.device.type != "cuda" or GROUPED_MOE_ON_CUDA))
         self.expert_load = {i: torch.zeros(self.w[i]["moe"].num_experts, dtype=torch.int32, device=dev)
                             for i, k in enumerate(self.kinds) if k == "moe"}
         self.ssm = None

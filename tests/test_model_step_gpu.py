@@ -178,6 +178,8 @@ def test_decode_attention_matches_float64(dtype, T, kvh, rep, hd):
     torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.xfail(strict=True, reason="grouped MoE on CUDA differs from dense by 0.9-1.8 std (H200, 5cc22d2); "
+                   "off by default (model_step.GROUPED_MOE_ON_CUDA) until found")
 def test_grouped_moe_step_in_a_graph_equals_dense():
     """Tiny Nemotron 3, bf16, fused and captured: the grouped-GEMM experts against the dense formulation
     (eager) step by step from the same state; every step routes rows * top_k pairs."""
@@ -188,7 +190,8 @@ def test_grouped_moe_step_in_a_graph_equals_dense():
     dense.grouped = False
     dense.feed(prompt.cuda())
     fused = DecodeStep(model, batch, 64, Conventional())
-    assert fused.grouped and fused.fuse
+    fused.grouped = True  # forced on: the path under investigation
+    assert fused.fuse
     fused.restore(dense.snapshot())
     g = _graph(fused)
     k = model.config.num_experts_per_tok
