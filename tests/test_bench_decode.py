@@ -83,11 +83,12 @@ def test_gate_on_a_twin_runs_first(model):
         bd.run_batch(model, 2, ["conventional", "replay"], gate_model=twin, backends={"replay": broken}, **RUN)
 
 
-def test_step_matches_transformers_generate(model):
+def _assert_greedy_equals_generate(model, buffer_len: int) -> None:
+    """The step's greedy tokens (conventional and ReplaySSM) equal transformers' generate over 2L+1 steps."""
     prompt = torch.randint(2, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
-    n = 2 * L + 1
+    n = 2 * buffer_len + 1
     want = model.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n)[:, prompt.shape[1]:]
-    for ssm in (Conventional(), Replay(L)):
+    for ssm in (Conventional(), Replay(buffer_len)):
         step = DecodeStep(model, 2, 16, ssm)
         step.feed(prompt)
         got = [step.ids.clone()]
@@ -95,6 +96,10 @@ def test_step_matches_transformers_generate(model):
             step()
             got.append(step.ids.clone())
         assert torch.equal(torch.stack(got, 1), want), ssm.name
+
+
+def test_step_matches_transformers_generate(model):
+    _assert_greedy_equals_generate(model, L)
 
 
 def test_check_gate_near_ties():
@@ -309,17 +314,7 @@ def test_moe_step_matches_transformers_generate(model3):
     """Tiny Nemotron 3 (MEM*EM*E, 8 experts, top-2, shared expert): the step's greedy tokens are
     transformers' own (NemotronHMoE with its router), across two flushes of L = 4."""
     assert "moe" in model3.config.layers_block_type
-    prompt = torch.randint(2, model3.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(1))
-    n = 2 * 4 + 1
-    want = model3.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n)[:, prompt.shape[1]:]
-    for ssm in (Conventional(), Replay(4)):
-        step = DecodeStep(model3, 2, 16, ssm)
-        step.feed(prompt)
-        got = [step.ids.clone()]
-        for _ in range(n - 1):
-            step()
-            got.append(step.ids.clone())
-        assert torch.equal(torch.stack(got, 1), want), ssm.name
+    _assert_greedy_equals_generate(model3, 4)
 
 
 def test_grouped_moe_equals_dense_and_counts_the_load():
