@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Qwen3-Next and Qwen3.5 (transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM``) with ReplaySSM
+Gated DeltaNet single-token decode.
+
+Layer types (``config.layer_types``): ``linear_attention`` (Gated DeltaNet, the module
+``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet`` at ``layers[i].linear_attn``) and
+``full_attention`` (gated attention). Only the GDN layers are patched; attention, MoE / MLP, norms
+and the head stay transformers' own modules.
+
+Patching (:func:`patch_gdn_replayssm`), per GDN layer, mirroring the layer's own decode path:
+
+    q, k, v, z, b, a = projections(h)              (Qwen3-Next: in_proj_qkvz + in_proj_ba, interleaved
+                                                    per key head; Qwen3.5: four separate projections)
+    q, k, v = split(silu(conv1d([q | k | v])))      (the model's causal_conv1d_forward and its conv state)
+    y = backend(buf, cursor, q, k, v, a, b, A_log, dt_bias)   (raw a, b: g and beta inside the step)
+    out = out_proj(norm(y, z))                      (the layer's gated RMSNorm)
+
+``backend`` has the signature of :func:`trtllm_replayssm.gdn_reference.replay_decode` (keywords):
+the float64 reference on the CPU, the GDN kernel (:mod:`trtllm_replayssm.gdn_ops`) on CUDA.
+Prefill (more than one token) is the model's own chunked path; its final recurrent state, stored
+by transformers as (batch, HV, K, V), becomes the checkpoint in our (batch, HV, V, K) layout with an
+empty buffer (cursor 0). A continuation prefill after decode steps first writes the current state
+(:func:`~trtllm_replayssm.gdn_reference.replay_state`) back into the model's cache. The cursor is
+shared by all GDN layers and advanced once per model step. Not covered: caches that record the past.
+
+The embedded tiny configs (:data:`TINY_QWEN3_NEXT`, :data:`TINY_QWEN3_5`) keep the published models'
+structure at toy sizes: layer pattern 3 GDN + 1 attention (full_attention_interval 4), value heads
+= 2 x key heads, head dims 64, conv kernel 4, Qwen3-Next's MoE with a shared expert.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from trtllm_replayssm import gdn_reference as gref
+from trtllm_replayssm import reference
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=256,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    eos_token_id=None,  # greedy runs always produce the requested number of tokens
+    pad_token_id=0,
+    bos_token_id=1,
+)
+TINY_QWEN3_NEXT = dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True)
+TINY_QWEN3_5 = dict(_COMMON)
+FAMILIES = {"qwen3_next": TINY_QWEN3_NEXT, "qwen3_5": TINY_QWEN3_5}
+
+
+def tiny_model(family: str = "qwen3_next", dtype=torch.float32, seed: int = 0, device="cpu", **overrides):
+    """transformers' own model class with an embedded tiny config and seeded random weights."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
+    cfg = dict(FAMILIES[family], **overrides)
+    if family == "qwen3_next":
+        from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+        config, cls = Qwen3NextConfig(**cfg), Qwen3NextForCausalLM
+    else:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        config, cls = Qwen3_5TextConfig(**cfg), Qwen3_5ForCausalLM
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # decays exp(g) spread over (0.5, 1): a state that remembers
+                p.copy_(torch.empty(p.shape).uniform_(-4.0, 0.0, generator=gen))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.empty(p.shape).uniform_(-2.0, 1.0, generator=gen))
+    return model.to(dtype=dtype, device=device)
+
+
+def gdn_layers(model) -> list[int]:
+    return [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+
+
+def reference_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
+    """``gdn_reference.replay_decode`` in float64 on ``buf`` (stored back in its dtypes); y in v's dtype."""
+    return gref.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices).to(v.dtype)
+
+
+def kernel_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
+    from trtllm_replayssm import gdn_ops
+
+    return gdn_ops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache, buf.k_cache,
+                                     buf.g_cache, buf.beta_cache, cursor, state_batch_indices)
+
+
+def default_backend(device):
+    if torch.device(device).type == "cuda":
+        from trtllm_replayssm import ops
+
+        return kernel_backend, ops.advance_cursor
+    return reference_backend, reference.advance_cursor
+
+
+def _projections(mixer, hs):
+    """(mixed_qkv (batch, 1, 2 H K + HV V), z (batch, 1, HV, V), b, a (batch, 1, HV)) as the layer computes them."""
+    if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next: per-key-head interleaved projections
+        q, k, v, z, b, a = mixer.fix_query_key_value_ordering(mixer.in_proj_qkvz(hs), mixer.in_proj_ba(hs))
+        mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (q, k, v)], dim=-1)
+        return mixed, z, b, a
+    batch, seq = hs.shape[:2]
+    z = mixer.in_proj_z(hs).reshape(batch, seq, -1, mixer.head_v_dim)
+    return mixer.in_proj_qkv(hs), z, mixer.in_proj_b(hs), mixer.in_proj_a(hs)
+
+
+class GDNReplayDecoder:
+    """ReplaySSM caches of a patched model: one :class:`~trtllm_replayssm.gdn_reference.GDNBuffers` per GDN
+    layer, one cursor (slots,). Row b of the batch uses slot b."""
+
+    def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32):
+        if not 1 <= buffer_len <= 32:
+            raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+        if model.config.model_type not in ("qwen3_next", "qwen3_5_text", "qwen3_5"):
+            raise ValueError(f"model: expected a Qwen3-Next or Qwen3.5 text model, got model_type "
+                             f"{model.config.model_type!r}")
+        self.model = model
+        self.buffer_len = buffer_len
+        self.state_dtype = state_dtype
+        dflt = default_backend(next(model.parameters()).device)
+        self.backend = backend or dflt[0]
+        self.advance = advance or dflt[1]
+        self.layers = gdn_layers(model)
+        if not self.layers:
+            raise ValueError("model: no linear_attention (Gated DeltaNet) layer in config.layer_types")
+        self.bufs: dict[int, gref.GDNBuffers] = {}
+        self.cursor: torch.Tensor | None = None
+        self._step: str | None = None
+        self._cache_id: int | None = None
+        self._handles = []
+
+    def _begin_prefill(self, mixer, cache) -> None:
+        buf = self.bufs.get(mixer.layer_idx)
+        rec = cache.get_recurrent_state(mixer.layer_idx) if cache is not None else None
+        if buf is None or rec is None or self._cache_id != id(cache):
+            return
+        for s in range(rec.shape[0]):
+            rec[s] = gref.replay_state(buf, self.cursor, s).transpose(-1, -2).to(rec.dtype)
+
+    def _end_prefill(self, mixer, cache, act_dtype) -> None:
+        S = cache.get_recurrent_state(mixer.layer_idx)  # (batch, HV, K, V)
+        batch, HV, K, V = S.shape
+        buf = gref.GDNBuffers.alloc(batch, HV, mixer.num_k_heads, V, K, self.buffer_len, act=act_dtype,
+                                    state_dtype=self.state_dtype, device=S.device)
+        buf.state.copy_(S.detach().transpose(-1, -2))
+        self.bufs[mixer.layer_idx] = buf
+        if self.cursor is None or self.cursor.shape[0] != batch:
+            self.cursor = torch.zeros(batch, dtype=torch.int32, device=S.device)
+        self._cache_id = id(cache)
+
+    def _decode(self, mixer, hidden_states, cache, attention_mask):
+        m = sys.modules[type(mixer).__module__]
+        batch, dtype = hidden_states.shape[0], hidden_states.dtype
+        H, HV, K, V = mixer.num_k_heads, mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
+        hs = m.apply_mask_to_padding_states(hidden_states, attention_mask)
+        mixed, z, b, a = _projections(mixer, hs)
+        mixed = m.causal_conv1d_forward(mixer.conv1d, mixed.transpose(1, 2), cache, mixer.layer_idx,
+                                        activation=mixer.activation).transpose(1, 2)
+        q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+        y = self.backend(buf=self.bufs[mixer.layer_idx], cursor=self.cursor,
+                         q=q.reshape(batch, H, K).contiguous(), k=k.reshape(batch, H, K).contiguous(),
+                         v=v.reshape(batch, HV, V).contiguous(), a=a.reshape(batch, HV).contiguous(),
+                         b=b.reshape(batch, HV).contiguous(), A_log=mixer.A_log.float().contiguous(),
+                         dt_bias=mixer.dt_bias.float().contiguous(),
+                         state_batch_indices=torch.arange(batch, dtype=torch.int32, device=hs.device))
+        core = mixer.norm(y.reshape(-1, V).to(dtype), z.reshape(-1, V))
+        return mixer.out_proj(core.reshape(batch, 1, HV * V))
+
+    def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
+        if cache is None:
+            return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
+        if cache.is_recording_past(mixer.layer_idx):
+            raise NotImplementedError("ReplaySSM GDN patch: caches that record the past (assisted decoding) are not "
+                                      "supported")
+        decode = (hidden_states.shape[1] == 1 and mixer.layer_idx in self.bufs and id(cache) == self._cache_id
+                  and cache.get_conv_state(mixer.layer_idx) is not None)
+        if decode:
+            self._step = "decode"
+            return self._decode(mixer, hidden_states, cache, attention_mask)
+        self._step = "prefill"
+        self._begin_prefill(mixer, cache)
+        out = orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
+        self._end_prefill(mixer, cache, hidden_states.dtype)
+        return out
+
+    def _after_model_step(self, module, args, output) -> None:
+        if self._step == "decode":
+            rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
+            self.advance(self.cursor, rows, self.buffer_len)
+        elif self._step == "prefill":
+            self.cursor.zero_()
+        self._step = None
+
+    def patch(self):
+        for i in self.layers:
+            mixer = self.model.model.layers[i].linear_attn
+            orig = mixer.forward
+
+            def fwd(hidden_states, cache=None, attention_mask=None, _mixer=mixer, _orig=orig, **kw):
+                return self._forward(_mixer, _orig, hidden_states, cache, attention_mask, **kw)
+
+            mixer.forward = fwd
+            self._handles.append(lambda _m=mixer: _m.__dict__.pop("forward", None))
+        h = self.model.model.register_forward_hook(self._after_model_step)
+        self._handles.append(h.remove)
+        return self
+
+    def unpatch(self) -> None:
+        for undo in self._handles:
+            undo()
+        self._handles.clear()
+
+
+def patch_gdn_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):
+    """Patch every Gated DeltaNet layer of ``model`` in place; returns the :class:`GDNReplayDecoder`
+    (``unpatch()`` undoes)."""
+    return GDNReplayDecoder(model, buffer_len, backend, advance, state_dtype).patch()

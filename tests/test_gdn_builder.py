@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Qwen3-Next / Qwen3.5 builder (builders/qwen3_next.py) on the CPU: transformers' own models, patched.
+
+Oracle: the unpatched model's own decode (transformers' recurrent gated delta rule in fp32). The
+patched GDN layers run the float64 ReplaySSM reference, so logits agree to fp32 rounding and the
+greedy tokens exactly; a corrupted buffer must break the agreement (teeth)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from builders.qwen3_next import FAMILIES, gdn_layers, patch_gdn_replayssm, reference_backend, tiny_model  # noqa: E402
+
+L = 4  # small buffer: 39 decode steps cross 9 flushes
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model(request):
+    return tiny_model(request.param)
+
+
+def _prompt(batch, length, seed=1):
+    return torch.randint(2, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, n, patched, backend=None):
+    kw = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    dec = patch_gdn_replayssm(model, buffer_len=L, backend=backend) if patched else None
+    try:
+        out = model.generate(ids, **kw)
+    finally:
+        if dec is not None:
+            dec.unpatch()
+    return out, dec
+
+
+@torch.no_grad()
+def test_greedy_tokens_and_logits_match_unpatched_model(model):
+    ids = _prompt(2, 7)
+    ref, _ = _generate(model, ids, 40, False)
+    out, dec = _generate(model, ids, 40, True)
+    again, _ = _generate(model, ids, 40, True)  # a fresh cache: the previous buffers must not leak in
+    assert torch.equal(out.sequences, ref.sequences) and torch.equal(again.sequences, ref.sequences)
+    assert dec.cursor.tolist() == [39 % L] * 2  # 39 decode steps went through ReplaySSM
+    assert len(dec.bufs) == len(gdn_layers(model)) == 3
+    s_ref, s_out = torch.stack(ref.scores), torch.stack(out.scores)
+    # float64 replay vs the model's fp32 recurrence: fp32 rounding of O(0.2)-std logits (measured 3e-7)
+    assert torch.allclose(s_out, s_ref, rtol=0, atol=1e-5)
+    assert (s_ref.std(-1) > 0.1).all()  # random weights are not degenerate
+
+
+@torch.no_grad()
+def test_corrupted_buffer_breaks_the_agreement(model):
+    """Teeth: the same run with one buffered u entry of one layer scaled each step must differ."""
+    first = gdn_layers(model)[0]
+
+    def corrupting(buf, cursor, **kw):
+        y = reference_backend(buf, cursor, **kw)
+        if buf is dec_holder["dec"].bufs[first]:
+            buf.u_cache[:, :, 0] *= 3.0
+        return y
+
+    dec_holder = {}
+    ids = _prompt(2, 7)
+    ref, _ = _generate(model, ids, 12, False)
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    dec_holder["dec"] = patch_gdn_replayssm(model, buffer_len=L, backend=corrupting)
+    try:
+        out = model.generate(ids, **kw)
+    finally:
+        dec_holder["dec"].unpatch()
+    err = (torch.stack(out.scores) - torch.stack(ref.scores)).abs().max()
+    assert err > 1e-3
+
+
+@torch.no_grad()
+def test_prefill_after_decode_folds_the_buffer(model):
+    """A multi-token chunk after some decode steps sees the current state S_k, not the stale checkpoint."""
+    from transformers import DynamicCache
+
+    ids, more = _prompt(2, 5), _prompt(2, 3, seed=2)
+    logits = []
+    for patched in (False, True):
+        dec = patch_gdn_replayssm(model, buffer_len=L) if patched else None
+        try:
+            cache = DynamicCache(config=model.config)
+            tok = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            for _ in range(L + 2):  # one flush, then cursor 2
+                tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            logits.append(model(more, cache=cache, use_cache=True).logits)
+        finally:
+            if dec is not None:
+                dec.unpatch()
+    assert dec.cursor.tolist() == [0, 0]  # the prefill handed a fresh checkpoint over
+    assert torch.allclose(logits[1], logits[0], rtol=0, atol=1e-5)
+
+
+def test_rejects_other_models_and_bad_buffer_len(model):
+    with pytest.raises(ValueError, match="buffer_len: expected 1..32, got 0"):
+        patch_gdn_replayssm(model, buffer_len=0)
+    from builders.nemotron_h import load_nemotron_h
+
+    with pytest.raises(ValueError, match="model: expected a Qwen3-Next or Qwen3.5"):
+        patch_gdn_replayssm(load_nemotron_h(seed=0), buffer_len=L)
