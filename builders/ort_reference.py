@@ -7,6 +7,8 @@
 * ``mamba2_verify``: :func:`builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
   verify in float64), same outputs; the cursor is read only.
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
+* ``gdn_decode``: :func:`builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
+  copies of the six GDN state inputs, which become the outputs after y.
 Declared for fp32 activations and an fp32 state (the graphs the CPU tests export); attributes are
 accepted and checked against the input shapes.
 """
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 
 from .decode_step import DOMAIN, OP_TYPE
+from .gdn_step import GDN_OP_TYPE
 from .nemotron_h import reference_backend
 from .spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, commit_reference_backend, verify_reference_backend
 
@@ -49,6 +52,24 @@ def _verify(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt
     return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
 
 
+def _gdn(q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, **attrs):
+    from trtllm_replayssm.gdn_reference import GDNBuffers
+
+    from .qwen3_next import reference_backend as gdn_backend
+
+    got = (k.shape[1], v.shape[1], k.shape[2], v.shape[2], u.shape[2])
+    want = tuple(attrs[n] for n in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "buffer_len"))
+    if got != want:
+        raise ValueError(f"{DOMAIN}::{GDN_OP_TYPE}: attributes (num_k_heads, num_v_heads, key_dim, value_dim, "
+                         f"buffer_len) = {want}, inputs have {got}")
+    t = lambda x: torch.from_numpy(np.array(x))  # noqa: E731  (copies: the outputs must not alias the inputs)
+    buf = GDNBuffers(*(t(x) for x in (state, u, vc, kc, gc, bc)))
+    y = gdn_backend(buf=buf, cursor=t(cursor), q=t(q), k=t(k), v=t(v), a=t(a), b=t(b), A_log=t(A_log),
+                    dt_bias=t(dt_bias), state_batch_indices=t(sbi))
+    return (y.numpy(), *(x.numpy() for x in (buf.state, buf.u_cache, buf.v_cache, buf.k_cache, buf.g_cache,
+                                              buf.beta_cache)))
+
+
 def _commit(sbi, n_accepted, cursor, **attrs):
     cur = torch.from_numpy(np.array(cursor))
     commit_reference_backend(cursor=cur, n_accepted=torch.from_numpy(np.array(n_accepted)),
@@ -72,6 +93,10 @@ def register() -> str:
         onnx_op(op_type=f"{DOMAIN}::{COMMIT_OP_TYPE}", inputs=[i32] * 3, outputs=[i32],
                 attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_tokens": i64,
                        "buffer_len": i64})(_commit)
+        onnx_op(op_type=f"{DOMAIN}::{GDN_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
+                attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_k_heads": i64,
+                       "num_v_heads": i64, "key_dim": i64, "value_dim": i64, "buffer_len": i64,
+                       "use_qk_l2norm": i64})(_gdn)
         _registered = True
     return get_library_path()
 

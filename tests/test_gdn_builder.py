@@ -103,3 +103,95 @@ def test_rejects_other_models_and_bad_buffer_len(model):
 
     with pytest.raises(ValueError, match="model: expected a Qwen3-Next or Qwen3.5"):
         patch_gdn_replayssm(load_nemotron_h(seed=0), buffer_len=L)
+
+
+# ---- the decode step with explicit state I/O, and its ONNX export ------------------------------------
+MAX_SEQ, STEPS = 64, 3 * L + 1
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    from builders.gdn_step import QwenGDNDecodeStep, export_onnx
+
+    pytest.importorskip("onnx", reason="onnx is not installed")
+    step = QwenGDNDecodeStep(model, L, MAX_SEQ)
+    path = tmp_path_factory.mktemp("onnx") / "model.onnx"
+    export_onnx(step, path)
+    return step, path
+
+
+@torch.no_grad()
+def _against_patched(model, step, run):
+    """``run(tok, lengths, cursor, states) -> outputs`` against the patched model, each following its own
+    greedy tokens over 3L+1 steps from a real prefill: same logits (fp32 rounding), tokens and cursor."""
+    from transformers import DynamicCache
+
+    dec = patch_gdn_replayssm(model, buffer_len=L)
+    try:
+        batch, prompt = 3, 6
+        cache = DynamicCache(config=model.config)
+        tok = model(_prompt(batch, prompt, seed=4), cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        lengths = torch.full((batch,), prompt, dtype=torch.int32)
+        cursor, states = dec.cursor.clone(), step.states_from_patched(dec, cache, prompt)
+        for s in range(STEPS):
+            want = model(tok, cache=cache, use_cache=True).logits[:, -1]
+            got = run(tok, lengths, cursor, states)
+            torch.testing.assert_close(got[0], want, rtol=0, atol=1e-5, msg=f"step {s}: logits")
+            assert torch.equal(got[2], dec.cursor) and torch.equal(got[1], lengths + 1), f"step {s}"
+            tok = want.argmax(-1, keepdim=True)
+            assert torch.equal(got[0].argmax(-1), tok[:, 0]), f"step {s}: greedy tokens"
+            lengths, cursor, states = got[1], got[2], list(got[3:])
+    finally:
+        dec.unpatch()
+
+
+def test_decode_step_matches_patched_model(model):
+    from builders.gdn_step import QwenGDNDecodeStep
+
+    step = QwenGDNDecodeStep(model, L, MAX_SEQ)
+    _against_patched(model, step, lambda tok, n, c, st: step(tok, n, c, *st))
+
+
+def test_onnx_graph_has_one_plugin_node_per_gdn_layer(model, exported):
+    import onnx
+
+    from builders.decode_step import DOMAIN
+    from builders.gdn_step import GDN_OP_TYPE
+
+    step, path = exported
+    g = onnx.load(str(path))
+    onnx.checker.check_model(g)
+    nodes = [n for n in g.graph.node if n.domain == DOMAIN]
+    assert len(nodes) == len(gdn_layers(model)) and all(n.op_type == GDN_OP_TYPE for n in nodes)
+    c = model.config
+    for n, i in zip(nodes, gdn_layers(model)):
+        attrs = {a.name: (a.s.decode() if a.type == onnx.AttributeProto.STRING else a.i) for a in n.attribute}
+        assert attrs == dict(plugin_namespace=DOMAIN, aot=1, num_k_heads=c.linear_num_key_heads,
+                             num_v_heads=c.linear_num_value_heads, key_dim=c.linear_key_head_dim,
+                             value_dim=c.linear_value_head_dim, buffer_len=L, use_qk_l2norm=1)
+        assert len(n.input) == 15 and len(n.output) == 7
+        assert list(n.input[8:]) == ["cursor"] + [f"{s}_{i}" for s in ("gdn_state", "gdn_u", "gdn_v", "gdn_k",
+                                                                         "gdn_g", "gdn_beta")]
+    assert [i.name for i in g.graph.input] == step.input_names()
+    assert [o.name for o in g.graph.output] == step.output_names()
+    ops = {n.op_type for n in g.graph.node if n.domain != DOMAIN}
+    assert not ops & {"NonZero", "Loop", "If", "Scan", "ScatterND", "ScatterElements"}, ops
+    if any(hasattr(model.model.layers[i].mlp, "experts") for i in range(len(c.layer_types))):
+        assert sum(n.op_type == "TopK" for n in g.graph.node) == len(c.layer_types)  # one per MoE layer
+
+
+def test_onnx_reproduces_the_patched_model(model, exported):
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
+    pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions is not installed")
+    import numpy as np
+
+    from builders.ort_reference import session
+
+    step, path = exported
+    sess, names = session(path), step.input_names()
+
+    def run(tok, lengths, cursor, states):
+        feed = [t.numpy().copy() for t in (tok, lengths, cursor, *states)]
+        return [torch.from_numpy(np.asarray(o)) for o in sess.run(None, dict(zip(names, feed)))]
+
+    _against_patched(model, step, run)
