@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Named geometries of real hybrid Mamba-2 models: the Mamba layer shape, and for the Nemotron 3
-family the whole layer stack (pattern, MoE sizes), shared by the tests, the benchmarks and the
-memory model.
+"""Named geometries of real hybrid Mamba-2 and Gated DeltaNet models: the SSM layer shape, and for the
+Nemotron 3, Qwen3-Next and Qwen3.5 families the layer stack (pattern, MoE sizes), shared by the tests,
+the benchmarks and the memory model.
 
 ``GEOMETRIES[name] = (nheads, headdim, dstate, ngroups)`` of one Mamba-2 layer (docs/DESIGN.md §3).
 ``MODELS[name]`` is a :class:`HybridModel`: the same four numbers plus the layer pattern of
@@ -18,6 +18,24 @@ read through verbatim copies in public repositories and model cards (the search 
 Nano", 23 Mamba-2 + 23 MoE + 6 attention layers, 128 experts + 1 shared, 6 active; Super: 88
 layers, 40 M + 40 E + 8 *). The Super checkpoint also carries one MTP block (pattern ``*E``,
 ``num_nextn_predict_layers: 1``) that is not part of the decode stack.
+
+Gated DeltaNet models (Qwen3-Next, Qwen3.5; :mod:`.gdn_reference`): ``GDN_MODELS[name]`` is a
+:class:`GDNModel`, the linear-attention (GDN) layer shape and the layer stack of ``config.json``
+(``linear_*`` keys; every ``full_attention_interval``-th layer is gated softmax attention, the others
+GDN); ``GDN_GEOMETRIES[name] = (HV, H, V, K)`` = (linear_num_value_heads, linear_num_key_heads,
+linear_value_head_dim, linear_key_head_dim), the order of :meth:`.gdn_reference.GDNBuffers.alloc`.
+Sources, the published ``config.json`` files (for the Qwen3.5 ones, their ``text_config``):
+
+* https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json
+* https://huggingface.co/Qwen/Qwen3.5-397B-A17B/blob/main/config.json
+* https://huggingface.co/Qwen/Qwen3.5-35B-A3B/blob/main/config.json
+
+read through verbatim copies in public repositories (the search tool's index, 2026-12; for the
+397B also NVIDIA Megatron-Bridge's Qwen3.5 test fixture and MLPerf's model table: 60 layers, GDN
+heads V/QK 64/16 of dim 128), all agreeing; the Qwen3-Next-80B and Qwen3.5-35B-A3B rows are also
+the defaults of transformers' ``Qwen3NextConfig`` and ``Qwen3_5MoeTextConfig``, whose docstrings
+name those checkpoints (tests/test_gdn_reference.py checks it). Every model also carries one MTP
+layer (``mtp_num_hidden_layers: 1`` / ``num_nextn_predict_layers``) outside the decode stack.
 """
 
 from __future__ import annotations
@@ -113,4 +131,80 @@ GEOMETRIES = {
     "ultra_550b": (256, 64, 128, 8),
     "h_56b": (256, 64, 256, 8),
     **{name: m.geometry for name, m in MODELS.items()},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNModel:
+    """One Gated DeltaNet hybrid's decode-relevant shape, as its config.json states it."""
+
+    hf_id: str
+    hidden_size: int
+    num_hidden_layers: int
+    full_attention_interval: int  # layer i is full attention iff (i + 1) % interval == 0
+    num_v_heads: int  # linear_num_value_heads (HV)
+    num_k_heads: int  # linear_num_key_heads (H)
+    head_v_dim: int  # linear_value_head_dim (V)
+    head_k_dim: int  # linear_key_head_dim (K)
+    conv_kernel: int = 4  # linear_conv_kernel_dim
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 2
+    head_dim: int = 256
+    vocab_size: int = 151936
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+
+    @property
+    def geometry(self) -> tuple[int, int, int, int]:
+        """(HV, H, V, K) of one GDN layer."""
+        return (self.num_v_heads, self.num_k_heads, self.head_v_dim, self.head_k_dim)
+
+    @property
+    def layer_types(self) -> list[str]:
+        """config.json's ``layer_types``: "linear_attention" (GDN) or "full_attention" per layer."""
+        n = self.full_attention_interval
+        return ["full_attention" if (i + 1) % n == 0 else "linear_attention" for i in range(self.num_hidden_layers)]
+
+    @property
+    def gdn_layers(self) -> int:
+        return self.layer_types.count("linear_attention")
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal conv1d over q|k|v (2 H K + HV V)."""
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    def state_bytes(self, state_bytes: int = 4) -> int:
+        """One slot's recurrent state (HV, V, K) in one GDN layer."""
+        return self.num_v_heads * self.head_v_dim * self.head_k_dim * state_bytes
+
+
+GDN_MODELS = {
+    # Qwen/Qwen3-Next-80B-A3B-Instruct config.json (URL in the module docstring): 48 layers, 36 GDN + 12 attention
+    "qwen3_next_80b": GDNModel(
+        hf_id="Qwen/Qwen3-Next-80B-A3B-Instruct", hidden_size=2048, num_hidden_layers=48, full_attention_interval=4,
+        num_v_heads=32, num_k_heads=16, head_v_dim=128, head_k_dim=128, conv_kernel=4,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=151936,
+        num_experts=512, num_experts_per_tok=10,
+    ),
+    # Qwen/Qwen3.5-397B-A17B config.json, text_config (URL in the module docstring): 60 layers, 45 GDN + 15 attention
+    "qwen3_5_397b": GDNModel(
+        hf_id="Qwen/Qwen3.5-397B-A17B", hidden_size=4096, num_hidden_layers=60, full_attention_interval=4,
+        num_v_heads=64, num_k_heads=16, head_v_dim=128, head_k_dim=128, conv_kernel=4,
+        num_attention_heads=32, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+        num_experts=512, num_experts_per_tok=10,
+    ),
+    # Qwen/Qwen3.5-35B-A3B config.json, text_config (URL in the module docstring): 40 layers, 30 GDN + 10 attention
+    "qwen3_5_35b": GDNModel(
+        hf_id="Qwen/Qwen3.5-35B-A3B", hidden_size=2048, num_hidden_layers=40, full_attention_interval=4,
+        num_v_heads=32, num_k_heads=16, head_v_dim=128, head_k_dim=128, conv_kernel=4,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, vocab_size=248320,
+        num_experts=256, num_experts_per_tok=8,
+    ),
+}
+
+# (HV, H, V, K) of one GDN layer: a small synthetic one, then the models above.
+GDN_GEOMETRIES = {
+    "tiny_gdn": (4, 2, 16, 16),
+    **{name: m.geometry for name, m in GDN_MODELS.items()},
 }
