@@ -69,7 +69,8 @@ outputs read the full-precision checkpoint, as the fused kernel does (it holds t
 registers). :func:`spec_step` passes both.
 
 Padding rows (slot -1): no slot is touched; their outputs are NaN here (the kernels leave them untouched).
-Credits: ReplaySSM (Dao AI Lab + NVIDIA, 2026); ring API after FlashInfer ``checkpointing_ssu`` (>= 0.6.16).
+Credits: ReplaySSM (Dao AI Lab + NVIDIA, 2026); ring API after FlashInfer ``checkpointing_ssu`` (>= 0.7.0,
+PR #3975; its window is capped at 16).
 """
 
 from __future__ import annotations
