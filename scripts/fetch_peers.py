@@ -13,7 +13,12 @@ imports the CUDA extensions); einops, which the kernel imports, is unpacked besi
 Nothing here is committed: the folder is in .gitignore, and the files keep their own license (Apache-2.0,
 the sdist's LICENSE is copied with them).
 
-Usage: python scripts/fetch_peers.py [--dest third_party] [--force]
+flash-linear-attention (fla-org): its Triton ``fused_recurrent_gated_delta_rule`` is the peer column of the
+Gated DeltaNet kernel benchmark (scripts/bench_gdn.py, ``--fla-path``, default ``third_party/fla_peer``). The
+pinned ``fla-core`` wheel (pure Python + Triton, sha256-checked) is unpacked there with einops; its Triton
+kernels need a GPU and triton >= 3.3 at run time, nothing at install time. MIT license, kept with the files.
+
+Usage: python scripts/fetch_peers.py [--dest third_party] [--force] [--only mamba_ssm|fla]
 Then, for the H200 (the device tool carries ignored paths only when asked): ``carry: ["third_party"]``.
 """
 
@@ -37,6 +42,8 @@ MAMBA_VERSION = "2.3.2.post1"
 MAMBA_SHA256 = "104cc47e9101e5401a675fa2b784f2952b9b037f3b1dd83b5ac544394e95d028"
 MAMBA_FILES = ("mamba_ssm/ops/triton/selective_state_update.py", "mamba_ssm/ops/triton/softplus.py")
 EINOPS_VERSION = "0.8.1"
+FLA_VERSION = "0.6.0"
+FLA_SHA256 = "b0708b70e0b119cd58a0a5146ea56cb175cef6ed969d8ac60267e3e077ce3ebd"  # fla_core-0.6.0-py3-none-any.whl
 
 
 def _sdist_url(name: str, version: str) -> str:
@@ -80,25 +87,53 @@ def fetch_einops(dest: pathlib.Path) -> None:
                     z.extract(name, dest)
 
 
+def fetch_fla(dest: pathlib.Path) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
+                        f"fla-core=={FLA_VERSION}", "-d", tmp], check=True)
+        (wheel,) = pathlib.Path(tmp).glob("fla_core-*.whl")
+        got = hashlib.sha256(wheel.read_bytes()).hexdigest()
+        if got != FLA_SHA256:
+            raise RuntimeError(f"{wheel.name}: sha256 {got}, expected {FLA_SHA256} (pinned in {__file__})")
+        with zipfile.ZipFile(wheel) as z:
+            names = [n for n in z.namelist() if n.startswith("fla/") or n.endswith("LICENSE")]
+            for name in names:
+                z.extract(name, dest)
+    (dest / "PEER.json").write_text(json.dumps(dict(package="fla-core", version=FLA_VERSION, wheel=wheel.name,
+                                                    sha256=FLA_SHA256), indent=1))
+
+
+PEERS = {  # folder -> (fetchers, what it holds)
+    "mamba_ssm_peer": ((fetch_mamba, fetch_einops),
+                       f"mamba_ssm {MAMBA_VERSION} Triton selective_state_update + einops {EINOPS_VERSION}"),
+    "fla_peer": ((fetch_fla, fetch_einops), f"fla-core {FLA_VERSION} (fused_recurrent_gated_delta_rule) + einops"),
+}
+ONLY = {"mamba_ssm": "mamba_ssm_peer", "fla": "fla_peer"}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dest", default=str(ROOT / "third_party"))
     ap.add_argument("--force", action="store_true", help="replace an existing peer folder")
+    ap.add_argument("--only", choices=sorted(ONLY), default=None, help="fetch one peer (default: all)")
     args = ap.parse_args(argv)
-    peer = pathlib.Path(args.dest) / "mamba_ssm_peer"
-    if peer.exists():
-        if not args.force:
-            print(f"{peer} exists (--force to replace)")
-            return 0
-        shutil.rmtree(peer)
-    peer.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=peer.parent) as tmp:  # a failed fetch leaves no half folder
-        part = pathlib.Path(tmp) / peer.name
-        part.mkdir()
-        fetch_mamba(part)
-        fetch_einops(part)
-        part.rename(peer)
-    print(f"mamba_ssm {MAMBA_VERSION} Triton selective_state_update + einops {EINOPS_VERSION} in {peer}")
+    for folder, (fetchers, what) in PEERS.items():
+        if args.only is not None and ONLY[args.only] != folder:
+            continue
+        peer = pathlib.Path(args.dest) / folder
+        if peer.exists():
+            if not args.force:
+                print(f"{peer} exists (--force to replace)")
+                continue
+            shutil.rmtree(peer)
+        peer.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=peer.parent) as tmp:  # a failed fetch leaves no half folder
+            part = pathlib.Path(tmp) / peer.name
+            part.mkdir()
+            for fetch in fetchers:
+                fetch(part)
+            part.rename(peer)
+        print(f"{what} in {peer}")
     return 0
 
 
