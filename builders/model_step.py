@@ -24,10 +24,12 @@ one block is fused with the next block's norm):
   -       down(relu(up(h))^2)
   E       (Nemotron 3) MoE: sigmoid top-k routing with the correction bias (:func:`builders.moe.route`,
           fp32), the routed experts, the shared expert, latent projections where the config has
-          them. bf16: tokens sorted by expert and the experts' two products as ``torch._grouped_mm``
-          (one grouped GEMM per projection over the batch's (token, expert) pairs, what a serving
-          engine's fused MoE does; sort, counts and offsets on the device, so the step stays
-          capturable); other dtypes: :func:`builders.moe.experts_dense` (grouped_mm is bf16 only).
+          them. One routing for every dtype: the batch's (token, expert) pairs sorted by expert
+          (sort, counts and offsets on the device, so the step stays capturable) and one combine
+          (:func:`moe_in`, :func:`moe_out`); only the expert products differ. bf16: two
+          ``torch._grouped_mm`` (one grouped GEMM per projection over the sorted pairs, what a
+          serving engine's fused MoE does); other dtypes (grouped_mm is bf16 only) or ``grouped``
+          off: every expert on every token, then each pair's row of the result.
           ``expert_load[i]`` (E,) int32: tokens routed to each expert in the last step
   head    norm_f, lm_head -> logits in the activation dtype; argmax
 
@@ -39,7 +41,8 @@ next inputs from the draft table, all inside the graph.
 Fusion (``fuse=True``, the default on CUDA): the glue between the GEMMs and the SSM call runs as
 ``torch.compile`` (inductor) regions, the way an engine fuses it: residual add + RMSNorm + in_proj +
 conv update + silu + the split into contiguous x/B/C/dt; gated RMSNorm + out_proj; residual add +
-RMSNorm + up_proj + relu^2 + down_proj; residual add + norm_f + lm_head + argmax. The same functions
+RMSNorm + up_proj + relu^2 + down_proj; residual add + RMSNorm + MoE routing + the sort of the pairs;
+the MoE combine + shared expert; residual add + norm_f + lm_head + argmax. The same functions
 run eagerly when ``fuse=False`` (the CPU and tensor-parallel paths), so fused and eager compute the
 same math (tests/test_model_step_gpu.py compares them). The SSM kernels are never inside a region.
 
@@ -72,7 +75,7 @@ from . import moe as moe_ops
 from .decode_attention import decode_attention
 
 SUPPORTED = ("linear_attention", "full_attention", "mlp", "moe")
-GROUPED_MOE_ON_CUDA = False  # see HybridStep.grouped
+GROUPED_MOE_ON_CUDA = True  # grouped-GEMM experts on CUDA too (see HybridStep.grouped)
 
 
 # ---- SSM modes ----------------------------------------------------------------------------------------
@@ -339,8 +342,10 @@ def mlp(h, delta, norm_w, up_w, up_b, down_w, eps: float):
 
 def moe_in(h, delta, norm_w, w: moe_ops.MoEWeights, eps: float):
     """Residual add + RMSNorm + routing + the (token, expert) pairs sorted by expert: returns h, the
-    normed tokens hn (n, D), the sorted expert inputs xs (n*k, Din), the pair order (n*k,) int64,
-    the routing weights in that order (n*k,) fp32 and the per-expert counts and offsets (E,) int32."""
+    normed tokens hn (n, D), the expert inputs x (n, Din) and the sorted pairs' xs (n*k, Din), the pair
+    order (n*k,) int64 (sorted position -> pair p: token p // k, its choice p % k), each sorted pair's
+    expert (n*k,) int64, the routing weights in that order (n*k,) fp32 and the per-expert counts and
+    offsets (E,) int32."""
     h = _residual(h, delta)
     hn = rmsnorm(h, norm_w, eps).reshape(-1, h.shape[-1])
     weights, idx = moe_ops.route(hn, w)
@@ -351,7 +356,7 @@ def moe_in(h, delta, norm_w, w: moe_ops.MoEWeights, eps: float):
     counts = (flat[:, None] == torch.arange(E, device=flat.device)[None, :]).sum(0).to(torch.int32)
     offs = counts.cumsum(0).to(torch.int32)
     k = idx.shape[1]
-    return h, hn, x[order // k], order, weights.reshape(-1)[order], counts, offs
+    return h, hn, x, x[order // k], order, flat[order], weights.reshape(-1)[order], counts, offs
 
 
 def moe_out(y, order, wsorted, hn, w: moe_ops.MoEWeights, shape):
@@ -489,9 +494,8 @@ class HybridStep:
         self.v = {i: torch.zeros(b, self.kvh, self.kv_cap, self.hd, dtype=self.act, device=dev) for i in self.attn}
         self.logits = self.logits_all = torch.zeros(b, T, cfg.vocab_size, dtype=self.act, device=dev)
         self.argmax = torch.zeros(b, T, **i64)
-        # grouped experts: bf16 only; on CUDA off until tests/test_model_step_gpu.py's grouped test passes
-        # there (H200, 5cc22d2: 0.89-1.8 std from the dense formulation one step from the same state,
-        # while it is exact on the CPU), so no benchmark times a path that is not known to be right
+        # grouped-GEMM experts: bf16 only (torch._grouped_mm); False: the dense experts under the same
+        # routing and combine (tests/test_model_step_gpu.py compares the two inside CUDA graphs)
         self.grouped = (self.act == torch.bfloat16 and hasattr(torch, "_grouped_mm")
                         and (self.device.type != "cuda" or GROUPED_MOE_ON_CUDA))
         self.expert_load = {i: torch.zeros(self.w[i]["moe"].num_experts, dtype=torch.int32, device=dev)
@@ -566,14 +570,14 @@ class HybridStep:
 
     def _moe(self, i, h, delta):
         w = self.w[i]["moe"]
-        if not self.grouped:  # fp32 / fp16: every expert on every token, the routing as a combine matrix
-            h = _residual(h, delta)
-            return h, moe_ops.moe_forward(rmsnorm(h, self.w[i]["pre"], self.eps), w, "dense")
-        h, hn, xs, order, wsorted, counts, offs = self.f["moe_in"](h, delta, self.w[i]["pre"], w, self.eps)
+        h, hn, x, xs, order, experts, wsorted, counts, offs = self.f["moe_in"](h, delta, self.w[i]["pre"], w, self.eps)
         self.expert_load[i].copy_(counts)
-        up = torch._grouped_mm(xs, w.up.transpose(1, 2), offs=offs)  # (n*k, I): each pair by its expert
-        up = self.f["relu2"](up) if type(w.act).__name__ == "ReLUSquaredActivation" else w.act(up)
-        y = torch._grouped_mm(up, w.down.transpose(1, 2), offs=offs)  # (n*k, Din)
+        act = self.f["relu2"] if type(w.act).__name__ == "ReLUSquaredActivation" else w.act
+        up_t, down_t = w.up.transpose(1, 2), w.down.transpose(1, 2)
+        if self.grouped:  # each sorted pair by its expert: one grouped GEMM per projection, (n*k, Din)
+            y = torch._grouped_mm(act(torch._grouped_mm(xs, up_t, offs=offs)), down_t, offs=offs)
+        else:  # every expert on every token (E, n, Din), then each sorted pair's row
+            y = torch.matmul(act(torch.matmul(x[None], up_t)), down_t)[experts, order // w.top_k]
         return h, self.f["moe_out"](y, order, wsorted, hn, w, h.shape)
 
     def _attention_positions(self) -> None:

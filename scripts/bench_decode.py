@@ -545,7 +545,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
     if gk is not None:
         gates = gk.out
     moe_load = None
-    if step.expert_load:  # MoE: tokens per expert in the last timed step (grouped path), per layer
+    if step.expert_load:  # MoE: tokens per expert in the last timed step, per layer
         load = torch.stack(list(step.expert_load.values())).float()
         if load.sum() > 0:
             moe_load = dict(max_over_mean=float((load.amax(1) / load.mean(1)).mean()),
