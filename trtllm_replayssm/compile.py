@@ -3,7 +3,8 @@
 
 Route: a generated prelude (``using state_t``/``act_t``, sizes as ``constexpr``) is prepended to
 the spec's entry file (``plugins/replayssm_decode.cu``; for speculative specs, ``num_tokens`` >= 1,
-``plugins/replayssm_spec.cu`` and ``constexpr int kT``) and compiled by NVRTC through
+``plugins/replayssm_spec.cu`` and ``constexpr int kT``; for Gated DeltaNet, :class:`~.config.GDNSpec`,
+``plugins/gdn_decode.cu``) and compiled by NVRTC through
 ``cuda.bindings.nvrtc``. That needs no GPU and no driver, so CI compiles every variant for sm_90 and
 sm_100. Headers come from the ``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into NVRTC).
 Results are cached on disk under the spec's readable key plus a hash of source, options and NVRTC version.
@@ -18,7 +19,7 @@ import os
 import pathlib
 import tempfile
 
-from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, KernelSpec
+from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, GDNSpec, KernelSpec
 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "plugins"
 if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the package
@@ -27,14 +28,20 @@ ENTRY_FILE = "replayssm_decode.cu"
 KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
 SPEC_ENTRY_FILE = "replayssm_spec.cu"
 SPEC_KERNEL_NAMES = ("replayssm_verify", "replayssm_spec_commit", "replayssm_native_verify", "replayssm_native_commit")
+GDN_ENTRY_FILE = "gdn_decode.cu"
+GDN_KERNEL_NAMES = ("gdn_replay_decode", "gdn_conventional")
 
 
-def entry_file(spec: KernelSpec) -> str:
+def entry_file(spec: KernelSpec | GDNSpec) -> str:
+    if isinstance(spec, GDNSpec):
+        return GDN_ENTRY_FILE
     return SPEC_ENTRY_FILE if spec.num_tokens else ENTRY_FILE
 
 
-def kernel_names(spec: KernelSpec) -> tuple[str, ...]:
+def kernel_names(spec: KernelSpec | GDNSpec) -> tuple[str, ...]:
     """The entry points of the module ``spec`` compiles."""
+    if isinstance(spec, GDNSpec):
+        return GDN_KERNEL_NAMES
     return SPEC_KERNEL_NAMES if spec.num_tokens else KERNEL_NAMES
 
 
@@ -51,7 +58,34 @@ def cache_dir() -> pathlib.Path:
     return path
 
 
-def prelude(spec: KernelSpec) -> str:
+def gdn_prelude(spec: GDNSpec) -> str:
+    return "\n".join(
+        [
+            f"// generated for {spec.key}",
+            "#include <cuda_bf16.h>",
+            "#include <cuda_fp16.h>",
+            f"using act_t = {CUDA_TYPES[spec.act]};",
+            f"using shadow_t = {SHADOW_CUDA_TYPES[spec.shadow] if spec.shadow != 'none' else 'float'};",
+            f"#define GDN_SHADOW {('none', 'bf16').index(spec.shadow)}",
+            f"constexpr int kHV = {spec.heads_v};",
+            f"constexpr int kHK = {spec.heads_k};",
+            f"constexpr int kV = {spec.V};",
+            f"constexpr int kK = {spec.K};",
+            f"constexpr int kL = {spec.buffer_len};",
+            f"constexpr int kRows = {spec.rows};",
+            f"constexpr int kWarps = {spec.warps};",
+            f"constexpr int kMinBlocks = {spec.min_blocks};",
+            f"constexpr int kLanes = {min(spec.lanes, spec.K // 4)};",
+            f"constexpr bool kL2Norm = {'true' if spec.l2norm else 'false'};",
+            f"constexpr float kScale = {spec.scale_f32.hex()}f;  // {spec.scale_f32!r}",
+            "",
+        ]
+    )
+
+
+def prelude(spec: KernelSpec | GDNSpec) -> str:
+    if isinstance(spec, GDNSpec):
+        return gdn_prelude(spec)
     return "\n".join(
         [
             f"// generated for {spec.key}",

@@ -356,3 +356,123 @@ def override_geometry(rows: int, warps: int):
         yield
     finally:
         _local.override = prev
+
+
+# ---- Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention; plugins/gdn_decode.cu) -------------------------
+GDN_SUPPORTED_DIMS = (64, 128, 256)  # V and K
+GDN_SHADOW_KINDS = ("none", "bf16")
+GDN_MAX_WARPS = 16
+# Replay blocks: 8 warps, built for 3 resident blocks (~80 registers: the flush holds the rows, k_j and
+# the step inputs; 4 blocks would spill). One 16-warp block per SM left no overlap between blocks.
+GDN_REPLAY_WARPS = 8
+GDN_RESIDENT_THREADS = 768
+# State elements a thread keeps in registers at large batch (8 rows of K=128): enough loads in flight.
+GDN_STATE_REGS = 32
+# Warps below which rows per thread are halved (small batches): one full wave of the H200, 132 SMs x 64.
+GDN_FULL_WAVE_WARPS = 132 * 64
+
+
+def gdn_layout(K: int, lanes: int = 32) -> tuple[int, int, int]:
+    """(lanes per row, rows per warp load, 16-byte vectors per lane) of a K-column fp32 row (gdn.cuh);
+    ``lanes`` is capped at K / 4 (one 16-byte vector per lane)."""
+    if K % 4 or K < 16:
+        raise ValueError(f"K={K}: expected a multiple of 4, >= 16")
+    lpr = min(lanes, K // 4)
+    if lpr < 4 or 32 % lpr or (K // 4) % lpr:
+        raise ValueError(f"K={K}, lanes={lanes}: rows do not map to whole warps (lanes per row 4..32, dividing K / 4)")
+    return lpr, 32 // lpr, K // 4 // lpr
+
+
+@dataclasses.dataclass(frozen=True)
+class GDNSpec:
+    """One Gated DeltaNet module (both kernels of ``plugins/gdn_decode.cu``): fp32 state, fp32 buffers
+    except v_cache (act). ``scale`` None is K^-1/2 (the key omits it); ``l2norm``: q, k l2-normalised."""
+
+    act: str  # "f32" | "bf16" | "f16"
+    heads_v: int  # HV
+    heads_k: int  # H
+    V: int
+    K: int
+    buffer_len: int
+    rows: int  # value rows of one head per block
+    warps: int
+    lanes: int = 32  # lanes sharing one state row (capped at K / 4)
+    shadow: str = "none"  # "none" | "bf16"
+    l2norm: bool = True
+    scale: float | None = None
+    arch: int = 90
+
+    def __post_init__(self):
+        if self.act not in CUDA_TYPES:
+            raise ValueError(f"GDNSpec.act: expected one of {sorted(CUDA_TYPES)}, got {self.act!r}")
+        if self.shadow not in GDN_SHADOW_KINDS:
+            raise ValueError(f"GDNSpec.shadow: expected one of {GDN_SHADOW_KINDS}, got {self.shadow!r}")
+        if self.heads_k < 1 or self.heads_v % self.heads_k:
+            raise ValueError(f"GDNSpec: key heads ({self.heads_k}) must divide value heads ({self.heads_v})")
+        for name in ("V", "K"):
+            if getattr(self, name) not in GDN_SUPPORTED_DIMS:
+                raise ValueError(f"GDNSpec.{name}: expected one of {GDN_SUPPORTED_DIMS}, got {getattr(self, name)}")
+        if not 1 <= self.buffer_len <= 32:
+            raise ValueError(f"GDNSpec.buffer_len must be in 1..32, got {self.buffer_len}")
+        lpr, rpw, _ = gdn_layout(self.K, self.lanes)
+        rt = self.rows // (rpw * self.warps) if self.warps >= 1 else 0
+        if (not 1 <= self.warps <= GDN_MAX_WARPS or self.V % self.rows or rt < 1 or self.rows % (rpw * self.warps)
+                or rt & (rt - 1) or 2 * rt > lpr):
+            raise ValueError(f"GDNSpec rows={self.rows}, warps={self.warps}: rows must divide V={self.V}, be warps*{rpw}*rt "
+                             f"with rt a power of two <= {lpr // 2}, warps in 1..{GDN_MAX_WARPS}")
+
+    @property
+    def scale_f32(self) -> float:
+        import numpy as np
+
+        return float(np.float32(self.K ** -0.5 if self.scale is None else self.scale))
+
+    @property
+    def key(self) -> str:
+        """Readable cache key, e.g. ``gdn_a-bf16_HV32_H16_V128_K128_L16_R128_W16_n1_sm90``."""
+        return (f"gdn_a-{self.act}_HV{self.heads_v}_H{self.heads_k}_V{self.V}_K{self.K}_L{self.buffer_len}"
+                f"_R{self.rows}_W{self.warps}_P{gdn_layout(self.K, self.lanes)[0]}_n{int(self.l2norm)}"
+                + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
+                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}")
+
+    @property
+    def threads(self) -> int:
+        return self.warps * 32
+
+    @property
+    def min_blocks(self) -> int:
+        """Resident blocks per SM the kernels are built for (``__launch_bounds__``; caps registers)."""
+        return max(1, GDN_RESIDENT_THREADS // self.threads)
+
+    def grid(self, batch: int) -> tuple[int, int, int]:
+        return (self.heads_v * (self.V // self.rows), batch, 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool) -> tuple[int, int, int]:
+    """(rows per block, warps, lanes per row) of the GDN kernels for this geometry and batch.
+
+    Large batches: 32 state elements per thread, so ~128 bytes per thread are in flight and a row's dots
+    reduce in one butterfly. Conventional: a row across up to 32 lanes (8 rows of K=128 per thread; 87-89%
+    of the copy ceiling measured). Replay: a row across max(16, K / 8) lanes (4 rows of K=128 per thread;
+    8 lanes spilled under the 3-blocks register cap), so the flush's serial fold, one butterfly and one
+    broadcast per entry, costs 5 + 4 shuffles per entry instead of 9 + 8 (bench/NOTES.md "GDN kernels").
+    Rows per thread halve while the grid has under one full wave of warps (small batches: latency-bound,
+    more threads each with shorter serial chains). Replay blocks have 8 warps (the buffer dots k_j . k,
+    k_j . q are computed once per block, so fewer, larger blocks
+    share them), conventional blocks 4 warps (nothing shared across rows)."""
+    lpr, rpw, vpl = gdn_layout(K, max(16, K // 8) if replay else 32)
+    rt = max(1, min(GDN_STATE_REGS // (4 * vpl), lpr // 2))
+    total_rows = batch * HV * V
+    while rt > 1 and total_rows // (rpw * rt) < GDN_FULL_WAVE_WARPS:
+        rt //= 2
+    rows = min(V, rpw * rt * GDN_REPLAY_WARPS) if replay else min(V, rpw * rt * 4)
+    while rows // (rpw * rt) > GDN_MAX_WARPS:
+        rows //= 2
+    return rows, rows // (rpw * rt), lpr
+
+
+def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, replay: bool, shadow: str = "none",
+             l2norm: bool = True, scale: float | None = None, arch: int = 90) -> GDNSpec:
+    rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay)
+    return GDNSpec(act, HV, H, V, K, L, rows, warps, lanes, shadow, l2norm, scale, arch)

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every Gated DeltaNet kernel variant compiles to PTX for sm_90 and sm_100 through NVRTC (no GPU needed).
+
+The matrix crosses activation dtype x (V, K) x shadow at L=16 with the large-batch geometry of both
+kernels, then buffer lengths, small-batch geometries, head ratios and the q/k options on the Qwen3-Next
+shape, for both archs. A compile error fails with NVRTC's log and the spec key.
+"""
+
+import itertools
+import re
+
+import pytest
+
+from trtllm_replayssm import compile as cc
+from trtllm_replayssm.config import GDN_SUPPORTED_DIMS, GDNSpec, gdn_geometry, gdn_spec
+
+ARCHS = (90, 100)
+
+FULL = [
+    gdn_spec(a, 32, 16, V, K, 16, 256, replay, sh, arch=arch)
+    for a, V, K, (replay, sh), arch in itertools.product(
+        ("bf16", "f16", "f32"), GDN_SUPPORTED_DIMS, GDN_SUPPORTED_DIMS, ((True, "none"), (True, "bf16"), (False, "none")),
+        ARCHS)
+]
+EDGES = [
+    gdn_spec("bf16", HV, H, 128, 128, L, batch, replay, sh, l2norm, scale, arch)
+    for (HV, H), L, batch, (replay, sh), (l2norm, scale), arch in itertools.product(
+        ((32, 16), (4, 2)), (1, 2, 8, 32), (1, 64), ((True, "none"), (True, "bf16")),
+        ((True, None), (False, 0.125)), ARCHS)
+]
+
+
+@pytest.mark.parametrize("spec", FULL + EDGES, ids=lambda s: s.key)
+def test_compiles_to_ptx(spec):
+    ptx = cc.compile_spec(spec, "ptx").decode()
+    assert f".target sm_{spec.arch}" in ptx
+    for name in cc.GDN_KERNEL_NAMES:
+        assert re.search(rf"\.entry {name}\(", ptx), name
+    assert "__local_depot" not in ptx, "a register array went to local memory"
+
+
+@pytest.mark.parametrize("shadow, n_sh", [("none", 0), ("bf16", 1)])
+def test_parameter_lists_are_tensorrt_order(shadow, n_sh):
+    """Replay: 9 step inputs + 6 in-place inputs (+ shadow), 2 int32 scalars, y + 6 aliased outputs (+ shadow).
+    Conventional: 8 step inputs + state, 2 int32 scalars, y + state."""
+    ptx = cc.compile_spec(gdn_spec("bf16", 32, 16, 128, 128, 16, 64, True, shadow), "ptx").decode()
+    for name, want in (("gdn_replay_decode", ["u64"] * (15 + n_sh) + ["u32"] * 2 + ["u64"] * (7 + n_sh)),
+                       ("gdn_conventional", ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2)):
+        params = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S).group(1)
+        assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == want, name
+
+
+def test_key_is_readable_and_mamba2_keys_unchanged(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_CACHE", str(tmp_path))
+    spec = GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8)
+    assert spec.key == "gdn_a-bf16_HV32_H16_V128_K128_L16_R64_W8_P32_n1_sm90"
+    assert GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, 16, "bf16", False, 0.125, 100).key == \
+        "gdn_a-bf16_HV32_H16_V128_K128_L16_R64_W8_P16_n0_sh-bf16_sc0x1.0000000000000p-3_sm100"
+    cc.compile_spec(spec, "ptx")
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].name.startswith(spec.key)
+    from trtllm_replayssm.config import KernelSpec
+
+    mamba2 = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 8)
+    assert mamba2.key == "replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sm90"
+
+
+def test_scale_is_compiled_exactly():
+    default = cc.prelude(GDNSpec("bf16", 4, 2, 128, 128, 4, 32, 4))
+    assert "constexpr float kScale = 0x1.6a09e60000000p-4f;" in default  # float32(128 ** -0.5)
+    assert "constexpr float kScale = 0x1.0000000000000p-1f;" in cc.prelude(GDNSpec("bf16", 4, 2, 128, 128, 4, 32, 4, scale=0.5))
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(act="f64"), "GDNSpec.act"),
+    (dict(shadow="fp8"), "GDNSpec.shadow"),
+    (dict(heads_k=3), "key heads"),
+    (dict(V=80), "GDNSpec.V"),
+    (dict(K=32), "GDNSpec.K"),
+    (dict(buffer_len=33), "buffer_len"),
+    (dict(rows=48), "rows"),
+    (dict(rows=128, warps=4), "rows"),  # 32 rows per thread: more than lanes per row / 2
+    (dict(lanes=2), "lanes"),
+])
+def test_bad_specs_rejected(bad, match):
+    base = dict(act="bf16", heads_v=32, heads_k=16, V=128, K=128, buffer_len=16, rows=64, warps=8)
+    with pytest.raises(ValueError, match=match):
+        GDNSpec(**{**base, **bad})
+
+
+def test_geometry_table():
+    """Large batches: 32 state elements per thread; 8-warp replay blocks with rows across 16 lanes (K=128)
+    and 4-warp conventional blocks with rows across 32 lanes; small batches use fewer rows per thread;
+    every choice is a valid spec."""
+    assert gdn_geometry(128, 128, 32, 256, True) == (64, 8, 16)
+    assert gdn_geometry(128, 128, 32, 256, False) == (32, 4, 32)
+    assert gdn_geometry(128, 128, 32, 1, True)[0] < 64
+    for V, K, HV, batch, replay in itertools.product(GDN_SUPPORTED_DIMS, GDN_SUPPORTED_DIMS, (1, 4, 32, 64), (1, 3, 64, 512),
+                                                     (True, False)):
+        GDNSpec("bf16", HV, 1, V, K, 16, *gdn_geometry(V, K, HV, batch, replay))

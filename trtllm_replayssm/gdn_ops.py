@@ -1,0 +1,180 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Validated launchers of the Gated DeltaNet decode kernels (``plugins/gdn_decode.cu``) on torch tensors.
+
+The math and the state contract are :mod:`.gdn_reference`'s (the float64 spec); validation reuses
+:mod:`.ops`' helpers, so errors read the same: the tensor named, got and expected, before any launch.
+
+Shapes (batch rows, H key heads, HV value heads, K key dim, V value dim, L buffer length, S slots):
+
+=====================  ====================  =================  ==========================================
+tensor                 shape                 dtype              mutated
+=====================  ====================  =================  ==========================================
+q, k                   (batch, H, K)         act (bf16/f16/f32) (raw; l2-normalised inside when asked)
+v                      (batch, HV, V)        act
+a, b                   (batch, HV)           act                (raw: g = -exp(A_log) softplus(a + dt_bias),
+                                                                beta = sigmoid(b) inside)
+A_log, dt_bias         (HV,)                 f32
+state                  (S, HV, V, K)         f32                conventional: always; replay: on flush
+u_cache                (S, HV, L, V)         f32                replay: entry appended at cursor
+v_cache                (S, HV, L, V)         act                replay: entry appended at cursor
+k_cache                (S, H, L, K)          f32                replay: entry appended at cursor
+g_cache, beta_cache    (S, HV, L)            f32                replay: entry appended at cursor
+cursor                 (S,)                  int32              by :func:`advance_cursor` only
+shadow (optional)      (S, HV, V, K)         bf16               replay: on flush; read on the other steps
+state_batch_indices    (batch,)              int32              slot per row, -1 = padding
+y (output)             (batch, HV, V)        act                padding rows left untouched
+=====================  ====================  =================  ==========================================
+
+H divides HV (value head hv reads key head hv // (HV / H)); V, K in GDN_SUPPORTED_DIMS; 1 <= L <= 32.
+q, k, state, shadow, u_cache, v_cache and k_cache are moved as vectors of 4 elements: 16-byte aligned data pointers.
+``use_qk_l2norm`` and ``scale`` (default K^-1/2) are compiled into the module (part of its cache key).
+Values (``check_values``; default unless capturing a CUDA graph; a device->host copy): slots in
+[-1, S), no slot in two rows, the rows' cursors in [0, L). Unchecked, the kernels write nothing outside
+a row's own slot: a row with an out-of-range slot is skipped, one with an out-of-range cursor gets
+NaN outputs and leaves state and buffers as they are.
+
+Per model step: :func:`gdn_replay_decode` for every GDN layer, then one :func:`advance_cursor` (shared
+with the Mamba-2 layers' cursor op; all layers of a model share the cursor).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from . import ops
+from .config import DTYPE_CODES, GDN_SUPPORTED_DIMS, gdn_spec
+from .ops import _F32, _I32, VECTOR_BYTES, _Arg, _check_args, _check_rank, _require_cuda, _values, check_indices
+
+_BF16 = (torch.bfloat16,)
+
+
+def _check_options(use_qk_l2norm, scale) -> None:
+    if not isinstance(use_qk_l2norm, bool):
+        raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+            raise TypeError(f"scale: expected a float or None (K^-1/2), got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale: expected a finite positive float, got {scale}")
+
+
+def _geometry(q, v, state, u_cache=None):
+    """(batch, H, HV, V, K, S, L) of a GDN call from the tensors that define them (L None without u_cache)."""
+    _check_rank(q, "q", 3, "(batch, H, K)")
+    _check_rank(v, "v", 3, "(batch, HV, V)")
+    _check_rank(state, "state", 4, "(slots, HV, V, K)")
+    batch, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    S = state.shape[0]
+    L = None
+    if u_cache is not None:
+        _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+        L = u_cache.shape[2]
+        if not 1 <= L <= 32:
+            raise ValueError(f"u_cache: buffer length L (dim 2) must be in 1..32, got {L}")
+    return batch, H, HV, V, K, S, L
+
+
+def _step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out) -> list:
+    return [
+        _Arg("q", q, ("batch", "heads_k", "K"), "act"),
+        _Arg("k", k, ("batch", "heads_k", "K"), "act"),
+        _Arg("v", v, ("batch", "heads_v", "V"), "act", None),
+        _Arg("a", a, ("batch", "heads_v"), "act", None),
+        _Arg("b", b, ("batch", "heads_v"), "act", None),
+        _Arg("A_log", A_log, ("heads_v",), _F32, None),
+        _Arg("dt_bias", dt_bias, ("heads_v",), _F32, None),
+        _Arg("state", state, ("slots", "heads_v", "V", "K"), _F32),
+        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
+        _Arg("out", out, ("batch", "heads_v", "V"), "act", None, optional=True),
+    ]
+
+
+def _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow) -> list:
+    return [
+        _Arg("u_cache", u_cache, ("slots", "heads_v", "L", "V"), _F32, VECTOR_BYTES),  # cp.async tiles
+        _Arg("v_cache", v_cache, ("slots", "heads_v", "L", "V"), "act", VECTOR_BYTES),  # cp.async tiles (flush)
+        _Arg("k_cache", k_cache, ("slots", "heads_k", "L", "K"), _F32, VECTOR_BYTES),
+        _Arg("g_cache", g_cache, ("slots", "heads_v", "L"), _F32, None),
+        _Arg("beta_cache", beta_cache, ("slots", "heads_v", "L"), _F32, None),
+        _Arg("cursor", cursor, ("slots",), _I32, None),
+        _Arg("shadow", shadow, ("slots", "heads_v", "V", "K"), _BF16, optional=True),
+    ]
+
+
+def _check_geometry(sizes: dict, q, v) -> None:
+    H, HV = sizes["heads_k"], sizes["heads_v"]
+    if H < 1 or HV % H:
+        raise ValueError(f"q: key heads H={H} (dim 1) must divide value heads HV={HV} (v, dim 1)")
+    for lab, name, t, dim in (("K", "q", q, 2), ("V", "v", v, 2)):
+        if sizes[lab] not in GDN_SUPPORTED_DIMS:
+            raise ValueError(f"{name}: {lab} (dim {dim}) expected one of {GDN_SUPPORTED_DIMS}, got {t.shape[dim]}")
+
+
+def gdn_conventional_step(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out=None, use_qk_l2norm=True,
+                          scale=None, check_values: bool | None = None):
+    """One conventional GDN decode step (reads and writes the whole state); returns y (batch, HV, V).
+
+    :func:`.gdn_reference.conventional_step` is the spec: S <- exp(g) S; u = beta (v - S k);
+    S <- S + u k^T; y = S q, with q, k l2-normalised (``use_qk_l2norm``) and q scaled by ``scale``."""
+    _check_options(use_qk_l2norm, scale)
+    batch, H, HV, V, K, S, _ = _geometry(q, v, state)
+    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out))
+    _check_geometry(sizes, q, v)
+    if _values(check_values):
+        check_indices(state_batch_indices, S, None, 1)
+    _require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, 1, batch, False, "none", use_qk_l2norm, scale, ops._arch(dev))
+    args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, state)]
+    args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
+    ops.launch(spec, "gdn_conventional", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_cache, g_cache, beta_cache, cursor,
+                      state_batch_indices, out=None, shadow=None, use_qk_l2norm=True, scale=None,
+                      check_values: bool | None = None):
+    """One fused ReplaySSM GDN decode step for one layer; returns y (batch, HV, V).
+
+    :func:`.gdn_reference.replay_decode` is the spec. Non-flush step (cursor + 1 < L): y from the
+    checkpoint (or its bf16 ``shadow``) and the buffered u_j, the entry (u, v, k, g, beta) appended at
+    index cursor. Flush step (cursor + 1 == L): the fp32 checkpoint becomes the exact fold of the L - 1
+    buffered (v_j, k_j, g_j, beta_j) and this token, the shadow is rewritten from it, the buffers are
+    not written. The cursor is read, not moved: call :func:`advance_cursor` once per model step. The
+    shadow must hold the checkpoint's values (bf16, round to nearest even) when the call starts."""
+    _check_options(use_qk_l2norm, scale)
+    batch, H, HV, V, K, S, L = _geometry(q, v, state, u_cache)
+    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out)
+                             + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow))
+    _check_geometry(sizes, q, v)
+    if _values(check_values):
+        check_indices(state_batch_indices, S, cursor, L)
+    _require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    kind = "none" if shadow is None else "bf16"
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, ops._arch(dev))
+    bufs = [t.data_ptr() for t in (state, u_cache, v_cache, k_cache, g_cache, beta_cache)]
+    sh = [] if shadow is None else [shadow.data_ptr()]
+    args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor)]
+    args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
+    ops.launch(spec, "gdn_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def advance_cursor(cursor, state_batch_indices, u_cache, check_values: bool | None = None) -> None:
+    """cursor[slot] = (cursor[slot] + 1) % L for every row with a slot (the Mamba-2 cursor kernel);
+    L is u_cache's buffer length (dim 2)."""
+    _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+    ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
+
+
+__all__ = ["gdn_conventional_step", "gdn_replay_decode", "advance_cursor"]
