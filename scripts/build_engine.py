@@ -70,7 +70,9 @@ from trtllm_replayssm.config import (  # noqa: E402
     SUPPORTED_NUM_TOKENS,
 )
 
-TINY_NAMES = tuple(TINY_CONFIGS)
+GDN_TINY_NAMES = ("qwen3_next", "qwen3_5")  # builders/qwen3_next.py: Gated DeltaNet hybrids
+TINY_NAMES = tuple(TINY_CONFIGS) + GDN_TINY_NAMES
+GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "int32", "int64": "int64"}
 MIN_TRT = (10, 9)
@@ -89,8 +91,9 @@ def parse_args(argv=None):
     p.add_argument("--model", type=pathlib.Path, default=None,
                    help="HF directory (config.json + *.safetensors); default: embedded tiny config")
     p.add_argument("--tiny", choices=TINY_NAMES, default=None,
-                   help="embedded tiny config without --model: nemotron_h (default, M*-M-M*-) or nemotron3 "
-                        "(Mamba-2 + MoE + attention, MEM*EM*E)")
+                   help="embedded tiny config without --model: nemotron_h (default, M*-M-M*-), nemotron3 "
+                        "(Mamba-2 + MoE + attention, MEM*EM*E), qwen3_next or qwen3_5 (Gated DeltaNet + gated "
+                        "attention, 3 GDN layers then 1 attention layer; Qwen3-Next with MoE)")
     p.add_argument("--moe-formulation", choices=MOE_FORMULATIONS, default="dense",
                    help="routed experts of MoE layers in the graph: dense over experts with a routing mask "
                         "(default) or gathered per token (builders/moe.py says when each is cheaper)")
@@ -129,9 +132,104 @@ def parse_args(argv=None):
         p.error(f"--tiny: the embedded tiny configs are used only without --model, got --tiny {a.tiny} with --model")
     if a.model is not None and not a.model.is_dir():
         p.error(f"--model: expected an existing directory, got {str(a.model)!r}")
+    if a.num_draft and is_gdn(a):
+        p.error("--num-draft: speculative decoding of Gated DeltaNet models is not built yet (the GDN verify kernel "
+                "is missing); use --num-draft 0")
     if a.out.exists() and not a.overwrite:
         p.error(f"--out: {str(a.out)!r} already exists (choose another directory or pass --overwrite)")
     return a
+
+
+def is_gdn(args) -> bool:
+    """True for the Gated DeltaNet families (an embedded tiny one, or a --model whose config.json says so)."""
+    if args.model is None:
+        return args.tiny in GDN_TINY_NAMES
+    cfg = args.model / "config.json"
+    try:
+        kind = json.loads(cfg.read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False  # the Nemotron loader reports the broken or missing config.json
+    return kind in GDN_MODEL_TYPES
+
+
+def check_gdn_geometry(cfg) -> tuple[int, int, int, int]:
+    from trtllm_replayssm.config import GDN_SUPPORTED_DIMS
+
+    H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    for name, v in (("linear_key_head_dim", K), ("linear_value_head_dim", V)):
+        if v not in GDN_SUPPORTED_DIMS:
+            raise BuildError(f"{name}: the gdn_decode plugin supports {GDN_SUPPORTED_DIMS}, got {v}")
+    if HV % H:
+        raise BuildError(f"linear_num_key_heads: expected a divisor of linear_num_value_heads={HV}, got {H}")
+    return H, HV, K, V
+
+
+def load_gdn(args, act):
+    from builders.qwen3_next import tiny_model
+
+    if args.model is None:
+        return tiny_model(args.tiny, dtype=act, seed=args.seed)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(args.model), dtype=act).eval()
+
+
+def _gdn_decode_artifacts(args, model, tmp):
+    """model.onnx (one gdn_decode node per GDN layer), the gdn_decode PTX per tactic, config.json's content
+    and the trtexec command (the state contract of builders/gdn_step.py)."""
+    from builders.decode_step import DOMAIN
+    from builders.gdn_step import GDN_OP_TYPE, QwenGDNDecodeStep, export_onnx
+    from builders.qwen3_next import gdn_layers
+
+    if args.state_dtype != "fp32":
+        raise BuildError(f"--state-dtype: Gated DeltaNet checkpoints are fp32 (the gdn_decode plugin), got "
+                         f"{args.state_dtype}")
+    cfg = model.config
+    H, HV, K, V = check_gdn_geometry(cfg)
+    ngdn = len(gdn_layers(model))
+    step = QwenGDNDecodeStep(model, args.buffer_len, args.max_seq_len)
+    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {ngdn} {DOMAIN}::{GDN_OP_TYPE} nodes)")
+    export_onnx(step, tmp / "model.onnx")
+    kernels = []
+    for tactic in sorted(trt_plugin.TACTICS):
+        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_gdn_kernel(
+            H, HV, K, V, args.buffer_len, 1, DTYPE_CODES[DTYPES[args.dtype]], args.arch, t), f"tactic {tactic}")
+        log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
+        kernels.append(_kernel_entry(k, tactic))
+    log("[4/5] writing config.json and trtexec.sh")
+    io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
+    states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
+              dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
+    states += [s.to_json() for s in step.state_specs()]
+    io_shapes = [(n, sh) for n, sh, _ in io] + [(st["name"], tuple(st["shape"])) for st in states[2:]]
+    cmd = trtexec_command(io_shapes, args.max_batch)
+    (tmp / "trtexec.sh").write_text("#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=f"{DOMAIN}::{GDN_OP_TYPE}") + cmd
+                                    + "\n")
+    kinds = list(cfg.layer_types)
+    info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME]
+    config = dict(
+        format="trtllm-replayssm-decode-step/1",
+        model=dict(source=str(args.model) if args.model else f"embedded-tiny-{args.tiny}",
+                   seed=None if args.model else args.seed, model_type=cfg.model_type,
+                   pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
+                   vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
+                   gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"]),
+        max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
+        act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
+        inputs=[dict(name=n, shape=list(sh), dtype=d) for n, sh, d in io] + [
+            dict(name=st["name"], shape=st["shape"], dtype=st["dtype"]) for st in states[2:]],
+        outputs=[dict(name="logits", shape=[-1, cfg.vocab_size], dtype="float32")] + [
+            dict(name=st["output"], shape=st["shape"], dtype=st["dtype"]) for st in states],
+        states=states,
+        plugin=dict(op_type=GDN_OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn,
+                    num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=args.buffer_len,
+                    use_qk_l2norm=1, kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
+                    aliased_outputs=info.manifest()["aliased_outputs"]),
+        plan=None,
+        trtexec=cmd,
+    )
+    return config, [("model.onnx", "model.plan", io_shapes)]
 
 
 def check_geometry(cfg, buffer_len: int) -> tuple[int, int, int, int]:
@@ -380,12 +478,21 @@ def build(args) -> pathlib.Path:
     tiny = args.tiny or "nemotron_h"
     source = f"model from {args.model}" if args.model else f"embedded tiny {tiny} (seed {args.seed})"
     log(f"[1/5] loading {source}")
-    model = load_nemotron_h(args.model, dtype=act, seed=args.seed, tiny=tiny)
-    cfg = model.config
-    H, P, N, G = check_geometry(cfg, args.buffer_len)
-    nmamba = len(mamba_layers(model))
-    log(f"      {cfg.hybrid_override_pattern!r}: {nmamba} Mamba layers, nheads={H} headdim={P} dstate={N} ngroups={G}")
-    if has_moe(cfg):
+    gdn = is_gdn(args)
+    if gdn:
+        model = load_gdn(args, act)
+        cfg = model.config
+        H, HV, K, V = check_gdn_geometry(cfg)
+        log(f"      {cfg.model_type}: {list(cfg.layer_types).count('linear_attention')} Gated DeltaNet layers, key "
+            f"heads={H} value heads={HV} key dim={K} value dim={V}")
+    else:
+        model = load_nemotron_h(args.model, dtype=act, seed=args.seed, tiny=tiny)
+        cfg = model.config
+        H, P, N, G = check_geometry(cfg, args.buffer_len)
+        nmamba = len(mamba_layers(model))
+        log(f"      {cfg.hybrid_override_pattern!r}: {nmamba} Mamba layers, nheads={H} headdim={P} dstate={N} "
+            f"ngroups={G}")
+    if not gdn and has_moe(cfg):
         log(f"      {list(cfg.layers_block_type).count('moe')} MoE layers: {cfg.n_routed_experts} experts, top-"
             f"{cfg.num_experts_per_tok}, as {args.moe_formulation} standard ONNX ops (builders/moe.py)")
 
@@ -395,8 +502,11 @@ def build(args) -> pathlib.Path:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise survive the rename
     try:
-        make = _spec_artifacts if args.num_draft else _decode_artifacts
-        config, plans = make(args, model, tmp, H, P, N, G, nmamba)
+        if gdn:
+            config, plans = _gdn_decode_artifacts(args, model, tmp)
+        else:
+            make = _spec_artifacts if args.num_draft else _decode_artifacts
+            config, plans = make(args, model, tmp, H, P, N, G, nmamba)
         trt, why = tensorrt_status()
         if trt is not None:
             for onnx_name, plan_name, io_shapes in plans:

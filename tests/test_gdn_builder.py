@@ -195,3 +195,51 @@ def test_onnx_reproduces_the_patched_model(model, exported):
         return [torch.from_numpy(np.asarray(o)) for o in sess.run(None, dict(zip(names, feed)))]
 
     _against_patched(model, step, run)
+
+
+# ---- scripts/build_engine.py for the GDN families -------------------------------------------------------
+def _build(*args):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run([sys.executable, str(root / "scripts" / "build_engine.py"), *map(str, args)],
+                          capture_output=True, text=True, env=env, timeout=170, check=False)
+
+
+@pytest.mark.parametrize("tiny", sorted(FAMILIES))
+def test_build_engine_tiny_gdn(tmp_path, tiny):
+    import json
+
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    from builders.decode_step import DOMAIN
+    from trtllm_replayssm import trt_plugin as tp
+
+    out = tmp_path / "engine"
+    r = _build("--out", out, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--tiny", tiny)
+    assert r.returncode == 0, r.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["engine"]  # no temporary directory survives
+    assert "trtexec --onnx=model.onnx" in r.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["pattern"] == "GGG*" and cfg["model"]["gdn_layers"] == [0, 1, 2]
+    plugin = cfg["plugin"]
+    assert plugin["op_type"] == tp.GDN_PLUGIN_NAME and plugin["nodes"] == 3
+    assert plugin["inputs"] == list(tp.GDN_INPUT_NAMES) and plugin["outputs"] == list(tp.GDN_OUTPUT_NAMES)
+    for k in plugin["kernels"]:  # the PTX aot_impl hands TensorRT for each tactic
+        want = tp.aot_gdn_kernel(2, 4, 64, 64, L, 1, "f32", 90, k["tactic"])
+        assert (out / k["ptx"]).read_bytes() == want.ptx and k["grid"] == [want.grid_x, "batch", 1]
+    g = onnx.load(str(out / "model.onnx"))
+    assert sum(n.domain == DOMAIN for n in g.graph.node) == 3
+    assert {s["name"] for s in cfg["states"]} | {"input_ids"} == {i.name for i in g.graph.input}
+    assert {s["output"] for s in cfg["states"]} | {"logits"} == {o.name for o in g.graph.output}
+
+
+def test_build_engine_gdn_refuses_what_it_cannot_build(tmp_path):
+    r = _build("--out", tmp_path / "e", "--tiny", "qwen3_5", "--num-draft", 3)
+    assert r.returncode == 2 and "--num-draft: speculative decoding of Gated DeltaNet models" in r.stderr
+    r = _build("--out", tmp_path / "e", "--tiny", "qwen3_5", "--state-dtype", "bf16")
+    assert r.returncode == 1 and "--state-dtype: Gated DeltaNet checkpoints are fp32" in r.stderr
+    assert not (tmp_path / "e").exists() and list(tmp_path.iterdir()) == []

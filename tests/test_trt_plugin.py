@@ -426,14 +426,27 @@ PLUGIN_CASES = {
                             lambda a: tp.verify_io_shapes("b", "s", *a.values()), ("bf16", "f16", None)),
     tp.COMMIT_PLUGIN_NAME: (dict(num_tokens=2, buffer_len=8), lambda a: tp.commit_io_shapes("b", "s"),
                             (None, None, None)),
+    tp.GDN_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8, use_qk_l2norm=1),
+                         lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5]), ("f32", "bf16", None)),
+    tp.GDN_SHADOW_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=128, value_dim=64, buffer_len=16,
+                                     use_qk_l2norm=0),
+                                lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5], "bf16"),
+                                ("f32", "f16", "bf16")),
 }
+GDN_PLUGINS = (tp.GDN_PLUGIN_NAME, tp.GDN_SHADOW_PLUGIN_NAME)
+
+
+def _types(plugin, state, act, shadow):
+    if plugin in GDN_PLUGINS:
+        return tp.gdn_type_combination(act, shadow or "none")
+    return tp.type_combination(state, act, shadow or "none")
 
 
 def _dtypes(plugin, state, act, shadow):
     info = tp.PLUGINS[plugin]
     if plugin == tp.COMMIT_PLUGIN_NAME:
         return dict.fromkeys(info.inputs, "i32")
-    types = tp.type_combination(state, act, shadow or "none")
+    types = _types(plugin, state, act, shadow)
     back = {v: k for k, v in tp._TRT_TYPE_NAMES.items()} | {"INT32": "i32"}
     return {n: back[t] for n, t in zip(info.inputs, types)}
 
@@ -459,7 +472,7 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
                 assert desc.aliased_to is ins[info.aliases[o]], (o, info.outputs[o])
             else:
                 assert desc.aliased_to is None and desc.dtype == ins[0].dtype
-    name = next(iter(k for k in ("nheads", "num_tokens") if k in attrs))
+    name = next(iter(k for k in ("nheads", "num_tokens", "num_v_heads") if k in attrs))
     if plugin != tp.COMMIT_PLUGIN_NAME:  # a wrong attribute is refused once the shapes are known
         with pytest.raises(ValueError, match=f"{name}={attrs[name] + 2} but the inputs have {attrs[name]}"):
             reg["desc"](*_descs(trtp, plugin, shapes, dtypes), **{**attrs, name: attrs[name] + 2})
@@ -472,7 +485,7 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
     if plugin == tp.COMMIT_PLUGIN_NAME:
         assert [c.io_types for c in combos] == ["INT32, INT32, INT32, INT32"] and combos[0].tactics == [1]
     else:
-        assert ", ".join(tp.type_combination(state, act, shadow or "none")) in [c.io_types for c in combos]
+        assert ", ".join(_types(plugin, state, act, shadow)) in [c.io_types for c in combos]
         assert all(c.tactics == sorted(tp.TACTICS) for c in combos)
 
     env = dict(batch=5, slots=7)
@@ -482,6 +495,8 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
             want = tp.aot_commit_kernel(attrs["num_tokens"], attrs["buffer_len"], 90)
         elif plugin == tp.VERIFY_PLUGIN_NAME:
             want = tp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic)
+        elif plugin in GDN_PLUGINS:
+            want = tp.aot_gdn_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         else:
             want = tp.aot_kernel(*attrs.values(), state, act, 90, tactic, 132, shadow or "none")
         assert (name_, ptx) == (want.kernel_name, want.ptx)
@@ -490,3 +505,56 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
         assert (_ev(launch.block_x, env), _ev(launch.shared_mem, env)) == (want.block_x, want.shared_mem)
         assert all(isinstance(e, trtp.SymInt32) for e in extra)
         assert [_ev(e, env) for e in extra] == [5, 7]
+
+
+# ---- gdn_decode ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shadow", ["none", "bf16"])
+@pytest.mark.parametrize("tactic", sorted(tp.TACTICS))
+def test_gdn_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, shadow):
+    """Qwen3-Next geometry (16 key heads, 32 value heads, 128 / 128): the entry's parameters are the
+    inputs, two int32 scalars, the outputs; the module is gdn_ops' for the tactic's batch."""
+    from trtllm_replayssm.config import gdn_spec
+
+    k = tp.aot_gdn_kernel(16, 32, 128, 128, 16, 1, "bf16", 90, tactic, shadow)
+    params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
+    kinds = re.findall(r"\.param \.(u64|u32)", params)
+    info = tp.PLUGINS[tp.GDN_SHADOW_PLUGIN_NAME if shadow == "bf16" else tp.GDN_PLUGIN_NAME]
+    assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
+    assert k.spec == gdn_spec("bf16", 32, 16, 128, 128, 16, tp.TACTICS[tactic], True, shadow, True, None, 90)
+    assert k.grid(7) == k.spec.grid(7) and k.block_x == k.spec.threads and k.extra_args == ("batch", "slots")
+
+
+def test_gdn_io_contract_attributes_and_rejects():
+    shapes = tp.gdn_io_shapes(3, 5, 16, 32, 128, 64, 16)
+    assert list(shapes)[: len(tp.GDN_INPUT_NAMES)] == list(tp.GDN_INPUT_NAMES)
+    assert shapes["state_out"] == shapes["state"] == (5, 32, 64, 128) and shapes["y"] == shapes["v"] == (3, 32, 64)
+    assert shapes["k_cache_out"] == (5, 16, 16, 128) and shapes["beta_cache_out"] == (5, 32, 16)
+    types = tp.gdn_type_combination("bf16")
+    assert len(types) == len(tp.GDN_INPUT_NAMES) + len(tp.GDN_OUTPUT_NAMES) and types[11] == "BF16"
+    assert tp.shape_attributes(tp.GDN_PLUGIN_NAME, shapes) == dict(num_k_heads=16, num_v_heads=32, key_dim=128,
+                                                                   value_dim=64, buffer_len=16)
+    attrs = dict(num_k_heads=16, num_v_heads=32, key_dim=128, value_dim=64, buffer_len=16, use_qk_l2norm=1)
+    tp.check_attributes(tp.GDN_PLUGIN_NAME, attrs, shapes)
+    with pytest.raises(ValueError, match="value_dim=128 but the inputs have 64"):
+        tp.check_attributes(tp.GDN_PLUGIN_NAME, {**attrs, "value_dim": 128}, shapes)
+    with pytest.raises(ValueError, match="use_qk_l2norm: expected 0 or 1, got 2"):
+        tp.check_attributes(tp.GDN_PLUGIN_NAME, {**attrs, "use_qk_l2norm": 2}, shapes)
+    with pytest.raises(ValueError, match="shadow: expected 'none' or 'bf16'"):
+        tp.aot_gdn_kernel(16, 32, 128, 128, 16, 1, "bf16", 90, 1, "fp8")
+    with pytest.raises(ValueError, match="act: expected one of"):
+        tp.aot_gdn_kernel(16, 32, 128, 128, 16, 1, "i8", 90)
+
+
+def test_gdn_onnx_node_matches_the_plugin_contract(tmp_path):
+    """The ONNX node builders/gdn_step.py exports carries exactly the plugin's inputs and attributes."""
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    pytest.importorskip("transformers")
+    from builders.gdn_step import QwenGDNDecodeStep, export_onnx
+    from builders.qwen3_next import tiny_model
+
+    step = QwenGDNDecodeStep(tiny_model("qwen3_5"), 8, 32)
+    export_onnx(step, tmp_path / "m.onnx")
+    node = next(n for n in onnx.load(str(tmp_path / "m.onnx")).graph.node if n.op_type == tp.GDN_PLUGIN_NAME)
+    attrs = [a.name for a in node.attribute if a.name not in ("plugin_namespace", "aot")]
+    assert sorted(attrs) == sorted(tp.GDN_ATTRIBUTES)
+    assert len(node.input) == len(tp.GDN_INPUT_NAMES) and len(node.output) == len(tp.GDN_OUTPUT_NAMES)

@@ -81,6 +81,28 @@ output pointers. Tactics as above; grid (heads * chunks, batch), static shared m
 Output: 0 cursor_out aliased to input 2. Attributes: num_tokens, buffer_len. Kernel parameters: the
 3 input pointers, int32 batch, int32 slots, the output pointer. Grid ceil(b / 256), block 256.
 
+``replayssm::gdn_decode`` (+ ``gdn_decode_shadow``): one launch of ``gdn_replay_decode``
+(plugins/gdn_decode.cu) per Gated DeltaNet layer (Qwen3-Next / Qwen3.5): the fused ReplaySSM GDN step
+(output from the checkpoint and the buffered corrected updates, append, exact fold when the buffer
+fills; trtllm_replayssm/gdn_reference.py). Inputs (H key heads, HV value heads, Kd key dim, V value dim):
+  0  q                    (b, H, Kd)    act, raw (l2 norm and Kd^-1/2 inside)
+  1  k                    (b, H, Kd)    act, raw
+  2  v                    (b, HV, V)    act
+  3  a                    (b, HV)       act, raw (g = -exp(A_log) softplus(a + dt_bias) inside)
+  4  b                    (b, HV)       act, raw (beta = sigmoid(b) inside)
+  5  A_log                (HV,)         fp32
+  6  dt_bias              (HV,)         fp32
+  7  state_batch_indices  (b,)          int32, -1 = padding row
+  8  cursor               (S,)          int32, read only (advanced once per step, shared with Mamba-2)
+  9  state                (S, HV, V, Kd) fp32 checkpoint
+  10 u_cache              (S, HV, L, V) fp32      11 v_cache (S, HV, L, V) act
+  12 k_cache              (S, H, L, Kd) fp32      13 g_cache (S, HV, L) fp32     14 beta_cache (S, HV, L) fp32
+  [15 shadow              (S, HV, V, Kd) bf16, gdn_decode_shadow only]
+Outputs: 0 y (b, HV, V) act; 1-6 aliased to inputs 9-14 [7 shadow_out -> 15]. Attributes:
+num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm (0/1; compiled into the
+PTX). Kernel parameters: the input pointers, int32 batch, int32 slots, the output pointers. Tactics
+as above (large / small batch geometry); grid (HV * V / rows, batch).
+
 Everything ``register`` hands TensorRT comes from plain functions that the CPU tests run:
 :func:`aot_kernel`, :func:`aot_verify_kernel`, :func:`aot_commit_kernel` (PTX, kernel name, grid,
 block, int32 args), :func:`shape_attributes` + :func:`check_attributes`, :func:`type_combination`.
@@ -139,6 +161,20 @@ COMMIT_OUTPUT_NAMES = ("cursor_out",)
 COMMIT_ALIASES = {0: 2}
 COMMIT_TACTICS = (1,)  # one kernel; advertised so that TensorRT always sets a tactic
 
+GDN_PLUGIN_NAME = "gdn_decode"
+GDN_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{GDN_PLUGIN_NAME}"
+GDN_KERNEL_NAME = "gdn_replay_decode"
+GDN_ATTRIBUTES = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "buffer_len", "use_qk_l2norm")
+GDN_INPUT_NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_batch_indices", "cursor", "state", "u_cache",
+                   "v_cache", "k_cache", "g_cache", "beta_cache")
+GDN_OUTPUT_NAMES = ("y", "state_out", "u_cache_out", "v_cache_out", "k_cache_out", "g_cache_out", "beta_cache_out")
+GDN_ALIASES = {1: 9, 2: 10, 3: 11, 4: 12, 5: 13, 6: 14}
+GDN_SHADOW_PLUGIN_NAME = "gdn_decode_shadow"
+GDN_SHADOW_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{GDN_SHADOW_PLUGIN_NAME}"
+GDN_SHADOW_INPUT_NAMES = GDN_INPUT_NAMES + ("shadow",)
+GDN_SHADOW_OUTPUT_NAMES = GDN_OUTPUT_NAMES + ("shadow_out",)
+GDN_SHADOW_ALIASES = {**GDN_ALIASES, 7: 15}
+
 
 @dataclasses.dataclass(frozen=True)
 class PluginInfo:
@@ -169,6 +205,10 @@ PLUGINS = {
                                    VERIFY_ALIASES, VERIFY_ATTRIBUTES),
     COMMIT_PLUGIN_NAME: PluginInfo(COMMIT_PLUGIN_NAME, COMMIT_KERNEL_NAME, COMMIT_INPUT_NAMES, COMMIT_OUTPUT_NAMES,
                                    COMMIT_ALIASES, COMMIT_ATTRIBUTES),
+    GDN_PLUGIN_NAME: PluginInfo(GDN_PLUGIN_NAME, GDN_KERNEL_NAME, GDN_INPUT_NAMES, GDN_OUTPUT_NAMES, GDN_ALIASES,
+                                GDN_ATTRIBUTES),
+    GDN_SHADOW_PLUGIN_NAME: PluginInfo(GDN_SHADOW_PLUGIN_NAME, GDN_KERNEL_NAME, GDN_SHADOW_INPUT_NAMES,
+                                       GDN_SHADOW_OUTPUT_NAMES, GDN_SHADOW_ALIASES, GDN_ATTRIBUTES),
 }
 
 
@@ -255,6 +295,53 @@ def aot_commit_kernel(num_tokens: int, buffer_len: int, arch: int) -> AotKernel:
                      spec, rows_per_block=COMMIT_THREADS)
 
 
+def aot_gdn_kernel(num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
+                   use_qk_l2norm: int, act: str, arch: int, tactic: int = 1, shadow: str = "none") -> AotKernel:
+    """PTX and launch parameters of one ``gdn_decode[_shadow]`` layer: the module and grid that
+    ``gdn_ops.gdn_replay_decode`` launches for the tactic's batch geometry (argument order: inputs,
+    batch, slots, outputs)."""
+    from .config import gdn_spec
+
+    _check_dtypes("f32", act, tactic)
+    if shadow not in ("none", "bf16"):
+        raise ValueError(f"shadow: expected 'none' or 'bf16' (the GDN kernels read a bf16 shadow), got {shadow!r}")
+    if use_qk_l2norm not in (0, 1, True, False):
+        raise ValueError(f"use_qk_l2norm: expected 0 or 1, got {use_qk_l2norm!r}")
+    spec = gdn_spec(act, num_v_heads, num_k_heads, value_dim, key_dim, buffer_len, TACTICS[tactic], True, shadow,
+                    bool(use_qk_l2norm), None, arch)
+    return AotKernel(GDN_KERNEL_NAME, compile_spec(spec, "ptx"), spec.grid(1)[0], True, spec.threads, 0,
+                     ("batch", "slots"), spec)
+
+
+def gdn_io_shapes(batch, slots, num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
+                  shadow: str = "none") -> dict[str, tuple]:
+    """Shapes of every ``gdn_decode[_shadow]`` input and output."""
+    H, HV, K, V, L = num_k_heads, num_v_heads, key_dim, value_dim, buffer_len
+    ins = {"q": (batch, H, K), "k": (batch, H, K), "v": (batch, HV, V), "a": (batch, HV), "b": (batch, HV),
+           "A_log": (HV,), "dt_bias": (HV,), "state_batch_indices": (batch,), "cursor": (slots,),
+           "state": (slots, HV, V, K), "u_cache": (slots, HV, L, V), "v_cache": (slots, HV, L, V),
+           "k_cache": (slots, H, L, K), "g_cache": (slots, HV, L), "beta_cache": (slots, HV, L)}
+    in_names, out_names, aliases = GDN_INPUT_NAMES, GDN_OUTPUT_NAMES, GDN_ALIASES
+    if shadow != "none":
+        ins["shadow"] = (slots, HV, V, K)
+        in_names, out_names, aliases = GDN_SHADOW_INPUT_NAMES, GDN_SHADOW_OUTPUT_NAMES, GDN_SHADOW_ALIASES
+    outs = {"y": (batch, HV, V)}
+    for o, i in aliases.items():
+        outs[out_names[o]] = ins[in_names[i]]
+    return {**ins, **outs}
+
+
+def gdn_type_combination(act: str, shadow: str = "none") -> list[str]:
+    """TensorRT type names of the inputs then the outputs of ``gdn_decode[_shadow]`` for one activation type."""
+    a = _TRT_TYPE_NAMES[act]
+    ins = [a, a, a, a, a, "FP32", "FP32", "INT32", "INT32", "FP32", "FP32", a, "FP32", "FP32", "FP32"]
+    aliases = GDN_ALIASES
+    if shadow != "none":
+        ins.append(_TRT_TYPE_NAMES[shadow])
+        aliases = GDN_SHADOW_ALIASES
+    return ins + [a] + [ins[i] for i in aliases.values()]
+
+
 def io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, shadow: str = "none") -> dict[str, tuple]:
     """Shapes of every plugin input and output (the contract ``register`` checks); with a shadow,
     those of ``mamba2_decode_shadow``."""
@@ -304,6 +391,9 @@ def shape_attributes(plugin: str, shapes: dict) -> dict:
                     buffer_len=dim("x_cache", 2), num_tokens=dim("x", 1))
     if plugin == COMMIT_PLUGIN_NAME:
         return {}
+    if plugin in (GDN_PLUGIN_NAME, GDN_SHADOW_PLUGIN_NAME):
+        return dict(num_k_heads=dim("q", 1), num_v_heads=dim("v", 1), key_dim=dim("q", 2), value_dim=dim("v", 2),
+                    buffer_len=dim("u_cache", 2))
     raise ValueError(f"plugin: expected one of {sorted(PLUGINS)}, got {plugin!r}")
 
 
@@ -314,6 +404,11 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict) -> None:
     if bad:
         got = ", ".join(f"{k}={a} but the inputs have {v}" for k, (a, v) in bad.items())
         raise ValueError(f"{PLUGINS[plugin].id}: attributes do not match the input shapes: {got}")
+    if plugin in (GDN_PLUGIN_NAME, GDN_SHADOW_PLUGIN_NAME):
+        if attrs["use_qk_l2norm"] not in (0, 1):
+            raise ValueError(f"{PLUGINS[plugin].id}: use_qk_l2norm: expected 0 or 1, got {attrs['use_qk_l2norm']!r}")
+        if not 1 <= attrs["buffer_len"] <= 32:
+            raise ValueError(f"{PLUGINS[plugin].id}: buffer_len: expected 1..32, got {attrs['buffer_len']!r}")
     if plugin in (VERIFY_PLUGIN_NAME, COMMIT_PLUGIN_NAME):
         check_spec_attributes(attrs["num_tokens"], attrs["buffer_len"])
         cursor = shapes.get("cursor")
@@ -359,7 +454,7 @@ def current_device() -> tuple[int, int]:
 
 
 def register():
-    """Register the four plugins with TensorRT's Python plugin registry (idempotent).
+    """Register the six plugins with TensorRT's Python plugin registry (idempotent).
 
     Thin on purpose: every value it hands TensorRT comes from the plain functions above. Runs only
     where TensorRT is installed; tests/test_trt_plugin.py drives it through a stand-in of
@@ -490,5 +585,61 @@ def register():
         arch, _ = current_device()
         k = aot_commit_kernel(num_tokens, buffer_len, arch)
         return result(k, state_batch_indices.shape_expr[0], cursor.shape_expr[0])
+
+    # ---- gdn_decode ----------------------------------------------------------------------------------------
+    @trtp.register(GDN_PLUGIN_ID)
+    def _desc_g(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
+                cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
+                beta_cache: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
+                use_qk_l2norm: int) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+        check(GDN_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
+                                    value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
+              q=q, v=v, u_cache=u_cache)
+        return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
+                beta_cache.aliased())
+
+    @trtp.autotune(GDN_PLUGIN_ID)
+    def _tune_g(q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor, state, u_cache, v_cache, k_cache, g_cache,
+                beta_cache, outputs) -> Tune:
+        return [trtp.AutoTuneCombination(", ".join(gdn_type_combination(act)), "LINEAR", list(TACTICS))
+                for act in ACT_DTYPES]
+
+    @trtp.aot_impl(GDN_PLUGIN_ID)
+    def _aot_g(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
+               cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
+               beta_cache: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
+               use_qk_l2norm: int, outputs: tuple[Desc], tactic: int) -> AotResult:
+        arch, _ = current_device()
+        kern = aot_gdn_kernel(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm,
+                              dt_code[v.dtype], arch, tactic)
+        return result(kern, v.shape_expr[0], state.shape_expr[0])
+
+    # ---- gdn_decode_shadow ---------------------------------------------------------------------------------
+    @trtp.register(GDN_SHADOW_PLUGIN_ID)
+    def _desc_gs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
+                 cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
+                 beta_cache: Desc, shadow: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int,
+                 buffer_len: int, use_qk_l2norm: int) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+        check(GDN_SHADOW_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
+                                           value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
+              q=q, v=v, u_cache=u_cache)
+        return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
+                beta_cache.aliased(), shadow.aliased())
+
+    @trtp.autotune(GDN_SHADOW_PLUGIN_ID)
+    def _tune_gs(q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor, state, u_cache, v_cache, k_cache,
+                 g_cache, beta_cache, shadow, outputs) -> Tune:
+        return [trtp.AutoTuneCombination(", ".join(gdn_type_combination(act, "bf16")), "LINEAR", list(TACTICS))
+                for act in ACT_DTYPES]
+
+    @trtp.aot_impl(GDN_SHADOW_PLUGIN_ID)
+    def _aot_gs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
+                cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
+                beta_cache: Desc, shadow: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int,
+                buffer_len: int, use_qk_l2norm: int, outputs: tuple[Desc], tactic: int) -> AotResult:
+        arch, _ = current_device()
+        kern = aot_gdn_kernel(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm,
+                              dt_code[v.dtype], arch, tactic, "bf16")
+        return result(kern, v.shape_expr[0], state.shape_expr[0])
 
     register._done = True
