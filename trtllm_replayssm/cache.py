@@ -22,6 +22,26 @@ conv           (layers, slots, conv_dim, W)   act_dtype          conv1d window, 
 ``layer(l)`` gives per-layer views in the layouts of :mod:`.spec_reference` / :mod:`.reference` (the
 kernels' contract).
 
+Gated DeltaNet layers (Qwen3-Next / Qwen3.5; ``gdn_layers`` > 0, HV value heads, Hk key heads, V value
+dim, Kd key dim; the layouts of :mod:`.gdn_reference`) share the slots, the cursor and the step with the
+Mamba-2 layers (a model may hold both kinds; ``num_layers`` = 0 for a GDN-only model,
+:meth:`ReplayStateCache.for_gdn`):
+
+=============  =============================  =================  ===============================================
+tensor         shape                          dtype              meaning
+=============  =============================  =================  ===============================================
+gdn_state      (gdn_layers, slots, HV, V, Kd)  state_dtype (f32)  checkpoint S0 (the exact fold writes it)
+gdn_shadow     (gdn_layers, slots, HV, V, Kd)  shadow_dtype       optional bf16 copy read by non-flush steps
+gdn_u, gdn_v   (gdn_layers, slots, HV, L, V)   f32, act_dtype     rings of the corrected updates u_j, values v_j
+gdn_k          (gdn_layers, slots, Hk, L, Kd)  f32                ring of l2-normalised keys k_j
+gdn_g, gdn_beta (gdn_layers, slots, HV, L)     f32                rings of log decays g_j and beta_j
+gdn_conv       (gdn_layers, slots, gdn_conv_dim, W)  act_dtype   conv1d window over q | k | v
+=============  =============================  =================  ===============================================
+Per step: :meth:`gdn_verify` and :meth:`gdn_conv_update` for every GDN layer between :meth:`flush` and
+:meth:`commit`, exactly as :meth:`verify` / :meth:`conv_update` for the Mamba-2 layers (CPU:
+``gdn_reference``; CUDA: ``gdn_ops.gdn_replay_verify``, which folds inside the launch as the Mamba-2
+verify kernel does).
+
 Slot lifecycle: :meth:`allocate` returns the lowest free slot, already reset; :meth:`free` returns it.
 :meth:`reset` zeroes everything the slot owns in every layer (checkpoint, shadow, rings, conv window,
 cursor start and count), so a recycled slot reads exactly what a fresh one reads: zeros, never a stale
@@ -71,9 +91,11 @@ import dataclasses
 
 import torch
 
+from . import gdn_reference as gref
 from . import ops
 from . import spec_reference as sr
 from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
+from .gdn_reference import GDNBuffers
 from .reference import Shadow
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -92,6 +114,35 @@ class LayerState:
     shadow_scale: torch.Tensor | None
 
 
+@dataclasses.dataclass(frozen=True)
+class GDNLayerState:
+    """Views of one Gated DeltaNet layer's tensors (no copies)."""
+
+    buf: GDNBuffers
+    conv: torch.Tensor
+    shadow: torch.Tensor | None
+    shadow_scale: torch.Tensor | None
+
+
+def _check_gdn_geometry(HV: int, Hk: int, V: int, Kd: int, cuda: bool, shadow_dtype, state_dtype) -> None:
+    for name, v in (("gdn_value_heads", HV), ("gdn_key_heads", Hk), ("gdn_value_dim", V), ("gdn_key_dim", Kd)):
+        if v < 1:
+            raise ValueError(f"{name}: expected >= 1 with gdn_layers > 0, got {v}")
+    if HV % Hk:
+        raise ValueError(f"gdn_key_heads: expected a divisor of gdn_value_heads={HV}, got {Hk}")
+    if not cuda:
+        return
+    from .config import GDN_SUPPORTED_DIMS
+
+    for name, v in (("gdn_value_dim", V), ("gdn_key_dim", Kd)):
+        if v not in GDN_SUPPORTED_DIMS:
+            raise ValueError(f"{name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
+    if shadow_dtype not in (None, torch.bfloat16):
+        raise ValueError(f"shadow_dtype: the GDN kernels read a bfloat16 shadow only, got {shadow_dtype}")
+    if state_dtype != torch.float32:
+        raise ValueError(f"state_dtype: the GDN kernels keep an fp32 checkpoint, got {state_dtype}")
+
+
 class ReplayStateCache:
     """See the module docstring. ``check_values`` (CUDA path): None = host checks unless capturing a CUDA
     graph, False = never (no device->host reads), True = always. ``read_shadow`` (CPU path): the output
@@ -101,8 +152,13 @@ class ReplayStateCache:
     def __init__(self, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int,
                  buffer_len: int, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
-                 device="cpu", check_values: bool | None = None, read_shadow: bool = False):
-        for name, v in (("num_layers", num_layers), ("num_slots", num_slots), ("nheads", nheads), ("headdim", headdim),
+                 device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, gdn_layers: int = 0,
+                 gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
+                 gdn_conv_dim: int | None = None):
+        if num_layers < 0 or gdn_layers < 0 or num_layers + gdn_layers < 1:
+            raise ValueError(f"num_layers, gdn_layers: expected >= 0 with at least one layer, got {num_layers}, "
+                             f"{gdn_layers}")
+        for name, v in (("num_slots", num_slots), ("nheads", nheads), ("headdim", headdim),
                         ("dstate", dstate), ("ngroups", ngroups), ("conv_kernel", conv_kernel)):
             if v < 1:
                 raise ValueError(f"{name}: expected >= 1, got {v}")
@@ -118,12 +174,16 @@ class ReplayStateCache:
         if shadow_dtype == torch.float16 and (read_shadow or torch.device(device).type == "cuda"):
             raise ValueError("shadow_dtype: float16 is kept but never read (no kernel reads it); use bfloat16 or "
                              "float8_e4m3fn for a shadow the output form reads")
-        if torch.device(device).type == "cuda":  # the kernels' geometries, named here rather than at the first launch
+        cuda = torch.device(device).type == "cuda"
+        if gdn_layers:
+            _check_gdn_geometry(gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim, cuda, shadow_dtype,
+                                state_dtype)
+        if cuda and num_layers:  # the kernels' geometries, named here rather than at the first launch
             for name, v, ok in (("headdim", headdim, SUPPORTED_HEADDIM), ("dstate", dstate, SUPPORTED_DSTATE)):
                 if v not in ok:
                     raise ValueError(f"{name}: expected one of {ok} on CUDA (the kernels' geometries), got {v}")
-            if buffer_len > 32:
-                raise ValueError(f"buffer_len: expected <= 32 on CUDA (the kernels' rings), got {buffer_len}")
+        if cuda and buffer_len > 32:
+            raise ValueError(f"buffer_len: expected <= 32 on CUDA (the kernels' rings), got {buffer_len}")
         self.num_layers, self.num_slots = num_layers, num_slots
         self.nheads, self.headdim, self.dstate, self.ngroups = nheads, headdim, dstate, ngroups
         self.buffer_len, self.num_draft, self.conv_kernel = buffer_len, num_draft, conv_kernel
@@ -142,6 +202,25 @@ class ReplayStateCache:
         # Slot S is scratch: the gathered conv updates of the CUDA path send padding rows there.
         self._conv = torch.zeros(Ly, S + 1, self.conv_dim, self.conv_width, dtype=act_dtype, **kw)
         self.conv = self._conv[:, :S]
+        # Gated DeltaNet layers (module docstring); empty tensors when there are none.
+        Lg = gdn_layers
+        HV, Hk, V, Kd = gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim
+        self.gdn_layers, self.gdn_value_heads, self.gdn_key_heads = Lg, HV, Hk
+        self.gdn_value_dim, self.gdn_key_dim = V, Kd
+        self.gdn_conv_dim = 2 * Hk * Kd + HV * V if gdn_conv_dim is None else gdn_conv_dim
+        buf = torch.float64 if state_dtype == torch.float64 else torch.float32  # f64 only in tests
+        self.gdn_state = torch.zeros(Lg, S, HV, V, Kd, dtype=state_dtype, **kw)
+        self.gdn_shadow = None if shadow_dtype is None or not Lg else torch.zeros(Lg, S, HV, V, Kd, dtype=shadow_dtype,
+                                                                                  **kw)
+        self.gdn_shadow_scale = (torch.ones(Lg, S, HV, V, dtype=torch.float32, **kw)
+                                 if self.gdn_shadow is not None and shadow_dtype == torch.float8_e4m3fn else None)
+        self.gdn_u = torch.zeros(Lg, S, HV, L, V, dtype=buf, **kw)
+        self.gdn_v = torch.zeros(Lg, S, HV, L, V, dtype=act_dtype, **kw)
+        self.gdn_k = torch.zeros(Lg, S, Hk, L, Kd, dtype=buf, **kw)
+        self.gdn_g = torch.zeros(Lg, S, HV, L, dtype=buf, **kw)
+        self.gdn_beta = torch.zeros(Lg, S, HV, L, dtype=buf, **kw)
+        self._gdn_conv = torch.zeros(Lg, S + 1, self.gdn_conv_dim, self.conv_width, dtype=act_dtype, **kw)
+        self.gdn_conv = self._gdn_conv[:, :S]
         self._free = list(range(S))
         self._live: set[int] = set()
         self._flushed: set[int] = set()  # CPU path: slots folded by this step's flush()
@@ -179,9 +258,26 @@ class ReplayStateCache:
                           None if self.shadow is None else self.shadow[l],
                           None if self.shadow_scale is None else self.shadow_scale[l])
 
+    def gdn_layer(self, l: int) -> GDNLayerState:
+        """Views of GDN layer ``l``'s tensors in :mod:`.gdn_reference`'s per-layer layouts (no copies)."""
+        if not 0 <= l < self.gdn_layers:
+            raise IndexError(f"gdn layer: expected 0 <= layer < {self.gdn_layers}, got {l}")
+        buf = GDNBuffers(self.gdn_state[l], self.gdn_u[l], self.gdn_v[l], self.gdn_k[l], self.gdn_g[l],
+                         self.gdn_beta[l])
+        return GDNLayerState(buf, self.gdn_conv[l], None if self.gdn_shadow is None else self.gdn_shadow[l],
+                             None if self.gdn_shadow_scale is None else self.gdn_shadow_scale[l])
+
     def _tensors(self):
         return [t for t in (self.state, self.shadow, self.shadow_scale, self.x_cache, self.B_cache, self.dt_cache,
-                            self.conv) if t is not None]
+                            self.conv, self.gdn_state, self.gdn_shadow, self.gdn_shadow_scale, self.gdn_u, self.gdn_v,
+                            self.gdn_k, self.gdn_g, self.gdn_beta, self.gdn_conv) if t is not None]
+
+    @classmethod
+    def for_gdn(cls, gdn_layers: int, num_slots: int, value_heads: int, key_heads: int, value_dim: int, key_dim: int,
+                buffer_len: int, **kw) -> ReplayStateCache:
+        """A cache of Gated DeltaNet layers only (Qwen3-Next / Qwen3.5): no Mamba-2 layer."""
+        return cls(0, num_slots, 1, 1, 1, 1, buffer_len, gdn_layers=gdn_layers, gdn_value_heads=value_heads,
+                   gdn_key_heads=key_heads, gdn_value_dim=value_dim, gdn_key_dim=key_dim, **kw)
 
     # ---- slot lifecycle ----------------------------------------------------------------------------------
     @property
@@ -213,8 +309,9 @@ class ReplayStateCache:
             raise IndexError(f"slot: expected 0 <= slot < {self.num_slots}, got {slot}")
         for t in self._tensors():
             t[:, slot].zero_()
-        if self.shadow_scale is not None:
-            self.shadow_scale[:, slot] = 1.0
+        for scale in (self.shadow_scale, self.gdn_shadow_scale):
+            if scale is not None:
+                scale[:, slot] = 1.0
         self.cursor[slot].zero_()
 
     def _check_live(self, slot: int, what: str) -> None:
@@ -265,6 +362,30 @@ class ReplayStateCache:
             lay.conv[slot][:, self.conv_width - (self.conv_kernel - 1):] = conv_state.to(lay.conv.dtype)
         self.cursor[slot].zero_()
 
+    def load_gdn_prefill(self, slot: int, layer: int, state: torch.Tensor, conv_state: torch.Tensor | None = None) -> None:
+        """GDN prefill hand-off: the final recurrent state (HV, V, Kd) (transformers keeps (HV, Kd, V): transpose
+        it) becomes the checkpoint, rings empty, conv_state (gdn_conv_dim, K-1) in the window's last columns."""
+        self._check_live(slot, "load_gdn_prefill")
+        lay = self.gdn_layer(layer)
+        sr._check_shape(state, "state", lay.buf.state.shape[1:])
+        if conv_state is not None:
+            sr._check_shape(conv_state, "conv_state", (self.gdn_conv_dim, self.conv_kernel - 1))
+        lay.buf.state[slot] = state.to(lay.buf.state.dtype)
+        self._refresh_gdn_shadow(layer, slot)
+        for t in (lay.buf.u_cache, lay.buf.v_cache, lay.buf.k_cache, lay.buf.g_cache, lay.buf.beta_cache, lay.conv):
+            t[slot].zero_()
+        if conv_state is not None and self.conv_kernel > 1:
+            lay.conv[slot][:, self.conv_width - (self.conv_kernel - 1):] = conv_state.to(lay.conv.dtype)
+        self.cursor[slot].zero_()
+
+    def _refresh_gdn_shadow(self, layer: int, slot: int) -> None:
+        if self.gdn_shadow is not None:
+            self._gdn_shadow_view(layer).write(slot, self.gdn_state[layer, slot])
+
+    def _gdn_shadow_view(self, layer: int) -> Shadow | None:
+        lay = self.gdn_layer(layer)
+        return None if lay.shadow is None else Shadow.wrap(lay.shadow, lay.shadow_scale)
+
     def _refresh_shadow(self, layer: int, slot: int) -> None:
         """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (bf16: RNE of the fp32
         value; fp8: scale = max|row| / 448, 1 for an all-zero row, q = S / scale)."""
@@ -306,6 +427,9 @@ class ReplayStateCache:
                                           num_tokens, state_batch_indices)
             for s in flushed:
                 self._refresh_shadow(l, s)
+        for l in range(self.gdn_layers):  # the exact fold from v_j; the shadow rewritten from what it stored
+            flushed = gref.flush_checkpoint(self.gdn_layer(l).buf, self.cursor, num_tokens, state_batch_indices,
+                                            self._gdn_shadow_view(l))
         sr.flush_cursor(self.cursor, num_tokens, self.buffer_len, state_batch_indices)
         self._flushed = set(flushed)
         return flushed
@@ -345,31 +469,75 @@ class ReplayStateCache:
         CPU: float64 outputs (``spec_reference.conv_window_update``). CUDA: gathered rows, math in fp32
         (float64 for float64 tensors), outputs in u's dtype; padding rows NaN and no slot touched.
         """
+        return self._conv_update(self.layer(layer).conv, self._conv[layer], self.conv_dim, u, weight, bias,
+                                 state_batch_indices, activation)
+
+    def _conv_update(self, conv, conv_scratch, conv_dim, u, weight, bias, state_batch_indices, activation):
         T = u.shape[1]
         self._check_T(T)
         if not self.uses_kernels:
             self._rows(state_batch_indices, "conv_update")
-            return sr.conv_window_update(self.layer(layer).conv, u, weight, bias, state_batch_indices, activation)
+            return sr.conv_window_update(conv, u, weight, bias, state_batch_indices, activation)
         if self._step is not None:
             self._step_T(T, "conv_update")
         if self._checking():
             self._rows(state_batch_indices, "conv_update")
         batch, K = state_batch_indices.shape[0], self.conv_kernel
-        sr._check_shape(u, "u", (batch, T, self.conv_dim))
-        sr._check_shape(weight, "weight", (self.conv_dim, K))
+        sr._check_shape(u, "u", (batch, T, conv_dim))
+        sr._check_shape(weight, "weight", (conv_dim, K))
         if bias is not None:
-            sr._check_shape(bias, "bias", (self.conv_dim,))
+            sr._check_shape(bias, "bias", (conv_dim,))
         if activation not in (None, "silu"):
             raise ValueError(f"activation: expected None or 'silu', got {activation!r}")
-        out = conv_update_rows(self._conv[layer], u, weight, bias, self._dst(state_batch_indices), K, activation)
+        out = conv_update_rows(conv_scratch, u, weight, bias, self._dst(state_batch_indices), K, activation)
         return torch.where((state_batch_indices >= 0)[:, None, None], out, float("nan"))
+
+    def gdn_verify(self, layer: int, q, k, v, a, b, A_log, dt_bias, state_batch_indices=None, out=None,
+                   use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+        """Outputs (batch, T, HV, V) of the T window tokens of GDN layer ``layer``; appends the window to its rings.
+
+        q, k (batch, T, Hk, Kd), v (batch, T, HV, V), a, b (batch, T, HV) raw, A_log, dt_bias (HV,). CPU:
+        ``gdn_reference.verify`` in float64 (padding rows NaN; into ``out`` if given). CUDA:
+        ``gdn_ops.gdn_replay_verify`` with the layer's shadow, activation-dtype outputs."""
+        T = v.shape[1]
+        self._check_T(T)
+        lay = self.gdn_layer(layer)
+        if self.uses_kernels:
+            from . import gdn_ops
+
+            verified = self._step_T(T, "gdn_verify")
+            check = self._checking()
+            if check:
+                self._rows(state_batch_indices, "gdn_verify")
+            y = gdn_ops.gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, lay.buf.state, lay.buf.u_cache,
+                                          lay.buf.v_cache, lay.buf.k_cache, lay.buf.g_cache, lay.buf.beta_cache,
+                                          self.cursor, state_batch_indices, out=out, shadow=lay.shadow,
+                                          use_qk_l2norm=use_qk_l2norm, scale=scale, check_values=check)
+            verified.add(("gdn", layer))
+            return y
+        self._rows(state_batch_indices, "gdn_verify")
+        shadow = self._gdn_shadow_view(layer) if self.read_shadow else None
+        y = gref.verify(lay.buf, self.cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow=shadow,
+                        flushed=self._flushed, use_qk_l2norm=use_qk_l2norm, scale=scale)
+        if out is None:
+            return y
+        rows = state_batch_indices >= 0
+        out[rows] = y[rows].to(out.dtype)
+        return out
+
+    def gdn_conv_update(self, layer: int, u, weight, bias=None, state_batch_indices=None,
+                        activation="silu") -> torch.Tensor:
+        """:meth:`conv_update` for GDN layer ``layer``'s window over q | k | v (u (batch, T, gdn_conv_dim))."""
+        return self._conv_update(self.gdn_layer(layer).conv, self._gdn_conv[layer], self.gdn_conv_dim, u, weight,
+                                 bias, state_batch_indices, activation)
 
     def commit(self, state_batch_indices, n_accepted, num_tokens: int) -> None:
         """Accept n of T tokens per row: count += n (cursor move), conv windows drop T - n inputs (all layers)."""
         self._check_T(num_tokens)
         kernels = self.uses_kernels
         if kernels:
-            missing = sorted(set(range(self.num_layers)) - self._step_T(num_tokens, "commit"))
+            want = set(range(self.num_layers)) | {("gdn", l) for l in range(self.gdn_layers)}
+            missing = sorted(want - self._step_T(num_tokens, "commit"), key=str)
             if missing:
                 raise RuntimeError(f"commit: layers {missing} were not verified since flush(); on CUDA their "
                                    f"history would be dropped by the cursor move")
@@ -383,16 +551,17 @@ class ReplayStateCache:
                                      f"T={num_tokens} (conv window keeps K-1 inputs), got {nacc[b]}")
         if kernels:
             # L of the rings the verify kernels read, not a second copy of it
-            ops.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.x_cache.shape[3],
+            ring = self.x_cache if self.num_layers else self.gdn_u
+            ops.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, ring.shape[3],
                             check_values=self._checking())
             dst = self._dst(state_batch_indices)
-            for l in range(self.num_layers):  # one layer at a time: the gathered windows stay small
-                conv_rollback_rows(self._conv[l], n_accepted, num_tokens, dst)
+            for conv in (*self._conv, *self._gdn_conv):  # one layer at a time: the gathered windows stay small
+                conv_rollback_rows(conv, n_accepted, num_tokens, dst)
             self._step = None
             return
         sr.commit(self.cursor, n_accepted, num_tokens, self.buffer_len, state_batch_indices)
-        for l in range(self.num_layers):
-            sr.conv_window_rollback(self.conv[l], n_accepted, num_tokens, self.conv_kernel, state_batch_indices)
+        for conv in (*self.conv, *self.gdn_conv):
+            sr.conv_window_rollback(conv, n_accepted, num_tokens, self.conv_kernel, state_batch_indices)
         self._flushed = set()
 
     def committed_state(self, layer: int, slot: int, A) -> torch.Tensor:
@@ -400,6 +569,10 @@ class ReplayStateCache:
         Between steps only on CUDA (module docstring)."""
         lay = self.layer(layer)
         return sr.committed_state(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, A, slot)
+
+    def gdn_committed_state(self, layer: int, slot: int) -> torch.Tensor:
+        """GDN layer ``layer``'s recurrent state after the committed tokens, float64 (HV, V, Kd)."""
+        return gref.committed_state(self.gdn_layer(layer).buf, self.cursor, slot)
 
     def bytes_per_slot(self) -> int:
         """Bytes one slot holds across all layers (allocated tensors, cursor included)."""

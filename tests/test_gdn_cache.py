@@ -1,0 +1,108 @@
+# SPDX-License-Identifier: Apache-2.0
+"""ReplayStateCache with Gated DeltaNet layers (CPU path: the float64 spec), alone and next to Mamba-2 layers.
+
+Oracle: the conventional GDN recurrence (gdn_reference.conventional_step) fed each row's accepted tokens
+in order, and for the Mamba-2 layers of a mixed cache the conventional Mamba-2 recurrence; float64
+tensors throughout, so agreement is to ~1e-12. The conv windows are checked against the plain causal
+conv of the accepted inputs. Both kinds share one cursor, one flush decision and one commit."""
+
+import pytest
+import torch
+
+from trtllm_replayssm import gdn_reference as gref
+from trtllm_replayssm import reference as mref
+from trtllm_replayssm.cache import ReplayStateCache
+
+F64 = torch.float64
+HV, HK, V, KD, L, T = 4, 2, 8, 6, 8, 3
+
+
+def _gdn_inputs(gen, batch, T):
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    return dict(q=r(batch, T, HK, KD), k=r(batch, T, HK, KD), v=r(batch, T, HV, V), a=r(batch, T, HV),
+                b=r(batch, T, HV))
+
+
+def _run(mixed: bool, steps: int = 40, shadow=None):
+    gen = torch.Generator().manual_seed(5)
+    slots, batch = 5, 3
+    kw = dict(num_draft=T - 1, state_dtype=F64, act_dtype=F64, dt_dtype=F64, gdn_layers=2, gdn_value_heads=HV,
+              gdn_key_heads=HK, gdn_value_dim=V, gdn_key_dim=KD, shadow_dtype=shadow, read_shadow=shadow is not None)
+    H, P, N, G = 4, 4, 6, 2
+    cache = ReplayStateCache(1 if mixed else 0, slots, H, P, N, G, L, **kw)
+    live = [cache.allocate() for _ in range(batch)]
+    A_log = torch.randn(2, HV, generator=gen, dtype=F64) * 0.3
+    dt_bias = torch.randn(2, HV, generator=gen, dtype=F64) * 0.3
+    ref = torch.zeros(2, slots, HV, V, KD, dtype=F64)
+    for l in range(2):  # prefill hand-off: a random checkpoint
+        for s in live:
+            S0 = torch.randn(HV, V, KD, generator=gen, dtype=F64)
+            cache.load_gdn_prefill(s, l, S0)
+            ref[l, s] = S0
+    m = dict(A=-torch.rand(H, generator=gen, dtype=F64), D=torch.randn(H, generator=gen, dtype=F64),
+             dt_bias=torch.randn(H, generator=gen, dtype=F64) * 0.3)
+    mref_state = torch.zeros(slots, H, P, N, dtype=F64)
+    sbi = torch.tensor(live, dtype=torch.int32)[torch.randperm(batch, generator=gen)]
+    worst = 0.0
+    for _ in range(steps):
+        cache.flush(sbi, T, [m["A"]] if mixed else [])
+        x = [_gdn_inputs(gen, batch, T) for _ in range(2)]
+        ys = [cache.gdn_verify(l, **x[l], A_log=A_log[l], dt_bias=dt_bias[l], state_batch_indices=sbi) for l in range(2)]
+        if mixed:
+            mx = dict(x=torch.randn(batch, T, H, P, generator=gen, dtype=F64),
+                      B=torch.randn(batch, T, G, N, generator=gen, dtype=F64),
+                      C=torch.randn(batch, T, G, N, generator=gen, dtype=F64),
+                      dt=torch.randn(batch, T, H, generator=gen, dtype=F64))
+            ym = cache.verify(0, **mx, dt_bias=m["dt_bias"], A=m["A"], D=m["D"], state_batch_indices=sbi)
+        n = torch.randint(1, T + 1, (batch,), generator=gen, dtype=torch.int32)
+        for r, s in enumerate(sbi.tolist()):
+            one = torch.tensor([s], dtype=torch.int32)
+            for t in range(int(n[r])):
+                for l in range(2):
+                    y = gref.conventional_step(ref[l], **{k_: v_[r:r + 1, t] for k_, v_ in x[l].items()},
+                                               A_log=A_log[l], dt_bias=dt_bias[l], state_batch_indices=one)
+                    worst = max(worst, (y[0] - ys[l][r, t]).abs().max().item())
+                if mixed:
+                    y = mref.conventional_step(mref_state, *(mx[k_][r:r + 1, t] for k_ in ("x", "B", "C", "dt")),
+                                               m["dt_bias"], m["A"], m["D"], state_batch_indices=one)
+                    worst = max(worst, (y[0] - ym[r, t]).abs().max().item())
+        cache.commit(sbi, n, T)
+        for l in range(2):
+            for s in live:
+                worst = max(worst, (cache.gdn_committed_state(l, s) - ref[l, s]).abs().max().item())
+        sbi = sbi[torch.randperm(batch, generator=gen)]
+    return cache, worst
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_gdn_layers_follow_the_recurrence_over_40_random_acceptance_steps(mixed):
+    cache, worst = _run(mixed)
+    assert worst < 1e-10, worst  # float64 tensors: the replay algebra is exact to rounding
+    count = cache.cursor[:, 1]
+    assert int(count.min()) >= 0 and int(count.max()) <= L - T  # after any commit count <= L - T (flush rule)
+    assert int(cache.cursor[:, 0].max()) < L
+
+
+def test_gdn_shadow_read_stays_close_and_flushes_exactly():
+    _, exact = _run(False, steps=20)
+    _, shadowed = _run(False, steps=20, shadow=torch.bfloat16)
+    assert exact < 1e-10 and 1e-6 < shadowed < 5e-2, (exact, shadowed)  # bf16-shadow reads, never compounded
+
+
+def test_reset_and_validation():
+    cache = ReplayStateCache.for_gdn(2, 3, HV, HK, V, KD, L, num_draft=1)
+    s = cache.allocate()
+    cache.gdn_u[:, s] = 1.0
+    cache.gdn_conv[:, s] = 1.0
+    cache.free(s)
+    assert cache.allocate() == s and not cache.gdn_u[:, s].any() and not cache.gdn_conv[:, s].any()
+    with pytest.raises(ValueError, match="gdn_key_heads: expected a divisor of gdn_value_heads=4, got 3"):
+        ReplayStateCache.for_gdn(1, 2, 4, 3, V, KD, L)
+    with pytest.raises(ValueError, match="num_layers, gdn_layers: expected >= 0 with at least one layer"):
+        ReplayStateCache(0, 2, 1, 1, 1, 1, L)
+    with pytest.raises(ValueError, match="state: expected shape"):
+        cache.load_gdn_prefill(s, 0, torch.zeros(HV, KD, V + 1))
+    with pytest.raises(ValueError, match="slot 2 is not allocated"):
+        cache.flush(torch.tensor([2], dtype=torch.int32), 2, [])
+    with pytest.raises(IndexError, match="gdn layer: expected 0 <= layer < 2, got 2"):
+        cache.gdn_layer(2)
