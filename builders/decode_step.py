@@ -243,8 +243,9 @@ class NemotronHDecodeStep(torch.nn.Module):
         return self.model.lm_head(m.norm_f(h)).float(), new_states
 
 
-def export_onnx(step: NemotronHDecodeStep, path, batch: int = 2, opset: int = 17) -> None:
-    """Trace ``step`` on zero states of ``batch`` rows and write ONNX with a dynamic batch dimension."""
+def export_onnx(step, path, batch: int = 2, opset: int = 17) -> None:
+    """Trace ``step`` (a decode step with explicit state I/O: this module's, or builders/gdn_step.py's) on zero
+    states of ``batch`` rows and write ONNX with a dynamic batch dimension."""
     if opset < 17:
         raise ValueError(f"opset: expected >= 17, got {opset}")
     dev = next(step.parameters()).device

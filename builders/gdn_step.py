@@ -31,12 +31,11 @@ Export route: TorchScript with ``torch.autograd.Function.symbolic``, as builders
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-from .decode_step import DOMAIN, StateSpec
+from .decode_step import DOMAIN, StateSpec, export_onnx  # noqa: F401  (export_onnx: any step with state I/O)
 from .qwen3_next import gdn_layers, reference_backend
 
 GDN_OP_TYPE = "gdn_decode"
@@ -224,19 +223,3 @@ class QwenGDNDecodeStep(torch.nn.Module):
             h = h + (moe_dense(hn, mlp) if hasattr(mlp, "experts") else mlp(hn))
         logits = self.model.lm_head(m.norm(h)).float()
         return (logits, lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
-
-
-def export_onnx(step: QwenGDNDecodeStep, path, batch: int = 2, opset: int = 17) -> None:
-    """Trace ``step`` on zero states of ``batch`` rows and write ONNX with a dynamic batch dimension."""
-    if opset < 17:
-        raise ValueError(f"opset: expected >= 17, got {opset}")
-    dev = next(step.parameters()).device
-    args = (torch.ones(batch, 1, dtype=torch.int64, device=dev), torch.zeros(batch, dtype=torch.int32, device=dev),
-            torch.zeros(batch, dtype=torch.int32, device=dev), *step.empty_states(batch, dev))
-    names_in, names_out = step.input_names(), step.output_names()
-    dyn = {n: {0: "batch"} for n in names_in + names_out}
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(step, args, str(path), dynamo=False, opset_version=opset, input_names=names_in,
-                          output_names=names_out, dynamic_axes=dyn, custom_opsets={DOMAIN: 1},
-                          do_constant_folding=True)

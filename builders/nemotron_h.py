@@ -381,7 +381,58 @@ def mamba_layers(model) -> list[int]:
 
 
 # ---- patching ---------------------------------------------------------------------------------------
-class ReplaySSMDecoder:
+class MixerPatch:
+    """The patching both decoders share (this one and builders/qwen3_next.py's): each patched mixer runs our
+    decode for single-token steps of the cache it holds state for and the model's own forward otherwise
+    (prefill, with ``_begin_prefill`` / ``_end_prefill`` around it); a forward hook on the model advances
+    the shared cursor once per decode step (zeroes it after a prefill). Subclasses give ``_mixers()``,
+    ``_has_state(layer_idx)``, ``_decode``, ``_begin_prefill``, ``_end_prefill`` and set ``model``,
+    ``cursor``, ``buffer_len``, ``advance``, ``_step``, ``_cache_id``, ``_handles``."""
+
+    def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
+        if cache is None:
+            return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
+        if cache.is_recording_past(mixer.layer_idx):
+            raise NotImplementedError("ReplaySSM patch: caches that record the past (assisted decoding) are not supported")
+        decode = (hidden_states.shape[1] == 1 and self._has_state(mixer.layer_idx) and id(cache) == self._cache_id
+                  and cache.get_conv_state(mixer.layer_idx) is not None)
+        if decode:
+            self._step = "decode"
+            return self._decode(mixer, hidden_states, cache, attention_mask)
+        self._step = "prefill"
+        self._begin_prefill(mixer, cache)
+        out = orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
+        self._end_prefill(mixer, cache, hidden_states.dtype)
+        return out
+
+    def _after_model_step(self, module, args, output) -> None:
+        if self._step == "decode":
+            rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
+            self.advance(self.cursor, rows, self.buffer_len)
+        elif self._step == "prefill":
+            self.cursor.zero_()
+        self._step = None
+
+    def patch(self):
+        for mixer in self._mixers():
+            orig = mixer.forward
+
+            def fwd(hidden_states, cache=None, attention_mask=None, _mixer=mixer, _orig=orig, **kw):
+                return self._forward(_mixer, _orig, hidden_states, cache, attention_mask, **kw)
+
+            mixer.forward = fwd
+            self._handles.append(lambda _m=mixer: _m.__dict__.pop("forward", None))
+        h = self.model.model.register_forward_hook(self._after_model_step)
+        self._handles.append(h.remove)
+        return self
+
+    def unpatch(self) -> None:
+        for undo in self._handles:
+            undo()
+        self._handles.clear()
+
+
+class ReplaySSMDecoder(MixerPatch):
     """ReplaySSM caches of a patched model: per Mamba layer (state, x_cache, B_cache, dt_cache), one cursor.
 
     Row b of the batch uses slot b. ``state`` is the checkpoint S0 (batch, H, P, N) in ``state_dtype``;
@@ -404,6 +455,12 @@ class ReplaySSMDecoder:
         self._step: str | None = None
         self._cache_id: int | None = None  # the transformers cache our buffers continue
         self._handles = []
+
+    def _mixers(self) -> list:
+        return [self.model.model.layers[i].mixer for i in self.layers]
+
+    def _has_state(self, layer_idx: int) -> bool:
+        return layer_idx in self.caches
 
     # prefill: the model's own path, then its final state becomes the checkpoint
     def _begin_prefill(self, mixer, cache) -> None:
@@ -452,49 +509,6 @@ class ReplaySSMDecoder:
         )
         y = mixer.norm(y.reshape(batch, 1, -1).to(dtype), gate)
         return mixer.out_proj(y.to(dtype))
-
-    def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
-        if cache is None:
-            return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
-        if cache.is_recording_past(mixer.layer_idx):
-            raise NotImplementedError("ReplaySSM patch: caches that record the past (assisted decoding) are not supported")
-        decode = (hidden_states.shape[1] == 1 and mixer.layer_idx in self.caches and id(cache) == self._cache_id
-                  and cache.get_conv_state(mixer.layer_idx) is not None)
-        if decode:
-            self._step = "decode"
-            return self._decode(mixer, hidden_states, cache, attention_mask)
-        self._step = "prefill"
-        self._begin_prefill(mixer, cache)
-        out = orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
-        self._end_prefill(mixer, cache, hidden_states.dtype)
-        return out
-
-    def _after_model_step(self, module, args, output) -> None:
-        if self._step == "decode":
-            rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
-            self.advance(self.cursor, rows, self.buffer_len)
-        elif self._step == "prefill":
-            self.cursor.zero_()
-        self._step = None
-
-    def patch(self):
-        for i in self.layers:
-            mixer = self.model.model.layers[i].mixer
-            orig = mixer.forward
-
-            def fwd(hidden_states, cache=None, attention_mask=None, _mixer=mixer, _orig=orig, **kw):
-                return self._forward(_mixer, _orig, hidden_states, cache, attention_mask, **kw)
-
-            mixer.forward = fwd
-            self._handles.append(lambda _m=mixer: _m.__dict__.pop("forward", None))
-        h = self.model.model.register_forward_hook(self._after_model_step)
-        self._handles.append(h.remove)
-        return self
-
-    def unpatch(self) -> None:
-        for undo in self._handles:
-            undo()
-        self._handles.clear()
 
     def reset(self) -> None:
         self.caches.clear()

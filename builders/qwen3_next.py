@@ -37,6 +37,8 @@ import torch
 from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm import reference
 
+from .nemotron_h import MixerPatch
+
 _COMMON = dict(
     vocab_size=256,
     hidden_size=128,
@@ -124,7 +126,7 @@ def _projections(mixer, hs):
     return mixer.in_proj_qkv(hs), z, mixer.in_proj_b(hs), mixer.in_proj_a(hs)
 
 
-class GDNReplayDecoder:
+class GDNReplayDecoder(MixerPatch):
     """ReplaySSM caches of a patched model: one :class:`~trtllm_replayssm.gdn_reference.GDNBuffers` per GDN
     layer, one cursor (slots,). Row b of the batch uses slot b."""
 
@@ -186,49 +188,11 @@ class GDNReplayDecoder:
         core = mixer.norm(y.reshape(-1, V).to(dtype), z.reshape(-1, V))
         return mixer.out_proj(core.reshape(batch, 1, HV * V))
 
-    def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
-        if cache is None:
-            return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
-        if cache.is_recording_past(mixer.layer_idx):
-            raise NotImplementedError("ReplaySSM GDN patch: caches that record the past (assisted decoding) are not "
-                                      "supported")
-        decode = (hidden_states.shape[1] == 1 and mixer.layer_idx in self.bufs and id(cache) == self._cache_id
-                  and cache.get_conv_state(mixer.layer_idx) is not None)
-        if decode:
-            self._step = "decode"
-            return self._decode(mixer, hidden_states, cache, attention_mask)
-        self._step = "prefill"
-        self._begin_prefill(mixer, cache)
-        out = orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
-        self._end_prefill(mixer, cache, hidden_states.dtype)
-        return out
+    def _mixers(self) -> list:
+        return [self.model.model.layers[i].linear_attn for i in self.layers]
 
-    def _after_model_step(self, module, args, output) -> None:
-        if self._step == "decode":
-            rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
-            self.advance(self.cursor, rows, self.buffer_len)
-        elif self._step == "prefill":
-            self.cursor.zero_()
-        self._step = None
-
-    def patch(self):
-        for i in self.layers:
-            mixer = self.model.model.layers[i].linear_attn
-            orig = mixer.forward
-
-            def fwd(hidden_states, cache=None, attention_mask=None, _mixer=mixer, _orig=orig, **kw):
-                return self._forward(_mixer, _orig, hidden_states, cache, attention_mask, **kw)
-
-            mixer.forward = fwd
-            self._handles.append(lambda _m=mixer: _m.__dict__.pop("forward", None))
-        h = self.model.model.register_forward_hook(self._after_model_step)
-        self._handles.append(h.remove)
-        return self
-
-    def unpatch(self) -> None:
-        for undo in self._handles:
-            undo()
-        self._handles.clear()
+    def _has_state(self, layer_idx: int) -> bool:
+        return layer_idx in self.bufs
 
 
 def patch_gdn_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):

@@ -198,14 +198,7 @@ def _gdn_decode_artifacts(args, model, tmp):
         log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
         kernels.append(_kernel_entry(k, tactic))
     log("[4/5] writing config.json and trtexec.sh")
-    io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
-    states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
-              dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
-    states += [s.to_json() for s in step.state_specs()]
-    io_shapes = [(n, sh) for n, sh, _ in io] + [(st["name"], tuple(st["shape"])) for st in states[2:]]
-    cmd = trtexec_command(io_shapes, args.max_batch)
-    (tmp / "trtexec.sh").write_text("#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=f"{DOMAIN}::{GDN_OP_TYPE}") + cmd
-                                    + "\n")
+    sio = _step_io(step, args, tmp, cfg.vocab_size, f"{DOMAIN}::{GDN_OP_TYPE}")
     kinds = list(cfg.layer_types)
     info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME]
     config = dict(
@@ -217,19 +210,15 @@ def _gdn_decode_artifacts(args, model, tmp):
                    gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"]),
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
         act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
-        inputs=[dict(name=n, shape=list(sh), dtype=d) for n, sh, d in io] + [
-            dict(name=st["name"], shape=st["shape"], dtype=st["dtype"]) for st in states[2:]],
-        outputs=[dict(name="logits", shape=[-1, cfg.vocab_size], dtype="float32")] + [
-            dict(name=st["output"], shape=st["shape"], dtype=st["dtype"]) for st in states],
-        states=states,
+        inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"],
         plugin=dict(op_type=GDN_OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn,
                     num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=args.buffer_len,
                     use_qk_l2norm=1, kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
                     aliased_outputs=info.manifest()["aliased_outputs"]),
         plan=None,
-        trtexec=cmd,
+        trtexec=sio["trtexec"],
     )
-    return config, [("model.onnx", "model.plan", io_shapes)]
+    return config, [("model.onnx", "model.plan", sio["io_shapes"])]
 
 
 def check_geometry(cfg, buffer_len: int) -> tuple[int, int, int, int]:
@@ -336,6 +325,23 @@ TRTEXEC_NOTE = ("# TensorRT >= 10.9 with {plugins} registered in the building pr
                 "# (trtexec --loadEngine=...).\n")
 
 
+def _step_io(step, args, tmp, vocab: int, plugins: str) -> dict:
+    """A decode step's engine I/O for config.json (inputs, outputs, states) and its trtexec command (also
+    written to trtexec.sh): input_ids, lengths and the shared cursor, then the step's state tensors."""
+    io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
+    states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
+              dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
+    states += [st.to_json() for st in step.state_specs()]
+    io_shapes = [(n, sh) for n, sh, _ in io] + [(st["name"], tuple(st["shape"])) for st in states[2:]]
+    cmd = trtexec_command(io_shapes, args.max_batch)
+    (tmp / "trtexec.sh").write_text("#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=plugins) + cmd + "\n")
+    return dict(inputs=[dict(name=n, shape=list(sh), dtype=d) for n, sh, d in io] + [
+                    dict(name=st["name"], shape=st["shape"], dtype=st["dtype"]) for st in states[2:]],
+                outputs=[dict(name="logits", shape=[-1, vocab], dtype="float32")] + [
+                    dict(name=st["output"], shape=st["shape"], dtype=st["dtype"]) for st in states],
+                states=states, io_shapes=io_shapes, trtexec=cmd)
+
+
 def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
     """model.onnx, the mamba2_decode PTX per tactic, config.json's content and the trtexec command."""
     from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
@@ -355,23 +361,13 @@ def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
         kernels.append(_kernel_entry(k, tactic))
 
     log("[4/5] writing config.json and trtexec.sh")
-    io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
-    states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
-              dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
-    states += [s.to_json() for s in step.state_specs()]
-    io_shapes = [(n, s) for n, s, _ in io] + [(s["name"], tuple(s["shape"])) for s in states[2:]]
-    cmd = trtexec_command(io_shapes, args.max_batch)
-    (tmp / "trtexec.sh").write_text("#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=f"{DOMAIN}::{OP_TYPE}") + cmd + "\n")
+    sio = _step_io(step, args, tmp, cfg.vocab_size, f"{DOMAIN}::{OP_TYPE}")
     config = dict(
         format="trtllm-replayssm-decode-step/1",
         model=model_entry(args, model),
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
         act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
-        inputs=[dict(name=n, shape=list(s), dtype=d) for n, s, d in io] + [
-            dict(name=s["name"], shape=s["shape"], dtype=s["dtype"]) for s in states[2:]],
-        outputs=[dict(name="logits", shape=[-1, cfg.vocab_size], dtype="float32")] + [
-            dict(name=s["output"], shape=s["shape"], dtype=s["dtype"]) for s in states],
-        states=states,
+        inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"],
         plugin=dict(
             op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
             dstate=N, ngroups=G, buffer_len=args.buffer_len, sm_count=args.sm_count, kernels=kernels,
@@ -380,9 +376,9 @@ def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
                              for o, i in trt_plugin.ALIASES.items()},
         ),
         plan=None,
-        trtexec=cmd,
+        trtexec=sio["trtexec"],
     )
-    return config, [("model.onnx", "model.plan", io_shapes)]
+    return config, [("model.onnx", "model.plan", sio["io_shapes"])]
 
 
 def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
