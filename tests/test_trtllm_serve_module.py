@@ -19,12 +19,21 @@ the sums (exp(c_k - c_j) products vs repeated multiplication), so agreement is ~
 1e-10 tolerance (as in test_reference.py) leaves room over 3L+ steps. Parameters are fp32 values
 (TRT-LLM keeps A, D, dt_bias in fp32 and the adapter passes them on as fp32). Bookkeeping (padding
 rows of ``out``, slots no request uses, cursors) is compared exactly.
+
+The registration route is driven through a stand-in ``tensorrt_llm`` module tree put in
+``sys.modules`` (as tests/test_trt_plugin.py does for tensorrt.plugin): a model registry with the
+documented behaviour of both versions read (2025: last registration wins; 2026 lazy zoo: built-in
+modules fill only empty slots, external ones overwrite, the driver exports them to workers by module
+name and a worker imports that module on lookup), a NemotronHForCausalLM / NemotronHModel with one
+layer per pattern letter, and mixers with and without the hooked call. Tests that need the real
+tensorrt_llm skip, saying why.
 """
 
 from __future__ import annotations
 
 import math
 import pathlib
+import re
 import sys
 import types
 
@@ -505,3 +514,335 @@ def test_rows_sharing_a_dummy_slot_leave_the_real_slots_exact(fake_trtllm):
         for s in (0, 1):
             assert torch.allclose(adapter.current_state(0, s), ssm_conv[0][s], rtol=1e-10, atol=1e-10)
     assert torch.equal(ssm_rep[0][2], init[2]) and int(adapter.cursor[2]) == 0
+
+
+# ---- the registration route, against a stand-in of TensorRT-LLM's model registry -----------------------
+# Written from tensorrt_llm/_torch/models/modeling_utils.py (see serve/trtllm_replayssm_module/model.py):
+# ``register_auto_model(name)`` fills MODEL_CLASS_MAPPING; in the 2025 registry (lazy=False) the last
+# registration wins; in the lazy-zoo registry (lazy=True) a built-in module (under
+# tensorrt_llm._torch.models) only fills an empty slot, an external one always overwrites, the driver
+# exports external registrations as architecture -> module name and a worker that declared them imports
+# that module when the architecture is looked up.
+ZOO = "tensorrt_llm._torch.models"
+FAKE_VERSION = "1.3.0rc26+stand-in"
+
+
+def make_registry(lazy: bool, with_register: bool = True):
+    mu = types.ModuleType(ZOO + ".modeling_utils")
+    mapping, recorded, declared = {}, {}, {}
+    index = {"NemotronHForCausalLM": ZOO + ".modeling_nemotron_h"}
+
+    def builtin(name):
+        return name == ZOO or name.startswith(ZOO + ".")
+
+    def apply(arch, cls):
+        if lazy and mapping.get(arch) not in (None, cls) and builtin(cls.__module__):
+            return
+        mapping[arch] = cls
+
+    def register_auto_model(name):
+        def decorator(cls):
+            recorded.setdefault(cls.__module__, []).append((name, cls))
+            apply(name, cls)
+            return cls
+        return decorator
+
+    mu.MODEL_CLASS_MAPPING = mapping
+    if with_register:
+        mu.register_auto_model = register_auto_model
+    if lazy:
+        def export_external_model_modules():
+            out = {a: c.__module__ for a, c in mapping.items() if not builtin(c.__module__)}
+            for a, m in declared.items():
+                out.setdefault(a, m)
+            return out
+
+        def register_external_model_modules(arch_to_module):
+            declared.clear()
+            declared.update(arch_to_module)
+            mapping.clear()
+            for module_name, regs in list(recorded.items()):
+                for arch, cls in regs:
+                    if declared.get(arch, module_name) == module_name:
+                        apply(arch, cls)
+
+        def get_registered_model_class(arch):
+            if arch not in mapping:
+                import importlib
+
+                importlib.import_module(declared.get(arch) or index[arch])
+            return mapping.get(arch)
+
+        mu.export_external_model_modules = export_external_model_modules
+        mu.register_external_model_modules = register_external_model_modules
+        mu.get_registered_model_class = get_registered_model_class
+    return mu
+
+
+def make_zoo(mixer_cls, mu):
+    """modeling_nemotron_h stand-in: NemotronHModel builds one layer per letter (``.layer_type``, ``.mixer``)."""
+    nh = types.ModuleType(ZOO + ".modeling_nemotron_h")
+
+    class NemotronHModel:
+        def __init__(self, model_config):
+            self.model_config = model_config
+            pattern = model_config.pretrained_config.hybrid_override_pattern
+            self.layers = [types.SimpleNamespace(layer_type=c, mixer=mixer_cls(
+                layer_idx=i, head_dim=model_config.head_dim, d_state=model_config.d_state, **model_config.params[i])
+                if c == "M" else OtherMixer(i, c)) for i, c in enumerate(pattern)]
+            self.num_hidden_layers = len(pattern)
+
+        def forward(self, attn_metadata, input_ids=None, **kwargs):
+            for layer in self.layers[:self.num_hidden_layers]:
+                layer.mixer.forward(attn_metadata)
+            return "hidden"
+
+    class NemotronHForCausalLM:
+        def __init__(self, model_config):
+            self.model_config = model_config
+            self.model = NemotronHModel(model_config)
+
+        def forward(self, attn_metadata, input_ids=None, position_ids=None, **kwargs):
+            return self.model.forward(attn_metadata, input_ids)
+
+    for c in (NemotronHModel, NemotronHForCausalLM):
+        c.__module__ = nh.__name__
+    nh.NemotronHModel = NemotronHModel
+    nh.NemotronHForCausalLM = mu.register_auto_model("NemotronHForCausalLM")(NemotronHForCausalLM) \
+        if hasattr(mu, "register_auto_model") else NemotronHForCausalLM
+    return nh
+
+
+def fake_tree(monkeypatch, mixer_cls, lazy=True, with_register=True):
+    """Put a stand-in tensorrt_llm module tree in sys.modules; returns (modeling_utils, modeling_nemotron_h)."""
+    mu = make_registry(lazy, with_register)
+    nh = make_zoo(mixer_cls, mu)
+    mm = types.ModuleType("tensorrt_llm._torch.modules.mamba.mamba2_mixer")
+    mm.Mamba2Mixer = mixer_cls
+    mods = {name: types.ModuleType(name) for name in ("tensorrt_llm", "tensorrt_llm._torch", ZOO,
+                                                      "tensorrt_llm._torch.modules", "tensorrt_llm._torch.modules.mamba")}
+    mods["tensorrt_llm"].__version__ = FAKE_VERSION
+    mods.update({mu.__name__: mu, nh.__name__: nh, mm.__name__: mm})
+    for name, m in mods.items():
+        monkeypatch.setitem(sys.modules, name, m)
+        parent, _, leaf = name.rpartition(".")
+        if parent:
+            setattr(mods[parent], leaf, m)
+    monkeypatch.setattr(mod.model, "ReplaySSMNemotronHForCausalLM", None)
+    return mu, nh
+
+
+def model_config(pattern, prm, P, N, spec_config=None):
+    return types.SimpleNamespace(pretrained_config=types.SimpleNamespace(hybrid_override_pattern=pattern),
+                                 spec_config=spec_config, params=prm, head_dim=P, d_state=N)
+
+
+class _MixerParams:
+    """What every stand-in mixer's __init__ keeps (no decode call here, so the source check sees none)."""
+
+    def __init__(self, *, layer_idx, A, D, dt_bias, head_dim, d_state):
+        self.layer_idx, self.head_dim = layer_idx, head_dim
+        self.selective_state_update_func = conventional_ssu
+        H = A.shape[0]
+        self._A_expanded = A[:, None, None].expand(H, head_dim, d_state)
+        self._dt_bias_expanded = dt_bias[:, None].expand(H, head_dim)
+        self._D_expanded = D[:, None].expand(H, head_dim)
+
+    def decode_args(self, md):
+        n_d = md.num_seqs - md.num_contexts
+        inp = md.inputs[self.layer_idx]
+        dt_d = inp["dt"][:, :, None].expand(n_d, inp["dt"].shape[1], self.head_dim)
+        return ((md.ssm_states[self.layer_idx], inp["x"], dt_d, self._A_expanded, inp["B"], inp["C"], self._D_expanded),
+                dict(z=None, dt_bias=self._dt_bias_expanded, dt_softplus=True,
+                     state_batch_indices=md.mamba_metadata.state_indices[md.num_contexts:md.num_seqs],
+                     out=md.out[self.layer_idx].view(n_d, -1, self.head_dim)))
+
+
+class OldMixer(_MixerParams):
+    """Before PR #10757 (595da613): decode calls the module-level selective_state_update."""
+
+    def forward(self, md):
+        args, kw = self.decode_args(md)
+        selective_state_update(*args, **kw)  # noqa: F821 - never run; read by the source check
+
+
+class CustomOpMixer(_MixerParams):
+    """Decode through the custom op PR #18888 added, bypassing the attribute."""
+
+    def forward(self, md):
+        args, kw = self.decode_args(md)
+        torch.ops.trtllm.flashinfer_selective_state_update(*args, **kw)
+
+
+class NoCallMixer(_MixerParams):
+    """Decode moved out of the class entirely (e.g. into a custom op's body)."""
+
+    def forward(self, md):
+        return None
+
+
+class SneakyMixer(_MixerParams):
+    """Passes the source check (the hooked call survives in a branch never taken) but decodes elsewhere."""
+
+    def forward(self, md):
+        if md.num_seqs == md.num_contexts:
+            return
+        args, kw = self.decode_args(md)
+        if md.num_seqs < 0:
+            self.selective_state_update_func(*args, **kw)
+        conventional_ssu(*args, **kw)
+
+
+def _decode_md(gen, slots, ssm, layers, H, P, N, G, num_contexts=0):
+    n = len(slots) - num_contexts
+    inputs = {i: dict(prefill_state=torch.randn(num_contexts, H, P, N, generator=gen, dtype=F64),
+                      x=torch.randn(n, H, P, generator=gen, dtype=F64), B=torch.randn(n, G, N, generator=gen, dtype=F64),
+                      C=torch.randn(n, G, N, generator=gen, dtype=F64), dt=torch.randn(n, H, generator=gen, dtype=F64) - 2)
+              for i in layers}
+    return inputs
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_registered_class_routes_mamba_layers_without_patching_trtllm(monkeypatch, caplog, lazy):
+    mixer_cls, _ = make_fake_trtllm()
+    mu, nh = fake_tree(monkeypatch, mixer_cls, lazy=lazy)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_BUFFER_LEN", str(L))
+    init_before, fwd_before = mixer_cls.__init__, nh.NemotronHModel.forward
+    with caplog.at_level("INFO", logger="trtllm_replayssm_module"):
+        route, cls = mod.load()
+    assert route == "registration" and cls is mod.model.ReplaySSMNemotronHForCausalLM
+    assert cls.__bases__ == (nh.NemotronHForCausalLM,) and cls.__module__ == "trtllm_replayssm_module.model"
+    assert mu.MODEL_CLASS_MAPPING["NemotronHForCausalLM"] is cls
+    assert mixer_cls.__init__ is init_before and nh.NemotronHModel.forward is fwd_before  # nothing patched
+    msgs = [r.getMessage() for r in caplog.records]
+    assert any(f"route=registration: NemotronHForCausalLM -> trtllm_replayssm_module.model.ReplaySSMNemotronHForCausalLM "
+               f"(TensorRT-LLM {FAKE_VERSION}; mixer check passed" in m for m in msgs)
+    if lazy:
+        assert mu.export_external_model_modules() == {"NemotronHForCausalLM": "trtllm_replayssm_module.model"}
+        assert any("add " in m and "to PYTHONPATH" in m for m in msgs)  # a fresh worker would not find us
+    else:
+        assert any("does not pass custom modules to spawned workers" in m for m in msgs)
+
+    H, P, N, S, G, pattern = 4, 8, 16, 5, 2, "MEM*EM*E"
+    layers = mod.mamba_layer_indices(pattern)
+    gen = torch.Generator().manual_seed(21)
+    prm = {i: fp32_params(H, gen) for i in layers}
+    lookup = mu.get_registered_model_class if lazy else mu.MODEL_CLASS_MAPPING.get
+    model = lookup("NemotronHForCausalLM")(model_config(pattern, prm, P, N))
+    assert model.replayssm_layers == layers
+    oracle = {i: mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in layers}
+    assert all(oracle[i].selective_state_update_func is conventional_ssu for i in layers)  # other mixers untouched
+    init = torch.randn(S, H, P, N, generator=gen, dtype=F64)
+    ssm_rep, ssm_conv = {i: init.clone() for i in layers}, {i: init.clone() for i in layers}
+    rows = [3, -1, 1]
+    for _ in range(2 * L + 1):  # crosses two flushes
+        inputs = _decode_md(gen, rows, None, layers, H, P, N, G)
+        md_rep, md_conv = metadata(rows, 0, ssm_rep, inputs, H, P), metadata(rows, 0, ssm_conv, inputs, H, P)
+        assert model.forward(attn_metadata=md_rep) == "hidden"  # CUDA-graph runner passes it by keyword
+        for i in layers:
+            oracle[i].forward(md_conv)
+            assert torch.allclose(md_rep.out[i][[0, 2]], md_conv.out[i][[0, 2]], rtol=1e-10, atol=1e-10)
+            assert torch.equal(md_rep.out[i][1], torch.full_like(md_rep.out[i][1], SENTINEL))
+            for s in (1, 3):
+                assert torch.allclose(model.replayssm.current_state(i, s), ssm_conv[i][s], rtol=1e-10, atol=1e-10)
+    assert model.replayssm.cursor.tolist() == [0, (2 * L + 1) % L, 0, (2 * L + 1) % L, 0]
+
+
+def test_a_worker_process_resolves_the_class_by_module_name(monkeypatch):
+    """A spawned worker / TP rank: fresh registry, the driver's export declared, our package not imported yet.
+    Looking the architecture up imports trtllm_replayssm_module.model, whose package __init__ registers."""
+    mixer_cls, _ = make_fake_trtllm()
+    mu, _ = fake_tree(monkeypatch, mixer_cls)
+    mod.register()
+    exported = mu.export_external_model_modules()
+
+    worker_mu, worker_nh = fake_tree(monkeypatch, mixer_cls)  # the worker's own tensorrt_llm
+    for name in [n for n in sys.modules if n == "trtllm_replayssm_module" or n.startswith("trtllm_replayssm_module.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(mod.__file__).resolve().parents[1]))
+    worker_mu.register_external_model_modules(exported)
+    assert "NemotronHForCausalLM" not in worker_mu.MODEL_CLASS_MAPPING  # released for the declared provider
+    cls = worker_mu.get_registered_model_class("NemotronHForCausalLM")
+    assert cls.__name__ == "ReplaySSMNemotronHForCausalLM" and cls.__module__ == "trtllm_replayssm_module.model"
+    assert cls.__bases__ == (worker_nh.NemotronHForCausalLM,)
+    assert sys.modules["trtllm_replayssm_module"].ROUTE == "registration"
+    assert sys.modules["trtllm_replayssm_module"].MODEL_CLASS is cls
+
+
+@pytest.mark.parametrize("mixer_cls, what", [
+    (OldMixer, r"calls a decode kernel directly at OldMixer\.forward:\d+ selective_state_update\(\.\.\.\)"),
+    (CustomOpMixer, r"calls a decode kernel directly at CustomOpMixer\.forward:\d+ "
+                    r"flashinfer_selective_state_update\(\.\.\.\)"),
+    (NoCallMixer, r"never calls self\.selective_state_update_func\(\.\.\.\)"),
+])
+@pytest.mark.parametrize("route", ["register", "install"])
+def test_a_mixer_that_bypasses_the_hook_is_refused_at_load(monkeypatch, mixer_cls, what, route):
+    mu, nh = fake_tree(monkeypatch, mixer_cls)
+    builtin = mu.MODEL_CLASS_MAPPING["NemotronHForCausalLM"]
+    init_before = nh.NemotronHModel.forward
+    with pytest.raises(RuntimeError, match=rf"^trtllm_replayssm_module: TensorRT-LLM {re.escape(FAKE_VERSION)}: "
+                                           rf"(tests\.)?test_trtllm_serve_module\.{mixer_cls.__name__} {what}.*ReplaySSM would "
+                                           r"silently not run, so loading stops here\..*Verified against: .*02140fd4"):
+        getattr(mod, route)()
+    assert mu.MODEL_CLASS_MAPPING["NemotronHForCausalLM"] is builtin and nh.NemotronHModel.forward is init_before
+
+
+def test_a_decode_step_that_never_reaches_the_adapter_raises(monkeypatch):
+    """The run-time check: the source still names the hook, but decode rows go elsewhere."""
+    mu, _ = fake_tree(monkeypatch, SneakyMixer)
+    cls = mod.register()
+    H, P, N, S, G, pattern = 4, 8, 16, 3, 2, "M*M"
+    gen = torch.Generator().manual_seed(4)
+    prm = {i: fp32_params(H, gen) for i in (0, 2)}
+    model = cls(model_config(pattern, prm, P, N))
+    ssm = {i: torch.randn(S, H, P, N, generator=gen, dtype=F64) for i in (0, 2)}
+    model.forward(metadata([1], 1, ssm, _decode_md(gen, [1], ssm, (0, 2), H, P, N, G, num_contexts=1), H, P))  # prefill
+    md = metadata([1, 2], 0, ssm, _decode_md(gen, [1, 2], ssm, (0, 2), H, P, N, G), H, P)
+    with pytest.raises(RuntimeError, match=r"SneakyMixer ran a model step with 2 decode rows in which no Mamba-2 layer "
+                                           r"called the replaced selective_state_update_func\. "):
+        model.forward(md)
+    model.replayssm.begin_step()  # the failed step left no open step behind
+    model.replayssm.abort_step()
+
+
+def test_without_register_auto_model_the_monkeypatch_is_the_fallback(monkeypatch, caplog):
+    mixer_cls, _ = make_fake_trtllm()
+    fake_tree(monkeypatch, mixer_cls, with_register=False)
+    try:
+        with caplog.at_level("WARNING", logger="trtllm_replayssm_module"):
+            route, adapter = mod.load()
+        assert route == "monkeypatch" and isinstance(adapter, ReplaySSMAdapter)
+        assert any("route=monkeypatch (fallback; model registry unavailable" in r.getMessage() for r in caplog.records)
+        assert mixer_cls.__init__.__wrapped__ is not None
+    finally:
+        uninstall()
+
+
+def test_a_speculative_config_is_refused_at_construction(monkeypatch):
+    mixer_cls, _ = make_fake_trtllm()
+    fake_tree(monkeypatch, mixer_cls)
+    cls = mod.register()
+    with pytest.raises(RuntimeError, match=r"a speculative_config is set; ReplaySSM routes single-token decode only"):
+        cls(model_config("M", {}, 8, 16, spec_config=object()))
+
+
+def test_register_is_idempotent_and_verified_against_names_commits(monkeypatch):
+    mixer_cls, _ = make_fake_trtllm()
+    mu, _ = fake_tree(monkeypatch, mixer_cls)
+    assert mod.register() is mod.register() is mu.MODEL_CLASS_MAPPING["NemotronHForCausalLM"]
+    assert {v.commit.split()[0] for v in mod.VERIFIED_AGAINST} >= {"02140fd4", "595da613", "00620eb0", "cb4c622c"}
+    assert mod.verified_summary().startswith("TensorRT-LLM PyTorch backend, read from source (not run): ")
+
+
+def test_register_against_real_tensorrt_llm():
+    pytest.importorskip("tensorrt_llm", reason="tensorrt_llm is not installed here (its PyPI package is a stub that "
+                                               "downloads from NVIDIA's index); run where it is")
+    from tensorrt_llm._torch.models import modeling_utils
+    from tensorrt_llm._torch.modules.mamba.mamba2_mixer import Mamba2Mixer
+
+    assert mod.check_mixer_class(Mamba2Mixer)  # raises, naming the version, where the decode moved
+    cls = mod.register()
+    lookup = getattr(modeling_utils, "get_registered_model_class", modeling_utils.MODEL_CLASS_MAPPING.get)
+    assert lookup("NemotronHForCausalLM") is cls

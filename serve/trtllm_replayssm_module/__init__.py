@@ -4,21 +4,31 @@
 Only the Mamba-2 ("M") layers are routed; Nemotron 3's MoE ("E"), the attention ("*") and MLP ("-")
 layers stay TensorRT-LLM's own (see :mod:`.install` for how TRT-LLM names them).
 
-Load with ``trtllm-serve MODEL --backend pytorch --custom_module_dirs serve/trtllm_replayssm_module``
-(README "trtllm-serve"). What TensorRT-LLM does with that flag (tensorrt_llm/commands/serve.py,
-read at 00209af1; tensorrt_llm/tools/importlib_utils.py): ``serve()`` calls
-``import_custom_module_from_dir(dir)`` for each directory before it builds the LLM; that inserts the
-directory's parent into ``sys.path`` and ``importlib.import_module(<directory name>)``. Nothing is
-required to be exported or registered: importing this package is the hook. serve.py has imported
-``tensorrt_llm`` by then, so on import we call :func:`install` when ``tensorrt_llm`` is already in
-``sys.modules`` (or ``TRTLLM_REPLAYSSM_INSTALL=1``; ``TRTLLM_REPLAYSSM_DISABLE=1`` turns it off).
+Load with ``PYTHONPATH=serve trtllm-serve MODEL --backend pytorch --custom_module_dirs
+serve/trtllm_replayssm_module`` (README "trtllm-serve"). What TensorRT-LLM does with that flag
+(tensorrt_llm/commands/serve.py, read at 00209af1; tensorrt_llm/tools/importlib_utils.py): ``serve()``
+calls ``import_custom_module_from_dir(dir)`` for each directory before it builds the LLM; that inserts
+the directory's parent into ``sys.path`` and ``importlib.import_module(<directory name>)``. serve.py has
+imported ``tensorrt_llm`` by then, so on import we call :func:`.model.load` when ``tensorrt_llm`` is
+already in ``sys.modules`` (or ``TRTLLM_REPLAYSSM_INSTALL=1``; ``TRTLLM_REPLAYSSM_DISABLE=1`` turns it
+off). :data:`ROUTE` says which route was taken (also logged):
 
-Route: :mod:`.install` wraps TRT-LLM's ``Mamba2Mixer.__init__`` so its ``selective_state_update_func``
-becomes :func:`.adapter.replay_selective_state_update` (ReplaySSM: TRT-LLM's state tensor is the
-checkpoint, we own the replay buffers and the cursor, flush when the buffer is full), and wraps
-``NemotronHModel.forward`` to advance the cursor once per step. Prefill is TRT-LLM's own chunked
-scan, unchanged; its final state is the checkpoint (the prefill rows' cursors are zeroed).
-:mod:`.adapter` needs only torch and trtllm_replayssm; only :func:`install` needs tensorrt_llm.
+* ``"registration"`` (primary, :mod:`.model`): ``ReplaySSMNemotronHForCausalLM``, a subclass of
+  TensorRT-LLM's ``NemotronHForCausalLM``, registered with ``register_auto_model`` for the architecture
+  ``NemotronHForCausalLM``; TensorRT-LLM's classes are not modified. Workers and TP ranks construct it
+  because the registry passes external registrations to them by module name (see :mod:`.model`).
+* ``"monkeypatch"`` (fallback, :mod:`.install`): only where ``register_auto_model`` is missing.
+
+Before either, :func:`.check.check_mixer_class` reads the installed Mamba2Mixer's source and refuses
+(RuntimeError naming the TensorRT-LLM version) a mixer whose decode no longer calls the attribute we
+replace; the first decode step is checked again at run time (:func:`.install.replay_step`).
+
+Per mixer, ``selective_state_update_func`` becomes :func:`.adapter.replay_selective_state_update`
+(ReplaySSM: TRT-LLM's state tensor is the checkpoint, we own the replay buffers and the cursor, flush
+when the buffer is full), and the model's forward advances the cursor once per step. Prefill is
+TRT-LLM's own chunked scan, unchanged; its final state is the checkpoint (the prefill rows' cursors
+are zeroed). :mod:`.adapter` needs only torch and trtllm_replayssm; only :func:`.model.load` needs
+tensorrt_llm.
 
 TensorRT-LLM facts this relies on (read from source, commits are of the files named):
 
@@ -60,12 +70,21 @@ except ImportError:  # not pip-installed: use the repository this directory live
     import trtllm_replayssm  # noqa: F401
 
 from .adapter import ReplaySSMAdapter, mamba_layer_indices, replay_selective_state_update  # noqa: E402
-from .install import VERIFIED_AGAINST, install, model_pattern, patch_classes, uninstall  # noqa: E402
+from .check import VERIFIED_AGAINST, check_mixer_class, verified_summary  # noqa: E402
+from .install import install, model_pattern, patch_classes, uninstall  # noqa: E402
+from .model import ARCHITECTURES, load, make_model_class, register  # noqa: E402
 
 __all__ = ["ReplaySSMAdapter", "replay_selective_state_update", "mamba_layer_indices", "install", "uninstall",
-           "patch_classes", "model_pattern", "VERIFIED_AGAINST", "ADAPTER"]
+           "patch_classes", "model_pattern", "VERIFIED_AGAINST", "verified_summary", "check_mixer_class",
+           "ARCHITECTURES", "register", "load", "make_model_class", "ROUTE", "ADAPTER", "MODEL_CLASS"]
 
-ADAPTER = None
+ROUTE = None  # "registration" or "monkeypatch" once loaded
+ADAPTER = None  # the monkeypatch route's adapter (the registered class gives each model its own)
+MODEL_CLASS = None  # the registered class
 if os.environ.get("TRTLLM_REPLAYSSM_DISABLE") != "1" and (
         "tensorrt_llm" in sys.modules or os.environ.get("TRTLLM_REPLAYSSM_INSTALL") == "1"):
-    ADAPTER = install()
+    ROUTE, _loaded = load()
+    if ROUTE == "registration":
+        MODEL_CLASS = _loaded
+    else:
+        ADAPTER = _loaded

@@ -244,8 +244,9 @@ class ReplaySSMAdapter:
         ext.index_fill_(0, torch.where(idx >= 0, idx, torch.full_like(idx, S)), 0)
         self.cursor.copy_(ext[:S])
 
-    def end_step(self) -> None:
-        """Close a model step: advance the cursor once for the slots the step's decode rows used."""
+    def end_step(self) -> frozenset:
+        """Close a model step: advance the cursor once for the slots the step's decode rows used.
+        Returns the ``layer_idx`` of the layers that decoded this step."""
         slots = self._step_slots
         decoded = self._step_layers
         self.abort_step()
@@ -258,6 +259,7 @@ class ReplaySSMAdapter:
         if slots is not None:
             advance = self.advance or default_backend(self.cursor.device)[1]
             advance(self.cursor, slots, self.buffer_len)
+        return frozenset(decoded)
 
     def abort_step(self) -> None:
         """Drop the step's bookkeeping without moving the cursor (the forward raised)."""

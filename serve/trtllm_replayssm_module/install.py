@@ -1,5 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Monkeypatch installer: route TensorRT-LLM's Nemotron-H Mamba-2 single-token decode to ReplaySSM.
+"""Fallback route (monkeypatch) and the step protocol shared by both routes.
+
+The primary route is :mod:`.model` (a registered model class). This module keeps the older route for
+a TensorRT-LLM whose model registry cannot be used (no ``register_auto_model``): it patches the
+classes in this process only. Either way the step wrapper is :func:`replay_step`, and the mixer is
+checked first (:func:`.check.check_mixer_class`).
 
 Route (facts from TensorRT-LLM's source, read, not run; see the package docstring for commits):
 
@@ -45,12 +50,11 @@ import logging
 import os
 
 from .adapter import ReplaySSMAdapter, replay_selective_state_update
+from .check import HOOK_ATTR, VERIFIED_AGAINST, bypass_message, check_mixer_class, verified_summary
 
 log = logging.getLogger("trtllm_replayssm_module")
 
-VERIFIED_AGAINST = ("TensorRT-LLM main, 2026 (PyTorch backend; Mamba2Mixer.selective_state_update_func since "
-                    "PR #10757), read from source at mamba2_mixer.py 02140fd4, modeling_nemotron_h.py "
-                    "00620eb0, mamba_cache_manager.py 00bce92c, commands/serve.py 00209af1; not run")
+__all__ = ["VERIFIED_AGAINST", "install", "uninstall", "patch_classes", "replay_step", "new_adapter"]
 
 _installed: dict = {}
 
@@ -82,6 +86,42 @@ def model_pattern(model) -> str | None:
     return getattr(cfg, "hybrid_override_pattern", None)
 
 
+def decode_rows(attn_metadata) -> int:
+    """Decode rows of this step: all sequences after the ``num_contexts`` prefill rows (as Mamba2Mixer splits)."""
+    n = getattr(attn_metadata, "num_seqs", None)
+    if n is None:
+        seq_lens = getattr(attn_metadata, "seq_lens", None)
+        n = 0 if seq_lens is None else int(seq_lens.shape[0])
+    return int(n) - int(getattr(attn_metadata, "num_contexts", 0) or 0)
+
+
+def new_adapter() -> ReplaySSMAdapter:
+    """An adapter configured from the environment (``TRTLLM_REPLAYSSM_BUFFER_LEN``, ``..._CHECK_VALUES``)."""
+    return ReplaySSMAdapter(buffer_len=_env_int("TRTLLM_REPLAYSSM_BUFFER_LEN", 16),
+                            check_values=os.environ.get("TRTLLM_REPLAYSSM_CHECK_VALUES") == "1")
+
+
+def replay_step(adapter: ReplaySSMAdapter, model, mixer_cls, attn_metadata, run):
+    """One model step around ``run()``: step hooks, and the first-step check that decode reached us.
+
+    A step with decode rows in which no Mamba-2 layer called the adapter means the mixer's decode no
+    longer goes through ``selective_state_update_func``: raise rather than serve without ReplaySSM.
+    TensorRT-LLM's warm-up (and CUDA-graph capture's eager passes) run such steps before serving."""
+    adapter.expect_pattern(model_pattern(model))
+    n_decode = decode_rows(attn_metadata)
+    adapter.begin_step(prefill_slots(attn_metadata))
+    try:
+        out = run()
+    except BaseException:
+        adapter.abort_step()
+        raise
+    decoded = adapter.end_step()
+    if n_decode > 0 and not decoded and adapter.mamba_layers != frozenset():
+        raise RuntimeError(bypass_message(mixer_cls, f"ran a model step with {n_decode} decode rows in which no Mamba-2 "
+                                          f"layer called the replaced {HOOK_ATTR}"))
+    return out
+
+
 def patch_classes(mixer_cls, model_cls, adapter: ReplaySSMAdapter) -> ReplaySSMAdapter:
     """Wrap ``mixer_cls.__init__`` (decode call) and ``model_cls.forward`` (step hooks) for ``adapter``."""
     if "mixer" in _installed:
@@ -91,25 +131,16 @@ def patch_classes(mixer_cls, model_cls, adapter: ReplaySSMAdapter) -> ReplaySSMA
     @functools.wraps(orig_init)
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
-        if not hasattr(self, "selective_state_update_func"):
-            raise RuntimeError(f"{mixer_cls.__name__}: expected the attribute selective_state_update_func after "
-                               f"__init__, found none; this tensorrt_llm is outside the verified range "
-                               f"({VERIFIED_AGAINST})")
+        if not hasattr(self, HOOK_ATTR):
+            raise RuntimeError(bypass_message(mixer_cls, f"has no attribute {HOOK_ATTR} after __init__"))
         self.replayssm_conventional_func = self.selective_state_update_func
         self.selective_state_update_func = functools.partial(replay_selective_state_update, adapter=adapter,
                                                              layer_idx=self.layer_idx)
 
     @functools.wraps(orig_forward)
     def forward(self, attn_metadata, *args, **kwargs):
-        adapter.expect_pattern(model_pattern(self))
-        adapter.begin_step(prefill_slots(attn_metadata))
-        try:
-            out = orig_forward(self, attn_metadata, *args, **kwargs)
-        except BaseException:
-            adapter.abort_step()
-            raise
-        adapter.end_step()
-        return out
+        return replay_step(adapter, self, mixer_cls, attn_metadata,
+                           lambda: orig_forward(self, attn_metadata, *args, **kwargs))
 
     mixer_cls.__init__, model_cls.forward = __init__, forward
     _installed.update(mixer=(mixer_cls, orig_init), model=(model_cls, orig_forward), adapter=adapter)
@@ -127,10 +158,11 @@ def uninstall() -> None:
 
 
 def install(adapter: ReplaySSMAdapter | None = None) -> ReplaySSMAdapter:
-    """Patch tensorrt_llm's Mamba2Mixer and NemotronHModel in this process; returns the adapter.
+    """Fallback route: patch tensorrt_llm's Mamba2Mixer and NemotronHModel in this process; returns the adapter.
 
     Environment: ``TRTLLM_REPLAYSSM_BUFFER_LEN`` (L, default 16), ``TRTLLM_REPLAYSSM_CHECK_VALUES=1``
-    (host-side slot/cursor checks; synchronizes every layer).
+    (host-side slot/cursor checks; synchronizes every layer). Raises RuntimeError when the mixer's
+    decode does not call the attribute we replace (:func:`.check.check_mixer_class`).
     """
     try:
         from tensorrt_llm._torch.models import modeling_nemotron_h
@@ -138,10 +170,10 @@ def install(adapter: ReplaySSMAdapter | None = None) -> ReplaySSMAdapter:
     except ImportError as e:
         raise ImportError("trtllm_replayssm_module.install: expected tensorrt_llm's PyTorch backend "
                           "(tensorrt_llm._torch.modules.mamba.mamba2_mixer, tensorrt_llm._torch.models."
-                          f"modeling_nemotron_h); verified against {VERIFIED_AGAINST}; got: {e}") from e
+                          f"modeling_nemotron_h); verified against {verified_summary()}; got: {e}") from e
+    check_mixer_class(mamba2_mixer.Mamba2Mixer)
     if adapter is None:
-        adapter = ReplaySSMAdapter(buffer_len=_env_int("TRTLLM_REPLAYSSM_BUFFER_LEN", 16),
-                                   check_values=os.environ.get("TRTLLM_REPLAYSSM_CHECK_VALUES") == "1")
+        adapter = new_adapter()
     if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
         log.warning("trtllm_replayssm_module: patched this process only; a spawned executor worker does not import "
                     "--custom_module_dirs. For TP1 set TLLM_WORKER_USE_SINGLE_PROCESS=1.")
