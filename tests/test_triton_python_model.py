@@ -1,0 +1,326 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The Python-backend sequence model (``trtllm_replayssm/triton_model.py``) in process, without a server:
+``SequenceModel`` driven through a stand-in of ``triton_python_backend_utils`` whose tensors exist only
+as DLPack (``as_numpy`` raises, so the numpy path that numpy 2.x breaks in the real stub is never taken),
+the slot table with an injected clock, and the repository config of ``make_triton_repo.py --backend python``.
+tests/test_triton_server.py runs the same model in a real tritonserver.
+
+Oracles: the patched transformers model (``builders.nemotron_h.patch_replayssm``, float64 SSM backend,
+fp32 weights) per sequence, one token at a time; tolerance 1e-4 on logits of std ~1 (fp32 rounding in a
+different order over <= 8 layers and 16 steps, measured <= 4e-6; tests/test_triton_server.py's docstring).
+Bookkeeping (slots, lengths, cursors, which rows get errors) exactly. On CUDA (``gpu`` marker) the same
+model with the kernels against itself on the CPU (float64 reference), tolerance below.
+"""
+
+import functools
+import importlib.util
+import json
+import pathlib
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+
+from trtllm_replayssm import triton_model as tm  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "scripts" / "make_triton_repo.py")
+mtr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mtr)
+
+TOL = 1e-4  # module docstring
+MAX_SEQ, L = 16, 4
+
+
+# ---- a stand-in of triton_python_backend_utils (the calls SequenceModel makes) ------------------------------
+class Tensor:
+    def __init__(self, name, t):
+        self._name, self.t = name, t
+
+    def name(self):
+        return self._name
+
+    def to_dlpack(self):
+        return torch.utils.dlpack.to_dlpack(self.t)
+
+    @classmethod
+    def from_dlpack(cls, name, capsule):
+        return cls(name, torch.from_dlpack(capsule))
+
+    def as_numpy(self):
+        raise AssertionError("the numpy path was used (wrong under numpy 2.x in Triton 2.51's stub)")
+
+
+class TritonError(Exception):
+    INVALID_ARG = 3
+
+    def __init__(self, msg, code=None):
+        super().__init__(msg)
+        self.code = code
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors=(), error=None):
+        self.outputs = {t.name(): t.t for t in output_tensors}
+        self.error = error
+
+
+class FakePb:
+    Tensor, TritonError, InferenceResponse = Tensor, TritonError, InferenceResponse
+
+    class Logger:
+        lines = []
+        log_info = log_warn = staticmethod(lambda msg: FakePb.Logger.lines.append(msg))
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.get(name)
+
+
+def request(corrid, token, start=False, end=False, ready=True):
+    i32 = lambda v: Tensor("", torch.tensor([[int(v)]], dtype=torch.int32))  # noqa: E731
+    return {"START": i32(start), "END": i32(end), "READY": i32(ready),
+            "CORRID": Tensor("", torch.tensor([[corrid]], dtype=torch.uint64)),
+            "input_ids": Tensor("", torch.tensor([[token]], dtype=torch.int64))}
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def make_args(tmp_path, tiny="nemotron_h", slots=4, idle_us=1_000_000, device="cpu"):
+    target = mtr.make_python_repo(tmp_path / "repo", "m", tiny=tiny, device=device, max_slots=slots,
+                                  max_seq_len=MAX_SEQ, buffer_len=L, idle_us=idle_us)
+    from google.protobuf import json_format, text_format
+
+    mc = text_format.Parse((target / "config.pbtxt").read_text(), pb2.ModelConfig())
+    # Triton hands the config to initialize() as JSON with the proto field names
+    cfg = json_format.MessageToDict(mc, preserving_proto_field_name=True)
+    return {"model_config": json.dumps(cfg), "model_instance_kind": "CPU", "model_instance_device_id": "0"}
+
+
+@functools.cache
+def oracle(tiny="nemotron_h"):
+    """logits(tokens) of the patched transformers model, one token at a time."""
+    from transformers import DynamicCache
+
+    from builders.nemotron_h import load_nemotron_h, patch_replayssm
+
+    model = load_nemotron_h(tiny=tiny, seed=0)
+    dec = patch_replayssm(model, buffer_len=L)
+
+    @torch.no_grad()
+    def run(tokens):
+        dec.reset()
+        cache = DynamicCache(config=model.config)
+        return torch.stack([model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1].float()
+                            for t in tokens])
+
+    return run
+
+
+def err(resp):
+    return None if resp.error is None else str(resp.error)
+
+
+# ---- the model ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tiny", ("nemotron_h", "nemotron3"))
+def test_batches_with_bad_rows_match_the_patched_model(tmp_path, tiny):
+    """Three sequences through 16 batches of changing composition (start, continue, end at different
+    steps), bad rows mixed into the same batches; every good row's logits match the oracle and the bad
+    rows change nothing (the oracle would notice)."""
+    clock = Clock()
+    m = tm.SequenceModel(FakePb, make_args(tmp_path, tiny), clock=clock)
+    gen = torch.Generator().manual_seed(3)
+    seqs = {7: torch.randint(0, 256, (MAX_SEQ,), generator=gen).tolist(),
+            8: torch.randint(0, 256, (6,), generator=gen).tolist(),
+            9: torch.randint(0, 256, (10,), generator=gen).tolist()}
+    begin = {7: 0, 8: 2, 9: 5}
+    got = {c: [] for c in seqs}
+    slots = {}
+    for step in range(MAX_SEQ + 1):
+        clock.t += 0.01
+        reqs, who = [], []
+        for c, toks in seqs.items():
+            k = step - begin[c]
+            if 0 <= k < len(toks):
+                reqs.append(request(c, toks[k], start=k == 0, end=k == len(toks) - 1))
+                who.append(c)
+        bad = [request(42, 1), request(8, 256), request(7, 3, ready=False)]  # unknown; vocab; READY = 0
+        if step == MAX_SEQ:
+            bad.append(request(7, 1))  # 7 ended at step 15 (its 16th token carried END)
+        reqs, who = bad[:2] + reqs + bad[2:], ["bad", "bad"] + who + ["bad"] * (len(bad) - 2)
+        out = m.execute(reqs)
+        assert len(out) == len(reqs)
+        for c, resp in zip(who, out):
+            if c == "bad":
+                assert resp.error is not None
+                continue
+            assert resp.error is None, err(resp)
+            got[c].append(resp.outputs["logits"][0])
+            slots.setdefault(c, set()).add(int(resp.outputs["slot"][0, 0]))
+        msgs = [err(r) for r in out[:2]]
+        assert "sequence 42 is unknown" in msgs[0] and "sequence_start=True" in msgs[0]
+        # the bad row of 8 comes before 8's own row: unknown at step 2 (its START is later in the batch)
+        assert ("input_ids: expected a token in [0, 256), got 256" in msgs[1]) == (3 <= step <= 7), (step, msgs)
+    assert "sequence 7 is over (ended by sequence_end)" in err(out[-1])
+    for c, toks in seqs.items():
+        torch.testing.assert_close(torch.stack(got[c]), oracle(tiny)(toks), rtol=0, atol=TOL)
+    assert [len(slots[c]) for c in seqs] == [1, 1, 1] and len({min(s) for s in slots.values()}) == 3
+    assert not m.table.live  # every sequence ended: every slot free
+    assert m.step.cache.num_free == 4
+
+
+def test_over_long_end_and_two_requests_of_one_sequence(tmp_path):
+    m = tm.SequenceModel(FakePb, make_args(tmp_path), clock=Clock())  # no idle timeout however slow the machine
+    toks = list(range(10, 10 + MAX_SEQ))
+    out = [m.execute([request(1, t, start=k == 0)])[0] for k, t in enumerate(toks)]
+    assert all(r.error is None for r in out)
+    over = m.execute([request(1, 5)])[0]
+    assert f"sequence 1 holds {MAX_SEQ} tokens = max_seq_len {MAX_SEQ}" in err(over)
+    assert m.table.live[1].length == MAX_SEQ and int(m.step.lengths[m.table.live[1].slot]) == MAX_SEQ
+    assert "max_seq_len" in err(m.execute([request(1, 5, end=True)])[0])  # refused, but the END frees the slot
+    assert 1 not in m.table.live and m.step.cache.num_free == 4
+    # two requests of one sequence in one batch (the oldest strategy never sends this): run in order
+    a, b = m.execute([request(2, 10, start=True), request(2, 11)])
+    assert a.error is None and b.error is None
+    want = oracle()([10, 11])
+    torch.testing.assert_close(torch.stack([a.outputs["logits"][0], b.outputs["logits"][0]]), want, rtol=0, atol=TOL)
+    # START for a live sequence begins again from zeros
+    again = m.execute([request(2, 10, start=True)])[0]
+    torch.testing.assert_close(again.outputs["logits"][0], want[0], rtol=0, atol=TOL)
+
+
+def test_idle_sequences_are_freed_and_reset(tmp_path):
+    clock = Clock()
+    m = tm.SequenceModel(FakePb, make_args(tmp_path, slots=2, idle_us=500_000), clock=clock)
+    m.execute([request(1, 5, start=True), request(2, 6, start=True)])
+    clock.t = 0.4
+    m.execute([request(2, 7)])  # 2 stays fresh
+    clock.t = 0.8  # 1 idle for 0.8 s > 0.5 s
+    r = m.execute([request(1, 8)])[0]
+    assert "sequence 1 is over (idle for more than 0.5 s" in err(r)
+    assert sorted(m.table.live) == [2] and m.step.cache.num_free == 1
+    new = m.execute([request(3, 9, start=True)])[0]
+    torch.testing.assert_close(new.outputs["logits"][0], oracle()([9])[0], rtol=0, atol=TOL)  # reset slot
+    # no free slot at START (Triton timed out one we have not expired yet): the least recently used goes
+    clock.t = 0.85  # 2 idle 0.45 s, 3 idle 0.05 s: neither expired
+    m.execute([request(4, 9, start=True)])
+    assert sorted(m.table.live) == [3, 4] and any("no free slot" in line for line in FakePb.Logger.lines)
+
+
+def test_sequence_table_bookkeeping():
+    free = []
+    slots = iter(range(100))
+    t = tm.SequenceTable(lambda: next(slots), free.append, num_slots=2, max_seq_len=3, idle_s=1.0)
+    a = t.admit(10, True, now=0.0)
+    b = t.admit(11, True, now=0.5)
+    assert (a.slot, b.slot) == (0, 1)
+    with pytest.raises(tm.RequestError, match="sequence 12 is unknown"):
+        t.admit(12, False, now=0.5)
+    assert t.expire(1.2) == [10] and free == [0]  # idle 1.2 > 1.0; 11 idle 0.7
+    with pytest.raises(tm.RequestError, match=r"sequence 10 is over \(idle"):
+        t.admit(10, False, now=1.2)
+    b.length = 3
+    with pytest.raises(tm.RequestError, match="holds 3 tokens = max_seq_len 3"):
+        t.check_room(b)
+    t.end(11)
+    assert free == [0, 1] and not t.live
+    c = t.admit(10, True, now=2.0)  # an expired CORRID may start again
+    assert c.slot == 2 and 10 not in t.gone
+
+
+# ---- the repository config --------------------------------------------------------------------------------
+def test_python_repo_config_and_model_py(tmp_path):
+    from google.protobuf import text_format
+
+    target = mtr.make_python_repo(tmp_path / "r", "nh", device="cpu", max_slots=3, max_seq_len=32, buffer_len=8,
+                                  idle_us=2_000_000)
+    mc = text_format.Parse((target / "config.pbtxt").read_text(), pb2.ModelConfig())
+    assert mc.backend == "python" and mc.max_batch_size == 3 and not mc.sequence_batching.state  # no implicit state
+    assert mc.sequence_batching.oldest.max_candidate_sequences == 3
+    assert [c.name for c in mc.sequence_batching.control_input] == ["START", "END", "READY", "CORRID"]
+    assert [(i.name, list(i.dims)) for i in mc.input] == [("input_ids", [1])]
+    assert [(o.name, list(o.dims)) for o in mc.output] == [("logits", [256]), ("slot", [1])]
+    assert mc.instance_group[0].kind == pb2.ModelInstanceGroup.KIND_CPU
+    p = {k: v.string_value for k, v in mc.parameters.items()}
+    assert p["python_path"].split(":")[0] == str(ROOT) and p["tiny"] == "nemotron_h" and p["buffer_len"] == "8"
+    compile((target / "1" / "model.py").read_text(), "model.py", "exec")
+    with pytest.raises(mtr.RepoError, match="already exists"):
+        mtr.make_python_repo(tmp_path / "r", "nh", device="cpu")
+
+
+def test_model_py_refuses_another_python(tmp_path):
+    ns = {}
+    exec(compile(mtr.MODEL_PY, "model.py", "exec"), ns)
+    cfg = {"parameters": {"python_version": {"string_value": "2.7"}, "python_libdir": {"string_value": "/x/lib"}}}
+    with pytest.raises(RuntimeError, match="built with Python 2.7.*LD_LIBRARY_PATH=/x/lib"):
+        ns["_setup_path"](cfg)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(buffer_len=1), "--buffer-len: expected 2..32"),
+    (dict(buffer_len=33), "--buffer-len: expected 2..32"),
+    (dict(max_slots=0), "--max-slots"),
+    (dict(max_seq_len=0), "--max-seq-len"),
+    (dict(dtype="int8"), "--dtype"),
+    (dict(tiny="nope"), "--tiny: expected one of"),
+    (dict(model_dir=pathlib.Path("/nonexistent")), "--model: expected a checkpoint directory"),
+])
+def test_python_repo_rejects_bad_options(tmp_path, kw, match):
+    with pytest.raises(mtr.RepoError, match=match):
+        mtr.make_python_repo(tmp_path / "r", "nh", **{"device": "cpu", **kw})
+    assert not (tmp_path / "r" / "nh").exists()
+
+
+def test_cli_python_backend(tmp_path, capsys):
+    assert mtr.main(["--backend", "python", "--repo", str(tmp_path / "r"), "--device", "cpu"]) == 0
+    assert (tmp_path / "r" / "nemotron_h_replayssm" / "1" / "model.py").is_file()
+    assert "wrote" in capsys.readouterr().out
+    assert mtr.main(["--repo", str(tmp_path / "r2")]) == 2  # tensorrt_plan needs --engine-dir
+
+
+# ---- CUDA: the kernels behind the same model ------------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_model_matches_the_cpu_model(tmp_path):
+    """The kernels (fp32 state and activations) against the float64 reference path, both through
+    SequenceModel with the same weights: 3 sequences, 16 steps, several folds of the L = 4 ring, the
+    cursors and lengths exactly. Tolerance 2e-3 absolute on logits of std ~1: fp32 kernel sums (dstate +
+    L terms per output; tests/test_cache_gpu.py: 2e-5 relative) and fp32 GEMMs (TF32 off) through 8
+    layers and 16 steps. The model is built from transformers' classes directly (not load_nemotron_h),
+    so this runs under the H200 image's transformers 5.17 too."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    import copy
+
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    from builders.nemotron_h import TINY_CONFIG, randomize_
+
+    model = randomize_(NemotronHForCausalLM(NemotronHConfig(**TINY_CONFIG)), 0).eval()
+    clock = Clock()  # not the wall clock: the first CUDA step compiles kernels for longer than the idle timeout
+    cpu = tm.SequenceModel(FakePb, make_args(tmp_path / "c"), clock=clock, model=model)
+    gpu = tm.SequenceModel(FakePb, make_args(tmp_path / "g", device="cuda"), clock=clock, model=copy.deepcopy(model).cuda())
+    assert gpu.step.cache.uses_kernels and not cpu.step.cache.uses_kernels
+    gen = torch.Generator().manual_seed(5)
+    seqs = {c: torch.randint(0, 256, (n,), generator=gen).tolist() for c, n in ((1, 16), (2, 9), (3, 13))}
+    worst = 0.0
+    for step in range(MAX_SEQ):
+        reqs = [request(c, t[step], start=step == 0, end=step == len(t) - 1) for c, t in seqs.items()
+                if step < len(t)]
+        for a, b in zip(cpu.execute(reqs), gpu.execute(reqs)):
+            assert a.error is None and b.error is None, (err(a), err(b))
+            assert int(a.outputs["slot"][0, 0]) == int(b.outputs["slot"][0, 0])
+            worst = max(worst, float((a.outputs["logits"] - b.outputs["logits"]).abs().max()))
+        if step == 5:  # mid-run, every slot live: the bookkeeping exactly
+            torch.testing.assert_close(gpu.step.cache.cursor.cpu(), cpu.step.cache.cursor, rtol=0, atol=0)
+            torch.testing.assert_close(gpu.step.lengths.cpu(), cpu.step.lengths, rtol=0, atol=0)
+    print(f"CUDA vs CPU model: max |logit difference| {worst:.3g}")
+    assert worst < 2e-3, worst
+    assert gpu.step.cache.num_free == cpu.step.cache.num_free == 4
