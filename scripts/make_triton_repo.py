@@ -18,8 +18,9 @@ carries one token (``input_ids``, shape [1]) and returns ``logits``.
 Layers (``model.pattern`` in config.json, Nemotron-H / Nemotron 3 letters): every Mamba-2 layer
 ``M`` i has the five states conv_state_i, ssm_state_i, x_cache_i, B_cache_i, dt_cache_i, every
 attention layer ``*`` i has k_cache_i and v_cache_i, MoE ``E`` and MLP ``-`` layers have none
-(their weights are in the plan); anything else is refused before a file is written, naming the
-layer and the state.
+(their weights are in the plan), every Gated DeltaNet layer ``G`` i (Qwen3-Next / Qwen3.5 engines,
+builders/gdn_step.py) has conv_state_i, gdn_state_i, gdn_u_i, gdn_v_i, gdn_k_i, gdn_g_i, gdn_beta_i;
+anything else is refused before a file is written, naming the layer and the state.
 
 Usage: python scripts/make_triton_repo.py --engine-dir build/tiny --repo build/triton [--name NAME]
 
@@ -59,8 +60,9 @@ TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYP
 REQUEST_INPUTS = ("input_ids",)  # what a client sends each step; every other input is implicit state
 SHARED_STATES = ("lengths", "cursor")
 LAYER_STATES = {"M": ("conv_state", "ssm_state", "x_cache", "B_cache", "dt_cache"), "*": ("k_cache", "v_cache"),
-                "E": (), "-": ()}  # per layer letter of hybrid_override_pattern
-LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP"}
+                "E": (), "-": (),
+                "G": ("conv_state", "gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta")}  # per layer letter
+LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "Gated DeltaNet"}
 
 
 class RepoError(ValueError):

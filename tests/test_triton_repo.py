@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Triton model repository: built through Triton's ModelConfig protobuf and checked against
 the engine description that scripts/build_engine.py writes (every state paired, nothing missing),
-for both embedded tiny configs: Nemotron-H (``M*-M-M*-``) and Nemotron 3 (``MEM*EM*E``: its MoE
-layers carry no state, so the repository holds the states of the Mamba and attention layers only).
+for the embedded tiny configs: Nemotron-H (``M*-M-M*-``), Nemotron 3 (``MEM*EM*E``: its MoE layers
+carry no state, so the repository holds the states of the Mamba and attention layers only) and
+Qwen3-Next (``GGG*``: seven states per Gated DeltaNet layer).
 """
 
 import importlib.util
@@ -20,7 +21,7 @@ mtr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mtr)
 
 
-@pytest.fixture(scope="module", params=("nemotron_h", "nemotron3"))
+@pytest.fixture(scope="module", params=("nemotron_h", "nemotron3", "qwen3_next"))
 def engine_dir(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("engine") / request.param
     subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), "--out", str(out), "--max-batch", "4",
@@ -48,13 +49,15 @@ def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
     for name in ("cursor", "lengths"):
         assert states[name].data_type == pb.TYPE_INT32
     pattern = cfg["model"]["pattern"]
-    per_layer = {"M": 5, "*": 2, "E": 0, "-": 0}
+    per_layer = {"M": 5, "*": 2, "E": 0, "-": 0, "G": 7}
     assert len(states) == 2 + sum(per_layer[c] for c in pattern)
     for i, c in enumerate(pattern):
         mine = {n for n in states if n.endswith(f"_{i}")}
         assert len(mine) == per_layer[c], (i, c, mine)
         if c == "M":
             assert list(states[f"ssm_state_{i}"].dims) == [4, 64, 64] and states[f"ssm_state_{i}"].data_type == pb.TYPE_FP32
+        if c == "G":  # the tiny Qwen3-Next: 4 value heads of 64 x 64, 2 key heads, L = 16
+            assert list(states[f"gdn_state_{i}"].dims) == [4, 64, 64] and list(states[f"gdn_k_{i}"].dims) == [2, 16, 64]
     assert (target / "1" / "MISSING_PLAN.txt").is_file()  # no TensorRT here
 
 
@@ -69,10 +72,12 @@ def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
     (lambda c: c["states"].append(dict(c["states"][-1], name="k_cache_4", output="k_cache_4_out")),  # E / -
      r"state 'k_cache_4': layer 4 is a (MoE|MLP) layer \('[E-]' in pattern '.*'\), which has no states"),
     (lambda c: c["states"].append(dict(c["states"][-1])), r"states: \['v_cache_\d'\] listed twice"),
-    (lambda c: c["model"].update(pattern="M?"), r"model.pattern 'M\?': expected only M\*E-, got '\?' at layer 1"),
+    (lambda c: c["model"].update(pattern="M?"), r"model.pattern 'M\?': expected only M\*E-G, got '\?' at layer 1"),
     (lambda c: c["states"].append(dict(c["states"][-1], name="conv_state_99")), "'conv_state_99': expected"),
 ])
 def test_bad_engine_description_is_rejected(engine_dir, mutate, match):
+    if "k_cache_4" in match and engine_dir.name == "qwen3_next":
+        pytest.skip("the tiny Qwen3-Next (GGG*) has no stateless layer 4")
     cfg = json.loads((engine_dir / "config.json").read_text())
     mutate(cfg)
     with pytest.raises(mtr.RepoError, match=match):
