@@ -21,7 +21,20 @@ that counts what the kernel moves at each position):
 (bytes_per_step charges (L-1)/2 entries to the mean non-flush step; the exact mean is (L-2)/2.)
 Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measured in the same run.
 
-Usage: python scripts/bench_gdn.py [--batches 1,8,32,64,128,256] [--out bench/results] [--commit SHA]
+Speculative rows (``--spec``, T = 4, L = 16): ReplaySSM ``gdn_replay_verify`` timed at pinned cursors
+(count 0, 4, 8: no flush; count 9, 12: the fold of 9 / 12 committed entries inside the launch), and the
+native baseline ``gdn_native_spec_verify`` + ``gdn_native_spec_commit`` (n = T). The ReplaySSM step
+time at acceptance ~0.8 is the mean over a simulated run (n = 1 + accepted drafts, each draft accepted
+with p = 0.8 while the previous ones were; the commit's flush rule on the cursor), times interpolated
+linearly in count between the measured points (the history and fold costs are linear in count). The
+cursor commit (one tiny kernel shared by all layers) is not timed, as the cursor advance above.
+Spec bytes model per (batch row, layer), io_t the per-token io above, m = count:
+  verify, no flush  S0 (shadow) HV*V*K*s + T*io_t + m*(u HV*V*4 + k H*K*4 + g HV*4)
+                    + T entries written (u HV*V*4, v HV*V*a, k H*K*4, g, beta 2*HV*4)
+  verify, flush     2*HV*V*K*4 (+ shadow write HV*V*K*2) + T*io_t + m*(v HV*V*a + k H*K*4 + 2*HV*4) + T entries
+  native verify     HV*V*K*4 + T*HV*V*K*4 (snapshots) + T*io_t;  native commit 2*HV*V*K*4
+
+Usage: python scripts/bench_gdn.py [--batches 1,8,32,64,128,256] [--out bench/results] [--commit SHA] [--spec]
 """
 
 from __future__ import annotations
@@ -129,6 +142,158 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
     return row
 
 
+SPEC_COUNTS = (0, 4, 8, 9, 12)  # T = 4, L = 16: 0..8 no flush, 9..12 flush
+
+
+def spec_bytes(HV, H, V, K, L, T, m, a=2, shadow=False):
+    io = 2 * H * K * a + HV * V * a + 2 * HV * a + HV * V * a
+    state = HV * V * K * 4
+    entry = HV * V * 4 + HV * V * a + H * K * 4 + 2 * HV * 4
+    if m + 2 * T <= L:
+        read = HV * V * K * 2 if shadow else state
+        return read + T * io + m * (HV * V * 4 + H * K * 4 + HV * 4) + T * entry
+    return 2 * state + (HV * V * K * 2 if shadow else 0) + T * io + m * (HV * V * a + H * K * 4 + 2 * HV * 4) + T * entry
+
+
+def simulate_cycle(T, L, p=0.8, steps=20000, seed=0):
+    """Counts seen by verify over a run with acceptance p (n = 1 + consecutive accepted drafts), and tokens/step."""
+    import random
+
+    rng = random.Random(seed)
+    count, seen, tokens = 0, [], 0
+    for _ in range(steps):
+        seen.append(count)
+        if count + 2 * T > L:
+            count = 0
+        n = 1
+        while n < T and rng.random() < p:
+            n += 1
+        count += n
+        tokens += n
+    return seen, tokens / steps
+
+
+def interp(points: dict, m: int, T: int, L: int) -> float:
+    """Time at count m, linear between the measured counts on the same side of the flush rule."""
+    flush = m + 2 * T > L
+    xs = sorted(k for k in points if (k + 2 * T > L) == flush)
+    if m <= xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif m >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        lo = max(x for x in xs if x <= m)
+        hi = min(x for x in xs if x >= m)
+        if lo == hi:
+            return points[lo]
+    return points[lo] + (points[hi] - points[lo]) * (m - lo) / (hi - lo)
+
+
+def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
+    HV, H, V, K = geom["HV"], geom["H"], geom["V"], geom["K"]
+    act = torch.bfloat16
+    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (HV * V * K * 4 * batch))))
+    slots = batch * R
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda")
+    state = torch.randn(slots, HV, V, K, generator=gen, **dev) * 0.05
+    shadow = state.to(torch.bfloat16)
+    u_cache = torch.randn(slots, HV, L, V, generator=gen, **dev) * 0.1
+    v_cache = torch.randn(slots, HV, L, V, generator=gen, **dev).to(act)
+    k_cache = torch.nn.functional.normalize(torch.randn(slots, H, L, K, generator=gen, **dev), dim=-1)
+    g_cache = -torch.rand(slots, HV, L, generator=gen, **dev) * 0.5
+    beta_cache = torch.rand(slots, HV, L, generator=gen, **dev)
+    cursor = torch.zeros(slots, 2, dtype=torch.int32, **dev)
+    A_log = torch.log(torch.rand(HV, generator=gen, **dev) * 15 + 1)
+    dt_bias = torch.rand(HV, generator=gen, **dev) * 0.1 - 3.0
+    perm = torch.randperm(slots, generator=gen, **dev).to(torch.int32)
+    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
+
+    def inputs():
+        shapes = ((batch, T, H, K), (batch, T, H, K), (batch, T, HV, V), (batch, T, HV), (batch, T, HV))
+        return tuple(torch.randn(*sh, generator=gen, **dev).to(act) for sh in shapes)
+
+    ins = [inputs() for _ in range(min(R, 4))]
+    y = torch.empty(batch, T, HV, V, dtype=act, **dev)
+
+    def verify(sh):
+        def fn():
+            for r in range(R):
+                gdn_ops.gdn_replay_verify(*ins[r % len(ins)], A_log, dt_bias, state, u_cache, v_cache, k_cache, g_cache,
+                                          beta_cache, cursor, sbis[r], out=y, shadow=sh, check_values=False)
+        return fn
+
+    row = dict(geom="qwen3_next", **geom, L=L, T=T, batch=batch, rotations=R, act="bf16", p_accept=p_accept,
+               verify_geometry=gdn_geometry(V, K, HV, batch, True), native_geometry=gdn_geometry(V, K, HV, batch, False))
+    seen, tokens_per_step = simulate_cycle(T, L, p_accept)
+    row["tokens_per_step"] = tokens_per_step
+    for name, sh in (("f32", None), ("bf16shadow", shadow)):
+        pts = {}
+        for m in SPEC_COUNTS:
+            cursor[:, 0] = 0
+            cursor[:, 1] = m
+            pts[m] = graph_time_us(verify(sh), R)[0]
+        row[f"{name}_verify_us"] = {str(m): t for m, t in pts.items()}
+        amort = sum(interp(pts, m, T, L) for m in seen) / len(seen)
+        bytes_amort = sum(spec_bytes(HV, H, V, K, L, T, m, shadow=sh is not None) for m in seen) / len(seen) * batch
+        row[f"{name}_us_step"] = amort
+        row[f"{name}_bytes_step"] = bytes_amort
+        row[f"{name}_tbps"] = bytes_amort / amort / 1e6
+        row[f"{name}_tbps_c0"] = spec_bytes(HV, H, V, K, L, T, 0, shadow=sh is not None) * batch / pts[0] / 1e6
+        row[f"{name}_tbps_flush12"] = spec_bytes(HV, H, V, K, L, T, 12, shadow=sh is not None) * batch / pts[12] / 1e6
+    snaps = torch.empty(slots, T, HV, V, K, **dev)
+    n_acc = torch.full((batch,), T, dtype=torch.int32, **dev)
+
+    def native_verify():
+        for r in range(R):
+            gdn_ops.gdn_native_spec_verify(*ins[r % len(ins)], A_log, dt_bias, state, snaps, sbis[r], out=y,
+                                           check_values=False)
+
+    def native_commit():
+        for r in range(R):
+            gdn_ops.gdn_native_spec_commit(state, snaps, n_acc, sbis[r], check_values=False)
+
+    row["native_verify_us"], row["native_verify_spread_us"] = graph_time_us(native_verify, R)
+    row["native_commit_us"], row["native_commit_spread_us"] = graph_time_us(native_commit, R)
+    io = 2 * H * K * 2 + HV * V * 2 + 2 * HV * 2 + HV * V * 2
+    st = HV * V * K * 4
+    row["native_verify_bytes"] = (st + T * st + T * io) * batch
+    row["native_commit_bytes"] = 2 * st * batch
+    row["native_us_step"] = row["native_verify_us"] + row["native_commit_us"]
+    row["native_verify_tbps"] = row["native_verify_bytes"] / row["native_verify_us"] / 1e6
+    row["native_commit_tbps"] = row["native_commit_bytes"] / row["native_commit_us"] / 1e6
+    row["native_tbps"] = (row["native_verify_bytes"] + row["native_commit_bytes"]) / row["native_us_step"] / 1e6
+    for name in ("f32", "bf16shadow"):
+        row[f"{name}_speedup_vs_native"] = row["native_us_step"] / row[f"{name}_us_step"]
+    return row
+
+
+def main_spec(args, meta, ceiling):
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        row = bench_spec_point(b, args.L, args.T)
+        for k in ("f32_tbps", "bf16shadow_tbps", "native_verify_tbps", "native_commit_tbps", "native_tbps",
+                  "f32_tbps_c0", "bf16shadow_tbps_c0"):
+            row[k.replace("tbps", "pct_ceiling")] = 100 * row[k] / ceiling
+        rows.append(row)
+        print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{meta['date'][:10]}_{args.tag}-spec_{args.commit[:10]}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
+    print(f"{'bs':>4s} | {'nat ver':>7s} {'%ceil':>5s} {'commit':>7s} {'%ceil':>5s} {'step':>7s} | "
+          f"{'f32 c0':>7s} {'c8':>7s} {'fl12':>7s} {'step':>7s} {'%ceil':>5s} {'x nat':>5s} | "
+          f"{'sh c0':>7s} {'fl12':>7s} {'step':>7s} {'%ceil':>5s} {'x nat':>5s}")
+    for r in rows:
+        f, s = r["f32_verify_us"], r["bf16shadow_verify_us"]
+        print(f"{r['batch']:4d} | {r['native_verify_us']:7.1f} {r['native_verify_pct_ceiling']:5.1f} "
+              f"{r['native_commit_us']:7.1f} {r['native_commit_pct_ceiling']:5.1f} {r['native_us_step']:7.1f} | "
+              f"{f['0']:7.1f} {f['8']:7.1f} {f['12']:7.1f} {r['f32_us_step']:7.1f} {r['f32_pct_ceiling']:5.1f} "
+              f"{r['f32_speedup_vs_native']:5.2f} | {s['0']:7.1f} {s['12']:7.1f} {r['bf16shadow_us_step']:7.1f} "
+              f"{r['bf16shadow_pct_ceiling']:5.1f} {r['bf16shadow_speedup_vs_native']:5.2f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
@@ -136,6 +301,8 @@ def main():
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--tag", default="gdn-kernels")
+    ap.add_argument("--spec", action="store_true", help="speculative rows: ReplaySSM verify vs native verify + commit")
+    ap.add_argument("--T", type=int, default=4)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gdn.py needs a CUDA GPU")
@@ -144,6 +311,8 @@ def main():
     meta = dict(device=torch.cuda.get_device_name(), date=now, commit=args.commit, torch=torch.__version__,
                 copy_ceiling_tbps=ceiling)
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
+    if args.spec:
+        return main_spec(args, meta, ceiling)
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         row = bench_point(b, args.L)

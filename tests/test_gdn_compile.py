@@ -98,3 +98,61 @@ def test_geometry_table():
     for V, K, HV, batch, replay in itertools.product(GDN_SUPPORTED_DIMS, GDN_SUPPORTED_DIMS, (1, 4, 32, 64), (1, 3, 64, 512),
                                                      (True, False)):
         GDNSpec("bf16", HV, 1, V, K, 16, *gdn_geometry(V, K, HV, batch, replay))
+
+
+# ---- speculative module (plugins/gdn_spec.cu: gdn_verify, gdn_native_verify) ---------------------------
+SPEC_FULL = [
+    gdn_spec(a, 32, 16, V, K, 16, 256, replay, sh, arch=arch, num_tokens=4)
+    for a, V, K, (replay, sh), arch in itertools.product(
+        ("bf16", "f16", "f32"), GDN_SUPPORTED_DIMS, GDN_SUPPORTED_DIMS, ((True, "none"), (True, "bf16"), (False, "none")),
+        ARCHS)
+]
+SPEC_EDGES = [
+    gdn_spec("bf16", HV, H, 128, 128, L, batch, replay, sh, l2norm, scale, arch, T)
+    for (HV, H), (T, L), batch, (replay, sh), (l2norm, scale), arch in itertools.product(
+        ((32, 16), (4, 2)), ((1, 2), (1, 32), (2, 4), (2, 8), (4, 8), (4, 32), (6, 12), (6, 16), (8, 16), (8, 32)),
+        (1, 64), ((True, "none"), (True, "bf16"), (False, "none")), ((True, None), (False, 0.125)), ARCHS)
+    if T == 4 or (batch == 64 and l2norm and HV == 32)
+] + [gdn_spec("f32", 4, 2, V, K, 32, 1, replay, "none", arch=arch, num_tokens=T)  # the largest tiles
+     for V, K, T, replay, arch in itertools.product((64, 256), (256,), (1, 8), (True, False), ARCHS)]
+
+
+@pytest.mark.parametrize("spec", SPEC_FULL + SPEC_EDGES, ids=lambda s: s.key)
+def test_spec_compiles_to_ptx(spec):
+    ptx = cc.compile_spec(spec, "ptx").decode()
+    assert f".target sm_{spec.arch}" in ptx
+    for name in cc.GDN_SPEC_KERNEL_NAMES:
+        assert re.search(rf"\.entry {name}\(", ptx), name
+    assert "__local_depot" not in ptx, "a register array went to local memory"
+
+
+@pytest.mark.parametrize("shadow, n_sh", [("none", 0), ("bf16", 1)])
+def test_spec_parameter_lists_are_tensorrt_order(shadow, n_sh):
+    """Verify: 9 step inputs (cursor (slots, 2)) + 6 in-place inputs (+ shadow), 2 int32 scalars, y + 6 aliased
+    outputs (+ shadow), as gdn_replay_decode. Native verify: 8 step inputs + state, 2 int32 scalars, y + snapshots."""
+    ptx = cc.compile_spec(gdn_spec("bf16", 32, 16, 128, 128, 16, 64, True, shadow, num_tokens=4), "ptx").decode()
+    for name, want in (("gdn_verify", ["u64"] * (15 + n_sh) + ["u32"] * 2 + ["u64"] * (7 + n_sh)),
+                       ("gdn_native_verify", ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2)):
+        params = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S).group(1)
+        assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == want, name
+
+
+def test_spec_key_and_entry_file():
+    spec = GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, num_tokens=4)
+    assert spec.key == "gdn_a-bf16_HV32_H16_V128_K128_L16_R64_W8_P32_n1_sm90_T4"
+    assert cc.entry_file(spec) == "gdn_spec.cu" and cc.kernel_names(spec) == cc.GDN_SPEC_KERNEL_NAMES
+    std = GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8)
+    assert cc.entry_file(std) == "gdn_decode.cu" and cc.kernel_names(std) == cc.GDN_KERNEL_NAMES
+    assert "kT" not in cc.prelude(std) and "constexpr int kT = 4;" in cc.prelude(spec)
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(num_tokens=3), ValueError, "GDNSpec.num_tokens"),
+    (dict(num_tokens=4, buffer_len=6), ValueError, r"buffer_len=6: expected >= 2 \* num_tokens = 8"),
+    (dict(num_tokens=True), TypeError, "GDNSpec.num_tokens: expected an int"),
+    (dict(num_tokens=8, buffer_len=32, K=256, rows=256, warps=16, act="f32"), ValueError, "rows"),
+])
+def test_bad_spec_specs_rejected(bad, exc, match):
+    base = dict(act="bf16", heads_v=32, heads_k=16, V=256, K=128, buffer_len=16, rows=64, warps=8)
+    with pytest.raises(exc, match=match):
+        GDNSpec(**{**base, **bad})

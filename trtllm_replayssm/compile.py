@@ -4,7 +4,7 @@
 Route: a generated prelude (``using state_t``/``act_t``, sizes as ``constexpr``) is prepended to
 the spec's entry file (``plugins/replayssm_decode.cu``; for speculative specs, ``num_tokens`` >= 1,
 ``plugins/replayssm_spec.cu`` and ``constexpr int kT``; for Gated DeltaNet, :class:`~.config.GDNSpec`,
-``plugins/gdn_decode.cu``) and compiled by NVRTC through
+``plugins/gdn_decode.cu``, and ``plugins/gdn_spec.cu`` with ``kT`` for speculative GDN specs) and compiled by NVRTC through
 ``cuda.bindings.nvrtc``. That needs no GPU and no driver, so CI compiles every variant for sm_90 and
 sm_100. Headers come from the ``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into NVRTC).
 Results are cached on disk under the spec's readable key plus a hash of source, options and NVRTC version.
@@ -30,18 +30,20 @@ SPEC_ENTRY_FILE = "replayssm_spec.cu"
 SPEC_KERNEL_NAMES = ("replayssm_verify", "replayssm_spec_commit", "replayssm_native_verify", "replayssm_native_commit")
 GDN_ENTRY_FILE = "gdn_decode.cu"
 GDN_KERNEL_NAMES = ("gdn_replay_decode", "gdn_conventional")
+GDN_SPEC_ENTRY_FILE = "gdn_spec.cu"
+GDN_SPEC_KERNEL_NAMES = ("gdn_verify", "gdn_native_verify")
 
 
 def entry_file(spec: KernelSpec | GDNSpec) -> str:
     if isinstance(spec, GDNSpec):
-        return GDN_ENTRY_FILE
+        return GDN_SPEC_ENTRY_FILE if spec.num_tokens else GDN_ENTRY_FILE
     return SPEC_ENTRY_FILE if spec.num_tokens else ENTRY_FILE
 
 
 def kernel_names(spec: KernelSpec | GDNSpec) -> tuple[str, ...]:
     """The entry points of the module ``spec`` compiles."""
     if isinstance(spec, GDNSpec):
-        return GDN_KERNEL_NAMES
+        return GDN_SPEC_KERNEL_NAMES if spec.num_tokens else GDN_KERNEL_NAMES
     return SPEC_KERNEL_NAMES if spec.num_tokens else KERNEL_NAMES
 
 
@@ -78,6 +80,7 @@ def gdn_prelude(spec: GDNSpec) -> str:
             f"constexpr int kLanes = {min(spec.lanes, spec.K // 4)};",
             f"constexpr bool kL2Norm = {'true' if spec.l2norm else 'false'};",
             f"constexpr float kScale = {spec.scale_f32.hex()}f;  // {spec.scale_f32!r}",
+            *([f"constexpr int kT = {spec.num_tokens};"] if spec.num_tokens else []),
             "",
         ]
     )

@@ -401,6 +401,9 @@ class GDNSpec:
     l2norm: bool = True
     scale: float | None = None
     arch: int = 90
+    # 0: the standard decode module (plugins/gdn_decode.cu); T >= 1: the speculative module
+    # (plugins/gdn_spec.cu: gdn_verify, gdn_native_verify over windows of T tokens).
+    num_tokens: int = 0
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -420,6 +423,18 @@ class GDNSpec:
                 or rt & (rt - 1) or 2 * rt > lpr):
             raise ValueError(f"GDNSpec rows={self.rows}, warps={self.warps}: rows must divide V={self.V}, be warps*{rpw}*rt "
                              f"with rt a power of two <= {lpr // 2}, warps in 1..{GDN_MAX_WARPS}")
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int):
+            raise TypeError(f"GDNSpec.num_tokens: expected an int, got {type(self.num_tokens).__name__}")
+        if self.num_tokens:
+            T, L = self.num_tokens, self.buffer_len
+            if T not in SUPPORTED_NUM_TOKENS:
+                raise ValueError(f"GDNSpec.num_tokens: expected 0 (standard decode) or one of {SUPPORTED_NUM_TOKENS}, got {T}")
+            if L < 2 * T:
+                raise ValueError(f"GDNSpec.buffer_len={L}: expected >= 2 * num_tokens = {2 * T} (flush one window early)")
+            smem = gdn_spec_smem_bytes(self.act, self.rows, self.K, L, T)
+            if smem > SMEM_LIMIT:
+                raise ValueError(f"GDNSpec rows={self.rows}: verify needs {smem} bytes of static shared memory, "
+                                 f"limit {SMEM_LIMIT}")
 
     @property
     def scale_f32(self) -> float:
@@ -433,7 +448,8 @@ class GDNSpec:
         return (f"gdn_a-{self.act}_HV{self.heads_v}_H{self.heads_k}_V{self.V}_K{self.K}_L{self.buffer_len}"
                 f"_R{self.rows}_W{self.warps}_P{gdn_layout(self.K, self.lanes)[0]}_n{int(self.l2norm)}"
                 + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
-                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}")
+                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}"
+                + (f"_T{self.num_tokens}" if self.num_tokens else ""))
 
     @property
     def threads(self) -> int:
@@ -446,6 +462,17 @@ class GDNSpec:
 
     def grid(self, batch: int) -> tuple[int, int, int]:
         return (self.heads_v * (self.V // self.rows), batch, 1)
+
+
+def gdn_spec_smem_bytes(act: str, rows: int, K: int, L: int, T: int) -> int:
+    """Upper bound of ``VerifySmem`` in plugins/gdn_spec.cuh: the window tile (q, k of T tokens, T x T
+    weights, scalars) plus the larger of the history tile (u of L - 2T entries) and the fold tile
+    (k, v of L - T entries)."""
+    win = 4 * (2 * T * K + 2 * T * T + 3 * T)
+    he = max(1, L - 2 * T)
+    hist = 4 * (he * rows + 32 + 2 * he * T + 4)
+    fold = 4 * (L - T) * K + ITEMSIZE[act] * (L - T) * rows + 4 * 64
+    return (win + 15) // 16 * 16 + (max(hist, fold) + 15) // 16 * 16
 
 
 @functools.lru_cache(maxsize=1024)
@@ -473,6 +500,8 @@ def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool) -> tuple[int
 
 
 def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, replay: bool, shadow: str = "none",
-             l2norm: bool = True, scale: float | None = None, arch: int = 90) -> GDNSpec:
+             l2norm: bool = True, scale: float | None = None, arch: int = 90, num_tokens: int = 0) -> GDNSpec:
+    """The module for this geometry and batch. ``num_tokens`` = T >= 1: the speculative module, with the
+    replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``."""
     rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay)
-    return GDNSpec(act, HV, H, V, K, L, rows, warps, lanes, shadow, l2norm, scale, arch)
+    return GDNSpec(act, HV, H, V, K, L, rows, warps, lanes, shadow, l2norm, scale, arch, num_tokens)

@@ -35,6 +35,34 @@ NaN outputs and leaves state and buffers as they are.
 
 Per model step: :func:`gdn_replay_decode` for every GDN layer, then one :func:`advance_cursor` (shared
 with the Mamba-2 layers' cursor op; all layers of a model share the cursor).
+
+Speculative decoding (T = 1 + num_draft tokens per window, ``plugins/gdn_spec.cu``; ring cursor and
+"flush one window early" exactly as the Mamba-2 speculative ops, :mod:`.spec_reference`):
+
+=====================  ====================  =================  ==========================================
+tensor                 shape                 dtype              mutated
+=====================  ====================  =================  ==========================================
+q, k                   (batch, T, H, K)      act
+v                      (batch, T, HV, V)     act
+a, b                   (batch, T, HV)        act (raw)
+state                  (S, HV, V, K)         f32                gdn_replay_verify: where count + 2T > L
+                                                                (the exact fold of the committed entries);
+                                                                gdn_native_spec_commit: snapshot n-1
+u/v/k/g/beta_cache     as above              as above           gdn_replay_verify: window appended at ring
+                                                                index (start + count + t) % L
+cursor                 (S, 2)                int32              (start, count); by :func:`gdn_spec_commit`
+shadow (optional)      (S, HV, V, K)         bf16               gdn_replay_verify: where it flushes; read
+                                                                on the other steps instead of state
+n_accepted             (batch,)              int32              accepted tokens of the window, 0..T
+snapshots              (S, T, HV, V, K)      f32                gdn_native_spec_verify: state after token t
+y (output)             (batch, T, HV, V)     act                padding rows left untouched
+=====================  ====================  =================  ==========================================
+T in SUPPORTED_NUM_TOKENS, 2T <= L <= 32. Per model step: :func:`gdn_replay_verify` for every GDN layer,
+then one :func:`gdn_spec_commit` (the Mamba-2 ``replayssm_spec_commit`` kernel through
+:func:`.ops.spec_commit`, shared with the Mamba-2 layers: the flush the verify kernels did, start +=
+count and count = 0 where count + 2T > L, then count += n_accepted). Values checked unless capturing:
+slots as above, the rows' cursors start in [0, L) and count in [0, L - T], n_accepted in [0, T];
+unchecked, a row with an out-of-range cursor gets NaN outputs and nothing else is written.
 """
 
 from __future__ import annotations
@@ -46,8 +74,20 @@ import numpy as np
 import torch
 
 from . import ops
-from .config import DTYPE_CODES, GDN_SUPPORTED_DIMS, gdn_spec
-from .ops import _F32, _I32, VECTOR_BYTES, _Arg, _check_args, _check_rank, _require_cuda, _values, check_indices
+from .config import DTYPE_CODES, GDN_SUPPORTED_DIMS, SUPPORTED_NUM_TOKENS, gdn_spec
+from .ops import (
+    _F32,
+    _I32,
+    VECTOR_BYTES,
+    _Arg,
+    _check_args,
+    _check_rank,
+    _check_window,
+    _require_cuda,
+    _values,
+    check_indices,
+    check_spec_values,
+)
 
 _BF16 = (torch.bfloat16,)
 
@@ -79,29 +119,29 @@ def _geometry(q, v, state, u_cache=None):
     return batch, H, HV, V, K, S, L
 
 
-def _step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out) -> list:
+def _step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, lead=("batch",)) -> list:
     return [
-        _Arg("q", q, ("batch", "heads_k", "K"), "act"),
-        _Arg("k", k, ("batch", "heads_k", "K"), "act"),
-        _Arg("v", v, ("batch", "heads_v", "V"), "act", None),
-        _Arg("a", a, ("batch", "heads_v"), "act", None),
-        _Arg("b", b, ("batch", "heads_v"), "act", None),
+        _Arg("q", q, lead + ("heads_k", "K"), "act"),
+        _Arg("k", k, lead + ("heads_k", "K"), "act"),
+        _Arg("v", v, lead + ("heads_v", "V"), "act", None),
+        _Arg("a", a, lead + ("heads_v",), "act", None),
+        _Arg("b", b, lead + ("heads_v",), "act", None),
         _Arg("A_log", A_log, ("heads_v",), _F32, None),
         _Arg("dt_bias", dt_bias, ("heads_v",), _F32, None),
         _Arg("state", state, ("slots", "heads_v", "V", "K"), _F32),
         _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
-        _Arg("out", out, ("batch", "heads_v", "V"), "act", None, optional=True),
+        _Arg("out", out, lead + ("heads_v", "V"), "act", None, optional=True),
     ]
 
 
-def _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow) -> list:
+def _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow, cursor_dims=("slots",)) -> list:
     return [
         _Arg("u_cache", u_cache, ("slots", "heads_v", "L", "V"), _F32, VECTOR_BYTES),  # cp.async tiles
         _Arg("v_cache", v_cache, ("slots", "heads_v", "L", "V"), "act", VECTOR_BYTES),  # cp.async tiles (flush)
         _Arg("k_cache", k_cache, ("slots", "heads_k", "L", "K"), _F32, VECTOR_BYTES),
         _Arg("g_cache", g_cache, ("slots", "heads_v", "L"), _F32, None),
         _Arg("beta_cache", beta_cache, ("slots", "heads_v", "L"), _F32, None),
-        _Arg("cursor", cursor, ("slots",), _I32, None),
+        _Arg("cursor", cursor, cursor_dims, _I32, None),
         _Arg("shadow", shadow, ("slots", "heads_v", "V", "K"), _BF16, optional=True),
     ]
 
@@ -177,4 +217,124 @@ def advance_cursor(cursor, state_batch_indices, u_cache, check_values: bool | No
     ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
 
 
-__all__ = ["gdn_conventional_step", "gdn_replay_decode", "advance_cursor"]
+# ---- speculative decoding -------------------------------------------------------------------------------
+def _spec_geometry(q, v, state, u_cache=None):
+    """(batch, T, H, HV, V, K, S, L) of a speculative GDN call (L None without u_cache)."""
+    _check_rank(q, "q", 4, "(batch, T, H, K)")
+    _check_rank(v, "v", 4, "(batch, T, HV, V)")
+    _check_rank(state, "state", 4, "(slots, HV, V, K)")
+    batch, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    S = state.shape[0]
+    if T not in SUPPORTED_NUM_TOKENS:
+        raise ValueError(f"q: expected T = 1 + num_draft (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
+    L = None
+    if u_cache is not None:
+        _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+        L = u_cache.shape[2]
+        _check_window(T, L, "u_cache: buffer length L (dim 2)")
+    return batch, T, H, HV, V, K, S, L
+
+
+def _check_spec_geometry(sizes: dict, q, v) -> None:
+    H, HV = sizes["heads_k"], sizes["heads_v"]
+    if H < 1 or HV % H:
+        raise ValueError(f"q: key heads H={H} (dim 2) must divide value heads HV={HV} (v, dim 2)")
+    for lab, name, t in (("K", "q", q), ("V", "v", v)):
+        if sizes[lab] not in GDN_SUPPORTED_DIMS:
+            raise ValueError(f"{name}: {lab} (dim 3) expected one of {GDN_SUPPORTED_DIMS}, got {t.shape[3]}")
+
+
+def gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_cache, g_cache, beta_cache, cursor,
+                      state_batch_indices, out=None, shadow=None, use_qk_l2norm=True, scale=None,
+                      check_values: bool | None = None):
+    """Verify the T tokens of a speculative window for one GDN layer; returns y (batch, T, HV, V).
+
+    :func:`.gdn_reference.verify` after :func:`.gdn_reference.flush_checkpoint` and
+    :func:`.spec_reference.flush_cursor` is the spec. Where count + 2T > L (on the cursor as given) the
+    committed entries are first folded exactly (from v_j, k_j, g_j, beta_j and the fp32 checkpoint) into
+    ``state`` (and the bf16 ``shadow`` rewritten from it), and the window is computed from the folded
+    checkpoint; elsewhere from the checkpoint (or the shadow) and the committed u_j. The window entries
+    (u_t, v_t, k_t, g_t, beta_t) are appended at ring index (start + count + t) % L. The cursor is read,
+    not moved: call :func:`gdn_spec_commit` (or :func:`.ops.spec_commit`) once per model step."""
+    _check_options(use_qk_l2norm, scale)
+    batch, T, H, HV, V, K, S, L = _spec_geometry(q, v, state, u_cache)
+    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
+                             + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow, ("slots", 2)))
+    _check_spec_geometry(sizes, q, v)
+    if _values(check_values):
+        check_spec_values(state_batch_indices, S, T, cursor, L)
+    _require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    kind = "none" if shadow is None else "bf16"
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, ops._arch(dev), T)
+    bufs = [t.data_ptr() for t in (state, u_cache, v_cache, k_cache, g_cache, beta_cache)]
+    sh = [] if shadow is None else [shadow.data_ptr()]
+    args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor)]
+    args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
+    ops.launch(spec, "gdn_verify", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def gdn_spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, u_cache,
+                    check_values: bool | None = None) -> None:
+    """Commit n_accepted[row] window tokens (in place, once per model step for all layers): the Mamba-2
+    ``replayssm_spec_commit`` kernel through :func:`.ops.spec_commit`, L from u_cache (dim 2)."""
+    _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+    ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
+                    check_values=check_values)
+
+
+_SNAPSHOT_DIMS = ("slots", "T", "heads_v", "V", "K")
+
+
+def gdn_native_spec_verify(q, k, v, a, b, A_log, dt_bias, state, snapshots, state_batch_indices, out=None,
+                           use_qk_l2norm=True, scale=None, check_values: bool | None = None):
+    """Native-spec baseline: the conventional recurrence over the T window tokens from state[slot] (read
+    only); snapshots[slot, t] = state after token t; returns y (batch, T, HV, V).
+    :func:`.gdn_reference.native_spec_verify` is the spec (with T_max = T)."""
+    _check_options(use_qk_l2norm, scale)
+    batch, T, H, HV, V, K, S, _ = _spec_geometry(q, v, state)
+    _check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
+    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
+                             + [_Arg("snapshots", snapshots, _SNAPSHOT_DIMS, _F32)])
+    _check_spec_geometry(sizes, q, v)
+    if _values(check_values):
+        check_spec_values(state_batch_indices, S, T)
+    _require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, 2 * T, batch, False, "none", use_qk_l2norm, scale,
+                    ops._arch(dev), T)
+    args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, state)]
+    args += [np.int32(batch), np.int32(S), y.data_ptr(), snapshots.data_ptr()]
+    ops.launch(spec, "gdn_native_verify", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def gdn_native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values: bool | None = None) -> None:
+    """Native-spec baseline commit: state[slot] = snapshots[slot, n - 1] for rows with n >= 1 (a state copy).
+    The Mamba-2 ``replayssm_native_commit`` kernel through :func:`.ops.native_spec_commit`: it copies whole
+    (HV, V, K) f32 states in 16-byte vectors, whatever the trailing dims mean."""
+    _check_rank(state, "state", 4, "(slots, HV, V, K)")
+    _check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
+    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    _, dev = _check_args([
+        _Arg("state", state, ("slots", "heads_v", "V", "K"), _F32),
+        _Arg("snapshots", snapshots, _SNAPSHOT_DIMS, _F32),
+        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
+        _Arg("n_accepted", n_accepted, ("batch",), _I32, None),
+    ])
+    if snapshots.shape[1] not in SUPPORTED_NUM_TOKENS:
+        raise ValueError(f"snapshots: expected T (dim 1) in {SUPPORTED_NUM_TOKENS}, got {snapshots.shape[1]}")
+    for lab, dim in (("V", 2), ("K", 3)):
+        if state.shape[dim] not in GDN_SUPPORTED_DIMS:
+            raise ValueError(f"state: {lab} (dim {dim}) expected one of {GDN_SUPPORTED_DIMS}, got {state.shape[dim]}")
+    ops.native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values=check_values)
+
+
+__all__ = ["gdn_conventional_step", "gdn_replay_decode", "advance_cursor", "gdn_replay_verify", "gdn_spec_commit",
+           "gdn_native_spec_verify", "gdn_native_spec_commit"]
