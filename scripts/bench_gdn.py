@@ -34,7 +34,16 @@ Spec bytes model per (batch row, layer), io_t the per-token io above, m = count:
   verify, flush     2*HV*V*K*4 (+ shadow write HV*V*K*2) + T*io_t + m*(v HV*V*a + k H*K*4 + 2*HV*4) + T entries
   native verify     HV*V*K*4 + T*HV*V*K*4 (snapshots) + T*io_t;  native commit 2*HV*V*K*4
 
+Peer column (``fla``): flash-linear-attention's Triton ``fused_recurrent_gated_delta_rule`` (fla-core,
+``python scripts/fetch_peers.py --only fla`` puts it in the git-ignored ``third_party/fla_peer``;
+``--fla-path``), one decode token per row from an initial state (N, HV, K, V) fp32 with the gates, the
+beta sigmoid and the q/k l2 norm fused in its kernel (``use_gate_in_kernel``, ``A_log``, ``dt_bias``,
+``use_beta_sigmoid_in_kernel``, ``use_qk_l2norm_in_kernel``), the final state written to a new tensor
+(``output_final_state``): the conventional bytes. Its output is first checked against our conventional
+kernel on the same inputs (``fla_check_rel``); rows report ``fla_us`` and ReplaySSM's speedup over it.
+
 Usage: python scripts/bench_gdn.py [--batches 1,8,32,64,128,256] [--out bench/results] [--commit SHA] [--spec]
+       [--fla-path third_party/fla_peer]
 """
 
 from __future__ import annotations
@@ -115,6 +124,25 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
                                           beta_cache, cursor, sbis[r], out=y, shadow=sh, check_values=False)
         return fn
 
+    if FLA is not None:  # the peer, on the same inputs: checked against our conventional kernel, then timed
+        sts = [state[sbis[r].long()].transpose(-1, -2).contiguous() for r in range(R)]  # (batch, HV, K, V)
+
+        def fla_step(r, st):
+            q, k, v, a, b = ins[r % len(ins)]
+            o, _ = FLA(q[:, None], k[:, None], v[:, None], g=a[:, None], beta=b[:, None], initial_state=st,
+                       output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log,
+                       dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+            return o[:, 0]
+
+        mine = state.clone()
+        want = gdn_ops.gdn_conventional_step(*ins[0], A_log, dt_bias, mine, sbis[0], check_values=False)
+        fla_check = float((fla_step(0, sts[0]).float() - want.float()).norm() / want.float().norm())
+        del mine
+
+        def fla_all():
+            for r in range(R):
+                fla_step(r, sts[r])
+
     conv_b, _ = bytes_model(HV, H, V, K, L)
     row = dict(geom="qwen3_next", **geom, L=L, batch=batch, rotations=R, act="bf16",
                conv_geometry=gdn_geometry(V, K, HV, batch, False), replay_geometry=gdn_geometry(V, K, HV, batch, True))
@@ -139,7 +167,26 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
         row[f"{name}_tbps_flush"] = bk[L] * batch / per_k[-1] / 1e6
         row[f"{name}_speedup_vs_conv"] = row["conv_us"] / amort
         row[f"{name}_flush_over_conv"] = per_k[-1] / row["conv_us"]
+    if FLA is not None:
+        row["fla_check_rel"] = fla_check
+        row["fla_us"], row["fla_spread_us"] = graph_time_us(fla_all, R)
+        row["tbps_fla"] = row["bytes_conv"] / row["fla_us"] / 1e6
+        for name in ("f32", "bf16shadow"):
+            row[f"{name}_speedup_vs_fla"] = row["fla_us"] / row[f"{name}_us_amortized"]
     return row
+
+
+FLA = None  # fla's fused_recurrent_gated_delta_rule when --fla-path has it (main)
+
+
+def load_fla(path: pathlib.Path):
+    if not (path / "fla").is_dir():
+        print(f"# fla peer not found in {path} (python scripts/fetch_peers.py --only fla): no fla column", flush=True)
+        return None
+    sys.path.insert(0, str(path))
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule
 
 
 SPEC_COUNTS = (0, 4, 8, 9, 12)  # T = 4, L = 16: 0..8 no flush, 9..12 flush
@@ -275,6 +322,8 @@ def main_spec(args, meta, ceiling):
         for k in ("f32_tbps", "bf16shadow_tbps", "native_verify_tbps", "native_commit_tbps", "native_tbps",
                   "f32_tbps_c0", "bf16shadow_tbps_c0"):
             row[k.replace("tbps", "pct_ceiling")] = 100 * row[k] / ceiling
+        if "fla_us" in row:
+            row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
         rows.append(row)
         print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
     out = pathlib.Path(args.out)
@@ -303,6 +352,8 @@ def main():
     ap.add_argument("--tag", default="gdn-kernels")
     ap.add_argument("--spec", action="store_true", help="speculative rows: ReplaySSM verify vs native verify + commit")
     ap.add_argument("--T", type=int, default=4)
+    ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer",
+                    help="the fla peer (scripts/fetch_peers.py --only fla); missing: no fla column")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_gdn.py needs a CUDA GPU")
@@ -313,6 +364,9 @@ def main():
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     if args.spec:
         return main_spec(args, meta, ceiling)
+    global FLA
+    FLA = load_fla(args.fla_path)
+    meta["fla"] = None if FLA is None else json.loads((args.fla_path / "PEER.json").read_text())
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         row = bench_point(b, args.L)
@@ -332,7 +386,10 @@ def main():
     for r in rows:
         print(f"{r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} | "
               + " | ".join(f"{r[f'{n}_us_k1']:7.1f} {r[f'{n}_us_flush']:7.1f} {r[f'{n}_us_amortized']:7.1f} "
-                           f"{r[f'{n}_pct_ceiling']:5.1f} {r[f'{n}_speedup_vs_conv']:6.2f}" for n in ("f32", "bf16shadow")))
+                           f"{r[f'{n}_pct_ceiling']:5.1f} {r[f'{n}_speedup_vs_conv']:6.2f}" for n in ("f32", "bf16shadow"))
+              + (f" | fla {r['fla_us']:7.1f} us ({r['pct_ceiling_fla']:4.1f}%, check {r['fla_check_rel']:.1e}), "
+                 f"replay x fla {r['f32_speedup_vs_fla']:.2f} / {r['bf16shadow_speedup_vs_fla']:.2f}"
+                 if "fla_us" in r else ""))
 
 
 if __name__ == "__main__":
