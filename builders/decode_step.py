@@ -92,7 +92,30 @@ class StateSpec:
         return dict(name=self.name, shape=list(self.shape), dtype=_ONNX_DTYPE_NAMES[self.dtype], output=self.output)
 
 
-class NemotronHDecodeStep(torch.nn.Module):
+class StepIO:
+    """The engine I/O every decode step with explicit state shares (this module's and builders/gdn_step.py's):
+    names, zero states, the K/V of a transformers cache; subclasses give ``state_specs()`` and ``max_seq_len``."""
+
+    def input_names(self) -> list[str]:
+        return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]
+
+    def output_names(self) -> list[str]:
+        return ["logits", "lengths_out", "cursor_out"] + [s.output for s in self.state_specs()]
+
+    def empty_states(self, batch: int, device="cpu") -> list[torch.Tensor]:
+        return [torch.zeros((batch, *s.shape[1:]), dtype=s.dtype, device=device) for s in self.state_specs()]
+
+    def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
+        """Layer i's K and V from a transformers cache holding ``lengths`` tokens, padded to max_seq_len."""
+        out = []
+        for t in (cache.layers[i].keys, cache.layers[i].values):
+            buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
+            buf[:, :, :lengths] = t[:, :, :lengths]
+            out.append(buf)
+        return out
+
+
+class NemotronHDecodeStep(StepIO, torch.nn.Module):
     """Decode step of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights."""
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype = torch.float32,
@@ -143,24 +166,6 @@ class NemotronHDecodeStep(torch.nn.Module):
         """The conv1d state of Mamba layer i: the last K inputs (the speculative step keeps a wider window)."""
         return StateSpec(f"conv_state_{i}", (-1, conv_dim, self.config.conv_kernel), self.act_dtype,
                          f"conv_state_{i}_out")
-
-    def input_names(self) -> list[str]:
-        return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]
-
-    def output_names(self) -> list[str]:
-        return ["logits", "lengths_out", "cursor_out"] + [s.output for s in self.state_specs()]
-
-    def empty_states(self, batch: int, device="cpu") -> list[torch.Tensor]:
-        return [torch.zeros((batch, *s.shape[1:]), dtype=s.dtype, device=device) for s in self.state_specs()]
-
-    def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
-        """Layer i's K and V from a transformers cache holding ``lengths`` tokens, padded to max_seq_len."""
-        out = []
-        for t in (cache.layers[i].keys, cache.layers[i].values):
-            buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
-            buf[:, :, :lengths] = t[:, :, :lengths]
-            out.append(buf)
-        return out
 
     def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
         """State inputs equivalent to a patched model after prefill/decode (``decoder`` = ReplaySSMDecoder,

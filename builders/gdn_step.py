@@ -35,7 +35,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .decode_step import DOMAIN, StateSpec, export_onnx  # noqa: F401  (export_onnx: any step with state I/O)
+from .decode_step import DOMAIN, StateSpec, StepIO, export_onnx  # noqa: F401  (export_onnx: any step with state I/O)
 from .qwen3_next import gdn_layers, reference_backend
 
 GDN_OP_TYPE = "gdn_decode"
@@ -86,7 +86,7 @@ def moe_dense(hn, moe):
     return routed + shared
 
 
-class QwenGDNDecodeStep(torch.nn.Module):
+class QwenGDNDecodeStep(StepIO, torch.nn.Module):
     """Decode step of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model; shares its weights."""
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None):
@@ -122,25 +122,13 @@ class QwenGDNDecodeStep(torch.nn.Module):
                 specs += [StateSpec(f"{n}_{i}", s[:-1], s[-1], f"{n}_{i}_out") for n, s in zip(_GDN_STATES, shapes)]
         return specs
 
-    def input_names(self) -> list[str]:
-        return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]
-
-    def output_names(self) -> list[str]:
-        return ["logits", "lengths_out", "cursor_out"] + [s.output for s in self.state_specs()]
-
-    def empty_states(self, batch: int, device="cpu") -> list[torch.Tensor]:
-        return [torch.zeros((batch, *s.shape[1:]), dtype=s.dtype, device=device) for s in self.state_specs()]
-
     def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
         """State inputs equivalent to a patched model (``decoder`` = GDNReplayDecoder, ``cache`` its transformers
         cache holding ``lengths`` tokens for every row)."""
         out = []
         for i, kind in enumerate(self.kinds):
             if kind == "full_attention":
-                for t in (cache.layers[i].keys, cache.layers[i].values):
-                    buf = t.new_zeros((t.shape[0], t.shape[1], self.max_seq_len, t.shape[3]))
-                    buf[:, :, :lengths] = t[:, :, :lengths]
-                    out.append(buf)
+                out += self._kv_states(cache, i, lengths)
             else:
                 b = decoder.bufs[i]
                 out += [cache.get_conv_state(i).clone()] + [t.clone() for t in (b.state, b.u_cache, b.v_cache,
