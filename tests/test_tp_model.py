@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sys
 
 import pytest
 import torch
@@ -90,9 +91,19 @@ def _local_norm(self, h, gate=None):
 def _spawn(tmp_path, n_groups, teeth=False):
     import torch.multiprocessing as mp
 
-    out = tmp_path / "rows.json"
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "rdzv"), str(out), n_groups, teeth), nprocs=2, join=True)
-    return json.loads(out.read_text())
+    # A rank has died of SIGABRT ("terminate called without an active exception", no Python traceback) in
+    # two full-suite runs on 2-core CPU machines (2026-12-03), never when this file runs alone or after the
+    # 250 tests before it. A rank killed by a signal is retried once on a fresh rendezvous; a Python error
+    # in a rank, or wrong results (asserted by the callers), are never retried.
+    for attempt in range(2):
+        out, rdzv = tmp_path / f"rows{attempt}.json", tmp_path / f"rdzv{attempt}"
+        try:
+            mp.spawn(_rank_main, args=(2, str(rdzv), str(out), n_groups, teeth), nprocs=2, join=True)
+            return json.loads(out.read_text())
+        except mp.ProcessExitedException as e:
+            if attempt or e.signal_name is None:
+                raise
+            print(f"TP=2 ranks: {e}; retrying once", file=sys.stderr)
 
 
 @pytest.mark.parametrize("n_groups", [2, 1], ids=["groups-owned", "group-replicated"])
