@@ -814,6 +814,10 @@ def main(argv=None):
     ap.add_argument("--gate-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="activation dtype of the model the gate runs on (float32: a twin of the bf16 timed model "
                          "with the same seeded weights; bf16 greedy tokens fork at rounding level, see bench/NOTES.md)")
+    ap.add_argument("--gate-layers", type=int, default=None,
+                    help="the gate's twin holds only the first N layers of the pattern (same Mamba/MoE/attention "
+                         "geometry; for models whose fp32 twin does not fit beside the bf16 one, e.g. Nemotron 3 Nano: "
+                         "63 GB bf16 + 126 GB fp32 > one H200)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
@@ -854,7 +858,12 @@ def main(argv=None):
     t0 = time.perf_counter()
     model = build_model(config, dev, dtype, args.seed)
     gate_dtype = getattr(torch, args.gate_dtype)
-    gate_model = build_model(config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
+    gate_config = config
+    if args.gate_layers is not None:
+        if gate_dtype == dtype:
+            ap.error("--gate-layers: needs a twin (--gate-dtype other than the timed model's dtype)")
+        gate_config = model_config(args.tiny or False, args.gate_layers, args.vocab, geometry=args.model_geometry)
+    gate_model = build_model(gate_config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     kinds = list(config.layers_block_type)
@@ -867,7 +876,9 @@ def main(argv=None):
                 vocab=config.vocab_size, dtype=str(dtype).replace("torch.", ""), state_dtype="float32",
                 weights_gb=weight_bytes / 1e9, buffer_len=args.buffer_len, modes=modes,
                 weights="seeded random (no checkpoint)", build_s=time.perf_counter() - t0,
-                gate_dtype=args.gate_dtype if gate_model is not None else str(dtype).replace("torch.", ""))
+                gate_dtype=args.gate_dtype if gate_model is not None else str(dtype).replace("torch.", ""),
+                gate_layers=len(gate_config.layers_block_type),
+                gate_pattern=gate_config.hybrid_override_pattern)
     if cuda:  # the same kernel copy as bench_kernels.py, so rows can say how close the step is to it
         from scripts.bench_kernels import copy_ceiling_tbps
 
@@ -894,7 +905,7 @@ def main(argv=None):
             sb = shadow_elem_bytes(modes)
             plan_ = memory_plan(config, batch, kv_len, args.buffer_len, 0, shadow_bytes=sb)
             if gate_model is not None:  # the gate phase (fp32 activations) runs before the timed one
-                gplan = memory_plan(config, batch, kv_len, args.buffer_len, 0, act_bytes=gate_dtype.itemsize,
+                gplan = memory_plan(gate_config, batch, kv_len, args.buffer_len, 0, act_bytes=gate_dtype.itemsize,
                                     shadow_bytes=sb)
                 plan_ = {k: max(v, gplan[k]) for k, v in plan_.items()}
             if plan_["gpu_snapshot"] <= free:
