@@ -30,7 +30,9 @@ one block is fused with the next block's norm):
           ``torch._grouped_mm`` (one grouped GEMM per projection over the sorted pairs, what a
           serving engine's fused MoE does); other dtypes (grouped_mm is bf16 only) or ``grouped``
           off: every expert on every token, then each pair's row of the result.
-          ``expert_load[i]`` (E,) int32: tokens routed to each expert in the last step
+          ``expert_load[i]`` (E,) int32: tokens routed to each expert in the last step;
+          ``routing[i]`` (batch, T) int64 after :meth:`HybridStep.record_routing`: a code of each token's
+          expert set
   head    norm_f, lm_head -> logits in the activation dtype; argmax
 
 then :class:`DecodeStep` (T = 1): ids <- argmax, lengths += 1, ``ssm.end_step`` (ReplaySSM: the one
@@ -500,6 +502,7 @@ class HybridStep:
                         and (self.device.type != "cuda" or GROUPED_MOE_ON_CUDA))
         self.expert_load = {i: torch.zeros(self.w[i]["moe"].num_experts, dtype=torch.int32, device=dev)
                             for i, k in enumerate(self.kinds) if k == "moe"}
+        self.routing = None  # record_routing()
         self.ssm = None
         self.set_ssm(ssm)
 
@@ -568,10 +571,26 @@ class HybridStep:
         h, out = self.f["mlp"](h, delta, w["pre"], w["up_w"], w["up_b"], w["down_w"], self.eps)
         return h, self._out(out, w["down_b"])
 
+    def record_routing(self, seed: int = 0) -> None:
+        """From the next capture or call on, ``routing[i]`` (batch, T) int64 holds each token's expert set
+        in MoE layer i: the sum of one random 58-bit code per chosen expert (equal sets, equal sums, no
+        int64 overflow up to 32 experts a token; a different set collides with probability ~2^-58). A
+        benchmark's gate compares them between modes (a routing flip is a discrete change, as an argmax
+        near tie is). Two small kernels per MoE layer, so off unless asked."""
+        g = torch.Generator().manual_seed(seed)
+        self._route_code = {i: torch.randint(1, 1 << 58, (self.w[i]["moe"].num_experts,), generator=g,
+                                             dtype=torch.int64).to(self.device) for i in self.expert_load}
+        self.routing = {i: torch.zeros(self.batch, self.T, dtype=torch.int64, device=self.device)
+                        for i in self.expert_load}
+
     def _moe(self, i, h, delta):
         w = self.w[i]["moe"]
         h, hn, x, xs, order, experts, wsorted, counts, offs = self.f["moe_in"](h, delta, self.w[i]["pre"], w, self.eps)
         self.expert_load[i].copy_(counts)
+        if self.routing is not None:
+            sig = torch.zeros(hn.shape[0], dtype=torch.int64, device=hn.device)
+            sig.index_add_(0, order // w.top_k, self._route_code[i][experts])
+            self.routing[i].copy_(sig.view(self.batch, self.T))
         act = self.f["relu2"] if type(w.act).__name__ == "ReLUSquaredActivation" else w.act
         up_t, down_t = w.up.transpose(1, 2), w.down.transpose(1, 2)
         if self.grouped:  # each sorted pair by its expert: one grouped GEMM per projection, (n*k, Din)

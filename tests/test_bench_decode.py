@@ -274,7 +274,8 @@ def test_check_forced_gate():
     got = ref.clone()
     got[1, 3] = 0
     g = bd.check_forced_gate("m", ref, got, err, 0.05, 0.8)
-    assert g == dict(agree=0.875, logit_err_max=pytest.approx(0.01), logit_err_median=pytest.approx(0.01), exact=1)
+    assert g == dict(agree=0.875, logit_err_max=pytest.approx(0.01), logit_err_median=pytest.approx(0.01),
+                     logit_err_max_flipped=pytest.approx(0.01), exact=1, route_flipped=0.0)
     with pytest.raises(bd.GateError, match="agrees .* at 0.8750"):
         bd.check_forced_gate("m", ref, got, err, 0.05, 0.9)
     err[0, 2] = 0.5
@@ -283,6 +284,71 @@ def test_check_forced_gate():
     err[0, 2] = float("nan")
     with pytest.raises(bd.GateError, match="row 0 step 2"):
         bd.check_forced_gate("m", ref, got, err, 0.05, 0.8)
+
+
+def test_check_forced_gate_routing_flips():
+    """MoE: positions after a routing flip are exempt from the logit limit (not from NaN, not from the
+    agreement), and too many flips fail."""
+    ref = torch.arange(16).view(2, 8)
+    err = torch.full((2, 8), 0.01)
+    err[1, 5:] = 1.2  # row 1 flipped at step 5: O(1) std from there on
+    flipped = torch.zeros(2, 8, dtype=torch.bool)
+    with pytest.raises(bd.GateError, match="row 1 step 5"):
+        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
+    flipped[1, 5:] = True
+    g = bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
+    assert g["route_flipped"] == pytest.approx(3 / 16)
+    assert g["logit_err_max"] == pytest.approx(0.01) and g["logit_err_max_flipped"] == pytest.approx(1.2)
+    err[1, 4] = 1.2  # before the flip: not exempt
+    with pytest.raises(bd.GateError, match="row 1 step 4"):
+        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
+    err[1, 4] = 0.01
+    err[1, 6] = float("nan")
+    with pytest.raises(bd.GateError, match="row 1 step 6"):
+        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
+    err[1, 6] = 1.2
+    with pytest.raises(bd.GateError, match="other experts .* 0.188"):
+        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped, max_flip_frac=0.1)
+
+
+def test_record_routing_codes_expert_sets():
+    """The routing code of the tiny Nemotron 3 step: equal between two runs of one state, equal to the
+    sum of the codes of the experts builders.moe.route picks, and different when the router moves."""
+    from builders import moe as moe_ops
+
+    model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
+    step = bd.DecodeStep(model, 3, 64, bd.Conventional())
+    step.record_routing()
+    step.feed(torch.tensor([[5, 9], [7, 2], [11, 4]]))
+    assert step.routing and all(r.shape == (3, 1) for r in step.routing.values())
+    first = {i: r.clone() for i, r in step.routing.items()}
+    i = next(iter(step.routing))
+    w = step.w[i]["moe"]
+    captured = {}
+    orig = moe_ops.route
+
+    def spy(hn, ww):
+        out = orig(hn, ww)
+        captured.setdefault(id(ww), out[1].clone())
+        return out
+
+    moe_ops.route = spy
+    try:
+        snap = step.snapshot()
+        step()
+        step.restore(snap)
+        again_ids = step.ids.clone()
+        step()
+    finally:
+        moe_ops.route = orig
+    idx = captured[id(w)]
+    expect = step._route_code[i][idx].sum(-1)
+    assert torch.equal(step.routing[i][:, 0], expect)
+    assert again_ids.shape == (3,) and not torch.equal(first[i], torch.zeros_like(first[i]))
+    w.gate_weight.data.mul_(-1)  # another router: other expert sets
+    step.restore(snap)
+    step()
+    assert not torch.equal(step.routing[i][:, 0], expect)
 
 
 def test_shadow_bytes_and_memory():
