@@ -31,8 +31,8 @@ one block is fused with the next block's norm):
           serving engine's fused MoE does); other dtypes (grouped_mm is bf16 only) or ``grouped``
           off: every expert on every token, then each pair's row of the result.
           ``expert_load[i]`` (E,) int32: tokens routed to each expert in the last step;
-          ``routing[i]`` (batch, T) int64 after :meth:`HybridStep.record_routing`: a code of each token's
-          expert set
+          ``routing[i]`` / ``route_idx[i]`` after :meth:`HybridStep.record_routing`: each token's expert
+          set (and teacher-forced experts for a benchmark's gate)
   head    norm_f, lm_head -> logits in the activation dtype; argmax
 
 then :class:`DecodeStep` (T = 1): ids <- argmax, lengths += 1, ``ssm.end_step`` (ReplaySSM: the one
@@ -342,15 +342,15 @@ def mlp(h, delta, norm_w, up_w, up_b, down_w, eps: float):
     return h, F.linear(torch.relu(F.linear(rmsnorm(h, norm_w, eps), up_w, up_b)).square(), down_w)
 
 
-def moe_in(h, delta, norm_w, w: moe_ops.MoEWeights, eps: float):
+def moe_in(h, delta, norm_w, w: moe_ops.MoEWeights, eps: float, force_idx=None):
     """Residual add + RMSNorm + routing + the (token, expert) pairs sorted by expert: returns h, the
     normed tokens hn (n, D), the expert inputs x (n, Din) and the sorted pairs' xs (n*k, Din), the pair
     order (n*k,) int64 (sorted position -> pair p: token p // k, its choice p % k), each sorted pair's
     expert (n*k,) int64, the routing weights in that order (n*k,) fp32 and the per-expert counts and
-    offsets (E,) int32."""
+    offsets (E,) int32. ``force_idx`` (n, k): teacher-forced experts (:meth:`HybridStep.record_routing`)."""
     h = _residual(h, delta)
     hn = rmsnorm(h, norm_w, eps).reshape(-1, h.shape[-1])
-    weights, idx = moe_ops.route(hn, w)
+    weights, idx = moe_ops.route(hn, w, force_idx)
     x = hn if w.fc1_latent is None else F.linear(hn, w.fc1_latent, w.fc1_latent_bias)
     flat = idx.reshape(-1)
     order = flat.argsort(stable=True)
@@ -572,25 +572,37 @@ class HybridStep:
         return h, self._out(out, w["down_b"])
 
     def record_routing(self, seed: int = 0) -> None:
-        """From the next capture or call on, ``routing[i]`` (batch, T) int64 holds each token's expert set
-        in MoE layer i: the sum of one random 58-bit code per chosen expert (equal sets, equal sums, no
-        int64 overflow up to 32 experts a token; a different set collides with probability ~2^-58). A
-        benchmark's gate compares them between modes (a routing flip is a discrete change, as an argmax
-        near tie is). Two small kernels per MoE layer, so off unless asked."""
+        """For a benchmark's gate (off unless asked: a router call and two small kernels per MoE layer).
+        From the next capture or call on, ``route_idx[i]`` (batch*T, k) int64 holds each token's own
+        expert choice in MoE layer i and ``routing[i]`` (batch, T) int64 a code of that set (the sum of
+        one random 58-bit code per expert: equal sets, equal sums, no int64 overflow up to 32 experts a
+        token; other sets collide with probability ~2^-58). With ``force_routing`` True (before a
+        capture) the experts used are ``forced_idx[i]``, written by the caller before each step, while
+        route_idx/routing still record the step's own choice: a lossy mode's error is then measured
+        without the router's discrete flips (bench_decode.py's shadow gate)."""
         g = torch.Generator().manual_seed(seed)
+        n, dev = self.batch * self.T, self.device
         self._route_code = {i: torch.randint(1, 1 << 58, (self.w[i]["moe"].num_experts,), generator=g,
-                                             dtype=torch.int64).to(self.device) for i in self.expert_load}
-        self.routing = {i: torch.zeros(self.batch, self.T, dtype=torch.int64, device=self.device)
-                        for i in self.expert_load}
+                                             dtype=torch.int64).to(dev) for i in self.expert_load}
+        self.routing = {i: torch.zeros(self.batch, self.T, dtype=torch.int64, device=dev) for i in self.expert_load}
+        self.route_idx = {i: torch.zeros(n, self.w[i]["moe"].top_k, dtype=torch.int64, device=dev)
+                          for i in self.expert_load}
+        self.forced_idx = {i: t.clone() for i, t in self.route_idx.items()}
+        self.force_routing = False
 
     def _moe(self, i, h, delta):
         w = self.w[i]["moe"]
-        h, hn, x, xs, order, experts, wsorted, counts, offs = self.f["moe_in"](h, delta, self.w[i]["pre"], w, self.eps)
+        force = self.forced_idx[i] if self.routing is not None and self.force_routing else None
+        h, hn, x, xs, order, experts, wsorted, counts, offs = self.f["moe_in"](h, delta, self.w[i]["pre"], w, self.eps,
+                                                                                 force)
         self.expert_load[i].copy_(counts)
         if self.routing is not None:
-            sig = torch.zeros(hn.shape[0], dtype=torch.int64, device=hn.device)
-            sig.index_add_(0, order // w.top_k, self._route_code[i][experts])
-            self.routing[i].copy_(sig.view(self.batch, self.T))
+            if force is not None:  # the step's own choice, beside the forced one it used
+                own = moe_ops.route(hn, w)[1]
+            else:  # the pairs sorted by expert, back in (token, choice) order
+                own = torch.empty_like(experts).index_copy_(0, order, experts).view_as(self.route_idx[i])
+            self.route_idx[i].copy_(own)
+            self.routing[i].copy_(self._route_code[i][own].sum(-1).view(self.batch, self.T))
         act = self.f["relu2"] if type(w.act).__name__ == "ReLUSquaredActivation" else w.act
         up_t, down_t = w.up.transpose(1, 2), w.down.transpose(1, 2)
         if self.grouped:  # each sorted pair by its expert: one grouped GEMM per projection, (n*k, Din)

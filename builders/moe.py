@@ -109,11 +109,12 @@ def _weights(moe) -> MoEWeights:
     return moe if isinstance(moe, MoEWeights) else MoEWeights.from_module(moe)
 
 
-def route(hidden: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
+def route(hidden: torch.Tensor, moe, idx: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(topk_weights (T, k) fp32, topk_indices (T, k) int64) of ``hidden`` (T, D), as ``NemotronHTopkRouter``.
 
     The index order within a row is TopK's (descending choice score); transformers' is unspecified
-    (``sorted=False``); every consumer sums over k."""
+    (``sorted=False``); every consumer sums over k. ``idx`` (T, k): the experts are given (teacher-forced
+    routing, a benchmark gate's), only the weights come from ``hidden``."""
     w = _weights(moe)
     E = w.num_experts
     logits = F.linear(hidden.float(), w.gate_weight.float())
@@ -127,7 +128,8 @@ def route(hidden: torch.Tensor, moe) -> tuple[torch.Tensor, torch.Tensor]:
         keep = (group_idx[:, :, None] == torch.arange(w.n_group, device=hidden.device)).sum(1) > 0
         keep = keep[:, :, None].expand(-1, -1, per).reshape(-1, E)
         choice = torch.where(keep, choice, torch.full_like(choice, float("-inf")))
-    idx = choice.topk(w.top_k, dim=-1)[1]
+    if idx is None:
+        idx = choice.topk(w.top_k, dim=-1)[1]
     weights = scores.gather(1, idx)
     if w.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

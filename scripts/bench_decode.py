@@ -60,12 +60,13 @@ bf16 <= 0.005 std, fp8 <= 0.07 std, and a stale shadow >= 1 std; the thresholds 
 the former (24 Mamba layers and 8192 positions instead of 4 and <= 530) and >= 4x below the latter.
 Rows report ``gate_agree``, ``gate_logit_err_max`` / ``_median`` and the thresholds.
 MoE models (Nemotron 3): a shadow's small error can move a token's expert choice at a router near
-tie, a discrete change of O(1) std (measured on the Nano geometry: 1.1 std bf16, 1.5 std fp8 at one
-row of eight, while the other rows stay below 0.01). The gate step records each token's expert set
-per MoE layer (:meth:`builders.model_step.HybridStep.record_routing`); a row's positions from its
-first flip on are exempt from the logit limit (the state carries the flip), still count in the
-agreement, and at most ``MAX_FLIP_FRAC`` of the positions may be flipped (``gate_route_flipped``;
-``gate_logit_err_max_flipped`` keeps the unexempted maximum).
+tie, a discrete change of O(1) std (measured on the Nano geometry: 1.1 std bf16, 1.5 std fp8 in one
+row of eight, the other rows near 0). So the routing is teacher-forced too: the gate step records
+each token's experts per MoE layer (:meth:`builders.model_step.HybridStep.record_routing`), and the
+shadow mode's gate step t uses the conventional run's experts (its routing weights are its own), so
+the logit limit measures the shadow, not the router's margin. ``gate_route_flip_rate``: the fraction
+of (row, step) positions where the shadow mode's own choice would have differed (information, not a
+gate; the quality cost that routing adds on top).
 
 Bytes model of one step (b rows, a = 2 bytes bf16, s = 4 bytes fp32 state; M Mamba / T attention
 layers; W = weight bytes, all read once per step):
@@ -172,9 +173,6 @@ SHADOW_MODES = {"replay_bf16": "bf16", "replay_fp8": "fp8"}
 # Teacher-forced gate of the shadow modes (module docstring; measurements in bench/NOTES.md):
 # max over (row, step) of max_v |logit - conventional logit| / std(conventional logits), and the
 # fraction of (row, step) positions whose argmax is the conventional token.
-# MoE models (gate on a twin): positions after a routing flip are exempt from the logit limit, at most
-# this fraction of them (check_forced_gate).
-MAX_FLIP_FRAC = 0.5
 SHADOW_GATE = {"bf16": dict(max_logit_err=0.05, min_agree=0.97), "fp8": dict(max_logit_err=0.25, min_agree=0.9)}
 GiB = 1 << 30
 
@@ -345,26 +343,15 @@ def check_gate(name: str, ref: torch.Tensor, margin: torch.Tensor, got: torch.Te
 
 
 def check_forced_gate(name: str, ref: torch.Tensor, got: torch.Tensor, err: torch.Tensor, max_logit_err: float,
-                      min_agree: float, flipped: torch.Tensor | None = None, max_flip_frac: float = 0.5) -> dict:
+                      min_agree: float) -> dict:
     """Teacher-forced gate of a lossy (shadow) mode: ref/got (batch, T) conventional tokens and this
-    mode's argmax when fed the conventional tokens, err (batch, T) max_v |logit - conventional logit|
-    / std(conventional logits). Returns {agree, logit_err_max, logit_err_median, exact, route_flipped};
-    raises :class:`GateError` when err exceeds ``max_logit_err`` anywhere (NaN included) or the argmax
-    agrees at fewer than ``min_agree`` of the (row, step) positions.
-
-    MoE models: ``flipped`` (batch, T) bool marks the positions at or after a routing flip of their row
-    (some MoE layer chose another expert set than the conventional run did). A flip is discrete, like an
-    argmax near tie: the logit error there measures the router's margin, not the shadow's error, so those
-    positions are exempt from ``max_logit_err`` (NaN still fails) but count in the agreement; more than
-    ``max_flip_frac`` of them fails (a broken shadow flips routing everywhere)."""
+    mode's argmax when fed the conventional tokens (and, MoE, the conventional experts), err (batch, T)
+    max_v |logit - conventional logit| / std(conventional logits). Returns {agree, logit_err_max,
+    logit_err_median, exact}; raises :class:`GateError` when err exceeds ``max_logit_err`` anywhere
+    (NaN included) or the argmax agrees at fewer than ``min_agree`` of the (row, step) positions."""
     same = ref == got
     agree = float(same.float().mean())
-    flipped = torch.zeros_like(same) if flipped is None else flipped.bool()
-    flip_frac = float(flipped.float().mean())
-    if flip_frac > max_flip_frac:
-        raise GateError(f"teacher-forced gate: mode {name!r} routes tokens to other experts than conventional at "
-                        f"{flip_frac:.3f} of the (row, step) positions (allowed {max_flip_frac})")
-    bad = ~(err <= max_logit_err) & ~(flipped & ~err.isnan())
+    bad = ~(err <= max_logit_err)
     if bad.any():
         where = bad.nonzero().tolist()
         shown = ", ".join(f"row {b} step {t} ({float(err[b, t]):.3g} std)" for b, t in where[:8])
@@ -374,10 +361,8 @@ def check_forced_gate(name: str, ref: torch.Tensor, got: torch.Tensor, err: torc
         rows = (~same).nonzero().tolist()[:8]
         raise GateError(f"teacher-forced gate: mode {name!r} argmax agrees with conventional at {agree:.4f} of the "
                         f"(row, step) positions (required {min_agree}); first differences (row, step): {rows}")
-    kept = err[~flipped]
-    return dict(agree=agree, logit_err_max=float(kept.max()) if kept.numel() else float("nan"),
-                logit_err_median=float(err.median()), logit_err_max_flipped=float(err.max()),
-                exact=int(same.all(dim=1).sum()), route_flipped=flip_frac)
+    return dict(agree=agree, logit_err_max=float(err.max()), logit_err_median=float(err.median()),
+                exact=int(same.all(dim=1).sum()))
 
 
 # ---- one mode --------------------------------------------------------------------------------------------
@@ -388,15 +373,20 @@ def _percentile_spread(xs):
 
 def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
              on_tokens=None, force: torch.Tensor | None = None, ref_logits=None, keep_logits: bool = False,
-             use_graph: bool = True) -> dict:
+             use_graph: bool = True, force_route: torch.Tensor | None = None) -> dict:
     """Gate tokens and timing of one SSM backend (see the module docstring for the route).
 
     ``on_tokens(result)`` runs after the gate steps and before any timing (it may raise); ``result``
     has ``tokens`` and ``margin`` (batch, T), ``logits`` (list of T (batch, vocab) fp32 CPU tensors,
     with ``keep_logits``) and ``err`` (batch, T, with ``ref_logits``: max |logits - ref_logits[t]| /
     std(ref_logits[t])). ``force`` (batch, T): teacher forcing, the input of gate step t > 0 is
-    ``force[:, t - 1]`` instead of this mode's own argmax (timing is unaffected: the same graph)."""
+    ``force[:, t - 1]`` instead of this mode's own argmax (timing is unaffected: the same graph).
+    MoE steps that record routing (:meth:`HybridStep.record_routing`): ``result["route_idx"]`` (T, layers,
+    n, k) and ``result["routing"]`` (batch, T, layers) hold each gate step's own expert choice;
+    ``force_route`` (a conventional run's route_idx) makes gate step t use those experts."""
     step.set_ssm(ssm)
+    if step.routing is not None:
+        step.force_routing = force_route is not None
     step.restore(snap)
     cuda = step.device.type == "cuda"
     graph = None
@@ -418,16 +408,23 @@ def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup
     tokens = torch.empty(b, gate_tokens, dtype=torch.int64, device=step.device)
     margin = torch.empty(b, gate_tokens, dtype=torch.float32, device=step.device)
     err = torch.full((b, gate_tokens), float("nan"), dtype=torch.float32, device=step.device)
-    route = (torch.zeros(b, gate_tokens, len(step.routing), dtype=torch.int64, device=step.device)
-             if step.routing else None)
+    route = route_idx = None
+    if step.routing:
+        route = torch.zeros(b, gate_tokens, len(step.routing), dtype=torch.int64, device=step.device)
+        route_idx = torch.zeros(gate_tokens, len(step.routing), *next(iter(step.route_idx.values())).shape,
+                                dtype=torch.int64, device=step.device)
     kept = []
     for t in range(gate_tokens):
         if force is not None and t > 0:
             step.ids.copy_(force[:, t - 1])  # a copy into the captured input buffer, outside the graph
+        if force_route is not None:
+            for j, buf in enumerate(step.forced_idx.values()):
+                buf.copy_(force_route[t, j])
         run()
         tokens[:, t] = step.ids
         if route is not None:
             route[:, t] = torch.stack([r[:, 0] for r in step.routing.values()], dim=-1)
+            route_idx[t] = torch.stack(list(step.route_idx.values()))
         lg = step.logits.float()  # bf16 logits in a bf16 model: margins and errors in fp32
         top = lg.topk(2, dim=-1).values
         margin[:, t] = (top[:, 0] - top[:, 1]) / lg.std(dim=-1)
@@ -438,7 +435,8 @@ def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup
             err[:, t] = (lg - r).abs().amax(dim=-1) / r.std(dim=-1)
             del r
     gate_res = dict(tokens=tokens.cpu(), margin=margin.cpu(), err=err.cpu(), logits=kept,
-                    routing=None if route is None else route.cpu())
+                    routing=None if route is None else route.cpu(),
+                    route_idx=None if route_idx is None else route_idx.cpu())
     if on_tokens is not None:
         on_tokens(gate_res)
     for _ in range(warmup * L):
@@ -463,6 +461,7 @@ def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup
     graphed = graph is not None
     del graph
     return dict(tokens=gate_res["tokens"], margin=gate_res["margin"], err=gate_res["err"],
+                routing=gate_res["routing"], route_idx=gate_res["route_idx"],
                 ms=statistics.median(times) if times else None,
                 spread_ms=_percentile_spread(times) if times else None,
                 timing=("cuda-graph" if graphed else "eager-cuda") if cuda else "eager-cpu (no CUDA graph)")
@@ -503,7 +502,7 @@ class _Gate:
         if name == "conventional":
             return dict(keep_logits=self.need_logits)
         if name in SHADOW_MODES:
-            return dict(force=self.ref["tokens"], ref_logits=self.ref["logits"])
+            return dict(force=self.ref["tokens"], ref_logits=self.ref["logits"], force_route=self.ref.get("route_idx"))
         return {}
 
     def on_tokens(self, name):
@@ -513,14 +512,11 @@ class _Gate:
                 self.out[name] = dict(exact=self.batch, ties=0)
             elif name in SHADOW_MODES:
                 g = self.shadow_gate[SHADOW_MODES[name]]
-                flipped = None
-                if res.get("routing") is not None and self.ref.get("routing") is not None:
-                    # a row's logits are exempt from the error limit from its first routing flip on (the
-                    # state carries the flip's effect); the argmax agreement still counts every position
-                    flipped = (res["routing"] != self.ref["routing"]).any(-1).int().cummax(dim=1).values.bool()
                 self.out[name] = check_forced_gate(name, self.ref["tokens"], res["tokens"], res["err"],
-                                                   g["max_logit_err"], g["min_agree"], flipped=flipped,
-                                                   max_flip_frac=g.get("max_flip_frac", MAX_FLIP_FRAC))
+                                                   g["max_logit_err"], g["min_agree"])
+                if res.get("routing") is not None:  # MoE: (row, step) where its own choice would differ
+                    flips = (res["routing"] != self.ref["routing"]).any(-1)
+                    self.out[name]["route_flip_rate"] = float(flips.float().mean())
             elif name != "noop":
                 self.out[name] = check_gate(name, self.ref["tokens"], self.ref["margin"], res["tokens"], *self.tie)
         return f
@@ -598,12 +594,13 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
             gate = dict(gate="not gated (no SSM)", gate_exact=None, gate_ties=None)
         elif name in SHADOW_MODES:
             g, lim = gates[name], (shadow_gate or SHADOW_GATE)[SHADOW_MODES[name]]
-            flips = f", {100 * g['route_flipped']:.1f}% after a routing flip" if g["route_flipped"] else ""
+            flips = (f", routing forced (own choice differs at {100 * g['route_flip_rate']:.1f}%)"
+                     if g.get("route_flip_rate") is not None else "")
             gate = dict(gate=f"teacher-forced: agree {100 * g['agree']:.2f}%, logit err {g['logit_err_max']:.2g} std"
                              f"{flips}",
                         gate_exact=g["exact"], gate_ties=None, gate_agree=g["agree"],
                         gate_logit_err_max=g["logit_err_max"], gate_logit_err_median=g["logit_err_median"],
-                        gate_route_flipped=g["route_flipped"], gate_logit_err_max_flipped=g["logit_err_max_flipped"],
+                        gate_route_flip_rate=g.get("route_flip_rate"),
                         gate_min_agree=lim["min_agree"], gate_max_logit_err=lim["max_logit_err"],
                         shadow=SHADOW_MODES[name])
         else:

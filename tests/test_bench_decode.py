@@ -274,8 +274,7 @@ def test_check_forced_gate():
     got = ref.clone()
     got[1, 3] = 0
     g = bd.check_forced_gate("m", ref, got, err, 0.05, 0.8)
-    assert g == dict(agree=0.875, logit_err_max=pytest.approx(0.01), logit_err_median=pytest.approx(0.01),
-                     logit_err_max_flipped=pytest.approx(0.01), exact=1, route_flipped=0.0)
+    assert g == dict(agree=0.875, logit_err_max=pytest.approx(0.01), logit_err_median=pytest.approx(0.01), exact=1)
     with pytest.raises(bd.GateError, match="agrees .* at 0.8750"):
         bd.check_forced_gate("m", ref, got, err, 0.05, 0.9)
     err[0, 2] = 0.5
@@ -286,69 +285,53 @@ def test_check_forced_gate():
         bd.check_forced_gate("m", ref, got, err, 0.05, 0.8)
 
 
-def test_check_forced_gate_routing_flips():
-    """MoE: positions after a routing flip are exempt from the logit limit (not from NaN, not from the
-    agreement), and too many flips fail."""
-    ref = torch.arange(16).view(2, 8)
-    err = torch.full((2, 8), 0.01)
-    err[1, 5:] = 1.2  # row 1 flipped at step 5: O(1) std from there on
-    flipped = torch.zeros(2, 8, dtype=torch.bool)
-    with pytest.raises(bd.GateError, match="row 1 step 5"):
-        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
-    flipped[1, 5:] = True
-    g = bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
-    assert g["route_flipped"] == pytest.approx(3 / 16)
-    assert g["logit_err_max"] == pytest.approx(0.01) and g["logit_err_max_flipped"] == pytest.approx(1.2)
-    err[1, 4] = 1.2  # before the flip: not exempt
-    with pytest.raises(bd.GateError, match="row 1 step 4"):
-        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
-    err[1, 4] = 0.01
-    err[1, 6] = float("nan")
-    with pytest.raises(bd.GateError, match="row 1 step 6"):
-        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped)
-    err[1, 6] = 1.2
-    with pytest.raises(bd.GateError, match="other experts .* 0.188"):
-        bd.check_forced_gate("m", ref, ref, err, 0.05, 0.9, flipped=flipped, max_flip_frac=0.1)
-
-
-def test_record_routing_codes_expert_sets():
-    """The routing code of the tiny Nemotron 3 step: equal between two runs of one state, equal to the
-    sum of the codes of the experts builders.moe.route picks, and different when the router moves."""
+def test_record_and_force_routing():
+    """The tiny Nemotron 3 step's routing record: the experts builders.moe.route picks and their set code;
+    forcing the step's own choice changes nothing, forcing other experts changes the logits while the
+    record still shows the own choice; run_mode carries both per gate step."""
     from builders import moe as moe_ops
 
     model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
     step = bd.DecodeStep(model, 3, 64, bd.Conventional())
     step.record_routing()
     step.feed(torch.tensor([[5, 9], [7, 2], [11, 4]]))
-    assert step.routing and all(r.shape == (3, 1) for r in step.routing.values())
-    first = {i: r.clone() for i, r in step.routing.items()}
+    snap = step.snapshot()
     i = next(iter(step.routing))
     w = step.w[i]["moe"]
-    captured = {}
+    seen = []
     orig = moe_ops.route
 
-    def spy(hn, ww):
-        out = orig(hn, ww)
-        captured.setdefault(id(ww), out[1].clone())
+    def spy(hn, ww, idx=None):
+        out = orig(hn, ww, idx)
+        if ww is w and idx is None:
+            seen.append(out[1].clone())
         return out
 
     moe_ops.route = spy
     try:
-        snap = step.snapshot()
-        step()
-        step.restore(snap)
-        again_ids = step.ids.clone()
-        step()
+        logits = step().clone()
     finally:
         moe_ops.route = orig
-    idx = captured[id(w)]
-    expect = step._route_code[i][idx].sum(-1)
-    assert torch.equal(step.routing[i][:, 0], expect)
-    assert again_ids.shape == (3,) and not torch.equal(first[i], torch.zeros_like(first[i]))
-    w.gate_weight.data.mul_(-1)  # another router: other expert sets
+    own = step.route_idx[i].clone()
+    assert torch.equal(own.sort(-1).values, seen[0].sort(-1).values)
+    assert torch.equal(step.routing[i][:, 0], step._route_code[i][seen[0]].sum(-1))
+    step.force_routing = True
+    for j, buf in step.forced_idx.items():
+        buf.copy_(step.route_idx[j])
     step.restore(snap)
-    step()
-    assert not torch.equal(step.routing[i][:, 0], expect)
+    assert torch.equal(step(), logits)
+    E = w.num_experts
+    step.forced_idx[i].copy_((own + 1) % E)  # other experts
+    step.restore(snap)
+    forced = step()
+    assert float((forced - logits).abs().max()) > 1e-3 * float(logits.std())
+    assert torch.equal(step.route_idx[i], own)  # the record is the step's own choice
+    step.force_routing = False
+    res = bd.run_mode(step, bd.Conventional(), snap, 3, 4, 0, 0)
+    assert res["route_idx"].shape == (3, len(step.routing), 3, w.top_k) and res["routing"].shape == (3, 3, len(step.routing))
+    assert torch.equal(res["route_idx"][0, 0], own)
+    again = bd.run_mode(step, bd.Conventional(), snap, 3, 4, 0, 0, force_route=res["route_idx"])
+    assert torch.equal(again["tokens"], res["tokens"]) and torch.equal(again["routing"], res["routing"])
 
 
 def test_shadow_bytes_and_memory():
@@ -410,3 +393,15 @@ def test_grouped_moe_equals_dense_and_counts_the_load():
     grouped(), dense()
     err = float((grouped.logits.float() - dense.logits.float()).abs().amax() / dense.logits.float().std())
     assert err > 0.05, err
+
+
+def test_gate_phase_moe_forces_routing():
+    """The twin's gate phase on the tiny Nemotron 3: the shadow modes run with the conventional experts and
+    report how often their own choice would differ."""
+    model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
+    prompt = torch.randint(2, model.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(1))
+    out = bd.gate_phase(model, 4, ["conventional", "replay", "replay_bf16"], prompt, 64, 4, 8, 1e-3, 0.05, False,
+                        None, None, None)
+    assert set(out) == {"conventional", "replay", "replay_bf16"}
+    assert 0.0 <= out["replay_bf16"]["route_flip_rate"] <= 1.0
+    assert out["replay_bf16"]["logit_err_max"] < bd.SHADOW_GATE["bf16"]["max_logit_err"]
