@@ -113,6 +113,12 @@ def oracle(tiny="nemotron_h"):
     from builders.nemotron_h import load_nemotron_h, patch_replayssm
 
     model = load_nemotron_h(tiny=tiny, seed=0)
+    # dt clamp as the config says (time_step_limit, (0, inf) here), as transformers >= 5.25 and our step
+    # do; 5.24's mixer clamps softplus(dt) at time_step_min instead (1e-3 logit differences on this
+    # model, and 0.0 once the limit is the config's: bench/NOTES.md, "transformers 5.24 dt clamp")
+    for mod in model.modules():
+        if hasattr(mod, "time_step_limit"):
+            mod.time_step_limit = tuple(model.config.time_step_limit)
     dec = patch_replayssm(model, buffer_len=L)
 
     @torch.no_grad()
