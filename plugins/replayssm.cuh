@@ -27,9 +27,6 @@
 #ifndef RSSM_CONV_PERSISTENT
 #define RSSM_CONV_PERSISTENT 0
 #endif
-#ifndef RSSM_PREFETCH_ALL
-#define RSSM_PREFETCH_ALL 0
-#endif
 #ifndef RSSM_SHADOW
 #define RSSM_SHADOW 0
 #endif
@@ -544,9 +541,8 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   }
   const int k = pos + 1;
   const bool flush = (k == kL);
-  // Entries loaded: only those in use, or every slot of the buffer so that the loads do not wait
-  // for the cursor (RSSM_PREFETCH_ALL; entries past k are loaded and ignored).
-  const int kload = RSSM_PREFETCH_ALL ? kL : k;
+  // Entries loaded: only those in use (loading all kL so that the loads need not wait for the cursor
+  // gained nothing, bench/NOTES.md variants table; the switch was removed, issue 15).
 
   // 1. Issue every load before using any: C, buffer tiles, dt, z (the checkpoint is in flight).
   const act_t* Cg = a.C + ((size_t)c.b * kG + c.g) * kN;
@@ -563,7 +559,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
 #pragma unroll
   for (int u = 0; u < kBPasses; ++u) {
     const int j = bj0 + u * kBRowsPerPass;
-    if (j < kload) {
+    if (j < k) {
       const act_t* row = j == pos ? Bnow : Bc + (size_t)j * kN;
 #pragma unroll
       for (int v = 0; v < kBVPL; ++v) load_f<act_t, kBV>(row + (v * kBLanes + bl) * kBV, bv[u][v]);
@@ -575,7 +571,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
 #pragma unroll
   for (int u = 0; u < kXPasses; ++u) {
     const int i = t + u * kThreads, j = i / kXVecRow, p = (i % kXVecRow) * kXV;
-    if (j < kload) load_f<act_t, kXV>(j == pos ? xnow + p : xc + (size_t)j * kP + p, xv[u]);
+    if (j < k) load_f<act_t, kXV>(j == pos ? xnow + p : xc + (size_t)j * kP + p, xv[u]);
   }
   float dtj = 0.f;
   if (warp == 0 && lane < k)

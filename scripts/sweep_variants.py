@@ -3,7 +3,7 @@
 """Kernel experiments: time compile-time variants (RSSM_* definitions) of the decode kernel on the
 main geometry, at k = 1, 2, L/2, L-1 and the flush, in one process (bench_kernels.py's harness).
 
-Usage: python scripts/sweep_variants.py --variants "CURSOR_FIRST=1;PREFETCH_ALL=1,CURSOR_FIRST=1"
+Usage: python scripts/sweep_variants.py --variants "CURSOR_FIRST=1;STAGED=1,CURSOR_FIRST=1"
        [--shadow bf16] [--geometries "64x8;32x4"] (rows x warps, pinned with override_geometry)
 """
 
