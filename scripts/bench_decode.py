@@ -69,7 +69,8 @@ of (row, step) positions where the shadow mode's own choice would have differed 
 gate; the quality cost that routing adds on top).
 
 Bytes model of one step (b rows, a = 2 bytes bf16, s = 4 bytes fp32 state; M Mamba / T attention
-layers; W = weight bytes, all read once per step):
+layers; W = weight bytes, all read once per step; MoE: less the routed experts that no token of the
+last timed step chose, ``weights_read_gb`` in the rows):
   common      W + M*b*2*conv_dim*K*a (conv windows) + T*b*2*kvh*fill*hd*a (K and V of the filled
               positions: the fused step's attention reads only those; fill = the mean over the timed
               steps, prompt + gate + warmup*L + reps*L/2, reported as ``kv_fill_mean``; the eager
@@ -585,6 +586,11 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
     step.ssm.free()
     conv = results["conventional"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if step.expert_load:  # experts no token was routed to in the last timed step are not read
+        for i, load in step.expert_load.items():
+            w = step.w[i]["moe"]
+            per_expert = (w.up[0].numel() + w.down[0].numel()) * w.up.element_size()
+            weight_bytes -= int((load == 0).sum()) * per_expert
     rows = []
     for name in modes:
         r = results[name]
@@ -618,7 +624,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
             ssm_ms=(None if noop is None or name == "noop" else r["ms"] - noop["ms"]),
             speedup_vs_conventional=conv["ms"] / r["ms"], bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
             timing=r["timing"], buffer_len=L, kv_len=kv_len, kv_fill_mean=kv_fill, prompt_len=prompt_len,
-            gate_tokens=gate_tokens, reps=reps, moe_load=moe_load, **gate))
+            gate_tokens=gate_tokens, reps=reps, moe_load=moe_load, weights_read_gb=weight_bytes / 1e9, **gate))
     return rows
 
 

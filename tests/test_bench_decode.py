@@ -405,3 +405,15 @@ def test_gate_phase_moe_forces_routing():
     assert set(out) == {"conventional", "replay", "replay_bf16"}
     assert 0.0 <= out["replay_bf16"]["route_flip_rate"] <= 1.0
     assert out["replay_bf16"]["logit_err_max"] < bd.SHADOW_GATE["bf16"]["max_logit_err"]
+
+
+def test_moe_bytes_model_counts_only_the_experts_read():
+    """MoE rows: the bytes model's weights leave out the experts no token chose (batch 1, top-2 of 8)."""
+    model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    rows = bd.run_batch(model, 1, ["conventional"], L=4, prompt_len=2, gate_tokens=2, warmup=0, reps=1, context=32)
+    n_moe = sum(k == "moe" for k in model.config.layers_block_type)
+    cfg = model.config
+    per_expert = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 4  # up + down, fp32
+    idle = n_moe * (cfg.n_routed_experts - cfg.num_experts_per_tok)
+    assert idle > 0 and rows[0]["weights_read_gb"] * 1e9 == pytest.approx(total - idle * per_expert)
