@@ -476,11 +476,59 @@ struct ReplayArgs {
   float* sc_out;              // aliases sc_in
 };
 
+// ---- layout of the decode tensors: element offsets -------------------------------------------------
+// RSSM_LAYOUT 0 (default): the contiguous shapes above. RSSM_LAYOUT 1 (vLLM's paged Mamba state,
+// trtllm_replayssm/vllm.py): the checkpoint and the rings are (slots, ...) views whose slot stride is a
+// page (kSlot*), the activations, y and the slot indices are row-strided views (kRow*), the cursor is
+// one entry per batch row (vLLM's write_pos) instead of per slot, and slot kNullSlot is padding (vLLM's
+// null block 0). Only leading strides change; every row of P or N elements stays contiguous. The
+// prelude (compile.py) defines the strides, in elements, from config.Layout. No shadow in this layout.
+#ifndef RSSM_LAYOUT
+#define RSSM_LAYOUT 0
+#endif
+#if RSSM_LAYOUT
+static_assert(RSSM_SHADOW == 0, "the strided (vLLM) layout has no shadow");
+__device__ __forceinline__ size_t state_off(int slot, int h, int row) { return (size_t)slot * kSlotState + ((size_t)h * kP + row) * kN; }
+__device__ __forceinline__ size_t xc_off(int slot, int h) { return (size_t)slot * kSlotX + (size_t)h * kL * kP; }
+__device__ __forceinline__ size_t bc_off(int slot, int g) { return (size_t)slot * kSlotB + (size_t)g * kL * kN; }
+__device__ __forceinline__ size_t dtc_off(int slot, int h) { return (size_t)slot * kSlotDt + (size_t)h * kL; }
+__device__ __forceinline__ size_t xc_entry(int slot, int h, int pos) { return xc_off(slot, h) + (size_t)pos * kP; }
+__device__ __forceinline__ size_t bc_entry(int slot, int g, int pos) { return bc_off(slot, g) + (size_t)pos * kN; }
+__device__ __forceinline__ size_t x_off(int b, int h) { return (size_t)b * kRowX + (size_t)h * kP; }
+__device__ __forceinline__ size_t z_off(int b, int h) { return (size_t)b * kRowZ + (size_t)h * kP; }
+__device__ __forceinline__ size_t y_off(int b, int h) { return (size_t)b * kRowY + (size_t)h * kP; }
+__device__ __forceinline__ size_t bn_off(int b, int g) { return (size_t)b * kRowB + (size_t)g * kN; }
+__device__ __forceinline__ size_t cn_off(int b, int g) { return (size_t)b * kRowC + (size_t)g * kN; }
+__device__ __forceinline__ size_t dt_off(int b, int h) { return (size_t)b * kRowDt + h; }
+__device__ __forceinline__ int slot_of_row(const int* sbi, int b) { return sbi[(size_t)b * kRowSbi]; }
+// (macros: a bool-returning function reordered the dense kernels' predicate code)
+#define RSSM_SLOT_OK(slot, nslots) ((slot) >= 0 && (slot) < (nslots) && (slot) != kNullSlot)
+#define RSSM_SLOT_BAD(slot, nslots) ((slot) < 0 || (slot) >= (nslots) || (slot) == kNullSlot)
+__device__ __forceinline__ int cursor_at(const int* cursor, int b, int /*slot*/) { return cursor[b]; }
+#else
+__device__ __forceinline__ size_t state_off(int slot, int h, int row) { return (((size_t)slot * kH + h) * kP + row) * kN; }
+__device__ __forceinline__ size_t xc_off(int slot, int h) { return ((size_t)slot * kH + h) * kL * kP; }
+__device__ __forceinline__ size_t bc_off(int slot, int g) { return ((size_t)slot * kG + g) * kL * kN; }
+__device__ __forceinline__ size_t dtc_off(int slot, int h) { return ((size_t)slot * kH + h) * kL; }
+__device__ __forceinline__ size_t xc_entry(int slot, int h, int pos) { return (((size_t)slot * kH + h) * kL + pos) * kP; }
+__device__ __forceinline__ size_t bc_entry(int slot, int g, int pos) { return (((size_t)slot * kG + g) * kL + pos) * kN; }
+__device__ __forceinline__ size_t x_off(int b, int h) { return ((size_t)b * kH + h) * kP; }
+__device__ __forceinline__ size_t z_off(int b, int h) { return ((size_t)b * kH + h) * kP; }
+__device__ __forceinline__ size_t y_off(int b, int h) { return ((size_t)b * kH + h) * kP; }
+__device__ __forceinline__ size_t bn_off(int b, int g) { return ((size_t)b * kG + g) * kN; }
+__device__ __forceinline__ size_t cn_off(int b, int g) { return ((size_t)b * kG + g) * kN; }
+__device__ __forceinline__ size_t dt_off(int b, int h) { return (size_t)b * kH + h; }
+__device__ __forceinline__ int slot_of_row(const int* sbi, int b) { return sbi[b]; }
+#define RSSM_SLOT_OK(slot, nslots) ((slot) >= 0 && (slot) < (nslots))
+#define RSSM_SLOT_BAD(slot, nslots) ((slot) < 0 || (slot) >= (nslots))
+__device__ __forceinline__ int cursor_at(const int* cursor, int /*b*/, int slot) { return cursor[slot]; }
+#endif
+
 // Copy rows [row0, row0 + kRows) of head h of the checkpoint into shared memory: without a
 // shadow the full-precision rows; with one its rows and scales, and nothing on flush steps.
 __device__ __forceinline__ void issue_rows(float4* S, const ReplayArgs& a, int slot, int h, int row0, bool flush) {
   const int t = threadIdx.x;
-  const size_t base = (((size_t)slot * kH + h) * kP + row0) * kN;
+  const size_t base = state_off(slot, h, row0);
   if (kShadow) {
     if (flush) return;
     const float4* src = reinterpret_cast<const float4*>(a.sh_in + base);
@@ -521,19 +569,19 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* src) {
 __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   __shared__ ReplaySmem sm;
   const Coords c = block_coords();
-  const int slot = a.sbi[c.b];
-  if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
+  const int slot = slot_of_row(a.sbi, c.b);
+  if (RSSM_SLOT_BAD(slot, a.nslots)) return;  // padding row (or out of range): touch nothing
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
   // With a shadow the cursor decides which copy of the checkpoint to read, so it comes first.
   constexpr bool kCursorFirst = RSSM_CURSOR_FIRST || kShadow != 0;
-  int pos = kCursorFirst ? a.cursor[slot] : 0;
+  int pos = kCursorFirst ? cursor_at(a.cursor, c.b, slot) : 0;
   // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory.
-  const size_t sbase = (((size_t)slot * kH + c.h) * kP + c.row0) * kN;
+  const size_t sbase = state_off(slot, c.h, c.row0);
   issue_rows(sm.S, a, slot, c.h, c.row0, pos == kL - 1);
   cp_async_commit();
-  if (!kCursorFirst) pos = a.cursor[slot];
-  const size_t yo = ((size_t)c.b * kH + c.h) * kP + c.row0 + rb + l;  // the row this lane finalizes
+  if (!kCursorFirst) pos = cursor_at(a.cursor, c.b, slot);
+  const size_t yo = y_off(c.b, c.h) + c.row0 + rb + l;  // the row this lane finalizes
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
     if (l < kRT) a.y[yo] = from_f<act_t>(__int_as_float(0x7fc00000));
     cp_async_wait_all();
@@ -545,12 +593,12 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   // gained nothing, bench/NOTES.md variants table; the switch was removed, issue 15).
 
   // 1. Issue every load before using any: C, buffer tiles, dt, z (the checkpoint is in flight).
-  const act_t* Cg = a.C + ((size_t)c.b * kG + c.g) * kN;
+  const act_t* Cg = a.C + cn_off(c.b, c.g);
   ColRegs cc;
   load_cols(cc, Cg);
 
-  const act_t* Bc = a.Bc_in + ((size_t)slot * kG + c.g) * kL * kN;
-  const act_t* Bnow = a.B + ((size_t)c.b * kG + c.g) * kN;
+  const act_t* Bc = a.Bc_in + bc_off(slot, c.g);
+  const act_t* Bnow = a.B + bn_off(c.b, c.g);
   const int bj0 = t / kBLanes, bl = t % kBLanes;
   float bv[kBPasses][kBVPL][kBV];
   float cb[kBVPL][kBV];
@@ -565,8 +613,8 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
       for (int v = 0; v < kBVPL; ++v) load_f<act_t, kBV>(row + (v * kBLanes + bl) * kBV, bv[u][v]);
     }
   }
-  const act_t* xc = a.xc_in + ((size_t)slot * kH + c.h) * kL * kP + c.row0;
-  const act_t* xnow = a.x + ((size_t)c.b * kH + c.h) * kP + c.row0;
+  const act_t* xc = a.xc_in + xc_off(slot, c.h) + c.row0;
+  const act_t* xnow = a.x + x_off(c.b, c.h) + c.row0;
   float xv[kXPasses][kXV];
 #pragma unroll
   for (int u = 0; u < kXPasses; ++u) {
@@ -575,11 +623,11 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   }
   float dtj = 0.f;
   if (warp == 0 && lane < k)
-    dtj = lane == pos ? softplus(to_f(a.dt[(size_t)c.b * kH + c.h]) + a.dt_bias[c.h])
-                      : a.dtc_in[((size_t)slot * kH + c.h) * kL + lane];
+    dtj = lane == pos ? softplus(to_f(a.dt[dt_off(c.b, c.h)]) + a.dt_bias[c.h])
+                      : a.dtc_in[dtc_off(slot, c.h) + lane];
   float zv = 0.f;
   if constexpr (kHasZ) {
-    if (l < kRT) zv = to_f(a.z[yo]);
+    if (l < kRT) zv = to_f(a.z[z_off(c.b, c.h) + c.row0 + rb + l]);
   }
 
   // 2. Buffer part, from registers: B_j . C_k per entry, x tile (and B tile on flush) to smem,
@@ -601,7 +649,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
 #pragma unroll
         for (int v = 0; v < kBVPL; ++v) store_f<act_t, kBV>(&sm.Bt[j][(v * kBLanes + bl) * kBV], bv[u][v]);
       } else if (j == pos && c.chunk == 0 && c.h % kHPG == 0) {
-        act_t* Bo = a.Bc_out + (((size_t)slot * kG + c.g) * kL + pos) * kN;
+        act_t* Bo = a.Bc_out + bc_entry(slot, c.g, pos);
 #pragma unroll
         for (int v = 0; v < kBVPL; ++v) store_f<act_t, kBV>(Bo + (v * kBLanes + bl) * kBV, bv[u][v]);
       }
@@ -614,7 +662,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
 #pragma unroll
       for (int e = 0; e < kXV; ++e) sm.xt[j][p + e] = xv[u][e];
       if (j == pos && !flush) {
-        act_t* xo = a.xc_out + (((size_t)slot * kH + c.h) * kL + pos) * kP + c.row0 + p;
+        act_t* xo = a.xc_out + xc_entry(slot, c.h, pos) + c.row0 + p;
         store_f<act_t, kXV>(xo, xv[u]);
       }
     }
@@ -630,7 +678,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
     const float total = __shfl_sync(0xffffffffu, cum, k - 1);
     if (lane < k) sm.w[lane] = dtj * expf(A * (total - cum));
     if (lane == 0) sm.decay = expf(A * total);
-    if (lane == pos && !flush && c.chunk == 0) a.dtc_out[((size_t)slot * kH + c.h) * kL + pos] = dtj;
+    if (lane == pos && !flush && c.chunk == 0) a.dtc_out[dtc_off(slot, c.h) + pos] = dtj;
   }
   const float D = a.D[c.h];
   cp_async_wait_all();
@@ -712,25 +760,25 @@ __device__ __forceinline__ Item item_coords(int i) {
 __device__ __forceinline__ void issue_item(Stage& sg, const ReplayArgs& a, const Item& it, int slot, int pos) {
   const int t = threadIdx.x, k = pos + 1;
   issue_rows(sg.S, a, slot, it.h, it.row0, k == kL);
-  const act_t* Bc = a.Bc_in + ((size_t)slot * kG + it.g) * kL * kN;
-  const act_t* Bnow = a.B + ((size_t)it.b * kG + it.g) * kN;
+  const act_t* Bc = a.Bc_in + bc_off(slot, it.g);
+  const act_t* Bnow = a.B + bn_off(it.b, it.g);
   constexpr int kBVecs = kL * kBVecRow;
 #pragma unroll
   for (int u = 0; u < (kBVecs + kThreads - 1) / kThreads; ++u) {
     const int i = t + u * kThreads, j = i / kBVecRow, n = (i % kBVecRow) * kBV;
     if (j < k) cp_async<16>(&sg.Bt[j][n], j == pos ? Bnow + n : Bc + (size_t)j * kN + n);
   }
-  const act_t* xc = a.xc_in + ((size_t)slot * kH + it.h) * kL * kP + it.row0;
-  const act_t* xnow = a.x + ((size_t)it.b * kH + it.h) * kP + it.row0;
+  const act_t* xc = a.xc_in + xc_off(slot, it.h) + it.row0;
+  const act_t* xnow = a.x + x_off(it.b, it.h) + it.row0;
   constexpr int kXVecs = kL * kXVecRow;
 #pragma unroll
   for (int u = 0; u < (kXVecs + kThreads - 1) / kThreads; ++u) {
     const int i = t + u * kThreads, j = i / kXVecRow, p = (i % kXVecRow) * kXV;
     if (j < k) cp_async<kXV * sizeof(act_t)>(&sg.xt[j][p], j == pos ? xnow + p : xc + (size_t)j * kP + p);
   }
-  const act_t* Cg = a.C + ((size_t)it.b * kG + it.g) * kN;
+  const act_t* Cg = a.C + cn_off(it.b, it.g);
   for (int n = t * kBV; n < kN; n += kThreads * kBV) cp_async<16>(&sg.C[n], Cg + n);
-  const float* dtc = a.dtc_in + ((size_t)slot * kH + it.h) * kL;
+  const float* dtc = a.dtc_in + dtc_off(slot, it.h);
   if (t < pos) cp_async<4>(&sg.dt[t], dtc + t);
 }
 
@@ -740,14 +788,14 @@ struct ItemScalars {
 };
 __device__ __forceinline__ ItemScalars load_scalars(const ReplayArgs& a, const Item& it) {
   ItemScalars s;
-  s.dt_raw = to_f(a.dt[(size_t)it.b * kH + it.h]);
+  s.dt_raw = to_f(a.dt[dt_off(it.b, it.h)]);
   s.dt_bias = a.dt_bias[it.h];
   s.A = a.A[it.h];
   s.D = a.D[it.h];
   s.z = 0.f;
   if constexpr (kHasZ) {
     const int l = threadIdx.x % kLPR;
-    if (l < kRT) s.z = to_f(a.z[((size_t)it.b * kH + it.h) * kP + it.row0 + row_base() + l]);
+    if (l < kRT) s.z = to_f(a.z[z_off(it.b, it.h) + it.row0 + row_base() + l]);
   }
   return s;
 }
@@ -757,7 +805,7 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
                                              int slot, int pos, const ItemScalars& sc) {
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
-  const size_t yo = ((size_t)it.b * kH + it.h) * kP + it.row0 + rb + l;
+  const size_t yo = y_off(it.b, it.h) + it.row0 + rb + l;
   const int k = pos + 1;
   const bool flush = (k == kL);
   const float dt_now = softplus(sc.dt_raw + sc.dt_bias);
@@ -793,16 +841,16 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
   if (!flush) {
     const float sdot = checkpoint_dot(sg.S, cc);
     // Append entry k: x rows of this item, B once per group, dt once per head.
-    act_t* xo = a.xc_out + (((size_t)slot * kH + it.h) * kL + pos) * kP + it.row0;
+    act_t* xo = a.xc_out + xc_entry(slot, it.h, pos) + it.row0;
     for (int p = t * kXV; p < kRows; p += kThreads * kXV)
       *reinterpret_cast<Vec<act_t, kXV>*>(xo + p) = *reinterpret_cast<const Vec<act_t, kXV>*>(&sg.xt[pos][p]);
     if (it.chunk == 0) {
       if (it.h % kHPG == 0) {
-        act_t* Bo = a.Bc_out + (((size_t)slot * kG + it.g) * kL + pos) * kN;
+        act_t* Bo = a.Bc_out + bc_entry(slot, it.g, pos);
         for (int n = t * kBV; n < kN; n += kThreads * kBV)
           *reinterpret_cast<Vec<act_t, kBV>*>(Bo + n) = *reinterpret_cast<const Vec<act_t, kBV>*>(&sg.Bt[pos][n]);
       }
-      if (t == 0) a.dtc_out[((size_t)slot * kH + it.h) * kL + pos] = dt_now;
+      if (t == 0) a.dtc_out[dtc_off(slot, it.h) + pos] = dt_now;
     }
     if (l < kRT) {
       const int row = rb + l;
@@ -812,7 +860,7 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
         if (j < k) val = fmaf(sm.w[j] * sm.bc[j], to_f(sg.xt[j][row]), val);
     }
   } else {
-    const size_t sbase = (((size_t)slot * kH + it.h) * kP + it.row0) * kN;
+    const size_t sbase = state_off(slot, it.h, it.row0);
     const float sdot = flush_store_dot(kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sg.Bt, sg.xt,
                                        a.state_out + sbase, a.sh_out + sbase, a.sc_out + sbase / kN, cc);
     if (l < kRT) val = sdot + sc.D * to_f(sg.xt[pos][rb + l]);
@@ -829,12 +877,12 @@ __device__ __forceinline__ void replay_decode_persistent(const ReplayArgs& a) {
   int i = blockIdx.x;
   if (i >= nitems) return;
   // Meta pipeline: (slot, pos) of items i and i + G, slot of item i + 2G.
-  auto slot_of = [&](int item) { return item < nitems ? a.sbi[item / kItemsPerRow] : -1; };
-  auto valid = [&](int slot) { return slot >= 0 && slot < a.nslots; };
-  auto pos_of = [&](int slot) { return valid(slot) ? a.cursor[slot] : -1; };
+  auto slot_of = [&](int item) { return item < nitems ? slot_of_row(a.sbi, item / kItemsPerRow) : -1; };
+  auto valid = [&](int slot) { return RSSM_SLOT_OK(slot, a.nslots); };
+  auto pos_of = [&](int item, int slot) { return valid(slot) ? cursor_at(a.cursor, item / kItemsPerRow, slot) : -1; };
   auto usable = [&](int slot, int pos) { return valid(slot) && pos >= 0 && pos < kL; };
-  int slot0 = slot_of(i), pos0 = pos_of(slot0);
-  int slot1 = slot_of(i + G), pos1 = pos_of(slot1);
+  int slot0 = slot_of(i), pos0 = pos_of(i, slot0);
+  int slot1 = slot_of(i + G), pos1 = pos_of(i + G, slot1);
   int slot2 = slot_of(i + 2 * G);
   Item it0 = item_coords(i);
   ItemScalars sc0 = load_scalars(a, it0);
@@ -851,14 +899,14 @@ __device__ __forceinline__ void replay_decode_persistent(const ReplayArgs& a) {
       if (usable(slot1, pos1)) issue_item(sm.st[s ^ 1], a, it1, slot1, pos1);
     }
     cp_async_commit();
-    const int pos2 = pos_of(slot2);
+    const int pos2 = pos_of(i + 2 * G, slot2);
     const int slot3 = slot_of(i + 3 * G);
     cp_async_wait<1>();
     __syncthreads();
     if (valid(slot0)) {
       if (pos0 < 0 || pos0 >= kL) {  // corrupt cursor: loud y, no state touched
         const int l = threadIdx.x % kLPR;
-        if (l < kRT) a.y[((size_t)it0.b * kH + it0.h) * kP + it0.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
+        if (l < kRT) a.y[y_off(it0.b, it0.h) + it0.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
       } else {
         compute_item(sm, sm.st[s], a, it0, slot0, pos0, sc0);
       }
@@ -892,13 +940,13 @@ struct alignas(16) StagedSmem {
 __device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a) {
   __shared__ StagedSmem sm;
   const Coords c = block_coords();
-  const int slot = a.sbi[c.b];
-  if (slot < 0 || slot >= a.nslots) return;  // padding row (or out of range): touch nothing
-  const int pos = a.cursor[slot];
+  const int slot = slot_of_row(a.sbi, c.b);
+  if (RSSM_SLOT_BAD(slot, a.nslots)) return;  // padding row (or out of range): touch nothing
+  const int pos = cursor_at(a.cursor, c.b, slot);
   const Item it{c.b, c.h, c.g, c.chunk, c.row0};
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
     const int l = threadIdx.x % kLPR;
-    if (l < kRT) a.y[((size_t)c.b * kH + c.h) * kP + c.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
+    if (l < kRT) a.y[y_off(c.b, c.h) + c.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
   issue_item(sm.st, a, it, slot, pos);

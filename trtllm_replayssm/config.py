@@ -39,6 +39,58 @@ MIN_BLOCKS = 2 * 132
 
 
 @dataclasses.dataclass(frozen=True)
+class Layout:
+    """Strided layout of the standard decode kernel's tensors (RSSM_LAYOUT 1; None on a KernelSpec is the
+    contiguous one of ops.py). Strides are in elements of each tensor's own dtype, compile-time constants
+    of the module (a serving engine's strides are fixed per model, so one module serves every step):
+
+    - ``slot_state``, ``slot_x``, ``slot_B``, ``slot_dt``: stride of dim 0 (the slot) of the checkpoint and
+      of the x / B / dt rings (vLLM: its page size over the itemsize; every other dim stays contiguous);
+    - ``row_x``, ``row_B``, ``row_C``, ``row_dt``, ``row_z``, ``row_y``, ``row_sbi``: stride of dim 0 (the
+      batch row) of x, B, C, dt, z, the output and the slot indices (views into a projection's output);
+    - the cursor is read per batch row (vLLM's ``write_pos``), not per slot; ``null_slot`` is a padding slot
+      (vLLM's null block 0) besides the negative ones.
+    The layout has no shadow (vLLM keeps none). ``trtllm_replayssm.vllm`` builds it from the tensors.
+    """
+
+    slot_state: int
+    slot_x: int
+    slot_B: int
+    slot_dt: int
+    row_x: int
+    row_B: int
+    row_C: int
+    row_dt: int
+    row_z: int
+    row_y: int
+    row_sbi: int = 1
+    null_slot: int = 0
+
+    FIELDS = ("slot_state", "slot_x", "slot_B", "slot_dt", "row_x", "row_B", "row_C", "row_dt", "row_z",
+              "row_y", "row_sbi")
+
+    def __post_init__(self):
+        for name in self.FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"Layout.{name}: expected a non-negative int stride (elements), got {v!r}")
+        if not isinstance(self.null_slot, int):
+            raise ValueError(f"Layout.null_slot: expected an int, got {self.null_slot!r}")
+
+    @property
+    def key(self) -> str:
+        return "_lay" + ".".join(str(getattr(self, n)) for n in self.FIELDS) + f"n{self.null_slot}"
+
+    def prelude(self) -> list[str]:
+        names = {"slot_state": "kSlotState", "slot_x": "kSlotX", "slot_B": "kSlotB", "slot_dt": "kSlotDt",
+                 "row_x": "kRowX", "row_B": "kRowB", "row_C": "kRowC", "row_dt": "kRowDt", "row_z": "kRowZ",
+                 "row_y": "kRowY", "row_sbi": "kRowSbi"}
+        return ["#define RSSM_LAYOUT 1",
+                *(f"constexpr size_t {c} = {getattr(self, n)};" for n, c in names.items()),
+                f"constexpr int kNullSlot = {self.null_slot};"]
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelSpec:
     state: str  # "f32" | "bf16" | "f16"
     act: str  # "f32" | "bf16" | "f16"
@@ -56,6 +108,8 @@ class KernelSpec:
     shadow: str = "none"  # "none" | "bf16" | "fp8" (needs an f32 checkpoint)
     # 0: the standard decode module; T >= 1: the speculative module (verify T tokens per step).
     num_tokens: int = 0
+    # Strided tensors of the standard decode kernel (vLLM's paged state); None: contiguous (ops.py).
+    layout: Layout | None = None
 
     def __post_init__(self):
         for name in ("state", "act"):
@@ -79,6 +133,9 @@ class KernelSpec:
             raise ValueError(f"rows={self.rows}, warps={self.warps}: need rows <= threads <= {MAX_THREADS}")
         if self.num_tokens:
             self._check_spec()
+        if self.layout is not None and (self.num_tokens or self.shadow != "none"):
+            raise ValueError("KernelSpec.layout: the strided layout is for the standard decode module without a "
+                             f"shadow, got num_tokens={self.num_tokens}, shadow={self.shadow!r}")
 
     def _check_spec(self):
         T, L = self.num_tokens, self.buffer_len
@@ -101,6 +158,7 @@ class KernelSpec:
             + (f"_sh-{self.shadow}" if self.shadow != "none" else "") + f"_sm{self.arch}"
             + (f"_T{self.num_tokens}" if self.num_tokens else "")
             + "".join(f"_{k}{v}" for k, v in self.defines)
+            + (self.layout.key if self.layout is not None else "")
         )
 
     @property
