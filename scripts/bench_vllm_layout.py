@@ -91,20 +91,39 @@ def point(batch: int, H=128, P=64, N=128, G=8, L=16, act=torch.bfloat16, seed=0)
                 dt_cache=pages.views["dt_cache"], B_cache=pages.views["B_cache"], write_pos=wp, max_cache_len=L,
                 state_batch_indices=vsbis[r], out=yv)
 
+    # attribution: the adapter on the contiguous tensors (the variant's own cost: per-row cursor, null
+    # slot, strides equal to the dense ones), and on the pages with contiguous activations
+    def adapter_dense():
+        for r in range(R):
+            x, B, C, dt, _ = inputs[r % len(inputs)]
+            vllm.selective_state_update_replayssm(
+                state, x, dt, prm.A, B, C, D=prm.D, dt_bias=prm.dt_bias, x_cache=xc, dt_cache=dtc, B_cache=Bc,
+                write_pos=wp, max_cache_len=L, state_batch_indices=sbis[r], null_block_id=-1, out=yv)
+
+    def paged_dense_act():
+        for r in range(R):
+            x, B, C, dt, _ = inputs[r % len(inputs)]
+            vllm.selective_state_update_replayssm(
+                pages.views["ssm"], x, dt, prm.A, B, C, D=prm.D, dt_bias=prm.dt_bias,
+                x_cache=pages.views["x_cache"], dt_cache=pages.views["dt_cache"], B_cache=pages.views["B_cache"],
+                write_pos=wp, max_cache_len=L, state_batch_indices=vsbis[r], out=yv)
+
     row = dict(batch=batch, H=H, P=P, N=N, G=G, L=L, act=str(act).replace("torch.", ""), state="float32",
                rotations=R, page_bytes=pages.page)
     row["conv_us"] = graph_time_us(conv, R)[0]
-    per_k = {"dense": [], "vllm": []}
+    fns = {"dense": dense, "vllm": paged, "adapter_contiguous": adapter_dense, "vllm_contiguous_act": paged_dense_act}
+    per_k = {name: [] for name in fns}
     for k in range(1, L + 1):
         cursor.fill_(k - 1)
         wp.fill_(k - 1)
-        per_k["dense"].append(graph_time_us(dense, R)[0])
-        per_k["vllm"].append(graph_time_us(paged, R)[0])
+        for name, fn in fns.items():
+            per_k[name].append(graph_time_us(fn, R)[0])
     for name, ts in per_k.items():
         row[f"{name}_us_k"] = ts
         row[f"{name}_us_amortized"] = sum(ts) / L
         row[f"{name}_speedup_vs_conv"] = row["conv_us"] / row[f"{name}_us_amortized"]
-    row["vllm_over_dense"] = row["vllm_us_amortized"] / row["dense_us_amortized"]
+    for name in fns:
+        row[f"{name}_over_dense"] = row[f"{name}_us_amortized"] / row["dense_us_amortized"]
     conv_b, rep_b = bytes_model(H, P, N, G, L, 4, act.itemsize)
     row["tbps_conv"] = conv_b * batch / row["conv_us"] / 1e6
     row["tbps_vllm"] = sum(rep_b.values()) / L * batch / row["vllm_us_amortized"] / 1e6
@@ -125,7 +144,9 @@ def main():
         rows.append(r)
         print(f"bs{b:4d}: conv {r['conv_us']:8.1f} us  replay contiguous {r['dense_us_amortized']:8.1f} "
               f"({r['dense_speedup_vs_conv']:.2f}x)  vLLM layout {r['vllm_us_amortized']:8.1f} "
-              f"({r['vllm_speedup_vs_conv']:.2f}x)  vllm/contiguous {r['vllm_over_dense']:.3f}", flush=True)
+              f"({r['vllm_speedup_vs_conv']:.2f}x)  vllm/contiguous {r['vllm_over_dense']:.3f}  (adapter on contiguous "
+              f"{r['adapter_contiguous_over_dense']:.3f}, pages + contiguous activations "
+              f"{r['vllm_contiguous_act_over_dense']:.3f})", flush=True)
     date = datetime.date.today().isoformat()
     out = pathlib.Path(args.out) / f"{date}_vllm-layout_{args.commit}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

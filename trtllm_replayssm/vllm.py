@@ -24,7 +24,9 @@ causal_conv1d_update         vLLM's, unchanged (not here)                    Rep
 
 The strides are constants of the compiled module (:class:`~.config.Layout`): a serving engine's page
 size and projection widths are fixed per model, so one module serves every step and every layer of a
-geometry, and the kernel does exactly the arithmetic and the memory traffic of the contiguous one.
+geometry, with the memory traffic of the contiguous kernel. Measured on the H200 (bench/NOTES.md "vLLM
+layout"): 2-4% slower than the contiguous module at bs 64-256 and 9% at bs 8 (address arithmetic of the
+strided variant and the paged placement; 1.61x the conventional step at bs256, contiguous 1.67x).
 ``write_pos`` is what vLLM's metadata builder already computes for its own ReplaySSM kernel:
 ``(num_computed_tokens - num_prompt_tokens) % L`` per decode row (:func:`write_pos_from_positions`);
 the checkpoint is the state prefill left, and vLLM does not let prefix caching run with ReplaySSM.
