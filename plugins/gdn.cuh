@@ -370,16 +370,7 @@ struct alignas(16) FlushSmem {
   float k[kFE][kK];      // k_j
   act_t v[kFE][kRows];   // v_j of the block's rows
   float g[32], beta[32];
-  float eG[32], w[32];   // exp(G_j), exp(G_{L-2} - G_j)
-  float eGl;             // exp(G_{L-2})
-  float A[kFE][kFE];     // A[j][i] = exp(G_j - G_i) (k_i . k_j), i < j
 };
-// The triangular fold's dots S0 k_j: kDN entries per transposing butterfly (lane l holds entry l % kDN of
-// a chunk), kDC chunks. kDN <= 4: the kRT x kDN accumulators of a chunk stay in registers next to the rows
-// (16 entries at once spilled 1.3 KB under the 80-register cap of 3 blocks per SM; ptxas, sm_90).
-__host__ __device__ constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
-constexpr int kDN = pow2_at_least(kFE) < 4 ? pow2_at_least(kFE) : 4;
-constexpr int kDC = (kFE + kDN - 1) / kDN;
 // v rows of a block move as 16-byte vectors where they are whole vectors (small blocks: element-wise).
 constexpr bool kVVectors = kRows * sizeof(act_t) % 16 == 0;
 constexpr size_t kSmemBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(ReplaySmem) : sizeof(FlushSmem);
@@ -470,117 +461,6 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
   if (p.row0 == 0 && threadIdx.x == 0) a.gc_out[e] = in.g, a.bc_out[e] = in.beta;
 }
 
-// The exact fold of the m = L - 1 buffered entries into this thread's checkpoint rows, in the triangular form
-// (gdn_reference.fold_triangular's order of operations): with G_j = g_0 + ... + g_j,
-//   S_{j-1} k_j after the decay = exp(G_j) S0 k_j + sum_{i<j} exp(G_j - G_i) (k_i . k_j) u_i,
-//   u_j = beta_j (v_j - that),   S_{m-1} = exp(G_{m-1}) S0 + sum_j exp(G_{m-1} - G_j) u_j k_j^T.
-// All m dots S0 k_j come first (independent: kDC transposing butterflies per row instead of one serial
-// butterfly per entry); the forward substitution over j then costs one shuffle and a few FMAs per entry,
-// and the rank-1 updates hang off it without feeding back. Still from v_j and the fp32 checkpoint, so
-// a shadow's rounding never enters. Every decay factor is <= 1: no rescaling, no division.
-__device__ __forceinline__ void fold_triangular(Rows& st, const Lane& c, FlushSmem& sm) {
-  const int warp = threadIdx.x / 32;
-  // (1) prefix sums of g (warp 0) and k_i . k_j (one pair per thread, columns staggered by thread so
-  // that the quarter-warps of a vector load hit distinct banks); the dots S0 k_j of this thread's rows.
-  if (warp == 0) {
-    float G = c.lane < kFE ? sm.g[c.lane] : 0.f;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float t = __shfl_up_sync(0xffffffffu, G, o);
-      if (c.lane >= o) G += t;
-    }
-    const float Gl = __shfl_sync(0xffffffffu, G, kFE - 1);
-    if (c.lane < kFE) sm.eG[c.lane] = expf(G), sm.w[c.lane] = expf(Gl - G);
-    if (c.lane == 0) sm.eGl = expf(Gl);
-    sm.g[c.lane] = G;  // G_j replaces g_j (lanes >= kFE: unused)
-  }
-  float kk[(kFE * kFE + kThreads - 1) / kThreads];
-#pragma unroll
-  for (int it = 0; it < (kFE * kFE + kThreads - 1) / kThreads; ++it) {
-    const int t = threadIdx.x + it * kThreads, j = t / kFE, i = t % kFE;
-    float acc = 0.f;
-    if (t < kFE * kFE && i < j) {
-#pragma unroll 8
-      for (int q = 0; q < kK / 4; ++q) {
-        const int col = ((threadIdx.x + q) % (kK / 4)) * 4;
-        const float4 x = *reinterpret_cast<const float4*>(&sm.k[i][col]);
-        const float4 z = *reinterpret_cast<const float4*>(&sm.k[j][col]);
-        acc = fmaf(x.x, z.x, fmaf(x.y, z.y, fmaf(x.z, z.z, fmaf(x.w, z.w, acc))));
-      }
-    }
-    kk[it] = acc;
-  }
-  float d[kRT][kDC];  // lane l: S0 k_j of row r for j = cc * kDN + l % kDN
-#pragma unroll
-  for (int cc = 0; cc < kDC; ++cc) {
-    float acc[kRT][kDN];  // entry-major: k_j is loaded once for all rows (kDN small: registers)
-#pragma unroll
-    for (int e = 0; e < kDN; ++e) {
-      const int j = cc * kDN + e;
-      Cols kj;
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) {
-        const float4 t = j < kFE ? *reinterpret_cast<const float4*>(&sm.k[j][c.col(v)]) : make_float4(0.f, 0.f, 0.f, 0.f);
-        kj[v][0] = t.x, kj[v][1] = t.y, kj[v][2] = t.z, kj[v][3] = t.w;
-      }
-#pragma unroll
-      for (int r = 0; r < kRT; ++r) acc[r][e] = dot_cols(st[r], kj);
-    }
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) d[r][cc] = group_reduce<kDN>(acc[r]);
-  }
-  __syncthreads();  // G, eG, w
-#pragma unroll
-  for (int it = 0; it < (kFE * kFE + kThreads - 1) / kThreads; ++it) {
-    const int t = threadIdx.x + it * kThreads, j = t / kFE, i = t % kFE;
-    if (t < kFE * kFE && i < j) sm.A[j][i] = expf(sm.g[j] - sm.g[i]) * kk[it];
-  }
-  __syncthreads();  // A
-  // (2) forward substitution, the S0 term and the rank-1 updates.
-  const int me = c.l % kDN, base = (c.lane / kLPR) * kLPR;
-  float sacc[kRT][kDC];
-#pragma unroll
-  for (int cc = 0; cc < kDC; ++cc) {
-    const int j = cc * kDN + me;
-    const float eg = j < kFE ? sm.eG[j] : 0.f;
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) sacc[r][cc] = eg * d[r][cc];
-  }
-  const float eGl = sm.eGl;
-#pragma unroll
-  for (int r = 0; r < kRT; ++r)
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[r][v][e] *= eGl;
-#pragma unroll
-  for (int i = 0; i < kFE; ++i) {
-    const int ci = i / kDN, li = i % kDN;
-    const float bi = sm.beta[i], wi = sm.w[i];
-    Cols ki;
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v) {
-      const float4 t = *reinterpret_cast<const float4*>(&sm.k[i][c.col(v)]);
-      ki[v][0] = t.x, ki[v][1] = t.y, ki[v][2] = t.z, ki[v][3] = t.w;
-    }
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      const float own = bi * (to_f(sm.v[i][c.rb + r]) - sacc[r][ci]);  // meaningful on lanes l % kDN == li
-      const float ui = __shfl_sync(0xffffffffu, own, base + li);
-#pragma unroll
-      for (int cc = ci; cc < kDC; ++cc) {
-        const int j = cc * kDN + me;
-        if (j > i && j < kFE) sacc[r][cc] = fmaf(sm.A[j][i], ui, sacc[r][cc]);
-      }
-      const float wu = wi * ui;
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(wu, ki[v][e], st[r][v][e]);
-    }
-  }
-}
-
 // Flush step (m = L - 1 entries buffered): exact fold from the fp32 checkpoint, then this token.
 __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
                                              FlushSmem& sm) {
@@ -605,11 +485,50 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
   load_rows(st, a.state_in + sh * kK, c);
+  const int fold_row = c.rb + c.l % kRT;  // after a kRT-value butterfly, lane l holds row l % kRT
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();
-  if constexpr (kL > 1) fold_triangular(st, c, sm);
-  // This token's inputs after the fold: held across it they spilled (ptxas, 80-register cap).
+  // Lazy decay: the rows hold T with S_j = D_j T, so each entry costs one FMA per element for the dot
+  // and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset) when D_j falls below
+  // kRenorm. D_j is per (slot, head), so the branch is block-uniform.
+  float D = 1.f;
+#pragma unroll 2
+  for (int j = 0; j < kL - 1; ++j) {
+    Cols kj;
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v) {
+      const float4 t = *reinterpret_cast<const float4*>(&sm.k[j][c.col(v)]);
+      kj[v][0] = t.x, kj[v][1] = t.y, kj[v][2] = t.z, kj[v][3] = t.w;
+    }
+    const float vj = to_f(sm.v[j][fold_row]);
+    float acc[kRT];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
+    const float Dj = D * expf(sm.g[j]);
+    const float u = sm.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
+    if (Dj < kRenorm) {
+#pragma unroll
+      for (int r = 0; r < kRT; ++r)
+#pragma unroll
+        for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[r][v][e] *= Dj;
+      D = 1.f;
+    } else {
+      D = Dj;
+    }
+    rank1_add(st, u / D, kj);
+  }
+  if (D != 1.f) {
+#pragma unroll
+    for (int r = 0; r < kRT; ++r)
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[r][v][e] *= D;
+  }
+  // This token's inputs after the fold: held across it they cost 40 bytes of spill (ptxas, 80 registers).
   StepIn in;
   load_step(in, c, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
   const float v_now = to_f(a.v[yrow + dot_row(c)]);

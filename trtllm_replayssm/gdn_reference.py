@@ -150,27 +150,6 @@ def _fold(S0, vs, ks, gs, betas):
     return S
 
 
-def fold_triangular(S0, vs, ks, gs, betas):
-    """:func:`_fold` by the standard flush kernel's route (plugins/gdn.cuh ``fold_triangular``): all m products
-    S0 k_j first, then u_j by forward substitution with A[j, i] = exp(G_j - G_i) (k_i . k_j), i < j,
-        u_j = beta_j (v_j - exp(G_j) S0 k_j - sum_{i<j} A[j, i] u_i),
-    and S_m = exp(G_{m-1}) S0 + sum_j exp(G_{m-1} - G_j) u_j k_j^T (G the inclusive prefix sum of g).
-    Same arguments and result as :func:`_fold`; its agreement with the recurrence checks the algebra."""
-    m = vs.shape[1]
-    if m == 0:
-        return S0
-    G = torch.cumsum(gs, dim=-1)  # (HV, m)
-    d = torch.einsum("hvk,hjk->hjv", S0, ks)  # S0 k_j
-    A = torch.exp(G[:, :, None] - G[:, None, :]) * torch.einsum("hjk,hik->hji", ks, ks)  # [h, j, i]
-    U = torch.empty_like(vs)
-    for j in range(m):
-        rhs = torch.exp(G[:, j])[:, None] * d[:, j]
-        if j:
-            rhs = rhs + torch.einsum("hi,hiv->hv", A[:, j, :j], U[:, :j])
-        U[:, j] = betas[:, j, None] * (vs[:, j] - rhs)
-    return _replay(S0, U, ks, gs)
-
-
 def _replay(S0, us, ks, gs):
     """S_m from the u-sum: exp(G_m) S0 + sum_j exp(G_m - G_j) u_j k_j^T (what the output path computes)."""
     if us.shape[1] == 0:
@@ -441,5 +420,5 @@ def bytes_per_step(HV: int, H: int, V: int, K: int, L: int, act_bytes: int = 2, 
 
 
 __all__ = ["GDNBuffers", "gates", "prep_qk", "conventional_step", "replay_decode", "replay_state", "committed_state",
-           "flush_checkpoint", "fold_triangular", "verify", "verify_triangular", "spec_step", "native_spec_verify", "bytes_per_step",
+           "flush_checkpoint", "verify", "verify_triangular", "spec_step", "native_spec_verify", "bytes_per_step",
            "L2NORM_EPS"]
