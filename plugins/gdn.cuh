@@ -71,26 +71,6 @@ __device__ __forceinline__ void load_shadow4(const __nv_bfloat16* p, float (&out
   const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
   out[0] = __low2float(lo), out[1] = __high2float(lo), out[2] = __low2float(hi), out[3] = __high2float(hi);
 }
-// Eight bf16 (16 bytes) into two 4-vectors, and back.
-__device__ __forceinline__ void load_shadow8(const __nv_bfloat16* p, float (&lo4)[4], float (&hi4)[4]) {
-  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
-  const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&w[i]);
-    const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&w[2 + i]);
-    lo4[2 * i] = __low2float(a), lo4[2 * i + 1] = __high2float(a);
-    hi4[2 * i] = __low2float(b), hi4[2 * i + 1] = __high2float(b);
-  }
-}
-__device__ __forceinline__ void store_shadow8(__nv_bfloat16* p, const float (&lo4)[4], const float (&hi4)[4]) {
-  uint4 raw;
-  *reinterpret_cast<__nv_bfloat162*>(&raw.x) = __floats2bfloat162_rn(lo4[0], lo4[1]);
-  *reinterpret_cast<__nv_bfloat162*>(&raw.y) = __floats2bfloat162_rn(lo4[2], lo4[3]);
-  *reinterpret_cast<__nv_bfloat162*>(&raw.z) = __floats2bfloat162_rn(hi4[0], hi4[1]);
-  *reinterpret_cast<__nv_bfloat162*>(&raw.w) = __floats2bfloat162_rn(hi4[2], hi4[3]);
-  __stcs(reinterpret_cast<uint4*>(p), raw);
-}
 __device__ __forceinline__ void store_shadow4(__nv_bfloat16* p, const float (&in)[4]) {
   uint2 raw;
   *reinterpret_cast<__nv_bfloat162*>(&raw.x) = __floats2bfloat162_rn(in[0], in[1]);
@@ -126,15 +106,11 @@ static_assert(kV % kRows == 0, "rows per block must divide V");
 static_assert(kHV % kHK == 0, "key heads must divide value heads");
 static_assert(kL >= 1 && kL <= 32, "buffer length is 1..32 (one warp scans it)");
 static_assert(kShadow == 0 || kShadow == 1, "GDN shadow: none or bf16");
-constexpr bool kPairCols = kShadow == 1 && kVPL % 2 == 0;
 
 struct Lane {
   int lane, l;   // lane in the warp, lane in its row group
   int rb;        // first of this thread's kRT rows, within the block's chunk
-  // Column of this lane's v-th 4-vector. Shadow modules pair the vectors (8 adjacent columns per lane) so
-  // that a bf16 shadow row moves in 16-byte loads; the fp32 rows of those modules then take two adjacent
-  // float4 per lane (each 32-byte sector read whole by the pair).
-  __device__ int col(int v) const { return kPairCols ? ((v / 2) * kLPR + l) * 8 + (v % 2) * 4 : (v * kLPR + l) * 4; }
+  __device__ int col(int v) const { return (v * kLPR + l) * 4; }
 };
 __device__ __forceinline__ Lane lane_coords() {
   Lane c;
@@ -291,15 +267,9 @@ __device__ __forceinline__ void load_rows<float>(Rows& st, const float* base, co
 template <>
 __device__ __forceinline__ void load_rows<__nv_bfloat16>(Rows& st, const __nv_bfloat16* base, const Lane& c) {
 #pragma unroll
-  for (int r = 0; r < kRT; ++r) {
-    if constexpr (kPairCols) {
+  for (int r = 0; r < kRT; ++r)
 #pragma unroll
-      for (int v = 0; v < kVPL; v += 2) load_shadow8(base + (size_t)(c.rb + r) * kK + c.col(v), st[r][v], st[r][v + 1]);
-    } else {
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) load_shadow4(base + (size_t)(c.rb + r) * kK + c.col(v), st[r][v]);
-    }
-  }
+    for (int v = 0; v < kVPL; ++v) load_shadow4(base + (size_t)(c.rb + r) * kK + c.col(v), st[r][v]);
 }
 __device__ __forceinline__ void store_rows(const Rows& st, float* base, const Lane& c) {
 #pragma unroll
@@ -310,15 +280,9 @@ __device__ __forceinline__ void store_rows(const Rows& st, float* base, const La
 __device__ __forceinline__ void store_shadow_rows(const Rows&, float*, const Lane&) {}  // no shadow (shadow_t = float)
 __device__ __forceinline__ void store_shadow_rows(const Rows& st, __nv_bfloat16* base, const Lane& c) {
 #pragma unroll
-  for (int r = 0; r < kRT; ++r) {
-    if constexpr (kPairCols) {
+  for (int r = 0; r < kRT; ++r)
 #pragma unroll
-      for (int v = 0; v < kVPL; v += 2) store_shadow8(base + (size_t)(c.rb + r) * kK + c.col(v), st[r][v], st[r][v + 1]);
-    } else {
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v) store_shadow4(base + (size_t)(c.rb + r) * kK + c.col(v), st[r][v]);
-    }
-  }
+    for (int v = 0; v < kVPL; ++v) store_shadow4(base + (size_t)(c.rb + r) * kK + c.col(v), st[r][v]);
 }
 
 // The first copy of each dot index in a row group writes (lanes l < 2 kRT); duplicates stay silent.
