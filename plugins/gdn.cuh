@@ -461,6 +461,57 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
   if (p.row0 == 0 && threadIdx.x == 0) a.gc_out[e] = in.g, a.bc_out[e] = in.beta;
 }
 
+// One row's columns of this lane from a shared-memory row of K floats.
+__device__ __forceinline__ void smem_cols(Cols& out, const float* row, const Lane& c) {
+#pragma unroll
+  for (int v = 0; v < kVPL; ++v) {
+    const float4 t = *reinterpret_cast<const float4*>(row + c.col(v));
+    out[v][0] = t.x, out[v][1] = t.y, out[v][2] = t.z, out[v][3] = t.w;
+  }
+}
+
+// Exact fold of m staged entries (fs.k[j], fs.v[j][row], fs.g[j], fs.beta[j]; FlushSmem here, the
+// speculative module's FoldSmem) into this thread's rows: S <- exp(g_j) S + u_j k_j^T with
+// u_j = beta_j (v_j - exp(g_j) S k_j). Lazy decay: the rows hold T with S_j = D_j T, so each entry costs
+// one FMA per element for the dot and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset)
+// when D_j falls below kRenorm. D_j is per (slot, head), so the branch is block-uniform.
+template <typename Smem>
+__device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& c, int m) {
+  const int fold_row = c.rb + c.l % kRT;  // after a kRT-value butterfly, lane l holds row l % kRT
+  float D = 1.f;
+#pragma unroll 2
+  for (int j = 0; j < m; ++j) {
+    Cols kj;
+    smem_cols(kj, fs.k[j], c);
+    const float vj = to_f(fs.v[j][fold_row]);
+    float acc[kRT];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
+    const float Dj = D * expf(fs.g[j]);
+    const float u = fs.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
+    if (Dj < kRenorm) {
+#pragma unroll
+      for (int r = 0; r < kRT; ++r)
+#pragma unroll
+        for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[r][v][e] *= Dj;
+      D = 1.f;
+    } else {
+      D = Dj;
+    }
+    rank1_add(st, u / D, kj);
+  }
+  if (D != 1.f) {
+#pragma unroll
+    for (int r = 0; r < kRT; ++r)
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[r][v][e] *= D;
+  }
+}
+
 // Flush step (m = L - 1 entries buffered): exact fold from the fp32 checkpoint, then this token.
 __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
                                              FlushSmem& sm) {
@@ -485,49 +536,10 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
   load_rows(st, a.state_in + sh * kK, c);
-  const int fold_row = c.rb + c.l % kRT;  // after a kRT-value butterfly, lane l holds row l % kRT
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();
-  // Lazy decay: the rows hold T with S_j = D_j T, so each entry costs one FMA per element for the dot
-  // and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset) when D_j falls below
-  // kRenorm. D_j is per (slot, head), so the branch is block-uniform.
-  float D = 1.f;
-#pragma unroll 2
-  for (int j = 0; j < kL - 1; ++j) {
-    Cols kj;
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v) {
-      const float4 t = *reinterpret_cast<const float4*>(&sm.k[j][c.col(v)]);
-      kj[v][0] = t.x, kj[v][1] = t.y, kj[v][2] = t.z, kj[v][3] = t.w;
-    }
-    const float vj = to_f(sm.v[j][fold_row]);
-    float acc[kRT];
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
-    const float Dj = D * expf(sm.g[j]);
-    const float u = sm.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
-    if (Dj < kRenorm) {
-#pragma unroll
-      for (int r = 0; r < kRT; ++r)
-#pragma unroll
-        for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[r][v][e] *= Dj;
-      D = 1.f;
-    } else {
-      D = Dj;
-    }
-    rank1_add(st, u / D, kj);
-  }
-  if (D != 1.f) {
-#pragma unroll
-    for (int r = 0; r < kRT; ++r)
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[r][v][e] *= D;
-  }
+  fold_rows(st, sm, c, kL - 1);
   // This token's inputs after the fold: held across it they cost 40 bytes of spill (ptxas, 80 registers).
   StepIn in;
   load_step(in, c, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);

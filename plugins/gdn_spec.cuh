@@ -74,14 +74,6 @@ struct alignas(16) VerifySmem {
 };
 static_assert(sizeof(VerifySmem) <= 48 * 1024, "verify tiles exceed static shared memory (config.gdn_spec_smem_bytes)");
 
-__device__ __forceinline__ void smem_cols(Cols& out, const float* row, const Lane& c) {
-#pragma unroll
-  for (int v = 0; v < kVPL; ++v) {
-    const float4 t = *reinterpret_cast<const float4*>(row + c.col(v));
-    out[v][0] = t.x, out[v][1] = t.y, out[v][2] = t.z, out[v][3] = t.w;
-  }
-}
-
 // Window tokens: q_t, k_t l2-normalised (q_t scaled) into shared memory, one warp per token; gates.
 __device__ __forceinline__ void prep_window(WinSmem& w, const act_t* q, const act_t* k, const act_t* a,
                                             const act_t* b, const float* A_log, const float* dt_bias, int brow,
@@ -150,44 +142,6 @@ __device__ __forceinline__ void window_pairs(WinSmem& w, const Lane& c) {
     for (int i = 0; i < kT; ++i)
       if (i <= (int)threadIdx.x) G += w.g[i];
     w.eG[threadIdx.x] = expf(G);
-  }
-}
-
-// Exact fold of the m committed entries (staged in fs) into the rows: S <- exp(g_j) S + u_j k_j^T with
-// u_j = beta_j (v_j - exp(g_j) S k_j); lazy decay (S = D T), as gdn.cuh's replay_flush.
-__device__ __forceinline__ void fold_rows(Rows& st, const FoldSmem& fs, const Lane& c, int m) {
-  const int fold_row = c.rb + c.l % kRT;  // after a kRT-value butterfly, lane l holds row l % kRT
-  float D = 1.f;
-#pragma unroll 2
-  for (int j = 0; j < m; ++j) {
-    Cols kj;
-    smem_cols(kj, fs.k[j], c);
-    const float vj = to_f(fs.v[j][fold_row]);
-    float acc[kRT];
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
-    const float Dj = D * expf(fs.g[j]);
-    const float u = fs.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
-    if (Dj < kRenorm) {  // D is per (slot, head): block-uniform
-#pragma unroll
-      for (int r = 0; r < kRT; ++r)
-#pragma unroll
-        for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[r][v][e] *= Dj;
-      D = 1.f;
-    } else {
-      D = Dj;
-    }
-    rank1_add(st, u / D, kj);
-  }
-  if (D != 1.f) {
-#pragma unroll
-    for (int r = 0; r < kRT; ++r)
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[r][v][e] *= D;
   }
 }
 

@@ -30,6 +30,7 @@ Usage: python scripts/bench_kernels.py [--quick] [--out bench/results] [--commit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -122,22 +123,45 @@ def load_mamba(path: str | None):
         return None
 
 
+@dataclasses.dataclass
+class Rotation:
+    """Replay state for ``rotations`` disjoint slot sets of ``batch`` rows, so that one launch per set in a
+    graph never finds its state in L2 from the previous launch (>= ROTATE_BYTES of state per graph).
+    ``gen`` continues the seeded stream for the caller's step inputs."""
+
+    rotations: int
+    slots: int
+    gen: torch.Generator
+    prm: object
+    state: torch.Tensor
+    xc: torch.Tensor
+    Bc: torch.Tensor
+    dtc: torch.Tensor
+    sbis: list
+
+
+def rotation(H, P, N, G, L, batch, state_dtype=torch.float32, act=torch.bfloat16, seed=0) -> Rotation:
+    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (H * P * N * state_dtype.itemsize * batch))))
+    slots = batch * R
+    gen = torch.Generator().manual_seed(seed)
+    prm = make_params(H, gen, "cuda")
+    state = (torch.randn(slots, H, P, N, device="cuda") * 0.1).to(state_dtype)
+    xc = torch.randn(slots, H, L, P, device="cuda").to(act)
+    Bc = (torch.randn(slots, G, L, N, device="cuda") * 0.3).to(act)
+    dtc = torch.rand(slots, H, L, device="cuda") * 0.05
+    perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
+    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
+    return Rotation(R, slots, gen, prm, state, xc, Bc, dtc, sbis)
+
+
 def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None, shadow="none"):
     H, P, N, G = GEOMETRIES[geom]
     sdt, act = DT[state_code], DT[act_code]
     s, a = sdt.itemsize, act.itemsize
-    per_row_state = H * P * N * s
-    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (per_row_state * batch))))
-    slots = batch * R
-    gen = torch.Generator().manual_seed(seed)
-    prm = make_params(H, gen, "cuda")
-    state = (torch.randn(slots, H, P, N, device="cuda") * 0.1).to(sdt)
-    xc = torch.randn(slots, H, L, P, device="cuda").to(act)
-    Bc = (torch.randn(slots, G, L, N, device="cuda") * 0.3).to(act)
-    dtc = torch.rand(slots, H, L, device="cuda") * 0.05
+    rot = rotation(H, P, N, G, L, batch, sdt, act, seed)
+    R, slots, gen, prm = rot.rotations, rot.slots, rot.gen, rot.prm
+    state, xc, Bc, dtc, sbis = rot.state, rot.xc, rot.Bc, rot.dtc, rot.sbis
     cursor = torch.zeros(slots, dtype=torch.int32, device="cuda")
-    perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
-    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
     inputs = [make_inputs(batch, H, P, N, G, act, gen, "cuda") for _ in range(min(R, 4))]
     y = torch.empty(batch, H, P, dtype=act, device="cuda")
     sh = sc = None

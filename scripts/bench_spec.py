@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import pathlib
 import sys
@@ -38,7 +37,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from tests.problems import make_params  # noqa: E402
 from trtllm_replayssm import ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 
@@ -64,18 +62,10 @@ def window_inputs(batch, T, H, P, N, G, act, gen):
 def bench_spec_point(geom, T, L, batch, seed=0):
     H, P, N, G = GEOMETRIES[geom]
     act = torch.bfloat16
-    per_row_state = H * P * N * 4
-    R = max(1, min(bk.MAX_ROTATIONS, math.ceil(bk.ROTATE_BYTES / (per_row_state * batch))))
-    slots = batch * R
-    gen = torch.Generator().manual_seed(seed)
-    prm = make_params(H, gen, "cuda")
-    state = torch.randn(slots, H, P, N, device="cuda") * 0.1
-    xc = torch.randn(slots, H, L, P, device="cuda").to(act)
-    Bc = (torch.randn(slots, G, L, N, device="cuda") * 0.3).to(act)
-    dtc = torch.rand(slots, H, L, device="cuda") * 0.05
+    rot = bk.rotation(H, P, N, G, L, batch, torch.float32, act, seed)
+    R, slots, gen, prm = rot.rotations, rot.slots, rot.gen, rot.prm
+    state, xc, Bc, dtc, sbis = rot.state, rot.xc, rot.Bc, rot.dtc, rot.sbis
     cursor = torch.zeros(slots, 2, dtype=torch.int32, device="cuda")
-    perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
-    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
     win = [window_inputs(batch, T, H, P, N, G, act, gen) for _ in range(min(R, 4))]
     y = torch.empty(batch, T, H, P, dtype=act, device="cuda")
 
@@ -117,7 +107,7 @@ def bench_spec_point(geom, T, L, batch, seed=0):
     row["verify_vs_native_verify_only"] = row["native_verify_us"] / row["verify_us_step"]
     row["verify_over_standard_step"] = row["verify_us_step"] / row["standard_us_step"]
     row["tokens_per_us_gain_vs_standard"] = row["standard_us_step"] / row["verify_us_token"]
-    sb = per_row_state * batch
+    sb = H * P * N * 4 * batch  # fp32 state bytes of the batch
     row["tbps_native_verify"] = sb * (1 + T) / row["native_verify_us"] / 1e6
     row["tbps_verify_count0"] = sb / per_count[0] / 1e6  # the state read dominates
     return row

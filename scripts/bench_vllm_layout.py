@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import pathlib
 import sys
@@ -28,26 +27,17 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.bench_kernels import ROTATE_BYTES, bytes_model, copy_ceiling_tbps, graph_time_us  # noqa: E402
-from tests.problems import make_inputs, make_params  # noqa: E402
+from scripts import bench_kernels as bk  # noqa: E402
+from scripts.bench_kernels import bytes_model, copy_ceiling_tbps, graph_time_us  # noqa: E402
+from tests.problems import make_inputs  # noqa: E402
 from trtllm_replayssm import ops, vllm  # noqa: E402
-
-MAX_ROT = 32
 
 
 def point(batch: int, H=128, P=64, N=128, G=8, L=16, act=torch.bfloat16, seed=0) -> dict:
-    R = max(1, min(MAX_ROT, math.ceil(ROTATE_BYTES / (H * P * N * 4 * batch))))
-    slots = batch * R
-    gen = torch.Generator().manual_seed(seed)
-    prm = make_params(H, gen, "cuda")
-    # contiguous
-    state = torch.randn(slots, H, P, N, device="cuda") * 0.1
-    xc = torch.randn(slots, H, L, P, device="cuda").to(act)
-    Bc = (torch.randn(slots, G, L, N, device="cuda") * 0.3).to(act)
-    dtc = torch.rand(slots, H, L, device="cuda") * 0.05
+    rot = bk.rotation(H, P, N, G, L, batch, torch.float32, act, seed)
+    R, slots, gen, prm = rot.rotations, rot.slots, rot.gen, rot.prm
+    state, xc, Bc, dtc, sbis = rot.state, rot.xc, rot.Bc, rot.dtc, rot.sbis
     cursor = torch.zeros(slots, dtype=torch.int32, device="cuda")
-    perm = torch.randperm(slots, generator=gen).to(torch.int32).cuda()
-    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
     inputs = [make_inputs(batch, H, P, N, G, act, gen, "cuda") for _ in range(min(R, 4))]
     y = torch.empty(batch, H, P, dtype=act, device="cuda")
     # vLLM: block 0 is the null block, live blocks 1..slots
