@@ -10,15 +10,13 @@ ReplaySSM is timed at every buffer position k = 1..L (cursor pinned at k - 1; k 
 the amortized step is the mean over k (one flush cycle). The cursor advance is shared by all layers
 and not timed.
 
-Bytes model per (batch row, layer) (a = activation bytes; the refinement of gdn_reference.bytes_per_step
-that counts what the kernel moves at each position):
+Bytes model per (batch row, layer): gdn_reference.bytes_per_position (its docstring), a = activation bytes:
   io            q, k 2*H*K*a + v HV*V*a + a, b 2*HV*a + y HV*V*a
   conventional  state read + write 2*HV*V*K*4 + io
   replay, k<L   S0 (or shadow, 2 bytes) HV*V*K*s + io + (k-1) entries read (u HV*V*4, k H*K*4, g HV*4)
                 + one entry written (u HV*V*4, v HV*V*a, k H*K*4, g, beta 2*HV*4)
   replay, k=L   state read + write 2*HV*V*K*4 (+ shadow write HV*V*K*2) + io
                 + (L-1) entries read (v HV*V*a, k H*K*4, g, beta 2*HV*4)
-(bytes_per_step charges (L-1)/2 entries to the mean non-flush step; the exact mean is (L-2)/2.)
 Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measured in the same run.
 
 Speculative rows (``--spec``, T = 4, L = 16): ReplaySSM ``gdn_replay_verify`` timed at pinned cursors
@@ -66,7 +64,7 @@ from bench_kernels import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 from trtllm_replayssm import gdn_ops  # noqa: E402
 from trtllm_replayssm.config import gdn_geometry  # noqa: E402
-from trtllm_replayssm.gdn_reference import bytes_per_step  # noqa: E402
+from trtllm_replayssm.gdn_reference import bytes_per_position  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -75,14 +73,8 @@ QWEN3_NEXT = dict(zip(("HV", "H", "V", "K"), GDN_GEOMETRIES["qwen3_next_80b"])) 
 
 
 def bytes_model(HV, H, V, K, L, a=2, shadow=False):
-    io = 2 * H * K * a + HV * V * a + 2 * HV * a + HV * V * a
-    state = HV * V * K * 4
-    read = HV * V * K * 2 if shadow else state
-    hist = HV * V * 4 + H * K * 4 + HV * 4
-    entry = HV * V * 4 + HV * V * a + H * K * 4 + 2 * HV * 4
-    per_k = {k: read + io + (k - 1) * hist + entry for k in range(1, L)}
-    per_k[L] = 2 * state + (HV * V * K * 2 if shadow else 0) + io + (L - 1) * (HV * V * a + H * K * 4 + 2 * HV * 4)
-    return 2 * state + io, per_k
+    """(conventional bytes, {k: replay bytes}) per row: gdn_reference.bytes_per_position (fp32 state, bf16 shadow)."""
+    return bytes_per_position(HV, H, V, K, L, a, 4, 2 if shadow else None)
 
 
 def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
@@ -163,8 +155,6 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
         row[f"{name}_us_k"] = per_k
         row[f"{name}_us_k1"], row[f"{name}_us_flush"], row[f"{name}_us_amortized"] = per_k[0], per_k[-1], amort
         row[f"{name}_bytes_amortized"] = bytes_amort
-        ref_model = bytes_per_step(HV, H, V, K, L, 2, 4, 2 if sh is not None else None)
-        row[f"{name}_bytes_model_reference"] = ref_model["replay"] * batch
         row[f"{name}_tbps"] = bytes_amort / amort / 1e6
         row[f"{name}_tbps_k1"] = bk[1] * batch / per_k[0] / 1e6
         row[f"{name}_tbps_flush"] = bk[L] * batch / per_k[-1] / 1e6

@@ -772,3 +772,19 @@ def test_gdn_geometries_match_transformers_defaults():
                 m.num_key_value_heads, m.head_dim, m.num_experts, m.num_experts_per_tok, m.vocab_size)
         assert got == want, (name, got, want)
         assert list(c.layer_types) == m.layer_types
+
+
+def test_bytes_model_per_position():
+    """The one GDN bytes model (bench_gdn.py divides by it): per position, and bytes_per_step its mean."""
+    HV, H, V, K, L = 32, 16, 128, 128, 16
+    conv, per_k = gdn.bytes_per_position(HV, H, V, K, L)
+    state, io = HV * V * K * 4, (2 * H * K + HV * V + 2 * HV) * 2 + HV * V * 2
+    assert conv == 2 * state + io
+    assert per_k[2] - per_k[1] == HV * V * 4 + H * K * 4 + HV * 4  # one more buffered entry read: u, k, g
+    assert per_k[1] == state + io + HV * V * (4 + 2) + H * K * 4 + 2 * HV * 4  # S0 + io + the entry written
+    assert per_k[L] == 2 * state + io + (L - 1) * (HV * V * 2 + H * K * 4 + 2 * HV * 4)
+    _, sh = gdn.bytes_per_position(HV, H, V, K, L, shadow_bytes=2)
+    assert per_k[1] - sh[1] == HV * V * K * 2 and sh[L] - per_k[L] == HV * V * K * 2  # shadow read / rewritten
+    step = gdn.bytes_per_step(HV, H, V, K, L)
+    assert step["replay"] == sum(per_k.values()) / L and step["flush"] == per_k[L]
+    assert 1.70 < step["ratio"] < 1.72  # bench/NOTES.md: the bytes-model ceiling 1.71x

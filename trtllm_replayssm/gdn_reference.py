@@ -399,26 +399,37 @@ def native_spec_verify(state, snapshots, q, k, v, a, b, A_log, dt_bias, state_ba
     return y
 
 
+def bytes_per_position(HV: int, H: int, V: int, K: int, L: int, act_bytes: int = 2, state_bytes: int = 4,
+                       shadow_bytes: float | None = None) -> tuple[float, dict[int, float]]:
+    """The bytes model, per (slot, layer): (conventional step, {k: ReplaySSM step at buffer position k}).
+
+    Conventional: read + write the state. ReplaySSM at k < L: read S0 (or its shadow) once, the k - 1
+    buffered entries the output needs (u, k, g), write one entry (u, v, k, g, beta); at k = L (the flush):
+    read S0 and the L - 1 entries the fold needs (v, k, g, beta), write S0 (+ the shadow). Inputs q, k, v,
+    a, b and the output y are the same for both and counted in both (what scripts/bench_gdn.py divides
+    its times by)."""
+    a = act_bytes
+    state = HV * V * K * state_bytes
+    io = (2 * H * K + HV * V + 2 * HV) * a + HV * V * a
+    read_s0 = state if shadow_bytes is None else HV * V * K * shadow_bytes + (HV * V * 4 if shadow_bytes < 2 else 0)
+    hist = HV * V * 4 + H * K * 4 + HV * 4  # u, k, g of one entry read by the output
+    entry = HV * V * 4 + HV * V * a + H * K * 4 + 2 * HV * 4  # u, v, k, g, beta written
+    per_k = {k: read_s0 + io + (k - 1) * hist + entry for k in range(1, L)}
+    shadow_write = 0 if shadow_bytes is None else read_s0
+    per_k[L] = 2 * state + shadow_write + io + (L - 1) * (HV * V * a + H * K * 4 + 2 * HV * 4)
+    return 2 * state + io, per_k
+
+
 def bytes_per_step(HV: int, H: int, V: int, K: int, L: int, act_bytes: int = 2, state_bytes: int = 4,
                    shadow_bytes: float | None = None) -> dict[str, float]:
-    """Bytes moved per (slot, layer) and step, amortized over a flush cycle of L steps (the bytes model).
-
-    conventional: read + write the state. ReplaySSM non-flush step: read S0 (or its shadow) once, read
-    the buffer (mean (L - 1) / 2 entries), write one entry; flush step: read S0 and the L - 1 entries
-    (v, k, g, beta), write S0 (+ shadow). Inputs q, k, v, a, b and the output y are the same for both
-    and counted in both."""
-    state = HV * V * K * state_bytes
-    io = (2 * H * K + HV * V + 2 * HV) * act_bytes + HV * V * act_bytes
-    entry = HV * V * 4 + HV * V * act_bytes + H * K * 4 + 2 * HV * 4  # u, v, k, g, beta
-    read_s0 = state if shadow_bytes is None else HV * V * K * shadow_bytes + (HV * V * 4 if shadow_bytes < 2 else 0)
-    nonflush = read_s0 + (L - 1) / 2 * (HV * V * 4 + H * K * 4 + HV * 4) + entry + io
-    shadow_write = 0 if shadow_bytes is None else read_s0
-    flush = 2 * state + shadow_write + (L - 1) * (HV * V * act_bytes + H * K * 4 + 2 * HV * 4) + io
-    replay = ((L - 1) * nonflush + flush) / L
-    conv = 2 * state + io
-    return {"conventional": conv, "replay": replay, "ratio": conv / replay, "nonflush": nonflush, "flush": flush}
+    """:func:`bytes_per_position` amortized over a flush cycle of L steps: conventional, replay (the mean over
+    k), their ratio, the mean non-flush step and the flush step."""
+    conv, per_k = bytes_per_position(HV, H, V, K, L, act_bytes, state_bytes, shadow_bytes)
+    replay = sum(per_k.values()) / L
+    nonflush = sum(per_k[k] for k in range(1, L)) / max(1, L - 1)
+    return {"conventional": conv, "replay": replay, "ratio": conv / replay, "nonflush": nonflush, "flush": per_k[L]}
 
 
 __all__ = ["GDNBuffers", "gates", "prep_qk", "conventional_step", "replay_decode", "replay_state", "committed_state",
-           "flush_checkpoint", "verify", "verify_triangular", "spec_step", "native_spec_verify", "bytes_per_step",
-           "L2NORM_EPS"]
+           "flush_checkpoint", "verify", "verify_triangular", "spec_step", "native_spec_verify", "bytes_per_position",
+           "bytes_per_step", "L2NORM_EPS"]
