@@ -19,7 +19,7 @@ median sample / L. On the CPU there are no graphs: plain ``perf_counter`` around
 labelled ``timing: eager-cpu``. No L2 rotation is needed: one step streams the weights (16 GB)
 and every layer's state, far more than the H200's 60 MB L2, at every batch size.
 
-Modes (everything but the SSM step identical, :mod:`trtllm_replayssm.builders.model_step`):
+Modes (everything but the SSM step identical, :mod:`builders.model_step`):
   conventional  our conventional kernel (reads and writes S every step)
   replay        ReplaySSM: ``replay_decode`` per Mamba layer + one ``advance_cursor`` per step
   replay_bf16   replay whose non-flush steps read a bf16 shadow of the fp32 checkpoint (flushes
@@ -62,7 +62,7 @@ Rows report ``gate_agree``, ``gate_logit_err_max`` / ``_median`` and the thresho
 MoE models (Nemotron 3): a shadow's small error can move a token's expert choice at a router near
 tie, a discrete change of O(1) std (measured on the Nano geometry: 1.1 std bf16, 1.5 std fp8 in one
 row of eight, the other rows near 0). So the routing is teacher-forced too: the gate step records
-each token's experts per MoE layer (:meth:`trtllm_replayssm.builders.model_step.HybridStep.record_routing`), and the
+each token's experts per MoE layer (:meth:`builders.model_step.HybridStep.record_routing`), and the
 shadow mode's gate step t uses the conventional run's experts (its routing weights are its own), so
 the logit limit measures the shadow, not the router's margin. ``gate_route_flip_rate``: the fraction
 of (row, step) positions where the shadow mode's own choice would have differed (information, not a
@@ -84,7 +84,7 @@ last timed step chose, ``weights_read_gb`` in the rows):
 At batch 256: W ~ 16.2 GB, conventional SSM ~ 51.5 GB, replay ~ 28.4 GB, bf16 shadow ~ 17.1 GB,
 fp8 ~ 10.9 GB (the kernels are not bandwidth-bound with a shadow: bench/NOTES.md "Shadow reads").
 
-Tensor parallelism (``--tp N``, one process per GPU under torchrun, :mod:`trtllm_replayssm.builders.tp_step`):
+Tensor parallelism (``--tp N``, one process per GPU under torchrun, :mod:`builders.tp_step`):
   correctness  for each ``--tp-geometries`` Mamba geometry (H,P,N,G) on the first ``--tp-layers``
                layers (vocab ``--tp-vocab``), every rank builds the same seeded model in fp32 and
                slices it; rank 0 also runs the TP=1 step on the full model. Both are fed the same
@@ -136,9 +136,9 @@ import torch  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtllm_replayssm.builders.model_step import Conventional, DecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
-from trtllm_replayssm.builders.nemotron_h import TINY3_CONFIG, TINY_CONFIG  # noqa: E402
-from trtllm_replayssm.builders.tp_step import TPDecodeStep  # noqa: E402
+from builders.model_step import Conventional, DecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
+from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIG  # noqa: E402
+from builders.tp_step import TPDecodeStep  # noqa: E402
 from trtllm_replayssm.geometries import MODELS  # noqa: E402
 
 # Megatron-Bridge NemotronHModelProvider8B (hybrid_layer_pattern, hidden 4096, ffn 21504, 128 Mamba
@@ -226,7 +226,7 @@ def model_config(tiny: bool | str = False, layers: int | None = None, vocab: int
 @torch.no_grad()
 def randomize_(model, seed: int = 0):
     """Seeded random weights drawn on the parameters' device, O(1) activations (the distributions of
-    :func:`trtllm_replayssm.builders.nemotron_h.randomize_`, one generator per tensor so no host round trip)."""
+    :func:`builders.nemotron_h.randomize_`, one generator per tensor so no host round trip)."""
     for idx, (name, p) in enumerate(model.named_parameters()):
         g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + idx)
         leaf = name.rsplit(".", 1)[-1]

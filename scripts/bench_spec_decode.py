@@ -3,7 +3,7 @@
 """End-to-end speculative decoding benchmark: T-token verify steps through the whole hybrid model.
 
 Model: as scripts/bench_decode.py (Nemotron-H-8B geometry, seeded random bf16 weights, ``--tiny``
-for the CPU smoke path). One speculative step (:class:`trtllm_replayssm.builders.model_step.SpecStep`) feeds
+for the CPU smoke path). One speculative step (:class:`builders.model_step.SpecStep`) feeds
 T = 1 + num_draft tokens per row through every layer (attention with T causal queries over the KV
 cache, MLPs and projections on batch*T tokens, conv1d over the (K-1+num_draft)-wide window, the SSM
 verify per Mamba layer), then accepts, commits and gathers the next drafts on the device; the whole
@@ -84,8 +84,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts import bench_decode as bd  # noqa: E402
-from trtllm_replayssm.builders.model_step import (  # noqa: E402
+from builders.model_step import (  # noqa: E402
     Conventional,
     DecodeStep,
     NativeSpec,
@@ -95,6 +94,7 @@ from trtllm_replayssm.builders.model_step import (  # noqa: E402
     designed_accepted_per_step,
     make_drafts,
 )
+from scripts import bench_decode as bd  # noqa: E402
 
 MODES = ("standard", "replay_spec", "native_spec", "spec_noop")
 SPEC_MODES = ("replay_spec", "native_spec", "spec_noop")

@@ -4,9 +4,9 @@
 
 Route: load the model (``--model DIR`` or an embedded tiny config with seeded random weights:
 ``--tiny nemotron_h``, the default, pattern ``M*-M-M*-``; ``--tiny nemotron3``, Mamba-2 + MoE +
-attention, ``MEM*EM*E``), MoE layers as standard ONNX ops (``--moe-formulation``, trtllm_replayssm/builders/moe.py),
+attention, ``MEM*EM*E``), MoE layers as standard ONNX ops (``--moe-formulation``, builders/moe.py),
 export one decode step to ONNX with one ``replayssm::mamba2_decode`` node per Mamba layer
-(trtllm_replayssm/builders/decode_step.py), compile the plugin kernel to PTX with NVRTC (no GPU needed), describe
+(builders/decode_step.py), compile the plugin kernel to PTX with NVRTC (no GPU needed), describe
 every input, output and state tensor in config.json, and build ``model.plan`` where TensorRT >= 10.9,
 a GPU and the plugin registration are available; otherwise print the trtexec command that finishes
 the build elsewhere (also saved as trtexec.sh).
@@ -21,7 +21,7 @@ Output (written to a temporary sibling directory, renamed to --out at the end):
   trtexec.sh            the command that builds model.plan from model.onnx
   model.plan            only where TensorRT >= 10.9 and a GPU are present
 
-With ``--num-draft N`` (speculative decoding, T = N + 1 tokens per step; trtllm_replayssm/builders/spec_step.py) the
+With ``--num-draft N`` (speculative decoding, T = N + 1 tokens per step; builders/spec_step.py) the
 directory holds two graphs instead of model.onnx, run once each per step with sampling in between:
   verify.onnx           input_ids (batch, T), lengths, cursor (batch, 2) and the states; logits
                         (batch, T, vocab); one ``replayssm::mamba2_verify`` node per Mamba layer
@@ -58,9 +58,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from builders.moe import FORMULATIONS as MOE_FORMULATIONS  # noqa: E402
+from builders.nemotron_h import TINY_CONFIGS  # noqa: E402
 from trtllm_replayssm import trt_plugin  # noqa: E402
-from trtllm_replayssm.builders.moe import FORMULATIONS as MOE_FORMULATIONS  # noqa: E402
-from trtllm_replayssm.builders.nemotron_h import TINY_CONFIGS  # noqa: E402
 from trtllm_replayssm.compile import CompileError  # noqa: E402
 from trtllm_replayssm.config import (  # noqa: E402
     DTYPE_CODES,
@@ -70,7 +70,7 @@ from trtllm_replayssm.config import (  # noqa: E402
     SUPPORTED_NUM_TOKENS,
 )
 
-GDN_TINY_NAMES = ("qwen3_next", "qwen3_5")  # trtllm_replayssm/builders/qwen3_next.py: Gated DeltaNet hybrids
+GDN_TINY_NAMES = ("qwen3_next", "qwen3_5")  # builders/qwen3_next.py: Gated DeltaNet hybrids
 TINY_NAMES = tuple(TINY_CONFIGS) + GDN_TINY_NAMES
 GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,7 +98,7 @@ def parse_args(argv=None):
                         "attention, 3 GDN layers then 1 attention layer; Qwen3-Next with MoE)")
     p.add_argument("--moe-formulation", choices=MOE_FORMULATIONS, default="dense",
                    help="routed experts of MoE layers in the graph: dense over experts with a routing mask "
-                        "(default) or gathered per token (trtllm_replayssm/builders/moe.py says when each is cheaper)")
+                        "(default) or gathered per token (builders/moe.py says when each is cheaper)")
     p.add_argument("--out", type=pathlib.Path, required=True, help="output directory (must not exist)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--buffer-len", type=int, default=16, help=f"ReplaySSM buffer length, one of {SUPPORTED_BUFFER_LEN}")
@@ -170,7 +170,7 @@ def check_gdn_geometry(cfg) -> tuple[int, int, int, int]:
 
 
 def load_gdn(args, act):
-    from trtllm_replayssm.builders.qwen3_next import tiny_model
+    from builders.qwen3_next import tiny_model
 
     if args.model is None:
         return tiny_model(args.tiny, dtype=act, seed=args.seed)
@@ -181,10 +181,10 @@ def load_gdn(args, act):
 
 def _gdn_decode_artifacts(args, model, tmp):
     """model.onnx (one gdn_decode node per GDN layer), the gdn_decode PTX per tactic, config.json's content
-    and the trtexec command (the state contract of trtllm_replayssm/builders/gdn_step.py)."""
-    from trtllm_replayssm.builders.decode_step import DOMAIN
-    from trtllm_replayssm.builders.gdn_step import GDN_OP_TYPE, QwenGDNDecodeStep, export_onnx
-    from trtllm_replayssm.builders.qwen3_next import gdn_layers
+    and the trtexec command (the state contract of builders/gdn_step.py)."""
+    from builders.decode_step import DOMAIN
+    from builders.gdn_step import GDN_OP_TYPE, QwenGDNDecodeStep, export_onnx
+    from builders.qwen3_next import gdn_layers
 
     if args.state_dtype != "fp32":
         raise BuildError(f"--state-dtype: Gated DeltaNet checkpoints are fp32 (the gdn_decode plugin), got "
@@ -308,7 +308,7 @@ MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", 
 def model_entry(args, model) -> dict:
     """config.json's ``model``: source, pattern, sizes, the layers by type; the MoE configuration
     (its config keys and the graph formulation) where the model has MoE layers."""
-    from trtllm_replayssm.builders.nemotron_h import has_moe, mamba_layers
+    from builders.nemotron_h import has_moe, mamba_layers
 
     cfg = model.config
     kinds = list(cfg.layers_block_type)
@@ -348,7 +348,7 @@ def _step_io(step, args, tmp, vocab: int, plugins: str) -> dict:
 
 def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
     """model.onnx, the mamba2_decode PTX per tactic, config.json's content and the trtexec command."""
-    from trtllm_replayssm.builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
+    from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
 
     act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
     step = NemotronHDecodeStep(model, args.buffer_len, args.max_seq_len, state_dtype,
@@ -388,14 +388,8 @@ def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
 def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
     """verify.onnx + commit.onnx, the mamba2_verify PTX per tactic and the spec_commit PTX, config.json's
     content and the trtexec commands."""
-    from trtllm_replayssm.builders.decode_step import DOMAIN
-    from trtllm_replayssm.builders.spec_step import (
-        COMMIT_OP_TYPE,
-        VERIFY_OP_TYPE,
-        NemotronHSpecCommit,
-        NemotronHSpecStep,
-        export_onnx,
-    )
+    from builders.decode_step import DOMAIN
+    from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecCommit, NemotronHSpecStep, export_onnx
 
     act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
     T = args.num_draft + 1
@@ -477,7 +471,7 @@ def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
 
 
 def build(args) -> pathlib.Path:
-    from trtllm_replayssm.builders.nemotron_h import has_moe, load_nemotron_h, mamba_layers
+    from builders.nemotron_h import has_moe, load_nemotron_h, mamba_layers
 
     t0 = time.time()
     act = DTYPES[args.dtype]
@@ -500,7 +494,7 @@ def build(args) -> pathlib.Path:
             f"ngroups={G}")
     if not gdn and has_moe(cfg):
         log(f"      {list(cfg.layers_block_type).count('moe')} MoE layers: {cfg.n_routed_experts} experts, top-"
-            f"{cfg.num_experts_per_tok}, as {args.moe_formulation} standard ONNX ops (trtllm_replayssm/builders/moe.py)")
+            f"{cfg.num_experts_per_tok}, as {args.moe_formulation} standard ONNX ops (builders/moe.py)")
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(dir=args.out.parent, prefix=f".{args.out.name}.tmp-"))
@@ -547,7 +541,7 @@ def build(args) -> pathlib.Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from trtllm_replayssm.builders.nemotron_h import CheckpointError
+    from builders.nemotron_h import CheckpointError
 
     try:
         build(args)

@@ -19,7 +19,7 @@ Layers (``model.pattern`` in config.json, Nemotron-H / Nemotron 3 letters): ever
 ``M`` i has the five states conv_state_i, ssm_state_i, x_cache_i, B_cache_i, dt_cache_i, every
 attention layer ``*`` i has k_cache_i and v_cache_i, MoE ``E`` and MLP ``-`` layers have none
 (their weights are in the plan), every Gated DeltaNet layer ``G`` i (Qwen3-Next / Qwen3.5 engines,
-trtllm_replayssm/builders/gdn_step.py) has conv_state_i, gdn_state_i, gdn_u_i, gdn_v_i, gdn_k_i, gdn_g_i, gdn_beta_i;
+builders/gdn_step.py) has conv_state_i, gdn_state_i, gdn_u_i, gdn_v_i, gdn_k_i, gdn_g_i, gdn_beta_i;
 anything else is refused before a file is written, naming the layer and the state.
 
 Usage: python scripts/make_triton_repo.py --engine-dir build/tiny --repo build/triton [--name NAME]
@@ -274,7 +274,7 @@ def python_paths() -> list[str]:
 
 def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     if model_dir is None:
-        from trtllm_replayssm.builders.nemotron_h import TINY_CONFIGS
+        from builders.nemotron_h import TINY_CONFIGS
 
         if tiny not in TINY_CONFIGS:
             raise RepoError(f"--tiny: expected one of {sorted(TINY_CONFIGS)}, got {tiny!r}")

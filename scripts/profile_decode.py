@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Per-kernel time of one captured model step (trtllm_replayssm/builders/model_step.py), by the torch profiler.
+"""Per-kernel time of one captured model step (builders/model_step.py), by the torch profiler.
 
 For each batch size and T (1: standard decode, > 1: speculative verify), the step with the given SSM
 mode (default ``noop``: the step without the SSM, the part issue 11 is about) is warmed up, captured
@@ -33,8 +33,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from builders.model_step import DecodeStep, NoOp, Replay, SpecStep  # noqa: E402
 from scripts import bench_decode as bd  # noqa: E402
-from trtllm_replayssm.builders.model_step import DecodeStep, NoOp, Replay, SpecStep  # noqa: E402
 
 CATEGORIES = (
     ("ssm", ("replayssm", "selective", "_state_update")),

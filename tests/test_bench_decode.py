@@ -3,7 +3,7 @@
 
 Oracles:
 * transformers' own ``generate`` (fp32, greedy) for the hand-written graph step
-  (:mod:`trtllm_replayssm.builders.model_step`): the same greedy tokens. Only fp32 summation order differs; the
+  (:mod:`builders.model_step`): the same greedy tokens. Only fp32 summation order differs; the
   config sets ``time_step_min=0`` so transformers' prefill does not clamp dt (its decode never does).
 * the conventional mode (float64 reference SSM on the CPU) for every other mode: greedy tokens equal
   exactly (float64 replay and conventional forms agree to ~1e-15, far from any near tie).
@@ -32,8 +32,8 @@ spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" /
 bd = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bd)
 
+from builders.model_step import Conventional, DecodeStep, Replay  # noqa: E402
 from trtllm_replayssm.backend import write_shadow  # noqa: E402
-from trtllm_replayssm.builders.model_step import Conventional, DecodeStep, Replay  # noqa: E402
 from trtllm_replayssm.reference import Shadow  # noqa: E402
 
 L = 4
@@ -286,10 +286,10 @@ def test_check_forced_gate():
 
 
 def test_record_and_force_routing():
-    """The tiny Nemotron 3 step's routing record: the experts trtllm_replayssm.builders.moe.route picks and their set code;
+    """The tiny Nemotron 3 step's routing record: the experts builders.moe.route picks and their set code;
     forcing the step's own choice changes nothing, forcing other experts changes the logits while the
     record still shows the own choice; run_mode carries both per gate step."""
-    from trtllm_replayssm.builders import moe as moe_ops
+    from builders import moe as moe_ops
 
     model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
     step = bd.DecodeStep(model, 3, 64, bd.Conventional())
@@ -380,7 +380,7 @@ def test_grouped_moe_equals_dense_and_counts_the_load():
     err = float((grouped.logits.float() - dense.logits.float()).abs().amax() / dense.logits.float().std())
     assert err <= 1e-2, err
     assert all(int(v.sum()) == 3 * m.config.num_experts_per_tok for v in grouped.expert_load.values())
-    import trtllm_replayssm.builders.model_step as ms
+    import builders.model_step as ms
 
     real = ms.moe_out
 

@@ -1,6 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of scripts/bench_spec_decode.py and trtllm_replayssm/builders/model_step.py's SpecStep (speculative
-decoding end to end).
+"""CPU tests of scripts/bench_spec_decode.py and builders/model_step.py's SpecStep (speculative decoding end to end).
 
 Oracles:
 * plain greedy decoding (the conventional standard step, float64 reference SSM) for every spec mode's
@@ -32,9 +31,9 @@ spec = importlib.util.spec_from_file_location("bench_spec_decode", ROOT / "scrip
 bs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bs)
 
+from builders import model_step as ss  # noqa: E402
 from scripts import bench_decode as bd  # noqa: E402
 from trtllm_replayssm import spec_reference as sr  # noqa: E402
-from trtllm_replayssm.builders import model_step as ss  # noqa: E402
 from trtllm_replayssm.cache import memory_per_request  # noqa: E402
 
 T, L = 4, 8

@@ -3,7 +3,7 @@
 
 Every model test runs on both embedded tiny configs: Nemotron-H (``M*-M-M*-``) and Nemotron 3
 (``MEM*EM*E``: MoE layers with 8 experts, top-2 sigmoid routing with a correction bias, a shared
-expert; in the graph as standard ops, trtllm_replayssm/builders/moe.py, and in the patched model as transformers'
+expert; in the graph as standard ops, builders/moe.py, and in the patched model as transformers'
 own NemotronHMoE).
 
 Oracles, each where it holds:
@@ -44,15 +44,8 @@ if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H
     pytest.skip(f"transformers {transformers.__version__} lacks the Mamba cache API the patch uses (needs >= 5.24)",
                 allow_module_level=True)
 
-from trtllm_replayssm.builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
-from trtllm_replayssm.builders.nemotron_h import (
-    TINY3_CONFIG,
-    TINY_CONFIGS,
-    CheckpointError,
-    load_nemotron_h,
-    mamba_layers,
-    patch_replayssm,
-)
+from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
+from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIGS, CheckpointError, load_nemotron_h, mamba_layers, patch_replayssm
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 L = 4
@@ -226,7 +219,7 @@ def test_onnx_latent_group_routed_moe_reproduces_the_patched_model(tmp_path):
     group-limited routing (n_group 2, topk_group 1: the group TopKs and the -inf mask in the graph)."""
     from transformers import NemotronHForCausalLM
 
-    from trtllm_replayssm.builders.nemotron_h import randomize_, tiny_config
+    from builders.nemotron_h import randomize_, tiny_config
 
     cfg = tiny_config("nemotron3", moe_latent_size=32, n_group=2, topk_group=1, num_experts_per_tok=3)
     model = randomize_(NemotronHForCausalLM(cfg), seed=2).eval()
@@ -241,7 +234,7 @@ def test_onnx_latent_group_routed_moe_reproduces_the_patched_model(tmp_path):
 
 @torch.no_grad()
 def _ort_against_patched(model, step, path):
-    from trtllm_replayssm.builders.ort_reference import session
+    from builders.ort_reference import session
 
     sess = session(path)
     used = {i: set() for i in _moe_layers(model)}
@@ -299,7 +292,7 @@ def _run_both(step, sess, steps, corrupt=None):
 
 @needs_ort
 def test_onnx_matches_decode_step(exported):
-    from trtllm_replayssm.builders.ort_reference import session
+    from builders.ort_reference import session
 
     step, path = exported
     _run_both(step, session(path), STEPS)
@@ -308,7 +301,7 @@ def test_onnx_matches_decode_step(exported):
 @needs_ort
 def test_onnx_gather_formulation_matches_decode_step(model3, tmp_path):
     """The other MoE formulation (each token gathers its k experts' matrices): same graph contract."""
-    from trtllm_replayssm.builders.ort_reference import session
+    from builders.ort_reference import session
 
     onnx = pytest.importorskip("onnx", reason="onnx is not installed")
     step = NemotronHDecodeStep(model3, L, MAX_SEQ, moe_formulation="gather")
@@ -322,7 +315,7 @@ def test_onnx_gather_formulation_matches_decode_step(model3, tmp_path):
 @needs_ort
 def test_onnx_comparison_has_teeth(exported):
     """One corrupted buffered x entry (row 1, position 0 < its cursor) must be caught."""
-    from trtllm_replayssm.builders.ort_reference import session
+    from builders.ort_reference import session
 
     step, path = exported
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Qwen3-Next / Qwen3.5 builder (trtllm_replayssm/builders/qwen3_next.py) on the CPU: transformers' own models, patched.
+"""The Qwen3-Next / Qwen3.5 builder (builders/qwen3_next.py) on the CPU: transformers' own models, patched.
 
 Oracle: the unpatched model's own decode (transformers' recurrent gated delta rule in fp32). The
 patched GDN layers run the float64 ReplaySSM reference, so logits agree to fp32 rounding and the
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from trtllm_replayssm.builders.qwen3_next import FAMILIES, gdn_layers, patch_gdn_replayssm, reference_backend, tiny_model  # noqa: E402
+from builders.qwen3_next import FAMILIES, gdn_layers, patch_gdn_replayssm, reference_backend, tiny_model  # noqa: E402
 
 L = 4  # small buffer: 39 decode steps cross 9 flushes
 
@@ -99,7 +99,7 @@ def test_prefill_after_decode_folds_the_buffer(model):
 def test_rejects_other_models_and_bad_buffer_len(model):
     with pytest.raises(ValueError, match="buffer_len: expected 1..32, got 0"):
         patch_gdn_replayssm(model, buffer_len=0)
-    from trtllm_replayssm.builders.nemotron_h import load_nemotron_h
+    from builders.nemotron_h import load_nemotron_h
 
     with pytest.raises(ValueError, match="model: expected a Qwen3-Next or Qwen3.5"):
         patch_gdn_replayssm(load_nemotron_h(seed=0), buffer_len=L)
@@ -111,7 +111,7 @@ MAX_SEQ, STEPS = 64, 3 * L + 1
 
 @pytest.fixture(scope="module")
 def exported(model, tmp_path_factory):
-    from trtllm_replayssm.builders.gdn_step import QwenGDNDecodeStep, export_onnx
+    from builders.gdn_step import QwenGDNDecodeStep, export_onnx
 
     pytest.importorskip("onnx", reason="onnx is not installed")
     step = QwenGDNDecodeStep(model, L, MAX_SEQ)
@@ -146,7 +146,7 @@ def _against_patched(model, step, run):
 
 
 def test_decode_step_matches_patched_model(model):
-    from trtllm_replayssm.builders.gdn_step import QwenGDNDecodeStep
+    from builders.gdn_step import QwenGDNDecodeStep
 
     step = QwenGDNDecodeStep(model, L, MAX_SEQ)
     _against_patched(model, step, lambda tok, n, c, st: step(tok, n, c, *st))
@@ -155,8 +155,8 @@ def test_decode_step_matches_patched_model(model):
 def test_onnx_graph_has_one_plugin_node_per_gdn_layer(model, exported):
     import onnx
 
-    from trtllm_replayssm.builders.decode_step import DOMAIN
-    from trtllm_replayssm.builders.gdn_step import GDN_OP_TYPE
+    from builders.decode_step import DOMAIN
+    from builders.gdn_step import GDN_OP_TYPE
 
     step, path = exported
     g = onnx.load(str(path))
@@ -185,7 +185,7 @@ def test_onnx_reproduces_the_patched_model(model, exported):
     pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions is not installed")
     import numpy as np
 
-    from trtllm_replayssm.builders.ort_reference import session
+    from builders.ort_reference import session
 
     step, path = exported
     sess, names = session(path), step.input_names()
@@ -215,8 +215,8 @@ def test_build_engine_tiny_gdn(tmp_path, tiny):
     import json
 
     onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    from builders.decode_step import DOMAIN
     from trtllm_replayssm import trt_plugin as tp
-    from trtllm_replayssm.builders.decode_step import DOMAIN
 
     out = tmp_path / "engine"
     r = _build("--out", out, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--tiny", tiny)

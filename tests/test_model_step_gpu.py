@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GPU tests of trtllm_replayssm/builders/model_step.py's fusion: the torch.compile'd regions against the same functions
+"""GPU tests of builders/model_step.py's fusion: the torch.compile'd regions against the same functions
 run eagerly, standard decode and speculative verify, eager and inside a CUDA graph.
 
 Oracles: the eager step (fuse=False) on the same weights and inputs. fp32 models: fused and eager
@@ -36,8 +36,8 @@ _spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" 
 bd = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bd)
 
-from trtllm_replayssm.builders.decode_attention import decode_attention  # noqa: E402
-from trtllm_replayssm.builders.model_step import Conventional, DecodeStep, NoOp, Replay, SpecStep, make_drafts  # noqa: E402
+from builders.decode_attention import decode_attention  # noqa: E402
+from builders.model_step import Conventional, DecodeStep, NoOp, Replay, SpecStep, make_drafts  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 # fused vs eager, bf16 with MoE layers (one step from the same state, rows routed alike): the fused step's

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""trtllm_replayssm/builders/moe.py against transformers' own ``NemotronHMoE`` on the CPU.
+"""builders/moe.py against transformers' own ``NemotronHMoE`` on the CPU.
 
 Oracle: the transformers module (5.24, eager expert loop) on the same weights and tokens.
 * Routing (``route``): the selected experts are the same sets, their weights equal to 1e-6
@@ -26,7 +26,7 @@ try:
 except ImportError:  # pragma: no cover
     pytest.skip("transformers without NemotronHMoE (needs transformers >= 5.24)", allow_module_level=True)
 
-from trtllm_replayssm.builders.moe import MoEWeights, combine_weights, moe_forward, route
+from builders.moe import MoEWeights, combine_weights, moe_forward, route
 
 BASE = dict(hidden_size=32, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
             moe_shared_expert_intermediate_size=24, moe_latent_size=None, n_group=1, topk_group=1,

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative export on the CPU: the verify + commit graphs in onnxruntime against sequential decoding.
 
-Graphs: trtllm_replayssm/builders/spec_step.py (one ``replayssm::mamba2_verify`` node per Mamba layer, one
-``replayssm::spec_commit`` node), the plugin ops supplied in Python (trtllm_replayssm/builders/ort_reference.py: the
+Graphs: builders/spec_step.py (one ``replayssm::mamba2_verify`` node per Mamba layer, one
+``replayssm::spec_commit`` node), the plugin ops supplied in Python (builders/ort_reference.py: the
 float64 spec_reference flush + verify, and commit). Rows have different prompt lengths and start
 from a hand-off after prefill + 2 standard ReplaySSM decode steps (a committed history of 2 and
 ring starts that wrap).
@@ -11,7 +11,7 @@ Oracles, each where it holds:
 * the PyTorch spec modules for the ONNX graphs (same float64 SSM spec in both; attention, conv and
   projections are fp32 ops of two runtimes): rtol 1e-4, atol 2e-5 as tests/test_builder.py; cursor,
   lengths and conv-window rollback (a gather) exactly.
-* the patched transformers model (trtllm_replayssm/builders/nemotron_h.py, float64 ReplaySSM reference, its own L=4
+* the patched transformers model (builders/nemotron_h.py, float64 ReplaySSM reference, its own L=4
   buffer and flush points) fed the committed tokens one at a time, one row at a time: the verify
   logits of every accepted position equal the sequential logits. Both sides run the float64 SSM
   recurrence on fp32 activations; they differ by fp32 summation orders (T-row vs 1-row matmuls,
@@ -48,17 +48,11 @@ if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H
     pytest.skip(f"transformers {transformers.__version__} lacks the Mamba cache API the patch uses (needs >= 5.24)",
                 allow_module_level=True)
 
+from builders.decode_step import DOMAIN
+from builders.nemotron_h import load_nemotron_h, mamba_layers, patch_replayssm
+from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecCommit, NemotronHSpecStep, export_onnx
 from trtllm_replayssm import reference
 from trtllm_replayssm import spec_reference as sr
-from trtllm_replayssm.builders.decode_step import DOMAIN
-from trtllm_replayssm.builders.nemotron_h import load_nemotron_h, mamba_layers, patch_replayssm
-from trtllm_replayssm.builders.spec_step import (
-    COMMIT_OP_TYPE,
-    VERIFY_OP_TYPE,
-    NemotronHSpecCommit,
-    NemotronHSpecStep,
-    export_onnx,
-)
 
 NUM_DRAFT, L_SPEC, L_SEQ = 3, 16, 4
 T = NUM_DRAFT + 1
@@ -85,7 +79,7 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def graphs(model, tmp_path_factory):
-    from trtllm_replayssm.builders.ort_reference import session
+    from builders.ort_reference import session
 
     step = NemotronHSpecStep(model, L_SPEC, MAX_SEQ, NUM_DRAFT)
     commit = NemotronHSpecCommit(step)

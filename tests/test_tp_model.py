@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor parallelism of the builder's patched transformers model (trtllm_replayssm/builders/tp_model.py), two gloo
+"""Tensor parallelism of the builder's patched transformers model (builders/tp_model.py), two gloo
 processes on the CPU.
 
 Oracle: the same seeded fp32 tiny Nemotron-H, unsharded, in the same process. Both run transformers'
@@ -33,7 +33,7 @@ L = 4
 def _model(n_groups):
     from transformers import NemotronHForCausalLM
 
-    from trtllm_replayssm.builders.nemotron_h import randomize_, tiny_config
+    from builders.nemotron_h import randomize_, tiny_config
 
     return randomize_(NemotronHForCausalLM(tiny_config(n_groups=n_groups)), seed=0).float().eval()
 
@@ -47,8 +47,8 @@ def _generate(model, ids):
 def _rank_main(rank, world, init_file, out_file, n_groups, teeth):
     import torch.distributed as dist
 
-    from trtllm_replayssm.builders import tp_model
-    from trtllm_replayssm.builders.nemotron_h import patch_replayssm
+    from builders import tp_model
+    from builders.nemotron_h import patch_replayssm
 
     torch.set_num_threads(1)
     if teeth:  # each rank normalises its part of a shared norm group alone
@@ -124,8 +124,8 @@ def test_tp2_model_teeth_norm_groups(tmp_path):
 
 
 def test_tp_model_errors():
-    from trtllm_replayssm.builders.nemotron_h import patch_replayssm
-    from trtllm_replayssm.builders.tp_model import shard_nemotron_h_
+    from builders.nemotron_h import patch_replayssm
+    from builders.tp_model import shard_nemotron_h_
 
     with pytest.raises(ValueError, match="num_key_value_heads=2 must be divisible by tp"):
         shard_nemotron_h_(_model(4), 0, 4)  # 4 Mamba heads and 4 groups split, 2 KV heads not

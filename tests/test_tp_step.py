@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tensor parallelism of the whole decode step (trtllm_replayssm/builders/tp_step.py), two gloo processes on the CPU.
+"""Tensor parallelism of the whole decode step (builders/tp_step.py), two gloo processes on the CPU.
 
-Oracle: the TP=1 :class:`~trtllm_replayssm.builders.model_step.DecodeStep` on the same seeded fp32 model, fed
+Oracle: the TP=1 :class:`~builders.model_step.DecodeStep` on the same seeded fp32 model, fed
 the same tokens (teacher forcing) for 3L+2 steps, so every row crosses two flushes of the replay
 backend; compared by ``scripts/bench_decode.py``'s ``tp_check`` (the correctness phase of
 ``--tp N``) for the conventional and replay backends. The SSM steps are the float64 reference on
@@ -36,7 +36,7 @@ def _bench():
 def _rank_main(rank, world, init_file, out_file, geometry, tiny, layers, vocab, teeth):
     import torch.distributed as dist
 
-    from trtllm_replayssm.builders.tp_step import TPDecodeStep
+    from builders.tp_step import TPDecodeStep
 
     torch.set_num_threads(1)
     bd = _bench()
@@ -79,8 +79,8 @@ def test_tp2_teeth_norm_groups(tmp_path):
 
 
 def test_tp1_is_the_original_step():
-    from trtllm_replayssm.builders.model_step import DecodeStep, Replay
-    from trtllm_replayssm.builders.tp_step import TPDecodeStep
+    from builders.model_step import DecodeStep, Replay
+    from builders.tp_step import TPDecodeStep
 
     bd = _bench()
     model = bd.build_model(bd.model_config(tiny=True), "cpu", torch.float32, seed=0)
@@ -93,8 +93,8 @@ def test_tp1_is_the_original_step():
 
 
 def test_tp_shard_errors():
-    from trtllm_replayssm.builders.model_step import Conventional
-    from trtllm_replayssm.builders.tp_step import TPDecodeStep
+    from builders.model_step import Conventional
+    from builders.tp_step import TPDecodeStep
 
     bd = _bench()
     model = bd.build_model(bd.model_config(tiny=True), "cpu", torch.float32, seed=0)

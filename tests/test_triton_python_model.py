@@ -5,7 +5,7 @@ as DLPack (``as_numpy`` raises, so the numpy path that numpy 2.x breaks in the r
 the slot table with an injected clock, and the repository config of ``make_triton_repo.py --backend python``.
 tests/test_triton_server.py runs the same model in a real tritonserver.
 
-Oracles: the patched transformers model (``trtllm_replayssm.builders.nemotron_h.patch_replayssm``, float64 SSM backend,
+Oracles: the patched transformers model (``builders.nemotron_h.patch_replayssm``, float64 SSM backend,
 fp32 weights) per sequence, one token at a time; tolerance 1e-4 on logits of std ~1 (fp32 rounding in a
 different order over <= 8 layers and 16 steps, measured <= 4e-6; tests/test_triton_server.py's docstring).
 Bookkeeping (slots, lengths, cursors, which rows get errors) exactly. On CUDA (``gpu`` marker) the same
@@ -110,7 +110,7 @@ def oracle(tiny="nemotron_h"):
     """logits(tokens) of the patched transformers model, one token at a time."""
     from transformers import DynamicCache
 
-    from trtllm_replayssm.builders.nemotron_h import load_nemotron_h, patch_replayssm
+    from builders.nemotron_h import load_nemotron_h, patch_replayssm
 
     model = load_nemotron_h(tiny=tiny, seed=0)
     # dt clamp as the config says (time_step_limit, (0, inf) here), as transformers >= 5.25 and our step
@@ -307,7 +307,7 @@ def test_cuda_model_matches_the_cpu_model(tmp_path):
 
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
-    from trtllm_replayssm.builders.nemotron_h import TINY_CONFIG, randomize_
+    from builders.nemotron_h import TINY_CONFIG, randomize_
 
     model = randomize_(NemotronHForCausalLM(NemotronHConfig(**TINY_CONFIG)), 0).eval()
     clock = Clock()  # not the wall clock: the first CUDA step compiles kernels for longer than the idle timeout

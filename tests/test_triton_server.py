@@ -9,7 +9,7 @@ max_seq_len 16, L = 4 so every long sequence folds its ring several times) and `
 1 s idle timeout). On this machine it runs on the CPU: the model's SSM is the float64 reference
 through ReplayStateCache (the kernels on CUDA are the same code path with CUDA tensors).
 
-Oracle: the patched transformers model (``trtllm_replayssm.builders.nemotron_h.patch_replayssm``, float64 reference
+Oracle: the patched transformers model (``builders.nemotron_h.patch_replayssm``, float64 reference
 backend, fp32 weights) fed each sequence's tokens one at a time; every logit of every response is
 compared with it. Tolerance 1e-4 absolute on logits of std ~1: both sides run the same fp32 weights
 and float64 SSM math, so what differs is fp32 rounding in a different order (our conv window and
@@ -114,7 +114,7 @@ def reference():
     """logits(tokens) of the patched transformers model, one token at a time (fp32, float64 SSM backend)."""
     from transformers import DynamicCache
 
-    from trtllm_replayssm.builders.nemotron_h import load_nemotron_h, patch_replayssm
+    from builders.nemotron_h import load_nemotron_h, patch_replayssm
 
     model = load_nemotron_h(tiny="nemotron_h", seed=0)  # the weights the server's model.py builds
     dec = patch_replayssm(model, buffer_len=L)

@@ -261,7 +261,7 @@ def _param(cfg: dict, key: str, default=None):
 def load_model(params: dict, device: torch.device):
     """The Nemotron-H of the repository's parameters: ``model_dir`` (an HF checkpoint) or the embedded
     tiny config ``tiny`` with seeded weights ``seed``, in ``dtype``, on ``device``."""
-    from trtllm_replayssm.builders.nemotron_h import load_nemotron_h
+    from builders.nemotron_h import load_nemotron_h
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params["dtype"]]
     model_dir = params.get("model_dir") or None

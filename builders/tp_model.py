@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Tensor parallelism of transformers' Nemotron-H model itself: :func:`shard_nemotron_h_`.
 
-The same Megatron-style split as :class:`trtllm_replayssm.builders.tp_step.TPDecodeStep` (see its docstring), applied
+The same Megatron-style split as :class:`builders.tp_step.TPDecodeStep` (see its docstring), applied
 in place to a ``NemotronHForCausalLM`` so that the model's own forward, ``generate`` and the
-ReplaySSM patch (:func:`trtllm_replayssm.builders.nemotron_h.patch_replayssm` with ``tp=``) run on one rank's share:
+ReplaySSM patch (:func:`builders.nemotron_h.patch_replayssm` with ``tp=``) run on one rank's share:
 
   Mamba-2   heads (and their B/C groups, replicated when ngroups % tp != 0) of in_proj, conv1d,
             A_log, D, dt_bias and the gated norm; the mixer's size attributes are set to the local

@@ -32,7 +32,7 @@ committed history folded into the checkpoint first when count + 2T > L); gated R
 Attention (NoPE): the T new K/V written at lengths + t, query t attends keys j <= lengths + t.
 Rejected positions leave K/V and ring entries beyond the committed range; they are never read and
 are overwritten by later windows. MoE layers (Nemotron 3) route each of the batch * T tokens on its
-own (:func:`trtllm_replayssm.builders.moe.moe_forward`, as in :mod:`.decode_step`) and carry no state.
+own (:func:`builders.moe.moe_forward`, as in :mod:`.decode_step`) and carry no state.
 
 Commit graph (:class:`NemotronHSpecCommit`). Inputs: n_accepted (batch,) int32 (accepted tokens of
 the window including the first one, 1..T for live rows; clamped to [0, T]), cursor (batch, 2),

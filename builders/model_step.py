@@ -22,7 +22,7 @@ one block is fused with the next block's norm):
           only those positions; eager: ``F.scaled_dot_product_attention`` with that mask; Nemotron-H
           is NoPE); o_proj
   -       down(relu(up(h))^2)
-  E       (Nemotron 3) MoE: sigmoid top-k routing with the correction bias (:func:`trtllm_replayssm.builders.moe.route`,
+  E       (Nemotron 3) MoE: sigmoid top-k routing with the correction bias (:func:`builders.moe.route`,
           fp32), the routed experts, the shared expert, latent projections where the config has
           them. One routing for every dtype: the batch's (token, expert) pairs sorted by expert
           (sort, counts and offsets on the device, so the step stays capturable) and one combine
@@ -477,7 +477,7 @@ class HybridStep:
         self.eps = cfg.layer_norm_epsilon
         self.consts = mamba_constants(model, self.mamba)
         self.w = {i: layer_weights(model.model.layers[i], k) for i, k in enumerate(self.kinds)}
-        self._shard()  # tensor parallelism (trtllm_replayssm/builders/tp_step.py): local dims, consts and weights
+        self._shard()  # tensor parallelism (builders/tp_step.py): local dims, consts and weights
         self.f = regions(self.fuse)
         dev, b = self.device, batch
         i64 = dict(dtype=torch.int64, device=dev)

@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ``replayssm::*`` plugin ops for onnxruntime on the CPU, through onnxruntime-extensions' Python ops.
 
-* ``mamba2_decode``: :func:`trtllm_replayssm.builders.nemotron_h.reference_backend` (``reference.replay_decode`` in
+* ``mamba2_decode``: :func:`builders.nemotron_h.reference_backend` (``reference.replay_decode`` in
   float64), applied to copies of the state inputs, which become the outputs: (y, state_out,
   x_cache_out, B_cache_out, dt_cache_out).
-* ``mamba2_verify``: :func:`trtllm_replayssm.builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
+* ``mamba2_verify``: :func:`builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
   verify in float64), same outputs; the cursor is read only.
-* ``spec_commit``: :func:`trtllm_replayssm.builders.spec_step.commit_reference_backend` on a copy of the cursor.
-* ``gdn_decode``: :func:`trtllm_replayssm.builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
+* ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
+* ``gdn_decode``: :func:`builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
   copies of the six GDN state inputs, which become the outputs after y.
 Declared for fp32 activations and an fp32 state (the graphs the CPU tests export); attributes are
 accepted and checked against the input shapes.

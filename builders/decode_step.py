@@ -21,14 +21,14 @@ Per Mamba layer: in_proj, conv1d over the window [conv_state[:, :, 1:], xBC] (th
 silu, then ONE ``replayssm::mamba2_decode`` node (:class:`Mamba2Decode`), then the model's gated
 RMSNorm with z and out_proj. Attention (Nemotron-H uses no positional encoding): the new K/V is
 written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attended. MoE layers
-(Nemotron 3) carry no state: :func:`trtllm_replayssm.builders.moe.moe_forward` in standard ops (sigmoid routing,
+(Nemotron 3) carry no state: :func:`builders.moe.moe_forward` in standard ops (sigmoid routing,
 TopK, the routed experts in the ``moe_formulation`` the step was built with, and the shared expert);
 transformers' own MoE module cannot be traced (its expert loop reads the routing on the host, so a
 trace would freeze the experts of the tracing input). The default "dense" formulation runs every
 expert on every token as two batched MatMuls over (E, ., .) constants weighted by a (batch, E)
 routing mask: static shapes TensorRT builds as plain GEMMs, each expert matrix read once per step
 whatever the batch; "gather" copies each token's k expert matrices and is cheaper only while
-2·batch·k < E (trtllm_replayssm/builders/moe.py has the numbers). MLP layers are the model's.
+2·batch·k < E (builders/moe.py has the numbers). MLP layers are the model's.
 
 Export route: the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) with
 ``torch.autograd.Function.symbolic``. It emits exactly one custom node with our domain, attributes
@@ -93,7 +93,7 @@ class StateSpec:
 
 
 class StepIO:
-    """The engine I/O every decode step with explicit state shares (this module's and trtllm_replayssm/builders/gdn_step.py's):
+    """The engine I/O every decode step with explicit state shares (this module's and builders/gdn_step.py's):
     names, zero states, the K/V of a transformers cache; subclasses give ``state_specs()`` and ``max_seq_len``."""
 
     def input_names(self) -> list[str]:
@@ -249,7 +249,7 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
 
 
 def export_onnx(step, path, batch: int = 2, opset: int = 17) -> None:
-    """Trace ``step`` (a decode step with explicit state I/O: this module's, or trtllm_replayssm/builders/gdn_step.py's) on zero
+    """Trace ``step`` (a decode step with explicit state I/O: this module's, or builders/gdn_step.py's) on zero
     states of ``batch`` rows and write ONNX with a dynamic batch dimension."""
     if opset < 17:
         raise ValueError(f"opset: expected >= 17, got {opset}")

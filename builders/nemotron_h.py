@@ -382,7 +382,7 @@ def mamba_layers(model) -> list[int]:
 
 # ---- patching ---------------------------------------------------------------------------------------
 class MixerPatch:
-    """The patching both decoders share (this one and trtllm_replayssm/builders/qwen3_next.py's): each patched mixer runs our
+    """The patching both decoders share (this one and builders/qwen3_next.py's): each patched mixer runs our
     decode for single-token steps of the cache it holds state for and the model's own forward otherwise
     (prefill, with ``_begin_prefill`` / ``_end_prefill`` around it); a forward hook on the model advances
     the shared cursor once per decode step (zeroes it after a prefill). Subclasses give ``_mixers()``,
@@ -520,7 +520,7 @@ def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, sta
                     tp: int = 1, rank: int = 0, group=None):
     """Patch every Mamba-2 mixer of ``model`` in place; returns the :class:`ReplaySSMDecoder` (``unpatch()`` undoes).
 
-    ``tp > 1``: first keep rank ``rank``'s share of every layer (:func:`trtllm_replayssm.builders.tp_model.shard_nemotron_h_`,
+    ``tp > 1``: first keep rank ``rank``'s share of every layer (:func:`builders.tp_model.shard_nemotron_h_`,
     one process per rank, ``torch.distributed`` initialised); the checkpoint, buffers and conv state
     then hold this rank's heads only. Sharding is not undone by ``unpatch()``."""
     _check_layers(model.config)

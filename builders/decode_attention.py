@@ -6,7 +6,7 @@ positions a row has filled, not the cache's capacity. ``F.scaled_dot_product_att
 boolean mask reads every position of the cache; at batch 256 and a 1024-position cache that was
 1.57 ms of the 8B step for ~250 filled positions (bench/NOTES.md, 2026-12-03).
 
-Layout (that of trtllm_replayssm/builders/model_step.py): q (b, T, nh * hd) as the q projection writes it; the caches
+Layout (that of builders/model_step.py): q (b, T, nh * hd) as the q projection writes it; the caches
 k, v (b, kvh, cap, hd) contiguous, grouped-query heads (nh = kvh * rep); ``last`` (b, T) int64: the
 last position query t of row b sees (keys 0..last[b, t]; the step passes min(lengths[b] + t, kv_len - 1)).
 Output o (b, T, nh * hd), ready for o_proj. Scale hd^-1/2 (Nemotron-H: NoPE, no softcap).

@@ -24,8 +24,8 @@ written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attend
 multiplied by sigmoid(gate). Qwen3-Next's sparse MoE runs dense over the experts (softmax routing,
 one TopK with a constant k, the routing mask built by Equal/Mul/ReduceSum, every expert as a batched
 MatMul over (E, ., .) constants, the shared expert gated by a sigmoid): static shapes and nothing
-data-dependent, the formulation trtllm_replayssm/builders/moe.py argues for Nemotron 3. MLPs and norms are the model's.
-Export route: TorchScript with ``torch.autograd.Function.symbolic``, as trtllm_replayssm/builders/decode_step.py.
+data-dependent, the formulation builders/moe.py argues for Nemotron 3. MLPs and norms are the model's.
+Export route: TorchScript with ``torch.autograd.Function.symbolic``, as builders/decode_step.py.
 """
 
 from __future__ import annotations

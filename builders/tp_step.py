@@ -26,7 +26,7 @@ Per step and rank: one all-reduce of (batch, hidden) per layer (plus one (batch,
 with replicated groups). Every rank builds the full model from the same seed and slices it (the
 simplest route to identical weights; memory is not the point of this TP). ``dist`` must be
 initialised (gloo on the CPU, NCCL on GPUs with NVLink multicast off, see scripts/bench_decode.py);
-``tp=1`` needs no process group and reproduces :class:`~trtllm_replayssm.builders.model_step.DecodeStep`.
+``tp=1`` needs no process group and reproduces :class:`~builders.model_step.DecodeStep`.
 """
 
 from __future__ import annotations
