@@ -20,29 +20,10 @@
 //   outputs y, snapshots (slots, T, HV, V, K) f32 (state after window token t)
 #include "gdn_spec.cuh"
 
-#if GDN_SHADOW
-#define GDN_SHADOW_IN , const shadow_t* sh_in
-#define GDN_SHADOW_OUT , shadow_t* sh_out
-#define GDN_SHADOW_IN_ARG sh_in
-#define GDN_SHADOW_OUT_ARG sh_out
-#else
-#define GDN_SHADOW_IN
-#define GDN_SHADOW_OUT
-#define GDN_SHADOW_IN_ARG nullptr
-#define GDN_SHADOW_OUT_ARG nullptr
-#endif
+#include "gdn_params.cuh"
 
-extern "C" __global__ void __launch_bounds__(gdn::kThreads, kMinBlocks) gdn_verify(
-    const act_t* __restrict__ q, const act_t* __restrict__ k, const act_t* __restrict__ v,
-    const act_t* __restrict__ a, const act_t* __restrict__ b, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, const int* __restrict__ sbi, const int* __restrict__ cursor,
-    const float* state_in, const float* uc_in, const act_t* vc_in, const float* kc_in, const float* gc_in,
-    const float* bc_in GDN_SHADOW_IN, int batch, int nslots, act_t* __restrict__ y, float* state_out,
-    float* uc_out, act_t* vc_out, float* kc_out, float* gc_out, float* bc_out GDN_SHADOW_OUT) {
-  gdn::ReplayArgs args{q,      k,      v,      a,      b,      A_log,  dt_bias, sbi,
-                       cursor, state_in, uc_in, vc_in, kc_in, gc_in, bc_in,   GDN_SHADOW_IN_ARG,
-                       batch,  nslots, y,      state_out, uc_out, vc_out, kc_out, gc_out,
-                       bc_out, GDN_SHADOW_OUT_ARG};
+extern "C" __global__ void __launch_bounds__(gdn::kThreads, kMinBlocks) gdn_verify(GDN_REPLAY_PARAMS) {
+  const gdn::ReplayArgs args = GDN_REPLAY_ARGS;
   gdn::spec_verify(args);
 }
 
