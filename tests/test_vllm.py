@@ -313,3 +313,16 @@ def test_gpu_large_batch_and_graph_capture():
     assert torch.equal(out[~live], torch.zeros_like(out[~live]))
     for k in ("ssm", "x_cache", "B_cache", "dt_cache"):
         assert torch.equal(pages.views[k], dense[k]), k
+
+
+# vLLM's selective_state_update_replayssm_triton (vllm/model_executor/layers/mamba/ops, read 2026-12-04): its
+# parameters in order, so that a positional call site can switch to the adapter unchanged.
+VLLM_PARAMS = ["state", "x", "dt", "A", "B", "C", "D", "dt_bias", "z", "dt_softplus", "x_cache", "dt_cache", "B_cache",
+               "bc_pre", "write_pos", "is_flush", "max_cache_len", "state_batch_indices", "null_block_id", "out"]
+
+
+def test_signature_follows_vllms():
+    import inspect
+
+    names = list(inspect.signature(vllm.selective_state_update_replayssm).parameters)
+    assert names[:len(VLLM_PARAMS)] == VLLM_PARAMS

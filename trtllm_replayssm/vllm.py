@@ -274,11 +274,12 @@ def _check_values(sbi, write_pos, is_flush, S: int, L: int, null: int) -> None:
 
 # ---- the step -----------------------------------------------------------------------------------------
 def selective_state_update_replayssm(state, x, dt, A, B, C, D=None, dt_bias=None, z=None, dt_softplus=True,
-                                     x_cache=None, dt_cache=None, B_cache=None, write_pos=None, is_flush=None,
-                                     max_cache_len=16, state_batch_indices=None, null_block_id=NULL_BLOCK_ID,
-                                     out=None, bc_pre=None, check_values: bool | None = None) -> torch.Tensor:
-    """One ReplaySSM decode step of a Mamba-2 layer on vLLM's tensors (the keyword names of vLLM's
-    ``selective_state_update_replayssm_*``); writes and returns ``out`` (batch, H, P).
+                                     x_cache=None, dt_cache=None, B_cache=None, bc_pre=None, write_pos=None,
+                                     is_flush=None, max_cache_len=16, state_batch_indices=None,
+                                     null_block_id=NULL_BLOCK_ID, out=None,
+                                     check_values: bool | None = None) -> torch.Tensor:
+    """One ReplaySSM decode step of a Mamba-2 layer on vLLM's tensors (the parameters, in order, of vLLM's
+    ``selective_state_update_replayssm_triton``); writes and returns ``out`` (batch, H, P).
 
     Reads the checkpoint ``state`` and the rings, appends this step's x / B / processed dt at
     ``write_pos`` of each row's block, and on rows with ``write_pos == max_cache_len - 1`` writes the
