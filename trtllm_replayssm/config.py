@@ -66,11 +66,13 @@ class Layout:
     row_sbi: int = 1
     null_slot: int = 0
 
-    FIELDS = ("slot_state", "slot_x", "slot_B", "slot_dt", "row_x", "row_B", "row_C", "row_dt", "row_z",
-              "row_y", "row_sbi")
+    # stride field -> the prelude's constant (plugins/replayssm.cuh); the order is the key's
+    CONSTANTS = {"slot_state": "kSlotState", "slot_x": "kSlotX", "slot_B": "kSlotB", "slot_dt": "kSlotDt",
+                 "row_x": "kRowX", "row_B": "kRowB", "row_C": "kRowC", "row_dt": "kRowDt", "row_z": "kRowZ",
+                 "row_y": "kRowY", "row_sbi": "kRowSbi"}
 
     def __post_init__(self):
-        for name in self.FIELDS:
+        for name in self.CONSTANTS:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"Layout.{name}: expected a non-negative int stride (elements), got {v!r}")
@@ -79,14 +81,11 @@ class Layout:
 
     @property
     def key(self) -> str:
-        return "_lay" + ".".join(str(getattr(self, n)) for n in self.FIELDS) + f"n{self.null_slot}"
+        return "_lay" + ".".join(str(getattr(self, n)) for n in self.CONSTANTS) + f"n{self.null_slot}"
 
     def prelude(self) -> list[str]:
-        names = {"slot_state": "kSlotState", "slot_x": "kSlotX", "slot_B": "kSlotB", "slot_dt": "kSlotDt",
-                 "row_x": "kRowX", "row_B": "kRowB", "row_C": "kRowC", "row_dt": "kRowDt", "row_z": "kRowZ",
-                 "row_y": "kRowY", "row_sbi": "kRowSbi"}
         return ["#define RSSM_LAYOUT 1",
-                *(f"constexpr size_t {c} = {getattr(self, n)};" for n, c in names.items()),
+                *(f"constexpr size_t {c} = {getattr(self, n)};" for n, c in self.CONSTANTS.items()),
                 f"constexpr int kNullSlot = {self.null_slot};"]
 
 
