@@ -566,6 +566,31 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* src) {
   *reinterpret_cast<Vec<T, n>*>(dst) = *reinterpret_cast<const Vec<T, n>*>(src);
 }
 
+#ifndef RSSM_YSPREAD
+#define RSSM_YSPREAD 1
+#endif
+// Lanes of a row group that share one row's buffer sum: kLPR / kRT where both are powers of two.
+constexpr bool kPow2Rows = (kLPR & (kLPR - 1)) == 0 && (kRT & (kRT - 1)) == 0 && kLPR % kRT == 0;
+constexpr int kYS = (RSSM_YSPREAD && kPow2Rows) ? kLPR / kRT : 1;
+
+// Buffer part of the output of row `row` (= row_base + l % kRT): sum_{j<k} w_j (B_j.C_k) x_j[row],
+// its entries split over the kYS lanes of the row group that share the row (lane l takes j = l / kRT
+// mod kYS), so a k-long chain on kRT of kLPR lanes becomes k / kYS steps on all of them and
+// log2(kYS) shuffles. Every lane of the group returns its row's total; call it with the whole warp.
+template <typename XT>
+__device__ __forceinline__ float buffer_sum(const float* w, const float* bc, const XT (*xt)[kRows], int row, int k) {
+  const int part = kYS > 1 ? (threadIdx.x % kLPR) / kRT : 0;
+  float acc = 0.f;
+#pragma unroll
+  for (int u = 0; u < (kL + kYS - 1) / kYS; ++u) {
+    const int j = part + u * kYS;
+    if (j < k) acc = fmaf(w[j] * bc[j], to_f(xt[j][row]), acc);
+  }
+#pragma unroll
+  for (int o = kRT; o < kLPR && kYS > 1; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  return acc;
+}
+
 __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   __shared__ ReplaySmem sm;
   const Coords c = block_coords();
@@ -689,12 +714,9 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   if (!flush) {
     // 3. Output form: exp(c_k) S0.C_k + sum_j w_j (B_j.C_k) x_j + D x_k; no state write.
     const float sdot = checkpoint_dot(sm.S, cc);
+    const float bsum = buffer_sum(sm.w, sm.bc, sm.xt, rb + l % kRT, k);
     if (l >= kRT) return;
-    const int row = rb + l;
-    val = sm.decay * sdot + D * sm.xt[pos][row];
-#pragma unroll
-    for (int j = 0; j < kL; ++j)
-      if (j < k) val = fmaf(sm.w[j] * sm.bc[j], sm.xt[j][row], val);
+    val = sm.decay * sdot + D * sm.xt[pos][rb + l] + bsum;
   } else {
     // 3'. Flush: S_k = exp(c_k) S0 + sum_j (w_j x_j) B_j^T becomes the checkpoint; y = S_k C_k + D x_k.
     const float sdot = flush_store_dot(kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sm.Bt, sm.xt,
@@ -800,6 +822,19 @@ __device__ __forceinline__ ItemScalars load_scalars(const ReplayArgs& a, const I
   return s;
 }
 
+// B_j . C_k of the staged item: kDL lanes (a power of two dividing the B row's vectors) per entry,
+// as many as let every entry's dot run in one pass (kDEntries >= kL) where the block is big enough;
+// one warp per entry looped over k serialized a dot per kWarps entries (the k-staircase, NOTES).
+__host__ __device__ constexpr int pow2_floor(int v) { return v >= 2 ? 2 * pow2_floor(v / 2) : 1; }
+constexpr int kDL = pow2_floor(kThreads / kL) < kBLanes ? pow2_floor(kThreads / kL) : kBLanes;
+constexpr int kDVPL = kBVecRow / kDL;
+constexpr int kDEntries = kThreads / kDL;
+constexpr int kDPasses = (kL + kDEntries - 1) / kDEntries;
+static_assert(kBVecRow % kDL == 0 && kDL <= 32, "a B row splits evenly over the lanes of its dot");
+#ifndef RSSM_BC_WARP
+#define RSSM_BC_WARP 0
+#endif
+
 template <typename Smem>  // PipeSmem or StagedSmem: w, bc, decay
 __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const ReplayArgs& a, const Item& it,
                                              int slot, int pos, const ItemScalars& sc) {
@@ -823,6 +858,7 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
     if (lane < k) sm.w[lane] = dtj * expf(sc.A * (total - cum));
     if (lane == 0) sm.decay = expf(sc.A * total);
   }
+#if RSSM_BC_WARP
   if (!flush) {
     for (int j = warp; j < k; j += kWarps) {
       float acc = 0.f;
@@ -831,6 +867,29 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
       if (lane == 0) sm.bc[j] = acc;
     }
   }
+#else
+  if (!flush) {  // all k dots at once: kDL lanes per entry, kDVPL 16-byte vectors per lane
+    const int dl = t % kDL;
+#pragma unroll
+    for (int u = 0; u < kDPasses; ++u) {
+      const int j = t / kDL + u * kDEntries;
+      float acc = 0.f;
+      if (j < k) {
+#pragma unroll
+        for (int v = 0; v < kDVPL; ++v) {
+          const int n = (v * kDL + dl) * kBV;
+          float bj[kBV], cn[kBV];
+          load_f<act_t, kBV>(&sg.Bt[j][n], bj);
+          load_f<act_t, kBV>(&sg.C[n], cn);
+#pragma unroll
+          for (int e = 0; e < kBV; ++e) acc = fmaf(bj[e], cn[e], acc);
+        }
+      }
+      acc = group_sum<kDL>(acc);  // every lane takes part: the shuffles need the full warp
+      if (j < k && dl == 0) sm.bc[j] = acc;
+    }
+  }
+#endif
   ColRegs cc;
 #pragma unroll
   for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sg.C[my_col(v)], cc.c[v]);
@@ -852,13 +911,8 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
       }
       if (t == 0) a.dtc_out[dtc_off(slot, it.h) + pos] = dt_now;
     }
-    if (l < kRT) {
-      const int row = rb + l;
-      val = sm.decay * sdot + sc.D * to_f(sg.xt[pos][row]);
-#pragma unroll
-      for (int j = 0; j < kL; ++j)
-        if (j < k) val = fmaf(sm.w[j] * sm.bc[j], to_f(sg.xt[j][row]), val);
-    }
+    const float bsum = buffer_sum(sm.w, sm.bc, sg.xt, rb + l % kRT, k);
+    if (l < kRT) val = sm.decay * sdot + sc.D * to_f(sg.xt[pos][rb + l]) + bsum;
   } else {
     const size_t sbase = state_off(slot, it.h, it.row0);
     const float sdot = flush_store_dot(kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sg.Bt, sg.xt,

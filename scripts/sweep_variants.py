@@ -3,8 +3,10 @@
 """Kernel experiments: time compile-time variants (RSSM_* definitions) of the decode kernel on the
 main geometry, at k = 1, 2, L/2, L-1 and the flush, in one process (bench_kernels.py's harness).
 
-Usage: python scripts/sweep_variants.py --variants "CURSOR_FIRST=1;STAGED=1,CURSOR_FIRST=1"
+Each variant is the shipped definitions (config.DEFAULT_DEFINES) plus its own; the first row is the
+shipped kernel. Usage: python scripts/sweep_variants.py --variants "CURSOR_FIRST=1;STAGED=1,CURSOR_FIRST=1"
        [--shadow bf16] [--geometries "64x8;32x4"] (rows x warps, pinned with override_geometry)
+       [--all-k] (every buffer position instead of five: a per-k staircase shows up)
 """
 
 import argparse
@@ -20,11 +22,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from trtllm_replayssm.config import override_defines, override_geometry  # noqa: E402
+from trtllm_replayssm.config import DEFAULT_DEFINES, override_defines, override_geometry  # noqa: E402
 
 
 def parse(v: str) -> tuple:
-    return tuple((k, int(x)) for k, x in (p.split("=") for p in v.split(",") if p))
+    """A variant's definitions on top of the shipped ones (DEFAULT_DEFINES): ``PERSISTENT=0`` turns one off.
+
+    (Passing only the variant's own definitions would also drop the shipped PERSISTENT/MIN_BLOCKS, so
+    the "baseline" of such a sweep would be a kernel nobody ships.)"""
+    own = dict((k, int(x)) for k, x in (p.split("=") for p in v.split(",") if p))
+    return tuple({**dict(DEFAULT_DEFINES), **own}.items())
 
 
 def main():
@@ -34,8 +41,9 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--shadow", default="none")
     ap.add_argument("--geometries", default="", help="rows x warps per variant, e.g. 64x8;32x4 (default: planned)")
+    ap.add_argument("--all-k", action="store_true", help="time every buffer position k = 1..L (default: 1, 2, L/2, L-1, L)")
     args = ap.parse_args()
-    variants = [()] + [parse(v) for v in args.variants.split(";") if v]
+    variants = [DEFAULT_DEFINES] + [parse(v) for v in args.variants.split(";") if v]
     geoms = [tuple(int(x) for x in g.split("x")) for g in args.geometries.split(";") if g] or [None]
     L = 16
     rows = []
@@ -43,7 +51,7 @@ def main():
         for geom in geoms:
             with override_defines(d), (override_geometry(*geom) if geom else contextlib.nullcontext()):
                 for b in (int(x) for x in args.batches.split(",")):
-                    r = bk.bench_point("nemotron_h_8b", "f32", "bf16", L, b, None, ks=(1, 2, L // 2, L - 1, L),
+                    r = bk.bench_point("nemotron_h_8b", "f32", "bf16", L, b, None, ks=None if args.all_k else (1, 2, L // 2, L - 1, L),
                                        shadow=args.shadow)
                     r["defines"], r["geometry"] = d, geom
                     rows.append(r)
