@@ -566,12 +566,9 @@ __device__ __forceinline__ void copy_vec(T* dst, const T* src) {
   *reinterpret_cast<Vec<T, n>*>(dst) = *reinterpret_cast<const Vec<T, n>*>(src);
 }
 
-#ifndef RSSM_YSPREAD
-#define RSSM_YSPREAD 1
-#endif
 // Lanes of a row group that share one row's buffer sum: kLPR / kRT where both are powers of two.
 constexpr bool kPow2Rows = (kLPR & (kLPR - 1)) == 0 && (kRT & (kRT - 1)) == 0 && kLPR % kRT == 0;
-constexpr int kYS = (RSSM_YSPREAD && kPow2Rows) ? kLPR / kRT : 1;
+constexpr int kYS = kPow2Rows ? kLPR / kRT : 1;
 
 // Buffer part of the output of row `row` (= row_base + l % kRT): sum_{j<k} w_j (B_j.C_k) x_j[row],
 // its entries split over the kYS lanes of the row group that share the row (lane l takes j = l / kRT
@@ -831,9 +828,6 @@ constexpr int kDVPL = kBVecRow / kDL;
 constexpr int kDEntries = kThreads / kDL;
 constexpr int kDPasses = (kL + kDEntries - 1) / kDEntries;
 static_assert(kBVecRow % kDL == 0 && kDL <= 32, "a B row splits evenly over the lanes of its dot");
-#ifndef RSSM_BC_WARP
-#define RSSM_BC_WARP 0
-#endif
 
 template <typename Smem>  // PipeSmem or StagedSmem: w, bc, decay
 __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const ReplayArgs& a, const Item& it,
@@ -845,7 +839,7 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
   const bool flush = (k == kL);
   const float dt_now = softplus(sc.dt_raw + sc.dt_bias);
 
-  // Buffer weights (warp 0) and B_j . C_k (one warp per entry), from the stage.
+  // Buffer weights (warp 0) and B_j . C_k (all entries at once), from the stage.
   if (warp == 0) {
     const float dtj = lane < pos ? sg.dt[lane] : (lane == pos ? dt_now : 0.f);
     float cum = dtj;
@@ -858,16 +852,6 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
     if (lane < k) sm.w[lane] = dtj * expf(sc.A * (total - cum));
     if (lane == 0) sm.decay = expf(sc.A * total);
   }
-#if RSSM_BC_WARP
-  if (!flush) {
-    for (int j = warp; j < k; j += kWarps) {
-      float acc = 0.f;
-      for (int n = lane; n < kN; n += 32) acc = fmaf(to_f(sg.Bt[j][n]), to_f(sg.C[n]), acc);
-      acc = group_sum<32>(acc);
-      if (lane == 0) sm.bc[j] = acc;
-    }
-  }
-#else
   if (!flush) {  // all k dots at once: kDL lanes per entry, kDVPL 16-byte vectors per lane
     const int dl = t % kDL;
 #pragma unroll
@@ -889,7 +873,6 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
       if (j < k && dl == 0) sm.bc[j] = acc;
     }
   }
-#endif
   ColRegs cc;
 #pragma unroll
   for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sg.C[my_col(v)], cc.c[v]);
