@@ -82,6 +82,29 @@ __device__ __forceinline__ void load_f(const T* p, float (&out)[n]) {
 #pragma unroll
   for (int i = 0; i < n; ++i) out[i] = to_f(t.v[i]);
 }
+#ifndef RSSM_FP8_PACKED
+#define RSSM_FP8_PACKED 1
+#endif
+#if RSSM_SHADOW == 2 && RSSM_FP8_PACKED
+// Four e4m3 values (one fp8 shadow vector) by two packed conversions each way: e4m3x2 <-> f16x2 is
+// exact, f16 -> f32 too, and cvt.rn.satfinite.e4m3x2.f32 rounds as __nv_fp8_e4m3(float) does, so the
+// values are those of the element-wise path in half the conversion instructions (the fp8 step is
+// issue-bound: NOTES "fp8 shadow: packed conversions").
+template <>
+__device__ __forceinline__ void load_f<__nv_fp8_e4m3, 4>(const __nv_fp8_e4m3* p, float (&out)[4]) {
+  const unsigned w = *reinterpret_cast<const unsigned*>(p);  // byte i = element i
+  const __half2 lo = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3));
+  const __half2 hi = __half2(__nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3));
+  const float2 a = __half22float2(lo), b = __half22float2(hi);
+  out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+}
+template <>
+__device__ __forceinline__ void store_f<__nv_fp8_e4m3, 4>(__nv_fp8_e4m3* p, const float (&in)[4]) {
+  const unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(in[0], in[1]), __NV_SATFINITE, __NV_E4M3);
+  const unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(in[2], in[3]), __NV_SATFINITE, __NV_E4M3);
+  *reinterpret_cast<unsigned*>(p) = lo | (hi << 16);
+}
+#endif
 // Streaming (evict-first) load for data read once: the checkpoint.
 template <typename T, int n>
 __device__ __forceinline__ void load_stream_f(const T* p, float (&out)[n]) {
