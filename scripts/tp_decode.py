@@ -92,6 +92,7 @@ def main():
         tol = 1e-5 if args.device == "cuda" else 1e-12  # fp32 kernels vs float64; float64 both sides
         print(f"TP={dist.get_world_size()} vs TP=1, geometry {args.geometry}: worst relative error {worst:.3e} "
               f"({'PASS' if worst < tol else 'FAIL'}, tolerance {tol:g})")
+    dist.barrier()  # no rank tears gloo down while a peer still talks (SIGABRT at exit)
     dist.destroy_process_group()
 
 

@@ -47,6 +47,7 @@ def _rank_main(rank, world, init_file, out_file, geometry, tiny, layers, vocab, 
     rows = bd.tp_check(config, ["conventional", "replay"], rank, world)
     if rank == 0:
         pathlib.Path(out_file).write_text(json.dumps(rows))
+    dist.barrier()  # no rank tears gloo down while a peer still talks (SIGABRT at exit)
     dist.destroy_process_group()
 
 
