@@ -82,10 +82,7 @@ __device__ __forceinline__ void load_f(const T* p, float (&out)[n]) {
 #pragma unroll
   for (int i = 0; i < n; ++i) out[i] = to_f(t.v[i]);
 }
-#ifndef RSSM_FP8_PACKED
-#define RSSM_FP8_PACKED 1
-#endif
-#if RSSM_SHADOW == 2 && RSSM_FP8_PACKED
+#if RSSM_SHADOW == 2
 // Four e4m3 values (one fp8 shadow vector) by two packed conversions each way: e4m3x2 <-> f16x2 is
 // exact, f16 -> f32 too, and cvt.rn.satfinite.e4m3x2.f32 rounds as __nv_fp8_e4m3(float) does, so the
 // values are those of the element-wise path in half the conversion instructions (the fp8 step is

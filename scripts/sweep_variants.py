@@ -51,8 +51,8 @@ def main():
         for geom in geoms:
             with override_defines(d), (override_geometry(*geom) if geom else contextlib.nullcontext()):
                 for b in (int(x) for x in args.batches.split(",")):
-                    r = bk.bench_point("nemotron_h_8b", "f32", "bf16", L, b, None, ks=None if args.all_k else (1, 2, L // 2, L - 1, L),
-                                       shadow=args.shadow)
+                    ks = None if args.all_k else (1, 2, L // 2, L - 1, L)
+                    r = bk.bench_point("nemotron_h_8b", "f32", "bf16", L, b, None, ks=ks, shadow=args.shadow)
                     r["defines"], r["geometry"] = d, geom
                     rows.append(r)
                     print(f"{str(d):34s} {str(geom):8s} {args.shadow:4s} bs{b:4d} conv {r['conv_us']:7.1f}  "
