@@ -26,6 +26,19 @@ one TopK with a constant k, the routing mask built by Equal/Mul/ReduceSum, every
 MatMul over (E, ., .) constants, the shared expert gated by a sigmoid): static shapes and nothing
 data-dependent, the formulation builders/moe.py argues for Nemotron 3. MLPs and norms are the model's.
 Export route: TorchScript with ``torch.autograd.Function.symbolic``, as builders/decode_step.py.
+
+Speculative decoding (:class:`QwenGDNSpecStep`, T = 1 + num_draft tokens per row): the same layers on
+(batch, T) tokens, the verify graph of builders/spec_step.py's two-graph scheme. Inputs input_ids
+(batch, T), lengths, cursor (batch, 2) (ring start, committed count; read only), per attention layer
+the KV caches (the T new K/V at lengths + t, query t sees keys j <= lengths + t), per GDN layer
+conv_window_i (batch, conv_dim, K - 1 + num_draft) act and the six GDN states; ONE
+``replayssm::gdn_verify`` node per GDN layer (:class:`GDNVerify`: fold the committed entries first
+where count + 2T > L, the window's outputs, the window appended to the rings). Outputs logits
+(batch, T, vocab) and the states. The commit graph is builders/spec_step.py's
+:class:`~builders.spec_step.NemotronHSpecCommit` (one ``replayssm::spec_commit`` node, lengths += n,
+conv windows rolled back), which holds for any step with conv windows; ``spec_step.export_onnx``
+exports both graphs. The decode step is the T = 1 case of the same layer code (conv state = a window
+of K columns, a ``gdn_decode`` node on the squeezed token).
 """
 
 from __future__ import annotations
@@ -35,11 +48,35 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from trtllm_replayssm import gdn_reference as gref
+from trtllm_replayssm import spec_reference as sref
+
 from .decode_step import DOMAIN, StateSpec, StepIO, export_onnx  # noqa: F401  (export_onnx: any step with state I/O)
 from .qwen3_next import gdn_layers, reference_backend
+from .spec_step import _check_window, rotate_rings, window_attention, window_conv
 
 GDN_OP_TYPE = "gdn_decode"
+GDN_VERIFY_OP_TYPE = "gdn_verify"
 _GDN_STATES = ("gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta")
+
+
+def verify_reference_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
+    """``replayssm::gdn_verify`` in float64 (what the kernel does): the committed entries folded into the
+    checkpoint where count + 2T > L (stored in fp32), then the window verified on the flushed cursor and
+    appended to the rings. ``cursor`` (slots, 2) is not moved; y in v's dtype."""
+    T, L = v.shape[1], buf.u_cache.shape[2]
+    flushed = gref.flush_checkpoint(buf, cursor, T, state_batch_indices)
+    at = cursor.clone()
+    sref.flush_cursor(at, T, L, state_batch_indices)
+    return gref.verify(buf, at, q, k, v, a, b, A_log, dt_bias, state_batch_indices, flushed=flushed).to(v.dtype)
+
+
+def verify_kernel_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
+    """The same through the CUDA kernel (``gdn_ops.gdn_replay_verify``)."""
+    from trtllm_replayssm import gdn_ops
+
+    return gdn_ops.gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache, buf.k_cache,
+                                     buf.g_cache, buf.beta_cache, cursor, state_batch_indices)
 
 
 class GDNDecode(torch.autograd.Function):
@@ -68,6 +105,22 @@ class GDNDecode(torch.autograd.Function):
         return outs
 
 
+class GDNVerify(GDNDecode):
+    """``replayssm::gdn_verify``: the inputs of ``gdn_decode`` with a window axis (q, k (b, T, H, Kd), v
+    (b, T, HV, V), a, b (b, T, HV)) and the (slots, 2) ring cursor; the same seven outputs."""
+
+    @staticmethod
+    def symbolic(g, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, sizes, backend):
+        num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, num_tokens = sizes
+        outs = g.op(f"{DOMAIN}::{GDN_VERIFY_OP_TYPE}", q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc,
+                    gc, bc, plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads, num_v_heads_i=num_v_heads,
+                    key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len, use_qk_l2norm_i=1,
+                    num_tokens_i=num_tokens, outputs=7)
+        for o, like in zip(outs, (v, state, u, vc, kc, gc, bc)):
+            o.setType(like.type())
+        return outs
+
+
 def moe_dense(hn, moe):
     """Qwen3-Next's ``Qwen3NextSparseMoeBlock`` on (batch, D) tokens, dense over the experts (see the docstring)."""
     gate, E, top_k = moe.gate, moe.gate.num_experts, moe.gate.top_k
@@ -87,7 +140,11 @@ def moe_dense(hn, moe):
 
 
 class QwenGDNDecodeStep(StepIO, torch.nn.Module):
-    """Decode step of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model; shares its weights."""
+    """Decode step of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model; shares its weights.
+
+    The layers take (batch, T, D) tokens: T = 1 here, T = 1 + num_draft in :class:`QwenGDNSpecStep`."""
+
+    num_tokens = 1
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None):
         super().__init__()
@@ -101,8 +158,12 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         self.act_dtype = next(model.parameters()).dtype
         self.kinds = list(model.config.layer_types)
         self.gdn = set(gdn_layers(model))
+        self.window = model.config.linear_conv_kernel_dim  # conv state: the last K inputs
 
     # ---- the state contract ---------------------------------------------------------------------
+    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
+        return StateSpec(f"conv_state_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_state_{i}_out")
+
     def state_specs(self) -> list[StateSpec]:
         c, act, L = self.config, self.act_dtype, self.buffer_len
         H, HV, Kd, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
@@ -117,8 +178,7 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
             else:
                 shapes = ((-1, HV, V, Kd, f32), (-1, HV, L, V, f32), (-1, HV, L, V, act), (-1, H, L, Kd, f32),
                           (-1, HV, L, f32), (-1, HV, L, f32))
-                specs.append(StateSpec(f"conv_state_{i}", (-1, conv_dim, c.linear_conv_kernel_dim), act,
-                                       f"conv_state_{i}_out"))
+                specs.append(self._conv_spec(i, conv_dim))
                 specs += [StateSpec(f"{n}_{i}", s[:-1], s[-1], f"{n}_{i}_out") for n, s in zip(_GDN_STATES, shapes)]
         return specs
 
@@ -135,70 +195,65 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
                                                                                  b.k_cache, b.g_cache, b.beta_cache)]
         return out
 
-    # ---- the step -------------------------------------------------------------------------------
+    # ---- the layers, on (batch, T, D) -----------------------------------------------------------------
     def _attention(self, layer, h, k_cache, v_cache, lengths, cos_sin):
         att = layer.self_attn
         m = sys.modules[type(att).__module__]
-        batch, hd = h.shape[0], att.head_dim
-        q, gate = att.q_proj(h).view(batch, -1, hd * 2).chunk(2, dim=-1)  # (batch, nh, hd) each
-        gate = gate.reshape(batch, -1)
-        q = att.q_norm(q)[:, :, None]  # (batch, nh, 1, hd)
-        k = att.k_norm(att.k_proj(h).view(batch, -1, hd))[:, :, None]
-        v = att.v_proj(h).view(batch, -1, 1, hd)
+        batch, T, hd = h.shape[0], h.shape[1], att.head_dim
+        q, gate = att.q_proj(h).view(batch, T, -1, hd * 2).chunk(2, dim=-1)  # (batch, T, nh, hd) each
+        q = att.q_norm(q).transpose(1, 2)  # (batch, nh, T, hd)
+        k = att.k_norm(att.k_proj(h).view(batch, T, -1, hd)).transpose(1, 2)
+        v = att.v_proj(h).view(batch, T, -1, hd).transpose(1, 2)
         q, k = m.apply_rotary_pos_emb(q, k, *cos_sin)
-        pos = torch.arange(self.max_seq_len, device=h.device)
-        here = (pos[None, :] == lengths.long()[:, None])[:, None, :, None]
-        k_cache = torch.where(here, k.to(k_cache.dtype), k_cache)
-        v_cache = torch.where(here, v.to(v_cache.dtype), v_cache)
-        rep = q.shape[1] // k_cache.shape[1]
-        keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
-        vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
-        scores = torch.matmul(q, keys.transpose(2, 3)) * att.scaling  # (batch, nh, 1, S)
-        visible = (pos[None, :] <= lengths.long()[:, None])[:, None, None, :]
-        scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(probs, vals).reshape(batch, -1) * torch.sigmoid(gate)
+        o, k_cache, v_cache = window_attention(q, k, v, k_cache, v_cache, lengths, att.scaling)
+        o = o.transpose(1, 2).reshape(batch, T, -1) * torch.sigmoid(gate.reshape(batch, T, -1))
         return att.o_proj(o), k_cache, v_cache
 
-    def _gdn(self, layer, h, conv_state, st, cursor, sbi):
+    def _gdn(self, layer, h, conv_window, st, cursor, sbi):
         from .qwen3_next import _projections
 
         mx = layer.linear_attn
-        batch = h.shape[0]
+        batch, T = h.shape[:2]
         H, HV, Kd, V = mx.num_k_heads, mx.num_v_heads, mx.head_k_dim, mx.head_v_dim
-        mixed, z, b, a = _projections(mx, h[:, None])
-        window = torch.cat([conv_state[:, :, 1:], mixed[:, 0, :, None].to(conv_state.dtype)], dim=-1)
-        conv = (window * mx.conv1d.weight.squeeze(1)).sum(-1)
-        if mx.conv1d.bias is not None:
-            conv = conv + mx.conv1d.bias
+        mixed, z, b, a = _projections(mx, h)
+        conv, window = window_conv(conv_window, mixed, mx.conv1d, self.config.linear_conv_kernel_dim)
         q, k, v = F.silu(conv).to(h.dtype).split([mx.key_dim, mx.key_dim, mx.value_dim], dim=-1)
-        y, *new = GDNDecode.apply(q.reshape(batch, H, Kd), k.reshape(batch, H, Kd), v.reshape(batch, HV, V),
-                                  a.reshape(batch, HV), b.reshape(batch, HV), mx.A_log.float(), mx.dt_bias.float(),
-                                  sbi, cursor, *st, (H, HV, Kd, V, self.buffer_len), self.backend)
-        core = mx.norm(y.reshape(batch * HV, V).to(h.dtype), z.reshape(batch * HV, V))
-        return mx.out_proj(core.reshape(batch, HV * V)), [window, *new]
+        y, *new = self._gdn_op(q.reshape(batch, T, H, Kd), k.reshape(batch, T, H, Kd), v.reshape(batch, T, HV, V),
+                               a.reshape(batch, T, HV), b.reshape(batch, T, HV), mx.A_log.float(), mx.dt_bias.float(),
+                               sbi, cursor, st)
+        core = mx.norm(y.reshape(batch * T * HV, V).to(h.dtype), z.reshape(batch * T * HV, V))
+        return mx.out_proj(core.reshape(batch, T, HV * V)), [window, *new]
 
-    def _rope(self, lengths):
-        """(cos, sin) (batch, 1, rotary_dim) at the positions ``lengths``, in the activation dtype. Text positions
+    def _gdn_op(self, q, k, v, a, b, A_log, dt_bias, sbi, cursor, st):
+        """One ``gdn_decode`` node on the step's one token; y (batch, 1, HV, V)."""
+        H, HV, Kd, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+        y, *new = GDNDecode.apply(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, sbi, cursor, *st,
+                                  (H, HV, Kd, V, self.buffer_len), self.backend)
+        return (y[:, None], *new)
+
+    def _rope(self, positions):
+        """(cos, sin) (batch, T, rotary_dim) at ``positions`` (batch, T), in the activation dtype. Text positions
         are equal in Qwen3.5's three mrope sections, so its section recomposition (slice writes, ScatterND in
         ONNX) is the identity and both families reduce to the standard rotary table of ``rotary_emb``."""
         rot = self.model.model.rotary_emb
-        freqs = lengths.float()[:, None, None] * rot.inv_freq.float()[None, None, :]
+        freqs = positions.float()[:, :, None] * rot.inv_freq.float()[None, None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return ((emb.cos() * rot.attention_scaling).to(self.act_dtype),
                 (emb.sin() * rot.attention_scaling).to(self.act_dtype))
 
-    def forward(self, input_ids, lengths, cursor, *states):
+    def _layers(self, input_ids, lengths, cursor, states):
+        """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
         m = self.model.model
-        h = m.embed_tokens(input_ids[:, 0])
-        cos, sin = self._rope(lengths)
-        sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+        h = m.embed_tokens(input_ids)
+        batch, T = input_ids.shape
+        cos_sin = self._rope(lengths[:, None] + torch.arange(T, dtype=lengths.dtype, device=h.device)[None, :])
+        sbi = torch.arange(batch, dtype=torch.int32, device=h.device)
         new_states, j = [], 0
         for kind, layer in zip(self.kinds, m.layers):
             res = h
             hn = layer.input_layernorm(h)
             if kind == "full_attention":
-                out, kc, vc = self._attention(layer, hn, states[j], states[j + 1], lengths, (cos, sin))
+                out, kc, vc = self._attention(layer, hn, states[j], states[j + 1], lengths, cos_sin)
                 new_states += [kc, vc]
                 j += 2
             else:
@@ -208,6 +263,67 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
             h = res + out
             hn = layer.post_attention_layernorm(h)
             mlp = layer.mlp
-            h = h + (moe_dense(hn, mlp) if hasattr(mlp, "experts") else mlp(hn))
-        logits = self.model.lm_head(m.norm(h)).float()
-        return (logits, lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
+            if hasattr(mlp, "experts"):
+                h = h + moe_dense(hn.reshape(batch * T, -1), mlp).reshape(batch, T, -1)
+            else:
+                h = h + mlp(hn)
+        return self.model.lm_head(m.norm(h)).float(), new_states
+
+    def forward(self, input_ids, lengths, cursor, *states):
+        logits, new_states = self._layers(input_ids, lengths, cursor, states)
+        return (logits[:, 0], lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
+
+
+class QwenGDNSpecStep(QwenGDNDecodeStep):
+    """Verify graph of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model (module docstring);
+    the commit graph is ``spec_step.NemotronHSpecCommit(step)``."""
+
+    def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int, backend=None):
+        super().__init__(model, buffer_len, max_seq_len, backend or verify_reference_backend)
+        self.num_draft = num_draft
+        self.num_tokens = _check_window(num_draft, buffer_len)
+        self.window = model.config.linear_conv_kernel_dim - 1 + num_draft
+
+    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
+        return StateSpec(f"conv_window_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_window_{i}_out")
+
+    def output_names(self) -> list[str]:
+        return ["logits"] + [s.output for s in self.state_specs()]
+
+    def _gdn_op(self, q, k, v, a, b, A_log, dt_bias, sbi, cursor, st):
+        H, HV, Kd, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
+        return GDNVerify.apply(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *st,
+                               (H, HV, Kd, V, self.buffer_len, self.num_tokens), self.backend)
+
+    def states_from_patched(self, decoder, cache, lengths: int, start=0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(cursor (batch, 2), state inputs) equivalent to a patched model (``decoder`` = GDNReplayDecoder with
+        the same buffer length, ``cache`` its transformers cache holding ``lengths`` tokens per row). The
+        standard buffer (entries 0..k-1) is the ring with count k, rotated to ring start ``start``."""
+        if decoder.buffer_len != self.buffer_len:
+            raise ValueError(f"decoder: buffer_len {decoder.buffer_len} differs from the step's {self.buffer_len}")
+        count = decoder.cursor.to(torch.int32)
+        batch = count.shape[0]
+        if int(count.max()) > self.buffer_len - self.num_tokens:
+            raise ValueError(f"decoder.cursor: a verify window needs count <= L - T = "
+                             f"{self.buffer_len - self.num_tokens}, got {count.tolist()}")
+        start = torch.as_tensor(start, dtype=torch.int32).expand(batch) % self.buffer_len
+        K = self.config.linear_conv_kernel_dim
+        out = []
+        for i, kind in enumerate(self.kinds):
+            if kind == "full_attention":
+                out += self._kv_states(cache, i, lengths)
+            else:
+                conv = cache.get_conv_state(i)  # (batch, conv_dim, K): the last K inputs, newest last
+                window = conv.new_zeros((batch, conv.shape[1], self.window))
+                window[:, :, self.window - (K - 1):] = conv[:, :, 1:]
+                b = decoder.bufs[i]
+                out += [window, b.state.clone(),
+                        *rotate_rings((b.u_cache, b.v_cache, b.k_cache, b.g_cache, b.beta_cache), start)]
+        return torch.stack([start, count], dim=1), out
+
+    def forward(self, input_ids, lengths, cursor, *states):
+        if input_ids.shape[1] != self.num_tokens:
+            raise ValueError(f"input_ids: expected (batch, {self.num_tokens}) (1 + num_draft tokens), "
+                             f"got {tuple(input_ids.shape)}")
+        logits, new_states = self._layers(input_ids, lengths, cursor, states)
+        return (logits, *new_states)

@@ -9,6 +9,8 @@
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
 * ``gdn_decode``: :func:`builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
   copies of the six GDN state inputs, which become the outputs after y.
+* ``gdn_verify``: :func:`builders.gdn_step.verify_reference_backend` (``gdn_reference`` flush + verify),
+  same outputs; the cursor is read only.
 Declared for fp32 activations and an fp32 state (the graphs the CPU tests export); attributes are
 accepted and checked against the input shapes.
 """
@@ -19,7 +21,8 @@ import numpy as np
 import torch
 
 from .decode_step import DOMAIN, OP_TYPE
-from .gdn_step import GDN_OP_TYPE
+from .gdn_step import GDN_OP_TYPE, GDN_VERIFY_OP_TYPE
+from .gdn_step import verify_reference_backend as gdn_verify_backend
 from .nemotron_h import reference_backend
 from .spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, commit_reference_backend, verify_reference_backend
 
@@ -52,22 +55,36 @@ def _verify(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt
     return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
 
 
-def _gdn(q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, **attrs):
+_GDN_ATTRS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "buffer_len")
+
+
+def _gdn_run(op_type, backend, window: int, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc,
+             attrs):
+    """One GDN plugin op (``window`` = 1 when q, k, v, a, b carry a window axis) on copies of the states."""
     from trtllm_replayssm.gdn_reference import GDNBuffers
 
-    from .qwen3_next import reference_backend as gdn_backend
-
-    got = (k.shape[1], v.shape[1], k.shape[2], v.shape[2], u.shape[2])
-    want = tuple(attrs[n] for n in ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "buffer_len"))
+    got = (k.shape[1 + window], v.shape[1 + window], k.shape[2 + window], v.shape[2 + window], u.shape[2])
+    names = _GDN_ATTRS + (("num_tokens",) if window else ())
+    got += (v.shape[1],) if window else ()
+    want = tuple(attrs[n] for n in names)
     if got != want:
-        raise ValueError(f"{DOMAIN}::{GDN_OP_TYPE}: attributes (num_k_heads, num_v_heads, key_dim, value_dim, "
-                         f"buffer_len) = {want}, inputs have {got}")
+        raise ValueError(f"{DOMAIN}::{op_type}: attributes ({', '.join(names)}) = {want}, inputs have {got}")
     t = lambda x: torch.from_numpy(np.array(x))  # noqa: E731  (copies: the outputs must not alias the inputs)
     buf = GDNBuffers(*(t(x) for x in (state, u, vc, kc, gc, bc)))
-    y = gdn_backend(buf=buf, cursor=t(cursor), q=t(q), k=t(k), v=t(v), a=t(a), b=t(b), A_log=t(A_log),
-                    dt_bias=t(dt_bias), state_batch_indices=t(sbi))
+    y = backend(buf=buf, cursor=t(cursor), q=t(q), k=t(k), v=t(v), a=t(a), b=t(b), A_log=t(A_log),
+                dt_bias=t(dt_bias), state_batch_indices=t(sbi))
     return (y.numpy(), *(x.numpy() for x in (buf.state, buf.u_cache, buf.v_cache, buf.k_cache, buf.g_cache,
                                               buf.beta_cache)))
+
+
+def _gdn(*args, **attrs):
+    from .qwen3_next import reference_backend as gdn_backend
+
+    return _gdn_run(GDN_OP_TYPE, gdn_backend, 0, *args, attrs)
+
+
+def _gdn_verify(*args, **attrs):
+    return _gdn_run(GDN_VERIFY_OP_TYPE, gdn_verify_backend, 1, *args, attrs)
 
 
 def _commit(sbi, n_accepted, cursor, **attrs):
@@ -93,10 +110,12 @@ def register() -> str:
         onnx_op(op_type=f"{DOMAIN}::{COMMIT_OP_TYPE}", inputs=[i32] * 3, outputs=[i32],
                 attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_tokens": i64,
                        "buffer_len": i64})(_commit)
+        gdn_attrs = {"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_k_heads": i64,
+                     "num_v_heads": i64, "key_dim": i64, "value_dim": i64, "buffer_len": i64, "use_qk_l2norm": i64}
         onnx_op(op_type=f"{DOMAIN}::{GDN_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
-                attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_k_heads": i64,
-                       "num_v_heads": i64, "key_dim": i64, "value_dim": i64, "buffer_len": i64,
-                       "use_qk_l2norm": i64})(_gdn)
+                attrs=gdn_attrs)(_gdn)
+        onnx_op(op_type=f"{DOMAIN}::{GDN_VERIFY_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
+                attrs={**gdn_attrs, "num_tokens": i64})(_gdn_verify)
         _registered = True
     return get_library_path()
 

@@ -137,6 +137,49 @@ class SpecCommit(torch.autograd.Function):
         return out
 
 
+# ---- window pieces shared by the verify steps (Nemotron-H here, Qwen3-Next / Qwen3.5 in gdn_step) --------
+def window_conv(window, inputs, conv1d, K: int):
+    """Causal depthwise conv of the T window inputs ``inputs`` (batch, T, C) over [the last K - 1 committed
+    inputs (the window's last K - 1 columns), the T inputs]: (conv (batch, T, C) before the activation,
+    the new window = the last W columns of [window, inputs]). ``window`` (batch, C, W = K - 1 + num_draft)."""
+    T, W = inputs.shape[1], window.shape[2]
+    u = inputs.transpose(1, 2).to(window.dtype)  # (batch, C, T)
+    seq = torch.cat([window[:, :, W - (K - 1):], u], dim=-1)
+    weight = conv1d.weight.squeeze(1)
+    conv = torch.stack([(seq[:, :, t:t + K] * weight).sum(-1) for t in range(T)], dim=1)
+    if conv1d.bias is not None:
+        conv = conv + conv1d.bias
+    return conv, torch.cat([window, u], dim=-1)[:, :, T:]
+
+
+def window_attention(q, k, v, k_cache, v_cache, lengths, scaling):
+    """Attention of T window queries over a dense KV cache: the T new K/V written at lengths + t (one-hot
+    selects: exact copies, no arithmetic on the cache), query t attends keys j <= lengths + t.
+    q (batch, nh, T, hd); k, v (batch, kvh, T, hd); caches (batch, kvh, max_seq_len, hd).
+    Returns (o (batch, nh, T, hd), k_cache, v_cache)."""
+    T, max_seq = q.shape[2], k_cache.shape[2]
+    pos = torch.arange(max_seq, device=q.device)
+    at = lengths.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # (batch, T) new positions
+    for t in range(T):
+        here = (pos[None, :] == at[:, t:t + 1])[:, None, :, None]
+        k_cache = torch.where(here, k[:, :, t:t + 1].to(k_cache.dtype), k_cache)
+        v_cache = torch.where(here, v[:, :, t:t + 1].to(v_cache.dtype), v_cache)
+    rep = q.shape[1] // k_cache.shape[1]
+    keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
+    vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scaling  # (batch, nh, T, S)
+    visible = (pos[None, None, :] <= at[:, :, None])[:, None]
+    scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vals), k_cache, v_cache
+
+
+def rotate_rings(rings, start) -> list[torch.Tensor]:
+    """Standard buffers (slots, heads, L, ...) (entry j at index j) as rings starting at ``start`` (slots,):
+    entry j moves to index (start + j) % L, for every slot."""
+    return [torch.stack([torch.roll(t[b], int(start[b]), dims=1) for b in range(t.shape[0])]) for t in rings]
+
+
 def _check_window(num_draft: int, buffer_len: int) -> int:
     T = num_draft + 1
     if num_draft < 1:
@@ -188,8 +231,7 @@ class NemotronHSpecStep(NemotronHDecodeStep):
                 window = conv.new_zeros((batch, conv.shape[1], self.window))
                 window[:, :, self.window - (K - 1):] = conv[:, :, 1:]
                 c = decoder.caches[i]
-                rings = [torch.stack([torch.roll(t[b], int(start[b]), dims=1) for b in range(batch)])
-                         for t in (c["x_cache"], c["B_cache"], c["dt_cache"])]
+                rings = rotate_rings((c["x_cache"], c["B_cache"], c["dt_cache"]), start)
                 out += [window, c["state"].to(self.state_dtype).clone(), *rings]
         return torch.stack([start, count], dim=1), out
 
@@ -200,35 +242,16 @@ class NemotronHSpecStep(NemotronHDecodeStep):
         q = att.q_proj(h).view(batch, T, nh, hd).transpose(1, 2)
         k = att.k_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
         v = att.v_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
-        pos = torch.arange(self.max_seq_len, device=h.device)
-        at = lengths.long()[:, None] + torch.arange(T, device=h.device)[None, :]  # (batch, T) new positions
-        for t in range(T):  # T one-hot selects: exact copies, no arithmetic on the cache
-            here = (pos[None, :] == at[:, t:t + 1])[:, None, :, None]
-            k_cache = torch.where(here, k[:, :, t:t + 1], k_cache)
-            v_cache = torch.where(here, v[:, :, t:t + 1], v_cache)
-        rep = nh // kvh
-        keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
-        vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
-        scores = torch.matmul(q, keys.transpose(2, 3)) * att.scaling  # (batch, nh, T, S)
-        visible = (pos[None, None, :] <= at[:, :, None])[:, None]  # query t sees keys j <= lengths + t
-        scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(probs, vals).transpose(1, 2).reshape(batch, T, nh * hd)
-        return att.o_proj(o), k_cache, v_cache
+        o, k_cache, v_cache = window_attention(q, k, v, k_cache, v_cache, lengths, att.scaling)
+        return att.o_proj(o.transpose(1, 2).reshape(batch, T, nh * hd)), k_cache, v_cache
 
     def _mamba(self, i, layer, h, window, state, x_cache, B_cache, dt_cache, cursor, sbi):
         mx = layer.mixer
         batch, T = h.shape[:2]
         H, P, N, G = mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups
-        K, W = self.config.conv_kernel, self.window
+        K = self.config.conv_kernel
         gate, xBC, dt = mx.in_proj(h).split([mx.intermediate_size, mx.conv_dim, H], dim=-1)
-        u = xBC.transpose(1, 2).to(window.dtype)  # (batch, conv_dim, T)
-        seq = torch.cat([window[:, :, W - (K - 1):], u], dim=-1)  # last K-1 committed inputs, then the window
-        weight = mx.conv1d.weight.squeeze(1)
-        conv = torch.stack([(seq[:, :, t:t + K] * weight).sum(-1) for t in range(T)], dim=1)  # (batch, T, conv_dim)
-        if mx.conv1d.bias is not None:
-            conv = conv + mx.conv1d.bias
-        new_window = torch.cat([window, u], dim=-1)[:, :, T:]  # the last W inputs
+        conv, new_window = window_conv(window, xBC, mx.conv1d, K)
         xBC = F.silu(conv).to(h.dtype)
         x, B, C = xBC.split([mx.intermediate_size, G * N, G * N], dim=-1)
         y, state, x_cache, B_cache, dt_cache = Mamba2Verify.apply(

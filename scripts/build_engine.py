@@ -21,13 +21,15 @@ Output (written to a temporary sibling directory, renamed to --out at the end):
   trtexec.sh            the command that builds model.plan from model.onnx
   model.plan            only where TensorRT >= 10.9 and a GPU are present
 
-With ``--num-draft N`` (speculative decoding, T = N + 1 tokens per step; builders/spec_step.py) the
-directory holds two graphs instead of model.onnx, run once each per step with sampling in between:
+With ``--num-draft N`` (speculative decoding, T = N + 1 tokens per step; builders/spec_step.py,
+builders/gdn_step.py) the directory holds two graphs instead of model.onnx, run once each per step with
+sampling in between:
   verify.onnx           input_ids (batch, T), lengths, cursor (batch, 2) and the states; logits
                         (batch, T, vocab); one ``replayssm::mamba2_verify`` node per Mamba layer
+                        (``replayssm::gdn_verify`` per Gated DeltaNet layer for Qwen3-Next / Qwen3.5)
   commit.onnx           n_accepted, cursor, lengths, conv windows -> cursor_out (one
                         ``replayssm::spec_commit`` node), lengths_out, rolled-back conv windows
-  <spec key>.ptx        ``replayssm_verify`` per tactic and ``replayssm_spec_commit``
+  <spec key>.ptx        ``replayssm_verify`` (``gdn_verify``) per tactic and ``replayssm_spec_commit``
   config.json           format trtllm-replayssm-spec-step/1: both graphs' I/O, the states and which
                         graph updates each, the plugin manifest (ids, I/O, aliases, attributes, kernels)
   trtexec.sh            the commands for verify.plan and commit.plan
@@ -136,9 +138,6 @@ def parse_args(argv=None):
         p.error(f"--tiny: the embedded tiny configs are used only without --model, got --tiny {a.tiny} with --model")
     if a.model is not None and not a.model.is_dir():
         p.error(f"--model: expected an existing directory, got {str(a.model)!r}")
-    if a.num_draft and is_gdn(a):
-        p.error("--num-draft: speculative decoding of Gated DeltaNet models is not built yet (the GDN verify kernel "
-                "is missing); use --num-draft 0")
     if a.out.exists() and not a.overwrite:
         p.error(f"--out: {str(a.out)!r} already exists (choose another directory or pass --overwrite)")
     return a
@@ -179,6 +178,43 @@ def load_gdn(args, act):
     return AutoModelForCausalLM.from_pretrained(str(args.model), dtype=act).eval()
 
 
+def check_gdn_state_dtype(args) -> None:
+    if args.state_dtype != "fp32":
+        raise BuildError(f"--state-dtype: Gated DeltaNet checkpoints are fp32 (the gdn_decode / gdn_verify "
+                         f"plugins), got {args.state_dtype}")
+
+
+def gdn_model_entry(args, model) -> dict:
+    """config.json's ``model`` for a Gated DeltaNet hybrid (pattern letter G, * for attention)."""
+    from builders.qwen3_next import gdn_layers
+
+    cfg = model.config
+    kinds = list(cfg.layer_types)
+    return dict(source=str(args.model) if args.model else f"embedded-tiny-{args.tiny}",
+                seed=None if args.model else args.seed, model_type=cfg.model_type,
+                pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
+                vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
+                gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"])
+
+
+def _gdn_spec_artifacts(args, model, tmp):
+    """verify.onnx (one gdn_verify node per GDN layer) + commit.onnx, their PTX, config.json's content and the
+    trtexec commands (builders/gdn_step.py's QwenGDNSpecStep, builders/spec_step.py's commit graph)."""
+    from builders.gdn_step import GDN_VERIFY_OP_TYPE, QwenGDNSpecStep
+    from builders.qwen3_next import gdn_layers
+
+    check_gdn_state_dtype(args)
+    H, HV, K, V = check_gdn_geometry(model.config)
+    T, L = args.num_draft + 1, args.buffer_len
+    act = DTYPE_CODES[DTYPES[args.dtype]]
+    step = QwenGDNSpecStep(model, L, args.max_seq_len, args.num_draft)
+    verify = dict(op_type=GDN_VERIFY_OP_TYPE, plugin=trt_plugin.GDN_VERIFY_PLUGIN_NAME, nodes=len(gdn_layers(model)),
+                  attributes=dict(num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=L,
+                                  use_qk_l2norm=1, num_tokens=T),
+                  make=lambda t: trt_plugin.aot_gdn_verify_kernel(H, HV, K, V, L, 1, T, act, args.arch, t))
+    return _spec_graphs(args, step, tmp, verify, gdn_model_entry(args, model), model.config.vocab_size)
+
+
 def _gdn_decode_artifacts(args, model, tmp):
     """model.onnx (one gdn_decode node per GDN layer), the gdn_decode PTX per tactic, config.json's content
     and the trtexec command (the state contract of builders/gdn_step.py)."""
@@ -186,9 +222,7 @@ def _gdn_decode_artifacts(args, model, tmp):
     from builders.gdn_step import GDN_OP_TYPE, QwenGDNDecodeStep, export_onnx
     from builders.qwen3_next import gdn_layers
 
-    if args.state_dtype != "fp32":
-        raise BuildError(f"--state-dtype: Gated DeltaNet checkpoints are fp32 (the gdn_decode plugin), got "
-                         f"{args.state_dtype}")
+    check_gdn_state_dtype(args)
     cfg = model.config
     H, HV, K, V = check_gdn_geometry(cfg)
     ngdn = len(gdn_layers(model))
@@ -203,15 +237,10 @@ def _gdn_decode_artifacts(args, model, tmp):
         kernels.append(_kernel_entry(k, tactic))
     log("[4/5] writing config.json and trtexec.sh")
     sio = _step_io(step, args, tmp, cfg.vocab_size, f"{DOMAIN}::{GDN_OP_TYPE}")
-    kinds = list(cfg.layer_types)
     info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME]
     config = dict(
         format="trtllm-replayssm-decode-step/1",
-        model=dict(source=str(args.model) if args.model else f"embedded-tiny-{args.tiny}",
-                   seed=None if args.model else args.seed, model_type=cfg.model_type,
-                   pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
-                   vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
-                   gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"]),
+        model=gdn_model_entry(args, model),
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
         act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
         inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"],
@@ -386,25 +415,37 @@ def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
 
 
 def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
-    """verify.onnx + commit.onnx, the mamba2_verify PTX per tactic and the spec_commit PTX, config.json's
-    content and the trtexec commands."""
-    from builders.decode_step import DOMAIN
-    from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecCommit, NemotronHSpecStep, export_onnx
+    """verify.onnx + commit.onnx of a Nemotron-H / Nemotron 3 model (one mamba2_verify node per Mamba layer)."""
+    from builders.spec_step import VERIFY_OP_TYPE, NemotronHSpecStep
 
-    act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
-    T = args.num_draft + 1
-    step = NemotronHSpecStep(model, args.buffer_len, args.max_seq_len, args.num_draft, state_dtype,
+    act, state_dtype = DTYPE_CODES[DTYPES[args.dtype]], DTYPES[args.state_dtype]
+    T, L = args.num_draft + 1, args.buffer_len
+    step = NemotronHSpecStep(model, L, args.max_seq_len, args.num_draft, state_dtype,
                              moe_formulation=args.moe_formulation)
+    verify = dict(op_type=VERIFY_OP_TYPE, plugin=trt_plugin.VERIFY_PLUGIN_NAME, nodes=nmamba,
+                  attributes=dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=L, num_tokens=T),
+                  make=lambda t: trt_plugin.aot_verify_kernel(H, P, N, G, L, T, DTYPE_CODES[state_dtype], act,
+                                                              args.arch, t))
+    return _spec_graphs(args, step, tmp, verify, model_entry(args, model), model.config.vocab_size)
+
+
+def _spec_graphs(args, step, tmp, verify: dict, model: dict, vocab: int):
+    """The speculative engine directory of any verify step (``verify``: its plugin's op_type, name, node
+    count, attributes and PTX maker per tactic): verify.onnx + commit.onnx, the verify PTX per tactic and
+    the spec_commit PTX, config.json's content and the trtexec commands."""
+    from builders.decode_step import DOMAIN
+    from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit, export_onnx
+
+    T = step.num_tokens
+    VERIFY_OP_TYPE = verify["op_type"]
     commit = NemotronHSpecCommit(step)
-    log(f"[2/5] exporting verify.onnx ({nmamba} {DOMAIN}::{VERIFY_OP_TYPE} nodes, T = {T}) and commit.onnx "
+    log(f"[2/5] exporting verify.onnx ({verify['nodes']} {DOMAIN}::{VERIFY_OP_TYPE} nodes, T = {T}) and commit.onnx "
         f"(one {DOMAIN}::{COMMIT_OP_TYPE} node)")
     export_onnx(step, tmp / "verify.onnx", tmp / "commit.onnx")
 
     verify_kernels = []
     for tactic in sorted(trt_plugin.TACTICS):
-        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_verify_kernel(
-            H, P, N, G, args.buffer_len, T, DTYPE_CODES[state_dtype], DTYPE_CODES[act], args.arch, t),
-            f"{VERIFY_OP_TYPE}, tactic {tactic}")
+        k = _write_ptx(tmp, lambda t=tactic: verify["make"](t), f"{VERIFY_OP_TYPE}, tactic {tactic}")
         log(f"[3/5] plugin PTX {VERIFY_OP_TYPE}, tactic {tactic}: {k.spec.key} (NVRTC)")
         verify_kernels.append(_kernel_entry(k, tactic))
     k = _write_ptx(tmp, lambda: trt_plugin.aot_commit_kernel(T, args.buffer_len, args.arch), COMMIT_OP_TYPE)
@@ -430,7 +471,7 @@ def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
     graphs = {}
     cmds = []
     for name, io, module, out_first in (
-            ("verify", verify_io, step, [dict(name="logits", shape=[-1, T, cfg.vocab_size], dtype="float32")]),
+            ("verify", verify_io, step, [dict(name="logits", shape=[-1, T, vocab], dtype="float32")]),
             ("commit", commit_io, commit, [])):
         shapes = [(n, tuple(sh)) for n, sh, _ in io]
         cmd = trtexec_command(shapes, args.max_batch).replace("model.onnx", f"{name}.onnx").replace(
@@ -447,11 +488,11 @@ def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
     (tmp / "trtexec.sh").write_text(
         "#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=" and ".join(f"{DOMAIN}::{p}" for p in plugins))
         + "set -e\n" + "\n".join(cmds) + "\n")
-    verify_manifest = trt_plugin.PLUGINS[trt_plugin.VERIFY_PLUGIN_NAME].manifest()
+    verify_manifest = trt_plugin.PLUGINS[verify["plugin"]].manifest()
     commit_manifest = trt_plugin.PLUGINS[trt_plugin.COMMIT_PLUGIN_NAME].manifest()
     config = dict(
         format="trtllm-replayssm-spec-step/1",
-        model=model_entry(args, model),
+        model=model,
         max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
         num_draft=args.num_draft, num_tokens=T, conv_window=step.window,
         act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
@@ -459,9 +500,8 @@ def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
         states=states,
         step=["verify", "sample n_accepted (batch,) int32 in 1..T from the logits", "commit"],
         plugin=dict(domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, plugins=[
-            dict(verify_manifest, op_type=VERIFY_OP_TYPE, graph="verify", nodes=nmamba,
-                 attributes=dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=args.buffer_len, num_tokens=T),
-                 kernels=verify_kernels),
+            dict(verify_manifest, op_type=VERIFY_OP_TYPE, graph="verify", nodes=verify["nodes"],
+                 attributes=verify["attributes"], kernels=verify_kernels),
             dict(commit_manifest, op_type=COMMIT_OP_TYPE, graph="commit", nodes=1,
                  attributes=dict(num_tokens=T, buffer_len=args.buffer_len), kernels=commit_kernels)]),
         trtexec=cmds,
@@ -503,7 +543,7 @@ def build(args) -> pathlib.Path:
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise survive the rename
     try:
         if gdn:
-            config, plans = _gdn_decode_artifacts(args, model, tmp)
+            config, plans = (_gdn_spec_artifacts if args.num_draft else _gdn_decode_artifacts)(args, model, tmp)
         else:
             make = _spec_artifacts if args.num_draft else _decode_artifacts
             config, plans = make(args, model, tmp, H, P, N, G, nmamba)

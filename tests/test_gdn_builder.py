@@ -237,9 +237,50 @@ def test_build_engine_tiny_gdn(tmp_path, tiny):
     assert {s["output"] for s in cfg["states"]} | {"logits"} == {o.name for o in g.graph.output}
 
 
+@pytest.mark.parametrize("tiny", sorted(FAMILIES))
+def test_build_engine_gdn_spec(tmp_path, tiny):
+    """--num-draft for a GDN model: verify.onnx (one gdn_verify node per GDN layer) + commit.onnx, the PTX
+    aot_impl hands TensorRT for gdn_verify and spec_commit, the states and which graph updates each."""
+    import json
+
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    from builders.decode_step import DOMAIN
+    from trtllm_replayssm import trt_plugin as tp
+
+    out = tmp_path / "spec"
+    r = _build("--out", out, "--buffer-len", 8, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--num-draft", 3,
+               "--tiny", tiny)
+    assert r.returncode == 0, r.stderr
+    assert "verify.plan and commit.plan not built" in r.stdout and "trtexec --onnx=verify.onnx" in r.stdout
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["format"] == "trtllm-replayssm-spec-step/1" and (cfg["num_draft"], cfg["num_tokens"]) == (3, 4)
+    assert cfg["model"]["pattern"] == "GGG*" and cfg["conv_window"] == 3 + 3
+    plugins = {p["id"]: p for p in cfg["plugin"]["plugins"]}
+    assert set(plugins) == {"replayssm::gdn_verify", "replayssm::spec_commit"}
+    verify = plugins["replayssm::gdn_verify"]
+    assert verify["attributes"] == dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=64, buffer_len=8,
+                                        use_qk_l2norm=1, num_tokens=4)
+    assert verify["nodes"] == 3 and verify["inputs"] == list(tp.GDN_INPUT_NAMES)
+    for k in verify["kernels"]:
+        want = tp.aot_gdn_verify_kernel(2, 4, 64, 64, 8, 1, 4, "f32", 90, k["tactic"])
+        assert (out / k["ptx"]).read_bytes() == want.ptx and k["kernel"] == "gdn_verify"
+    script = (out / "trtexec.sh").read_text()
+    assert "replayssm::gdn_verify and replayssm::spec_commit" in script
+    for name, op, count in (("verify", "gdn_verify", 3), ("commit", "spec_commit", 1)):
+        g = onnx.load(str(out / f"{name}.onnx"))
+        assert [n.op_type for n in g.graph.node if n.domain == DOMAIN] == [op] * count
+        graph = cfg["graphs"][name]
+        assert [i.name for i in g.graph.input] == [i["name"] for i in graph["inputs"]]
+        assert [o.name for o in g.graph.output] == [o["name"] for o in graph["outputs"]]
+    states = {s["name"]: s for s in cfg["states"]}
+    assert states["conv_window_0"]["shape"] == [-1, 2 * 2 * 64 + 4 * 64, 6]
+    assert states["conv_window_0"]["updated_by"] == {"verify": "conv_window_0_out", "commit": "conv_window_0_out"}
+    assert states["gdn_u_1"]["updated_by"] == {"verify": "gdn_u_1_out"} and states["gdn_u_1"]["shape"] == [-1, 4, 8, 64]
+
+
 def test_build_engine_gdn_refuses_what_it_cannot_build(tmp_path):
-    r = _build("--out", tmp_path / "e", "--tiny", "qwen3_5", "--num-draft", 3)
-    assert r.returncode == 2 and "--num-draft: speculative decoding of Gated DeltaNet models" in r.stderr
     r = _build("--out", tmp_path / "e", "--tiny", "qwen3_5", "--state-dtype", "bf16")
     assert r.returncode == 1 and "--state-dtype: Gated DeltaNet checkpoints are fp32" in r.stderr
+    r = _build("--out", tmp_path / "e", "--tiny", "qwen3_5", "--num-draft", 3, "--buffer-len", 4)
+    assert r.returncode == 2 and "--buffer-len: speculative decoding needs >= 2 (num_draft + 1) = 8" in r.stderr
     assert not (tmp_path / "e").exists() and list(tmp_path.iterdir()) == []

@@ -54,6 +54,8 @@ from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecComm
 from trtllm_replayssm import reference
 from trtllm_replayssm import spec_reference as sr
 
+from .spec_driver import ModuleRunner, OrtRunner, SpecDecode, greedy_accept, random_accept
+
 NUM_DRAFT, L_SPEC, L_SEQ = 3, 16, 4
 T = NUM_DRAFT + 1
 MAX_SEQ = 96
@@ -91,110 +93,6 @@ def graphs(model, tmp_path_factory):
 def _prompts(seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(2, VOCAB, (n,), generator=gen) for n in PROMPT_LENS]
-
-
-# ---- runners: the graphs in onnxruntime, or the modules in PyTorch -----------------------------------------
-class OrtRunner:
-    def __init__(self, step, commit, sv, sc):
-        self.step, self.commit_m, self.sv, self.sc = step, commit, sv, sc
-
-    def verify(self, ids, lengths, cursor, states):
-        feed = [t.numpy().copy() for t in (ids, lengths, cursor, *states)]
-        got = self.sv.run(None, dict(zip(self.step.input_names(), feed)))
-        return torch.from_numpy(got[0]), [torch.from_numpy(a) for a in got[1:]]
-
-    def commit(self, n, cursor, lengths, windows):
-        feed = [t.numpy().copy() for t in (n, cursor, lengths, *windows)]
-        got = [torch.from_numpy(a) for a in self.sc.run(None, dict(zip(self.commit_m.input_names(), feed)))]
-        return got[0], got[1], got[2:]
-
-
-class ModuleRunner(OrtRunner):
-    @torch.no_grad()
-    def verify(self, ids, lengths, cursor, states):
-        out = self.step(ids, lengths, cursor, *states)
-        return out[0], list(out[1:])
-
-    @torch.no_grad()
-    def commit(self, n, cursor, lengths, windows):
-        out = self.commit_m(n, cursor, lengths, *windows)
-        return out[0], out[1], list(out[2:])
-
-
-# ---- spec decoding driver -------------------------------------------------------------------------------------
-class SpecDecode:
-    """Rows with their own prompts, handed off to the spec graphs after prefill + PRE_DECODE decode steps."""
-
-    @torch.no_grad()
-    def __init__(self, model, step, prompts):
-        self.model, self.step = model, step
-        self.prompts = prompts
-        self.tokens = []  # per row: tokens after the prompt, the last one sampled but not yet in the caches
-        per_row = []
-        for b, prompt in enumerate(prompts):
-            dec = patch_replayssm(model, buffer_len=step.buffer_len)
-            try:
-                cache = DynamicCache(config=model.config)
-                tok = model(prompt[None], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-                toks = [int(tok)]
-                for _ in range(PRE_DECODE):
-                    tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-                    toks.append(int(tok))
-                per_row.append(step.states_from_patched(dec, cache, len(prompt) + PRE_DECODE, start=STARTS[b]))
-            finally:
-                dec.unpatch()
-            self.tokens.append(toks)
-        self.cursor = torch.cat([c for c, _ in per_row])
-        self.states = [torch.cat(ts) for ts in zip(*(s for _, s in per_row))]
-        self.lengths = torch.tensor([len(p) + PRE_DECODE for p in prompts], dtype=torch.int32)
-        self.names = [s.name for s in step.state_specs()]
-        self.records = [[] for _ in prompts]  # per row: (token, its verify logits) of committed positions
-        self.flushes = [0] * len(prompts)
-
-    def window_of(self, states):
-        return [t for n, t in zip(self.names, states) if n.startswith("conv_window_")]
-
-    def run_step(self, runner, drafts, accept):
-        """One verify + accept + commit; ``accept(ids, logits) -> n (batch,) int32``."""
-        last = torch.tensor([t[-1] for t in self.tokens])
-        ids = torch.cat([last[:, None], drafts], dim=1)
-        for b in range(len(self.tokens)):
-            self.flushes[b] += int(self.cursor[b, 1]) + 2 * T > L_SPEC
-        logits, states = runner.verify(ids, self.lengths, self.cursor, self.states)
-        n = accept(ids, logits)
-        for b in range(len(self.tokens)):
-            k = int(n[b])
-            self.records[b] += [(int(ids[b, t]), logits[b, t].clone()) for t in range(k)]
-            self.tokens[b] += [int(ids[b, t]) for t in range(1, k)] + [int(logits[b, k - 1].argmax())]
-        cursor, lengths, windows = runner.commit(n, self.cursor, self.lengths, self.window_of(states))
-        it = iter(windows)
-        self.states = [next(it) if name.startswith("conv_window_") else t for name, t in zip(self.names, states)]
-        self.cursor, self.lengths = cursor, lengths
-        return ids, logits, n
-
-
-def _random_accept(gen):
-    step = [0]
-
-    def accept(ids, logits):
-        n = torch.randint(1, T + 1, (ids.shape[0],), generator=gen, dtype=torch.int32)
-        if step[0] % 3 == 2:
-            n[:] = T
-        if step[0] % 4 == 3:
-            n[0] = 1
-        step[0] += 1
-        return n
-
-    return accept
-
-
-def _greedy_accept(ids, logits):
-    pred = logits.argmax(-1)  # (batch, T): the token each position predicts next
-    n = torch.ones(ids.shape[0], dtype=torch.int32)
-    for b in range(ids.shape[0]):
-        while int(n[b]) < T and int(ids[b, n[b]]) == int(pred[b, n[b] - 1]):
-            n[b] += 1
-    return n
 
 
 @torch.no_grad()
@@ -284,8 +182,8 @@ def test_onnx_graphs_match_the_modules(model, graphs):
     step, commit, _, sv, sc = graphs
     ort, mod = OrtRunner(step, commit, sv, sc), ModuleRunner(step, commit, sv, sc)
     gen = torch.Generator().manual_seed(3)
-    a, b = SpecDecode(model, step, _prompts()), SpecDecode(model, step, _prompts())
-    accept = _random_accept(torch.Generator().manual_seed(4))
+    a, b = (SpecDecode(model, step, _prompts(), patch_replayssm, PRE_DECODE, STARTS) for _ in range(2))
+    accept = random_accept(torch.Generator().manual_seed(4), T)
     for s in range(4):
         drafts = torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen)
         n = accept(drafts, None)
@@ -300,10 +198,10 @@ def test_onnx_graphs_match_the_modules(model, graphs):
 
 def test_random_acceptance_matches_sequential_decoding(model, graphs):
     step, commit, _, sv, sc = graphs
-    run = SpecDecode(model, step, _prompts())
+    run = SpecDecode(model, step, _prompts(), patch_replayssm, PRE_DECODE, STARTS)
     ort = OrtRunner(step, commit, sv, sc)
     gen = torch.Generator().manual_seed(5)
-    accept = _random_accept(torch.Generator().manual_seed(6))
+    accept = random_accept(torch.Generator().manual_seed(6), T)
     for _ in range(STEPS):
         run.run_step(ort, torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen), accept)
     assert min(run.flushes) >= 2, run.flushes
@@ -314,10 +212,10 @@ def test_random_acceptance_matches_sequential_decoding(model, graphs):
 def test_sequential_comparison_has_teeth(model, graphs):
     """One corrupted committed x entry (row 1, a Mamba layer's ring) must be caught by the oracle."""
     step, commit, _, sv, sc = graphs
-    run = SpecDecode(model, step, _prompts())
+    run = SpecDecode(model, step, _prompts(), patch_replayssm, PRE_DECODE, STARTS)
     ort = OrtRunner(step, commit, sv, sc)
     gen = torch.Generator().manual_seed(5)
-    accept = _random_accept(torch.Generator().manual_seed(6))
+    accept = random_accept(torch.Generator().manual_seed(6), T)
     run.run_step(ort, torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen), accept)
     start, count = (int(v) for v in run.cursor[1])
     assert count + 2 * T <= L_SPEC  # the next verify reads the history (no flush first)
@@ -334,7 +232,7 @@ def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
     prompts = _prompts()
     new = PRE_DECODE + 1 + STEPS * T
     ref = [model.generate(p[None], max_new_tokens=new, do_sample=False)[0, len(p):].tolist() for p in prompts]
-    run = SpecDecode(model, step, prompts)
+    run = SpecDecode(model, step, prompts, patch_replayssm, PRE_DECODE, STARTS)
     assert all(run.tokens[b] == ref[b][:PRE_DECODE + 1] for b in range(len(prompts)))
     ort = OrtRunner(step, commit, sv, sc)
     gen = torch.Generator().manual_seed(7)
@@ -345,7 +243,7 @@ def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
             for i in range(NUM_DRAFT):  # the greedy continuation, 30% corrupted
                 good = ref[b][len(toks) + i]
                 drafts[b, i] = good if torch.rand(1, generator=gen).item() > 0.3 else (good + 1) % VOCAB
-        _, _, n = run.run_step(ort, drafts, _greedy_accept)
+        _, _, n = run.run_step(ort, drafts, greedy_accept)
         accepted += int(n.sum()) - len(prompts)
     for b in range(len(prompts)):
         assert run.tokens[b] == ref[b][:len(run.tokens[b])], b

@@ -432,8 +432,17 @@ PLUGIN_CASES = {
                                      use_qk_l2norm=0),
                                 lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5], "bf16"),
                                 ("f32", "f16", "bf16")),
+    tp.GDN_VERIFY_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8,
+                                     use_qk_l2norm=1, num_tokens=4),
+                                lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5], num_tokens=a["num_tokens"]),
+                                ("f32", "bf16", None)),
+    tp.GDN_VERIFY_SHADOW_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=128, value_dim=64, buffer_len=16,
+                                            use_qk_l2norm=1, num_tokens=2),
+                                       lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5], "bf16",
+                                                                  a["num_tokens"]),
+                                       ("f32", "f16", "bf16")),
 }
-GDN_PLUGINS = (tp.GDN_PLUGIN_NAME, tp.GDN_SHADOW_PLUGIN_NAME)
+GDN_PLUGINS = tp.GDN_DECODE_PLUGINS + tp.GDN_VERIFY_PLUGINS
 
 
 def _types(plugin, state, act, shadow):
@@ -495,6 +504,8 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
             want = tp.aot_commit_kernel(attrs["num_tokens"], attrs["buffer_len"], 90)
         elif plugin == tp.VERIFY_PLUGIN_NAME:
             want = tp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic)
+        elif plugin in tp.GDN_VERIFY_PLUGINS:
+            want = tp.aot_gdn_verify_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         elif plugin in GDN_PLUGINS:
             want = tp.aot_gdn_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         else:
@@ -522,6 +533,42 @@ def test_gdn_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, shadow):
     assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
     assert k.spec == gdn_spec("bf16", 32, 16, 128, 128, 16, tp.TACTICS[tactic], True, shadow, True, None, 90)
     assert k.grid(7) == k.spec.grid(7) and k.block_x == k.spec.threads and k.extra_args == ("batch", "slots")
+
+
+@pytest.mark.parametrize("shadow", ["none", "bf16"])
+@pytest.mark.parametrize("tactic", sorted(tp.TACTICS))
+def test_gdn_verify_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, shadow):
+    """gdn_verify at the Qwen3-Next geometry, T = 4, L = 16: the entry ``gdn_verify`` of the speculative
+    module gdn_ops.gdn_replay_verify compiles, parameters in TensorRT's order."""
+    from trtllm_replayssm.config import gdn_spec
+
+    k = tp.aot_gdn_verify_kernel(16, 32, 128, 128, 16, 1, 4, "bf16", 90, tactic, shadow)
+    assert k.kernel_name == "gdn_verify"
+    params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
+    kinds = re.findall(r"\.param \.(u64|u32)", params)
+    info = tp.PLUGINS[tp.GDN_VERIFY_SHADOW_PLUGIN_NAME if shadow == "bf16" else tp.GDN_VERIFY_PLUGIN_NAME]
+    assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
+    assert k.spec == gdn_spec("bf16", 32, 16, 128, 128, 16, tp.TACTICS[tactic], True, shadow, True, None, 90, 4)
+    assert k.grid(7) == k.spec.grid(7) and k.block_x == k.spec.threads and k.extra_args == ("batch", "slots")
+
+
+def test_gdn_verify_io_contract_attributes_and_rejects():
+    shapes = tp.gdn_io_shapes(3, 5, 16, 32, 128, 64, 16, num_tokens=4)
+    assert shapes["q"] == (3, 4, 16, 128) and shapes["v"] == shapes["y"] == (3, 4, 32, 64)
+    assert shapes["a"] == (3, 4, 32) and shapes["cursor"] == (5, 2) and shapes["state_out"] == (5, 32, 64, 128)
+    attrs = dict(num_k_heads=16, num_v_heads=32, key_dim=128, value_dim=64, buffer_len=16, use_qk_l2norm=1,
+                 num_tokens=4)
+    assert tp.shape_attributes(tp.GDN_VERIFY_PLUGIN_NAME, shapes) == {k: v for k, v in attrs.items()
+                                                                      if k != "use_qk_l2norm"}
+    tp.check_attributes(tp.GDN_VERIFY_PLUGIN_NAME, attrs, shapes)
+    with pytest.raises(ValueError, match="num_tokens=2 but the inputs have 4"):
+        tp.check_attributes(tp.GDN_VERIFY_PLUGIN_NAME, {**attrs, "num_tokens": 2}, shapes)
+    with pytest.raises(ValueError, match=r"cursor: expected shape \(slots, 2\), got \(5,\)"):
+        tp.check_attributes(tp.GDN_VERIFY_PLUGIN_NAME, attrs, {**shapes, "cursor": (5,)})
+    with pytest.raises(ValueError, match=r"buffer_len: expected in \[2 \* num_tokens, 32\] = \[8, 32\]"):
+        tp.aot_gdn_verify_kernel(16, 32, 128, 128, 6, 1, 4, "bf16", 90)
+    with pytest.raises(ValueError, match="num_tokens: expected one of"):
+        tp.aot_gdn_verify_kernel(16, 32, 128, 128, 16, 1, 3, "bf16", 90)
 
 
 def test_gdn_io_contract_attributes_and_rejects():

@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Speculative decoding driver of the exported verify + commit graphs, shared by tests/test_spec_builder.py
+(Nemotron-H / Nemotron 3) and tests/test_gdn_spec_builder.py (Qwen3-Next / Qwen3.5): runners (the graphs
+in onnxruntime or the modules in PyTorch), the per-row decode loop and the acceptance rules."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+
+class OrtRunner:
+    def __init__(self, step, commit, sv, sc):
+        self.step, self.commit_m, self.sv, self.sc = step, commit, sv, sc
+
+    def verify(self, ids, lengths, cursor, states):
+        feed = [t.numpy().copy() for t in (ids, lengths, cursor, *states)]
+        got = self.sv.run(None, dict(zip(self.step.input_names(), feed)))
+        return torch.from_numpy(got[0]), [torch.from_numpy(a) for a in got[1:]]
+
+    def commit(self, n, cursor, lengths, windows):
+        feed = [t.numpy().copy() for t in (n, cursor, lengths, *windows)]
+        got = [torch.from_numpy(a) for a in self.sc.run(None, dict(zip(self.commit_m.input_names(), feed)))]
+        return got[0], got[1], got[2:]
+
+
+class ModuleRunner(OrtRunner):
+    @torch.no_grad()
+    def verify(self, ids, lengths, cursor, states):
+        out = self.step(ids, lengths, cursor, *states)
+        return out[0], list(out[1:])
+
+    @torch.no_grad()
+    def commit(self, n, cursor, lengths, windows):
+        out = self.commit_m(n, cursor, lengths, *windows)
+        return out[0], out[1], list(out[2:])
+
+
+# ---- spec decoding driver -------------------------------------------------------------------------------------
+class SpecDecode:
+    """Rows with their own prompts, handed off to the spec graphs after prefill + ``pre_decode`` standard
+    ReplaySSM decode steps of the model patched by ``patch(model, buffer_len=...)`` (builders'
+    patch_replayssm or patch_gdn_replayssm), row b's ring rotated to start ``starts[b]``."""
+
+    @torch.no_grad()
+    def __init__(self, model, step, prompts, patch, pre_decode: int, starts):
+        self.model, self.step = model, step
+        T, L = step.num_tokens, step.buffer_len
+        self.prompts = prompts
+        self.tokens = []  # per row: tokens after the prompt, the last one sampled but not yet in the caches
+        per_row = []
+        for b, prompt in enumerate(prompts):
+            dec = patch(model, buffer_len=L)
+            try:
+                cache = DynamicCache(config=model.config)
+                tok = model(prompt[None], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                toks = [int(tok)]
+                for _ in range(pre_decode):
+                    tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                    toks.append(int(tok))
+                per_row.append(step.states_from_patched(dec, cache, len(prompt) + pre_decode, start=starts[b]))
+            finally:
+                dec.unpatch()
+            self.tokens.append(toks)
+        self.cursor = torch.cat([c for c, _ in per_row])
+        self.states = [torch.cat(ts) for ts in zip(*(s for _, s in per_row))]
+        self.lengths = torch.tensor([len(p) + pre_decode for p in prompts], dtype=torch.int32)
+        self.names = [s.name for s in step.state_specs()]
+        self.records = [[] for _ in prompts]  # per row: (token, its verify logits) of committed positions
+        self.flushes = [0] * len(prompts)
+        self.T, self.L = T, L
+
+    def window_of(self, states):
+        return [t for n, t in zip(self.names, states) if n.startswith("conv_window_")]
+
+    def run_step(self, runner, drafts, accept):
+        """One verify + accept + commit; ``accept(ids, logits) -> n (batch,) int32``."""
+        last = torch.tensor([t[-1] for t in self.tokens])
+        ids = torch.cat([last[:, None], drafts], dim=1)
+        for b in range(len(self.tokens)):
+            self.flushes[b] += int(self.cursor[b, 1]) + 2 * self.T > self.L
+        logits, states = runner.verify(ids, self.lengths, self.cursor, self.states)
+        n = accept(ids, logits)
+        for b in range(len(self.tokens)):
+            k = int(n[b])
+            self.records[b] += [(int(ids[b, t]), logits[b, t].clone()) for t in range(k)]
+            self.tokens[b] += [int(ids[b, t]) for t in range(1, k)] + [int(logits[b, k - 1].argmax())]
+        cursor, lengths, windows = runner.commit(n, self.cursor, self.lengths, self.window_of(states))
+        it = iter(windows)
+        self.states = [next(it) if name.startswith("conv_window_") else t for name, t in zip(self.names, states)]
+        self.cursor, self.lengths = cursor, lengths
+        return ids, logits, n
+
+
+def random_accept(gen, T: int):
+    """n in 1..T per row, all T every 3rd step, 1 for row 0 every 4th."""
+    step = [0]
+
+    def accept(ids, logits):
+        n = torch.randint(1, T + 1, (ids.shape[0],), generator=gen, dtype=torch.int32)
+        if step[0] % 3 == 2:
+            n[:] = T
+        if step[0] % 4 == 3:
+            n[0] = 1
+        step[0] += 1
+        return n
+
+    return accept
+
+
+def greedy_accept(ids, logits):
+    """Accept drafts while each equals the greedy prediction of the position before it."""
+    pred = logits.argmax(-1)  # (batch, T): the token each position predicts next
+    n = torch.ones(ids.shape[0], dtype=torch.int32)
+    for b in range(ids.shape[0]):
+        while int(n[b]) < ids.shape[1] and int(ids[b, n[b]]) == int(pred[b, n[b] - 1]):
+            n[b] += 1
+    return n
