@@ -101,8 +101,11 @@ def reference_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bia
 
 
 def kernel_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
+    """The same through the CUDA kernel (``gdn_ops.gdn_replay_decode``); the step's inputs are views of the
+    projections, made contiguous here as TensorRT hands a plugin its LINEAR inputs."""
     from trtllm_replayssm import gdn_ops
 
+    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
     return gdn_ops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache, buf.k_cache,
                                      buf.g_cache, buf.beta_cache, cursor, state_batch_indices)
 
