@@ -148,6 +148,12 @@ class GDNReplayDecoder(MixerPatch):
         self.layers = gdn_layers(model)
         if not self.layers:
             raise ValueError("model: no linear_attention (Gated DeltaNet) layer in config.layer_types")
+        mod = sys.modules[type(model.model.layers[self.layers[0]].linear_attn).__module__]
+        if not hasattr(mod, "causal_conv1d_forward"):
+            import transformers
+
+            raise RuntimeError(f"transformers {transformers.__version__}: {mod.__name__} has no causal_conv1d_forward "
+                               f"(the decode conv the patch calls); needs transformers >= 5.25")
         self.bufs: dict[int, gref.GDNBuffers] = {}
         self.cursor: torch.Tensor | None = None
         self._step: str | None = None
