@@ -64,6 +64,29 @@ TINY_QWEN3_NEXT = dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_interm
                        shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True)
 TINY_QWEN3_5 = dict(_COMMON)
 FAMILIES = {"qwen3_next": TINY_QWEN3_NEXT, "qwen3_5": TINY_QWEN3_5}
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text")  # config.json model_type of the text checkpoints we load
+
+
+def is_gdn_checkpoint(model_dir) -> bool:
+    """True when ``model_dir``/config.json names a Qwen3-Next / Qwen3.5 text model (False if unreadable)."""
+    import json
+    import pathlib
+
+    try:
+        kind = json.loads((pathlib.Path(model_dir) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return False
+    return kind in MODEL_TYPES
+
+
+def load_gdn_model(model_dir=None, tiny: str = "qwen3_next", dtype=torch.float32, seed: int = 0, device="cpu"):
+    """A Qwen3-Next / Qwen3.5 text model: the checkpoint ``model_dir`` (transformers' AutoModelForCausalLM),
+    or without one the embedded tiny config ``tiny`` with seeded weights."""
+    if model_dir is None:
+        return tiny_model(tiny, dtype=dtype, seed=seed, device=device)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval().to(device)
 
 
 def tiny_model(family: str = "qwen3_next", dtype=torch.float32, seed: int = 0, device="cpu", **overrides):

@@ -74,7 +74,6 @@ from trtllm_replayssm.config import (  # noqa: E402
 
 GDN_TINY_NAMES = ("qwen3_next", "qwen3_5")  # builders/qwen3_next.py: Gated DeltaNet hybrids
 TINY_NAMES = tuple(TINY_CONFIGS) + GDN_TINY_NAMES
-GDN_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TRT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "int32", "int64": "int64"}
 MIN_TRT = (10, 9)
@@ -144,15 +143,11 @@ def parse_args(argv=None):
 
 
 def is_gdn(args) -> bool:
-    """True for the Gated DeltaNet families (an embedded tiny one, or a --model whose config.json says so)."""
-    if args.model is None:
-        return args.tiny in GDN_TINY_NAMES
-    cfg = args.model / "config.json"
-    try:
-        kind = json.loads(cfg.read_text()).get("model_type")
-    except (OSError, ValueError):
-        return False  # the Nemotron loader reports the broken or missing config.json
-    return kind in GDN_MODEL_TYPES
+    """True for the Gated DeltaNet families (an embedded tiny one, or a --model whose config.json says so; a
+    broken or missing config.json is left to the Nemotron loader to report)."""
+    from builders.qwen3_next import is_gdn_checkpoint
+
+    return args.tiny in GDN_TINY_NAMES if args.model is None else is_gdn_checkpoint(args.model)
 
 
 def check_gdn_geometry(cfg) -> tuple[int, int, int, int]:
@@ -169,13 +164,9 @@ def check_gdn_geometry(cfg) -> tuple[int, int, int, int]:
 
 
 def load_gdn(args, act):
-    from builders.qwen3_next import tiny_model
+    from builders.qwen3_next import load_gdn_model
 
-    if args.model is None:
-        return tiny_model(args.tiny, dtype=act, seed=args.seed)
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(args.model), dtype=act).eval()
+    return load_gdn_model(args.model, args.tiny, dtype=act, seed=args.seed)
 
 
 def check_gdn_state_dtype(args) -> None:

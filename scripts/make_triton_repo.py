@@ -38,6 +38,10 @@ interpreter's project root and site-packages on ``sys.path`` itself and refuses 
 version. :func:`pytriton_server` finds the tritonserver that the nvidia-pytriton wheel bundles and
 :func:`serve_command` gives the command that serves the repository with it.
 
+The model is Nemotron-H / Nemotron 3 (``--tiny nemotron_h|nemotron3``) or Qwen3-Next / Qwen3.5
+(``--tiny qwen3_next|qwen3_5``, or a ``--model`` whose config.json says qwen3_next / qwen3_5_text; its
+Gated DeltaNet layers on the cache's GDN rings, ``triton_model.QwenSlotStep``).
+
 Usage: python scripts/make_triton_repo.py --backend python --repo build/triton-py [--tiny nemotron_h | --model DIR]
        [--device auto|cpu|cuda] [--max-slots 8] [--max-seq-len 1024] [--buffer-len 16] [--idle-ms 60000]
 """
@@ -273,18 +277,21 @@ def python_paths() -> list[str]:
 
 
 def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
-    if model_dir is None:
-        from builders.nemotron_h import TINY_CONFIGS
+    from builders.nemotron_h import TINY_CONFIGS
+    from builders.qwen3_next import FAMILIES, MODEL_TYPES
 
-        if tiny not in TINY_CONFIGS:
-            raise RepoError(f"--tiny: expected one of {sorted(TINY_CONFIGS)}, got {tiny!r}")
-        return int(TINY_CONFIGS[tiny]["vocab_size"])
+    if model_dir is None:
+        tinies = {**TINY_CONFIGS, **FAMILIES}
+        if tiny not in tinies:
+            raise RepoError(f"--tiny: expected one of {sorted(tinies)}, got {tiny!r}")
+        return int(tinies[tiny]["vocab_size"])
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise RepoError(f"--model: expected a checkpoint directory with config.json, got {model_dir}")
     raw = json.loads(cfg_path.read_text())
-    if raw.get("model_type") != "nemotron_h":
-        raise RepoError(f"{cfg_path}: model_type: expected 'nemotron_h', got {raw.get('model_type')!r}")
+    kinds = ("nemotron_h",) + MODEL_TYPES
+    if raw.get("model_type") not in kinds:
+        raise RepoError(f"{cfg_path}: model_type: expected one of {kinds}, got {raw.get('model_type')!r}")
     return int(raw["vocab_size"])
 
 
@@ -416,8 +423,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repo", required=True, type=pathlib.Path, help="model repository root to write into")
     ap.add_argument("--name", default="nemotron_h_replayssm", help="model name in the repository")
     py = ap.add_argument_group("--backend python")
-    py.add_argument("--model", type=pathlib.Path, help="Nemotron-H checkpoint directory (default: the embedded tiny)")
-    py.add_argument("--tiny", default="nemotron_h", help="embedded tiny config without --model (default: %(default)s)")
+    py.add_argument("--model", type=pathlib.Path,
+                    help="Nemotron-H / Nemotron 3 / Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded tiny)")
+    py.add_argument("--tiny", default="nemotron_h",
+                    help="embedded tiny config without --model: nemotron_h, nemotron3, qwen3_next, qwen3_5 "
+                         "(default: %(default)s)")
     py.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights (default: %(default)s)")
     py.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: %(default)s)")
     py.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

@@ -111,7 +111,22 @@ def oracle(tiny="nemotron_h"):
     from transformers import DynamicCache
 
     from builders.nemotron_h import load_nemotron_h, patch_replayssm
+    from builders.qwen3_next import FAMILIES, patch_gdn_replayssm, tiny_model
 
+    if tiny in FAMILIES:  # Qwen3-Next / Qwen3.5: the GDN layers on the float64 ReplaySSM GDN reference
+        model = tiny_model(tiny, seed=0)
+
+        @torch.no_grad()
+        def run_gdn(tokens):
+            dec = patch_gdn_replayssm(model, buffer_len=L)
+            try:
+                cache = DynamicCache(config=model.config)
+                return torch.stack([model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1].float()
+                                    for t in tokens])
+            finally:
+                dec.unpatch()
+
+        return run_gdn
     model = load_nemotron_h(tiny=tiny, seed=0)
     # dt clamp as the config says (time_step_limit, (0, inf) here), as transformers >= 5.25 and our step
     # do; 5.24's mixer clamps softplus(dt) at time_step_min instead (1e-3 logit differences on this
@@ -136,7 +151,7 @@ def err(resp):
 
 
 # ---- the model ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tiny", ("nemotron_h", "nemotron3"))
+@pytest.mark.parametrize("tiny", ("nemotron_h", "nemotron3", "qwen3_next", "qwen3_5"))
 def test_batches_with_bad_rows_match_the_patched_model(tmp_path, tiny):
     """Three sequences through 16 batches of changing composition (start, continue, end at different
     steps), bad rows mixed into the same batches; every good row's logits match the oracle and the bad
@@ -303,16 +318,35 @@ def test_cuda_model_matches_the_cpu_model(tmp_path):
     so this runs under the H200 image's transformers 5.17 too."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    import copy
 
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     from builders.nemotron_h import TINY_CONFIG, randomize_
 
     model = randomize_(NemotronHForCausalLM(NemotronHConfig(**TINY_CONFIG)), 0).eval()
+    _cuda_against_cpu(tmp_path, model, "nemotron_h")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiny", ("qwen3_next", "qwen3_5"))
+def test_cuda_qwen_model_matches_the_cpu_model(tmp_path, tiny):
+    """As above for Qwen3-Next / Qwen3.5 (QwenSlotStep): the GDN kernels (gdn_replay_verify on the rings,
+    T = 1, fp32 state) against the float64 GDN reference, same tolerance (the GDN sums have 2K + L terms
+    per output; tests/test_gdn_cache_gpu.py: 2e-5 relative on the state)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from builders.qwen3_next import tiny_model
+
+    _cuda_against_cpu(tmp_path, tiny_model(tiny, seed=0), tiny)
+
+
+def _cuda_against_cpu(tmp_path, model, tiny):
+    import copy
+
     clock = Clock()  # not the wall clock: the first CUDA step compiles kernels for longer than the idle timeout
-    cpu = tm.SequenceModel(FakePb, make_args(tmp_path / "c"), clock=clock, model=model)
-    gpu = tm.SequenceModel(FakePb, make_args(tmp_path / "g", device="cuda"), clock=clock, model=copy.deepcopy(model).cuda())
+    cpu = tm.SequenceModel(FakePb, make_args(tmp_path / "c", tiny), clock=clock, model=model)
+    gpu = tm.SequenceModel(FakePb, make_args(tmp_path / "g", tiny, device="cuda"), clock=clock,
+                           model=copy.deepcopy(model).cuda())
     assert gpu.step.cache.uses_kernels and not cpu.step.cache.uses_kernels
     gen = torch.Generator().manual_seed(5)
     seqs = {c: torch.randint(0, 256, (n,), generator=gen).tolist() for c, n in ((1, 16), (2, 9), (3, 13))}

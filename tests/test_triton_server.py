@@ -1,16 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """A real Triton Inference Server (the tritonserver 2.51 that nvidia-pytriton 0.7.0 bundles, Python backend)
-serving the repository of ``scripts/make_triton_repo.py --backend python`` for the tiny Nemotron-H, on
-127.0.0.1, driven through tritonclient gRPC streams.
+serving the repository of ``scripts/make_triton_repo.py --backend python`` for the tiny Nemotron-H and
+the tiny Qwen3-Next, on 127.0.0.1, driven through tritonclient gRPC streams.
 
 Started once per module (random free ports, readiness bounded by STARTUP_S, stopped by its PID in
-the fixture's teardown, also when a test fails); two models in one repository: ``nh`` (5 slots,
-max_seq_len 16, L = 4 so every long sequence folds its ring several times) and ``nh_idle`` (1 slot,
-1 s idle timeout). On this machine it runs on the CPU: the model's SSM is the float64 reference
+the fixture's teardown, also when a test fails); three models in one repository: ``nh`` (5 slots,
+max_seq_len 16, L = 4 so every long sequence folds its ring several times), ``nh_idle`` (1 slot,
+1 s idle timeout) and ``qwen`` (Qwen3-Next with its Gated DeltaNet layers on the cache's GDN rings
+and its sparse MoE, 2 slots, L = 4). On this machine it runs on the CPU: the model's SSM is the float64 reference
 through ReplayStateCache (the kernels on CUDA are the same code path with CUDA tensors).
 
-Oracle: the patched transformers model (``builders.nemotron_h.patch_replayssm``, float64 reference
-backend, fp32 weights) fed each sequence's tokens one at a time; every logit of every response is
+Oracle: the patched transformers model (``builders.nemotron_h.patch_replayssm`` /
+``builders.qwen3_next.patch_gdn_replayssm``, float64 reference backend, fp32 weights) fed each
+sequence's tokens one at a time; every logit of every response is
 compared with it. Tolerance 1e-4 absolute on logits of std ~1: both sides run the same fp32 weights
 and float64 SSM math, so what differs is fp32 rounding in a different order (our conv window and
 attention vs transformers' causal_conv1d_update and sdpa, the first token through transformers'
@@ -45,7 +47,7 @@ spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "script
 mtr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mtr)
 
-STARTUP_S = 180  # two stubs import torch + transformers and build the tiny model (~7 s here)
+STARTUP_S = 180  # three stubs import torch + transformers and build the tiny models (~7 s each here)
 RESPONSE_S = 60
 MAX_SEQ, L, SLOTS, VOCAB = 16, 4, 5, 256  # 4 streams + 1 slot for the bad requests
 TOL = 1e-4  # module docstring
@@ -71,6 +73,8 @@ def server(tmp_path_factory):
                          idle_us=120_000_000, max_queue_delay_us=5000)  # 5 ms: rows of several sequences batch together
     mtr.make_python_repo(repo, "nh_idle", device="cpu", max_slots=1, max_seq_len=MAX_SEQ, buffer_len=L,
                          idle_us=IDLE_S * 1_000_000)
+    mtr.make_python_repo(repo, "qwen", tiny="qwen3_next", device="cpu", max_slots=2, max_seq_len=MAX_SEQ,
+                         buffer_len=L, idle_us=120_000_000, max_queue_delay_us=5000)
     backends = mtr.write_backend_dir(tmp / "backends")
     grpc_port, http_port, metrics_port = _free_ports(3)
     argv, env = mtr.serve_command(repo, backends, grpc_port, http_port, metrics_port)
@@ -89,7 +93,7 @@ def server(tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"tritonserver exited with {proc.returncode} during startup:\n{tail()}")
             try:
-                if client.is_server_ready() and all(client.is_model_ready(m) for m in ("nh", "nh_idle")):
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in ("nh", "nh_idle", "qwen")):
                     break
             except Exception:  # not listening yet
                 pass
@@ -129,6 +133,28 @@ def reference():
     return run
 
 
+@pytest.fixture(scope="module")
+def qwen_reference():
+    """As ``reference`` for the tiny Qwen3-Next (``builders.qwen3_next.patch_gdn_replayssm``)."""
+    from transformers import DynamicCache
+
+    from builders.qwen3_next import patch_gdn_replayssm, tiny_model
+
+    model = tiny_model("qwen3_next", seed=0)  # the weights the server's model.py builds
+
+    @torch.no_grad()
+    def run(tokens):
+        dec = patch_gdn_replayssm(model, buffer_len=L)
+        try:
+            cache = DynamicCache(config=model.config)
+            return torch.stack([model(torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1].float()
+                                for t in tokens])
+        finally:
+            dec.unpatch()
+
+    return run
+
+
 def _inputs(token):
     i = grpcclient.InferInput("input_ids", [1, 1], "INT64")
     i.set_data_from_numpy(np.array([[token]], dtype=np.int64))
@@ -149,8 +175,8 @@ class Stream:
     """One sequence decoded through its own gRPC stream: a prompt, then greedy tokens from the server's
     logits; waits at ``pause`` after ``pause_after`` steps (the bad requests run meanwhile)."""
 
-    def __init__(self, url, seq_id, prompt, length, pause, pause_after):
-        self.url, self.seq_id, self.prompt, self.length = url, seq_id, prompt, length
+    def __init__(self, url, seq_id, prompt, length, pause, pause_after, model="nh"):
+        self.url, self.seq_id, self.prompt, self.length, self.model = url, seq_id, prompt, length, model
         self.pause, self.pause_after = pause, pause_after
         self.tokens, self.logits, self.slots, self.error = [], [], [], None
 
@@ -164,7 +190,7 @@ class Stream:
                 if t == self.pause_after:
                     self.pause.wait(RESPONSE_S)
                     go.wait(RESPONSE_S)
-                client.async_stream_infer("nh", _inputs(token), sequence_id=self.seq_id, sequence_start=t == 0,
+                client.async_stream_infer(self.model, _inputs(token), sequence_id=self.seq_id, sequence_start=t == 0,
                                           sequence_end=t == self.length - 1)
                 result, error = got.get(timeout=RESPONSE_S)
                 if error is not None:
@@ -265,3 +291,32 @@ def test_idle_timeout_frees_and_resets_the_slot(server, reference):
     want = reference([toks[2]])[0]  # zeros in, not sequence 700's state
     torch.testing.assert_close(fresh[0], want, rtol=0, atol=TOL)
     assert (got[2][0] - want).abs().max() > 100 * TOL  # the same token after a history: other logits
+
+
+def test_qwen_gdn_sequences(server, qwen_reference):
+    """Two Qwen3-Next sequences stream concurrently through their own slots (prompt, then greedy, 7 and 16
+    tokens: 1 and 3 ring folds); every logit matches the oracle, the slots differ, and the two sequences'
+    logits differ by far more than TOL at every position (teeth)."""
+    url, tail = server
+    gen = torch.Generator().manual_seed(11)
+    no_pause, go = threading.Barrier(1), threading.Event()
+    go.set()
+    streams = [Stream(url, 300 + k, torch.randint(0, VOCAB, (3,), generator=gen).tolist(), n, no_pause, n, "qwen")
+               for k, n in enumerate((7, MAX_SEQ))]
+    threads = [threading.Thread(target=s.run, args=(go,), daemon=True) for s in streams]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RESPONSE_S * 4)
+    assert not any(t.is_alive() for t in threads)
+    errors = [(s.seq_id, s.error) for s in streams if s.error is not None]
+    assert not errors, f"{errors}\n{tail()}"
+    refs = []
+    for s in streams:
+        assert len(s.logits) == s.length and len(set(s.slots)) == 1, (s.seq_id, len(s.logits), s.slots)
+        want = qwen_reference(s.tokens)
+        torch.testing.assert_close(torch.stack(s.logits), want, rtol=0, atol=TOL)
+        refs.append(want)
+    assert streams[0].slots[0] != streams[1].slots[0]
+    n = min(len(r) for r in refs)
+    assert (refs[0][:n] - refs[1][:n]).abs().amax(-1).min() > 100 * TOL

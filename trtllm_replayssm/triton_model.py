@@ -67,7 +67,30 @@ class RequestError(ValueError):
 
 
 # ---- the decode step over cache slots ------------------------------------------------------------------
-class SlotStep:
+class _Slots:
+    """What both slot steps own besides the cache: K/V rows (slots, kv_heads, max_seq_len, head_dim) per
+    attention layer in the activation dtype and ``lengths`` (slots,) int64; the slot lifecycle."""
+
+    def _init_slots(self, num_slots: int, max_seq_len: int, kv_heads: int, head_dim: int) -> None:
+        kv = (num_slots, kv_heads, max_seq_len, head_dim)
+        self.k = {i: torch.zeros(kv, dtype=self.act, device=self.device) for i in self.attn}
+        self.v = {i: torch.zeros(kv, dtype=self.act, device=self.device) for i in self.attn}
+        self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
+        self.positions = torch.arange(max_seq_len, device=self.device)
+
+    # slot lifecycle: the cache resets its tensors, the step its own
+    def allocate(self) -> int:
+        slot = self.cache.allocate()
+        for t in (*self.k.values(), *self.v.values()):
+            t[slot].zero_()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+
+class SlotStep(_Slots):
     """Decode of one token for any set of live slots of a (loaded) ``NemotronHForCausalLM``.
 
     Owns, on the model's device: a :class:`ReplayStateCache` of every Mamba layer (num_draft = 0:
@@ -106,22 +129,7 @@ class SlotStep:
                                   conv_w=mx.conv1d.weight.detach()[:, 0, :].contiguous(),
                                   conv_b=None if mx.conv1d.bias is None else mx.conv1d.bias.detach())
         self.A_by_layer = [self.consts[i]["A"] for i in self.mamba]
-        kv = (num_slots, cfg.num_key_value_heads, max_seq_len, cfg.head_dim)
-        self.k = {i: torch.zeros(kv, dtype=self.act, device=self.device) for i in self.attn}
-        self.v = {i: torch.zeros(kv, dtype=self.act, device=self.device) for i in self.attn}
-        self.lengths = torch.zeros(num_slots, dtype=torch.int64, device=self.device)
-        self.positions = torch.arange(max_seq_len, device=self.device)
-
-    # slot lifecycle: the cache resets its tensors, the step its own
-    def allocate(self) -> int:
-        slot = self.cache.allocate()
-        for t in (*self.k.values(), *self.v.values()):
-            t[slot].zero_()
-        self.lengths[slot] = 0
-        return slot
-
-    def free(self, slot: int) -> None:
-        self.cache.free(slot)
+        self._init_slots(num_slots, max_seq_len, cfg.num_key_value_heads, cfg.head_dim)
 
     @torch.no_grad()
     def __call__(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
@@ -176,6 +184,114 @@ class SlotStep:
         scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return att.o_proj(torch.matmul(probs, vals).reshape(n, nh * hd))
+
+
+class QwenSlotStep(_Slots):
+    """Decode of one token for any set of live slots of a (loaded) Qwen3-Next / Qwen3.5 text model
+    (``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``).
+
+    Owns, on the model's device: a :class:`ReplayStateCache` of every Gated DeltaNet layer
+    (``ReplayStateCache.for_gdn``, num_draft = 0: T = 1 decode on the rings; its conv windows over
+    q | k | v), the K/V rows and lengths of :class:`_Slots`. Per layer (pre-norm, residual):
+      G  the model's projections -> q | k | v, z, b, a; cache.gdn_conv_update (silu); cache.gdn_verify
+         (output from checkpoint + rings, the entry appended, the rings folded one step before they fill);
+         the gated RMSNorm(y, z); out_proj
+      *  the gated attention of builders/gdn_step.py (q/k norm, partial RoPE at the row's position, the
+         output gate), on the rows' gathered K/V; only the new position is written back
+      then post-norm and the transformers MLP / MoE module, as the model calls it in decode.
+    The layer code is builders/gdn_step.py's (``QwenGDNDecodeStep``: the same attention and rotary table
+    the exported engines run), so the two routes cannot drift apart.
+    """
+
+    def __init__(self, model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False):
+        from builders.gdn_step import QwenGDNDecodeStep
+        from builders.qwen3_next import gdn_layers
+
+        cfg = model.config
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
+        bad = sorted({t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")})
+        if bad:
+            raise ValueError(f"layer_types: expected linear_attention or full_attention, got {bad}")
+        self.model, self.cfg = model, cfg
+        p = next(model.parameters())
+        self.device, self.act = p.device, p.dtype
+        self.kinds = list(cfg.layer_types)
+        self.num_slots, self.max_seq_len, self.vocab = num_slots, max_seq_len, cfg.vocab_size
+        self.gdn = gdn_layers(model)
+        if not self.gdn:
+            raise ValueError("layer_types: expected at least one Gated DeltaNet (linear_attention) layer")
+        self.attn = [i for i, k in enumerate(self.kinds) if k == "full_attention"]
+        self.layer_code = QwenGDNDecodeStep(model, buffer_len, max_seq_len)
+        H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.H, self.HV, self.Kd, self.V = H, HV, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.cache = ReplayStateCache.for_gdn(len(self.gdn), num_slots, HV, H, self.V, self.Kd, buffer_len, num_draft=0,
+                                              conv_kernel=cfg.linear_conv_kernel_dim, act_dtype=self.act,
+                                              device=self.device, check_values=check_values)
+        self.consts = {}
+        for j, i in enumerate(self.gdn):
+            mx = model.model.layers[i].linear_attn
+            self.consts[i] = dict(j=j, A_log=mx.A_log.detach().float().contiguous(),
+                                  dt_bias=mx.dt_bias.detach().float().contiguous(),
+                                  conv_w=mx.conv1d.weight.detach()[:, 0, :].contiguous(),
+                                  conv_b=None if mx.conv1d.bias is None else mx.conv1d.bias.detach())
+        self._init_slots(num_slots, max_seq_len, cfg.num_key_value_heads, cfg.head_dim)
+
+    @torch.no_grad()
+    def __call__(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits (rows, vocab) fp32 of ``tokens[r]`` appended to the sequence in ``slots[r]`` (as SlotStep)."""
+        n = len(slots)
+        sbi = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        rows = sbi.long()
+        pos = self.lengths.index_select(0, rows)  # (n,): where the token goes
+        m = self.model.model
+        h = m.embed_tokens(ids)[:, None]  # (n, 1, hidden)
+        cos_sin = self.layer_code._rope(pos[:, None])
+        self.cache.flush(sbi, 1, [])
+        for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
+            res = h
+            hn = layer.input_layernorm(h)
+            if kind == "linear_attention":
+                out = self._gdn(i, layer.linear_attn, hn, sbi)
+            else:
+                out = self._attention(i, layer, hn, rows, pos, cos_sin)
+            h = res + out
+            mo = layer.mlp(layer.post_attention_layernorm(h))
+            h = h + (mo[0] if isinstance(mo, tuple) else mo)  # a MoE block may return (hidden, router logits)
+        logits = self.model.lm_head(m.norm(h))[:, 0].float()
+        self.cache.commit(sbi, torch.ones(n, dtype=torch.int32, device=self.device), 1)
+        self.lengths.index_add_(0, rows, torch.ones_like(rows))
+        return logits
+
+    def _gdn(self, i, mx, hn, sbi):
+        from builders.qwen3_next import _projections
+
+        c, n = self.consts[i], hn.shape[0]
+        H, HV, Kd, V = self.H, self.HV, self.Kd, self.V
+        mixed, z, b, a = _projections(mx, hn)
+        conv = self.cache.gdn_conv_update(c["j"], mixed.contiguous(), c["conv_w"], c["conv_b"], sbi).to(hn.dtype)
+        q, k, v = conv.split([mx.key_dim, mx.key_dim, mx.value_dim], dim=-1)
+        y = self.cache.gdn_verify(c["j"], q.reshape(n, 1, H, Kd).contiguous(), k.reshape(n, 1, H, Kd).contiguous(),
+                                  v.reshape(n, 1, HV, V).contiguous(), a.reshape(n, 1, HV).contiguous(),
+                                  b.reshape(n, 1, HV).contiguous(), c["A_log"], c["dt_bias"], sbi)
+        core = mx.norm(y.reshape(n * HV, V).to(hn.dtype), z.reshape(n * HV, V))
+        return mx.out_proj(core.reshape(n, 1, HV * V))
+
+    def _attention(self, i, layer, hn, rows, pos, cos_sin):
+        keys, vals = self.k[i].index_select(0, rows), self.v[i].index_select(0, rows)  # (n, kvh, S, hd)
+        out, keys, vals = self.layer_code._attention(layer, hn, keys, vals, pos, cos_sin)
+        at = torch.arange(rows.shape[0], device=rows.device)
+        self.k[i][rows, :, pos] = keys[at, :, pos]  # one position per row, in place
+        self.v[i][rows, :, pos] = vals[at, :, pos]
+        return out
+
+
+def slot_step(model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False):
+    """The slot step of the model's family: :class:`QwenSlotStep` for Qwen3-Next / Qwen3.5, else
+    :class:`SlotStep` (Nemotron-H, Nemotron 3)."""
+    cls = QwenSlotStep if hasattr(model.config, "linear_num_value_heads") else SlotStep
+    return cls(model, num_slots, max_seq_len, buffer_len, check_values)
 
 
 # ---- sequences -> slots -----------------------------------------------------------------------------------
@@ -259,14 +375,18 @@ def _param(cfg: dict, key: str, default=None):
 
 
 def load_model(params: dict, device: torch.device):
-    """The Nemotron-H of the repository's parameters: ``model_dir`` (an HF checkpoint) or the embedded
-    tiny config ``tiny`` with seeded weights ``seed``, in ``dtype``, on ``device``."""
+    """The model of the repository's parameters: ``model_dir`` (an HF checkpoint: Nemotron-H / Nemotron 3,
+    or Qwen3-Next / Qwen3.5 by its config.json) or the embedded tiny config ``tiny`` (builders/nemotron_h.py's
+    or builders/qwen3_next.py's) with seeded weights ``seed``, in ``dtype``, on ``device``."""
     from builders.nemotron_h import load_nemotron_h
+    from builders.qwen3_next import FAMILIES, is_gdn_checkpoint, load_gdn_model
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params["dtype"]]
     model_dir = params.get("model_dir") or None
-    return load_nemotron_h(model_dir, dtype=dtype, seed=int(params.get("seed", 0)), device=device,
-                           tiny=params.get("tiny") or "nemotron_h")
+    tiny, seed = params.get("tiny") or "nemotron_h", int(params.get("seed", 0))
+    if (model_dir is None and tiny in FAMILIES) or (model_dir is not None and is_gdn_checkpoint(model_dir)):
+        return load_gdn_model(model_dir, tiny, dtype=dtype, seed=seed, device=device)
+    return load_nemotron_h(model_dir, dtype=dtype, seed=seed, device=device, tiny=tiny)
 
 
 class SequenceModel:
@@ -292,7 +412,7 @@ class SequenceModel:
                              "slot per candidate sequence)")
         idle_s = int(sb.get("max_sequence_idle_microseconds", 0) or 1_000_000) / 1e6  # Triton's default: 1 s
         self.model = model if model is not None else load_model(self.params, self.device)
-        self.step = SlotStep(self.model, slots, int(self.params["max_seq_len"]), int(self.params["buffer_len"]),
+        self.step = slot_step(self.model, slots, int(self.params["max_seq_len"]), int(self.params["buffer_len"]),
                              check_values=None if self.device.type == "cpu" else False)
         self.table = SequenceTable(self.step.allocate, self.step.free, slots, int(self.params["max_seq_len"]), idle_s,
                                    clock=clock, log=self._warn)
