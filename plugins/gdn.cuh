@@ -7,6 +7,8 @@
 //   shadow_t, GDN_SHADOW       0: none (shadow_t = float, unused); 1: bf16 shadow of the checkpoint
 //   kHV, kHK, kV, kK, kL       value heads, key heads, value dim, key dim, buffer length
 //   kRows, kWarps, kMinBlocks  value rows of one head per block, warps per block, resident blocks
+//   GDN_PASSES                 1 (default) or 2: the block's rows in passes of kRows / GDN_PASSES under one
+//                              prologue (standard decode modules only; see replay_nonflush)
 //   kLanes                     lanes sharing one state row (4..32; fewer: shorter butterflies)
 //   kL2Norm, kScale            l2-normalise q and k; q scale (K^-1/2 unless given)
 //
@@ -30,6 +32,9 @@
 
 #ifndef GDN_SHADOW
 #define GDN_SHADOW 0
+#endif
+#ifndef GDN_PASSES
+#define GDN_PASSES 1
 #endif
 
 namespace gdn {
@@ -95,12 +100,15 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kLPR = kLanes;                     // lanes sharing one row
 constexpr int kVPL = kK / 4 / kLPR;              // 16-byte vectors per lane per row
 constexpr int kRPW = 32 / kLPR;                  // rows covered by one warp-wide load
-constexpr int kRT = kRows / (kRPW * kWarps);     // rows per thread
+constexpr int kPasses = GDN_PASSES;              // passes over the block's rows, one prologue
+constexpr int kRowsPass = kRows / kPasses;       // rows of one pass
+constexpr int kRT = kRowsPass / (kRPW * kWarps); // rows per thread per pass
 constexpr int kChunks = kV / kRows;
 constexpr int kHPK = kHV / kHK;                  // value heads per key head
 constexpr int kShadow = GDN_SHADOW;
 static_assert(kK % (4 * kLPR) == 0 && 32 % kLPR == 0 && kLPR >= 4, "K must fill whole 16-byte vectors per lane");
-static_assert(kRows % (kRPW * kWarps) == 0 && kRT >= 1, "rows per block must split evenly over warps");
+static_assert((kPasses == 1 || kPasses == 2) && kRows % kPasses == 0, "GDN_PASSES: 1 or 2");
+static_assert(kRowsPass % (kRPW * kWarps) == 0 && kRT >= 1, "rows per pass must split evenly over warps");
 static_assert((kRT & (kRT - 1)) == 0 && 2 * kRT <= kLPR, "rows per thread: a power of two, 2 kRT <= lanes per row");
 static_assert(kV % kRows == 0, "rows per block must divide V");
 static_assert(kHV % kHK == 0, "key heads must divide value heads");
@@ -112,6 +120,11 @@ struct Lane {
   int rb;        // first of this thread's kRT rows, within the block's chunk
   __device__ int col(int v) const { return (v * kLPR + l) * 4; }
 };
+// The same lane in pass p: its rows move down by p passes (every row function reads rows from rb).
+__device__ __forceinline__ Lane in_pass(Lane c, int p) {
+  c.rb += p * kRowsPass;
+  return c;
+}
 __device__ __forceinline__ Lane lane_coords() {
   Lane c;
   c.lane = threadIdx.x % 32;
@@ -325,11 +338,16 @@ __device__ __forceinline__ void conventional_step(const ConvArgs& a) {
   StepIn in;
   load_step(in, c, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
-  const float v_row = to_f(a.v[yrow + dot_row(c)]);
-  float y;
-  conventional_rows(st, in, v_row, &y);
-  store_rows(st, a.state_out + sh * kK, c);
-  if (holds_y(c)) a.y[yrow + dot_row(c)] = from_f<act_t>(y);
+#pragma unroll
+  for (int ps = 0; ps < kPasses; ++ps) {
+    const Lane cp = in_pass(c, ps);
+    if (ps > 0) load_rows(st, a.state_in + sh * kK, cp);
+    const float v_row = to_f(a.v[yrow + dot_row(cp)]);
+    float y;
+    conventional_rows(st, in, v_row, &y);
+    store_rows(st, a.state_out + sh * kK, cp);
+    if (holds_y(cp)) a.y[yrow + dot_row(cp)] = from_f<act_t>(y);
+  }
 }
 
 // ---- ReplaySSM ---------------------------------------------------------------------------------
@@ -434,24 +452,37 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
   }
   cp_async_wait_all();
   __syncthreads();
-  // This lane's dot (row dot_row, k or q): exp(G_m) S0 x + sum_j w_j (k_j . x) u_j[row].
+  // This lane's dot (row dot_row, k or q): exp(G_m) S0 x + sum_j w_j (k_j . x) u_j[row]; per pass, the
+  // next pass's checkpoint rows are loaded as soon as this pass's dots have read its own.
   const int is_q = c.l % (2 * kRT) >= kRT;
-  float buf = 0.f;
-#pragma unroll 4
-  for (int j = 0; j < m; ++j) buf = fmaf(sm.w[j] * sm.kd[j][is_q], sm.u[j * kRows + row], buf);
-  float acc[2 * kRT];
 #pragma unroll
-  for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], in.k), acc[kRT + r] = dot_cols(st[r], in.q);
-  const float mine = fmaf(sm.eGm, group_reduce<2 * kRT>(acc), buf);
-  float y;
-  const float u = output_step(mine, in, to_f(v_raw), &y);
-  // Append entry m: u, v per row; k per key head (its first value head's first chunk); g, beta per head.
-  const size_t e = ((size_t)slot * kHV + p.hv) * kL + m;
-  if (holds_u(c)) {
-    a.uc_out[e * kV + p.row0 + row] = u;
-    a.vc_out[e * kV + p.row0 + row] = v_raw;
+  for (int ps = 0; ps < kPasses; ++ps) {
+    const Lane cp = in_pass(c, ps);
+    const int prow = ps == 0 ? row : dot_row(cp);
+    const act_t pv = ps == 0 ? v_raw : a.v[yrow + prow];
+    float buf = 0.f;
+#pragma unroll 4
+    for (int j = 0; j < m; ++j) buf = fmaf(sm.w[j] * sm.kd[j][is_q], sm.u[j * kRows + prow], buf);
+    float acc[2 * kRT];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], in.k), acc[kRT + r] = dot_cols(st[r], in.q);
+    if (ps + 1 < kPasses) {
+      if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, in_pass(c, ps + 1));
+      else load_rows(st, a.state_in + sh * kK, in_pass(c, ps + 1));
+    }
+    const float mine = fmaf(sm.eGm, group_reduce<2 * kRT>(acc), buf);
+    float y;
+    const float u = output_step(mine, in, to_f(pv), &y);
+    // Append entry m: u, v per row.
+    const size_t e = ((size_t)slot * kHV + p.hv) * kL + m;
+    if (holds_u(cp)) {
+      a.uc_out[e * kV + p.row0 + prow] = u;
+      a.vc_out[e * kV + p.row0 + prow] = pv;
+    }
+    if (holds_y(cp)) a.y[yrow + prow] = from_f<act_t>(y);
   }
-  if (holds_y(c)) a.y[yrow + row] = from_f<act_t>(y);
+  // k per key head (its first value head's first chunk); g, beta per head.
+  const size_t e = ((size_t)slot * kHV + p.hv) * kL + m;
   if (p.row0 == 0 && p.hv % kHPK == 0 && warp == 0 && c.lane < kLPR) {
     float* kd = a.kc_out + (((size_t)slot * kHK + p.h) * kL + m) * kK;
 #pragma unroll
@@ -539,16 +570,22 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();
-  fold_rows(st, sm, c, kL - 1);
-  // This token's inputs after the fold: held across it they cost 40 bytes of spill (ptxas, 80 registers).
-  StepIn in;
-  load_step(in, c, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
-  const float v_now = to_f(a.v[yrow + dot_row(c)]);
-  float y;
-  conventional_rows(st, in, v_now, &y);
-  store_rows(st, a.state_out + sh * kK, c);
-  if constexpr (kShadow) store_shadow_rows(st, a.sh_out + sh * kK, c);
-  if (holds_y(c)) a.y[yrow + dot_row(c)] = from_f<act_t>(y);
+  // The staged entries serve every pass; each pass folds, steps and stores its own rows.
+#pragma unroll
+  for (int ps = 0; ps < kPasses; ++ps) {
+    const Lane cp = in_pass(c, ps);
+    if (ps > 0) load_rows(st, a.state_in + sh * kK, cp);
+    fold_rows(st, sm, cp, kL - 1);
+    // This token's inputs after the fold: held across it they cost 40 bytes of spill (ptxas, 80 registers).
+    StepIn in;
+    load_step(in, cp, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
+    const float v_now = to_f(a.v[yrow + dot_row(cp)]);
+    float y;
+    conventional_rows(st, in, v_now, &y);
+    store_rows(st, a.state_out + sh * kK, cp);
+    if constexpr (kShadow) store_shadow_rows(st, a.sh_out + sh * kK, cp);
+    if (holds_y(cp)) a.y[yrow + dot_row(cp)] = from_f<act_t>(y);
+  }
 }
 
 __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {

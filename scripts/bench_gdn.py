@@ -63,7 +63,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_kernels import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 from trtllm_replayssm import gdn_ops  # noqa: E402
-from trtllm_replayssm.config import gdn_geometry  # noqa: E402
+from trtllm_replayssm.config import gdn_geometry, gdn_passes  # noqa: E402
 from trtllm_replayssm.gdn_reference import bytes_per_position  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 
@@ -140,7 +140,8 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
 
     conv_b, _ = bytes_model(HV, H, V, K, L)
     row = dict(geom="qwen3_next", **geom, L=L, batch=batch, rotations=R, act="bf16",
-               conv_geometry=gdn_geometry(V, K, HV, batch, False), replay_geometry=gdn_geometry(V, K, HV, batch, True))
+               conv_geometry=gdn_geometry(V, K, HV, batch, False), replay_geometry=gdn_geometry(V, K, HV, batch, True),
+               shadow_passes=gdn_passes(V, K, HV, batch, True, "bf16"))
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6

@@ -81,6 +81,8 @@ def test_scale_is_compiled_exactly():
     (dict(rows=48), "rows"),
     (dict(rows=128, warps=4), "rows"),  # 32 rows per thread: more than lanes per row / 2
     (dict(lanes=2), "lanes"),
+    (dict(passes=3), "passes"),
+    (dict(rows=128, passes=2, num_tokens=4), "one pass"),
 ])
 def test_bad_specs_rejected(bad, match):
     base = dict(act="bf16", heads_v=32, heads_k=16, V=128, K=128, buffer_len=16, rows=64, warps=8)
@@ -98,6 +100,24 @@ def test_geometry_table():
     for V, K, HV, batch, replay in itertools.product(GDN_SUPPORTED_DIMS, GDN_SUPPORTED_DIMS, (1, 4, 32, 64), (1, 3, 64, 512),
                                                      (True, False)):
         GDNSpec("bf16", HV, 1, V, K, 16, *gdn_geometry(V, K, HV, batch, replay))
+        for shadow in ("none", "bf16"):
+            gdn_spec("bf16", HV, 1, V, K, 16, batch, replay, shadow)  # every pass choice is a valid spec
+
+
+def test_shadow_modules_take_two_passes_at_large_batches():
+    """bench/NOTES.md, "Shadow modules in two passes per block": a shadow replay module covers a whole
+    128-row head in two passes of 64 rows from bs64 (Qwen3-Next geometry); fp32, conventional, verify and
+    small-batch modules stay in one pass, with the same rows as before."""
+    big = gdn_spec("bf16", 32, 16, 128, 128, 16, 256, True, "bf16")
+    assert (big.rows, big.warps, big.passes) == (128, 8, 2) and big.key.endswith("_x2") and big.grid(256) == (32, 256, 1)
+    assert "#define GDN_PASSES 2" in cc.prelude(big)
+    assert gdn_spec("bf16", 32, 16, 128, 128, 16, 64, True, "bf16").passes == 2
+    for kw in (dict(batch=32, shadow="bf16"), dict(batch=256, shadow="none")):
+        one = gdn_spec("bf16", 32, 16, 128, 128, 16, kw["batch"], True, kw["shadow"])
+        assert one.passes == 1 and "GDN_PASSES" not in cc.prelude(one)
+        assert one.rows == gdn_geometry(128, 128, 32, kw["batch"], True)[0]
+    assert gdn_spec("bf16", 32, 16, 128, 128, 16, 256, True, "bf16", num_tokens=4).passes == 1
+    assert gdn_spec("bf16", 32, 16, 128, 128, 16, 256, False).passes == 1
 
 
 # ---- speculative module (plugins/gdn_spec.cu: gdn_verify, gdn_native_verify) ---------------------------

@@ -195,6 +195,20 @@ def test_replay_large_batch_geometry():
     run(pb, 5)
 
 
+@pytest.mark.parametrize("act", [torch.bfloat16, torch.float32])
+def test_replay_two_pass_shadow_geometry(act):
+    """A bf16-shadow module at a batch where blocks cover a whole head in two passes (GDNSpec.passes = 2:
+    one prologue, rows rb and rb + 64 per thread; bench/NOTES.md), from random cursors through flushes:
+    y, checkpoint, buffers, the shadow bit for bit after each flush, padding rows and unused slots."""
+    from trtllm_replayssm.config import gdn_spec
+
+    HV, H, V, K = QWEN3_NEXT
+    batch, L = 40, 4
+    assert gdn_spec("bf16", HV, H, V, K, L, batch, True, "bf16").passes == 2
+    pb = Problem(QWEN3_NEXT, act, L, batch, batch + 5, (3, 17), seed=13, shadow=True)
+    run(pb, 3 * L + 1)
+
+
 @pytest.mark.parametrize("geom, act, batch", [((4, 2, 128, 128), torch.bfloat16, 3), ((2, 2, 64, 256), torch.float32, 37),
                                               (QWEN3_NEXT, torch.bfloat16, 2), ((32, 16, 128, 128), torch.float32, 40)])
 def test_conventional_matches_reference(geom, act, batch):

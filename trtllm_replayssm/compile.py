@@ -81,6 +81,7 @@ def gdn_prelude(spec: GDNSpec) -> str:
             f"constexpr bool kL2Norm = {'true' if spec.l2norm else 'false'};",
             f"constexpr float kScale = {spec.scale_f32.hex()}f;  // {spec.scale_f32!r}",
             *([f"constexpr int kT = {spec.num_tokens};"] if spec.num_tokens else []),
+            *([f"#define GDN_PASSES {spec.passes}"] if spec.passes > 1 else []),
             "",
         ]
     )
@@ -105,6 +106,7 @@ def prelude(spec: KernelSpec | GDNSpec) -> str:
             f"constexpr int kG = {spec.ngroups};",
             f"constexpr int kL = {spec.buffer_len};",
             *([f"constexpr int kT = {spec.num_tokens};"] if spec.num_tokens else []),
+            *([f"#define GDN_PASSES {spec.passes}"] if spec.passes > 1 else []),
             f"constexpr int kRows = {spec.rows};",
             f"constexpr int kWarps = {spec.warps};",
             f"constexpr bool kHasZ = {'true' if spec.has_z else 'false'};",

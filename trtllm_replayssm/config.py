@@ -461,6 +461,8 @@ class GDNSpec:
     # 0: the standard decode module (plugins/gdn_decode.cu); T >= 1: the speculative module
     # (plugins/gdn_spec.cu: gdn_verify, gdn_native_verify over windows of T tokens).
     num_tokens: int = 0
+    # standard decode only: the block's rows in ``passes`` passes under one prologue (gdn.cuh, GDN_PASSES)
+    passes: int = 1
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -475,11 +477,17 @@ class GDNSpec:
         if not 1 <= self.buffer_len <= 32:
             raise ValueError(f"GDNSpec.buffer_len must be in 1..32, got {self.buffer_len}")
         lpr, rpw, _ = gdn_layout(self.K, self.lanes)
-        rt = self.rows // (rpw * self.warps) if self.warps >= 1 else 0
-        if (not 1 <= self.warps <= GDN_MAX_WARPS or self.V % self.rows or rt < 1 or self.rows % (rpw * self.warps)
-                or rt & (rt - 1) or 2 * rt > lpr):
-            raise ValueError(f"GDNSpec rows={self.rows}, warps={self.warps}: rows must divide V={self.V}, be warps*{rpw}*rt "
-                             f"with rt a power of two <= {lpr // 2}, warps in 1..{GDN_MAX_WARPS}")
+        if self.passes not in (1, 2) or isinstance(self.passes, bool):
+            raise ValueError(f"GDNSpec.passes: expected 1 or 2, got {self.passes!r}")
+        if self.passes > 1 and self.num_tokens:
+            raise ValueError("GDNSpec.passes: the speculative module runs in one pass (passes=1)")
+        per_pass = self.rows // self.passes
+        rt = per_pass // (rpw * self.warps) if self.warps >= 1 else 0
+        if (not 1 <= self.warps <= GDN_MAX_WARPS or self.V % self.rows or self.rows % self.passes or rt < 1
+                or per_pass % (rpw * self.warps) or rt & (rt - 1) or 2 * rt > lpr):
+            raise ValueError(f"GDNSpec rows={self.rows}, warps={self.warps}, passes={self.passes}: rows must divide "
+                             f"V={self.V}, be passes*warps*{rpw}*rt with rt a power of two <= {lpr // 2}, warps in "
+                             f"1..{GDN_MAX_WARPS}")
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int):
             raise TypeError(f"GDNSpec.num_tokens: expected an int, got {type(self.num_tokens).__name__}")
         if self.num_tokens:
@@ -506,7 +514,7 @@ class GDNSpec:
                 f"_R{self.rows}_W{self.warps}_P{gdn_layout(self.K, self.lanes)[0]}_n{int(self.l2norm)}"
                 + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}"
-                + (f"_T{self.num_tokens}" if self.num_tokens else ""))
+                + (f"_T{self.num_tokens}" if self.num_tokens else "") + (f"_x{self.passes}" if self.passes > 1 else ""))
 
     @property
     def threads(self) -> int:
@@ -556,9 +564,25 @@ def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool) -> tuple[int
     return rows, rows // (rpw * rt), lpr
 
 
+def gdn_passes(V: int, K: int, HV: int, batch: int, replay: bool, shadow: str, num_tokens: int = 0) -> int:
+    """Passes per block of the standard decode module: 2 for a replay module with a shadow where the grid
+    keeps a full wave of warps with blocks of twice the rows (bench/NOTES.md, "Shadow modules in two passes
+    per block": the shadow's non-flush step is bound by each thread's fixed prologue, which two passes
+    share); 1 otherwise (fp32 modules are bound by their DRAM stream; small batches by latency)."""
+    if not replay or shadow == "none" or num_tokens:
+        return 1
+    rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay)
+    _, rpw, _ = gdn_layout(K, lanes)
+    rt = rows // (rpw * warps)
+    if V % (2 * rows) or batch * HV * V // (rpw * rt * 2) < GDN_FULL_WAVE_WARPS:
+        return 1
+    return 2
+
+
 def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, replay: bool, shadow: str = "none",
              l2norm: bool = True, scale: float | None = None, arch: int = 90, num_tokens: int = 0) -> GDNSpec:
     """The module for this geometry and batch. ``num_tokens`` = T >= 1: the speculative module, with the
     replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``."""
     rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay)
-    return GDNSpec(act, HV, H, V, K, L, rows, warps, lanes, shadow, l2norm, scale, arch, num_tokens)
+    passes = gdn_passes(V, K, HV, batch, replay, shadow, num_tokens)
+    return GDNSpec(act, HV, H, V, K, L, rows * passes, warps, lanes, shadow, l2norm, scale, arch, num_tokens, passes)
