@@ -452,37 +452,48 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
   }
   cp_async_wait_all();
   __syncthreads();
-  // This lane's dot (row dot_row, k or q): exp(G_m) S0 x + sum_j w_j (k_j . x) u_j[row]; per pass, the
-  // next pass's checkpoint rows are loaded as soon as this pass's dots have read its own.
+  // This lane's dot (row dot_row, k or q): exp(G_m) S0 x + sum_j w_j (k_j . x) u_j[row]. Pass 0 is the
+  // one-pass module's code unchanged (its PTX is byte-identical to the GPU-validated one-pass kernel); a
+  // second pass loads its checkpoint rows as soon as pass 0's dots have read theirs.
   const int is_q = c.l % (2 * kRT) >= kRT;
-#pragma unroll
-  for (int ps = 0; ps < kPasses; ++ps) {
-    const Lane cp = in_pass(c, ps);
-    const int prow = ps == 0 ? row : dot_row(cp);
-    const act_t pv = ps == 0 ? v_raw : a.v[yrow + prow];
-    float buf = 0.f;
+  float buf = 0.f;
 #pragma unroll 4
-    for (int j = 0; j < m; ++j) buf = fmaf(sm.w[j] * sm.kd[j][is_q], sm.u[j * kRows + prow], buf);
-    float acc[2 * kRT];
+  for (int j = 0; j < m; ++j) buf = fmaf(sm.w[j] * sm.kd[j][is_q], sm.u[j * kRows + row], buf);
+  float acc[2 * kRT];
 #pragma unroll
-    for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], in.k), acc[kRT + r] = dot_cols(st[r], in.q);
-    if (ps + 1 < kPasses) {
-      if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, in_pass(c, ps + 1));
-      else load_rows(st, a.state_in + sh * kK, in_pass(c, ps + 1));
-    }
-    const float mine = fmaf(sm.eGm, group_reduce<2 * kRT>(acc), buf);
-    float y;
-    const float u = output_step(mine, in, to_f(pv), &y);
-    // Append entry m: u, v per row.
-    const size_t e = ((size_t)slot * kHV + p.hv) * kL + m;
-    if (holds_u(cp)) {
-      a.uc_out[e * kV + p.row0 + prow] = u;
-      a.vc_out[e * kV + p.row0 + prow] = pv;
-    }
-    if (holds_y(cp)) a.y[yrow + prow] = from_f<act_t>(y);
+  for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], in.k), acc[kRT + r] = dot_cols(st[r], in.q);
+  if constexpr (kPasses > 1) {
+    if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, in_pass(c, 1));
+    else load_rows(st, a.state_in + sh * kK, in_pass(c, 1));
   }
-  // k per key head (its first value head's first chunk); g, beta per head.
+  const float mine = fmaf(sm.eGm, group_reduce<2 * kRT>(acc), buf);
+  float y;
+  const float u = output_step(mine, in, to_f(v_raw), &y);
+  // Append entry m: u, v per row; k per key head (its first value head's first chunk); g, beta per head.
   const size_t e = ((size_t)slot * kHV + p.hv) * kL + m;
+  if (holds_u(c)) {
+    a.uc_out[e * kV + p.row0 + row] = u;
+    a.vc_out[e * kV + p.row0 + row] = v_raw;
+  }
+  if (holds_y(c)) a.y[yrow + row] = from_f<act_t>(y);
+  if constexpr (kPasses > 1) {  // pass 1: the same dots for the rows kRowsPass further down
+    const Lane c1 = in_pass(c, 1);
+    const int row1 = dot_row(c1);
+    const act_t v1 = a.v[yrow + row1];
+    float buf1 = 0.f;
+#pragma unroll 4
+    for (int j = 0; j < m; ++j) buf1 = fmaf(sm.w[j] * sm.kd[j][is_q], sm.u[j * kRows + row1], buf1);
+    float acc1[2 * kRT];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) acc1[r] = dot_cols(st[r], in.k), acc1[kRT + r] = dot_cols(st[r], in.q);
+    float y1;
+    const float u1 = output_step(fmaf(sm.eGm, group_reduce<2 * kRT>(acc1), buf1), in, to_f(v1), &y1);
+    if (holds_u(c1)) {
+      a.uc_out[e * kV + p.row0 + row1] = u1;
+      a.vc_out[e * kV + p.row0 + row1] = v1;
+    }
+    if (holds_y(c1)) a.y[yrow + row1] = from_f<act_t>(y1);
+  }
   if (p.row0 == 0 && p.hv % kHPK == 0 && warp == 0 && c.lane < kLPR) {
     float* kd = a.kc_out + (((size_t)slot * kHK + p.h) * kL + m) * kK;
 #pragma unroll

@@ -62,8 +62,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_kernels import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
-from trtllm_replayssm import gdn_ops  # noqa: E402
-from trtllm_replayssm.config import gdn_geometry, gdn_passes  # noqa: E402
+from trtllm_replayssm import config, gdn_ops  # noqa: E402
+from trtllm_replayssm.config import gdn_geometry  # noqa: E402
 from trtllm_replayssm.gdn_reference import bytes_per_position  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 
@@ -141,7 +141,7 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
     conv_b, _ = bytes_model(HV, H, V, K, L)
     row = dict(geom="qwen3_next", **geom, L=L, batch=batch, rotations=R, act="bf16",
                conv_geometry=gdn_geometry(V, K, HV, batch, False), replay_geometry=gdn_geometry(V, K, HV, batch, True),
-               shadow_passes=gdn_passes(V, K, HV, batch, True, "bf16"))
+               shadow_passes=config.gdn_passes(V, K, HV, batch, True, "bf16"))
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
@@ -348,7 +348,11 @@ def main():
     ap.add_argument("--T", type=int, default=4)
     ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer",
                     help="the fla peer (scripts/fetch_peers.py --only fla); missing: no fla column")
+    ap.add_argument("--shadow-passes", choices=("auto", "1"), default="auto",
+                    help="1: pin every shadow module to one pass per block (the A/B baseline of GDNSpec.passes)")
     args = ap.parse_args()
+    if args.shadow_passes == "1":  # gdn_spec reads config.gdn_passes at every call; the key says _x2 or not
+        config.gdn_passes = lambda *a, **k: 1
     if not torch.cuda.is_available():
         sys.exit("bench_gdn.py needs a CUDA GPU")
     ceiling = copy_ceiling_tbps()

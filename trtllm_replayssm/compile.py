@@ -106,7 +106,6 @@ def prelude(spec: KernelSpec | GDNSpec) -> str:
             f"constexpr int kG = {spec.ngroups};",
             f"constexpr int kL = {spec.buffer_len};",
             *([f"constexpr int kT = {spec.num_tokens};"] if spec.num_tokens else []),
-            *([f"#define GDN_PASSES {spec.passes}"] if spec.passes > 1 else []),
             f"constexpr int kRows = {spec.rows};",
             f"constexpr int kWarps = {spec.warps};",
             f"constexpr bool kHasZ = {'true' if spec.has_z else 'false'};",
