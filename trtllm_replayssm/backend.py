@@ -20,8 +20,8 @@ The reference computes in float64 and stores every cache back in its own dtype; 
 dtype. Where the kernels fold the checkpoint inside the verify launch (flush one window early), the
 reference does the same fold inside ``replay_verify`` and moves the ring cursor only in
 ``spec_commit``, so between two model steps both leave identical bookkeeping. Shadows (bf16, or fp8
-with per-row scales) are rewritten from the fp32 checkpoint as stored, by :func:`write_shadow`, with
-the same elementwise ops as :meth:`~trtllm_replayssm.reference.Shadow.write` (the same bits).
+with per-row scales) are rewritten from the fp32 checkpoint as stored, by :func:`write_shadow`
+(:func:`.reference.quantize_shadow`, the one quantizer that :class:`.reference.Shadow` and the cache use).
 """
 
 from __future__ import annotations
@@ -29,19 +29,9 @@ from __future__ import annotations
 import torch
 
 from . import reference, spec_reference
-from .reference import FP8_E4M3_MAX, Shadow
+from .reference import Shadow
 
-
-def write_shadow(state: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None) -> None:
-    """``Shadow.write`` for every slot at once, in place: q = bf16(S), or (fp8, ``scale`` given)
-    scale = max_n |S[slot, h, p, n]| / 448 (1 for an all-zero row), q = e4m3(S / scale)."""
-    if scale is None:
-        q.copy_(state.to(torch.bfloat16))
-        return
-    S32 = state.float()
-    amax = S32.abs().amax(dim=-1)
-    scale.copy_(torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax)))
-    q.copy_((S32 / scale[..., None]).to(torch.float8_e4m3fn))
+write_shadow = reference.quantize_shadow  # every slot at once: write_shadow(state, shadow, shadow_scale)
 
 
 def _wide(t):

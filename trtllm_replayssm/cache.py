@@ -98,8 +98,6 @@ from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
 from .gdn_reference import GDNBuffers
 from .reference import Shadow
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-
 
 @dataclasses.dataclass(frozen=True)
 class LayerState:
@@ -387,18 +385,9 @@ class ReplayStateCache:
         return None if lay.shadow is None else Shadow.wrap(lay.shadow, lay.shadow_scale)
 
     def _refresh_shadow(self, layer: int, slot: int) -> None:
-        """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (bf16: RNE of the fp32
-        value; fp8: scale = max|row| / 448, 1 for an all-zero row, q = S / scale)."""
-        if self.shadow is None:
-            return
-        S = self.state[layer, slot].float()
-        if self.shadow_scale is None:
-            self.shadow[layer, slot] = S.to(self.shadow.dtype)
-            return
-        amax = S.abs().amax(dim=-1)  # per (head, row)
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        self.shadow_scale[layer, slot] = scale
-        self.shadow[layer, slot] = (S / scale[..., None]).to(self.shadow.dtype)
+        """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (reference.quantize_shadow)."""
+        if self.shadow is not None:
+            self._shadow_view(layer).write(slot, self.state[layer, slot])
 
     def _shadow_view(self, layer: int) -> Shadow | None:
         lay = self.layer(layer)

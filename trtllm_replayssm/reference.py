@@ -23,6 +23,20 @@ import torch
 FP8_E4M3_MAX = 448.0
 
 
+def quantize_shadow(S: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """The one shadow quantizer (every path writes shadows through it): ``q`` and ``scale`` written in
+    place from ``S`` (..., N), any leading dims. bf16 (``scale`` None): q = bf16(S), round to nearest
+    even as the kernels' store. fp8: scale = max_n |S[..., n]| / 448 in fp32 (1 for an all-zero row),
+    q = e4m3(S / scale)."""
+    if scale is None:
+        q.copy_(S.to(torch.bfloat16))
+        return
+    S32 = S.float()
+    amax = S32.abs().amax(dim=-1)
+    scale.copy_(torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax)))
+    q.copy_((S32 / scale[..., None]).to(torch.float8_e4m3fn))
+
+
 class Shadow:
     """Low-precision copy of the checkpoint that the output form reads (docs/DESIGN.md §1).
 
@@ -62,14 +76,7 @@ class Shadow:
         return sh
 
     def write(self, slot: int, S: torch.Tensor) -> None:
-        if self.kind == "bf16":
-            self.q[slot] = S.to(torch.bfloat16)
-            return
-        S32 = S.float()
-        amax = S32.abs().amax(dim=-1)
-        scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
-        self.scale[slot] = scale
-        self.q[slot] = (S32 / scale[..., None]).to(torch.float8_e4m3fn)
+        quantize_shadow(S, self.q[slot], None if self.scale is None else self.scale[slot])
 
     def read(self, slot: int, dtype=torch.float32) -> torch.Tensor:
         q = self.q[slot].to(dtype)
