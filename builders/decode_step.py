@@ -30,6 +30,10 @@ routing mask: static shapes TensorRT builds as plain GEMMs, each expert matrix r
 whatever the batch; "gather" copies each token's k expert matrices and is cheaper only while
 2·batch·k < E (builders/moe.py has the numbers). MLP layers are the model's.
 
+The layers take (batch, T, D) tokens (:func:`window_conv`, :func:`window_attention`): T = 1 here, T = 1 +
+num_draft in builders/spec_step.py's verify step, which subclasses this one and changes only the SSM node,
+the conv state's width and the I/O (the conv state of K columns is the window of a step with no drafts).
+
 Export route: the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) with
 ``torch.autograd.Function.symbolic``. It emits exactly one custom node with our domain, attributes
 and five outputs, and the Python ``forward`` (the reference backend) runs while tracing. The
@@ -81,6 +85,44 @@ class Mamba2Decode(torch.autograd.Function):
         return outs
 
 
+# ---- the T-general layer pieces (this step, builders/spec_step.py, builders/gdn_step.py) ----------------
+def window_conv(window, inputs, conv1d, K: int, T: int):
+    """Causal depthwise conv of the T window inputs ``inputs`` (batch, T, C) over [the last K - 1 committed
+    inputs (the window's last K - 1 columns), the T inputs]: (conv (batch, T, C) before the activation,
+    the new window = the last W columns of [window, inputs]). ``window`` (batch, C, W = K - 1 + num_draft);
+    W = K, T = 1 is the standard decode step's conv state. K and T are the step's Python ints, so the
+    exported slices are constants and the new window keeps a static width."""
+    u = inputs.transpose(1, 2).to(window.dtype)  # (batch, C, T)
+    seq = torch.cat([window[:, :, -(K - 1):], u], dim=-1) if K > 1 else u
+    weight = conv1d.weight.squeeze(1)
+    conv = torch.stack([(seq[:, :, t:t + K] * weight).sum(-1) for t in range(T)], dim=1)
+    if conv1d.bias is not None:
+        conv = conv + conv1d.bias
+    return conv, torch.cat([window, u], dim=-1)[:, :, T:]
+
+
+def window_attention(q, k, v, k_cache, v_cache, lengths, scaling, T: int, max_seq_len: int):
+    """Attention of T window queries over a dense KV cache: the T new K/V written at lengths + t (one-hot
+    selects: exact copies, no arithmetic on the cache), query t attends keys j <= lengths + t.
+    q (batch, nh, T, hd); k, v (batch, kvh, T, hd); caches (batch, kvh, max_seq_len, hd); T and max_seq_len
+    the step's Python ints (constant positions in the exported graph).
+    Returns (o (batch, nh, T, hd), k_cache, v_cache)."""
+    pos = torch.arange(max_seq_len, device=q.device)
+    at = lengths.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # (batch, T) new positions
+    for t in range(T):
+        here = (pos[None, :] == at[:, t:t + 1])[:, None, :, None]
+        k_cache = torch.where(here, k[:, :, t:t + 1].to(k_cache.dtype), k_cache)
+        v_cache = torch.where(here, v[:, :, t:t + 1].to(v_cache.dtype), v_cache)
+    rep = q.shape[1] // k_cache.shape[1]
+    keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
+    vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
+    scores = torch.matmul(q, keys.transpose(2, 3)) * scaling  # (batch, nh, T, S)
+    visible = (pos[None, None, :] <= at[:, :, None])[:, None]
+    scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vals), k_cache, v_cache
+
+
 @dataclasses.dataclass(frozen=True)
 class StateSpec:
     name: str
@@ -116,7 +158,11 @@ class StepIO:
 
 
 class NemotronHDecodeStep(StepIO, torch.nn.Module):
-    """Decode step of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights."""
+    """Decode step of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights.
+
+    The layers take (batch, T, D) tokens: T = 1 here, T = 1 + num_draft in ``spec_step.NemotronHSpecStep``."""
+
+    num_tokens = 1
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype = torch.float32,
                  backend=None, moe_formulation: str = "dense"):
@@ -135,6 +181,7 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         self.backend = backend or reference_backend
         self.act_dtype = next(model.parameters()).dtype
         self.kinds = list(cfg.layers_block_type)
+        self.window = cfg.conv_kernel  # conv state: the last K inputs
         # Per-head SSM constants in fp32 (constants of the graph; A is not computed in the graph).
         for i, kind in enumerate(self.kinds):
             if kind == "linear_attention":
@@ -164,8 +211,7 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
 
     def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
         """The conv1d state of Mamba layer i: the last K inputs (the speculative step keeps a wider window)."""
-        return StateSpec(f"conv_state_{i}", (-1, conv_dim, self.config.conv_kernel), self.act_dtype,
-                         f"conv_state_{i}_out")
+        return StateSpec(f"conv_state_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_state_{i}_out")
 
     def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
         """State inputs equivalent to a patched model after prefill/decode (``decoder`` = ReplaySSMDecoder,
@@ -180,53 +226,43 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
                         c["x_cache"].clone(), c["B_cache"].clone(), c["dt_cache"].clone()]
         return out
 
-    # ---- the step -------------------------------------------------------------------------------
+    # ---- the layers, on (batch, T, D) -----------------------------------------------------------------
     def _attention(self, layer, h, k_cache, v_cache, lengths):
-        cfg, att = self.config, layer.mixer
-        batch = h.shape[0]
+        cfg, att, batch, T = self.config, layer.mixer, h.shape[0], self.num_tokens
         nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = att.q_proj(h).view(batch, nh, 1, hd)
-        k = att.k_proj(h).view(batch, kvh, 1, hd)
-        v = att.v_proj(h).view(batch, kvh, 1, hd)
-        pos = torch.arange(self.max_seq_len, device=h.device)
-        here = (pos[None, :] == lengths.long()[:, None])[:, None, :, None]  # (batch, 1, S, 1)
-        k_cache = torch.where(here, k, k_cache)
-        v_cache = torch.where(here, v, v_cache)
-        rep = nh // kvh
-        keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
-        vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
-        scores = torch.matmul(q, keys.transpose(2, 3)) * att.scaling  # (batch, nh, 1, S)
-        visible = (pos[None, :] <= lengths.long()[:, None])[:, None, None, :]
-        scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        o = torch.matmul(probs, vals).reshape(batch, nh * hd)
-        return att.o_proj(o), k_cache, v_cache
+        q = att.q_proj(h).view(batch, T, nh, hd).transpose(1, 2)
+        k = att.k_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
+        v = att.v_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
+        o, k_cache, v_cache = window_attention(q, k, v, k_cache, v_cache, lengths, att.scaling, T, self.max_seq_len)
+        return att.o_proj(o.transpose(1, 2).reshape(batch, T, nh * hd)), k_cache, v_cache
 
-    def _mamba(self, i, layer, h, conv_state, state, x_cache, B_cache, dt_cache, cursor, sbi):
-        mx = layer.mixer
-        batch = h.shape[0]
+    def _mamba(self, i, layer, h, window, state, x_cache, B_cache, dt_cache, cursor, sbi):
+        mx, batch, T = layer.mixer, h.shape[0], self.num_tokens
         H, P, N, G = mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups
         gate, xBC, dt = mx.in_proj(h).split([mx.intermediate_size, mx.conv_dim, H], dim=-1)
-        window = torch.cat([conv_state[:, :, 1:], xBC[:, :, None].to(conv_state.dtype)], dim=-1)
-        conv = (window * mx.conv1d.weight.squeeze(1)).sum(-1)
-        if mx.conv1d.bias is not None:
-            conv = conv + mx.conv1d.bias
+        conv, new_window = window_conv(window, xBC, mx.conv1d, self.config.conv_kernel, T)
         xBC = F.silu(conv).to(h.dtype)
         x, B, C = xBC.split([mx.intermediate_size, G * N, G * N], dim=-1)
-        y, state, x_cache, B_cache, dt_cache = Mamba2Decode.apply(
-            x.reshape(batch, H, P), B.reshape(batch, G, N), C.reshape(batch, G, N), dt,
-            getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"), getattr(self, f"D_{i}"), sbi, cursor,
-            state, x_cache, B_cache, dt_cache, (H, P, N, G, self.buffer_len), self.backend)
-        out = mx.out_proj(mx.norm(y.reshape(batch, H * P), gate).to(h.dtype))
-        return out, [window, state, x_cache, B_cache, dt_cache]
+        y, *caches = self._ssm_op(x.reshape(batch, T, H, P), B.reshape(batch, T, G, N), C.reshape(batch, T, G, N), dt,
+                                  getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"), getattr(self, f"D_{i}"), sbi,
+                                  cursor, (state, x_cache, B_cache, dt_cache), (H, P, N, G, self.buffer_len))
+        out = mx.out_proj(mx.norm(y.reshape(batch, T, H * P), gate).to(h.dtype))
+        return out, [new_window, *caches]
+
+    def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches, sizes):
+        """One ``mamba2_decode`` node on the step's one token: (y (batch, 1, H, P), the four caches)."""
+        y, *caches = Mamba2Decode.apply(x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, sbi, cursor, *caches, sizes,
+                                        self.backend)
+        return (y[:, None], *caches)
 
     def forward(self, input_ids, lengths, cursor, *states):
-        logits, new_states = self._layers(self.model.model.embeddings(input_ids[:, 0]), lengths, cursor, states)
-        return (logits, lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
+        logits, new_states = self._layers(input_ids, lengths, cursor, states)
+        return (logits[:, 0], lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
 
-    def _layers(self, h, lengths, cursor, states):
-        """Every layer on the embedded tokens h, then the final norm and lm_head: (logits fp32, new states)."""
+    def _layers(self, input_ids, lengths, cursor, states):
+        """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
         m = self.model.model
+        h = m.embeddings(input_ids)
         sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
         new_states, k = [], 0
         for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
@@ -248,18 +284,42 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         return self.model.lm_head(m.norm_f(h)).float(), new_states
 
 
-def export_onnx(step, path, batch: int = 2, opset: int = 17) -> None:
-    """Trace ``step`` (a decode step with explicit state I/O: this module's, or builders/gdn_step.py's) on zero
-    states of ``batch`` rows and write ONNX with a dynamic batch dimension."""
+def export_graph(module, args, path, opset: int = 17) -> None:
+    """Trace ``module`` (a step with ``input_names`` / ``output_names``) on ``args`` and write ONNX with a dynamic
+    batch dimension on every input and output (TorchScript route, module docstring).
+
+    The tracer leaves some output dims symbolic where the T-general layers reshape through traced sizes;
+    ONNX shape inference with data propagation resolves them, and every state output is then checked
+    against its :class:`StateSpec` (batch symbolic, every other dim and the dtype as declared), so the
+    file's I/O is exactly the contract that build_engine writes to config.json."""
+    import onnx
+
     if opset < 17:
         raise ValueError(f"opset: expected >= 17, got {opset}")
-    dev = next(step.parameters()).device
-    args = (torch.ones(batch, 1, dtype=torch.int64, device=dev), torch.zeros(batch, dtype=torch.int32, device=dev),
-            torch.zeros(batch, dtype=torch.int32, device=dev), *step.empty_states(batch, dev))
-    names_in, names_out = step.input_names(), step.output_names()
+    names_in, names_out = module.input_names(), module.output_names()
     dyn = {n: {0: "batch"} for n in names_in + names_out}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # TracerWarnings from the Python reference; DeprecationWarning of the route
-        torch.onnx.export(step, args, str(path), dynamo=False, opset_version=opset, input_names=names_in,
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=opset, input_names=names_in,
                           output_names=names_out, dynamic_axes=dyn, custom_opsets={DOMAIN: 1},
                           do_constant_folding=True)
+    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)), data_prop=True)
+    outputs = {v.name: v.type.tensor_type for v in model.graph.output}
+    for spec in module.state_specs():
+        got = outputs[spec.output]
+        dims = [d.dim_param or d.dim_value for d in got.shape.dim]
+        want = ["batch", *spec.shape[1:]]
+        if dims != want or onnx.helper.tensor_dtype_to_np_dtype(got.elem_type).name != spec.to_json()["dtype"]:
+            raise RuntimeError(f"export: output {spec.output} is {dims} "
+                               f"{onnx.helper.tensor_dtype_to_np_dtype(got.elem_type)}, the state contract says "
+                               f"{want} {spec.to_json()['dtype']}")
+    onnx.save(model, str(path))
+
+
+def export_onnx(step, path, batch: int = 2, opset: int = 17) -> None:
+    """Trace ``step`` (a decode step with explicit state I/O: this module's, or builders/gdn_step.py's) on zero
+    states of ``batch`` rows and write ONNX with a dynamic batch dimension."""
+    dev = next(step.parameters()).device
+    args = (torch.ones(batch, 1, dtype=torch.int64, device=dev), torch.zeros(batch, dtype=torch.int32, device=dev),
+            torch.zeros(batch, dtype=torch.int32, device=dev), *step.empty_states(batch, dev))
+    export_graph(step, args, path, opset)

@@ -51,9 +51,16 @@ import torch.nn.functional as F
 from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm import spec_reference as sref
 
-from .decode_step import DOMAIN, StateSpec, StepIO, export_onnx  # noqa: F401  (export_onnx: any step with state I/O)
+from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
+    DOMAIN,
+    StateSpec,
+    StepIO,
+    export_onnx,
+    window_attention,
+    window_conv,
+)
 from .qwen3_next import gdn_layers, reference_backend
-from .spec_step import _check_window, rotate_rings, window_attention, window_conv
+from .spec_step import _check_window, ring_cursor_and_windows, rotate_rings
 
 GDN_OP_TYPE = "gdn_decode"
 GDN_VERIFY_OP_TYPE = "gdn_verify"
@@ -200,24 +207,23 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
     def _attention(self, layer, h, k_cache, v_cache, lengths, cos_sin):
         att = layer.self_attn
         m = sys.modules[type(att).__module__]
-        batch, T, hd = h.shape[0], h.shape[1], att.head_dim
+        batch, T, hd = h.shape[0], self.num_tokens, att.head_dim
         q, gate = att.q_proj(h).view(batch, T, -1, hd * 2).chunk(2, dim=-1)  # (batch, T, nh, hd) each
         q = att.q_norm(q).transpose(1, 2)  # (batch, nh, T, hd)
         k = att.k_norm(att.k_proj(h).view(batch, T, -1, hd)).transpose(1, 2)
         v = att.v_proj(h).view(batch, T, -1, hd).transpose(1, 2)
         q, k = m.apply_rotary_pos_emb(q, k, *cos_sin)
-        o, k_cache, v_cache = window_attention(q, k, v, k_cache, v_cache, lengths, att.scaling)
+        o, k_cache, v_cache = window_attention(q, k, v, k_cache, v_cache, lengths, att.scaling, T, self.max_seq_len)
         o = o.transpose(1, 2).reshape(batch, T, -1) * torch.sigmoid(gate.reshape(batch, T, -1))
         return att.o_proj(o), k_cache, v_cache
 
     def _gdn(self, layer, h, conv_window, st, cursor, sbi):
         from .qwen3_next import _projections
 
-        mx = layer.linear_attn
-        batch, T = h.shape[:2]
+        mx, batch, T = layer.linear_attn, h.shape[0], self.num_tokens
         H, HV, Kd, V = mx.num_k_heads, mx.num_v_heads, mx.head_k_dim, mx.head_v_dim
         mixed, z, b, a = _projections(mx, h)
-        conv, window = window_conv(conv_window, mixed, mx.conv1d, self.config.linear_conv_kernel_dim)
+        conv, window = window_conv(conv_window, mixed, mx.conv1d, self.config.linear_conv_kernel_dim, T)
         q, k, v = F.silu(conv).to(h.dtype).split([mx.key_dim, mx.key_dim, mx.value_dim], dim=-1)
         y, *new = self._gdn_op(q.reshape(batch, T, H, Kd), k.reshape(batch, T, H, Kd), v.reshape(batch, T, HV, V),
                                a.reshape(batch, T, HV), b.reshape(batch, T, HV), mx.A_log.float(), mx.dt_bias.float(),
@@ -246,7 +252,7 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
         m = self.model.model
         h = m.embed_tokens(input_ids)
-        batch, T = input_ids.shape
+        batch, T = input_ids.shape[0], self.num_tokens
         cos_sin = self._rope(lengths[:, None] + torch.arange(T, dtype=lengths.dtype, device=h.device)[None, :])
         sbi = torch.arange(batch, dtype=torch.int32, device=h.device)
         new_states, j = [], 0
@@ -300,27 +306,17 @@ class QwenGDNSpecStep(QwenGDNDecodeStep):
         """(cursor (batch, 2), state inputs) equivalent to a patched model (``decoder`` = GDNReplayDecoder with
         the same buffer length, ``cache`` its transformers cache holding ``lengths`` tokens per row). The
         standard buffer (entries 0..k-1) is the ring with count k, rotated to ring start ``start``."""
-        if decoder.buffer_len != self.buffer_len:
-            raise ValueError(f"decoder: buffer_len {decoder.buffer_len} differs from the step's {self.buffer_len}")
-        count = decoder.cursor.to(torch.int32)
-        batch = count.shape[0]
-        if int(count.max()) > self.buffer_len - self.num_tokens:
-            raise ValueError(f"decoder.cursor: a verify window needs count <= L - T = "
-                             f"{self.buffer_len - self.num_tokens}, got {count.tolist()}")
-        start = torch.as_tensor(start, dtype=torch.int32).expand(batch) % self.buffer_len
-        K = self.config.linear_conv_kernel_dim
+        gdn = [i for i, kind in enumerate(self.kinds) if kind != "full_attention"]
+        cursor, windows = ring_cursor_and_windows(self, decoder, cache, start, gdn)
         out = []
         for i, kind in enumerate(self.kinds):
             if kind == "full_attention":
                 out += self._kv_states(cache, i, lengths)
             else:
-                conv = cache.get_conv_state(i)  # (batch, conv_dim, K): the last K inputs, newest last
-                window = conv.new_zeros((batch, conv.shape[1], self.window))
-                window[:, :, self.window - (K - 1):] = conv[:, :, 1:]
                 b = decoder.bufs[i]
-                out += [window, b.state.clone(),
-                        *rotate_rings((b.u_cache, b.v_cache, b.k_cache, b.g_cache, b.beta_cache), start)]
-        return torch.stack([start, count], dim=1), out
+                out += [windows[i], b.state.clone(),
+                        *rotate_rings((b.u_cache, b.v_cache, b.k_cache, b.g_cache, b.beta_cache), cursor[:, 0])]
+        return cursor, out
 
     def forward(self, input_ids, lengths, cursor, *states):
         if input_ids.shape[1] != self.num_tokens:

@@ -52,14 +52,11 @@ Math and state layouts: :mod:`trtllm_replayssm.spec_reference`. Export route: as
 
 from __future__ import annotations
 
-import warnings
-
 import torch
-import torch.nn.functional as F
 
 from trtllm_replayssm import spec_reference as sr
 
-from .decode_step import DOMAIN, NemotronHDecodeStep, StateSpec
+from .decode_step import DOMAIN, NemotronHDecodeStep, StateSpec, export_graph, window_attention, window_conv  # noqa: F401
 
 VERIFY_OP_TYPE = "mamba2_verify"
 COMMIT_OP_TYPE = "spec_commit"
@@ -137,47 +134,37 @@ class SpecCommit(torch.autograd.Function):
         return out
 
 
-# ---- window pieces shared by the verify steps (Nemotron-H here, Qwen3-Next / Qwen3.5 in gdn_step) --------
-def window_conv(window, inputs, conv1d, K: int):
-    """Causal depthwise conv of the T window inputs ``inputs`` (batch, T, C) over [the last K - 1 committed
-    inputs (the window's last K - 1 columns), the T inputs]: (conv (batch, T, C) before the activation,
-    the new window = the last W columns of [window, inputs]). ``window`` (batch, C, W = K - 1 + num_draft)."""
-    T, W = inputs.shape[1], window.shape[2]
-    u = inputs.transpose(1, 2).to(window.dtype)  # (batch, C, T)
-    seq = torch.cat([window[:, :, W - (K - 1):], u], dim=-1)
-    weight = conv1d.weight.squeeze(1)
-    conv = torch.stack([(seq[:, :, t:t + K] * weight).sum(-1) for t in range(T)], dim=1)
-    if conv1d.bias is not None:
-        conv = conv + conv1d.bias
-    return conv, torch.cat([window, u], dim=-1)[:, :, T:]
-
-
-def window_attention(q, k, v, k_cache, v_cache, lengths, scaling):
-    """Attention of T window queries over a dense KV cache: the T new K/V written at lengths + t (one-hot
-    selects: exact copies, no arithmetic on the cache), query t attends keys j <= lengths + t.
-    q (batch, nh, T, hd); k, v (batch, kvh, T, hd); caches (batch, kvh, max_seq_len, hd).
-    Returns (o (batch, nh, T, hd), k_cache, v_cache)."""
-    T, max_seq = q.shape[2], k_cache.shape[2]
-    pos = torch.arange(max_seq, device=q.device)
-    at = lengths.long()[:, None] + torch.arange(T, device=q.device)[None, :]  # (batch, T) new positions
-    for t in range(T):
-        here = (pos[None, :] == at[:, t:t + 1])[:, None, :, None]
-        k_cache = torch.where(here, k[:, :, t:t + 1].to(k_cache.dtype), k_cache)
-        v_cache = torch.where(here, v[:, :, t:t + 1].to(v_cache.dtype), v_cache)
-    rep = q.shape[1] // k_cache.shape[1]
-    keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
-    vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scaling  # (batch, nh, T, S)
-    visible = (pos[None, None, :] <= at[:, :, None])[:, None]
-    scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
-    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, vals), k_cache, v_cache
-
-
+# ---- window pieces shared by the verify steps (Nemotron-H here, Qwen3-Next / Qwen3.5 in gdn_step; the
+# T-general conv and attention, window_conv and window_attention, live in decode_step) --------------------
 def rotate_rings(rings, start) -> list[torch.Tensor]:
     """Standard buffers (slots, heads, L, ...) (entry j at index j) as rings starting at ``start`` (slots,):
     entry j moves to index (start + j) % L, for every slot."""
     return [torch.stack([torch.roll(t[b], int(start[b]), dims=1) for b in range(t.shape[0])]) for t in rings]
+
+
+def ring_cursor_and_windows(step, decoder, cache, start, conv_layers) -> tuple[torch.Tensor, dict]:
+    """The verify graph's cursor (batch, 2) and conv windows equivalent to a patched model (``decoder`` with
+    the step's buffer length and a (batch,) ``cursor`` = entries in its standard buffer, ``cache`` its
+    transformers cache): ring start ``start`` (int or (batch,)), count = the decoder's cursor; each conv
+    window (batch, conv_dim, W) holds the last K - 1 inputs of the cache's conv state (the last K inputs,
+    newest last) in its last K - 1 columns. Returns (cursor, {layer: window}); ``start`` as a (batch,) tensor
+    is ``cursor[:, 0]``."""
+    if decoder.buffer_len != step.buffer_len:
+        raise ValueError(f"decoder: buffer_len {decoder.buffer_len} differs from the step's {step.buffer_len}")
+    count = decoder.cursor.to(torch.int32)
+    batch = count.shape[0]
+    if int(count.max()) > step.buffer_len - step.num_tokens:
+        raise ValueError(f"decoder.cursor: a verify window needs count <= L - T = "
+                         f"{step.buffer_len - step.num_tokens}, got {count.tolist()}")
+    start = torch.as_tensor(start, dtype=torch.int32).expand(batch) % step.buffer_len
+    windows = {}
+    for i in conv_layers:
+        conv = cache.get_conv_state(i)
+        K = conv.shape[2]
+        window = conv.new_zeros((batch, conv.shape[1], step.window))
+        window[:, :, step.window - (K - 1):] = conv[:, :, 1:]
+        windows[i] = window
+    return torch.stack([start, count], dim=1), windows
 
 
 def _check_window(num_draft: int, buffer_len: int) -> int:
@@ -213,60 +200,28 @@ class NemotronHSpecStep(NemotronHDecodeStep):
         ReplaySSMDecoder with the same buffer length, ``cache`` its transformers cache holding ``lengths``
         tokens per row). The standard buffer (entries 0..k-1) is the ring with count k; ``start`` (int or
         (batch,) tensor) rotates it to ring start ``start`` (any start is valid)."""
-        if decoder.buffer_len != self.buffer_len:
-            raise ValueError(f"decoder: buffer_len {decoder.buffer_len} differs from the step's {self.buffer_len}")
-        count = decoder.cursor.to(torch.int32)
-        batch = count.shape[0]
-        if int(count.max()) > self.buffer_len - self.num_tokens:
-            raise ValueError(f"decoder.cursor: a verify window needs count <= L - T = "
-                             f"{self.buffer_len - self.num_tokens}, got {count.tolist()}")
-        start = torch.as_tensor(start, dtype=torch.int32).expand(batch) % self.buffer_len
-        K = self.config.conv_kernel
+        mamba = [i for i, kind in enumerate(self.kinds) if kind == "linear_attention"]
+        cursor, windows = ring_cursor_and_windows(self, decoder, cache, start, mamba)
         out = []
         for i, kind in enumerate(self.kinds):
             if kind == "full_attention":
                 out += self._kv_states(cache, i, lengths)
             elif kind == "linear_attention":
-                conv = cache.get_conv_state(i)  # (batch, conv_dim, K): the last K inputs, newest last
-                window = conv.new_zeros((batch, conv.shape[1], self.window))
-                window[:, :, self.window - (K - 1):] = conv[:, :, 1:]
                 c = decoder.caches[i]
-                rings = rotate_rings((c["x_cache"], c["B_cache"], c["dt_cache"]), start)
-                out += [window, c["state"].to(self.state_dtype).clone(), *rings]
-        return torch.stack([start, count], dim=1), out
+                rings = rotate_rings((c["x_cache"], c["B_cache"], c["dt_cache"]), cursor[:, 0])
+                out += [windows[i], c["state"].to(self.state_dtype).clone(), *rings]
+        return cursor, out
 
-    def _attention(self, layer, h, k_cache, v_cache, lengths):
-        cfg, att = self.config, layer.mixer
-        batch, T = h.shape[:2]
-        nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        q = att.q_proj(h).view(batch, T, nh, hd).transpose(1, 2)
-        k = att.k_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
-        v = att.v_proj(h).view(batch, T, kvh, hd).transpose(1, 2)
-        o, k_cache, v_cache = window_attention(q, k, v, k_cache, v_cache, lengths, att.scaling)
-        return att.o_proj(o.transpose(1, 2).reshape(batch, T, nh * hd)), k_cache, v_cache
-
-    def _mamba(self, i, layer, h, window, state, x_cache, B_cache, dt_cache, cursor, sbi):
-        mx = layer.mixer
-        batch, T = h.shape[:2]
-        H, P, N, G = mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups
-        K = self.config.conv_kernel
-        gate, xBC, dt = mx.in_proj(h).split([mx.intermediate_size, mx.conv_dim, H], dim=-1)
-        conv, new_window = window_conv(window, xBC, mx.conv1d, K)
-        xBC = F.silu(conv).to(h.dtype)
-        x, B, C = xBC.split([mx.intermediate_size, G * N, G * N], dim=-1)
-        y, state, x_cache, B_cache, dt_cache = Mamba2Verify.apply(
-            x.reshape(batch, T, H, P), B.reshape(batch, T, G, N), C.reshape(batch, T, G, N), dt,
-            getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"), getattr(self, f"D_{i}"), sbi, cursor,
-            state, x_cache, B_cache, dt_cache, (H, P, N, G, self.buffer_len, T), self.backend)
-        out = mx.out_proj(mx.norm(y.reshape(batch, T, H * P), gate).to(h.dtype))
-        return out, [new_window, state, x_cache, B_cache, dt_cache]
+    def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches, sizes):
+        """One ``mamba2_verify`` node on the window's T tokens: (y (batch, T, H, P), the four caches)."""
+        return Mamba2Verify.apply(x, B, C, dt, dt_bias, A, D, sbi, cursor, *caches, (*sizes, self.num_tokens),
+                                  self.backend)
 
     def forward(self, input_ids, lengths, cursor, *states):
-        m = self.model.model
         if input_ids.shape[1] != self.num_tokens:
             raise ValueError(f"input_ids: expected (batch, {self.num_tokens}) (1 + num_draft tokens), "
                              f"got {tuple(input_ids.shape)}")
-        logits, new_states = self._layers(m.embeddings(input_ids), lengths, cursor, states)
+        logits, new_states = self._layers(input_ids, lengths, cursor, states)
         return (logits, *new_states)
 
 
@@ -307,16 +262,6 @@ class NemotronHSpecCommit(torch.nn.Module):
 
 
 # ---- export --------------------------------------------------------------------------------------------
-def _export(module, args, path, opset):
-    names_in, names_out = module.input_names(), module.output_names()
-    dyn = {n: {0: "batch"} for n in names_in + names_out}
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")  # TracerWarnings from the Python reference; DeprecationWarning of the route
-        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=opset, input_names=names_in,
-                          output_names=names_out, dynamic_axes=dyn, custom_opsets={DOMAIN: 1},
-                          do_constant_folding=True)
-
-
 def export_onnx(step: NemotronHSpecStep, verify_path, commit_path, batch: int = 2, opset: int = 17) -> None:
     """Trace the verify step and the commit on zero states of ``batch`` rows; ONNX with a dynamic batch."""
     if opset < 17:
@@ -326,8 +271,9 @@ def export_onnx(step: NemotronHSpecStep, verify_path, commit_path, batch: int = 
     cursor = torch.zeros(batch, 2, dtype=torch.int32, device=dev)
     lengths = torch.zeros(batch, dtype=torch.int32, device=dev)
     states = step.empty_states(batch, dev)
-    _export(step, (torch.ones(batch, T, dtype=torch.int64, device=dev), lengths, cursor, *states), verify_path, opset)
+    export_graph(step, (torch.ones(batch, T, dtype=torch.int64, device=dev), lengths, cursor, *states), verify_path,
+                 opset)
     commit = NemotronHSpecCommit(step)
     windows = [t for s, t in zip(step.state_specs(), states) if s.name.startswith("conv_window_")]
     n = torch.ones(batch, dtype=torch.int32, device=dev)
-    _export(commit, (n, cursor, lengths, *windows), commit_path, opset)
+    export_graph(commit, (n, cursor, lengths, *windows), commit_path, opset)

@@ -19,8 +19,8 @@ conv           (layers, slots, conv_dim, W)   act_dtype          conv1d window, 
                                                                  of (layers, slots + 1, ...): one scratch slot)
 =============  =============================  =================  ===============================================
 
-``layer(l)`` gives per-layer views in the layouts of :mod:`.spec_reference` / :mod:`.reference` (the
-kernels' contract).
+``layer(l)`` gives per-layer views in the layouts of :mod:`.contract` (the kernels' state contract, written
+once there).
 
 Gated DeltaNet layers (Qwen3-Next / Qwen3.5; ``gdn_layers`` > 0, HV value heads, Hk key heads, V value
 dim, Kd key dim; the layouts of :mod:`.gdn_reference`) share the slots, the cursor and the step with the

@@ -1,0 +1,74 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The state contract: every tensor that persists between decode steps, its layout, and who writes it.
+
+This docstring is the one home of the contract. The launchers (:mod:`.ops`, :mod:`.gdn_ops`) list the
+per-step inputs next to the checks that enforce them, :class:`~.cache.ReplayStateCache` allocates
+these tensors for every layer of a model (a leading ``layers`` dim), the builders export them as engine
+I/O (``builders/decode_step.py``, ``spec_step.py``, ``gdn_step.py``: ``<name>_<layer>`` in,
+``<name>_<layer>_out`` out, aliased in TensorRT), and the float64 specs (:mod:`.reference`,
+:mod:`.spec_reference`, :mod:`.gdn_reference`) define what each step computes. The layouts are
+vLLM's (>= PR #48018) and FlashInfer's (>= 0.7.0 ring API), so users can swap kernels.
+
+Sizes: S slots (one per live request, plus padding), H heads, P headdim, N dstate, G groups (Mamba-2);
+HV value heads, Hk key heads, V value dim, K key dim (Gated DeltaNet); L ring capacity (buffer length,
+1..32); T = 1 + num_draft tokens per step; W conv window; act = the activation dtype.
+
+Mamba-2 layer (``reference.py`` math; DESIGN.md §1):
+
+=============  ====================  ==================  ===================================================
+tensor         shape                 dtype               written by
+=============  ====================  ==================  ===================================================
+state          (S, H, P, N)          f32 (bf16/f16 ok)   the checkpoint S0: prefill hand-off; a flush
+                                                         (replay_decode when the buffer fills, k = L;
+                                                         replay_verify when count + 2T > L); every step
+                                                         of the conventional baseline
+shadow         (S, H, P, N)          bf16 / fp8-e4m3fn   optional, with an f32 state: rewritten from the
+shadow_scale   (S, H, P)             f32 (fp8 only)      f32 checkpoint whenever it is written
+                                                         (:func:`.reference.quantize_shadow`); read
+                                                         instead of state by the steps that do not flush
+x_cache        (S, H, L, P)          act                 ring of x_j, one entry appended per token
+B_cache        (S, G, L, N)          act                 ring of B_j (C is never cached)
+dt_cache       (S, H, L)             f32                 ring of processed dt_j = softplus(dt + dt_bias)
+conv           (S, conv_dim, W)      act                 conv1d inputs, newest in column W - 1:
+                                                         W = K_conv (standard), K_conv - 1 + num_draft
+                                                         (speculative: rejected inputs drop by a shift)
+=============  ====================  ==================  ===================================================
+
+Gated DeltaNet layer (Qwen3-Next / Qwen3.5; ``gdn_reference.py``): the ring holds the corrected update
+u_j = beta_j (v_j - S_{j-1} k_j), not v_j, so the state is linear in the ring.
+
+=============  ====================  ==================  ===================================================
+tensor         shape                 dtype               written by
+=============  ====================  ==================  ===================================================
+state          (S, HV, V, K)         f32                 checkpoint S0: prefill hand-off; the exact fold
+                                                         of the ring at a flush (as above)
+shadow         (S, HV, V, K)         bf16                optional; rewritten with the checkpoint
+u_cache        (S, HV, L, V)         f32                 ring of u_j
+v_cache        (S, HV, L, V)         act                 ring of v_j (the fold replays from them)
+k_cache        (S, Hk, L, K)         f32                 ring of l2-normalised k_j
+g_cache        (S, HV, L)            f32                 ring of log decays g_j
+beta_cache     (S, HV, L)            f32                 ring of beta_j
+conv           (S, conv_dim, W)      act                 conv1d over q | k | v, as Mamba-2's
+=============  ====================  ==================  ===================================================
+
+Cursor, shared by every layer of a model (Mamba-2 and GDN alike), moved once per model step after all
+layers ran (never by a layer's kernel):
+
+- standard decode, (S,) int32: entries in the buffer since the checkpoint, 0..L-1; entry j sits at ring
+  index j. ``advance_cursor``: (c + 1) % L (the k = L step flushed and emptied the buffer). This is the
+  form the tuned decode kernels and the exported decode step use.
+- speculative decoding, (S, 2) int32: (start, count); entry j sits at ring index (start + j) % L.
+  ``spec_commit``: where count + 2T > L (the verify kernels folded the committed entries into the
+  checkpoint, "flush one window early") start += count, count = 0; then count += n_accepted. Rejected
+  drafts are a cursor move: their ring entries lie beyond count and are overwritten later.
+- the standard form is the ring form with start = 0 (``spec_step.ring_cursor_and_windows`` converts a
+  standard buffer into a ring); :class:`~.cache.ReplayStateCache` keeps the ring form, where T = 1 is
+  standard decode on the ring.
+
+state_batch_indices (batch,) int32: the slot of each batch row; -1 is a padding row (its output is left
+untouched and no slot is read or written). A slot appears in at most one row.
+
+Slot lifecycle (:class:`~.cache.ReplayStateCache`): a freed or fresh slot reads zeros everywhere (state,
+shadow, rings, conv, cursor); prefill hand-off writes the checkpoint (and shadow) from the prefill's final
+SSM state, empties the ring and fills the conv window's last K_conv - 1 columns.
+"""
