@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trtllm_replayssm import costs
+from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache
 from trtllm_replayssm.geometries import GDN_GEOMETRIES, GEOMETRIES
 
@@ -94,6 +95,7 @@ def test_standard_decode_is_a_one_token_verify(shadow):
         for k in range(1, L):
             assert per_k[k] == costs.gdn_verify_bytes(HV, H, V, K, L, 1, k - 1, shadow_bytes=q)
         assert per_k[L] == costs.gdn_verify_bytes(HV, H, V, K, L, 1, L - 1, shadow_bytes=q) - entry
+    assert gref.bytes_per_position is costs.gdn_bytes_per_position  # one home, re-exported
 
 
 def test_end_to_end_layer_model_against_the_kernel_model():
