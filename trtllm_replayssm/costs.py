@@ -171,9 +171,14 @@ def mamba2_native_spec_bytes(H: int, P: int, N: int, G: int, T: int, state_bytes
 
 
 # ---- Gated DeltaNet: one launch per (batch row, layer) -----------------------------------------------------------
+def gdn_state_bytes(HV: int, V: int, K: int, state_bytes: int = 4) -> int:
+    """S = HV V Kd s: one row's checkpoint in one GDN layer."""
+    return HV * V * K * state_bytes
+
+
 def _gdn_parts(HV, H, V, K, act_bytes, state_bytes, shadow):
     a = act_bytes
-    state = HV * V * K * state_bytes
+    state = gdn_state_bytes(HV, V, K, state_bytes)
     sh = shadow_sizes(shadow)
     read = state if sh is None else HV * V * K * sh[0] + HV * V * sh[1]
     io = (2 * H * K + HV * V + 2 * HV) * a + HV * V * a
@@ -297,7 +302,7 @@ def mamba2_layer_memory(H: int, P: int, N: int, G: int, L: int, conv_width: int,
     """Bytes one slot holds in one Mamba-2 layer: {state, shadow, ring (x, B, dt), conv (``conv_width`` columns)}."""
     cd = H * P + 2 * G * N if conv_dim is None else conv_dim
     sh = shadow_sizes(shadow)
-    return {"state": H * P * N * state_bytes,
+    return {"state": mamba2_state_bytes(H, P, N, state_bytes),
             "shadow": 0 if sh is None else H * P * N * sh[0] + H * P * sh[1],
             "ring": L * (H * P + G * N) * act_bytes + H * L * dt_bytes,
             "conv": cd * conv_width * act_bytes}
@@ -309,7 +314,7 @@ def gdn_layer_memory(HV: int, Hk: int, V: int, Kd: int, L: int, conv_width: int,
     cd = 2 * Hk * Kd + HV * V if conv_dim is None else conv_dim
     sh = shadow_sizes(shadow)
     f = ring_bytes
-    return {"state": HV * V * Kd * state_bytes,
+    return {"state": gdn_state_bytes(HV, V, Kd, state_bytes),
             "shadow": 0 if sh is None else HV * V * Kd * sh[0] + HV * V * sh[1],
             "ring": HV * L * V * f + HV * L * V * act_bytes + Hk * L * Kd * f + 2 * HV * L * f,
             "conv": cd * conv_width * act_bytes}
@@ -459,7 +464,7 @@ def config_weight_bytes(config, dtype) -> int:
 
 __all__ = ["GiB", "FP8_SCALE_BYTES", "DECODE_MODES", "SPEC_MODES", "shadow_sizes", "mamba2_state_bytes",
            "mamba2_bytes_per_position", "mamba2_bytes_per_step", "mamba2_verify_bytes", "mamba2_native_spec_bytes",
-           "gdn_bytes_per_position", "gdn_bytes_per_step", "gdn_verify_bytes", "gdn_native_spec_bytes",
+           "gdn_state_bytes", "gdn_bytes_per_position", "gdn_bytes_per_step", "gdn_verify_bytes", "gdn_native_spec_bytes",
            "mamba2_decode_step_ssm", "mamba2_spec_step_ssm", "decode_step_bytes", "spec_step_bytes",
            "mamba2_layer_memory", "gdn_layer_memory", "cache_bytes", "memory_per_request", "serving_memory",
            "max_batch_within", "max_batch", "spec_run_plan", "decode_run_plan", "model_weight_bytes",
