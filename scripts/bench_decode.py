@@ -68,19 +68,15 @@ the logit limit measures the shadow, not the router's margin. ``gate_route_flip_
 of (row, step) positions where the shadow mode's own choice would have differed (information, not a
 gate; the quality cost that routing adds on top).
 
-Bytes model of one step (b rows, a = 2 bytes bf16, s = 4 bytes fp32 state; M Mamba / T attention
-layers; W = weight bytes, all read once per step; MoE: less the routed experts that no token of the
-last timed step chose, ``weights_read_gb`` in the rows):
-  common      W + M*b*2*conv_dim*K*a (conv windows) + T*b*2*kvh*fill*hd*a (K and V of the filled
-              positions: the fused step's attention reads only those; fill = the mean over the timed
-              steps, prompt + gate + warmup*L + reps*L/2, reported as ``kv_fill_mean``; the eager
-              CPU step's SDPA reads all kv_len, which the CPU timing does not claim to model)
-  conventional  + M*b*2*H*P*N*s
-  replay        + M*b*(H*P*N*s*(1 + 1/L) + (L-1)/2 * entry + entry),  entry = H*P*a + G*N*a + 4*H
-  replay_bf16   + M*b*(2*H*P*N*s/L + H*P*N*2 + (L-1)/2 * entry + entry)   (shadow read on L-1 steps,
-                written on the flush, which also reads and writes the fp32 checkpoint)
-  replay_fp8    + M*b*(2*H*P*N*s/L + H*P*N + 4*H*P + (L-1)/2 * entry + entry)   (+ row scales)
-  noop          + 0
+Bytes model of one step (``bytes_step``, ``tbps``): ``trtllm_replayssm.costs.decode_step_bytes``, its
+formulas written out in costs' module docstring: W (weight bytes, all read once per step; MoE: less the
+routed experts that no token of the last timed step chose, ``weights_read_gb`` in the rows) + the conv
+windows + K and V of the filled positions (the fused step's attention reads only those; fill = the mean
+over the timed steps, prompt + gate + warmup*L + reps*L/2, reported as ``kv_fill_mean``; the eager CPU
+step's SDPA reads all kv_len, which the CPU timing does not claim to model) + per Mamba layer and row the
+mode's SSM bytes: conventional, mamba_ssm 2 S; replay S (1 + 1/L) + the ring entries; replay_bf16 / replay_fp8 the
+shadow read on L-1 steps and written on the flush (+ fp8 row scales), which also reads and writes the fp32
+checkpoint S; noop 0. The run plan (GPU or host snapshot, or skip) is ``costs.decode_run_plan``.
 At batch 256: W ~ 16.2 GB, conventional SSM ~ 51.5 GB, replay ~ 28.4 GB, bf16 shadow ~ 17.1 GB,
 fp8 ~ 10.9 GB (the kernels are not bandwidth-bound with a shadow: bench/NOTES.md "Shadow reads").
 
@@ -139,6 +135,7 @@ sys.path.insert(0, str(ROOT))
 from builders.model_step import Conventional, DecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
 from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIG  # noqa: E402
 from builders.tp_step import TPDecodeStep  # noqa: E402
+from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm.geometries import MODELS  # noqa: E402
 
 # Megatron-Bridge NemotronHModelProvider8B (hybrid_layer_pattern, hidden 4096, ffn 21504, 128 Mamba
@@ -275,46 +272,7 @@ def build_model(config, device="cpu", dtype=torch.bfloat16, seed: int = 0):
 # ---- memory ----------------------------------------------------------------------------------------------
 def shadow_elem_bytes(modes) -> int:
     """Bytes per state element of the largest shadow among ``modes`` (0 without a shadow mode)."""
-    return max([{"bf16": 2, "fp8": 1}[SHADOW_MODES[m]] for m in modes if m in SHADOW_MODES], default=0)
-
-
-def memory_plan(config, batch: int, kv_len: int, L: int, weight_bytes: int, act_bytes: int = 2,
-                shadow_bytes: int = 0) -> dict:
-    """Bytes the run of one batch needs on the GPU (peak: model state + snapshot + one backend;
-    ``shadow_bytes`` per state element of the largest shadow backend, fp8 with its row scales)."""
-    c = config
-    H, P, N, G, K = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups, c.conv_kernel
-    kinds = list(c.layers_block_type)
-    M, T = kinds.count("linear_attention"), kinds.count("full_attention")
-    conv_dim = H * P + 2 * G * N
-    ssm = M * batch * H * P * N * 4
-    buffers = M * batch * (H * L * P * act_bytes + G * L * N * act_bytes + H * L * 4)
-    buffers += M * batch * (H * P * N * shadow_bytes + (H * P * 4 if shadow_bytes == 1 else 0))
-    conv = M * batch * conv_dim * K * act_bytes
-    kv = T * 2 * batch * c.num_key_value_heads * kv_len * c.head_dim * act_bytes
-    widest = max(2 * H * P + 2 * G * N + H, c.intermediate_size, c.hidden_size)
-    scratch = batch * (c.vocab_size * 4 * 4 + widest * 4 * 8 + c.num_attention_heads * kv_len * 4 * 4) + 2 * GiB
-    live = weight_bytes + conv + kv + ssm + buffers + scratch
-    return dict(gpu_snapshot=live + ssm + conv + kv, cpu_snapshot=live, snapshot_bytes=ssm + conv + kv)
-
-
-def step_bytes(config, batch: int, kv_fill: float, L: int, weight_bytes: int, mode: str, a: int = 2) -> int:
-    """The bytes model of the module docstring, for one step of ``mode``; ``kv_fill``: KV positions read."""
-    c = config
-    H, P, N, G, K = c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups, c.conv_kernel
-    kinds = list(c.layers_block_type)
-    M, T = kinds.count("linear_attention"), kinds.count("full_attention")
-    common = (weight_bytes + M * batch * 2 * (H * P + 2 * G * N) * K * a
-              + T * batch * 2 * c.num_key_value_heads * kv_fill * c.head_dim * a)
-    state = H * P * N * 4
-    entry = H * P * a + G * N * a + 4 * H
-    buf = (L - 1) / 2 * entry + entry
-    # shadow: non-flush steps read the shadow (L-1 of L), the flush reads and writes the fp32
-    # checkpoint and writes the shadow (fp8: + its fp32 row scales): 2 state / L + 1 shadow per step
-    shadow = {"replay_bf16": H * P * N * 2, "replay_fp8": H * P * N + H * P * 4}
-    ssm = {"conventional": 2 * state, "mamba_ssm": 2 * state, "noop": 0, "replay": state * (1 + 1 / L) + buf,
-           **{m: 2 * state / L + sh + buf for m, sh in shadow.items()}}.get(mode, 0)
-    return int(common + M * batch * ssm)
+    return max([costs.shadow_sizes(SHADOW_MODES[m])[0] for m in modes if m in SHADOW_MODES], default=0)
 
 
 # ---- gate ------------------------------------------------------------------------------------------------
@@ -585,7 +543,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
                             idle_experts=float((load == 0).float().sum(1).mean()))
     step.ssm.free()
     conv = results["conventional"]
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = costs.model_weight_bytes(model)
     if step.expert_load:  # experts no token was routed to in the last timed step are not read
         for i, load in step.expert_load.items():
             w = step.w[i]["moe"]
@@ -617,7 +575,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
         if name != "noop":  # the timed run's own greedy tokens (informational when the gate ran on a twin)
             gate["timed_rows_identical"] = int((r["tokens"] == conv["tokens"]).all(dim=1).sum())
         noop = results.get("noop")
-        nbytes = step_bytes(model.config, batch, kv_fill, L, weight_bytes, name)
+        nbytes = costs.decode_step_bytes(model.config, batch, kv_fill, L, name, weight_bytes)
         rows.append(dict(
             batch=batch, mode=name, ms_step=r["ms"], spread_ms=r["spread_ms"], tokens_per_s=batch / (r["ms"] * 1e-3),
             ssm_share=(None if noop is None or name == "noop" else 1 - noop["ms"] / r["ms"]),
@@ -906,7 +864,7 @@ def main(argv=None):
             ap.error("--gate-layers: needs a twin (--gate-dtype other than the timed model's dtype)")
         gate_config = model_config(args.tiny or False, args.gate_layers, args.vocab, geometry=args.model_geometry)
     gate_model = build_model(gate_config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = costs.model_weight_bytes(model)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     kinds = list(config.layers_block_type)
     meta = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now, commit=_commit(args.commit),
@@ -945,10 +903,10 @@ def main(argv=None):
             free = torch.cuda.mem_get_info(dev)[0]  # the weights are already resident
             kv_len = max(args.context, args.prompt_len + args.gate_tokens + (args.warmup + args.reps) * args.buffer_len + 1)
             sb = shadow_elem_bytes(modes)
-            plan_ = memory_plan(config, batch, kv_len, args.buffer_len, 0, shadow_bytes=sb)
+            plan_ = costs.decode_run_plan(config, batch, kv_len, args.buffer_len, 0, shadow_bytes=sb)
             if gate_model is not None:  # the gate phase (fp32 activations) runs before the timed one
-                gplan = memory_plan(gate_config, batch, kv_len, args.buffer_len, 0, act_bytes=gate_dtype.itemsize,
-                                    shadow_bytes=sb)
+                gplan = costs.decode_run_plan(gate_config, batch, kv_len, args.buffer_len, 0,
+                                              act_bytes=gate_dtype.itemsize, shadow_bytes=sb)
                 plan_ = {k: max(v, gplan[k]) for k, v in plan_.items()}
             if plan_["gpu_snapshot"] <= free:
                 snap_dev = dev

@@ -10,13 +10,10 @@ ReplaySSM is timed at every buffer position k = 1..L (cursor pinned at k - 1; k 
 the amortized step is the mean over k (one flush cycle). The cursor advance is shared by all layers
 and not timed.
 
-Bytes model per (batch row, layer): gdn_reference.bytes_per_position (its docstring), a = activation bytes:
-  io            q, k 2*H*K*a + v HV*V*a + a, b 2*HV*a + y HV*V*a
-  conventional  state read + write 2*HV*V*K*4 + io
-  replay, k<L   S0 (or shadow, 2 bytes) HV*V*K*s + io + (k-1) entries read (u HV*V*4, k H*K*4, g HV*4)
-                + one entry written (u HV*V*4, v HV*V*a, k H*K*4, g, beta 2*HV*4)
-  replay, k=L   state read + write 2*HV*V*K*4 (+ shadow write HV*V*K*2) + io
-                + (L-1) entries read (v HV*V*a, k H*K*4, g, beta 2*HV*4)
+Bytes model per (batch row, layer): ``trtllm_replayssm.costs.gdn_bytes_per_position`` (formulas in costs'
+module docstring; fp32 state, bf16 shadow): conventional 2 S + io; replay at k < L S0 (or the shadow) once
++ io + k - 1 entries read (u, k, g) + one written (u, v, k, g, beta); the flush k = L reads and writes S
+(+ rewrites the shadow) and reads L - 1 entries (v, k, g, beta) for the exact fold.
 Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measured in the same run.
 
 Speculative rows (``--spec``, T = 4, L = 16): ReplaySSM ``gdn_replay_verify`` timed at pinned cursors
@@ -26,11 +23,9 @@ time at acceptance ~0.8 is the mean over a simulated run (n = 1 + accepted draft
 with p = 0.8 while the previous ones were; the commit's flush rule on the cursor), times interpolated
 linearly in count between the measured points (the history and fold costs are linear in count). The
 cursor commit (one tiny kernel shared by all layers) is not timed, as the cursor advance above.
-Spec bytes model per (batch row, layer), io_t the per-token io above, m = count:
-  verify, no flush  S0 (shadow) HV*V*K*s + T*io_t + m*(u HV*V*4 + k H*K*4 + g HV*4)
-                    + T entries written (u HV*V*4, v HV*V*a, k H*K*4, g, beta 2*HV*4)
-  verify, flush     2*HV*V*K*4 (+ shadow write HV*V*K*2) + T*io_t + m*(v HV*V*a + k H*K*4 + 2*HV*4) + T entries
-  native verify     HV*V*K*4 + T*HV*V*K*4 (snapshots) + T*io_t;  native commit 2*HV*V*K*4
+Spec bytes model per (batch row, layer): ``costs.gdn_verify_bytes`` at count m (no fold: S0 or shadow
++ T io + m entries read + T written; fold where m + 2T > L: S read and written + the m entries the fold
+reads + T io + T written) and ``costs.gdn_native_spec_bytes`` (verify S + T snapshots + T io, commit 2 S).
 
 Peer column (``fla``): flash-linear-attention's Triton ``fused_recurrent_gated_delta_rule`` (fla-core,
 ``python scripts/fetch_peers.py --only fla`` puts it in the git-ignored ``third_party/fla_peer``;
@@ -62,9 +57,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_kernels import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
-from trtllm_replayssm import config, gdn_ops  # noqa: E402
+from trtllm_replayssm import config, costs, gdn_ops  # noqa: E402
 from trtllm_replayssm.config import gdn_geometry  # noqa: E402
-from trtllm_replayssm.gdn_reference import bytes_per_position  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -72,15 +66,10 @@ MAX_ROTATIONS = 64
 QWEN3_NEXT = dict(zip(("HV", "H", "V", "K"), GDN_GEOMETRIES["qwen3_next_80b"]))  # (32, 16, 128, 128)
 
 
-def bytes_model(HV, H, V, K, L, a=2, shadow=False):
-    """(conventional bytes, {k: replay bytes}) per row: gdn_reference.bytes_per_position (fp32 state, bf16 shadow)."""
-    return bytes_per_position(HV, H, V, K, L, a, 4, 2 if shadow else None)
-
-
 def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
     HV, H, V, K = geom["HV"], geom["H"], geom["V"], geom["K"]
     act = torch.bfloat16
-    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (HV * V * K * 4 * batch))))
+    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (costs.gdn_state_bytes(HV, V, K) * batch))))
     slots = batch * R
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = dict(device="cuda")
@@ -138,7 +127,7 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
             for r in range(R):
                 fla_step(r, sts[r])
 
-    conv_b, _ = bytes_model(HV, H, V, K, L)
+    conv_b, _ = costs.gdn_bytes_per_position(HV, H, V, K, L)
     row = dict(geom="qwen3_next", **geom, L=L, batch=batch, rotations=R, act="bf16",
                conv_geometry=gdn_geometry(V, K, HV, batch, False), replay_geometry=gdn_geometry(V, K, HV, batch, True),
                shadow_passes=config.gdn_passes(V, K, HV, batch, True, "bf16"))
@@ -150,7 +139,7 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
         for k in range(1, L + 1):
             cursor.fill_(k - 1)
             per_k.append(graph_time_us(replay(sh), R)[0])
-        _, bk = bytes_model(HV, H, V, K, L, shadow=sh is not None)
+        _, bk = costs.gdn_bytes_per_position(HV, H, V, K, L, 2, 4, 2 if sh is not None else None)
         amort = sum(per_k) / L
         bytes_amort = sum(bk.values()) / L * batch
         row[f"{name}_us_k"] = per_k
@@ -186,16 +175,6 @@ def load_fla(path: pathlib.Path):
 
 
 SPEC_COUNTS = (0, 4, 8, 9, 12)  # T = 4, L = 16: 0..8 no flush, 9..12 flush
-
-
-def spec_bytes(HV, H, V, K, L, T, m, a=2, shadow=False):
-    io = 2 * H * K * a + HV * V * a + 2 * HV * a + HV * V * a
-    state = HV * V * K * 4
-    entry = HV * V * 4 + HV * V * a + H * K * 4 + 2 * HV * 4
-    if m + 2 * T <= L:
-        read = HV * V * K * 2 if shadow else state
-        return read + T * io + m * (HV * V * 4 + H * K * 4 + HV * 4) + T * entry
-    return 2 * state + (HV * V * K * 2 if shadow else 0) + T * io + m * (HV * V * a + H * K * 4 + 2 * HV * 4) + T * entry
 
 
 def simulate_cycle(T, L, p=0.8, steps=20000, seed=0):
@@ -235,7 +214,7 @@ def interp(points: dict, m: int, T: int, L: int) -> float:
 def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
     HV, H, V, K = geom["HV"], geom["H"], geom["V"], geom["K"]
     act = torch.bfloat16
-    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (HV * V * K * 4 * batch))))
+    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (costs.gdn_state_bytes(HV, V, K) * batch))))
     slots = batch * R
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = dict(device="cuda")
@@ -278,12 +257,15 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
             pts[m] = graph_time_us(verify(sh), R)[0]
         row[f"{name}_verify_us"] = {str(m): t for m, t in pts.items()}
         amort = sum(interp(pts, m, T, L) for m in seen) / len(seen)
-        bytes_amort = sum(spec_bytes(HV, H, V, K, L, T, m, shadow=sh is not None) for m in seen) / len(seen) * batch
+        q = 2 if sh is not None else None  # bf16 shadow
+        by_count = {m: costs.gdn_verify_bytes(HV, H, V, K, L, T, m, shadow_bytes=q)
+                    for m in range(max(L, *SPEC_COUNTS) + 1)}
+        bytes_amort = sum(by_count[m] for m in seen) / len(seen) * batch
         row[f"{name}_us_step"] = amort
         row[f"{name}_bytes_step"] = bytes_amort
         row[f"{name}_tbps"] = bytes_amort / amort / 1e6
-        row[f"{name}_tbps_c0"] = spec_bytes(HV, H, V, K, L, T, 0, shadow=sh is not None) * batch / pts[0] / 1e6
-        row[f"{name}_tbps_flush12"] = spec_bytes(HV, H, V, K, L, T, 12, shadow=sh is not None) * batch / pts[12] / 1e6
+        row[f"{name}_tbps_c0"] = by_count[0] * batch / pts[0] / 1e6
+        row[f"{name}_tbps_flush12"] = by_count[12] * batch / pts[12] / 1e6
     snaps = torch.empty(slots, T, HV, V, K, **dev)
     n_acc = torch.full((batch,), T, dtype=torch.int32, **dev)
 
@@ -298,10 +280,9 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
 
     row["native_verify_us"], row["native_verify_spread_us"] = graph_time_us(native_verify, R)
     row["native_commit_us"], row["native_commit_spread_us"] = graph_time_us(native_commit, R)
-    io = 2 * H * K * 2 + HV * V * 2 + 2 * HV * 2 + HV * V * 2
-    st = HV * V * K * 4
-    row["native_verify_bytes"] = (st + T * st + T * io) * batch
-    row["native_commit_bytes"] = 2 * st * batch
+    nat_verify, nat_commit = costs.gdn_native_spec_bytes(HV, H, V, K, T)
+    row["native_verify_bytes"] = nat_verify * batch
+    row["native_commit_bytes"] = nat_commit * batch
     row["native_us_step"] = row["native_verify_us"] + row["native_commit_us"]
     row["native_verify_tbps"] = row["native_verify_bytes"] / row["native_verify_us"] / 1e6
     row["native_commit_tbps"] = row["native_commit_bytes"] / row["native_commit_us"] / 1e6

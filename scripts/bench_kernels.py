@@ -11,16 +11,10 @@ k-th step of a cycle; k = L is the flush step); the amortized step is the mean o
 full flush cycle. The cursor advance (one tiny launch per model step, shared by all layers) is not
 part of a layer's cost and is not timed here.
 
-Bytes model (per batch row; s = state itemsize, a = activation itemsize, H P N G L as usual):
-  inputs      x H*P*a + B,C 2*G*N*a + dt H*a        output y H*P*a
-  conventional  state read + write 2*H*P*N*s + inputs + y
-  replay, k     state read H*P*N*s + inputs + y
-                + history read (k-1) * (H*P*a + G*N*a + 4*H)          (x, B, processed dt)
-                + k < L: append write H*P*a + G*N*a + 4*H
-                + k = L: state write H*P*N*s
-  replay with a shadow (q = shadow itemsize: bf16 2, fp8 1 + 4 bytes of scale per row):
-                k < L reads the shadow H*P*(N*q + scale) instead of the state; k = L reads the
-                state and writes state + shadow: 2*H*P*N*s + H*P*(N*q + scale)
+Bytes model (per batch row and layer): ``trtllm_replayssm.costs.mamba2_bytes_per_position`` (formulas in
+costs' module docstring): conventional 2 S + io; replay at k < L the state (or its shadow, fp8 with row
+scales) read once + io + k ring entries (k - 1 read, one appended); the flush k = L reads and writes the
+state (+ rewrites the shadow) and reads L - 1 entries.
 Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measured in the same run
 (bytes read + written).
 
@@ -45,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.problems import make_inputs, make_params  # noqa: E402
-from trtllm_replayssm import ops  # noqa: E402
+from trtllm_replayssm import costs, ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 
 ROTATE_BYTES = 512 << 20  # ~8x the H200's 60 MB L2
@@ -93,23 +87,6 @@ def copy_ceiling_tbps(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / statistics.median(times) / 1e12
 
 
-SHADOW_BYTES = {"none": None, "bf16": (2, 0), "fp8": (1, 4)}  # (bytes per element, bytes of scale per row)
-
-
-def bytes_model(H, P, N, G, L, s, a, shadow="none"):
-    inputs = H * P * a + 2 * G * N * a + H * a
-    y = H * P * a
-    state = H * P * N * s
-    entry = H * P * a + G * N * a + 4 * H
-    conv = 2 * state + inputs + y
-    sh = SHADOW_BYTES[shadow]
-    read = state if sh is None else H * P * (N * sh[0] + sh[1])  # what a non-flush step reads
-    flush_extra = state if sh is None else state + read  # a flush also reads the state and rewrites the shadow
-    replay = {k: (read if k < L else state) + inputs + y + (k - 1) * entry + (entry if k < L else flush_extra)
-              for k in range(1, L + 1)}
-    return conv, replay
-
-
 def load_mamba(path: str | None):
     if not path:
         return None
@@ -141,7 +118,7 @@ class Rotation:
 
 
 def rotation(H, P, N, G, L, batch, state_dtype=torch.float32, act=torch.bfloat16, seed=0) -> Rotation:
-    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (H * P * N * state_dtype.itemsize * batch))))
+    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (costs.mamba2_state_bytes(H, P, N, state_dtype.itemsize) * batch))))
     slots = batch * R
     gen = torch.Generator().manual_seed(seed)
     prm = make_params(H, gen, "cuda")
@@ -194,7 +171,7 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
     row["replay_us_k_measured"] = sorted(measured)
     row["replay_us_k1"], row["replay_us_flush"] = per_k[0], per_k[-1]
     row["replay_us_amortized"] = sum(per_k) / L
-    conv_b, rep_b = bytes_model(H, P, N, G, L, s, a, shadow)
+    conv_b, rep_b = costs.mamba2_bytes_per_position(H, P, N, G, L, s, a, shadow)
     row["bytes_conv"] = conv_b * batch
     row["bytes_replay_amortized"] = sum(rep_b.values()) / L * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6

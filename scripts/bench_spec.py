@@ -13,9 +13,10 @@ Native spec (vLLM / TensorRT-LLM style): verify reads the state and writes T sna
 copies the accepted snapshot into the state (timed separately: an engine may instead remap the slot).
 Standard: one ReplaySSM decode step amortized over its flush cycle (bench_kernels.bench_point).
 
-Bytes model per batch row (plugins/replayssm_spec.cuh has the full one): state s*H*P*N;
-verify ~ state + history + window (+ state on the flush step), native verify state * (1 + T),
-native commit 2 * state.
+Bytes: the full model per (row, layer) is ``trtllm_replayssm.costs.mamba2_verify_bytes`` (state + history +
+window, + state on the flush step) and ``costs.mamba2_native_spec_bytes`` (the numbers of
+plugins/replayssm_spec.cuh's comment); the rows' TB/s count the state only (``costs.mamba2_state_bytes``,
+fp32): ``tbps_native_verify`` state * (1 + T), ``tbps_verify_count0`` state (which dominates).
 
 Usage: python scripts/bench_spec.py [--batches 32,256] [--tokens 2,4,8] [--out bench/results] [--commit SHA]
 """
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from trtllm_replayssm import ops  # noqa: E402
+from trtllm_replayssm import costs, ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def bench_spec_point(geom, T, L, batch, seed=0):
     row["verify_vs_native_verify_only"] = row["native_verify_us"] / row["verify_us_step"]
     row["verify_over_standard_step"] = row["verify_us_step"] / row["standard_us_step"]
     row["tokens_per_us_gain_vs_standard"] = row["standard_us_step"] / row["verify_us_token"]
-    sb = H * P * N * 4 * batch  # fp32 state bytes of the batch
+    sb = costs.mamba2_state_bytes(H, P, N) * batch  # fp32 state bytes of the batch
     row["tbps_native_verify"] = sb * (1 + T) / row["native_verify_us"] / 1e6
     row["tbps_verify_count0"] = sb / per_count[0] / 1e6  # the state read dominates
     return row

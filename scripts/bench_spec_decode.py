@@ -42,10 +42,11 @@ samples of ``--steps`` graph replays between two CUDA events, each from the rest
 path every sample); ms/step = median / steps. The standard mode times one flush cycle (L steps) per
 sample. Tokens/s = accepted tokens of all rows per step / ms per step. CPU: eager, ``perf_counter``.
 
-Memory (:func:`memory_model`, bytes per mode at serving time: weights + SSM state (+ rings for
-ReplaySSM, + T fp32 snapshots per layer for native spec) + conv windows + KV cache + step scratch)
-gives the largest batch within ``--mem-budget-gib`` (``max_batch``), reported per mode and context.
-Before running, :func:`run_plan` (the mode's memory + the post-prompt snapshot, besides the phase's
+Memory (``trtllm_replayssm.costs.serving_memory``, bytes per mode at serving time: weights + SSM state
+(+ rings for ReplaySSM, + T fp32 snapshots per layer for native spec) + conv windows + KV cache + step
+scratch; the formulas in costs' module docstring) gives the largest batch within ``--mem-budget-gib``
+(``costs.max_batch``), reported per mode and context (``memory_model_gib`` in the rows).
+Before running, ``costs.spec_run_plan`` (the mode's memory + the post-prompt snapshot, besides the phase's
 resident model) is printed for every (batch, mode) and phase; pairs that do not fit the free GPU
 memory (capped at the budget) are skipped with the GiB they need.
 Batches run largest first. ``--time-budget-s`` skips the remaining batches when the next one would
@@ -54,14 +55,13 @@ labelled "not run"); rows are written after every batch, so a cut run keeps what
 that fails at one batch (e.g. out of memory) is reported in a row and the run goes on; a failed
 exactness check aborts.
 
-Bytes per step (:func:`step_bytes`; b rows, a = 2, s = 4, M Mamba / A attention layers, W weights):
-  common      W + A*b*2*kvh*fill*hd*a (K, V of the filled positions, which the fused step's
-              attention reads; fill = prompt + accepted_per_step * steps / 2, the mean over a timed
-              run from the snapshot, reported as ``kv_fill_mean``) + conv windows + logits (b*T*V*(2+4+4))
-  standard    bench_decode.step_bytes("replay")
-  replay_spec + M*b*(state*(1 + f) + (m + T)*entry + T*entry),  f = flush share of steps,
-              m = mean committed history (~(L - 2T)/2)
-  native_spec + M*b*(state*(1 + T) + 2*state)   (verify: read + T snapshots; commit: copy)
+Bytes per step (``bytes_step``): ``trtllm_replayssm.costs.spec_step_bytes`` (formulas in costs' module
+docstring): weights + K, V of the filled positions (which the fused step's attention reads; fill = prompt +
+accepted_per_step * steps / 2, the mean over a timed run from the snapshot, reported as ``kv_fill_mean``)
++ conv windows + logits + per Mamba layer the mode's SSM bytes: standard = bench_decode's replay step;
+replay_spec state * (1 + flush share) + history and window entries; native_spec state * (1 + T) + 2 state
+(verify: read + T snapshots; commit: copy). Weights: ``costs.config_weight_bytes`` (meta, the timed dtype)
+for the memory model, the built model's parameters (``costs.model_weight_bytes``) for the bytes.
 
 Usage:
   python scripts/bench_spec_decode.py [--batches 1,32,64,128,256] [--acceptances 0.6,0.8,0.95]
@@ -95,102 +95,13 @@ from builders.model_step import (  # noqa: E402
     make_drafts,
 )
 from scripts import bench_decode as bd  # noqa: E402
+from trtllm_replayssm import costs  # noqa: E402
 
 MODES = ("standard", "replay_spec", "native_spec", "spec_noop")
 SPEC_MODES = ("replay_spec", "native_spec", "spec_noop")
 CHECKED = ("standard", "replay_spec", "native_spec")
 GiB = 1 << 30
 GateError = bd.GateError
-
-
-# ---- memory ------------------------------------------------------------------------------------------------
-def _geom(config):
-    c = config
-    kinds = list(c.layers_block_type)
-    return dict(H=c.mamba_num_heads, P=c.mamba_head_dim, N=c.ssm_state_size, G=c.n_groups, K=c.conv_kernel,
-                M=kinds.count("linear_attention"), A=kinds.count("full_attention"),
-                conv_dim=c.mamba_num_heads * c.mamba_head_dim + 2 * c.n_groups * c.ssm_state_size)
-
-
-def memory_model(config, batch: int, kv_len: int, T: int, L: int, mode: str, weight_bytes: int,
-                 act_bytes: int = 2) -> dict:
-    """Bytes one mode needs on the GPU to serve ``batch`` rows of ``kv_len`` positions (fp32 SSM state).
-
-    ssm: state (+ L-entry rings for ReplaySSM, + T fp32 snapshots per layer for native spec: the
-    ``ops.native_spec_*`` API keeps the state and T snapshots, 1 + T states, as allocated here;
-    :func:`trtllm_replayssm.cache.memory_per_request` counts T, an engine that remaps the accepted
-    snapshot's slot instead of copying it; ReplaySSM state + rings + conv window equal its count);
-    conv: K columns (standard) or K-1+num_draft (spec); kv: dense K and V caches; scratch: the step's
-    largest live activations (logits in bf16 and fp32 twice, the widest projection, attention scores)
-    for b (standard) or b*T (spec) tokens, plus 1 GiB of workspace."""
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    g, c, a, b = _geom(config), config, act_bytes, batch
-    H, P, N, G, M = g["H"], g["P"], g["N"], g["G"], g["M"]
-    state = M * b * H * P * N * 4
-    rings = M * b * (H * L * P * a + G * L * N * a + H * L * 4)
-    ssm = {"standard": state + rings, "replay_spec": state + rings, "native_spec": state * (1 + T),
-           "spec_noop": 0}[mode]
-    spec = mode != "standard"
-    conv = M * b * g["conv_dim"] * ((g["K"] - 2 + T) if spec else g["K"]) * a
-    kv = g["A"] * 2 * b * c.num_key_value_heads * kv_len * c.head_dim * a
-    tokens = b * (T if spec else 1)
-    widest = max(2 * H * P + 2 * G * N + H, c.intermediate_size)
-    scratch = (tokens * (c.vocab_size * (a + 4 + 4) + widest * a * 4)
-               + 3 * b * c.num_attention_heads * (T if spec else 1) * kv_len * 4 + GiB)
-    total = weight_bytes + ssm + conv + kv + scratch
-    return dict(weights=weight_bytes, ssm=ssm, conv=conv, kv=kv, scratch=scratch, total=total)
-
-
-def max_batch(config, budget_bytes: int, kv_len: int, T: int, L: int, mode: str, weight_bytes: int,
-              act_bytes: int = 2, limit: int = 1 << 20) -> int:
-    """Largest batch whose :func:`memory_model` total fits ``budget_bytes`` (0 if none)."""
-    def fits(b):
-        return memory_model(config, b, kv_len, T, L, mode, weight_bytes, act_bytes)["total"] <= budget_bytes
-
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi < limit and fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
-
-
-def run_plan(config, batch: int, kv_len: int, T: int, L: int, mode: str, act_bytes: int = 2) -> dict:
-    """Bytes besides the resident weights that the benchmark needs for one (batch, mode) on the GPU:
-    the post-prompt snapshot (conventional state, K-wide conv, KV) + the larger of the prompt's
-    conventional step and the mode's step. ``gpu_snapshot``: snapshot on the GPU; ``cpu_snapshot``:
-    in host memory (restores then cross PCIe)."""
-    g, a = _geom(config), act_bytes
-    feed = memory_model(config, batch, kv_len, T, L, "standard", 0, a)
-    state = g["M"] * batch * g["H"] * g["P"] * g["N"] * 4
-    snapshot = state + feed["conv"] + feed["kv"]
-    step = memory_model(config, batch, kv_len, T, L, mode, 0, a)["total"]
-    live = max(step, feed["total"])
-    return dict(gpu_snapshot=live + snapshot, cpu_snapshot=live, snapshot_bytes=snapshot)
-
-
-def step_bytes(config, batch: int, kv_fill: float, T: int, L: int, mode: str, weight_bytes: int,
-               accepted: float | None = None, a: int = 2) -> int:
-    """The bytes model of the module docstring for one step of ``mode`` (``kv_fill``: KV positions read;
-    ``accepted``: mean tokens per step)."""
-    g, c, b = _geom(config), config, batch
-    if mode == "standard":
-        return bd.step_bytes(config, batch, kv_fill, L, weight_bytes, "replay", a)
-    H, P, N, G, M = g["H"], g["P"], g["N"], g["G"], g["M"]
-    W = g["K"] - 2 + T
-    common = (weight_bytes + g["A"] * b * 2 * c.num_key_value_heads * kv_fill * c.head_dim * a
-              + M * b * g["conv_dim"] * 4 * W * a + b * T * c.vocab_size * (2 + 4 + 4))
-    state = H * P * N * 4
-    entry = H * P * a + G * N * a + 4 * H
-    acc = accepted if accepted is not None else float(T)
-    flush_share = min(1.0, acc / (L - 2 * T + 1))
-    ssm = {"replay_spec": state * (1 + flush_share) + ((L - 2 * T) / 2 + T) * entry + T * entry,
-           "native_spec": state * (1 + T) + 2 * state, "spec_noop": 0}[mode]
-    return int(common + M * b * ssm)
 
 
 # ---- one batch ---------------------------------------------------------------------------------------------
@@ -465,7 +376,7 @@ def time_batch(model, batch: int, modes, *, T: int = 4, L: int = 16, acceptances
         log(f"# batch {batch}, {name}: failed: {why}")
     return make_rows(model.config, batch, results, checks, T, L, kv_len, prompt_len, reps, check_steps,
                      check_acceptance, timed_target, noop_alpha, cuda,
-                     sum(p.numel() * p.element_size() for p in model.parameters()),
+                     costs.model_weight_bytes(model),
                      {**skip_modes, **{m: f"failed: {w}" for m, w in errors.items()}}, modes)
 
 
@@ -482,7 +393,7 @@ def make_rows(cfg, batch, results, checks, T, L, kv_len, prompt_len, reps, check
         nat = results.get(("native_spec", a)) if name == "replay_spec" else None
         noop = results.get(("spec_noop", noop_alpha)) if name in ("replay_spec", "native_spec") else None
         kv_fill = prompt_len + r["accepted_per_step"] * r["steps"] / 2
-        nbytes = step_bytes(cfg, batch, kv_fill, T, L, name, weight_bytes, r["accepted_per_step"])
+        nbytes = costs.spec_step_bytes(cfg, batch, kv_fill, T, L, name, weight_bytes, r["accepted_per_step"])
         chk = checks.get(name)
         if name == "spec_noop":
             check = "not checked (no SSM)"
@@ -534,11 +445,12 @@ def run_batch(model, batch: int, modes, *, check_model=None, do_check: bool = Tr
 
 # ---- driver -------------------------------------------------------------------------------------------------
 def decide(config, batch: int, modes, kv_len: int, T: int, L: int, act_bytes: int, avail: int) -> tuple[dict, str]:
-    """({mode: why skipped}, snapshot device "cuda" | "cpu") for one batch of one phase, from :func:`run_plan`
+    """({mode: why skipped}, snapshot device "cuda" | "cpu") for one batch of one phase, from
+    :func:`trtllm_replayssm.costs.spec_run_plan`
     and ``avail`` bytes of GPU memory besides the resident weights."""
     skip, need = {}, 0
     for m in modes:
-        p = run_plan(config, batch, kv_len, T, L, m, act_bytes)
+        p = costs.spec_run_plan(config, batch, kv_len, T, L, m, act_bytes)
         if p["cpu_snapshot"] > avail:
             skip[m] = (f"does not fit: needs {p['cpu_snapshot'] / GiB:.1f} GiB besides the weights, "
                        f"{avail / GiB:.1f} GiB available")
@@ -553,7 +465,7 @@ def print_plan(config, batches, modes, kv_len, T, L, act_bytes, avail, what):
     for b in batches:
         cells = []
         for m in modes:
-            p = run_plan(config, b, kv_len, T, L, m, act_bytes)
+            p = costs.spec_run_plan(config, b, kv_len, T, L, m, act_bytes)
             verdict = "fits" if p["gpu_snapshot"] <= avail else "host-snap" if p["cpu_snapshot"] <= avail else "SKIP"
             cells.append(f"{p['gpu_snapshot'] / GiB:7.1f} {verdict:>9s}")
         print(f"#   {b:5d} " + " ".join(f"{c:>18s}" for c in cells), flush=True)
@@ -613,14 +525,6 @@ def plot(rows, path):
     ax1.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def weight_bytes_of(config, dtype) -> int:
-    from transformers import NemotronHForCausalLM
-
-    with torch.device("meta"):
-        m = NemotronHForCausalLM(config)
-    return sum(p.numel() for p in m.parameters()) * dtype.itemsize
 
 
 MODE_ORDER = {m: i for i, m in enumerate(MODES)}
@@ -696,13 +600,13 @@ def main(argv=None):
     check_dtype = getattr(torch, args.check_dtype)
     do_check = not args.no_check
     config = bd.model_config(args.tiny, args.layers, args.vocab)
-    weight_bytes = weight_bytes_of(config, dtype)
-    check_weight_bytes = weight_bytes_of(config, check_dtype)
+    weight_bytes = costs.config_weight_bytes(config, dtype)
+    check_weight_bytes = costs.config_weight_bytes(config, check_dtype)
     kinds = list(config.layers_block_type)
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     budget = int(args.mem_budget_gib * GiB)
     _, _, kv_len = lengths(T, L, args.steps, args.check_steps, args.prompt_len, args.context)
-    fit = {f"ctx{ctx}": {m: max_batch(config, budget, ctx, T, L, m, weight_bytes) for m in MODES if m != "spec_noop"}
+    fit = {f"ctx{ctx}": {m: costs.max_batch(config, budget, ctx, T, L, m, weight_bytes) for m in MODES if m != "spec_noop"}
            for ctx in (int(c) for c in args.fit_contexts.split(",") if c)}
     meta = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now, commit=bd._commit(args.commit),
                 torch=torch.__version__, model="tiny" if args.tiny else "nemotron_h_8b_geometry",
@@ -726,7 +630,7 @@ def main(argv=None):
     except ImportError:  # pragma: no cover
         pass
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
-    print(f"# max batch within {args.mem_budget_gib:g} GiB (memory_model; weights {weight_bytes / GiB:.1f} GiB): "
+    print(f"# max batch within {args.mem_budget_gib:g} GiB (costs.serving_memory; weights {weight_bytes / GiB:.1f} GiB): "
           + "; ".join(f"{c}: " + ", ".join(f"{m} {b}" for m, b in v.items()) for c, v in fit.items()), flush=True)
     separate = do_check and check_dtype != dtype
     avail = {}
@@ -835,7 +739,8 @@ def main(argv=None):
         for r in batch_rows:
             r["batch_wall_s"] = wall
             if not r.get("skipped"):
-                r["memory_model_gib"] = memory_model(config, batch, kv_len, T, L, r["mode"], weight_bytes)["total"] / GiB
+                r["memory_model_gib"] = costs.serving_memory(config, batch, kv_len, T, L, r["mode"],
+                                                               weight_bytes)["total"] / GiB
                 if cuda:
                     r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
                     r["snapshot"] = snap

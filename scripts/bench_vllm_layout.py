@@ -7,8 +7,9 @@ Per batch: the conventional kernel (contiguous state), ReplaySSM through ``ops.r
 on ``vllm.PagedLayer`` pages (conv + ssm + rings per block, pages padded by 4 KiB) with row-strided
 activations (views of an in-projection and a conv output) and TIE_HDIM parameters, as vLLM calls it.
 Amortized over one flush cycle (cursor pinned at each k = 1..L), CUDA-graph replays, blocks rotated so
-that no launch finds its state in L2 (bench_kernels.py's method and bytes model). The question: does the
-strided layout cost anything (ratio vllm / contiguous), and what is the ratio against the conventional step.
+that no launch finds its state in L2 (bench_kernels.py's method; bytes from trtllm_replayssm.costs). The
+question: does the strided layout cost anything (ratio vllm / contiguous), and what is the ratio against
+the conventional step.
 
 Usage: python scripts/bench_vllm_layout.py [--batches 1,8,64,256] [--out bench/results] [--commit SHA]
 """
@@ -28,9 +29,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import bench_kernels as bk  # noqa: E402
-from scripts.bench_kernels import bytes_model, copy_ceiling_tbps, graph_time_us  # noqa: E402
+from scripts.bench_kernels import copy_ceiling_tbps, graph_time_us  # noqa: E402
 from tests.problems import make_inputs  # noqa: E402
-from trtllm_replayssm import ops, vllm  # noqa: E402
+from trtllm_replayssm import costs, ops, vllm  # noqa: E402
 
 
 def point(batch: int, H=128, P=64, N=128, G=8, L=16, act=torch.bfloat16, seed=0) -> dict:
@@ -114,7 +115,7 @@ def point(batch: int, H=128, P=64, N=128, G=8, L=16, act=torch.bfloat16, seed=0)
         row[f"{name}_speedup_vs_conv"] = row["conv_us"] / row[f"{name}_us_amortized"]
     for name in fns:
         row[f"{name}_over_dense"] = row[f"{name}_us_amortized"] / row["dense_us_amortized"]
-    conv_b, rep_b = bytes_model(H, P, N, G, L, 4, act.itemsize)
+    conv_b, rep_b = costs.mamba2_bytes_per_position(H, P, N, G, L, 4, act.itemsize)
     row["tbps_conv"] = conv_b * batch / row["conv_us"] / 1e6
     row["tbps_vllm"] = sum(rep_b.values()) / L * batch / row["vllm_us_amortized"] / 1e6
     return row

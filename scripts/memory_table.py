@@ -4,7 +4,7 @@
 
 ReplaySSM keeps one fp32 checkpoint + a ring of L entries (x, B in the activation dtype, processed dt
 in fp32) + a conv window of K - 1 + num_draft inputs per Mamba layer; native spec keeps 1 + num_draft
-state snapshots and conv states (vLLM / TensorRT-LLM). Bytes model: trtllm_replayssm.cache.memory_per_request.
+state snapshots and conv states (vLLM / TensorRT-LLM). Bytes model: trtllm_replayssm.costs.memory_per_request.
 The "x requests" column is native / replay: how many more requests fit in the same Mamba-state memory.
 Attention KV cache and weights are not counted.
 
@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from trtllm_replayssm.cache import memory_per_request  # noqa: E402
+from trtllm_replayssm.costs import memory_per_request  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES, MODELS  # noqa: E402
 
 # Mamba layers per model (the rows of the table; geometries from trtllm_replayssm.geometries)

@@ -8,7 +8,8 @@ activations, fp32 checkpoint, optional bf16 shadow, every row at buffer position
 
 It launches ``--reps`` identical steps (the cursor is not advanced, so each is the same k) after one
 warm-up that compiles the module, and prints the mean time per step from CUDA events and the bytes the
-model in scripts/bench_gdn.py charges that step, so a profile can be read against both.
+model (trtllm_replayssm.costs.gdn_bytes_per_position, as bench_gdn.py) charges that step, so a profile can
+be read against both.
 """
 
 import argparse
@@ -19,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from trtllm_replayssm import gdn_ops  # noqa: E402
+from trtllm_replayssm import costs, gdn_ops  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 
 
@@ -66,10 +67,7 @@ def main():
     end.record()
     torch.cuda.synchronize()
     us = start.elapsed_time(end) * 1e3 / args.reps
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from bench_gdn import bytes_model
-
-    _, per_k = bytes_model(HV, H, V, K, L, shadow=shadow is not None)
+    _, per_k = costs.gdn_bytes_per_position(HV, H, V, K, L, 2, 4, 2 if shadow is not None else None)
     nbytes = per_k[args.k] * b
     print(f"batch {b} k {args.k} shadow {args.shadow}: {us:.1f} us per step (events, {args.reps} reps, includes the "
           f"profiler's replay when run under ncu), bytes model {nbytes / 1e6:.1f} MB = {nbytes / us / 1e6:.2f} TB/s")

@@ -33,6 +33,7 @@ bd = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bd)
 
 from builders.model_step import Conventional, DecodeStep, Replay  # noqa: E402
+from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm.backend import write_shadow  # noqa: E402
 from trtllm_replayssm.reference import Shadow  # noqa: E402
 
@@ -122,14 +123,14 @@ def test_8b_geometry_and_memory_model():
     assert len(kinds) == 52 and kinds.count("linear_attention") == 24 and kinds.count("full_attention") == 4
     assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups) == (128, 64, 128, 8)
     b = 256
-    conv = bd.step_bytes(cfg, b, 1024, 16, 0, "conventional")
-    noop = bd.step_bytes(cfg, b, 1024, 16, 0, "noop")
+    conv = costs.decode_step_bytes(cfg, b, 1024, 16, "conventional", 0)
+    noop = costs.decode_step_bytes(cfg, b, 1024, 16, "noop", 0)
     assert conv - noop == 24 * b * 2 * 128 * 64 * 128 * 4  # state read + write per Mamba layer
-    assert 1.7 < (conv - noop) / (bd.step_bytes(cfg, b, 1024, 16, 0, "replay") - noop) < 1.9  # docs/DESIGN.md ceiling
-    plan = bd.memory_plan(cfg, b, 1024, 16, 16 * 10**9)
+    assert 1.7 < (conv - noop) / (costs.decode_step_bytes(cfg, b, 1024, 16, "replay", 0) - noop) < 1.9  # docs/DESIGN.md ceiling
+    plan = costs.decode_run_plan(cfg, b, 1024, 16, 16 * 10**9)
     assert plan["gpu_snapshot"] - plan["cpu_snapshot"] == plan["snapshot_bytes"]
     assert plan["gpu_snapshot"] < 139 * bd.GiB  # batch 256 fits an H200 with the snapshot on the GPU
-    assert bd.memory_plan(cfg, 1024, 1024, 16, 16 * 10**9)["cpu_snapshot"] > 139 * bd.GiB  # 1024 would not
+    assert costs.decode_run_plan(cfg, 1024, 1024, 16, 16 * 10**9)["cpu_snapshot"] > 139 * bd.GiB  # 1024 would not
 
 
 def test_main_writes_json_and_plot(tmp_path):
@@ -337,19 +338,19 @@ def test_record_and_force_routing():
 def test_shadow_bytes_and_memory():
     cfg = bd.model_config()
     b, H, P, N, M = 256, 128, 64, 128, 24
-    noop = bd.step_bytes(cfg, b, 1024, 16, 0, "noop")
-    ssm = {m: bd.step_bytes(cfg, b, 1024, 16, 0, m) - noop for m in ("replay", *SHADOWS)}
+    noop = costs.decode_step_bytes(cfg, b, 1024, 16, "noop", 0)
+    ssm = {m: costs.decode_step_bytes(cfg, b, 1024, 16, m, 0) - noop for m in ("replay", *SHADOWS)}
     entry = H * P * 2 + 8 * N * 2 + 4 * H
     buf = 7.5 * entry + entry
     assert ssm["replay_bf16"] == pytest.approx(M * b * (2 * H * P * N * 4 / 16 + H * P * N * 2 + buf), abs=1)
     assert ssm["replay_fp8"] == pytest.approx(M * b * (2 * H * P * N * 4 / 16 + H * P * N + H * P * 4 + buf), abs=1)
     assert ssm["replay"] > ssm["replay_bf16"] > ssm["replay_fp8"]
-    plain = bd.memory_plan(cfg, b, 1024, 16, 0)
-    bf16 = bd.memory_plan(cfg, b, 1024, 16, 0, shadow_bytes=bd.shadow_elem_bytes(["replay", *SHADOWS]))
+    plain = costs.decode_run_plan(cfg, b, 1024, 16, 0)
+    bf16 = costs.decode_run_plan(cfg, b, 1024, 16, 0, shadow_bytes=bd.shadow_elem_bytes(["replay", *SHADOWS]))
     assert bd.shadow_elem_bytes(["replay_fp8"]) == 1 and bd.shadow_elem_bytes(["replay"]) == 0
     assert bf16["gpu_snapshot"] - plain["gpu_snapshot"] == M * b * H * P * N * 2
     # the fp32-twin gate phase with the bf16 shadow, weights 16.2 + 32.4 GB resident: fits an H200 at bs256
-    twin = bd.memory_plan(cfg, b, 1024, 16, int(48.6e9), act_bytes=4, shadow_bytes=2)
+    twin = costs.decode_run_plan(cfg, b, 1024, 16, int(48.6e9), act_bytes=4, shadow_bytes=2)
     assert twin["gpu_snapshot"] < 139 * bd.GiB
 
 

@@ -33,8 +33,9 @@ spec.loader.exec_module(bs)
 
 from builders import model_step as ss  # noqa: E402
 from scripts import bench_decode as bd  # noqa: E402
+from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm import spec_reference as sr  # noqa: E402
-from trtllm_replayssm.cache import memory_per_request  # noqa: E402
+from trtllm_replayssm.costs import memory_per_request  # noqa: E402
 
 T, L = 4, 8
 RUN = dict(T=T, L=L, prompt_len=4, steps=3, warmup=0, reps=1, check_steps=4, check_acceptance=0.7, context=48)
@@ -192,24 +193,24 @@ def test_memory_model_nemotron_h_8b():
     b, kv = 256, 1024
     M, state = 24, 128 * 64 * 128 * 4  # Mamba layers; 4 MiB fp32 state per row and layer
     rings = 128 * 16 * 64 * 2 + 8 * 16 * 128 * 2 + 128 * 16 * 4  # x, B (bf16) and dt (fp32) entries, L = 16
-    native = bs.memory_model(cfg, b, kv, 4, 16, "native_spec", 0)
-    replay = bs.memory_model(cfg, b, kv, 4, 16, "replay_spec", 0)
-    standard = bs.memory_model(cfg, b, kv, 4, 16, "standard", 0)
+    native = costs.serving_memory(cfg, b, kv, 4, 16, "native_spec", 0)
+    replay = costs.serving_memory(cfg, b, kv, 4, 16, "replay_spec", 0)
+    standard = costs.serving_memory(cfg, b, kv, 4, 16, "standard", 0)
     assert native["ssm"] == M * b * state * 5 == 120 * GiB  # state + T = 4 snapshots
     assert replay["ssm"] == standard["ssm"] == M * b * (state + rings)
     assert native["kv"] == replay["kv"] == 4 * 2 * b * 8 * kv * 128 * 2 == 4 * GiB
     assert replay["conv"] == M * b * 10240 * 6 * 2 and standard["conv"] == M * b * 10240 * 4 * 2
-    one = bs.memory_model(cfg, 1, kv, 4, 16, "replay_spec", 0)
+    one = costs.serving_memory(cfg, 1, kv, 4, 16, "replay_spec", 0)
     assert one["ssm"] + one["conv"] == memory_per_request(128, 64, 128, 8, M, 16, 3)["replay"] - 8  # 8: the cursor
     W = 16 * 10**9
-    assert bs.memory_model(cfg, b, kv, 4, 16, "native_spec", W)["total"] > 139 * GiB  # native bs256 does not fit
-    assert bs.memory_model(cfg, b, kv, 4, 16, "replay_spec", W)["total"] < 60 * GiB
-    nat, rep = (bs.max_batch(cfg, 139 * GiB, kv, 4, 16, m, W) for m in ("native_spec", "replay_spec"))
+    assert costs.serving_memory(cfg, b, kv, 4, 16, "native_spec", W)["total"] > 139 * GiB  # native bs256 does not fit
+    assert costs.serving_memory(cfg, b, kv, 4, 16, "replay_spec", W)["total"] < 60 * GiB
+    nat, rep = (costs.max_batch(cfg, 139 * GiB, kv, 4, 16, m, W) for m in ("native_spec", "replay_spec"))
     assert 200 < nat < 256 and rep > 3.5 * nat
     for m, mb in (("native_spec", nat), ("replay_spec", rep)):  # the largest batch that fits, exactly
-        assert bs.memory_model(cfg, mb, kv, 4, 16, m, W)["total"] <= 139 * GiB
-        assert bs.memory_model(cfg, mb + 1, kv, 4, 16, m, W)["total"] > 139 * GiB
-    assert bs.max_batch(cfg, 10 * GiB, kv, 4, 16, "replay_spec", W) == 0  # the weights alone do not fit
+        assert costs.serving_memory(cfg, mb, kv, 4, 16, m, W)["total"] <= 139 * GiB
+        assert costs.serving_memory(cfg, mb + 1, kv, 4, 16, m, W)["total"] > 139 * GiB
+    assert costs.max_batch(cfg, 10 * GiB, kv, 4, 16, "replay_spec", W) == 0  # the weights alone do not fit
     # the run's plan: native spec at 256 is skipped on an H200 besides the bf16 weights; 128 fits with the snapshot
     skip, snap = bs.decide(cfg, 256, list(bs.MODES), kv, 4, 16, 2, 139 * GiB - W)
     assert list(skip) == ["native_spec"] and snap == "cuda"
@@ -220,12 +221,12 @@ def test_memory_model_nemotron_h_8b():
 def test_step_bytes_model():
     cfg = bd.model_config()
     W, b = 16 * 10**9, 256
-    noop = bs.step_bytes(cfg, b, 1024, 4, 16, "spec_noop", W)
-    native = bs.step_bytes(cfg, b, 1024, 4, 16, "native_spec", W) - noop
-    replay = bs.step_bytes(cfg, b, 1024, 4, 16, "replay_spec", W, accepted=4.0) - noop
+    noop = costs.spec_step_bytes(cfg, b, 1024, 4, 16, "spec_noop", W)
+    native = costs.spec_step_bytes(cfg, b, 1024, 4, 16, "native_spec", W) - noop
+    replay = costs.spec_step_bytes(cfg, b, 1024, 4, 16, "replay_spec", W, accepted=4.0) - noop
     assert native == 24 * b * 128 * 64 * 128 * 4 * 7  # read S, write T = 4 snapshots, commit copy (2)
     assert 4.5 < native / replay < 5.5  # bench/NOTES.md: ~5.3x at full acceptance
-    assert bs.step_bytes(cfg, b, 1024, 4, 16, "standard", W) == bd.step_bytes(cfg, b, 1024, 16, W, "replay")
+    assert costs.spec_step_bytes(cfg, b, 1024, 4, 16, "standard", W) == costs.decode_step_bytes(cfg, b, 1024, 16, "replay", W)
 
 
 @pytest.mark.gpu

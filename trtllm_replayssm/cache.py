@@ -82,7 +82,9 @@ device values unless ``check_values`` (default: when not capturing a CUDA graph)
 checks of slots, cursors and n_accepted. Eager serving without syncs: ``check_values=False``.
 There is no separate standard-decode path: num_draft = 0 and T = 1 is standard decode on the ring.
 
-:func:`memory_per_request` models the bytes one request holds (ReplaySSM spec vs native spec).
+:func:`.costs.cache_bytes` models what the constructor allocates (per slot and in all; tests/test_costs.py checks
+it against the tensors) and :func:`.costs.memory_per_request` the bytes one request holds (ReplaySSM spec vs
+native spec); the latter is re-exported here under its old import path.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ from . import gdn_reference as gref
 from . import ops
 from . import spec_reference as sr
 from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
+from .costs import memory_per_request  # noqa: F401  (re-exported: the memory model's home is .costs)
 from .gdn_reference import GDNBuffers
 from .reference import Shadow
 
@@ -564,7 +567,7 @@ class ReplayStateCache:
         return gref.committed_state(self.gdn_layer(layer).buf, self.cursor, slot)
 
     def bytes_per_slot(self) -> int:
-        """Bytes one slot holds across all layers (allocated tensors, cursor included)."""
+        """Bytes one slot holds across all layers (allocated tensors, cursor included): ``costs.cache_bytes(...)["slot"]``."""
         return sum(t[:, 0].numel() * t.element_size() for t in self._tensors()) + 2 * 4
 
 
@@ -600,32 +603,3 @@ def conv_rollback_rows(conv, n_accepted, num_tokens: int, dst) -> None:
     moved = win.gather(2, src.clamp_min(0)[:, None, :].expand_as(win))
     conv.index_copy_(0, dst, torch.where((src >= 0)[:, None, :], moved, torch.zeros((), dtype=conv.dtype,
                                                                                       device=conv.device)))
-
-
-# ---- memory model -----------------------------------------------------------------------------------------------
-def memory_per_request(nheads: int, headdim: int, dstate: int, ngroups: int, num_layers: int, buffer_len: int,
-                       num_draft: int, state_bytes: int = 4, act_bytes: int = 2, conv_kernel: int = 4,
-                       conv_dim: int | None = None, shadow_bytes: int = 0) -> dict:
-    """Bytes of decode state one request holds, ReplaySSM spec vs native spec (all Mamba layers).
-
-    Per layer:
-      ReplaySSM: state H P N s + shadow H P N sh (+ H P 4 of scales for an fp8 shadow) + ring L (H P + G N) a
-                 + dt ring H L 4 + conv window conv_dim (K - 1 + num_draft) a;  plus one cursor (8 bytes).
-      native:    (1 + num_draft) snapshots of the state H P N s and of the conv state conv_dim (K - 1) a
-                 (vLLM / TensorRT-LLM keep a state per draft position for both).
-    conv_dim defaults to Mamba-2's H P + 2 G N (the conv runs over x | B | C).
-    """
-    H, P, N, G, L = nheads, headdim, dstate, ngroups, buffer_len
-    cd = H * P + 2 * G * N if conv_dim is None else conv_dim
-    state = H * P * N * state_bytes
-    replay_layer = {
-        "state": state,
-        "shadow": H * P * N * shadow_bytes + (H * P * 4 if shadow_bytes == 1 else 0),
-        "ring": L * (H * P + G * N) * act_bytes + H * L * 4,
-        "conv": cd * (conv_kernel - 1 + num_draft) * act_bytes,
-    }
-    native_layer = {"state": (1 + num_draft) * state, "conv": (1 + num_draft) * cd * (conv_kernel - 1) * act_bytes}
-    replay = num_layers * sum(replay_layer.values()) + 8
-    native = num_layers * sum(native_layer.values())
-    return {"replay": replay, "native": native, "ratio": native / replay,
-            "replay_layer": replay_layer, "native_layer": native_layer}

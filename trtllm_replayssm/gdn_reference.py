@@ -59,6 +59,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .costs import gdn_bytes_per_position as bytes_per_position  # the bytes model's home is .costs (re-exported)
+from .costs import gdn_bytes_per_step as bytes_per_step
 from .reference import Shadow, softplus
 from .spec_reference import COUNT, START, _check_cursor, _check_window, _slots, needs_flush, ring_indices
 
@@ -397,37 +399,6 @@ def native_spec_verify(state, snapshots, q, k, v, a, b, A_log, dt_bias, state_ba
             S, _, y[r, t] = _step(S, _expand(gq[r, t], HV), _expand(kq[r, t], HV), v[r, t].to(F64), g[r, t], beta[r, t])
             snapshots[s, t] = S.to(snapshots.dtype)
     return y
-
-
-def bytes_per_position(HV: int, H: int, V: int, K: int, L: int, act_bytes: int = 2, state_bytes: int = 4,
-                       shadow_bytes: float | None = None) -> tuple[float, dict[int, float]]:
-    """The bytes model, per (slot, layer): (conventional step, {k: ReplaySSM step at buffer position k}).
-
-    Conventional: read + write the state. ReplaySSM at k < L: read S0 (or its shadow) once, the k - 1
-    buffered entries the output needs (u, k, g), write one entry (u, v, k, g, beta); at k = L (the flush):
-    read S0 and the L - 1 entries the fold needs (v, k, g, beta), write S0 (+ the shadow). Inputs q, k, v,
-    a, b and the output y are the same for both and counted in both (what scripts/bench_gdn.py divides
-    its times by)."""
-    a = act_bytes
-    state = HV * V * K * state_bytes
-    io = (2 * H * K + HV * V + 2 * HV) * a + HV * V * a
-    read_s0 = state if shadow_bytes is None else HV * V * K * shadow_bytes + (HV * V * 4 if shadow_bytes < 2 else 0)
-    hist = HV * V * 4 + H * K * 4 + HV * 4  # u, k, g of one entry read by the output
-    entry = HV * V * 4 + HV * V * a + H * K * 4 + 2 * HV * 4  # u, v, k, g, beta written
-    per_k = {k: read_s0 + io + (k - 1) * hist + entry for k in range(1, L)}
-    shadow_write = 0 if shadow_bytes is None else read_s0
-    per_k[L] = 2 * state + shadow_write + io + (L - 1) * (HV * V * a + H * K * 4 + 2 * HV * 4)
-    return 2 * state + io, per_k
-
-
-def bytes_per_step(HV: int, H: int, V: int, K: int, L: int, act_bytes: int = 2, state_bytes: int = 4,
-                   shadow_bytes: float | None = None) -> dict[str, float]:
-    """:func:`bytes_per_position` amortized over a flush cycle of L steps: conventional, replay (the mean over
-    k), their ratio, the mean non-flush step and the flush step."""
-    conv, per_k = bytes_per_position(HV, H, V, K, L, act_bytes, state_bytes, shadow_bytes)
-    replay = sum(per_k.values()) / L
-    nonflush = sum(per_k[k] for k in range(1, L)) / max(1, L - 1)
-    return {"conventional": conv, "replay": replay, "ratio": conv / replay, "nonflush": nonflush, "flush": per_k[L]}
 
 
 __all__ = ["GDNBuffers", "gates", "prep_qk", "conventional_step", "replay_decode", "replay_state", "committed_state",

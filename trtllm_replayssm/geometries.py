@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .costs import gdn_state_bytes
+
 
 @dataclasses.dataclass(frozen=True)
 class HybridModel:
@@ -176,7 +178,7 @@ class GDNModel:
 
     def state_bytes(self, state_bytes: int = 4) -> int:
         """One slot's recurrent state (HV, V, K) in one GDN layer."""
-        return self.num_v_heads * self.head_v_dim * self.head_k_dim * state_bytes
+        return gdn_state_bytes(self.num_v_heads, self.head_v_dim, self.head_k_dim, state_bytes)
 
 
 GDN_MODELS = {

@@ -19,6 +19,8 @@ import dataclasses
 
 import torch
 
+from .costs import mamba2_layer_memory
+
 
 @dataclasses.dataclass(frozen=True)
 class HeadShard:
@@ -116,9 +118,9 @@ def even_slice(size: int, rank: int, tp: int) -> slice:
 
 def local_bytes_per_slot(shard: HeadShard, headdim: int, dstate: int, buffer_len: int, state_bytes: int = 4,
                          act_bytes: int = 2) -> int:
-    """Checkpoint + buffers of one slot on this rank, in bytes."""
-    H, G, P, N, L = shard.nheads, shard.ngroups, headdim, dstate, buffer_len
-    return H * P * N * state_bytes + H * L * P * act_bytes + G * L * N * act_bytes + H * L * 4
+    """Checkpoint + buffers of one slot on this rank, in bytes (:func:`.costs.mamba2_layer_memory`'s state + ring)."""
+    m = mamba2_layer_memory(shard.nheads, headdim, dstate, shard.ngroups, buffer_len, 0, state_bytes, act_bytes)
+    return m["state"] + m["ring"]
 
 
 def row_parallel_sum(partials: list[torch.Tensor]) -> torch.Tensor:

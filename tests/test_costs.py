@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""trtllm_replayssm.costs: the memory model against what ReplayStateCache really allocates, the bytes model
+against the numbers plugins/replayssm_spec.cuh states, and the forms the module docstring says are one."""
+
+import pytest
+import torch
+
+from trtllm_replayssm import costs
+from trtllm_replayssm import gdn_reference as gref
+from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.geometries import GDN_GEOMETRIES, GEOMETRIES
+
+BF, F8 = torch.bfloat16, torch.float8_e4m3fn
+MAMBA = dict(num_layers=3, num_slots=2, nheads=8, headdim=16, dstate=32, ngroups=2, buffer_len=16)
+GDN = dict(gdn_layers=2, gdn_value_heads=4, gdn_key_heads=2, gdn_value_dim=8, gdn_key_dim=16)
+CASES = {
+    "standard": dict(MAMBA),
+    "spec_d3": dict(MAMBA, num_draft=3),
+    "bf16_shadow_d1": dict(MAMBA, num_draft=1, shadow_dtype=BF),
+    "fp8_shadow_d3": dict(MAMBA, num_draft=3, shadow_dtype=F8),
+    "fp32_act_k3_conv_dim": dict(MAMBA, num_draft=2, act_dtype=torch.float32, conv_kernel=3, conv_dim=100),
+    "gdn_only": dict(num_layers=0, num_slots=3, nheads=1, headdim=1, dstate=1, ngroups=1, buffer_len=8, num_draft=1,
+                     **GDN),
+    "gdn_fp8_shadow": dict(num_layers=0, num_slots=3, nheads=1, headdim=1, dstate=1, ngroups=1, buffer_len=8,
+                           shadow_dtype=F8, **GDN),
+    "mixed_bf16_shadow": dict(MAMBA, num_draft=2, shadow_dtype=BF, **GDN),
+    "float64": dict(MAMBA, state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64, **GDN),
+}
+
+
+def _allocated(cache) -> int:
+    """Bytes of every tensor the cache holds, each storage once (conv is a view of the scratch-slot tensor)."""
+    seen, total = set(), 0
+    for t in vars(cache).values():
+        if isinstance(t, torch.Tensor) and t.numel():
+            st = t.untyped_storage()
+            if st.data_ptr() not in seen:
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+    return total
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_cache_allocation_matches_model(name):
+    kw = CASES[name]
+    cache = ReplayStateCache(**kw)
+    model = costs.cache_bytes(**kw)
+    assert _allocated(cache) == model["total"]
+    assert cache.bytes_per_slot() == model["slot"]
+
+
+def test_memory_per_request_is_the_cache_slot():
+    """memory_per_request's ReplaySSM column = cache_bytes' slot for a Mamba-2 cache, for every shadow."""
+    for q, dt in ((0, None), (2, BF), (1, F8)):
+        for d in (0, 1, 3):
+            kw = dict(MAMBA, num_draft=d, shadow_dtype=dt)
+            assert costs.memory_per_request(8, 16, 32, 2, 3, 16, d, shadow_bytes=q)["replay"] == \
+                costs.cache_bytes(**kw)["slot"] == ReplayStateCache(**kw).bytes_per_slot()
+
+
+def test_mamba2_bytes_match_the_spec_kernel_comment():
+    """plugins/replayssm_spec.cuh's numbers: (128, 64, 128, 8), fp32 state, bf16, T = 4, L = 16, batch 256."""
+    H, P, N, G = GEOMETRIES["nemotron_h_8b"]
+    b, T, L = 256, 4, 16
+
+    def gb(m, shadow=None):
+        return costs.mamba2_verify_bytes(H, P, N, G, L, T, m, shadow=shadow) * b / 1e9
+
+    assert [round(gb(m), 3) for m in (0, 8, 12)] == [1.131, 1.170, 2.263]
+    assert [round(gb(m, "bf16"), 3) for m in (0, 8, 12)] == [0.594, 0.633, 2.800]
+    assert [round(gb(m, "fp8"), 3) for m in (0, 8, 12)] == [0.334, 0.373, 2.540]
+    verify, commit = costs.mamba2_native_spec_bytes(H, P, N, G, T)
+    assert (round(verify * b / 1e9, 3), round(commit * b / 1e9, 3)) == (5.407, 2.147)
+    conv, per_k = costs.mamba2_bytes_per_position(H, P, N, G, L)
+    assert (round(per_k[1] * b / 1e9, 3), round(per_k[L] * b / 1e9, 3)) == (1.088, 2.230)
+    assert round(costs.mamba2_bytes_per_step(H, P, N, G, L)["replay"] * b / 1e9, 3) == 1.191
+    assert 1.7 < costs.mamba2_bytes_per_step(H, P, N, G, L)["ratio"] < 1.9  # docs/DESIGN.md's ceiling
+
+
+@pytest.mark.parametrize("shadow", [None, "bf16", "fp8"])
+def test_standard_decode_is_a_one_token_verify(shadow):
+    """The docstring's one form: decode at k < L is the verify of T = 1 at m = k - 1; the flush writes no entry."""
+    for H, P, N, G in GEOMETRIES.values():
+        L = 16
+        _, per_k = costs.mamba2_bytes_per_position(H, P, N, G, L, shadow=shadow)
+        entry = H * P * 2 + G * N * 2 + 4 * H
+        for k in range(1, L):
+            assert per_k[k] == costs.mamba2_verify_bytes(H, P, N, G, L, 1, k - 1, shadow=shadow)
+        assert per_k[L] == costs.mamba2_verify_bytes(H, P, N, G, L, 1, L - 1, shadow=shadow) - entry
+    q = None if shadow is None else costs.shadow_sizes(shadow)[0]
+    for HV, H, V, K in GDN_GEOMETRIES.values():
+        L = 16
+        _, per_k = costs.gdn_bytes_per_position(HV, H, V, K, L, shadow_bytes=q)
+        entry = HV * V * 4 + HV * V * 2 + H * K * 4 + 2 * HV * 4
+        for k in range(1, L):
+            assert per_k[k] == costs.gdn_verify_bytes(HV, H, V, K, L, 1, k - 1, shadow_bytes=q)
+        assert per_k[L] == costs.gdn_verify_bytes(HV, H, V, K, L, 1, L - 1, shadow_bytes=q) - entry
+    assert gref.bytes_per_position is costs.gdn_bytes_per_position  # one home, re-exported
+
+
+def test_end_to_end_layer_model_against_the_kernel_model():
+    """The end-to-end step's per-layer SSM bytes = the kernel model's cycle mean less the layer io, plus the entry
+    the end-to-end convention charges on the flush step too (module docstring)."""
+    H, P, N, G = GEOMETRIES["nemotron_h_8b"]
+    io = H * P * 2 + 2 * G * N * 2 + H * 2 + H * P * 2
+    entry = H * P * 2 + G * N * 2 + 4 * H
+    for L in (8, 16, 32):
+        for mode, shadow in (("replay", None), ("replay_bf16", "bf16"), ("replay_fp8", "fp8")):
+            kernel = costs.mamba2_bytes_per_step(H, P, N, G, L, shadow=shadow)["replay"]
+            assert costs.mamba2_decode_step_ssm(H, P, N, G, L, mode) == pytest.approx(kernel - io + entry / L, rel=1e-12)
+    with pytest.raises(ValueError, match="mode"):
+        costs.mamba2_decode_step_ssm(H, P, N, G, 16, "standard")
+    with pytest.raises(ValueError, match="mode"):
+        costs.mamba2_spec_step_ssm(H, P, N, G, 4, 16, "replay")
+
+
+def test_shadow_sizes_and_max_batch_within():
+    assert costs.shadow_sizes(None) is None and costs.shadow_sizes("none") is None and costs.shadow_sizes(0) is None
+    assert costs.shadow_sizes("bf16") == costs.shadow_sizes(2) == (2, 0)
+    assert costs.shadow_sizes("fp8") == costs.shadow_sizes(1) == (1, 4)
+    with pytest.raises(ValueError, match="shadow"):
+        costs.shadow_sizes("fp4")
+    for budget in (0, 99, 100, 101, 12345, 10**9):
+        b = costs.max_batch_within(lambda n: 100 * n + 7, budget)
+        assert b == min(max(0, (budget - 7) // 100), (1 << 20) - 1)  # capped below ``limit``
