@@ -8,6 +8,10 @@
 * :mod:`.spec_step` is the speculative form: a verify graph of T = 1 + num_draft tokens with one
   ``replayssm::mamba2_verify`` node per Mamba layer, and a commit graph with one
   ``replayssm::spec_commit`` node (cursor, lengths, conv-window rollback) run after sampling.
+* :mod:`.engine_format` is the engine-directory format (files, config.json, the per-layer state table the
+  steps build their state I/O from); :mod:`.engine` builds such a directory (ONNX, PTX, config.json,
+  trtexec command, TensorRT plan); :mod:`.triton_repo` writes Triton model repositories from it (or a
+  Python-backend model). scripts/build_engine.py and scripts/make_triton_repo.py are their command lines.
 
 Builders contain no kernel code (STYLE.md): the SSM step is a pluggable backend with the signature
 of :func:`trtllm_replayssm.reference.replay_decode`, called with keyword arguments.

@@ -49,6 +49,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .engine_format import layer_states
 from .moe import FORMULATIONS, moe_forward
 from .nemotron_h import _check_layers, reference_backend
 
@@ -56,6 +57,7 @@ OP_TYPE = "mamba2_decode"
 DOMAIN = "replayssm"
 _ONNX_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                      torch.int32: "int32", torch.int64: "int64"}
+_TORCH_DTYPES = {n: t for t, n in _ONNX_DTYPE_NAMES.items()}
 
 
 class Mamba2Decode(torch.autograd.Function):
@@ -134,6 +136,14 @@ class StateSpec:
         return dict(name=self.name, shape=list(self.shape), dtype=_ONNX_DTYPE_NAMES[self.dtype], output=self.output)
 
 
+def layer_state_specs(letter: str, layer: int, sizes: dict, dtypes: dict, speculative: bool = False) -> list[StateSpec]:
+    """The state tensors of layer ``layer`` (pattern letter ``letter``) as the engine-directory format lists them
+    (builders/engine_format.py's LAYER_STATES, the one table of names, shapes and dtypes), with the sizes of
+    ``sizes`` and the torch dtypes of the roles in ``dtypes`` (``act``, ``state``)."""
+    return [StateSpec(s.name(layer), s.shape(sizes), dtypes[s.dtype] if s.dtype in dtypes else _TORCH_DTYPES[s.dtype],
+                      s.output(layer)) for s in layer_states(letter, speculative)]
+
+
 class StepIO:
     """The engine I/O every decode step with explicit state shares (this module's and builders/gdn_step.py's):
     names, zero states, the K/V of a transformers cache; subclasses give ``state_specs()`` and ``max_seq_len``."""
@@ -164,6 +174,8 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
 
     num_tokens = 1
 
+    speculative = False  # the verify step (builders/spec_step.py) keeps a wider conv window, conv_window_i
+
     def __init__(self, model, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype = torch.float32,
                  backend=None, moe_formulation: str = "dense"):
         super().__init__()
@@ -192,26 +204,18 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
 
     # ---- the state contract ---------------------------------------------------------------------
     def state_specs(self) -> list[StateSpec]:
-        cfg, act, L = self.config, self.act_dtype, self.buffer_len
+        cfg = self.config
         H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
-        conv_dim = H * P + 2 * G * N
+        sizes = dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=self.buffer_len, conv_dim=H * P + 2 * G * N,
+                     conv_width=self.window, kv_heads=cfg.num_key_value_heads, max_seq_len=self.max_seq_len,
+                     head_dim=cfg.head_dim)
+        dtypes = dict(act=self.act_dtype, state=self.state_dtype)
+        letters = {"full_attention": "*", "linear_attention": "M"}  # MoE and MLP layers carry no state
         specs = []
         for i, kind in enumerate(self.kinds):
-            if kind == "full_attention":
-                kv = (-1, cfg.num_key_value_heads, self.max_seq_len, cfg.head_dim)
-                specs += [StateSpec(f"k_cache_{i}", kv, act, f"k_cache_{i}_out"),
-                          StateSpec(f"v_cache_{i}", kv, act, f"v_cache_{i}_out")]
-            elif kind == "linear_attention":
-                specs += [self._conv_spec(i, conv_dim),
-                          StateSpec(f"ssm_state_{i}", (-1, H, P, N), self.state_dtype, f"ssm_state_{i}_out"),
-                          StateSpec(f"x_cache_{i}", (-1, H, L, P), act, f"x_cache_{i}_out"),
-                          StateSpec(f"B_cache_{i}", (-1, G, L, N), act, f"B_cache_{i}_out"),
-                          StateSpec(f"dt_cache_{i}", (-1, H, L), torch.float32, f"dt_cache_{i}_out")]
+            if kind in letters:
+                specs += layer_state_specs(letters[kind], i, sizes, dtypes, self.speculative)
         return specs
-
-    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
-        """The conv1d state of Mamba layer i: the last K inputs (the speculative step keeps a wider window)."""
-        return StateSpec(f"conv_state_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_state_{i}_out")
 
     def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
         """State inputs equivalent to a patched model after prefill/decode (``decoder`` = ReplaySSMDecoder,

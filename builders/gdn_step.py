@@ -56,6 +56,7 @@ from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
     StateSpec,
     StepIO,
     export_onnx,
+    layer_state_specs,
     window_attention,
     window_conv,
 )
@@ -64,7 +65,6 @@ from .spec_step import _check_window, ring_cursor_and_windows, rotate_rings
 
 GDN_OP_TYPE = "gdn_decode"
 GDN_VERIFY_OP_TYPE = "gdn_verify"
-_GDN_STATES = ("gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta")
 
 
 def verify_reference_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
@@ -153,6 +153,7 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
     The layers take (batch, T, D) tokens: T = 1 here, T = 1 + num_draft in :class:`QwenGDNSpecStep`."""
 
     num_tokens = 1
+    speculative = False  # the verify step keeps a wider conv window, conv_window_i
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None):
         super().__init__()
@@ -169,25 +170,16 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         self.window = model.config.linear_conv_kernel_dim  # conv state: the last K inputs
 
     # ---- the state contract ---------------------------------------------------------------------
-    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
-        return StateSpec(f"conv_state_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_state_{i}_out")
-
     def state_specs(self) -> list[StateSpec]:
-        c, act, L = self.config, self.act_dtype, self.buffer_len
+        c = self.config
         H, HV, Kd, V = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-        conv_dim = 2 * H * Kd + HV * V
-        f32 = torch.float32
+        sizes = dict(num_k_heads=H, num_v_heads=HV, key_dim=Kd, value_dim=V, buffer_len=self.buffer_len,
+                     conv_dim=2 * H * Kd + HV * V, conv_width=self.window, kv_heads=c.num_key_value_heads,
+                     max_seq_len=self.max_seq_len, head_dim=c.head_dim)
         specs = []
-        for i, kind in enumerate(self.kinds):
-            if kind == "full_attention":
-                kv = (-1, c.num_key_value_heads, self.max_seq_len, c.head_dim)
-                specs += [StateSpec(f"k_cache_{i}", kv, act, f"k_cache_{i}_out"),
-                          StateSpec(f"v_cache_{i}", kv, act, f"v_cache_{i}_out")]
-            else:
-                shapes = ((-1, HV, V, Kd, f32), (-1, HV, L, V, f32), (-1, HV, L, V, act), (-1, H, L, Kd, f32),
-                          (-1, HV, L, f32), (-1, HV, L, f32))
-                specs.append(self._conv_spec(i, conv_dim))
-                specs += [StateSpec(f"{n}_{i}", s[:-1], s[-1], f"{n}_{i}_out") for n, s in zip(_GDN_STATES, shapes)]
+        for i, kind in enumerate(self.kinds):  # every layer that is not attention is a GDN layer
+            specs += layer_state_specs("*" if kind == "full_attention" else "G", i, sizes, dict(act=self.act_dtype),
+                                       self.speculative)
         return specs
 
     def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
@@ -285,14 +277,13 @@ class QwenGDNSpecStep(QwenGDNDecodeStep):
     """Verify graph of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model (module docstring);
     the commit graph is ``spec_step.NemotronHSpecCommit(step)``."""
 
+    speculative = True  # conv_window_i of K - 1 + num_draft columns instead of conv_state_i
+
     def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int, backend=None):
         super().__init__(model, buffer_len, max_seq_len, backend or verify_reference_backend)
         self.num_draft = num_draft
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.linear_conv_kernel_dim - 1 + num_draft
-
-    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
-        return StateSpec(f"conv_window_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_window_{i}_out")
 
     def output_names(self) -> list[str]:
         return ["logits"] + [s.output for s in self.state_specs()]

@@ -181,6 +181,8 @@ def _check_window(num_draft: int, buffer_len: int) -> int:
 class NemotronHSpecStep(NemotronHDecodeStep):
     """Verify graph of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights."""
 
+    speculative = True  # conv_window_i of K - 1 + num_draft columns instead of conv_state_i
+
     def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int,
                  state_dtype: torch.dtype = torch.float32, backend=None, moe_formulation: str = "dense"):
         super().__init__(model, buffer_len, max_seq_len, state_dtype, backend or verify_reference_backend,
@@ -188,9 +190,6 @@ class NemotronHSpecStep(NemotronHDecodeStep):
         self.num_draft = num_draft
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.conv_kernel - 1 + num_draft
-
-    def _conv_spec(self, i: int, conv_dim: int) -> StateSpec:
-        return StateSpec(f"conv_window_{i}", (-1, conv_dim, self.window), self.act_dtype, f"conv_window_{i}_out")
 
     def output_names(self) -> list[str]:
         return ["logits"] + [s.output for s in self.state_specs()]

@@ -38,9 +38,9 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.problems import make_inputs, make_params  # noqa: E402
 from trtllm_replayssm import costs, ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
+from trtllm_replayssm.problems import make_inputs, make_params  # noqa: E402
 
 ROTATE_BYTES = 512 << 20  # ~8x the H200's 60 MB L2
 MAX_ROTATIONS = 64

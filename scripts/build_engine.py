@@ -2,38 +2,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Build a ReplaySSM decode-step engine directory for a Nemotron-H or Nemotron 3 model.
 
-Route: load the model (``--model DIR`` or an embedded tiny config with seeded random weights:
-``--tiny nemotron_h``, the default, pattern ``M*-M-M*-``; ``--tiny nemotron3``, Mamba-2 + MoE +
-attention, ``MEM*EM*E``), MoE layers as standard ONNX ops (``--moe-formulation``, builders/moe.py),
-export one decode step to ONNX with one ``replayssm::mamba2_decode`` node per Mamba layer
-(builders/decode_step.py), compile the plugin kernel to PTX with NVRTC (no GPU needed), describe
-every input, output and state tensor in config.json, and build ``model.plan`` where TensorRT >= 10.9,
-a GPU and the plugin registration are available; otherwise print the trtexec command that finishes
-the build elsewhere (also saved as trtexec.sh).
-
-Output (written to a temporary sibling directory, renamed to --out at the end):
-  model.onnx            decode step, batch dimension dynamic (1..--max-batch)
-  <spec key>.ptx        the plugin kernel (entry ``replayssm_decode``) shared by all Mamba layers, one
-                        per plugin tactic (large / small batch), from ``trt_plugin.aot_kernel``: the
-                        same PTX and launch parameters ``aot_impl`` hands TensorRT
-  config.json           sizes, dtypes, layers by type (+ the MoE keys and formulation), state tensors
-                        (name, shape with batch -1, dtype, output), plugin
-  trtexec.sh            the command that builds model.plan from model.onnx
-  model.plan            only where TensorRT >= 10.9 and a GPU are present
-
-With ``--num-draft N`` (speculative decoding, T = N + 1 tokens per step; builders/spec_step.py,
-builders/gdn_step.py) the directory holds two graphs instead of model.onnx, run once each per step with
-sampling in between:
-  verify.onnx           input_ids (batch, T), lengths, cursor (batch, 2) and the states; logits
-                        (batch, T, vocab); one ``replayssm::mamba2_verify`` node per Mamba layer
-                        (``replayssm::gdn_verify`` per Gated DeltaNet layer for Qwen3-Next / Qwen3.5)
-  commit.onnx           n_accepted, cursor, lengths, conv windows -> cursor_out (one
-                        ``replayssm::spec_commit`` node), lengths_out, rolled-back conv windows
-  <spec key>.ptx        ``replayssm_verify`` (``gdn_verify``) per tactic and ``replayssm_spec_commit``
-  config.json           format trtllm-replayssm-spec-step/1: both graphs' I/O, the states and which
-                        graph updates each, the plugin manifest (ids, I/O, aliases, attributes, kernels)
-  trtexec.sh            the commands for verify.plan and commit.plan
-  verify.plan, commit.plan  only where TensorRT >= 10.9 and a GPU are present
+The command line over ``builders/engine.py`` (:func:`builders.engine.build`). What the output directory
+holds (model.onnx, or verify.onnx + commit.onnx with ``--num-draft N``; the plugin PTX per tactic;
+config.json; trtexec.sh; the plan(s) where TensorRT >= 10.9 and a GPU are present) and every field of
+config.json is the engine-directory format, ``builders/engine_format.py``. The directory is written to a
+temporary sibling and renamed to --out at the end.
 
 TensorRT's Python plugins are registered by the building process (``trt_plugin.register()``; this
 script does it). trtexec cannot register them, so its commands only work from a process that can, or
@@ -47,45 +20,26 @@ Usage: python scripts/build_engine.py --out DIR [--model HF_DIR | --tiny nemotro
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import dataclasses
 import pathlib
-import shutil
 import sys
-import tempfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
-from builders.moe import FORMULATIONS as MOE_FORMULATIONS  # noqa: E402
-from builders.nemotron_h import TINY_CONFIGS  # noqa: E402
-from trtllm_replayssm import trt_plugin  # noqa: E402
-from trtllm_replayssm.compile import CompileError  # noqa: E402
-from trtllm_replayssm.config import (  # noqa: E402
-    DTYPE_CODES,
-    SUPPORTED_BUFFER_LEN,
-    SUPPORTED_DSTATE,
-    SUPPORTED_HEADDIM,
-    SUPPORTED_NUM_TOKENS,
+from builders.engine import (  # noqa: E402
+    DTYPES,
+    MOE_FORMULATIONS,
+    SUPPORTED_ARCHS,
+    TINY_NAMES,
+    BuildError,
+    BuildOptions,
+    build,
+    check_options,
 )
+from trtllm_replayssm.config import SUPPORTED_BUFFER_LEN  # noqa: E402
 
-GDN_TINY_NAMES = ("qwen3_next", "qwen3_5")  # builders/qwen3_next.py: Gated DeltaNet hybrids
-TINY_NAMES = tuple(TINY_CONFIGS) + GDN_TINY_NAMES
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-TRT_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int32": "int32", "int64": "int64"}
-MIN_TRT = (10, 9)
-SUPPORTED_ARCHS = (90, 100)  # the SM targets every kernel is compiled for in CI (tests/test_*compile.py)
-
-
-class BuildError(RuntimeError):
-    pass
-
-
-def log(msg: str) -> None:
-    print(f"[build_engine] {msg}", flush=True)
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildOptions)}  # one set of defaults: the library's
 
 
 def parse_args(argv=None):
@@ -97,477 +51,33 @@ def parse_args(argv=None):
                    help="embedded tiny config without --model: nemotron_h (default, M*-M-M*-), nemotron3 "
                         "(Mamba-2 + MoE + attention, MEM*EM*E), qwen3_next or qwen3_5 (Gated DeltaNet + gated "
                         "attention, 3 GDN layers then 1 attention layer; Qwen3-Next with MoE)")
-    p.add_argument("--moe-formulation", choices=MOE_FORMULATIONS, default="dense",
+    p.add_argument("--moe-formulation", choices=MOE_FORMULATIONS, default=DEFAULTS["moe_formulation"],
                    help="routed experts of MoE layers in the graph: dense over experts with a routing mask "
                         "(default) or gathered per token (builders/moe.py says when each is cheaper)")
     p.add_argument("--out", type=pathlib.Path, required=True, help="output directory (must not exist)")
-    p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--buffer-len", type=int, default=16, help=f"ReplaySSM buffer length, one of {SUPPORTED_BUFFER_LEN}")
-    p.add_argument("--state-dtype", choices=sorted(DTYPES), default="fp32", help="checkpoint state dtype")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+    p.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"])
+    p.add_argument("--buffer-len", type=int, default=DEFAULTS["buffer_len"],
+                   help=f"ReplaySSM buffer length, one of {SUPPORTED_BUFFER_LEN}")
+    p.add_argument("--state-dtype", choices=sorted(DTYPES), default=DEFAULTS["state_dtype"], help="checkpoint state dtype")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULTS["dtype"],
                    help="activation / weight dtype of the engine (a bf16 checkpoint still gives an fp32 engine "
                         "unless --dtype bf16 is passed)")
-    p.add_argument("--arch", type=int, default=90, choices=SUPPORTED_ARCHS,
+    p.add_argument("--arch", type=int, default=DEFAULTS["arch"], choices=SUPPORTED_ARCHS,
                    help="SM architecture of the plugin PTX (90 = Hopper, tested on the H200; 100 = Blackwell, compiled in CI "
                         "only; the PTX needs a CUDA 13 driver)")
-    p.add_argument("--sm-count", type=int, default=132, help="SMs of the target GPU (persistent-kernel grid)")
-    p.add_argument("--max-seq-len", type=int, default=4096, help="KV cache capacity per row")
-    p.add_argument("--seed", type=int, default=0, help="seed of the tiny model's random weights")
-    p.add_argument("--num-draft", type=int, default=0,
+    p.add_argument("--sm-count", type=int, default=DEFAULTS["sm_count"], help="SMs of the target GPU (persistent-kernel grid)")
+    p.add_argument("--max-seq-len", type=int, default=DEFAULTS["max_seq_len"], help="KV cache capacity per row")
+    p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the tiny model's random weights")
+    p.add_argument("--num-draft", type=int, default=DEFAULTS["num_draft"],
                    help="speculative decoding: draft tokens per step (T = N + 1 verified at once); exports the "
                         "verify and commit graphs instead of the decode step")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     a = p.parse_args(argv)
-    if a.max_batch < 1:
-        p.error(f"--max-batch: expected >= 1, got {a.max_batch}")
-    if a.buffer_len not in SUPPORTED_BUFFER_LEN:
-        p.error(f"--buffer-len: expected one of {SUPPORTED_BUFFER_LEN}, got {a.buffer_len}")
-    if a.num_draft:
-        drafts = sorted(t - 1 for t in SUPPORTED_NUM_TOKENS if t > 1)
-        if a.num_draft + 1 not in SUPPORTED_NUM_TOKENS:
-            p.error(f"--num-draft: expected 0 (standard decode) or one of {drafts}, got {a.num_draft}")
-        if a.buffer_len < 2 * (a.num_draft + 1):
-            p.error(f"--buffer-len: speculative decoding needs >= 2 (num_draft + 1) = {2 * (a.num_draft + 1)} "
-                    f"(flush one window early), got {a.buffer_len}")
-    if a.sm_count < 1:
-        p.error(f"--sm-count: expected >= 1, got {a.sm_count}")
-    if a.max_seq_len < 1:
-        p.error(f"--max-seq-len: expected >= 1, got {a.max_seq_len}")
-    if a.model is not None and a.tiny is not None:
-        p.error(f"--tiny: the embedded tiny configs are used only without --model, got --tiny {a.tiny} with --model")
-    if a.model is not None and not a.model.is_dir():
-        p.error(f"--model: expected an existing directory, got {str(a.model)!r}")
-    if a.out.exists() and not a.overwrite:
-        p.error(f"--out: {str(a.out)!r} already exists (choose another directory or pass --overwrite)")
+    try:
+        check_options(BuildOptions(**vars(a)))
+    except BuildError as e:
+        p.error(str(e))
     return a
-
-
-def is_gdn(args) -> bool:
-    """True for the Gated DeltaNet families (an embedded tiny one, or a --model whose config.json says so; a
-    broken or missing config.json is left to the Nemotron loader to report)."""
-    from builders.qwen3_next import is_gdn_checkpoint
-
-    return args.tiny in GDN_TINY_NAMES if args.model is None else is_gdn_checkpoint(args.model)
-
-
-def check_gdn_geometry(cfg) -> tuple[int, int, int, int]:
-    from trtllm_replayssm.config import GDN_SUPPORTED_DIMS
-
-    H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    for name, v in (("linear_key_head_dim", K), ("linear_value_head_dim", V)):
-        if v not in GDN_SUPPORTED_DIMS:
-            raise BuildError(f"{name}: the gdn_decode plugin supports {GDN_SUPPORTED_DIMS}, got {v}")
-    if HV % H:
-        raise BuildError(f"linear_num_key_heads: expected a divisor of linear_num_value_heads={HV}, got {H}")
-    return H, HV, K, V
-
-
-def load_gdn(args, act):
-    from builders.qwen3_next import load_gdn_model
-
-    return load_gdn_model(args.model, args.tiny, dtype=act, seed=args.seed)
-
-
-def check_gdn_state_dtype(args) -> None:
-    if args.state_dtype != "fp32":
-        raise BuildError(f"--state-dtype: Gated DeltaNet checkpoints are fp32 (the gdn_decode / gdn_verify "
-                         f"plugins), got {args.state_dtype}")
-
-
-def gdn_model_entry(args, model) -> dict:
-    """config.json's ``model`` for a Gated DeltaNet hybrid (pattern letter G, * for attention)."""
-    from builders.qwen3_next import gdn_layers
-
-    cfg = model.config
-    kinds = list(cfg.layer_types)
-    return dict(source=str(args.model) if args.model else f"embedded-tiny-{args.tiny}",
-                seed=None if args.model else args.seed, model_type=cfg.model_type,
-                pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
-                vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
-                gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"])
-
-
-def _gdn_spec_artifacts(args, model, tmp):
-    """verify.onnx (one gdn_verify node per GDN layer) + commit.onnx, their PTX, config.json's content and the
-    trtexec commands (builders/gdn_step.py's QwenGDNSpecStep, builders/spec_step.py's commit graph)."""
-    from builders.gdn_step import GDN_VERIFY_OP_TYPE, QwenGDNSpecStep
-    from builders.qwen3_next import gdn_layers
-
-    check_gdn_state_dtype(args)
-    H, HV, K, V = check_gdn_geometry(model.config)
-    T, L = args.num_draft + 1, args.buffer_len
-    act = DTYPE_CODES[DTYPES[args.dtype]]
-    step = QwenGDNSpecStep(model, L, args.max_seq_len, args.num_draft)
-    verify = dict(op_type=GDN_VERIFY_OP_TYPE, plugin=trt_plugin.GDN_VERIFY_PLUGIN_NAME, nodes=len(gdn_layers(model)),
-                  attributes=dict(num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=L,
-                                  use_qk_l2norm=1, num_tokens=T),
-                  make=lambda t: trt_plugin.aot_gdn_verify_kernel(H, HV, K, V, L, 1, T, act, args.arch, t))
-    return _spec_graphs(args, step, tmp, verify, gdn_model_entry(args, model), model.config.vocab_size)
-
-
-def _gdn_decode_artifacts(args, model, tmp):
-    """model.onnx (one gdn_decode node per GDN layer), the gdn_decode PTX per tactic, config.json's content
-    and the trtexec command (the state contract of builders/gdn_step.py)."""
-    from builders.decode_step import DOMAIN
-    from builders.gdn_step import GDN_OP_TYPE, QwenGDNDecodeStep, export_onnx
-    from builders.qwen3_next import gdn_layers
-
-    check_gdn_state_dtype(args)
-    cfg = model.config
-    H, HV, K, V = check_gdn_geometry(cfg)
-    ngdn = len(gdn_layers(model))
-    step = QwenGDNDecodeStep(model, args.buffer_len, args.max_seq_len)
-    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {ngdn} {DOMAIN}::{GDN_OP_TYPE} nodes)")
-    export_onnx(step, tmp / "model.onnx")
-    kernels = []
-    for tactic in sorted(trt_plugin.TACTICS):
-        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_gdn_kernel(
-            H, HV, K, V, args.buffer_len, 1, DTYPE_CODES[DTYPES[args.dtype]], args.arch, t), f"tactic {tactic}")
-        log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
-        kernels.append(_kernel_entry(k, tactic))
-    log("[4/5] writing config.json and trtexec.sh")
-    sio = _step_io(step, args, tmp, cfg.vocab_size, f"{DOMAIN}::{GDN_OP_TYPE}")
-    info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME]
-    config = dict(
-        format="trtllm-replayssm-decode-step/1",
-        model=gdn_model_entry(args, model),
-        max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
-        act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
-        inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"],
-        plugin=dict(op_type=GDN_OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn,
-                    num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=args.buffer_len,
-                    use_qk_l2norm=1, kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
-                    aliased_outputs=info.manifest()["aliased_outputs"]),
-        plan=None,
-        trtexec=sio["trtexec"],
-    )
-    return config, [("model.onnx", "model.plan", sio["io_shapes"])]
-
-
-def check_geometry(cfg, buffer_len: int) -> tuple[int, int, int, int]:
-    H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
-    if P not in SUPPORTED_HEADDIM:
-        raise BuildError(f"mamba_head_dim: the plugin supports {SUPPORTED_HEADDIM}, got {P}")
-    if N not in SUPPORTED_DSTATE:
-        raise BuildError(f"ssm_state_size: the plugin supports {SUPPORTED_DSTATE}, got {N}")
-    if H % G:
-        raise BuildError(f"n_groups: expected a divisor of mamba_num_heads={H}, got {G}")
-    return H, P, N, G
-
-
-def shape_arg(specs, batch: int) -> str:
-    return ",".join(f"{name}:" + "x".join(str(batch if d == -1 else d) for d in shape) for name, shape in specs)
-
-
-def trtexec_command(io_shapes, max_batch: int) -> str:
-    opt = max(1, max_batch // 2)
-    return (
-        "trtexec --onnx=model.onnx --saveEngine=model.plan --stronglyTyped"
-        f" --minShapes={shape_arg(io_shapes, 1)} --optShapes={shape_arg(io_shapes, opt)}"
-        f" --maxShapes={shape_arg(io_shapes, max_batch)}"
-    )
-
-
-def tensorrt_status() -> tuple[object | None, str]:
-    """(tensorrt module or None, why not)."""
-    try:
-        import tensorrt as trt
-    except ImportError:
-        return None, "tensorrt is not installed"
-    version = tuple(int(v) for v in trt.__version__.split(".")[:2])
-    if version < MIN_TRT:
-        return None, f"tensorrt {trt.__version__} is installed, {MIN_TRT[0]}.{MIN_TRT[1]} or newer is needed"
-    if not torch.cuda.is_available():
-        return None, "no CUDA GPU is visible"
-    trt_plugin.register()
-    return trt, ""
-
-
-def build_plan(trt, onnx_path: pathlib.Path, plan_path: pathlib.Path, io_shapes, max_batch: int) -> None:
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
-    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
-        errs = "\n".join(str(parser.get_error(i)) for i in range(parser.num_errors))
-        raise BuildError(f"TensorRT could not parse {onnx_path}:\n{errs}")
-    config = builder.create_builder_config()
-    config.set_preview_feature(trt.PreviewFeature.ALIASED_PLUGIN_IO_10_03, True)
-    profile = builder.create_optimization_profile()
-    opt = max(1, max_batch // 2)
-    for name, shape in io_shapes:
-        profile.set_shape(name, *([b if d == -1 else d for d in shape] for b in (1, opt, max_batch)))
-    config.add_optimization_profile(profile)
-    plan = builder.build_serialized_network(network, config)
-    if plan is None:
-        raise BuildError("TensorRT failed to build the engine (see the log above)")
-    plan_path.write_bytes(bytes(plan))
-
-
-def _kernel_entry(k, tactic) -> dict:
-    return dict(tactic=tactic, ptx=f"{k.spec.key}.ptx", spec=k.spec.key, kernel=k.kernel_name,
-                grid=[k.grid_x, "batch" if k.grid_y_is_batch else 1, 1] if not k.rows_per_block
-                else [f"ceil(batch / {k.rows_per_block})", 1, 1],
-                block=[k.block_x, 1, 1], shared_mem=k.shared_mem, extra_int32_args=list(k.extra_args))
-
-
-def _write_ptx(tmp: pathlib.Path, make, what: str):
-    try:
-        k = make()
-    except CompileError as e:
-        raise BuildError(f"plugin PTX ({what}) did not compile:\n{str(e).rstrip(chr(0))}") from e
-    (tmp / f"{k.spec.key}.ptx").write_bytes(k.ptx)
-    return k
-
-
-MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-            "moe_latent_size", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "mlp_hidden_act")
-
-
-def model_entry(args, model) -> dict:
-    """config.json's ``model``: source, pattern, sizes, the layers by type; the MoE configuration
-    (its config keys and the graph formulation) where the model has MoE layers."""
-    from builders.nemotron_h import has_moe, mamba_layers
-
-    cfg = model.config
-    kinds = list(cfg.layers_block_type)
-    entry = dict(source=str(args.model) if args.model else f"embedded-tiny-{args.tiny or 'nemotron_h'}",
-                 seed=None if args.model else args.seed, pattern=cfg.hybrid_override_pattern,
-                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
-                 mamba_layers=mamba_layers(model),
-                 attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"],
-                 moe_layers=[i for i, k in enumerate(kinds) if k == "moe"])
-    if has_moe(cfg):
-        entry["moe"] = dict({k: getattr(cfg, k) for k in MOE_KEYS}, formulation=args.moe_formulation)
-    return entry
-
-
-TRTEXEC_NOTE = ("# TensorRT >= 10.9 with {plugins} registered in the building process\n"
-                "# (trtllm_replayssm.trt_plugin.register(); scripts/build_engine.py does it where TensorRT is installed).\n"
-                "# trtexec cannot register Python plugins itself; the built AOT plans run without Python\n"
-                "# (trtexec --loadEngine=...).\n")
-
-
-def _step_io(step, args, tmp, vocab: int, plugins: str) -> dict:
-    """A decode step's engine I/O for config.json (inputs, outputs, states) and its trtexec command (also
-    written to trtexec.sh): input_ids, lengths and the shared cursor, then the step's state tensors."""
-    io = [("input_ids", (-1, 1), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1,), "int32")]
-    states = [dict(name="lengths", shape=[-1], dtype="int32", output="lengths_out"),
-              dict(name="cursor", shape=[-1], dtype="int32", output="cursor_out")]
-    states += [st.to_json() for st in step.state_specs()]
-    io_shapes = [(n, sh) for n, sh, _ in io] + [(st["name"], tuple(st["shape"])) for st in states[2:]]
-    cmd = trtexec_command(io_shapes, args.max_batch)
-    (tmp / "trtexec.sh").write_text("#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=plugins) + cmd + "\n")
-    return dict(inputs=[dict(name=n, shape=list(sh), dtype=d) for n, sh, d in io] + [
-                    dict(name=st["name"], shape=st["shape"], dtype=st["dtype"]) for st in states[2:]],
-                outputs=[dict(name="logits", shape=[-1, vocab], dtype="float32")] + [
-                    dict(name=st["output"], shape=st["shape"], dtype=st["dtype"]) for st in states],
-                states=states, io_shapes=io_shapes, trtexec=cmd)
-
-
-def _decode_artifacts(args, model, tmp, H, P, N, G, nmamba):
-    """model.onnx, the mamba2_decode PTX per tactic, config.json's content and the trtexec command."""
-    from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
-
-    act, state_dtype, cfg = DTYPES[args.dtype], DTYPES[args.state_dtype], model.config
-    step = NemotronHDecodeStep(model, args.buffer_len, args.max_seq_len, state_dtype,
-                               moe_formulation=args.moe_formulation)
-    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{OP_TYPE} nodes)")
-    export_onnx(step, tmp / "model.onnx")
-
-    kernels = []
-    for tactic in sorted(trt_plugin.TACTICS):
-        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_kernel(
-            H, P, N, G, args.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act], args.arch, t, args.sm_count),
-            f"tactic {tactic}")
-        log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
-        kernels.append(_kernel_entry(k, tactic))
-
-    log("[4/5] writing config.json and trtexec.sh")
-    sio = _step_io(step, args, tmp, cfg.vocab_size, f"{DOMAIN}::{OP_TYPE}")
-    config = dict(
-        format="trtllm-replayssm-decode-step/1",
-        model=model_entry(args, model),
-        max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
-        act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
-        inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"],
-        plugin=dict(
-            op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
-            dstate=N, ngroups=G, buffer_len=args.buffer_len, sm_count=args.sm_count, kernels=kernels,
-            inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
-            aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i]
-                             for o, i in trt_plugin.ALIASES.items()},
-        ),
-        plan=None,
-        trtexec=sio["trtexec"],
-    )
-    return config, [("model.onnx", "model.plan", sio["io_shapes"])]
-
-
-def _spec_artifacts(args, model, tmp, H, P, N, G, nmamba):
-    """verify.onnx + commit.onnx of a Nemotron-H / Nemotron 3 model (one mamba2_verify node per Mamba layer)."""
-    from builders.spec_step import VERIFY_OP_TYPE, NemotronHSpecStep
-
-    act, state_dtype = DTYPE_CODES[DTYPES[args.dtype]], DTYPES[args.state_dtype]
-    T, L = args.num_draft + 1, args.buffer_len
-    step = NemotronHSpecStep(model, L, args.max_seq_len, args.num_draft, state_dtype,
-                             moe_formulation=args.moe_formulation)
-    verify = dict(op_type=VERIFY_OP_TYPE, plugin=trt_plugin.VERIFY_PLUGIN_NAME, nodes=nmamba,
-                  attributes=dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=L, num_tokens=T),
-                  make=lambda t: trt_plugin.aot_verify_kernel(H, P, N, G, L, T, DTYPE_CODES[state_dtype], act,
-                                                              args.arch, t))
-    return _spec_graphs(args, step, tmp, verify, model_entry(args, model), model.config.vocab_size)
-
-
-def _spec_graphs(args, step, tmp, verify: dict, model: dict, vocab: int):
-    """The speculative engine directory of any verify step (``verify``: its plugin's op_type, name, node
-    count, attributes and PTX maker per tactic): verify.onnx + commit.onnx, the verify PTX per tactic and
-    the spec_commit PTX, config.json's content and the trtexec commands."""
-    from builders.decode_step import DOMAIN
-    from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit, export_onnx
-
-    T = step.num_tokens
-    VERIFY_OP_TYPE = verify["op_type"]
-    commit = NemotronHSpecCommit(step)
-    log(f"[2/5] exporting verify.onnx ({verify['nodes']} {DOMAIN}::{VERIFY_OP_TYPE} nodes, T = {T}) and commit.onnx "
-        f"(one {DOMAIN}::{COMMIT_OP_TYPE} node)")
-    export_onnx(step, tmp / "verify.onnx", tmp / "commit.onnx")
-
-    verify_kernels = []
-    for tactic in sorted(trt_plugin.TACTICS):
-        k = _write_ptx(tmp, lambda t=tactic: verify["make"](t), f"{VERIFY_OP_TYPE}, tactic {tactic}")
-        log(f"[3/5] plugin PTX {VERIFY_OP_TYPE}, tactic {tactic}: {k.spec.key} (NVRTC)")
-        verify_kernels.append(_kernel_entry(k, tactic))
-    k = _write_ptx(tmp, lambda: trt_plugin.aot_commit_kernel(T, args.buffer_len, args.arch), COMMIT_OP_TYPE)
-    log(f"[3/5] plugin PTX {COMMIT_OP_TYPE}: {k.spec.key} (NVRTC)")
-    commit_kernels = [_kernel_entry(k, trt_plugin.COMMIT_TACTICS[0])]
-
-    log("[4/5] writing config.json and trtexec.sh")
-    specs = step.state_specs()
-    windows = {s.name for s in commit.state_specs()}
-    states = [dict(name="cursor", shape=[-1, 2], dtype="int32", updated_by={"commit": "cursor_out"}),
-              dict(name="lengths", shape=[-1], dtype="int32", updated_by={"commit": "lengths_out"})]
-    for s in specs:
-        j = s.to_json()
-        upd = {"verify": j.pop("output")}
-        if s.name in windows:
-            upd["commit"] = s.output
-        states.append({**j, "updated_by": upd})
-    by_name = {s["name"]: s for s in states}
-    verify_io = [("input_ids", (-1, T), "int64"), ("lengths", (-1,), "int32"), ("cursor", (-1, 2), "int32")]
-    verify_io += [(s.name, s.shape, by_name[s.name]["dtype"]) for s in specs]
-    commit_io = [("n_accepted", (-1,), "int32"), ("cursor", (-1, 2), "int32"), ("lengths", (-1,), "int32")]
-    commit_io += [(n, tuple(by_name[n]["shape"]), by_name[n]["dtype"]) for n in commit.input_names()[3:]]
-    graphs = {}
-    cmds = []
-    for name, io, module, out_first in (
-            ("verify", verify_io, step, [dict(name="logits", shape=[-1, T, vocab], dtype="float32")]),
-            ("commit", commit_io, commit, [])):
-        shapes = [(n, tuple(sh)) for n, sh, _ in io]
-        cmd = trtexec_command(shapes, args.max_batch).replace("model.onnx", f"{name}.onnx").replace(
-            "model.plan", f"{name}.plan")
-        cmds.append(cmd)
-        outs = out_first + [dict(name=s["updated_by"][name], shape=s["shape"], dtype=s["dtype"]) for s in states
-                            if name in s["updated_by"]]
-        assert [o["name"] for o in outs] == module.output_names()
-        assert [n for n, _, _ in io] == module.input_names()
-        graphs[name] = dict(onnx=f"{name}.onnx", plan=None, inputs=[dict(name=n, shape=list(sh), dtype=d)
-                                                                    for n, sh, d in io],
-                            outputs=outs, trtexec=cmd)
-    plugins = [VERIFY_OP_TYPE, COMMIT_OP_TYPE]
-    (tmp / "trtexec.sh").write_text(
-        "#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=" and ".join(f"{DOMAIN}::{p}" for p in plugins))
-        + "set -e\n" + "\n".join(cmds) + "\n")
-    verify_manifest = trt_plugin.PLUGINS[verify["plugin"]].manifest()
-    commit_manifest = trt_plugin.PLUGINS[trt_plugin.COMMIT_PLUGIN_NAME].manifest()
-    config = dict(
-        format="trtllm-replayssm-spec-step/1",
-        model=model,
-        max_batch=args.max_batch, max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
-        num_draft=args.num_draft, num_tokens=T, conv_window=step.window,
-        act_dtype=args.dtype, state_dtype=args.state_dtype, arch=args.arch,
-        graphs=graphs,
-        states=states,
-        step=["verify", "sample n_accepted (batch,) int32 in 1..T from the logits", "commit"],
-        plugin=dict(domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, plugins=[
-            dict(verify_manifest, op_type=VERIFY_OP_TYPE, graph="verify", nodes=verify["nodes"],
-                 attributes=verify["attributes"], kernels=verify_kernels),
-            dict(commit_manifest, op_type=COMMIT_OP_TYPE, graph="commit", nodes=1,
-                 attributes=dict(num_tokens=T, buffer_len=args.buffer_len), kernels=commit_kernels)]),
-        trtexec=cmds,
-    )
-    return config, [(f"{n}.onnx", f"{n}.plan", [(i, tuple(sh)) for i, sh, _ in (verify_io if n == "verify" else commit_io)])
-                    for n in ("verify", "commit")]
-
-
-def build(args) -> pathlib.Path:
-    from builders.nemotron_h import has_moe, load_nemotron_h, mamba_layers
-
-    t0 = time.time()
-    act = DTYPES[args.dtype]
-    tiny = args.tiny or "nemotron_h"
-    source = f"model from {args.model}" if args.model else f"embedded tiny {tiny} (seed {args.seed})"
-    log(f"[1/5] loading {source}")
-    gdn = is_gdn(args)
-    if gdn:
-        model = load_gdn(args, act)
-        cfg = model.config
-        H, HV, K, V = check_gdn_geometry(cfg)
-        log(f"      {cfg.model_type}: {list(cfg.layer_types).count('linear_attention')} Gated DeltaNet layers, key "
-            f"heads={H} value heads={HV} key dim={K} value dim={V}")
-    else:
-        model = load_nemotron_h(args.model, dtype=act, seed=args.seed, tiny=tiny)
-        cfg = model.config
-        H, P, N, G = check_geometry(cfg, args.buffer_len)
-        nmamba = len(mamba_layers(model))
-        log(f"      {cfg.hybrid_override_pattern!r}: {nmamba} Mamba layers, nheads={H} headdim={P} dstate={N} "
-            f"ngroups={G}")
-    if not gdn and has_moe(cfg):
-        log(f"      {list(cfg.layers_block_type).count('moe')} MoE layers: {cfg.n_routed_experts} experts, top-"
-            f"{cfg.num_experts_per_tok}, as {args.moe_formulation} standard ONNX ops (builders/moe.py)")
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=args.out.parent, prefix=f".{args.out.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise survive the rename
-    try:
-        if gdn:
-            config, plans = (_gdn_spec_artifacts if args.num_draft else _gdn_decode_artifacts)(args, model, tmp)
-        else:
-            make = _spec_artifacts if args.num_draft else _decode_artifacts
-            config, plans = make(args, model, tmp, H, P, N, G, nmamba)
-        trt, why = tensorrt_status()
-        if trt is not None:
-            for onnx_name, plan_name, io_shapes in plans:
-                log(f"[5/5] building {plan_name} with TensorRT {trt.__version__}")
-                build_plan(trt, tmp / onnx_name, tmp / plan_name, io_shapes, args.max_batch)
-                if args.num_draft:
-                    config["graphs"][plan_name.split(".")[0]]["plan"] = plan_name
-                else:
-                    config["plan"] = plan_name
-        else:
-            names = " and ".join(p for _, p, _ in plans)
-            log(f"[5/5] {names} not built: {why}. TensorRT >= {MIN_TRT[0]}.{MIN_TRT[1]} with a GPU is needed "
-                "for the plan. Finish there by rerunning this script (it registers the plugins through "
-                "trtllm_replayssm.trt_plugin), or in --out, with the plugins registered, with:")
-            for cmd in ([config["trtexec"]] if isinstance(config["trtexec"], str) else config["trtexec"]):
-                print(cmd, flush=True)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-        if args.out.exists():  # --overwrite: swap, then drop the old directory
-            old = pathlib.Path(tempfile.mkdtemp(dir=args.out.parent, prefix=f".{args.out.name}.old-"))
-            os.replace(args.out, old / "x")
-            os.replace(tmp, args.out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, args.out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    log(f"done in {time.time() - t0:.1f} s: {args.out}")
-    return args.out
 
 
 def main(argv=None) -> int:
@@ -575,7 +85,7 @@ def main(argv=None) -> int:
     from builders.nemotron_h import CheckpointError
 
     try:
-        build(args)
+        build(BuildOptions(**vars(args)))
     except (BuildError, CheckpointError) as e:
         print(f"build_engine.py: error: {e}", file=sys.stderr)
         return 1

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Test-only helpers shared by several test modules (problems.py is shared with the benchmarks)."""
+"""Test-only helpers shared by several test modules (the decode problems, shared with the benchmarks, are
+trtllm_replayssm/problems.py)."""
 
 from __future__ import annotations
 

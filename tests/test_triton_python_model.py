@@ -23,11 +23,12 @@ import torch
 pytest.importorskip("transformers", reason="transformers is not installed")
 pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
 
+from builders import triton_repo as tr  # noqa: E402  (the repository writer)
 from trtllm_replayssm import triton_model as tm  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "scripts" / "make_triton_repo.py")
-mtr = importlib.util.module_from_spec(spec)
+mtr = importlib.util.module_from_spec(spec)  # its command line
 spec.loader.exec_module(mtr)
 
 TOL = 1e-4  # module docstring
@@ -95,7 +96,7 @@ class Clock:
 
 
 def make_args(tmp_path, tiny="nemotron_h", slots=4, idle_us=1_000_000, device="cpu"):
-    target = mtr.make_python_repo(tmp_path / "repo", "m", tiny=tiny, device=device, max_slots=slots,
+    target = tr.make_python_repo(tmp_path / "repo", "m", tiny=tiny, device=device, max_slots=slots,
                                   max_seq_len=MAX_SEQ, buffer_len=L, idle_us=idle_us)
     from google.protobuf import json_format, text_format
 
@@ -261,7 +262,7 @@ def test_sequence_table_bookkeeping():
 def test_python_repo_config_and_model_py(tmp_path):
     from google.protobuf import text_format
 
-    target = mtr.make_python_repo(tmp_path / "r", "nh", device="cpu", max_slots=3, max_seq_len=32, buffer_len=8,
+    target = tr.make_python_repo(tmp_path / "r", "nh", device="cpu", max_slots=3, max_seq_len=32, buffer_len=8,
                                   idle_us=2_000_000)
     mc = text_format.Parse((target / "config.pbtxt").read_text(), pb2.ModelConfig())
     assert mc.backend == "python" and mc.max_batch_size == 3 and not mc.sequence_batching.state  # no implicit state
@@ -273,13 +274,13 @@ def test_python_repo_config_and_model_py(tmp_path):
     p = {k: v.string_value for k, v in mc.parameters.items()}
     assert p["python_path"].split(":")[0] == str(ROOT) and p["tiny"] == "nemotron_h" and p["buffer_len"] == "8"
     compile((target / "1" / "model.py").read_text(), "model.py", "exec")
-    with pytest.raises(mtr.RepoError, match="already exists"):
-        mtr.make_python_repo(tmp_path / "r", "nh", device="cpu")
+    with pytest.raises(tr.RepoError, match="already exists"):
+        tr.make_python_repo(tmp_path / "r", "nh", device="cpu")
 
 
 def test_model_py_refuses_another_python(tmp_path):
     ns = {}
-    exec(compile(mtr.MODEL_PY, "model.py", "exec"), ns)
+    exec(compile(tr.MODEL_PY, "model.py", "exec"), ns)
     cfg = {"parameters": {"python_version": {"string_value": "2.7"}, "python_libdir": {"string_value": "/x/lib"}}}
     with pytest.raises(RuntimeError, match="built with Python 2.7.*LD_LIBRARY_PATH=/x/lib"):
         ns["_setup_path"](cfg)
@@ -295,8 +296,8 @@ def test_model_py_refuses_another_python(tmp_path):
     (dict(model_dir=pathlib.Path("/nonexistent")), "--model: expected a checkpoint directory"),
 ])
 def test_python_repo_rejects_bad_options(tmp_path, kw, match):
-    with pytest.raises(mtr.RepoError, match=match):
-        mtr.make_python_repo(tmp_path / "r", "nh", **{"device": "cpu", **kw})
+    with pytest.raises(tr.RepoError, match=match):
+        tr.make_python_repo(tmp_path / "r", "nh", **{"device": "cpu", **kw})
     assert not (tmp_path / "r" / "nh").exists()
 
 

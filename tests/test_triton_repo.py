@@ -15,9 +15,12 @@ import sys
 import pytest
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
+
+from builders import triton_repo as tr  # noqa: E402  (the writer)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "scripts" / "make_triton_repo.py")
-mtr = importlib.util.module_from_spec(spec)
+mtr = importlib.util.module_from_spec(spec)  # its command line
 spec.loader.exec_module(mtr)
 
 
@@ -33,7 +36,7 @@ def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as pb
 
-    target = mtr.make_repo(engine_dir, tmp_path / "repo", "nh")
+    target = tr.make_repo(engine_dir, tmp_path / "repo", "nh")
     cfg = json.loads((engine_dir / "config.json").read_text())
     mc = pb.ModelConfig()
     text_format.Parse((target / "config.pbtxt").read_text(), mc)
@@ -80,8 +83,8 @@ def test_bad_engine_description_is_rejected(engine_dir, mutate, match):
         pytest.skip("the tiny Qwen3-Next (GGG*) has no stateless layer 4")
     cfg = json.loads((engine_dir / "config.json").read_text())
     mutate(cfg)
-    with pytest.raises(mtr.RepoError, match=match):
-        mtr.model_config(cfg, "nh")
+    with pytest.raises(tr.RepoError, match=match):
+        tr.model_config(cfg, "nh")
 
 
 def test_cli_refuses_to_overwrite_and_reports(engine_dir, tmp_path):

@@ -23,7 +23,6 @@ the test's teeth: a slot mix-up or a stale state would fail).
 
 import importlib.util
 import os
-import pathlib
 import queue
 import signal
 import socket
@@ -42,10 +41,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 
 import numpy as np  # noqa: E402  (tritonclient's own dependency)
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "scripts" / "make_triton_repo.py")
-mtr = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(mtr)
+from builders import triton_repo as tr  # noqa: E402  (the writer behind scripts/make_triton_repo.py)
 
 STARTUP_S = 180  # three stubs import torch + transformers and build the tiny models (~7 s each here)
 RESPONSE_S = 60
@@ -69,15 +65,15 @@ def _free_ports(n):
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("triton")
     repo = tmp / "repo"
-    mtr.make_python_repo(repo, "nh", device="cpu", max_slots=SLOTS, max_seq_len=MAX_SEQ, buffer_len=L,
+    tr.make_python_repo(repo, "nh", device="cpu", max_slots=SLOTS, max_seq_len=MAX_SEQ, buffer_len=L,
                          idle_us=120_000_000, max_queue_delay_us=5000)  # 5 ms: rows of several sequences batch together
-    mtr.make_python_repo(repo, "nh_idle", device="cpu", max_slots=1, max_seq_len=MAX_SEQ, buffer_len=L,
+    tr.make_python_repo(repo, "nh_idle", device="cpu", max_slots=1, max_seq_len=MAX_SEQ, buffer_len=L,
                          idle_us=IDLE_S * 1_000_000)
-    mtr.make_python_repo(repo, "qwen", tiny="qwen3_next", device="cpu", max_slots=2, max_seq_len=MAX_SEQ,
+    tr.make_python_repo(repo, "qwen", tiny="qwen3_next", device="cpu", max_slots=2, max_seq_len=MAX_SEQ,
                          buffer_len=L, idle_us=120_000_000, max_queue_delay_us=5000)
-    backends = mtr.write_backend_dir(tmp / "backends")
+    backends = tr.write_backend_dir(tmp / "backends")
     grpc_port, http_port, metrics_port = _free_ports(3)
-    argv, env = mtr.serve_command(repo, backends, grpc_port, http_port, metrics_port)
+    argv, env = tr.serve_command(repo, backends, grpc_port, http_port, metrics_port)
     log = open(tmp / "tritonserver.log", "wb")
     proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     url = f"127.0.0.1:{grpc_port}"

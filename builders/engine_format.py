@@ -1,0 +1,189 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The engine-directory format: what :mod:`builders.engine` writes and :mod:`builders.triton_repo` reads.
+
+One directory per engine (``scripts/build_engine.py --out DIR``), in one of two formats, named with
+their version in ``config.json``'s ``format``:
+
+**Standard decode**, ``trtllm-replayssm-decode-step/1`` (:data:`DECODE_FORMAT`), one token per row and step:
+
+  model.onnx        the decode step, batch dimension dynamic (1..max_batch): one ``replayssm::mamba2_decode``
+                    node per Mamba-2 layer (Nemotron-H / Nemotron 3, builders/decode_step.py) or one
+                    ``replayssm::gdn_decode`` node per Gated DeltaNet layer (Qwen3-Next / Qwen3.5,
+                    builders/gdn_step.py)
+  <spec key>.ptx    the plugin kernel shared by all those layers, one per plugin tactic (large / small
+                    batch), the PTX and launch parameters ``trt_plugin``'s ``aot_impl`` hands TensorRT
+  config.json       below
+  trtexec.sh        the trtexec command that builds model.plan from model.onnx (plugins registered first)
+  model.plan        only where TensorRT >= 10.9 and a GPU were present at build time
+
+**Speculative**, ``trtllm-replayssm-spec-step/1`` (:data:`SPEC_FORMAT`), T = num_draft + 1 tokens per row
+and step, two graphs run once each per step with sampling in between (builders/spec_step.py):
+
+  verify.onnx       input_ids (batch, T), lengths, cursor (batch, 2), the states -> logits (batch, T, vocab)
+                    and the states; one ``replayssm::mamba2_verify`` (``replayssm::gdn_verify``) node per
+                    Mamba-2 (Gated DeltaNet) layer
+  commit.onnx       n_accepted, cursor, lengths, the conv windows -> cursor_out (one ``replayssm::spec_commit``
+                    node), lengths_out, the conv windows rolled back
+  <spec key>.ptx    the verify kernel per tactic and the spec_commit kernel
+  config.json       below
+  trtexec.sh        the commands for verify.plan and commit.plan
+  verify.plan, commit.plan   only where TensorRT >= 10.9 and a GPU were present
+
+config.json, both formats:
+
+  format            :data:`DECODE_FORMAT` or :data:`SPEC_FORMAT`
+  model             source (checkpoint directory or ``embedded-tiny-<name>``), seed (tiny only, else null),
+                    pattern (one letter per layer, :data:`LAYER_NAMES`), vocab_size, hidden_size,
+                    layer_types, attention_layers; Nemotron: mamba_layers, moe_layers and, with MoE layers,
+                    moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers
+  max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX)
+  states            every state tensor (below): name, shape (batch as -1), dtype (ONNX name: float32,
+                    bfloat16, float16, int32, int64) and, standard, ``output`` (its ``<name>_out``
+                    output) or, speculative, ``updated_by`` ({graph: output name})
+  trtexec           the command (standard) or the two commands (speculative) of trtexec.sh
+
+  standard only:    inputs (name, shape, dtype: input_ids (batch, 1) int64, lengths, cursor, then the
+                    per-layer states), outputs (logits (batch, vocab) float32, lengths_out, cursor_out,
+                    then every per-layer ``<name>_out``), plan (null or "model.plan"), plugin (op_type,
+                    domain, plugin_namespace, aot, nodes, the plugin attributes, kernels, inputs, outputs,
+                    aliased_outputs)
+  speculative only: num_draft, num_tokens (T), conv_window (the conv window width K - 1 + num_draft),
+                    graphs ({verify, commit}: onnx, plan, inputs, outputs, trtexec), step (the order:
+                    verify, sample, commit), plugin (domain, plugin_namespace, aot, plugins: per plugin
+                    its manifest plus op_type, graph, nodes, attributes, kernels)
+
+  kernels           per tactic: tactic, ptx (file name), spec (its key), kernel (entry name), grid, block,
+                    shared_mem, extra_int32_args (the launch TensorRT makes)
+
+State I/O. Shared by all layers: ``lengths`` (batch,) int32 (tokens in the K/V caches) and ``cursor``
+(batch,) int32 standard (ring fill, advanced by the step) or (batch, 2) int32 speculative (ring start,
+committed count; moved by the commit graph). Per layer i, by its pattern letter (:data:`LAYER_STATES`;
+shapes after the batch dimension, in the sizes of :class:`LayerState`):
+
+  M  Mamba-2          conv_state_i (conv_dim = nheads headdim + 2 ngroups dstate, conv_kernel) act,
+                      ssm_state_i (nheads, headdim, dstate) state dtype, x_cache_i (nheads, L, headdim) act,
+                      B_cache_i (ngroups, L, dstate) act, dt_cache_i (nheads, L) float32
+  G  Gated DeltaNet   conv_state_i (conv_dim = 2 H K + HV V, conv_kernel) act, gdn_state_i (HV, V, K) float32,
+                      gdn_u_i (HV, L, V) float32, gdn_v_i (HV, L, V) act, gdn_k_i (H, L, K) float32,
+                      gdn_g_i (HV, L) float32, gdn_beta_i (HV, L) float32
+  *  attention        k_cache_i, v_cache_i (kv_heads, max_seq_len, head_dim) act
+  E  MoE, - MLP       none (their weights are in the graph)
+
+Speculative engines name the conv state ``conv_window_i`` (width K - 1 + num_draft instead of K). Each
+state's output is ``<name>_out``, same shape and dtype (in place in TensorRT: aliased plugin outputs).
+The step modules build their state I/O from :data:`LAYER_STATES` (``state_specs()``), and
+:func:`check_layer_states` checks a config.json's states against it (the builder before writing, the
+Triton repository writer before reading).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FORMAT_VERSION = 1  # bump on any change a reader of an older directory would misread
+DECODE_FORMAT = f"trtllm-replayssm-decode-step/{FORMAT_VERSION}"
+SPEC_FORMAT = f"trtllm-replayssm-spec-step/{FORMAT_VERSION}"
+SPEC_FORMAT_PREFIX = "trtllm-replayssm-spec-step"  # any version: a speculative pair, whatever else it says
+
+SHARED_STATES = ("lengths", "cursor")
+
+
+class FormatError(ValueError):
+    """A config.json that does not follow this format."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerState:
+    """One per-layer state tensor: ``<prefix>_<layer>`` in, ``<prefix>_<layer>_out`` out.
+
+    ``dims``: its sizes after the batch dimension, by name (``nheads``, ``headdim``, ``dstate``,
+    ``ngroups``, ``buffer_len``, ``conv_dim``, ``conv_width``, ``kv_heads``, ``max_seq_len``,
+    ``head_dim``, ``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``), which the step resolves
+    from its model config. ``dtype``: ``act`` (the engine's activations), ``state`` (the checkpoint dtype,
+    --state-dtype) or a fixed ONNX dtype name."""
+
+    prefix: str
+    dims: tuple[str, ...]
+    dtype: str
+
+    def name(self, layer: int) -> str:
+        return f"{self.prefix}_{layer}"
+
+    def output(self, layer: int) -> str:
+        return f"{self.prefix}_{layer}_out"
+
+    def shape(self, sizes: dict) -> tuple:
+        """(-1, ...) with the batch as -1 and the other dimensions from ``sizes`` (name -> int)."""
+        return (-1, *(sizes[d] for d in self.dims))
+
+
+CONV_STATE = LayerState("conv_state", ("conv_dim", "conv_width"), "act")
+CONV_WINDOW = "conv_window"  # the speculative engines' name of the conv state (a wider window)
+MAMBA2_STATES = (
+    CONV_STATE,
+    LayerState("ssm_state", ("nheads", "headdim", "dstate"), "state"),
+    LayerState("x_cache", ("nheads", "buffer_len", "headdim"), "act"),
+    LayerState("B_cache", ("ngroups", "buffer_len", "dstate"), "act"),
+    LayerState("dt_cache", ("nheads", "buffer_len"), "float32"),  # processed dt
+)
+GDN_STATES = (  # trtllm_replayssm/gdn_reference.py's GDNBuffers, the checkpoint in vLLM's (HV, V, K) layout
+    CONV_STATE,
+    LayerState("gdn_state", ("num_v_heads", "value_dim", "key_dim"), "float32"),
+    LayerState("gdn_u", ("num_v_heads", "buffer_len", "value_dim"), "float32"),
+    LayerState("gdn_v", ("num_v_heads", "buffer_len", "value_dim"), "act"),
+    LayerState("gdn_k", ("num_k_heads", "buffer_len", "key_dim"), "float32"),
+    LayerState("gdn_g", ("num_v_heads", "buffer_len"), "float32"),
+    LayerState("gdn_beta", ("num_v_heads", "buffer_len"), "float32"),
+)
+ATTENTION_STATES = (
+    LayerState("k_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
+    LayerState("v_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
+)
+LAYER_STATES = {"M": MAMBA2_STATES, "*": ATTENTION_STATES, "E": (), "-": (), "G": GDN_STATES}  # by pattern letter
+LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "Gated DeltaNet"}
+
+
+def layer_states(letter: str, speculative: bool = False) -> tuple[LayerState, ...]:
+    """The state tensors of a layer with pattern letter ``letter``, in engine I/O order; ``speculative``:
+    the conv state is the verify graph's ``conv_window``."""
+    if letter not in LAYER_STATES:
+        raise FormatError(f"letter: expected one of {''.join(LAYER_STATES)}, got {letter!r}")
+    states = LAYER_STATES[letter]
+    if speculative:
+        states = tuple(dataclasses.replace(s, prefix=CONV_WINDOW) if s is CONV_STATE else s for s in states)
+    return states
+
+
+def is_speculative(cfg: dict) -> bool:
+    return str(cfg.get("format", "")).startswith(SPEC_FORMAT_PREFIX)
+
+
+def check_layer_states(cfg: dict) -> None:
+    """The states are exactly the shared ones plus those of each layer of ``model.pattern``."""
+    pattern = cfg.get("model", {}).get("pattern")
+    if not isinstance(pattern, str):
+        raise FormatError(f"config.json: model.pattern: expected the layer pattern string (e.g. 'MEM*EM*E'), "
+                          f"got {pattern!r}")
+    bad = [(i, c) for i, c in enumerate(pattern) if c not in LAYER_STATES]
+    if bad:
+        raise FormatError(f"config.json: model.pattern {pattern!r}: expected only {''.join(LAYER_STATES)}, got "
+                          f"{bad[0][1]!r} at layer {bad[0][0]}")
+    spec = is_speculative(cfg)
+    prefixes = {c: [s.prefix for s in layer_states(c, spec)] for c in LAYER_STATES}
+    names = [s["name"] for s in cfg["states"]]
+    have = set(names)
+    for i, c in enumerate(pattern):
+        missing = [f"{k}_{i}" for k in prefixes[c] if f"{k}_{i}" not in have]
+        if missing:
+            raise FormatError(f"layer {i} ({LAYER_NAMES[c]}, pattern {pattern!r}): states {missing} missing")
+    want = set(SHARED_STATES) | {f"{k}_{i}" for i, c in enumerate(pattern) for k in prefixes[c]}
+    for n in names:
+        if n not in want:
+            idx = n.rpartition("_")[2]
+            if idx.isdigit() and int(idx) < len(pattern):
+                c = pattern[int(idx)]
+                raise FormatError(f"state {n!r}: layer {idx} is a {LAYER_NAMES[c]} layer ({c!r} in pattern "
+                                  f"{pattern!r}), which has {'no states' if not prefixes[c] else prefixes[c]}")
+            raise FormatError(f"state {n!r}: expected {list(SHARED_STATES)} or a per-layer state of pattern {pattern!r}")
+    if len(names) != len(have):
+        raise FormatError(f"config.json: states: {sorted(n for n in have if names.count(n) > 1)} listed twice")

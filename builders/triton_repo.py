@@ -1,0 +1,376 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton Inference Server model repositories for ReplaySSM: the writer behind ``scripts/make_triton_repo.py``.
+
+Two routes, each a ``REPO/NAME/`` model directory whose ``config.pbtxt`` is built as Triton's own
+``ModelConfig`` protobuf (``tritonclient``'s ``model_config_pb2``), printed in text format and parsed back
+(:func:`config_text`), never templated as a string:
+
+* :func:`make_repo` (``platform: "tensorrt_plan"``): reads a standard engine directory (its config.json,
+  the format of :mod:`builders.engine_format`; the speculative pair is refused: one Triton sequence model
+  runs one engine per request step) and writes config.pbtxt (:func:`model_config`) and ``1/model.plan``
+  (a copy; ``1/MISSING_PLAN.txt`` where the plan was not built). ``sequence_batching`` with **implicit
+  state**: every state tensor of the engine is a ``state`` entry pairing the engine input with its
+  ``*_out`` output, zero-initialised at sequence start, in place (``use_same_buffer_for_input_output``,
+  matching the plugin's aliased outputs); a request carries one token (``input_ids``, shape [1]) and
+  returns ``logits``. The states must be exactly those of the format's table for ``model.pattern``
+  (``engine_format.check_layer_states``); anything else is refused before a file is written, naming the
+  layer and the state (:class:`RepoError`).
+* :func:`make_python_repo` (``backend: "python"``, no engine): config.pbtxt (:func:`python_model_config`)
+  and ``1/model.py`` (:data:`MODEL_PY`), whose instance owns a ``ReplayStateCache`` and the K/V rows of
+  ``max_candidate_sequences`` slots on its device and runs the decode step there
+  (``trtllm_replayssm/triton_model.py``). No implicit state: sequence_batching ``oldest`` with the
+  controls START, END, READY and CORRID maps each sequence to a slot; a request carries one token
+  (``input_ids`` [1], int64) and returns ``logits`` [vocab] (fp32) and ``slot`` [1] (int32). Everything the
+  model needs is a ``parameters`` entry: the checkpoint (``model_dir``, or ``tiny`` + ``seed``), dtype,
+  device, buffer_len, max_seq_len, and ``python_path`` / ``python_version`` / ``python_libdir``: the Python
+  backend stub embeds libpython with an isolated configuration that ignores PYTHONPATH, so model.py puts
+  this interpreter's project root and site-packages on ``sys.path`` itself (:func:`python_paths`) and
+  refuses another Python version.
+
+Serving the Python-backend repository with the tritonserver that the nvidia-pytriton wheel bundles:
+:func:`pytriton_server` finds its files, :func:`write_backend_dir` links its Python backend and stub,
+:func:`serve_command` gives the command line and environment.
+
+Importing this module needs neither torch nor TensorRT (the ``tensorrt_plan`` route reads JSON only);
+tritonclient is imported when a config is built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import shutil
+import site
+import sys
+import sysconfig
+import tempfile
+
+from .engine_format import FormatError, check_layer_states, is_speculative
+
+TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int32": "TYPE_INT32",
+                "int64": "TYPE_INT64"}
+REQUEST_INPUTS = ("input_ids",)  # what a client sends each step; every other input is implicit state
+
+
+class RepoError(ValueError):
+    """The repository cannot be written: the engine directory's config.json does not describe a decode-step engine
+    we can serve, an argument is out of range, the target exists, or a tool it needs is missing; the message names
+    the argument, key or state."""
+
+
+def _pb():
+    try:
+        from tritonclient.grpc import model_config_pb2
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise RepoError("tritonclient is needed for the model config protobuf: pip install 'tritonclient[grpc]'") from e
+    return model_config_pb2
+
+
+def _dims(entry: dict) -> list[int]:
+    shape = entry["shape"]
+    if not shape or shape[0] != -1:
+        raise RepoError(f"{entry['name']}: expected a leading batch dimension -1, got shape {shape}")
+    if any(d <= 0 for d in shape[1:]):
+        raise RepoError(f"{entry['name']}: expected static non-batch dimensions, got shape {shape}")
+    return list(shape[1:])
+
+
+def _dtype(entry: dict) -> str:
+    try:
+        return TRITON_TYPES[entry["dtype"]]
+    except KeyError:
+        raise RepoError(f"{entry['name']}: dtype {entry['dtype']!r} has no Triton type "
+                        f"(known: {sorted(TRITON_TYPES)})") from None
+
+
+def model_config(cfg: dict, name: str, max_queue_delay_us: int = 100, idle_us: int = 60_000_000):
+    """Triton ``ModelConfig`` for the standard decode-step engine whose config.json is ``cfg`` (builders/engine_format.py)."""
+    pb = _pb()
+    if is_speculative(cfg):
+        raise RepoError("config.json describes a speculative engine pair (verify.plan + commit.plan, sampling in "
+                        "between; scripts/build_engine.py --num-draft): one Triton sequence model cannot run it")
+    for key in ("max_batch", "inputs", "outputs", "states"):
+        if key not in cfg:
+            raise RepoError(f"config.json: missing {key!r} (was it written by scripts/build_engine.py?)")
+    try:
+        check_layer_states(cfg)
+    except FormatError as e:
+        raise RepoError(str(e)) from e
+    mc = pb.ModelConfig(name=name, platform="tensorrt_plan", max_batch_size=int(cfg["max_batch"]),
+                        default_model_filename="model.plan")
+    states = {s["name"]: s for s in cfg["states"]}
+    outputs = {o["name"]: o for o in cfg["outputs"]}
+    for entry in cfg["inputs"]:
+        if entry["name"] in states:
+            continue
+        if entry["name"] not in REQUEST_INPUTS:
+            raise RepoError(f"input {entry['name']!r} is neither a request input {REQUEST_INPUTS} nor a state")
+        mc.input.add(name=entry["name"], data_type=_dtype(entry), dims=_dims(entry))
+    state_outputs = {s["output"] for s in states.values()}
+    for entry in cfg["outputs"]:
+        if entry["name"] not in state_outputs:
+            mc.output.add(name=entry["name"], data_type=_dtype(entry), dims=_dims(entry))
+    sb = mc.sequence_batching
+    sb.max_sequence_idle_microseconds = idle_us
+    sb.oldest.max_candidate_sequences = int(cfg["max_batch"])
+    sb.oldest.max_queue_delay_microseconds = max_queue_delay_us
+    for s in states.values():
+        out = outputs.get(s["output"])
+        if out is None:
+            raise RepoError(f"state {s['name']!r}: its output {s['output']!r} is not an engine output")
+        if out["dtype"] != s["dtype"] or out["shape"] != s["shape"]:
+            raise RepoError(f"state {s['name']!r}: output {s['output']!r} has {out['dtype']} {out['shape']}, "
+                            f"expected {s['dtype']} {s['shape']}")
+        st = sb.state.add(input_name=s["name"], output_name=s["output"], data_type=_dtype(s), dims=_dims(s),
+                          use_same_buffer_for_input_output=True)
+        st.initial_state.add(name=f"{s['name']}_zero", data_type=_dtype(s), dims=_dims(s), zero_data=True)
+    mc.instance_group.add(kind=pb.ModelInstanceGroup.KIND_GPU, count=1)
+    return mc
+
+
+def config_text(mc) -> str:
+    """Text-format config, checked by parsing it back into a fresh ModelConfig."""
+    from google.protobuf import text_format
+
+    text = text_format.MessageToString(mc)
+    back = _pb().ModelConfig()
+    text_format.Parse(text, back)
+    if back != mc:  # pragma: no cover - protobuf round trip is exact
+        raise RepoError("config.pbtxt does not parse back to the same ModelConfig")
+    return text
+
+
+def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str) -> pathlib.Path:
+    cfg_path = engine_dir / "config.json"
+    if not cfg_path.is_file():
+        raise RepoError(f"--engine-dir: expected {cfg_path} (run scripts/build_engine.py first)")
+    cfg = json.loads(cfg_path.read_text())
+    text = config_text(model_config(cfg, name))
+    target = repo / name
+    if target.exists():
+        raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")
+    repo.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=repo, prefix=f".{name}."))
+    try:
+        (tmp / "config.pbtxt").write_text(text)
+        (tmp / "1").mkdir()
+        plan = engine_dir / "model.plan"
+        if plan.is_file():
+            shutil.copy2(plan, tmp / "1" / "model.plan")
+        else:
+            (tmp / "1" / "MISSING_PLAN.txt").write_text(
+                f"model.plan was not built in {engine_dir} (TensorRT >= 10.9 and a GPU are needed);\n"
+                f"build it there with scripts/build_engine.py and copy it here as 1/model.plan.\n")
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+# ---- Python backend: the model owns its state on its device ------------------------------------------------
+ROOT = pathlib.Path(__file__).resolve().parent.parent  # the project root: builders/ and trtllm_replayssm/ live there
+DTYPES = ("float32", "bfloat16", "float16")
+MODEL_PY = '''# SPDX-License-Identifier: Apache-2.0
+"""Triton Python-backend entry point, written by scripts/make_triton_repo.py --backend python.
+
+The backend stub embeds libpython with an isolated configuration, which ignores PYTHONPATH: the
+directories of the interpreter that built this repository (config.pbtxt, parameters['python_path']:
+the project root and its site-packages) go first on sys.path before anything else is imported, and
+another Python version is refused (its compiled packages would not load). The rest is
+trtllm_replayssm.triton_model.SequenceModel.
+"""
+
+import json
+import os
+import site
+import sys
+
+
+def _setup_path(cfg):
+    params = cfg.get("parameters", {})
+    want = params.get("python_version", {}).get("string_value", "")
+    have = "%d.%d" % sys.version_info[:2]
+    if want and want != have:
+        raise RuntimeError(
+            "this repository was built with Python %s, the backend stub embeds Python %s (%s): serve it with "
+            "the stub for %s and LD_LIBRARY_PATH=%s so that the stub loads that libpython "
+            "(scripts/make_triton_repo.py: serve_command)"
+            % (want, have, sys.version.split()[0], want, params.get("python_libdir", {}).get("string_value", "?")))
+    before = list(sys.path)
+    for d in params.get("python_path", {}).get("string_value", "").split(os.pathsep):
+        if d:
+            site.addsitedir(d)  # also runs its .pth files (editable installs)
+    added = [p for p in sys.path if p not in before]
+    sys.path[:] = added + [p for p in before if p not in added]
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        _setup_path(json.loads(args["model_config"]))
+        import triton_python_backend_utils as pb_utils
+
+        from trtllm_replayssm.triton_model import SequenceModel
+
+        self.impl = SequenceModel(pb_utils, args)
+
+    def execute(self, requests):
+        return self.impl.execute(requests)
+
+    def finalize(self):
+        self.impl.finalize()
+'''
+
+
+def _py_version() -> str:
+    return f"{sys.version_info[0]}.{sys.version_info[1]}"
+
+
+def python_paths() -> list[str]:
+    """Directories model.py puts on sys.path: the project root, then this interpreter's site-packages."""
+    dirs = [str(ROOT)] + list(site.getsitepackages())
+    user = site.getusersitepackages()
+    if site.ENABLE_USER_SITE and os.path.isdir(user):
+        dirs.append(user)
+    return list(dict.fromkeys(dirs))
+
+
+def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
+    from .nemotron_h import TINY_CONFIGS
+    from .qwen3_next import FAMILIES, MODEL_TYPES
+
+    if model_dir is None:
+        tinies = {**TINY_CONFIGS, **FAMILIES}
+        if tiny not in tinies:
+            raise RepoError(f"--tiny: expected one of {sorted(tinies)}, got {tiny!r}")
+        return int(tinies[tiny]["vocab_size"])
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise RepoError(f"--model: expected a checkpoint directory with config.json, got {model_dir}")
+    raw = json.loads(cfg_path.read_text())
+    kinds = ("nemotron_h",) + MODEL_TYPES
+    if raw.get("model_type") not in kinds:
+        raise RepoError(f"{cfg_path}: model_type: expected one of {kinds}, got {raw.get('model_type')!r}")
+    return int(raw["vocab_size"])
+
+
+def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, max_seq_len: int, buffer_len: int,
+                        idle_us: int, max_queue_delay_us: int, params: dict):
+    """Triton ``ModelConfig`` of the Python-backend sequence model (module docstring)."""
+    pb = _pb()
+    if device not in ("cpu", "cuda"):
+        raise RepoError(f"--device: expected cpu or cuda (auto is resolved before), got {device!r}")
+    for key, v, lo, hi in (("max-slots", max_slots, 1, 4096), ("max-seq-len", max_seq_len, 1, 1 << 20),
+                           ("buffer-len", buffer_len, 2, 32), ("idle-ms", idle_us // 1000, 1, 1 << 31)):
+        if not lo <= v <= hi:  # buffer_len >= 2: the ring folds one step before it fills (T = 1)
+            raise RepoError(f"--{key}: expected {lo}..{hi}, got {v}")
+    mc = pb.ModelConfig(name=name, backend="python", max_batch_size=max_slots)
+    mc.input.add(name="input_ids", data_type=pb.TYPE_INT64, dims=[1])
+    mc.output.add(name="logits", data_type=pb.TYPE_FP32, dims=[vocab])
+    mc.output.add(name="slot", data_type=pb.TYPE_INT32, dims=[1])
+    sb = mc.sequence_batching
+    sb.max_sequence_idle_microseconds = idle_us
+    sb.oldest.max_candidate_sequences = max_slots  # one cache slot per candidate sequence
+    sb.oldest.max_queue_delay_microseconds = max_queue_delay_us
+    C = pb.ModelSequenceBatching.Control
+    for ctl, kind in (("START", C.CONTROL_SEQUENCE_START), ("END", C.CONTROL_SEQUENCE_END),
+                      ("READY", C.CONTROL_SEQUENCE_READY)):
+        sb.control_input.add(name=ctl, control=[C(kind=kind, int32_false_true=[0, 1])])
+    sb.control_input.add(name="CORRID", control=[C(kind=C.CONTROL_SEQUENCE_CORRID, data_type=pb.TYPE_UINT64)])
+    kind = pb.ModelInstanceGroup.KIND_GPU if device == "cuda" else pb.ModelInstanceGroup.KIND_CPU
+    mc.instance_group.add(kind=kind, count=1)  # the state lives in this one instance
+    full = dict(params, device=device, buffer_len=buffer_len, max_seq_len=max_seq_len)
+    for k, v in full.items():
+        mc.parameters[k].string_value = str(v)
+    return mc
+
+
+def make_python_repo(repo: pathlib.Path, name: str, *, tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None,
+                     dtype: str = "float32", seed: int = 0, device: str = "auto", max_slots: int = 8,
+                     max_seq_len: int = 1024, buffer_len: int = 16, idle_us: int = 60_000_000,
+                     max_queue_delay_us: int = 100) -> pathlib.Path:
+    """Write REPO/NAME/{config.pbtxt, 1/model.py} of the Python-backend model; returns REPO/NAME."""
+    if dtype not in DTYPES:
+        raise RepoError(f"--dtype: expected one of {DTYPES}, got {dtype!r}")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    vocab = _vocab(tiny, model_dir)
+    params = dict(model_dir="" if model_dir is None else str(model_dir.resolve()), tiny="" if model_dir else tiny,
+                  seed=seed, dtype=dtype, python_path=os.pathsep.join(python_paths()),
+                  python_version=_py_version(), python_libdir=sysconfig.get_config_var("LIBDIR") or "")
+    text = config_text(python_model_config(name, vocab, device=device, max_slots=max_slots, max_seq_len=max_seq_len,
+                                           buffer_len=buffer_len, idle_us=idle_us,
+                                           max_queue_delay_us=max_queue_delay_us, params=params))
+    return _write_model(repo, name, {"config.pbtxt": text, "1/model.py": MODEL_PY})
+
+
+def _write_model(repo: pathlib.Path, name: str, files: dict) -> pathlib.Path:
+    target = repo / name
+    if target.exists():
+        raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")
+    repo.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=repo, prefix=f".{name}."))
+    try:
+        for rel, text in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(text)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+# ---- serving with the tritonserver of the nvidia-pytriton wheel ------------------------------------------------
+def pytriton_server() -> dict:
+    """Files of the tritonserver that nvidia-pytriton bundles (``pytriton/tritonserver``; the package
+    itself is never imported): the server binary, the Python backend and the backend stub built for
+    this interpreter's Python version. Raises RepoError naming what is missing."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RepoError("nvidia-pytriton is not installed (pip install 'nvidia-pytriton==0.7.0'; "
+                        "it bundles tritonserver with the Python backend)")
+    root = pathlib.Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
+    ver = _py_version()
+    files = dict(server=root / "bin" / "tritonserver", backend=root / "backends" / "python" / "libtriton_python.so",
+                 utils=root / "backends" / "python" / "triton_python_backend_utils.py",
+                 stub=root / "python_backend_stubs" / ver / "triton_python_backend_stub")
+    for key, path in files.items():
+        if not path.is_file():
+            raise RepoError(f"nvidia-pytriton: {key} {path} not found (no stub for Python {ver}?)")
+    return files
+
+
+def write_backend_dir(dest: pathlib.Path) -> pathlib.Path:
+    """``dest/python/`` with the Python backend and this Python's stub, as symlinks into the wheel (the
+    stub finds the wheel's libraries through its relative RPATH, which a copy would break). Returns dest."""
+    files = pytriton_server()
+    (dest / "python").mkdir(parents=True, exist_ok=True)
+    for key, name in (("backend", "libtriton_python.so"), ("utils", "triton_python_backend_utils.py"),
+                      ("stub", "triton_python_backend_stub")):
+        link = dest / "python" / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(files[key])
+    return dest
+
+
+def serve_command(repo: pathlib.Path, backend_dir: pathlib.Path, grpc_port: int = 8001, http_port: int = 8000,
+                  metrics_port: int = 8002, host: str = "127.0.0.1") -> tuple[list[str], dict]:
+    """(argv, environment additions) serving ``repo`` with the wheel's tritonserver on ``host``. The stub
+    links libpython3.X.so by name, so LD_LIBRARY_PATH leads with this interpreter's LIBDIR: otherwise
+    the dynamic linker may pick another libpython of the same version (e.g. the system's, whose
+    sys.path has none of this environment's packages)."""
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        raise RepoError(f"{sys.executable} was built without a shared libpython; the backend stub needs "
+                        f"libpython{sys.version_info[0]}.{sys.version_info[1]}.so of the interpreter that built the repository")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    ld = os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    argv = [str(pytriton_server()["server"]), f"--model-repository={repo}", f"--backend-directory={backend_dir}",
+            f"--grpc-address={host}", f"--grpc-port={grpc_port}", f"--http-address={host}", f"--http-port={http_port}",
+            f"--metrics-address={host}", f"--metrics-port={metrics_port}", "--exit-on-error=true"]
+    return argv, {"LD_LIBRARY_PATH": ld}
