@@ -144,18 +144,85 @@ def layer_state_specs(letter: str, layer: int, sizes: dict, dtypes: dict, specul
                       s.output(layer)) for s in layer_states(letter, speculative)]
 
 
+def rotate_rings(rings, start) -> list[torch.Tensor]:
+    """Standard buffers (slots, heads, L, ...) (entry j at index j) as rings starting at ``start`` (slots,):
+    entry j moves to index (start + j) % L, for every slot."""
+    return [torch.stack([torch.roll(t[b], int(start[b]), dims=1) for b in range(t.shape[0])]) for t in rings]
+
+
+def ring_cursor_and_windows(step, decoder, cache, start, conv_layers) -> tuple[torch.Tensor, dict]:
+    """The verify graph's cursor (batch, 2) and conv windows equivalent to a patched model (``decoder`` with
+    the step's buffer length and a (batch,) ``cursor`` = entries in its standard buffer, ``cache`` its
+    transformers cache): ring start ``start`` (int or (batch,)), count = the decoder's cursor; each conv
+    window (batch, conv_dim, W) holds the last K - 1 inputs of the cache's conv state (the last K inputs,
+    newest last) in its last K - 1 columns. Returns (cursor, {layer: window}); ``start`` as a (batch,) tensor
+    is ``cursor[:, 0]``."""
+    if decoder.buffer_len != step.buffer_len:
+        raise ValueError(f"decoder: buffer_len {decoder.buffer_len} differs from the step's {step.buffer_len}")
+    count = decoder.cursor.to(torch.int32)
+    batch = count.shape[0]
+    if int(count.max()) > step.buffer_len - step.num_tokens:
+        raise ValueError(f"decoder.cursor: a verify window needs count <= L - T = "
+                         f"{step.buffer_len - step.num_tokens}, got {count.tolist()}")
+    start = torch.as_tensor(start, dtype=torch.int32).expand(batch) % step.buffer_len
+    windows = {}
+    for i in conv_layers:
+        conv = cache.get_conv_state(i)
+        K = conv.shape[2]
+        window = conv.new_zeros((batch, conv.shape[1], step.window))
+        window[:, :, step.window - (K - 1):] = conv[:, :, 1:]
+        windows[i] = window
+    return torch.stack([start, count], dim=1), windows
+
+
 class StepIO:
-    """The engine I/O every decode step with explicit state shares (this module's and builders/gdn_step.py's):
-    names, zero states, the K/V of a transformers cache; subclasses give ``state_specs()`` and ``max_seq_len``."""
+    """The engine I/O and the forward every step with explicit state shares (Nemotron-H and Qwen3-Next /
+    Qwen3.5, standard decode and speculative verify): names, zero states, the states equivalent to a patched
+    model, the K/V of a transformers cache. Subclasses give ``state_specs()``, ``max_seq_len``, ``kinds``
+    (``"linear_attention"`` = an SSM layer), ``speculative``, ``num_tokens``, ``_layers`` and
+    ``_patched_ssm`` (a layer's checkpoint and standard buffers in the patched model)."""
 
     def input_names(self) -> list[str]:
         return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]
 
     def output_names(self) -> list[str]:
-        return ["logits", "lengths_out", "cursor_out"] + [s.output for s in self.state_specs()]
+        shared = ["logits"] if self.speculative else ["logits", "lengths_out", "cursor_out"]
+        return shared + [s.output for s in self.state_specs()]
 
     def empty_states(self, batch: int, device="cpu") -> list[torch.Tensor]:
         return [torch.zeros((batch, *s.shape[1:]), dtype=s.dtype, device=device) for s in self.state_specs()]
+
+    def forward(self, input_ids, lengths, cursor, *states):
+        """Standard decode: (logits (batch, vocab), lengths + 1, (cursor + 1) % L, states). Speculative verify:
+        (logits (batch, T, vocab), states); lengths and cursor are read only (the commit graph moves them)."""
+        if self.speculative and input_ids.shape[1] != self.num_tokens:
+            raise ValueError(f"input_ids: expected (batch, {self.num_tokens}) (1 + num_draft tokens), "
+                             f"got {tuple(input_ids.shape)}")
+        logits, new_states = self._layers(input_ids, lengths, cursor, states)
+        if self.speculative:
+            return (logits, *new_states)
+        return (logits[:, 0], lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
+
+    def states_from_patched(self, decoder, cache, lengths: int, start=0):
+        """State inputs equivalent to a patched model after prefill/decode (``decoder`` = the patched model's
+        ReplaySSM decoder with the same buffer length, ``cache`` its transformers cache holding ``lengths``
+        tokens for every row). Speculative steps return (cursor (batch, 2), states): the standard buffer
+        (entries 0..k-1) is the ring with count k, rotated to ring start ``start`` (int or (batch,); any
+        start is valid); standard steps return the states (the cursor is the decoder's)."""
+        ssm = [i for i, kind in enumerate(self.kinds) if kind == "linear_attention"]
+        if self.speculative:
+            cursor, conv = ring_cursor_and_windows(self, decoder, cache, start, ssm)
+        else:
+            cursor, conv = None, {i: cache.get_conv_state(i).clone() for i in ssm}
+        out = []
+        for i, kind in enumerate(self.kinds):
+            if kind == "full_attention":
+                out += self._kv_states(cache, i, lengths)
+            elif kind == "linear_attention":
+                state, rings = self._patched_ssm(decoder, i)
+                rings = rotate_rings(rings, cursor[:, 0]) if self.speculative else [t.clone() for t in rings]
+                out += [conv[i], state.clone(), *rings]
+        return out if cursor is None else (cursor, out)
 
     def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
         """Layer i's K and V from a transformers cache holding ``lengths`` tokens, padded to max_seq_len."""
@@ -217,18 +284,10 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
                 specs += layer_state_specs(letters[kind], i, sizes, dtypes, self.speculative)
         return specs
 
-    def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
-        """State inputs equivalent to a patched model after prefill/decode (``decoder`` = ReplaySSMDecoder,
-        ``cache`` = its transformers cache holding ``lengths`` tokens for every row)."""
-        out = []
-        for i, kind in enumerate(self.kinds):
-            if kind == "full_attention":
-                out += self._kv_states(cache, i, lengths)
-            elif kind == "linear_attention":
-                c = decoder.caches[i]
-                out += [cache.get_conv_state(i).clone(), c["state"].to(self.state_dtype).clone(),
-                        c["x_cache"].clone(), c["B_cache"].clone(), c["dt_cache"].clone()]
-        return out
+    def _patched_ssm(self, decoder, i: int):
+        """Mamba layer i of a patched model (ReplaySSMDecoder): (checkpoint, standard buffers x, B, dt)."""
+        c = decoder.caches[i]
+        return c["state"].to(self.state_dtype), (c["x_cache"], c["B_cache"], c["dt_cache"])
 
     # ---- the layers, on (batch, T, D) -----------------------------------------------------------------
     def _attention(self, layer, h, k_cache, v_cache, lengths):
@@ -258,10 +317,6 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         y, *caches = Mamba2Decode.apply(x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, sbi, cursor, *caches, sizes,
                                         self.backend)
         return (y[:, None], *caches)
-
-    def forward(self, input_ids, lengths, cursor, *states):
-        logits, new_states = self._layers(input_ids, lengths, cursor, states)
-        return (logits[:, 0], lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
 
     def _layers(self, input_ids, lengths, cursor, states):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""

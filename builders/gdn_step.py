@@ -61,7 +61,7 @@ from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
     window_conv,
 )
 from .qwen3_next import gdn_layers, reference_backend
-from .spec_step import _check_window, ring_cursor_and_windows, rotate_rings
+from .spec_step import _check_window
 
 GDN_OP_TYPE = "gdn_decode"
 GDN_VERIFY_OP_TYPE = "gdn_verify"
@@ -182,18 +182,10 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
                                        self.speculative)
         return specs
 
-    def states_from_patched(self, decoder, cache, lengths: int) -> list[torch.Tensor]:
-        """State inputs equivalent to a patched model (``decoder`` = GDNReplayDecoder, ``cache`` its transformers
-        cache holding ``lengths`` tokens for every row)."""
-        out = []
-        for i, kind in enumerate(self.kinds):
-            if kind == "full_attention":
-                out += self._kv_states(cache, i, lengths)
-            else:
-                b = decoder.bufs[i]
-                out += [cache.get_conv_state(i).clone()] + [t.clone() for t in (b.state, b.u_cache, b.v_cache,
-                                                                                 b.k_cache, b.g_cache, b.beta_cache)]
-        return out
+    def _patched_ssm(self, decoder, i: int):
+        """GDN layer i of a patched model (GDNReplayDecoder): (checkpoint, standard buffers u, v, k, g, beta)."""
+        b = decoder.bufs[i]
+        return b.state, (b.u_cache, b.v_cache, b.k_cache, b.g_cache, b.beta_cache)
 
     # ---- the layers, on (batch, T, D) -----------------------------------------------------------------
     def _attention(self, layer, h, k_cache, v_cache, lengths, cos_sin):
@@ -268,10 +260,6 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
                 h = h + mlp(hn)
         return self.model.lm_head(m.norm(h)).float(), new_states
 
-    def forward(self, input_ids, lengths, cursor, *states):
-        logits, new_states = self._layers(input_ids, lengths, cursor, states)
-        return (logits[:, 0], lengths + 1, torch.remainder(cursor + 1, self.buffer_len).to(torch.int32), *new_states)
-
 
 class QwenGDNSpecStep(QwenGDNDecodeStep):
     """Verify graph of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model (module docstring);
@@ -285,33 +273,7 @@ class QwenGDNSpecStep(QwenGDNDecodeStep):
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.linear_conv_kernel_dim - 1 + num_draft
 
-    def output_names(self) -> list[str]:
-        return ["logits"] + [s.output for s in self.state_specs()]
-
     def _gdn_op(self, q, k, v, a, b, A_log, dt_bias, sbi, cursor, st):
         H, HV, Kd, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
         return GDNVerify.apply(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *st,
                                (H, HV, Kd, V, self.buffer_len, self.num_tokens), self.backend)
-
-    def states_from_patched(self, decoder, cache, lengths: int, start=0) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(cursor (batch, 2), state inputs) equivalent to a patched model (``decoder`` = GDNReplayDecoder with
-        the same buffer length, ``cache`` its transformers cache holding ``lengths`` tokens per row). The
-        standard buffer (entries 0..k-1) is the ring with count k, rotated to ring start ``start``."""
-        gdn = [i for i, kind in enumerate(self.kinds) if kind != "full_attention"]
-        cursor, windows = ring_cursor_and_windows(self, decoder, cache, start, gdn)
-        out = []
-        for i, kind in enumerate(self.kinds):
-            if kind == "full_attention":
-                out += self._kv_states(cache, i, lengths)
-            else:
-                b = decoder.bufs[i]
-                out += [windows[i], b.state.clone(),
-                        *rotate_rings((b.u_cache, b.v_cache, b.k_cache, b.g_cache, b.beta_cache), cursor[:, 0])]
-        return cursor, out
-
-    def forward(self, input_ids, lengths, cursor, *states):
-        if input_ids.shape[1] != self.num_tokens:
-            raise ValueError(f"input_ids: expected (batch, {self.num_tokens}) (1 + num_draft tokens), "
-                             f"got {tuple(input_ids.shape)}")
-        logits, new_states = self._layers(input_ids, lengths, cursor, states)
-        return (logits, *new_states)

@@ -56,7 +56,7 @@ import torch
 
 from trtllm_replayssm import spec_reference as sr
 
-from .decode_step import DOMAIN, NemotronHDecodeStep, StateSpec, export_graph, window_attention, window_conv  # noqa: F401
+from .decode_step import DOMAIN, NemotronHDecodeStep, StateSpec, export_graph
 
 VERIFY_OP_TYPE = "mamba2_verify"
 COMMIT_OP_TYPE = "spec_commit"
@@ -136,37 +136,6 @@ class SpecCommit(torch.autograd.Function):
 
 # ---- window pieces shared by the verify steps (Nemotron-H here, Qwen3-Next / Qwen3.5 in gdn_step; the
 # T-general conv and attention, window_conv and window_attention, live in decode_step) --------------------
-def rotate_rings(rings, start) -> list[torch.Tensor]:
-    """Standard buffers (slots, heads, L, ...) (entry j at index j) as rings starting at ``start`` (slots,):
-    entry j moves to index (start + j) % L, for every slot."""
-    return [torch.stack([torch.roll(t[b], int(start[b]), dims=1) for b in range(t.shape[0])]) for t in rings]
-
-
-def ring_cursor_and_windows(step, decoder, cache, start, conv_layers) -> tuple[torch.Tensor, dict]:
-    """The verify graph's cursor (batch, 2) and conv windows equivalent to a patched model (``decoder`` with
-    the step's buffer length and a (batch,) ``cursor`` = entries in its standard buffer, ``cache`` its
-    transformers cache): ring start ``start`` (int or (batch,)), count = the decoder's cursor; each conv
-    window (batch, conv_dim, W) holds the last K - 1 inputs of the cache's conv state (the last K inputs,
-    newest last) in its last K - 1 columns. Returns (cursor, {layer: window}); ``start`` as a (batch,) tensor
-    is ``cursor[:, 0]``."""
-    if decoder.buffer_len != step.buffer_len:
-        raise ValueError(f"decoder: buffer_len {decoder.buffer_len} differs from the step's {step.buffer_len}")
-    count = decoder.cursor.to(torch.int32)
-    batch = count.shape[0]
-    if int(count.max()) > step.buffer_len - step.num_tokens:
-        raise ValueError(f"decoder.cursor: a verify window needs count <= L - T = "
-                         f"{step.buffer_len - step.num_tokens}, got {count.tolist()}")
-    start = torch.as_tensor(start, dtype=torch.int32).expand(batch) % step.buffer_len
-    windows = {}
-    for i in conv_layers:
-        conv = cache.get_conv_state(i)
-        K = conv.shape[2]
-        window = conv.new_zeros((batch, conv.shape[1], step.window))
-        window[:, :, step.window - (K - 1):] = conv[:, :, 1:]
-        windows[i] = window
-    return torch.stack([start, count], dim=1), windows
-
-
 def _check_window(num_draft: int, buffer_len: int) -> int:
     T = num_draft + 1
     if num_draft < 1:
@@ -191,37 +160,10 @@ class NemotronHSpecStep(NemotronHDecodeStep):
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.conv_kernel - 1 + num_draft
 
-    def output_names(self) -> list[str]:
-        return ["logits"] + [s.output for s in self.state_specs()]
-
-    def states_from_patched(self, decoder, cache, lengths: int, start=0) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(cursor, state inputs) equivalent to a patched model after prefill/decode (``decoder`` =
-        ReplaySSMDecoder with the same buffer length, ``cache`` its transformers cache holding ``lengths``
-        tokens per row). The standard buffer (entries 0..k-1) is the ring with count k; ``start`` (int or
-        (batch,) tensor) rotates it to ring start ``start`` (any start is valid)."""
-        mamba = [i for i, kind in enumerate(self.kinds) if kind == "linear_attention"]
-        cursor, windows = ring_cursor_and_windows(self, decoder, cache, start, mamba)
-        out = []
-        for i, kind in enumerate(self.kinds):
-            if kind == "full_attention":
-                out += self._kv_states(cache, i, lengths)
-            elif kind == "linear_attention":
-                c = decoder.caches[i]
-                rings = rotate_rings((c["x_cache"], c["B_cache"], c["dt_cache"]), cursor[:, 0])
-                out += [windows[i], c["state"].to(self.state_dtype).clone(), *rings]
-        return cursor, out
-
     def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches, sizes):
         """One ``mamba2_verify`` node on the window's T tokens: (y (batch, T, H, P), the four caches)."""
         return Mamba2Verify.apply(x, B, C, dt, dt_bias, A, D, sbi, cursor, *caches, (*sizes, self.num_tokens),
                                   self.backend)
-
-    def forward(self, input_ids, lengths, cursor, *states):
-        if input_ids.shape[1] != self.num_tokens:
-            raise ValueError(f"input_ids: expected (batch, {self.num_tokens}) (1 + num_draft tokens), "
-                             f"got {tuple(input_ids.shape)}")
-        logits, new_states = self._layers(input_ids, lengths, cursor, states)
-        return (logits, *new_states)
 
 
 # ---- commit -------------------------------------------------------------------------------------------
