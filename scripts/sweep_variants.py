@@ -4,7 +4,7 @@
 main geometry, at k = 1, 2, L/2, L-1 and the flush, in one process (bench_kernels.py's harness).
 
 Each variant is the shipped definitions (config.DEFAULT_DEFINES) plus its own; the first row is the
-shipped kernel. Usage: python scripts/sweep_variants.py --variants "CURSOR_FIRST=1;STAGED=1,CURSOR_FIRST=1"
+shipped kernel. Usage: python scripts/sweep_variants.py --variants "STAGED=1;STAGED=1,MIN_BLOCKS=6,FLUSH_ROWS=2"
        [--shadow bf16] [--geometries "64x8;32x4"] (rows x warps, pinned with override_geometry)
        [--all-k] (every buffer position instead of five: a per-k staircase shows up)
 """

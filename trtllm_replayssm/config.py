@@ -177,8 +177,8 @@ class KernelSpec:
 
     def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
-        flag = "CONV_PERSISTENT" if kernel == "replayssm_conventional" else "PERSISTENT"
-        if dict(self.defines).get(flag, 0) >= 1:  # persistent blocks walk the items; batch is a kernel arg
+        # Persistent replay blocks walk the items (batch is a kernel arg); the conventional kernel is one-shot.
+        if self.persistent and kernel != "replayssm_conventional":
             return (max(1, min(batch * items_per_row, sm_count * self.blocks_per_sm)), 1, 1)
         return (items_per_row, batch, 1)
 
@@ -300,13 +300,12 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
     The persistent pipelined replay kernel copies each item's B tile next to its state rows; it
     is used where the state rows outweigh the B tile at least 4:1 (else the tile traffic and the
     small items it forces cost more than the pipeline saves: measured, bench/NOTES.md v4) and
-    where two stages fit in static shared memory. The conventional kernel runs one-shot unless
-    CONV_PERSISTENT is asked for; so does the replay kernel with a shadow (measured: bs256 2.03x vs
-    1.98x persistent, bench/NOTES.md "Shadow reads"). ``PERSISTENT=2`` forces the persistent kernel
-    wherever two stages fit (tests and sweeps).
+    where two stages fit in static shared memory. The conventional kernel runs one-shot; so does the
+    replay kernel with a shadow (measured: bs256 2.03x vs 1.98x persistent, bench/NOTES.md "Shadow
+    reads"). ``PERSISTENT=2`` forces the persistent kernel wherever two stages fit (tests and sweeps).
     """
-    flag = "CONV_PERSISTENT" if conventional else "PERSISTENT"
-    forced = dict(defines).get(flag, 0) == 2  # PERSISTENT=2: persistent wherever it fits (tests, sweeps)
+    flag = "PERSISTENT"
+    forced = not conventional and dict(defines).get(flag, 0) == 2  # PERSISTENT=2: wherever it fits (tests, sweeps)
     if conventional or (shadow != "none" and not forced):  # with a shadow one-shot measured as fast or faster
         defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
         if not conventional and "STAGED" not in dict(defines):  # ... and staged faster still
@@ -315,7 +314,7 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
     if dict(defines).get(flag, 0) >= 1:
         try:
             rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True, shadow)
-            if conventional or forced or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
+            if forced or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
                 return rows, warps, defines
         except ValueError:  # two stages do not fit
             pass
