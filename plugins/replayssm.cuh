@@ -8,6 +8,10 @@
 //   kHasZ                          whether the output is gated by silu(z)
 //   shadow_t, RSSM_SHADOW          low-precision shadow of the checkpoint: 0 none (shadow_t =
 //                                  state_t, unused), 1 bf16, 2 fp8-e4m3 with one fp32 scale per row
+// and, from the spec's config.Variant, only those that are not at their defaults:
+//   RSSM_PERSISTENT or RSSM_STAGED the decode kernel (kind; neither: one-shot)
+//   RSSM_MIN_BLOCKS                resident blocks per SM of __launch_bounds__ (min_blocks)
+//   RSSM_FLUSH_ROWS                rows of a thread the flush folds at a time (flush_rows)
 //
 // Math (docs/DESIGN.md §1). Per (slot, head): checkpoint S0 (P x N), buffer entries j = 1..k (k = now),
 // c_j = A * sum_{i<=j} dt_i, w_j = dt_j * exp(c_k - c_j):
