@@ -8,6 +8,10 @@
 //   kHasZ                          whether the output is gated by silu(z)
 //   shadow_t, RSSM_SHADOW          low-precision shadow of the checkpoint: 0 none (shadow_t =
 //                                  state_t, unused), 1 bf16, 2 fp8-e4m3 with one fp32 scale per row
+// and, from the spec's config.Variant, only those that are not at their defaults:
+//   RSSM_PERSISTENT or RSSM_STAGED the decode kernel (kind; neither: one-shot)
+//   RSSM_MIN_BLOCKS                resident blocks per SM of __launch_bounds__ (min_blocks)
+//   RSSM_FLUSH_ROWS                rows of a thread the flush folds at a time (flush_rows)
 //
 // Math (docs/DESIGN.md §1). Per (slot, head): checkpoint S0 (P x N), buffer entries j = 1..k (k = now),
 // c_j = A * sum_{i<=j} dt_i, w_j = dt_j * exp(c_k - c_j):
@@ -18,14 +22,8 @@
 // kVPL 16-byte vectors of the state, so a warp load covers whole contiguous rows. The state loads
 // are issued first; the buffer part (dt scan, B.C dots, x tile) runs while they are in flight.
 #pragma once
-#ifndef RSSM_CURSOR_FIRST
-#define RSSM_CURSOR_FIRST 0
-#endif
 #ifndef RSSM_PERSISTENT
 #define RSSM_PERSISTENT 0
-#endif
-#ifndef RSSM_CONV_PERSISTENT
-#define RSSM_CONV_PERSISTENT 0
 #endif
 #ifndef RSSM_SHADOW
 #define RSSM_SHADOW 0
@@ -448,9 +446,9 @@ constexpr int kMinBlocks = RSSM_MIN_BLOCKS < kMaxMinBlocks ? RSSM_MIN_BLOCKS : k
 #else
 constexpr int kMinBlocks = kThreads >= 256 ? 1024 / kThreads : 1;
 #endif
-// The one-shot conventional kernel is left to the compiler (64 registers, no spills, ~91% of the
-// copy ceiling); its persistent variant runs under the same cap as the replay kernel.
-constexpr int kConvMinBlocks = RSSM_CONV_PERSISTENT ? kMinBlocks : 1;
+// The conventional kernel (one-shot) is left to the compiler (64 registers, no spills, ~91% of the
+// copy ceiling).
+constexpr int kConvMinBlocks = 1;
 constexpr int kStateVecs = kRows * kN * (int)sizeof(state_t) / 16;
 constexpr int kShadowVecs = kRows * kN * (int)sizeof(shadow_t) / 16;
 constexpr int kScaleVecs = kShadow == 2 ? kRows / 4 : 0;  // fp8 row scales, after the shadow rows
@@ -616,7 +614,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
   // With a shadow the cursor decides which copy of the checkpoint to read, so it comes first.
-  constexpr bool kCursorFirst = RSSM_CURSOR_FIRST || kShadow != 0;
+  constexpr bool kCursorFirst = kShadow != 0;
   int pos = kCursorFirst ? cursor_at(a.cursor, c.b, slot) : 0;
   // 0. The checkpoint rows (the bulk of the bytes) go first, straight to shared memory.
   const size_t sbase = state_off(slot, c.h, c.row0);
@@ -1070,106 +1068,6 @@ __device__ __forceinline__ void conventional_step(const ConvArgs& a) {
   float val = sdot + D * xm;
   if constexpr (kHasZ) val *= silu(zv);
   a.y[xo + l] = from_f<act_t>(val);
-}
-
-// Conventional step with the same persistent two-stage pipeline (so the baseline is tuned as hard).
-struct alignas(16) ConvStage {
-  float4 S[kStateVecs];
-  act_t x[kRows];
-  act_t B[kN];
-  act_t C[kN];
-};
-constexpr int kConvXBytes = kRows * sizeof(act_t);
-constexpr int kConvXV = kConvXBytes % 16 == 0 ? 16 : kConvXBytes % 8 == 0 ? 8 : 4;
-static_assert(kConvXBytes % 4 == 0, "x rows of a block must be a multiple of 4 bytes");
-
-__device__ __forceinline__ void conv_issue(ConvStage& sg, const ConvArgs& a, const Item& it, int slot) {
-  const int t = threadIdx.x;
-  const float4* src = reinterpret_cast<const float4*>(a.state_in + (((size_t)slot * kH + it.h) * kP + it.row0) * kN);
-#pragma unroll
-  for (int u = 0; u < (kStateVecs + kThreads - 1) / kThreads; ++u) {
-    const int i = t + u * kThreads;
-    if (kStateVecs % kThreads == 0 || i < kStateVecs) cp_async<16>(&sg.S[i], src + i);
-  }
-  const char* xs = reinterpret_cast<const char*>(a.x + ((size_t)it.b * kH + it.h) * kP + it.row0);
-  for (int o = t * kConvXV; o < kConvXBytes; o += kThreads * kConvXV)
-    cp_async<kConvXV>(reinterpret_cast<char*>(sg.x) + o, xs + o);
-  const act_t* Bg = a.B + ((size_t)it.b * kG + it.g) * kN;
-  const act_t* Cg = a.C + ((size_t)it.b * kG + it.g) * kN;
-  for (int n = t * kBV; n < kN; n += kThreads * kBV) {
-    cp_async<16>(&sg.B[n], Bg + n);
-    cp_async<16>(&sg.C[n], Cg + n);
-  }
-}
-
-__device__ __forceinline__ void conv_compute(const ConvStage& sg, const ConvArgs& a, const Item& it, int slot,
-                                             const ItemScalars& sc) {
-  const int rb = row_base(), l = threadIdx.x % kLPR;
-  const float dt = softplus(sc.dt_raw + sc.dt_bias);
-  const float decay = expf(sc.A * dt);
-  const state_t* Ss = reinterpret_cast<const state_t*>(sg.S);
-  ColRegs bb, cc;
-#pragma unroll
-  for (int v = 0; v < kVPL; ++v) {
-    load_f<act_t, kEPV>(&sg.B[my_col(v)], bb.c[v]);
-    load_f<act_t, kEPV>(&sg.C[my_col(v)], cc.c[v]);
-  }
-  StateRegs st;
-#pragma unroll
-  for (int r = 0; r < kRT; ++r) {
-    const float xd = dt * to_f(sg.x[rb + r]);
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v) {
-      load_f<state_t, kEPV>(Ss + (rb + r) * kN + my_col(v), st.s[r][v]);
-#pragma unroll
-      for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = fmaf(decay, st.s[r][v][e], xd * bb.c[v][e]);
-    }
-  }
-  store_state(st, a.state_out + (((size_t)slot * kH + it.h) * kP + it.row0) * kN);
-  const float sdot = state_dot_mine(st, cc);
-  if (l < kRT) {
-    float val = sdot + sc.D * to_f(sg.x[rb + l]);
-    if constexpr (kHasZ) val *= silu(sc.z);
-    a.y[((size_t)it.b * kH + it.h) * kP + it.row0 + rb + l] = from_f<act_t>(val);
-  }
-}
-
-__device__ __forceinline__ void conventional_persistent(const ConvArgs& a) {
-  __shared__ ConvStage st[2];
-  const int G = gridDim.x, nitems = a.batch * kItemsPerRow;
-  int i = blockIdx.x;
-  if (i >= nitems) return;
-  ReplayArgs ra{};  // load_scalars reads only the per-step inputs, which both kernels share
-  ra.dt = a.dt; ra.dt_bias = a.dt_bias; ra.A = a.A; ra.D = a.D; ra.z = a.z;
-  auto slot_of = [&](int item) {
-    const int s = item < nitems ? a.sbi[item / kItemsPerRow] : -1;
-    return (s >= 0 && s < a.nslots) ? s : -1;
-  };
-  int slot0 = slot_of(i), slot1 = slot_of(i + G);
-  Item it0 = item_coords(i);
-  ItemScalars sc0 = load_scalars(ra, it0);
-  if (slot0 >= 0) conv_issue(st[0], a, it0, slot0);
-  cp_async_commit();
-  for (int n = 0; i < nitems; ++n, i += G) {
-    const int s = n & 1, inext = i + G;
-    Item it1 = item_coords(inext < nitems ? inext : i);
-    ItemScalars sc1 = sc0;
-    if (inext < nitems) {
-      sc1 = load_scalars(ra, it1);
-      if (slot1 >= 0) conv_issue(st[s ^ 1], a, it1, slot1);
-    }
-    cp_async_commit();
-    const int slot2 = slot_of(i + 2 * G);
-    cp_async_wait<1>();
-    __syncthreads();
-    if (slot0 >= 0) conv_compute(st[s], a, it0, slot0, sc0);
-    __syncthreads();
-    it0 = it1;
-    sc0 = sc1;
-    slot0 = slot1;
-    slot1 = slot2;
-  }
-  cp_async_wait<0>();
 }
 
 }  // namespace rssm

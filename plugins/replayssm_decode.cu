@@ -37,11 +37,7 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kConvMinBlock
     const state_t* state_in, int batch, int nslots, act_t* __restrict__ y, state_t* state_out) {
   rssm::ConvArgs a{x, B, C, dt, dt_bias, A, D, RSSM_Z_ARG, sbi, state_in, batch, nslots, y,
                    state_out};
-#if RSSM_CONV_PERSISTENT
-  rssm::conventional_persistent(a);
-#else
   rssm::conventional_step(a);
-#endif
 }
 
 // Advance every valid row's cursor by one entry, wrapping at the buffer length (a flush empties

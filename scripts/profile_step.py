@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--k", type=int, default=1, help="buffer position of the step (L = flush)")
     ap.add_argument("--shadow", default="none", choices=("none", "bf16", "fp8"))
     ap.add_argument("--conventional", action="store_true")
-    ap.add_argument("--defines", default="", help='e.g. "PERSISTENT=1,MIN_BLOCKS=5" (default: the shipped plan)')
+    ap.add_argument("--variant", default="", help='e.g. "kind=persistent,min_blocks=5" (default: the shipped plan)')
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args()
     H, P, N, G = GEOMETRIES[args.geom]
@@ -47,8 +47,8 @@ def main():
     if args.shadow != "none":
         sh = state.to(config.SHADOW_DTYPES[args.shadow])
         sc = torch.ones(b, H, P, device="cuda") if args.shadow == "fp8" else None
-    defines = tuple((k, int(v)) for k, v in (p.split("=") for p in args.defines.split(",") if p)) or None
-    with config.override_defines(defines) if defines else config.override_defines(config.current_defines()):
+    variant = config.parse_variant(args.variant, "--variant") if args.variant else config.current_variant()
+    with config.override_variant(variant):
         for _ in range(args.launches):
             if args.conventional:
                 ops.conventional_step(x, B, C, dt, prm.dt_bias, prm.A, prm.D, state, sbi)

@@ -13,12 +13,13 @@ import pytest
 
 from trtllm_replayssm import compile as cc
 from trtllm_replayssm.config import (
-    DEFAULT_DEFINES,
+    DEFAULT_VARIANT,
     SHADOW_STAGED_BLOCKS,
     SUPPORTED_BUFFER_LEN,
     SUPPORTED_DSTATE,
     SUPPORTED_HEADDIM,
     KernelSpec,
+    Variant,
     choose_geometry,
     replay_smem_bytes,
 )
@@ -43,7 +44,7 @@ EDGES = [
 
 
 PERSISTENT = [
-    KernelSpec(s, "bf16", H, P, N, 8, L, *choose_geometry(s, P, N, H, batch, "bf16", L, True), False, arch, DEFAULT_DEFINES)
+    KernelSpec(s, "bf16", H, P, N, 8, L, *choose_geometry(s, P, N, H, batch, "bf16", L, True), False, arch, DEFAULT_VARIANT)
     for s, (H, P, N), L, batch, arch in itertools.product(("f32", "bf16"), ((128, 64, 128), (128, 80, 128), (256, 64, 256)),
                                                          (8, 16), (1, 256), ARCHS)
 ]
@@ -52,18 +53,18 @@ PERSISTENT = [
 # Shadow variants: both kernel variants, every (headdim, dstate) on the main buffer lengths.
 SHADOW = [
     KernelSpec("f32", a, H, P, N, 8, L, *choose_geometry("f32", P, N, H, batch, a, L, persistent, sh), z, arch,
-               DEFAULT_DEFINES if persistent else (), sh)
+               DEFAULT_VARIANT if persistent else Variant(), sh)
     for sh, a, (H, P, N), L, batch, persistent, z, arch in itertools.product(
         ("bf16", "fp8"), ("bf16",), ((128, 64, 128), (128, 80, 128), (256, 64, 256)), (8, 16), (1, 256),
         (False, True), (False,), ARCHS)
-] + [KernelSpec("f32", a, 128, 64, 128, 8, 16, 32, 4, True, 90, DEFAULT_DEFINES, sh)
+] + [KernelSpec("f32", a, 128, 64, 128, 8, 16, 32, 4, True, 90, DEFAULT_VARIANT, sh)
      for sh in ("bf16", "fp8") for a in ("f16", "f32")]
 
 
 # The staged one-shot kernel (the shadow default, config.plan): with and without a shadow.
 STAGED = [
     KernelSpec("f32", "bf16", H, P, N, 8, L, *choose_geometry("f32", P, N, H, batch, "bf16", L, False, sh), False, arch,
-               (("STAGED", 1), ("MIN_BLOCKS", SHADOW_STAGED_BLOCKS.get(sh, 5)), ("FLUSH_ROWS", 2)), sh)
+               Variant("staged", SHADOW_STAGED_BLOCKS.get(sh, 5), 2), sh)
     for sh, (H, P, N), L, batch, arch in itertools.product(
         ("none", "bf16", "fp8"), ((128, 64, 128), (128, 80, 128), (256, 64, 256)), (8, 16), (1, 256), ARCHS)
 ]
@@ -90,7 +91,7 @@ def test_decode_parameter_list_is_tensorrt_order():
 def test_shadow_parameters_follow_the_buffers(shadow, n_sh):
     """The shadow and its scales come after dt_cache among the inputs and after dt_cache_out among the outputs."""
     rows, warps = choose_geometry("f32", 64, 128, 128, 256, "bf16", 16, True, shadow)
-    spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, DEFAULT_DEFINES, shadow)
+    spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, DEFAULT_VARIANT, shadow)
     assert spec.key.endswith(f"_z0_sh-{shadow}_sm90_PERSISTENT1_MIN_BLOCKS5")
     params = re.search(r"\.entry replayssm_decode\((.*?)\)", cc.compile_spec(spec, "ptx").decode(), re.S).group(1)
     kinds = re.findall(r"\.param \.(u64|u32|b32|s32)", params)
@@ -142,21 +143,83 @@ def test_ptx_newer_than_the_driver_is_refused(monkeypatch):
 
 
 def test_shadow_variant_choice():
-    """A shadow runs the staged one-shot kernel by default (measured fastest), persistent when forced
-    with PERSISTENT=2."""
-    from trtllm_replayssm.config import override_defines, plan
+    """A shadow runs the staged one-shot kernel by default (measured fastest); a pinned variant is used as given."""
+    from trtllm_replayssm.config import override_variant, plan
 
     for shadow in ("bf16", "fp8"):
-        rows, warps, defines = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
-        assert dict(defines).get("PERSISTENT") is None and (rows, warps) == (64, 8)
-        assert dict(defines) == {"STAGED": 1, "MIN_BLOCKS": SHADOW_STAGED_BLOCKS[shadow], "FLUSH_ROWS": 2}
-        with override_defines((("STAGED", 0), ("MIN_BLOCKS", 5))):  # the plain one-shot kernel, on request
-            assert dict(plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)[2]) == {"STAGED": 0, "MIN_BLOCKS": 5}
-        with override_defines((("PERSISTENT", 2), ("MIN_BLOCKS", 5))):
-            rows, warps, defines = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
-        spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, defines, shadow)
+        rows, warps, variant = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
+        assert (rows, warps) == (64, 8)
+        assert variant == Variant("staged", min_blocks=SHADOW_STAGED_BLOCKS[shadow], flush_rows=2)
+        with override_variant(kind="one_shot", min_blocks=5):  # the plain one-shot kernel, on request
+            assert plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)[2] == Variant("one_shot", 5)
+        with override_variant(kind="persistent", min_blocks=5):  # persistent wherever two stages fit
+            rows, warps, variant = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
+        spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, variant, shadow)
         assert spec.persistent and spec.grid(256, 132)[1] == 1
-    assert dict(plan("f32", "bf16", 128, 64, 128, 16, 256)[2]).get("PERSISTENT") == 1  # no shadow: unchanged
+    assert plan("f32", "bf16", 128, 64, 128, 16, 256)[2] == DEFAULT_VARIANT  # no shadow: unchanged
+
+
+def test_variant_key_and_prelude_keep_their_names():
+    """The typed variant renders the RSSM_* definitions and key suffixes the cache already holds, in one order."""
+    spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 8, False, 90, Variant("staged", 8, 2), "fp8")
+    assert spec.key == "replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sh-fp8_sm90_STAGED1_MIN_BLOCKS8_FLUSH_ROWS2"
+    want = "#define RSSM_HAS_Z 0\n#define RSSM_STAGED 1\n#define RSSM_MIN_BLOCKS 8\n#define RSSM_FLUSH_ROWS 2\n"
+    assert want in cc.prelude(spec)
+    assert Variant("one_shot", 5).key == "_MIN_BLOCKS5" and Variant().key == "" and Variant().prelude() == []
+    assert DEFAULT_VARIANT.key == "_PERSISTENT1_MIN_BLOCKS5"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kind="PERSISTENT"), r"Variant.kind: expected one of \('one_shot', 'persistent', 'staged'\)"),
+    (dict(min_blocks=0), r"Variant.min_blocks: expected None or an int in 1..32, got 0"),
+    (dict(min_blocks=True), "Variant.min_blocks"),
+    (dict(flush_rows="2"), "Variant.flush_rows"),
+])
+def test_bad_variants_rejected(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Variant(**bad)
+
+
+def test_variant_field_and_speculative_module_checks():
+    with pytest.raises(TypeError, match="KernelSpec.variant: expected a config.Variant"):
+        KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 8, False, 90, (("PERSISTENT", 1),))
+    with pytest.raises(ValueError, match="KernelSpec.variant: the speculative module"):
+        KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 8, False, 90, Variant("staged"), num_tokens=4)
+
+
+def test_variant_override_and_environment(monkeypatch):
+    """override_variant pins the variant (nested blocks restore it), the environment parses into the same
+    fields with errors naming the variable and field, and the removed TRTLLM_REPLAYSSM_DEFINES is refused."""
+    from trtllm_replayssm.config import current_variant, override_variant, parse_variant, plan
+
+    monkeypatch.delenv("TRTLLM_REPLAYSSM_VARIANT", raising=False)
+    monkeypatch.delenv("TRTLLM_REPLAYSSM_DEFINES", raising=False)
+    assert current_variant() is None
+    with override_variant(kind="staged", min_blocks=6, flush_rows=2):
+        with override_variant(Variant()):
+            assert plan("f32", "bf16", 128, 64, 128, 16, 256)[2] == Variant()
+        assert current_variant() == Variant("staged", 6, 2)
+        # the conventional module has no persistent kernel; a pinned staged one keeps its fields
+        assert plan("f32", "bf16", 128, 64, 128, 1, 256, conventional=True)[2] == Variant("staged", 6, 2)
+    assert current_variant() is None
+    with override_variant(kind="persistent", min_blocks=5):
+        assert plan("f32", "bf16", 128, 64, 128, 1, 256, conventional=True)[2] == Variant("one_shot", 5)
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_VARIANT", "kind=persistent, min_blocks=4")
+    assert current_variant() == Variant("persistent", 4)
+    with override_variant(None):  # the shipped plan, whatever the environment says
+        assert plan("f32", "bf16", 128, 64, 128, 16, 256, shadow="bf16")[2].kind == "staged"
+    for text, match in (("min_blocks=x", "TRTLLM_REPLAYSSM_VARIANT: min_blocks: expected an int"),
+                        ("persistent=1", "TRTLLM_REPLAYSSM_VARIANT: expected comma-separated name=value"),
+                        ("kind=fast", "TRTLLM_REPLAYSSM_VARIANT: Variant.kind"),
+                        ("flush_rows=1,flush_rows=2", "flush_rows given twice")):
+        with pytest.raises(ValueError, match=match):
+            parse_variant(text)
+    with pytest.raises(ValueError, match="override_variant: unknown field 'min_block'"):
+        with override_variant(min_block=4):
+            pass
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_DEFINES", "PERSISTENT=1")
+    with pytest.raises(ValueError, match="TRTLLM_REPLAYSSM_DEFINES: replaced by TRTLLM_REPLAYSSM_VARIANT"):
+        plan("f32", "bf16", 128, 64, 128, 16, 256)
 
 
 def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
@@ -165,9 +228,9 @@ def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
 
     for P, N in ((80, 256), (80, 128), (64, 128)):
         for batch in (1, 4, 32, 256):
-            rows, warps, defines = plan("f32", "bf16", 128, P, N, 16, batch, shadow="fp8")
+            rows, warps, variant = plan("f32", "bf16", 128, P, N, 16, batch, shadow="fp8")
             assert rows % 4 == 0, (P, N, batch, rows)
-            cc.compile_spec(KernelSpec("f32", "bf16", 128, P, N, 8, 16, rows, warps, False, 90, defines, "fp8"), "ptx")
+            cc.compile_spec(KernelSpec("f32", "bf16", 128, P, N, 8, 16, rows, warps, False, 90, variant, "fp8"), "ptx")
 
 
 @pytest.mark.parametrize("spec", [s for s in SHADOW + STAGED + PERSISTENT if s.arch == 90 and s.buffer_len == 16],
@@ -176,6 +239,6 @@ def test_decode_smem_mirror(spec):
     """The decode kernel's static shared memory is what config.replay_smem_bytes says, per kernel kind."""
     ptx = cc.compile_spec(spec, "ptx").decode()
     smem = re.findall(r"\.shared \.align \d+ \.b8 \w*replay_decode\w*\[(\d+)\]", ptx)
-    staged = dict(spec.defines).get("STAGED", 0) == 1 and not spec.persistent
+    staged = spec.variant.kind == "staged"
     assert [int(v) for v in smem] == [replay_smem_bytes(spec.state, spec.act, spec.rows, spec.dstate, spec.buffer_len,
                                                         spec.persistent, spec.shadow, staged)]

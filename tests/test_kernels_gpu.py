@@ -201,13 +201,13 @@ def test_conventional_matches_reference(case):
 
 # The staged one-shot kernel (RSSM_STAGED: every tile by cp.async, flush folded 2 rows at a time,
 # 6 resident 256-thread blocks = 40 registers) on every decode case.
-STAGED = (("STAGED", 1), ("MIN_BLOCKS", 6), ("FLUSH_ROWS", 2))
+STAGED = config.Variant("staged", min_blocks=6, flush_rows=2)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_staged_replay_decode_matches_reference(case):
     pb = Problem(**case, seed=2 + zlib.crc32(_id(case).encode()))
-    with config.override_defines(STAGED):
+    with config.override_variant(STAGED):
         run_and_check(pb)
 
 
@@ -223,8 +223,7 @@ SHADOW_CASES = [
     {**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron3_nano", "L": 16},
     {**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron3_super", "L": 16},
 ]
-VARIANTS = {"persistent": (("PERSISTENT", 2), ("MIN_BLOCKS", 5)), "one-shot": (("MIN_BLOCKS", 5), ("STAGED", 0)),
-            "staged": STAGED}
+VARIANTS = {"persistent": config.Variant("persistent", 5), "one-shot": config.Variant("one_shot", 5), "staged": STAGED}
 
 
 def _sid(c):
@@ -236,7 +235,7 @@ def _sid(c):
 def test_replay_decode_with_shadow(case, variant):
     """Non-flush steps read the shadow, flushes rewrite it exactly; both kernel variants."""
     pb = Problem(**case, seed=zlib.crc32((_sid(case) + variant).encode()))
-    with config.override_defines(VARIANTS[variant]):
+    with config.override_variant(VARIANTS[variant]):
         run_and_check(pb)
 
 

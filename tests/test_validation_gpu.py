@@ -182,8 +182,9 @@ def launch_bad_and_clean(fn, cpu, bad, clean, **kw):
 
 
 # ---- standard decode: replay_decode, then advance_cursor ------------------------------------------------------------
-VARIANTS = {"default": config.DEFAULT_DEFINES, "persistent": (("PERSISTENT", 2), ("MIN_BLOCKS", 5)),
-            "one-shot": (("MIN_BLOCKS", 5), ("STAGED", 0)), "staged": (("STAGED", 1), ("MIN_BLOCKS", 6), ("FLUSH_ROWS", 2))}
+# "default": the shipped plan (persistent where it pays; staged with a shadow); the others pinned.
+VARIANTS = {"default": None, "persistent": config.Variant("persistent", 5), "one-shot": config.Variant("one_shot", 5),
+            "staged": config.Variant("staged", min_blocks=6, flush_rows=2)}
 DECODE_CASES = [(v, "none") for v in VARIANTS] + [("default", "bf16"), ("default", "fp8"), ("one-shot", "fp8"),
                                                     ("persistent", "bf16")]
 # 256 rows: more items than the persistent grid has blocks (132 SMs x 5), so blocks walk two items each
@@ -202,7 +203,7 @@ def _decode_layout():
 def test_replay_decode_unchecked_values_touch_only_their_slots(variant, shadow):
     cpu = decode_tensors(DBATCH, DS, DL, DCURSOR, shadow, has_z=shadow != "none", seed=len(variant) + len(shadow))
     bad, clean, nan_rows, untouched = _decode_layout()
-    with config.override_defines(VARIANTS[variant]):
+    with config.override_variant(VARIANTS[variant]):
         (t, g), (tc, _) = launch_bad_and_clean(ops.replay_decode, cpu, bad, clean)
     assert_same(t | {"state_batch_indices": tc["state_batch_indices"]}, tc, skip_rows=nan_rows)
     assert_untouched_and_nan(t["out"], cpu["out"], nan_rows, untouched)

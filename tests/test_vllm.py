@@ -231,12 +231,12 @@ LAYOUT = Layout(slot_state=128 * 64 * 128 + 96, slot_x=128 * 16 * 64 + 48, slot_
 
 
 @pytest.mark.parametrize("arch", [90, 100])
-@pytest.mark.parametrize("defines", [(("MIN_BLOCKS", 5),), (("PERSISTENT", 1), ("MIN_BLOCKS", 5)),
-                                     (("STAGED", 1), ("MIN_BLOCKS", 4), ("FLUSH_ROWS", 2))])
+@pytest.mark.parametrize("variant", [config.Variant("one_shot", 5), config.Variant("persistent", 5),
+                                     config.Variant("staged", 4, 2)], ids=["one_shot", "persistent", "staged"])
 @pytest.mark.parametrize("has_z", [False, True])
-def test_strided_module_compiles(arch, defines, has_z):
+def test_strided_module_compiles(arch, variant, has_z):
     rows, warps, _ = config.plan("f32", "bf16", 128, 64, 128, 16, 256)
-    spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, has_z, arch, defines, layout=LAYOUT)
+    spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, has_z, arch, variant, layout=LAYOUT)
     ptx = compile_spec(spec, "ptx").decode()
     assert ".entry replayssm_decode" in ptx
     assert spec.key.endswith(LAYOUT.key) and "_lay" not in dataclasses.replace(spec, layout=None).key
@@ -251,21 +251,18 @@ def test_layout_is_refused_where_unsupported():
 
 # ---- GPU: the kernel on vLLM's layout ----------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("defines", [None, (("PERSISTENT", 2), ("MIN_BLOCKS", 5)),
-                                     (("STAGED", 1), ("MIN_BLOCKS", 4), ("FLUSH_ROWS", 2))],
+@pytest.mark.parametrize("variant", [None, config.Variant("persistent", 5), config.Variant("staged", 4, 2)],
                          ids=["plan", "persistent", "staged"])
 @pytest.mark.parametrize("geom", [
     # Nemotron-H-8B per-rank heads (H=128, P=64, N=128, G=8), L=16; an odd small one with P=80, N=256
     dict(H=128, P=64, N=128, G=8, L=16, act=torch.bfloat16, state=torch.float32, has_z=False),
     dict(H=6, P=80, N=256, G=3, L=8, act=torch.float16, state=torch.bfloat16, has_z=True),
 ], ids=["nemotronh", "odd"])
-def test_gpu_kernel_on_vllm_layout(geom, defines):
-    import contextlib
+def test_gpu_kernel_on_vllm_layout(geom, variant):
     L = geom["L"]
     rows = [5, 0, 2, 7, 0, 1]  # two padding rows (null block 0)
     prompt = [3, 1, 11, 0, 6, 2 * L - 1]
-    ctx = config.override_defines(defines) if defines else contextlib.nullcontext()
-    with ctx:
+    with config.override_variant(variant):  # None: the shipped plan
         err = run_steps("cuda", geom["act"], geom["state"], geom["H"], geom["P"], geom["N"], geom["G"], L, rows,
                         prompt, steps=3 * L + 1, has_z=geom["has_z"], seed=11, blocks=9, pad=80,
                         check_dense_kernel=True)

@@ -110,7 +110,7 @@ def prelude(spec: KernelSpec | GDNSpec) -> str:
             f"constexpr int kWarps = {spec.warps};",
             f"constexpr bool kHasZ = {'true' if spec.has_z else 'false'};",
             f"#define RSSM_HAS_Z {int(spec.has_z)}",
-            *(f"#define RSSM_{k} {v}" for k, v in spec.defines),
+            *spec.variant.prelude(),
             *(spec.layout.prelude() if spec.layout is not None else []),
             "",
         ]

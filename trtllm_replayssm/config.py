@@ -2,9 +2,10 @@
 """Kernel specializations and launch geometry, in one table.
 
 A :class:`KernelSpec` names everything that is compiled into one kernel module (dtypes, sizes,
-buffer length, rows per block, warps, gate, target arch). :func:`choose_geometry` picks rows per
-block and warps from the state geometry and the batch; :func:`override_geometry` pins them for
-sweeps. Every entry point of ``plugins/replayssm_decode.cu`` shares one spec per module.
+buffer length, rows per block, warps, gate, target arch, kernel :class:`Variant`). :func:`plan` picks
+the variant, :func:`choose_geometry` rows per block and warps from the state geometry and the batch;
+:func:`override_variant` and :func:`override_geometry` pin them for tests and sweeps. Every entry
+point of ``plugins/replayssm_decode.cu`` shares one spec per module.
 Speculative-decoding modules (``num_tokens`` = T >= 1, ``plugins/replayssm_spec.cu``) take their
 geometry from :func:`plan_spec`.
 """
@@ -89,6 +90,88 @@ class Layout:
                 f"constexpr int kNullSlot = {self.null_slot};"]
 
 
+VARIANT_KINDS = ("one_shot", "persistent", "staged")
+# Upper bounds of Variant's ints (typos fail at once): resident blocks per SM of sm_90 / sm_100, and rows
+# a thread folds at a time (a thread holds fewer; the kernel rounds down to a divisor of its rows).
+VARIANT_INT_MAX = {"min_blocks": 32, "flush_rows": 32}
+VARIANT_ENV = "TRTLLM_REPLAYSSM_VARIANT"
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Which replay decode kernel a standard decode module compiles, and its register budget (the
+    ``RSSM_*`` definitions of the prelude, plugins/replayssm.cuh):
+
+    - ``kind``: ``"one_shot"`` (one block per work item, buffer tiles in registers), ``"persistent"``
+      (blocks walk the items through a two-stage cp.async pipeline; RSSM_PERSISTENT) or ``"staged"``
+      (one-shot blocks that stage every tile by cp.async; RSSM_STAGED);
+    - ``min_blocks``: resident blocks per SM asked of the register allocator (``__launch_bounds__``;
+      RSSM_MIN_BLOCKS, capped by the kernel at 1024 threads per SM, 2048 for ``staged``); None: the
+      kernel's default (1024 threads per SM for blocks of >= 256 threads);
+    - ``flush_rows``: rows of a thread the flush folds at a time (RSSM_FLUSH_ROWS, rounded down to a
+      divisor of the thread's rows); None: all of them at once.
+
+    The conventional kernel of the module is one-shot whatever the kind. :func:`plan` chooses it;
+    :func:`override_variant` or ``TRTLLM_REPLAYSSM_VARIANT`` pin it.
+    """
+
+    kind: str = "one_shot"
+    min_blocks: int | None = None
+    flush_rows: int | None = None
+
+    FIELDS = ("kind", "min_blocks", "flush_rows")
+
+    def __post_init__(self):
+        if self.kind not in VARIANT_KINDS:
+            raise ValueError(f"Variant.kind: expected one of {VARIANT_KINDS}, got {self.kind!r}")
+        for name, hi in VARIANT_INT_MAX.items():
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
+                raise ValueError(f"Variant.{name}: expected None or an int in 1..{hi}, got {v!r}")
+
+    def _defines(self) -> list[tuple[str, int]]:
+        # This order (kernel switch, MIN_BLOCKS, FLUSH_ROWS) is the one of the cache keys written before the
+        # variant was typed: keys name the cached modules and appear in committed results.
+        return ([(self.kind.upper(), 1)] if self.kind != "one_shot" else []) + [
+            (name.upper(), getattr(self, name)) for name in ("min_blocks", "flush_rows") if getattr(self, name) is not None]
+
+    @property
+    def key(self) -> str:
+        """Part of :attr:`KernelSpec.key`, e.g. ``_PERSISTENT1_MIN_BLOCKS5``; empty for ``Variant()``."""
+        return "".join(f"_{k}{v}" for k, v in self._defines())
+
+    def prelude(self) -> list[str]:
+        return [f"#define RSSM_{k} {v}" for k, v in self._defines()]
+
+
+@functools.lru_cache(maxsize=16)  # read on every plan (each eager launch)
+def parse_variant(text: str, what: str = VARIANT_ENV) -> Variant | None:
+    """``"kind=staged,min_blocks=6,flush_rows=2"`` -> that :class:`Variant` (fields not named keep their
+    defaults); an empty string -> None (the shipped plan). Errors name ``what`` and the field."""
+    fields: dict = {}
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, sep, value = (x.strip() for x in part.partition("="))
+        if not sep or name not in Variant.FIELDS:
+            raise ValueError(f"{what}: expected comma-separated name=value with names {Variant.FIELDS}, got {part!r}")
+        if name in fields:
+            raise ValueError(f"{what}: {name} given twice")
+        if name == "kind":
+            fields[name] = value
+            continue
+        try:
+            fields[name] = int(value)
+        except ValueError:
+            raise ValueError(f"{what}: {name}: expected an int, got {value!r}") from None
+    if not fields:
+        return None
+    try:
+        return Variant(**fields)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     state: str  # "f32" | "bf16" | "f16"
@@ -102,8 +185,8 @@ class KernelSpec:
     warps: int
     has_z: bool = False
     arch: int = 90
-    # Extra preprocessor definitions (name, value) for kernel experiments; part of the key.
-    defines: tuple = ()
+    # The decode kernel compiled (and its register budget); part of the key. Standard decode modules only.
+    variant: Variant = Variant()
     shadow: str = "none"  # "none" | "bf16" | "fp8" (needs an f32 checkpoint)
     # 0: the standard decode module; T >= 1: the speculative module (verify T tokens per step).
     num_tokens: int = 0
@@ -130,6 +213,9 @@ class KernelSpec:
             )
         if self.rows > self.warps * 32 or self.warps * 32 > MAX_THREADS:
             raise ValueError(f"rows={self.rows}, warps={self.warps}: need rows <= threads <= {MAX_THREADS}")
+        if not isinstance(self.variant, Variant):
+            raise TypeError(f"KernelSpec.variant: expected a config.Variant (kind, min_blocks, flush_rows), got "
+                            f"{type(self.variant).__name__} {self.variant!r}")
         if self.num_tokens:
             self._check_spec()
         if self.layout is not None and (self.num_tokens or self.shadow != "none"):
@@ -142,6 +228,9 @@ class KernelSpec:
             raise ValueError(f"num_tokens: expected 0 (standard decode) or one of {SUPPORTED_NUM_TOKENS}, got {T}")
         if L < 2 * T:
             raise ValueError(f"buffer_len={L}: expected >= 2 * num_tokens = {2 * T} (flush one window early)")
+        if self.variant.kind != "one_shot":
+            raise ValueError(f"KernelSpec.variant: the speculative module (num_tokens={T}) has one-shot kernels only, "
+                             f"got kind={self.variant.kind!r}")
         if self.rows * ITEMSIZE[self.act] % 4:
             raise ValueError(f"rows={self.rows}: x rows of a block must be a multiple of 4 bytes (cp.async)")
         smem = spec_smem_bytes(self.act, self.rows, self.dstate, L, T, self.has_z)
@@ -156,7 +245,7 @@ class KernelSpec:
             f"_G{self.ngroups}_L{self.buffer_len}_R{self.rows}_W{self.warps}_z{int(self.has_z)}"
             + (f"_sh-{self.shadow}" if self.shadow != "none" else "") + f"_sm{self.arch}"
             + (f"_T{self.num_tokens}" if self.num_tokens else "")
-            + "".join(f"_{k}{v}" for k, v in self.defines)
+            + self.variant.key
             + (self.layout.key if self.layout is not None else "")
         )
 
@@ -166,19 +255,19 @@ class KernelSpec:
 
     @property
     def persistent(self) -> bool:
-        return dict(self.defines).get("PERSISTENT", 0) >= 1
+        return self.variant.kind == "persistent"
 
     @property
     def blocks_per_sm(self) -> int:
         """Resident blocks the kernel is built for (mirror of kMinBlocks in replayssm.cuh)."""
-        d = dict(self.defines)
-        threads_per_sm = 2048 if d.get("STAGED", 0) else 1024
-        return max(1, min(d.get("MIN_BLOCKS", 4), threads_per_sm // self.threads))
+        threads_per_sm = 2048 if self.variant.kind == "staged" else 1024
+        min_blocks = 4 if self.variant.min_blocks is None else self.variant.min_blocks
+        return max(1, min(min_blocks, threads_per_sm // self.threads))
 
     def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
-        flag = "CONV_PERSISTENT" if kernel == "replayssm_conventional" else "PERSISTENT"
-        if dict(self.defines).get(flag, 0) >= 1:  # persistent blocks walk the items; batch is a kernel arg
+        # Persistent replay blocks walk the items (batch is a kernel arg); the conventional kernel is one-shot.
+        if self.persistent and kernel != "replayssm_conventional":
             return (max(1, min(batch * items_per_row, sm_count * self.blocks_per_sm)), 1, 1)
         return (items_per_row, batch, 1)
 
@@ -280,48 +369,62 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     return rows, warps
 
 
-# Resident blocks of the staged one-shot shadow kernel (RSSM_STAGED, flush 2 rows at a time), the
-# best of 5 / 6 / 8 at bs256 on the main geometry (bench/NOTES.md "Staged one-shot shadow step").
+# The shipped variants (bench/NOTES.md says why). Without a shadow: persistent blocks where they pay,
+# else one-shot, both built for 5 resident blocks (the kernel caps that at 1024 threads per SM).
+SHIPPED_MIN_BLOCKS = 5
+DEFAULT_VARIANT = Variant("persistent", SHIPPED_MIN_BLOCKS)
+# With a shadow: the staged one-shot kernel, flush 2 rows at a time, with the resident blocks that were
+# the best of 5 / 6 / 8 at bs256 on the main geometry (bench/NOTES.md "Staged one-shot shadow step").
 SHADOW_STAGED_BLOCKS = {"bf16": 5, "fp8": 8}
+SHADOW_FLUSH_ROWS = 2
+SHADOW_VARIANTS = {sh: Variant("staged", n, SHADOW_FLUSH_ROWS) for sh, n in SHADOW_STAGED_BLOCKS.items()}
 
 
 def plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
-         conventional: bool = False, shadow: str = "none") -> tuple[int, int, tuple]:
-    # The geometry override is part of the key: choose_geometry reads it.
-    return _plan(state, act, nheads, headdim, dstate, buffer_len, batch, conventional, current_defines(),
+         conventional: bool = False, shadow: str = "none") -> tuple[int, int, Variant]:
+    # The pinned variant and the geometry override are part of the key: _plan and choose_geometry read them.
+    return _plan(state, act, nheads, headdim, dstate, buffer_len, batch, conventional, current_variant(),
                  getattr(_local, "override", None), shadow)
 
 
 @functools.lru_cache(maxsize=4096)  # called on every eager launch: keep the geometry search off the hot path
 def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, batch: int,
-          conventional: bool, defines: tuple, _override, shadow: str = "none") -> tuple[int, int, tuple]:
-    """(rows, warps, defines) of the kernel variant to launch: the one place that decides.
+          conventional: bool, pinned: Variant | None, _override, shadow: str = "none") -> tuple[int, int, Variant]:
+    """(rows, warps, variant) of the standard decode module to launch: the one place that decides.
 
-    The persistent pipelined replay kernel copies each item's B tile next to its state rows; it
-    is used where the state rows outweigh the B tile at least 4:1 (else the tile traffic and the
-    small items it forces cost more than the pipeline saves: measured, bench/NOTES.md v4) and
-    where two stages fit in static shared memory. The conventional kernel runs one-shot unless
-    CONV_PERSISTENT is asked for; so does the replay kernel with a shadow (measured: bs256 2.03x vs
-    1.98x persistent, bench/NOTES.md "Shadow reads"). ``PERSISTENT=2`` forces the persistent kernel
-    wherever two stages fit (tests and sweeps).
+    The shipped plan (``pinned`` None): the persistent pipelined replay kernel copies each item's B
+    tile next to its state rows; it is used where the state rows outweigh the B tile at least 4:1
+    (else the tile traffic and the small items it forces cost more than the pipeline saves:
+    measured, bench/NOTES.md v4) and where two stages fit in static shared memory, else the
+    one-shot kernel. With a shadow the staged one-shot kernel (one-shot measured as fast or faster
+    than persistent: bs256 2.03x vs 1.98x, bench/NOTES.md "Shadow reads"; staged faster still).
+    The conventional module is one-shot.
+
+    A pinned variant (:func:`override_variant`, ``TRTLLM_REPLAYSSM_VARIANT``; tests and sweeps) is used
+    as given, with or without a shadow; a persistent one wherever two stages fit (else one-shot with
+    the same register budget), and one-shot in the conventional module (that kernel has no persistent form).
     """
-    flag = "CONV_PERSISTENT" if conventional else "PERSISTENT"
-    forced = dict(defines).get(flag, 0) == 2  # PERSISTENT=2: persistent wherever it fits (tests, sweeps)
-    if conventional or (shadow != "none" and not forced):  # with a shadow one-shot measured as fast or faster
-        defines = tuple((k, v) for k, v in defines if k != "PERSISTENT")
-        if not conventional and "STAGED" not in dict(defines):  # ... and staged faster still
-            extra = (("STAGED", 1), ("MIN_BLOCKS", SHADOW_STAGED_BLOCKS[shadow]), ("FLUSH_ROWS", 2))
-            defines = tuple((k, v) for k, v in defines if k != "MIN_BLOCKS") + extra
-    if dict(defines).get(flag, 0) >= 1:
+    if pinned is None:
+        if conventional:
+            variant = Variant("one_shot", SHIPPED_MIN_BLOCKS)
+        elif shadow != "none":
+            variant = SHADOW_VARIANTS[shadow]
+        else:
+            variant = DEFAULT_VARIANT
+    else:
+        variant = pinned
+        if conventional and variant.kind == "persistent":
+            variant = dataclasses.replace(variant, kind="one_shot")
+    if variant.kind == "persistent":
         try:
             rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, True, shadow)
-            if conventional or forced or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
-                return rows, warps, defines
+            if pinned is not None or rows * ITEMSIZE[state] >= 4 * buffer_len * ITEMSIZE[act]:
+                return rows, warps, variant
         except ValueError:  # two stages do not fit
             pass
-        defines = tuple((k, v) for k, v in defines if k != flag)
+        variant = dataclasses.replace(variant, kind="one_shot")
     rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, False, shadow)
-    return rows, warps, defines
+    return rows, warps, variant
 
 
 def plan_spec(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_len: int, num_tokens: int,
@@ -378,30 +481,44 @@ def commit_grid(batch):
     return ((batch + (COMMIT_THREADS - 1)) // COMMIT_THREADS, 1, 1)
 
 
-def _env_defines() -> tuple:
-    """``TRTLLM_REPLAYSSM_DEFINES="PERSISTENT=1,MIN_BLOCKS=4"``: defaults for experiments and test runs."""
-    raw = os.environ.get("TRTLLM_REPLAYSSM_DEFINES", "")
-    return tuple((k.strip(), int(v)) for k, v in (p.split("=") for p in raw.split(",") if p.strip()))
+_UNSET = object()
 
 
-# The shipped kernel variant (bench/NOTES.md says why); overridden by TRTLLM_REPLAYSSM_DEFINES or
-# override_defines() for experiments.
-DEFAULT_DEFINES: tuple = (("PERSISTENT", 1), ("MIN_BLOCKS", 5))
-
-
-def current_defines() -> tuple:
-    return getattr(_local, "defines", None) or _env_defines() or DEFAULT_DEFINES
+def current_variant() -> Variant | None:
+    """The pinned kernel variant: :func:`override_variant`'s, else ``TRTLLM_REPLAYSSM_VARIANT``'s
+    (e.g. ``"kind=persistent,min_blocks=4"``); None: the shipped plan (:func:`plan`)."""
+    pinned = getattr(_local, "variant", _UNSET)
+    if pinned is not _UNSET:
+        return pinned
+    if os.environ.get("TRTLLM_REPLAYSSM_DEFINES"):  # an experiment setting that would otherwise do nothing
+        raise ValueError(f"TRTLLM_REPLAYSSM_DEFINES: replaced by {VARIANT_ENV} (typed fields, e.g. "
+                         f"'kind=staged,min_blocks=6,flush_rows=2'); unset it")
+    return parse_variant(os.environ.get(VARIANT_ENV, ""))
 
 
 @contextlib.contextmanager
-def override_defines(defines: tuple):
-    """Compile every kernel launched inside the block with extra ``RSSM_*`` definitions."""
-    prev = current_defines()
-    _local.defines = tuple(defines)
+def override_variant(variant: Variant | None = None, /, **fields):
+    """Pin the kernel variant of every standard decode module planned inside the block (tests, sweeps):
+    ``override_variant(kind="staged", min_blocks=6, flush_rows=2)`` or ``override_variant(Variant(...))``;
+    ``override_variant(None)`` pins the shipped plan (``TRTLLM_REPLAYSSM_VARIANT`` is then ignored)."""
+    if fields:
+        unknown = sorted(set(fields) - set(Variant.FIELDS))
+        if unknown:
+            raise ValueError(f"override_variant: unknown field {unknown[0]!r}, expected some of {Variant.FIELDS}")
+        if variant is not None:
+            raise ValueError("override_variant: expected a Variant or its fields, got both")
+        variant = Variant(**fields)
+    elif variant is not None and not isinstance(variant, Variant):
+        raise TypeError(f"override_variant: expected a config.Variant or None, got {type(variant).__name__}")
+    prev = getattr(_local, "variant", _UNSET)
+    _local.variant = variant
     try:
         yield
     finally:
-        _local.defines = prev
+        if prev is _UNSET:
+            del _local.variant
+        else:
+            _local.variant = prev
 
 
 @contextlib.contextmanager

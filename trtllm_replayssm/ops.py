@@ -337,8 +337,8 @@ def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool = False,
               shadow: str = "none") -> KernelSpec:
     sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
-    rows, warps, defines = plan(sd, ad, H, P, N, L or 1, batch, conventional, shadow)
-    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, _arch(device), defines, shadow)
+    rows, warps, variant = plan(sd, ad, H, P, N, L or 1, batch, conventional, shadow)
+    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, _arch(device), variant=variant, shadow=shadow)
 
 
 def shadow_kind(shadow, shadow_scale, state) -> str:

@@ -282,9 +282,9 @@ def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len:
         raise ValueError(f"shadow: expected one of {SHADOW_KINDS} with an f32 state, got shadow={shadow!r}, "
                          f"state={state!r}")
     _check_dtypes(state, act, tactic)
-    rows, warps, defines = plan(state, act, nheads, headdim, dstate, buffer_len, TACTICS[tactic], shadow=shadow)
-    spec = KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, False, arch, defines,
-                      shadow)
+    rows, warps, variant = plan(state, act, nheads, headdim, dstate, buffer_len, TACTICS[tactic], shadow=shadow)
+    spec = KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, False, arch,
+                      variant=variant, shadow=shadow)
     # Persistent blocks: a fixed grid of sm_count * blocks_per_sm, the kernel walks batch*items.
     grid_x = sm_count * spec.blocks_per_sm if spec.persistent else spec.grid(1)[0]
     return AotKernel(KERNEL_NAME, compile_spec(spec, "ptx"), grid_x, not spec.persistent, spec.threads, 0,
