@@ -707,6 +707,7 @@ def test_registered_class_routes_mamba_layers_without_patching_trtllm(monkeypatc
     mixer_cls, _ = make_fake_trtllm()
     mu, nh = fake_tree(monkeypatch, mixer_cls, lazy=lazy)
     monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.setattr(mod.model, "_fresh_process_can_import", lambda: False)  # a worker that would not find us
     monkeypatch.delenv("TLLM_WORKER_USE_SINGLE_PROCESS", raising=False)
     monkeypatch.setenv("TRTLLM_REPLAYSSM_BUFFER_LEN", str(L))
     init_before, fwd_before = mixer_cls.__init__, nh.NemotronHModel.forward
@@ -748,6 +749,14 @@ def test_registered_class_routes_mamba_layers_without_patching_trtllm(monkeypatc
             for s in (1, 3):
                 assert torch.allclose(model.replayssm.current_state(i, s), ssm_conv[i][s], rtol=1e-10, atol=1e-10)
     assert model.replayssm.cursor.tolist() == [0, (2 * L + 1) % L, 0, (2 * L + 1) % L, 0]
+
+
+def test_fresh_process_probe_asks_a_new_interpreter(monkeypatch):
+    """The worker check runs a fresh interpreter: the package is found through PYTHONPATH (or an install),
+    a name nothing provides is not."""
+    monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(mod.__file__).resolve().parents[1]))
+    assert mod.model._fresh_process_can_import()
+    assert not mod.model._fresh_process_can_import("trtllm_replayssm_module_that_does_not_exist")
 
 
 def test_a_worker_process_resolves_the_class_by_module_name(monkeypatch):

@@ -4,8 +4,9 @@
 Only the Mamba-2 ("M") layers are routed; Nemotron 3's MoE ("E"), the attention ("*") and MLP ("-")
 layers stay TensorRT-LLM's own (see :mod:`.install` for how TRT-LLM names them).
 
-Load with ``PYTHONPATH=serve trtllm-serve MODEL --backend pytorch --custom_module_dirs
-serve/trtllm_replayssm_module`` (README "trtllm-serve"). What TensorRT-LLM does with that flag
+Load with ``trtllm-serve MODEL --backend pytorch --custom_module_dirs serve/trtllm_replayssm_module`` after
+``pip install`` of the repository, which installs this package by name (``PYTHONPATH=serve`` from a checkout
+that is not installed; README "trtllm-serve"). What TensorRT-LLM does with that flag
 (tensorrt_llm/commands/serve.py, read at 00209af1; tensorrt_llm/tools/importlib_utils.py): ``serve()``
 calls ``import_custom_module_from_dir(dir)`` for each directory before it builds the LLM; that inserts
 the directory's parent into ``sys.path`` and ``importlib.import_module(<directory name>)``. serve.py has

@@ -52,6 +52,9 @@ import functools
 import logging
 import os
 import pathlib
+import subprocess
+import sys
+import tempfile
 
 from .adapter import mamba_layer_indices, replay_selective_state_update
 from .check import HOOK_ATTR, bypass_message, check_mixer_class, tensorrt_llm_version, verified_summary
@@ -124,11 +127,16 @@ def make_model_class(base, mixer_cls):
     return ReplaySSMNemotronHForCausalLM
 
 
-def _fresh_process_can_import() -> bool:
-    """Would a spawned worker (fresh sys.path) find this package? PYTHONPATH or an installed location."""
-    parent = pathlib.Path(__file__).resolve().parents[1]
-    entries = [pathlib.Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return parent in entries or any(part in ("site-packages", "dist-packages") for part in parent.parts)
+def _fresh_process_can_import(name: str = __package__) -> bool:
+    """Would a spawned worker (a fresh interpreter in this environment) find package ``name``? Asked of one,
+    outside the checkout: ``pip install`` (editable too) or PYTHONPATH both count. Once per registration."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], cwd=tempfile.gettempdir(), env=dict(os.environ),
+                              capture_output=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def register():
@@ -167,8 +175,8 @@ def register():
     if hasattr(modeling_utils, "export_external_model_modules"):
         workers = "workers and TP ranks import it by module name"
         if not _fresh_process_can_import():
-            log.warning("trtllm_replayssm_module: worker processes import %s by name but will not find it: add %s to "
-                        "PYTHONPATH", __name__, pathlib.Path(__file__).resolve().parents[1])
+            log.warning("trtllm_replayssm_module: worker processes import %s by name but will not find it: pip install "
+                        "the repository, or add %s to PYTHONPATH", __name__, pathlib.Path(__file__).resolve().parents[1])
     else:
         workers = "this process only (the registry has no export_external_model_modules)"
         if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
