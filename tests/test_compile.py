@@ -242,3 +242,19 @@ def test_decode_smem_mirror(spec):
     staged = spec.variant.kind == "staged"
     assert [int(v) for v in smem] == [replay_smem_bytes(spec.state, spec.act, spec.rows, spec.dstate, spec.buffer_len,
                                                         spec.persistent, spec.shadow, staged)]
+
+
+@pytest.mark.parametrize("rows, warps, variant", [
+    (64, 4, Variant("persistent")), (64, 8, Variant("persistent")), (64, 16, Variant("persistent")),
+    (64, 8, Variant("persistent", 5)), (64, 8, Variant("staged", 8, 2)), (64, 8, Variant("staged", 5, 2))])
+def test_blocks_per_sm_is_the_kernels_launch_bound(rows, warps, variant):
+    """KernelSpec.blocks_per_sm (the persistent grid: sm_count x blocks_per_sm, ops and trt_plugin) equals the
+    resident blocks the kernel was built for, read from its PTX (.minnctapersm of __launch_bounds__): the
+    default of 1024 threads per SM from 256 threads a block (1 below), min_blocks capped at 1024 or 2048
+    (staged) threads per SM."""
+    shadow = "bf16" if variant.kind == "staged" else "none"
+    spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, variant=variant, shadow=shadow)
+    ptx = cc.compile_spec(spec, "ptx").decode()
+    head = ptx[ptx.index(".entry replayssm_decode("):]
+    bound = re.search(r"\.minnctapersm\s+(\d+)", head[:head.index("{")])
+    assert bound is not None and spec.blocks_per_sm == int(bound.group(1))

@@ -260,9 +260,10 @@ class KernelSpec:
     @property
     def blocks_per_sm(self) -> int:
         """Resident blocks the kernel is built for (mirror of kMinBlocks in replayssm.cuh)."""
+        if self.variant.min_blocks is None:  # the kernel's default: 1024 threads per SM for blocks of >= 256
+            return 1024 // self.threads if self.threads >= 256 else 1
         threads_per_sm = 2048 if self.variant.kind == "staged" else 1024
-        min_blocks = 4 if self.variant.min_blocks is None else self.variant.min_blocks
-        return max(1, min(min_blocks, threads_per_sm // self.threads))
+        return max(1, min(self.variant.min_blocks, threads_per_sm // self.threads))
 
     def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
