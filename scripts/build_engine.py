@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Build a ReplaySSM decode-step engine directory for a Nemotron-H or Nemotron 3 model.
+"""Build a ReplaySSM decode-step engine directory for a Nemotron-H / Nemotron 3 or Qwen3-Next / Qwen3.5 model.
 
 The command line over ``builders/engine.py`` (:func:`builders.engine.build`). What the output directory
 holds (model.onnx, or verify.onnx + commit.onnx with ``--num-draft N``; the plugin PTX per tactic;
