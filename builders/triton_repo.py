@@ -148,26 +148,12 @@ def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str) -> pathli
         raise RepoError(f"--engine-dir: expected {cfg_path} (run scripts/build_engine.py first)")
     cfg = json.loads(cfg_path.read_text())
     text = config_text(model_config(cfg, name))
-    target = repo / name
-    if target.exists():
-        raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")
-    repo.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=repo, prefix=f".{name}."))
-    try:
-        (tmp / "config.pbtxt").write_text(text)
-        (tmp / "1").mkdir()
-        plan = engine_dir / "model.plan"
-        if plan.is_file():
-            shutil.copy2(plan, tmp / "1" / "model.plan")
-        else:
-            (tmp / "1" / "MISSING_PLAN.txt").write_text(
-                f"model.plan was not built in {engine_dir} (TensorRT >= 10.9 and a GPU are needed);\n"
-                f"build it there with scripts/build_engine.py and copy it here as 1/model.plan.\n")
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    plan = engine_dir / "model.plan"
+    if plan.is_file():
+        return _write_model(repo, name, {"config.pbtxt": text}, copies={"1/model.plan": plan})
+    return _write_model(repo, name, {"config.pbtxt": text, "1/MISSING_PLAN.txt": (
+        f"model.plan was not built in {engine_dir} (TensorRT >= 10.9 and a GPU are needed);\n"
+        f"build it there with scripts/build_engine.py and copy it here as 1/model.plan.\n")})
 
 
 # ---- Python backend: the model owns its state on its device ------------------------------------------------
@@ -308,7 +294,9 @@ def make_python_repo(repo: pathlib.Path, name: str, *, tiny: str = "nemotron_h",
     return _write_model(repo, name, {"config.pbtxt": text, "1/model.py": MODEL_PY})
 
 
-def _write_model(repo: pathlib.Path, name: str, files: dict) -> pathlib.Path:
+def _write_model(repo: pathlib.Path, name: str, files: dict, copies: dict | None = None) -> pathlib.Path:
+    """``repo/name`` with ``files`` (relative path -> text) and ``copies`` (relative path -> a file copied in),
+    written in a temporary sibling and renamed into place, so a failure leaves no half-written model."""
     target = repo / name
     if target.exists():
         raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")
@@ -318,6 +306,9 @@ def _write_model(repo: pathlib.Path, name: str, files: dict) -> pathlib.Path:
         for rel, text in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             (tmp / rel).write_text(text)
+        for rel, src in (copies or {}).items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, tmp / rel)
         tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

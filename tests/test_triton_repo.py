@@ -64,6 +64,20 @@ def test_repo_config_round_trips_and_pairs_every_state(engine_dir, tmp_path):
     assert (target / "1" / "MISSING_PLAN.txt").is_file()  # no TensorRT here
 
 
+def test_repo_takes_a_built_plan(engine_dir, tmp_path):
+    """Where the engine directory holds model.plan, the repository gets a copy of it (same bytes) as 1/model.plan
+    and no MISSING_PLAN.txt; the engine directory is left as it was."""
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    (eng / "config.json").write_text((engine_dir / "config.json").read_text())
+    blob = bytes(range(256)) * 64  # stands in for a serialized engine: the writer copies bytes, it does not parse
+    (eng / "model.plan").write_bytes(blob)
+    target = tr.make_repo(eng, tmp_path / "repo", "nh")
+    assert (target / "1" / "model.plan").read_bytes() == blob and not (target / "1" / "MISSING_PLAN.txt").exists()
+    assert (eng / "model.plan").read_bytes() == blob
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["nh"]  # no staging directory left behind
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: c["states"][0].update(output="nope"), "is not an engine output"),
     (lambda c: c["states"][1].update(dtype="float16"), "expected float16"),
