@@ -362,7 +362,9 @@ def export_graph(module, args, path, opset: int = 17) -> None:
         torch.onnx.export(module, args, str(path), dynamo=False, opset_version=opset, input_names=names_in,
                           output_names=names_out, dynamic_axes=dyn, custom_opsets={DOMAIN: 1},
                           do_constant_folding=True)
-    model = onnx.shape_inference.infer_shapes(onnx.load(str(path)), data_prop=True)
+    # by path: a real model's graph is over protobuf's 2 GB and keeps its weights in external data files
+    onnx.shape_inference.infer_shapes_path(str(path), str(path), data_prop=True)
+    model = onnx.load(str(path), load_external_data=False)
     outputs = {v.name: v.type.tensor_type for v in model.graph.output}
     for spec in module.state_specs():
         got = outputs[spec.output]
@@ -372,7 +374,6 @@ def export_graph(module, args, path, opset: int = 17) -> None:
             raise RuntimeError(f"export: output {spec.output} is {dims} "
                                f"{onnx.helper.tensor_dtype_to_np_dtype(got.elem_type)}, the state contract says "
                                f"{want} {spec.to_json()['dtype']}")
-    onnx.save(model, str(path))
 
 
 def export_onnx(step, path, batch: int = 2, opset: int = 17) -> None:
