@@ -115,14 +115,17 @@ def window_attention(q, k, v, k_cache, v_cache, lengths, scaling, T: int, max_se
         here = (pos[None, :] == at[:, t:t + 1])[:, None, :, None]
         k_cache = torch.where(here, k[:, :, t:t + 1].to(k_cache.dtype), k_cache)
         v_cache = torch.where(here, v[:, :, t:t + 1].to(v_cache.dtype), v_cache)
-    rep = q.shape[1] // k_cache.shape[1]
-    keys = k_cache.repeat_interleave(rep, dim=1) if rep > 1 else k_cache
-    vals = v_cache.repeat_interleave(rep, dim=1) if rep > 1 else v_cache
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scaling  # (batch, nh, T, S)
-    visible = (pos[None, None, :] <= at[:, :, None])[:, None]
+    # Grouped queries: head h reads KV head h // rep. The rep query heads of a KV head share one matmul with its
+    # cache (broadcast over a size-1 dim), so the graph never materializes rep copies of the KV cache.
+    nh, hd = q.shape[1], q.shape[3]
+    kvh = k_cache.shape[1]
+    rep = nh // kvh
+    qg = q.reshape(-1, kvh, rep, T, hd)
+    scores = torch.matmul(qg, k_cache.transpose(2, 3)[:, :, None]) * scaling  # (batch, kvh, rep, T, S)
+    visible = (pos[None, None, :] <= at[:, :, None])[:, None, None]  # (batch, 1, 1, T, S)
     scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, vals), k_cache, v_cache
+    return torch.matmul(probs, v_cache[:, :, None]).reshape(-1, nh, T, hd), k_cache, v_cache
 
 
 @dataclasses.dataclass(frozen=True)
