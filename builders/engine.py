@@ -213,20 +213,19 @@ def _gdn_decode_artifacts(opts, model, tmp):
     log("[4/5] writing config.json and trtexec.sh")
     sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{GDN_OP_TYPE}")
     info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME]
-    config = dict(
-        format=DECODE_FORMAT,
-        model=gdn_model_entry(opts, model),
-        max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, buffer_len=opts.buffer_len,
-        act_dtype=opts.dtype, state_dtype=opts.state_dtype, arch=opts.arch,
-        inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"],
-        plugin=dict(op_type=GDN_OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn,
-                    num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=opts.buffer_len,
-                    use_qk_l2norm=1, kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
-                    aliased_outputs=info.manifest()["aliased_outputs"]),
-        plan=None,
-        trtexec=sio["trtexec"],
-    )
+    config = _decode_config(opts, gdn_model_entry(opts, model), sio, dict(
+        op_type=GDN_OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn, num_k_heads=H,
+        num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=opts.buffer_len, use_qk_l2norm=1, kernels=kernels,
+        inputs=list(info.inputs), outputs=list(info.outputs), aliased_outputs=info.manifest()["aliased_outputs"]))
     return config, [("model.onnx", "model.plan", sio["io_shapes"])]
+
+
+def _decode_config(opts, model: dict, sio: dict, plugin: dict) -> dict:
+    """config.json of a standard decode engine directory (either family): the fields in the format's order."""
+    return dict(format=DECODE_FORMAT, model=model, max_batch=opts.max_batch, max_seq_len=opts.max_seq_len,
+                buffer_len=opts.buffer_len, act_dtype=opts.dtype, state_dtype=opts.state_dtype, arch=opts.arch,
+                inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"], plugin=plugin, plan=None,
+                trtexec=sio["trtexec"])
 
 
 def check_geometry(cfg, buffer_len: int) -> tuple[int, int, int, int]:
@@ -370,22 +369,11 @@ def _decode_artifacts(opts, model, tmp, H, P, N, G, nmamba):
 
     log("[4/5] writing config.json and trtexec.sh")
     sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{OP_TYPE}")
-    config = dict(
-        format=DECODE_FORMAT,
-        model=model_entry(opts, model),
-        max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, buffer_len=opts.buffer_len,
-        act_dtype=opts.dtype, state_dtype=opts.state_dtype, arch=opts.arch,
-        inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"],
-        plugin=dict(
-            op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
-            dstate=N, ngroups=G, buffer_len=opts.buffer_len, sm_count=opts.sm_count, kernels=kernels,
-            inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
-            aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i]
-                             for o, i in trt_plugin.ALIASES.items()},
-        ),
-        plan=None,
-        trtexec=sio["trtexec"],
-    )
+    config = _decode_config(opts, model_entry(opts, model), sio, dict(
+        op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
+        dstate=N, ngroups=G, buffer_len=opts.buffer_len, sm_count=opts.sm_count, kernels=kernels,
+        inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
+        aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i] for o, i in trt_plugin.ALIASES.items()}))
     return config, [("model.onnx", "model.plan", sio["io_shapes"])]
 
 
