@@ -16,6 +16,7 @@ import torch
 from trtllm_replayssm import reference as ref
 from trtllm_replayssm import tp
 
+from .helpers import end_rank, spawn_ranks
 from .problems import make_inputs, make_params
 
 F64 = torch.float64
@@ -88,15 +89,12 @@ def _rank_main(rank, world, init_file, out_file, geometry):
     worst = mod.run(*geometry, device="cpu")
     if rank == 0:
         pathlib.Path(out_file).write_text(repr(worst))
-    dist.barrier()  # no rank tears gloo down while a peer still talks (SIGABRT at exit)
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.parametrize("world, geometry", [(2, (16, 64, 64, 8)), (2, (16, 64, 64, 1))])
 def test_tp_decode_processes_all_reduce_to_tp1(tmp_path, world, geometry):
     """Two processes (gloo): each runs its shard, all_reduce of out_proj partials == TP=1 output."""
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "worst"
-    mp.spawn(_rank_main, args=(world, str(tmp_path / "rdzv"), str(out), geometry), nprocs=world, join=True)
-    assert float(out.read_text()) < 1e-12  # float64 on both sides
+    outs = [tmp_path / f"worst{a}" for a in range(2)]
+    attempt = spawn_ranks(_rank_main, lambda a: (world, str(tmp_path / f"rdzv{a}"), str(outs[a]), geometry), world)
+    assert float(outs[attempt].read_text()) < 1e-12  # float64 on both sides

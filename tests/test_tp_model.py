@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
+
+from .helpers import end_rank, spawn_ranks  # noqa: E402
 
 if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H200 image's 5.17
     pytest.skip(f"transformers {transformers.__version__}: the patched model needs >= 5.24", allow_module_level=True)
@@ -78,7 +79,7 @@ def _rank_main(rank, world, init_file, out_file, n_groups, teeth):
             )
     if rank == 0:
         pathlib.Path(out_file).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _local_norm(self, h, gate=None):
@@ -89,21 +90,9 @@ def _local_norm(self, h, gate=None):
 
 
 def _spawn(tmp_path, n_groups, teeth=False):
-    import torch.multiprocessing as mp
-
-    # A rank has died of SIGABRT ("terminate called without an active exception", no Python traceback) in
-    # two full-suite runs on 2-core CPU machines (2026-12-03), never when this file runs alone or after the
-    # 250 tests before it. A rank killed by a signal is retried once on a fresh rendezvous; a Python error
-    # in a rank, or wrong results (asserted by the callers), are never retried.
-    for attempt in range(2):
-        out, rdzv = tmp_path / f"rows{attempt}.json", tmp_path / f"rdzv{attempt}"
-        try:
-            mp.spawn(_rank_main, args=(2, str(rdzv), str(out), n_groups, teeth), nprocs=2, join=True)
-            return json.loads(out.read_text())
-        except mp.ProcessExitedException as e:
-            if attempt or e.signal_name is None:
-                raise
-            print(f"TP=2 ranks: {e}; retrying once", file=sys.stderr)
+    outs = [tmp_path / f"rows{a}.json" for a in range(2)]
+    attempt = spawn_ranks(_rank_main, lambda a: (2, str(tmp_path / f"rdzv{a}"), str(outs[a]), n_groups, teeth))
+    return json.loads(outs[attempt].read_text())
 
 
 @pytest.mark.parametrize("n_groups", [2, 1], ids=["groups-owned", "group-replicated"])

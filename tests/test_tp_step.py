@@ -22,6 +22,8 @@ import pathlib
 import pytest
 import torch
 
+from .helpers import end_rank, spawn_ranks
+
 pytest.importorskip("transformers")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -47,17 +49,14 @@ def _rank_main(rank, world, init_file, out_file, geometry, tiny, layers, vocab, 
     rows = bd.tp_check(config, ["conventional", "replay"], rank, world)
     if rank == 0:
         pathlib.Path(out_file).write_text(json.dumps(rows))
-    dist.barrier()  # no rank tears gloo down while a peer still talks (SIGABRT at exit)
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _spawn(tmp_path, geometry, tiny=True, layers=None, vocab=None, teeth=False):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rows.json"
-    mp.spawn(_rank_main, args=(2, str(tmp_path / "rdzv"), str(out), geometry, tiny, layers, vocab, teeth),
-             nprocs=2, join=True)
-    return json.loads(out.read_text())
+    outs = [tmp_path / f"rows{a}.json" for a in range(2)]
+    attempt = spawn_ranks(_rank_main, lambda a: (2, str(tmp_path / f"rdzv{a}"), str(outs[a]), geometry, tiny,
+                                                 layers, vocab, teeth))
+    return json.loads(outs[attempt].read_text())
 
 
 @pytest.mark.parametrize("geometry, tiny, layers, vocab", [
