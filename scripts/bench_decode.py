@@ -748,13 +748,15 @@ def _load_mamba(path):
 
 
 def _commit(arg):
-    if arg:
-        return arg
+    """--commit, else $GIT_COMMIT, else git's HEAD. The environment comes before git: the device machine's
+    copy of the working tree sits on a stale .git (its HEAD named a days-old commit, 2026-12-05)."""
+    if arg or os.environ.get("GIT_COMMIT"):
+        return arg or os.environ["GIT_COMMIT"]
     try:
         return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"],
                                        stderr=subprocess.DEVNULL, text=True).strip()
     except Exception:
-        return os.environ.get("GIT_COMMIT", "unknown")
+        return "unknown"
 
 
 def print_table(rows):
