@@ -337,15 +337,20 @@ def _emulated_kernels(monkeypatch, guard):
 
 
 class _KernelPathCache(ReplayStateCache):
-    uses_kernels = True  # CPU tensors, CUDA code path (with the emulated kernels)
+    """CPU tensors, the kernel executor (with the emulated launchers)."""
+
+    def __init__(self, *a, **kw):
+        from trtllm_replayssm.backend import KernelBackend
+
+        super().__init__(*a, executor=KernelBackend(), **kw)
 
 
 @pytest.mark.parametrize("shadow", [None, torch.bfloat16, torch.float8_e4m3fn])
 @pytest.mark.parametrize("T", [2, 4])
 def test_kernel_path_bookkeeping_equals_cpu_path(monkeypatch, T, shadow):
-    """The CUDA path's sequence (flush = nothing, each verify folds its layer on the pre-step cursor,
-    spec_commit moves the cursor; gathered conv updates) leaves every tensor of the cache bit-identical to
-    the CPU path's after each full step, outputs equal (conv: 1e-12, the same float64 K-term sums in another
+    """The kernel executor (flush = nothing, each verify folds its layer on the pre-step cursor, spec_commit
+    moves the cursor; gathered conv updates) leaves every tensor of the cache bit-identical to the float64
+    reference executor's after each full step, outputs equal (conv: 1e-12, the same float64 K-term sums in another
     order), over continuous batching with recycled slots and padding rows; no host read on the way.
     f32 checkpoint (the kernels' shadow needs one), float64 activations."""
     guard = _HostReadGuard(monkeypatch)

@@ -15,6 +15,14 @@ once, when it allocates its state, and never branches per call:
   spec_commit(cursor, n_accepted, sbi, T, L)                               once per model step
   native_spec_verify(state, snapshots, x, B, C, dt, dt_bias, A, D, sbi) -> y
   native_spec_commit(state, snapshots, n_accepted, sbi)                    per layer
+  gdn_replay_verify(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None)
+                                                 -> y (batch, T, HV, V)   Gated DeltaNet, (slots, 2) cursor
+
+``replay_verify`` and ``gdn_replay_verify`` also take ``z`` (Mamba-2 only), ``out`` (outputs written into it,
+rows with a slot only) and ``check_values`` (the launchers' host checks; the reference reads the host
+anyway); ``spec_commit`` takes ``check_values``. ``read_shadow=False`` (reference only) keeps the shadow
+rewritten at each fold without reading it, the CPU cache's default: the kernels always read the shadow they
+are given. :class:`.cache.ReplayStateCache` takes its executor here once, at construction.
 
 The reference computes in float64 and stores every cache back in its own dtype; y comes back in x's
 dtype. Where the kernels fold the checkpoint inside the verify launch (flush one window early), the
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference, spec_reference
+from . import gdn_reference, reference, spec_reference
 from .reference import Shadow
 
 write_shadow = reference.quantize_shadow  # every slot at once: write_shadow(state, shadow, shadow_scale)
@@ -49,6 +57,21 @@ def _rewrite_shadows(state, shadow, shadow_scale, slots) -> None:
     shadow[idx] = q
     if s is not None:
         shadow_scale[idx] = s
+
+
+def _into(y, dtype, out, sbi):
+    """The reference's outputs (padding rows NaN) in the activation dtype, or written into ``out`` (rows with a
+    slot only, as the kernels leave padding rows of ``out`` untouched)."""
+    if out is None:
+        return y.to(dtype)
+    rows = sbi >= 0
+    out[rows] = y[rows].to(out.dtype)
+    return out
+
+
+def _reads_its_shadow(shadow, read_shadow: bool) -> None:
+    if shadow is not None and not read_shadow:
+        raise ValueError("read_shadow: the kernels always read the shadow they are given (pass shadow=None)")
 
 
 class ReferenceBackend:
@@ -81,20 +104,31 @@ class ReferenceBackend:
         reference.advance_cursor(cursor, sbi, L)
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None):
+                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
         T, L = x.shape[1], x_cache.shape[2]
-        sh = None if shadow is None else Shadow.wrap(shadow, shadow_scale)
+        sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
         flushed = spec_reference.flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi)
         _rewrite_shadows(state, shadow, shadow_scale, flushed)
         after = cursor.clone()  # the fold's cursor; the shared cursor itself moves once, in spec_commit
         spec_reference.flush_cursor(after, T, L, sbi)
-        y = spec_reference.verify(state, x_cache, B_cache, dt_cache, after, x, B, C, dt, dt_bias, A, D,
+        y = spec_reference.verify(state, x_cache, B_cache, dt_cache, after, x, B, C, dt, dt_bias, A, D, z,
                                   state_batch_indices=sbi, shadow=sh, flushed=flushed)
-        return y.to(x.dtype)
+        return _into(y, x.dtype, out, sbi)
 
-    def spec_commit(self, cursor, n_accepted, sbi, T, L):
+    def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
         spec_reference.flush_cursor(cursor, T, L, sbi)
         spec_reference.commit(cursor, n_accepted, T, L, sbi)
+
+    def gdn_replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
+                          check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
+        T, L = v.shape[1], buf.u_cache.shape[2]
+        sh = None if shadow is None else Shadow.wrap(shadow, None)
+        flushed = gdn_reference.flush_checkpoint(buf, cursor, T, sbi, sh)  # the shadow rewritten from what it stored
+        after = cursor.clone()
+        spec_reference.flush_cursor(after, T, L, sbi)
+        y = gdn_reference.verify(buf, after, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh if read_shadow else None,
+                                 flushed=set(flushed), use_qk_l2norm=use_qk_l2norm, scale=scale)
+        return _into(y, v.dtype, out, sbi)
 
     def native_spec_verify(self, state, snapshots, x, B, C, dt, dt_bias, A, D, sbi):
         return spec_reference.native_spec_verify(state, snapshots, x, B, C, dt, dt_bias, A, D,
@@ -126,12 +160,24 @@ class KernelBackend:
         self.ops.advance_cursor(cursor, sbi, L)
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None):
+                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
+        _reads_its_shadow(shadow, read_shadow)
         return self.ops.replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi,
-                                      shadow=shadow, shadow_scale=shadow_scale)
+                                      z=z, out=out, check_values=check_values, shadow=shadow,
+                                      shadow_scale=shadow_scale)
 
-    def spec_commit(self, cursor, n_accepted, sbi, T, L):
-        self.ops.spec_commit(cursor, n_accepted, sbi, T, L)
+    def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
+        self.ops.spec_commit(cursor, n_accepted, sbi, T, L, check_values=check_values)
+
+    def gdn_replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
+                          check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
+        from . import gdn_ops
+
+        _reads_its_shadow(shadow, read_shadow)
+        return gdn_ops.gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache,
+                                         buf.k_cache, buf.g_cache, buf.beta_cache, cursor, sbi, out=out,
+                                         shadow=shadow, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                         check_values=check_values)
 
     def native_spec_verify(self, state, snapshots, x, B, C, dt, dt_bias, A, D, sbi):
         return self.ops.native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, sbi)

@@ -38,9 +38,7 @@ gdn_g, gdn_beta (gdn_layers, slots, HV, L)     f32                rings of log d
 gdn_conv       (gdn_layers, slots, gdn_conv_dim, W)  act_dtype   conv1d window over q | k | v
 =============  =============================  =================  ===============================================
 Per step: :meth:`gdn_verify` and :meth:`gdn_conv_update` for every GDN layer between :meth:`flush` and
-:meth:`commit`, exactly as :meth:`verify` / :meth:`conv_update` for the Mamba-2 layers (CPU:
-``gdn_reference``; CUDA: ``gdn_ops.gdn_replay_verify``, which folds inside the launch as the Mamba-2
-verify kernel does).
+:meth:`commit`, exactly as :meth:`verify` / :meth:`conv_update` for the Mamba-2 layers.
 
 Slot lifecycle: :meth:`allocate` returns the lowest free slot, already reset; :meth:`free` returns it.
 :meth:`reset` zeroes everything the slot owns in every layer (checkpoint, shadow, rings, conv window,
@@ -56,30 +54,30 @@ sequence on every device:
     u_l = cache.conv_update(l, u, weight, bias, sbi)             # every layer
     cache.commit(sbi, n_accepted, T)         # count += n; conv windows drop the T - n rejected inputs
 
-Two paths run that sequence, with the same bookkeeping after each full step (checkpoint and shadow
-folded where count + 2T > L, rings, cursors, conv windows):
+One path runs that sequence; only the arithmetic comes from the executor, chosen once at construction
+(:mod:`.backend`: the float64 reference for CPU tensors, the kernels of :mod:`.ops` / :mod:`.gdn_ops` for
+CUDA ones):
 
-=========  ==========================================  =============================================
-call       CPU tensors: the float64 spec               CUDA tensors: the kernels (:mod:`.ops`)
-=========  ==========================================  =============================================
-flush      ``spec_reference.flush_checkpoint`` for     validation only (returns None): the verify
-           every layer (+ shadow), then                kernel of each layer folds its own checkpoint
-           ``flush_cursor`` once; returns the slots    (and rewrites its shadow) on the pre-step cursor
-verify     ``spec_reference.verify`` (reads the        ``ops.replay_verify`` with the layer's shadow:
-           checkpoint; the shadow with read_shadow)    fold if count + 2T > L, window outputs, append
-conv       ``spec_reference.conv_window_update``       gathered rows, fp32 math, scattered back
-commit     ``spec_reference.commit`` + conv rollback   ``ops.spec_commit`` (start += count, count = 0
-                                                       where the kernels folded; count += n) + rollback
-=========  ==========================================  =============================================
-The fused kernel's flush maps onto flush() / verify() / commit() like this: the flush decision is taken
-on the pre-step cursor by every verify kernel (the checkpoint of layer l is folded inside verify(l))
-and again by spec_commit, which moves the cursor once for all layers. So on CUDA, between flush() and
-commit() the verified layers already hold the folded checkpoint while the cursor still counts the
-folded entries; read :meth:`committed_state` between steps only. A CUDA step therefore needs every
-layer verified, with the same T, between flush() and commit() (checked on the host: a layer left out
-would have its history dropped by the cursor move). The CUDA path is graph-safe: no host reads of
-device values unless ``check_values`` (default: when not capturing a CUDA graph) asks for the host
-checks of slots, cursors and n_accepted. Eager serving without syncs: ``check_values=False``.
+=========  ==============================================================================================
+call       what happens (both executors)
+=========  ==============================================================================================
+flush      opens the step: T and the rows checked; nothing written (returns the slots that will fold on
+           the reference, None on the kernels)
+verify     the executor's ``replay_verify`` with the layer's shadow: where count + 2T > L on the pre-step
+           cursor the layer's checkpoint is folded first (and its shadow rewritten), then the window's
+           outputs; the window is appended to the ring, the cursor is read only
+conv       :func:`conv_update_rows`: gathered rows, fp32 math (float64 for float64 tensors), scattered back
+commit     the executor's ``spec_commit`` (start += count, count = 0 where the layers folded; count += n),
+           once for all layers, then every conv window drops the T - n rejected inputs
+=========  ==============================================================================================
+Between flush() and commit() the verified layers already hold the folded checkpoint while the cursor still
+counts the folded entries: read :meth:`committed_state` between steps only. A step needs every layer
+verified, with the same T, between flush() and commit() (checked on the host: a layer left out would have
+its history dropped by the cursor move). ``tests/test_cache.py`` runs the kernel executor on CPU tensors
+with launchers emulated from their contracts and checks every tensor bit-identical to the reference
+executor's after each step. The kernel path is graph-safe: no host reads of device values unless
+``check_values`` (default: when not capturing a CUDA graph) asks for the host checks of slots, cursors and
+n_accepted. Eager serving without syncs: ``check_values=False``.
 There is no separate standard-decode path: num_draft = 0 and T = 1 is standard decode on the ring.
 
 :func:`.costs.cache_bytes` models what the constructor allocates (per slot and in all; tests/test_costs.py checks
@@ -93,8 +91,8 @@ import dataclasses
 
 import torch
 
+from . import backend, ops
 from . import gdn_reference as gref
-from . import ops
 from . import spec_reference as sr
 from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
 from .costs import memory_per_request  # noqa: F401  (re-exported: the memory model's home is .costs)
@@ -155,7 +153,7 @@ class ReplayStateCache:
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, gdn_layers: int = 0,
                  gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
-                 gdn_conv_dim: int | None = None):
+                 gdn_conv_dim: int | None = None, executor=None):
         if num_layers < 0 or gdn_layers < 0 or num_layers + gdn_layers < 1:
             raise ValueError(f"num_layers, gdn_layers: expected >= 0 with at least one layer, got {num_layers}, "
                              f"{gdn_layers}")
@@ -191,6 +189,10 @@ class ReplayStateCache:
         self.conv_dim = nheads * headdim + 2 * ngroups * dstate if conv_dim is None else conv_dim
         self.conv_width = conv_kernel - 1 + num_draft
         self.check_values, self.read_shadow = check_values, read_shadow
+        # The executor of every step, chosen once (backend.py): the float64 reference for CPU tensors, the
+        # kernels for CUDA ones. ``executor`` overrides it (tests run the kernel backend on CPU tensors with
+        # emulated launchers).
+        self.x = backend.for_device(device) if executor is None else executor
         Ly, S, H, P, N, G, L = num_layers, num_slots, nheads, headdim, dstate, ngroups, buffer_len
         kw = dict(device=device)
         self.state = torch.zeros(Ly, S, H, P, N, dtype=state_dtype, **kw)
@@ -224,8 +226,7 @@ class ReplayStateCache:
         self.gdn_conv = self._gdn_conv[:, :S]
         self._free = list(range(S))
         self._live: set[int] = set()
-        self._flushed: set[int] = set()  # CPU path: slots folded by this step's flush()
-        self._step: tuple[int, set[int]] | None = None  # CUDA path: (T, layers verified) since flush()
+        self._step: tuple[int, set[int]] | None = None  # (T, layers verified) since flush()
 
     @classmethod
     def for_rank(cls, rank: int, tp: int, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int,
@@ -245,8 +246,8 @@ class ReplayStateCache:
 
     @property
     def uses_kernels(self) -> bool:
-        """True when the tensors live on a CUDA device: verify / flush / commit dispatch to the kernels."""
-        return self.state.device.type == "cuda"
+        """True when the step's executor is the kernels (CUDA tensors), False for the float64 reference."""
+        return self.x.name == "kernels"
 
     def _checking(self) -> bool:
         return self.check_values if self.check_values is not None else not ops._capturing()
@@ -333,9 +334,9 @@ class ReplayStateCache:
             raise ValueError(f"num_tokens: expected 1 <= T <= num_draft + 1 = {self.num_draft + 1}, got {T}")
 
     def _step_T(self, T: int, what: str) -> set[int]:
-        """CUDA path: the layers verified in the step flush() opened, after checking T against it."""
+        """The layers verified in the step flush() opened, after checking T against it."""
         if self._step is None:
-            raise RuntimeError(f"{what}: call flush() first (a CUDA step is flush, verify of every layer, commit)")
+            raise RuntimeError(f"{what}: call flush() first (a step is flush, verify of every layer, commit)")
         if T != self._step[0]:
             raise ValueError(f"{what}: num_tokens T={T} differs from the step's T={self._step[0]} (given to flush)")
         return self._step[1]
@@ -398,78 +399,58 @@ class ReplayStateCache:
 
     # ---- speculative step ----------------------------------------------------------------------------------------
     def flush(self, state_batch_indices, num_tokens: int, A_by_layer) -> list[int] | None:
-        """Flush rule on the pre-step cursors: fold committed history in every layer, then move cursors once.
+        """Open a step of T tokens: checks T, the rows' slots (unless check_values is off) and that
+        ``A_by_layer`` has one tensor per Mamba-2 layer. Nothing is written: each layer's verify folds its own
+        checkpoint on the pre-step cursor (module docstring) and commit moves the cursor once.
 
-        CPU: returns the flushed slots. CUDA: opens the step and returns None; the verify kernels fold
-        (module docstring), so nothing is read back from the device.
+        Returns the slots whose checkpoints this step folds (count + 2T > L) when the executor is the float64
+        reference, which reads the host anyway; None on the kernels (nothing is read back from the device).
         """
         self._check_T(num_tokens)
         if len(A_by_layer) != self.num_layers:
             raise ValueError(f"A_by_layer: expected {self.num_layers} tensors, got {len(A_by_layer)}")
+        rows = self._rows(state_batch_indices, "flush") if self._checking() else None
+        self._step = (num_tokens, set())
         if self.uses_kernels:
-            if self._checking():
-                self._rows(state_batch_indices, "flush")
-            self._step = (num_tokens, set())
             return None
-        self._rows(state_batch_indices, "flush")
-        flushed = []
-        for l in range(self.num_layers):
-            lay = self.layer(l)
-            flushed = sr.flush_checkpoint(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, A_by_layer[l],
-                                          num_tokens, state_batch_indices)
-            for s in flushed:
-                self._refresh_shadow(l, s)
-        for l in range(self.gdn_layers):  # the exact fold from v_j; the shadow rewritten from what it stored
-            flushed = gref.flush_checkpoint(self.gdn_layer(l).buf, self.cursor, num_tokens, state_batch_indices,
-                                            self._gdn_shadow_view(l))
-        sr.flush_cursor(self.cursor, num_tokens, self.buffer_len, state_batch_indices)
-        self._flushed = set(flushed)
-        return flushed
+        rows = self._rows(state_batch_indices, "flush") if rows is None else rows
+        return [s for s in rows if s >= 0 and sr.needs_flush(self.cursor, s, num_tokens, self.buffer_len)]
+
+    def _open(self, T: int, state_batch_indices, what: str) -> tuple[set, bool]:
+        self._check_T(T)
+        check = self._checking()
+        if check:
+            self._rows(state_batch_indices, what)
+        return self._step_T(T, what), check
 
     def verify(self, layer: int, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None) -> torch.Tensor:
         """Outputs (batch, T, H, P) of the T window tokens of one layer; appends the window to its ring.
 
-        CPU: float64 (padding rows NaN), or written into ``out`` (rows with a slot, cast). CUDA: the
-        kernel's outputs in the activation dtype (into ``out`` if given; padding rows untouched).
+        Where count + 2T > L on the pre-step cursor the layer's checkpoint (and shadow) is folded first.
+        Outputs in x's dtype (padding rows NaN on the reference), or written into ``out`` (rows with a slot).
         """
-        T = x.shape[1]
-        self._check_T(T)
+        verified, check = self._open(x.shape[1], state_batch_indices, "verify")
         lay = self.layer(layer)
-        if self.uses_kernels:
-            verified = self._step_T(T, "verify")
-            check = self._checking()
-            if check:
-                self._rows(state_batch_indices, "verify")
-            y = ops.replay_verify(x, B, C, dt, dt_bias, A, D, lay.state, lay.x_cache, lay.B_cache, lay.dt_cache,
-                                  self.cursor, state_batch_indices, z=z, out=out, check_values=check,
-                                  shadow=lay.shadow, shadow_scale=lay.shadow_scale)
-            verified.add(layer)
-            return y
-        self._rows(state_batch_indices, "verify")
-        shadow = self._shadow_view(layer) if self.read_shadow else None
-        y = sr.verify(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x, B, C, dt, dt_bias, A, D, z,
-                      state_batch_indices, shadow=shadow, flushed=self._flushed)
-        if out is None:
-            return y
-        rows = state_batch_indices >= 0
-        out[rows] = y[rows].to(out.dtype)
-        return out
+        y = self.x.replay_verify(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x, B, C, dt, dt_bias,
+                                 A, D, state_batch_indices, lay.shadow, lay.shadow_scale, z=z, out=out,
+                                 check_values=check, read_shadow=self._reads_shadow())
+        verified.add(layer)
+        return y
+
+    def _reads_shadow(self) -> bool:
+        return self.uses_kernels or self.read_shadow
 
     def conv_update(self, layer: int, u, weight, bias=None, state_batch_indices=None, activation="silu") -> torch.Tensor:
         """Causal conv of the T window inputs u (batch, T, conv_dim) of one layer; shifts them into its window.
 
-        CPU: float64 outputs (``spec_reference.conv_window_update``). CUDA: gathered rows, math in fp32
-        (float64 for float64 tensors), outputs in u's dtype; padding rows NaN and no slot touched.
+        Gathered rows (:func:`conv_update_rows`), math in fp32 (float64 for float64 tensors), outputs in u's
+        dtype; padding rows NaN and no slot touched. ``spec_reference.conv_window_update`` is its spec.
         """
-        return self._conv_update(self.layer(layer).conv, self._conv[layer], self.conv_dim, u, weight, bias,
-                                 state_batch_indices, activation)
+        return self._conv_update(self._conv[layer], self.conv_dim, u, weight, bias, state_batch_indices, activation)
 
-    def _conv_update(self, conv, conv_scratch, conv_dim, u, weight, bias, state_batch_indices, activation):
+    def _conv_update(self, conv_scratch, conv_dim, u, weight, bias, state_batch_indices, activation):
         T = u.shape[1]
         self._check_T(T)
-        if not self.uses_kernels:
-            self._rows(state_batch_indices, "conv_update")
-            return sr.conv_window_update(conv, u, weight, bias, state_batch_indices, activation)
         if self._step is not None:
             self._step_T(T, "conv_update")
         if self._checking():
@@ -488,52 +469,33 @@ class ReplayStateCache:
                    use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
         """Outputs (batch, T, HV, V) of the T window tokens of GDN layer ``layer``; appends the window to its rings.
 
-        q, k (batch, T, Hk, Kd), v (batch, T, HV, V), a, b (batch, T, HV) raw, A_log, dt_bias (HV,). CPU:
-        ``gdn_reference.verify`` in float64 (padding rows NaN; into ``out`` if given). CUDA:
-        ``gdn_ops.gdn_replay_verify`` with the layer's shadow, activation-dtype outputs."""
-        T = v.shape[1]
-        self._check_T(T)
+        q, k (batch, T, Hk, Kd), v (batch, T, HV, V), a, b (batch, T, HV) raw, A_log, dt_bias (HV,). The
+        executor's ``gdn_replay_verify`` (reference: ``gdn_reference`` in float64, padding rows NaN; kernels:
+        ``gdn_ops.gdn_replay_verify``) with the layer's shadow; outputs in v's dtype or into ``out``."""
+        verified, check = self._open(v.shape[1], state_batch_indices, "gdn_verify")
         lay = self.gdn_layer(layer)
-        if self.uses_kernels:
-            from . import gdn_ops
-
-            verified = self._step_T(T, "gdn_verify")
-            check = self._checking()
-            if check:
-                self._rows(state_batch_indices, "gdn_verify")
-            y = gdn_ops.gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, lay.buf.state, lay.buf.u_cache,
-                                          lay.buf.v_cache, lay.buf.k_cache, lay.buf.g_cache, lay.buf.beta_cache,
-                                          self.cursor, state_batch_indices, out=out, shadow=lay.shadow,
-                                          use_qk_l2norm=use_qk_l2norm, scale=scale, check_values=check)
-            verified.add(("gdn", layer))
-            return y
-        self._rows(state_batch_indices, "gdn_verify")
-        shadow = self._gdn_shadow_view(layer) if self.read_shadow else None
-        y = gref.verify(lay.buf, self.cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow=shadow,
-                        flushed=self._flushed, use_qk_l2norm=use_qk_l2norm, scale=scale)
-        if out is None:
-            return y
-        rows = state_batch_indices >= 0
-        out[rows] = y[rows].to(out.dtype)
-        return out
+        y = self.x.gdn_replay_verify(lay.buf, self.cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices,
+                                     lay.shadow, out=out, check_values=check, read_shadow=self._reads_shadow(),
+                                     use_qk_l2norm=use_qk_l2norm, scale=scale)
+        verified.add(("gdn", layer))
+        return y
 
     def gdn_conv_update(self, layer: int, u, weight, bias=None, state_batch_indices=None,
                         activation="silu") -> torch.Tensor:
         """:meth:`conv_update` for GDN layer ``layer``'s window over q | k | v (u (batch, T, gdn_conv_dim))."""
-        return self._conv_update(self.gdn_layer(layer).conv, self._gdn_conv[layer], self.gdn_conv_dim, u, weight,
-                                 bias, state_batch_indices, activation)
+        return self._conv_update(self._gdn_conv[layer], self.gdn_conv_dim, u, weight, bias, state_batch_indices,
+                                 activation)
 
     def commit(self, state_batch_indices, n_accepted, num_tokens: int) -> None:
         """Accept n of T tokens per row: count += n (cursor move), conv windows drop T - n inputs (all layers)."""
         self._check_T(num_tokens)
-        kernels = self.uses_kernels
-        if kernels:
-            want = set(range(self.num_layers)) | {("gdn", l) for l in range(self.gdn_layers)}
-            missing = sorted(want - self._step_T(num_tokens, "commit"), key=str)
-            if missing:
-                raise RuntimeError(f"commit: layers {missing} were not verified since flush(); on CUDA their "
-                                   f"history would be dropped by the cursor move")
-        if not kernels or self._checking():
+        want = set(range(self.num_layers)) | {("gdn", l) for l in range(self.gdn_layers)}
+        missing = sorted(want - self._step_T(num_tokens, "commit"), key=str)
+        if missing:
+            raise RuntimeError(f"commit: layers {missing} were not verified since flush(); their history would be "
+                               f"dropped by the cursor move")
+        check = self._checking()
+        if check:
             self._rows(state_batch_indices, "commit")
             # validate every row before mutating anything, so a bad n leaves the cache as it was
             nacc = n_accepted.cpu().tolist()
@@ -541,24 +503,16 @@ class ReplayStateCache:
                 if s >= 0 and not num_tokens - self.num_draft <= nacc[b] <= num_tokens:
                     raise ValueError(f"n_accepted[{b}]: expected {max(0, num_tokens - self.num_draft)} <= n <= "
                                      f"T={num_tokens} (conv window keeps K-1 inputs), got {nacc[b]}")
-        if kernels:
-            # L of the rings the verify kernels read, not a second copy of it
-            ring = self.x_cache if self.num_layers else self.gdn_u
-            ops.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, ring.shape[3],
-                            check_values=self._checking())
-            dst = self._dst(state_batch_indices)
-            for conv in (*self._conv, *self._gdn_conv):  # one layer at a time: the gathered windows stay small
-                conv_rollback_rows(conv, n_accepted, num_tokens, dst)
-            self._step = None
-            return
-        sr.commit(self.cursor, n_accepted, num_tokens, self.buffer_len, state_batch_indices)
-        for conv in (*self.conv, *self.gdn_conv):
-            sr.conv_window_rollback(conv, n_accepted, num_tokens, self.conv_kernel, state_batch_indices)
-        self._flushed = set()
+        self.x.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.buffer_len,
+                           check_values=check)
+        dst = self._dst(state_batch_indices)
+        for conv in (*self._conv, *self._gdn_conv):  # one layer at a time: the gathered windows stay small
+            conv_rollback_rows(conv, n_accepted, num_tokens, dst)
+        self._step = None
 
     def committed_state(self, layer: int, slot: int, A) -> torch.Tensor:
         """The recurrent state after the committed tokens (float64), e.g. for prefix caching or migration.
-        Between steps only on CUDA (module docstring)."""
+        Between steps only (module docstring)."""
         lay = self.layer(layer)
         return sr.committed_state(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, A, slot)
 
