@@ -71,7 +71,7 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm import spec_reference
+from trtllm_replayssm.cache import ReplayStateCache
 
 from . import moe as moe_ops
 from .decode_attention import decode_attention
@@ -83,21 +83,24 @@ GROUPED_MOE_ON_CUDA = True  # grouped-GEMM experts on CUDA too (see HybridStep.g
 # ---- SSM modes ----------------------------------------------------------------------------------------
 class SSMMode:
     """Interface: ``alloc`` per-layer state for T tokens per step, ``load`` it from conventional fp32
-    states, ``step`` one layer (y (batch, T, H, P) in x's dtype), ``end_step`` once per model step
-    (``n_accepted`` (batch,) int32 when T > 1)."""
+    states, ``begin_step`` once per model step before the layers, ``step`` one layer (y (batch, T, H, P) in
+    x's dtype), ``end_step`` once per model step (``n_accepted`` (batch,) int32 when T > 1)."""
 
     name = "?"
     needs_cuda = False
     tokens = (1,)  # the T it supports: (1,) standard decode only, (2,) speculative only, (1, 2) both
 
     def alloc(self, layers, batch, T, H, P, N, G, device, act_dtype):
+        self._check_T(T)
+        self.batch, self.T, self.layers = batch, T, list(layers)
+        self.x = executors.for_device(device)
+        self.state = {i: torch.zeros(batch, H, P, N, dtype=torch.float32, device=device) for i in layers}
+
+    def _check_T(self, T: int) -> None:
         allowed = {1: "T = 1 (standard decode)", 2: "T > 1 (speculative verify)"}
         if min(T, 2) not in self.tokens:
             raise ValueError(f"SSM mode {self.name!r}: expected {' or '.join(allowed[t] for t in self.tokens)}, "
                              f"got T = {T}")
-        self.batch, self.T, self.layers = batch, T, list(layers)
-        self.x = executors.for_device(device)
-        self.state = {i: torch.zeros(batch, H, P, N, dtype=torch.float32, device=device) for i in layers}
 
     def load(self, states: dict) -> None:
         for i, s in states.items():
@@ -106,6 +109,9 @@ class SSMMode:
     def states(self, A: dict) -> dict:
         """Current recurrent state per layer (conventional layout, fp32); ``A`` = -exp(A_log) per layer."""
         return self.state
+
+    def begin_step(self, sbi) -> None:
+        pass
 
     def step(self, i, x, B, C, dt, dt_bias, A, D, sbi):
         raise NotImplementedError
@@ -126,8 +132,13 @@ class Conventional(SSMMode):
 
 
 class Replay(SSMMode):
-    """ReplaySSM for any T. ``advance(cursor, sbi, L)`` (T = 1) or ``commit_fn(cursor, n, sbi, T, L)``
-    (T > 1) replace the cursor move (the tests break it on purpose)."""
+    """ReplaySSM for any T on a :class:`~trtllm_replayssm.cache.ReplayStateCache`, the product's state owner:
+    T = 1 on its standard form (the (slots,) cursor and the tuned decode kernel), T > 1 on its ring (the
+    verify kernel, one commit per step). The harness keeps the conv windows (channels innermost, fused into
+    ``mamba_in``), so the cache holds none (``conv_dim=0``); every batch row is one live slot.
+    ``advance(cursor, sbi, L)`` (T = 1) or ``commit_fn(cursor, n, sbi, T, L)`` (T > 1) replace the cursor
+    move (the tests break it on purpose). ``state``, ``x_cache``, ``B_cache``, ``dt_cache``, ``shadow``,
+    ``shadow_scale`` (per model layer) and ``cursor`` are views of the cache's tensors."""
 
     name = "replay"
     tokens = (1, 2)
@@ -139,24 +150,31 @@ class Replay(SSMMode):
             raise ValueError(f"shadow: expected None, 'bf16' or 'fp8', got {shadow!r}")
         self.L, self.shadow_kind = buffer_len, shadow
         self.advance, self.commit_fn = advance, commit_fn
+        self.cache = None
         if shadow is not None:
             self.name = f"replay_{shadow}"
 
     def alloc(self, layers, batch, T, H, P, N, G, device, act_dtype):
+        self._check_T(T)
         if T > 1 and self.L < 2 * T:
             raise ValueError(f"buffer_len: expected >= 2T = {2 * T} (flush one window early), got {self.L}")
-        super().alloc(layers, batch, T, H, P, N, G, device, act_dtype)
-        L = self.L
-        self.x_cache = {i: torch.zeros(batch, H, L, P, dtype=act_dtype, device=device) for i in layers}
-        self.B_cache = {i: torch.zeros(batch, G, L, N, dtype=act_dtype, device=device) for i in layers}
-        self.dt_cache = {i: torch.zeros(batch, H, L, dtype=torch.float32, device=device) for i in layers}
-        self.cursor = torch.zeros((batch,) if T == 1 else (batch, 2), dtype=torch.int32, device=device)
-        self.shadow, self.shadow_scale = {}, {}
-        if self.shadow_kind is not None:
-            dtype = torch.bfloat16 if self.shadow_kind == "bf16" else torch.float8_e4m3fn
-            self.shadow = {i: torch.zeros(batch, H, P, N, dtype=dtype, device=device) for i in layers}
-            if self.shadow_kind == "fp8":
-                self.shadow_scale = {i: torch.ones(batch, H, P, dtype=torch.float32, device=device) for i in layers}
+        self.batch, self.T, self.layers = batch, T, list(layers)
+        x = executors.for_device(device)
+        if self.advance or self.commit_fn:
+            x = _HookedExecutor(x, self.advance, self.commit_fn)
+        shadow_dtype = {None: None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[self.shadow_kind]
+        c = self.cache = ReplayStateCache(len(layers), batch, H, P, N, G, self.L, num_draft=T - 1, conv_dim=0,
+                                          act_dtype=act_dtype, shadow_dtype=shadow_dtype, device=device,
+                                          cursor="standard" if T == 1 else "ring", executor=x,
+                                          read_shadow=shadow_dtype is not None)  # the reference reads it too
+        for _ in range(batch):
+            c.allocate()
+        self.j = {i: j for j, i in enumerate(self.layers)}
+        self.x = x
+        self.cursor = c.cursor
+        for name in ("state", "x_cache", "B_cache", "dt_cache", "shadow", "shadow_scale"):
+            t = getattr(c, name)
+            setattr(self, name, {} if t is None else {i: t[j] for i, j in self.j.items()})
 
     def load(self, states: dict) -> None:
         super().load(states)  # the prompt's final state becomes the checkpoint, the buffers are empty
@@ -165,29 +183,39 @@ class Replay(SSMMode):
             executors.write_shadow(self.state[i], self.shadow[i], self.shadow_scale.get(i))
 
     def states(self, A: dict) -> dict:
-        from trtllm_replayssm import reference
+        return {i: torch.stack([self.cache.committed_state(j, s, A[i]).float() for s in range(self.batch)])
+                for i, j in self.j.items()}
 
-        fold = reference.replay_state if self.T == 1 else spec_reference.committed_state
-        return {i: torch.stack([fold(self.state[i], self.x_cache[i], self.B_cache[i], self.dt_cache[i], self.cursor,
-                                     A[i], s).float() for s in range(self.batch)]) for i in self.layers}
+    def begin_step(self, sbi) -> None:
+        self.cache.flush(sbi, self.T)
 
     def step(self, i, x, B, C, dt, dt_bias, A, D, sbi):
-        caches = (self.state[i], self.x_cache[i], self.B_cache[i], self.dt_cache[i], self.cursor)
-        sh = dict(shadow=self.shadow.get(i), shadow_scale=self.shadow_scale.get(i))
-        if self.T == 1:
-            return self.x.replay_decode(*caches, x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, sbi, **sh)[:, None]
-        return self.x.replay_verify(*caches, x, B, C, dt, dt_bias, A, D, sbi, **sh)
+        return self.cache.verify(self.j[i], x, B, C, dt, dt_bias, A, D, None, sbi)
 
     def end_step(self, sbi, n_accepted=None) -> None:
-        if self.T == 1:
-            (self.advance or self.x.advance_cursor)(self.cursor, sbi, self.L)
-        else:
-            (self.commit_fn or self.x.spec_commit)(self.cursor, n_accepted, sbi, self.T, self.L)
+        self.cache.commit(sbi, n_accepted, self.T)
 
     def free(self) -> None:
         super().free()
+        self.cache = None
         self.x_cache = self.B_cache = self.dt_cache = {}
         self.shadow, self.shadow_scale = {}, {}
+
+
+class _HookedExecutor:
+    """An executor whose cursor move is replaced (Replay's ``advance`` / ``commit_fn``); the rest delegated."""
+
+    def __init__(self, x, advance, commit_fn):
+        self._x, self._advance, self._commit = x, advance, commit_fn
+
+    def __getattr__(self, name):
+        return getattr(self._x, name)
+
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
+        (self._advance or self._x.advance_cursor)(cursor, sbi, L)
+
+    def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
+        (self._commit or self._x.spec_commit)(cursor, n_accepted, sbi, T, L)
 
 
 class NativeSpec(SSMMode):
@@ -630,6 +658,7 @@ class HybridStep:
         delta = None
         if self.attn:
             self._attention_positions()
+        self.ssm.begin_step(self.sbi)
         layer_fn = {"linear_attention": self._mamba, "full_attention": self._attention, "mlp": self._mlp,
                     "moe": self._moe}
         for i, kind in enumerate(self.kinds):

@@ -154,11 +154,12 @@ def test_shadow_follows_checkpoint_on_flush(shadow):
     assert flushed
 
 
-@pytest.mark.parametrize("T", [2, 4])
-def test_continuous_batching_against_oracle(T):
-    """7 requests through 3 slots, 2 layers, a padding row, random acceptance, slots recycled."""
+@pytest.mark.parametrize("T, cursor", [(2, "ring"), (4, "ring"), (1, "ring"), (1, "standard")])
+def test_continuous_batching_against_oracle(T, cursor):
+    """7 requests through 3 slots, 2 layers, a padding row, random acceptance, slots recycled. T = 1: standard
+    decode, on the ring (num_draft = 0) and on the (slots,) cursor of the standard decode kernel."""
     gen = torch.Generator().manual_seed(T)
-    c = _cache(layers=2, slots=3, L=9, num_draft=3)
+    c = _cache(layers=2, slots=3, L=9 if T > 1 else 5, num_draft=3 if T > 1 else 0, cursor=cursor)
     prm, weights = _layer_params(2, c, gen)
     K = c.conv_kernel
     pending = list(range(7))
@@ -206,12 +207,48 @@ def test_continuous_batching_against_oracle(T):
                 assert torch.equal(c.conv[l, s][:, -(K - 1):], r["hist"][l][:, -(K - 1):])  # exact
                 S_now = c.committed_state(l, s, prm[l].A)
                 assert torch.allclose(S_now, r["S"][l], rtol=RTOL, atol=RTOL * float(r["S"][l].abs().max()))
-            assert 0 <= int(c.cursor[s, 1]) <= c.buffer_len - T
+            count = int(c.cursor[s]) if cursor == "standard" else int(c.cursor[s, 1])
+            assert 0 <= count <= c.buffer_len - T
             r["left"] -= 1
             if r["left"] == 0:
                 c.free(s)
                 del live[s]
     assert not pending and not live and allocations == 7 and flushes >= 3
+
+
+def test_standard_cursor_rules():
+    """cursor='standard': the (slots,) cursor of the standard decode kernel; num_draft = 0 and Mamba-2 only; commit
+    takes n_accepted = None (every row accepts its token) or ones; the ring form needs n_accepted."""
+    with pytest.raises(ValueError, match="cursor: 'standard'.*num_draft=3"):
+        _cache(cursor="standard")
+    with pytest.raises(ValueError, match="cursor: expected 'ring' or 'standard', got 'flat'"):
+        _cache(num_draft=0, cursor="flat")
+    gen = torch.Generator().manual_seed(6)
+    c = _cache(num_draft=0, L=1, cursor="standard")  # L = 1: every step folds
+    prm, weights = _layer_params(2, c, gen)
+    assert c.cursor.shape == (3,)
+    s = c.allocate()
+    sbi = torch.tensor([s, -1], dtype=torch.int32)
+    for _ in range(3):
+        assert c.flush(sbi, 1, [p.A for p in prm]) == [s]
+        for l in range(2):
+            x, B, C, dt, u = _inputs(2, 1, c, gen)
+            y = c.verify(l, x, B, C, dt, prm[l].dt_bias, prm[l].A, prm[l].D, None, sbi)
+            assert y.shape == (2, 1, 4, 8) and torch.isnan(y[1]).all() and not torch.isnan(y[0]).any()
+            c.conv_update(l, u, *weights[l], sbi)
+        c.commit(sbi, None, 1)
+        assert int(c.cursor[s]) == 0
+    c.flush(sbi, 1, [p.A for p in prm])
+    with pytest.raises(ValueError, match=r"num_tokens: expected 1 <= T <= num_draft \+ 1 = 1, got 2"):
+        c.commit(sbi, torch.ones(2, dtype=torch.int32), 2)
+    ring = _cache()
+    ring.allocate()
+    with pytest.raises(TypeError, match="n_accepted: expected a"):
+        ring.flush(torch.tensor([0], dtype=torch.int32), 2, [p.A for p in prm])
+        for l in range(2):
+            x, B, C, dt, u = _inputs(1, 2, ring, gen)
+            ring.verify(l, x, B, C, dt, prm[l].dt_bias, prm[l].A, prm[l].D, None, torch.tensor([0], dtype=torch.int32))
+        ring.commit(torch.tensor([0], dtype=torch.int32), None, 2)
 
 
 def test_commit_rejects_bad_n_and_leaves_cache_unchanged():

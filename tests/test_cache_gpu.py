@@ -6,9 +6,10 @@ requests: continuous batching through a few slots (requests allocated, freed, re
 from a prefill hand-off, some from zeros), one padding row at a moving position, random acceptance.
 
 Oracles:
-- "mirror": the CPU cache in float64 (state, activations, dt ring) fed the very activation values the
-  CUDA cache sees (bf16 / f32 inputs widened), with its checkpoint rounded to f32 right after each flush
-  (the kernel stores the f32 checkpoint and computes the window from it) and, with a shadow,
+- "mirror": the CPU cache (the float64 reference executor; activations and dt ring float64) fed the very
+  activation values the CUDA cache sees (bf16 / f32 inputs widened), with an f32 checkpoint as the CUDA
+  cache's: both folds store the f32 checkpoint and compute the window from it (the reference folds in
+  float64 and rounds once on the store) and, with a shadow,
   ``read_shadow=True`` and the CUDA cache's shadow copied in after every step, once checked (below).
   What is left is the kernels' fp32 arithmetic and the rounding of the outputs: the tolerances of
   tests/test_spec_gpu.py.
@@ -57,15 +58,15 @@ def bits(t):
 class CacheProblem:
     """A CUDA cache and its float64 CPU mirror, fed the same requests, windows and acceptances."""
 
-    def __init__(self, geom, act, T, L, layers, slots, shadow, has_z=False, check_values=None, seed=0):
+    def __init__(self, geom, act, T, L, layers, slots, shadow, has_z=False, check_values=None, cursor="ring", seed=0):
         H, P, N, G = GEOMETRIES[geom] if isinstance(geom, str) else geom
         self.H, self.P, self.N, self.G, self.T, self.L, self.layers = H, P, N, G, T, L, layers
         self.act, self.has_z, self.shadow_kind = DT[act], has_z, shadow
         geo = dict(num_layers=layers, num_slots=slots, nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=L,
-                   num_draft=T - 1, conv_kernel=K, shadow_dtype=SHADOWS[shadow])
+                   num_draft=T - 1, conv_kernel=K, shadow_dtype=SHADOWS[shadow], cursor=cursor)
         self.dev = ReplayStateCache(**geo, state_dtype=torch.float32, act_dtype=self.act, dt_dtype=torch.float32,
                                     device=DEV, check_values=check_values)
-        self.cpu = ReplayStateCache(**geo, state_dtype=F64, act_dtype=F64, dt_dtype=F64, device="cpu",
+        self.cpu = ReplayStateCache(**geo, state_dtype=torch.float32, act_dtype=F64, dt_dtype=F64, device="cpu",
                                     read_shadow=shadow != "none")
         self.gen = torch.Generator().manual_seed(seed)
         self.prm = [make_params(H, self.gen) for _ in range(layers)]  # f32 on the CPU
@@ -97,7 +98,7 @@ class CacheProblem:
         for t in self.dev._tensors():
             want = 1.0 if t is self.dev.shadow_scale else 0.0
             assert (t[:, s].float() == want).all(), f"slot {s}: stale values survived the reset"
-        assert self.dev.cursor[s].tolist() == [0, 0]
+        assert not self.dev.cursor[s].any()
 
     def retire(self, rows):
         for s in rows:
@@ -126,8 +127,6 @@ class CacheProblem:
         shadow_before = None if self.dev.shadow is None else self.dev.shadow.clone()
 
         flushed = self.cpu.flush(sbi, T, [p.A.double() for p in self.prm])
-        for s in flushed:  # the kernel stores the folded checkpoint in f32 and computes the window from it
-            self.cpu.state[:, s] = self.cpu.state[:, s].float().double()
         self.flushes += len(flushed)
         assert self.dev.flush(sbi_d, T, [p.A.to(DEV) for p in self.prm]) is None
         for l in range(self.layers):
@@ -200,7 +199,8 @@ class CacheProblem:
                 cpu.shadow_scale[l, s] = dev.shadow_scale[l, s].cpu()
 
 
-BASE = dict(geom="tiny", act="bf16", T=4, L=16, layers=2, slots=4, shadow="none", has_z=False, check_values=None)
+BASE = dict(geom="tiny", act="bf16", T=4, L=16, layers=2, slots=4, shadow="none", has_z=False, check_values=None,
+            cursor="ring")
 CASES = [
     BASE,
     {**BASE, "shadow": "bf16"},
@@ -208,6 +208,9 @@ CASES = [
     {**BASE, "shadow": "fp8", "T": 8, "has_z": True},  # count + 2T > L whenever count > 0
     {**BASE, "shadow": "bf16", "act": "f32", "T": 2, "L": 8, "check_values": False},  # eager without host checks
     {**BASE, "T": 1, "L": 4},  # num_draft = 0: standard decode on the ring
+    {**BASE, "T": 1, "L": 4, "cursor": "standard", "shadow": "bf16", "has_z": True},  # the standard decode kernel
+    {**BASE, "T": 1, "L": 6, "cursor": "standard", "shadow": "fp8", "geom": "nemotron_h_8b", "layers": 1,
+     "slots": 3},
     {**BASE, "shadow": "fp8", "T": 4, "L": 12, "slots": 3},
     {**BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "layers": 1, "slots": 3},
 ]

@@ -24,6 +24,7 @@ CASES = {
     "gdn_fp8_shadow": dict(num_layers=0, num_slots=3, nheads=1, headdim=1, dstate=1, ngroups=1, buffer_len=8,
                            shadow_dtype=F8, **GDN),
     "mixed_bf16_shadow": dict(MAMBA, num_draft=2, shadow_dtype=BF, **GDN),
+    "standard_cursor_no_conv": dict(MAMBA, cursor="standard", conv_dim=0, shadow_dtype=BF),
     "float64": dict(MAMBA, state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64, **GDN),
 }
 

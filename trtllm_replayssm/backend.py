@@ -18,7 +18,7 @@ once, when it allocates its state, and never branches per call:
   gdn_replay_verify(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None)
                                                  -> y (batch, T, HV, V)   Gated DeltaNet, (slots, 2) cursor
 
-``replay_verify`` and ``gdn_replay_verify`` also take ``z`` (Mamba-2 only), ``out`` (outputs written into it,
+``replay_decode``, ``replay_verify`` and ``gdn_replay_verify`` also take ``z`` (Mamba-2 only), ``out`` (outputs written into it,
 rows with a slot only) and ``check_values`` (the launchers' host checks; the reference reads the host
 anyway); ``spec_commit`` takes ``check_values``. ``read_shadow=False`` (reference only) keeps the shadow
 rewritten at each fold without reading it, the CPU cache's default: the kernels always read the shadow they
@@ -86,21 +86,21 @@ class ReferenceBackend:
         return y.to(x.dtype)
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None):
+                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
         caches = [state, x_cache, B_cache, dt_cache]
         wide = [c.double() for c in caches]
         L = x_cache.shape[2]
         rows = sbi[sbi >= 0].long()
         flushed = rows[cursor[rows] == L - 1].tolist()  # the step that fills the buffer folds it
-        sh = None if shadow is None else Shadow.wrap(shadow, shadow_scale)
-        y = reference.replay_decode(*wide, cursor, *map(_wide, (x, B, C, dt, dt_bias, A, D)),
+        sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
+        y = reference.replay_decode(*wide, cursor, *map(_wide, (x, B, C, dt, dt_bias, A, D, z)),
                                     state_batch_indices=sbi, shadow=sh)
         for c, w in zip(caches, wide):
             c.copy_(w)
         _rewrite_shadows(state, shadow, shadow_scale, flushed)  # from the fp32 checkpoint as stored
-        return y.to(x.dtype)
+        return _into(y, x.dtype, out, sbi)
 
-    def advance_cursor(self, cursor, sbi, L):
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
         reference.advance_cursor(cursor, sbi, L)
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
@@ -152,12 +152,14 @@ class KernelBackend:
         return self.ops.conventional_step(x, B, C, dt, dt_bias, A, D, state, sbi)
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None):
+                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
+        _reads_its_shadow(shadow, read_shadow)
         return self.ops.replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi,
-                                      shadow=shadow, shadow_scale=shadow_scale)
+                                      z=z, out=out, check_values=check_values, shadow=shadow,
+                                      shadow_scale=shadow_scale)
 
-    def advance_cursor(self, cursor, sbi, L):
-        self.ops.advance_cursor(cursor, sbi, L)
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
+        self.ops.advance_cursor(cursor, sbi, L, check_values=check_values)
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):

@@ -14,7 +14,8 @@ x_cache        (layers, slots, H, L, P)       act_dtype          ring of x_j
 B_cache        (layers, slots, G, L, N)       act_dtype          ring of B_j
 dt_cache       (layers, slots, H, L)          dt_dtype (f32)     ring of processed dt_j (f64 only in tests)
 cursor         (slots, 2)                     int32              [s, 0] = ring start, [s, 1] = committed count;
-                                                                 shared by all layers (spec_reference docstring)
+                                                                 shared by all layers (spec_reference docstring);
+               (slots,) with cursor="standard"                   entries since the checkpoint (reference.py)
 conv           (layers, slots, conv_dim, W)   act_dtype          conv1d window, newest input in column W-1 (a view
                                                                  of (layers, slots + 1, ...): one scratch slot)
 =============  =============================  =================  ===============================================
@@ -78,7 +79,12 @@ with launchers emulated from their contracts and checks every tensor bit-identic
 executor's after each step. The kernel path is graph-safe: no host reads of device values unless
 ``check_values`` (default: when not capturing a CUDA graph) asks for the host checks of slots, cursors and
 n_accepted. Eager serving without syncs: ``check_values=False``.
-There is no separate standard-decode path: num_draft = 0 and T = 1 is standard decode on the ring.
+Standard decode is T = 1 of the same sequence: on the ring (num_draft = 0) it runs the verify kernel with
+T = 1; with ``cursor="standard"`` (num_draft = 0, Mamba-2 layers only) the cache keeps the (slots,) cursor of
+the tuned standard decode kernel, verify runs the executor's ``replay_decode`` (the step that fills the ring
+folds it, L >= 1) and commit its ``advance_cursor`` (n_accepted may be None: every row accepts its token).
+``conv_dim=0`` holds no conv windows (a caller that keeps its own, e.g. builders/model_step.py's
+channels-innermost ones, skips conv_update).
 
 :func:`.costs.cache_bytes` models what the constructor allocates (per slot and in all; tests/test_costs.py checks
 it against the tensors) and :func:`.costs.memory_per_request` the bytes one request holds (ReplaySSM spec vs
@@ -91,7 +97,7 @@ import dataclasses
 
 import torch
 
-from . import backend, ops
+from . import backend, ops, reference
 from . import gdn_reference as gref
 from . import spec_reference as sr
 from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
@@ -153,7 +159,7 @@ class ReplayStateCache:
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, gdn_layers: int = 0,
                  gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
-                 gdn_conv_dim: int | None = None, executor=None):
+                 gdn_conv_dim: int | None = None, cursor: str = "ring", executor=None):
         if num_layers < 0 or gdn_layers < 0 or num_layers + gdn_layers < 1:
             raise ValueError(f"num_layers, gdn_layers: expected >= 0 with at least one layer, got {num_layers}, "
                              f"{gdn_layers}")
@@ -163,9 +169,16 @@ class ReplayStateCache:
                 raise ValueError(f"{name}: expected >= 1, got {v}")
         if num_draft < 0:
             raise ValueError(f"num_draft: expected >= 0, got {num_draft}")
+        if cursor not in ("ring", "standard"):
+            raise ValueError(f"cursor: expected 'ring' or 'standard', got {cursor!r}")
+        if cursor == "standard" and (num_draft or gdn_layers):
+            raise ValueError(f"cursor: 'standard' (the (slots,) cursor of the standard decode kernel) needs num_draft "
+                             f"= 0 and Mamba-2 layers only, got num_draft={num_draft}, gdn_layers={gdn_layers}")
         if nheads % ngroups:
             raise ValueError(f"ngroups: expected a divisor of nheads={nheads}, got {ngroups}")
-        if buffer_len < 2 * (num_draft + 1):
+        if cursor == "standard" and buffer_len < 1:
+            raise ValueError(f"buffer_len: expected >= 1, got {buffer_len}")
+        if cursor == "ring" and buffer_len < 2 * (num_draft + 1):
             raise ValueError(f"buffer_len: expected >= 2 * (num_draft + 1) = {2 * (num_draft + 1)} (flush one window "
                              f"early), got {buffer_len}")
         if shadow_dtype not in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
@@ -201,7 +214,8 @@ class ReplayStateCache:
         self.x_cache = torch.zeros(Ly, S, H, L, P, dtype=act_dtype, **kw)
         self.B_cache = torch.zeros(Ly, S, G, L, N, dtype=act_dtype, **kw)
         self.dt_cache = torch.zeros(Ly, S, H, L, dtype=dt_dtype, **kw)
-        self.cursor = torch.zeros(S, 2, dtype=torch.int32, **kw)
+        self.standard = cursor == "standard"
+        self.cursor = torch.zeros((S,) if self.standard else (S, 2), dtype=torch.int32, **kw)
         # Slot S is scratch: the gathered conv updates of the CUDA path send padding rows there.
         self._conv = torch.zeros(Ly, S + 1, self.conv_dim, self.conv_width, dtype=act_dtype, **kw)
         self.conv = self._conv[:, :S]
@@ -398,22 +412,25 @@ class ReplayStateCache:
         return None if lay.shadow is None else Shadow.wrap(lay.shadow, lay.shadow_scale)
 
     # ---- speculative step ----------------------------------------------------------------------------------------
-    def flush(self, state_batch_indices, num_tokens: int, A_by_layer) -> list[int] | None:
-        """Open a step of T tokens: checks T, the rows' slots (unless check_values is off) and that
-        ``A_by_layer`` has one tensor per Mamba-2 layer. Nothing is written: each layer's verify folds its own
-        checkpoint on the pre-step cursor (module docstring) and commit moves the cursor once.
+    def flush(self, state_batch_indices, num_tokens: int, A_by_layer=None) -> list[int] | None:
+        """Open a step of T tokens: checks T, the rows' slots (unless check_values is off) and, if given, that
+        ``A_by_layer`` has one tensor per Mamba-2 layer (kept for the callers that pass it; each verify takes
+        its layer's A). Nothing is written: each layer's verify folds its own checkpoint on the pre-step cursor
+        (module docstring) and commit moves the cursor once.
 
         Returns the slots whose checkpoints this step folds (count + 2T > L) when the executor is the float64
         reference, which reads the host anyway; None on the kernels (nothing is read back from the device).
         """
         self._check_T(num_tokens)
-        if len(A_by_layer) != self.num_layers:
+        if A_by_layer is not None and len(A_by_layer) != self.num_layers:
             raise ValueError(f"A_by_layer: expected {self.num_layers} tensors, got {len(A_by_layer)}")
         rows = self._rows(state_batch_indices, "flush") if self._checking() else None
         self._step = (num_tokens, set())
         if self.uses_kernels:
             return None
         rows = self._rows(state_batch_indices, "flush") if rows is None else rows
+        if self.standard:  # the step that fills the ring folds it
+            return [s for s in rows if s >= 0 and int(self.cursor[s]) == self.buffer_len - 1]
         return [s for s in rows if s >= 0 and sr.needs_flush(self.cursor, s, num_tokens, self.buffer_len)]
 
     def _open(self, T: int, state_batch_indices, what: str) -> tuple[set, bool]:
@@ -431,6 +448,14 @@ class ReplayStateCache:
         """
         verified, check = self._open(x.shape[1], state_batch_indices, "verify")
         lay = self.layer(layer)
+        if self.standard:  # T = 1 on the (slots,) cursor: the standard decode kernel
+            y = self.x.replay_decode(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x[:, 0], B[:, 0],
+                                     C[:, 0], dt[:, 0], dt_bias, A, D, state_batch_indices, lay.shadow,
+                                     lay.shadow_scale, z=None if z is None else z[:, 0],
+                                     out=None if out is None else out[:, 0], check_values=check,
+                                     read_shadow=self._reads_shadow())
+            verified.add(layer)
+            return y[:, None] if out is None else out
         y = self.x.replay_verify(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x, B, C, dt, dt_bias,
                                  A, D, state_batch_indices, lay.shadow, lay.shadow_scale, z=z, out=out,
                                  check_values=check, read_shadow=self._reads_shadow())
@@ -495,7 +520,9 @@ class ReplayStateCache:
             raise RuntimeError(f"commit: layers {missing} were not verified since flush(); their history would be "
                                f"dropped by the cursor move")
         check = self._checking()
-        if check:
+        if n_accepted is None and not self.standard:
+            raise TypeError("n_accepted: expected a (batch,) int32 tensor (None only with cursor='standard')")
+        if check and n_accepted is not None:
             self._rows(state_batch_indices, "commit")
             # validate every row before mutating anything, so a bad n leaves the cache as it was
             nacc = n_accepted.cpu().tolist()
@@ -503,18 +530,27 @@ class ReplayStateCache:
                 if s >= 0 and not num_tokens - self.num_draft <= nacc[b] <= num_tokens:
                     raise ValueError(f"n_accepted[{b}]: expected {max(0, num_tokens - self.num_draft)} <= n <= "
                                      f"T={num_tokens} (conv window keeps K-1 inputs), got {nacc[b]}")
+        elif check:
+            self._rows(state_batch_indices, "commit")
+        if self.standard:  # every row accepts its one token: the cursor advances, no conv input is rejected
+            self.x.advance_cursor(self.cursor, state_batch_indices, self.buffer_len, check_values=check)
+            self._step = None
+            return
         self.x.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.buffer_len,
                            check_values=check)
-        dst = self._dst(state_batch_indices)
-        for conv in (*self._conv, *self._gdn_conv):  # one layer at a time: the gathered windows stay small
-            conv_rollback_rows(conv, n_accepted, num_tokens, dst)
+        windows = [*(self._conv if self.conv_dim else ()), *(self._gdn_conv if self.gdn_conv_dim else ())]
+        if windows:  # none with conv_dim=0 (the caller keeps them): no launches on empty tensors
+            dst = self._dst(state_batch_indices)
+            for conv in windows:  # one layer at a time: the gathered windows stay small
+                conv_rollback_rows(conv, n_accepted, num_tokens, dst)
         self._step = None
 
     def committed_state(self, layer: int, slot: int, A) -> torch.Tensor:
         """The recurrent state after the committed tokens (float64), e.g. for prefix caching or migration.
         Between steps only (module docstring)."""
         lay = self.layer(layer)
-        return sr.committed_state(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, A, slot)
+        fold = reference.replay_state if self.standard else sr.committed_state
+        return fold(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, A, slot)
 
     def gdn_committed_state(self, layer: int, slot: int) -> torch.Tensor:
         """GDN layer ``layer``'s recurrent state after the committed tokens, float64 (HV, V, Kd)."""
@@ -522,10 +558,10 @@ class ReplayStateCache:
 
     def bytes_per_slot(self) -> int:
         """Bytes one slot holds across all layers (allocated tensors, cursor included): ``costs.cache_bytes(...)["slot"]``."""
-        return sum(t[:, 0].numel() * t.element_size() for t in self._tensors()) + 2 * 4
+        return sum(t[:, 0].numel() * t.element_size() for t in self._tensors()) + self.cursor[0].numel() * 4
 
 
-# ---- gathered conv window updates (CUDA path; device-agnostic torch, no host reads) -----------------------------
+# ---- gathered conv window updates (both executors; device-agnostic torch, no host reads) -----------------------------
 def conv_update_rows(conv, u, weight, bias, dst, conv_kernel: int, activation) -> torch.Tensor:
     """``spec_reference.conv_window_update`` for all rows at once: gather the rows' windows, compute, scatter.
 

@@ -324,7 +324,7 @@ def cache_bytes(num_layers: int, num_slots: int, nheads: int, headdim: int, dsta
                 buffer_len: int, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
                 state_dtype=4, act_dtype=2, shadow_dtype=None, dt_dtype=4, *, gdn_layers: int = 0,
                 gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
-                gdn_conv_dim: int | None = None, **_) -> dict:
+                gdn_conv_dim: int | None = None, cursor: str = "ring", **_) -> dict:
     """What :class:`.cache.ReplayStateCache` of these arguments allocates (its constructor's signature; dtypes or
     bytes per element; other keywords ignored): {"slot": bytes per slot, cursor included, "total": all tensors,
     the scratch conv slot included, "mamba2_layer", "gdn_layer": per-layer dicts of one slot}."""
@@ -334,7 +334,8 @@ def cache_bytes(num_layers: int, num_slots: int, nheads: int, headdim: int, dsta
     m2 = mamba2_layer_memory(nheads, headdim, dstate, ngroups, buffer_len, W, s, a, shadow, conv_dim, dt)
     gdn = gdn_layer_memory(gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim, buffer_len, W, s, a, shadow,
                            gdn_conv_dim, 8 if s == 8 else 4)  # the GDN rings follow a float64 test state
-    slot = num_layers * sum(m2.values()) + gdn_layers * sum(gdn.values()) + 2 * 4  # + cursor (start, count)
+    cur = 4 if cursor == "standard" else 2 * 4  # cursor: (slots,) or (start, count)
+    slot = num_layers * sum(m2.values()) + gdn_layers * sum(gdn.values()) + cur
     return {"slot": slot, "total": num_slots * slot + num_layers * m2["conv"] + gdn_layers * gdn["conv"],
             "mamba2_layer": m2, "gdn_layer": gdn}
 
