@@ -187,6 +187,7 @@ def test_continuous_batching_against_oracle(T, cursor):
             assert all(torch.equal(a, b) for a, b in zip(now, then))  # exact
         for l in range(2):
             assert torch.isnan(ys[l][-1]).all() and torch.isnan(outs[l][-1]).all()
+            assert outs[l].is_contiguous()  # callers slice x | B | C (q | k | v) from it and hand them to the kernels
         one = torch.tensor([0], dtype=torch.int32)
         for b, s in enumerate(slots):
             r = live[s]

@@ -566,7 +566,7 @@ def conv_update_rows(conv, u, weight, bias, dst, conv_kernel: int, activation) -
     """``spec_reference.conv_window_update`` for all rows at once: gather the rows' windows, compute, scatter.
 
     conv (slots + 1, conv_dim, W) of one layer, mutated; dst (batch,) int64 slot per row (the scratch
-    slot for padding rows); u (batch, T, conv_dim). Returns (batch, T, conv_dim) in u's dtype, math in
+    slot for padding rows); u (batch, T, conv_dim). Returns a contiguous (batch, T, conv_dim) in u's dtype, math in
     fp32 (float64 if any operand is float64).
     """
     W, K, T = conv.shape[2], conv_kernel, u.shape[1]
@@ -580,7 +580,8 @@ def conv_update_rows(conv, u, weight, bias, dst, conv_kernel: int, activation) -
     if activation == "silu":
         o = o * torch.sigmoid(o)
     conv.index_copy_(0, dst, torch.cat([win, new.to(conv.dtype)], dim=2)[:, :, T:])
-    return o.transpose(1, 2).to(u.dtype)
+    # contiguous (batch, T, conv_dim) in u's dtype, one copy: callers slice q | k | v or x | B | C from it
+    return torch.empty(u.shape, dtype=u.dtype, device=u.device).copy_(o.transpose(1, 2))
 
 
 def conv_rollback_rows(conv, n_accepted, num_tokens: int, dst) -> None:
