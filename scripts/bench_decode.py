@@ -135,7 +135,7 @@ sys.path.insert(0, str(ROOT))
 from builders.model_step import Conventional, DecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
 from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIG  # noqa: E402
 from builders.tp_step import TPDecodeStep  # noqa: E402
-from trtllm_replayssm import costs  # noqa: E402
+from trtllm_replayssm import costs, timing  # noqa: E402
 from trtllm_replayssm.geometries import MODELS  # noqa: E402
 
 # Megatron-Bridge NemotronHModelProvider8B (hybrid_layer_pattern, hidden 4096, ffn 21504, 128 Mamba
@@ -325,11 +325,6 @@ def check_forced_gate(name: str, ref: torch.Tensor, got: torch.Tensor, err: torc
 
 
 # ---- one mode --------------------------------------------------------------------------------------------
-def _percentile_spread(xs):
-    xs = sorted(xs)
-    return xs[max(0, int(0.9 * len(xs)) - 1)] - xs[int(0.1 * len(xs))]
-
-
 def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup: int, reps: int,
              on_tokens=None, force: torch.Tensor | None = None, ref_logits=None, keep_logits: bool = False,
              use_graph: bool = True, force_route: torch.Tensor | None = None) -> dict:
@@ -348,21 +343,7 @@ def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup
         step.force_routing = force_route is not None
     step.restore(snap)
     cuda = step.device.type == "cuda"
-    graph = None
-    if cuda and use_graph:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step()  # compilation, autotuning, cuBLAS handles: never inside the capture
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        step.restore(snap)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        torch.cuda.synchronize()
-        step.restore(snap)
-    run = graph.replay if graph is not None else step
+    run, graph = timing.capture(step, lambda: step.restore(snap), cuda and use_graph)
     b = step.batch
     tokens = torch.empty(b, gate_tokens, dtype=torch.int64, device=step.device)
     margin = torch.empty(b, gate_tokens, dtype=torch.float32, device=step.device)
@@ -398,31 +379,13 @@ def run_mode(step: DecodeStep, ssm, snap: dict, gate_tokens: int, L: int, warmup
                     route_idx=None if route_idx is None else route_idx.cpu())
     if on_tokens is not None:
         on_tokens(gate_res)
-    for _ in range(warmup * L):
-        run()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(L):
-                run()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1) / L)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(L):
-                run()
-            times.append((time.perf_counter() - t0) * 1e3 / L)
-    if cuda:
-        torch.cuda.synchronize()
+    times = timing.time_samples(run, None, L, warmup, reps, cuda)  # one flush cycle per sample, no restore
     graphed = graph is not None
     del graph
     return dict(tokens=gate_res["tokens"], margin=gate_res["margin"], err=gate_res["err"],
                 routing=gate_res["routing"], route_idx=gate_res["route_idx"],
                 ms=statistics.median(times) if times else None,
-                spread_ms=_percentile_spread(times) if times else None,
+                spread_ms=timing.spread(times) if times else None,
                 timing=("cuda-graph" if graphed else "eager-cuda") if cuda else "eager-cpu (no CUDA graph)")
 
 
@@ -882,9 +845,7 @@ def main(argv=None):
                 gate_layers=len(gate_config.layers_block_type),
                 gate_pattern=gate_config.hybrid_override_pattern)
     if cuda:  # the same kernel copy as bench_kernels.py, so rows can say how close the step is to it
-        from scripts.bench_kernels import copy_ceiling_tbps
-
-        meta["copy_ceiling_tbps"] = copy_ceiling_tbps()
+        meta["copy_ceiling_tbps"] = timing.copy_ceiling_tbps()
     try:
         import transformers
 

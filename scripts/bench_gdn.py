@@ -55,11 +55,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_kernels import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 from trtllm_replayssm import config, costs, gdn_ops  # noqa: E402
 from trtllm_replayssm.config import gdn_geometry  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
+from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
 MAX_ROTATIONS = 64

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import pathlib
-import statistics
 import sys
 
 import torch
@@ -41,50 +40,11 @@ sys.path.insert(0, str(ROOT))
 from trtllm_replayssm import costs, ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.problems import make_inputs, make_params  # noqa: E402
+from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20  # ~8x the H200's 60 MB L2
 MAX_ROTATIONS = 64
 DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
-
-
-def graph_time_us(fn, launches: int, reps: int = 20) -> tuple[float, float]:
-    """Median and spread (p90 - p10) of one launch inside a captured graph of ``launches`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    times.sort()
-    return statistics.median(times), times[int(0.9 * len(times)) - 1] - times[int(0.1 * len(times))]
-
-
-def copy_ceiling_tbps(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy through a kernel (not a graph memcpy node, which runs on a copy
-    engine and is slower), bytes read + written, median of 30 after warm-up."""
-    src = torch.randn(nbytes // 4, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(33):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.mul(src, 1.0, out=dst)
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b) * 1e-3)
-    del src, dst
-    return 2 * nbytes / statistics.median(times) / 1e12
 
 
 def load_mamba(path: str | None):

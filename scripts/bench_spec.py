@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from trtllm_replayssm import costs, ops  # noqa: E402
+from trtllm_replayssm import costs, ops, timing  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 
 
@@ -80,7 +80,7 @@ def bench_spec_point(geom, T, L, batch, seed=0):
     per_count = {}
     for m in counts_visited(T, L):
         cursor[:, 1] = m
-        per_count[m] = bk.graph_time_us(verify, R)[0]
+        per_count[m] = timing.graph_time_us(verify, R)[0]
     row["verify_us_by_count"] = per_count
     row["verify_us_step"] = sum(per_count.values()) / len(per_count)
     row["verify_us_token"] = row["verify_us_step"] / T
@@ -98,8 +98,8 @@ def bench_spec_point(geom, T, L, batch, seed=0):
         for r in range(R):
             ops.native_spec_commit(state, snaps, n_acc, sbis[r], check_values=False)
 
-    row["native_verify_us"] = bk.graph_time_us(native_verify, R)[0]
-    row["native_commit_us"] = bk.graph_time_us(native_commit, R)[0]
+    row["native_verify_us"] = timing.graph_time_us(native_verify, R)[0]
+    row["native_commit_us"] = timing.graph_time_us(native_commit, R)[0]
     row["native_us_step"] = row["native_verify_us"] + row["native_commit_us"]
     std = bk.bench_point(geom, "f32", "bf16", L, batch, None, seed=seed, ks=(1, 2, L // 2, L - 1, L))
     row["standard_us_step"] = std["replay_us_amortized"]
@@ -124,7 +124,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_spec.py needs a CUDA GPU")
-    ceiling = bk.copy_ceiling_tbps()
+    ceiling = timing.copy_ceiling_tbps()
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     meta = dict(device=torch.cuda.get_device_name(), date=now, commit=args.commit, torch=torch.__version__,
                 copy_ceiling_tbps=ceiling)

@@ -95,7 +95,7 @@ from builders.model_step import (  # noqa: E402
     make_drafts,
 )
 from scripts import bench_decode as bd  # noqa: E402
-from trtllm_replayssm import costs  # noqa: E402
+from trtllm_replayssm import costs, timing  # noqa: E402
 
 MODES = ("standard", "replay_spec", "native_spec", "spec_noop")
 SPEC_MODES = ("replay_spec", "native_spec", "spec_noop")
@@ -108,56 +108,6 @@ GateError = bd.GateError
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def capture(fn, restore, cuda: bool):
-    """``fn`` itself on the CPU; on CUDA one eager warm-up call (compilation, host checks, cuBLAS
-    handles: never inside the capture) on a side stream, then a graph of one call. State restored after."""
-    if not cuda:
-        return fn, None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    restore()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize()
-    restore()
-    return graph.replay, graph
-
-
-def time_samples(run, restore, steps: int, warmup: int, reps: int, cuda: bool) -> list[float]:
-    """ms per step of ``reps`` samples, each ``steps`` runs from a fresh ``restore()`` (not timed)."""
-    for _ in range(warmup):
-        restore()
-        for _ in range(steps):
-            run()
-    out = []
-    for _ in range(reps):
-        restore()
-        if cuda:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(steps):
-                run()
-            e1.record()
-            e1.synchronize()
-            out.append(e0.elapsed_time(e1) / steps)
-        else:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                run()
-            out.append((time.perf_counter() - t0) * 1e3 / steps)
-    return out
-
-
-def _spread(xs):
-    xs = sorted(xs)
-    return xs[max(0, int(0.9 * len(xs)) - 1)] - xs[int(0.1 * len(xs))]
 
 
 def _backend(name, L, backends):
@@ -186,7 +136,7 @@ def prepare(model, batch: int, prompt: torch.Tensor, kv_len: int, table_len: int
         margin[:, t] = (top[:, 0] - top[:, 1]) / lg.std(dim=-1)
 
     record(0)
-    run, graph = capture(step, lambda: step.restore(snap), dev.type == "cuda")
+    run, graph = timing.capture(step, lambda: step.restore(snap), dev.type == "cuda")
     for t in range(1, table_len):
         run()
         record(t)
@@ -211,7 +161,7 @@ def check_standard(std, snap, G, margin, L, check_steps, tie_rel, max_tie_frac, 
     """The standard ReplaySSM step's greedy tokens from the snapshot against G (CPU tensors)."""
     std.set_ssm(Replay(L))
     std.restore(snap)
-    run, graph = capture(std, lambda: std.restore(snap), cuda)
+    run, graph = timing.capture(std, lambda: std.restore(snap), cuda)
     n = check_steps + 1
     got = torch.empty(G.shape[0], n, dtype=torch.int64)
     got[:, 0] = G[:, 0]
@@ -230,7 +180,7 @@ def check_spec(model, name, backend, snap, G, margin, drafts, kv_len, T, table_l
     try:
         spec.set_tables(G, drafts)
         spec.restore(snap)
-        run, graph = capture(spec, lambda: spec.restore(snap), cuda)
+        run, graph = timing.capture(spec, lambda: spec.restore(snap), cuda)
         for _ in range(check_steps):
             run()
         pos = spec.pos.cpu()
@@ -247,9 +197,9 @@ def check_spec(model, name, backend, snap, G, margin, drafts, kv_len, T, table_l
 def time_standard(std, snap, L, warmup, reps, cuda) -> dict:
     std.set_ssm(Replay(L))
     std.restore(snap)
-    run, graph = capture(std, lambda: std.restore(snap), cuda)
-    ms = time_samples(run, lambda: std.restore(snap), L, warmup, reps, cuda)
-    return dict(ms=statistics.median(ms), spread=_spread(ms), accepted_per_step=1.0, tokens_per_step=float(std.batch),
+    run, graph = timing.capture(std, lambda: std.restore(snap), cuda)
+    ms = timing.time_samples(run, lambda: std.restore(snap), L, warmup, reps, cuda)
+    return dict(ms=statistics.median(ms), spread=timing.spread(ms), accepted_per_step=1.0, tokens_per_step=float(std.batch),
                 steps=L, partial=None, agree=None)
 
 
@@ -261,13 +211,13 @@ def time_spec(model, backend, snap, G, tables: dict, kv_len, T, table_len, steps
     try:
         spec.set_tables(G, next(iter(tables.values())))
         spec.restore(snap)
-        run, graph = capture(spec, lambda: spec.restore(snap), cuda)
+        run, graph = timing.capture(spec, lambda: spec.restore(snap), cuda)
         for a, drafts in tables.items():
             spec.set_tables(G, drafts)
-            ms = time_samples(run, lambda: spec.restore(snap), steps, warmup, reps, cuda)
+            ms = timing.time_samples(run, lambda: spec.restore(snap), steps, warmup, reps, cuda)
             pos = spec.pos.cpu()
             acc = int((pos - 1).sum())
-            out[a] = dict(ms=statistics.median(ms), spread=_spread(ms), accepted_per_step=acc / (batch * steps),
+            out[a] = dict(ms=statistics.median(ms), spread=timing.spread(ms), accepted_per_step=acc / (batch * steps),
                           tokens_per_step=acc / steps, steps=steps, partial=int(spec.partial.sum()) / (batch * steps),
                           agree=int(spec.agree.sum()) / max(1, acc))
         return out
@@ -620,9 +570,7 @@ def main(argv=None):
                        f"{args.check_dtype if cuda else 'float32'}" if do_check else "off"),
                 mem_budget_gib=args.mem_budget_gib, max_batch_at_budget=fit)
     if cuda:  # before anything else is resident
-        from scripts.bench_kernels import copy_ceiling_tbps
-
-        meta["copy_ceiling_tbps"] = copy_ceiling_tbps()
+        meta["copy_ceiling_tbps"] = timing.copy_ceiling_tbps()
     try:
         import transformers
 

@@ -29,9 +29,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import bench_kernels as bk  # noqa: E402
-from scripts.bench_kernels import copy_ceiling_tbps, graph_time_us  # noqa: E402
 from trtllm_replayssm import costs, ops, vllm  # noqa: E402
 from trtllm_replayssm.problems import make_inputs  # noqa: E402
+from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 
 def point(batch: int, H=128, P=64, N=128, G=8, L=16, act=torch.bfloat16, seed=0) -> dict:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from builders.model_step import DecodeStep, NoOp, Replay, SpecStep  # noqa: E402
 from scripts import bench_decode as bd  # noqa: E402
+from trtllm_replayssm import timing  # noqa: E402
 
 CATEGORIES = (
     ("ssm", ("replayssm", "selective", "_state_update")),
@@ -66,25 +67,8 @@ def make_step(model, batch, T, kv_len, mode, L):
 def profile_point(model, batch, T, kv_len, mode, L, reps, prof_reps, fill=0) -> dict:
     step = make_step(model, batch, T, kv_len, mode, L)
     step.lengths.fill_(fill)  # positions already in the KV caches (attention reads those)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(L):
-            graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / L)
+    run, graph = timing.capture(step, lambda: None, True)  # the state runs on from the warm-up: no restore
+    times = timing.time_samples(run, None, L, 1, reps, True)
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

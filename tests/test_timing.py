@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
+"""trtllm_replayssm.timing on the CPU (the CUDA branches run in the benchmarks on the device): the spread,
+the eager fallbacks of capture and time_samples, restore before every sample, warm-up samples untimed."""
+
+import pytest
+
+from trtllm_replayssm import timing
+
+
+def test_spread_is_p90_minus_p10():
+    assert timing.spread([5.0]) == 0.0
+    assert timing.spread(list(range(11))) == 8 - 1  # sorted: p90 = xs[int(0.9 n) - 1] = xs[8], p10 = xs[1]
+    assert timing.spread([3.0, 1.0, 2.0, 10.0, 4.0, 6.0, 5.0, 8.0, 7.0, 9.0]) == 9.0 - 2.0
+
+
+def test_capture_on_cpu_is_the_call_itself():
+    calls = []
+    run, graph = timing.capture(lambda: calls.append(1), lambda: calls.append("restore"), cuda=False)
+    assert graph is None and calls == []  # no warm-up, no restore: nothing runs until timed
+    run()
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_time_samples_counts_calls_and_restores(restore):
+    log = []
+    out = timing.time_samples(lambda: log.append("run"), (lambda: log.append("restore")) if restore else None,
+                              steps=3, warmup=2, reps=4, cuda=False)
+    assert len(out) == 4 and all(t >= 0 for t in out)
+    per_sample = (["restore"] if restore else []) + ["run"] * 3
+    assert log == per_sample * (2 + 4)  # warm-up samples first, then the timed ones, each restored when asked

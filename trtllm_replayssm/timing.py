@@ -1,0 +1,123 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one timing harness of every benchmark: CUDA-graph capture, timed samples, spread, the copy ceiling.
+
+Two granularities, both on CUDA graphs so that launch overhead is what a served engine pays:
+
+- a kernel (``scripts/bench_kernels.py``, ``bench_spec.py``, ``bench_gdn.py``, ``bench_vllm_layout.py``):
+  :func:`graph_time_us` captures ``launches`` calls (the caller rotates its inputs through more memory than
+  L2 holds) and returns the median and p90 - p10 spread of one launch over ``reps`` replays;
+- a model step (``scripts/bench_decode.py``, ``bench_spec_decode.py``): :func:`capture` makes a graph of one
+  step (an eager warm-up call first, on a side stream: compilation, autotuning and host checks never run
+  inside a capture), :func:`time_samples` times ``reps`` samples of ``steps`` replays each between two
+  CUDA events (optionally each from a fresh ``restore()``, not timed); on the CPU both fall back to eager
+  calls and ``perf_counter``.
+
+:func:`copy_ceiling_tbps` is the measured bandwidth ceiling every "% of ceiling" column divides by (a
+device-to-device copy through a kernel, bytes read + written).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def spread(xs) -> float:
+    """p90 - p10 of a list of samples (0 for a single sample)."""
+    xs = sorted(xs)
+    return xs[max(0, int(0.9 * len(xs)) - 1)] - xs[int(0.1 * len(xs))]
+
+
+def graph_time_us(fn, launches: int, reps: int = 20) -> tuple[float, float]:
+    """Median and spread (p90 - p10) in µs of one launch inside a captured graph of ``launches`` calls
+    (``fn`` makes them all). One eager call first (compiles and loads the kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    return statistics.median(times), spread(times)
+
+
+def copy_ceiling_tbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy through a kernel (not a graph memcpy node, which runs on a copy
+    engine and is slower), bytes read + written, median of 30 after warm-up."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(33):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.mul(src, 1.0, out=dst)
+        b.record()
+        b.synchronize()
+        if i >= 3:
+            times.append(a.elapsed_time(b) * 1e-3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times) / 1e12
+
+
+def capture(fn, restore, cuda: bool):
+    """``(run, graph)``: ``fn`` itself and None on the CPU; on CUDA one eager warm-up call on a side stream
+    (compilation, autotuning, host checks, cuBLAS handles: never inside the capture), then a graph of one
+    call, ``run = graph.replay``. ``restore()`` puts the state back after each of the two calls. Keep
+    ``graph`` alive while ``run`` is used."""
+    if not cuda:
+        return fn, None
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    restore()
+    return graph.replay, graph
+
+
+def time_samples(run, restore, steps: int, warmup: int, reps: int, cuda: bool) -> list[float]:
+    """ms per call of ``reps`` samples of ``steps`` calls each, after ``warmup`` untimed samples. With
+    ``restore`` every sample starts from a fresh ``restore()`` (not timed); with None the samples follow one
+    another (a decode run that keeps going, e.g. one flush cycle of L steps per sample)."""
+    for _ in range(warmup):
+        if restore is not None:
+            restore()
+        for _ in range(steps):
+            run()
+    out = []
+    for _ in range(reps):
+        if restore is not None:
+            restore()
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(steps):
+                run()
+            e1.record()
+            e1.synchronize()
+            out.append(e0.elapsed_time(e1) / steps)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            out.append((time.perf_counter() - t0) * 1e3 / steps)
+    if cuda:
+        torch.cuda.synchronize()
+    return out
