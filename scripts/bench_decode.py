@@ -113,13 +113,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -642,10 +640,8 @@ def tp_main(args) -> list[dict]:
     if world > 1:
         dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)  # noqa: E731
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = dict(kind="meta", tp=args.tp, device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now,
+    meta = dict(kind="meta", tp=args.tp, **timing.run_meta(dev, args.commit),
                 backend=backend, same_device=bool(args.tp_same_device),
-                commit=_commit(args.commit), torch=torch.__version__,
                 nccl_env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                                          "NVSHMEM_DISABLE_NVLS")})
     say("RESULT_JSON " + json.dumps(meta))
@@ -688,7 +684,7 @@ def tp_main(args) -> list[dict]:
     if rank == 0:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        path = out / f"{now[:10]}_{args.tag or f'decode-tp{args.tp}'}_{meta['commit'][:10]}.json"
+        path = out / f"{meta['date'][:10]}_{args.tag or f'decode-tp{args.tp}'}_{meta['commit'][:10]}.json"
         path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
         say(f"# results in {path}")
     if world > 1:
@@ -708,18 +704,6 @@ def _load_mamba(path):
     except Exception as e:  # a missing peer only drops its mode
         print(f"# mamba_ssm peer not available ({type(e).__name__}: {e}); mode mamba_ssm skipped", file=sys.stderr)
         return None
-
-
-def _commit(arg):
-    """--commit, else $GIT_COMMIT, else git's HEAD. The environment comes before git: the device machine's
-    copy of the working tree sits on a stale .git (its HEAD named a days-old commit, 2026-12-05)."""
-    if arg or os.environ.get("GIT_COMMIT"):
-        return arg or os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"],
-                                       stderr=subprocess.DEVNULL, text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 def print_table(rows):
@@ -830,10 +814,8 @@ def main(argv=None):
         gate_config = model_config(args.tiny or False, args.gate_layers, args.vocab, geometry=args.model_geometry)
     gate_model = build_model(gate_config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
     weight_bytes = costs.model_weight_bytes(model)
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     kinds = list(config.layers_block_type)
-    meta = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now, commit=_commit(args.commit),
-                torch=torch.__version__,
+    meta = dict(**timing.run_meta(dev, args.commit),
                 model=f"tiny_{args.tiny}" if args.tiny else f"{args.model_geometry}_geometry",
                 moe_layers=kinds.count("moe"),
                 pattern=config.hybrid_override_pattern, layers=len(kinds),

@@ -42,10 +42,8 @@ Usage: python scripts/bench_gdn.py [--batches 1,8,32,64,128,256] [--out bench/re
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
 import pathlib
 import sys
 
@@ -56,7 +54,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
-from trtllm_replayssm import config, costs, gdn_ops  # noqa: E402
+from trtllm_replayssm import (  # noqa: E402
+    config,
+    costs,
+    gdn_ops,
+    timing,  # noqa: E402
+)
 from trtllm_replayssm.config import gdn_geometry  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
@@ -303,7 +306,7 @@ def main_spec(args, meta, ceiling):
         print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date'][:10]}_{args.tag}-spec_{args.commit[:10]}.json"
+    path = out / f"{meta['date'][:10]}_{args.tag}-spec_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'bs':>4s} | {'nat ver':>7s} {'%ceil':>5s} {'commit':>7s} {'%ceil':>5s} {'step':>7s} | "
@@ -321,7 +324,7 @@ def main_spec(args, meta, ceiling):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=None, help="default: $GIT_COMMIT, else git HEAD")
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--tag", default="gdn-kernels")
@@ -337,8 +340,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("bench_gdn.py needs a CUDA GPU")
     ceiling = copy_ceiling_tbps()
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = dict(device=torch.cuda.get_device_name(), date=now, commit=args.commit, torch=torch.__version__,
+    meta = dict(**timing.run_meta(commit=args.commit),
                 copy_ceiling_tbps=ceiling)
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     if args.spec:
@@ -359,7 +361,7 @@ def main():
         print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date'][:10]}_{args.tag}_{args.commit[:10]}.json"
+    path = out / f"{meta['date'][:10]}_{args.tag}_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} {'x conv':>6s} | "

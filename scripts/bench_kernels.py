@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
-import os
 import pathlib
 import sys
 
@@ -37,7 +35,11 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtllm_replayssm import costs, ops  # noqa: E402
+from trtllm_replayssm import (  # noqa: E402
+    costs,
+    ops,
+    timing,  # noqa: E402
+)
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.problems import make_inputs, make_params  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
@@ -162,7 +164,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="main geometry only, fp32 state, L=16")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=None, help="default: $GIT_COMMIT, else git HEAD")
     ap.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--tag", default="kernels")
@@ -173,9 +175,7 @@ def main():
     batches = [int(b) for b in args.batches.split(",")]
     mamba_fn = load_mamba(args.mamba_path)
     ceiling = copy_ceiling_tbps()
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = dict(device=torch.cuda.get_device_name(), date=now,
-                commit=args.commit, torch=torch.__version__, copy_ceiling_tbps=ceiling)
+    meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling)
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     plan = [("nemotron_h_8b", "f32", "bf16", 16, b, sh) for sh in args.shadows.split(",") for b in batches]
     if not args.quick:
@@ -194,7 +194,7 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = meta["date"][:10]
-    path = out / f"{stamp}_{args.tag}_{args.commit[:10]}.json"
+    path = out / f"{stamp}_{args.tag}_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     hdr = (f"{'geom':16s} {'st':4s} {'sh':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} "
            f"{'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}")

@@ -24,9 +24,7 @@ Usage: python scripts/bench_spec.py [--batches 32,256] [--tokens 2,4,8] [--out b
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import pathlib
 import sys
 
@@ -120,13 +118,12 @@ def main():
     ap.add_argument("--tokens", default="2,4,8")
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=None, help="default: $GIT_COMMIT, else git HEAD")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_spec.py needs a CUDA GPU")
     ceiling = timing.copy_ceiling_tbps()
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = dict(device=torch.cuda.get_device_name(), date=now, commit=args.commit, torch=torch.__version__,
+    meta = dict(**timing.run_meta(commit=args.commit),
                 copy_ceiling_tbps=ceiling)
     rows = []
     for b in (int(v) for v in args.batches.split(",")):
@@ -138,7 +135,7 @@ def main():
             print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date'][:10]}_spec_{args.commit[:10]}.json"
+    path = out / f"{meta['date'][:10]}_spec_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'bs':>4s} {'T':>2s} {'verify/step':>11s} {'by count':>28s} {'native v+c':>10s} {'x native':>8s} "

@@ -71,7 +71,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import pathlib
@@ -553,13 +552,11 @@ def main(argv=None):
     weight_bytes = costs.config_weight_bytes(config, dtype)
     check_weight_bytes = costs.config_weight_bytes(config, check_dtype)
     kinds = list(config.layers_block_type)
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     budget = int(args.mem_budget_gib * GiB)
     _, _, kv_len = lengths(T, L, args.steps, args.check_steps, args.prompt_len, args.context)
     fit = {f"ctx{ctx}": {m: costs.max_batch(config, budget, ctx, T, L, m, weight_bytes) for m in MODES if m != "spec_noop"}
            for ctx in (int(c) for c in args.fit_contexts.split(",") if c)}
-    meta = dict(device=torch.cuda.get_device_name(dev) if cuda else "cpu", date=now, commit=bd._commit(args.commit),
-                torch=torch.__version__, model="tiny" if args.tiny else "nemotron_h_8b_geometry",
+    meta = dict(**timing.run_meta(dev, args.commit), model="tiny" if args.tiny else "nemotron_h_8b_geometry",
                 pattern=config.hybrid_override_pattern, layers=len(kinds), mamba_layers=kinds.count("linear_attention"),
                 attention_layers=kinds.count("full_attention"), vocab=config.vocab_size,
                 dtype=str(dtype).replace("torch.", ""), state_dtype="float32", weights_gb=weight_bytes / 1e9,

@@ -17,9 +17,7 @@ Usage: python scripts/bench_vllm_layout.py [--batches 1,8,64,256] [--out bench/r
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import pathlib
 import sys
 
@@ -29,7 +27,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import bench_kernels as bk  # noqa: E402
-from trtllm_replayssm import costs, ops, vllm  # noqa: E402
+from trtllm_replayssm import (  # noqa: E402
+    costs,
+    ops,
+    timing,  # noqa: E402
+    vllm,
+)
 from trtllm_replayssm.problems import make_inputs  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
@@ -125,7 +128,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    ap.add_argument("--commit", default=None, help="default: $GIT_COMMIT, else git HEAD")
     args = ap.parse_args()
     ceiling = copy_ceiling_tbps()
     rows = []
@@ -138,11 +141,10 @@ def main():
               f"({r['vllm_speedup_vs_conv']:.2f}x)  vllm/contiguous {r['vllm_over_dense']:.3f}  (adapter on contiguous "
               f"{r['adapter_contiguous_over_dense']:.3f}, pages + contiguous activations "
               f"{r['vllm_contiguous_act_over_dense']:.3f})", flush=True)
-    date = datetime.date.today().isoformat()
-    out = pathlib.Path(args.out) / f"{date}_vllm-layout_{args.commit}.json"
+    meta = timing.run_meta(commit=args.commit)
+    out = pathlib.Path(args.out) / f"{meta['date'][:10]}_vllm-layout_{meta['commit'][:10]}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), date=date, commit=args.commit,
-                                   copy_ceiling_tbps=ceiling, rows=rows), indent=1))
+    out.write_text(json.dumps(dict(**meta, copy_ceiling_tbps=ceiling, rows=rows), indent=1))
     print(f"wrote {out}")
 
 

@@ -22,7 +22,6 @@ Usage (GPU): python scripts/profile_decode.py [--batches 1,256] [--tokens 1,4] [
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import statistics
@@ -111,7 +110,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--prof-reps", type=int, default=5)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--commit", default="unknown")
+    ap.add_argument("--commit", default=None, help="default: $GIT_COMMIT, else git HEAD")
     args = ap.parse_args(argv)
     model = bd.build_model(bd.model_config(layers=args.layers), "cuda", torch.bfloat16, seed=0)
     rows = []
@@ -127,10 +126,8 @@ def main(argv=None):
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        date = datetime.date.today().isoformat()
-        meta = dict(device=torch.cuda.get_device_name(), date=date, commit=args.commit, torch=torch.__version__,
-                    context=args.context, fill=args.fill, layers=args.layers)
-        path = out / f"{date}_profile-{args.mode}_{args.commit}.json"
+        meta = dict(**timing.run_meta(commit=args.commit), context=args.context, fill=args.fill, layers=args.layers)
+        path = out / f"{meta['date'][:10]}_profile-{args.mode}_{meta['commit'][:10]}.json"
         path.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         print("wrote", path)
     return rows

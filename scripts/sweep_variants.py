@@ -14,7 +14,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import sys
 
@@ -56,12 +55,9 @@ def main():
                           f"flush {r['replay_us_flush']:7.1f}  amort {r['replay_us_amortized']:7.1f}  "
                           f"x{r['speedup_vs_conv']:.2f}", flush=True)
     if args.out:
-        import datetime
+        from trtllm_replayssm import timing
 
-        import torch
-
-        meta = dict(device=torch.cuda.get_device_name(), commit=os.environ.get("GIT_COMMIT", "unknown"),
-                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        meta = timing.run_meta()
         pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 

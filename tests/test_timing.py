@@ -29,3 +29,18 @@ def test_time_samples_counts_calls_and_restores(restore):
     assert len(out) == 4 and all(t >= 0 for t in out)
     per_sample = (["restore"] if restore else []) + ["run"] * 3
     assert log == per_sample * (2 + 4)  # warm-up samples first, then the timed ones, each restored when asked
+
+
+def test_commit_id_order(monkeypatch):
+    """--commit, then $GIT_COMMIT (the device's .git is stale), then git's HEAD of this checkout."""
+    monkeypatch.setenv("GIT_COMMIT", "envsha")
+    assert timing.commit_id("argsha") == "argsha"
+    assert timing.commit_id(None) == "envsha"
+    monkeypatch.delenv("GIT_COMMIT")
+    got = timing.commit_id(None)
+    assert got == "unknown" or (len(got) == 10 and all(c in "0123456789abcdef" for c in got))
+
+
+def test_run_meta_on_cpu():
+    m = timing.run_meta("cpu", "abc")
+    assert m["device"] == "cpu" and m["commit"] == "abc" and m["date"].endswith("+00:00") and m["torch"]

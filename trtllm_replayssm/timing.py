@@ -121,3 +121,32 @@ def time_samples(run, restore, steps: int, warmup: int, reps: int, cuda: bool) -
     if cuda:
         torch.cuda.synchronize()
     return out
+
+
+def commit_id(arg: str | None = None) -> str:
+    """The commit a result is filed under: ``arg`` (a benchmark's --commit), else $GIT_COMMIT, else git's HEAD
+    of this checkout (10 hex digits), else "unknown". The environment comes before git: the device machine's
+    copy of the working tree sits on a stale .git (its HEAD named a days-old commit, 2026-12-05)."""
+    import os
+    import pathlib
+    import subprocess
+
+    if arg or os.environ.get("GIT_COMMIT"):
+        return arg or os.environ["GIT_COMMIT"]
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        return subprocess.check_output(["git", "-C", str(root), "rev-parse", "--short=10", "HEAD"],
+                                       stderr=subprocess.DEVNULL, text=True).strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def run_meta(device=None, commit: str | None = None) -> dict:
+    """What every result file starts with: device (the CUDA device's name, "cpu" for a CPU device), date (UTC,
+    ISO 8601 to the second), commit (:func:`commit_id`), torch version."""
+    import datetime
+
+    dev = torch.device("cuda" if device is None else device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    return dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=commit_id(commit), torch=torch.__version__)
