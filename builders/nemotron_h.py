@@ -42,6 +42,7 @@ import re
 
 import torch
 
+from trtllm_replayssm import backend as executors
 from trtllm_replayssm import reference
 
 # Layers: M = Mamba-2, * = attention, - = MLP.
@@ -355,25 +356,15 @@ def _read_tensors(index: dict, dtype: torch.dtype, fp32=()) -> dict:
 
 
 # ---- SSM backends ---------------------------------------------------------------------------------
-_CACHES = ("state", "x_cache", "B_cache", "dt_cache")
-
-
-def reference_backend(**kw):
-    """``reference.replay_decode`` in float64; caches written back in their own dtypes, y in x's dtype."""
-    orig = {k: kw[k] for k in _CACHES}
-    wide = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in kw.items()}
-    y = reference.replay_decode(**wide)
-    for k in _CACHES:
-        orig[k].copy_(wide[k])
-    return y.to(kw["x"].dtype)
+# ``reference.replay_decode`` in float64, caches written back in their own dtypes, y in x's dtype: the reference
+# executor of trtllm_replayssm.backend in the launchers' keyword form (the graph node and the ORT op call it).
+reference_backend = executors.replay_decode_kw(executors.REFERENCE)
 
 
 def default_backend(device):
-    if torch.device(device).type == "cuda":
-        from trtllm_replayssm import ops
-
-        return ops.replay_decode, ops.advance_cursor
-    return reference_backend, reference.advance_cursor
+    """(decode step, cursor advance) of the executor for ``device`` (backend.for_device: the kernels on CUDA)."""
+    x = executors.for_device(device)
+    return executors.replay_decode_kw(x), x.advance_cursor
 
 
 def mamba_layers(model) -> list[int]:

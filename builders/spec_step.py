@@ -54,42 +54,22 @@ from __future__ import annotations
 
 import torch
 
-from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm import backend as executors
 
 from .decode_step import DOMAIN, NemotronHDecodeStep, StateSpec, export_graph
 
 VERIFY_OP_TYPE = "mamba2_verify"
 COMMIT_OP_TYPE = "spec_commit"
-_CACHES = ("state", "x_cache", "B_cache", "dt_cache")
 
 
 # ---- reference backends (float64 spec; the ORT custom ops run the same functions) ----------------------
-def verify_reference_backend(*, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None,
-                             state_batch_indices):
-    """``replayssm::mamba2_verify`` in float64 (what the kernel does): fold the committed history into
-    the checkpoint where count + 2T > L (stored in the state dtype), then verify the window on the
-    flushed cursor. Caches are written back in their own dtypes; the cursor is not moved; y in x's dtype."""
-    T, L = x.shape[1], x_cache.shape[2]
-    wide = {k: v.double() for k, v in dict(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache).items()}
-    A64 = A.double()
-    sr.flush_checkpoint(wide["state"], wide["x_cache"], wide["B_cache"], wide["dt_cache"], cursor, A64, T,
-                        state_batch_indices)
-    wide["state"].copy_(wide["state"].to(state.dtype))  # the kernel computes the window from the stored checkpoint
-    flushed = cursor.clone()
-    sr.flush_cursor(flushed, T, L, state_batch_indices)
-    y = sr.verify(wide["state"], wide["x_cache"], wide["B_cache"], wide["dt_cache"], flushed, x.double(), B.double(),
-                  C.double(), dt.double(), dt_bias.double(), A64, D.double(), None if z is None else z.double(),
-                  state_batch_indices)
-    for k, t in zip(_CACHES, (state, x_cache, B_cache, dt_cache)):
-        t.copy_(wide[k])
-    return y.to(x.dtype)
-
-
-def commit_reference_backend(*, cursor, n_accepted, state_batch_indices, num_tokens: int, buffer_len: int):
-    """``replayssm::spec_commit``: the verify layers' flush (count + 2T > L), then count += n (in place)."""
-    sr.flush_cursor(cursor, num_tokens, buffer_len, state_batch_indices)
-    sr.commit(cursor, n_accepted, num_tokens, buffer_len, state_batch_indices)
-    return cursor
+# ``replayssm::mamba2_verify`` in float64 (what the kernel does): fold the committed history into the checkpoint
+# where count + 2T > L (stored in the state dtype), then verify the window on the flushed cursor; caches written
+# back in their own dtypes, the cursor not moved, y in x's dtype. ``replayssm::spec_commit``: the verify layers'
+# flush (count + 2T > L), then count += n (in place). Both are the reference executor of trtllm_replayssm.backend
+# in the launchers' keyword form.
+verify_reference_backend = executors.replay_verify_kw(executors.REFERENCE)
+commit_reference_backend = executors.spec_commit_kw(executors.REFERENCE)
 
 
 # ---- graph nodes -------------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ import logging
 
 import torch
 
+from trtllm_replayssm import backend as executors
 from trtllm_replayssm import reference
 
 log = logging.getLogger("trtllm_replayssm_module")
@@ -90,17 +91,15 @@ def _shape(t) -> tuple:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def reference_backend(out=None, check_values=None, **kw):
-    """``reference.replay_decode`` with the launcher's keyword signature (``out`` is handled by the caller)."""
-    return reference.replay_decode(**kw)
+# The float64 reference executor in the launchers' keyword form (trtllm_replayssm.backend): widened to float64,
+# caches stored back in their dtypes, y in x's dtype, rows with a slot written into ``out`` when given.
+reference_backend = executors.replay_decode_kw(executors.REFERENCE)
 
 
 def default_backend(device: torch.device):
-    if device.type == "cuda":
-        from trtllm_replayssm import ops
-
-        return ops.replay_decode, ops.advance_cursor
-    return reference_backend, reference.advance_cursor
+    """(decode step, cursor advance) of the executor for ``device`` (backend.for_device: the kernels on CUDA)."""
+    x = executors.for_device(device)
+    return executors.replay_decode_kw(x), x.advance_cursor
 
 
 def per_head(name: str, t, H: int, tail: tuple, check: bool) -> torch.Tensor | None:
@@ -316,7 +315,7 @@ class ReplaySSMAdapter:
         self._note_step(layer_idx, sbi)
         backend = self.backend or default_backend(x.device)[0]
         direct = (out is not None and out.is_contiguous() and tuple(out.shape) == tuple(x.shape)
-                  and out.dtype == x.dtype and backend is not reference_backend)
+                  and out.dtype == x.dtype)
         y = backend(x=x, B=B, C=C, dt=dt_h, dt_bias=dtb, A=A_h, D=D_h, z=z, state=state, x_cache=lay["x_cache"],
                     B_cache=lay["B_cache"], dt_cache=lay["dt_cache"], cursor=self.cursor, state_batch_indices=sbi,
                     out=out if direct else None, check_values=check)
