@@ -48,8 +48,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from trtllm_replayssm import gdn_reference as gref
-from trtllm_replayssm import spec_reference as sref
+from trtllm_replayssm import backend as executors
 
 from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
     DOMAIN,
@@ -67,24 +66,12 @@ GDN_OP_TYPE = "gdn_decode"
 GDN_VERIFY_OP_TYPE = "gdn_verify"
 
 
-def verify_reference_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
-    """``replayssm::gdn_verify`` in float64 (what the kernel does): the committed entries folded into the
-    checkpoint where count + 2T > L (stored in fp32), then the window verified on the flushed cursor and
-    appended to the rings. ``cursor`` (slots, 2) is not moved; y in v's dtype."""
-    T, L = v.shape[1], buf.u_cache.shape[2]
-    flushed = gref.flush_checkpoint(buf, cursor, T, state_batch_indices)
-    at = cursor.clone()
-    sref.flush_cursor(at, T, L, state_batch_indices)
-    return gref.verify(buf, at, q, k, v, a, b, A_log, dt_bias, state_batch_indices, flushed=flushed).to(v.dtype)
-
-
-def verify_kernel_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
-    """The same through the CUDA kernel (``gdn_ops.gdn_replay_verify``), on contiguous copies of the views."""
-    from trtllm_replayssm import gdn_ops
-
-    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-    return gdn_ops.gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache, buf.k_cache,
-                                     buf.g_cache, buf.beta_cache, cursor, state_batch_indices)
+# ``replayssm::gdn_verify`` in float64 (what the kernel does): the committed entries folded into the checkpoint
+# where count + 2T > L (stored in fp32), then the window verified on the flushed cursor and appended to the rings;
+# the (slots, 2) cursor not moved; y in v's dtype. And the same through the CUDA kernel on contiguous copies of
+# the views. The executors of trtllm_replayssm.backend in the builders' keyword form.
+verify_reference_backend = executors.gdn_replay_verify_kw(executors.REFERENCE)
+verify_kernel_backend = executors.gdn_replay_verify_kw(executors.for_device("cuda"), contiguous=True)
 
 
 class GDNDecode(torch.autograd.Function):

@@ -34,8 +34,8 @@ import sys
 
 import torch
 
+from trtllm_replayssm import backend as executors
 from trtllm_replayssm import gdn_reference as gref
-from trtllm_replayssm import reference
 
 from .nemotron_h import MixerPatch
 
@@ -118,27 +118,17 @@ def gdn_layers(model) -> list[int]:
     return [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
 
 
-def reference_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
-    """``gdn_reference.replay_decode`` in float64 on ``buf`` (stored back in its dtypes); y in v's dtype."""
-    return gref.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices).to(v.dtype)
-
-
-def kernel_backend(buf: gref.GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
-    """The same through the CUDA kernel (``gdn_ops.gdn_replay_decode``); the step's inputs are views of the
-    projections, made contiguous here as TensorRT hands a plugin its LINEAR inputs."""
-    from trtllm_replayssm import gdn_ops
-
-    q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-    return gdn_ops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache, buf.k_cache,
-                                     buf.g_cache, buf.beta_cache, cursor, state_batch_indices)
+# ``gdn_reference.replay_decode`` in float64 on the buffers (stored back in their dtypes), y in v's dtype; and the
+# same through the CUDA kernel on contiguous copies of the step's views: the executors of trtllm_replayssm.backend
+# in the builders' keyword form.
+reference_backend = executors.gdn_replay_decode_kw(executors.REFERENCE)
+kernel_backend = executors.gdn_replay_decode_kw(executors.for_device("cuda"), contiguous=True)
 
 
 def default_backend(device):
-    if torch.device(device).type == "cuda":
-        from trtllm_replayssm import ops
-
-        return kernel_backend, ops.advance_cursor
-    return reference_backend, reference.advance_cursor
+    """(decode step, cursor advance) for ``device``: the kernels on CUDA, the float64 reference elsewhere."""
+    x = executors.for_device(device)
+    return (kernel_backend if x.name == "kernels" else reference_backend), x.advance_cursor
 
 
 def _projections(mixer, hs):

@@ -15,6 +15,8 @@ once, when it allocates its state, and never branches per call:
   spec_commit(cursor, n_accepted, sbi, T, L)                               once per model step
   native_spec_verify(state, snapshots, x, B, C, dt, dt_bias, A, D, sbi) -> y
   native_spec_commit(state, snapshots, n_accepted, sbi)                    per layer
+  gdn_replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None)
+                                                 -> y (batch, HV, V)      Gated DeltaNet, (slots,) cursor
   gdn_replay_verify(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None)
                                                  -> y (batch, T, HV, V)   Gated DeltaNet, (slots, 2) cursor
 
@@ -119,6 +121,13 @@ class ReferenceBackend:
         spec_reference.flush_cursor(cursor, T, L, sbi)
         spec_reference.commit(cursor, n_accepted, T, L, sbi)
 
+    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
+                          check_values=None, use_qk_l2norm=True, scale=None):
+        sh = None if shadow is None else Shadow.wrap(shadow, None)
+        y = gdn_reference.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh,
+                                        use_qk_l2norm=use_qk_l2norm, scale=scale)
+        return _into(y, v.dtype, out, sbi)
+
     def gdn_replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                           check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
         T, L = v.shape[1], buf.u_cache.shape[2]
@@ -170,6 +179,15 @@ class KernelBackend:
 
     def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
         self.ops.spec_commit(cursor, n_accepted, sbi, T, L, check_values=check_values)
+
+    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
+                          check_values=None, use_qk_l2norm=True, scale=None):
+        from . import gdn_ops
+
+        return gdn_ops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache,
+                                         buf.k_cache, buf.g_cache, buf.beta_cache, cursor, sbi, out=out,
+                                         shadow=shadow, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                         check_values=check_values)
 
     def gdn_replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                           check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
@@ -243,3 +261,24 @@ def spec_commit_kw(executor):
 
     spec_commit.executor = executor
     return spec_commit
+
+
+def _gdn_kw(method, contiguous: bool):
+    def step(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
+        if contiguous:  # the builders hand views of the projections; TensorRT hands a plugin LINEAR inputs
+            q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+        return method(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)
+
+    step.executor = method.__self__
+    return step
+
+
+def gdn_replay_decode_kw(executor, contiguous: bool = False):
+    """``executor.gdn_replay_decode`` as ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)``
+    (the builders' GDN decode node); ``contiguous``: q, k, v, a, b made contiguous first (the kernels need it)."""
+    return _gdn_kw(executor.gdn_replay_decode, contiguous)
+
+
+def gdn_replay_verify_kw(executor, contiguous: bool = False):
+    """``executor.gdn_replay_verify`` in the keyword form of :func:`gdn_replay_decode_kw` (q (batch, T, Hk, Kd), ...)."""
+    return _gdn_kw(executor.gdn_replay_verify, contiguous)
