@@ -224,31 +224,25 @@ def for_device(device) -> ReferenceBackend | KernelBackend:
 # The graph nodes of builders/ (and the onnxruntime custom ops that mirror them) and the trtllm-serve adapter
 # take injectable callables with the keyword signature of the ops launchers (ops.replay_decode(x=, ..., state=,
 # ...)). These give an executor's methods that form, so the float64 reference and the kernels have one home.
+def _mamba_kw(method):
+    def step(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None,
+             out=None, check_values=None, shadow=None, shadow_scale=None):
+        return method(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, state_batch_indices, shadow,
+                      shadow_scale, z=z, out=out, check_values=check_values)
+
+    step.executor = method.__self__
+    return step
+
+
 def replay_decode_kw(executor):
     """``executor.replay_decode`` as ``fn(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
     state_batch_indices, z=None, out=None, check_values=None, shadow=None, shadow_scale=None) -> y``."""
-
-    def replay_decode(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
-                      z=None, out=None, check_values=None, shadow=None, shadow_scale=None):
-        return executor.replay_decode(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D,
-                                      state_batch_indices, shadow, shadow_scale, z=z, out=out,
-                                      check_values=check_values)
-
-    replay_decode.executor = executor
-    return replay_decode
+    return _mamba_kw(executor.replay_decode)
 
 
 def replay_verify_kw(executor):
     """``executor.replay_verify`` in the keyword form of :func:`replay_decode_kw` (x (batch, T, H, P), ...)."""
-
-    def replay_verify(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices,
-                      z=None, out=None, check_values=None, shadow=None, shadow_scale=None):
-        return executor.replay_verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D,
-                                      state_batch_indices, shadow, shadow_scale, z=z, out=out,
-                                      check_values=check_values)
-
-    replay_verify.executor = executor
-    return replay_verify
+    return _mamba_kw(executor.replay_verify)
 
 
 def spec_commit_kw(executor):
