@@ -116,3 +116,47 @@ def greedy_accept(ids, logits):
         while int(n[b]) < ids.shape[1] and int(ids[b, n[b]]) == int(pred[b, n[b] - 1]):
             n[b] += 1
     return n
+
+
+# ---- the sequential oracle --------------------------------------------------------------------------------------
+@torch.no_grad()
+def sequential_check(model, run: SpecDecode, patch, buffer_len: int, pre_decode: int, rtol: float, atol: float,
+                     ssm_layers, conv_kernel: int, attention_layers, ssm_state, check_state: bool = True) -> int:
+    """Feed each row's committed tokens one at a time through the model patched by ``patch`` (the family's
+    float64 ReplaySSM decode, its own ``buffer_len``); the verify logits of every accepted position must equal
+    the sequential ones. With ``check_state``, at the end: the row's length, every SSM layer's committed state
+    (``ssm_state(st, run, dec, row, layer) -> (got, want)``, float64) to 1e-5 relative, its last K-1 conv inputs
+    and the attention layers' K/V positions to 1e-5. Returns the number of compared logits."""
+    compared = 0
+    for b, prompt in enumerate(run.prompts):
+        dec = patch(model, buffer_len=buffer_len)
+        try:
+            cache = DynamicCache(config=model.config)
+            tok = model(prompt[None], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(pre_decode):
+                tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            for i, (token, spec_logits) in enumerate(run.records[b]):
+                want = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
+                torch.testing.assert_close(spec_logits, want, rtol=rtol, atol=atol,
+                                           msg=lambda m, b=b, i=i: f"row {b}, committed token {i}: {m}")
+                compared += 1
+            if not check_state:
+                continue
+            st = dict(zip(run.names, run.states))
+            length = int(run.lengths[b])
+            assert length == len(prompt) + pre_decode + len(run.records[b])
+            K = conv_kernel
+            for i in ssm_layers:
+                got, want_s = ssm_state(st, run, dec, b, i)
+                rel = float((got - want_s).norm() / want_s.norm())
+                assert rel < 1e-5, (b, i, rel)
+                torch.testing.assert_close(st[f"conv_window_{i}"][b, :, -(K - 1):], cache.get_conv_state(i)[0, :, 1:],
+                                           rtol=1e-5, atol=1e-5)
+            for i in attention_layers:
+                layer = cache.layers[i]
+                for name, want_kv in (("k_cache", layer.keys), ("v_cache", layer.values)):
+                    torch.testing.assert_close(st[f"{name}_{i}"][b, :, :length], want_kv[0, :, :length],
+                                               rtol=1e-5, atol=1e-5)
+        finally:
+            dec.unpatch()
+    return compared

@@ -39,7 +39,14 @@ from builders.qwen3_next import FAMILIES, gdn_layers, patch_gdn_replayssm, tiny_
 from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit, export_onnx  # noqa: E402
 from trtllm_replayssm import gdn_reference as gref  # noqa: E402
 
-from .spec_driver import ModuleRunner, OrtRunner, SpecDecode, greedy_accept, random_accept  # noqa: E402
+from .spec_driver import (  # noqa: E402
+    ModuleRunner,
+    OrtRunner,
+    SpecDecode,
+    greedy_accept,
+    random_accept,
+    sequential_check,
+)
 
 NUM_DRAFT, L_SPEC, L_SEQ = 3, 16, 4
 T = NUM_DRAFT + 1
@@ -87,49 +94,21 @@ def _drafts(gen):
     return torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen)
 
 
-@torch.no_grad()
-def _sequential_check(model, step, run: SpecDecode, check_state: bool = True) -> int:
-    """Feed each row's committed tokens one at a time through the patched model; compare logits and caches."""
-    from transformers import DynamicCache
+_GDN_BUFFERS = ("gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta")
 
-    compared = 0
-    for b, prompt in enumerate(run.prompts):
-        dec = patch_gdn_replayssm(model, buffer_len=L_SEQ)
-        try:
-            cache = DynamicCache(config=model.config)
-            tok = model(prompt[None], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(PRE_DECODE):
-                tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            for i, (token, spec_logits) in enumerate(run.records[b]):
-                want = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
-                torch.testing.assert_close(spec_logits, want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, b=b, i=i: f"row {b}, committed token {i}: {m}")
-                compared += 1
-            if not check_state:
-                continue
-            st = dict(zip(run.names, run.states))
-            length = int(run.lengths[b])
-            assert length == len(prompt) + PRE_DECODE + len(run.records[b])
-            K = model.config.linear_conv_kernel_dim
-            for i in gdn_layers(model):
-                buf = gref.GDNBuffers(*(st[f"{n}_{i}"] for n in ("gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g",
-                                                                  "gdn_beta")))
-                got = gref.committed_state(buf, run.cursor, b)
-                want_s = gref.replay_state(dec.bufs[i], dec.cursor, 0)
-                rel = float((got - want_s).norm() / want_s.norm())
-                assert rel < 1e-5, (b, i, rel)
-                torch.testing.assert_close(st[f"conv_window_{i}"][b, :, -(K - 1):], cache.get_conv_state(i)[0, :, 1:],
-                                           rtol=1e-5, atol=1e-5)
-            for i, kind in enumerate(model.config.layer_types):
-                if kind == "full_attention":
-                    layer = cache.layers[i]
-                    torch.testing.assert_close(st[f"k_cache_{i}"][b, :, :length], layer.keys[0, :, :length],
-                                               rtol=1e-5, atol=1e-5)
-                    torch.testing.assert_close(st[f"v_cache_{i}"][b, :, :length], layer.values[0, :, :length],
-                                               rtol=1e-5, atol=1e-5)
-        finally:
-            dec.unpatch()
-    return compared
+
+def _gdn_state(st, run, dec, b, i):
+    """(committed state of row b, GDN layer i from the graphs' state outputs, the patched model's current state)."""
+    buf = gref.GDNBuffers(*(st[f"{n}_{i}"] for n in _GDN_BUFFERS))
+    return gref.committed_state(buf, run.cursor, b), gref.replay_state(dec.bufs[i], dec.cursor, 0)
+
+
+def _sequential_check(model, step, run: SpecDecode, check_state: bool = True) -> int:
+    """Each row's committed tokens one at a time through the patched model (spec_driver.sequential_check)."""
+    kinds = model.config.layer_types
+    return sequential_check(model, run, patch_gdn_replayssm, L_SEQ, PRE_DECODE, RTOL, ATOL, gdn_layers(model),
+                            model.config.linear_conv_kernel_dim,
+                            [i for i, k in enumerate(kinds) if k == "full_attention"], _gdn_state, check_state)
 
 
 def test_graphs_have_the_plugin_nodes(model, graphs):

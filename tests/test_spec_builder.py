@@ -54,7 +54,7 @@ from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecComm
 from trtllm_replayssm import reference
 from trtllm_replayssm import spec_reference as sr
 
-from .spec_driver import ModuleRunner, OrtRunner, SpecDecode, greedy_accept, random_accept
+from .spec_driver import ModuleRunner, OrtRunner, SpecDecode, greedy_accept, random_accept, sequential_check
 
 NUM_DRAFT, L_SPEC, L_SEQ = 3, 16, 4
 T = NUM_DRAFT + 1
@@ -95,49 +95,21 @@ def _prompts(seed=1):
     return [torch.randint(2, VOCAB, (n,), generator=gen) for n in PROMPT_LENS]
 
 
-@torch.no_grad()
-def _sequential_check(model, step, run: SpecDecode, check_state: bool = True):
-    """Feed each row's committed tokens one at a time through the patched model; compare logits and caches."""
-    compared = 0
-    names = run.names
-    for b, prompt in enumerate(run.prompts):
-        dec = patch_replayssm(model, buffer_len=L_SEQ)
-        try:
-            cache = DynamicCache(config=model.config)
-            tok = model(prompt[None], cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            for _ in range(PRE_DECODE):
-                tok = model(tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            for i, (token, spec_logits) in enumerate(run.records[b]):
-                want = model(torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]
-                torch.testing.assert_close(spec_logits, want, rtol=RTOL, atol=ATOL,
-                                           msg=lambda m, b=b, i=i: f"row {b}, committed token {i}: {m}")
-                compared += 1
-            if not check_state:
-                continue
-            st = dict(zip(names, run.states))
-            length = int(run.lengths[b])
-            assert length == len(prompt) + PRE_DECODE + len(run.records[b])
-            for i in mamba_layers(model):
-                A = -torch.exp(model.model.layers[i].mixer.A_log.detach().double())
-                got = sr.committed_state(st[f"ssm_state_{i}"], st[f"x_cache_{i}"], st[f"B_cache_{i}"],
-                                         st[f"dt_cache_{i}"], run.cursor, A, b)
-                c = dec.caches[i]
-                want_s = reference.replay_state(c["state"], c["x_cache"], c["B_cache"], c["dt_cache"], dec.cursor, A, 0)
-                rel = float((got - want_s).norm() / want_s.norm())
-                assert rel < 1e-5, (b, i, rel)
-                K = model.config.conv_kernel
-                torch.testing.assert_close(st[f"conv_window_{i}"][b, :, -(K - 1):], cache.get_conv_state(i)[0, :, 1:],
-                                           rtol=1e-5, atol=1e-5)
-            for i, kind in enumerate(model.config.layers_block_type):
-                if kind == "full_attention":
-                    layer = cache.layers[i]
-                    torch.testing.assert_close(st[f"k_cache_{i}"][b, :, :length], layer.keys[0, :, :length],
-                                               rtol=1e-5, atol=1e-5)
-                    torch.testing.assert_close(st[f"v_cache_{i}"][b, :, :length], layer.values[0, :, :length],
-                                               rtol=1e-5, atol=1e-5)
-        finally:
-            dec.unpatch()
-    return compared
+def _ssm_state(st, run, dec, b, i):
+    """(committed state of row b, layer i from the graphs' state outputs, the patched model's current state)."""
+    A = -torch.exp(dec.model.model.layers[i].mixer.A_log.detach().double())
+    got = sr.committed_state(st[f"ssm_state_{i}"], st[f"x_cache_{i}"], st[f"B_cache_{i}"], st[f"dt_cache_{i}"],
+                             run.cursor, A, b)
+    c = dec.caches[i]
+    return got, reference.replay_state(c["state"], c["x_cache"], c["B_cache"], c["dt_cache"], dec.cursor, A, 0)
+
+
+def _sequential_check(model, step, run: SpecDecode, check_state: bool = True) -> int:
+    """Each row's committed tokens one at a time through the patched model (spec_driver.sequential_check)."""
+    kinds = model.config.layers_block_type
+    return sequential_check(model, run, patch_replayssm, L_SEQ, PRE_DECODE, RTOL, ATOL, mamba_layers(model),
+                            model.config.conv_kernel, [i for i, k in enumerate(kinds) if k == "full_attention"],
+                            _ssm_state, check_state)
 
 
 # ---- tests ----------------------------------------------------------------------------------------------------
