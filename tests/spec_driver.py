@@ -160,3 +160,32 @@ def sequential_check(model, run: SpecDecode, patch, buffer_len: int, pre_decode:
         finally:
             dec.unpatch()
     return compared
+
+
+@torch.no_grad()
+def check_greedy_acceptance(model, prompts, make_run, runner, steps: int, num_draft: int, vocab: int,
+                            pre_decode: int, seed: int = 7) -> None:
+    """Greedy acceptance of drafts taken from the unpatched model's greedy continuation (30% corrupted)
+    reproduces plain greedy decoding token for token; accepted and rejected drafts both occur; every row
+    crosses >= 2 flushes. ``make_run(prompts)`` -> :class:`SpecDecode` (built after the reference run)."""
+    T = num_draft + 1
+    new = pre_decode + 1 + steps * T
+    ref = [model.generate(p[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
+           for p in prompts]
+    run = make_run(prompts)
+    assert all(run.tokens[b] == ref[b][:pre_decode + 1] for b in range(len(prompts)))
+    gen = torch.Generator().manual_seed(seed)
+    accepted = 0
+    for _ in range(steps):
+        drafts = torch.zeros(len(prompts), num_draft, dtype=torch.int64)
+        for b, toks in enumerate(run.tokens):
+            for i in range(num_draft):  # the greedy continuation, 30% corrupted
+                good = ref[b][len(toks) + i]
+                drafts[b, i] = good if torch.rand(1, generator=gen).item() > 0.3 else (good + 1) % vocab
+        _, _, n = run.run_step(runner, drafts, greedy_accept)
+        accepted += int(n.sum()) - len(prompts)
+    for b in range(len(prompts)):
+        assert run.tokens[b] == ref[b][:len(run.tokens[b])], b
+    drafted = steps * len(prompts) * num_draft
+    assert 0.2 * drafted < accepted < drafted, accepted  # both accepted and rejected drafts occurred
+    assert min(run.flushes) >= 2, run.flushes

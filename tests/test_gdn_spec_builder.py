@@ -43,7 +43,7 @@ from .spec_driver import (  # noqa: E402
     ModuleRunner,
     OrtRunner,
     SpecDecode,
-    greedy_accept,
+    check_greedy_acceptance,
     random_accept,
     sequential_check,
 )
@@ -189,31 +189,11 @@ def test_sequential_comparison_has_teeth(model, graphs):
         _sequential_check(model, step, run, check_state=False)
 
 
-@torch.no_grad()
 def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
     step, commit, _, sv, sc = graphs
-    prompts = _prompts()
-    new = PRE_DECODE + 1 + STEPS * T
-    ref = [model.generate(p[None], max_new_tokens=new, min_new_tokens=new, do_sample=False)[0, len(p):].tolist()
-           for p in prompts]
-    run = _decode(model, step, prompts)
-    assert all(run.tokens[b] == ref[b][:PRE_DECODE + 1] for b in range(len(prompts)))
-    ort = OrtRunner(step, commit, sv, sc)
-    gen = torch.Generator().manual_seed(7)
-    accepted = 0
-    for _ in range(STEPS):
-        drafts = torch.zeros(len(prompts), NUM_DRAFT, dtype=torch.int64)
-        for b, toks in enumerate(run.tokens):
-            for i in range(NUM_DRAFT):  # the greedy continuation, 30% corrupted
-                good = ref[b][len(toks) + i]
-                drafts[b, i] = good if torch.rand(1, generator=gen).item() > 0.3 else (good + 1) % VOCAB
-        _, _, n = run.run_step(ort, drafts, greedy_accept)
-        accepted += int(n.sum()) - len(prompts)
-    for b in range(len(prompts)):
-        assert run.tokens[b] == ref[b][:len(run.tokens[b])], b
-    drafted = STEPS * len(prompts) * NUM_DRAFT
-    assert 0.2 * drafted < accepted < drafted, accepted
-    assert min(run.flushes) >= 2, run.flushes
+    make_run = lambda p: _decode(model, step, p)  # noqa: E731
+    check_greedy_acceptance(model, _prompts(), make_run, OrtRunner(step, commit, sv, sc), STEPS, NUM_DRAFT, VOCAB,
+                            PRE_DECODE)
 
 
 def test_spec_step_rejects_bad_windows(model):

@@ -54,7 +54,7 @@ from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecComm
 from trtllm_replayssm import reference
 from trtllm_replayssm import spec_reference as sr
 
-from .spec_driver import ModuleRunner, OrtRunner, SpecDecode, greedy_accept, random_accept, sequential_check
+from .spec_driver import ModuleRunner, OrtRunner, SpecDecode, check_greedy_acceptance, random_accept, sequential_check
 
 NUM_DRAFT, L_SPEC, L_SEQ = 3, 16, 4
 T = NUM_DRAFT + 1
@@ -198,30 +198,11 @@ def test_sequential_comparison_has_teeth(model, graphs):
         _sequential_check(model, step, run, check_state=False)
 
 
-@torch.no_grad()
 def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
     step, commit, _, sv, sc = graphs
-    prompts = _prompts()
-    new = PRE_DECODE + 1 + STEPS * T
-    ref = [model.generate(p[None], max_new_tokens=new, do_sample=False)[0, len(p):].tolist() for p in prompts]
-    run = SpecDecode(model, step, prompts, patch_replayssm, PRE_DECODE, STARTS)
-    assert all(run.tokens[b] == ref[b][:PRE_DECODE + 1] for b in range(len(prompts)))
-    ort = OrtRunner(step, commit, sv, sc)
-    gen = torch.Generator().manual_seed(7)
-    accepted = 0
-    for _ in range(STEPS):
-        drafts = torch.zeros(len(prompts), NUM_DRAFT, dtype=torch.int64)
-        for b, toks in enumerate(run.tokens):
-            for i in range(NUM_DRAFT):  # the greedy continuation, 30% corrupted
-                good = ref[b][len(toks) + i]
-                drafts[b, i] = good if torch.rand(1, generator=gen).item() > 0.3 else (good + 1) % VOCAB
-        _, _, n = run.run_step(ort, drafts, greedy_accept)
-        accepted += int(n.sum()) - len(prompts)
-    for b in range(len(prompts)):
-        assert run.tokens[b] == ref[b][:len(run.tokens[b])], b
-    drafted = STEPS * len(prompts) * NUM_DRAFT
-    assert 0.2 * drafted < accepted < drafted, accepted  # both accepted and rejected drafts occurred
-    assert min(run.flushes) >= 2, run.flushes
+    make_run = lambda p: SpecDecode(model, step, p, patch_replayssm, PRE_DECODE, STARTS)  # noqa: E731
+    check_greedy_acceptance(model, _prompts(), make_run, OrtRunner(step, commit, sv, sc), STEPS, NUM_DRAFT, VOCAB,
+                            PRE_DECODE)
 
 
 def test_commit_graph_bookkeeping_is_exact(graphs):
