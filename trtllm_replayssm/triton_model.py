@@ -21,14 +21,15 @@ the project on ``sys.path`` and hands every call to :class:`SequenceModel`):
   :class:`SlotStep`        one decode step for the batch's rows, in place on the device:
       embed; per layer (pre-norm, residual):
         M  in_proj -> z, xBC, dt;  cache.conv_update (window of the last K-1 inputs of the slot);
-           cache.verify (T = 1: output from checkpoint + ring, the token appended to the ring, the
-           ring folded into the checkpoint one step before it fills); gated RMSNorm(y, z); out_proj
+           cache.verify (the standard decode kernel on the cache's (slots,) cursor: output from checkpoint +
+           buffer, the token appended, the buffer folded into the checkpoint by the step that fills it);
+           gated RMSNorm(y, z); out_proj
         *  q, k, v; k and v written at position lengths[slot] of the slot's K/V rows; softmax over
            positions <= lengths[slot] (Nemotron-H has no positional encoding)
         -, E  the transformers module (MLP; MoE of Nemotron 3)
-      norm_f, lm_head -> fp32 logits; cache.commit (cursor count += 1), lengths += 1.
-  cache.flush / verify / commit dispatch once per device (cache.py): the float64 spec on CPU
-  tensors, the kernels (``ops.replay_verify``, ``ops.spec_commit``) on CUDA tensors.
+      norm_f, lm_head -> fp32 logits; cache.commit (cursor += 1 mod L), lengths += 1.
+  cache.flush / verify / commit run the executor the cache chose once (cache.py): the float64 spec for CPU
+  tensors, the kernels (``ops.replay_decode``, ``ops.advance_cursor``) for CUDA tensors.
 
 State stays where it is: the checkpoints, rings, conv windows, K/V rows and lengths live in tensors
 allocated once per model instance; a step writes one ring entry, one conv column and one K/V position
@@ -120,7 +121,7 @@ class SlotStep(_Slots):
         self.cache = ReplayStateCache(len(self.mamba), num_slots, self.H, self.P, self.N, self.G, buffer_len,
                                       num_draft=0, conv_kernel=cfg.conv_kernel, conv_dim=layers[self.mamba[0]].mixer.conv_dim,
                                       state_dtype=torch.float32, act_dtype=self.act, device=self.device,
-                                      check_values=check_values)
+                                      check_values=check_values, cursor="standard")  # the tuned decode kernel
         self.consts = {}
         for j, i in enumerate(self.mamba):
             mx = layers[i].mixer
@@ -135,11 +136,10 @@ class SlotStep(_Slots):
     def __call__(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits (rows, vocab) fp32 of ``tokens[r]`` appended to the sequence in ``slots[r]`` (distinct
         live slots, each holding < max_seq_len tokens: the caller checks). Mutates only those slots."""
-        n = len(slots)
         sbi = torch.tensor(slots, dtype=torch.int32, device=self.device)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         rows = sbi.long()
-        pos = self.lengths.index_select(0, rows)  # (n,): where the token goes
+        pos = self.lengths.index_select(0, rows)  # (rows,): where the token goes
         m = self.model.model
         h = m.embeddings(ids)  # (n, hidden)
         self.cache.flush(sbi, 1, self.A_by_layer)
@@ -154,7 +154,7 @@ class SlotStep(_Slots):
                 out = layer.mixer(hn[:, None])[:, 0]
             h = res + out
         logits = self.model.lm_head(m.norm_f(h)).float()
-        self.cache.commit(sbi, torch.ones(n, dtype=torch.int32, device=self.device), 1)
+        self.cache.commit(sbi, None, 1)  # every row accepts its token: the cursor advances
         self.lengths.index_add_(0, rows, torch.ones_like(rows))
         return logits
 
