@@ -43,7 +43,7 @@ import re
 import torch
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm import reference
+from trtllm_replayssm.cache import ReplayStateCache
 
 # Layers: M = Mamba-2, * = attention, - = MLP.
 TINY_CONFIG = dict(
@@ -361,12 +361,6 @@ def _read_tensors(index: dict, dtype: torch.dtype, fp32=()) -> dict:
 reference_backend = executors.replay_decode_kw(executors.REFERENCE)
 
 
-def default_backend(device):
-    """(decode step, cursor advance) of the executor for ``device`` (backend.for_device: the kernels on CUDA)."""
-    x = executors.for_device(device)
-    return executors.replay_decode_kw(x), x.advance_cursor
-
-
 def mamba_layers(model) -> list[int]:
     return [i for i, t in enumerate(model.config.layers_block_type) if t == "linear_attention"]
 
@@ -398,11 +392,14 @@ class MixerPatch:
 
     def _after_model_step(self, module, args, output) -> None:
         if self._step == "decode":
-            rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
-            self.advance(self.cursor, rows, self.buffer_len)
+            self._end_decode_step()
         elif self._step == "prefill":
             self.cursor.zero_()
         self._step = None
+
+    def _end_decode_step(self) -> None:
+        rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
+        self.advance(self.cursor, rows, self.buffer_len)
 
     def patch(self):
         for mixer in self._mixers():
@@ -424,10 +421,14 @@ class MixerPatch:
 
 
 class ReplaySSMDecoder(MixerPatch):
-    """ReplaySSM caches of a patched model: per Mamba layer (state, x_cache, B_cache, dt_cache), one cursor.
+    """ReplaySSM state of a patched model, held by a :class:`~trtllm_replayssm.cache.ReplayStateCache` on its
+    standard form (the (slots,) cursor and the standard decode step), allocated at the prefill hand-off.
 
-    Row b of the batch uses slot b. ``state`` is the checkpoint S0 (batch, H, P, N) in ``state_dtype``;
-    x_cache / B_cache are in the activation dtype, dt_cache fp32 (processed dt), cursor int32.
+    Row b of the batch uses slot b. The checkpoint S0 (batch, H, P, N) is in ``state_dtype``, x_cache / B_cache
+    in the activation dtype, dt_cache fp32 (processed dt), cursor int32; the conv windows stay in the
+    transformers cache (``conv_dim=0``). The cache's executor is the one for the model's device
+    (backend.for_device), or wraps ``backend`` (the keyword signature of ``ops.replay_decode``) and ``advance``
+    (``ops.advance_cursor``'s) when given. ``caches[layer_idx]`` and ``cursor`` are views of the cache.
     """
 
     def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32):
@@ -436,46 +437,60 @@ class ReplaySSMDecoder(MixerPatch):
         self.model = model
         self.buffer_len = buffer_len
         self.state_dtype = state_dtype
-        dev = next(model.parameters()).device
-        dflt = default_backend(dev)
-        self.backend = backend or dflt[0]
-        self.advance = advance or dflt[1]
+        self.executor = executors.for_device(next(model.parameters()).device)
+        if backend is not None or advance is not None:
+            self.executor = _InjectedExecutor(backend or executors.replay_decode_kw(self.executor),
+                                              advance or self.executor.advance_cursor)
         self.layers = mamba_layers(model)
-        self.caches: dict[int, dict[str, torch.Tensor]] = {}
-        self.cursor: torch.Tensor | None = None
+        self.j = {i: j for j, i in enumerate(self.layers)}
+        self.cache = None  # a ReplayStateCache, from the first prefill hand-off
+        self._ready: set[int] = set()  # layers handed off into it
         self._step: str | None = None
         self._cache_id: int | None = None  # the transformers cache our buffers continue
         self._handles = []
+
+    @property
+    def cursor(self) -> torch.Tensor | None:
+        return None if self.cache is None else self.cache.cursor
+
+    @property
+    def caches(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Per handed-off Mamba layer: views ``state``, ``x_cache``, ``B_cache``, ``dt_cache`` of the cache."""
+        return {i: dict(state=lay.state, x_cache=lay.x_cache, B_cache=lay.B_cache, dt_cache=lay.dt_cache)
+                for i in self.layers if i in self._ready for lay in (self.cache.layer(self.j[i]),)}
 
     def _mixers(self) -> list:
         return [self.model.model.layers[i].mixer for i in self.layers]
 
     def _has_state(self, layer_idx: int) -> bool:
-        return layer_idx in self.caches
+        return layer_idx in self._ready
 
     # prefill: the model's own path, then its final state becomes the checkpoint
     def _begin_prefill(self, mixer, cache) -> None:
-        c = self.caches.get(mixer.layer_idx)
         rec = cache.get_recurrent_state(mixer.layer_idx)
-        if c is None or rec is None or self._cache_id != id(cache):
+        if not self._has_state(mixer.layer_idx) or rec is None or self._cache_id != id(cache):
             return  # a fresh cache: nothing to continue from
         A = -torch.exp(mixer.A_log.float())
         for s in range(rec.shape[0]):
-            rec[s] = reference.replay_state(c["state"], c["x_cache"], c["B_cache"], c["dt_cache"], self.cursor, A, s)
+            rec[s] = self.cache.committed_state(self.j[mixer.layer_idx], s, A)
 
     def _end_prefill(self, mixer, cache, act_dtype) -> None:
         S = cache.get_recurrent_state(mixer.layer_idx)
         batch, H, P, N = S.shape
-        G, L = mixer.n_groups, self.buffer_len
-        dev = S.device
-        self.caches[mixer.layer_idx] = dict(
-            state=S.detach().to(self.state_dtype).clone(),
-            x_cache=torch.zeros(batch, H, L, P, dtype=act_dtype, device=dev),
-            B_cache=torch.zeros(batch, G, L, N, dtype=act_dtype, device=dev),
-            dt_cache=torch.zeros(batch, H, L, dtype=torch.float32, device=dev),
-        )
-        if self.cursor is None or self.cursor.shape[0] != batch:
-            self.cursor = torch.zeros(batch, dtype=torch.int32, device=dev)
+        c = self.cache
+        if c is None or self._cache_id != id(cache) or c.num_slots != batch or c.state.device != S.device \
+                or c.x_cache.dtype != act_dtype or c.nheads != H:
+            c = self.cache = ReplayStateCache(len(self.layers), batch, H, P, N, mixer.n_groups, self.buffer_len,
+                                              conv_dim=0, state_dtype=self.state_dtype, act_dtype=act_dtype,
+                                              device=S.device, cursor="standard", executor=self.executor)
+            for _ in range(batch):
+                c.allocate()
+            self._ready = set()
+        j = self.j[mixer.layer_idx]
+        c.state[j].copy_(S.detach())  # the prefill's final state is the checkpoint; the buffers are empty
+        for t in (c.x_cache, c.B_cache, c.dt_cache):
+            t[j].zero_()
+        self._ready.add(mixer.layer_idx)
         self._cache_id = id(cache)
 
     def _decode(self, mixer, hidden_states, cache, attention_mask):
@@ -490,21 +505,46 @@ class ReplaySSMDecoder(MixerPatch):
                                      mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, activation=mixer.activation)
         xBC = m.apply_mask_to_padding_states(xBC.transpose(1, 2), attention_mask)
         x, B, C = xBC.split([mixer.intermediate_size, G * N, G * N], dim=-1)
-        c = self.caches[mixer.layer_idx]
-        y = self.backend(
-            state=c["state"], x_cache=c["x_cache"], B_cache=c["B_cache"], dt_cache=c["dt_cache"], cursor=self.cursor,
-            x=x.reshape(batch, H, P).contiguous(), B=B.reshape(batch, G, N).contiguous(),
-            C=C.reshape(batch, G, N).contiguous(), dt=dt.reshape(batch, H).contiguous(),
-            dt_bias=mixer.dt_bias.float().contiguous(), A=-torch.exp(mixer.A_log.float()), D=mixer.D.float().contiguous(),
-            z=None, state_batch_indices=torch.arange(batch, dtype=torch.int32, device=x.device),
-        )
+        sbi = torch.arange(batch, dtype=torch.int32, device=x.device)
+        if self.cache._step is None:  # the step's first Mamba layer opens it
+            self.cache.flush(sbi, 1)
+        y = self.cache.verify(self.j[mixer.layer_idx], x.reshape(batch, 1, H, P).contiguous(),
+                              B.reshape(batch, 1, G, N).contiguous(), C.reshape(batch, 1, G, N).contiguous(),
+                              dt.reshape(batch, 1, H).contiguous(), mixer.dt_bias.float().contiguous(),
+                              -torch.exp(mixer.A_log.float()), mixer.D.float().contiguous(), None, sbi)
         y = mixer.norm(y.reshape(batch, 1, -1).to(dtype), gate)
         return mixer.out_proj(y.to(dtype))
 
+    def _end_decode_step(self) -> None:
+        rows = torch.arange(self.cache.num_slots, dtype=torch.int32, device=self.cache.cursor.device)
+        self.cache.commit(rows, None, 1)  # the cursor advances once for all layers
+
     def reset(self) -> None:
-        self.caches.clear()
-        self.cursor = None
+        self.cache = None
+        self._ready = set()
         self._cache_id = None
+
+
+class _InjectedExecutor:
+    """A decode step in ``ops.replay_decode``'s keyword signature and a cursor advance in ``ops.advance_cursor``'s,
+    as the executor of a standard-cursor cache (what ``patch_replayssm(backend=, advance=)`` inject)."""
+
+    name = "injected"
+
+    def __init__(self, step, advance):
+        self.step, self.advance = step, advance
+
+    def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi, shadow=None,
+                      shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
+        y = self.step(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x, B=B, C=C,
+                      dt=dt, dt_bias=dt_bias, A=A, D=D, z=z, state_batch_indices=sbi)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
+        self.advance(cursor, sbi, L)
 
 
 def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32, *,
