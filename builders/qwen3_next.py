@@ -36,6 +36,7 @@ import torch
 
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm import gdn_reference as gref
+from trtllm_replayssm.cache import ReplayStateCache
 
 from .nemotron_h import MixerPatch
 
@@ -143,8 +144,12 @@ def _projections(mixer, hs):
 
 
 class GDNReplayDecoder(MixerPatch):
-    """ReplaySSM caches of a patched model: one :class:`~trtllm_replayssm.gdn_reference.GDNBuffers` per GDN
-    layer, one cursor (slots,). Row b of the batch uses slot b."""
+    """ReplaySSM state of a patched model, held by a :class:`~trtllm_replayssm.cache.ReplayStateCache` of its GDN
+    layers on the standard form (the (slots,) cursor, one standard decode step per layer), allocated at the
+    prefill hand-off; the conv windows stay in the transformers cache (``gdn_conv_dim=0``). Row b of the batch
+    uses slot b. ``backend`` (keyword form ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)``,
+    default: :data:`kernel_backend` on CUDA, :data:`reference_backend` elsewhere) and ``advance`` run the step
+    through the cache; ``bufs[layer_idx]`` (GDNBuffers views) and ``cursor`` are the cache's tensors."""
 
     def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32):
         if not 1 <= buffer_len <= 32:
@@ -167,29 +172,46 @@ class GDNReplayDecoder(MixerPatch):
 
             raise RuntimeError(f"transformers {transformers.__version__}: {mod.__name__} has no causal_conv1d_forward "
                                f"(the decode conv the patch calls); needs transformers >= 5.25")
-        self.bufs: dict[int, gref.GDNBuffers] = {}
-        self.cursor: torch.Tensor | None = None
+        self.j = {i: j for j, i in enumerate(self.layers)}
+        self.cache = None  # a ReplayStateCache of the GDN layers, from the first prefill hand-off
+        self._ready: set[int] = set()
         self._step: str | None = None
         self._cache_id: int | None = None
         self._handles = []
 
+    @property
+    def cursor(self) -> torch.Tensor | None:
+        return None if self.cache is None else self.cache.cursor
+
+    @property
+    def bufs(self) -> dict[int, gref.GDNBuffers]:
+        return {i: self.cache.gdn_layer(self.j[i]).buf for i in self.layers if i in self._ready}
+
     def _begin_prefill(self, mixer, cache) -> None:
-        buf = self.bufs.get(mixer.layer_idx)
         rec = cache.get_recurrent_state(mixer.layer_idx) if cache is not None else None
-        if buf is None or rec is None or self._cache_id != id(cache):
+        if not self._has_state(mixer.layer_idx) or rec is None or self._cache_id != id(cache):
             return
         for s in range(rec.shape[0]):
-            rec[s] = gref.replay_state(buf, self.cursor, s).transpose(-1, -2).to(rec.dtype)
+            rec[s] = self.cache.gdn_committed_state(self.j[mixer.layer_idx], s).transpose(-1, -2).to(rec.dtype)
 
     def _end_prefill(self, mixer, cache, act_dtype) -> None:
         S = cache.get_recurrent_state(mixer.layer_idx)  # (batch, HV, K, V)
         batch, HV, K, V = S.shape
-        buf = gref.GDNBuffers.alloc(batch, HV, mixer.num_k_heads, V, K, self.buffer_len, act=act_dtype,
-                                    state_dtype=self.state_dtype, device=S.device)
-        buf.state.copy_(S.detach().transpose(-1, -2))
-        self.bufs[mixer.layer_idx] = buf
-        if self.cursor is None or self.cursor.shape[0] != batch:
-            self.cursor = torch.zeros(batch, dtype=torch.int32, device=S.device)
+        c = self.cache
+        if c is None or self._cache_id != id(cache) or c.num_slots != batch or c.gdn_state.device != S.device \
+                or c.gdn_v.dtype != act_dtype:
+            c = self.cache = ReplayStateCache.for_gdn(
+                len(self.layers), batch, HV, mixer.num_k_heads, V, K, self.buffer_len, gdn_conv_dim=0,
+                state_dtype=self.state_dtype, act_dtype=act_dtype, device=S.device, cursor="standard",
+                executor=_GDNStepExecutor(self.backend, self.advance))
+            for _ in range(batch):
+                c.allocate()
+            self._ready = set()
+        lay = c.gdn_layer(self.j[mixer.layer_idx])
+        lay.buf.state.copy_(S.detach().transpose(-1, -2))  # the checkpoint; the rings are empty
+        for t in (lay.buf.u_cache, lay.buf.v_cache, lay.buf.k_cache, lay.buf.g_cache, lay.buf.beta_cache):
+            t.zero_()
+        self._ready.add(mixer.layer_idx)
         self._cache_id = id(cache)
 
     def _decode(self, mixer, hidden_states, cache, attention_mask):
@@ -201,20 +223,47 @@ class GDNReplayDecoder(MixerPatch):
         mixed = m.causal_conv1d_forward(mixer.conv1d, mixed.transpose(1, 2), cache, mixer.layer_idx,
                                         activation=mixer.activation).transpose(1, 2)
         q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-        y = self.backend(buf=self.bufs[mixer.layer_idx], cursor=self.cursor,
-                         q=q.reshape(batch, H, K).contiguous(), k=k.reshape(batch, H, K).contiguous(),
-                         v=v.reshape(batch, HV, V).contiguous(), a=a.reshape(batch, HV).contiguous(),
-                         b=b.reshape(batch, HV).contiguous(), A_log=mixer.A_log.float().contiguous(),
-                         dt_bias=mixer.dt_bias.float().contiguous(),
-                         state_batch_indices=torch.arange(batch, dtype=torch.int32, device=hs.device))
+        sbi = torch.arange(batch, dtype=torch.int32, device=hs.device)
+        if self.cache._step is None:  # the step's first GDN layer opens it
+            self.cache.flush(sbi, 1)
+        y = self.cache.gdn_verify(self.j[mixer.layer_idx], q.reshape(batch, 1, H, K).contiguous(),
+                                  k.reshape(batch, 1, H, K).contiguous(), v.reshape(batch, 1, HV, V).contiguous(),
+                                  a.reshape(batch, 1, HV).contiguous(), b.reshape(batch, 1, HV).contiguous(),
+                                  mixer.A_log.float().contiguous(), mixer.dt_bias.float().contiguous(), sbi)[:, 0]
         core = mixer.norm(y.reshape(-1, V).to(dtype), z.reshape(-1, V))
         return mixer.out_proj(core.reshape(batch, 1, HV * V))
+
+    def _end_decode_step(self) -> None:
+        rows = torch.arange(self.cache.num_slots, dtype=torch.int32, device=self.cache.cursor.device)
+        self.cache.commit(rows, None, 1)  # the cursor advances once for all layers
 
     def _mixers(self) -> list:
         return [self.model.model.layers[i].linear_attn for i in self.layers]
 
     def _has_state(self, layer_idx: int) -> bool:
-        return layer_idx in self.bufs
+        return layer_idx in self._ready
+
+
+class _GDNStepExecutor:
+    """A GDN decode step in the builders' keyword form and a cursor advance, as a standard-cursor cache's executor
+    (the cache validates and keeps the bookkeeping; the step does the arithmetic)."""
+
+    name = "gdn step"
+
+    def __init__(self, step, advance):
+        self.step, self.advance = step, advance
+
+    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
+                          check_values=None, use_qk_l2norm=True, scale=None):
+        y = self.step(buf=buf, cursor=cursor, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                      state_batch_indices=sbi)
+        if out is None:
+            return y
+        out.copy_(y)
+        return out
+
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
+        self.advance(cursor, sbi, L)
 
 
 def patch_gdn_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):

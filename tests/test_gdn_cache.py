@@ -23,10 +23,10 @@ def _gdn_inputs(gen, batch, T):
                 b=r(batch, T, HV))
 
 
-def _run(mixed: bool, steps: int = 40, shadow=None):
+def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "ring"):
     gen = torch.Generator().manual_seed(5)
     slots, batch = 5, 3
-    kw = dict(num_draft=T - 1, state_dtype=F64, act_dtype=F64, dt_dtype=F64, gdn_layers=2, gdn_value_heads=HV,
+    kw = dict(num_draft=T - 1, cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64, gdn_layers=2, gdn_value_heads=HV,
               gdn_key_heads=HK, gdn_value_dim=V, gdn_key_dim=KD, shadow_dtype=shadow, read_shadow=shadow is not None)
     H, P, N, G = 4, 4, 6, 2
     cache = ReplayStateCache(1 if mixed else 0, slots, H, P, N, G, L, **kw)
@@ -81,6 +81,14 @@ def test_gdn_layers_follow_the_recurrence_over_40_random_acceptance_steps(mixed)
     count = cache.cursor[:, 1]
     assert int(count.min()) >= 0 and int(count.max()) <= L - T  # after any commit count <= L - T (flush rule)
     assert int(cache.cursor[:, 0].max()) < L
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_standard_cursor_follows_the_recurrence(mixed):
+    """cursor='standard': T = 1 through the standard decode steps (Mamba-2 and GDN) on the (slots,) cursor."""
+    cache, worst = _run(mixed, T=1, cursor="standard")
+    assert worst < 1e-10, worst
+    assert cache.cursor.shape == (5,) and int(cache.cursor.max()) < L
 
 
 def test_gdn_shadow_read_stays_close_and_flushes_exactly():

@@ -80,9 +80,10 @@ executor's after each step. The kernel path is graph-safe: no host reads of devi
 ``check_values`` (default: when not capturing a CUDA graph) asks for the host checks of slots, cursors and
 n_accepted. Eager serving without syncs: ``check_values=False``.
 Standard decode is T = 1 of the same sequence: on the ring (num_draft = 0) it runs the verify kernel with
-T = 1; with ``cursor="standard"`` (num_draft = 0, Mamba-2 layers only) the cache keeps the (slots,) cursor of
+T = 1; with ``cursor="standard"`` (num_draft = 0) the cache keeps the (slots,) cursor of
 the tuned standard decode kernel, verify runs the executor's ``replay_decode`` (the step that fills the ring
-folds it, L >= 1) and commit its ``advance_cursor`` (n_accepted may be None: every row accepts its token).
+folds it, L >= 1; GDN layers: ``gdn_replay_decode``, reading the shadow when there is one) and commit its
+``advance_cursor`` (n_accepted may be None: every row accepts its token).
 ``conv_dim=0`` holds no conv windows (a caller that keeps its own, e.g. builders/model_step.py's
 channels-innermost ones, skips conv_update).
 
@@ -171,9 +172,13 @@ class ReplayStateCache:
             raise ValueError(f"num_draft: expected >= 0, got {num_draft}")
         if cursor not in ("ring", "standard"):
             raise ValueError(f"cursor: expected 'ring' or 'standard', got {cursor!r}")
-        if cursor == "standard" and (num_draft or gdn_layers):
-            raise ValueError(f"cursor: 'standard' (the (slots,) cursor of the standard decode kernel) needs num_draft "
-                             f"= 0 and Mamba-2 layers only, got num_draft={num_draft}, gdn_layers={gdn_layers}")
+        if cursor == "standard" and num_draft:
+            raise ValueError(f"cursor: 'standard' (the (slots,) cursor of the standard decode kernels) needs num_draft "
+                             f"= 0, got num_draft={num_draft}")
+        if cursor == "standard" and gdn_layers and shadow_dtype is not None and not read_shadow \
+                and torch.device(device).type != "cuda":
+            raise ValueError("read_shadow: a standard-cursor GDN cache reads the shadow it keeps (as the kernel "
+                             "does); pass read_shadow=True or no shadow_dtype")
         if nheads % ngroups:
             raise ValueError(f"ngroups: expected a divisor of nheads={nheads}, got {ngroups}")
         if cursor == "standard" and buffer_len < 1:
@@ -499,6 +504,13 @@ class ReplayStateCache:
         ``gdn_ops.gdn_replay_verify``) with the layer's shadow; outputs in v's dtype or into ``out``."""
         verified, check = self._open(v.shape[1], state_batch_indices, "gdn_verify")
         lay = self.gdn_layer(layer)
+        if self.standard:  # T = 1 on the (slots,) cursor: the standard GDN decode kernel
+            y = self.x.gdn_replay_decode(lay.buf, self.cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log,
+                                         dt_bias, state_batch_indices, lay.shadow,
+                                         out=None if out is None else out[:, 0], check_values=check,
+                                         use_qk_l2norm=use_qk_l2norm, scale=scale)
+            verified.add(("gdn", layer))
+            return y[:, None] if out is None else out
         y = self.x.gdn_replay_verify(lay.buf, self.cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices,
                                      lay.shadow, out=out, check_values=check, read_shadow=self._reads_shadow(),
                                      use_qk_l2norm=use_qk_l2norm, scale=scale)
@@ -554,7 +566,8 @@ class ReplayStateCache:
 
     def gdn_committed_state(self, layer: int, slot: int) -> torch.Tensor:
         """GDN layer ``layer``'s recurrent state after the committed tokens, float64 (HV, V, Kd)."""
-        return gref.committed_state(self.gdn_layer(layer).buf, self.cursor, slot)
+        fold = gref.replay_state if self.standard else gref.committed_state
+        return fold(self.gdn_layer(layer).buf, self.cursor, slot)
 
     def bytes_per_slot(self) -> int:
         """Bytes one slot holds across all layers (allocated tensors, cursor included): ``costs.cache_bytes(...)["slot"]``."""

@@ -191,10 +191,10 @@ class QwenSlotStep(_Slots):
     (``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``).
 
     Owns, on the model's device: a :class:`ReplayStateCache` of every Gated DeltaNet layer
-    (``ReplayStateCache.for_gdn``, num_draft = 0: T = 1 decode on the rings; its conv windows over
-    q | k | v), the K/V rows and lengths of :class:`_Slots`. Per layer (pre-norm, residual):
+    (``ReplayStateCache.for_gdn``, ``cursor="standard"``: the standard GDN decode kernel on the (slots,)
+    cursor; its conv windows over q | k | v), the K/V rows and lengths of :class:`_Slots`. Per layer (pre-norm, residual):
       G  the model's projections -> q | k | v, z, b, a; cache.gdn_conv_update (silu); cache.gdn_verify
-         (output from checkpoint + rings, the entry appended, the rings folded one step before they fill);
+         (output from checkpoint + buffers, the entry appended, the buffers folded by the step that fills them);
          the gated RMSNorm(y, z); out_proj
       *  the gated attention of builders/gdn_step.py (q/k norm, partial RoPE at the row's position, the
          output gate), on the rows' gathered K/V; only the new position is written back
@@ -227,7 +227,7 @@ class QwenSlotStep(_Slots):
         self.H, self.HV, self.Kd, self.V = H, HV, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.cache = ReplayStateCache.for_gdn(len(self.gdn), num_slots, HV, H, self.V, self.Kd, buffer_len, num_draft=0,
                                               conv_kernel=cfg.linear_conv_kernel_dim, act_dtype=self.act,
-                                              device=self.device, check_values=check_values)
+                                              device=self.device, check_values=check_values, cursor="standard")
         self.consts = {}
         for j, i in enumerate(self.gdn):
             mx = model.model.layers[i].linear_attn
@@ -240,7 +240,6 @@ class QwenSlotStep(_Slots):
     @torch.no_grad()
     def __call__(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """Logits (rows, vocab) fp32 of ``tokens[r]`` appended to the sequence in ``slots[r]`` (as SlotStep)."""
-        n = len(slots)
         sbi = torch.tensor(slots, dtype=torch.int32, device=self.device)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         rows = sbi.long()
@@ -260,7 +259,7 @@ class QwenSlotStep(_Slots):
             mo = layer.mlp(layer.post_attention_layernorm(h))
             h = h + (mo[0] if isinstance(mo, tuple) else mo)  # a MoE block may return (hidden, router logits)
         logits = self.model.lm_head(m.norm(h))[:, 0].float()
-        self.cache.commit(sbi, torch.ones(n, dtype=torch.int32, device=self.device), 1)
+        self.cache.commit(sbi, None, 1)  # every row accepts its token: the cursor advances
         self.lengths.index_add_(0, rows, torch.ones_like(rows))
         return logits
 
