@@ -28,16 +28,18 @@ GDN_TENSORS = ("gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta", "gdn
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("act, shadow, T", [(torch.bfloat16, None, 4), (torch.float32, None, 2),
-                                            (torch.bfloat16, torch.bfloat16, 4)])
-def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T):
+@pytest.mark.parametrize("act, shadow, T, cursor", [(torch.bfloat16, None, 4, "ring"), (torch.float32, None, 2, "ring"),
+                                                    (torch.bfloat16, torch.bfloat16, 4, "ring"),
+                                                    (torch.bfloat16, torch.bfloat16, 1, "standard"),
+                                                    (torch.float32, None, 1, "standard")])
+def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
     pytest.importorskip("trtllm_replayssm.gdn_ops")
     from trtllm_replayssm import gdn_ops
 
     if not hasattr(gdn_ops, "gdn_replay_verify"):
         pytest.skip("gdn_ops.gdn_replay_verify is not built")
     HV, HK, V, KD, L, layers, slots, batch = 8, 4, 64, 128, 16, 2, 6, 4
-    geo = dict(num_draft=T - 1, conv_kernel=K_CONV, shadow_dtype=shadow, gdn_layers=layers, gdn_value_heads=HV,
+    geo = dict(num_draft=T - 1, cursor=cursor, conv_kernel=K_CONV, shadow_dtype=shadow, gdn_layers=layers, gdn_value_heads=HV,
                gdn_key_heads=HK, gdn_value_dim=V, gdn_key_dim=KD)
     dev = ReplayStateCache(0, slots, 1, 1, 1, 1, L, act_dtype=act, device="cuda", **geo)
     cpu = ReplayStateCache(0, slots, 1, 1, 1, 1, L, state_dtype=F64, act_dtype=F64, dt_dtype=F64,
@@ -56,7 +58,7 @@ def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T):
             dev.load_gdn_prefill(s, l, S0.cuda())
             cpu.load_gdn_prefill(s, l, S0.double())
     flushed_seen = 0
-    for step in range(24):
+    for step in range(24 if cursor == "ring" else 2 * L + 2):  # standard: a fold every L steps
         rows = live[:]
         rows.insert(step % batch, -1)  # one padding row at a moving position
         sbi = torch.tensor(rows, dtype=torch.int32)
