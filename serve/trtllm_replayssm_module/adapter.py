@@ -58,6 +58,7 @@ their own state, which is correct but not ReplaySSM).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -96,8 +97,10 @@ def _shape(t) -> tuple:
 reference_backend = executors.replay_decode_kw(executors.REFERENCE)
 
 
+@functools.cache
 def default_backend(device: torch.device):
-    """(decode step, cursor advance) of the executor for ``device`` (backend.for_device: the kernels on CUDA)."""
+    """(decode step, cursor advance) of the executor for ``device`` (backend.for_device: the kernels on CUDA),
+    made once per device."""
     x = executors.for_device(device)
     return executors.replay_decode_kw(x), x.advance_cursor
 
