@@ -115,17 +115,29 @@ def window_attention(q, k, v, k_cache, v_cache, lengths, scaling, T: int, max_se
         here = (pos[None, :] == at[:, t:t + 1])[:, None, :, None]
         k_cache = torch.where(here, k[:, :, t:t + 1].to(k_cache.dtype), k_cache)
         v_cache = torch.where(here, v[:, :, t:t + 1].to(v_cache.dtype), v_cache)
-    # Grouped queries: head h reads KV head h // rep. The rep query heads of a KV head share one matmul with its
-    # cache (broadcast over a size-1 dim), so the graph never materializes rep copies of the KV cache.
+    return grouped_attention(q, k_cache, v_cache, at, scaling, pos, T), k_cache, v_cache
+
+
+def grouped_attention(q, k_cache, v_cache, at, scaling, pos=None, T: int | None = None):
+    """Softmax attention of queries q (batch, nh, T, hd) over caches (batch, kvh, S, hd): query t of row b sees
+    positions <= at[b, t] (at (batch, T)); softmax in fp32, probabilities in q's dtype. Grouped queries: head h
+    reads KV head h // (nh / kvh); the query heads of a KV head share one matmul with its cache (broadcast over a
+    size-1 dim), so no copy of the KV cache per query head is made (nor put in an exported graph). ``pos``:
+    arange(S) on q's device (made here if None); ``T``: the number of queries as a Python int (a constant in an
+    exported graph; q.shape[2] if None). Returns (batch, nh, T, hd). The exported steps
+    (:func:`window_attention`) and the Triton Python model (trtllm_replayssm/triton_model.py) both attend here."""
     nh, hd = q.shape[1], q.shape[3]
+    T = q.shape[2] if T is None else T
     kvh = k_cache.shape[1]
     rep = nh // kvh
+    if pos is None:
+        pos = torch.arange(k_cache.shape[2], device=q.device)
     qg = q.reshape(-1, kvh, rep, T, hd)
     scores = torch.matmul(qg, k_cache.transpose(2, 3)[:, :, None]) * scaling  # (batch, kvh, rep, T, S)
     visible = (pos[None, None, :] <= at[:, :, None])[:, None, None]  # (batch, 1, 1, T, S)
     scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
     probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v_cache[:, :, None]).reshape(-1, nh, T, hd), k_cache, v_cache
+    return torch.matmul(probs, v_cache[:, :, None]).reshape(-1, nh, T, hd)
 
 
 @dataclasses.dataclass(frozen=True)

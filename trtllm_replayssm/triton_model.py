@@ -55,7 +55,6 @@ import time
 from collections import OrderedDict
 
 import torch
-import torch.nn.functional as F
 
 from .cache import ReplayStateCache
 
@@ -171,19 +170,16 @@ class SlotStep(_Slots):
         return mx.out_proj(y.to(hn.dtype))[:, 0]
 
     def _attention(self, i, att, hn, rows, pos):
+        from builders.decode_step import grouped_attention  # the exported step's attention (builders/)
+
         cfg, n = self.cfg, hn.shape[0]
         nh, kvh, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q = att.q_proj(hn).view(n, nh, 1, hd)
         self.k[i][rows, :, pos] = att.k_proj(hn).view(n, kvh, hd).to(self.act)  # one position per row, in place
         self.v[i][rows, :, pos] = att.v_proj(hn).view(n, kvh, hd).to(self.act)
         keys, vals = self.k[i].index_select(0, rows), self.v[i].index_select(0, rows)  # (n, kvh, S, hd)
-        if nh != kvh:
-            keys, vals = keys.repeat_interleave(nh // kvh, dim=1), vals.repeat_interleave(nh // kvh, dim=1)
-        scores = torch.matmul(q, keys.transpose(2, 3)) * att.scaling  # (n, nh, 1, S)
-        seen = (self.positions[None, :] <= pos[:, None])[:, None, None, :]
-        scores = scores.masked_fill(~seen, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return att.o_proj(torch.matmul(probs, vals).reshape(n, nh * hd))
+        o = grouped_attention(q, keys, vals, pos[:, None], att.scaling, self.positions)  # (n, nh, 1, hd)
+        return att.o_proj(o.reshape(n, nh * hd))
 
 
 class QwenSlotStep(_Slots):
