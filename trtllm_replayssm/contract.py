@@ -62,8 +62,9 @@ layers ran (never by a layer's kernel):
   checkpoint, "flush one window early") start += count, count = 0; then count += n_accepted. Rejected
   drafts are a cursor move: their ring entries lie beyond count and are overwritten later.
 - the standard form is the ring form with start = 0 (``spec_step.ring_cursor_and_windows`` converts a
-  standard buffer into a ring); :class:`~.cache.ReplayStateCache` keeps the ring form, where T = 1 is
-  standard decode on the ring.
+  standard buffer into a ring); :class:`~.cache.ReplayStateCache` keeps either: the ring form (T = 1 is then
+  standard decode on the ring, through the verify kernel) or, with ``cursor="standard"``, the standard form
+  and the standard decode kernels.
 
 state_batch_indices (batch,) int32: the slot of each batch row; -1 is a padding row (its output is left
 untouched and no slot is read or written). A slot appears in at most one row.
