@@ -439,7 +439,7 @@ class ReplaySSMDecoder(MixerPatch):
         self.state_dtype = state_dtype
         self.executor = executors.for_device(next(model.parameters()).device)
         if backend is not None or advance is not None:
-            self.executor = _InjectedExecutor(backend or executors.replay_decode_kw(self.executor),
+            self.executor = StepExecutor(backend or executors.replay_decode_kw(self.executor),
                                               advance or self.executor.advance_cursor)
         self.layers = mamba_layers(model)
         self.j = {i: j for j, i in enumerate(self.layers)}
@@ -525,23 +525,33 @@ class ReplaySSMDecoder(MixerPatch):
         self._cache_id = None
 
 
-class _InjectedExecutor:
-    """A decode step in ``ops.replay_decode``'s keyword signature and a cursor advance in ``ops.advance_cursor``'s,
-    as the executor of a standard-cursor cache (what ``patch_replayssm(backend=, advance=)`` inject)."""
+class StepExecutor:
+    """A decode step in a keyword form (``ops.replay_decode``'s for Mamba-2, the builders'
+    ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)`` for GDN) and a cursor advance
+    (``ops.advance_cursor``'s), as the executor of a standard-cursor cache: the cache validates and keeps the
+    bookkeeping, the step does the arithmetic (what the patched models' ``backend=`` / ``advance=`` inject)."""
 
-    name = "injected"
+    name = "injected step"
 
     def __init__(self, step, advance):
         self.step, self.advance = step, advance
 
-    def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi, shadow=None,
-                      shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
-        y = self.step(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x, B=B, C=C,
-                      dt=dt, dt_bias=dt_bias, A=A, D=D, z=z, state_batch_indices=sbi)
+    def _run(self, out, **kw):
+        y = self.step(**kw)
         if out is None:
             return y
         out.copy_(y)
         return out
+
+    def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi, shadow=None,
+                      shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
+        return self._run(out, state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x,
+                         B=B, C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=z, state_batch_indices=sbi)
+
+    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
+                          check_values=None, use_qk_l2norm=True, scale=None):
+        return self._run(out, buf=buf, cursor=cursor, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                         state_batch_indices=sbi)
 
     def advance_cursor(self, cursor, sbi, L, *, check_values=None):
         self.advance(cursor, sbi, L)

@@ -38,7 +38,7 @@ from trtllm_replayssm import backend as executors
 from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache
 
-from .nemotron_h import MixerPatch
+from .nemotron_h import MixerPatch, StepExecutor
 
 _COMMON = dict(
     vocab_size=256,
@@ -203,7 +203,7 @@ class GDNReplayDecoder(MixerPatch):
             c = self.cache = ReplayStateCache.for_gdn(
                 len(self.layers), batch, HV, mixer.num_k_heads, V, K, self.buffer_len, gdn_conv_dim=0,
                 state_dtype=self.state_dtype, act_dtype=act_dtype, device=S.device, cursor="standard",
-                executor=_GDNStepExecutor(self.backend, self.advance))
+                executor=StepExecutor(self.backend, self.advance))
             for _ in range(batch):
                 c.allocate()
             self._ready = set()
@@ -242,28 +242,6 @@ class GDNReplayDecoder(MixerPatch):
 
     def _has_state(self, layer_idx: int) -> bool:
         return layer_idx in self._ready
-
-
-class _GDNStepExecutor:
-    """A GDN decode step in the builders' keyword form and a cursor advance, as a standard-cursor cache's executor
-    (the cache validates and keeps the bookkeeping; the step does the arithmetic)."""
-
-    name = "gdn step"
-
-    def __init__(self, step, advance):
-        self.step, self.advance = step, advance
-
-    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                          check_values=None, use_qk_l2norm=True, scale=None):
-        y = self.step(buf=buf, cursor=cursor, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                      state_batch_indices=sbi)
-        if out is None:
-            return y
-        out.copy_(y)
-        return out
-
-    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
-        self.advance(cursor, sbi, L)
 
 
 def patch_gdn_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):
