@@ -369,10 +369,12 @@ def mamba_layers(model) -> list[int]:
 class MixerPatch:
     """The patching both decoders share (this one and builders/qwen3_next.py's): each patched mixer runs our
     decode for single-token steps of the cache it holds state for and the model's own forward otherwise
-    (prefill, with ``_begin_prefill`` / ``_end_prefill`` around it); a forward hook on the model advances
-    the shared cursor once per decode step (zeroes it after a prefill). Subclasses give ``_mixers()``,
-    ``_has_state(layer_idx)``, ``_decode``, ``_begin_prefill``, ``_end_prefill`` and set ``model``,
-    ``cursor``, ``buffer_len``, ``advance``, ``_step``, ``_cache_id``, ``_handles``."""
+    (prefill, with ``_begin_prefill`` / ``_end_prefill`` around it). The state is a standard-cursor
+    :class:`~trtllm_replayssm.cache.ReplayStateCache` (``cache``, made at the prefill hand-off): the first
+    decoding mixer of a model step opens the cache's step, a forward hook on the model commits it (the cursor
+    advances once; after a prefill it is zeroed). Subclasses give ``_mixers()``, ``_has_state(layer_idx)``,
+    ``_decode`` (one ``cache.verify`` / ``gdn_verify``), ``_begin_prefill``, ``_end_prefill`` and set ``model``,
+    ``cache``, ``buffer_len``, ``_step``, ``_cache_id``, ``_handles``."""
 
     def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
         if cache is None:
@@ -382,7 +384,9 @@ class MixerPatch:
         decode = (hidden_states.shape[1] == 1 and self._has_state(mixer.layer_idx) and id(cache) == self._cache_id
                   and cache.get_conv_state(mixer.layer_idx) is not None)
         if decode:
-            self._step = "decode"
+            if self._step != "decode":  # the step's first decoding mixer opens the cache's step
+                self.cache.flush(self._rows(), 1)
+                self._step = "decode"
             return self._decode(mixer, hidden_states, cache, attention_mask)
         self._step = "prefill"
         self._begin_prefill(mixer, cache)
@@ -397,9 +401,12 @@ class MixerPatch:
             self.cursor.zero_()
         self._step = None
 
+    def _rows(self) -> torch.Tensor:
+        """state_batch_indices of a decode step: row b uses slot b."""
+        return torch.arange(self.cache.num_slots, dtype=torch.int32, device=self.cache.cursor.device)
+
     def _end_decode_step(self) -> None:
-        rows = torch.arange(self.cursor.shape[0], dtype=torch.int32, device=self.cursor.device)
-        self.advance(self.cursor, rows, self.buffer_len)
+        self.cache.commit(self._rows(), None, 1)  # the cursor advances once for all layers
 
     def patch(self):
         for mixer in self._mixers():
@@ -505,19 +512,13 @@ class ReplaySSMDecoder(MixerPatch):
                                      mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, activation=mixer.activation)
         xBC = m.apply_mask_to_padding_states(xBC.transpose(1, 2), attention_mask)
         x, B, C = xBC.split([mixer.intermediate_size, G * N, G * N], dim=-1)
-        sbi = torch.arange(batch, dtype=torch.int32, device=x.device)
-        if self.cache._step is None:  # the step's first Mamba layer opens it
-            self.cache.flush(sbi, 1)
+        sbi = self._rows()
         y = self.cache.verify(self.j[mixer.layer_idx], x.reshape(batch, 1, H, P).contiguous(),
                               B.reshape(batch, 1, G, N).contiguous(), C.reshape(batch, 1, G, N).contiguous(),
                               dt.reshape(batch, 1, H).contiguous(), mixer.dt_bias.float().contiguous(),
                               -torch.exp(mixer.A_log.float()), mixer.D.float().contiguous(), None, sbi)
         y = mixer.norm(y.reshape(batch, 1, -1).to(dtype), gate)
         return mixer.out_proj(y.to(dtype))
-
-    def _end_decode_step(self) -> None:
-        rows = torch.arange(self.cache.num_slots, dtype=torch.int32, device=self.cache.cursor.device)
-        self.cache.commit(rows, None, 1)  # the cursor advances once for all layers
 
     def reset(self) -> None:
         self.cache = None

@@ -223,19 +223,13 @@ class GDNReplayDecoder(MixerPatch):
         mixed = m.causal_conv1d_forward(mixer.conv1d, mixed.transpose(1, 2), cache, mixer.layer_idx,
                                         activation=mixer.activation).transpose(1, 2)
         q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-        sbi = torch.arange(batch, dtype=torch.int32, device=hs.device)
-        if self.cache._step is None:  # the step's first GDN layer opens it
-            self.cache.flush(sbi, 1)
+        sbi = self._rows()
         y = self.cache.gdn_verify(self.j[mixer.layer_idx], q.reshape(batch, 1, H, K).contiguous(),
                                   k.reshape(batch, 1, H, K).contiguous(), v.reshape(batch, 1, HV, V).contiguous(),
                                   a.reshape(batch, 1, HV).contiguous(), b.reshape(batch, 1, HV).contiguous(),
                                   mixer.A_log.float().contiguous(), mixer.dt_bias.float().contiguous(), sbi)[:, 0]
         core = mixer.norm(y.reshape(-1, V).to(dtype), z.reshape(-1, V))
         return mixer.out_proj(core.reshape(batch, 1, HV * V))
-
-    def _end_decode_step(self) -> None:
-        rows = torch.arange(self.cache.num_slots, dtype=torch.int32, device=self.cache.cursor.device)
-        self.cache.commit(rows, None, 1)  # the cursor advances once for all layers
 
     def _mixers(self) -> list:
         return [self.model.model.layers[i].linear_attn for i in self.layers]

@@ -20,11 +20,11 @@ once, when it allocates its state, and never branches per call:
   gdn_replay_verify(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None)
                                                  -> y (batch, T, HV, V)   Gated DeltaNet, (slots, 2) cursor
 
-``replay_decode``, ``replay_verify`` and ``gdn_replay_verify`` also take ``z`` (Mamba-2 only), ``out`` (outputs written into it,
-rows with a slot only) and ``check_values`` (the launchers' host checks; the reference reads the host
-anyway); ``spec_commit`` takes ``check_values``. ``read_shadow=False`` (reference only) keeps the shadow
-rewritten at each fold without reading it, the CPU cache's default: the kernels always read the shadow they
-are given. :class:`.cache.ReplayStateCache` takes its executor here once, at construction.
+The step methods also take ``out`` (outputs written into it, rows with a slot only) and ``check_values`` (the
+launchers' host checks; the reference reads the host anyway), the Mamba-2 ones ``z``; the cursor moves take
+``check_values``. ``read_shadow=False`` (reference only; not on ``gdn_replay_decode``, whose shadow is always
+read) keeps the shadow rewritten at each fold without reading it, the CPU cache's default: the kernels always
+read the shadow they are given. :class:`.cache.ReplayStateCache` takes its executor here once, at construction.
 
 The reference computes in float64 and stores every cache back in its own dtype; y comes back in x's
 dtype. Where the kernels fold the checkpoint inside the verify launch (flush one window early), the
