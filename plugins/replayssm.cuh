@@ -299,14 +299,15 @@ __device__ __forceinline__ float group_max(float v) {
 }
 
 // The shadow of freshly flushed checkpoint rows, from the fp32 values just stored (docs/DESIGN.md §1):
-// bf16: one rounding; fp8-e4m3: q = S / scale, scale = max|S[row]| / 448 (1 for a zero row).
+// bf16: one rounding; fp8-e4m3: q = S * (1 / scale), scale = max|S[row]| / 448 (1 for a zero row): one
+// IEEE reciprocal per row and a product per value (a division per value cost the flush its spills).
 constexpr int kShadow = RSSM_SHADOW;
 template <int R>
 __device__ __forceinline__ void store_shadow(const RowRegs<R>& st, shadow_t* base, float* scales, int r0 = 0) {
   const int rb = row_base() + r0, l = threadIdx.x % kLPR;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    float scale = 1.f;
+    float scale = 1.f, inv = 1.f;
     if constexpr (kShadow == 2) {
       float m = 0.f;
 #pragma unroll
@@ -315,13 +316,14 @@ __device__ __forceinline__ void store_shadow(const RowRegs<R>& st, shadow_t* bas
         for (int e = 0; e < kEPV; ++e) m = fmaxf(m, fabsf(st.s[r][v][e]));
       m = group_max<kLPR>(m);
       scale = m > 0.f ? m / 448.f : 1.f;
+      inv = __frcp_rn(scale);
       if (l == r0 + r) scales[rb + r] = scale;
     }
 #pragma unroll
     for (int v = 0; v < kVPL; ++v) {
       float q[kEPV];
 #pragma unroll
-      for (int e = 0; e < kEPV; ++e) q[e] = kShadow == 2 ? st.s[r][v][e] / scale : st.s[r][v][e];
+      for (int e = 0; e < kEPV; ++e) q[e] = kShadow == 2 ? st.s[r][v][e] * inv : st.s[r][v][e];
       store_f<shadow_t, kEPV>(base + (size_t)(rb + r) * kN + my_col(v), q);
     }
   }

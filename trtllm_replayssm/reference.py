@@ -27,14 +27,14 @@ def quantize_shadow(S: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None
     """The one shadow quantizer (every path writes shadows through it): ``q`` and ``scale`` written in
     place from ``S`` (..., N), any leading dims. bf16 (``scale`` None): q = bf16(S), round to nearest
     even as the kernels' store. fp8: scale = max_n |S[..., n]| / 448 in fp32 (1 for an all-zero row),
-    q = e4m3(S / scale)."""
+    q = e4m3(S * (1 / scale)), one fp32 reciprocal per row and a product per value, as the kernels' store."""
     if scale is None:
         q.copy_(S.to(torch.bfloat16))
         return
     S32 = S.float()
     amax = S32.abs().amax(dim=-1)
     scale.copy_(torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax)))
-    q.copy_((S32 / scale[..., None]).to(torch.float8_e4m3fn))
+    q.copy_((S32 * torch.reciprocal(scale)[..., None]).to(torch.float8_e4m3fn))
 
 
 class Shadow:
