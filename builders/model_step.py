@@ -607,7 +607,7 @@ class HybridStep:
         token; other sets collide with probability ~2^-58). With ``force_routing`` True (before a
         capture) the experts used are ``forced_idx[i]``, written by the caller before each step, while
         route_idx/routing still record the step's own choice: a lossy mode's error is then measured
-        without the router's discrete flips (bench_decode.py's shadow gate)."""
+        without the router's discrete flips (the e2e standard step's shadow gate, scripts/e2e_standard.py)."""
         g = torch.Generator().manual_seed(seed)
         n, dev = self.batch * self.T, self.device
         self._route_code = {i: torch.randint(1, 1 << 58, (self.w[i]["moe"].num_experts,), generator=g,

@@ -25,7 +25,7 @@ Megatron-style splits (Shoeybi et al. 2019, "Megatron-LM"), one all-reduce per m
 Per step and rank: one all-reduce of (batch, hidden) per layer (plus one (batch, G) per Mamba layer
 with replicated groups). Every rank builds the full model from the same seed and slices it (the
 simplest route to identical weights; memory is not the point of this TP). ``dist`` must be
-initialised (gloo on the CPU, NCCL on GPUs with NVLink multicast off, see scripts/bench_decode.py);
+initialised (gloo on the CPU, NCCL on GPUs with NVLink multicast off, see scripts/bench_e2e.py);
 ``tp=1`` needs no process group and reproduces :class:`~builders.model_step.DecodeStep`.
 """
 

@@ -3,7 +3,7 @@
 """Set up the peer baselines the benchmarks compare against, in the git-ignored ``third_party/``.
 
 mamba_ssm (Dao AI Lab): its Triton ``selective_state_update`` is the ``mamba_ssm`` column of
-scripts/bench_kernels.py and the ``mamba_ssm`` mode of scripts/bench_decode.py (both load it from
+scripts/bench_kernels.py and the ``mamba_ssm`` mode of scripts/bench_e2e.py standard (both load it from
 ``third_party/mamba_ssm_peer``, ``--mamba-path`` to change). The package itself cannot be pip-installed
 on a machine without nvcc and a matching torch (its setup.py builds CUDA extensions), and the Triton
 kernel needs none of them. So this script downloads the pinned sdist from PyPI, checks its sha256,

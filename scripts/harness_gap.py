@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""The no-SSM step in both harnesses, in one process (issue 11: bench_decode's 9.28 ms and profile_decode's
+"""The no-SSM step in both harnesses, in one process (issue 11: the standard e2e step's 9.28 ms and profile_decode's
 8.23 ms came from two runs of different commits).
 
 Builds the Nemotron-H-8B geometry once, then times the captured no-SSM decode step by
 ``profile_decode.profile_point`` (bs256 at fill 176: first with static shapes; then after a bs1 point, so
-the compiled regions are dynamic in the batch), by ``bench_decode.run_batch`` (conventional + noop at bs256,
+the compiled regions are dynamic in the batch), by ``e2e_standard.run_batch`` (conventional + noop at bs256,
 its prefill, gate and timing route) and by ``profile_point`` once more after that. Writes ms per step and
 the kernel time per category as JSON.
 
@@ -24,13 +24,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts import bench_decode as bd  # noqa: E402
+from builders.random_model import build_model, model_config  # noqa: E402
+from scripts import e2e_standard as bd  # noqa: E402
 from scripts import profile_decode as pd  # noqa: E402
 
 
 def main(out_path: str) -> None:
     t0 = time.time()
-    model = bd.build_model(bd.model_config(), "cuda", torch.bfloat16, seed=0)
+    model = build_model(model_config(), "cuda", torch.bfloat16, seed=0)
 
     def prof(tag: str, batch: int, fill: int) -> dict:
         r = pd.profile_point(model, batch, 1, 1024, "noop", 16, 10, 3, fill)

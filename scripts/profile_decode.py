@@ -33,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from builders.model_step import DecodeStep, NoOp, Replay, SpecStep  # noqa: E402
-from scripts import bench_decode as bd  # noqa: E402
+from builders.random_model import build_model, model_config  # noqa: E402
 from trtllm_replayssm import timing  # noqa: E402
 
 CATEGORIES = (
@@ -102,9 +102,9 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,4", help="T per step: 1 = standard decode, > 1 = speculative verify")
     ap.add_argument("--mode", default="noop", choices=("noop", "replay"))
     ap.add_argument("--buffer-len", type=int, default=16)
-    ap.add_argument("--context", type=int, default=1024, help="KV positions allocated (as bench_decode)")
+    ap.add_argument("--context", type=int, default=1024, help="KV positions allocated (as bench_e2e.py standard)")
     ap.add_argument("--fill", type=int, default=256,
-                    help="KV positions filled before the first replay (attention reads those; bench_decode's "
+                    help="KV positions filled before the first replay (attention reads those; the standard e2e step's "
                          "timed steps sit at ~prompt + gate + warmup cycles, 32 + 32 + 2*16 ... 256)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--reps", type=int, default=10)
@@ -112,7 +112,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None, help="default: $GIT_COMMIT, else git HEAD")
     args = ap.parse_args(argv)
-    model = bd.build_model(bd.model_config(layers=args.layers), "cuda", torch.bfloat16, seed=0)
+    model = build_model(model_config(layers=args.layers), "cuda", torch.bfloat16, seed=0)
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:

@@ -20,7 +20,6 @@ tokens may flip a near-tie top-k choice, an O(1) change of that row, so such row
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import pathlib
 
 import pytest
@@ -32,12 +31,10 @@ if not torch.cuda.is_available():
 pytest.importorskip("transformers")
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
-bd = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bd)
 
 from builders.decode_attention import decode_attention  # noqa: E402
 from builders.model_step import Conventional, DecodeStep, NoOp, Replay, SpecStep, make_drafts  # noqa: E402
+from builders.random_model import build_model, model_config  # noqa: E402
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.05}
 # fused vs eager, bf16 with MoE layers (one step from the same state, rows routed alike): the fused step's
@@ -51,12 +48,12 @@ MOE_TOL = 0.02  # grouped vs dense bf16 expert outputs, max |diff| / std: both r
 
 def _model(dtype, layers=None):
     if layers == "nemotron3":  # tiny Nemotron 3: MoE layers (grouped experts in bf16)
-        cfg = bd.model_config(tiny="nemotron3")
+        cfg = model_config(tiny="nemotron3")
     elif layers is None:
-        cfg = bd.model_config(tiny=True)
+        cfg = model_config(tiny=True)
     else:
-        cfg = bd.model_config(layers=layers, vocab=2048)
-    return bd.build_model(cfg, "cuda", dtype, seed=0)
+        cfg = model_config(layers=layers, vocab=2048)
+    return build_model(cfg, "cuda", dtype, seed=0)
 
 
 def _err(a, b):

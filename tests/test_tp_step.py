@@ -3,7 +3,7 @@
 
 Oracle: the TP=1 :class:`~builders.model_step.DecodeStep` on the same seeded fp32 model, fed
 the same tokens (teacher forcing) for 3L+2 steps, so every row crosses two flushes of the replay
-backend; compared by ``scripts/bench_decode.py``'s ``tp_check`` (the correctness phase of
+backend; compared by ``scripts/e2e_standard.py``'s ``tp_check`` (the correctness phase of
 ``--tp N``) for the conventional and replay backends. The SSM steps are the float64 reference on
 both sides with identical per-head arithmetic; TP changes only the fp32 summation order of the
 row-parallel products (and of the replicated groups' norm sums), so max |dlogit| / std <= 1e-4
@@ -15,7 +15,6 @@ original step bit for bit. Processes start with torch.multiprocessing (no torchr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -29,10 +28,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from scripts import e2e_standard
+
+    return e2e_standard
 
 
 def _rank_main(rank, world, init_file, out_file, geometry, tiny, layers, vocab, teeth):

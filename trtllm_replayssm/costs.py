@@ -51,7 +51,7 @@ entry write on all L steps, flush included: the convention of bench/NOTES.md's e
     native_spec              S (1 + T) + 2 S;   spec_noop 0;   standard = replay
 with S = H P N 4 (the end-to-end models keep an fp32 checkpoint). The step adds, for the whole model:
     decode  W_w + M b 2 cd K a (conv windows) + A b 2 kvh fill hd a (K and V of the ``fill`` positions read)
-    spec    W_w + A b 2 kvh fill hd a + M b cd 4 (K - 2 + T) a (conv windows, as bench_spec_decode has
+    spec    W_w + A b 2 kvh fill hd a + M b cd 4 (K - 2 + T) a (conv windows, as the e2e spec step has
             always counted them) + b T V_voc (2 + 4 + 4) (logits: bf16, fp32, fp32)
     total   int(that + M b ssm)
 with cd = H P + 2 G N the conv channels (x | B | C).
@@ -75,7 +75,7 @@ Serving memory of a model (:func:`serving_memory`): W_w + ssm + conv + kv + scra
              tokens, t' = 1 or T, wide = max(2 H P + 2 G N + H, intermediate)
 :func:`max_batch` is the largest b whose total fits a budget (:func:`max_batch_within` for any total).
 The benchmarks' run plans (:func:`decode_run_plan`, :func:`spec_run_plan`) add the post-prompt snapshot
-(state, conv, kv) that every mode restores; bench_decode's plan has its own scratch estimate, written there.
+(state, conv, kv) that every mode restores; the e2e standard step's plan has its own scratch estimate, written there.
 Weights: :func:`model_weight_bytes` (a built model's parameters) and :func:`config_weight_bytes` (a
 config's parameter count times the dtype's itemsize, without allocating).
 """
@@ -223,7 +223,7 @@ def gdn_native_spec_bytes(HV: int, H: int, V: int, K: int, T: int, act_bytes: in
     return state + T * state + T * io, 2 * state
 
 
-# ---- the end-to-end model step (bench_decode / bench_spec_decode) -----------------------------------------------
+# ---- the end-to-end model step (scripts/bench_e2e.py: standard and spec) -----------------------------------------------
 def _model_geometry(config) -> dict:
     """A NemotronHConfig's Mamba-2 shape and layer counts (M Mamba-2, A attention)."""
     c = config
@@ -416,7 +416,7 @@ def max_batch(config, budget_bytes: int, kv_len: int, T: int, L: int, mode: str,
 
 
 def spec_run_plan(config, batch: int, kv_len: int, T: int, L: int, mode: str, act_bytes: int = 2) -> dict:
-    """bench_spec_decode's bytes besides the resident weights for one (batch, mode) on the GPU: the post-prompt
+    """The e2e spec step's bytes besides the resident weights for one (batch, mode) on the GPU: the post-prompt
     snapshot (conventional state, K-wide conv, KV) + the larger of the prompt's conventional step and the mode's
     step. ``gpu_snapshot``: snapshot on the GPU; ``cpu_snapshot``: in host memory (restores then cross PCIe)."""
     g, a = _model_geometry(config), act_bytes
@@ -430,7 +430,7 @@ def spec_run_plan(config, batch: int, kv_len: int, T: int, L: int, mode: str, ac
 
 def decode_run_plan(config, batch: int, kv_len: int, L: int, weight_bytes: int, act_bytes: int = 2,
                     shadow_bytes: int = 0) -> dict:
-    """bench_decode's bytes for the run of one batch on the GPU (peak: model state + snapshot + one backend;
+    """The e2e standard step's bytes for the run of one batch on the GPU (peak: model state + snapshot + one backend;
     ``shadow_bytes`` per state element of the largest shadow backend, fp8 with its row scales). Its scratch:
     b (V_voc 4 4 + wide 4 8 + heads kv_len 4 4) + 2 GiB, wide = max(2 H P + 2 G N + H, intermediate, hidden)."""
     g, c, a = _model_geometry(config), config, act_bytes

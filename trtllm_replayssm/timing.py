@@ -6,7 +6,7 @@ Two granularities, both on CUDA graphs so that launch overhead is what a served 
 - a kernel (``scripts/bench_kernels.py``, ``bench_spec.py``, ``bench_gdn.py``, ``bench_vllm_layout.py``):
   :func:`graph_time_us` captures ``launches`` calls (the caller rotates its inputs through more memory than
   L2 holds) and returns the median and p90 - p10 spread of one launch over ``reps`` replays;
-- a model step (``scripts/bench_decode.py``, ``bench_spec_decode.py``): :func:`capture` makes a graph of one
+- a model step (``scripts/bench_e2e.py``, both steps): :func:`capture` makes a graph of one
   step (an eager warm-up call first, on a side stream: compilation, autotuning and host checks never run
   inside a capture), :func:`time_samples` times ``reps`` samples of ``steps`` replays each between two
   CUDA events (optionally each from a fresh ``restore()``, not timed); on the CPU both fall back to eager

@@ -1,13 +1,9 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""End-to-end hybrid decode benchmark: one full Nemotron-H decode step with each SSM step.
+"""The standard (T = 1) step of the end-to-end benchmark: one full Nemotron-H decode step per SSM mode.
 
-Model: Nemotron-H-8B geometry through transformers' ``NemotronHConfig`` (Megatron-Bridge's
-``NemotronHModelProvider8B``: 52 layers "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-24 Mamba-2 / 4 attention / 24 MLP, hidden 4096, MLP 21504 (relu2), Mamba (H, P, N, G) =
-(128, 64, 128, 8), 32 query / 8 KV heads of 128, real vocab 131072 unless ``--vocab``), bf16
-weights drawn from a seeded generator (no checkpoint is downloaded). ``--tiny``: the small
-embedded config (CPU smoke test); ``--layers N``: the first N layers of the pattern.
+Run through ``scripts/bench_e2e.py standard`` (the common flags, the model of
+:mod:`builders.random_model` and the results file are that CLI's).
 
 Route, per batch: random prompts are fed token by token through the conventional step (the
 "prefill"; its final SSM state is what a real prefill hands over), everything is snapshotted,
@@ -103,18 +99,14 @@ Tensor parallelism (``--tp N``, one process per GPU under torchrun, :mod:`builde
   all-reduces through gloo; checks the sharded kernels (local head counts) on a single GPU.
 
 Usage:
-  python scripts/bench_decode.py [--batches 1,8,32,64,128,256] [--tiny] [--layers N] [--vocab V]
+  python scripts/bench_e2e.py standard [--batches 1,8,32,64,128,256] [--tiny] [--layers N] [--vocab V]
          [--buffer-len 16] [--modes conventional,replay,replay_bf16,replay_fp8,mamba_ssm,noop] [--plot]
-         [--out bench/results]
-  torchrun --nproc_per_node 2 scripts/bench_decode.py --tp 2 [--batches 64,256] [--modes conventional,replay]
+  torchrun --nproc_per_node 2 scripts/bench_e2e.py standard --tp 2 [--batches 64,256] [--modes conventional,replay]
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -131,39 +123,10 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from builders.model_step import Conventional, DecodeStep, MambaSSM, NoOp, Replay  # noqa: E402
-from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIG  # noqa: E402
+from builders.random_model import build_model, model_config  # noqa: E402
 from builders.tp_step import TPDecodeStep  # noqa: E402
 from trtllm_replayssm import costs, timing  # noqa: E402
-from trtllm_replayssm.geometries import MODELS  # noqa: E402
 
-# Megatron-Bridge NemotronHModelProvider8B (hybrid_layer_pattern, hidden 4096, ffn 21504, 128 Mamba
-# heads of 64, state 128, 8 groups, 32 heads, 8 query groups, kv_channels 128) + HF defaults.
-NEMOTRON_H_8B = dict(
-    vocab_size=131072,
-    hidden_size=4096,
-    hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=21504,
-    mlp_hidden_act="relu2",
-    mamba_num_heads=128,
-    mamba_head_dim=64,
-    ssm_state_size=128,
-    n_groups=8,
-    conv_kernel=4,
-    chunk_size=128,
-    use_conv_bias=True,
-    mamba_proj_bias=False,
-    mlp_bias=False,
-    attention_bias=False,
-    max_position_embeddings=8192,
-    layer_norm_epsilon=1e-5,
-    tie_word_embeddings=False,
-    eos_token_id=None,
-    pad_token_id=0,
-    bos_token_id=1,
-)
 MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "mamba_ssm", "noop")
 SHADOW_MODES = {"replay_bf16": "bf16", "replay_fp8": "fp8"}
 # Teacher-forced gate of the shadow modes (module docstring; measurements in bench/NOTES.md):
@@ -175,96 +138,6 @@ GiB = 1 << 30
 
 class GateError(RuntimeError):
     """A mode's greedy tokens differ from the conventional mode's beyond near ties."""
-
-
-# ---- model ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-MODEL_GEOMETRIES = ("nemotron_h_8b", "nemotron3_nano", "nemotron3_super")
-
-
-def model_config(tiny: bool | str = False, layers: int | None = None, vocab: int | None = None,
-                 geometry: str = "nemotron_h_8b", **overrides):
-    """The benchmark's ``NemotronHConfig``: ``tiny`` (True or "nemotron_h": the embedded tiny Nemotron-H,
-    "nemotron3": the tiny Nemotron 3 with MoE layers) or a real model's layer stack, ``geometry`` one of
-    MODEL_GEOMETRIES (Nemotron-H-8B, or a Nemotron 3 model from trtllm_replayssm.geometries.MODELS, its
-    published config.json sizes); ``layers``: the first N layers of the pattern."""
-    from transformers import NemotronHConfig
-
-    if tiny:
-        d = dict(TINY3_CONFIG if tiny == "nemotron3" else TINY_CONFIG)
-    elif geometry == "nemotron_h_8b":
-        d = dict(NEMOTRON_H_8B)
-    elif geometry in MODELS:
-        d = {**NEMOTRON_H_8B, **MODELS[geometry].config_overrides()}
-    else:
-        raise ValueError(f"geometry: expected one of {MODEL_GEOMETRIES}, got {geometry!r}")
-    if vocab:
-        d["vocab_size"] = vocab
-    if layers:
-        pattern = d["hybrid_override_pattern"]
-        if not 1 <= layers <= len(pattern):
-            raise ValueError(f"--layers: expected 1..{len(pattern)}, got {layers}")
-        d["hybrid_override_pattern"] = pattern[:layers]
-    d.update(overrides)
-    return NemotronHConfig(**d)
-
-
-@torch.no_grad()
-def randomize_(model, seed: int = 0):
-    """Seeded random weights drawn on the parameters' device, O(1) activations (the distributions of
-    :func:`builders.nemotron_h.randomize_`, one generator per tensor so no host round trip)."""
-    for idx, (name, p) in enumerate(model.named_parameters()):
-        g = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + idx)
-        leaf = name.rsplit(".", 1)[-1]
-
-        def rand(gen=g, p=p):
-            return torch.rand(p.shape, generator=gen, device=p.device)
-
-        def randn(gen=g, p=p):
-            return torch.randn(p.shape, generator=gen, device=p.device)
-
-        if leaf == "A_log":  # A = -exp(A_log) in [-16, -1]
-            v = torch.log(rand() * 15 + 1)
-        elif leaf == "dt_bias":  # softplus(dt_bias) log-uniform in [1e-3, 0.1]
-            dt = torch.exp(rand() * math.log(100.0) + math.log(1e-3))
-            v = dt + torch.log(-torch.expm1(-dt))
-        elif leaf == "D" or name.endswith(("norm.weight", "norm_f.weight")):
-            v = 1 + 0.1 * randn()
-        elif leaf == "bias":
-            v = 0.1 * randn()
-        elif p.dim() >= 2:  # (out, in), conv (C, 1, K), experts (E, out, in): the last dim is the fan-in
-            fan_in = p.shape[-1] if "embeddings" not in name else 1
-            v = randn() * fan_in ** -0.5
-        else:
-            v = randn()
-        p.copy_(v.to(p.dtype))
-    for idx, (name, b) in enumerate(model.named_buffers()):
-        if name.endswith("e_score_correction_bias"):  # MoE routing: large enough to move the choice
-            g = torch.Generator(device=b.device).manual_seed(seed * 1_000_003 + 500_000 + idx)
-            b.copy_(0.1 * torch.randn(b.shape, generator=g, device=b.device))
-    return model
-
-
-def build_model(config, device="cpu", dtype=torch.bfloat16, seed: int = 0):
-    """``NemotronHForCausalLM`` of ``config`` materialized directly on ``device`` in ``dtype``."""
-    from transformers import NemotronHForCausalLM
-
-    with _default_dtype(dtype), torch.device("meta"):
-        model = NemotronHForCausalLM(config)
-    model = model.to_empty(device=device)
-    for name, mod in model.named_modules():  # the MoE router stays fp32, as transformers keeps it
-        if name.endswith(".mixer.gate"):
-            mod.float()
-    return randomize_(model, seed).eval()
 
 
 # ---- memory ----------------------------------------------------------------------------------------------
@@ -739,107 +612,69 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,8,32,64,128,256")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--tiny", nargs="?", const="nemotron_h", default=None, choices=("nemotron_h", "nemotron3"),
-                    help="a small embedded config (CPU smoke test): nemotron_h (default) or nemotron3 (MoE)")
-    ap.add_argument("--model-geometry", default="nemotron_h_8b", choices=MODEL_GEOMETRIES,
-                    help="the layer stack: Nemotron-H-8B or a Nemotron 3 model (published config.json sizes, "
-                         "random bf16 weights, a seeded router)")
-    ap.add_argument("--layers", type=int, default=None, help="first N layers of the hybrid pattern")
-    ap.add_argument("--vocab", type=int, default=None, help="reduce the vocabulary (default: the config's)")
-    ap.add_argument("--buffer-len", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--gate-tokens", type=int, default=32)
-    ap.add_argument("--context", type=int, default=1024,
-                    help="KV cache positions allocated (the fused step's attention reads only the filled ones)")
-    ap.add_argument("--warmup", type=int, default=2, help="flush cycles before timing")
-    ap.add_argument("--reps", type=int, default=10, help="timed flush cycles (median)")
-    ap.add_argument("--tie-rel", type=float, default=1e-3, help="near tie: top-2 margin below this x std(logits)")
-    ap.add_argument("--max-tie-frac", type=float, default=0.05)
-    ap.add_argument("--strict-gate", action="store_true")
-    ap.add_argument("--gate-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="activation dtype of the model the gate runs on (float32: a twin of the bf16 timed model "
-                         "with the same seeded weights; bf16 greedy tokens fork at rounding level, see bench/NOTES.md)")
-    ap.add_argument("--gate-layers", type=int, default=None,
-                    help="the gate's twin holds only the first N layers of the pattern (same Mamba/MoE/attention "
-                         "geometry; for models whose fp32 twin does not fit beside the bf16 one, e.g. Nemotron 3 Nano: "
-                         "63 GB bf16 + 126 GB fp32 > one H200)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--tag", default=None)
-    ap.add_argument("--commit", default=None)
-    ap.add_argument("--plot", action="store_true")
-    ap.add_argument("--tp", type=int, default=None, help="tensor parallelism: one process per GPU (torchrun)")
-    ap.add_argument("--tp-geometries", default="256,64,128,8;128,64,128,8",
-                    help="--tp correctness: Mamba (H,P,N,G) geometries, ';'-separated (empty: skip)")
-    ap.add_argument("--tp-layers", type=int, default=8, help="--tp correctness: first N layers of the pattern")
-    ap.add_argument("--tp-backend", choices=("nccl", "gloo"), default=None,
-                    help="--tp: process-group backend (default: nccl on CUDA, gloo on the CPU)")
-    ap.add_argument("--tp-same-device", action="store_true",
-                    help="--tp: every rank on cuda:0 (with --tp-backend gloo: the sharded kernels checked on one GPU; "
-                         "timings then mean nothing)")
-    ap.add_argument("--tp-vocab", type=int, default=4096, help="--tp correctness: vocabulary")
-    ap.add_argument("--tp-check-len", type=int, default=4, help="--tp correctness: buffer length L (3L+2 steps)")
-    ap.add_argument("--tp-check-dtypes", default=None,
-                    help="--tp correctness: float32 and/or bfloat16 (default: both on CUDA, float32 on the CPU)")
-    ap.add_argument("--tp-eager", action="store_true", help="--tp timing without CUDA graphs")
-    args = ap.parse_args(argv)
-    if args.tp is not None:
-        return tp_main(args)
+def add_arguments(p) -> None:
+    """The standard step's own flags (the common ones: scripts/bench_e2e.py)."""
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--modes", default=",".join(MODES), help=f"from {MODES}")
+    p.add_argument("--gate-tokens", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=2, help="flush cycles before timing")
+    p.add_argument("--reps", type=int, default=10, help="timed flush cycles (median)")
+    p.add_argument("--gate-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="activation dtype of the model the gate runs on (float32: a twin of the bf16 timed model "
+                        "with the same seeded weights; bf16 greedy tokens fork at rounding level, see bench/NOTES.md)")
+    p.add_argument("--gate-layers", type=int, default=None,
+                   help="the gate's twin holds only the first N layers of the pattern (same Mamba/MoE/attention "
+                        "geometry; for models whose fp32 twin does not fit beside the bf16 one, e.g. Nemotron 3 Nano: "
+                        "63 GB bf16 + 126 GB fp32 > one H200)")
+    p.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
+    t = p.add_argument_group("tensor parallelism (torchrun, one process per GPU)")
+    t.add_argument("--tp", type=int, default=None, help="tensor parallelism degree")
+    t.add_argument("--tp-geometries", default="256,64,128,8;128,64,128,8",
+                   help="--tp correctness: Mamba (H,P,N,G) geometries, ';'-separated (empty: skip)")
+    t.add_argument("--tp-layers", type=int, default=8, help="--tp correctness: first N layers of the pattern")
+    t.add_argument("--tp-backend", choices=("nccl", "gloo"), default=None,
+                   help="--tp: process-group backend (default: nccl on CUDA, gloo on the CPU)")
+    t.add_argument("--tp-same-device", action="store_true",
+                   help="--tp: every rank on cuda:0 (with --tp-backend gloo: the sharded kernels checked on one GPU; "
+                        "timings then mean nothing)")
+    t.add_argument("--tp-vocab", type=int, default=4096, help="--tp correctness: vocabulary")
+    t.add_argument("--tp-check-len", type=int, default=4, help="--tp correctness: buffer length L (3L+2 steps)")
+    t.add_argument("--tp-check-dtypes", default=None,
+                   help="--tp correctness: float32 and/or bfloat16 (default: both on CUDA, float32 on the CPU)")
+    t.add_argument("--tp-eager", action="store_true", help="--tp timing without CUDA graphs")
 
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    modes = [m for m in args.modes.split(",") if m]
-    for m in modes:
+
+def check_arguments(args) -> None:
+    """Raises ValueError naming the flag and what was expected."""
+    for m in [m for m in args.modes.split(",") if m]:
         if m not in MODES:
-            ap.error(f"--modes: expected names from {MODES}, got {m!r}")
+            raise ValueError(f"--modes: expected names from {MODES}, got {m!r}")
+    timed = "bfloat16" if args.device.startswith("cuda") else "float32"
+    if args.gate_layers is not None and args.gate_dtype == timed:
+        raise ValueError("--gate-layers: needs a twin (--gate-dtype other than the timed model's dtype)")
+
+
+def run(args, r) -> list[dict]:
+    """The standard step over ``--batches``; ``r``: scripts/bench_e2e.Run (device, config, meta, results)."""
+    dev, cuda, dtype, config = r.dev, r.cuda, r.dtype, r.config
+    modes = [m for m in args.modes.split(",") if m]
     mamba_fn = _load_mamba(args.mamba_path) if "mamba_ssm" in modes and cuda else None
     if "mamba_ssm" in modes and mamba_fn is None:
         modes.remove("mamba_ssm")
         print("# mode mamba_ssm dropped (needs CUDA and mamba_ssm's Triton kernel)", file=sys.stderr)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    config = model_config(args.tiny or False, args.layers, args.vocab, geometry=args.model_geometry)
     t0 = time.perf_counter()
     model = build_model(config, dev, dtype, args.seed)
     gate_dtype = getattr(torch, args.gate_dtype)
     gate_config = config
-    if args.gate_layers is not None:
-        if gate_dtype == dtype:
-            ap.error("--gate-layers: needs a twin (--gate-dtype other than the timed model's dtype)")
+    if args.gate_layers is not None and gate_dtype != dtype:
         gate_config = model_config(args.tiny or False, args.gate_layers, args.vocab, geometry=args.model_geometry)
     gate_model = build_model(gate_config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
     weight_bytes = costs.model_weight_bytes(model)
-    kinds = list(config.layers_block_type)
-    meta = dict(**timing.run_meta(dev, args.commit),
-                model=f"tiny_{args.tiny}" if args.tiny else f"{args.model_geometry}_geometry",
-                moe_layers=kinds.count("moe"),
-                pattern=config.hybrid_override_pattern, layers=len(kinds),
-                mamba_layers=kinds.count("linear_attention"), attention_layers=kinds.count("full_attention"),
-                vocab=config.vocab_size, dtype=str(dtype).replace("torch.", ""), state_dtype="float32",
-                weights_gb=weight_bytes / 1e9, buffer_len=args.buffer_len, modes=modes,
-                weights="seeded random (no checkpoint)", build_s=time.perf_counter() - t0,
-                gate_dtype=args.gate_dtype if gate_model is not None else str(dtype).replace("torch.", ""),
-                gate_layers=len(gate_config.layers_block_type),
-                gate_pattern=gate_config.hybrid_override_pattern)
-    if cuda:  # the same kernel copy as bench_kernels.py, so rows can say how close the step is to it
-        meta["copy_ceiling_tbps"] = timing.copy_ceiling_tbps()
-    try:
-        import transformers
-
-        meta["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or ("decode-tiny" if args.tiny else "decode" if args.model_geometry == "nemotron_h_8b"
-                       else f"decode-{args.model_geometry}")
-    path = out / f"{meta['date'][:10]}_{tag}_{meta['commit'][:10]}.json"
+    r.meta.update(weights_gb=weight_bytes / 1e9, modes=modes, build_s=time.perf_counter() - t0,
+                  gate_dtype=args.gate_dtype if gate_model is not None else str(dtype).replace("torch.", ""),
+                  gate_layers=len(gate_config.layers_block_type), gate_pattern=gate_config.hybrid_override_pattern)
+    r.open("decode-tiny" if args.tiny else "decode" if args.model_geometry == "nemotron_h_8b"
+           else f"decode-{args.model_geometry}")
     rows = []
     for batch in [int(b) for b in args.batches.split(",") if b]:
         snap_dev = None
@@ -864,40 +699,25 @@ def main(argv=None):
                            free_gib=free / GiB)
                 print(f"# skip batch {batch}: needs {row['needed_gib']:.1f} GiB besides the weights, "
                       f"{row['free_gib']:.1f} GiB free", file=sys.stderr)
-                print("RESULT_JSON " + json.dumps({**meta, **row}), flush=True)
+                r.emit(row)
                 rows.append(row)
                 continue
         t1 = time.perf_counter()
         batch_rows = run_batch(model, batch, modes, L=args.buffer_len, prompt_len=args.prompt_len,
                                gate_tokens=args.gate_tokens, warmup=args.warmup, reps=args.reps, context=args.context,
                                seed=args.seed, tie_rel=args.tie_rel, max_tie_frac=args.max_tie_frac,
-                               strict_gate=args.strict_gate, mamba_fn=mamba_fn, snapshot_device=snap_dev,
+                               strict_gate=args.strict, mamba_fn=mamba_fn, snapshot_device=snap_dev,
                                gate_model=gate_model)
-        for r in batch_rows:
-            r["batch_wall_s"] = time.perf_counter() - t1
+        for x in batch_rows:
+            x["batch_wall_s"] = time.perf_counter() - t1
             if cuda:
-                r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
-                r["planned_gib"] = (plan_["gpu_snapshot"] if snap_dev == dev else plan_["cpu_snapshot"]) / GiB
-                r["snapshot"] = str(snap_dev)
-                r["pct_ceiling"] = 100 * r["tbps"] / meta["copy_ceiling_tbps"]
-            print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **r}), flush=True)
+                x["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+                x["planned_gib"] = (plan_["gpu_snapshot"] if snap_dev == dev else plan_["cpu_snapshot"]) / GiB
+                x["snapshot"] = str(snap_dev)
+                x["pct_ceiling"] = 100 * x["tbps"] / r.meta["copy_ceiling_tbps"]
+            r.emit(x)
         rows += batch_rows
-        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))  # after every batch: a cut run keeps its rows
+        r.save(rows)  # after every batch: a cut run keeps its rows
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    print(f"# {meta['device']}, {meta['model']} ({meta['layers']} layers, vocab {meta['vocab']}), L={args.buffer_len}; "
-          f"results in {path}")
-    print_table(rows)
-    if args.plot:
-        png = path.with_suffix(".png")
-        plot(rows, png)
-        print(f"# plot: {png}")
-    return rows
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except GateError as e:
-        sys.exit(f"ABORT: {e}")
+    return r.finish(rows, f"L={args.buffer_len}", print_table, plot)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU tests of scripts/bench_spec_decode.py and builders/model_step.py's SpecStep (speculative decoding end to end).
+"""CPU tests of the spec step of scripts/bench_e2e.py (scripts/e2e_spec.py) and builders/model_step.py's
+SpecStep (speculative decoding end to end).
 
 Oracles:
 * plain greedy decoding (the conventional standard step, float64 reference SSM) for every spec mode's
@@ -18,7 +19,6 @@ L = 8 = 2T: every step with committed history flushes, the hardest case of the "
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -27,12 +27,11 @@ import torch
 
 pytest.importorskip("transformers")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("bench_spec_decode", ROOT / "scripts" / "bench_spec_decode.py")
-bs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bs)
 
 from builders import model_step as ss  # noqa: E402
-from scripts import bench_decode as bd  # noqa: E402
+from builders.random_model import build_model, model_config  # noqa: E402
+from scripts import bench_e2e  # noqa: E402
+from scripts import e2e_spec as bs  # noqa: E402
 from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm import spec_reference as sr  # noqa: E402
 from trtllm_replayssm.costs import memory_per_request  # noqa: E402
@@ -46,7 +45,7 @@ GiB = 1 << 30
 @pytest.fixture(scope="module")
 def model():
     torch.set_num_threads(1)  # tiny float64 ops: one thread is much faster on a loaded host
-    return bd.build_model(bd.model_config(tiny=True), "cpu", torch.float32, seed=0)
+    return build_model(model_config(tiny=True), "cpu", torch.float32, seed=0)
 
 
 # ---- acceptance -------------------------------------------------------------------------------------------
@@ -169,7 +168,7 @@ def test_check_has_teeth(model):
 
 
 def test_main_writes_json_and_plot(tmp_path):
-    rows = bs.main(["--tiny", "--device", "cpu", "--batches", "2", "--acceptances", "0.8", "--buffer-len", str(L),
+    rows = bench_e2e.main(["spec", "--tiny", "--device", "cpu", "--batches", "2", "--acceptances", "0.8", "--buffer-len", str(L),
                     "--prompt-len", "3", "--steps", "2", "--reps", "1", "--warmup", "0", "--check-steps", "3",
                     "--context", "32", "--out", str(tmp_path), "--plot", "--commit", "abc123"])
     assert {r["mode"] for r in rows} == set(bs.MODES)
@@ -189,7 +188,7 @@ def test_main_writes_json_and_plot(tmp_path):
 
 # ---- memory model ----------------------------------------------------------------------------------------------
 def test_memory_model_nemotron_h_8b():
-    cfg = bd.model_config()
+    cfg = model_config()
     b, kv = 256, 1024
     M, state = 24, 128 * 64 * 128 * 4  # Mamba layers; 4 MiB fp32 state per row and layer
     rings = 128 * 16 * 64 * 2 + 8 * 16 * 128 * 2 + 128 * 16 * 4  # x, B (bf16) and dt (fp32) entries, L = 16
@@ -219,7 +218,7 @@ def test_memory_model_nemotron_h_8b():
 
 
 def test_step_bytes_model():
-    cfg = bd.model_config()
+    cfg = model_config()
     W, b = 16 * 10**9, 256
     noop = costs.spec_step_bytes(cfg, b, 1024, 4, 16, "spec_noop", W)
     native = costs.spec_step_bytes(cfg, b, 1024, 4, 16, "native_spec", W) - noop
@@ -232,8 +231,8 @@ def test_step_bytes_model():
 @pytest.mark.gpu
 def test_cuda_graph_route_tiny():
     """The H200 route on the tiny config: fp32-twin check, graphs, bf16 timing, and the teeth on the GPU."""
-    model = bd.build_model(bd.model_config(tiny=True), "cuda", torch.bfloat16, seed=0)
-    twin = bd.build_model(bd.model_config(tiny=True), "cuda", torch.float32, seed=0)
+    model = build_model(model_config(tiny=True), "cuda", torch.bfloat16, seed=0)
+    twin = build_model(model_config(tiny=True), "cuda", torch.float32, seed=0)
     rows = bs.run_batch(model, 4, list(bs.MODES), check_model=twin, acceptances=(0.6, 0.95), **{**RUN, "L": 16})
     for r in rows:
         assert r["timing"] == "cuda-graph" and r["ms_step"] > 0
@@ -242,3 +241,19 @@ def test_cuda_graph_route_tiny():
     frozen = ss.Replay(16, commit_fn=lambda cursor, n, sbi, T_, L_: None)
     with pytest.raises(bs.GateError, match="replay_spec"):
         bs.check_batch(twin, 4, ["replay_spec"], backends={"replay_spec": frozen}, **{**CHECK, "L": 16})
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["spec", "--tiny", "nemotron3"], "Nemotron-H stack only"),
+    (["spec", "--tiny", "--num-tokens", "4", "--buffer-len", "6"], "expected T >= 2 and L >= 2T"),
+    (["spec", "--tiny", "--acceptances", "1.5"], "--acceptances: expected values in [0, 1]"),
+    (["spec", "--tiny", "--modes", "replay_spec,bogus"], "--modes: expected names from"),
+    (["standard", "--tiny", "--modes", "conventional,bogus"], "--modes: expected names from"),
+    (["standard", "--tiny", "--device", "cpu", "--gate-layers", "2"], "--gate-layers: needs a twin"),
+    (["decode", "--tiny"], "invalid choice: 'decode'"),
+])
+def test_cli_rejects_bad_arguments(argv, what, capsys):
+    """One CLI for both steps: a bad flag stops before any model is built, naming the flag."""
+    with pytest.raises(SystemExit) as e:
+        bench_e2e.main(argv)
+    assert e.value.code == 2 and what in capsys.readouterr().err

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU smoke test of scripts/bench_decode.py (the end-to-end decode benchmark) on the tiny config.
+"""CPU smoke test of the standard step of scripts/bench_e2e.py (scripts/e2e_standard.py) on the tiny config.
 
 Oracles:
 * transformers' own ``generate`` (fp32, greedy) for the hand-written graph step
@@ -19,7 +19,6 @@ L = 4 and 2L+1 gate tokens, so every row crosses two flushes.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
@@ -28,11 +27,11 @@ import torch
 
 pytest.importorskip("transformers")
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("bench_decode", ROOT / "scripts" / "bench_decode.py")
-bd = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bd)
 
 from builders.model_step import Conventional, DecodeStep, Replay  # noqa: E402
+from builders.random_model import build_model, model_config  # noqa: E402
+from scripts import bench_e2e  # noqa: E402
+from scripts import e2e_standard as bd  # noqa: E402
 from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm.backend import write_shadow  # noqa: E402
 from trtllm_replayssm.reference import Shadow  # noqa: E402
@@ -44,7 +43,7 @@ RUN = dict(L=L, prompt_len=5, gate_tokens=2 * L + 1, warmup=0, reps=1, context=1
 @pytest.fixture(scope="module")
 def model():
     torch.set_num_threads(1)  # tiny float64 ops: one thread is much faster on a loaded host
-    return bd.build_model(bd.model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
+    return build_model(model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
 
 
 def test_rows_and_gate_across_modes(model):
@@ -69,13 +68,13 @@ def test_gate_has_teeth(model):
 
 
 def test_twin_weights_are_the_rounded_fp32_weights():
-    cfg = bd.model_config(tiny=True)
-    lo, hi = bd.build_model(cfg, "cpu", torch.bfloat16), bd.build_model(cfg, "cpu", torch.float32)
+    cfg = model_config(tiny=True)
+    lo, hi = build_model(cfg, "cpu", torch.bfloat16), build_model(cfg, "cpu", torch.float32)
     assert all(torch.equal(p, q.to(torch.bfloat16)) for p, q in zip(lo.parameters(), hi.parameters()))
 
 
 def test_gate_on_a_twin_runs_first(model):
-    twin = bd.build_model(bd.model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
+    twin = build_model(model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
     rows = bd.run_batch(model, 2, ["conventional", "replay", "noop"], gate_model=twin, **RUN)
     assert {r["mode"]: r["gate"] for r in rows}["replay"] == "exact"
     assert all(r["gate_dtype"] == "float32" for r in rows)
@@ -118,7 +117,7 @@ def test_check_gate_near_ties():
 
 
 def test_8b_geometry_and_memory_model():
-    cfg = bd.model_config()
+    cfg = model_config()
     kinds = list(cfg.layers_block_type)
     assert len(kinds) == 52 and kinds.count("linear_attention") == 24 and kinds.count("full_attention") == 4
     assert (cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups) == (128, 64, 128, 8)
@@ -134,9 +133,9 @@ def test_8b_geometry_and_memory_model():
 
 
 def test_main_writes_json_and_plot(tmp_path):
-    rows = bd.main(["--tiny", "--batches", "2", "--buffer-len", str(L), "--prompt-len", "3", "--gate-tokens", "5",
-                    "--warmup", "0", "--reps", "1", "--context", "16", "--device", "cpu", "--out", str(tmp_path),
-                    "--plot", "--commit", "abc123"])
+    rows = bench_e2e.main(["standard", "--tiny", "--batches", "2", "--buffer-len", str(L), "--prompt-len", "3",
+                           "--gate-tokens", "5", "--warmup", "0", "--reps", "1", "--context", "16", "--device", "cpu",
+                           "--out", str(tmp_path), "--plot", "--commit", "abc123"])
     assert {r["mode"] for r in rows} == {"conventional", "replay", "replay_bf16", "replay_fp8", "noop"}
     files = sorted(tmp_path.glob("*_decode-tiny_abc123.json"))
     assert len(files) == 1 and files[0].with_suffix(".png").exists()
@@ -151,8 +150,8 @@ def test_main_writes_json_and_plot(tmp_path):
 @pytest.mark.gpu
 def test_cuda_graph_route_tiny():
     """The H200 route on the tiny config: eager warm-up, one captured step per mode, gate, graph timing."""
-    model = bd.build_model(bd.model_config(tiny=True), "cuda", torch.bfloat16, seed=0)
-    twin = bd.build_model(bd.model_config(tiny=True), "cuda", torch.float32, seed=0)
+    model = build_model(model_config(tiny=True), "cuda", torch.bfloat16, seed=0)
+    twin = build_model(model_config(tiny=True), "cuda", torch.float32, seed=0)
     fn = bd._load_mamba(ROOT / "third_party" / "mamba_ssm_peer")
     modes = ["conventional", "replay", "replay_bf16", "replay_fp8", "noop"] + (["mamba_ssm"] if fn is not None else [])
     rows = bd.run_batch(model, 4, modes, mamba_fn=fn, gate_model=twin, **RUN)
@@ -209,7 +208,7 @@ def test_shadow_gate_has_teeth(model, name):
     stale = StaleShadow(L, shadow=bd.SHADOW_MODES[name])
     with pytest.raises(bd.GateError, match=f"teacher-forced gate: mode '{name}'"):
         bd.run_batch(model, 3, ["conventional", name], backends={name: stale}, **RUN)
-    twin = bd.build_model(bd.model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
+    twin = build_model(model_config(tiny=True, time_step_min=0.0), "cpu", torch.float32, seed=0)
     with pytest.raises(bd.GateError, match=name):  # the twin's gate phase, before the timed model runs
         bd.run_batch(model, 2, ["conventional", name], gate_model=twin,
                      backends={name: StaleShadow(L, shadow=bd.SHADOW_MODES[name])}, **RUN)
@@ -292,8 +291,8 @@ def test_record_and_force_routing():
     record still shows the own choice; run_mode carries both per gate step."""
     from builders import moe as moe_ops
 
-    model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
-    step = bd.DecodeStep(model, 3, 64, bd.Conventional())
+    model = build_model(model_config("nemotron3"), "cpu", torch.float32, seed=0)
+    step = DecodeStep(model, 3, 64, Conventional())
     step.record_routing()
     step.feed(torch.tensor([[5, 9], [7, 2], [11, 4]]))
     snap = step.snapshot()
@@ -328,15 +327,15 @@ def test_record_and_force_routing():
     assert float((forced - logits).abs().max()) > 1e-3 * float(logits.std())
     assert torch.equal(step.route_idx[i], own)  # the record is the step's own choice
     step.force_routing = False
-    res = bd.run_mode(step, bd.Conventional(), snap, 3, 4, 0, 0)
+    res = bd.run_mode(step, Conventional(), snap, 3, 4, 0, 0)
     assert res["route_idx"].shape == (3, len(step.routing), 3, w.top_k) and res["routing"].shape == (3, 3, len(step.routing))
     assert torch.equal(res["route_idx"][0, 0], own)
-    again = bd.run_mode(step, bd.Conventional(), snap, 3, 4, 0, 0, force_route=res["route_idx"])
+    again = bd.run_mode(step, Conventional(), snap, 3, 4, 0, 0, force_route=res["route_idx"])
     assert torch.equal(again["tokens"], res["tokens"]) and torch.equal(again["routing"], res["routing"])
 
 
 def test_shadow_bytes_and_memory():
-    cfg = bd.model_config()
+    cfg = model_config()
     b, H, P, N, M = 256, 128, 64, 128, 24
     noop = costs.decode_step_bytes(cfg, b, 1024, 16, "noop", 0)
     ssm = {m: costs.decode_step_bytes(cfg, b, 1024, 16, m, 0) - noop for m in ("replay", *SHADOWS)}
@@ -357,7 +356,7 @@ def test_shadow_bytes_and_memory():
 # ---- Nemotron 3: MoE layers in the step ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model3():
-    return bd.build_model(bd.model_config(tiny="nemotron3", time_step_min=0.0), "cpu", torch.float32, seed=0)
+    return build_model(model_config(tiny="nemotron3", time_step_min=0.0), "cpu", torch.float32, seed=0)
 
 
 def test_moe_step_matches_transformers_generate(model3):
@@ -371,7 +370,7 @@ def test_grouped_moe_equals_dense_and_counts_the_load():
     """bf16: the grouped-GEMM experts (tokens sorted by expert, torch._grouped_mm) give the dense
     formulation's logits (the same bf16 products, fp32 sums); expert_load counts rows * top_k pairs.
     A wrong inverse permutation of the sorted pairs breaks the equality."""
-    m = bd.build_model(bd.model_config(tiny="nemotron3", time_step_min=0.0), "cpu", torch.bfloat16, seed=0)
+    m = build_model(model_config(tiny="nemotron3", time_step_min=0.0), "cpu", torch.bfloat16, seed=0)
     prompt = torch.randint(2, m.config.vocab_size, (3, 4), generator=torch.Generator().manual_seed(2))
     grouped, dense = DecodeStep(m, 3, 16, Conventional()), DecodeStep(m, 3, 16, Conventional())
     assert grouped.grouped
@@ -399,7 +398,7 @@ def test_grouped_moe_equals_dense_and_counts_the_load():
 def test_gate_phase_moe_forces_routing():
     """The twin's gate phase on the tiny Nemotron 3: the shadow modes run with the conventional experts and
     report how often their own choice would differ."""
-    model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
+    model = build_model(model_config("nemotron3"), "cpu", torch.float32, seed=0)
     prompt = torch.randint(2, model.config.vocab_size, (4, 6), generator=torch.Generator().manual_seed(1))
     out = bd.gate_phase(model, 4, ["conventional", "replay", "replay_bf16"], prompt, 64, 4, 8, 1e-3, 0.05, False,
                         None, None, None)
@@ -410,7 +409,7 @@ def test_gate_phase_moe_forces_routing():
 
 def test_moe_bytes_model_counts_only_the_experts_read():
     """MoE rows: the bytes model's weights leave out the experts no token chose (batch 1, top-2 of 8)."""
-    model = bd.build_model(bd.model_config("nemotron3"), "cpu", torch.float32, seed=0)
+    model = build_model(model_config("nemotron3"), "cpu", torch.float32, seed=0)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     rows = bd.run_batch(model, 1, ["conventional"], L=4, prompt_len=2, gate_tokens=2, warmup=0, reps=1, context=32)
     n_moe = sum(k == "moe" for k in model.config.layers_block_type)

@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""End-to-end speculative decoding benchmark: T-token verify steps through the whole hybrid model.
+"""The speculative step of the end-to-end benchmark: T-token verify steps through the whole hybrid model.
 
-Model: as scripts/bench_decode.py (Nemotron-H-8B geometry, seeded random bf16 weights, ``--tiny``
-for the CPU smoke path). One speculative step (:class:`builders.model_step.SpecStep`) feeds
+Run through ``scripts/bench_e2e.py spec`` (the common flags, the model of :mod:`builders.random_model`,
+Nemotron-H-8B geometry or ``--tiny``, and the results file are that CLI's). One speculative step
+(:class:`builders.model_step.SpecStep`) feeds
 T = 1 + num_draft tokens per row through every layer (attention with T causal queries over the KV
 cache, MLPs and projections on batch*T tokens, conv1d over the (K-1+num_draft)-wide window, the SSM
 verify per Mamba layer), then accepts, commits and gathers the next drafts on the device; the whole
 step is one CUDA graph. Modes, everything but the SSM identical:
 
-  standard      one-token ReplaySSM decode (bench_decode's ``replay`` mode): the baseline
+  standard      one-token ReplaySSM decode (the standard step's ``replay`` mode): the baseline
   replay_spec   ReplaySSM spec: ``ops.replay_verify`` per layer + one ``ops.spec_commit`` per step
   native_spec   ``ops.native_spec_verify`` per layer (T state snapshots) + ``ops.native_spec_commit``
   spec_noop     the spec step without SSM work (timed once, at the acceptance closest to 0.8): the
@@ -33,7 +34,7 @@ every spec mode runs ``--check-steps`` live-target steps (drafts at ``--check-ac
 so rejections, conv rollbacks and ReplaySSM flushes all happen) and the tokens it emits must equal
 plain greedy decoding's (the conventional standard step's) tokens; the standard ReplaySSM baseline is
 checked the same way. A row may fork only at a near tie of the reference (top-2 margin below
-``--tie-rel`` x std(logits)), in at most ``--max-tie-frac`` of the rows (bench_decode's rule;
+``--tie-rel`` x std(logits)), in at most ``--max-tie-frac`` of the rows (the standard step's rule;
 ``--strict-check``: none). Anything else aborts, naming rows and positions. fp32 because in bf16 two
 correct kernels (or one kernel at different GEMM shapes) give different tokens after a few steps.
 
@@ -58,21 +59,19 @@ exactness check aborts.
 Bytes per step (``bytes_step``): ``trtllm_replayssm.costs.spec_step_bytes`` (formulas in costs' module
 docstring): weights + K, V of the filled positions (which the fused step's attention reads; fill = prompt +
 accepted_per_step * steps / 2, the mean over a timed run from the snapshot, reported as ``kv_fill_mean``)
-+ conv windows + logits + per Mamba layer the mode's SSM bytes: standard = bench_decode's replay step;
++ conv windows + logits + per Mamba layer the mode's SSM bytes: standard = the standard step's replay mode;
 replay_spec state * (1 + flush share) + history and window entries; native_spec state * (1 + T) + 2 state
 (verify: read + T snapshots; commit: copy). Weights: ``costs.config_weight_bytes`` (meta, the timed dtype)
 for the memory model, the built model's parameters (``costs.model_weight_bytes``) for the bytes.
 
 Usage:
-  python scripts/bench_spec_decode.py [--batches 1,32,64,128,256] [--acceptances 0.6,0.8,0.95]
+  python scripts/bench_e2e.py spec [--batches 1,32,64,128,256] [--acceptances 0.6,0.8,0.95]
          [--modes standard,replay_spec,native_spec,spec_noop] [--tiny] [--plot] [--out DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import pathlib
 import statistics
 import sys
@@ -93,14 +92,14 @@ from builders.model_step import (  # noqa: E402
     designed_accepted_per_step,
     make_drafts,
 )
-from scripts import bench_decode as bd  # noqa: E402
+from builders.random_model import build_model  # noqa: E402
+from scripts.e2e_standard import GateError, check_gate  # noqa: E402
 from trtllm_replayssm import costs, timing  # noqa: E402
 
 MODES = ("standard", "replay_spec", "native_spec", "spec_noop")
 SPEC_MODES = ("replay_spec", "native_spec", "spec_noop")
 CHECKED = ("standard", "replay_spec", "native_spec")
 GiB = 1 << 30
-GateError = bd.GateError
 
 
 # ---- one batch ---------------------------------------------------------------------------------------------
@@ -147,7 +146,7 @@ def check_tokens(name, G, margin, got, n_valid, tie_rel, max_tie_frac, strict) -
     """Tokens a mode emitted (got, first n_valid[b] of row b) against the greedy reference G (CPU tensors)."""
     cols = torch.arange(G.shape[1])[None, :]
     merged = torch.where(cols < n_valid[:, None], got[:, :G.shape[1]], G)
-    return bd.check_gate(name, G, margin, merged, tie_rel, max_tie_frac, strict)
+    return check_gate(name, G, margin, merged, tie_rel, max_tie_frac, strict)
 
 
 def _free(cuda: bool) -> None:
@@ -484,97 +483,75 @@ def _sort(rows):
                                        -1 if r.get("acceptance") is None else r["acceptance"]))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", default="1,32,64,128,256", help="run largest first (a cut run keeps the big ones)")
-    ap.add_argument("--acceptances", default="0.6,0.8,0.95", help="per-position draft acceptance probabilities")
-    ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--num-tokens", "-T", type=int, default=4, help="T = 1 + num_draft tokens per verify step")
-    ap.add_argument("--tiny", action="store_true", help="the small embedded config (CPU smoke test)")
-    ap.add_argument("--layers", type=int, default=None, help="first N layers of the hybrid pattern")
-    ap.add_argument("--vocab", type=int, default=None, help="reduce the vocabulary (default: the config's)")
-    ap.add_argument("--buffer-len", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=16, help="spec steps per timed sample")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed samples before timing")
-    ap.add_argument("--reps", type=int, default=5, help="timed samples (median)")
-    ap.add_argument("--context", type=int, default=1024, help="KV cache positions (attention reads all of them)")
-    ap.add_argument("--check-steps", type=int, default=6, help="live spec steps of the exactness check")
-    ap.add_argument("--check-acceptance", type=float, default=0.7)
-    ap.add_argument("--check-dtype", choices=("float32", "bfloat16"), default="float32",
-                    help="activation dtype of the model the check runs on (float32: a twin of the timed bf16 model)")
-    ap.add_argument("--no-check", action="store_true", help="skip the exactness check (timing only)")
-    ap.add_argument("--tie-rel", type=float, default=1e-3)
-    ap.add_argument("--max-tie-frac", type=float, default=0.05)
-    ap.add_argument("--strict-check", action="store_true")
-    ap.add_argument("--timed-target", choices=("ref", "live"), default="ref",
-                    help="timed runs: accept against the greedy reference (controlled acceptance) or the live argmax")
-    ap.add_argument("--mem-budget-gib", type=float, default=139.0)
-    ap.add_argument("--fit-contexts", default="1024,8192", help="contexts of the max-batch table")
-    ap.add_argument("--time-budget-s", type=float, default=240.0,
-                    help="skip the remaining batches when the next one is predicted to end past this")
-    ap.add_argument("--check-share", type=float, default=0.5,
-                    help="fraction of the time budget the checks may use (later batches are timed unchecked, labelled)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--tag", default=None)
-    ap.add_argument("--commit", default=None)
-    ap.add_argument("--plot", action="store_true")
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
+def add_arguments(p) -> None:
+    """The spec step's own flags (the common ones: scripts/bench_e2e.py)."""
+    p.add_argument("--batches", default="1,32,64,128,256", help="run largest first (a cut run keeps the big ones)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"from {MODES}")
+    p.add_argument("--acceptances", default="0.6,0.8,0.95", help="per-position draft acceptance probabilities")
+    p.add_argument("--num-tokens", "-T", type=int, default=4, help="T = 1 + num_draft tokens per verify step")
+    p.add_argument("--steps", type=int, default=16, help="spec steps per timed sample")
+    p.add_argument("--warmup", type=int, default=1, help="untimed samples before timing")
+    p.add_argument("--reps", type=int, default=5, help="timed samples (median)")
+    p.add_argument("--check-steps", type=int, default=6, help="live spec steps of the exactness check")
+    p.add_argument("--check-acceptance", type=float, default=0.7)
+    p.add_argument("--check-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="activation dtype of the model the check runs on (float32: a twin of the timed bf16 model)")
+    p.add_argument("--no-check", action="store_true", help="skip the exactness check (timing only)")
+    p.add_argument("--timed-target", choices=("ref", "live"), default="ref",
+                   help="timed runs: accept against the greedy reference (controlled acceptance) or the live argmax")
+    p.add_argument("--mem-budget-gib", type=float, default=139.0)
+    p.add_argument("--fit-contexts", default="1024,8192", help="contexts of the max-batch table")
+    p.add_argument("--time-budget-s", type=float, default=240.0,
+                   help="skip the remaining batches when the next one is predicted to end past this")
+    p.add_argument("--check-share", type=float, default=0.5,
+                   help="fraction of the time budget the checks may use (later batches are timed unchecked, labelled)")
 
-    def log(msg):
-        print(f"[{time.perf_counter() - t_start:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
-    dev = torch.device(args.device)
-    cuda = dev.type == "cuda"
-    if args.tiny and not cuda:
-        torch.set_num_threads(1)  # thousands of tiny float64 ops: intra-op threads only spin
-    modes = [m for m in args.modes.split(",") if m]
-    for m in modes:
+def check_arguments(args) -> None:
+    """Raises ValueError naming the flag and what was expected."""
+    for m in [m for m in args.modes.split(",") if m]:
         if m not in MODES:
-            ap.error(f"--modes: expected names from {MODES}, got {m!r}")
-    modes = [m for m in MODES if m in modes]
+            raise ValueError(f"--modes: expected names from {MODES}, got {m!r}")
     T, L = args.num_tokens, args.buffer_len
     if T < 2 or L < 2 * T:
-        ap.error(f"--num-tokens {T}, --buffer-len {L}: expected T >= 2 and L >= 2T")
+        raise ValueError(f"--num-tokens {T}, --buffer-len {L}: expected T >= 2 and L >= 2T")
     alphas = [float(a) for a in args.acceptances.split(",") if a]
     if not alphas or any(not 0 <= a <= 1 for a in alphas):
-        ap.error(f"--acceptances: expected values in [0, 1], got {args.acceptances!r}")
+        raise ValueError(f"--acceptances: expected values in [0, 1], got {args.acceptances!r}")
+    order = [int(b) for b in args.batches.split(",") if b]
+    if not order or min(order) < 1:
+        raise ValueError(f"--batches: expected positive integers, got {args.batches!r}")
+    if args.tiny == "nemotron3" or (not args.tiny and args.model_geometry != "nemotron_h_8b"):
+        raise ValueError("--tiny nemotron3 / --model-geometry: the spec step runs the Nemotron-H stack only (its "
+                         "bytes and memory models, costs.spec_step_bytes / serving_memory, have no MoE terms)")
+
+
+def run(args, r) -> list[dict]:
+    """The spec step over ``--batches`` (largest first); ``r``: scripts/bench_e2e.Run."""
+    dev, cuda, dtype, config = r.dev, r.cuda, r.dtype, r.config
+    log = r.log
+    if args.tiny and not cuda:
+        torch.set_num_threads(1)  # thousands of tiny float64 ops: intra-op threads only spin
+    modes = [m for m in MODES if m in [m for m in args.modes.split(",") if m]]
+    T, L = args.num_tokens, args.buffer_len
+    alphas = [float(a) for a in args.acceptances.split(",") if a]
     order = sorted({int(b) for b in args.batches.split(",") if b}, reverse=True)
-    if not order or order[-1] < 1:
-        ap.error(f"--batches: expected positive integers, got {args.batches!r}")
-    dtype = torch.bfloat16 if cuda else torch.float32
     check_dtype = getattr(torch, args.check_dtype)
     do_check = not args.no_check
-    config = bd.model_config(args.tiny, args.layers, args.vocab)
     weight_bytes = costs.config_weight_bytes(config, dtype)
     check_weight_bytes = costs.config_weight_bytes(config, check_dtype)
-    kinds = list(config.layers_block_type)
     budget = int(args.mem_budget_gib * GiB)
     _, _, kv_len = lengths(T, L, args.steps, args.check_steps, args.prompt_len, args.context)
     fit = {f"ctx{ctx}": {m: costs.max_batch(config, budget, ctx, T, L, m, weight_bytes) for m in MODES if m != "spec_noop"}
            for ctx in (int(c) for c in args.fit_contexts.split(",") if c)}
-    meta = dict(**timing.run_meta(dev, args.commit), model="tiny" if args.tiny else "nemotron_h_8b_geometry",
-                pattern=config.hybrid_override_pattern, layers=len(kinds), mamba_layers=kinds.count("linear_attention"),
-                attention_layers=kinds.count("full_attention"), vocab=config.vocab_size,
-                dtype=str(dtype).replace("torch.", ""), state_dtype="float32", weights_gb=weight_bytes / 1e9,
-                weights="seeded random (no checkpoint)", T=T, num_draft=T - 1, buffer_len=L, acceptances=alphas,
-                modes=modes, steps=args.steps, reps=args.reps, warmup=args.warmup, prompt_len=args.prompt_len,
-                kv_len=kv_len, timed_target=args.timed_target,
+    meta = r.meta
+    meta.update(weights_gb=weight_bytes / 1e9, T=T, num_draft=T - 1, acceptances=alphas, modes=modes,
+                steps=args.steps, reps=args.reps, warmup=args.warmup, prompt_len=args.prompt_len, kv_len=kv_len,
+                timed_target=args.timed_target,
                 check=(f"{args.check_steps} live steps at acceptance {args.check_acceptance} on "
                        f"{args.check_dtype if cuda else 'float32'}" if do_check else "off"),
                 mem_budget_gib=args.mem_budget_gib, max_batch_at_budget=fit)
-    if cuda:  # before anything else is resident
-        meta["copy_ceiling_tbps"] = timing.copy_ceiling_tbps()
-    try:
-        import transformers
-
-        meta["transformers"] = transformers.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
+    r.open("spec-decode-tiny" if args.tiny else "spec-decode")
     print(f"# max batch within {args.mem_budget_gib:g} GiB (costs.serving_memory; weights {weight_bytes / GiB:.1f} GiB): "
           + "; ".join(f"{c}: " + ", ".join(f"{m} {b}" for m, b in v.items()) for c, v in fit.items()), flush=True)
     separate = do_check and check_dtype != dtype
@@ -587,22 +564,20 @@ def main(argv=None):
             print_plan(config, order, [m for m in modes if m in CHECKED], kv_len, T, L, check_dtype.itemsize,
                        avail["check"], f"check on {args.check_dtype}")
         print_plan(config, order, modes, kv_len, T, L, dtype.itemsize, avail["time"], "timing")
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or ("spec-decode-tiny" if args.tiny else "spec-decode")
-    path = out / f"{meta['date'][:10]}_{tag}_{meta['commit'][:10]}.json"
     common = dict(T=T, L=L, prompt_len=args.prompt_len, check_steps=args.check_steps, steps=args.steps,
                   check_acceptance=args.check_acceptance, context=args.context, seed=args.seed)
     rows, checks, check_info = [], {}, {}
 
     def save():
-        meta["wall_s"] = time.perf_counter() - t_start
-        path.write_text(json.dumps({"meta": meta, "rows": _sort(rows)}, indent=1))
+        r.save(_sort(rows))
 
     def predicted(last, batch, floor=1.0):
         # Largest batch first: the next one is smaller. Timing keeps the last wall (a smaller batch adds
         # native spec where the larger one did not fit); checks may shrink to half (the first pays compiles).
         return None if last is None else last[1] * max(floor, batch / last[0])
+
+    def elapsed():
+        return time.perf_counter() - r.t0
 
     model = None
     meta["float32_matmul_precision"] = torch.get_float32_matmul_precision()
@@ -610,14 +585,13 @@ def main(argv=None):
         torch.set_float32_matmul_precision("highest")  # TF32 GEMMs would make the fp32 twin fork like bf16
     if do_check:  # phase 1: every check before anything is timed; only the check model resident
         t0 = time.perf_counter()
-        model = bd.build_model(config, dev, check_dtype if cuda else dtype, args.seed)
+        model = build_model(config, dev, check_dtype if cuda else dtype, args.seed)
         meta["check_build_s"] = time.perf_counter() - t0
         last = None
         for batch in order:
             p = predicted(last, batch, 0.5)
-            elapsed = time.perf_counter() - t_start
-            if p is not None and elapsed + p > args.check_share * args.time_budget_s:
-                check_info[batch] = f"not run (time budget: {elapsed:.0f} s elapsed + ~{p:.0f} s predicted)"
+            if p is not None and elapsed() + p > args.check_share * args.time_budget_s:
+                check_info[batch] = f"not run (time budget: {elapsed():.0f} s elapsed + ~{p:.0f} s predicted)"
                 log(f"batch {batch}: check {check_info[batch]}")
                 continue
             skip, snap = {}, None
@@ -629,7 +603,7 @@ def main(argv=None):
             log(f"batch {batch}: check ({', '.join(m for m in modes if m in CHECKED and m not in skip)})")
             try:
                 checks[batch] = check_batch(model, batch, modes, tie_rel=args.tie_rel, max_tie_frac=args.max_tie_frac,
-                                            strict_check=args.strict_check, snapshot_device=snap, skip_modes=skip,
+                                            strict_check=args.strict, snapshot_device=snap, skip_modes=skip,
                                             log=log, **common)
             except GateError:
                 rows.append(dict(batch=batch, mode="all", skipped=True, reason="ABORT: exactness check failed"))
@@ -649,14 +623,13 @@ def main(argv=None):
             _free(cuda)
     if model is None:
         t0 = time.perf_counter()
-        model = bd.build_model(config, dev, dtype, args.seed)
+        model = build_model(config, dev, dtype, args.seed)
         meta["build_s"] = time.perf_counter() - t0
     last = None
     for batch in order:  # phase 2: timing
         p = predicted(last, batch)
-        elapsed = time.perf_counter() - t_start
-        if p is not None and elapsed + p > args.time_budget_s:
-            why = f"time budget: {elapsed:.0f} s elapsed + ~{p:.0f} s predicted > {args.time_budget_s:.0f} s"
+        if p is not None and elapsed() + p > args.time_budget_s:
+            why = f"time budget: {elapsed():.0f} s elapsed + ~{p:.0f} s predicted > {args.time_budget_s:.0f} s"
             log(f"skip batch {batch}: {why}")
             rows.append(dict(batch=batch, mode="all", skipped=True, reason=why))
             save()
@@ -681,33 +654,17 @@ def main(argv=None):
             batch_rows = [dict(batch=batch, mode="all", skipped=True, reason=f"failed: {_error(e)}")]
         wall = time.perf_counter() - t1
         last = (batch, wall)
-        for r in batch_rows:
-            r["batch_wall_s"] = wall
-            if not r.get("skipped"):
-                r["memory_model_gib"] = costs.serving_memory(config, batch, kv_len, T, L, r["mode"],
+        for x in batch_rows:
+            x["batch_wall_s"] = wall
+            if not x.get("skipped"):
+                x["memory_model_gib"] = costs.serving_memory(config, batch, kv_len, T, L, x["mode"],
                                                                weight_bytes)["total"] / GiB
                 if cuda:
-                    r["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
-                    r["snapshot"] = snap
-                    r["pct_ceiling"] = 100 * r["tbps"] / meta["copy_ceiling_tbps"]
-            print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **r}), flush=True)
+                    x["peak_gib"] = torch.cuda.max_memory_allocated(dev) / GiB
+                    x["snapshot"] = snap
+                    x["pct_ceiling"] = 100 * x["tbps"] / meta["copy_ceiling_tbps"]
+            r.emit(x)
         rows += batch_rows
         save()  # after every batch: a cut run keeps its rows
         _free(cuda)
-    save()
-    rows = _sort(rows)
-    print(f"# {meta['device']}, {meta['model']} ({meta['layers']} layers, vocab {meta['vocab']}), T={T}, L={L}, "
-          f"timed target {args.timed_target}; {meta['wall_s']:.0f} s; results in {path}")
-    print_table(rows)
-    if args.plot:
-        png = path.with_suffix(".png")
-        plot(rows, png)
-        print(f"# plot: {png}")
-    return rows
-
-
-if __name__ == "__main__":
-    try:
-        main()
-    except GateError as e:
-        sys.exit(f"ABORT: {e}")
+    return r.finish(_sort(rows), f"T={T}, L={L}, timed target {args.timed_target}", print_table, plot)
