@@ -544,42 +544,6 @@ __device__ __forceinline__ int slot_of_row(const int* sbi, int b) { return sbi[b
 __device__ __forceinline__ int cursor_at(const int* cursor, int /*b*/, int slot) { return cursor[slot]; }
 #endif
 
-// ---- tensor-core row dots of a staged shadow (issue 14; bench/NOTES.md "Shadow dots on tensor cores") --
-// A non-flush step with a shadow needs S0.C for the item's kRows rows: a (kRows x kN) x kN product whose
-// operands are exact in 16 bits (bf16 shadow values; fp8 ones widened to f16 exactly). On FFMA lanes it is
-// one FMA per state element plus the conversions, the bulk of the issue-bound step's instructions; here
-// mma.sync m16n8k16 (fp32 accumulate) does it with C in every column of the B operand (the 8 output columns
-// are equal). Warp w takes 16-row tile(s) and a contiguous block of columns; lane (g = lane / 4, t = lane % 4)
-// reads rows g and g + 8 of the tile in 16-byte chunks 4q + t of the block, and the k order inside each mma
-// is permuted to match (a dot is order-free when A and B agree). Shared-memory banks: chunk c of row r is
-// staged at c ^ 4 (r & 1) (issue_rows), so a quarter-warp phase (rows g, g + 1, chunks 4q + t) hits 8
-// distinct 16-byte bank groups. fp8: C is scaled per block by a power of two (max |C| into [2^14, 2^15)) and
-// rounded to f16 (11 bits, far finer than the 3-bit shadow it multiplies; no overflow), the dot scaled back
-// exactly. bf16 shadow: bf16 activations only (C as stored); other cases keep the FFMA dot.
-template <typename T> struct IsType16 { static constexpr int v = 0; };  // 1 bf16, 2 f16
-template <> struct IsType16<__nv_bfloat16> { static constexpr int v = 1; };
-template <> struct IsType16<__half> { static constexpr int v = 2; };
-constexpr int kMmaRowTiles = kRows / 16;
-constexpr int kMmaSplit = (kMmaRowTiles >= kWarps || kMmaRowTiles == 0) ? 1 : kWarps / kMmaRowTiles;
-constexpr int kMmaChunkElems = 16 / (int)sizeof(shadow_t);         // shadow elements per 16-byte chunk
-constexpr int kMmaRowChunks = kN * (int)sizeof(shadow_t) / 16;     // chunks per staged shadow row
-constexpr int kMmaWarpCols = kN / kMmaSplit;                       // columns of a warp's block
-constexpr int kMmaQ = kMmaWarpCols / kMmaChunkElems / 4;           // chunks of a lane per row
-constexpr bool kMmaDot =
-    RSSM_SHADOW != 0 && (RSSM_STAGED || RSSM_PERSISTENT) &&
-    (RSSM_SHADOW == 1 ? IsType16<act_t>::v == 1 : IsType16<act_t>::v != 0) && kRows % 16 == 0 &&
-    (kMmaRowTiles >= kWarps ? kMmaRowTiles % kWarps == 0 : kWarps % kMmaRowTiles == 0) && kMmaRowChunks % 8 == 0 && kN % 32 == 0 &&
-    kN % kMmaSplit == 0 && kMmaWarpCols % (4 * kMmaChunkElems) == 0;
-// Staged position of 16-byte chunk i (row-major over the block's shadow rows).
-__device__ __forceinline__ int shadow_chunk_pos(int i) {
-  if constexpr (kMmaDot) {
-    const int r = i / kMmaRowChunks;
-    return i ^ ((r & 1) << 2);
-  } else {
-    return i;
-  }
-}
-
 // Copy rows [row0, row0 + kRows) of head h of the checkpoint into shared memory: without a
 // shadow the full-precision rows; with one its rows and scales, and nothing on flush steps.
 __device__ __forceinline__ void issue_rows(float4* S, const ReplayArgs& a, int slot, int h, int row0, bool flush) {
@@ -591,7 +555,7 @@ __device__ __forceinline__ void issue_rows(float4* S, const ReplayArgs& a, int s
 #pragma unroll
     for (int u = 0; u < (kShadowVecs + kThreads - 1) / kThreads; ++u) {
       const int i = t + u * kThreads;
-      if (kShadowVecs % kThreads == 0 || i < kShadowVecs) cp_async16(&S[shadow_chunk_pos(i)], src + i);
+      if (kShadowVecs % kThreads == 0 || i < kShadowVecs) cp_async16(&S[i], src + i);
     }
     if constexpr (kShadow == 2) {
       const float4* sc = reinterpret_cast<const float4*>(a.sc_in + ((size_t)slot * kH + h) * kP + row0);
@@ -615,120 +579,6 @@ __device__ __forceinline__ float checkpoint_dot(const float4* S, const ColRegs& 
   } else {
     return state_dot_smem(reinterpret_cast<const state_t*>(S), cc);
   }
-}
-
-// One m16n8k16 product-accumulate: bf16 operands with a bf16 shadow, f16 with an fp8 one.
-__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  if constexpr (kShadow == 1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-// Two e4m3 values (the low or high half of w) as an f16x2 word, exactly.
-__device__ __forceinline__ unsigned e4m3x2_to_f16x2(unsigned w16) {
-#if RSSM_SHADOW == 2
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w16), __NV_E4M3);
-  return static_cast<unsigned>(h.x) | (static_cast<unsigned>(h.y) << 16);
-#else
-  return w16;
-#endif
-}
-
-// The B operand of the fp8 shadow's dots: C of the item scaled by 2^e into f16, and 2^-e (one per block,
-// in shared memory of its own, so kernels without these dots keep their layout).
-struct alignas(16) MmaC {
-  __half c[kN];
-  float unscale;
-};
-__device__ __forceinline__ MmaC& mma_c_smem() {
-  __shared__ MmaC m;
-  return m;
-}
-// Written by one warp; the block reads it after the next barrier. max |C| sets e: [2^14, 2^15) after scaling.
-__device__ __forceinline__ void mma_c_operand(const act_t* C) {
-  MmaC& sm = mma_c_smem();
-  constexpr int kPer = kN / 32;
-  const int lane = threadIdx.x % 32;
-  float c[kPer], m = 0.f;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    c[i] = to_f(C[lane + 32 * i]);
-    m = fmaxf(m, fabsf(c[i]));
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  const int ex = ((__float_as_int(m) >> 23) & 0xff) - 127;  // m in [2^ex, 2^(ex + 1)) for a normal m
-  const int e = min(126, max(-126, 14 - ex));
-  const float up = __int_as_float((127 + e) << 23);
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) sm.c[lane + 32 * i] = __float2half_rn(c[i] * up);
-  if (lane == 0) sm.unscale = __int_as_float((127 - e) << 23);
-}
-
-// S0.C of this thread's row (row_base + l % kRT, every lane of the row group), by tensor cores from the
-// staged (swizzled) shadow; fp8 rows times their scale. Cb: the B operand as 16-bit values (the item's C
-// for a bf16 shadow, the scaled f16 copy for fp8), unscale its power of two. Every thread of the block calls
-// it (a barrier inside).
-template <typename T16>
-__device__ __forceinline__ float shadow_dot_mma(const float4* S, const T16* Cb, float unscale) {
-  __shared__ float part[kMmaSplit][kRows];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, t = lane % 4;
-  constexpr int kSub = kMmaChunkElems / 4;  // mma k-steps per 16-byte chunk (fp8 4, bf16 2)
-  constexpr int kTilesPerWarp = kMmaRowTiles >= kWarps ? kMmaRowTiles / kWarps : 1;
-  const int ks = kMmaRowTiles >= kWarps ? 0 : warp / kMmaRowTiles;
-  const int chunk0 = ks * (kMmaWarpCols / kMmaChunkElems);  // first chunk of this warp's column block
-#pragma unroll
-  for (int i = 0; i < kTilesPerWarp; ++i) {
-    const int rt = kMmaRowTiles >= kWarps ? warp + i * kWarps : warp % kMmaRowTiles;
-    const int r0 = rt * 16 + g;  // rows r0 and r0 + 8 share the swizzle (same parity)
-    float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int q = 0; q < kMmaQ; ++q) {
-      const int c = chunk0 + 4 * q + t;
-      const uint4* Sw = reinterpret_cast<const uint4*>(S);
-      const uint4 lo = Sw[shadow_chunk_pos(r0 * kMmaRowChunks + c)];
-      const uint4 hi = Sw[shadow_chunk_pos((r0 + 8) * kMmaRowChunks + c)];
-      const uint4 bw0 = *reinterpret_cast<const uint4*>(Cb + c * kMmaChunkElems);
-      uint4 bw1 = bw0;  // fp8: a chunk holds 16 columns, 16 f16 B values = two 16-byte words
-      if constexpr (kSub == 4) bw1 = *reinterpret_cast<const uint4*>(Cb + c * kMmaChunkElems + 8);
-      const unsigned aw[2][4] = {{lo.x, lo.y, lo.z, lo.w}, {hi.x, hi.y, hi.z, hi.w}};
-      const unsigned bw[8] = {bw0.x, bw0.y, bw0.z, bw0.w, bw1.x, bw1.y, bw1.z, bw1.w};
-#pragma unroll
-      for (int sub = 0; sub < kSub; ++sub) {
-        unsigned a[4];
-        if constexpr (kShadow == 2) {  // word sub = columns 4 sub .. 4 sub + 3 of the chunk
-          a[0] = e4m3x2_to_f16x2(aw[0][sub] & 0xffffu);
-          a[2] = e4m3x2_to_f16x2(aw[0][sub] >> 16);
-          a[1] = e4m3x2_to_f16x2(aw[1][sub] & 0xffffu);
-          a[3] = e4m3x2_to_f16x2(aw[1][sub] >> 16);
-        } else {  // words 2 sub, 2 sub + 1 = columns 4 sub .. 4 sub + 3
-          a[0] = aw[0][2 * sub];
-          a[2] = aw[0][2 * sub + 1];
-          a[1] = aw[1][2 * sub];
-          a[3] = aw[1][2 * sub + 1];
-        }
-        mma_16816(d, a, bw[2 * sub], bw[2 * sub + 1]);
-      }
-    }
-    if (t == 0) {
-      part[ks][r0] = d[0] * unscale;
-      part[ks][r0 + 8] = d[2] * unscale;
-    }
-  }
-  __syncthreads();
-  const int row = row_base() + (threadIdx.x % kLPR) % kRT;
-  float v = 0.f;
-#pragma unroll
-  for (int k = 0; k < kMmaSplit; ++k) v += part[k][row];
-  if constexpr (kShadow == 2) v *= reinterpret_cast<const float*>(S + kShadowVecs)[row];
-  return v;
 }
 
 template <typename T, int n>
@@ -1043,9 +893,6 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
       if (j < k && dl == 0) sm.bc[j] = acc;
     }
   }
-  if constexpr (kMmaDot && kShadow == 2) {
-    if (!flush && warp == kWarps - 1) mma_c_operand(sg.C);
-  }
   ColRegs cc;
 #pragma unroll
   for (int v = 0; v < kVPL; ++v) load_f<act_t, kEPV>(&sg.C[my_col(v)], cc.c[v]);
@@ -1054,14 +901,7 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
   const state_t* Ss = reinterpret_cast<const state_t*>(sg.S);
   float val;
   if (!flush) {
-    float sdot;
-    if constexpr (kMmaDot && kShadow == 2) {
-      sdot = shadow_dot_mma(sg.S, mma_c_smem().c, mma_c_smem().unscale);
-    } else if constexpr (kMmaDot) {
-      sdot = shadow_dot_mma(sg.S, sg.C, 1.f);
-    } else {
-      sdot = checkpoint_dot(sg.S, cc);
-    }
+    const float sdot = checkpoint_dot(sg.S, cc);
     // Append entry k: x rows of this item, B once per group, dt once per head.
     act_t* xo = a.xc_out + xc_entry(slot, it.h, pos) + it.row0;
     for (int p = t * kXV; p < kRows; p += kThreads * kXV)

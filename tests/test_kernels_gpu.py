@@ -26,7 +26,6 @@ import torch
 
 from trtllm_replayssm import config, ops
 from trtllm_replayssm import reference as ref
-from trtllm_replayssm.compile import compile_spec
 
 from .helpers import check_shadow
 from .problems import GEOMETRIES, make_inputs, make_params
@@ -238,43 +237,6 @@ def test_replay_decode_with_shadow(case, variant):
     pb = Problem(**case, seed=zlib.crc32((_sid(case) + variant).encode()))
     with config.override_variant(VARIANTS[variant]):
         run_and_check(pb)
-
-
-# The tensor-core dots of a staged shadow (plugins/replayssm.cuh, kMmaDot): every block shape that takes
-# them, pinned: 16-row tiles split over 2 or 4 warps by columns (R64 W8 / W16), one tile a warp (R64 W4),
-# two tiles a warp (R64 W2), dstate 256 (two chunks a lane), f16 activations with z, both kernels.
-MMA_CASES = [
-    ({**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "L": 16, "batch": 6, "slots": 9, "pad_rows": (2,)},
-     "staged", (64, 8)),
-    ({**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron_h_8b", "L": 16, "batch": 6, "slots": 9, "pad_rows": (2,)},
-     "staged", (64, 16)),
-    ({**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "act": "f16", "has_z": True, "batch": 5},
-     "staged", (64, 4)),
-    ({**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron_h_8b", "batch": 5}, "persistent", (64, 2)),
-    ({**SHADOW_BASE, "shadow": "fp8", "geom": (4, 64, 256, 1), "L": 4, "batch": 4}, "staged", (64, 8)),
-    ({**SHADOW_BASE, "shadow": "bf16", "geom": (4, 64, 256, 1), "L": 4, "batch": 4}, "persistent", (32, 4)),
-]
-
-
-@pytest.mark.parametrize("case, variant, shape", MMA_CASES, ids=lambda v: _sid(v) if isinstance(v, dict) else str(v))
-def test_shadow_tensor_core_dots(case, variant, shape):
-    """The staged shadow's S0.C by mma.sync (swizzled stage, fp8 C scaled into f16) against the float64 mirror."""
-    assert mma_dot_spec(case, variant, shape), "this shape was meant to take the tensor-core dots"
-    pb = Problem(**case, seed=zlib.crc32((_sid(case) + variant + str(shape)).encode()))
-    with config.override_variant(VARIANTS[variant]), config.override_geometry(*shape):
-        run_and_check(pb)
-
-
-def mma_dot_spec(case, variant, shape) -> bool:
-    """Whether the module the launch will use (plan under the same pins) holds the tensor-core dots."""
-    H, P, N, G = GEOMETRIES[case["geom"]] if isinstance(case["geom"], str) else case["geom"]
-    act = {"bf16": "bf16", "f16": "f16"}[case["act"]]
-    with config.override_variant(VARIANTS[variant]), config.override_geometry(*shape):
-        rows, warps, var = config.plan("f32", act, H, P, N, case["L"], case["batch"], False, case["shadow"])
-    assert (rows, warps, var.kind) == (*shape, VARIANTS[variant].kind)
-    spec = config.KernelSpec("f32", act, H, P, N, G, case["L"], rows, warps, case["has_z"], variant=var,
-                             shadow=case["shadow"])
-    return b"mma.sync" in compile_spec(spec, "ptx")
 
 
 def test_shadow_is_what_the_output_reads():

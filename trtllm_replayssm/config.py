@@ -320,33 +320,6 @@ def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: 
     return tiles + 2 * buffer_len * 4 + 16
 
 
-def mma_dot(act: str, rows: int, warps: int, dstate: int, shadow: str, kind: str) -> bool:
-    """Mirror of ``kMmaDot`` in plugins/replayssm.cuh: whether a decode block of this shape reads its shadow's
-    S0.C by tensor cores (staged or persistent kernel; bf16 shadow with bf16 activations, fp8 with bf16 / f16;
-    16-row tiles that split evenly over the warps; every warp's column block a multiple of 4 chunks)."""
-    if shadow == "none" or kind not in ("staged", "persistent"):
-        return False
-    if act != "bf16" and not (shadow == "fp8" and act == "f16"):
-        return False
-    tiles = rows // 16
-    if rows % 16 or (tiles % warps if tiles >= warps else warps % tiles):
-        return False
-    split = 1 if tiles >= warps else warps // tiles
-    item = SHADOW_ITEMSIZE[shadow]
-    return ((dstate * item // 16) % 8 == 0 and dstate % 32 == 0 and dstate % split == 0
-            and (dstate // split) % (4 * 16 // item) == 0)
-
-
-def mma_dot_smem_bytes(act: str, rows: int, warps: int, dstate: int, shadow: str, kind: str) -> int:
-    """Static shared memory the tensor-core dots add beside the kernel's own struct (``replay_smem_bytes``):
-    the per-split row partials, and for fp8 the scaled f16 copy of C with its scale (``MmaC``)."""
-    if not mma_dot(act, rows, warps, dstate, shadow, kind):
-        return 0
-    tiles = rows // 16
-    split = 1 if tiles >= warps else warps // tiles
-    return split * rows * 4 + ((2 * dstate + 4 + 15) // 16 * 16 if shadow == "fp8" else 0)
-
-
 def spec_smem_bytes(act: str, rows: int, dstate: int, buffer_len: int, num_tokens: int, has_z: bool) -> int:
     """Mirror of ``SpecSmem`` in plugins/replayssm_spec.cuh (the verify kernel; native verify needs less)."""
     a, L, T = ITEMSIZE[act], buffer_len, num_tokens
@@ -392,10 +365,7 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
         warps = MAX_THREADS // 32
         while rows % (lay.rows_per_warp_load * warps):
             warps -= 1
-    smem = replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow)
-    # The tensor-core dots' buffers, where the staged (or persistent) kernel of this shape has them.
-    smem += mma_dot_smem_bytes(act, rows, warps, dstate, shadow, "persistent" if persistent else "staged")
-    if warps * 32 > MAX_THREADS or smem > SMEM_LIMIT:
+    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
 
