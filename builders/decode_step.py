@@ -103,6 +103,26 @@ def window_conv(window, inputs, conv1d, K: int, T: int):
     return conv, torch.cat([window, u], dim=-1)[:, :, T:]
 
 
+def mamba2_mixer(mx, h, T: int, conv, ssm):
+    """The Nemotron-H Mamba-2 mixer around a pluggable conv update and SSM step, written once for this
+    module's exported steps (standard and speculative) and the Triton Python model
+    (trtllm_replayssm/triton_model.py); builders/model_step.py's fused regions are the engine-speed form of
+    the same math. ``mx`` transformers' mixer module, h (batch, T, D) normed input, T the step's Python int
+    (a constant in the exported graph).
+
+    in_proj -> (z, xBC, dt); ``conv(xBC)`` -> (silu(conv) in h's dtype, conv extra); x, B, C split and shaped
+    (batch, T, H, P) / (batch, T, G, N); ``ssm(x, B, C, dt)`` -> (y (batch, T, H, P), ssm extra); the gated
+    RMSNorm of y by z; out_proj. Returns (out (batch, T, D), conv extra, ssm extra)."""
+    b = h.shape[0]
+    H, P, N, G = mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups
+    gate, xBC, dt = mx.in_proj(h).split([mx.intermediate_size, mx.conv_dim, H], dim=-1)
+    u, conv_extra = conv(xBC)
+    x, B, C = u.split([mx.intermediate_size, G * N, G * N], dim=-1)
+    y, ssm_extra = ssm(x.reshape(b, T, H, P), B.reshape(b, T, G, N), C.reshape(b, T, G, N), dt)
+    out = mx.out_proj(mx.norm(y.reshape(b, T, H * P), gate).to(h.dtype))
+    return out, conv_extra, ssm_extra
+
+
 def window_attention(q, k, v, k_cache, v_cache, lengths, scaling, T: int, max_seq_len: int):
     """Attention of T window queries over a dense KV cache: the T new K/V written at lengths + t (one-hot
     selects: exact copies, no arithmetic on the cache), query t attends keys j <= lengths + t.
@@ -315,16 +335,19 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         return att.o_proj(o.transpose(1, 2).reshape(batch, T, nh * hd)), k_cache, v_cache
 
     def _mamba(self, i, layer, h, window, state, x_cache, B_cache, dt_cache, cursor, sbi):
-        mx, batch, T = layer.mixer, h.shape[0], self.num_tokens
-        H, P, N, G = mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups
-        gate, xBC, dt = mx.in_proj(h).split([mx.intermediate_size, mx.conv_dim, H], dim=-1)
-        conv, new_window = window_conv(window, xBC, mx.conv1d, self.config.conv_kernel, T)
-        xBC = F.silu(conv).to(h.dtype)
-        x, B, C = xBC.split([mx.intermediate_size, G * N, G * N], dim=-1)
-        y, *caches = self._ssm_op(x.reshape(batch, T, H, P), B.reshape(batch, T, G, N), C.reshape(batch, T, G, N), dt,
-                                  getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"), getattr(self, f"D_{i}"), sbi,
-                                  cursor, (state, x_cache, B_cache, dt_cache), (H, P, N, G, self.buffer_len))
-        out = mx.out_proj(mx.norm(y.reshape(batch, T, H * P), gate).to(h.dtype))
+        mx, T = layer.mixer, self.num_tokens
+        sizes = (mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups, self.buffer_len)
+
+        def conv(xBC):
+            c, new_window = window_conv(window, xBC, mx.conv1d, self.config.conv_kernel, T)
+            return F.silu(c).to(h.dtype), new_window
+
+        def ssm(x, B, C, dt):
+            y, *caches = self._ssm_op(x, B, C, dt, getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"),
+                                      getattr(self, f"D_{i}"), sbi, cursor, (state, x_cache, B_cache, dt_cache), sizes)
+            return y, caches
+
+        out, new_window, caches = mamba2_mixer(mx, h, T, conv, ssm)
         return out, [new_window, *caches]
 
     def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches, sizes):

@@ -158,16 +158,19 @@ class SlotStep(_Slots):
         return logits
 
     def _mamba(self, i, mx, hn, sbi):
-        c, n = self.consts[i], hn.shape[0]
-        H, P, N, G = self.H, self.P, self.N, self.G
-        gate, xBC, dt = mx.in_proj(hn).split([mx.intermediate_size, mx.conv_dim, H], dim=-1)
-        xBC = self.cache.conv_update(c["j"], xBC[:, None].contiguous(), c["conv_w"], c["conv_b"], sbi)[:, 0].to(hn.dtype)
-        x, B, C = xBC.split([mx.intermediate_size, G * N, G * N], dim=-1)
-        y = self.cache.verify(c["j"], x.reshape(n, 1, H, P).contiguous(), B.reshape(n, 1, G, N).contiguous(),
-                              C.reshape(n, 1, G, N).contiguous(), dt.reshape(n, 1, H).contiguous(), c["dt_bias"],
-                              c["A"], c["D"], None, sbi)
-        y = mx.norm(y.reshape(n, 1, H * P).to(hn.dtype), gate[:, None])
-        return mx.out_proj(y.to(hn.dtype))[:, 0]
+        from builders.decode_step import mamba2_mixer  # the exported steps' mixer (builders/)
+
+        c = self.consts[i]
+
+        def conv(xBC):  # the slot's window in the cache; silu applied there
+            return self.cache.conv_update(c["j"], xBC.contiguous(), c["conv_w"], c["conv_b"], sbi).to(hn.dtype), None
+
+        def ssm(x, B, C, dt):
+            y = self.cache.verify(c["j"], x.contiguous(), B.contiguous(), C.contiguous(), dt.contiguous(),
+                                  c["dt_bias"], c["A"], c["D"], None, sbi)
+            return y.to(hn.dtype), None
+
+        return mamba2_mixer(mx, hn[:, None], 1, conv, ssm)[0][:, 0]
 
     def _attention(self, i, att, hn, rows, pos):
         from builders.decode_step import grouped_attention  # the exported step's attention (builders/)
