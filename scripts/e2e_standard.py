@@ -625,7 +625,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gate-layers", type=int, default=None,
                    help="the gate's twin holds only the first N layers of the pattern (same Mamba/MoE/attention "
                         "geometry; for models whose fp32 twin does not fit beside the bf16 one, e.g. Nemotron 3 Nano: "
-                        "63 GB bf16 + 126 GB fp32 > one H200)")
+                        "63 GB bf16 + 126 GB fp32 > one H200). Default on CUDA: every layer, or the longest prefix "
+                        "that fits beside the timed model at the largest batch (auto_gate_layers)")
     p.add_argument("--mamba-path", default=str(ROOT / "third_party" / "mamba_ssm_peer"))
     t = p.add_argument_group("tensor parallelism (torchrun, one process per GPU)")
     t.add_argument("--tp", type=int, default=None, help="tensor parallelism degree")
@@ -654,6 +655,29 @@ def check_arguments(args) -> None:
         raise ValueError("--gate-layers: needs a twin (--gate-dtype other than the timed model's dtype)")
 
 
+def kv_positions(args) -> int:
+    """KV positions one batch's run allocates: the context, or prompt + gate + every timed step if longer."""
+    return max(args.context, args.prompt_len + args.gate_tokens + (args.warmup + args.reps) * args.buffer_len + 1)
+
+
+def auto_gate_layers(args, modes, free: int, gate_dtype, timed_act_bytes: int) -> int | None:
+    """The gate twin's layers when ``--gate-layers`` is not given and the whole twin would not fit beside the
+    resident timed model (``free`` bytes): the longest prefix of the pattern whose twin weights plus the
+    larger of the two phases' plans at the largest batch (costs.decode_run_plan) fit. None: the whole twin
+    fits, or no prefix does (the batch is then skipped with the GiB it needs, as before)."""
+    batch = max(int(b) for b in args.batches.split(",") if b)
+    kv_len, sb, L = kv_positions(args), shadow_elem_bytes(modes), args.buffer_len
+    full = model_config(args.tiny or False, args.layers, args.vocab, geometry=args.model_geometry)
+    timed = costs.decode_run_plan(full, batch, kv_len, L, 0, act_bytes=timed_act_bytes, shadow_bytes=sb)["cpu_snapshot"]
+    n_full = len(full.layers_block_type)
+    for n in range(n_full, 0, -1):
+        cfg = model_config(args.tiny or False, n, args.vocab, geometry=args.model_geometry)
+        gate = costs.decode_run_plan(cfg, batch, kv_len, L, 0, act_bytes=gate_dtype.itemsize, shadow_bytes=sb)
+        if costs.config_weight_bytes(cfg, gate_dtype) + max(timed, gate["cpu_snapshot"]) <= free:
+            return None if n == n_full else n
+    return None
+
+
 def run(args, r) -> list[dict]:
     """The standard step over ``--batches``; ``r``: scripts/bench_e2e.Run (device, config, meta, results)."""
     dev, cuda, dtype, config = r.dev, r.cuda, r.dtype, r.config
@@ -666,8 +690,17 @@ def run(args, r) -> list[dict]:
     model = build_model(config, dev, dtype, args.seed)
     gate_dtype = getattr(torch, args.gate_dtype)
     gate_config = config
-    if args.gate_layers is not None and gate_dtype != dtype:
-        gate_config = model_config(args.tiny or False, args.gate_layers, args.vocab, geometry=args.model_geometry)
+    gate_layers = args.gate_layers
+    if gate_layers is None and cuda and gate_dtype != dtype:  # e.g. the 8B at bs256 on an 80 GB card
+        torch.cuda.empty_cache()
+        gate_layers = auto_gate_layers(args, modes, torch.cuda.mem_get_info(dev)[0], gate_dtype, dtype.itemsize)
+        if gate_layers is not None:
+            r.meta["gate_layers_auto"] = True
+            print(f"# the gate's {args.gate_dtype} twin holds the first {gate_layers} layers (the whole twin does not "
+                  f"fit beside the timed model at the largest batch; --gate-layers sets it)",
+                  file=sys.stderr)
+    if gate_layers is not None and gate_dtype != dtype:
+        gate_config = model_config(args.tiny or False, gate_layers, args.vocab, geometry=args.model_geometry)
     gate_model = build_model(gate_config, dev, gate_dtype, args.seed) if gate_dtype != dtype else None
     weight_bytes = costs.model_weight_bytes(model)
     r.meta.update(weights_gb=weight_bytes / 1e9, modes=modes, build_s=time.perf_counter() - t0,
@@ -681,7 +714,7 @@ def run(args, r) -> list[dict]:
         if cuda:
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info(dev)[0]  # the weights are already resident
-            kv_len = max(args.context, args.prompt_len + args.gate_tokens + (args.warmup + args.reps) * args.buffer_len + 1)
+            kv_len = kv_positions(args)
             sb = shadow_elem_bytes(modes)
             plan_ = costs.decode_run_plan(config, batch, kv_len, args.buffer_len, 0, shadow_bytes=sb)
             if gate_model is not None:  # the gate phase (fp32 activations) runs before the timed one

@@ -417,3 +417,19 @@ def test_moe_bytes_model_counts_only_the_experts_read():
     per_expert = 2 * cfg.moe_intermediate_size * cfg.hidden_size * 4  # up + down, fp32
     idle = n_moe * (cfg.n_routed_experts - cfg.num_experts_per_tok)
     assert idle > 0 and rows[0]["weights_read_gb"] * 1e9 == pytest.approx(total - idle * per_expert)
+
+
+def test_auto_gate_layers_cuts_the_twin_only_where_it_does_not_fit():
+    """The 8B's fp32 gate twin (32 GB) beside the bf16 model at bs256: cut on an 80 GB card, whole on a big one,
+    left alone where no prefix fits (that batch is then skipped, naming the GiB it needs)."""
+    args = bench_e2e.parser().parse_args(["standard", "--batches", "64,256"])
+    modes = ["conventional", "replay", "replay_bf16", "noop"]
+    weights = costs.config_weight_bytes(model_config(), torch.bfloat16)
+    n = bd.auto_gate_layers(args, modes, 79 * bd.GiB - weights, torch.float32, 2)  # an H100 after the timed model
+    assert n is not None and 1 <= n < 52
+    cut = model_config(layers=n)
+    need = costs.config_weight_bytes(cut, torch.float32) + costs.decode_run_plan(cut, 256, bd.kv_positions(args), 16, 0, 4)[
+        "cpu_snapshot"]
+    assert need <= 79 * bd.GiB - weights
+    assert bd.auto_gate_layers(args, modes, 1000 * bd.GiB, torch.float32, 2) is None  # the whole twin fits
+    assert bd.auto_gate_layers(args, modes, 1 * bd.GiB, torch.float32, 2) is None  # nothing fits: left to the plan
