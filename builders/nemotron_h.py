@@ -438,12 +438,14 @@ class ReplaySSMDecoder(MixerPatch):
     (``ops.advance_cursor``'s) when given. ``caches[layer_idx]`` and ``cursor`` are views of the cache.
     """
 
-    def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32):
+    def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32,
+                 check_values: bool | None = None):
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
         self.model = model
         self.buffer_len = buffer_len
         self.state_dtype = state_dtype
+        self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
         self.executor = executors.for_device(next(model.parameters()).device)
         if backend is not None or advance is not None:
             self.executor = StepExecutor(backend or executors.replay_decode_kw(self.executor),
@@ -489,7 +491,8 @@ class ReplaySSMDecoder(MixerPatch):
                 or c.x_cache.dtype != act_dtype or c.nheads != H:
             c = self.cache = ReplayStateCache(len(self.layers), batch, H, P, N, mixer.n_groups, self.buffer_len,
                                               conv_dim=0, state_dtype=self.state_dtype, act_dtype=act_dtype,
-                                              device=S.device, cursor="standard", executor=self.executor)
+                                              device=S.device, cursor="standard", executor=self.executor,
+                                              check_values=self.check_values)
             for _ in range(batch):
                 c.allocate()
             self._ready = set()
@@ -559,8 +562,11 @@ class StepExecutor:
 
 
 def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32, *,
-                    tp: int = 1, rank: int = 0, group=None):
+                    tp: int = 1, rank: int = 0, group=None, check_values: bool | None = None):
     """Patch every Mamba-2 mixer of ``model`` in place; returns the :class:`ReplaySSMDecoder` (``unpatch()`` undoes).
+
+    ``check_values``: the cache's host checks of slots and cursors (one sync per layer on CUDA); None (default)
+    checks unless a CUDA graph is being captured, False serves without them (``ReplayStateCache``).
 
     ``tp > 1``: first keep rank ``rank``'s share of every layer (:func:`builders.tp_model.shard_nemotron_h_`,
     one process per rank, ``torch.distributed`` initialised); the checkpoint, buffers and conv state
@@ -570,4 +576,4 @@ def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, sta
         from .tp_model import shard_nemotron_h_
 
         shard_nemotron_h_(model, rank, tp, group)
-    return ReplaySSMDecoder(model, buffer_len, backend, advance, state_dtype).patch()
+    return ReplaySSMDecoder(model, buffer_len, backend, advance, state_dtype, check_values).patch()

@@ -151,9 +151,11 @@ class GDNReplayDecoder(MixerPatch):
     default: :data:`kernel_backend` on CUDA, :data:`reference_backend` elsewhere) and ``advance`` run the step
     through the cache; ``bufs[layer_idx]`` (GDNBuffers views) and ``cursor`` are the cache's tensors."""
 
-    def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32):
+    def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32,
+                 check_values: bool | None = None):
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+        self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
         if model.config.model_type not in ("qwen3_next", "qwen3_5_text", "qwen3_5"):
             raise ValueError(f"model: expected a Qwen3-Next or Qwen3.5 text model, got model_type "
                              f"{model.config.model_type!r}")
@@ -203,7 +205,7 @@ class GDNReplayDecoder(MixerPatch):
             c = self.cache = ReplayStateCache.for_gdn(
                 len(self.layers), batch, HV, mixer.num_k_heads, V, K, self.buffer_len, gdn_conv_dim=0,
                 state_dtype=self.state_dtype, act_dtype=act_dtype, device=S.device, cursor="standard",
-                executor=StepExecutor(self.backend, self.advance))
+                executor=StepExecutor(self.backend, self.advance), check_values=self.check_values)
             for _ in range(batch):
                 c.allocate()
             self._ready = set()
@@ -238,7 +240,8 @@ class GDNReplayDecoder(MixerPatch):
         return layer_idx in self._ready
 
 
-def patch_gdn_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32):
+def patch_gdn_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32, *,
+                        check_values: bool | None = None):
     """Patch every Gated DeltaNet layer of ``model`` in place; returns the :class:`GDNReplayDecoder`
-    (``unpatch()`` undoes)."""
-    return GDNReplayDecoder(model, buffer_len, backend, advance, state_dtype).patch()
+    (``unpatch()`` undoes). ``check_values`` as :func:`builders.nemotron_h.patch_replayssm`'s."""
+    return GDNReplayDecoder(model, buffer_len, backend, advance, state_dtype, check_values).patch()

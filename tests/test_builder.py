@@ -570,3 +570,16 @@ def test_greedy_tokens_match_unpatched_model_cuda():
     assert dec.cursor.tolist() == [63 % L] * 2
     # fp32 kernel vs fp32 conventional update: both round in fp32, different orders
     torch.testing.assert_close(torch.stack(out.scores), torch.stack(ref.scores), rtol=0, atol=1e-3)
+
+
+@torch.no_grad()
+def test_check_values_reaches_the_cache(model):
+    """patch_replayssm(check_values=...) is the cache's (host checks of slots and cursors; False: no syncs)."""
+    ids = _prompt(2, 5)
+    for check in (None, False, True):
+        dec = patch_replayssm(model, buffer_len=L, check_values=check)
+        try:
+            model.generate(ids, max_new_tokens=3, do_sample=False)
+        finally:
+            dec.unpatch()
+        assert dec.cache.check_values is check and dec.cursor.tolist() == [2, 2]

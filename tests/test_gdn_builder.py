@@ -284,3 +284,16 @@ def test_build_engine_gdn_refuses_what_it_cannot_build(tmp_path):
     r = _build("--out", tmp_path / "e", "--tiny", "qwen3_5", "--num-draft", 3, "--buffer-len", 4)
     assert r.returncode == 2 and "--buffer-len: speculative decoding needs >= 2 (num_draft + 1) = 8" in r.stderr
     assert not (tmp_path / "e").exists() and list(tmp_path.iterdir()) == []
+
+
+@torch.no_grad()
+def test_check_values_reaches_the_cache(model):
+    """patch_gdn_replayssm(check_values=...) is the cache's (host checks of slots and cursors)."""
+    ids = _prompt(2, 5)
+    for check in (None, False):
+        dec = patch_gdn_replayssm(model, buffer_len=L, check_values=check)
+        try:
+            model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        finally:
+            dec.unpatch()
+        assert dec.cache.check_values is check and dec.cursor.tolist() == [2, 2]
