@@ -618,6 +618,15 @@ class HybridStep:
         self.forced_idx = {i: t.clone() for i, t in self.route_idx.items()}
         self.force_routing = False
 
+    def idle_expert_bytes(self) -> int:
+        """Bytes of the routed experts that no token of the last step chose (0 without MoE layers): a step
+        reads every weight but these (the bytes models' weights read; ``expert_load``)."""
+        idle = 0
+        for i, load in self.expert_load.items():
+            w = self.w[i]["moe"]
+            idle += int((load == 0).sum()) * (w.up[0].numel() + w.down[0].numel()) * w.up.element_size()
+        return idle
+
     def _moe(self, i, h, delta):
         w = self.w[i]["moe"]
         force = self.forced_idx[i] if self.routing is not None and self.force_routing else None

@@ -16,7 +16,7 @@ Two steps, one CLI (the common flags, the model, the meta, the results file and 
 
 Model (:mod:`builders.random_model`): Nemotron-H-8B geometry through transformers' ``NemotronHConfig``
 (52 layers, 24 Mamba-2 / 4 attention / 24 MLP, real vocab 131072 unless ``--vocab``) or a Nemotron 3
-layer stack (``--model-geometry``, standard step), bf16 weights from a seeded generator (no checkpoint);
+layer stack (``--model-geometry``, Mamba-2 + MoE), bf16 weights from a seeded generator (no checkpoint);
 ``--tiny``: a small embedded config (CPU smoke test); ``--layers N``: the first N layers of the pattern.
 On the CPU there are no graphs: eager steps timed with ``perf_counter``, labelled so in the rows.
 

@@ -3,7 +3,9 @@
 """The speculative step of the end-to-end benchmark: T-token verify steps through the whole hybrid model.
 
 Run through ``scripts/bench_e2e.py spec`` (the common flags, the model of :mod:`builders.random_model`,
-Nemotron-H-8B geometry or ``--tiny``, and the results file are that CLI's). One speculative step
+Nemotron-H-8B, a Nemotron 3 (Mamba-2 + MoE) stack with ``--model-geometry``, or ``--tiny``, and the results
+file are that CLI's). MoE layers route each of the batch x T tokens; the bytes model counts the experts the
+last timed step read (``weights_read_gb``). One speculative step
 (:class:`builders.model_step.SpecStep`) feeds
 T = 1 + num_draft tokens per row through every layer (attention with T causal queries over the KV
 cache, MLPs and projections on batch*T tokens, conv1d over the (K-1+num_draft)-wide window, the SSM
@@ -198,7 +200,7 @@ def time_standard(std, snap, L, warmup, reps, cuda) -> dict:
     run, graph = timing.capture(std, lambda: std.restore(snap), cuda)
     ms = timing.time_samples(run, lambda: std.restore(snap), L, warmup, reps, cuda)
     return dict(ms=statistics.median(ms), spread=timing.spread(ms), accepted_per_step=1.0, tokens_per_step=float(std.batch),
-                steps=L, partial=None, agree=None)
+                steps=L, partial=None, agree=None, idle_expert_bytes=std.idle_expert_bytes())
 
 
 def time_spec(model, backend, snap, G, tables: dict, kv_len, T, table_len, steps, warmup, reps, live, cuda) -> dict:
@@ -217,7 +219,7 @@ def time_spec(model, backend, snap, G, tables: dict, kv_len, T, table_len, steps
             acc = int((pos - 1).sum())
             out[a] = dict(ms=statistics.median(ms), spread=timing.spread(ms), accepted_per_step=acc / (batch * steps),
                           tokens_per_step=acc / steps, steps=steps, partial=int(spec.partial.sum()) / (batch * steps),
-                          agree=int(spec.agree.sum()) / max(1, acc))
+                          agree=int(spec.agree.sum()) / max(1, acc), idle_expert_bytes=spec.idle_expert_bytes())
         return out
     finally:
         spec.free()
@@ -341,7 +343,8 @@ def make_rows(cfg, batch, results, checks, T, L, kv_len, prompt_len, reps, check
         nat = results.get(("native_spec", a)) if name == "replay_spec" else None
         noop = results.get(("spec_noop", noop_alpha)) if name in ("replay_spec", "native_spec") else None
         kv_fill = prompt_len + r["accepted_per_step"] * r["steps"] / 2
-        nbytes = costs.spec_step_bytes(cfg, batch, kv_fill, T, L, name, weight_bytes, r["accepted_per_step"])
+        read = weight_bytes - r["idle_expert_bytes"]  # MoE: the routed experts no token of the last step chose
+        nbytes = costs.spec_step_bytes(cfg, batch, kv_fill, T, L, name, read, r["accepted_per_step"])
         chk = checks.get(name)
         if name == "spec_noop":
             check = "not checked (no SSM)"
@@ -363,7 +366,7 @@ def make_rows(cfg, batch, results, checks, T, L, kv_len, prompt_len, reps, check
             ssm_share=None if noop is None else 1 - noop["ms"] / r["ms"],
             partial_step_frac=r["partial"], live_agreement=r["agree"],
             timed_target=None if name == "standard" else timed_target,
-            bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12,
+            bytes_step=nbytes, tbps=nbytes / (r["ms"] * 1e-3) / 1e12, weights_read_gb=read / 1e9,
             timing="cuda-graph" if cuda else "eager-cpu (perf_counter)", buffer_len=L, kv_len=kv_len,
             kv_fill_mean=kv_fill, prompt_len=prompt_len, check=check, check_exact=chk["exact"] if ok else None,
             check_ties=chk["ties"] if ok else None, check_steps=check_steps if ok else None,
@@ -521,9 +524,6 @@ def check_arguments(args) -> None:
     order = [int(b) for b in args.batches.split(",") if b]
     if not order or min(order) < 1:
         raise ValueError(f"--batches: expected positive integers, got {args.batches!r}")
-    if args.tiny == "nemotron3" or (not args.tiny and args.model_geometry != "nemotron_h_8b"):
-        raise ValueError("--tiny nemotron3 / --model-geometry: the spec step runs the Nemotron-H stack only (its "
-                         "bytes and memory models, costs.spec_step_bytes / serving_memory, have no MoE terms)")
 
 
 def run(args, r) -> list[dict]:
@@ -551,7 +551,8 @@ def run(args, r) -> list[dict]:
                 check=(f"{args.check_steps} live steps at acceptance {args.check_acceptance} on "
                        f"{args.check_dtype if cuda else 'float32'}" if do_check else "off"),
                 mem_budget_gib=args.mem_budget_gib, max_batch_at_budget=fit)
-    r.open("spec-decode-tiny" if args.tiny else "spec-decode")
+    r.open("spec-decode-tiny" if args.tiny else "spec-decode" if args.model_geometry == "nemotron_h_8b"
+           else f"spec-decode-{args.model_geometry}")
     print(f"# max batch within {args.mem_budget_gib:g} GiB (costs.serving_memory; weights {weight_bytes / GiB:.1f} GiB): "
           + "; ".join(f"{c}: " + ", ".join(f"{m} {b}" for m, b in v.items()) for c, v in fit.items()), flush=True)
     separate = do_check and check_dtype != dtype

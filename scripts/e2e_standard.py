@@ -377,12 +377,7 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
                             idle_experts=float((load == 0).float().sum(1).mean()))
     step.ssm.free()
     conv = results["conventional"]
-    weight_bytes = costs.model_weight_bytes(model)
-    if step.expert_load:  # experts no token was routed to in the last timed step are not read
-        for i, load in step.expert_load.items():
-            w = step.w[i]["moe"]
-            per_expert = (w.up[0].numel() + w.down[0].numel()) * w.up.element_size()
-            weight_bytes -= int((load == 0).sum()) * per_expert
+    weight_bytes = costs.model_weight_bytes(model) - step.idle_expert_bytes()  # MoE: experts no token chose
     rows = []
     for name in modes:
         r = results[name]

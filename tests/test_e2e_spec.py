@@ -244,7 +244,6 @@ def test_cuda_graph_route_tiny():
 
 
 @pytest.mark.parametrize("argv, what", [
-    (["spec", "--tiny", "nemotron3"], "Nemotron-H stack only"),
     (["spec", "--tiny", "--num-tokens", "4", "--buffer-len", "6"], "expected T >= 2 and L >= 2T"),
     (["spec", "--tiny", "--acceptances", "1.5"], "--acceptances: expected values in [0, 1]"),
     (["spec", "--tiny", "--modes", "replay_spec,bogus"], "--modes: expected names from"),
@@ -257,3 +256,16 @@ def test_cli_rejects_bad_arguments(argv, what, capsys):
     with pytest.raises(SystemExit) as e:
         bench_e2e.main(argv)
     assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_moe_stack_spec_step_is_exact_and_counts_the_experts_it_reads():
+    """Nemotron 3 (Mamba-2 + MoE): every spec mode emits plain greedy decoding's tokens, and the bytes model's
+    weights are the model's less the routed experts no token of the last step chose (the standard step's rule)."""
+    m = build_model(model_config("nemotron3", time_step_min=0.0), "cpu", torch.float32, seed=0)
+    rows = bs.run_batch(m, 2, list(bs.MODES), acceptances=(0.8,), **RUN)
+    total = costs.model_weight_bytes(m) / 1e9
+    for r in rows:
+        assert not r.get("skipped"), r
+        assert r["check"] in ("exact", "not checked (no SSM)"), r
+        assert 0 < r["weights_read_gb"] <= total
+    assert any(r["weights_read_gb"] < total for r in rows)  # 2 rows x T tokens leave experts idle
