@@ -94,7 +94,7 @@ from builders.model_step import (  # noqa: E402
     designed_accepted_per_step,
     make_drafts,
 )
-from builders.random_model import build_model  # noqa: E402
+from builders.random_model import build_model, model_config  # noqa: E402
 from scripts.e2e_standard import GateError, check_gate  # noqa: E402
 from trtllm_replayssm import costs, timing  # noqa: E402
 
@@ -499,6 +499,9 @@ def add_arguments(p) -> None:
     p.add_argument("--check-acceptance", type=float, default=0.7)
     p.add_argument("--check-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="activation dtype of the model the check runs on (float32: a twin of the timed bf16 model)")
+    p.add_argument("--check-layers", type=int, default=None,
+                   help="the check model holds only the first N layers of the pattern (same layer geometry; for "
+                        "models whose fp32 twin does not fit, e.g. Nemotron 3 Nano: 126 GB in fp32)")
     p.add_argument("--no-check", action="store_true", help="skip the exactness check (timing only)")
     p.add_argument("--timed-target", choices=("ref", "live"), default="ref",
                    help="timed runs: accept against the greedy reference (controlled acceptance) or the live argmax")
@@ -521,6 +524,10 @@ def check_arguments(args) -> None:
     alphas = [float(a) for a in args.acceptances.split(",") if a]
     if not alphas or any(not 0 <= a <= 1 for a in alphas):
         raise ValueError(f"--acceptances: expected values in [0, 1], got {args.acceptances!r}")
+    if args.check_layers is not None:
+        n = len(model_config(args.tiny or False, args.layers, args.vocab, geometry=args.model_geometry).layers_block_type)
+        if not 1 <= args.check_layers <= n:
+            raise ValueError(f"--check-layers: expected 1..{n} (the layers of the timed model), got {args.check_layers}")
     order = [int(b) for b in args.batches.split(",") if b]
     if not order or min(order) < 1:
         raise ValueError(f"--batches: expected positive integers, got {args.batches!r}")
@@ -539,7 +546,9 @@ def run(args, r) -> list[dict]:
     check_dtype = getattr(torch, args.check_dtype)
     do_check = not args.no_check
     weight_bytes = costs.config_weight_bytes(config, dtype)
-    check_weight_bytes = costs.config_weight_bytes(config, check_dtype)
+    check_config = config if args.check_layers is None else model_config(
+        args.tiny or False, args.check_layers, args.vocab, geometry=args.model_geometry)
+    check_weight_bytes = costs.config_weight_bytes(check_config, check_dtype)
     budget = int(args.mem_budget_gib * GiB)
     _, _, kv_len = lengths(T, L, args.steps, args.check_steps, args.prompt_len, args.context)
     fit = {f"ctx{ctx}": {m: costs.max_batch(config, budget, ctx, T, L, m, weight_bytes) for m in MODES if m != "spec_noop"}
@@ -549,20 +558,21 @@ def run(args, r) -> list[dict]:
                 steps=args.steps, reps=args.reps, warmup=args.warmup, prompt_len=args.prompt_len, kv_len=kv_len,
                 timed_target=args.timed_target,
                 check=(f"{args.check_steps} live steps at acceptance {args.check_acceptance} on "
-                       f"{args.check_dtype if cuda else 'float32'}" if do_check else "off"),
+                       f"{args.check_dtype if cuda else 'float32'}"
+                       + (f", first {args.check_layers} layers" if args.check_layers else "") if do_check else "off"),
                 mem_budget_gib=args.mem_budget_gib, max_batch_at_budget=fit)
     r.open("spec-decode-tiny" if args.tiny else "spec-decode" if args.model_geometry == "nemotron_h_8b"
            else f"spec-decode-{args.model_geometry}")
     print(f"# max batch within {args.mem_budget_gib:g} GiB (costs.serving_memory; weights {weight_bytes / GiB:.1f} GiB): "
           + "; ".join(f"{c}: " + ", ".join(f"{m} {b}" for m, b in v.items()) for c, v in fit.items()), flush=True)
-    separate = do_check and check_dtype != dtype
+    separate = do_check and (check_dtype != dtype or check_config is not config)
     avail = {}
     if cuda:
         torch.cuda.empty_cache()
         room = min(torch.cuda.mem_get_info(dev)[0] - GiB, budget)
         avail = dict(check=room - (check_weight_bytes if separate else weight_bytes), time=room - weight_bytes)
         if do_check:
-            print_plan(config, order, [m for m in modes if m in CHECKED], kv_len, T, L, check_dtype.itemsize,
+            print_plan(check_config, order, [m for m in modes if m in CHECKED], kv_len, T, L, check_dtype.itemsize,
                        avail["check"], f"check on {args.check_dtype}")
         print_plan(config, order, modes, kv_len, T, L, dtype.itemsize, avail["time"], "timing")
     common = dict(T=T, L=L, prompt_len=args.prompt_len, check_steps=args.check_steps, steps=args.steps,
@@ -586,7 +596,7 @@ def run(args, r) -> list[dict]:
         torch.set_float32_matmul_precision("highest")  # TF32 GEMMs would make the fp32 twin fork like bf16
     if do_check:  # phase 1: every check before anything is timed; only the check model resident
         t0 = time.perf_counter()
-        model = build_model(config, dev, check_dtype if cuda else dtype, args.seed)
+        model = build_model(check_config, dev, check_dtype if cuda else dtype, args.seed)
         meta["check_build_s"] = time.perf_counter() - t0
         last = None
         for batch in order:
@@ -597,7 +607,7 @@ def run(args, r) -> list[dict]:
                 continue
             skip, snap = {}, None
             if cuda:
-                skip, snap = decide(config, batch, [m for m in modes if m in CHECKED], kv_len, T, L,
+                skip, snap = decide(check_config, batch, [m for m in modes if m in CHECKED], kv_len, T, L,
                                     check_dtype.itemsize, avail["check"])
                 torch.cuda.reset_peak_memory_stats(dev)
             t1 = time.perf_counter()

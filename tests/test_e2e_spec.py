@@ -247,6 +247,7 @@ def test_cuda_graph_route_tiny():
     (["spec", "--tiny", "--num-tokens", "4", "--buffer-len", "6"], "expected T >= 2 and L >= 2T"),
     (["spec", "--tiny", "--acceptances", "1.5"], "--acceptances: expected values in [0, 1]"),
     (["spec", "--tiny", "--modes", "replay_spec,bogus"], "--modes: expected names from"),
+    (["spec", "--tiny", "--check-layers", "9"], "--check-layers: expected 1..8"),
     (["standard", "--tiny", "--modes", "conventional,bogus"], "--modes: expected names from"),
     (["standard", "--tiny", "--device", "cpu", "--gate-layers", "2"], "--gate-layers: needs a twin"),
     (["decode", "--tiny"], "invalid choice: 'decode'"),
@@ -269,3 +270,15 @@ def test_moe_stack_spec_step_is_exact_and_counts_the_experts_it_reads():
         assert r["check"] in ("exact", "not checked (no SSM)"), r
         assert 0 < r["weights_read_gb"] <= total
     assert any(r["weights_read_gb"] < total for r in rows)  # 2 rows x T tokens leave experts idle
+
+
+def test_check_on_a_prefix_of_the_layers(tmp_path):
+    """--check-layers N: the exactness check runs on the first N layers (a model whose fp32 twin does not fit),
+    the timing on the whole model; the meta says which."""
+    rows = bench_e2e.main(["spec", "--tiny", "nemotron3", "--device", "cpu", "--batches", "2", "--acceptances", "0.8",
+                           "--buffer-len", str(L), "--prompt-len", "3", "--steps", "2", "--reps", "1", "--warmup", "0",
+                           "--check-steps", "3", "--context", "32", "--check-layers", "4", "--out", str(tmp_path),
+                           "--commit", "abc123"])
+    meta = json.loads(next(tmp_path.glob("*_spec-decode-tiny_abc123.json")).read_text())["meta"]
+    assert meta["layers"] == 8 and meta["check"].endswith("first 4 layers") and meta["moe_layers"] == 3
+    assert {r["check"] for r in rows if r["mode"] != "spec_noop"} == {"exact"}
