@@ -130,3 +130,31 @@ def test_bad_cursor_raises():
         ref.replay_decode(torch.zeros(1, H, P, N, dtype=F64), torch.zeros(1, H, L, P, dtype=F64),
                           torch.zeros(1, G, L, N, dtype=F64), torch.zeros(1, H, L, dtype=F64),
                           torch.tensor([L], dtype=torch.int32), x, B, C, dt, prm.dt_bias, prm.A, prm.D)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_shadow_quantizer_contract(kind):
+    """reference.quantize_shadow, the one quantizer every path (kernels' flush, cache hand-off) matches bit for bit:
+    bf16 = round to nearest; fp8 = e4m3 of S * (1 / scale) with scale = max |S[row]| / 448 exactly (1 for an
+    all-zero row), so every row's largest value lands on +-448 (nothing saturates beyond) and the read-back
+    error is an e4m3 rounding: relative <= 2^-4 of the value, or the subnormal step of the row."""
+    gen = torch.Generator().manual_seed(3)
+    mag = torch.logspace(-6, 6, 24, dtype=torch.float64)  # rows of every magnitude
+    S = (torch.randn(2, 3, 24, 40, generator=gen, dtype=torch.float64) * mag[None, None, :, None]).float()
+    S[1, 2, 5] = 0.0  # an all-zero row
+    sh = ref.Shadow.of(S, kind)
+    back = torch.stack([sh.read(s) for s in range(2)])
+    if kind == "bf16":
+        assert torch.equal(sh.q, S.to(torch.bfloat16))
+        assert ((back - S).abs() <= S.abs() * 2.0**-8).all()
+        return
+    amax = S.abs().amax(-1)
+    want = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    assert torch.equal(sh.scale, want) and sh.scale[1, 2, 5] == 1.0
+    assert torch.equal(sh.q.float().abs().amax(-1)[amax > 0], torch.full_like(amax[amax > 0], 448.0))
+    assert (sh.q[1, 2, 5].float() == 0).all() and not torch.isnan(sh.q.float()).any()
+    step = sh.scale[..., None] * 2.0**-9  # the e4m3 subnormal step, scaled
+    assert ((back - S).abs() <= torch.maximum(S.abs() * 2.0**-4, step)).all()
+    # the kernels' order of operations: one reciprocal per row, then the product
+    q32 = (S * torch.reciprocal(want)[..., None]).to(torch.float8_e4m3fn)
+    assert torch.equal(sh.q.view(torch.uint8), q32.view(torch.uint8))

@@ -40,8 +40,8 @@ def quantize_shadow(S: torch.Tensor, q: torch.Tensor, scale: torch.Tensor | None
 class Shadow:
     """Low-precision copy of the checkpoint that the output form reads (docs/DESIGN.md §1).
 
-    ``kind`` "bf16": q = S in bfloat16. ``kind`` "fp8": q = S / scale in float8_e4m3fn with one fp32
-    scale per (slot, head, row), scale = max |S[row]| / 448 (1 for an all-zero row). Written from
+    ``kind`` "bf16": q = S in bfloat16. ``kind`` "fp8": q = S * (1 / scale) in float8_e4m3fn with one fp32
+    scale per (slot, head, row), scale = max |S[row]| / 448 (1 for an all-zero row) (:func:`quantize_shadow`). Written from
     the stored full-precision values at every flush (and at prefill hand-off), read every step.
     """
 
