@@ -8,8 +8,11 @@ launch is not in L2 from the previous ones (>= ROTATE_BYTES of state per graph).
 
 ReplaySSM is timed at every buffer position k = 1..L (cursor pinned at k-1, so each launch is the
 k-th step of a cycle; k = L is the flush step); the amortized step is the mean over k, i.e. one
-full flush cycle. The cursor advance (one tiny launch per model step, shared by all layers) is not
-part of a layer's cost and is not timed here.
+full flush cycle. "mixed" (``replay_us_mixed``): one launch whose rows sit at every buffer position
+(row i at k = i mod L + 1), as a serving batch of sequences that started at different tokens does, so ~1/L of
+its rows flush; against the lockstep amortized time it says what the synchronized flush step costs
+(bench/NOTES.md, "Spreading the flush"). The cursor advance (one tiny launch per model step, shared by all
+layers) is not part of a layer's cost and is not timed here.
 
 Bytes model (per batch row and layer): ``trtllm_replayssm.costs.mamba2_bytes_per_position`` (formulas in
 costs' module docstring): conventional 2 S + io; replay at k < L the state (or its shadow, fp8 with row
@@ -142,6 +145,15 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
     row["tbps_replay_flush"] = rep_b[L] * batch / per_k[-1] / 1e6
     row["speedup_vs_conv"] = row["conv_us"] / row["replay_us_amortized"]
     row["flush_over_conv"] = per_k[-1] / row["conv_us"]
+    # Serving-like phases: the rows of one launch spread over the L buffer positions (row i at k = i mod L + 1),
+    # as sequences that started at different tokens are; ~1/L of the rows flush in every step.
+    for sbi in sbis:
+        cursor[sbi.long()] = torch.arange(batch, dtype=torch.int32, device="cuda") % L
+    row["replay_us_mixed"] = graph_time_us(replay, R)[0]
+    mixed_b = sum(rep_b[i % L + 1] for i in range(batch))
+    row["bytes_replay_mixed"] = mixed_b
+    row["tbps_replay_mixed"] = mixed_b / row["replay_us_mixed"] / 1e6
+    row["speedup_vs_conv_mixed"] = row["conv_us"] / row["replay_us_mixed"]
     if mamba_fn is not None and state_code == "f32" and shadow == "none":
         # tie_hdim: dt, A, dt_bias, D broadcast over headdim with stride 0, as Nemotron-H runs it.
         A_t = prm.A[:, None, None].expand(H, P, N)
@@ -197,14 +209,15 @@ def main():
     path = out / f"{stamp}_{args.tag}_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     hdr = (f"{'geom':16s} {'st':4s} {'sh':4s} {'L':>2s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} {'k=1':>7s} {'flush':>7s} "
-           f"{'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}")
+           f"{'amort':>7s} {'%ceil':>5s} {'x conv':>6s} {'mixed':>7s} {'x conv':>6s} {'mamba':>7s} {'x mamba':>7s}")
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(hdr)
     for r in rows:
         print(f"{r['geom']:16s} {r['state']:4s} {r['shadow']:4s} {r['L']:2d} {r['batch']:4d} {r['conv_us']:8.1f} "
               f"{r['pct_ceiling_conv']:5.1f} "
               f"{r['replay_us_k1']:7.1f} {r['replay_us_flush']:7.1f} {r['replay_us_amortized']:7.1f} "
-              f"{r['pct_ceiling_replay']:5.1f} {r['speedup_vs_conv']:6.2f} {r.get('mamba_us', float('nan')):7.1f} "
+              f"{r['pct_ceiling_replay']:5.1f} {r['speedup_vs_conv']:6.2f} {r['replay_us_mixed']:7.1f} "
+              f"{r['speedup_vs_conv_mixed']:6.2f} {r.get('mamba_us', float('nan')):7.1f} "
               f"{r.get('speedup_vs_mamba', float('nan')):7.2f}")
 
 
