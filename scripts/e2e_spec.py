@@ -98,18 +98,12 @@ from builders.random_model import build_model, model_config  # noqa: E402
 from scripts.e2e_standard import GateError, check_gate  # noqa: E402
 from trtllm_replayssm import costs, timing  # noqa: E402
 
-MODES = ("standard", "replay_spec", "native_spec", "spec_noop")
-SPEC_MODES = ("replay_spec", "native_spec", "spec_noop")
+MODES = costs.SPEC_MODES  # the modes the memory and bytes models know
 CHECKED = ("standard", "replay_spec", "native_spec")
 GiB = 1 << 30
 
 
 # ---- one batch ---------------------------------------------------------------------------------------------
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def _backend(name, L, backends):
     if backends and name in backends:
         return backends[name]

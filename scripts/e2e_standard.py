@@ -127,7 +127,7 @@ from builders.random_model import build_model, model_config  # noqa: E402
 from builders.tp_step import TPDecodeStep  # noqa: E402
 from trtllm_replayssm import costs, timing  # noqa: E402
 
-MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "mamba_ssm", "noop")
+MODES = costs.DECODE_MODES  # the modes the memory and bytes models know
 SHADOW_MODES = {"replay_bf16": "bf16", "replay_fp8": "fp8"}
 # Teacher-forced gate of the shadow modes (module docstring; measurements in bench/NOTES.md):
 # max over (row, step) of max_v |logit - conventional logit| / std(conventional logits), and the
