@@ -70,7 +70,14 @@ STAGED = [
 ]
 
 
-@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW + STAGED, ids=lambda s: s.key)
+# 64-row items of 4 warps (16 rows a thread; pinned by sweeps and tests/test_kernels_gpu.py, not yet planned).
+ROWS64_WARPS4 = [
+    KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 4, False, arch, Variant("staged", 8, 2), sh)
+    for sh, arch in itertools.product(("none", "bf16", "fp8"), ARCHS)
+]
+
+
+@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW + STAGED + ROWS64_WARPS4, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx

@@ -45,3 +45,15 @@ def test_report_of_the_shipped_fp8_plan_respects_its_launch_bound():
     assert 0 < r["registers"] <= 65536 // (spec.blocks_per_sm * warps * 32)
     assert r["smem"] == config.replay_smem_bytes("f32", "bf16", rows, N, 16, False, "fp8", var.kind == "staged")
     assert set(r["entries"]) >= {"replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor"}
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas (CUDA toolkit) is not on PATH")
+@pytest.mark.parametrize("shadow", ["none", "bf16", "fp8"])
+def test_rows64_warps4_keeps_its_partials_in_registers(shadow):
+    """16 rows a thread (64-row items of 4 warps): the row butterfly's levels are template instances, so the
+    per-row partials stay in registers; as one loop over the offsets NVRTC left it rolled and put them in a
+    64-byte local array (bench/NOTES.md "Next for the shadow steps")."""
+    spec = config.KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 4, False, 90,
+                             variant=config.Variant("staged", 8, 2), shadow=shadow)
+    r = kr.report(spec)
+    assert r["local_array_bytes"] == 0 and r["spill_stores"] == 0, r

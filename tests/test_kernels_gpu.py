@@ -239,6 +239,22 @@ def test_replay_decode_with_shadow(case, variant):
         run_and_check(pb)
 
 
+# 64-row items of 4 warps (16 rows a thread: the template-level row butterfly, NOTES "Next for the shadow
+# steps"); pinned, since no plan picks the shape yet. Every storage form, padding rows, across flushes.
+W4_CASES = [
+    {**BASE, "geom": (8, 64, 128, 2), "L": 16, "batch": 6, "slots": 8, "pad_rows": (2,), "shadow": sh}
+    for sh in ("none", "bf16", "fp8")
+] + [{**BASE, "geom": (8, 64, 128, 2), "L": 8, "batch": 6, "slots": 8, "pad_rows": (2,), "shadow": "fp8", "has_z": True}]
+
+
+@pytest.mark.parametrize("min_blocks", (8, 12))
+@pytest.mark.parametrize("case", W4_CASES, ids=_sid)
+def test_staged_rows64_warps4(case, min_blocks):
+    pb = Problem(**case, seed=min_blocks + zlib.crc32(_sid(case).encode()))
+    with config.override_variant(config.Variant("staged", min_blocks, 2)), config.override_geometry(64, 4):
+        run_and_check(pb)
+
+
 def test_shadow_is_what_the_output_reads():
     """Teeth: perturb the shadow (not the f32 checkpoint) of one slot and y must move."""
     pb = Problem(**{**SHADOW_BASE, "shadow": "bf16"}, seed=5)
