@@ -12,6 +12,7 @@
 //   RSSM_PERSISTENT or RSSM_STAGED the decode kernel (kind; neither: one-shot)
 //   RSSM_MIN_BLOCKS                resident blocks per SM of __launch_bounds__ (min_blocks)
 //   RSSM_FLUSH_ROWS                rows of a thread the flush folds at a time (flush_rows)
+//   RSSM_BULK                      the staged kernel's item by bulk copies on an mbarrier (copy="bulk")
 //
 // Math (docs/DESIGN.md §1). Per (slot, head): checkpoint S0 (P x N), buffer entries j = 1..k (k = now),
 // c_j = A * sum_{i<=j} dt_i, w_j = dt_j * exp(c_k - c_j):
@@ -33,6 +34,9 @@
 // thread folded at a time by the flush (default: all kRT at once).
 #ifndef RSSM_STAGED
 #define RSSM_STAGED 0
+#endif
+#ifndef RSSM_BULK
+#define RSSM_BULK 0
 #endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -1012,7 +1016,83 @@ struct alignas(16) StagedSmem {
   float w[kL];
   float bc[kL];
   float decay;
+#if RSSM_BULK
+  unsigned long long bar;  // the item's bulk copies complete on it (one phase: one item per block)
+#endif
 };
+
+#if RSSM_BULK
+// ---- bulk copies (RSSM_BULK; sm_90+): one thread stages the item's contiguous pieces ------------------
+// The staged kernel's prologue issued ~5 cp.async per thread with 64-bit address arithmetic and
+// predicates each (ncu, fp8 k = 1: ~150 of a warp's ~510 instructions an item come before the first
+// barrier, and the step is issue-bound). Here thread 0 issues one cp.async.bulk per contiguous piece
+// (checkpoint or shadow rows, fp8 scales, the B and x history, this step's B and x, C: at most 7 for
+// 64-row items) that complete on an mbarrier; the other threads only wait. The history dt (4-byte
+// entries, not a 16-byte multiple) keeps one cp.async per entry.
+static_assert(RSSM_STAGED, "bulk copies stage the staged kernel's item (kind=staged)");
+static_assert(kRows * sizeof(act_t) % 16 == 0 && kP * sizeof(act_t) % 16 == 0 && kN * sizeof(act_t) % 16 == 0,
+              "bulk copies move 16-byte multiples: the x rows of an item and of a head, a B or C row");
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return static_cast<unsigned>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival (the barrier's only one) that also expects `bytes` of transactions in this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("{\n\t.reg .b64 st;\n\tmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(smem_u32(dst)), "l"(static_cast<unsigned long long>(__cvta_generic_to_global(src))), "r"(bytes),
+               "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  unsigned done = 0;
+  do {
+    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// The copies of item `it` (slot, pos known and valid) into stage `sg`, as issue_item's, by bulk copies.
+// The mbarrier is initialised here by thread 0; other threads may wait on it only after a block barrier.
+__device__ __forceinline__ void issue_item_bulk(Stage& sg, unsigned bar, const ReplayArgs& a, const Item& it, int slot,
+                                                int pos) {
+  const int t = threadIdx.x;
+  const float* dtc = a.dtc_in + dtc_off(slot, it.h);
+  if (t < pos) cp_async<4>(&sg.dt[t], dtc + t);
+  if (t != 0) return;
+  constexpr unsigned kA = sizeof(act_t);
+  constexpr unsigned kRowBytes = (kShadow ? kShadowVecs : kStateVecs) * 16u;
+  constexpr unsigned kScaleBytes = kShadow == 2 ? kRows * 4u : 0u;
+  const bool rows = !(kShadow && pos == kL - 1);  // a shadow's flush reads the f32 rows from global memory
+  const unsigned bytes = (rows ? kRowBytes + kScaleBytes : 0u) + (pos + 1) * (kN + kRows) * kA + kN * kA;
+  mbar_init(bar, 1);
+  mbar_arrive_expect_tx(bar, bytes);
+  const size_t base = state_off(slot, it.h, it.row0);
+  if (rows) {
+    if constexpr (kShadow != 0) {
+      bulk_copy(sg.S, a.sh_in + base, kRowBytes, bar);
+      if constexpr (kShadow == 2)
+        bulk_copy(&sg.S[kShadowVecs], a.sc_in + ((size_t)slot * kH + it.h) * kP + it.row0, kScaleBytes, bar);
+    } else {
+      bulk_copy(sg.S, a.state_in + base, kRowBytes, bar);
+    }
+  }
+  if (pos > 0) {  // the history: ring entries 0 .. pos-1, contiguous per (slot, group) and (slot, head)
+    bulk_copy(&sg.Bt[0][0], a.Bc_in + bc_off(slot, it.g), pos * kN * kA, bar);
+    if constexpr (kRows == kP) {
+      bulk_copy(&sg.xt[0][0], a.xc_in + xc_off(slot, it.h), pos * kP * kA, bar);
+    } else {
+      for (int j = 0; j < pos; ++j) bulk_copy(&sg.xt[j][0], a.xc_in + xc_entry(slot, it.h, j) + it.row0, kRows * kA, bar);
+    }
+  }
+  bulk_copy(&sg.Bt[pos][0], a.B + bn_off(it.b, it.g), kN * kA, bar);
+  bulk_copy(&sg.xt[pos][0], a.x + x_off(it.b, it.h) + it.row0, kRows * kA, bar);
+  bulk_copy(&sg.C[0], a.C + cn_off(it.b, it.g), kN * kA, bar);
+}
+#endif
 
 __device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a) {
   __shared__ StagedSmem sm;
@@ -1026,11 +1106,21 @@ __device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a) {
     if (l < kRT) a.y[y_off(c.b, c.h) + c.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
+#if RSSM_BULK
+  const unsigned bar = smem_u32(&sm.bar);
+  issue_item_bulk(sm.st, bar, a, it, slot, pos);
+  cp_async_commit();
+  const ItemScalars sc = load_scalars(a, it);
+  cp_async_wait_all();
+  __syncthreads();    // the mbarrier's initialisation is visible to every thread from here on
+  mbar_wait(bar, 0);  // and each thread acquires the bulk copies' writes by its own wait
+#else
   issue_item(sm.st, a, it, slot, pos);
   cp_async_commit();
   const ItemScalars sc = load_scalars(a, it);
   cp_async_wait_all();
   __syncthreads();
+#endif
   compute_item(sm, sm.st, a, it, slot, pos, sc);
 }
 

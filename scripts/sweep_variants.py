@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Kernel experiments: time kernel variants (config.Variant: kind, min_blocks, flush_rows) of the decode
+"""Kernel experiments: time kernel variants (config.Variant: kind, min_blocks, flush_rows, copy) of the decode
 kernel on the main geometry, at k = 1, 2, L/2, L-1 and the flush, in one process (bench_kernels.py's harness).
 
 The first row is the shipped plan; each variant after it is pinned with config.override_variant (fields

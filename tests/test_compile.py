@@ -21,6 +21,7 @@ from trtllm_replayssm.config import (
     KernelSpec,
     Variant,
     choose_geometry,
+    parse_variant,
     replay_smem_bytes,
 )
 
@@ -75,9 +76,19 @@ ROWS64_WARPS4 = [
     KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 4, False, arch, Variant("staged", 8, 2), sh)
     for sh, arch in itertools.product(("none", "bf16", "fp8"), ARCHS)
 ]
+# The staged kernel with bulk copies (copy="bulk", pinned, not yet planned): every storage form, the x history
+# as one piece (rows = headdim) and per entry (rows < headdim), odd L, f16 / f32 activations and the z gate.
+BULK = [
+    KernelSpec("f32", a, H, P, N, 8, L, rows, warps, z, arch, Variant("staged", 8, 2, "bulk"), sh)
+    for (sh, a, H, P, N, L, rows, warps, z), arch in itertools.product([
+        ("none", "bf16", 128, 64, 128, 16, 64, 8, False), ("bf16", "bf16", 128, 64, 128, 16, 64, 8, False),
+        ("fp8", "bf16", 128, 64, 128, 16, 64, 8, False), ("fp8", "bf16", 128, 64, 128, 16, 64, 4, False),
+        ("fp8", "bf16", 128, 80, 128, 16, 40, 4, False), ("bf16", "f16", 128, 64, 256, 8, 32, 8, True),
+        ("fp8", "f32", 128, 64, 128, 5, 16, 4, False), ("none", "bf16", 256, 64, 256, 16, 32, 8, False)], ARCHS)
+]
 
 
-@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW + STAGED + ROWS64_WARPS4, ids=lambda s: s.key)
+@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW + STAGED + ROWS64_WARPS4 + BULK, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
@@ -174,6 +185,17 @@ def test_variant_key_and_prelude_keep_their_names():
     assert want in cc.prelude(spec)
     assert Variant("one_shot", 5).key == "_MIN_BLOCKS5" and Variant().key == "" and Variant().prelude() == []
     assert DEFAULT_VARIANT.key == "_PERSISTENT1_MIN_BLOCKS5"
+    bulk = Variant("staged", 8, 2, "bulk")
+    assert bulk.key == "_STAGED1_MIN_BLOCKS8_FLUSH_ROWS2_BULK1" and bulk.prelude()[-1] == "#define RSSM_BULK 1"
+    assert parse_variant("kind=staged,copy=bulk,min_blocks=8,flush_rows=2") == bulk
+
+
+def test_bulk_copy_shape_checks():
+    """Bulk copies move 16-byte multiples: a block's x rows that are not one are refused before NVRTC, by name."""
+    bulk = Variant("staged", 8, 2, "bulk")
+    with pytest.raises(ValueError, match=r"copy='bulk': bulk copies move 16-byte multiples; x rows of a block \(4 x 2 B\)"):
+        KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 4, 4, False, 90, bulk)
+    KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 8, 8, False, 90, bulk)  # 8 bf16 rows: 16 bytes
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -181,6 +203,8 @@ def test_variant_key_and_prelude_keep_their_names():
     (dict(min_blocks=0), r"Variant.min_blocks: expected None or an int in 1..32, got 0"),
     (dict(min_blocks=True), "Variant.min_blocks"),
     (dict(flush_rows="2"), "Variant.flush_rows"),
+    (dict(kind="staged", copy="tma"), r"Variant.copy: expected one of \('async', 'bulk'\), got 'tma'"),
+    (dict(kind="persistent", copy="bulk"), "Variant.copy='bulk' stages the staged kernel's item: expected kind='staged'"),
 ])
 def test_bad_variants_rejected(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -240,15 +264,15 @@ def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
             cc.compile_spec(KernelSpec("f32", "bf16", 128, P, N, 8, 16, rows, warps, False, 90, variant, "fp8"), "ptx")
 
 
-@pytest.mark.parametrize("spec", [s for s in SHADOW + STAGED + PERSISTENT if s.arch == 90 and s.buffer_len == 16],
-                         ids=lambda s: s.key)
+@pytest.mark.parametrize("spec", [s for s in SHADOW + STAGED + PERSISTENT if s.arch == 90 and s.buffer_len == 16]
+                         + [s for s in BULK if s.arch == 90], ids=lambda s: s.key)
 def test_decode_smem_mirror(spec):
     """The decode kernel's static shared memory is what config.replay_smem_bytes says, per kernel kind."""
     ptx = cc.compile_spec(spec, "ptx").decode()
     smem = re.findall(r"\.shared \.align \d+ \.b8 \w*replay_decode\w*\[(\d+)\]", ptx)
     staged = spec.variant.kind == "staged"
     assert [int(v) for v in smem] == [replay_smem_bytes(spec.state, spec.act, spec.rows, spec.dstate, spec.buffer_len,
-                                                        spec.persistent, spec.shadow, staged)]
+                                                        spec.persistent, spec.shadow, staged, spec.variant.copy == "bulk")]
 
 
 @pytest.mark.parametrize("rows, warps, variant", [

@@ -255,6 +255,27 @@ def test_staged_rows64_warps4(case, min_blocks):
         run_and_check(pb)
 
 
+# The staged kernel with bulk copies (copy="bulk": thread 0 stages the item by cp.async.bulk on an mbarrier;
+# pinned, not yet planned): every storage form, the x history as one piece (rows = headdim) and per entry
+# (rows < headdim), odd L, f16 activations with the z gate, padding rows; across three flushes each.
+BULK_CASES = [
+    ({**BASE, "geom": (8, 64, 128, 2), "L": 16, "batch": 6, "slots": 8, "pad_rows": (2,), "shadow": sh}, (64, 8))
+    for sh in ("none", "bf16", "fp8")
+] + [
+    ({**BASE, "geom": (8, 64, 128, 2), "L": 16, "batch": 6, "slots": 8, "pad_rows": (2,), "shadow": "fp8"}, (64, 4)),
+    ({**BASE, "geom": (8, 64, 128, 2), "L": 5, "batch": 5, "slots": 7, "pad_rows": (0,), "shadow": "bf16"}, (16, 4)),
+    ({**BASE, "geom": (4, 64, 256, 1), "L": 8, "act": "f16", "has_z": True, "shadow": "fp8"}, (32, 8)),
+    ({**BASE, "geom": (4, 64, 128, 2), "L": 4, "act": "f32", "state": "f32"}, (32, 4)),
+]
+
+
+@pytest.mark.parametrize("case, shape", BULK_CASES, ids=lambda v: _sid(v) if isinstance(v, dict) else f"R{v[0]}W{v[1]}")
+def test_staged_bulk_copies(case, shape):
+    pb = Problem(**case, seed=3 + zlib.crc32((_sid(case) + str(shape)).encode()))
+    with config.override_variant(config.Variant("staged", 8, 2, "bulk")), config.override_geometry(*shape):
+        run_and_check(pb)
+
+
 def test_shadow_is_what_the_output_reads():
     """Teeth: perturb the shadow (not the f32 checkpoint) of one slot and y must move."""
     pb = Problem(**{**SHADOW_BASE, "shadow": "bf16"}, seed=5)

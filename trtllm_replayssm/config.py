@@ -91,6 +91,7 @@ class Layout:
 
 
 VARIANT_KINDS = ("one_shot", "persistent", "staged")
+VARIANT_COPIES = ("async", "bulk")
 # Upper bounds of Variant's ints (typos fail at once): resident blocks per SM of sm_90 / sm_100, and rows
 # a thread folds at a time (a thread holds fewer; the kernel rounds down to a divisor of its rows).
 VARIANT_INT_MAX = {"min_blocks": 32, "flush_rows": 32}
@@ -109,7 +110,10 @@ class Variant:
       RSSM_MIN_BLOCKS, capped by the kernel at 1024 threads per SM, 2048 for ``staged``); None: the
       kernel's default (1024 threads per SM for blocks of >= 256 threads);
     - ``flush_rows``: rows of a thread the flush folds at a time (RSSM_FLUSH_ROWS, rounded down to a
-      divisor of the thread's rows); None: all of them at once.
+      divisor of the thread's rows); None: all of them at once;
+    - ``copy``: how the staged kernel stages an item: ``"async"`` (every thread issues cp.async of 16 bytes)
+      or ``"bulk"`` (one thread issues a cp.async.bulk per contiguous piece, completing on an mbarrier;
+      RSSM_BULK; ``kind="staged"`` only, sm_90+).
 
     The conventional kernel of the module is one-shot whatever the kind. :func:`plan` chooses it;
     :func:`override_variant` or ``TRTLLM_REPLAYSSM_VARIANT`` pin it.
@@ -118,12 +122,17 @@ class Variant:
     kind: str = "one_shot"
     min_blocks: int | None = None
     flush_rows: int | None = None
+    copy: str = "async"
 
-    FIELDS = ("kind", "min_blocks", "flush_rows")
+    FIELDS = ("kind", "min_blocks", "flush_rows", "copy")
 
     def __post_init__(self):
         if self.kind not in VARIANT_KINDS:
             raise ValueError(f"Variant.kind: expected one of {VARIANT_KINDS}, got {self.kind!r}")
+        if self.copy not in VARIANT_COPIES:
+            raise ValueError(f"Variant.copy: expected one of {VARIANT_COPIES}, got {self.copy!r}")
+        if self.copy == "bulk" and self.kind != "staged":
+            raise ValueError(f"Variant.copy='bulk' stages the staged kernel's item: expected kind='staged', got {self.kind!r}")
         for name, hi in VARIANT_INT_MAX.items():
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
@@ -133,7 +142,8 @@ class Variant:
         # This order (kernel switch, MIN_BLOCKS, FLUSH_ROWS) is the one of the cache keys written before the
         # variant was typed: keys name the cached modules and appear in committed results.
         return ([(self.kind.upper(), 1)] if self.kind != "one_shot" else []) + [
-            (name.upper(), getattr(self, name)) for name in ("min_blocks", "flush_rows") if getattr(self, name) is not None]
+            (name.upper(), getattr(self, name)) for name in ("min_blocks", "flush_rows") if getattr(self, name) is not None
+        ] + ([("BULK", 1)] if self.copy == "bulk" else [])
 
     @property
     def key(self) -> str:
@@ -157,7 +167,7 @@ def parse_variant(text: str, what: str = VARIANT_ENV) -> Variant | None:
             raise ValueError(f"{what}: expected comma-separated name=value with names {Variant.FIELDS}, got {part!r}")
         if name in fields:
             raise ValueError(f"{what}: {name} given twice")
-        if name == "kind":
+        if name in ("kind", "copy"):
             fields[name] = value
             continue
         try:
@@ -214,8 +224,16 @@ class KernelSpec:
         if self.rows > self.warps * 32 or self.warps * 32 > MAX_THREADS:
             raise ValueError(f"rows={self.rows}, warps={self.warps}: need rows <= threads <= {MAX_THREADS}")
         if not isinstance(self.variant, Variant):
-            raise TypeError(f"KernelSpec.variant: expected a config.Variant (kind, min_blocks, flush_rows), got "
+            raise TypeError(f"KernelSpec.variant: expected a config.Variant (kind, min_blocks, flush_rows, copy), got "
                             f"{type(self.variant).__name__} {self.variant!r}")
+        if self.variant.copy == "bulk":
+            a = ITEMSIZE[self.act]
+            if self.rows * a % 16 or self.headdim * a % 16 or self.dstate * a % 16:
+                raise ValueError(f"KernelSpec.variant.copy='bulk': bulk copies move 16-byte multiples; x rows of a block "
+                                 f"({self.rows} x {a} B), of a head ({self.headdim} x {a} B) and a B row ({self.dstate} x "
+                                 f"{a} B) must each be one")
+            if self.layout is not None or self.num_tokens:
+                raise ValueError("KernelSpec.variant.copy='bulk': the contiguous standard decode module only")
         if self.num_tokens:
             self._check_spec()
         if self.layout is not None and (self.num_tokens or self.shadow != "none"):
@@ -305,7 +323,7 @@ SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 
 
 def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False,
-                      shadow: str = "none", staged: bool = False) -> int:
+                      shadow: str = "none", staged: bool = False, bulk: bool = False) -> int:
     """Mirror of ``ReplaySmem`` / ``PipeSmem`` / ``StagedSmem`` in plugins/replayssm.cuh (state, B, x
     tiles, scalars). The geometry table sizes blocks by the one-shot kernel's, which is the largest
     of the one-stage kernels (its x tile is fp32), so a staged block always fits where it does."""
@@ -315,7 +333,10 @@ def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: 
     if persistent or staged:  # two stages (one if staged) of: rows, B tile, x tile (act), C, history dt
         stage = (rows_bytes + buffer_len * dstate * ITEMSIZE[act]
                  + buffer_len * rows * ITEMSIZE[act] + dstate * ITEMSIZE[act] + buffer_len * 4)
-        return (1 if staged else 2) * ((stage + 15) // 16 * 16) + 2 * buffer_len * 4 + 16
+        scalars = 2 * buffer_len * 4  # w, bc; then decay (+ the bulk copies' 8-byte mbarrier), the struct 16-aligned
+        if bulk:
+            return ((stage + 15) // 16 * 16 + scalars + 16 + 15) // 16 * 16
+        return (1 if staged else 2) * ((stage + 15) // 16 * 16) + scalars + 16
     tiles = rows_bytes + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
     return tiles + 2 * buffer_len * 4 + 16
 
