@@ -229,20 +229,20 @@ __device__ __forceinline__ void load_cols(ColRegs& cr, const act_t* vec) {
 // l % kRT. With kRT a power of two, a transposing butterfly: at offset o < kRT each lane keeps the
 // rows whose bit o matches its own and sends the others, halving its rows, so kRT - 1 + log2(kLPR /
 // kRT) shuffles replace kRT * log2(kLPR) (bs256 main geometry: 9 instead of 40 per thread and item).
-// One butterfly level (offset o) of the transposing reduction: acc[i] holds row i*o + (lane mod o);
-// pair rows 2m and 2m+1 of that list. Levels are template instances so that each level's trip count
-// is a constant: as one loop over o, NVRTC leaves the inner loop rolled at kRT = 16 (64-row items of 4
-// warps) and acc[] goes to local memory (NOTES "Next for the shadow steps").
+// acc[i] holds row i*o + (lane mod o): pair rows 2m and 2m+1 of that list (one step of level o).
+__device__ __forceinline__ void butterfly_pair(float (&acc)[kRT], bool up, int o, int m) {
+  const float keep = up ? acc[2 * m + 1] : acc[2 * m];
+  const float send = up ? acc[2 * m] : acc[2 * m + 1];
+  acc[m] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+}
+// The levels as template instances, so that each level's trip count is a constant: as one loop over o,
+// NVRTC leaves the inner loop rolled at kRT = 16 (64-row items of 4 warps) and acc[] goes to local
+// memory (NOTES "Next for the shadow steps").
 template <int o>
 __device__ __forceinline__ void rows_butterfly(float (&acc)[kRT], int lane) {
   if constexpr (o < kRT) {
-    const bool up = lane & o;
 #pragma unroll
-    for (int m = 0; m < kRT / (2 * o); ++m) {
-      const float keep = up ? acc[2 * m + 1] : acc[2 * m];
-      const float send = up ? acc[2 * m] : acc[2 * m + 1];
-      acc[m] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-    }
+    for (int m = 0; m < kRT / (2 * o); ++m) butterfly_pair(acc, lane & o, o, m);
     rows_butterfly<2 * o>(acc, lane);
   }
 }
@@ -256,11 +256,7 @@ __device__ __forceinline__ float rows_reduce(float (&acc)[kRT]) {
       for (int o = 1; o < kRT; o <<= 1) {
         const bool up = lane & o;
 #pragma unroll
-        for (int m = 0; m < kRT / (2 * o); ++m) {
-          const float keep = up ? acc[2 * m + 1] : acc[2 * m];
-          const float send = up ? acc[2 * m] : acc[2 * m + 1];
-          acc[m] = keep + __shfl_xor_sync(0xffffffffu, send, o);
-        }
+        for (int m = 0; m < kRT / (2 * o); ++m) butterfly_pair(acc, up, o, m);
       }
     }
     float v = acc[0];  // row lane % kRT, summed over the lanes that share those low bits
