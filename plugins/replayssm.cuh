@@ -1022,9 +1022,10 @@ struct alignas(16) StagedSmem {
 // The staged kernel's prologue issued ~5 cp.async per thread with 64-bit address arithmetic and
 // predicates each (ncu, fp8 k = 1: ~150 of a warp's ~510 instructions an item come before the first
 // barrier, and the step is issue-bound). Here thread 0 issues one cp.async.bulk per contiguous piece
-// (checkpoint or shadow rows, fp8 scales, the B and x history, this step's B and x, C: at most 7 for
-// 64-row items) that complete on an mbarrier; the other threads only wait. The history dt (4-byte
-// entries, not a 16-byte multiple) keeps one cp.async per entry.
+// (checkpoint or shadow rows, fp8 scales, the B history, the x history, this step's B and x, C: 7 where
+// an item is a whole head; where rows < headdim the x history goes one entry at a time, 6 + pos copies
+// issued one after another) that complete on an mbarrier; the other threads only wait. The history dt
+// (4-byte entries, not a 16-byte multiple) keeps one cp.async per entry.
 static_assert(RSSM_STAGED, "bulk copies stage the staged kernel's item (kind=staged)");
 static_assert(kRows * sizeof(act_t) % 16 == 0 && kP * sizeof(act_t) % 16 == 0 && kN * sizeof(act_t) % 16 == 0,
               "bulk copies move 16-byte multiples: the x rows of an item and of a head, a B or C row");

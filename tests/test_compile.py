@@ -196,6 +196,8 @@ def test_bulk_copy_shape_checks():
     with pytest.raises(ValueError, match=r"copy='bulk': bulk copies move 16-byte multiples; x rows of a block \(4 x 2 B\)"):
         KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 4, 4, False, 90, bulk)
     KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 8, 8, False, 90, bulk)  # 8 bf16 rows: 16 bytes
+    with pytest.raises(ValueError, match="cp.async.bulk needs sm_90 or newer, got arch=80"):
+        KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 8, False, 80, bulk)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -234,6 +234,8 @@ class KernelSpec:
                                  f"{a} B) must each be one")
             if self.layout is not None or self.num_tokens:
                 raise ValueError("KernelSpec.variant.copy='bulk': the contiguous standard decode module only")
+            if self.arch < 90:
+                raise ValueError(f"KernelSpec.variant.copy='bulk': cp.async.bulk needs sm_90 or newer, got arch={self.arch}")
         if self.num_tokens:
             self._check_spec()
         if self.layout is not None and (self.num_tokens or self.shadow != "none"):
