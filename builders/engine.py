@@ -50,7 +50,7 @@ from trtllm_replayssm.config import (
     SUPPORTED_NUM_TOKENS,
 )
 
-from .engine_format import DECODE_FORMAT, SPEC_FORMAT, FormatError, check_layer_states
+from .engine_format import DECODE_FORMAT, SPEC_FORMAT, FormatError, check_layer_states, staging_dir
 from .moe import FORMULATIONS as MOE_FORMULATIONS
 from .nemotron_h import TINY_CONFIGS
 
@@ -165,11 +165,20 @@ def gdn_model_entry(opts, model) -> dict:
 
     cfg = model.config
     kinds = list(cfg.layer_types)
-    return dict(source=str(opts.model) if opts.model else f"embedded-tiny-{opts.tiny}",
-                seed=None if opts.model else opts.seed, model_type=cfg.model_type,
-                pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
-                vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
-                gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"])
+    entry = dict(source=str(opts.model) if opts.model else f"embedded-tiny-{opts.tiny}",
+                 seed=None if opts.model else opts.seed, model_type=cfg.model_type,
+                 pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
+                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
+                 gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"])
+    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
+    if moe:  # Qwen3-Next's sparse MoE layers: the config keys and the graph formulation (builders/gdn_step.moe_qwen)
+        entry["moe_layers"] = moe
+        entry["moe"] = dict({k: getattr(cfg, k, None) for k in QWEN_MOE_KEYS}, formulation=opts.moe_formulation)
+    return entry
+
+
+QWEN_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
 def _gdn_spec_artifacts(opts, model, tmp):
@@ -182,7 +191,7 @@ def _gdn_spec_artifacts(opts, model, tmp):
     H, HV, K, V = check_gdn_geometry(model.config)
     T, L = opts.num_draft + 1, opts.buffer_len
     act = DTYPE_CODES[DTYPES[opts.dtype]]
-    step = QwenGDNSpecStep(model, L, opts.max_seq_len, opts.num_draft)
+    step = QwenGDNSpecStep(model, L, opts.max_seq_len, opts.num_draft, moe_formulation=opts.moe_formulation)
     verify = dict(op_type=GDN_VERIFY_OP_TYPE, plugin=trt_plugin.GDN_VERIFY_PLUGIN_NAME, nodes=len(gdn_layers(model)),
                   attributes=dict(num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=L,
                                   use_qk_l2norm=1, num_tokens=T),
@@ -201,7 +210,7 @@ def _gdn_decode_artifacts(opts, model, tmp):
     cfg = model.config
     H, HV, K, V = check_gdn_geometry(cfg)
     ngdn = len(gdn_layers(model))
-    step = QwenGDNDecodeStep(model, opts.buffer_len, opts.max_seq_len)
+    step = QwenGDNDecodeStep(model, opts.buffer_len, opts.max_seq_len, moe_formulation=opts.moe_formulation)
     log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {ngdn} {DOMAIN}::{GDN_OP_TYPE} nodes)")
     export_onnx(step, tmp / "model.onnx")
     kernels = []
@@ -500,12 +509,12 @@ def build(opts: BuildOptions) -> pathlib.Path:
     if not gdn and has_moe(cfg):
         log(f"      {list(cfg.layers_block_type).count('moe')} MoE layers: {cfg.n_routed_experts} experts, top-"
             f"{cfg.num_experts_per_tok}, as {opts.moe_formulation} standard ONNX ops (builders/moe.py)")
+    if gdn and any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
+        log(f"      sparse MoE layers: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, as "
+            f"{opts.moe_formulation} standard ONNX ops (builders/gdn_step.moe_qwen)")
 
     opts.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=opts.out.parent, prefix=f".{opts.out.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 would otherwise survive the rename
+    tmp = staging_dir(opts.out.parent, f".{opts.out.name}.tmp-")
     try:
         if gdn:
             config, plans = (_gdn_spec_artifacts if opts.num_draft else _gdn_decode_artifacts)(opts, model, tmp)

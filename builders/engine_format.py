@@ -35,7 +35,8 @@ config.json, both formats:
   model             source (checkpoint directory or ``embedded-tiny-<name>``), seed (tiny only, else null),
                     pattern (one letter per layer, :data:`LAYER_NAMES`), vocab_size, hidden_size,
                     layer_types, attention_layers; Nemotron: mamba_layers, moe_layers and, with MoE layers,
-                    moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers
+                    moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers and, with
+                    sparse MoE layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation)
   max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX)
   states            every state tensor (below): name, shape (batch as -1), dtype (ONNX name: float32,
                     bfloat16, float16, int32, int64) and, standard, ``output`` (its ``<name>_out``
@@ -79,6 +80,9 @@ Triton repository writer before reading).
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
+import tempfile
 
 FORMAT_VERSION = 1  # bump on any change a reader of an older directory would misread
 DECODE_FORMAT = f"trtllm-replayssm-decode-step/{FORMAT_VERSION}"
@@ -90,6 +94,17 @@ SHARED_STATES = ("lengths", "cursor")
 
 class FormatError(ValueError):
     """A config.json that does not follow this format."""
+
+
+def staging_dir(parent: pathlib.Path, prefix: str) -> pathlib.Path:
+    """A temporary sibling to write a directory in before renaming it into place (engine directories, Triton
+    models), with the mode a plain mkdir would give under the current umask: mkdtemp's 0700 would survive
+    the rename and hide the directory from a server running under another uid."""
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=parent, prefix=prefix))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)
+    return tmp
 
 
 @dataclasses.dataclass(frozen=True)

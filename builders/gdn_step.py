@@ -21,10 +21,11 @@ state), silu, then ONE ``replayssm::gdn_decode`` node (:class:`GDNDecode`: raw a
 beta computed inside, the l2 norm of q and k inside), then the layer's gated RMSNorm with z and
 out_proj. Attention (gated, with q/k RMSNorm and partial RoPE at position ``lengths``): the new K/V is
 written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attended, the output is
-multiplied by sigmoid(gate). Qwen3-Next's sparse MoE runs dense over the experts (softmax routing,
-one TopK with a constant k, the routing mask built by Equal/Mul/ReduceSum, every expert as a batched
-MatMul over (E, ., .) constants, the shared expert gated by a sigmoid): static shapes and nothing
-data-dependent, the formulation builders/moe.py argues for Nemotron 3. MLPs and norms are the model's.
+multiplied by sigmoid(gate). Qwen3-Next's sparse MoE (:func:`moe_qwen`: softmax routing, one TopK with a
+constant k, the shared expert gated by a sigmoid) in the step's ``moe_formulation``, as builders/moe.py
+argues them for Nemotron 3: "dense" (default; the routing mask built by Equal/Mul/ReduceSum, every expert as
+a batched MatMul over (E, ., .) constants) or "gather" (each token's k expert matrices gathered): static
+shapes and nothing data-dependent either way. MLPs and norms are the model's.
 Export route: TorchScript with ``torch.autograd.Function.symbolic``, as builders/decode_step.py.
 
 Speculative decoding (:class:`QwenGDNSpecStep`, T = 1 + num_draft tokens per row): the same layers on
@@ -59,6 +60,7 @@ from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
     window_attention,
     window_conv,
 )
+from .moe import FORMULATIONS
 from .qwen3_next import gdn_layers, reference_backend
 from .spec_step import _check_window
 
@@ -116,20 +118,33 @@ class GDNVerify(GDNDecode):
         return outs
 
 
-def moe_dense(hn, moe):
-    """Qwen3-Next's ``Qwen3NextSparseMoeBlock`` on (batch, D) tokens, dense over the experts (see the docstring)."""
+def moe_qwen(hn, moe, formulation: str = "dense"):
+    """Qwen3-Next's ``Qwen3NextSparseMoeBlock`` on (batch, D) tokens as static-shape ops (see the docstring):
+    softmax routing, one TopK with a constant k, then the routed experts in ``formulation`` (builders/moe.py
+    argues the two): "dense" runs every expert on every token and masks (reads each expert matrix once per
+    step), "gather" runs each token's k experts only (TensorRT materialises the gathered matrices: 2·T·k of
+    them against E, so it wins at small batch, e.g. Qwen3-Next's 512 experts at top-10 while T <= 25)."""
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {formulation!r}")
     gate, E, top_k = moe.gate, moe.gate.num_experts, moe.gate.top_k
     probs = F.softmax(F.linear(hn, gate.weight), dim=-1, dtype=torch.float32)
     top_v, top_i = torch.topk(probs, top_k, dim=-1)
     if gate.norm_topk_prob:
         top_v = top_v / top_v.sum(dim=-1, keepdim=True)
     top_v = top_v.to(hn.dtype)
-    experts = torch.arange(E, device=hn.device)
-    mask = ((top_i[:, :, None] == experts[None, None, :]).to(hn.dtype) * top_v[:, :, None]).sum(1)  # (batch, E)
-    gu = torch.matmul(hn[None], moe.experts.gate_up_proj.transpose(1, 2))  # (E, batch, 2I)
-    g, u = gu.chunk(2, dim=-1)
-    ye = torch.matmul(moe.experts.act_fn(g) * u, moe.experts.down_proj.transpose(1, 2))  # (E, batch, D)
-    routed = (ye * mask.transpose(0, 1)[:, :, None]).sum(0)
+    ex = moe.experts
+    if formulation == "dense":
+        experts = torch.arange(E, device=hn.device)
+        mask = ((top_i[:, :, None] == experts[None, None, :]).to(hn.dtype) * top_v[:, :, None]).sum(1)  # (batch, E)
+        gu = torch.matmul(hn[None], ex.gate_up_proj.transpose(1, 2))  # (E, batch, 2I)
+        g, u = gu.chunk(2, dim=-1)
+        ye = torch.matmul(ex.act_fn(g) * u, ex.down_proj.transpose(1, 2))  # (E, batch, D)
+        routed = (ye * mask.transpose(0, 1)[:, :, None]).sum(0)
+    else:
+        gu = torch.matmul(ex.gate_up_proj[top_i], hn[:, None, :, None])[..., 0]  # (batch, k, 2I)
+        g, u = gu.chunk(2, dim=-1)
+        ye = torch.matmul(ex.down_proj[top_i], (ex.act_fn(g) * u)[..., None])[..., 0]  # (batch, k, D)
+        routed = (ye * top_v[:, :, None]).sum(1)
     shared = torch.sigmoid(moe.shared_expert_gate(hn)) * moe.shared_expert(hn)
     return routed + shared
 
@@ -142,12 +157,15 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
     num_tokens = 1
     speculative = False  # the verify step keeps a wider conv window, conv_window_i
 
-    def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None):
+    def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense"):
         super().__init__()
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
+        if moe_formulation not in FORMULATIONS:
+            raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {moe_formulation!r}")
+        self.moe_formulation = moe_formulation
         self.model, self.config = model, model.config
         self.buffer_len, self.max_seq_len = buffer_len, max_seq_len
         self.backend = backend or reference_backend
@@ -242,7 +260,7 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
             hn = layer.post_attention_layernorm(h)
             mlp = layer.mlp
             if hasattr(mlp, "experts"):
-                h = h + moe_dense(hn.reshape(batch * T, -1), mlp).reshape(batch, T, -1)
+                h = h + moe_qwen(hn.reshape(batch * T, -1), mlp, self.moe_formulation).reshape(batch, T, -1)
             else:
                 h = h + mlp(hn)
         return self.model.lm_head(m.norm(h)).float(), new_states
@@ -254,8 +272,9 @@ class QwenGDNSpecStep(QwenGDNDecodeStep):
 
     speculative = True  # conv_window_i of K - 1 + num_draft columns instead of conv_state_i
 
-    def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int, backend=None):
-        super().__init__(model, buffer_len, max_seq_len, backend or verify_reference_backend)
+    def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int, backend=None,
+                 moe_formulation: str = "dense"):
+        super().__init__(model, buffer_len, max_seq_len, backend or verify_reference_backend, moe_formulation)
         self.num_draft = num_draft
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.linear_conv_kernel_dim - 1 + num_draft

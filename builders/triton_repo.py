@@ -45,9 +45,8 @@ import shutil
 import site
 import sys
 import sysconfig
-import tempfile
 
-from .engine_format import FormatError, check_layer_states, is_speculative
+from .engine_format import DECODE_FORMAT, FormatError, check_layer_states, is_speculative, staging_dir
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int32": "TYPE_INT32",
                 "int64": "TYPE_INT64"}
@@ -91,6 +90,9 @@ def model_config(cfg: dict, name: str, max_queue_delay_us: int = 100, idle_us: i
     if is_speculative(cfg):
         raise RepoError("config.json describes a speculative engine pair (verify.plan + commit.plan, sampling in "
                         "between; scripts/build_engine.py --num-draft): one Triton sequence model cannot run it")
+    if cfg.get("format") != DECODE_FORMAT:  # another version may mean another layout: refuse, never misread
+        raise RepoError(f"config.json: format: expected {DECODE_FORMAT!r} (this writer's engine-directory format), "
+                        f"got {cfg.get('format')!r}")
     for key in ("max_batch", "inputs", "outputs", "states"):
         if key not in cfg:
             raise RepoError(f"config.json: missing {key!r} (was it written by scripts/build_engine.py?)")
@@ -249,8 +251,8 @@ def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, m
     if device not in ("cpu", "cuda"):
         raise RepoError(f"--device: expected cpu or cuda (auto is resolved before), got {device!r}")
     for key, v, lo, hi in (("max-slots", max_slots, 1, 4096), ("max-seq-len", max_seq_len, 1, 1 << 20),
-                           ("buffer-len", buffer_len, 2, 32), ("idle-ms", idle_us // 1000, 1, 1 << 31)):
-        if not lo <= v <= hi:  # buffer_len >= 2: the ring folds one step before it fills (T = 1)
+                           ("buffer-len", buffer_len, 1, 32), ("idle-ms", idle_us // 1000, 1, 1 << 31)):
+        if not lo <= v <= hi:  # buffer_len >= 1: the standard cursor folds on the step that fills the buffer
             raise RepoError(f"--{key}: expected {lo}..{hi}, got {v}")
     mc = pb.ModelConfig(name=name, backend="python", max_batch_size=max_slots)
     mc.input.add(name="input_ids", data_type=pb.TYPE_INT64, dims=[1])
@@ -301,7 +303,7 @@ def _write_model(repo: pathlib.Path, name: str, files: dict, copies: dict | None
     if target.exists():
         raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")
     repo.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=repo, prefix=f".{name}."))
+    tmp = staging_dir(repo, f".{name}.")
     try:
         for rel, text in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)

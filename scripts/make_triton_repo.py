@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                     help="auto: cuda where torch sees a GPU at build time (default: %(default)s)")
     py.add_argument("--max-slots", type=int, default=8, help="cache slots = max_candidate_sequences (default: %(default)s)")
     py.add_argument("--max-seq-len", type=int, default=1024, help="tokens per sequence, K/V rows (default: %(default)s)")
-    py.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM ring length L, 2..32 (default: %(default)s)")
+    py.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM ring length L, 1..32 (default: %(default)s)")
     py.add_argument("--idle-ms", type=int, default=60_000, help="max_sequence_idle_microseconds / 1000 (default: %(default)s)")
     py.add_argument("--max-queue-delay-us", type=int, default=100, help="oldest strategy's batching delay (default: %(default)s)")
     args = ap.parse_args(argv)

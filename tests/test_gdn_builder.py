@@ -197,6 +197,56 @@ def test_onnx_reproduces_the_patched_model(model, exported):
     _against_patched(model, step, run)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("formulation", ["dense", "gather"])
+def test_qwen_moe_formulations_match_transformers(formulation):
+    """builders/gdn_step.moe_qwen, both formulations, against transformers' Qwen3NextSparseMoeBlock (fp32)."""
+    from builders.gdn_step import moe_qwen
+
+    model = tiny_model("qwen3_next")
+    gen = torch.Generator().manual_seed(3)
+    layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    assert layers
+    for mlp in layers:
+        h = torch.randn(7, model.config.hidden_size, generator=gen)
+        torch.testing.assert_close(moe_qwen(h, mlp, formulation), mlp(h[None])[0], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="moe_formulation: expected one of \\('dense', 'gather'\\), got 'sorted'"):
+        moe_qwen(h, layers[0], "sorted")
+
+
+def test_onnx_gather_formulation_reproduces_the_patched_model(tmp_path):
+    """The decode step of the tiny Qwen3-Next with the gather MoE: the graph gathers each token's experts
+    (the dense graph does not), no data-dependent op, and onnxruntime follows the patched model."""
+    onnx = pytest.importorskip("onnx", reason="onnx is not installed")
+    pytest.importorskip("onnxruntime", reason="onnxruntime is not installed")
+    pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions is not installed")
+    import numpy as np
+
+    from builders.gdn_step import QwenGDNDecodeStep, export_onnx
+    from builders.ort_reference import session
+
+    model = tiny_model("qwen3_next")
+    graphs = {}
+    for formulation in ("dense", "gather"):
+        step = QwenGDNDecodeStep(model, L, MAX_SEQ, moe_formulation=formulation)
+        graphs[formulation] = (step, tmp_path / f"{formulation}.onnx")
+        export_onnx(step, graphs[formulation][1])
+    ops = {f: [n.op_type for n in onnx.load(str(p)).graph.node] for f, (_, p) in graphs.items()}
+    assert ops["gather"].count("Gather") >= ops["dense"].count("Gather") + 2 * len(model.model.layers)
+    assert not set(ops["gather"]) & {"NonZero", "Loop", "If", "Scan", "ScatterND", "ScatterElements"}
+    with pytest.raises(ValueError, match="moe_formulation: expected one of"):
+        QwenGDNDecodeStep(model, L, MAX_SEQ, moe_formulation="sorted")
+
+    step, path = graphs["gather"]
+    sess, names = session(path), step.input_names()
+
+    def run(tok, lengths, cursor, states):
+        feed = [t.numpy().copy() for t in (tok, lengths, cursor, *states)]
+        return [torch.from_numpy(np.asarray(o)) for o in sess.run(None, dict(zip(names, feed)))]
+
+    _against_patched(model, step, run)
+
+
 # ---- scripts/build_engine.py for the GDN families -------------------------------------------------------
 def _build(*args):
     import os
@@ -225,6 +275,14 @@ def test_build_engine_tiny_gdn(tmp_path, tiny):
     assert "trtexec --onnx=model.onnx" in r.stdout
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"]["pattern"] == "GGG*" and cfg["model"]["gdn_layers"] == [0, 1, 2]
+    if tiny == "qwen3_next":  # sparse MoE in every layer: its keys and the formulation the graph was built in
+        from builders.qwen3_next import TINY_QWEN3_NEXT
+
+        moe = cfg["model"]["moe"]
+        assert cfg["model"]["moe_layers"] == [0, 1, 2, 3] and moe["formulation"] == "dense"
+        assert moe["num_experts"] == TINY_QWEN3_NEXT["num_experts"] and moe["num_experts_per_tok"] == 2
+    else:
+        assert "moe" not in cfg["model"] and "moe_layers" not in cfg["model"]
     plugin = cfg["plugin"]
     assert plugin["op_type"] == tp.GDN_PLUGIN_NAME and plugin["nodes"] == 3
     assert plugin["inputs"] == list(tp.GDN_INPUT_NAMES) and plugin["outputs"] == list(tp.GDN_OUTPUT_NAMES)
@@ -276,6 +334,24 @@ def test_build_engine_gdn_spec(tmp_path, tiny):
     assert states["conv_window_0"]["shape"] == [-1, 2 * 2 * 64 + 4 * 64, 6]
     assert states["conv_window_0"]["updated_by"] == {"verify": "conv_window_0_out", "commit": "conv_window_0_out"}
     assert states["gdn_u_1"]["updated_by"] == {"verify": "gdn_u_1_out"} and states["gdn_u_1"]["shape"] == [-1, 4, 8, 64]
+
+
+def test_build_engine_gdn_moe_formulation_reaches_the_graph(tmp_path):
+    """--moe-formulation gather for a Qwen3-Next: recorded in config.json and the graph differs from the dense
+    one (it was ignored for GDN models before: both builds wrote the same model.onnx)."""
+    import json
+
+    pytest.importorskip("onnx", reason="onnx is not installed")
+    out = {}
+    for formulation in ("dense", "gather"):
+        out[formulation] = tmp_path / formulation
+        r = _build("--out", out[formulation], "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 2,
+                   "--tiny", "qwen3_next", "--moe-formulation", formulation)
+        assert r.returncode == 0, r.stderr
+        assert f"as {formulation} standard ONNX ops" in r.stdout
+        cfg = json.loads((out[formulation] / "config.json").read_text())
+        assert cfg["model"]["moe"]["formulation"] == formulation
+    assert (out["dense"] / "model.onnx").read_bytes() != (out["gather"] / "model.onnx").read_bytes()
 
 
 def test_build_engine_gdn_refuses_what_it_cannot_build(tmp_path):

@@ -217,6 +217,14 @@ def test_over_long_end_and_two_requests_of_one_sequence(tmp_path):
     # START for a live sequence begins again from zeros
     again = m.execute([request(2, 10, start=True)])[0]
     torch.testing.assert_close(again.outputs["logits"][0], want[0], rtol=0, atol=TOL)
+    # two requests of one sequence one token short of max_seq_len: the first runs, the second is refused for
+    # room before any step (it used to pass the room check too, then fail inside the step and drop the sequence)
+    for t in range(11, 10 + MAX_SEQ - 1):
+        assert m.execute([request(2, t)])[0].error is None
+    assert m.table.live[2].length == MAX_SEQ - 1
+    a, b = m.execute([request(2, 7), request(2, 8)])
+    assert a.error is None and f"holds {MAX_SEQ - 1} tokens + 1 earlier in this batch = max_seq_len" in err(b)
+    assert m.table.live[2].length == MAX_SEQ  # the sequence lives on
 
 
 def test_idle_sequences_are_freed_and_reset(tmp_path):
@@ -252,6 +260,10 @@ def test_sequence_table_bookkeeping():
     b.length = 3
     with pytest.raises(tm.RequestError, match="holds 3 tokens = max_seq_len 3"):
         t.check_room(b)
+    b.length = 2
+    t.check_room(b)
+    with pytest.raises(tm.RequestError, match="holds 2 tokens . 1 earlier in this batch = max_seq_len 3"):
+        t.check_room(b, pending=1)
     t.end(11)
     assert free == [0, 1] and not t.live
     c = t.admit(10, True, now=2.0)  # an expired CORRID may start again
@@ -287,8 +299,8 @@ def test_model_py_refuses_another_python(tmp_path):
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(buffer_len=1), "--buffer-len: expected 2..32"),
-    (dict(buffer_len=33), "--buffer-len: expected 2..32"),
+    (dict(buffer_len=0), "--buffer-len: expected 1..32"),
+    (dict(buffer_len=33), "--buffer-len: expected 1..32"),
     (dict(max_slots=0), "--max-slots"),
     (dict(max_seq_len=0), "--max-seq-len"),
     (dict(dtype="int8"), "--dtype"),

@@ -78,6 +78,20 @@ def test_repo_takes_a_built_plan(engine_dir, tmp_path):
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["nh"]  # no staging directory left behind
 
 
+def test_model_directory_has_the_umask_mode(engine_dir, tmp_path):
+    """The model directory is staged in a temporary sibling and renamed: it must not keep mkdtemp's 0700, which
+    would hide it from a tritonserver running under another uid (containers); both writers."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        target = tr.make_repo(engine_dir, tmp_path / "repo", "nh")
+        python = tr.make_python_repo(tmp_path / "py", "nh_py", tiny="nemotron_h")
+    finally:
+        os.umask(old)
+    assert (target.stat().st_mode & 0o777) == 0o755 and (python.stat().st_mode & 0o777) == 0o755
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: c["states"][0].update(output="nope"), "is not an engine output"),
     (lambda c: c["states"][1].update(dtype="float16"), "expected float16"),
@@ -85,6 +99,9 @@ def test_repo_takes_a_built_plan(engine_dir, tmp_path):
     (lambda c: c["outputs"][0].update(dtype="complex64"), "has no Triton type"),
     (lambda c: c.pop("states"), "missing 'states'"),
     (lambda c: c.update(format="trtllm-replayssm-spec-step/1"), "speculative engine pair"),
+    (lambda c: c.update(format="trtllm-replayssm-decode-step/2"),
+     r"format: expected 'trtllm-replayssm-decode-step/1' \(this writer's engine-directory format\), got 'trtllm-rep"),
+    (lambda c: c.pop("format"), "format: expected 'trtllm-replayssm-decode-step/1'.*got None"),
     (lambda c: c["states"].pop(), r"layer \d \(attention, pattern '.*'\): states \['v_cache_\d'\] missing"),
     (lambda c: c["states"].append(dict(c["states"][-1], name="k_cache_4", output="k_cache_4_out")),  # E / -
      r"state 'k_cache_4': layer 4 is a (MoE|MLP) layer \('[E-]' in pattern '.*'\), which has no states"),

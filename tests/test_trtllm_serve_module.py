@@ -411,6 +411,45 @@ def test_out_padding_rows_untouched_and_out_returned():
     assert adapter.cursor.tolist() == [0, 1, 0]
 
 
+def test_bad_out_is_refused_before_any_state_moves():
+    """A wrong-shaped (or wrong-device) ``out`` at the step that would flush: refused with its name, and the
+    checkpoint, the buffers and the cursor are as they were (the check used to come after the fold)."""
+    kw = _call_args()
+    adapter = ReplaySSMAdapter(buffer_len=L)
+    for _ in range(L - 1):
+        _step(adapter, kw)
+    before = [kw["state"].clone(), adapter.cursor.clone(), *(adapter.layers[0][k].clone()
+                                                           for k in ("x_cache", "B_cache", "dt_cache"))]
+    adapter.begin_step()
+    with pytest.raises(ValueError, match=r"^out: expected shape \(2, 4, 8\), got \(2, 99\)"):
+        adapter.selective_state_update(0, **kw, out=torch.zeros(2, 99, dtype=F64))
+    with pytest.raises(ValueError, match=r"^out: expected shape \(2, 4, 8\), got list"):
+        adapter.selective_state_update(0, **kw, out=[0.0])
+    adapter.abort_step()
+    after = [kw["state"], adapter.cursor, *(adapter.layers[0][k] for k in ("x_cache", "B_cache", "dt_cache"))]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+@pytest.mark.parametrize("form", ["none", "int64"])
+def test_slot_tensor_given_as_none_or_int64_serves_every_layer(form):
+    """state_batch_indices None (rows are slots) or int64: converted once per step and shared by the step's
+    Mamba layers (the second layer used to be refused as "a different slot tensor"); same outputs as int32."""
+    kw = _call_args(S=2, batch=2)
+    kw["state_batch_indices"] = torch.tensor([0, 1], dtype=torch.int32)
+    given = None if form == "none" else kw["state_batch_indices"].long()
+    ref, got = ReplaySSMAdapter(buffer_len=L), ReplaySSMAdapter(buffer_len=L)
+    states = {a: [kw["state"].clone() for _ in range(2)] for a in ("ref", "got")}
+    for _ in range(L + 2):  # across a flush
+        ys = {}
+        for name, adapter, sbi in (("ref", ref, kw["state_batch_indices"]), ("got", got, given)):
+            adapter.begin_step()
+            ys[name] = [adapter.selective_state_update(layer, **{**kw, "state": states[name][layer],
+                                                                 "state_batch_indices": sbi}) for layer in (0, 1)]
+            adapter.end_step()
+        assert all(torch.equal(a, b) for a, b in zip(ys["got"], ys["ref"]))
+    assert torch.equal(got.cursor, ref.cursor) and all(torch.equal(a, b) for a, b in zip(states["got"], states["ref"]))
+
+
 # ---- packaging: import without tensorrt_llm, installer ---------------------------------------------
 def test_import_without_tensorrt_llm_installs_nothing():
     if "tensorrt_llm" in sys.modules:

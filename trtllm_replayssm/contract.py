@@ -69,7 +69,8 @@ layers ran (never by a layer's kernel):
 state_batch_indices (batch,) int32: the slot of each batch row; -1 is a padding row (its output is left
 untouched and no slot is read or written). A slot appears in at most one row.
 
-Slot lifecycle (:class:`~.cache.ReplayStateCache`): a freed or fresh slot reads zeros everywhere (state,
-shadow, rings, conv, cursor); prefill hand-off writes the checkpoint (and shadow) from the prefill's final
+Slot lifecycle (:class:`~.cache.ReplayStateCache`): an allocated slot, fresh or recycled, reads zeros everywhere
+(state, shadow, rings, conv, cursor): ``allocate()`` resets it (``free()`` only returns it to the pool, its
+tensors as they were); prefill hand-off writes the checkpoint (and shadow) from the prefill's final
 SSM state, empties the ring and fills the conv window's last K_conv - 1 columns.
 """

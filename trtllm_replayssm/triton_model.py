@@ -33,7 +33,7 @@ the project on ``sys.path`` and hands every call to :class:`SequenceModel`):
 
 State stays where it is: the checkpoints, rings, conv windows, K/V rows and lengths live in tensors
 allocated once per model instance; a step writes one ring entry, one conv column and one K/V position
-per row (and folds a checkpoint every L - 1 tokens). No state crosses the Triton boundary, unlike
+per row (and folds a checkpoint every L tokens: the step that fills the buffer). No state crosses the Triton boundary, unlike
 ``sequence_batching.state`` (implicit state), which hands the whole state to the backend and takes it
 back every request. The attention reads its rows' K/V through a gather (a paged decode attention
 kernel would read them in place); nothing of it is written back.
@@ -352,9 +352,11 @@ class SequenceTable:
         seq.last_used = now
         return seq
 
-    def check_room(self, seq: Sequence) -> None:
-        if seq.length >= self.max_seq_len:
-            raise RequestError(f"sequence {seq.corrid} holds {seq.length} tokens = max_seq_len {self.max_seq_len}: "
+    def check_room(self, seq: Sequence, pending: int = 0) -> None:
+        """Room for one more token after the ``pending`` ones this batch already holds for the sequence."""
+        if seq.length + pending >= self.max_seq_len:
+            held = f"{seq.length} tokens" + (f" + {pending} earlier in this batch" if pending else "")
+            raise RequestError(f"sequence {seq.corrid} holds {held} = max_seq_len {self.max_seq_len}: "
                                f"no room for another; end it (sequence_end=True) and start a new one")
 
     def end(self, corrid: int) -> None:
@@ -461,7 +463,8 @@ class SequenceModel:
                 if not 0 <= token < self.step.vocab:
                     raise RequestError(f"sequence {corrid}: input_ids: expected a token in [0, {self.step.vocab}), "
                                        f"got {token}")
-                self.table.check_room(seq)
+                # rows of this sequence admitted earlier in the batch run first (later rounds below)
+                self.table.check_room(seq, sum(row[1] is seq for row in rows))
                 rows.append((r, seq, token))
             except RequestError as e:
                 responses[r] = self._error(str(e))

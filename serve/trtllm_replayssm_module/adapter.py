@@ -157,6 +157,7 @@ class ReplaySSMAdapter:
         self.layers: dict[int, dict] = {}
         self.cursor: torch.Tensor | None = None
         self._step_slots: torch.Tensor | None = None
+        self._step_key: tuple | None = None
         self._step_layers: set[int] = set()
         self.pattern: str | None = None
         self.mamba_layers: frozenset[int] | None = None  # None: not known, every layer_idx accepted
@@ -219,17 +220,32 @@ class ReplaySSMAdapter:
                                f"hybrid_override_pattern {self.pattern!r} {where} (Mamba-2 layers "
                                f"{sorted(self.mamba_layers)}); the layer naming this module relies on does not hold")
 
-    def _note_step(self, layer_idx: int, slots: torch.Tensor) -> None:
+    @staticmethod
+    def _slots_key(state_batch_indices, batch: int, device) -> tuple:
+        """Identity of the slot tensor a layer was handed (None: rows are slots 0..batch-1)."""
+        if state_batch_indices is None:
+            return ("arange", batch, str(device))
+        t = state_batch_indices
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+    def _step_sbi(self, layer_idx: int, state_batch_indices, batch: int, device) -> torch.Tensor:
+        """The step's int32 slot tensor, noting ``layer_idx`` as decoded: the first Mamba layer's (converted once:
+        int32 as given, else an int32 copy, an arange for None), reused by the later layers, which must be handed
+        the same tensor."""
         if layer_idx in self._step_layers:
             raise RuntimeError(f"layer {layer_idx}: decoded twice in one model step; begin_step()/end_step() are not "
                                "being called around the model forward")
+        key = self._slots_key(state_batch_indices, batch, device)
         if self._step_slots is None:
-            self._step_slots = slots
-        elif (slots.data_ptr(), slots.shape, slots.stride()) != (
-                self._step_slots.data_ptr(), self._step_slots.shape, self._step_slots.stride()):
+            t = state_batch_indices
+            self._step_slots = (torch.arange(batch, dtype=torch.int32, device=device) if t is None
+                                else t if t.dtype == torch.int32 else t.int())
+            self._step_key = key
+        elif key != self._step_key:
             raise RuntimeError(f"state_batch_indices: layer {layer_idx} got a different slot tensor than the step's "
                                "first Mamba layer; expected one slot tensor per step")
         self._step_layers.add(layer_idx)
+        return self._step_slots
 
     def begin_step(self, prefill_slots: torch.Tensor | None = None) -> None:
         """Start a model step. ``prefill_slots``: slots whose prefill (or prefill chunk) runs this step;
@@ -266,6 +282,7 @@ class ReplaySSMAdapter:
     def abort_step(self) -> None:
         """Drop the step's bookkeeping without moving the cursor (the forward raised)."""
         self._step_slots = None
+        self._step_key = None
         self._step_layers = set()
 
     # ---- the decode call ----------------------------------------------------------------------------
@@ -294,12 +311,14 @@ class ReplaySSMAdapter:
         if not isinstance(B, torch.Tensor) or B.dim() != 3:
             raise ValueError(f"B: expected a (batch, ngroups, d_state) tensor, got {_shape(B)}")
         batch, G = x.shape[0], B.shape[1]
-        if state_batch_indices is None:
-            sbi = torch.arange(batch, dtype=torch.int32, device=x.device)
-        elif not isinstance(state_batch_indices, torch.Tensor) or tuple(state_batch_indices.shape) != (batch,):
+        if state_batch_indices is not None and (not isinstance(state_batch_indices, torch.Tensor)
+                                                or tuple(state_batch_indices.shape) != (batch,)):
             raise ValueError(f"state_batch_indices: expected shape ({batch},), got {_shape(state_batch_indices)}")
-        else:
-            sbi = state_batch_indices if state_batch_indices.dtype == torch.int32 else state_batch_indices.int()
+        if out is not None:  # before anything is written: a bad out must not leave a folded checkpoint behind
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape):
+                raise ValueError(f"out: expected shape {tuple(x.shape)}, got {_shape(out)}")
+            if out.device != x.device:
+                raise ValueError(f"out: expected a tensor on {x.device}, got {out.device}")
         check = self.check_values and not _capturing()
 
         lay = self._buffers(layer_idx, state, x, G)
@@ -315,7 +334,7 @@ class ReplaySSMAdapter:
         _, A_h, dtb, D_h = params
         dt_h = per_head_dt(dt, batch, H, P, x.dtype, check)
 
-        self._note_step(layer_idx, sbi)
+        sbi = self._step_sbi(layer_idx, state_batch_indices, batch, x.device)
         backend = self.backend or default_backend(x.device)[0]
         direct = (out is not None and out.is_contiguous() and tuple(out.shape) == tuple(x.shape)
                   and out.dtype == x.dtype)
@@ -325,8 +344,6 @@ class ReplaySSMAdapter:
         if out is None:
             return y
         if not direct:
-            if tuple(out.shape) != tuple(x.shape):
-                raise ValueError(f"out: expected shape {tuple(x.shape)}, got {tuple(out.shape)}")
             # Padding rows keep whatever out held (no host sync: a select, not a boolean index).
             out.copy_(torch.where((sbi >= 0).to(out.device)[:, None, None], y.to(out.dtype), out))
         return out
