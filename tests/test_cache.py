@@ -270,6 +270,49 @@ def test_commit_rejects_bad_n_and_leaves_cache_unchanged():
         c.commit(sbi, torch.tensor([2, 2], dtype=torch.int32), 5)
     for s, then in zip((s0, s1), before):
         assert all(torch.equal(a, b) for a, b in zip(_slot_tensors(c, s), then))
+    # n_accepted's dtype and shape, checked on both executors before anything moves (a float used to be
+    # truncated for the cursor and rounded for the conv window)
+    for bad, exc, match in (
+            (torch.tensor([1.5, 2.0]), TypeError, r"n_accepted: expected a \(2,\) int32 tensor, got torch.float32"),
+            (torch.tensor([2, 2]), TypeError, "got torch.int64"),
+            (torch.tensor([[2, 2]], dtype=torch.int32), ValueError, r"expected shape \(2,\) on cpu, got \(1, 2\)"),
+            ([2, 2], TypeError, "got list")):
+        with pytest.raises(exc, match=match):
+            c.commit(sbi, bad, 4)
+    for s, then in zip((s0, s1), before):
+        assert all(torch.equal(a, b) for a, b in zip(_slot_tensors(c, s), then))
+
+
+def test_a_failed_verify_leaves_the_checkpoint_and_the_step_cannot_be_reopened():
+    """A bad input at a verify that folds: refused before the fold (the reference used to fold, then check), and
+    a new flush() while the step holds verified layers is refused (it would fold them twice) until the step is
+    committed or aborted."""
+    gen = torch.Generator().manual_seed(6)
+    c = _cache(L=8, num_draft=1)
+    prm, weights = _layer_params(2, c, gen)
+    s0 = c.allocate()
+    sbi = torch.tensor([s0], dtype=torch.int32)
+    for _ in range(3):  # count 6 of 8: the next T = 2 window folds first (count + 2T > L)
+        _spec_step(c, sbi, 2, prm, weights, gen, nacc=torch.tensor([2], dtype=torch.int32))
+    assert c.cursor[s0].tolist() == [0, 6]
+    c.flush(sbi, 2)
+    before = _slot_tensors(c, s0)
+    x, B, C, dt, _ = _inputs(1, 2, c, gen)
+    with pytest.raises(ValueError, match=r"z: expected shape \(1, 2, 4, 8\)"):
+        c.verify(0, x, B, C, dt, prm[0].dt_bias, prm[0].A, prm[0].D, torch.zeros(1, 2, 4, 9, dtype=F64), sbi)
+    assert all(torch.equal(a, b) for a, b in zip(_slot_tensors(c, s0), before))
+    c.verify(0, x, B, C, dt, prm[0].dt_bias, prm[0].A, prm[0].D, None, sbi)  # layer 0 folds and appends
+    with pytest.raises(RuntimeError, match=r"flush: the open step already verified layers \[0\]"):
+        c.flush(sbi, 2)
+    assert c.abort_step() == [0] and c.abort_step() == []
+    c.flush(sbi, 2)  # a new step may open (the caller resets the slots the aborted step touched)
+
+
+def test_shadow_dtypes_the_kernels_do_not_read_are_refused():
+    with pytest.raises(ValueError, match="shadow_dtype: expected None, bfloat16 or float8_e4m3fn, got torch.float16"):
+        _cache(shadow_dtype=torch.float16)
+    with pytest.raises(ValueError, match="a model with GDN layers keeps a bfloat16 shadow only .*float8_e4m3fn"):
+        ReplayStateCache.for_gdn(1, 2, 2, 1, 8, 8, 4, shadow_dtype=torch.float8_e4m3fn)
 
 
 def test_memory_model_matches_allocation():

@@ -114,3 +114,24 @@ def test_reset_and_validation():
         cache.flush(torch.tensor([2], dtype=torch.int32), 2, [])
     with pytest.raises(IndexError, match="gdn layer: expected 0 <= layer < 2, got 2"):
         cache.gdn_layer(2)
+
+
+def test_a_failed_gdn_verify_leaves_the_checkpoint_as_it_was():
+    """A bad input at a window that folds first: refused before the fold (the reference used to fold, then check)."""
+    gen = torch.Generator().manual_seed(8)
+    cache = ReplayStateCache.for_gdn(1, 2, HV, HK, V, KD, L, num_draft=1, state_dtype=F64, act_dtype=F64, dt_dtype=F64)
+    s = cache.allocate()
+    cache.load_gdn_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
+    sbi = torch.tensor([s], dtype=torch.int32)
+    A_log, dt_bias = torch.zeros(HV, dtype=F64), torch.zeros(HV, dtype=F64)
+    for _ in range(3):  # count 6 of 8: the next T = 2 window folds first
+        cache.flush(sbi, 2, [])
+        cache.gdn_verify(0, **_gdn_inputs(gen, 1, 2), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+        cache.commit(sbi, torch.tensor([2], dtype=torch.int32), 2)
+    assert cache.cursor[s].tolist() == [0, 6]
+    before = cache.gdn_state[0, s].clone()
+    cache.flush(sbi, 2, [])
+    bad = {**_gdn_inputs(gen, 1, 2), "a": torch.zeros(1, 2, HV + 1, dtype=F64)}
+    with pytest.raises(ValueError, match=r"a: expected shape \(1, 2, 4\)"):
+        cache.gdn_verify(0, **bad, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+    assert torch.equal(cache.gdn_state[0, s], before)

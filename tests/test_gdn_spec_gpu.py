@@ -242,6 +242,7 @@ NATIVE_CASES = [
     ((4, 2, 128, 128), torch.float32, 2, 3, 6, ()),
     ((4, 2, 128, 128), torch.bfloat16, 1, 3, 6, ()),
     ((2, 2, 64, 256), torch.float32, 4, 5, 8, ()),
+    ((2, 1, 256, 128), torch.float32, 2, 3, 5, (1,)),  # V = 256: the commit copies 64 x 64 rows (not a Mamba-2 headdim)
     (QWEN3_NEXT, torch.bfloat16, 4, 2, 4, ()),
 ]
 

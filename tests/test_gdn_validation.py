@@ -303,6 +303,11 @@ def commit_args(**over):
     (dict(n_accepted=torch.tensor([1, 3, 0], dtype=I32)), ValueError, r"n_accepted: expected values in \[0, T\] = \[0, 2\]"),
     (dict(state_batch_indices=torch.tensor([0, 0, 1], dtype=I32)), ValueError, r"state_batch_indices: expected each slot"),
     ({}, ValueError, r"state: expected CUDA tensors"),
+    # V = 256 (a GDN dim, not a Mamba-2 headdim): every host check passes (the copy runs on 64 x 64 rows)
+    (dict(state=torch.zeros(S, HV, 256, K), snapshots=torch.zeros(S, T, HV, 256, K)), ValueError,
+     r"state: expected CUDA tensors"),
+    (dict(state=torch.zeros(S, HV, V, 256), snapshots=torch.zeros(S, T, HV, V, 256)), ValueError,
+     r"state: expected CUDA tensors"),
 ])
 def test_native_commit_rejects(over, exc, match):
     with pytest.raises(exc, match=match):

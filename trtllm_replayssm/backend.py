@@ -107,8 +107,10 @@ class ReferenceBackend:
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
-        T, L = x.shape[1], x_cache.shape[2]
         sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
+        # every input checked before the fold writes the checkpoint (as the kernel launchers do before launching)
+        spec_reference.check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sh)
+        T, L = x.shape[1], x_cache.shape[2]
         flushed = spec_reference.flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi)
         _rewrite_shadows(state, shadow, shadow_scale, flushed)
         after = cursor.clone()  # the fold's cursor; the shared cursor itself moves once, in spec_commit
@@ -130,8 +132,13 @@ class ReferenceBackend:
 
     def gdn_replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                           check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
-        T, L = v.shape[1], buf.u_cache.shape[2]
         sh = None if shadow is None else Shadow.wrap(shadow, None)
+        if not isinstance(v, torch.Tensor) or v.dim() != 4:
+            raise ValueError(f"v: expected a (batch, T, value_heads, value_dim) tensor, got "
+                             f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
+        # every input checked before the fold writes the checkpoint (as the kernel launchers do before launching)
+        gdn_reference.check_inputs(buf, q, k, v, a, b, A_log, dt_bias, tuple(v.shape[:2]))
+        T, L = v.shape[1], buf.u_cache.shape[2]
         flushed = gdn_reference.flush_checkpoint(buf, cursor, T, sbi, sh)  # the shadow rewritten from what it stored
         after = cursor.clone()
         spec_reference.flush_cursor(after, T, L, sbi)

@@ -136,6 +136,9 @@ def _check_gdn_geometry(HV: int, Hk: int, V: int, Kd: int, cuda: bool, shadow_dt
             raise ValueError(f"{name}: expected >= 1 with gdn_layers > 0, got {v}")
     if HV % Hk:
         raise ValueError(f"gdn_key_heads: expected a divisor of gdn_value_heads={HV}, got {Hk}")
+    if shadow_dtype not in (None, torch.bfloat16):  # every device: the GDN reference keeps no fp8 row scales either
+        raise ValueError(f"shadow_dtype: a model with GDN layers keeps a bfloat16 shadow only (the GDN kernels read "
+                         f"no other), got {shadow_dtype}")
     if not cuda:
         return
     from .config import GDN_SUPPORTED_DIMS
@@ -143,8 +146,6 @@ def _check_gdn_geometry(HV: int, Hk: int, V: int, Kd: int, cuda: bool, shadow_dt
     for name, v in (("gdn_value_dim", V), ("gdn_key_dim", Kd)):
         if v not in GDN_SUPPORTED_DIMS:
             raise ValueError(f"{name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
-    if shadow_dtype not in (None, torch.bfloat16):
-        raise ValueError(f"shadow_dtype: the GDN kernels read a bfloat16 shadow only, got {shadow_dtype}")
     if state_dtype != torch.float32:
         raise ValueError(f"state_dtype: the GDN kernels keep an fp32 checkpoint, got {state_dtype}")
 
@@ -186,11 +187,8 @@ class ReplayStateCache:
         if cursor == "ring" and buffer_len < 2 * (num_draft + 1):
             raise ValueError(f"buffer_len: expected >= 2 * (num_draft + 1) = {2 * (num_draft + 1)} (flush one window "
                              f"early), got {buffer_len}")
-        if shadow_dtype not in (None, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
-            raise ValueError(f"shadow_dtype: expected None, bfloat16, float16 or float8_e4m3fn, got {shadow_dtype}")
-        if shadow_dtype == torch.float16 and (read_shadow or torch.device(device).type == "cuda"):
-            raise ValueError("shadow_dtype: float16 is kept but never read (no kernel reads it); use bfloat16 or "
-                             "float8_e4m3fn for a shadow the output form reads")
+        if shadow_dtype not in (None, torch.bfloat16, torch.float8_e4m3fn):  # the shadows a kernel reads
+            raise ValueError(f"shadow_dtype: expected None, bfloat16 or float8_e4m3fn, got {shadow_dtype}")
         cuda = torch.device(device).type == "cuda"
         if gdn_layers:
             _check_gdn_geometry(gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim, cuda, shadow_dtype,
@@ -234,8 +232,7 @@ class ReplayStateCache:
         self.gdn_state = torch.zeros(Lg, S, HV, V, Kd, dtype=state_dtype, **kw)
         self.gdn_shadow = None if shadow_dtype is None or not Lg else torch.zeros(Lg, S, HV, V, Kd, dtype=shadow_dtype,
                                                                                   **kw)
-        self.gdn_shadow_scale = (torch.ones(Lg, S, HV, V, dtype=torch.float32, **kw)
-                                 if self.gdn_shadow is not None and shadow_dtype == torch.float8_e4m3fn else None)
+        self.gdn_shadow_scale = None  # a GDN shadow is bf16: no row scales
         self.gdn_u = torch.zeros(Lg, S, HV, L, V, dtype=buf, **kw)
         self.gdn_v = torch.zeros(Lg, S, HV, L, V, dtype=act_dtype, **kw)
         self.gdn_k = torch.zeros(Lg, S, Hk, L, Kd, dtype=buf, **kw)
@@ -429,6 +426,12 @@ class ReplayStateCache:
         self._check_T(num_tokens)
         if A_by_layer is not None and len(A_by_layer) != self.num_layers:
             raise ValueError(f"A_by_layer: expected {self.num_layers} tensors, got {len(A_by_layer)}")
+        if self._step is not None and self._step[1]:
+            # Those layers already folded their checkpoints and appended the window on the pre-step cursor: a
+            # new step would fold them again. Finish the step (commit) or reset the slots it touched.
+            raise RuntimeError(f"flush: the open step already verified layers {sorted(self._step[1], key=str)} "
+                               "(their checkpoints hold this step's fold); commit it, or abort_step() and reset "
+                               "its slots, before opening another")
         rows = self._rows(state_batch_indices, "flush") if self._checking() else None
         self._step = (num_tokens, set())
         if self.uses_kernels:
@@ -437,6 +440,14 @@ class ReplayStateCache:
         if self.standard:  # the step that fills the ring folds it
             return [s for s in rows if s >= 0 and int(self.cursor[s]) == self.buffer_len - 1]
         return [s for s in rows if s >= 0 and sr.needs_flush(self.cursor, s, num_tokens, self.buffer_len)]
+
+    def abort_step(self) -> list:
+        """Close an open step without committing it (a layer's verify raised). Returns the layers it verified:
+        their checkpoints may hold the step's fold and their rings its window while the cursor does not count
+        them, so the step's slots must be reset (or prefilled again) before they decode."""
+        verified = [] if self._step is None else sorted(self._step[1], key=str)
+        self._step = None
+        return verified
 
     def _open(self, T: int, state_batch_indices, what: str) -> tuple[set, bool]:
         self._check_T(T)
@@ -534,6 +545,14 @@ class ReplayStateCache:
         check = self._checking()
         if n_accepted is None and not self.standard:
             raise TypeError("n_accepted: expected a (batch,) int32 tensor (None only with cursor='standard')")
+        if n_accepted is not None:  # metadata only (no host read): both executors take the same tensors
+            batch = state_batch_indices.shape[0]
+            if not isinstance(n_accepted, torch.Tensor) or n_accepted.dtype != torch.int32:
+                raise TypeError(f"n_accepted: expected a ({batch},) int32 tensor, got "
+                                f"{n_accepted.dtype if isinstance(n_accepted, torch.Tensor) else type(n_accepted).__name__}")
+            if tuple(n_accepted.shape) != (batch,) or n_accepted.device != self.cursor.device:
+                raise ValueError(f"n_accepted: expected shape ({batch},) on {self.cursor.device}, got "
+                                 f"{tuple(n_accepted.shape)} on {n_accepted.device}")
         if check and n_accepted is not None:
             self._rows(state_batch_indices, "commit")
             # validate every row before mutating anything, so a bad n leaves the cache as it was

@@ -74,7 +74,7 @@ import numpy as np
 import torch
 
 from . import ops
-from .config import DTYPE_CODES, GDN_SUPPORTED_DIMS, SUPPORTED_NUM_TOKENS, gdn_spec
+from .config import DTYPE_CODES, GDN_SUPPORTED_DIMS, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS, gdn_spec
 from .ops import (
     _F32,
     _I32,
@@ -333,6 +333,12 @@ def gdn_native_spec_commit(state, snapshots, n_accepted, state_batch_indices, ch
     for lab, dim in (("V", 2), ("K", 3)):
         if state.shape[dim] not in GDN_SUPPORTED_DIMS:
             raise ValueError(f"state: {lab} (dim {dim}) expected one of {GDN_SUPPORTED_DIMS}, got {state.shape[dim]}")
+    S, HV, V, K = state.shape
+    if V not in SUPPORTED_HEADDIM or K not in SUPPORTED_DSTATE:
+        # The copy kernel is built for the Mamba-2 module's (headdim, dstate); a slot's state is HV*V*K contiguous
+        # f32 (checked above), a multiple of 64 x 64 for every GDN dim, so copy it as (HV*V*K / 4096, 64, 64) rows.
+        state = state.view(S, HV * V * K // 4096, 64, 64)
+        snapshots = snapshots.view(*snapshots.shape[:2], HV * V * K // 4096, 64, 64)
     ops.native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values=check_values)
 
 

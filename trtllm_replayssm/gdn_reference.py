@@ -182,7 +182,7 @@ def _read_S0(buf: GDNBuffers, s: int, shadow: Shadow | None, exact: bool):
     return buf.state[s].to(F64) if shadow is None or exact else shadow.read(s, F64)
 
 
-def _check_inputs(buf: GDNBuffers, q, k, v, a, b, A_log, dt_bias, lead: tuple) -> None:
+def check_inputs(buf: GDNBuffers, q, k, v, a, b, A_log, dt_bias, lead: tuple) -> None:
     _, HV, H, V, K, _ = buf.geometry
     buf.check()
     for name, t, shape in (("q", q, lead + (H, K)), ("k", k, lead + (H, K)), ("v", v, lead + (HV, V)),
@@ -223,7 +223,7 @@ def replay_decode(buf: GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_
     """
     batch, HV, V = v.shape
     nslots, _, _, _, _, L = buf.geometry
-    _check_inputs(buf, q, k, v, a, b, A_log, dt_bias, (batch,))
+    check_inputs(buf, q, k, v, a, b, A_log, dt_bias, (batch,))
     if tuple(cursor.shape) != (nslots,):
         raise ValueError(f"cursor: expected shape ({nslots},), got {tuple(cursor.shape)}")
     gq, kq = prep_qk(q, k, use_qk_l2norm, scale)
@@ -298,7 +298,7 @@ def verify(buf: GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_i
     """
     batch, T, HV, V = v.shape
     nslots, _, _, _, _, L = buf.geometry
-    _check_inputs(buf, q, k, v, a, b, A_log, dt_bias, (batch, T))
+    check_inputs(buf, q, k, v, a, b, A_log, dt_bias, (batch, T))
     _check_cursor(cursor, nslots)
     if T > L:
         raise ValueError(f"v: expected at most L={L} tokens per window, got T={T}")
@@ -333,7 +333,7 @@ def verify_triangular(buf: GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, st
     A second oracle: its agreement with the recurrence in :func:`verify` checks the algebra above."""
     batch, T, HV, V = v.shape
     nslots, _, _, _, _, L = buf.geometry
-    _check_inputs(buf, q, k, v, a, b, A_log, dt_bias, (batch, T))
+    check_inputs(buf, q, k, v, a, b, A_log, dt_bias, (batch, T))
     gq, kq = prep_qk(q, k, use_qk_l2norm, scale)
     g, beta = gates(a, b, A_log, dt_bias)
     y = torch.full((batch, T, HV, V), float("nan"), dtype=F64, device=v.device)

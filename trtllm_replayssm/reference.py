@@ -59,11 +59,11 @@ class Shadow:
         float8_e4m3fn (slots, H, P, N), scale (slots, H, P) float32 for fp8 (None for bf16)."""
         kinds = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "fp8"}
         if q.dtype not in kinds:
-            raise TypeError(f"q: expected dtype bfloat16 or float8_e4m3fn, got {q.dtype}")
+            raise TypeError(f"shadow: expected dtype bfloat16 or float8_e4m3fn, got {q.dtype}")
         kind = kinds[q.dtype]
         if (scale is None) != (kind == "bf16"):
-            raise ValueError(f"scale: an fp8 shadow needs row scales and a bf16 one has none, got {kind} with "
-                             f"scale={None if scale is None else tuple(scale.shape)}")
+            raise ValueError(f"shadow_scale: an fp8 shadow needs row scales and a bf16 one has none, got {kind} with "
+                             f"shadow_scale={None if scale is None else tuple(scale.shape)}")
         sh = cls.__new__(cls)
         sh.kind, sh.q, sh.scale = kind, q, scale
         return sh

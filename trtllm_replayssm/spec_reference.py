@@ -196,17 +196,14 @@ def maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, s
 
 
 # ---- verify / commit -----------------------------------------------------------------------------------
-def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None,
-           shadow: Shadow | None = None, flushed=()):
-    """Verify T tokens: y (batch, T, H, P) float64; the window is appended to the ring, S0 and cursor untouched.
-
-    Inputs: x, z (batch, T, H, P); B, C (batch, T, G, N); dt (batch, T, H) raw; dt_bias, A, D (H,).
-    Window entry t is stored at ring index (start + count + t) % L (x, B in the cache dtypes, processed
-    dt in the dt_cache dtype) and the outputs are computed from the ring as stored, so later steps
-    replay exactly the values this step used. Needs count + T <= L (run :func:`maybe_flush` first).
-    With ``shadow`` the S0 C_t term reads the shadow (:meth:`.reference.Shadow.read`, float64), except
-    for the slots in ``flushed`` (those :func:`maybe_flush` folded this step), which read ``state``.
-    """
+def check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None,
+                        shadow: Shadow | None = None) -> None:
+    """Every shape :func:`verify` needs, checked without writing anything: callers that fold first
+    (:func:`flush_checkpoint`) call it before the fold, so a bad input leaves the checkpoint as it was."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x: expected a (batch, T, nheads, headdim) tensor, got {_shape_of(x)}")
+    if not isinstance(B_cache, torch.Tensor) or B_cache.dim() != 4:
+        raise ValueError(f"B_cache: expected a (slots, ngroups, L, dstate) tensor, got {_shape_of(B_cache)}")
     batch, T, H, P = x.shape
     nslots, G, L, N = B_cache.shape
     _check_shape(state, "state", (nslots, H, P, N))
@@ -226,6 +223,26 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
         raise ValueError(f"x: expected at most L={L} tokens per window, got T={T}")
     if shadow is not None:
         _check_shape(shadow.q, "shadow", (nslots, H, P, N))
+
+
+def _shape_of(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None,
+           shadow: Shadow | None = None, flushed=()):
+    """Verify T tokens: y (batch, T, H, P) float64; the window is appended to the ring, S0 and cursor untouched.
+
+    Inputs: x, z (batch, T, H, P); B, C (batch, T, G, N); dt (batch, T, H) raw; dt_bias, A, D (H,).
+    Window entry t is stored at ring index (start + count + t) % L (x, B in the cache dtypes, processed
+    dt in the dt_cache dtype) and the outputs are computed from the ring as stored, so later steps
+    replay exactly the values this step used. Needs count + T <= L (run :func:`maybe_flush` first).
+    With ``shadow`` the S0 C_t term reads the shadow (:meth:`.reference.Shadow.read`, float64), except
+    for the slots in ``flushed`` (those :func:`maybe_flush` folded this step), which read ``state``.
+    """
+    check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, shadow)
+    batch, T, H, P = x.shape
+    nslots, G, L, N = B_cache.shape
     hpg = H // G
     A64, D64 = A.to(F64), D.to(F64)
     dtp = process_dt(dt.to(F64), dt_bias.to(F64))  # (batch, T, H)
@@ -263,6 +280,21 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
     return y
 
 
+def check_n_accepted(n_accepted, batch: int | None = None) -> list[int]:
+    """n_accepted as ints, after checking it is an integer (batch,) tensor (batch None: any length); a float
+    would be truncated here and rounded elsewhere, so the cursor and the conv window would disagree. The
+    values are checked by the callers."""
+    if not isinstance(n_accepted, torch.Tensor):
+        raise TypeError(f"n_accepted: expected a torch.Tensor, got {type(n_accepted).__name__}")
+    if n_accepted.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"n_accepted: expected dtype int32 (or int64), got {n_accepted.dtype}")
+    if n_accepted.dim() != 1:
+        raise ValueError(f"n_accepted: expected shape (batch,), got {tuple(n_accepted.shape)}")
+    if batch is not None:
+        _check_shape(n_accepted, "n_accepted", (batch,))
+    return [int(v) for v in n_accepted.cpu().tolist()]
+
+
 def commit(cursor, n_accepted, num_tokens: int, buffer_len: int, state_batch_indices=None):
     """count += n_accepted[row] for every row with a slot (in place): a cursor move, no state copy.
 
@@ -270,9 +302,8 @@ def commit(cursor, n_accepted, num_tokens: int, buffer_len: int, state_batch_ind
     All rows are validated before any cursor moves.
     """
     _check_cursor(cursor, cursor.shape[0])
-    batch = n_accepted.shape[0] if state_batch_indices is None else state_batch_indices.shape[0]
-    _check_shape(n_accepted, "n_accepted", (batch,))
-    nacc = [int(v) for v in n_accepted.cpu().tolist()]
+    nacc = check_n_accepted(n_accepted, None if state_batch_indices is None else state_batch_indices.shape[0])
+    batch = len(nacc)
     rows = [(b, s) for b, s in enumerate(_slots(state_batch_indices, batch, cursor.shape[0])) if s >= 0]
     for b, s in rows:
         n, count = nacc[b], int(cursor[s, COUNT])
@@ -332,9 +363,9 @@ def native_spec_verify(state, snapshots, x, B, C, dt, dt_bias, A, D, z=None, sta
 def native_spec_commit(state, snapshots, n_accepted, state_batch_indices):
     """state[s] <- snapshots[s, n-1] for n >= 1 (n = 0: unchanged): the copy native spec pays per step."""
     batch = state_batch_indices.shape[0]
-    _check_shape(n_accepted, "n_accepted", (batch,))
+    nacc = check_n_accepted(n_accepted, batch)
     for b, s in enumerate(_slots(state_batch_indices, batch, state.shape[0])):
-        n = int(n_accepted[b])
+        n = nacc[b]
         if s < 0:
             continue
         if not 0 <= n <= snapshots.shape[1]:
@@ -384,12 +415,12 @@ def conv_window_update(conv_window, u, weight, bias=None, state_batch_indices=No
 def conv_window_rollback(conv_window, n_accepted, num_tokens: int, conv_kernel: int, state_batch_indices):
     """Drop the T - n rejected inputs: shift the window right by T - n, zero-fill the front (in place)."""
     batch = state_batch_indices.shape[0]
-    _check_shape(n_accepted, "n_accepted", (batch,))
+    nacc = check_n_accepted(n_accepted, batch)
     W = conv_window.shape[2]
     for b, s in enumerate(_slots(state_batch_indices, batch, conv_window.shape[0])):
         if s < 0:
             continue
-        n = int(n_accepted[b])
+        n = nacc[b]
         if not 0 <= n <= num_tokens:
             raise ValueError(f"n_accepted[{b}]: expected 0 <= n <= T={num_tokens}, got {n}")
         if W - num_tokens + n < conv_kernel - 1:
