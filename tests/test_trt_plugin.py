@@ -11,8 +11,10 @@ this PTX with these launch parameters in TensorRT's argument order. Network-buil
 TensorRT is installed.
 """
 
+import inspect
 import re
 
+import numpy as np
 import pytest
 
 from trtllm_replayssm import trt_plugin as tp
@@ -64,6 +66,11 @@ def test_io_contract_and_aliases():
                 assert types[len(tp.INPUT_NAMES) + o] == types[i]
 
 
+def _attr_arrays(attrs: dict) -> dict:
+    """Attributes as the network API takes them for IntAttr-annotated plugins: one-element int32 arrays."""
+    return {k: np.array([v], dtype=np.int32) for k, v in attrs.items()}
+
+
 def test_network_with_plugin_builds():
     trt = pytest.importorskip("tensorrt", reason="TensorRT >= 10.9 is not installed here (its builder "
                                                  "library cannot be installed on this machine)")
@@ -78,7 +85,7 @@ def test_network_with_plugin_builds():
     import tensorrt.plugin as trtp
 
     op = getattr(getattr(trtp.op, tp.PLUGIN_NAMESPACE), tp.PLUGIN_NAME)
-    layer = net.add_plugin(op(*ins, **dict(zip(tp.ATTRIBUTES, (H, P, N, G, L)))), aot=True)
+    layer = net.add_plugin(op(*ins, **_attr_arrays(dict(zip(tp.ATTRIBUTES, (H, P, N, G, L))))), aot=True)
     for i, name in enumerate(tp.OUTPUT_NAMES):
         layer.get_output(i).name = name
         net.mark_output(layer.get_output(i))
@@ -101,13 +108,14 @@ def test_spec_network_with_plugins_builds():
     types = dict(zip(tp.VERIFY_INPUT_NAMES, (trt.float32,) * 7 + (trt.int32, trt.int32) + (trt.float32,) * 4))
     ins = {n: net.add_input(n, types[n], shapes[n]) for n in tp.VERIFY_INPUT_NAMES}
     ns = getattr(trtp.op, tp.PLUGIN_NAMESPACE)
-    attrs = dict(zip(tp.VERIFY_ATTRIBUTES, (H, P, N, G, L, T)))
+    attrs = _attr_arrays(dict(zip(tp.VERIFY_ATTRIBUTES, (H, P, N, G, L, T))))
     verify = net.add_plugin(getattr(ns, tp.VERIFY_PLUGIN_NAME)(*ins.values(), **attrs), aot=True)
     # commit in the same network on its own cursor input (engines run verify and commit as separate graphs)
     n_acc = net.add_input("n_accepted", trt.int32, (b,))
     cur = net.add_input("cursor_commit", trt.int32, (b, 2))
-    commit = net.add_plugin(getattr(ns, tp.COMMIT_PLUGIN_NAME)(ins["state_batch_indices"], n_acc, cur, num_tokens=T,
-                                                                buffer_len=L), aot=True)
+    commit_attrs = _attr_arrays(dict(num_tokens=T, buffer_len=L))
+    commit = net.add_plugin(getattr(ns, tp.COMMIT_PLUGIN_NAME)(ins["state_batch_indices"], n_acc, cur, **commit_attrs),
+                            aot=True)
     for layer, names in ((verify, tp.VERIFY_OUTPUT_NAMES), (commit, tp.COMMIT_OUTPUT_NAMES)):
         for i, name in enumerate(names):
             layer.get_output(i).name = name
@@ -344,8 +352,9 @@ def _fake_tensorrt():
                 if p.annotation is TensorDesc:
                     assert not attrs, f"{pid}: TensorDescs and attributes interleaved"
                     tensors.append(name)
-                else:
-                    assert p.annotation in (int, float, str, bool, bytes), f"{pid}: attribute {name}: {p.annotation}"
+                else:  # built-in types or numpy arrays (npt.NDArray[...])
+                    assert p.annotation in (int, float, str, bool, bytes) or \
+                        typing.get_origin(p.annotation) is np.ndarray, f"{pid}: attribute {name}: {p.annotation}"
                     attrs.append(name)
             ret = sig.return_annotation
             assert typing.get_origin(ret) is tuple and all(a is TensorDesc for a in typing.get_args(ret)), ret
@@ -471,10 +480,16 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
     assert reg["n_out"] == len(info.outputs)
     shapes, dtypes = shapes_of(attrs), _dtypes(plugin, state, act, shadow)
 
-    # output types: placeholder dimensions; then shapes with the real (constant + symbolic) dimensions
-    for fake in (True, False):
+    # every attribute is declared as a one-element int32 array: TensorRT converts such a field with astype (an
+    # ``int`` one with int(array), which NumPy >= 2.4 refuses), and hands the plugin functions arrays
+    fields = {k: np.array([v], dtype=np.int32) for k, v in attrs.items()}
+    sig = inspect.signature(reg["desc"])
+    assert all(sig.parameters[k].annotation is tp.IntAttr for k in attrs)
+    # output types: placeholder dimensions; then shapes with the real (constant + symbolic) dimensions; the
+    # attributes as TensorRT passes them (arrays) and as Python callers may (ints)
+    for fake, given in ((True, fields), (False, fields), (False, attrs)):
         ins = _descs(trtp, plugin, shapes, dtypes, fake)
-        outs = reg["desc"](*ins, **attrs)
+        outs = reg["desc"](*ins, **given)
         assert len(outs) == len(info.outputs)
         for o, desc in enumerate(outs):
             if o in info.aliases:
@@ -499,7 +514,7 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
 
     env = dict(batch=5, slots=7)
     for tactic in (tp.COMMIT_TACTICS if plugin == tp.COMMIT_PLUGIN_NAME else sorted(tp.TACTICS)):
-        name_, ptx, launch, extra = reg["aot"](*ins, *attrs.values(), outs, tactic)
+        name_, ptx, launch, extra = reg["aot"](*ins, *fields.values(), outs, tactic)
         if plugin == tp.COMMIT_PLUGIN_NAME:
             want = tp.aot_commit_kernel(attrs["num_tokens"], attrs["buffer_len"], 90)
         elif plugin == tp.VERIFY_PLUGIN_NAME:
@@ -516,6 +531,14 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
         assert (_ev(launch.block_x, env), _ev(launch.shared_mem, env)) == (want.block_x, want.shared_mem)
         assert all(isinstance(e, trtp.SymInt32) for e in extra)
         assert [_ev(e, env) for e in extra] == [5, 7]
+
+
+def test_attribute_values_in_either_form():
+    assert tp._int(np.array([7], dtype=np.int32)) == 7 and tp._int(5) == 5 and tp._int(np.int64(3)) == 3
+    with pytest.raises(ValueError, match=r"expected one integer, got an array int32 of shape \(2,\)"):
+        tp._int(np.array([1, 2], dtype=np.int32))
+    with pytest.raises(ValueError, match="expected one integer, got an array float32"):
+        tp._int(np.array([1.5], dtype=np.float32))
 
 
 # ---- gdn_decode ---------------------------------------------------------------------------------------------

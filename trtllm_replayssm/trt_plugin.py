@@ -30,7 +30,8 @@ Outputs:
   3  B_cache_out          aliased to input 11 (append)
   4  dt_cache_out         aliased to input 12 (append)
 Attributes (checked against the shapes; not serialized with AOT plugins, so every size is also
-compiled into the PTX): nheads, headdim, dstate, ngroups, buffer_len (int).
+compiled into the PTX): nheads, headdim, dstate, ngroups, buffer_len (int32; declared as one-element int32
+arrays, :data:`IntAttr`, see there).
 Kernel parameters, in TensorRT's order: the 13 input pointers, int32 batch, int32 slots, the
 5 output pointers (aliased outputs receive their inputs' pointers).
 Tactics: 1 = large-batch geometry, 2 = small-batch geometry (smaller row chunks, more warps).
@@ -124,6 +125,9 @@ block, int32 args), :func:`shape_attributes` + :func:`check_attributes`, :func:`
 
 import dataclasses
 
+import numpy as np
+import numpy.typing as npt
+
 from .compile import check_ptx_loadable, compile_spec
 from .config import (
     COMMIT_THREADS,
@@ -134,6 +138,27 @@ from .config import (
     spec_grid,
     verify_spec,
 )
+
+# The annotation of every plugin attribute. TensorRT hands an attribute to create_plugin as a one-element int32
+# array (the ONNX parser's kINT32 field; the network API's likewise): for an ``int`` annotation it calls
+# int(field.data), which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"),
+# so no plugin node could be created; for an array annotation it converts with astype, on every NumPy. The
+# plugin functions take either form through _int.
+IntAttr = npt.NDArray[np.int32]
+
+
+def _int(v) -> int:
+    """A plugin attribute as a Python int: an int, or a one-element integer array (TensorRT's form)."""
+    if isinstance(v, np.ndarray):
+        if v.size != 1 or v.dtype.kind not in "iu":
+            raise ValueError(f"plugin attribute: expected one integer, got an array {v.dtype} of shape {v.shape}")
+        return int(v.reshape(-1)[0])
+    return int(v)
+
+
+def _ints(attrs: dict) -> dict:
+    return {k: _int(v) for k, v in attrs.items()}
+
 
 PLUGIN_NAMESPACE = "replayssm"
 PLUGIN_NAME = "mamba2_decode"
@@ -525,7 +550,7 @@ def register():
         return tuple(None if e.is_fake or not e.is_constant else e.constant_value() for e in desc.shape_expr)
 
     def check(plugin, attrs, **descs):
-        check_attributes(plugin, attrs, {name: shape(d) for name, d in descs.items()})
+        check_attributes(plugin, _ints(attrs), {name: shape(d) for name, d in descs.items()})
 
     def result(k, batch, slots):
         check_ptx_loadable()  # the engine's driver JIT-compiles this PTX
@@ -542,8 +567,8 @@ def register():
     # ---- mamba2_decode ----------------------------------------------------------------------------
     @trtp.register(PLUGIN_ID)
     def _desc(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
-              cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
-              dstate: int, ngroups: int, buffer_len: int) -> tuple[Desc, Desc, Desc, Desc, Desc]:
+              cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: IntAttr, headdim: IntAttr,
+              dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc]:
         check(PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups, buffer_len=buffer_len),
               x=x, B=B, state=state, x_cache=x_cache)
         return x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased()
@@ -556,10 +581,10 @@ def register():
 
     @trtp.aot_impl(PLUGIN_ID)
     def _aot(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
-             cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
-             dstate: int, ngroups: int, buffer_len: int, outputs: tuple[Desc], tactic: int) -> AotResult:
+             cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: IntAttr, headdim: IntAttr,
+             dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, sms = current_device()
-        k = aot_kernel(nheads, headdim, dstate, ngroups, buffer_len, dt_code[state.dtype], dt_code[x.dtype], arch,
+        k = aot_kernel(*map(_int, (nheads, headdim, dstate, ngroups, buffer_len)), dt_code[state.dtype], dt_code[x.dtype], arch,
                        tactic, sms)
         return result(k, x.shape_expr[0], state.shape_expr[0])
 
@@ -567,7 +592,7 @@ def register():
     @trtp.register(SHADOW_PLUGIN_ID)
     def _desc_sh(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
                  cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, shadow: Desc,
-                 shadow_scale: Desc, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int
+                 shadow_scale: Desc, nheads: IntAttr, headdim: IntAttr, dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr
                  ) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(SHADOW_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
                                        buffer_len=buffer_len), x=x, B=B, state=state, x_cache=x_cache)
@@ -583,18 +608,19 @@ def register():
     @trtp.aot_impl(SHADOW_PLUGIN_ID)
     def _aot_sh(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
                 cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, shadow: Desc,
-                shadow_scale: Desc, nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int,
+                shadow_scale: Desc, nheads: IntAttr, headdim: IntAttr, dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr,
                 outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, sms = current_device()
-        k = aot_kernel(nheads, headdim, dstate, ngroups, buffer_len, dt_code[state.dtype], dt_code[x.dtype], arch,
+        k = aot_kernel(*map(_int, (nheads, headdim, dstate, ngroups, buffer_len)), dt_code[state.dtype], dt_code[x.dtype], arch,
                        tactic, sms, shadow_code[shadow.dtype])
         return result(k, x.shape_expr[0], state.shape_expr[0])
 
     # ---- mamba2_verify ---------------------------------------------------------------------------------
     @trtp.register(VERIFY_PLUGIN_ID)
     def _desc_v(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
-                cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
-                dstate: int, ngroups: int, buffer_len: int, num_tokens: int) -> tuple[Desc, Desc, Desc, Desc, Desc]:
+                cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: IntAttr, headdim: IntAttr,
+                dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr, num_tokens: IntAttr) -> tuple[Desc, Desc,
+                Desc, Desc, Desc]:
         check(VERIFY_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
                                        buffer_len=buffer_len, num_tokens=num_tokens),
               x=x, B=B, state=state, x_cache=x_cache, cursor=cursor)
@@ -608,18 +634,18 @@ def register():
 
     @trtp.aot_impl(VERIFY_PLUGIN_ID)
     def _aot_v(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
-               cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: int, headdim: int,
-               dstate: int, ngroups: int, buffer_len: int, num_tokens: int, outputs: tuple[Desc],
+               cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: IntAttr, headdim: IntAttr,
+               dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr, num_tokens: IntAttr, outputs: tuple[Desc],
                tactic: int) -> AotResult:
         arch, _ = current_device()
-        k = aot_verify_kernel(nheads, headdim, dstate, ngroups, buffer_len, num_tokens, dt_code[state.dtype],
+        k = aot_verify_kernel(*map(_int, (nheads, headdim, dstate, ngroups, buffer_len, num_tokens)), dt_code[state.dtype],
                               dt_code[x.dtype], arch, tactic)
         return result(k, x.shape_expr[0], state.shape_expr[0])
 
     # ---- spec_commit --------------------------------------------------------------------------------------
     @trtp.register(COMMIT_PLUGIN_ID)
-    def _desc_c(state_batch_indices: Desc, n_accepted: Desc, cursor: Desc, num_tokens: int,
-                buffer_len: int) -> tuple[Desc]:
+    def _desc_c(state_batch_indices: Desc, n_accepted: Desc, cursor: Desc, num_tokens: IntAttr,
+                buffer_len: IntAttr) -> tuple[Desc]:
         check(COMMIT_PLUGIN_NAME, dict(num_tokens=num_tokens, buffer_len=buffer_len), cursor=cursor)
         return (cursor.aliased(),)
 
@@ -628,18 +654,19 @@ def register():
         return [trtp.AutoTuneCombination(", ".join(COMMIT_TYPES), "LINEAR", list(COMMIT_TACTICS))]
 
     @trtp.aot_impl(COMMIT_PLUGIN_ID)
-    def _aot_c(state_batch_indices: Desc, n_accepted: Desc, cursor: Desc, num_tokens: int, buffer_len: int,
+    def _aot_c(state_batch_indices: Desc, n_accepted: Desc, cursor: Desc, num_tokens: IntAttr, buffer_len: IntAttr,
                outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = current_device()
-        k = aot_commit_kernel(num_tokens, buffer_len, arch)
+        k = aot_commit_kernel(_int(num_tokens), _int(buffer_len), arch)
         return result(k, state_batch_indices.shape_expr[0], cursor.shape_expr[0])
 
     # ---- gdn_decode ----------------------------------------------------------------------------------------
     @trtp.register(GDN_PLUGIN_ID)
     def _desc_g(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
                 cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                beta_cache: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
-                use_qk_l2norm: int) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+                beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
+                buffer_len: IntAttr,
+                use_qk_l2norm: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(GDN_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                     value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
               q=q, v=v, u_cache=u_cache)
@@ -655,10 +682,11 @@ def register():
     @trtp.aot_impl(GDN_PLUGIN_ID)
     def _aot_g(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
                cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-               beta_cache: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
-               use_qk_l2norm: int, outputs: tuple[Desc], tactic: int) -> AotResult:
+               beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
+               buffer_len: IntAttr,
+               use_qk_l2norm: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = current_device()
-        kern = aot_gdn_kernel(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm,
+        kern = aot_gdn_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm)),
                               dt_code[v.dtype], arch, tactic)
         return result(kern, v.shape_expr[0], state.shape_expr[0])
 
@@ -666,8 +694,8 @@ def register():
     @trtp.register(GDN_SHADOW_PLUGIN_ID)
     def _desc_gs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
                  cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                 beta_cache: Desc, shadow: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int,
-                 buffer_len: int, use_qk_l2norm: int) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+                 beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
+                 buffer_len: IntAttr, use_qk_l2norm: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(GDN_SHADOW_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                            value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
               q=q, v=v, u_cache=u_cache)
@@ -683,10 +711,10 @@ def register():
     @trtp.aot_impl(GDN_SHADOW_PLUGIN_ID)
     def _aot_gs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
                 cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                beta_cache: Desc, shadow: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int,
-                buffer_len: int, use_qk_l2norm: int, outputs: tuple[Desc], tactic: int) -> AotResult:
+                beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
+                buffer_len: IntAttr, use_qk_l2norm: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = current_device()
-        kern = aot_gdn_kernel(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm,
+        kern = aot_gdn_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm)),
                               dt_code[v.dtype], arch, tactic, "bf16")
         return result(kern, v.shape_expr[0], state.shape_expr[0])
 
@@ -694,8 +722,9 @@ def register():
     @trtp.register(GDN_VERIFY_PLUGIN_ID)
     def _desc_gv(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
                  cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                 beta_cache: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
-                 use_qk_l2norm: int, num_tokens: int) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+                 beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
+                 buffer_len: IntAttr,
+                 use_qk_l2norm: IntAttr, num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(GDN_VERIFY_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                            value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm,
                                            num_tokens=num_tokens), q=q, v=v, u_cache=u_cache, cursor=cursor)
@@ -711,20 +740,21 @@ def register():
     @trtp.aot_impl(GDN_VERIFY_PLUGIN_ID)
     def _aot_gv(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
                 cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                beta_cache: Desc, num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
-                use_qk_l2norm: int, num_tokens: int, outputs: tuple[Desc], tactic: int) -> AotResult:
+                beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
+                buffer_len: IntAttr,
+                use_qk_l2norm: IntAttr, num_tokens: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = current_device()
-        kern = aot_gdn_verify_kernel(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm,
-                                     num_tokens, dt_code[v.dtype], arch, tactic)
+        kern = aot_gdn_verify_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
+                                                  use_qk_l2norm, num_tokens)), dt_code[v.dtype], arch, tactic)
         return result(kern, v.shape_expr[0], state.shape_expr[0])
 
     # ---- gdn_verify_shadow ---------------------------------------------------------------------------------
     @trtp.register(GDN_VERIFY_SHADOW_PLUGIN_ID)
     def _desc_gvs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc,
                   state_batch_indices: Desc, cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc,
-                  g_cache: Desc, beta_cache: Desc, shadow: Desc, num_k_heads: int, num_v_heads: int, key_dim: int,
-                  value_dim: int, buffer_len: int, use_qk_l2norm: int,
-                  num_tokens: int) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+                  g_cache: Desc, beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr,
+                  value_dim: IntAttr, buffer_len: IntAttr, use_qk_l2norm: IntAttr,
+                  num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(GDN_VERIFY_SHADOW_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                                   value_dim=value_dim, buffer_len=buffer_len,
                                                   use_qk_l2norm=use_qk_l2norm, num_tokens=num_tokens),
@@ -741,12 +771,12 @@ def register():
     @trtp.aot_impl(GDN_VERIFY_SHADOW_PLUGIN_ID)
     def _aot_gvs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc,
                  state_batch_indices: Desc, cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc,
-                 g_cache: Desc, beta_cache: Desc, shadow: Desc, num_k_heads: int, num_v_heads: int, key_dim: int,
-                 value_dim: int, buffer_len: int, use_qk_l2norm: int, num_tokens: int, outputs: tuple[Desc],
+                 g_cache: Desc, beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr,
+                 value_dim: IntAttr, buffer_len: IntAttr, use_qk_l2norm: IntAttr, num_tokens: IntAttr, outputs: tuple[Desc],
                  tactic: int) -> AotResult:
         arch, _ = current_device()
-        kern = aot_gdn_verify_kernel(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm,
-                                     num_tokens, dt_code[v.dtype], arch, tactic, "bf16")
+        kern = aot_gdn_verify_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
+                                                  use_qk_l2norm, num_tokens)), dt_code[v.dtype], arch, tactic, "bf16")
         return result(kern, v.shape_expr[0], state.shape_expr[0])
 
     register._done = True
