@@ -54,7 +54,7 @@ from .engine_format import DECODE_FORMAT, SPEC_FORMAT, FormatError, check_layer_
 from .moe import FORMULATIONS as MOE_FORMULATIONS
 from .nemotron_h import TINY_CONFIGS
 
-GDN_TINY_NAMES = ("qwen3_next", "qwen3_5")  # builders/qwen3_next.py: Gated DeltaNet hybrids
+GDN_TINY_NAMES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # builders/qwen3_next.py: Gated DeltaNet hybrids
 TINY_NAMES = tuple(TINY_CONFIGS) + GDN_TINY_NAMES
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIN_TRT = (10, 9)

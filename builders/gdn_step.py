@@ -129,7 +129,7 @@ def moe_qwen(hn, moe, formulation: str = "dense"):
     gate, E, top_k = moe.gate, moe.gate.num_experts, moe.gate.top_k
     probs = F.softmax(F.linear(hn, gate.weight), dim=-1, dtype=torch.float32)
     top_v, top_i = torch.topk(probs, top_k, dim=-1)
-    if gate.norm_topk_prob:
+    if getattr(gate, "norm_topk_prob", True):  # Qwen3.5 MoE's router has no switch: it always renormalises
         top_v = top_v / top_v.sum(dim=-1, keepdim=True)
     top_v = top_v.to(hn.dtype)
     ex = moe.experts

@@ -30,7 +30,9 @@ on CUDA. Prefill (more than one token) is the model's own chunked path; its fina
 the checkpoint with an empty buffer (cursor 0). A continuation prefill after decode steps first folds
 the buffer into the model's recurrent state (:func:`~trtllm_replayssm.reference.replay_state`).
 The cursor is shared by all Mamba layers and advanced once per model step (``advance_cursor``).
-Not covered: beam reordering and assisted decoding (caches that record the past).
+Beam search reorders our slots with the cache's (``reorder_cache``); switching between transformers caches
+(several conversations) folds the buffers back into the cache held until then (``MixerPatch``). Not covered:
+assisted decoding (caches that record the past: refused).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import json
 import math
 import pathlib
 import re
+import weakref
 
 import torch
 
@@ -276,8 +279,10 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
     fp32 = set(_fp32_names(model))
     tensors = _read_tensors(index, dtype, fp32)
     model.load_state_dict(tensors, strict=not optional, assign=True)
-    if config.tie_word_embeddings:
-        model.tie_weights()
+    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
+        # transformers' tie_weights() does nothing here (NemotronHForCausalLM declares no tied keys), which left the
+        # head on the meta device: tie it by hand, as transformers' own loader does for this config
+        model.lm_head.weight = model.model.embeddings.weight
     return _to(model, dtype, device, {n: tensors[n] for n in fp32 if n in tensors}).eval()
 
 
@@ -373,15 +378,57 @@ class MixerPatch:
     :class:`~trtllm_replayssm.cache.ReplayStateCache` (``cache``, made at the prefill hand-off): the first
     decoding mixer of a model step opens the cache's step, a forward hook on the model commits it (the cursor
     advances once; after a prefill it is zeroed). Subclasses give ``_mixers()``, ``_has_state(layer_idx)``,
-    ``_decode`` (one ``cache.verify`` / ``gdn_verify``), ``_begin_prefill``, ``_end_prefill`` and set ``model``,
-    ``cache``, ``buffer_len``, ``_step``, ``_cache_id``, ``_handles``."""
+    ``_decode`` (one ``cache.verify`` / ``gdn_verify``), ``_fold_into`` (a layer's committed state into a
+    transformers recurrent state), ``_end_prefill`` (which calls ``_take`` with the transformers cache it holds
+    state for) and set ``model``, ``cache``, ``buffer_len``, ``_step``, ``_cache_ref``, ``_handles``.
+
+    One transformers cache at a time holds its newest SSM state in our buffers (the one last prefilled). When
+    another cache is prefilled, or on ``unpatch()``, the buffers are first folded back into the held cache's
+    recurrent state, so that cache continues correctly (through the model's own path, or after its next
+    prefill, through ours again). A beam search's ``reorder_cache`` reorders our slots with the cache's."""
+
+    def _holds(self, cache) -> bool:
+        return self._cache_ref is not None and self._cache_ref() is cache
+
+    def _take(self, cache) -> None:
+        """``cache`` is the one our buffers continue from now on (its prefill was just handed off)."""
+        if self._holds(cache):
+            return
+        self._cache_ref = weakref.ref(cache)
+        if "reorder_cache" not in cache.__dict__ and hasattr(cache, "reorder_cache"):
+            orig, me, held = cache.reorder_cache, weakref.ref(self), weakref.ref(cache)
+
+            def reorder_cache(beam_idx):
+                d = me()
+                if d is not None and d.cache is not None and d._holds(held()):
+                    d.cache.gather_slots(beam_idx)  # row b continues beam beam_idx[b], as the cache's own states
+                return orig(beam_idx)
+
+            cache.reorder_cache = reorder_cache
+
+    def _write_back(self) -> None:
+        """Fold our buffers into the held transformers cache's recurrent states (if it still lives)."""
+        held = None if self._cache_ref is None else self._cache_ref()
+        if held is None or self.cache is None:
+            return
+        for i in sorted(self._ready):
+            rec = held.get_recurrent_state(i)
+            if rec is not None:
+                self._fold_into(i, rec)
+
+    def _begin_prefill(self, mixer, cache) -> None:
+        """A continuation prefill of the held cache starts from the state our buffers stand for."""
+        if self._has_state(mixer.layer_idx) and self._holds(cache):
+            rec = cache.get_recurrent_state(mixer.layer_idx)
+            if rec is not None:
+                self._fold_into(mixer.layer_idx, rec)
 
     def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
         if cache is None:
             return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
         if cache.is_recording_past(mixer.layer_idx):
             raise NotImplementedError("ReplaySSM patch: caches that record the past (assisted decoding) are not supported")
-        decode = (hidden_states.shape[1] == 1 and self._has_state(mixer.layer_idx) and id(cache) == self._cache_id
+        decode = (hidden_states.shape[1] == 1 and self._has_state(mixer.layer_idx) and self._holds(cache)
                   and cache.get_conv_state(mixer.layer_idx) is not None)
         if decode:
             if self._step != "decode":  # the step's first decoding mixer opens the cache's step
@@ -422,6 +469,8 @@ class MixerPatch:
         return self
 
     def unpatch(self) -> None:
+        """Undo the patch; the held cache's recurrent states get what our buffers hold, so it continues unpatched."""
+        self._write_back()
         for undo in self._handles:
             undo()
         self._handles.clear()
@@ -455,7 +504,7 @@ class ReplaySSMDecoder(MixerPatch):
         self.cache = None  # a ReplayStateCache, from the first prefill hand-off
         self._ready: set[int] = set()  # layers handed off into it
         self._step: str | None = None
-        self._cache_id: int | None = None  # the transformers cache our buffers continue
+        self._cache_ref = None  # weakref of the transformers cache our buffers continue
         self._handles = []
 
     @property
@@ -475,19 +524,18 @@ class ReplaySSMDecoder(MixerPatch):
         return layer_idx in self._ready
 
     # prefill: the model's own path, then its final state becomes the checkpoint
-    def _begin_prefill(self, mixer, cache) -> None:
-        rec = cache.get_recurrent_state(mixer.layer_idx)
-        if not self._has_state(mixer.layer_idx) or rec is None or self._cache_id != id(cache):
-            return  # a fresh cache: nothing to continue from
-        A = -torch.exp(mixer.A_log.float())
+    def _fold_into(self, layer_idx: int, rec) -> None:
+        A = -torch.exp(self.model.model.layers[layer_idx].mixer.A_log.float())
         for s in range(rec.shape[0]):
-            rec[s] = self.cache.committed_state(self.j[mixer.layer_idx], s, A)
+            rec[s] = self.cache.committed_state(self.j[layer_idx], s, A)
 
     def _end_prefill(self, mixer, cache, act_dtype) -> None:
         S = cache.get_recurrent_state(mixer.layer_idx)
         batch, H, P, N = S.shape
+        if not self._holds(cache):
+            self._write_back()  # the cache held until now keeps what our buffers hold
         c = self.cache
-        if c is None or self._cache_id != id(cache) or c.num_slots != batch or c.state.device != S.device \
+        if c is None or not self._holds(cache) or c.num_slots != batch or c.state.device != S.device \
                 or c.x_cache.dtype != act_dtype or c.nheads != H:
             c = self.cache = ReplayStateCache(len(self.layers), batch, H, P, N, mixer.n_groups, self.buffer_len,
                                               conv_dim=0, state_dtype=self.state_dtype, act_dtype=act_dtype,
@@ -501,7 +549,7 @@ class ReplaySSMDecoder(MixerPatch):
         for t in (c.x_cache, c.B_cache, c.dt_cache):
             t[j].zero_()
         self._ready.add(mixer.layer_idx)
-        self._cache_id = id(cache)
+        self._take(cache)
 
     def _decode(self, mixer, hidden_states, cache, attention_mask):
         from transformers.models.nemotron_h import modeling_nemotron_h as m
@@ -511,8 +559,9 @@ class ReplaySSMDecoder(MixerPatch):
         H, P, N, G = mixer.num_heads, mixer.head_dim, mixer.ssm_state_size, mixer.n_groups
         proj = mixer.in_proj(m.apply_mask_to_padding_states(hidden_states, attention_mask))
         gate, xBC, dt = proj.split([mixer.intermediate_size, mixer.conv_dim, H], dim=-1)
-        xBC = m.causal_conv1d_update(xBC.transpose(1, 2), cache.get_conv_state(mixer.layer_idx),
-                                     mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, activation=mixer.activation)
+        # the model's own decode conv (it also counts the token in the cache: get_seq_length follows)
+        xBC = m.causal_conv1d_forward(mixer.conv1d, xBC.transpose(1, 2), cache, mixer.layer_idx,
+                                      activation=mixer.activation)
         xBC = m.apply_mask_to_padding_states(xBC.transpose(1, 2), attention_mask)
         x, B, C = xBC.split([mixer.intermediate_size, G * N, G * N], dim=-1)
         sbi = self._rows()
@@ -526,7 +575,7 @@ class ReplaySSMDecoder(MixerPatch):
     def reset(self) -> None:
         self.cache = None
         self._ready = set()
-        self._cache_id = None
+        self._cache_ref = None
 
 
 class StepExecutor:

@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Qwen3-Next and Qwen3.5 (transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM``) with ReplaySSM
-Gated DeltaNet single-token decode.
+"""Qwen3-Next, Qwen3.5 and Qwen3.5 MoE (transformers' ``Qwen3NextForCausalLM`` / ``Qwen3_5ForCausalLM`` /
+``Qwen3_5MoeForCausalLM``) with ReplaySSM Gated DeltaNet single-token decode.
 
 Layer types (``config.layer_types``): ``linear_attention`` (Gated DeltaNet, the module
-``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet`` at ``layers[i].linear_attn``) and
+``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet`` at ``layers[i].linear_attn``) and
 ``full_attention`` (gated attention). Only the GDN layers are patched; attention, MoE / MLP, norms
 and the head stay transformers' own modules.
 
@@ -21,7 +21,8 @@ Prefill (more than one token) is the model's own chunked path; its final recurre
 by transformers as (batch, HV, K, V), becomes the checkpoint in our (batch, HV, V, K) layout with an
 empty buffer (cursor 0). A continuation prefill after decode steps first writes the current state
 (:func:`~trtllm_replayssm.gdn_reference.replay_state`) back into the model's cache. The cursor is
-shared by all GDN layers and advanced once per model step. Not covered: caches that record the past.
+shared by all GDN layers and advanced once per model step. Beam search and switching between transformers
+caches as builders/nemotron_h.py's ``MixerPatch`` (shared). Not covered: caches that record the past.
 
 The embedded tiny configs (:data:`TINY_QWEN3_NEXT`, :data:`TINY_QWEN3_5`) keep the published models'
 structure at toy sizes: layer pattern 3 GDN + 1 attention (full_attention_interval 4), value heads
@@ -64,8 +65,13 @@ _COMMON = dict(
 TINY_QWEN3_NEXT = dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                        shared_expert_intermediate_size=64, decoder_sparse_step=1, norm_topk_prob=True)
 TINY_QWEN3_5 = dict(_COMMON)
-FAMILIES = {"qwen3_next": TINY_QWEN3_NEXT, "qwen3_5": TINY_QWEN3_5}
-MODEL_TYPES = ("qwen3_next", "qwen3_5_text")  # config.json model_type of the text checkpoints we load
+# Qwen3.5 MoE (e.g. Qwen3.5-397B-A17B): Qwen3-Next's sparse MoE block in every layer, top-k always renormalised
+TINY_QWEN3_5_MOE = dict(_COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                        shared_expert_intermediate_size=64)
+FAMILIES = {"qwen3_next": TINY_QWEN3_NEXT, "qwen3_5": TINY_QWEN3_5, "qwen3_5_moe": TINY_QWEN3_5_MOE}
+# config.json model_type of the checkpoints we load: the text models, and the published Qwen3.5 directories, whose
+# config is the vision-language wrapper's (qwen3_5 / qwen3_5_moe; AutoModelForCausalLM takes its text model)
+MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 def is_gdn_checkpoint(model_dir) -> bool:
@@ -99,6 +105,10 @@ def tiny_model(family: str = "qwen3_next", dtype=torch.float32, seed: int = 0, d
         from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
         config, cls = Qwen3NextConfig(**cfg), Qwen3NextForCausalLM
+    elif family == "qwen3_5_moe":
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        config, cls = Qwen3_5MoeTextConfig(**cfg), Qwen3_5MoeForCausalLM
     else:
         from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -156,7 +166,7 @@ class GDNReplayDecoder(MixerPatch):
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
         self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
-        if model.config.model_type not in ("qwen3_next", "qwen3_5_text", "qwen3_5"):
+        if model.config.model_type not in MODEL_TYPES:
             raise ValueError(f"model: expected a Qwen3-Next or Qwen3.5 text model, got model_type "
                              f"{model.config.model_type!r}")
         self.model = model
@@ -178,7 +188,7 @@ class GDNReplayDecoder(MixerPatch):
         self.cache = None  # a ReplayStateCache of the GDN layers, from the first prefill hand-off
         self._ready: set[int] = set()
         self._step: str | None = None
-        self._cache_id: int | None = None
+        self._cache_ref = None  # weakref of the transformers cache our buffers continue
         self._handles = []
 
     @property
@@ -189,18 +199,17 @@ class GDNReplayDecoder(MixerPatch):
     def bufs(self) -> dict[int, gref.GDNBuffers]:
         return {i: self.cache.gdn_layer(self.j[i]).buf for i in self.layers if i in self._ready}
 
-    def _begin_prefill(self, mixer, cache) -> None:
-        rec = cache.get_recurrent_state(mixer.layer_idx) if cache is not None else None
-        if not self._has_state(mixer.layer_idx) or rec is None or self._cache_id != id(cache):
-            return
-        for s in range(rec.shape[0]):
-            rec[s] = self.cache.gdn_committed_state(self.j[mixer.layer_idx], s).transpose(-1, -2).to(rec.dtype)
+    def _fold_into(self, layer_idx: int, rec) -> None:
+        for s in range(rec.shape[0]):  # the model's recurrent state is (HV, K, V), ours (HV, V, K)
+            rec[s] = self.cache.gdn_committed_state(self.j[layer_idx], s).transpose(-1, -2).to(rec.dtype)
 
     def _end_prefill(self, mixer, cache, act_dtype) -> None:
         S = cache.get_recurrent_state(mixer.layer_idx)  # (batch, HV, K, V)
         batch, HV, K, V = S.shape
+        if not self._holds(cache):
+            self._write_back()  # the cache held until now keeps what our buffers hold
         c = self.cache
-        if c is None or self._cache_id != id(cache) or c.num_slots != batch or c.gdn_state.device != S.device \
+        if c is None or not self._holds(cache) or c.num_slots != batch or c.gdn_state.device != S.device \
                 or c.gdn_v.dtype != act_dtype:
             c = self.cache = ReplayStateCache.for_gdn(
                 len(self.layers), batch, HV, mixer.num_k_heads, V, K, self.buffer_len, gdn_conv_dim=0,
@@ -214,7 +223,7 @@ class GDNReplayDecoder(MixerPatch):
         for t in (lay.buf.u_cache, lay.buf.v_cache, lay.buf.k_cache, lay.buf.g_cache, lay.buf.beta_cache):
             t.zero_()
         self._ready.add(mixer.layer_idx)
-        self._cache_id = id(cache)
+        self._take(cache)
 
     def _decode(self, mixer, hidden_states, cache, attention_mask):
         m = sys.modules[type(mixer).__module__]

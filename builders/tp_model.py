@@ -120,15 +120,16 @@ def shard_nemotron_h_(model, rank: int, tp: int, group=None):
     config = model.config
     tpmod.shard_plan(config.mamba_num_heads, config.n_groups, tp)  # raises naming what does not divide
     tpmod.check_dense_split(config.num_key_value_heads, config.intermediate_size, tp)
+    bad = sorted({k for k in config.layers_block_type if k not in ("linear_attention", "full_attention", "mlp")})
+    if bad:  # before any layer is changed: a refused model is left whole
+        raise ValueError(f"tp={tp}: layer type {bad[0]!r} cannot be sharded (supported: linear_attention, "
+                         "full_attention, mlp)")
     for layer, kind in zip(model.model.layers, config.layers_block_type):
         if kind == "linear_attention":
             _shard_mixer(layer.mixer, config, rank, tp, group)
         elif kind == "full_attention":
             _shard_attention(layer.mixer, config, rank, tp, group)
-        elif kind == "mlp":
+        else:  # "mlp" (checked above)
             _shard_mlp(layer.mixer, rank, tp, group)
-        else:
-            raise ValueError(f"tp={tp}: layer type {kind!r} cannot be sharded (supported: linear_attention, "
-                             "full_attention, mlp)")
     model.replayssm_tp = (rank, tp)  # (transformers owns `tp_size`)
     return model

@@ -49,8 +49,8 @@ def parse_args(argv=None):
                    help="HF directory (config.json + *.safetensors); default: embedded tiny config")
     p.add_argument("--tiny", choices=TINY_NAMES, default=None,
                    help="embedded tiny config without --model: nemotron_h (default, M*-M-M*-), nemotron3 "
-                        "(Mamba-2 + MoE + attention, MEM*EM*E), qwen3_next or qwen3_5 (Gated DeltaNet + gated "
-                        "attention, 3 GDN layers then 1 attention layer; Qwen3-Next with MoE)")
+                        "(Mamba-2 + MoE + attention, MEM*EM*E), qwen3_next, qwen3_5 or qwen3_5_moe (Gated DeltaNet + "
+                        "gated attention, 3 GDN layers then 1 attention layer; Qwen3-Next and Qwen3.5 MoE with MoE)")
     p.add_argument("--moe-formulation", choices=MOE_FORMULATIONS, default=DEFAULTS["moe_formulation"],
                    help="routed experts of MoE layers in the graph: dense over experts with a routing mask "
                         "(default) or gathered per token (builders/moe.py says when each is cheaper)")

@@ -39,7 +39,8 @@ version. :func:`pytriton_server` finds the tritonserver that the nvidia-pytriton
 :func:`serve_command` gives the command that serves the repository with it.
 
 The model is Nemotron-H / Nemotron 3 (``--tiny nemotron_h|nemotron3``) or Qwen3-Next / Qwen3.5
-(``--tiny qwen3_next|qwen3_5``, or a ``--model`` whose config.json says qwen3_next / qwen3_5_text; its
+(``--tiny qwen3_next|qwen3_5|qwen3_5_moe``, or a ``--model`` whose config.json says qwen3_next / qwen3_5 /
+qwen3_5_moe (or their *_text); its
 Gated DeltaNet layers on the cache's GDN rings, ``triton_model.QwenSlotStep``).
 
 Usage: python scripts/make_triton_repo.py --backend python --repo build/triton-py [--tiny nemotron_h | --model DIR]
@@ -78,7 +79,7 @@ def main(argv=None) -> int:
     py.add_argument("--model", type=pathlib.Path,
                     help="Nemotron-H / Nemotron 3 / Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded tiny)")
     py.add_argument("--tiny", default="nemotron_h",
-                    help="embedded tiny config without --model: nemotron_h, nemotron3, qwen3_next, qwen3_5 "
+                    help="embedded tiny config without --model: nemotron_h, nemotron3, qwen3_next, qwen3_5, qwen3_5_moe "
                          "(default: %(default)s)")
     py.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights (default: %(default)s)")
     py.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: %(default)s)")

@@ -327,6 +327,93 @@ def test_onnx_comparison_has_teeth(exported):
 
 
 # ---- loading checkpoints --------------------------------------------------------------------------
+@torch.no_grad()
+def test_patched_generate_leaves_a_cache_that_continues(model):
+    """A decode step counts its token in the transformers cache (get_seq_length follows the sequence), so a
+    second generate() that continues the returned cache sees only the new tokens, as unpatched."""
+    ids = _prompt(1, 7)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+    got = []
+    for patched in (False, True):
+        dec = patch_replayssm(model, buffer_len=L) if patched else None
+        try:
+            out = model.generate(ids, **kw)
+            length = int(out.past_key_values.get_seq_length())
+            more = torch.cat([out.sequences, _prompt(1, 2, seed=5)], dim=1)
+            got.append((length, model.generate(more, past_key_values=out.past_key_values, **kw).sequences))
+        finally:
+            if dec is not None:
+                dec.unpatch()
+    assert got[1][0] == got[0][0] == 7 + 6 - 1
+    assert torch.equal(got[1][1], got[0][1])
+
+
+@torch.no_grad()
+def test_beam_search_and_interleaved_conversations_match_unpatched(model):
+    """Beam search (reorder_cache reorders our slots too), left-padded rows; two conversations on two caches
+    interleaved (A, B, A: the buffers are folded back into A's cache when B takes over); unpatch() in the middle
+    of a conversation (the cache gets the state our buffers hold)."""
+    ids = _prompt(3, 9)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=3)
+    ref = model.generate(ids, **kw)
+    dec = patch_replayssm(model, buffer_len=L)
+    try:
+        beams = model.generate(ids, **kw)
+    finally:
+        dec.unpatch()
+    assert torch.equal(beams, ref)
+
+    a, b, more = _prompt(1, 7), _prompt(1, 5, seed=3), _prompt(1, 3, seed=2)
+
+    def talk(cache, prompt, n):
+        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(n):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def run(mode):
+        dec = patch_replayssm(model, buffer_len=L) if mode else None
+        try:
+            cache_a = DynamicCache(config=model.config)
+            talk(cache_a, a, 6)
+            if mode == "interleave":
+                talk(DynamicCache(config=model.config), b, 3)
+            if mode == "unpatch":
+                dec.unpatch()
+                dec = None
+            return model(more, cache=cache_a, use_cache=True).logits
+        finally:
+            if dec is not None:
+                dec.unpatch()
+
+    want = run(None)
+    for mode in ("interleave", "unpatch"):
+        torch.testing.assert_close(run(mode), want, rtol=0, atol=1e-4, msg=mode)
+
+
+def test_tied_embeddings_checkpoint_loads_with_the_head_tied(model, tmp_path):
+    """tie_word_embeddings with no lm_head tensor: the head is the embedding (transformers' tie_weights() does
+    nothing for NemotronHForCausalLM, which left the head on the meta device)."""
+    loaded = load_nemotron_h(_save(model, tmp_path / "tied", drop=("lm_head.weight",),
+                                   config={"tie_word_embeddings": True}))
+    assert loaded.lm_head.weight.device.type == "cpu"
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embeddings.weight.data_ptr()
+    with torch.no_grad():
+        assert torch.isfinite(loaded(_prompt(1, 4)).logits).all()
+
+
+def test_tensor_parallel_refuses_moe_before_changing_anything(model3):
+    from builders.tp_model import shard_nemotron_h_
+
+    mixer = model3.model.layers[0].mixer
+    before = (tuple(mixer.in_proj.weight.shape), mixer.num_heads)
+    with pytest.raises(ValueError, match="tp=2: layer type 'moe' cannot be sharded"):
+        shard_nemotron_h_(model3, 0, 2)
+    assert (tuple(mixer.in_proj.weight.shape), mixer.num_heads) == before
+
+
 def _save(model, d: pathlib.Path, rename=lambda k: k, drop=(), reshape=(), extra=(), per_expert=False, config=None,
           dtype=None):
     """``model`` as an HF directory; ``per_expert``: NVIDIA's layout (``backbone.``, one tensor per expert,

@@ -105,6 +105,67 @@ def test_rejects_other_models_and_bad_buffer_len(model):
         patch_gdn_replayssm(load_nemotron_h(seed=0), buffer_len=L)
 
 
+@torch.no_grad()
+def test_beam_search_and_interleaved_conversations_match_unpatched(model):
+    """As tests/test_builder.py's for Nemotron-H (the shared MixerPatch): beam search over left-padded rows, two
+    conversations on two caches interleaved, and unpatch() in the middle of one."""
+    from transformers import DynamicCache
+
+    ids = _prompt(3, 9)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=3)
+    ref = model.generate(ids, **kw)
+    dec = patch_gdn_replayssm(model, buffer_len=L)
+    try:
+        beams = model.generate(ids, **kw)
+    finally:
+        dec.unpatch()
+    assert torch.equal(beams, ref)
+
+    a, b, more = _prompt(1, 7), _prompt(1, 5, seed=3), _prompt(1, 3, seed=2)
+
+    def talk(cache, prompt, n):
+        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(n):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def run(mode):
+        dec = patch_gdn_replayssm(model, buffer_len=L) if mode else None
+        try:
+            cache_a = DynamicCache(config=model.config)
+            talk(cache_a, a, 6)
+            if mode == "interleave":
+                talk(DynamicCache(config=model.config), b, 3)
+            if mode == "unpatch":
+                dec.unpatch()
+                dec = None
+            return model(more, cache=cache_a, use_cache=True).logits
+        finally:
+            if dec is not None:
+                dec.unpatch()
+
+    want = run(None)
+    for mode in ("interleave", "unpatch"):
+        torch.testing.assert_close(run(mode), want, rtol=0, atol=1e-5, msg=mode)
+
+
+@pytest.mark.parametrize("model_type, gdn", [("qwen3_next", True), ("qwen3_5", True), ("qwen3_5_text", True),
+                                             ("qwen3_5_moe", True), ("qwen3_5_moe_text", True), ("nemotron_h", False)])
+def test_published_checkpoint_model_types_are_recognised(tmp_path, model_type, gdn):
+    """The published Qwen3.5 directories carry the vision-language wrapper's model_type (qwen3_5 / qwen3_5_moe):
+    they are GDN checkpoints for the builder (they used to go to the Nemotron loader)."""
+    import json
+
+    from builders.engine import BuildOptions, is_gdn
+    from builders.qwen3_next import is_gdn_checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    assert is_gdn_checkpoint(tmp_path) is gdn
+    assert is_gdn(BuildOptions(out=tmp_path / "e", model=tmp_path)) is gdn
+
+
 # ---- the decode step with explicit state I/O, and its ONNX export ------------------------------------
 MAX_SEQ, STEPS = 64, 3 * L + 1
 
@@ -275,12 +336,12 @@ def test_build_engine_tiny_gdn(tmp_path, tiny):
     assert "trtexec --onnx=model.onnx" in r.stdout
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model"]["pattern"] == "GGG*" and cfg["model"]["gdn_layers"] == [0, 1, 2]
-    if tiny == "qwen3_next":  # sparse MoE in every layer: its keys and the formulation the graph was built in
-        from builders.qwen3_next import TINY_QWEN3_NEXT
+    if tiny in ("qwen3_next", "qwen3_5_moe"):  # sparse MoE in every layer: its keys and the graph formulation
+        from builders.qwen3_next import FAMILIES
 
         moe = cfg["model"]["moe"]
         assert cfg["model"]["moe_layers"] == [0, 1, 2, 3] and moe["formulation"] == "dense"
-        assert moe["num_experts"] == TINY_QWEN3_NEXT["num_experts"] and moe["num_experts_per_tok"] == 2
+        assert moe["num_experts"] == FAMILIES[tiny]["num_experts"] and moe["num_experts_per_tok"] == 2
     else:
         assert "moe" not in cfg["model"] and "moe_layers" not in cfg["model"]
     plugin = cfg["plugin"]

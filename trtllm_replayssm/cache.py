@@ -332,6 +332,20 @@ class ReplayStateCache:
                 scale[:, slot] = 1.0
         self.cursor[slot].zero_()
 
+    def gather_slots(self, src: torch.Tensor) -> None:
+        """Slot s takes what slot ``src[s]`` held, in every layer and its cursor (src (num_slots,) int, repeats
+        allowed): the reorder a beam search applies to its cache (every beam continues one parent). Between
+        steps only; no host read of ``src``'s values (a graph-safe gather)."""
+        if not isinstance(src, torch.Tensor) or src.dtype not in (torch.int32, torch.int64) \
+                or tuple(src.shape) != (self.num_slots,):
+            raise ValueError(f"src: expected a ({self.num_slots},) integer tensor, got "
+                             f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__}")
+        if self._step is not None:
+            raise RuntimeError("gather_slots: a step is open (flush() without commit())")
+        idx = src.to(device=self.cursor.device, dtype=torch.long)
+        for t in (*self._tensors(), self.cursor):
+            t.copy_(t[idx] if t is self.cursor else t[:, idx])
+
     def _check_live(self, slot: int, what: str) -> None:
         if slot not in self._live:
             raise ValueError(f"{what}: slot {slot} is not allocated (live slots: {self.live_slots})")
