@@ -227,6 +227,30 @@ def test_over_long_end_and_two_requests_of_one_sequence(tmp_path):
     assert m.table.live[2].length == MAX_SEQ  # the sequence lives on
 
 
+@pytest.mark.parametrize("tiny", ("nemotron_h", "qwen3_5_moe"))
+def test_a_failed_step_drops_its_sequences_and_the_model_serves_on(tmp_path, tiny, monkeypatch):
+    """A step that raises mid-model: its sequences are dropped with an error, the cache's open step is aborted,
+    and the next batch runs (the cache refused to open a step over one with verified layers)."""
+    m = tm.SequenceModel(FakePb, make_args(tmp_path, tiny=tiny), clock=Clock())
+    assert m.execute([request(1, 10, start=True)])[0].error is None
+    boom = {"n": 1}
+    orig = m.step._attention
+
+    def failing(*a, **k):
+        if boom["n"]:
+            boom["n"] -= 1
+            raise RuntimeError("injected")
+        return orig(*a, **k)
+
+    monkeypatch.setattr(m.step, "_attention", failing)
+    assert "step failed (RuntimeError: injected)" in err(m.execute([request(1, 11)])[0])
+    assert 1 not in m.table.live
+    got = [m.execute([request(2, t, start=k == 0)])[0] for k, t in enumerate((10, 11, 12))]
+    assert all(r.error is None for r in got)
+    want = oracle(tiny)([10, 11, 12])
+    torch.testing.assert_close(torch.stack([r.outputs["logits"][0] for r in got]), want, rtol=0, atol=TOL)
+
+
 def test_idle_sequences_are_freed_and_reset(tmp_path):
     clock = Clock()
     m = tm.SequenceModel(FakePb, make_args(tmp_path, slots=2, idle_us=500_000), clock=clock)

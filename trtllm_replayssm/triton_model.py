@@ -142,17 +142,21 @@ class SlotStep(_Slots):
         m = self.model.model
         h = m.embeddings(ids)  # (n, hidden)
         self.cache.flush(sbi, 1, self.A_by_layer)
-        for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
-            res = h
-            hn = layer.norm(h.to(layer.norm.weight.dtype))
-            if kind == "linear_attention":
-                out = self._mamba(i, layer.mixer, hn, sbi)
-            elif kind == "full_attention":
-                out = self._attention(i, layer.mixer, hn, rows, pos)
-            else:  # MLP or MoE: transformers' module on (n, 1, hidden), as the model calls it in decode
-                out = layer.mixer(hn[:, None])[:, 0]
-            h = res + out
-        logits = self.model.lm_head(m.norm_f(h)).float()
+        try:
+            for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
+                res = h
+                hn = layer.norm(h.to(layer.norm.weight.dtype))
+                if kind == "linear_attention":
+                    out = self._mamba(i, layer.mixer, hn, sbi)
+                elif kind == "full_attention":
+                    out = self._attention(i, layer.mixer, hn, rows, pos)
+                else:  # MLP or MoE: transformers' module on (n, 1, hidden), as the model calls it in decode
+                    out = layer.mixer(hn[:, None])[:, 0]
+                h = res + out
+            logits = self.model.lm_head(m.norm_f(h)).float()
+        except BaseException:
+            self.cache.abort_step()  # the caller drops these rows' sequences; the next step must still open
+            raise
         self.cache.commit(sbi, None, 1)  # every row accepts its token: the cursor advances
         self.lengths.index_add_(0, rows, torch.ones_like(rows))
         return logits
@@ -247,17 +251,21 @@ class QwenSlotStep(_Slots):
         h = m.embed_tokens(ids)[:, None]  # (n, 1, hidden)
         cos_sin = self.layer_code._rope(pos[:, None])
         self.cache.flush(sbi, 1, [])
-        for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
-            res = h
-            hn = layer.input_layernorm(h)
-            if kind == "linear_attention":
-                out = self._gdn(i, layer.linear_attn, hn, sbi)
-            else:
-                out = self._attention(i, layer, hn, rows, pos, cos_sin)
-            h = res + out
-            mo = layer.mlp(layer.post_attention_layernorm(h))
-            h = h + (mo[0] if isinstance(mo, tuple) else mo)  # a MoE block may return (hidden, router logits)
-        logits = self.model.lm_head(m.norm(h))[:, 0].float()
+        try:
+            for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
+                res = h
+                hn = layer.input_layernorm(h)
+                if kind == "linear_attention":
+                    out = self._gdn(i, layer.linear_attn, hn, sbi)
+                else:
+                    out = self._attention(i, layer, hn, rows, pos, cos_sin)
+                h = res + out
+                mo = layer.mlp(layer.post_attention_layernorm(h))
+                h = h + (mo[0] if isinstance(mo, tuple) else mo)  # a MoE block may return (hidden, router logits)
+            logits = self.model.lm_head(m.norm(h))[:, 0].float()
+        except BaseException:
+            self.cache.abort_step()  # the caller drops these rows' sequences; the next step must still open
+            raise
         self.cache.commit(sbi, None, 1)  # every row accepts its token: the cursor advances
         self.lengths.index_add_(0, rows, torch.ones_like(rows))
         return logits
