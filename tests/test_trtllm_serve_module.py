@@ -450,6 +450,42 @@ def test_slot_tensor_given_as_none_or_int64_serves_every_layer(form):
     assert torch.equal(got.cursor, ref.cursor) and all(torch.equal(a, b) for a, b in zip(states["got"], states["ref"]))
 
 
+def test_cache_configurations_replayssm_cannot_follow_are_refused_before_a_step():
+    """The V2 hybrid cache manager (moves live requests between slots) and block reuse (commits ssm_states
+    without our buffered tokens) are refused by name before anything runs; the V1 manager is accepted once."""
+    import importlib
+
+    replay_step = importlib.import_module("trtllm_replayssm_module.install").replay_step
+    adapter = ReplaySSMAdapter(buffer_len=L)
+    ran = []
+
+    def step(manager):
+        md = types.SimpleNamespace(kv_cache_manager=manager, num_contexts=0, num_seqs=0)
+        return replay_step(adapter, types.SimpleNamespace(), object, md, lambda: ran.append(1))
+
+    V2 = type("MambaHybridCacheManagerV2", (), {})
+    V2.__module__ = "tensorrt_llm._torch.pyexecutor.mamba_cache_manager.mamba_cache_manager_v2"
+    with pytest.raises(RuntimeError, match="moves live requests between state slots.*TRTLLM_USE_PY_MAMBA=1"):
+        step(V2())
+    with pytest.raises(RuntimeError, match="enable_block_reuse is on"):
+        step(types.SimpleNamespace(enable_block_reuse=True))
+    assert not ran
+    v1 = types.SimpleNamespace(enable_block_reuse=False)
+    step(v1)
+    step(v1)
+    assert ran == [1, 1] and adapter.checked_manager is v1
+
+
+def test_stochastic_rounding_is_refused_at_construction(monkeypatch):
+    mixer_cls, _ = make_fake_trtllm()
+    fake_tree(monkeypatch, mixer_cls)
+    cls = mod.register()
+    cfg = model_config("M", {}, 8, 16)
+    cfg.quant_config = types.SimpleNamespace(mamba_ssm_stochastic_rounding=True)
+    with pytest.raises(RuntimeError, match="mamba_ssm_stochastic_rounding is set"):
+        cls(cfg)
+
+
 # ---- packaging: import without tensorrt_llm, installer ---------------------------------------------
 def test_import_without_tensorrt_llm_installs_nothing():
     if "tensorrt_llm" in sys.modules:
@@ -569,7 +605,7 @@ FAKE_VERSION = "1.3.0rc26+stand-in"
 def make_registry(lazy: bool, with_register: bool = True):
     mu = types.ModuleType(ZOO + ".modeling_utils")
     mapping, recorded, declared = {}, {}, {}
-    index = {"NemotronHForCausalLM": ZOO + ".modeling_nemotron_h"}
+    index = {"NemotronHForCausalLM": ZOO + ".modeling_nemotron_h", "NemotronHPuzzleForCausalLM": ZOO + ".modeling_nemotron_h"}
 
     def builtin(name):
         return name == ZOO or name.startswith(ZOO + ".")
@@ -647,8 +683,10 @@ def make_zoo(mixer_cls, mu):
     for c in (NemotronHModel, NemotronHForCausalLM):
         c.__module__ = nh.__name__
     nh.NemotronHModel = NemotronHModel
-    nh.NemotronHForCausalLM = mu.register_auto_model("NemotronHForCausalLM")(NemotronHForCausalLM) \
-        if hasattr(mu, "register_auto_model") else NemotronHForCausalLM
+    if hasattr(mu, "register_auto_model"):  # TensorRT-LLM registers the class under both names
+        NemotronHForCausalLM = mu.register_auto_model("NemotronHPuzzleForCausalLM")(NemotronHForCausalLM)
+        NemotronHForCausalLM = mu.register_auto_model("NemotronHForCausalLM")(NemotronHForCausalLM)
+    nh.NemotronHForCausalLM = NemotronHForCausalLM
     return nh
 
 
@@ -755,12 +793,14 @@ def test_registered_class_routes_mamba_layers_without_patching_trtllm(monkeypatc
     assert route == "registration" and cls is mod.model.ReplaySSMNemotronHForCausalLM
     assert cls.__bases__ == (nh.NemotronHForCausalLM,) and cls.__module__ == "trtllm_replayssm_module.model"
     assert mu.MODEL_CLASS_MAPPING["NemotronHForCausalLM"] is cls
+    assert mu.MODEL_CLASS_MAPPING["NemotronHPuzzleForCausalLM"] is cls  # Puzzle checkpoints too
     assert mixer_cls.__init__ is init_before and nh.NemotronHModel.forward is fwd_before  # nothing patched
     msgs = [r.getMessage() for r in caplog.records]
-    assert any(f"route=registration: NemotronHForCausalLM -> trtllm_replayssm_module.model.ReplaySSMNemotronHForCausalLM "
-               f"(TensorRT-LLM {FAKE_VERSION}; mixer check passed" in m for m in msgs)
+    assert any("route=registration: NemotronHForCausalLM, NemotronHPuzzleForCausalLM -> trtllm_replayssm_module.model."
+               f"ReplaySSMNemotronHForCausalLM (TensorRT-LLM {FAKE_VERSION}; mixer check passed" in m for m in msgs)
     if lazy:
-        assert mu.export_external_model_modules() == {"NemotronHForCausalLM": "trtllm_replayssm_module.model"}
+        assert mu.export_external_model_modules() == dict.fromkeys(("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"),
+                                                                   "trtllm_replayssm_module.model")
         assert any("add " in m and "to PYTHONPATH" in m for m in msgs)  # a fresh worker would not find us
     else:
         assert any("does not pass custom modules to spawned workers" in m for m in msgs)

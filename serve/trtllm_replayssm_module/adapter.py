@@ -160,6 +160,7 @@ class ReplaySSMAdapter:
         self._step_key: tuple | None = None
         self._step_layers: set[int] = set()
         self.pattern: str | None = None
+        self.checked_manager = None  # the cache manager install.check_cache_manager last accepted
         self.mamba_layers: frozenset[int] | None = None  # None: not known, every layer_idx accepted
         self._warned_unrouted = False
 

@@ -101,12 +101,41 @@ def new_adapter() -> ReplaySSMAdapter:
                             check_values=os.environ.get("TRTLLM_REPLAYSSM_CHECK_VALUES") == "1")
 
 
+def check_cache_manager(manager) -> None:
+    """Refuse the Mamba cache configurations ReplaySSM cannot follow, before a step runs (attribute reads only).
+
+    Its rings and cursor are per slot and live beside TensorRT-LLM's state pool, so a request must keep its slot
+    for its whole life and its state must be TensorRT-LLM's ``ssm_states`` plus our buffers:
+    - the V2 hybrid cache manager (mamba_cache_manager_v2) moves live requests between slots
+      (``relocate_slots``) and hands out strided state views: use the V1 Python manager
+      (``TRTLLM_USE_PY_MAMBA=1``, ``use_kv_cache_manager_v2=False``);
+    - block reuse commits ``ssm_states`` for later requests, which without our buffered tokens is stale.
+    Not detectable here, also unsupported: disaggregated generation servers (state transferred into a slot
+    whose cursor we would not reset) and breakable / piecewise CUDA graphs (the step hooks would be frozen
+    into the graph while the mixers run eagerly)."""
+    if manager is None:
+        return
+    kind = type(manager)
+    if "mamba_cache_manager_v2" in kind.__module__ or kind.__name__.endswith("V2"):
+        raise RuntimeError(f"trtllm_replayssm_module: the Mamba cache manager is {kind.__module__}.{kind.__name__}, "
+                           "which moves live requests between state slots; ReplaySSM's per-slot buffers need the V1 "
+                           "manager (TRTLLM_USE_PY_MAMBA=1, kv_cache_config use_kv_cache_manager_v2=False)")
+    if getattr(manager, "enable_block_reuse", False) is True:
+        raise RuntimeError("trtllm_replayssm_module: kv_cache_config.enable_block_reuse is on; reused SSM states "
+                           "would miss the tokens ReplaySSM buffers (set enable_block_reuse=False, the Nemotron-H "
+                           "default)")
+
+
 def replay_step(adapter: ReplaySSMAdapter, model, mixer_cls, attn_metadata, run):
     """One model step around ``run()``: step hooks, and the first-step check that decode reached us.
 
     A step with decode rows in which no Mamba-2 layer called the adapter means the mixer's decode no
     longer goes through ``selective_state_update_func``: raise rather than serve without ReplaySSM.
     TensorRT-LLM's warm-up (and CUDA-graph capture's eager passes) run such steps before serving."""
+    manager = getattr(attn_metadata, "kv_cache_manager", None)
+    if manager is not None and adapter.checked_manager is not manager:
+        check_cache_manager(manager)
+        adapter.checked_manager = manager
     adapter.expect_pattern(model_pattern(model))
     n_decode = decode_rows(attn_metadata)
     adapter.begin_step(prefill_slots(attn_metadata))

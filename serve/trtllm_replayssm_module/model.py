@@ -62,7 +62,9 @@ from .install import install, model_pattern, new_adapter, replay_step
 
 log = logging.getLogger("trtllm_replayssm_module")
 
-ARCHITECTURES = ("NemotronHForCausalLM",)
+# TensorRT-LLM registers its NemotronHForCausalLM under both names (models/modeling_nemotron_h.py); a Puzzle
+# checkpoint left on TensorRT-LLM's class would silently run without ReplaySSM.
+ARCHITECTURES = ("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM")
 ReplaySSMNemotronHForCausalLM = None  # the registered class, once register() ran
 
 
@@ -111,6 +113,10 @@ def make_model_class(base, mixer_cls):
                 raise RuntimeError("ReplaySSMNemotronHForCausalLM: a speculative_config is set; ReplaySSM routes "
                                    "single-token decode only (remove speculative_config, or serve without "
                                    "--custom_module_dirs)")
+            if getattr(getattr(model_config, "quant_config", None), "mamba_ssm_stochastic_rounding", False):
+                raise RuntimeError("ReplaySSMNemotronHForCausalLM: quant_config.mamba_ssm_stochastic_rounding is set; "
+                                   "ReplaySSM keeps an fp32 checkpoint and does not implement stochastic rounding "
+                                   "(unset it, or serve without --custom_module_dirs)")
             super().__init__(model_config, *args, **kwargs)
             self.replayssm = new_adapter()
             self.replayssm_layers = route_mixers(self, mixer_cls, self.replayssm)
