@@ -25,6 +25,57 @@ def check_shadow(pb, s: int) -> None:
     pb.ref_shadow.q[s] = got  # the mirror reads what the kernel will read
 
 
+@torch.no_grad()
+def check_beams_and_conversations(model, patch, buffer_len: int, atol: float) -> None:
+    """A patched model (``patch(model, buffer_len=...)`` returns a decoder with ``unpatch()``) against itself
+    unpatched: beam search over left-padded rows (reorder_cache must reorder our slots too); two conversations
+    on two transformers caches interleaved (A, B, A: the buffers are folded back into A's cache when B takes
+    over); unpatch() in the middle of a conversation (the cache gets the state our buffers hold)."""
+    from transformers import DynamicCache
+
+    def prompt(batch, length, seed):
+        return torch.randint(2, 256, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+    ids = prompt(3, 9, 1)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = mask[2, :2] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=3)
+    ref_beams = model.generate(ids, **kw)
+    dec = patch(model, buffer_len=buffer_len)
+    try:
+        beams = model.generate(ids, **kw)
+    finally:
+        dec.unpatch()
+    assert torch.equal(beams, ref_beams), "beam search"
+
+    a, b, more = prompt(1, 7, 1), prompt(1, 5, 3), prompt(1, 3, 2)
+
+    def talk(cache, ids, n):
+        tok = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(n):
+            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+    def run(mode):
+        dec = patch(model, buffer_len=buffer_len) if mode else None
+        try:
+            cache_a = DynamicCache(config=model.config)
+            talk(cache_a, a, 6)
+            if mode == "interleave":
+                talk(DynamicCache(config=model.config), b, 3)
+            if mode == "unpatch":
+                dec.unpatch()
+                dec = None
+            return model(more, cache=cache_a, use_cache=True).logits
+        finally:
+            if dec is not None:
+                dec.unpatch()
+
+    want = run(None)
+    for mode in ("interleave", "unpatch"):
+        torch.testing.assert_close(run(mode), want, rtol=0, atol=atol, msg=mode)
+
+
 # --- CPU process groups (gloo) for the tensor-parallel tests -----------------------------------------------
 #
 # A rank has died of SIGABRT ("terminate called without an active exception", no Python traceback) in

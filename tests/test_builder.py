@@ -348,49 +348,11 @@ def test_patched_generate_leaves_a_cache_that_continues(model):
     assert torch.equal(got[1][1], got[0][1])
 
 
-@torch.no_grad()
 def test_beam_search_and_interleaved_conversations_match_unpatched(model):
-    """Beam search (reorder_cache reorders our slots too), left-padded rows; two conversations on two caches
-    interleaved (A, B, A: the buffers are folded back into A's cache when B takes over); unpatch() in the middle
-    of a conversation (the cache gets the state our buffers hold)."""
-    ids = _prompt(3, 9)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = mask[2, :2] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=3)
-    ref = model.generate(ids, **kw)
-    dec = patch_replayssm(model, buffer_len=L)
-    try:
-        beams = model.generate(ids, **kw)
-    finally:
-        dec.unpatch()
-    assert torch.equal(beams, ref)
+    """Beam search, two interleaved conversations, unpatch mid-conversation (tests/helpers.py says how)."""
+    from .helpers import check_beams_and_conversations
 
-    a, b, more = _prompt(1, 7), _prompt(1, 5, seed=3), _prompt(1, 3, seed=2)
-
-    def talk(cache, prompt, n):
-        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        for _ in range(n):
-            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-
-    def run(mode):
-        dec = patch_replayssm(model, buffer_len=L) if mode else None
-        try:
-            cache_a = DynamicCache(config=model.config)
-            talk(cache_a, a, 6)
-            if mode == "interleave":
-                talk(DynamicCache(config=model.config), b, 3)
-            if mode == "unpatch":
-                dec.unpatch()
-                dec = None
-            return model(more, cache=cache_a, use_cache=True).logits
-        finally:
-            if dec is not None:
-                dec.unpatch()
-
-    want = run(None)
-    for mode in ("interleave", "unpatch"):
-        torch.testing.assert_close(run(mode), want, rtol=0, atol=1e-4, msg=mode)
+    check_beams_and_conversations(model, patch_replayssm, L, atol=1e-4)
 
 
 def test_tied_embeddings_checkpoint_loads_with_the_head_tied(model, tmp_path):

@@ -105,50 +105,11 @@ def test_rejects_other_models_and_bad_buffer_len(model):
         patch_gdn_replayssm(load_nemotron_h(seed=0), buffer_len=L)
 
 
-@torch.no_grad()
 def test_beam_search_and_interleaved_conversations_match_unpatched(model):
-    """As tests/test_builder.py's for Nemotron-H (the shared MixerPatch): beam search over left-padded rows, two
-    conversations on two caches interleaved, and unpatch() in the middle of one."""
-    from transformers import DynamicCache
+    """Beam search, two interleaved conversations, unpatch mid-conversation (tests/helpers.py says how)."""
+    from .helpers import check_beams_and_conversations
 
-    ids = _prompt(3, 9)
-    mask = torch.ones_like(ids)
-    mask[1, :4] = mask[2, :2] = 0
-    ids = ids.masked_fill(mask == 0, 0)
-    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, num_beams=3)
-    ref = model.generate(ids, **kw)
-    dec = patch_gdn_replayssm(model, buffer_len=L)
-    try:
-        beams = model.generate(ids, **kw)
-    finally:
-        dec.unpatch()
-    assert torch.equal(beams, ref)
-
-    a, b, more = _prompt(1, 7), _prompt(1, 5, seed=3), _prompt(1, 3, seed=2)
-
-    def talk(cache, prompt, n):
-        tok = model(prompt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-        for _ in range(n):
-            tok = model(tok, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-
-    def run(mode):
-        dec = patch_gdn_replayssm(model, buffer_len=L) if mode else None
-        try:
-            cache_a = DynamicCache(config=model.config)
-            talk(cache_a, a, 6)
-            if mode == "interleave":
-                talk(DynamicCache(config=model.config), b, 3)
-            if mode == "unpatch":
-                dec.unpatch()
-                dec = None
-            return model(more, cache=cache_a, use_cache=True).logits
-        finally:
-            if dec is not None:
-                dec.unpatch()
-
-    want = run(None)
-    for mode in ("interleave", "unpatch"):
-        torch.testing.assert_close(run(mode), want, rtol=0, atol=1e-5, msg=mode)
+    check_beams_and_conversations(model, patch_gdn_replayssm, L, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type, gdn", [("qwen3_next", True), ("qwen3_5", True), ("qwen3_5_text", True),

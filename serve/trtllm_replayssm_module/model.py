@@ -4,7 +4,8 @@
 :func:`register` subclasses TensorRT-LLM's ``NemotronHForCausalLM`` as
 ``ReplaySSMNemotronHForCausalLM`` (this module's global once registered) and registers it for the
 architectures ``NemotronHForCausalLM`` (Nemotron-H and Nemotron 3 checkpoints both name it) and
-``NemotronHPuzzleForCausalLM`` (TensorRT-LLM builds the same class for it) with ``register_auto_model``. The subclass changes instances only, never TensorRT-LLM's classes:
+``NemotronHPuzzleForCausalLM`` (TensorRT-LLM builds the same class for it) with ``register_auto_model``.
+The subclass changes instances only, never TensorRT-LLM's classes:
 
 * ``__init__``: refuses a ``spec_config`` (ReplaySSM routes single-token decode only), builds the model
   as TensorRT-LLM does, then sets, on every "M" layer's mixer (``self.model.layers[i].mixer``, a
