@@ -116,7 +116,7 @@ def check_cache_manager(manager) -> None:
     if manager is None:
         return
     kind = type(manager)
-    if "mamba_cache_manager_v2" in kind.__module__ or kind.__name__.endswith("V2"):
+    if "mamba_cache_manager_v2" in kind.__module__:
         raise RuntimeError(f"trtllm_replayssm_module: the Mamba cache manager is {kind.__module__}.{kind.__name__}, "
                            "which moves live requests between state slots; ReplaySSM's per-slot buffers need the V1 "
                            "manager (TRTLLM_USE_PY_MAMBA=1, kv_cache_config use_kv_cache_manager_v2=False)")
