@@ -340,7 +340,7 @@ def test_patched_generate_leaves_a_cache_that_continues(model):
             out = model.generate(ids, **kw)
             length = int(out.past_key_values.get_seq_length())
             more = torch.cat([out.sequences, _prompt(1, 2, seed=5)], dim=1)
-            got.append((length, model.generate(more, past_key_values=out.past_key_values, **kw).sequences))
+            got.append((length, model.generate(more, cache=out.past_key_values, **kw).sequences))
         finally:
             if dec is not None:
                 dec.unpatch()
