@@ -152,7 +152,7 @@ def err(resp):
 
 
 # ---- the model ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("tiny", ("nemotron_h", "nemotron3", "qwen3_next", "qwen3_5"))
+@pytest.mark.parametrize("tiny", ("nemotron_h", "nemotron3", "qwen3_next", "qwen3_5", "qwen3_5_moe"))
 def test_batches_with_bad_rows_match_the_patched_model(tmp_path, tiny):
     """Three sequences through 16 batches of changing composition (start, continue, end at different
     steps), bad rows mixed into the same batches; every good row's logits match the oracle and the bad
@@ -365,7 +365,7 @@ def test_cuda_model_matches_the_cpu_model(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiny", ("qwen3_next", "qwen3_5"))
+@pytest.mark.parametrize("tiny", ("qwen3_next", "qwen3_5", "qwen3_5_moe"))
 def test_cuda_qwen_model_matches_the_cpu_model(tmp_path, tiny):
     """As above for Qwen3-Next / Qwen3.5 (QwenSlotStep): the GDN kernels (gdn_replay_verify on the rings,
     T = 1, fp32 state) against the float64 GDN reference, same tolerance (the GDN sums have 2K + L terms
