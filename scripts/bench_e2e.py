@@ -69,7 +69,7 @@ class Run:
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.config = model_config(args.tiny or False, args.layers, args.vocab, geometry=args.model_geometry)
         kinds = list(self.config.layers_block_type)
-        self.meta = dict(**timing.run_meta(self.dev, args.commit), step=step,
+        self.meta = dict(**timing.run_meta(self.dev, args.commit, seed=args.seed), step=step,
                          model=f"tiny_{args.tiny}" if args.tiny else f"{args.model_geometry}_geometry",
                          pattern=self.config.hybrid_override_pattern, layers=len(kinds),
                          mamba_layers=kinds.count("linear_attention"), attention_layers=kinds.count("full_attention"),

@@ -2,6 +2,8 @@
 """trtllm_replayssm.timing on the CPU (the CUDA branches run in the benchmarks on the device): the spread,
 the eager fallbacks of capture and time_samples, restore before every sample, warm-up samples untimed."""
 
+import pathlib
+
 import pytest
 
 from trtllm_replayssm import timing
@@ -44,3 +46,19 @@ def test_commit_id_order(monkeypatch):
 def test_run_meta_on_cpu():
     m = timing.run_meta("cpu", "abc")
     assert m["device"] == "cpu" and m["commit"] == "abc" and m["date"].endswith("+00:00") and m["torch"]
+
+
+def test_source_hash_names_the_tree_that_ran(tmp_path):
+    """source_hash: the same for an identical tree, different when one source file changes; stamped in run_meta
+    with the seed when one is given."""
+    import shutil
+
+    root = pathlib.Path(timing.__file__).resolve().parent.parent
+    for d in ("plugins", "trtllm_replayssm", "builders", "scripts"):
+        shutil.copytree(root / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
+    assert timing.source_hash(tmp_path) == timing.source_hash(root)
+    f = tmp_path / "plugins" / "replayssm.cuh"
+    f.write_text(f.read_text() + "\n// edited\n")
+    assert timing.source_hash(tmp_path) != timing.source_hash(root)
+    m = timing.run_meta("cpu", "abc", seed=7)
+    assert m["source_hash"] == timing.source_hash(root) and m["seed"] == 7

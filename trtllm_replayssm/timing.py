@@ -141,12 +141,33 @@ def commit_id(arg: str | None = None) -> str:
         return "unknown"
 
 
-def run_meta(device=None, commit: str | None = None) -> dict:
+SOURCE_GLOBS = ("plugins/*.cu", "plugins/*.cuh", "trtllm_replayssm/*.py", "builders/*.py", "scripts/*.py")
+
+
+def source_hash(root=None) -> str:
+    """sha256 (16 hex digits) of the source that ran: every file of :data:`SOURCE_GLOBS`, path and content, as they
+    are on disk. Unlike the commit it needs no .git (the device's copy is stale) and it sees uncommitted edits:
+    ``git archive <commit> | ...`` of the named commit must give the same hash, or the result is not that commit's."""
+    import hashlib
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent if root is None else pathlib.Path(root)
+    h = hashlib.sha256()
+    for f in sorted({p for g in SOURCE_GLOBS for p in root.glob(g) if p.is_file()}):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def run_meta(device=None, commit: str | None = None, seed: int | None = None) -> dict:
     """What every result file starts with: device (the CUDA device's name, "cpu" for a CPU device), date (UTC,
-    ISO 8601 to the second), commit (:func:`commit_id`), torch version."""
+    ISO 8601 to the second), commit (:func:`commit_id`), source_hash (:func:`source_hash`: the tree that ran),
+    seed (when the benchmark has one), torch version."""
     import datetime
 
     dev = torch.device("cuda" if device is None else device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-    return dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                commit=commit_id(commit), torch=torch.__version__)
+    meta = dict(device=name, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                commit=commit_id(commit), source_hash=source_hash(), torch=torch.__version__)
+    if seed is not None:
+        meta["seed"] = seed
+    return meta
