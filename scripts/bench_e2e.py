@@ -154,11 +154,44 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _int_list(text: str, flag: str, lo: int = 1) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < lo:
+        raise ValueError(f"{flag}: expected comma-separated integers >= {lo}, got {text!r}")
+    return vals
+
+
+def check_common(args) -> None:
+    """The flags both steps share, checked before any model or GPU work; raises ValueError naming the flag."""
+    _int_list(args.batches, "--batches")
+    if not 1 <= args.buffer_len <= 32:
+        raise ValueError(f"--buffer-len: expected 1..32 (the kernels' rings), got {args.buffer_len}")
+    for flag in ("reps", "prompt_len", "context"):
+        v = getattr(args, flag, None)
+        if v is not None and v < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: expected >= 1, got {v}")
+    if getattr(args, "warmup", 0) < 0:
+        raise ValueError(f"--warmup: expected >= 0, got {args.warmup}")
+    if getattr(args, "fit_contexts", None) is not None:
+        _int_list(args.fit_contexts, "--fit-contexts")
+    dtypes = getattr(args, "tp_check_dtypes", None)
+    names = None if dtypes is None else {d for d in dtypes.split(",") if d}
+    if names is not None and (not names or not names <= {"float32", "bfloat16"}):
+        raise ValueError(f"--tp-check-dtypes: expected float32 and/or bfloat16, got {dtypes!r}")
+    for g in (getattr(args, "tp_geometries", None) or "").split(";"):
+        if g and len(_int_list(g, "--tp-geometries")) != 4:
+            raise ValueError(f"--tp-geometries: expected ';'-separated H,P,N,G, got {g!r}")
+
+
 def main(argv=None) -> list[dict]:
     ap = parser()
     args = ap.parse_args(argv)
     mod = STEPS[args.step]
     try:
+        check_common(args)
         mod.check_arguments(args)
     except ValueError as e:
         ap.error(f"{args.step}: {e}")

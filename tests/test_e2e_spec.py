@@ -251,6 +251,13 @@ def test_cuda_graph_route_tiny():
     (["standard", "--tiny", "--modes", "conventional,bogus"], "--modes: expected names from"),
     (["standard", "--tiny", "--device", "cpu", "--gate-layers", "2"], "--gate-layers: needs a twin"),
     (["decode", "--tiny"], "invalid choice: 'decode'"),
+    (["standard", "--tiny", "--batches", "1,x"], "--batches: expected comma-separated integers >= 1, got '1,x'"),
+    (["spec", "--tiny", "--batches", "0"], "--batches: expected comma-separated integers >= 1"),
+    (["standard", "--tiny", "--reps", "0"], "--reps: expected >= 1, got 0"),
+    (["spec", "--tiny", "--buffer-len", "64"], "--buffer-len: expected 1..32"),
+    (["spec", "--tiny", "--fit-contexts", "abc"], "--fit-contexts: expected comma-separated integers"),
+    (["standard", "--tiny", "--tp-check-dtypes", "float16"], "--tp-check-dtypes: expected float32 and/or bfloat16"),
+    (["standard", "--tiny", "--tp-geometries", "128,64,128"], "--tp-geometries: expected ';'-separated H,P,N,G"),
 ])
 def test_cli_rejects_bad_arguments(argv, what, capsys):
     """One CLI for both steps: a bad flag stops before any model is built, naming the flag."""
