@@ -791,7 +791,9 @@ struct alignas(16) Stage {
   float4 S[kStageVecs];  // checkpoint rows (or their shadow + scales on non-flush items)
   act_t Bt[kL][kN];      // B_1..B_k
   act_t xt[kL][kRows];   // x_1..x_k (this item's rows)
-  act_t C[kN];
+  // C is copied and read as 16-byte vectors: aligned even where the x tile is not a multiple of 16 bytes
+  // (L * rows * sizeof(act) % 16 != 0, e.g. headdim 80 in 20-row items at odd L; a misaligned access otherwise)
+  alignas(16) act_t C[kN];
   float dt[kL];          // processed dt_1..dt_{k-1} (dt_k is computed from the raw input)
 };
 struct alignas(16) PipeSmem {

@@ -22,6 +22,7 @@ from trtllm_replayssm.config import (
     Variant,
     choose_geometry,
     parse_variant,
+    plan,
     replay_smem_bytes,
 )
 
@@ -255,6 +256,18 @@ def test_variant_override_and_environment(monkeypatch):
         plan("f32", "bf16", 128, 64, 128, 16, 256)
 
 
+def test_every_plan_fits_static_shared_memory():
+    """Every standard decode plan (supported headdim x dstate, L 1..32, state / activation dtypes, shadows, small
+    and large batch) fits 48 KiB by the mirror of the kernel it runs; the C vector of the stage stays aligned."""
+    for P, N, L, st, act, sh, b in itertools.product(SUPPORTED_HEADDIM, SUPPORTED_DSTATE, range(1, 33), ("f32", "bf16"),
+                                                    ("bf16", "f16", "f32"), ("none", "bf16", "fp8"), (1, 256)):
+        if sh != "none" and st != "f32":
+            continue
+        rows, warps, v = plan(st, act, 128, P, N, L, b, False, sh)
+        smem = replay_smem_bytes(st, act, rows, N, L, v.kind == "persistent", sh, v.kind == "staged")
+        assert smem <= 48 * 1024, (P, N, L, st, act, sh, b, rows, v.key, smem)
+
+
 def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
     """Small batches split heads into row chunks; with an fp8 shadow the chunks stay whole 4-row scale vectors."""
     from trtllm_replayssm.config import plan
@@ -266,8 +279,21 @@ def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
             cc.compile_spec(KernelSpec("f32", "bf16", 128, P, N, 8, 16, rows, warps, False, 90, variant, "fp8"), "ptx")
 
 
+# Plans whose x tile is not a multiple of 16 bytes (headdim 80 in 20- or 10-row items at odd L: C must still be
+# 16-byte aligned) and f32-activation shadow plans whose staged stage outgrows the one-shot tiles (the planner
+# sized them by the one-shot kernel and ptxas refused them: "uses too much shared data").
+EDGE_CASES = (("f32", "bf16", 64, 80, 128, 5, 1, "none"), ("f32", "bf16", 128, 80, 256, 6, 256, "bf16"),
+              ("f32", "bf16", 128, 80, 128, 3, 1, "fp8"), ("f32", "f32", 128, 80, 256, 32, 256, "fp8"),
+              ("f32", "f32", 128, 80, 256, 24, 256, "bf16"), ("f32", "f32", 128, 64, 256, 12, 256, "bf16"))
+EDGE_PLANS = [
+    KernelSpec(st, act, H, P, N, 8, L, *plan(st, act, H, P, N, L, b, False, sh)[:2], False, 90,
+               plan(st, act, H, P, N, L, b, False, sh)[2], sh)
+    for st, act, H, P, N, L, b, sh in EDGE_CASES
+]
+
+
 @pytest.mark.parametrize("spec", [s for s in SHADOW + STAGED + PERSISTENT if s.arch == 90 and s.buffer_len == 16]
-                         + [s for s in BULK if s.arch == 90], ids=lambda s: s.key)
+                         + [s for s in BULK if s.arch == 90] + EDGE_PLANS, ids=lambda s: s.key)
 def test_decode_smem_mirror(spec):
     """The decode kernel's static shared memory is what config.replay_smem_bytes says, per kernel kind."""
     ptx = cc.compile_spec(spec, "ptx").decode()

@@ -176,6 +176,8 @@ CASES = [
     {**BASE, "geom": "nemotron_h_8b", "state": "bf16", "act": "bf16", "L": 8, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
     {**BASE, "geom": "nemotron3_nano", "L": 16},  # Nemotron 3 Nano 30B-A3B Mamba layer: 64 heads, 8 per group
     {**BASE, "geom": "nemotron3_super", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
+    # headdim 80 in 20-row items at odd L: the x tile is not a multiple of 16 bytes, the stage's C must stay aligned
+    {**BASE, "geom": (4, 80, 128, 2), "L": 5, "batch": 1, "slots": 2, "pad_rows": ()},
 ]
 
 
@@ -222,6 +224,9 @@ SHADOW_CASES = [
     {**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron_h_8b", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
     {**SHADOW_BASE, "shadow": "bf16", "geom": "nemotron3_nano", "L": 16},
     {**SHADOW_BASE, "shadow": "fp8", "geom": "nemotron3_super", "L": 16},
+    # f32 activations, dstate 256, L = 32: the staged stage outgrows the one-shot tiles (planned by its own size)
+    {**SHADOW_BASE, "shadow": "fp8", "act": "f32", "geom": (4, 80, 256, 2), "L": 32, "batch": 8, "slots": 9},
+    {**SHADOW_BASE, "shadow": "bf16", "geom": (4, 80, 128, 2), "L": 3, "batch": 1, "slots": 2, "pad_rows": ()},
 ]
 VARIANTS = {"persistent": config.Variant("persistent", 5), "one-shot": config.Variant("one_shot", 5), "staged": STAGED}
 

@@ -327,20 +327,25 @@ SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False,
                       shadow: str = "none", staged: bool = False, bulk: bool = False) -> int:
     """Mirror of ``ReplaySmem`` / ``PipeSmem`` / ``StagedSmem`` in plugins/replayssm.cuh (state, B, x
-    tiles, scalars). The geometry table sizes blocks by the one-shot kernel's, which is the largest
-    of the one-stage kernels (its x tile is fp32), so a staged block always fits where it does."""
+    tiles, scalars). choose_geometry sizes a block by the kernel that runs it: the one-shot tiles hold an fp32 x
+    tile, the staged stage x in the activation dtype plus C and the history dt, so with f32 activations the
+    staged block is the larger (by 4 N + 4 L bytes)."""
     # Staged rows: the checkpoint's, or only the shadow's + fp8 row scales (flushes read global memory).
     rows_bytes = rows * dstate * ITEMSIZE[state] if shadow == "none" else (
         rows * dstate * SHADOW_ITEMSIZE[shadow] + (rows * 4 if shadow == "fp8" else 0))
-    if persistent or staged:  # two stages (one if staged) of: rows, B tile, x tile (act), C, history dt
-        stage = (rows_bytes + buffer_len * dstate * ITEMSIZE[act]
-                 + buffer_len * rows * ITEMSIZE[act] + dstate * ITEMSIZE[act] + buffer_len * 4)
-        scalars = 2 * buffer_len * 4  # w, bc; then decay (+ the bulk copies' 8-byte mbarrier), the struct 16-aligned
+    def r16(v: int) -> int:
+        return (v + 15) // 16 * 16
+
+    L = buffer_len
+    if persistent or staged:  # two stages (one if staged) of: rows, B tile, x tile (act), C (16-aligned), history dt
+        tiles = rows_bytes + L * dstate * ITEMSIZE[act] + L * rows * ITEMSIZE[act]
+        stage = r16(r16(tiles) + dstate * ITEMSIZE[act] + L * 4)  # Stage is alignas(16)
+        end = (1 if staged else 2) * stage + 2 * L * 4 + 4  # w, bc, decay
         if bulk:
-            return ((stage + 15) // 16 * 16 + scalars + 16 + 15) // 16 * 16
-        return (1 if staged else 2) * ((stage + 15) // 16 * 16) + scalars + 16
-    tiles = rows_bytes + buffer_len * dstate * ITEMSIZE[act] + buffer_len * rows * 4
-    return tiles + 2 * buffer_len * 4 + 16
+            end = (end + 7) // 8 * 8 + 8  # the 8-byte mbarrier
+        return r16(end)
+    tiles = rows_bytes + L * dstate * ITEMSIZE[act] + L * rows * 4
+    return r16(tiles + 2 * L * 4 + 4)  # w, bc, decay; ReplaySmem is alignas(16)
 
 
 def spec_smem_bytes(act: str, rows: int, dstate: int, buffer_len: int, num_tokens: int, has_z: bool) -> int:
@@ -352,8 +357,10 @@ def spec_smem_bytes(act: str, rows: int, dstate: int, buffer_len: int, num_token
 
 
 def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: int, act: str = "bf16",
-                    buffer_len: int = 16, persistent: bool = False, shadow: str = "none") -> tuple[int, int]:
-    """(rows per block, warps) for this geometry and batch."""
+                    buffer_len: int = 16, persistent: bool = False, shadow: str = "none",
+                    staged: bool = False) -> tuple[int, int]:
+    """(rows per block, warps) for this geometry and batch; the block's static shared memory is the kernel's it
+    runs (persistent, staged or one-shot: with f32 activations the staged stage outgrows the one-shot tiles)."""
     forced = getattr(_local, "override", None)
     if forced is not None:
         return forced
@@ -379,7 +386,7 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     # would leave the GPU under two waves of blocks (small batches).
     while can_halve(rows) and (
         warps_for(rows) * 32 > MAX_THREADS
-        or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow) > SMEM_LIMIT
+        or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow, staged) > SMEM_LIMIT
         or (batch * nheads * (headdim // rows) < MIN_BLOCKS and rows // 2 >= 16)
     ):
         rows //= 2
@@ -388,7 +395,8 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
         warps = MAX_THREADS // 32
         while rows % (lay.rows_per_warp_load * warps):
             warps -= 1
-    if warps * 32 > MAX_THREADS or replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow) > SMEM_LIMIT:
+    if warps * 32 > MAX_THREADS or \
+            replay_smem_bytes(state, act, rows, dstate, buffer_len, persistent, shadow, staged) > SMEM_LIMIT:
         raise ValueError(f"no launch geometry for headdim={headdim}, dstate={dstate}, state={state}")
     return rows, warps
 
@@ -447,7 +455,8 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
         except ValueError:  # two stages do not fit
             pass
         variant = dataclasses.replace(variant, kind="one_shot")
-    rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, False, shadow)
+    rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, False, shadow,
+                                  variant.kind == "staged")
     return rows, warps, variant
 
 
