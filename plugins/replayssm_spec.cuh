@@ -41,14 +41,15 @@
 //   native commit: read one snapshot s*P*N, write S s*P*N (rows with n >= 1).
 // Geometry (128,64,128,8), fp32 state (4 MiB per row), bf16 act, T = 4, L = 16, batch 256:
 //   verify 1.131 GB at count 0, 1.170 GB at count 8, 2.263 GB with a flush (count 12); at full
-//   acceptance counts run 0, 4, 8, 12 -> flush: 1.429 GB per step amortized = 0.357 GB per token
-//   (uniform n in 1..4: 1.428 GB per step, 0.572 GB per token).
+//   acceptance the counts run 4, 8, 12 in steady state (after a fold the count is the step's n, not 0):
+//   1.528 GB per step = 0.382 GB per token (costs.spec_count_distribution gives the counts at any
+//   acceptance).
 //   native verify 5.407 GB + native commit 2.147 GB = 7.554 GB per step (1.889 GB per token at full
 //   acceptance). Standard ReplaySSM, one token per step: 1.088 GB (k=1) .. 2.230 GB (flush),
 //   1.191 GB per token amortized over L.
 //   With a bf16 shadow: verify 0.594 GB at count 0, 0.633 GB at count 8, 2.800 GB with a flush;
-//   1.160 GB per step (0.290 GB per token) at full acceptance. fp8: 0.334 / 0.373 / 2.540 GB,
-//   0.900 GB per step (0.225 GB per token).
+//   1.349 GB per step (0.337 GB per token) at full acceptance. fp8: 0.334 / 0.373 / 2.540 GB,
+//   1.089 GB per step (0.272 GB per token).
 // Credits: ReplaySSM (Dao AI Lab + NVIDIA, 2026); ring cursor after FlashInfer checkpointing_ssu
 // (>= 0.6.16); the native baseline is the per-draft-position state cache of vLLM / TensorRT-LLM.
 #pragma once

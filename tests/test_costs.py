@@ -115,6 +115,40 @@ def test_end_to_end_layer_model_against_the_kernel_model():
         costs.mamba2_spec_step_ssm(H, P, N, G, 4, 16, "replay")
 
 
+def test_spec_count_distribution_follows_the_cursor():
+    """The committed counts a speculative step starts from, against the cursor itself (spec_reference's
+    flush_cursor then commit on one slot, drafts accepted with the alpha of the mean): full acceptance cycles
+    T, 2T, 3T (not 0, T, 2T, 3T: after a fold the count is the step's n); at alpha 0.8 the fold share and mean
+    count agree with 6000 sampled steps. The end-to-end bytes average over it (they used min(1, n/(L-2T+1)))."""
+    import random
+
+    from builders.model_step import designed_accepted_per_step
+    from trtllm_replayssm import spec_reference as sr
+
+    assert costs.spec_count_distribution(4, 16) == pytest.approx({4: 1 / 3, 8: 1 / 3, 12: 1 / 3})
+    T, L, alpha = 4, 16, 0.8
+    acc = designed_accepted_per_step(alpha, T)
+    d = costs.spec_count_distribution(T, L, acc)
+    assert sum(d.values()) == pytest.approx(1.0)
+    rng, cursor, sbi, seen = random.Random(3), torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), []
+    for _ in range(6000):
+        seen.append(int(cursor[0, 1]))
+        sr.flush_cursor(cursor, T, L, sbi)
+        n = 1
+        while n < T and rng.random() < alpha:
+            n += 1
+        sr.commit(cursor, torch.tensor([n], dtype=torch.int32), T, L, sbi)
+    fold = sum(m + 2 * T > L for m in seen) / len(seen)
+    assert fold == pytest.approx(sum(p for m, p in d.items() if m + 2 * T > L), abs=0.02)
+    assert sum(seen) / len(seen) == pytest.approx(sum(m * p for m, p in d.items()), abs=0.2)
+    H, P, N, G = GEOMETRIES["nemotron_h_8b"]
+    state, entry = costs.mamba2_state_bytes(H, P, N), H * P * 2 + G * N * 2 + 4 * H
+    want = state * (1 + 1 / 3) + (8 + T) * entry + T * entry  # full acceptance: counts 4, 8, 12, one fold in three
+    assert costs.mamba2_spec_step_ssm(H, P, N, G, T, L, "replay_spec") == pytest.approx(want)
+    with pytest.raises(ValueError, match="expected T >= 1 and L >= 2T"):
+        costs.spec_count_distribution(4, 6)
+
+
 def test_shadow_sizes_and_max_batch_within():
     assert costs.shadow_sizes(None) is None and costs.shadow_sizes("none") is None and costs.shadow_sizes(0) is None
     assert costs.shadow_sizes("bf16") == costs.shadow_sizes(2) == (2, 0)

@@ -46,8 +46,11 @@ entry write on all L steps, flush included: the convention of bench/NOTES.md's e
     replay                   S (1 + 1/L) + (L - 1)/2 E + E
     replay_bf16, replay_fp8  2 S / L + R + (L - 1)/2 E + E      (shadow read on L - 1 steps and rewritten by
                                                                 the flush, which reads and writes S)
-    replay_spec              S (1 + f) + ((L - 2T)/2 + T) E + T E,  f = min(1, n / (L - 2T + 1)), n the mean
-                             tokens accepted per step (T when not given), (L - 2T)/2 the mean committed count
+    replay_spec              sum_m p(m) [S (1 + [m + 2T > L]) + (m + T) E + T E], p the stationary distribution
+                             of the committed count m before a step (:func:`spec_count_distribution`: fold where
+                             m + 2T > L, then count = n; n = 1 + consecutive accepted drafts, each accepted with
+                             the probability that gives the mean n accepted per step; full acceptance when not
+                             given: counts T, 2T, ... in steady state)
     native_spec              S (1 + T) + 2 S;   spec_noop 0;   standard = replay
 with S = H P N 4 (the end-to-end models keep an fp32 checkpoint). The step adds, for the whole model:
     decode  W_w + M b 2 cd K a (conv windows) + A b 2 kvh fill hd a (K and V of the ``fill`` positions read)
@@ -253,6 +256,36 @@ def mamba2_decode_step_ssm(H: int, P: int, N: int, G: int, L: int, mode: str, ac
     return 2 * state / L + H * P * (N * sq + sr) + buf
 
 
+def spec_count_distribution(T: int, L: int, accepted: float | None = None) -> dict[int, float]:
+    """Stationary distribution {m: p} of the committed count m a speculative step of T tokens starts from, L the
+    ring: the step folds where m + 2T > L (the count then restarts from 0) and commits n = 1 + the consecutive
+    accepted drafts, each accepted independently with the probability alpha whose mean n is ``accepted``
+    (sum_{k<T} alpha^k; None: every draft, n = T). Exact (power iteration on the L + 1 counts), not sampled."""
+    if T < 1 or L < 2 * T:
+        raise ValueError(f"T, L: expected T >= 1 and L >= 2T, got T={T}, L={L}")
+    acc = float(T) if accepted is None else min(max(float(accepted), 1.0), float(T))
+    lo, hi = 0.0, 1.0  # alpha by bisection: sum_{k<T} alpha^k is increasing in alpha
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** k for k in range(T)) < acc else (lo, mid)
+    alpha = 1.0 if acc >= T else (lo + hi) / 2
+    import numpy as np
+
+    pn = [alpha ** (n - 1) * ((1 - alpha) if n < T else 1.0) for n in range(1, T + 1)]  # P(n = 1..T)
+    P = np.zeros((L + 1, L + 1))  # P[m, m']: count m before a step -> m' after it
+    for m in range(L + 1):
+        base = 0 if m + 2 * T > L else m
+        for n, w in enumerate(pn, start=1):
+            if base + n <= L:
+                P[m, base + n] += w
+    # p P = p, sum p = 1 (the chain may be periodic, e.g. T, 2T, 3T at full acceptance: solve, do not iterate)
+    A = np.vstack([P.T - np.eye(L + 1), np.ones(L + 1)])
+    b = np.zeros(L + 2)
+    b[-1] = 1.0
+    p = np.linalg.lstsq(A, b, rcond=None)[0]
+    return {m: float(v) for m, v in enumerate(p) if v > 1e-12}
+
+
 def mamba2_spec_step_ssm(H: int, P: int, N: int, G: int, T: int, L: int, mode: str, accepted: float | None = None,
                          act_bytes: int = 2) -> float:
     """SSM bytes per (row, Mamba-2 layer) of one speculative step of the end-to-end model (not "standard")."""
@@ -260,9 +293,8 @@ def mamba2_spec_step_ssm(H: int, P: int, N: int, G: int, T: int, L: int, mode: s
     state = mamba2_state_bytes(H, P, N)
     entry = H * P * a + G * N * a + 4 * H
     if mode == "replay_spec":
-        acc = accepted if accepted is not None else float(T)
-        flush_share = min(1.0, acc / (L - 2 * T + 1))
-        return state * (1 + flush_share) + ((L - 2 * T) / 2 + T) * entry + T * entry
+        return sum(p * (state * (1 + (m + 2 * T > L)) + (m + T) * entry + T * entry)
+                   for m, p in spec_count_distribution(T, L, accepted).items())
     if mode == "native_spec":
         return state * (1 + T) + 2 * state
     if mode == "spec_noop":
