@@ -62,9 +62,11 @@ Bytes per step (``bytes_step``): ``trtllm_replayssm.costs.spec_step_bytes`` (for
 docstring): weights + K, V of the filled positions (which the fused step's attention reads; fill = prompt +
 accepted_per_step * steps / 2, the mean over a timed run from the snapshot, reported as ``kv_fill_mean``)
 + conv windows + logits + per Mamba layer the mode's SSM bytes: standard = the standard step's replay mode;
-replay_spec state * (1 + flush share) + history and window entries; native_spec state * (1 + T) + 2 state
-(verify: read + T snapshots; commit: copy). Weights: ``costs.config_weight_bytes`` (meta, the timed dtype)
-for the memory model, the built model's parameters (``costs.model_weight_bytes``) for the bytes.
+replay_spec state * (1 + fold share) + history and window entries, averaged over the committed counts of the
+acceptance (``costs.spec_count_distribution``); native_spec state * (1 + T) + 2 state (verify: read + T
+snapshots; commit: copy). Weights: ``costs.config_weight_bytes`` (meta, the timed dtype) for the memory model,
+the built model's parameters as a step reads them (``costs.weights_read_bytes``: the embedding rows of the
+batch x T tokens, not the table) for the bytes.
 
 Usage:
   python scripts/bench_e2e.py spec [--batches 1,32,64,128,256] [--acceptances 0.6,0.8,0.95]
@@ -320,7 +322,7 @@ def time_batch(model, batch: int, modes, *, T: int = 4, L: int = 16, acceptances
         log(f"# batch {batch}, {name}: failed: {why}")
     return make_rows(model.config, batch, results, checks, T, L, kv_len, prompt_len, reps, check_steps,
                      check_acceptance, timed_target, noop_alpha, cuda,
-                     costs.model_weight_bytes(model),
+                     costs.weights_read_bytes(model, batch * T),
                      {**skip_modes, **{m: f"failed: {w}" for m, w in errors.items()}}, modes)
 
 

@@ -65,8 +65,9 @@ of (row, step) positions where the shadow mode's own choice would have differed 
 gate; the quality cost that routing adds on top).
 
 Bytes model of one step (``bytes_step``, ``tbps``): ``trtllm_replayssm.costs.decode_step_bytes``, its
-formulas written out in costs' module docstring: W (weight bytes, all read once per step; MoE: less the
-routed experts that no token of the last timed step chose, ``weights_read_gb`` in the rows) + the conv
+formulas written out in costs' module docstring: W (weight bytes, all read once per step but the input
+embedding table, of which the batch's rows (``costs.weights_read_bytes``); MoE: less the routed experts that no
+token of the last timed step chose, ``weights_read_gb`` in the rows) + the conv
 windows + K and V of the filled positions (the fused step's attention reads only those; fill = the mean
 over the timed steps, prompt + gate + warmup*L + reps*L/2, reported as ``kv_fill_mean``; the eager CPU
 step's SDPA reads all kv_len, which the CPU timing does not claim to model) + per Mamba layer and row the
@@ -377,7 +378,8 @@ def run_batch(model, batch: int, modes, L: int = 16, prompt_len: int = 32, gate_
                             idle_experts=float((load == 0).float().sum(1).mean()))
     step.ssm.free()
     conv = results["conventional"]
-    weight_bytes = costs.model_weight_bytes(model) - step.idle_expert_bytes()  # MoE: experts no token chose
+    # the rows' embeddings, not the whole table; MoE: less the experts no token chose
+    weight_bytes = costs.weights_read_bytes(model, batch) - step.idle_expert_bytes()
     rows = []
     for name in modes:
         r = results[name]

@@ -158,3 +158,16 @@ def test_shadow_sizes_and_max_batch_within():
     for budget in (0, 99, 100, 101, 12345, 10**9):
         b = costs.max_batch_within(lambda n: 100 * n + 7, budget)
         assert b == min(max(0, (budget - 7) // 100), (1 << 20) - 1)  # capped below ``limit``
+
+
+def test_weights_read_count_the_embedding_rows_not_the_table():
+    from builders.random_model import build_model, model_config
+
+    m = build_model(model_config("nemotron_h"), "cpu", torch.float32, seed=0)
+    emb = m.get_input_embeddings().weight
+    table, row = emb.numel() * emb.element_size(), emb.shape[1] * emb.element_size()
+    total = costs.model_weight_bytes(m)
+    assert costs.weights_read_bytes(m, 3) == total - table + 3 * row
+    assert costs.weights_read_bytes(m, 10 ** 9) == total  # more tokens than rows: the whole table at most
+    m.lm_head.weight = m.get_input_embeddings().weight  # tied: the head reads the whole table anyway
+    assert costs.weights_read_bytes(m, 3) == costs.model_weight_bytes(m)

@@ -484,6 +484,19 @@ def model_weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def weights_read_bytes(model, tokens: int) -> int:
+    """Bytes of parameters one step of ``tokens`` tokens reads: all of them, except the input embedding table, of
+    which only the gathered rows are read (unless the table is also the output head, which reads all of it).
+    (Counting the whole table inflated the end-to-end TB/s by 1.5-3.7% at bs256 on the 8B, 6.6% at bs1.)"""
+    total = model_weight_bytes(model)
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if emb is None or (head is not None and head.weight is emb.weight):
+        return total
+    w = emb.weight
+    return total - w.numel() * w.element_size() + min(tokens, w.shape[0]) * w.shape[1] * w.element_size()
+
+
 def config_weight_bytes(config, dtype) -> int:
     """Parameter count of a ``NemotronHConfig``'s model (built on the meta device: nothing allocated) times
     ``dtype``'s itemsize."""
