@@ -60,7 +60,7 @@ from trtllm_replayssm import (  # noqa: E402
     gdn_ops,
     timing,  # noqa: E402
 )
-from trtllm_replayssm.config import gdn_geometry  # noqa: E402
+from trtllm_replayssm.config import SUPPORTED_NUM_TOKENS, gdn_geometry  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
@@ -177,7 +177,13 @@ def load_fla(path: pathlib.Path):
     return fused_recurrent_gated_delta_rule
 
 
-SPEC_COUNTS = (0, 4, 8, 9, 12)  # T = 4, L = 16: 0..8 no flush, 9..12 flush
+def spec_counts(T: int, L: int) -> tuple[int, ...]:
+    """Committed counts the verify is timed at: a verify starts from 0..L-T; those with m + 2T > L fold first.
+    Three counts without a fold (0, the middle, L-2T) and the first and last with one (T = 4, L = 16: 0, 4, 8,
+    9, 12); the others are interpolated on their side of the rule (:func:`interp`)."""
+    no_fold = sorted({0, (L - 2 * T) // 2, L - 2 * T})
+    fold = sorted({L - 2 * T + 1, L - T})
+    return tuple(no_fold + fold)
 
 
 def simulate_cycle(T, L, p=0.8, steps=20000, seed=0):
@@ -202,6 +208,8 @@ def interp(points: dict, m: int, T: int, L: int) -> float:
     """Time at count m, linear between the measured counts on the same side of the flush rule."""
     flush = m + 2 * T > L
     xs = sorted(k for k in points if (k + 2 * T > L) == flush)
+    if len(xs) == 1:
+        return points[xs[0]]
     if m <= xs[0]:
         lo, hi = xs[0], xs[1]
     elif m >= xs[-1]:
@@ -254,7 +262,7 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
     row["tokens_per_step"] = tokens_per_step
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         pts = {}
-        for m in SPEC_COUNTS:
+        for m in spec_counts(T, L):
             cursor[:, 0] = 0
             cursor[:, 1] = m
             pts[m] = graph_time_us(verify(sh), R)[0]
@@ -262,13 +270,13 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
         amort = sum(interp(pts, m, T, L) for m in seen) / len(seen)
         q = 2 if sh is not None else None  # bf16 shadow
         by_count = {m: costs.gdn_verify_bytes(HV, H, V, K, L, T, m, shadow_bytes=q)
-                    for m in range(max(L, *SPEC_COUNTS) + 1)}
+                    for m in range(L + 1)}
         bytes_amort = sum(by_count[m] for m in seen) / len(seen) * batch
         row[f"{name}_us_step"] = amort
         row[f"{name}_bytes_step"] = bytes_amort
         row[f"{name}_tbps"] = bytes_amort / amort / 1e6
         row[f"{name}_tbps_c0"] = by_count[0] * batch / pts[0] / 1e6
-        row[f"{name}_tbps_flush12"] = by_count[12] * batch / pts[12] / 1e6
+        row[f"{name}_tbps_flush{L - T}"] = by_count[L - T] * batch / pts[L - T] / 1e6  # the last fold count
     snaps = torch.empty(slots, T, HV, V, K, **dev)
     n_acc = torch.full((batch,), T, dtype=torch.int32, **dev)
 
@@ -335,6 +343,16 @@ def main():
     ap.add_argument("--shadow-passes", choices=("auto", "1"), default="auto",
                     help="1: pin every shadow module to one pass per block (the A/B baseline of GDNSpec.passes)")
     args = ap.parse_args()
+    try:  # every flag before any GPU work
+        batches = [int(x) for x in args.batches.split(",") if x.strip()]
+        if not batches or min(batches) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--batches: expected comma-separated integers >= 1, got {args.batches!r}")
+    if not 1 <= args.L <= 32:
+        ap.error(f"--L: expected 1..32, got {args.L}")
+    if args.spec and (args.T not in SUPPORTED_NUM_TOKENS or args.L < 2 * args.T):
+        ap.error(f"--T {args.T}, --L {args.L}: expected T in {SUPPORTED_NUM_TOKENS} and L >= 2T (flush one window early)")
     if args.shadow_passes == "1":  # gdn_spec reads config.gdn_passes at every call; the key says _x2 or not
         config.gdn_passes = lambda *a, **k: 1
     if not torch.cuda.is_available():
