@@ -51,20 +51,26 @@ def _row_parallel(linear: nn.Linear, cols, rank: int, group) -> None:
 
 
 class TPGatedRMSNorm(nn.Module):
-    """NemotronH's gated RMSNorm over this rank's part of one norm group (replicated B/C groups):
-    the group's sum of squares is all-reduced, then divided by the whole group's size."""
+    """NemotronH's gated RMSNorm over this rank's part of one norm group (replicated B/C groups): each rank
+    puts its sum of squares in its group's column of a (..., n_groups) tensor, the tensor is all-reduced, and
+    the rank reads its group's column back, divided by the whole group's size. (An all-reduce of the plain
+    sums mixed the groups whenever n_groups > 1, e.g. 2 groups over 4 ranks: builders/tp_step.py's _group_var
+    does the same per-group reduction.)"""
 
-    def __init__(self, weight: torch.Tensor, eps: float, group_size: int, group):
+    def __init__(self, weight: torch.Tensor, eps: float, group_size: int, group, group0: int = 0, n_groups: int = 1):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.variance_epsilon, self.group_size, self.group = eps, group_size, group
+        self.group0, self.n_groups = group0, n_groups
 
     def forward(self, hidden_states, gate=None):
         dtype = hidden_states.dtype
         h = hidden_states.to(torch.float32)
         if gate is not None:
             h = h * nn.functional.silu(gate.to(torch.float32))
-        sq = _all_reduce(h.pow(2).sum(-1, keepdim=True), self.group)
+        sums = h.new_zeros(*h.shape[:-1], self.n_groups)
+        sums[..., self.group0] = h.pow(2).sum(-1)
+        sq = _all_reduce(sums, self.group)[..., self.group0:self.group0 + 1]
         h = h * torch.rsqrt(sq / self.group_size + self.variance_epsilon)
         return self.weight * h.to(dtype)
 
@@ -86,7 +92,7 @@ def _shard_mixer(m, config, rank: int, tp: int, group) -> None:
     if G % tp == 0:  # every norm group is one of this rank's whole B/C groups
         m.norm.weight = nn.Parameter(norm_w, requires_grad=False)
     else:
-        m.norm = TPGatedRMSNorm(norm_w, m.norm.variance_epsilon, H * P // G, group)
+        m.norm = TPGatedRMSNorm(norm_w, m.norm.variance_epsilon, H * P // G, group, s.group0, G)
     _row_parallel(m.out_proj, hp, rank, group)
     m.num_heads, m.n_groups = s.nheads, s.ngroups
     m.intermediate_size = s.nheads * P

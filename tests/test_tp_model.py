@@ -112,6 +112,38 @@ def test_tp2_model_teeth_norm_groups(tmp_path):
     assert all(r["err_max"] > 1e-2 for r in rows.values()), rows
 
 
+def _rank_main_tp4(rank, world, init_file, out_file):
+    import torch.distributed as dist
+    from transformers import NemotronHForCausalLM
+
+    from builders import tp_model
+    from builders.nemotron_h import randomize_, tiny_config
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+
+    def make():
+        cfg = tiny_config(n_groups=2, num_key_value_heads=4, mamba_num_heads=8)
+        return randomize_(NemotronHForCausalLM(cfg), seed=0).float().eval()
+
+    full, shard = make(), make()
+    tp_model.shard_nemotron_h_(shard, rank, world)
+    ids = torch.randint(2, 256, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = full(ids).logits, shard(ids).logits
+    if rank == 0:
+        pathlib.Path(out_file).write_text(json.dumps(dict(err=float(((a - b).abs() / a.std(-1, keepdim=True)).max()))))
+    end_rank()
+
+
+def test_tp4_two_norm_groups_each_over_two_ranks(tmp_path):
+    """2 norm groups over 4 ranks (each group replicated on two): each rank's variance is its own group's (the
+    all-reduce of plain sums mixed the groups: 1.67 std of logit error)."""
+    outs = [tmp_path / f"tp4_{a}.json" for a in range(2)]
+    attempt = spawn_ranks(_rank_main_tp4, lambda a: (4, str(tmp_path / f"rdzv4_{a}"), str(outs[a])), nprocs=4)
+    assert json.loads(outs[attempt].read_text())["err"] <= 1e-4
+
+
 def test_tp_model_errors():
     from builders.nemotron_h import patch_replayssm
     from builders.tp_model import shard_nemotron_h_

@@ -27,9 +27,18 @@ size and projection widths are fixed per model, so one module serves every step 
 geometry, with the memory traffic of the contiguous kernel. Measured on the H200 (bench/NOTES.md "vLLM
 layout"): 2-4% slower than the contiguous module at bs 64-256 and 9% at bs 8 (address arithmetic of the
 strided variant and the paged placement; 1.61x the conventional step at bs256, contiguous 1.67x).
-``write_pos`` is what vLLM's metadata builder already computes for its own ReplaySSM kernel:
-``(num_computed_tokens - num_prompt_tokens) % L`` per decode row (:func:`write_pos_from_positions`);
-the checkpoint is the state prefill left, and vLLM does not let prefix caching run with ReplaySSM.
+``write_pos`` is what vLLM's metadata builder computes for its own ReplaySSM kernel, per decode row
+(:func:`write_pos_from_positions` gives the plain case, ``(num_computed_tokens - num_prompt_tokens) % L``).
+
+Not supported yet: **forced flushes.** Newer vLLM also sets ``is_flush`` where ``write_pos != L - 1``: a one-token
+prefill leftover with prior state becomes a decode row with ``write_pos = 0, is_flush = 1`` (chunked prefill,
+uniform full-CUDA-graph batches, disaggregated serving), and align-mode prefix caching forces a flush at every
+block boundary (vllm v1/attention/backends/mamba_attn.py ``_compute_common_metadata``; its kernel reads the flag
+per row). Our kernel folds only when the buffer fills. Eagerly the adapter refuses such a step (the ``is_flush``
+check below, naming it); inside a CUDA graph the check cannot run (no host reads) and the forced-flush token
+would be appended and later overwritten: serve with chunked prefill and prefix caching off, or without the
+adapter, until the kernel takes a per-row flush flag (planned for the strided layout: ``flush = k == L ||
+is_flush[b]``, the fold over the k entries there are; it needs a GPU session to validate).
 
 On CUDA tensors the kernel runs; on CPU tensors the float64-checked reference (``reference.py``) runs
 on the same views, so the translation itself is tested in CI. Not covered: the speculative path
