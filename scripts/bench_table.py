@@ -29,4 +29,6 @@ def table(path: str) -> str:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        sys.exit(__doc__)
     print(table(sys.argv[1]))
