@@ -524,9 +524,7 @@ def check_arguments(args) -> None:
         n = len(model_config(args.tiny or False, args.layers, args.vocab, geometry=args.model_geometry).layers_block_type)
         if not 1 <= args.check_layers <= n:
             raise ValueError(f"--check-layers: expected 1..{n} (the layers of the timed model), got {args.check_layers}")
-    order = [int(b) for b in args.batches.split(",") if b]
-    if not order or min(order) < 1:
-        raise ValueError(f"--batches: expected positive integers, got {args.batches!r}")
+    # --batches, --buffer-len, --reps, --fit-contexts: bench_e2e.check_common, before this
 
 
 def run(args, r) -> list[dict]:
