@@ -19,8 +19,9 @@ Achieved TB/s = bytes / time; % of ceiling against a device-to-device copy measu
 Speculative rows (``--spec``, T = 4, L = 16): ReplaySSM ``gdn_replay_verify`` timed at pinned cursors
 (count 0, 4, 8: no flush; count 9, 12: the fold of 9 / 12 committed entries inside the launch), and the
 native baseline ``gdn_native_spec_verify`` + ``gdn_native_spec_commit`` (n = T). The ReplaySSM step
-time at acceptance ~0.8 is the mean over a simulated run (n = 1 + accepted drafts, each draft accepted
-with p = 0.8 while the previous ones were; the commit's flush rule on the cursor), times interpolated
+time at acceptance ~0.8 is the mean over the stationary distribution of the committed count
+(``count_weights``: n = 1 + accepted drafts, each draft accepted with p = 0.8 while the previous ones were;
+the commit's flush rule on the cursor; exact, ``costs.spec_count_distribution``), times interpolated
 linearly in count between the measured points (the history and fold costs are linear in count). The
 cursor commit (one tiny kernel shared by all layers) is not timed, as the cursor advance above.
 Spec bytes model per (batch row, layer): ``costs.gdn_verify_bytes`` at count m (no fold: S0 or shadow
@@ -186,22 +187,13 @@ def spec_counts(T: int, L: int) -> tuple[int, ...]:
     return tuple(no_fold + fold)
 
 
-def simulate_cycle(T, L, p=0.8, steps=20000, seed=0):
-    """Counts seen by verify over a run with acceptance p (n = 1 + consecutive accepted drafts), and tokens/step."""
-    import random
-
-    rng = random.Random(seed)
-    count, seen, tokens = 0, [], 0
-    for _ in range(steps):
-        seen.append(count)
-        if count + 2 * T > L:
-            count = 0
-        n = 1
-        while n < T and rng.random() < p:
-            n += 1
-        count += n
-        tokens += n
-    return seen, tokens / steps
+def count_weights(T: int, L: int, p: float = 0.8) -> tuple[dict, float]:
+    """The committed counts a verify starts from, with their stationary weights, when each draft is accepted with
+    probability p while the previous ones were (n = 1 + consecutive accepted drafts; the commit's flush rule on
+    the cursor): ``costs.spec_count_distribution`` (exact, the end-to-end spec step's model too), and the
+    tokens a step emits (sum_{k<T} p^k)."""
+    tokens = sum(p ** k for k in range(T))
+    return costs.spec_count_distribution(T, L, tokens), tokens
 
 
 def interp(points: dict, m: int, T: int, L: int) -> float:
@@ -258,7 +250,7 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
 
     row = dict(geom="qwen3_next", **geom, L=L, T=T, batch=batch, rotations=R, act="bf16", p_accept=p_accept,
                verify_geometry=gdn_geometry(V, K, HV, batch, True), native_geometry=gdn_geometry(V, K, HV, batch, False))
-    seen, tokens_per_step = simulate_cycle(T, L, p_accept)
+    weights, tokens_per_step = count_weights(T, L, p_accept)
     row["tokens_per_step"] = tokens_per_step
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         pts = {}
@@ -267,11 +259,11 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
             cursor[:, 1] = m
             pts[m] = graph_time_us(verify(sh), R)[0]
         row[f"{name}_verify_us"] = {str(m): t for m, t in pts.items()}
-        amort = sum(interp(pts, m, T, L) for m in seen) / len(seen)
+        amort = sum(w * interp(pts, m, T, L) for m, w in weights.items())
         q = 2 if sh is not None else None  # bf16 shadow
         by_count = {m: costs.gdn_verify_bytes(HV, H, V, K, L, T, m, shadow_bytes=q)
                     for m in range(L + 1)}
-        bytes_amort = sum(by_count[m] for m in seen) / len(seen) * batch
+        bytes_amort = sum(w * by_count[m] for m, w in weights.items()) * batch
         row[f"{name}_us_step"] = amort
         row[f"{name}_bytes_step"] = bytes_amort
         row[f"{name}_tbps"] = bytes_amort / amort / 1e6
