@@ -144,11 +144,29 @@ def config_text(mc) -> str:
     return text
 
 
-def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str) -> pathlib.Path:
+def default_name(*, engine_cfg: dict | None = None, tiny: str | None = None,
+                 model_dir: pathlib.Path | None = None) -> str:
+    """``<family>_replayssm``, the model's name in the repository when --name is not given: the engine's
+    ``model.model_type`` (Qwen3-Next / Qwen3.5 engines; Nemotron engines have none: nemotron_h), the
+    checkpoint's ``model_type``, or the embedded tiny's name."""
+    if engine_cfg is not None:
+        family = (engine_cfg.get("model") or {}).get("model_type") or "nemotron_h"
+    elif model_dir is not None:
+        try:
+            family = json.loads((model_dir / "config.json").read_text()).get("model_type") or "nemotron_h"
+        except (OSError, ValueError):
+            family = "nemotron_h"  # _vocab names the unreadable config.json
+    else:
+        family = tiny or "nemotron_h"
+    return f"{family}_replayssm"
+
+
+def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str | None = None) -> pathlib.Path:
     cfg_path = engine_dir / "config.json"
     if not cfg_path.is_file():
         raise RepoError(f"--engine-dir: expected {cfg_path} (run scripts/build_engine.py first)")
     cfg = json.loads(cfg_path.read_text())
+    name = name or default_name(engine_cfg=cfg)
     text = config_text(model_config(cfg, name))
     plan = engine_dir / "model.plan"
     if plan.is_file():
@@ -275,7 +293,8 @@ def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, m
     return mc
 
 
-def make_python_repo(repo: pathlib.Path, name: str, *, tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None,
+def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
+                     model_dir: pathlib.Path | None = None,
                      dtype: str = "float32", seed: int = 0, device: str = "auto", max_slots: int = 8,
                      max_seq_len: int = 1024, buffer_len: int = 16, idle_us: int = 60_000_000,
                      max_queue_delay_us: int = 100) -> pathlib.Path:
@@ -287,6 +306,7 @@ def make_python_repo(repo: pathlib.Path, name: str, *, tiny: str = "nemotron_h",
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     vocab = _vocab(tiny, model_dir)
+    name = name or default_name(tiny=tiny, model_dir=model_dir)
     params = dict(model_dir="" if model_dir is None else str(model_dir.resolve()), tiny="" if model_dir else tiny,
                   seed=seed, dtype=dtype, python_path=os.pathsep.join(python_paths()),
                   python_version=_py_version(), python_libdir=sysconfig.get_config_var("LIBDIR") or "")

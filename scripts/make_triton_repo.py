@@ -74,7 +74,9 @@ def main(argv=None) -> int:
                     help="tensorrt_plan: the built engine with implicit state; python: a model that owns its state")
     ap.add_argument("--engine-dir", type=pathlib.Path, help="output directory of build_engine.py (tensorrt_plan)")
     ap.add_argument("--repo", required=True, type=pathlib.Path, help="model repository root to write into")
-    ap.add_argument("--name", default="nemotron_h_replayssm", help="model name in the repository")
+    ap.add_argument("--name", help="model name in the repository (default: <family>_replayssm, the family from the "
+                                   "engine's or checkpoint's model_type or the --tiny name, e.g. nemotron_h_replayssm, "
+                                   "qwen3_5_moe_replayssm)")
     py = ap.add_argument_group("--backend python")
     py.add_argument("--model", type=pathlib.Path,
                     help="Nemotron-H / Nemotron 3 / Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded tiny)")

@@ -344,6 +344,19 @@ def test_cli_python_backend(tmp_path, capsys):
     assert mtr.main(["--repo", str(tmp_path / "r2")]) == 2  # tensorrt_plan needs --engine-dir
 
 
+@pytest.mark.parametrize("tiny", ["qwen3_5_moe", "nemotron3"])
+def test_default_name_follows_the_model(tmp_path, tiny):
+    """The repository's model is named after the model it serves (was nemotron_h_replayssm for every model);
+    --name still sets it."""
+    assert mtr.main(["--backend", "python", "--repo", str(tmp_path / "r"), "--device", "cpu", "--tiny", tiny]) == 0
+    assert (tmp_path / "r" / f"{tiny}_replayssm" / "1" / "model.py").is_file()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "qwen3_5_moe", "vocab_size": 64}')
+    assert tr.default_name(model_dir=ckpt) == "qwen3_5_moe_replayssm"
+    assert tr.default_name(engine_cfg={"model": {"source": "x"}}) == "nemotron_h_replayssm"
+
+
 # ---- CUDA: the kernels behind the same model ------------------------------------------------------------------
 @pytest.mark.gpu
 def test_cuda_model_matches_the_cpu_model(tmp_path):

@@ -122,5 +122,6 @@ def test_cli_refuses_to_overwrite_and_reports(engine_dir, tmp_path):
     args = ["--engine-dir", str(engine_dir), "--repo", str(tmp_path / "r")]
     assert mtr.main(args) == 0
     assert mtr.main(args) == 2  # exists: refused, nothing half-written
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["nemotron_h_replayssm"]
+    family = "qwen3_next" if engine_dir.name == "qwen3_next" else "nemotron_h"  # the engine's model_type
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [f"{family}_replayssm"]
     assert mtr.main(["--engine-dir", str(tmp_path / "none"), "--repo", str(tmp_path / "r2")]) == 2
