@@ -385,7 +385,16 @@ class MixerPatch:
     One transformers cache at a time holds its newest SSM state in our buffers (the one last prefilled). When
     another cache is prefilled, or on ``unpatch()``, the buffers are first folded back into the held cache's
     recurrent state, so that cache continues correctly (through the model's own path, or after its next
-    prefill, through ours again). A beam search's ``reorder_cache`` reorders our slots with the cache's."""
+    prefill, through ours again). A beam search's ``reorder_cache`` reorders our slots with the cache's.
+
+    A model forward that raises mid-step (an error in a later layer, an interrupt) leaves the step open, some
+    layers decoded and their conv windows advanced in the transformers cache, others not: the next forward
+    aborts that step and marks the cache it held broken; any further use of that cache (decode, continuation
+    prefill, write-back) is refused by name instead of continuing from an inconsistent state. A fresh cache
+    (a new prefill) works as before."""
+
+    _broken = None  # weakref of the transformers cache a forward left mid-step
+    _step_cache = None  # weakref of the transformers cache of the step under way
 
     def _holds(self, cache) -> bool:
         return self._cache_ref is not None and self._cache_ref() is cache
@@ -407,9 +416,10 @@ class MixerPatch:
             cache.reorder_cache = reorder_cache
 
     def _write_back(self) -> None:
-        """Fold our buffers into the held transformers cache's recurrent states (if it still lives)."""
+        """Fold our buffers into the held transformers cache's recurrent states (if it still lives and no
+        forward left it mid-step)."""
         held = None if self._cache_ref is None else self._cache_ref()
-        if held is None or self.cache is None:
+        if held is None or self.cache is None or self._is_broken(held):
             return
         for i in sorted(self._ready):
             rec = held.get_recurrent_state(i)
@@ -423,13 +433,30 @@ class MixerPatch:
             if rec is not None:
                 self._fold_into(mixer.layer_idx, rec)
 
+    def _is_broken(self, cache) -> bool:
+        return cache is not None and self._broken is not None and self._broken() is cache
+
+    def _before_model_step(self, module, args) -> None:
+        """A step still open here was left by a forward that raised: abort it, the held cache is broken."""
+        if self._step is None:
+            return
+        if self._step == "decode" and self.cache is not None:
+            self.cache.abort_step()
+        self._broken = self._step_cache  # the cache that step ran on (a raising prefill of a new cache breaks
+        self._step = None                # that one, not the one our buffers held until then)
+
     def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
         if cache is None:
             return orig(hidden_states, cache=cache, attention_mask=attention_mask, **kw)
+        if self._is_broken(cache):
+            raise RuntimeError("ReplaySSM patch: an earlier forward on this cache raised in the middle of a step "
+                               "(some layers had advanced their states, others not); its sequences cannot "
+                               "continue: start again from a new cache (prefill the prompt again)")
         if cache.is_recording_past(mixer.layer_idx):
             raise NotImplementedError("ReplaySSM patch: caches that record the past (assisted decoding) are not supported")
         decode = (hidden_states.shape[1] == 1 and self._has_state(mixer.layer_idx) and self._holds(cache)
                   and cache.get_conv_state(mixer.layer_idx) is not None)
+        self._step_cache = weakref.ref(cache)
         if decode:
             if self._step != "decode":  # the step's first decoding mixer opens the cache's step
                 self.cache.flush(self._rows(), 1)
@@ -465,6 +492,8 @@ class MixerPatch:
             mixer.forward = fwd
             self._handles.append(lambda _m=mixer: _m.__dict__.pop("forward", None))
         h = self.model.model.register_forward_hook(self._after_model_step)
+        self._handles.append(h.remove)
+        h = self.model.model.register_forward_pre_hook(self._before_model_step)
         self._handles.append(h.remove)
         return self
 
@@ -576,6 +605,7 @@ class ReplaySSMDecoder(MixerPatch):
         self.cache = None
         self._ready = set()
         self._cache_ref = None
+        self._broken = None
 
 
 class StepExecutor:

@@ -76,6 +76,52 @@ def check_beams_and_conversations(model, patch, buffer_len: int, atol: float) ->
         torch.testing.assert_close(run(mode), want, rtol=0, atol=atol, msg=mode)
 
 
+def check_forward_raising_mid_step(model, patch, buffer_len: int, atol: float) -> None:
+    """A forward that raises after some mixers decoded (here: the last layer) leaves that cache unusable: the
+    next decode and a continuation prefill of it are refused by name, unpatch() leaves it alone, and a new
+    cache decodes exactly as the unpatched model."""
+    from transformers import DynamicCache
+
+    gen = torch.Generator().manual_seed(7)
+    a, b = torch.randint(2, 256, (2, 6), generator=gen), torch.randint(2, 256, (1, 5), generator=gen)
+
+    def talk(cache, ids, n):
+        out = model(ids, cache=cache, use_cache=True).logits[:, -1:]
+        for _ in range(n):
+            out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
+        return out
+
+    want = talk(DynamicCache(config=model.config), b, buffer_len + 2)
+    dec = patch(model, buffer_len=buffer_len)
+    last = model.model.layers[-1]
+    try:
+        cache_a = DynamicCache(config=model.config)
+        tok = talk(cache_a, a, 2).argmax(-1)
+        orig = last.forward
+
+        def boom(*args, **kw):
+            raise KeyboardInterrupt("interrupted mid-step")
+
+        last.forward = boom
+        try:
+            model(tok, cache=cache_a, use_cache=True)
+            raise AssertionError("the forward should have raised")
+        except KeyboardInterrupt:
+            pass
+        finally:
+            last.forward = orig
+        for ids in (tok, a[:, :3]):  # decode, continuation prefill
+            try:
+                model(ids, cache=cache_a, use_cache=True)
+                raise AssertionError("a broken cache was continued")
+            except RuntimeError as e:
+                assert "raised in the middle of a step" in str(e), e
+        got = talk(DynamicCache(config=model.config), b, buffer_len + 2)
+    finally:
+        dec.unpatch()  # must not write back into the broken cache (nor raise)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
 # --- CPU process groups (gloo) for the tensor-parallel tests -----------------------------------------------
 #
 # A rank has died of SIGABRT ("terminate called without an active exception", no Python traceback) in

@@ -355,6 +355,13 @@ def test_beam_search_and_interleaved_conversations_match_unpatched(model):
     check_beams_and_conversations(model, patch_replayssm, L, atol=1e-4)
 
 
+def test_forward_raising_mid_step_breaks_only_its_cache(model):
+    """An error inside a decode step (tests/helpers.py says how) is not silently continued from."""
+    from .helpers import check_forward_raising_mid_step
+
+    check_forward_raising_mid_step(model, patch_replayssm, L, atol=1e-4)
+
+
 def test_tied_embeddings_checkpoint_loads_with_the_head_tied(model, tmp_path):
     """tie_word_embeddings with no lm_head tensor: the head is the embedding (transformers' tie_weights() does
     nothing for NemotronHForCausalLM, which left the head on the meta device)."""

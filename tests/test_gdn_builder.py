@@ -112,6 +112,13 @@ def test_beam_search_and_interleaved_conversations_match_unpatched(model):
     check_beams_and_conversations(model, patch_gdn_replayssm, L, atol=1e-5)
 
 
+def test_forward_raising_mid_step_breaks_only_its_cache(model):
+    """An error inside a decode step (tests/helpers.py says how) is not silently continued from."""
+    from .helpers import check_forward_raising_mid_step
+
+    check_forward_raising_mid_step(model, patch_gdn_replayssm, L, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type, gdn", [("qwen3_next", True), ("qwen3_5", True), ("qwen3_5_text", True),
                                              ("qwen3_5_moe", True), ("qwen3_5_moe_text", True), ("nemotron_h", False)])
 def test_published_checkpoint_model_types_are_recognised(tmp_path, model_type, gdn):
