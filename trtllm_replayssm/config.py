@@ -319,6 +319,11 @@ _local = threading.local()
 # resident per SM with enough bytes in flight (docs/DESIGN.md §3: 32 KB/SM covers the latency).
 STATE_REGS_PER_THREAD = 32
 SMALL_BATCH = 4
+# The staged shadow step above SMALL_BATCH: twice the rows a thread (R64 W4 on the main geometry instead of
+# R64 W8), so the per-warp fixed part of an item (prologue, scalars, B.C) is paid by half the warps; H100,
+# same-run A/B at bs256 (bench/NOTES.md "Fewer warps per item: outcome"): fp8 k1 142.8 -> 119.1 us, amortized
+# 3.54x -> 4.10x the conventional step; bf16 (with 8 resident blocks) 258.8 -> 254.0 us.
+SHADOW_REGS_PER_THREAD = 2 * STATE_REGS_PER_THREAD
 
 
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
@@ -369,6 +374,8 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     # Small batches are latency-bound: fewer rows per thread shortens each thread's serial work
     # (the flush's rank-L update above all) and puts more warps on the few blocks there are.
     regs = STATE_REGS_PER_THREAD if batch > SMALL_BATCH else STATE_REGS_PER_THREAD // 4
+    if shadow != "none" and staged and batch > SMALL_BATCH:
+        regs = SHADOW_REGS_PER_THREAD
     rows_per_thread = max(1, regs // per_row)
     def warps_for(rows: int) -> int:
         w = max(1, rows // (lay.rows_per_warp_load * rows_per_thread))
@@ -402,12 +409,18 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
 
 
 # The shipped variants (bench/NOTES.md says why). Without a shadow: persistent blocks where they pay,
-# else one-shot, both built for 5 resident blocks (the kernel caps that at 1024 threads per SM).
+# else one-shot, both built for 5 resident blocks (the kernel caps that at 1024 threads per SM); at batch
+# <= SMALL_BATCH the staged one-shot kernel (rows and history staged together by cp.async: H100, same-run
+# A/B, amortized bs1 5.6 -> 5.1 us, bs4 13.4 -> 12.3 us; bench/NOTES.md "Batch 1 with an fp32 checkpoint").
 SHIPPED_MIN_BLOCKS = 5
 DEFAULT_VARIANT = Variant("persistent", SHIPPED_MIN_BLOCKS)
+SMALL_BATCH_VARIANT = Variant("staged", SHIPPED_MIN_BLOCKS, 2)
 # With a shadow: the staged one-shot kernel, flush 2 rows at a time, with the resident blocks that were
-# the best of 5 / 6 / 8 at bs256 on the main geometry (bench/NOTES.md "Staged one-shot shadow step").
+# the best of 5 / 6 / 8 at bs256 on the main geometry (bench/NOTES.md "Staged one-shot shadow step"; with
+# batch <= SMALL_BATCH). Above SMALL_BATCH (SHADOW_REGS_PER_THREAD) the blocks that leave a thread 64
+# registers: 1024 threads per SM (8 blocks of R64 W4 on the main geometry, measured best for both shadows).
 SHADOW_STAGED_BLOCKS = {"bf16": 5, "fp8": 8}
+SHADOW_THREADS_PER_SM = 1024
 SHADOW_FLUSH_ROWS = 2
 SHADOW_VARIANTS = {sh: Variant("staged", n, SHADOW_FLUSH_ROWS) for sh, n in SHADOW_STAGED_BLOCKS.items()}
 
@@ -441,6 +454,8 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
             variant = Variant("one_shot", SHIPPED_MIN_BLOCKS)
         elif shadow != "none":
             variant = SHADOW_VARIANTS[shadow]
+        elif batch <= SMALL_BATCH:
+            variant = SMALL_BATCH_VARIANT
         else:
             variant = DEFAULT_VARIANT
     else:
@@ -457,6 +472,8 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
         variant = dataclasses.replace(variant, kind="one_shot")
     rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, False, shadow,
                                   variant.kind == "staged")
+    if pinned is None and shadow != "none" and batch > SMALL_BATCH:  # SHADOW_REGS_PER_THREAD's register budget
+        variant = dataclasses.replace(variant, min_blocks=max(1, SHADOW_THREADS_PER_SM // (32 * warps)))
     return rows, warps, variant
 
 
