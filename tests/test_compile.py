@@ -167,7 +167,10 @@ def test_shadow_variant_choice():
 
     for shadow in ("bf16", "fp8"):
         rows, warps, variant = plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)
-        assert (rows, warps) == (64, 8)
+        assert (rows, warps) == (64, 4)  # above SMALL_BATCH: 64 state elements a thread, 1024 threads per SM
+        assert variant == Variant("staged", min_blocks=8, flush_rows=2)
+        rows, warps, variant = plan("f32", "bf16", 128, 64, 128, 16, 1, shadow=shadow)  # batch 1: unchanged
+        assert (rows, warps) == (16, 8)
         assert variant == Variant("staged", min_blocks=SHADOW_STAGED_BLOCKS[shadow], flush_rows=2)
         with override_variant(kind="one_shot", min_blocks=5):  # the plain one-shot kernel, on request
             assert plan("f32", "bf16", 128, 64, 128, 16, 256, shadow=shadow)[2] == Variant("one_shot", 5)
@@ -176,6 +179,7 @@ def test_shadow_variant_choice():
         spec = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, rows, warps, False, 90, variant, shadow)
         assert spec.persistent and spec.grid(256, 132)[1] == 1
     assert plan("f32", "bf16", 128, 64, 128, 16, 256)[2] == DEFAULT_VARIANT  # no shadow: unchanged
+    assert plan("f32", "bf16", 128, 64, 128, 16, 4)[2] == Variant("staged", 5, 2)  # small batches: staged
 
 
 def test_variant_key_and_prelude_keep_their_names():
