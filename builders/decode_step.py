@@ -49,7 +49,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .engine_format import layer_states
+from .engine_format import SHADOWS, layer_states
 from .moe import FORMULATIONS, moe_forward
 from .nemotron_h import _check_layers, reference_backend
 
@@ -83,6 +83,35 @@ class Mamba2Decode(torch.autograd.Function):
                     dt_cache, plugin_namespace_s=DOMAIN, aot_i=1, nheads_i=nheads, headdim_i=headdim,
                     dstate_i=dstate, ngroups_i=ngroups, buffer_len_i=buffer_len, outputs=5)
         for o, like in zip(outs, (x, state, x_cache, B_cache, dt_cache)):
+            o.setType(like.type())
+        return outs
+
+
+SHADOW_OP_TYPE = "mamba2_decode_shadow"
+
+
+class Mamba2DecodeShadow(torch.autograd.Function):
+    """``replayssm::mamba2_decode_shadow``: :class:`Mamba2Decode`'s inputs then (shadow, shadow_scale), outputs
+    then (shadow_out, shadow_scale_out). A bf16 shadow of the fp32 checkpoint: non-flush steps read it, flush
+    steps rewrite it from the checkpoint they store (trtllm_replayssm/reference.py). ``shadow_scale`` is the
+    plugin's (1,) fp32 placeholder of a bf16 shadow (never read or written; a constant of the graph)."""
+
+    @staticmethod
+    def forward(ctx, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow,
+                shadow_scale, sizes, backend):
+        state, x_cache, B_cache, dt_cache, shadow = (t.clone() for t in (state, x_cache, B_cache, dt_cache, shadow))
+        y = backend(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x, B=B,
+                    C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=None, state_batch_indices=sbi, shadow=shadow)
+        return y.to(x.dtype), state, x_cache, B_cache, dt_cache, shadow, shadow_scale.clone()
+
+    @staticmethod
+    def symbolic(g, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow, shadow_scale,
+                 sizes, backend):
+        nheads, headdim, dstate, ngroups, buffer_len = sizes
+        outs = g.op(f"{DOMAIN}::{SHADOW_OP_TYPE}", x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
+                    dt_cache, shadow, shadow_scale, plugin_namespace_s=DOMAIN, aot_i=1, nheads_i=nheads,
+                    headdim_i=headdim, dstate_i=dstate, ngroups_i=ngroups, buffer_len_i=buffer_len, outputs=7)
+        for o, like in zip(outs, (x, state, x_cache, B_cache, dt_cache, shadow, shadow_scale)):
             o.setType(like.type())
         return outs
 
@@ -171,12 +200,13 @@ class StateSpec:
         return dict(name=self.name, shape=list(self.shape), dtype=_ONNX_DTYPE_NAMES[self.dtype], output=self.output)
 
 
-def layer_state_specs(letter: str, layer: int, sizes: dict, dtypes: dict, speculative: bool = False) -> list[StateSpec]:
+def layer_state_specs(letter: str, layer: int, sizes: dict, dtypes: dict, speculative: bool = False,
+                      shadow: str = "none") -> list[StateSpec]:
     """The state tensors of layer ``layer`` (pattern letter ``letter``) as the engine-directory format lists them
     (builders/engine_format.py's LAYER_STATES, the one table of names, shapes and dtypes), with the sizes of
     ``sizes`` and the torch dtypes of the roles in ``dtypes`` (``act``, ``state``)."""
     return [StateSpec(s.name(layer), s.shape(sizes), dtypes[s.dtype] if s.dtype in dtypes else _TORCH_DTYPES[s.dtype],
-                      s.output(layer)) for s in layer_states(letter, speculative)]
+                      s.output(layer)) for s in layer_states(letter, speculative, shadow)]
 
 
 def rotate_rings(rings, start) -> list[torch.Tensor]:
@@ -256,8 +286,12 @@ class StepIO:
             elif kind == "linear_attention":
                 state, rings = self._patched_ssm(decoder, i)
                 rings = rotate_rings(rings, cursor[:, 0]) if self.speculative else [t.clone() for t in rings]
-                out += [conv[i], state.clone(), *rings]
+                out += [conv[i], state.clone(), *self._shadow_of(state), *rings]
         return out if cursor is None else (cursor, out)
+
+    def _shadow_of(self, state) -> list[torch.Tensor]:
+        """The checkpoint shadow state of a layer whose checkpoint is ``state`` ([] without a shadow)."""
+        return []
 
     def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
         """Layer i's K and V from a transformers cache holding ``lengths`` tokens, padded to max_seq_len."""
@@ -279,9 +313,17 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
     speculative = False  # the verify step (builders/spec_step.py) keeps a wider conv window, conv_window_i
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype = torch.float32,
-                 backend=None, moe_formulation: str = "dense"):
+                 backend=None, moe_formulation: str = "dense", shadow: str = "none"):
         super().__init__()
         _check_layers(model.config)
+        if shadow not in SHADOWS:
+            raise ValueError(f"shadow: expected one of {SHADOWS} (a bf16 shadow of an fp32 checkpoint), got {shadow!r}")
+        if shadow != "none" and (self.speculative or state_dtype != torch.float32):
+            raise ValueError(f"shadow: a checkpoint shadow needs the standard step and an fp32 state, got "
+                             f"speculative={self.speculative}, state_dtype={state_dtype}")
+        self.shadow = shadow
+        # mamba2_decode_shadow's (1,) fp32 scale placeholder of a bf16 shadow (never read or written)
+        self.register_buffer("shadow_scale_placeholder", torch.ones(1), persistent=False)
         if moe_formulation not in FORMULATIONS:
             raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {moe_formulation!r}")
         self.moe_formulation = moe_formulation
@@ -316,8 +358,17 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         specs = []
         for i, kind in enumerate(self.kinds):
             if kind in letters:
-                specs += layer_state_specs(letters[kind], i, sizes, dtypes, self.speculative)
+                specs += layer_state_specs(letters[kind], i, sizes, dtypes, self.speculative, self.shadow)
         return specs
+
+    def _shadow_of(self, state) -> list[torch.Tensor]:
+        if self.shadow == "none":
+            return []
+        from trtllm_replayssm.reference import quantize_shadow
+
+        q = torch.empty(state.shape, dtype=torch.bfloat16, device=state.device)
+        quantize_shadow(state, q)
+        return [q]
 
     def _patched_ssm(self, decoder, i: int):
         """Mamba layer i of a patched model (ReplaySSMDecoder): (checkpoint, standard buffers x, B, dt)."""
@@ -334,7 +385,9 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         o, k_cache, v_cache = window_attention(q, k, v, k_cache, v_cache, lengths, att.scaling, T, self.max_seq_len)
         return att.o_proj(o.transpose(1, 2).reshape(batch, T, nh * hd)), k_cache, v_cache
 
-    def _mamba(self, i, layer, h, window, state, x_cache, B_cache, dt_cache, cursor, sbi):
+    def _mamba(self, i, layer, h, window, ssm_states, cursor, sbi):
+        """Mamba layer i: (out, [new window, *new caches]); ``ssm_states`` its states after the conv state in
+        state_specs' order (checkpoint[, shadow], x, B, dt)."""
         mx, T = layer.mixer, self.num_tokens
         sizes = (mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups, self.buffer_len)
 
@@ -344,17 +397,23 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
 
         def ssm(x, B, C, dt):
             y, *caches = self._ssm_op(x, B, C, dt, getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"),
-                                      getattr(self, f"D_{i}"), sbi, cursor, (state, x_cache, B_cache, dt_cache), sizes)
+                                      getattr(self, f"D_{i}"), sbi, cursor, tuple(ssm_states), sizes)
             return y, caches
 
         out, new_window, caches = mamba2_mixer(mx, h, T, conv, ssm)
         return out, [new_window, *caches]
 
     def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches, sizes):
-        """One ``mamba2_decode`` node on the step's one token: (y (batch, 1, H, P), the four caches)."""
-        y, *caches = Mamba2Decode.apply(x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, sbi, cursor, *caches, sizes,
-                                        self.backend)
-        return (y[:, None], *caches)
+        """One ``mamba2_decode`` (``mamba2_decode_shadow``) node on the step's one token: (y (batch, 1, H, P), the
+        layer's caches in state order: checkpoint[, shadow], x, B, dt)."""
+        one = (x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, sbi, cursor)
+        if self.shadow == "none":
+            y, *caches = Mamba2Decode.apply(*one, *caches, sizes, self.backend)
+            return (y[:, None], *caches)
+        state, shadow, x_cache, B_cache, dt_cache = caches
+        y, state, x_cache, B_cache, dt_cache, shadow, _ = Mamba2DecodeShadow.apply(
+            *one, state, x_cache, B_cache, dt_cache, shadow, self.shadow_scale_placeholder, sizes, self.backend)
+        return y[:, None], state, shadow, x_cache, B_cache, dt_cache
 
     def _layers(self, input_ids, lengths, cursor, states):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
@@ -370,9 +429,10 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
                 new_states += [kc, vc]
                 k += 2
             elif kind == "linear_attention":
-                out, st = self._mamba(i, layer, hn, *states[k:k + 5], cursor, sbi)
+                n = 5 + (self.shadow != "none")  # conv, checkpoint[, shadow], x, B, dt
+                out, st = self._mamba(i, layer, hn, states[k], states[k + 1:k + n], cursor, sbi)
                 new_states += st
-                k += 5
+                k += n
             elif kind == "moe":
                 out = moe_forward(hn, layer.mixer, self.moe_formulation)
             else:

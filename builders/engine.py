@@ -50,7 +50,7 @@ from trtllm_replayssm.config import (
     SUPPORTED_NUM_TOKENS,
 )
 
-from .engine_format import DECODE_FORMAT, SPEC_FORMAT, FormatError, check_layer_states, staging_dir
+from .engine_format import DECODE_FORMAT, SHADOWS, SPEC_FORMAT, FormatError, check_layer_states, staging_dir
 from .moe import FORMULATIONS as MOE_FORMULATIONS
 from .nemotron_h import TINY_CONFIGS
 
@@ -76,7 +76,8 @@ class BuildOptions:
     defaults. ``model``: HF directory (config.json + *.safetensors), else the embedded tiny config ``tiny``
     (nemotron_h when None); ``dtype``: activations / weights of the engine, ``state_dtype``: the checkpoint
     state (keys of :data:`DTYPES`); ``arch``: SM of the PTX (:data:`SUPPORTED_ARCHS`); ``sm_count``: SMs of the
-    target GPU (persistent-kernel grid); ``num_draft`` > 0: the speculative verify + commit pair."""
+    target GPU (persistent-kernel grid); ``num_draft`` > 0: the speculative verify + commit pair; ``shadow``
+    "bf16": a bf16 shadow of the fp32 checkpoint per Mamba-2 layer (standard Nemotron engines)."""
 
     out: pathlib.Path
     model: pathlib.Path | None = None
@@ -91,6 +92,7 @@ class BuildOptions:
     max_seq_len: int = 4096
     seed: int = 0
     num_draft: int = 0
+    shadow: str = "none"
     overwrite: bool = False
 
 
@@ -113,6 +115,12 @@ def check_options(opts: BuildOptions) -> None:
         if opts.buffer_len < 2 * (opts.num_draft + 1):
             raise BuildError(f"--buffer-len: speculative decoding needs >= 2 (num_draft + 1) = {2 * (opts.num_draft + 1)} "
                              f"(flush one window early), got {opts.buffer_len}")
+    if opts.shadow not in SHADOWS:
+        raise BuildError(f"--shadow: expected one of {list(SHADOWS)}, got {opts.shadow!r}")
+    if opts.shadow != "none" and (opts.num_draft or opts.state_dtype != "fp32"):
+        raise BuildError(f"--shadow {opts.shadow}: a checkpoint shadow is built into standard engines (no "
+                         f"--num-draft) with --state-dtype fp32, got --num-draft {opts.num_draft} --state-dtype "
+                         f"{opts.state_dtype}")
     if opts.sm_count < 1:
         raise BuildError(f"--sm-count: expected >= 1, got {opts.sm_count}")
     if opts.max_seq_len < 1:
@@ -231,9 +239,11 @@ def _gdn_decode_artifacts(opts, model, tmp):
 
 def _decode_config(opts, model: dict, sio: dict, plugin: dict) -> dict:
     """config.json of a standard decode engine directory (either family): the fields in the format's order."""
-    return dict(format=DECODE_FORMAT, model=model, max_batch=opts.max_batch, max_seq_len=opts.max_seq_len,
-                buffer_len=opts.buffer_len, act_dtype=opts.dtype, state_dtype=opts.state_dtype, arch=opts.arch,
-                inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"], plugin=plugin, plan=None,
+    cfg = dict(format=DECODE_FORMAT, model=model, max_batch=opts.max_batch, max_seq_len=opts.max_seq_len,
+               buffer_len=opts.buffer_len, act_dtype=opts.dtype, state_dtype=opts.state_dtype, arch=opts.arch)
+    if opts.shadow != "none":  # absent: none (directories written before the option read the same)
+        cfg["shadow"] = opts.shadow
+    return dict(cfg, inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"], plugin=plugin, plan=None,
                 trtexec=sio["trtexec"])
 
 
@@ -360,29 +370,31 @@ def _step_io(step, opts, tmp, vocab: int, plugins: str) -> dict:
 
 def _decode_artifacts(opts, model, tmp, H, P, N, G, nmamba):
     """model.onnx, the mamba2_decode PTX per tactic, config.json's content and the trtexec command."""
-    from .decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
+    from .decode_step import DOMAIN, OP_TYPE, SHADOW_OP_TYPE, NemotronHDecodeStep, export_onnx
 
     act, state_dtype, cfg = DTYPES[opts.dtype], DTYPES[opts.state_dtype], model.config
     step = NemotronHDecodeStep(model, opts.buffer_len, opts.max_seq_len, state_dtype,
-                               moe_formulation=opts.moe_formulation)
-    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{OP_TYPE} nodes)")
+                               moe_formulation=opts.moe_formulation, shadow=opts.shadow)
+    op_type = OP_TYPE if opts.shadow == "none" else SHADOW_OP_TYPE
+    info = trt_plugin.PLUGINS[trt_plugin.PLUGIN_NAME if opts.shadow == "none" else trt_plugin.SHADOW_PLUGIN_NAME]
+    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{op_type} nodes)")
     export_onnx(step, tmp / "model.onnx")
 
     kernels = []
     for tactic in sorted(trt_plugin.TACTICS):
         k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_kernel(
-            H, P, N, G, opts.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act], opts.arch, t, opts.sm_count),
-            f"tactic {tactic}")
+            H, P, N, G, opts.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act], opts.arch, t, opts.sm_count,
+            opts.shadow), f"tactic {tactic}")
         log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
         kernels.append(_kernel_entry(k, tactic))
 
     log("[4/5] writing config.json and trtexec.sh")
-    sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{OP_TYPE}")
+    sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{op_type}")
     config = _decode_config(opts, model_entry(opts, model), sio, dict(
-        op_type=OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
+        op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
         dstate=N, ngroups=G, buffer_len=opts.buffer_len, sm_count=opts.sm_count, kernels=kernels,
-        inputs=list(trt_plugin.INPUT_NAMES), outputs=list(trt_plugin.OUTPUT_NAMES),
-        aliased_outputs={trt_plugin.OUTPUT_NAMES[o]: trt_plugin.INPUT_NAMES[i] for o, i in trt_plugin.ALIASES.items()}))
+        inputs=list(info.inputs), outputs=list(info.outputs),
+        aliased_outputs={info.outputs[o]: info.inputs[i] for o, i in info.aliases.items()}))
     return config, [("model.onnx", "model.plan", sio["io_shapes"])]
 
 

@@ -37,7 +37,8 @@ config.json, both formats:
                     layer_types, attention_layers; Nemotron: mamba_layers, moe_layers and, with MoE layers,
                     moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers and, with
                     sparse MoE layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation)
-  max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX)
+  max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX);
+                    standard Nemotron engines also shadow ("none" or "bf16": the checkpoint shadow, below)
   states            every state tensor (below): name, shape (batch as -1), dtype (ONNX name: float32,
                     bfloat16, float16, int32, int64) and, standard, ``output`` (its ``<name>_out``
                     output) or, speculative, ``updated_by`` ({graph: output name})
@@ -69,6 +70,10 @@ shapes after the batch dimension, in the sizes of :class:`LayerState`):
                       gdn_g_i (HV, L) float32, gdn_beta_i (HV, L) float32
   *  attention        k_cache_i, v_cache_i (kv_heads, max_seq_len, head_dim) act
   E  MoE, - MLP       none (their weights are in the graph)
+
+A standard Mamba-2 engine built with a bf16 shadow of its fp32 checkpoint (config.json ``shadow``: "bf16";
+absent or "none": no shadow) has one more state per M layer, after ssm_state_i: ssm_shadow_i (nheads,
+headdim, dstate) bfloat16, which non-flush steps read and flush steps rewrite (``replayssm::mamba2_decode_shadow``).
 
 Speculative engines name the conv state ``conv_window_i`` (width K - 1 + num_draft instead of K). Each
 state's output is ``<name>_out``, same shape and dtype (in place in TensorRT: aliased plugin outputs).
@@ -150,6 +155,8 @@ GDN_STATES = (  # trtllm_replayssm/gdn_reference.py's GDNBuffers, the checkpoint
     LayerState("gdn_g", ("num_v_heads", "buffer_len"), "float32"),
     LayerState("gdn_beta", ("num_v_heads", "buffer_len"), "float32"),
 )
+SHADOW_STATE = LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "bfloat16")  # with shadow "bf16"
+SHADOWS = ("none", "bf16")  # config.json ``shadow`` values
 ATTENTION_STATES = (
     LayerState("k_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
     LayerState("v_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
@@ -158,14 +165,21 @@ LAYER_STATES = {"M": MAMBA2_STATES, "*": ATTENTION_STATES, "E": (), "-": (), "G"
 LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "Gated DeltaNet"}
 
 
-def layer_states(letter: str, speculative: bool = False) -> tuple[LayerState, ...]:
+def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -> tuple[LayerState, ...]:
     """The state tensors of a layer with pattern letter ``letter``, in engine I/O order; ``speculative``:
-    the conv state is the verify graph's ``conv_window``."""
+    the conv state is the verify graph's ``conv_window``; ``shadow`` "bf16": a Mamba-2 layer's checkpoint
+    shadow after its ssm_state (standard engines only)."""
     if letter not in LAYER_STATES:
         raise FormatError(f"letter: expected one of {''.join(LAYER_STATES)}, got {letter!r}")
+    if shadow not in SHADOWS:
+        raise FormatError(f"shadow: expected one of {SHADOWS}, got {shadow!r}")
+    if shadow != "none" and speculative:
+        raise FormatError("shadow: speculative engines have no checkpoint shadow state (standard decode only)")
     states = LAYER_STATES[letter]
     if speculative:
         states = tuple(dataclasses.replace(s, prefix=CONV_WINDOW) if s is CONV_STATE else s for s in states)
+    if shadow != "none" and letter == "M":
+        states = states[:2] + (SHADOW_STATE,) + states[2:]
     return states
 
 
@@ -184,7 +198,10 @@ def check_layer_states(cfg: dict) -> None:
         raise FormatError(f"config.json: model.pattern {pattern!r}: expected only {''.join(LAYER_STATES)}, got "
                           f"{bad[0][1]!r} at layer {bad[0][0]}")
     spec = is_speculative(cfg)
-    prefixes = {c: [s.prefix for s in layer_states(c, spec)] for c in LAYER_STATES}
+    shadow = cfg.get("shadow", "none")
+    if shadow not in SHADOWS or (spec and shadow != "none"):
+        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (speculative engines: none), got {shadow!r}")
+    prefixes = {c: [s.prefix for s in layer_states(c, spec, shadow)] for c in LAYER_STATES}
     names = [s["name"] for s in cfg["states"]]
     have = set(names)
     for i, c in enumerate(pattern):

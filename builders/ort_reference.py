@@ -4,6 +4,8 @@
 * ``mamba2_decode``: :func:`builders.nemotron_h.reference_backend` (``reference.replay_decode`` in
   float64), applied to copies of the state inputs, which become the outputs: (y, state_out,
   x_cache_out, B_cache_out, dt_cache_out).
+* ``mamba2_decode_shadow``: the same with a bf16 shadow of the checkpoint (inputs 13 shadow, 14 the (1,)
+  scale placeholder; outputs then shadow_out, shadow_scale_out), the shadow rewritten on flush steps.
 * ``mamba2_verify``: :func:`builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
   verify in float64), same outputs; the cursor is read only.
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
@@ -20,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .decode_step import DOMAIN, OP_TYPE
+from .decode_step import DOMAIN, OP_TYPE, SHADOW_OP_TYPE
 from .gdn_step import GDN_OP_TYPE, GDN_VERIFY_OP_TYPE
 from .gdn_step import verify_reference_backend as gdn_verify_backend
 from .nemotron_h import reference_backend
@@ -40,6 +42,44 @@ def _op(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cac
     y = reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
                           state_batch_indices=t(sbi), cursor=t(cursor), **caches)
     return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
+
+
+def _op_shadow(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow, shadow_scale,
+               **attrs):
+    got = (x.shape[1], x.shape[2], B.shape[2], B.shape[1], x_cache.shape[2])
+    want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len"))
+    if got != want:
+        raise ValueError(f"{DOMAIN}::{SHADOW_OP_TYPE}: attributes (nheads, headdim, dstate, ngroups, buffer_len) = "
+                         f"{want}, inputs have {got}")
+    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (copies: the outputs must not alias the inputs)
+    caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
+    sh = t(shadow).to(torch.bfloat16)  # float32 values of the bf16 shadow (session() casts around the node)
+    if not torch.equal(sh.float(), t(shadow)):
+        raise ValueError(f"{DOMAIN}::{SHADOW_OP_TYPE}: shadow: expected bfloat16 values")
+    y = reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
+                          state_batch_indices=t(sbi), cursor=t(cursor), shadow=sh, **caches)
+    return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")),
+            sh.float().numpy(), np.array(shadow_scale))
+
+
+def _float_shadow_io(model) -> None:
+    """onnxruntime-extensions' Python ops take no bfloat16 tensors, nor does onnxruntime's numpy I/O: the bf16
+    shadow inputs and outputs of the graph, which only ``mamba2_decode_shadow`` nodes read and write, are
+    declared float32 for the CPU session (exact: the values are bf16; :func:`feed` and :func:`to_torch`
+    convert, and the op checks that its shadow input holds bf16 values)."""
+    from onnx import TensorProto
+
+    shadow_ins = {n.input[13] for n in model.graph.node if n.domain == DOMAIN and n.op_type == SHADOW_OP_TYPE}
+    shadow_outs = {n.output[5] for n in model.graph.node if n.domain == DOMAIN and n.op_type == SHADOW_OP_TYPE}
+    for v in list(model.graph.input) + list(model.graph.output):
+        if v.type.tensor_type.elem_type != TensorProto.BFLOAT16:
+            continue
+        if v.name not in shadow_ins | shadow_outs:
+            raise ValueError(f"ort_reference: bfloat16 graph I/O {v.name!r} is not a mamba2_decode_shadow shadow")
+        readers = [n for n in model.graph.node if v.name in n.input]
+        if v.name in shadow_ins and any(n.op_type != SHADOW_OP_TYPE for n in readers):
+            raise ValueError(f"ort_reference: {v.name!r} is read by nodes other than mamba2_decode_shadow")
+        v.type.tensor_type.elem_type = TensorProto.FLOAT
 
 
 def _verify(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, **attrs):
@@ -105,6 +145,8 @@ def register() -> str:
         attrs = {"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "nheads": i64, "headdim": i64,
                  "dstate": i64, "ngroups": i64, "buffer_len": i64}
         onnx_op(op_type=f"{DOMAIN}::{OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 4, outputs=[f] * 5, attrs=attrs)(_op)
+        onnx_op(op_type=f"{DOMAIN}::{SHADOW_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
+                attrs=attrs)(_op_shadow)
         onnx_op(op_type=f"{DOMAIN}::{VERIFY_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 4, outputs=[f] * 5,
                 attrs={**attrs, "num_tokens": i64})(_verify)
         onnx_op(op_type=f"{DOMAIN}::{COMMIT_OP_TYPE}", inputs=[i32] * 3, outputs=[i32],
@@ -121,9 +163,32 @@ def register() -> str:
 
 
 def session(path):
-    """An onnxruntime CPU session of ``path`` with the reference op registered."""
+    """An onnxruntime CPU session of ``path`` with the reference ops registered (a graph with bf16 shadow
+    nodes gets float32 shadow I/O first, :func:`_float_shadow_io`)."""
+    import onnx
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.register_custom_ops_library(register())
+    model = onnx.load(str(path), load_external_data=False)
+    if any(n.domain == DOMAIN and n.op_type == SHADOW_OP_TYPE for n in model.graph.node):
+        model = onnx.load(str(path))  # with its weights: the retyped graph is handed over in memory
+        _float_shadow_io(model)
+        return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def feed(names, values) -> dict:
+    """Session inputs from torch tensors (bfloat16 ones as float32: :func:`_float_shadow_io`)."""
+    return {n: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy() for n, v in zip(names, values)}
+
+
+def to_torch(value, dtype: torch.dtype) -> torch.Tensor:
+    """A session output as a torch tensor of ``dtype`` (bfloat16 outputs arrive as float32 values, checked exact)."""
+    t = torch.from_numpy(np.array(value))
+    if dtype == torch.bfloat16:
+        b = t.to(torch.bfloat16)
+        if not torch.equal(b.float(), t):
+            raise ValueError("ort_reference.to_torch: a bfloat16 output holds values that are not bfloat16")
+        return b
+    return t
