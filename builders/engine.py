@@ -505,6 +505,9 @@ def build(opts: BuildOptions) -> pathlib.Path:
     source = f"model from {opts.model}" if opts.model else f"embedded tiny {tiny} (seed {opts.seed})"
     log(f"[1/5] loading {source}")
     gdn = is_gdn(opts)
+    if gdn and opts.shadow != "none":
+        raise BuildError(f"--shadow {opts.shadow}: the checkpoint shadow is exported for Nemotron-H / Nemotron 3 "
+                         "engines only (the Gated DeltaNet shadow plugins have no builder yet)")
     if gdn:
         model = load_gdn(opts, act)
         cfg = model.config

@@ -87,6 +87,12 @@ def test_bad_shadow_options_are_refused(tmp_path, kw, match):
         check_options(BuildOptions(out=tmp_path / "x", **kw))
 
 
+def test_gdn_shadow_is_refused_before_loading(tmp_path):
+    with pytest.raises(BuildError, match="Nemotron-H / Nemotron 3 engines only"):
+        build(BuildOptions(out=tmp_path / "q", tiny="qwen3_next", shadow="bf16"))
+    assert not (tmp_path / "q").exists()
+
+
 @needs_ort
 @torch.no_grad()
 def test_graph_follows_the_step_and_the_shadow_follows_the_checkpoint(engines):
