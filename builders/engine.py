@@ -117,10 +117,9 @@ def check_options(opts: BuildOptions) -> None:
                              f"(flush one window early), got {opts.buffer_len}")
     if opts.shadow not in SHADOWS:
         raise BuildError(f"--shadow: expected one of {list(SHADOWS)}, got {opts.shadow!r}")
-    if opts.shadow != "none" and (opts.num_draft or opts.state_dtype != "fp32"):
-        raise BuildError(f"--shadow {opts.shadow}: a checkpoint shadow is built into standard engines (no "
-                         f"--num-draft) with --state-dtype fp32, got --num-draft {opts.num_draft} --state-dtype "
-                         f"{opts.state_dtype}")
+    if opts.shadow != "none" and opts.state_dtype != "fp32":
+        raise BuildError(f"--shadow {opts.shadow}: a checkpoint shadow is of an fp32 checkpoint (--state-dtype "
+                         f"fp32), got --state-dtype {opts.state_dtype}")
     if opts.sm_count < 1:
         raise BuildError(f"--sm-count: expected >= 1, got {opts.sm_count}")
     if opts.max_seq_len < 1:
@@ -192,18 +191,23 @@ QWEN_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", 
 def _gdn_spec_artifacts(opts, model, tmp):
     """verify.onnx (one gdn_verify node per GDN layer) + commit.onnx, their PTX, config.json's content and the
     trtexec commands (builders/gdn_step.py's QwenGDNSpecStep, builders/spec_step.py's commit graph)."""
-    from .gdn_step import GDN_VERIFY_OP_TYPE, QwenGDNSpecStep
+    from .gdn_step import GDN_VERIFY_OP_TYPE, GDN_VERIFY_SHADOW_OP_TYPE, QwenGDNSpecStep
     from .qwen3_next import gdn_layers
 
     check_gdn_state_dtype(opts)
     H, HV, K, V = check_gdn_geometry(model.config)
     T, L = opts.num_draft + 1, opts.buffer_len
     act = DTYPE_CODES[DTYPES[opts.dtype]]
-    step = QwenGDNSpecStep(model, L, opts.max_seq_len, opts.num_draft, moe_formulation=opts.moe_formulation)
-    verify = dict(op_type=GDN_VERIFY_OP_TYPE, plugin=trt_plugin.GDN_VERIFY_PLUGIN_NAME, nodes=len(gdn_layers(model)),
+    step = QwenGDNSpecStep(model, L, opts.max_seq_len, opts.num_draft, moe_formulation=opts.moe_formulation,
+                           shadow=opts.shadow)
+    shadow = opts.shadow != "none"
+    verify = dict(op_type=GDN_VERIFY_SHADOW_OP_TYPE if shadow else GDN_VERIFY_OP_TYPE,
+                  plugin=trt_plugin.GDN_VERIFY_SHADOW_PLUGIN_NAME if shadow else trt_plugin.GDN_VERIFY_PLUGIN_NAME,
+                  nodes=len(gdn_layers(model)),
                   attributes=dict(num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=L,
                                   use_qk_l2norm=1, num_tokens=T),
-                  make=lambda t: trt_plugin.aot_gdn_verify_kernel(H, HV, K, V, L, 1, T, act, opts.arch, t))
+                  make=lambda t: trt_plugin.aot_gdn_verify_kernel(H, HV, K, V, L, 1, T, act, opts.arch, t,
+                                                                  opts.shadow))
     return _spec_graphs(opts, step, tmp, verify, gdn_model_entry(opts, model), model.config.vocab_size)
 
 
@@ -211,27 +215,30 @@ def _gdn_decode_artifacts(opts, model, tmp):
     """model.onnx (one gdn_decode node per GDN layer), the gdn_decode PTX per tactic, config.json's content
     and the trtexec command (the state contract of builders/gdn_step.py)."""
     from .decode_step import DOMAIN
-    from .gdn_step import GDN_OP_TYPE, QwenGDNDecodeStep, export_onnx
+    from .gdn_step import GDN_OP_TYPE, GDN_SHADOW_OP_TYPE, QwenGDNDecodeStep, export_onnx
     from .qwen3_next import gdn_layers
 
     check_gdn_state_dtype(opts)
     cfg = model.config
     H, HV, K, V = check_gdn_geometry(cfg)
     ngdn = len(gdn_layers(model))
-    step = QwenGDNDecodeStep(model, opts.buffer_len, opts.max_seq_len, moe_formulation=opts.moe_formulation)
-    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {ngdn} {DOMAIN}::{GDN_OP_TYPE} nodes)")
+    step = QwenGDNDecodeStep(model, opts.buffer_len, opts.max_seq_len, moe_formulation=opts.moe_formulation,
+                             shadow=opts.shadow)
+    op_type = GDN_OP_TYPE if opts.shadow == "none" else GDN_SHADOW_OP_TYPE
+    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {ngdn} {DOMAIN}::{op_type} nodes)")
     export_onnx(step, tmp / "model.onnx")
     kernels = []
     for tactic in sorted(trt_plugin.TACTICS):
         k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_gdn_kernel(
-            H, HV, K, V, opts.buffer_len, 1, DTYPE_CODES[DTYPES[opts.dtype]], opts.arch, t), f"tactic {tactic}")
+            H, HV, K, V, opts.buffer_len, 1, DTYPE_CODES[DTYPES[opts.dtype]], opts.arch, t, opts.shadow),
+            f"tactic {tactic}")
         log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
         kernels.append(_kernel_entry(k, tactic))
     log("[4/5] writing config.json and trtexec.sh")
-    sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{GDN_OP_TYPE}")
-    info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME]
+    sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{op_type}")
+    info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME if opts.shadow == "none" else trt_plugin.GDN_SHADOW_PLUGIN_NAME]
     config = _decode_config(opts, gdn_model_entry(opts, model), sio, dict(
-        op_type=GDN_OP_TYPE, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn, num_k_heads=H,
+        op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn, num_k_heads=H,
         num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=opts.buffer_len, use_qk_l2norm=1, kernels=kernels,
         inputs=list(info.inputs), outputs=list(info.outputs), aliased_outputs=info.manifest()["aliased_outputs"]))
     return config, [("model.onnx", "model.plan", sio["io_shapes"])]
@@ -480,6 +487,7 @@ def _spec_graphs(opts, step, tmp, verify: dict, model: dict, vocab: int):
         max_batch=opts.max_batch, max_seq_len=opts.max_seq_len, buffer_len=opts.buffer_len,
         num_draft=opts.num_draft, num_tokens=T, conv_window=step.window,
         act_dtype=opts.dtype, state_dtype=opts.state_dtype, arch=opts.arch,
+        **({"shadow": opts.shadow} if opts.shadow != "none" else {}),
         graphs=graphs,
         states=states,
         step=["verify", "sample n_accepted (batch,) int32 in 1..T from the logits", "commit"],
@@ -505,9 +513,6 @@ def build(opts: BuildOptions) -> pathlib.Path:
     source = f"model from {opts.model}" if opts.model else f"embedded tiny {tiny} (seed {opts.seed})"
     log(f"[1/5] loading {source}")
     gdn = is_gdn(opts)
-    if gdn and opts.shadow != "none":
-        raise BuildError(f"--shadow {opts.shadow}: the checkpoint shadow is exported for Nemotron-H / Nemotron 3 "
-                         "engines only (the Gated DeltaNet shadow plugins have no builder yet)")
     if gdn:
         model = load_gdn(opts, act)
         cfg = model.config
@@ -534,6 +539,9 @@ def build(opts: BuildOptions) -> pathlib.Path:
         if gdn:
             config, plans = (_gdn_spec_artifacts if opts.num_draft else _gdn_decode_artifacts)(opts, model, tmp)
         else:
+            if opts.num_draft and opts.shadow != "none":
+                raise BuildError(f"--shadow {opts.shadow} with --num-draft: speculative Nemotron engines have no "
+                                 "checkpoint shadow (no mamba2_verify shadow plugin); build without one of them")
             make = _spec_artifacts if opts.num_draft else _decode_artifacts
             config, plans = make(opts, model, tmp, H, P, N, G, nmamba)
         try:  # the states written are those the readers of the format expect (builders/engine_format.py)

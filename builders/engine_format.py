@@ -38,7 +38,7 @@ config.json, both formats:
                     moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers and, with
                     sparse MoE layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation)
   max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX);
-                    standard Nemotron engines also shadow ("none" or "bf16": the checkpoint shadow, below)
+                    standard engines also shadow ("none" or "bf16": the checkpoint shadow, below)
   states            every state tensor (below): name, shape (batch as -1), dtype (ONNX name: float32,
                     bfloat16, float16, int32, int64) and, standard, ``output`` (its ``<name>_out``
                     output) or, speculative, ``updated_by`` ({graph: output name})
@@ -71,9 +71,12 @@ shapes after the batch dimension, in the sizes of :class:`LayerState`):
   *  attention        k_cache_i, v_cache_i (kv_heads, max_seq_len, head_dim) act
   E  MoE, - MLP       none (their weights are in the graph)
 
-A standard Mamba-2 engine built with a bf16 shadow of its fp32 checkpoint (config.json ``shadow``: "bf16";
-absent or "none": no shadow) has one more state per M layer, after ssm_state_i: ssm_shadow_i (nheads,
-headdim, dstate) bfloat16, which non-flush steps read and flush steps rewrite (``replayssm::mamba2_decode_shadow``).
+A standard engine built with a bf16 shadow of its fp32 checkpoints (config.json ``shadow``: "bf16"; absent or
+"none": no shadow) has one more state per M layer, after ssm_state_i: ssm_shadow_i (nheads, headdim, dstate)
+bfloat16 (``replayssm::mamba2_decode_shadow``), and per G layer, after gdn_state_i: gdn_shadow_i (HV, V, K)
+bfloat16 (``replayssm::gdn_decode_shadow``); non-flush steps read it, flush steps rewrite it. Speculative
+Gated DeltaNet engines may carry gdn_shadow_i too (``gdn_verify_shadow``; the verify graph updates it, the
+commit graph does not touch it); speculative Mamba-2 engines have no shadow.
 
 Speculative engines name the conv state ``conv_window_i`` (width K - 1 + num_draft instead of K). Each
 state's output is ``<name>_out``, same shape and dtype (in place in TensorRT: aliased plugin outputs).
@@ -156,6 +159,7 @@ GDN_STATES = (  # trtllm_replayssm/gdn_reference.py's GDNBuffers, the checkpoint
     LayerState("gdn_beta", ("num_v_heads", "buffer_len"), "float32"),
 )
 SHADOW_STATE = LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "bfloat16")  # with shadow "bf16"
+GDN_SHADOW_STATE = LayerState("gdn_shadow", ("num_v_heads", "value_dim", "key_dim"), "bfloat16")
 SHADOWS = ("none", "bf16")  # config.json ``shadow`` values
 ATTENTION_STATES = (
     LayerState("k_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
@@ -173,13 +177,14 @@ def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -
         raise FormatError(f"letter: expected one of {''.join(LAYER_STATES)}, got {letter!r}")
     if shadow not in SHADOWS:
         raise FormatError(f"shadow: expected one of {SHADOWS}, got {shadow!r}")
-    if shadow != "none" and speculative:
-        raise FormatError("shadow: speculative engines have no checkpoint shadow state (standard decode only)")
+    if shadow != "none" and speculative and letter == "M":
+        raise FormatError("shadow: speculative Mamba-2 layers have no checkpoint shadow state (no mamba2_verify "
+                          "shadow plugin)")
     states = LAYER_STATES[letter]
     if speculative:
         states = tuple(dataclasses.replace(s, prefix=CONV_WINDOW) if s is CONV_STATE else s for s in states)
-    if shadow != "none" and letter == "M":
-        states = states[:2] + (SHADOW_STATE,) + states[2:]
+    if shadow != "none" and letter in ("M", "G"):  # after the checkpoint
+        states = states[:2] + (SHADOW_STATE if letter == "M" else GDN_SHADOW_STATE,) + states[2:]
     return states
 
 
@@ -199,9 +204,11 @@ def check_layer_states(cfg: dict) -> None:
                           f"{bad[0][1]!r} at layer {bad[0][0]}")
     spec = is_speculative(cfg)
     shadow = cfg.get("shadow", "none")
-    if shadow not in SHADOWS or (spec and shadow != "none"):
-        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (speculative engines: none), got {shadow!r}")
-    prefixes = {c: [s.prefix for s in layer_states(c, spec, shadow)] for c in LAYER_STATES}
+    if shadow not in SHADOWS or (spec and shadow != "none" and "M" in pattern):
+        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (speculative Mamba-2 engines: none), got "
+                          f"{shadow!r}")
+    prefixes = {c: [s.prefix for s in layer_states(c, spec, shadow if c in pattern else "none")]
+                for c in LAYER_STATES}
     names = [s["name"] for s in cfg["states"]]
     have = set(names)
     for i, c in enumerate(pattern):

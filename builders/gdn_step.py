@@ -60,12 +60,15 @@ from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
     window_attention,
     window_conv,
 )
+from .engine_format import SHADOWS
 from .moe import FORMULATIONS
 from .qwen3_next import gdn_layers, reference_backend
 from .spec_step import _check_window
 
 GDN_OP_TYPE = "gdn_decode"
+GDN_SHADOW_OP_TYPE = "gdn_decode_shadow"
 GDN_VERIFY_OP_TYPE = "gdn_verify"
+GDN_VERIFY_SHADOW_OP_TYPE = "gdn_verify_shadow"
 
 
 # ``replayssm::gdn_verify`` in float64 (what the kernel does): the committed entries folded into the checkpoint
@@ -98,6 +101,49 @@ class GDNDecode(torch.autograd.Function):
                     plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads, num_v_heads_i=num_v_heads,
                     key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len, use_qk_l2norm_i=1, outputs=7)
         for o, like in zip(outs, (v, state, u, vc, kc, gc, bc)):
+            o.setType(like.type())
+        return outs
+
+
+class GDNDecodeShadow(torch.autograd.Function):
+    """``replayssm::gdn_decode_shadow``: :class:`GDNDecode`'s inputs then the bf16 shadow of the checkpoint
+    (S, HV, V, K), its outputs then shadow_out: non-flush steps read the shadow, flush steps rewrite it from the
+    checkpoint they store (trtllm_replayssm/gdn_reference.py)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, shadow, sizes, backend):
+        from trtllm_replayssm.gdn_reference import GDNBuffers
+
+        buf = GDNBuffers(*(t.clone() for t in (state, u, vc, kc, gc, bc)))
+        shadow = shadow.clone()
+        y = backend(buf=buf, cursor=cursor, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+                    state_batch_indices=sbi, shadow=shadow)
+        return (y.to(v.dtype), buf.state, buf.u_cache, buf.v_cache, buf.k_cache, buf.g_cache, buf.beta_cache, shadow)
+
+    @staticmethod
+    def symbolic(g, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, shadow, sizes, backend):
+        num_k_heads, num_v_heads, key_dim, value_dim, buffer_len = sizes
+        outs = g.op(f"{DOMAIN}::{GDN_SHADOW_OP_TYPE}", q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc,
+                    gc, bc, shadow, plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads,
+                    num_v_heads_i=num_v_heads, key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len,
+                    use_qk_l2norm_i=1, outputs=8)
+        for o, like in zip(outs, (v, state, u, vc, kc, gc, bc, shadow)):
+            o.setType(like.type())
+        return outs
+
+
+class GDNVerifyShadow(GDNDecodeShadow):
+    """``replayssm::gdn_verify_shadow``: :class:`GDNVerify`'s inputs then the bf16 shadow, its outputs then
+    shadow_out (verify without a fold reads the shadow; the fold rewrites it)."""
+
+    @staticmethod
+    def symbolic(g, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, shadow, sizes, backend):
+        num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, num_tokens = sizes
+        outs = g.op(f"{DOMAIN}::{GDN_VERIFY_SHADOW_OP_TYPE}", q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc,
+                    kc, gc, bc, shadow, plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads,
+                    num_v_heads_i=num_v_heads, key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len,
+                    use_qk_l2norm_i=1, num_tokens_i=num_tokens, outputs=8)
+        for o, like in zip(outs, (v, state, u, vc, kc, gc, bc, shadow)):
             o.setType(like.type())
         return outs
 
@@ -157,8 +203,12 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
     num_tokens = 1
     speculative = False  # the verify step keeps a wider conv window, conv_window_i
 
-    def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense"):
+    def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense",
+                 shadow: str = "none"):
         super().__init__()
+        if shadow not in SHADOWS:
+            raise ValueError(f"shadow: expected one of {SHADOWS} (a bf16 shadow of the fp32 checkpoint), got {shadow!r}")
+        self.shadow = shadow
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
         if max_seq_len < 1:
@@ -184,8 +234,12 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         specs = []
         for i, kind in enumerate(self.kinds):  # every layer that is not attention is a GDN layer
             specs += layer_state_specs("*" if kind == "full_attention" else "G", i, sizes, dict(act=self.act_dtype),
-                                       self.speculative)
+                                       self.speculative, self.shadow)
         return specs
+
+    def _shadow_of(self, state) -> list[torch.Tensor]:
+        """[the bf16 shadow of a GDN checkpoint] with a shadow, else []."""
+        return [] if self.shadow == "none" else [state.to(torch.bfloat16)]
 
     def _patched_ssm(self, decoder, i: int):
         """GDN layer i of a patched model (GDNReplayDecoder): (checkpoint, standard buffers u, v, k, g, beta)."""
@@ -221,11 +275,17 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         return mx.out_proj(core.reshape(batch, T, HV * V)), [window, *new]
 
     def _gdn_op(self, q, k, v, a, b, A_log, dt_bias, sbi, cursor, st):
-        """One ``gdn_decode`` node on the step's one token; y (batch, 1, HV, V)."""
+        """One ``gdn_decode`` (``gdn_decode_shadow``) node on the step's one token: y (batch, 1, HV, V), then the
+        layer's states in state order (checkpoint[, shadow], u, v, k, g, beta)."""
         H, HV, Kd, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
-        y, *new = GDNDecode.apply(q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, sbi, cursor, *st,
-                                  (H, HV, Kd, V, self.buffer_len), self.backend)
-        return (y[:, None], *new)
+        one = (q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, sbi, cursor)
+        sizes = (H, HV, Kd, V, self.buffer_len)
+        if self.shadow == "none":
+            y, *new = GDNDecode.apply(*one, *st, sizes, self.backend)
+            return (y[:, None], *new)
+        state, shadow, *rings = st
+        y, state, *rest = GDNDecodeShadow.apply(*one, state, *rings, shadow, sizes, self.backend)
+        return (y[:, None], state, rest[-1], *rest[:-1])
 
     def _rope(self, positions):
         """(cos, sin) (batch, T, rotary_dim) at ``positions`` (batch, T), in the activation dtype. Text positions
@@ -253,9 +313,10 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
                 new_states += [kc, vc]
                 j += 2
             else:
-                out, st = self._gdn(layer, hn, states[j], states[j + 1:j + 7], cursor, sbi)
+                n = 7 + (self.shadow != "none")  # conv, checkpoint[, shadow], u, v, k, g, beta
+                out, st = self._gdn(layer, hn, states[j], states[j + 1:j + n], cursor, sbi)
                 new_states += st
-                j += 7
+                j += n
             h = res + out
             hn = layer.post_attention_layernorm(h)
             mlp = layer.mlp
@@ -273,13 +334,18 @@ class QwenGDNSpecStep(QwenGDNDecodeStep):
     speculative = True  # conv_window_i of K - 1 + num_draft columns instead of conv_state_i
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int, backend=None,
-                 moe_formulation: str = "dense"):
-        super().__init__(model, buffer_len, max_seq_len, backend or verify_reference_backend, moe_formulation)
+                 moe_formulation: str = "dense", shadow: str = "none"):
+        super().__init__(model, buffer_len, max_seq_len, backend or verify_reference_backend, moe_formulation, shadow)
         self.num_draft = num_draft
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.linear_conv_kernel_dim - 1 + num_draft
 
     def _gdn_op(self, q, k, v, a, b, A_log, dt_bias, sbi, cursor, st):
         H, HV, Kd, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
-        return GDNVerify.apply(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *st,
-                               (H, HV, Kd, V, self.buffer_len, self.num_tokens), self.backend)
+        sizes = (H, HV, Kd, V, self.buffer_len, self.num_tokens)
+        if self.shadow == "none":
+            return GDNVerify.apply(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *st, sizes, self.backend)
+        state, shadow, *rings = st
+        y, state, *rest = GDNVerifyShadow.apply(q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, *rings, shadow,
+                                                sizes, self.backend)
+        return (y, state, rest[-1], *rest[:-1])

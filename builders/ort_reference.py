@@ -11,6 +11,7 @@
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
 * ``gdn_decode``: :func:`builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
   copies of the six GDN state inputs, which become the outputs after y.
+* ``gdn_decode_shadow``, ``gdn_verify_shadow``: the same with a bf16 shadow of the checkpoint last in and out.
 * ``gdn_verify``: :func:`builders.gdn_step.verify_reference_backend` (``gdn_reference`` flush + verify),
   same outputs; the cursor is read only.
 Declared for fp32 activations and an fp32 state (the graphs the CPU tests export); attributes are
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from .decode_step import DOMAIN, OP_TYPE, SHADOW_OP_TYPE
-from .gdn_step import GDN_OP_TYPE, GDN_VERIFY_OP_TYPE
+from .gdn_step import GDN_OP_TYPE, GDN_SHADOW_OP_TYPE, GDN_VERIFY_OP_TYPE, GDN_VERIFY_SHADOW_OP_TYPE
 from .gdn_step import verify_reference_backend as gdn_verify_backend
 from .nemotron_h import reference_backend
 from .spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, commit_reference_backend, verify_reference_backend
@@ -62,23 +63,28 @@ def _op_shadow(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
             sh.float().numpy(), np.array(shadow_scale))
 
 
+_SHADOW_IO = {SHADOW_OP_TYPE: (13, 5), GDN_SHADOW_OP_TYPE: (15, 7),  # op -> (shadow input, shadow output)
+              GDN_VERIFY_SHADOW_OP_TYPE: (15, 7)}
+
+
 def _float_shadow_io(model) -> None:
     """onnxruntime-extensions' Python ops take no bfloat16 tensors, nor does onnxruntime's numpy I/O: the bf16
-    shadow inputs and outputs of the graph, which only ``mamba2_decode_shadow`` nodes read and write, are
+    shadow inputs and outputs of the graph, which only the shadow ops' nodes read and write, are
     declared float32 for the CPU session (exact: the values are bf16; :func:`feed` and :func:`to_torch`
     convert, and the op checks that its shadow input holds bf16 values)."""
     from onnx import TensorProto
 
-    shadow_ins = {n.input[13] for n in model.graph.node if n.domain == DOMAIN and n.op_type == SHADOW_OP_TYPE}
-    shadow_outs = {n.output[5] for n in model.graph.node if n.domain == DOMAIN and n.op_type == SHADOW_OP_TYPE}
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in _SHADOW_IO]
+    shadow_ins = {n.input[_SHADOW_IO[n.op_type][0]] for n in nodes}
+    shadow_outs = {n.output[_SHADOW_IO[n.op_type][1]] for n in nodes}
     for v in list(model.graph.input) + list(model.graph.output):
         if v.type.tensor_type.elem_type != TensorProto.BFLOAT16:
             continue
         if v.name not in shadow_ins | shadow_outs:
-            raise ValueError(f"ort_reference: bfloat16 graph I/O {v.name!r} is not a mamba2_decode_shadow shadow")
+            raise ValueError(f"ort_reference: bfloat16 graph I/O {v.name!r} is not a shadow op's shadow")
         readers = [n for n in model.graph.node if v.name in n.input]
-        if v.name in shadow_ins and any(n.op_type != SHADOW_OP_TYPE for n in readers):
-            raise ValueError(f"ort_reference: {v.name!r} is read by nodes other than mamba2_decode_shadow")
+        if v.name in shadow_ins and any(n.op_type not in _SHADOW_IO for n in readers):
+            raise ValueError(f"ort_reference: {v.name!r} is read by nodes other than the shadow ops")
         v.type.tensor_type.elem_type = TensorProto.FLOAT
 
 
@@ -123,6 +129,30 @@ def _gdn(*args, **attrs):
     return _gdn_run(GDN_OP_TYPE, gdn_backend, 0, *args, attrs)
 
 
+def _gdn_shadow(*args, **attrs):
+    """``gdn_decode_shadow``: the bf16 shadow (as float32 values, :func:`_float_shadow_io`) last in and out."""
+    from .qwen3_next import reference_backend as gdn_backend
+
+    return _gdn_shadow_run(GDN_SHADOW_OP_TYPE, gdn_backend, 0, args, attrs)
+
+
+def _gdn_verify_shadow(*args, **attrs):
+    return _gdn_shadow_run(GDN_VERIFY_SHADOW_OP_TYPE, gdn_verify_backend, 1, args, attrs)
+
+
+def _gdn_shadow_run(op_type, gdn_backend, window: int, args, attrs):
+    *args, shadow = args
+    sh = torch.from_numpy(np.array(shadow))
+    shb = sh.to(torch.bfloat16)
+    if not torch.equal(shb.float(), sh):
+        raise ValueError(f"{DOMAIN}::{op_type}: shadow: expected bfloat16 values")
+
+    def backend(**kw):
+        return gdn_backend(**kw, shadow=shb)
+
+    return (*_gdn_run(op_type, backend, window, *args, attrs), shb.float().numpy())
+
+
 def _gdn_verify(*args, **attrs):
     return _gdn_run(GDN_VERIFY_OP_TYPE, gdn_verify_backend, 1, *args, attrs)
 
@@ -156,6 +186,10 @@ def register() -> str:
                      "num_v_heads": i64, "key_dim": i64, "value_dim": i64, "buffer_len": i64, "use_qk_l2norm": i64}
         onnx_op(op_type=f"{DOMAIN}::{GDN_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
                 attrs=gdn_attrs)(_gdn)
+        onnx_op(op_type=f"{DOMAIN}::{GDN_SHADOW_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 7, outputs=[f] * 8,
+                attrs=gdn_attrs)(_gdn_shadow)
+        onnx_op(op_type=f"{DOMAIN}::{GDN_VERIFY_SHADOW_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 7,
+                outputs=[f] * 8, attrs={**gdn_attrs, "num_tokens": i64})(_gdn_verify_shadow)
         onnx_op(op_type=f"{DOMAIN}::{GDN_VERIFY_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
                 attrs={**gdn_attrs, "num_tokens": i64})(_gdn_verify)
         _registered = True
@@ -171,7 +205,7 @@ def session(path):
     so = ort.SessionOptions()
     so.register_custom_ops_library(register())
     model = onnx.load(str(path), load_external_data=False)
-    if any(n.domain == DOMAIN and n.op_type == SHADOW_OP_TYPE for n in model.graph.node):
+    if any(n.domain == DOMAIN and n.op_type in _SHADOW_IO for n in model.graph.node):
         model = onnx.load(str(path))  # with its weights: the retyped graph is handed over in memory
         _float_shadow_io(model)
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])

@@ -14,9 +14,10 @@ class OrtRunner:
         self.step, self.commit_m, self.sv, self.sc = step, commit, sv, sc
 
     def verify(self, ids, lengths, cursor, states):
-        feed = [t.numpy().copy() for t in (ids, lengths, cursor, *states)]
-        got = self.sv.run(None, dict(zip(self.step.input_names(), feed)))
-        return torch.from_numpy(got[0]), [torch.from_numpy(a) for a in got[1:]]
+        from builders.ort_reference import feed, to_torch
+
+        got = self.sv.run(None, feed(self.step.input_names(), [ids, lengths, cursor, *states]))
+        return torch.from_numpy(got[0]), [to_torch(a, s.dtype) for a, s in zip(got[1:], self.step.state_specs())]
 
     def commit(self, n, cursor, lengths, windows):
         feed = [t.numpy().copy() for t in (n, cursor, lengths, *windows)]

@@ -265,17 +265,18 @@ def spec_commit_kw(executor):
 
 
 def _gdn_kw(method, contiguous: bool):
-    def step(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices):
+    def step(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow=None):
         if contiguous:  # the builders hand views of the projections; TensorRT hands a plugin LINEAR inputs
             q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-        return method(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)
+        return method(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow)
 
     step.executor = method.__self__
     return step
 
 
 def gdn_replay_decode_kw(executor, contiguous: bool = False):
-    """``executor.gdn_replay_decode`` as ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)``
+    """``executor.gdn_replay_decode`` as ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices,
+    shadow=None)`` (a bf16 shadow of the checkpoint: read by non-flush steps, rewritten by flushes)
     (the builders' GDN decode node); ``contiguous``: q, k, v, a, b made contiguous first (the kernels need it)."""
     return _gdn_kw(executor.gdn_replay_decode, contiguous)
 
