@@ -56,7 +56,7 @@ from .nemotron_h import _check_layers, reference_backend
 OP_TYPE = "mamba2_decode"
 DOMAIN = "replayssm"
 _ONNX_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                     torch.int32: "int32", torch.int64: "int64"}
+                     torch.int32: "int32", torch.int64: "int64", torch.float8_e4m3fn: "float8_e4m3fn"}
 _TORCH_DTYPES = {n: t for t, n in _ONNX_DTYPE_NAMES.items()}
 
 
@@ -92,17 +92,21 @@ SHADOW_OP_TYPE = "mamba2_decode_shadow"
 
 class Mamba2DecodeShadow(torch.autograd.Function):
     """``replayssm::mamba2_decode_shadow``: :class:`Mamba2Decode`'s inputs then (shadow, shadow_scale), outputs
-    then (shadow_out, shadow_scale_out). A bf16 shadow of the fp32 checkpoint: non-flush steps read it, flush
-    steps rewrite it from the checkpoint they store (trtllm_replayssm/reference.py). ``shadow_scale`` is the
-    plugin's (1,) fp32 placeholder of a bf16 shadow (never read or written; a constant of the graph)."""
+    then (shadow_out, shadow_scale_out). A bf16 or fp8-e4m3 shadow of the fp32 checkpoint: non-flush steps read
+    it, flush steps rewrite it from the checkpoint they store (trtllm_replayssm/reference.py). ``shadow_scale``:
+    an fp8 shadow's per-row fp32 scales (a state), or the plugin's (1,) fp32 placeholder of a bf16 shadow (never
+    read or written; a constant of the graph)."""
 
     @staticmethod
     def forward(ctx, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow,
                 shadow_scale, sizes, backend):
-        state, x_cache, B_cache, dt_cache, shadow = (t.clone() for t in (state, x_cache, B_cache, dt_cache, shadow))
+        state, x_cache, B_cache, dt_cache, shadow, shadow_scale = (
+            t.clone() for t in (state, x_cache, B_cache, dt_cache, shadow, shadow_scale))
+        fp8 = shadow.dtype == torch.float8_e4m3fn
         y = backend(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x, B=B,
-                    C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=None, state_batch_indices=sbi, shadow=shadow)
-        return y.to(x.dtype), state, x_cache, B_cache, dt_cache, shadow, shadow_scale.clone()
+                    C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=None, state_batch_indices=sbi, shadow=shadow,
+                    shadow_scale=shadow_scale if fp8 else None)
+        return y.to(x.dtype), state, x_cache, B_cache, dt_cache, shadow, shadow_scale
 
     @staticmethod
     def symbolic(g, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow, shadow_scale,
@@ -317,7 +321,7 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         super().__init__()
         _check_layers(model.config)
         if shadow not in SHADOWS:
-            raise ValueError(f"shadow: expected one of {SHADOWS} (a bf16 shadow of an fp32 checkpoint), got {shadow!r}")
+            raise ValueError(f"shadow: expected one of {SHADOWS} (a shadow of an fp32 checkpoint), got {shadow!r}")
         if shadow != "none" and (self.speculative or state_dtype != torch.float32):
             raise ValueError(f"shadow: a checkpoint shadow needs the standard step and an fp32 state, got "
                              f"speculative={self.speculative}, state_dtype={state_dtype}")
@@ -366,6 +370,11 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
             return []
         from trtllm_replayssm.reference import quantize_shadow
 
+        if self.shadow == "fp8":
+            q = torch.empty(state.shape, dtype=torch.float8_e4m3fn, device=state.device)
+            scale = torch.empty(state.shape[:-1], dtype=torch.float32, device=state.device)
+            quantize_shadow(state, q, scale)
+            return [q, scale]
         q = torch.empty(state.shape, dtype=torch.bfloat16, device=state.device)
         quantize_shadow(state, q)
         return [q]
@@ -410,10 +419,14 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         if self.shadow == "none":
             y, *caches = Mamba2Decode.apply(*one, *caches, sizes, self.backend)
             return (y[:, None], *caches)
-        state, shadow, x_cache, B_cache, dt_cache = caches
-        y, state, x_cache, B_cache, dt_cache, shadow, _ = Mamba2DecodeShadow.apply(
-            *one, state, x_cache, B_cache, dt_cache, shadow, self.shadow_scale_placeholder, sizes, self.backend)
-        return y[:, None], state, shadow, x_cache, B_cache, dt_cache
+        if self.shadow == "fp8":  # the per-row scales are a state
+            state, shadow, scale, x_cache, B_cache, dt_cache = caches
+        else:
+            (state, shadow, x_cache, B_cache, dt_cache), scale = caches, self.shadow_scale_placeholder
+        y, state, x_cache, B_cache, dt_cache, shadow, scale = Mamba2DecodeShadow.apply(
+            *one, state, x_cache, B_cache, dt_cache, shadow, scale, sizes, self.backend)
+        extra = (scale,) if self.shadow == "fp8" else ()
+        return (y[:, None], state, shadow, *extra, x_cache, B_cache, dt_cache)
 
     def _layers(self, input_ids, lengths, cursor, states):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
@@ -429,7 +442,7 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
                 new_states += [kc, vc]
                 k += 2
             elif kind == "linear_attention":
-                n = 5 + (self.shadow != "none")  # conv, checkpoint[, shadow], x, B, dt
+                n = 5 + {"none": 0, "bf16": 1, "fp8": 2}[self.shadow]  # conv, checkpoint[, shadow[, scale]], x, B, dt
                 out, st = self._mamba(i, layer, hn, states[k], states[k + 1:k + n], cursor, sbi)
                 new_states += st
                 k += n

@@ -117,6 +117,8 @@ def check_options(opts: BuildOptions) -> None:
                              f"(flush one window early), got {opts.buffer_len}")
     if opts.shadow not in SHADOWS:
         raise BuildError(f"--shadow: expected one of {list(SHADOWS)}, got {opts.shadow!r}")
+    if opts.shadow == "fp8" and opts.num_draft:
+        raise BuildError("--shadow fp8 with --num-draft: speculative engines have no fp8 shadow")
     if opts.shadow != "none" and opts.state_dtype != "fp32":
         raise BuildError(f"--shadow {opts.shadow}: a checkpoint shadow is of an fp32 checkpoint (--state-dtype "
                          f"fp32), got --state-dtype {opts.state_dtype}")
@@ -513,6 +515,8 @@ def build(opts: BuildOptions) -> pathlib.Path:
     source = f"model from {opts.model}" if opts.model else f"embedded tiny {tiny} (seed {opts.seed})"
     log(f"[1/5] loading {source}")
     gdn = is_gdn(opts)
+    if gdn and opts.shadow == "fp8":
+        raise BuildError("--shadow fp8: Gated DeltaNet engines take --shadow bf16 (there is no fp8 GDN shadow)")
     if gdn:
         model = load_gdn(opts, act)
         cfg = model.config

@@ -74,7 +74,9 @@ shapes after the batch dimension, in the sizes of :class:`LayerState`):
 A standard engine built with a bf16 shadow of its fp32 checkpoints (config.json ``shadow``: "bf16"; absent or
 "none": no shadow) has one more state per M layer, after ssm_state_i: ssm_shadow_i (nheads, headdim, dstate)
 bfloat16 (``replayssm::mamba2_decode_shadow``), and per G layer, after gdn_state_i: gdn_shadow_i (HV, V, K)
-bfloat16 (``replayssm::gdn_decode_shadow``); non-flush steps read it, flush steps rewrite it. Speculative
+bfloat16 (``replayssm::gdn_decode_shadow``); non-flush steps read it, flush steps rewrite it. With "fp8"
+(standard Mamba-2 engines) the M layer's shadow is ssm_shadow_i (nheads, headdim, dstate) float8_e4m3fn (ONNX
+FLOAT8E4M3FN) followed by ssm_shadow_scale_i (nheads, headdim) float32, its per-row scales. Speculative
 Gated DeltaNet engines may carry gdn_shadow_i too (``gdn_verify_shadow``; the verify graph updates it, the
 commit graph does not touch it); speculative Mamba-2 engines have no shadow.
 
@@ -159,8 +161,10 @@ GDN_STATES = (  # trtllm_replayssm/gdn_reference.py's GDNBuffers, the checkpoint
     LayerState("gdn_beta", ("num_v_heads", "buffer_len"), "float32"),
 )
 SHADOW_STATE = LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "bfloat16")  # with shadow "bf16"
+FP8_SHADOW_STATES = (LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "float8_e4m3fn"),  # shadow "fp8"
+                     LayerState("ssm_shadow_scale", ("nheads", "headdim"), "float32"))  # per-row scales
 GDN_SHADOW_STATE = LayerState("gdn_shadow", ("num_v_heads", "value_dim", "key_dim"), "bfloat16")
-SHADOWS = ("none", "bf16")  # config.json ``shadow`` values
+SHADOWS = ("none", "bf16", "fp8")  # config.json ``shadow`` values (fp8: Mamba-2 standard engines)
 ATTENTION_STATES = (
     LayerState("k_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
     LayerState("v_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
@@ -183,8 +187,12 @@ def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -
     states = LAYER_STATES[letter]
     if speculative:
         states = tuple(dataclasses.replace(s, prefix=CONV_WINDOW) if s is CONV_STATE else s for s in states)
+    if shadow == "fp8" and (letter == "G" or (letter == "M" and speculative)):
+        raise FormatError(f"shadow: an fp8 shadow is for standard Mamba-2 layers only, got layer {letter!r}"
+                          f"{' (speculative)' if speculative else ''}")
     if shadow != "none" and letter in ("M", "G"):  # after the checkpoint
-        states = states[:2] + (SHADOW_STATE if letter == "M" else GDN_SHADOW_STATE,) + states[2:]
+        extra = FP8_SHADOW_STATES if shadow == "fp8" else (SHADOW_STATE if letter == "M" else GDN_SHADOW_STATE,)
+        states = states[:2] + extra + states[2:]
     return states
 
 
@@ -204,9 +212,9 @@ def check_layer_states(cfg: dict) -> None:
                           f"{bad[0][1]!r} at layer {bad[0][0]}")
     spec = is_speculative(cfg)
     shadow = cfg.get("shadow", "none")
-    if shadow not in SHADOWS or (spec and shadow != "none" and "M" in pattern):
-        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (speculative Mamba-2 engines: none), got "
-                          f"{shadow!r}")
+    if shadow not in SHADOWS or (spec and shadow != "none" and "M" in pattern) or (shadow == "fp8" and "G" in pattern):
+        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (speculative Mamba-2 engines: none; "
+                          f"Gated DeltaNet: none or bf16), got {shadow!r}")
     prefixes = {c: [s.prefix for s in layer_states(c, spec, shadow if c in pattern else "none")]
                 for c in LAYER_STATES}
     names = [s["name"] for s in cfg["states"]]

@@ -60,7 +60,6 @@ from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
     window_attention,
     window_conv,
 )
-from .engine_format import SHADOWS
 from .moe import FORMULATIONS
 from .qwen3_next import gdn_layers, reference_backend
 from .spec_step import _check_window
@@ -206,8 +205,9 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
     def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense",
                  shadow: str = "none"):
         super().__init__()
-        if shadow not in SHADOWS:
-            raise ValueError(f"shadow: expected one of {SHADOWS} (a bf16 shadow of the fp32 checkpoint), got {shadow!r}")
+        if shadow not in ("none", "bf16"):
+            raise ValueError(f"shadow: expected none or bf16 (a bf16 shadow of the fp32 checkpoint; no fp8 GDN shadow), "
+                             f"got {shadow!r}")
         self.shadow = shadow
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")

@@ -4,8 +4,9 @@
 * ``mamba2_decode``: :func:`builders.nemotron_h.reference_backend` (``reference.replay_decode`` in
   float64), applied to copies of the state inputs, which become the outputs: (y, state_out,
   x_cache_out, B_cache_out, dt_cache_out).
-* ``mamba2_decode_shadow``: the same with a bf16 shadow of the checkpoint (inputs 13 shadow, 14 the (1,)
-  scale placeholder; outputs then shadow_out, shadow_scale_out), the shadow rewritten on flush steps.
+* ``mamba2_decode_shadow``: the same with a bf16 or fp8 shadow of the checkpoint (inputs 13 shadow, 14 the
+  fp8 row scales or the bf16 (1,) placeholder; outputs then shadow_out, shadow_scale_out), the shadow rewritten
+  on flush steps.
 * ``mamba2_verify``: :func:`builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
   verify in float64), same outputs; the cursor is read only.
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
@@ -54,13 +55,19 @@ def _op_shadow(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
                          f"{want}, inputs have {got}")
     t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (copies: the outputs must not alias the inputs)
     caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
-    sh = t(shadow).to(torch.bfloat16)  # float32 values of the bf16 shadow (session() casts around the node)
+    # float32 values of the bf16 / fp8 shadow (:func:`_float_shadow_io`); which one: the node's attribute-free
+    # signal is the scale, a (1,) placeholder for bf16 and (slots, H, P) row scales for fp8
+    fp8 = np.asarray(shadow_scale).ndim == 3
+    kind = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    sh = t(shadow).to(kind)
     if not torch.equal(sh.float(), t(shadow)):
-        raise ValueError(f"{DOMAIN}::{SHADOW_OP_TYPE}: shadow: expected bfloat16 values")
+        raise ValueError(f"{DOMAIN}::{SHADOW_OP_TYPE}: shadow: expected {kind} values")
+    scale = t(shadow_scale)
     y = reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
-                          state_batch_indices=t(sbi), cursor=t(cursor), shadow=sh, **caches)
+                          state_batch_indices=t(sbi), cursor=t(cursor), shadow=sh,
+                          shadow_scale=scale if fp8 else None, **caches)
     return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")),
-            sh.float().numpy(), np.array(shadow_scale))
+            sh.float().numpy(), scale.numpy())
 
 
 _SHADOW_IO = {SHADOW_OP_TYPE: (13, 5), GDN_SHADOW_OP_TYPE: (15, 7),  # op -> (shadow input, shadow output)
@@ -78,10 +85,10 @@ def _float_shadow_io(model) -> None:
     shadow_ins = {n.input[_SHADOW_IO[n.op_type][0]] for n in nodes}
     shadow_outs = {n.output[_SHADOW_IO[n.op_type][1]] for n in nodes}
     for v in list(model.graph.input) + list(model.graph.output):
-        if v.type.tensor_type.elem_type != TensorProto.BFLOAT16:
+        if v.type.tensor_type.elem_type not in (TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN):
             continue
         if v.name not in shadow_ins | shadow_outs:
-            raise ValueError(f"ort_reference: bfloat16 graph I/O {v.name!r} is not a shadow op's shadow")
+            raise ValueError(f"ort_reference: low-precision graph I/O {v.name!r} is not a shadow op's shadow")
         readers = [n for n in model.graph.node if v.name in n.input]
         if v.name in shadow_ins and any(n.op_type not in _SHADOW_IO for n in readers):
             raise ValueError(f"ort_reference: {v.name!r} is read by nodes other than the shadow ops")
@@ -212,17 +219,21 @@ def session(path):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+_LOW = (torch.bfloat16, torch.float8_e4m3fn)  # the shadow dtypes the CPU session carries as float32
+
+
 def feed(names, values) -> dict:
-    """Session inputs from torch tensors (bfloat16 ones as float32: :func:`_float_shadow_io`)."""
-    return {n: (v.float() if v.dtype == torch.bfloat16 else v).detach().cpu().numpy() for n, v in zip(names, values)}
+    """Session inputs from torch tensors (bfloat16 / fp8 ones as float32: :func:`_float_shadow_io`)."""
+    return {n: (v.float() if v.dtype in _LOW else v).detach().cpu().numpy() for n, v in zip(names, values)}
 
 
 def to_torch(value, dtype: torch.dtype) -> torch.Tensor:
-    """A session output as a torch tensor of ``dtype`` (bfloat16 outputs arrive as float32 values, checked exact)."""
+    """A session output as a torch tensor of ``dtype`` (bfloat16 / fp8 outputs arrive as float32 values, checked
+    exact)."""
     t = torch.from_numpy(np.array(value))
-    if dtype == torch.bfloat16:
-        b = t.to(torch.bfloat16)
+    if dtype in _LOW:
+        b = t.to(dtype)
         if not torch.equal(b.float(), t):
-            raise ValueError("ort_reference.to_torch: a bfloat16 output holds values that are not bfloat16")
+            raise ValueError(f"ort_reference.to_torch: a {dtype} output holds values that are not {dtype}")
         return b
     return t

@@ -14,7 +14,7 @@ to run the built plans (AOT plugins need no Python at run time: ``trtexec --load
 
 Usage: python scripts/build_engine.py --out DIR [--model HF_DIR | --tiny nemotron3] [--max-batch 8]
        [--buffer-len 16] [--moe-formulation dense] [--state-dtype fp32] [--dtype fp32] [--arch 90]
-       [--max-seq-len 4096] [--num-draft N] [--shadow none|bf16] [--overwrite]
+       [--max-seq-len 4096] [--num-draft N] [--shadow none|bf16|fp8] [--overwrite]
 """
 
 from __future__ import annotations
@@ -73,9 +73,9 @@ def parse_args(argv=None):
                    help="speculative decoding: draft tokens per step (T = N + 1 verified at once); exports the "
                         "verify and commit graphs instead of the decode step")
     p.add_argument("--shadow", choices=SHADOWS, default=DEFAULTS["shadow"],
-                   help="bf16: a bf16 shadow of the fp32 checkpoint as one more state per Mamba-2 layer, read by "
-                        "non-flush steps, rewritten by flushes (replayssm::mamba2_decode_shadow; standard "
-                        "Nemotron engines, --state-dtype fp32)")
+                   help="a low-precision shadow of the fp32 checkpoint as one more state per SSM layer, read by "
+                        "non-flush steps, rewritten by flushes: bf16 (Nemotron standard engines; Qwen standard and "
+                        "speculative) or fp8 with per-row scales (Nemotron standard engines); --state-dtype fp32")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     a = p.parse_args(argv)
     try:

@@ -34,35 +34,50 @@ needs_ort = pytest.mark.skipif(
     reason="onnxruntime-extensions is not installed (the plugin op's CPU reference runs through it)")
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=[("nemotron_h", "bf16"), ("nemotron_h", "fp8"), ("qwen3_next", "bf16")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
 def engines(tmp_path_factory, request):
-    root = tmp_path_factory.mktemp(f"shadow-{request.param}")
-    out = {"family": request.param}
-    for shadow in ("none", "bf16"):
-        out[shadow] = build(BuildOptions(out=root / shadow, tiny=request.param, buffer_len=L, max_batch=BATCH,
-                                         max_seq_len=48, shadow=shadow))
+    family, kind = request.param
+    root = tmp_path_factory.mktemp(f"shadow-{family}-{kind}")
+    out = {"family": family, "kind": kind}
+    for shadow in ("none", kind):
+        out["shadow" if shadow != "none" else "none"] = build(BuildOptions(
+            out=root / shadow, tiny=family, buffer_len=L, max_batch=BATCH, max_seq_len=48, shadow=shadow))
     return out
 
 
-def _steps(family):
-    """(model, step with the shadow, step without) of the engines' tiny model (seed 0, fp32)."""
+def _steps(family, kind):
+    """(step with the shadow, step without) of the engines' tiny model (seed 0, fp32)."""
     if family == "nemotron_h":
         from builders.decode_step import NemotronHDecodeStep
         from builders.nemotron_h import load_nemotron_h
 
         model = load_nemotron_h(None, dtype=torch.float32, seed=0, tiny="nemotron_h")
-        return NemotronHDecodeStep(model, L, 48, shadow="bf16"), NemotronHDecodeStep(model, L, 48)
+        return NemotronHDecodeStep(model, L, 48, shadow=kind), NemotronHDecodeStep(model, L, 48)
     from builders.gdn_step import QwenGDNDecodeStep
     from builders.qwen3_next import load_gdn_model
 
     model = load_gdn_model(None, tiny=family, dtype=torch.float32, seed=0)
-    return QwenGDNDecodeStep(model, L, 48, shadow="bf16"), QwenGDNDecodeStep(model, L, 48)
+    return QwenGDNDecodeStep(model, L, 48, shadow=kind), QwenGDNDecodeStep(model, L, 48)
+
+
+def _quantize(state, kind):
+    """The shadow states of a checkpoint: [bf16] or [fp8 values, row scales] (reference.quantize_shadow)."""
+    from trtllm_replayssm.reference import quantize_shadow
+
+    if kind == "bf16":
+        return [state.to(torch.bfloat16)]
+    q = torch.empty(state.shape, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(state.shape[:-1])
+    quantize_shadow(state, q, scale)
+    return [q, scale]
 
 
 def test_directory_lists_the_shadow_states_and_the_shadow_plugin(engines):
-    cfg = json.loads((engines["bf16"] / "config.json").read_text())
+    kind = engines["kind"]
+    cfg = json.loads((engines["shadow"] / "config.json").read_text())
     plain = json.loads((engines["none"] / "config.json").read_text())
-    assert cfg["shadow"] == "bf16" and "shadow" not in plain
+    assert cfg["shadow"] == kind and "shadow" not in plain
     ckpt, shadow, op, layers = FAMILIES[engines["family"]]
     names = [s["name"] for s in cfg["states"]]
     ssm = cfg["model"][layers]
@@ -70,39 +85,45 @@ def test_directory_lists_the_shadow_states_and_the_shadow_plugin(engines):
         j = names.index(f"{ckpt}_{i}")
         assert names[j + 1] == f"{shadow}_{i}", names
         st = cfg["states"][j + 1]
-        assert st["dtype"] == "bfloat16" and st["shape"] == cfg["states"][j]["shape"]
-        assert st["output"] == f"{shadow}_{i}_out"
-    assert len(names) == len(plain["states"]) + len(ssm)
+        assert st["dtype"] == ("bfloat16" if kind == "bf16" else "float8_e4m3fn")
+        assert st["shape"] == cfg["states"][j]["shape"] and st["output"] == f"{shadow}_{i}_out"
+        if kind == "fp8":  # the per-row scales follow
+            sc = cfg["states"][j + 2]
+            assert sc["name"] == f"{shadow}_scale_{i}" and sc["dtype"] == "float32"
+            assert sc["shape"] == cfg["states"][j]["shape"][:-1]
+    assert len(names) == len(plain["states"]) + len(ssm) * (2 if kind == "fp8" else 1)
     p = cfg["plugin"]
     assert p["op_type"] == op and p["nodes"] == len(ssm)
     assert "shadow" in p["inputs"] and p["aliased_outputs"]["shadow_out"] == "shadow"
-    assert all("_sh-bf16_" in k["spec"] for k in p["kernels"])
-    assert all((engines["bf16"] / k["ptx"]).is_file() for k in p["kernels"])
-    assert f"{shadow}_{ssm[0]}:1x" in (engines["bf16"] / "trtexec.sh").read_text()
+    assert all(f"_sh-{kind}_" in k["spec"] for k in p["kernels"])
+    assert all((engines["shadow"] / k["ptx"]).is_file() for k in p["kernels"])
+    assert f"{shadow}_{ssm[0]}:1x" in (engines["shadow"] / "trtexec.sh").read_text()
     check_layer_states(cfg)
     import onnx
 
-    g = onnx.load(str(engines["bf16"] / "model.onnx"))
+    g = onnx.load(str(engines["shadow"] / "model.onnx"))
     ops = [n.op_type for n in g.graph.node if n.domain == "replayssm"]
     assert ops == [op] * len(ssm)
     ins = {v.name: v.type.tensor_type.elem_type for v in g.graph.input}
-    assert all(ins[f"{shadow}_{i}"] == onnx.TensorProto.BFLOAT16 for i in ssm)
+    want = onnx.TensorProto.BFLOAT16 if kind == "bf16" else onnx.TensorProto.FLOAT8E4M3FN
+    assert all(ins[f"{shadow}_{i}"] == want for i in ssm)
 
 
 def test_format_errors_name_the_shadow(engines):
-    cfg = json.loads((engines["bf16"] / "config.json").read_text())
+    cfg = json.loads((engines["shadow"] / "config.json").read_text())
     name = f"{FAMILIES[engines['family']][1]}_0"
     with pytest.raises(FormatError, match=rf"states \['{name}'\] missing"):
         check_layer_states(dict(cfg, states=[s for s in cfg["states"] if s["name"] != name]))
     with pytest.raises(FormatError, match="shadow: expected one of"):
-        check_layer_states(dict(cfg, shadow="fp8"))
+        check_layer_states(dict(cfg, shadow="fp4"))
     plain = json.loads((engines["none"] / "config.json").read_text())
     with pytest.raises(FormatError, match=name):  # a shadow state in an engine that says none
         check_layer_states(dict(plain, states=cfg["states"]))
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(shadow="fp8"), "--shadow: expected one of"),
+    (dict(shadow="fp4"), "--shadow: expected one of"),
+    (dict(shadow="fp8", num_draft=3, buffer_len=16), "speculative engines have no fp8 shadow"),
     (dict(shadow="bf16", state_dtype="bf16"), "--state-dtype fp32"),
 ])
 def test_bad_shadow_options_are_refused(tmp_path, kw, match):
@@ -124,6 +145,9 @@ def test_speculative_shadow_engines(tmp_path):
     with pytest.raises(BuildError, match="speculative Nemotron engines have no checkpoint shadow"):
         build(BuildOptions(out=tmp_path / "n", buffer_len=16, num_draft=3, shadow="bf16"))
     assert not (tmp_path / "n").exists()
+    with pytest.raises(BuildError, match="there is no fp8 GDN shadow"):
+        build(BuildOptions(out=tmp_path / "g", tiny="qwen3_next", shadow="fp8"))
+    assert not (tmp_path / "g").exists()
 
 
 @needs_ort
@@ -131,10 +155,14 @@ def test_speculative_shadow_engines(tmp_path):
 def test_graph_follows_the_step_and_the_shadow_follows_the_checkpoint(engines):
     from builders.ort_reference import feed, session, to_torch
 
-    step, plain = _steps(engines["family"])
-    sess, sess_plain = session(engines["bf16"] / "model.onnx"), session(engines["none"] / "model.onnx")
+    kind = engines["kind"]
+    step, plain = _steps(engines["family"], kind)
+    sess, sess_plain = session(engines["shadow"] / "model.onnx"), session(engines["none"] / "model.onnx")
     specs = step.state_specs()
-    shadow_at = [j for j, s in enumerate(specs) if s.name.startswith(FAMILIES[engines["family"]][1] + "_")]
+    prefix = FAMILIES[engines["family"]][1] + "_"
+    shadow_at = [j for j, s in enumerate(specs) if s.name.startswith(prefix) and "_scale_" not in s.name]
+    n = 2 if kind == "fp8" else 1  # shadow states per layer
+    extra = {j + k for j in shadow_at for k in range(n)}
     gen = torch.Generator().manual_seed(3)
     tok = torch.randint(2, 256, (BATCH, 1), generator=gen)
     lengths = torch.zeros(BATCH, dtype=torch.int32)
@@ -142,11 +170,8 @@ def test_graph_follows_the_step_and_the_shadow_follows_the_checkpoint(engines):
     states = step.empty_states(BATCH)
     for j in shadow_at:  # a non-zero checkpoint and its shadow, as a prefill hand-off leaves them
         states[j - 1] = torch.randn(states[j - 1].shape, generator=gen) * 0.3
-        states[j] = states[j - 1].to(torch.bfloat16)
-    for j, spec in enumerate(specs):  # GDN rings start empty
-        if spec.name.startswith(("gdn_g_", "gdn_beta_", "gdn_k_")):
-            states[j] = torch.zeros_like(states[j])
-    plain_states = [t for j, t in enumerate(states) if j not in shadow_at]
+        states[j:j + n] = _quantize(states[j - 1], kind)
+    plain_states = [t for j, t in enumerate(states) if j not in extra]
     for s in range(STEPS):
         want = step(tok, lengths, cursor, *states)
         got = sess.run(None, feed(step.input_names(), [tok, lengths, cursor, *states]))
@@ -154,20 +179,24 @@ def test_graph_follows_the_step_and_the_shadow_follows_the_checkpoint(engines):
         new = [to_torch(v, spec.dtype) for v, spec in zip(got[3:], specs)]
         flushed = cursor == L - 1
         for j in shadow_at:
-            sh, st, old = new[j], new[j - 1], states[j]
+            st = new[j - 1]
             # graph vs step: the flushed checkpoints differ in the last bits (ORT vs torch upstream), so may
-            # their bf16 roundings, by one bf16 ulp
-            torch.testing.assert_close(sh.float(), want[3 + j].float(), rtol=2 ** -7, atol=1e-6)
-            assert torch.equal(sh[flushed], st[flushed].to(torch.bfloat16)), f"step {s}: shadow after a flush"
-            assert torch.equal(sh[~flushed], old[~flushed]), f"step {s}: shadow written on a non-flush step"
-        # the engine without a shadow, on the same checkpoint and buffers: bf16-level difference only
+            # their roundings, by one ulp of the shadow's format
+            ulp = 2 ** -7 if kind == "bf16" else 2 ** -2
+            torch.testing.assert_close(new[j].float(), want[3 + j].float(), rtol=ulp, atol=1e-6)
+            for k, q in enumerate(_quantize(st, kind)):
+                got_k, old = new[j + k], states[j + k]
+                assert torch.equal(got_k[flushed], q[flushed]), f"step {s}: shadow state {k} after a flush"
+                assert torch.equal(got_k[~flushed], old[~flushed]), f"step {s}: shadow state {k} written off a flush"
+        # the engine without a shadow, on the same checkpoint and buffers: the shadow's rounding only
         ref = sess_plain.run(None, feed(plain.input_names(), [tok, lengths, cursor, *plain_states]))
         scale = float(np.abs(ref[0]).max())
-        assert float(np.abs(got[0] - ref[0]).max()) < 2e-2 * scale, f"step {s}: logits vs the plain engine"
+        bound = 2e-2 if kind == "bf16" else 1e-1
+        assert float(np.abs(got[0] - ref[0]).max()) < bound * scale, f"step {s}: logits vs the plain engine"
         tok = torch.from_numpy(got[0]).argmax(-1, keepdim=True)
         lengths, cursor = torch.from_numpy(got[1]), torch.from_numpy(got[2])
         states = new
-        plain_states = [t for j, t in enumerate(new) if j not in shadow_at]  # the shadow run's checkpoint, buffers
+        plain_states = [t for j, t in enumerate(new) if j not in extra]  # the shadow run's checkpoint, buffers
 
 
 @needs_ort
@@ -175,16 +204,18 @@ def test_graph_follows_the_step_and_the_shadow_follows_the_checkpoint(engines):
 def test_teeth_non_flush_outputs_read_the_shadow(engines):
     from builders.ort_reference import feed, session
 
-    step, _ = _steps(engines["family"])
+    kind = engines["kind"]
+    step, _ = _steps(engines["family"], kind)
     prefix = FAMILIES[engines["family"]][1] + "_"
-    sess = session(engines["bf16"] / "model.onnx")
+    sess = session(engines["shadow"] / "model.onnx")
     gen = torch.Generator().manual_seed(5)
     states = step.empty_states(BATCH)
     specs = step.state_specs()
+    n = 2 if kind == "fp8" else 1
     for j, spec in enumerate(specs):
-        if spec.name.startswith(prefix):
+        if spec.name.startswith(prefix) and "_scale_" not in spec.name:
             states[j - 1] = torch.randn(states[j - 1].shape, generator=gen)
-            states[j] = states[j - 1].to(torch.bfloat16)
+            states[j:j + n] = _quantize(states[j - 1], kind)
     tok = torch.randint(2, 256, (BATCH, 1), generator=gen)
     lengths, cursor = torch.zeros(BATCH, dtype=torch.int32), torch.zeros(BATCH, dtype=torch.int32)  # no flush
     base = sess.run(None, feed(step.input_names(), [tok, lengths, cursor, *states]))[0]
@@ -196,9 +227,13 @@ def test_teeth_non_flush_outputs_read_the_shadow(engines):
 
 def test_triton_repository_pairs_the_shadow_states(engines, tmp_path):
     pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is not installed")
-    from builders.triton_repo import make_repo
+    from builders.triton_repo import RepoError, make_repo
 
-    target = make_repo(engines["bf16"], tmp_path / "repo")
+    if engines["kind"] == "fp8":  # Triton's model config has no fp8 data type: refused by name
+        with pytest.raises(RepoError, match="float8_e4m3fn' has no Triton type"):
+            make_repo(engines["shadow"], tmp_path / "repo")
+        return
+    target = make_repo(engines["shadow"], tmp_path / "repo")
     text = (target / "config.pbtxt").read_text()
     name = f"{FAMILIES[engines['family']][1]}_0"
     assert f'input_name: "{name}"' in text and f'output_name: "{name}_out"' in text
