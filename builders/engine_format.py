@@ -38,7 +38,7 @@ config.json, both formats:
                     moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers and, with
                     sparse MoE layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation)
   max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX);
-                    standard engines also shadow ("none" or "bf16": the checkpoint shadow, below)
+                    shadow where built with one ("bf16" or "fp8": the checkpoint shadow, below; absent: none)
   states            every state tensor (below): name, shape (batch as -1), dtype (ONNX name: float32,
                     bfloat16, float16, int32, int64) and, standard, ``output`` (its ``<name>_out``
                     output) or, speculative, ``updated_by`` ({graph: output name})
