@@ -39,8 +39,8 @@ config.json, both formats:
                     sparse MoE layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation)
   max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX);
                     shadow where built with one ("bf16" or "fp8": the checkpoint shadow, below; absent: none)
-  states            every state tensor (below): name, shape (batch as -1), dtype (ONNX name: float32,
-                    bfloat16, float16, int32, int64) and, standard, ``output`` (its ``<name>_out``
+  states            every state tensor (below): name, shape (batch as -1), dtype (numpy / ONNX name: float32,
+                    bfloat16, float16, float8_e4m3fn, int32, int64) and, standard, ``output`` (its ``<name>_out``
                     output) or, speculative, ``updated_by`` ({graph: output name})
   trtexec           the command (standard) or the two commands (speculative) of trtexec.sh
 
