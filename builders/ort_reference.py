@@ -34,40 +34,40 @@ _registered = False
 
 
 def _op(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, **attrs):
-    got = (x.shape[1], x.shape[2], B.shape[2], B.shape[1], x_cache.shape[2])
-    want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len"))
-    if got != want:
-        raise ValueError(f"{DOMAIN}::{OP_TYPE}: attributes (nheads, headdim, dstate, ngroups, buffer_len) = {want}, "
-                         f"inputs have {got}")
-    t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (copies: the outputs must not alias the inputs)
-    caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
-    y = reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
-                          state_batch_indices=t(sbi), cursor=t(cursor), **caches)
-    return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
+    return _mamba2_decode(OP_TYPE, (x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache),
+                          None, None, attrs)
 
 
 def _op_shadow(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow, shadow_scale,
                **attrs):
+    return _mamba2_decode(SHADOW_OP_TYPE, (x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
+                                           dt_cache), shadow, shadow_scale, attrs)
+
+
+def _mamba2_decode(op_type, ins, shadow, shadow_scale, attrs):
+    """``mamba2_decode`` (shadow None) or ``mamba2_decode_shadow`` on copies of the state inputs."""
+    x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache = ins
     got = (x.shape[1], x.shape[2], B.shape[2], B.shape[1], x_cache.shape[2])
     want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len"))
     if got != want:
-        raise ValueError(f"{DOMAIN}::{SHADOW_OP_TYPE}: attributes (nheads, headdim, dstate, ngroups, buffer_len) = "
-                         f"{want}, inputs have {got}")
+        raise ValueError(f"{DOMAIN}::{op_type}: attributes (nheads, headdim, dstate, ngroups, buffer_len) = {want}, "
+                         f"inputs have {got}")
     t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (copies: the outputs must not alias the inputs)
     caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
-    # float32 values of the bf16 / fp8 shadow (:func:`_float_shadow_io`); which one: the node's attribute-free
-    # signal is the scale, a (1,) placeholder for bf16 and (slots, H, P) row scales for fp8
-    fp8 = np.asarray(shadow_scale).ndim == 3
-    kind = torch.float8_e4m3fn if fp8 else torch.bfloat16
-    sh = t(shadow).to(kind)
-    if not torch.equal(sh.float(), t(shadow)):
-        raise ValueError(f"{DOMAIN}::{SHADOW_OP_TYPE}: shadow: expected {kind} values")
-    scale = t(shadow_scale)
+    sh = scale = None
+    if shadow is not None:
+        # float32 values of the bf16 / fp8 shadow (:func:`_float_shadow_io`); which one: the scale says, a (1,)
+        # placeholder for bf16 and (slots, H, P) row scales for fp8
+        fp8 = np.asarray(shadow_scale).ndim == 3
+        kind = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        sh, scale = t(shadow).to(kind), t(shadow_scale)
+        if not torch.equal(sh.float(), t(shadow)):
+            raise ValueError(f"{DOMAIN}::{op_type}: shadow: expected {kind} values")
     y = reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
                           state_batch_indices=t(sbi), cursor=t(cursor), shadow=sh,
-                          shadow_scale=scale if fp8 else None, **caches)
-    return (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")),
-            sh.float().numpy(), scale.numpy())
+                          shadow_scale=scale if sh is not None and sh.dtype == torch.float8_e4m3fn else None, **caches)
+    out = (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
+    return out if sh is None else (*out, sh.float().numpy(), scale.numpy())
 
 
 _SHADOW_IO = {SHADOW_OP_TYPE: (13, 5), GDN_SHADOW_OP_TYPE: (15, 7),  # op -> (shadow input, shadow output)
