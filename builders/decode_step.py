@@ -322,9 +322,8 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         _check_layers(model.config)
         if shadow not in SHADOWS:
             raise ValueError(f"shadow: expected one of {SHADOWS} (a shadow of an fp32 checkpoint), got {shadow!r}")
-        if shadow != "none" and (self.speculative or state_dtype != torch.float32):
-            raise ValueError(f"shadow: a checkpoint shadow needs the standard step and an fp32 state, got "
-                             f"speculative={self.speculative}, state_dtype={state_dtype}")
+        if shadow != "none" and state_dtype != torch.float32:
+            raise ValueError(f"shadow: a checkpoint shadow is of an fp32 checkpoint, got state_dtype={state_dtype}")
         self.shadow = shadow
         # mamba2_decode_shadow's (1,) fp32 scale placeholder of a bf16 shadow (never read or written)
         self.register_buffer("shadow_scale_placeholder", torch.ones(1), persistent=False)
@@ -418,15 +417,21 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         one = (x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, sbi, cursor)
         if self.shadow == "none":
             y, *caches = Mamba2Decode.apply(*one, *caches, sizes, self.backend)
-            return (y[:, None], *caches)
+        else:
+            y, *caches = self._with_shadow(Mamba2DecodeShadow, one, caches, sizes)
+        return (y[:, None], *caches)
+
+    def _with_shadow(self, node, ins, caches, sizes):
+        """A shadow node (``mamba2_decode_shadow`` / ``mamba2_verify_shadow``) on the step's inputs ``ins`` and a
+        layer's caches in state order (checkpoint, shadow[, fp8 scales], x, B, dt): (y, the caches in that order).
+        A bf16 shadow's scale input is the (1,) placeholder constant."""
         if self.shadow == "fp8":  # the per-row scales are a state
             state, shadow, scale, x_cache, B_cache, dt_cache = caches
         else:
             (state, shadow, x_cache, B_cache, dt_cache), scale = caches, self.shadow_scale_placeholder
-        y, state, x_cache, B_cache, dt_cache, shadow, scale = Mamba2DecodeShadow.apply(
-            *one, state, x_cache, B_cache, dt_cache, shadow, scale, sizes, self.backend)
-        extra = (scale,) if self.shadow == "fp8" else ()
-        return (y[:, None], state, shadow, *extra, x_cache, B_cache, dt_cache)
+        y, state, x_cache, B_cache, dt_cache, shadow, scale = node.apply(
+            *ins, state, x_cache, B_cache, dt_cache, shadow, scale, sizes, self.backend)
+        return (y, state, shadow, *((scale,) if self.shadow == "fp8" else ()), x_cache, B_cache, dt_cache)
 
     def _layers(self, input_ids, lengths, cursor, states):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""

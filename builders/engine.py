@@ -117,8 +117,6 @@ def check_options(opts: BuildOptions) -> None:
                              f"(flush one window early), got {opts.buffer_len}")
     if opts.shadow not in SHADOWS:
         raise BuildError(f"--shadow: expected one of {list(SHADOWS)}, got {opts.shadow!r}")
-    if opts.shadow == "fp8" and opts.num_draft:
-        raise BuildError("--shadow fp8 with --num-draft: speculative engines have no fp8 shadow")
     if opts.shadow != "none" and opts.state_dtype != "fp32":
         raise BuildError(f"--shadow {opts.shadow}: a checkpoint shadow is of an fp32 checkpoint (--state-dtype "
                          f"fp32), got --state-dtype {opts.state_dtype}")
@@ -409,16 +407,18 @@ def _decode_artifacts(opts, model, tmp, H, P, N, G, nmamba):
 
 def _spec_artifacts(opts, model, tmp, H, P, N, G, nmamba):
     """verify.onnx + commit.onnx of a Nemotron-H / Nemotron 3 model (one mamba2_verify node per Mamba layer)."""
-    from .spec_step import VERIFY_OP_TYPE, NemotronHSpecStep
+    from .spec_step import VERIFY_OP_TYPE, VERIFY_SHADOW_OP_TYPE, NemotronHSpecStep
 
     act, state_dtype = DTYPE_CODES[DTYPES[opts.dtype]], DTYPES[opts.state_dtype]
     T, L = opts.num_draft + 1, opts.buffer_len
     step = NemotronHSpecStep(model, L, opts.max_seq_len, opts.num_draft, state_dtype,
-                             moe_formulation=opts.moe_formulation)
-    verify = dict(op_type=VERIFY_OP_TYPE, plugin=trt_plugin.VERIFY_PLUGIN_NAME, nodes=nmamba,
-                  attributes=dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=L, num_tokens=T),
+                             moe_formulation=opts.moe_formulation, shadow=opts.shadow)
+    shadow = opts.shadow != "none"
+    verify = dict(op_type=VERIFY_SHADOW_OP_TYPE if shadow else VERIFY_OP_TYPE,
+                  plugin=trt_plugin.VERIFY_SHADOW_PLUGIN_NAME if shadow else trt_plugin.VERIFY_PLUGIN_NAME,
+                  nodes=nmamba, attributes=dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=L, num_tokens=T),
                   make=lambda t: trt_plugin.aot_verify_kernel(H, P, N, G, L, T, DTYPE_CODES[state_dtype], act,
-                                                              opts.arch, t))
+                                                              opts.arch, t, opts.shadow))
     return _spec_graphs(opts, step, tmp, verify, model_entry(opts, model), model.config.vocab_size)
 
 
@@ -543,9 +543,6 @@ def build(opts: BuildOptions) -> pathlib.Path:
         if gdn:
             config, plans = (_gdn_spec_artifacts if opts.num_draft else _gdn_decode_artifacts)(opts, model, tmp)
         else:
-            if opts.num_draft and opts.shadow != "none":
-                raise BuildError(f"--shadow {opts.shadow} with --num-draft: speculative Nemotron engines have no "
-                                 "checkpoint shadow (no mamba2_verify shadow plugin); build without one of them")
             make = _spec_artifacts if opts.num_draft else _decode_artifacts
             config, plans = make(opts, model, tmp, H, P, N, G, nmamba)
         try:  # the states written are those the readers of the format expect (builders/engine_format.py)

@@ -75,10 +75,10 @@ A standard engine built with a bf16 shadow of its fp32 checkpoints (config.json 
 "none": no shadow) has one more state per M layer, after ssm_state_i: ssm_shadow_i (nheads, headdim, dstate)
 bfloat16 (``replayssm::mamba2_decode_shadow``), and per G layer, after gdn_state_i: gdn_shadow_i (HV, V, K)
 bfloat16 (``replayssm::gdn_decode_shadow``); non-flush steps read it, flush steps rewrite it. With "fp8"
-(standard Mamba-2 engines) the M layer's shadow is ssm_shadow_i (nheads, headdim, dstate) float8_e4m3fn (ONNX
+(Mamba-2 layers) the M layer's shadow is ssm_shadow_i (nheads, headdim, dstate) float8_e4m3fn (ONNX
 FLOAT8E4M3FN) followed by ssm_shadow_scale_i (nheads, headdim) float32, its per-row scales. Speculative
-Gated DeltaNet engines may carry gdn_shadow_i too (``gdn_verify_shadow``; the verify graph updates it, the
-commit graph does not touch it); speculative Mamba-2 engines have no shadow.
+engines carry the same shadow states (``mamba2_verify_shadow`` / ``gdn_verify_shadow``: the verify graph updates
+them, the commit graph does not touch them).
 
 Speculative engines name the conv state ``conv_window_i`` (width K - 1 + num_draft instead of K). Each
 state's output is ``<name>_out``, same shape and dtype (in place in TensorRT: aliased plugin outputs).
@@ -175,21 +175,17 @@ LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "G
 
 def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -> tuple[LayerState, ...]:
     """The state tensors of a layer with pattern letter ``letter``, in engine I/O order; ``speculative``:
-    the conv state is the verify graph's ``conv_window``; ``shadow`` "bf16": a Mamba-2 layer's checkpoint
-    shadow after its ssm_state (standard engines only)."""
+    the conv state is the verify graph's ``conv_window``; ``shadow`` "bf16" / "fp8": an SSM layer's checkpoint
+    shadow state(s) after its checkpoint."""
     if letter not in LAYER_STATES:
         raise FormatError(f"letter: expected one of {''.join(LAYER_STATES)}, got {letter!r}")
     if shadow not in SHADOWS:
         raise FormatError(f"shadow: expected one of {SHADOWS}, got {shadow!r}")
-    if shadow != "none" and speculative and letter == "M":
-        raise FormatError("shadow: speculative Mamba-2 layers have no checkpoint shadow state (no mamba2_verify "
-                          "shadow plugin)")
     states = LAYER_STATES[letter]
     if speculative:
         states = tuple(dataclasses.replace(s, prefix=CONV_WINDOW) if s is CONV_STATE else s for s in states)
-    if shadow == "fp8" and (letter == "G" or (letter == "M" and speculative)):
-        raise FormatError(f"shadow: an fp8 shadow is for standard Mamba-2 layers only, got layer {letter!r}"
-                          f"{' (speculative)' if speculative else ''}")
+    if shadow == "fp8" and letter == "G":
+        raise FormatError("shadow: an fp8 shadow is for Mamba-2 layers only (Gated DeltaNet: bf16)")
     if shadow != "none" and letter in ("M", "G"):  # after the checkpoint
         extra = FP8_SHADOW_STATES if shadow == "fp8" else (SHADOW_STATE if letter == "M" else GDN_SHADOW_STATE,)
         states = states[:2] + extra + states[2:]
@@ -212,9 +208,9 @@ def check_layer_states(cfg: dict) -> None:
                           f"{bad[0][1]!r} at layer {bad[0][0]}")
     spec = is_speculative(cfg)
     shadow = cfg.get("shadow", "none")
-    if shadow not in SHADOWS or (spec and shadow != "none" and "M" in pattern) or (shadow == "fp8" and "G" in pattern):
-        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (speculative Mamba-2 engines: none; "
-                          f"Gated DeltaNet: none or bf16), got {shadow!r}")
+    if shadow not in SHADOWS or (shadow == "fp8" and "G" in pattern):
+        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (Gated DeltaNet: none or bf16), got "
+                          f"{shadow!r}")
     prefixes = {c: [s.prefix for s in layer_states(c, spec, shadow if c in pattern else "none")]
                 for c in LAYER_STATES}
     names = [s["name"] for s in cfg["states"]]

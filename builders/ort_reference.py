@@ -7,6 +7,7 @@
 * ``mamba2_decode_shadow``: the same with a bf16 or fp8 shadow of the checkpoint (inputs 13 shadow, 14 the
   fp8 row scales or the bf16 (1,) placeholder; outputs then shadow_out, shadow_scale_out), the shadow rewritten
   on flush steps.
+* ``mamba2_verify_shadow``: ``mamba2_verify`` with the shadow inputs and outputs of ``mamba2_decode_shadow``.
 * ``mamba2_verify``: :func:`builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
   verify in float64), same outputs; the cursor is read only.
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
@@ -28,7 +29,13 @@ from .decode_step import DOMAIN, OP_TYPE, SHADOW_OP_TYPE
 from .gdn_step import GDN_OP_TYPE, GDN_SHADOW_OP_TYPE, GDN_VERIFY_OP_TYPE, GDN_VERIFY_SHADOW_OP_TYPE
 from .gdn_step import verify_reference_backend as gdn_verify_backend
 from .nemotron_h import reference_backend
-from .spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, commit_reference_backend, verify_reference_backend
+from .spec_step import (
+    COMMIT_OP_TYPE,
+    VERIFY_OP_TYPE,
+    VERIFY_SHADOW_OP_TYPE,
+    commit_reference_backend,
+    verify_reference_backend,
+)
 
 _registered = False
 
@@ -44,11 +51,14 @@ def _op_shadow(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
                                            dt_cache), shadow, shadow_scale, attrs)
 
 
-def _mamba2_decode(op_type, ins, shadow, shadow_scale, attrs):
-    """``mamba2_decode`` (shadow None) or ``mamba2_decode_shadow`` on copies of the state inputs."""
+def _mamba2_decode(op_type, ins, shadow, shadow_scale, attrs, verify: bool = False):
+    """``mamba2_decode`` (shadow None) or ``mamba2_decode_shadow`` on copies of the state inputs; ``verify``:
+    ``mamba2_verify_shadow`` (a window axis, the verify backend)."""
     x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache = ins
-    got = (x.shape[1], x.shape[2], B.shape[2], B.shape[1], x_cache.shape[2])
-    want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len"))
+    w = 1 if verify else 0
+    got = (x.shape[1 + w], x.shape[2 + w], B.shape[2 + w], B.shape[1 + w], x_cache.shape[2]) + ((x.shape[1],) if w else ())
+    want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len")
+                 + (("num_tokens",) if w else ()))
     if got != want:
         raise ValueError(f"{DOMAIN}::{op_type}: attributes (nheads, headdim, dstate, ngroups, buffer_len) = {want}, "
                          f"inputs have {got}")
@@ -63,15 +73,16 @@ def _mamba2_decode(op_type, ins, shadow, shadow_scale, attrs):
         sh, scale = t(shadow).to(kind), t(shadow_scale)
         if not torch.equal(sh.float(), t(shadow)):
             raise ValueError(f"{DOMAIN}::{op_type}: shadow: expected {kind} values")
-    y = reference_backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
-                          state_batch_indices=t(sbi), cursor=t(cursor), shadow=sh,
-                          shadow_scale=scale if sh is not None and sh.dtype == torch.float8_e4m3fn else None, **caches)
+    backend = verify_reference_backend if verify else reference_backend
+    y = backend(x=t(x), B=t(B), C=t(C), dt=t(dt), dt_bias=t(dt_bias), A=t(A), D=t(D), z=None,
+                state_batch_indices=t(sbi), cursor=t(cursor), shadow=sh,
+                shadow_scale=scale if sh is not None and sh.dtype == torch.float8_e4m3fn else None, **caches)
     out = (y.numpy(), *(caches[k].numpy() for k in ("state", "x_cache", "B_cache", "dt_cache")))
     return out if sh is None else (*out, sh.float().numpy(), scale.numpy())
 
 
-_SHADOW_IO = {SHADOW_OP_TYPE: (13, 5), GDN_SHADOW_OP_TYPE: (15, 7),  # op -> (shadow input, shadow output)
-              GDN_VERIFY_SHADOW_OP_TYPE: (15, 7)}
+_SHADOW_IO = {SHADOW_OP_TYPE: (13, 5), VERIFY_SHADOW_OP_TYPE: (13, 5),  # op -> (shadow input, shadow output)
+              GDN_SHADOW_OP_TYPE: (15, 7), GDN_VERIFY_SHADOW_OP_TYPE: (15, 7)}
 
 
 def _float_shadow_io(model) -> None:
@@ -93,6 +104,13 @@ def _float_shadow_io(model) -> None:
         if v.name in shadow_ins and any(n.op_type not in _SHADOW_IO for n in readers):
             raise ValueError(f"ort_reference: {v.name!r} is read by nodes other than the shadow ops")
         v.type.tensor_type.elem_type = TensorProto.FLOAT
+
+
+def _verify_shadow(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow, shadow_scale,
+                   **attrs):
+    """``mamba2_verify_shadow``: :func:`_verify` with the shadow of :func:`_mamba2_decode`."""
+    return _mamba2_decode(VERIFY_SHADOW_OP_TYPE, (x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
+                                                  dt_cache), shadow, shadow_scale, attrs, verify=True)
 
 
 def _verify(x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, **attrs):
@@ -184,6 +202,8 @@ def register() -> str:
         onnx_op(op_type=f"{DOMAIN}::{OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 4, outputs=[f] * 5, attrs=attrs)(_op)
         onnx_op(op_type=f"{DOMAIN}::{SHADOW_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
                 attrs=attrs)(_op_shadow)
+        onnx_op(op_type=f"{DOMAIN}::{VERIFY_SHADOW_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
+                attrs={**attrs, "num_tokens": i64})(_verify_shadow)
         onnx_op(op_type=f"{DOMAIN}::{VERIFY_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 4, outputs=[f] * 5,
                 attrs={**attrs, "num_tokens": i64})(_verify)
         onnx_op(op_type=f"{DOMAIN}::{COMMIT_OP_TYPE}", inputs=[i32] * 3, outputs=[i32],

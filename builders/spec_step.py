@@ -56,9 +56,10 @@ import torch
 
 from trtllm_replayssm import backend as executors
 
-from .decode_step import DOMAIN, NemotronHDecodeStep, StateSpec, export_graph
+from .decode_step import DOMAIN, Mamba2DecodeShadow, NemotronHDecodeStep, StateSpec, export_graph
 
 VERIFY_OP_TYPE = "mamba2_verify"
+VERIFY_SHADOW_OP_TYPE = "mamba2_verify_shadow"
 COMMIT_OP_TYPE = "spec_commit"
 
 
@@ -114,6 +115,24 @@ class SpecCommit(torch.autograd.Function):
         return out
 
 
+class Mamba2VerifyShadow(Mamba2DecodeShadow):
+    """``replayssm::mamba2_verify_shadow``: :class:`Mamba2Verify`'s inputs then (shadow, shadow_scale), outputs
+    then (shadow_out, shadow_scale_out), as ``mamba2_decode_shadow``: a verify without a fold reads the shadow,
+    the fold rewrites it from the checkpoint it stores."""
+
+    @staticmethod
+    def symbolic(g, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow, shadow_scale,
+                 sizes, backend):
+        nheads, headdim, dstate, ngroups, buffer_len, num_tokens = sizes
+        outs = g.op(f"{DOMAIN}::{VERIFY_SHADOW_OP_TYPE}", x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache,
+                    B_cache, dt_cache, shadow, shadow_scale, plugin_namespace_s=DOMAIN, aot_i=1, nheads_i=nheads,
+                    headdim_i=headdim, dstate_i=dstate, ngroups_i=ngroups, buffer_len_i=buffer_len,
+                    num_tokens_i=num_tokens, outputs=7)
+        for o, like in zip(outs, (x, state, x_cache, B_cache, dt_cache, shadow, shadow_scale)):
+            o.setType(like.type())
+        return outs
+
+
 # ---- window pieces shared by the verify steps (Nemotron-H here, Qwen3-Next / Qwen3.5 in gdn_step; the
 # T-general conv and attention, window_conv and window_attention, live in decode_step) --------------------
 def _check_window(num_draft: int, buffer_len: int) -> int:
@@ -133,17 +152,21 @@ class NemotronHSpecStep(NemotronHDecodeStep):
     speculative = True  # conv_window_i of K - 1 + num_draft columns instead of conv_state_i
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int,
-                 state_dtype: torch.dtype = torch.float32, backend=None, moe_formulation: str = "dense"):
+                 state_dtype: torch.dtype = torch.float32, backend=None, moe_formulation: str = "dense",
+                 shadow: str = "none"):
         super().__init__(model, buffer_len, max_seq_len, state_dtype, backend or verify_reference_backend,
-                         moe_formulation)
+                         moe_formulation, shadow)
         self.num_draft = num_draft
         self.num_tokens = _check_window(num_draft, buffer_len)
         self.window = model.config.conv_kernel - 1 + num_draft
 
     def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches, sizes):
-        """One ``mamba2_verify`` node on the window's T tokens: (y (batch, T, H, P), the four caches)."""
-        return Mamba2Verify.apply(x, B, C, dt, dt_bias, A, D, sbi, cursor, *caches, (*sizes, self.num_tokens),
-                                  self.backend)
+        """One ``mamba2_verify`` (``mamba2_verify_shadow``) node on the window's T tokens: (y (batch, T, H, P), the
+        layer's caches in state order)."""
+        ins, sizes = (x, B, C, dt, dt_bias, A, D, sbi, cursor), (*sizes, self.num_tokens)
+        if self.shadow == "none":
+            return Mamba2Verify.apply(*ins, *caches, sizes, self.backend)
+        return self._with_shadow(Mamba2VerifyShadow, ins, caches, sizes)
 
 
 # ---- commit -------------------------------------------------------------------------------------------

@@ -93,6 +93,47 @@ class SpecDecode:
         return ids, logits, n
 
 
+def check_shadow_spec(run: SpecDecode, ort: OrtRunner, mod: ModuleRunner, drafts, accept, steps: int,
+                      shadow_prefix: str) -> None:
+    """Speculative steps of verify graphs with a checkpoint shadow (``shadow_prefix``: ssm_shadow / gdn_shadow;
+    an fp8 shadow's ``<prefix>_scale_i`` follows it): the onnxruntime graphs against the PyTorch verify step on
+    the same inputs (logits, every state but the commit-rolled conv windows; the shadow within one ulp of its
+    format, its flushed checkpoints differing in the last bits), and the shadow states = quantize_shadow of the
+    stored checkpoint after every fold, untouched without one (``drafts(gen) -> (batch, T - 1)``)."""
+    from trtllm_replayssm.reference import quantize_shadow
+
+    names = [s.name for s in run.step.state_specs()]
+    shadows = [j for j, n in enumerate(names) if n.startswith(shadow_prefix + "_") and "_scale_" not in n]
+    T, L = run.T, run.L
+    for _ in range(steps):
+        folds = run.cursor[:, 1] + 2 * T > L
+        fp8 = run.states[shadows[0]].dtype == torch.float8_e4m3fn
+        n = 2 if fp8 else 1
+        before = {j + k: run.states[j + k].clone() for j in shadows for k in range(n)}
+        ids = torch.cat([torch.tensor([t[-1] for t in run.tokens])[:, None], drafts()], dim=1)
+        want, want_states = mod.verify(ids, run.lengths, run.cursor, run.states)
+        _, logits, _ = run.run_step(ort, ids[:, 1:], accept)
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=2e-5)
+        for j, (name, got, w) in enumerate(zip(names, run.states, want_states)):
+            if name.startswith("conv_window_"):  # (the commit rolled the windows back)
+                continue
+            ulp = None if j not in before else (2 ** -2 if fp8 else 2 ** -7)
+            tol = dict(rtol=1e-4, atol=2e-5) if ulp is None else dict(rtol=ulp, atol=1e-6)
+            torch.testing.assert_close(got.float(), w.float(), **tol, msg=name)
+        for j in shadows:
+            st = run.states[j - 1]
+            if fp8:
+                q, sc = torch.empty(st.shape, dtype=torch.float8_e4m3fn), torch.empty(st.shape[:-1])
+                quantize_shadow(st, q, sc)
+                want_q = [q, sc]
+            else:
+                want_q = [st.to(torch.bfloat16)]
+            for k, q in enumerate(want_q):
+                got_k, old = run.states[j + k], before[j + k]
+                assert torch.equal(got_k[folds], q[folds]), f"{names[j + k]} after a fold"
+                assert torch.equal(got_k[~folds], old[~folds]), f"{names[j + k]} written without a fold"
+
+
 def random_accept(gen, T: int):
     """n in 1..T per row, all T every 3rd step, 1 for row 0 every 4th."""
     step = [0]

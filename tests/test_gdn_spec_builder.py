@@ -44,6 +44,7 @@ from .spec_driver import (  # noqa: E402
     OrtRunner,
     SpecDecode,
     check_greedy_acceptance,
+    check_shadow_spec,
     random_accept,
     sequential_check,
 )
@@ -224,27 +225,10 @@ def test_shadow_verify_graph_follows_the_module_and_the_checkpoint_stays_exact(m
     g = onnx.load(str(tmp_path / "verify.onnx"))
     assert [n.op_type for n in g.graph.node if n.domain == "replayssm"] == ["gdn_verify_shadow"] * len(gdn_layers(model))
     ort = OrtRunner(step, commit, session(tmp_path / "verify.onnx"), session(tmp_path / "commit.onnx"))
-    mod = ModuleRunner(step, commit, None, None)
     run = _decode(model, step)
-    names = [s.name for s in step.state_specs()]
-    shadows = [j for j, n in enumerate(names) if n.startswith("gdn_shadow_")]
     gen = torch.Generator().manual_seed(5)
-    accept = random_accept(torch.Generator().manual_seed(6), T)
-    for _ in range(STEPS):
-        folds = run.cursor[:, 1] + 2 * T > L_SPEC
-        before = [run.states[j].clone() for j in shadows]
-        ids = torch.cat([torch.tensor([t[-1] for t in run.tokens])[:, None], _drafts(gen)], dim=1)
-        want, want_states = mod.verify(ids, run.lengths, run.cursor, run.states)
-        _, logits, _ = run.run_step(ort, ids[:, 1:], accept)
-        torch.testing.assert_close(logits, want, rtol=RTOL, atol=ATOL)
-        for name, got, w in zip(names, run.states, want_states):
-            if not name.startswith("conv_window_"):  # (the commit rolled the windows back)
-                tol = dict(rtol=2 ** -7, atol=1e-6) if name.startswith("gdn_shadow_") else dict(rtol=RTOL, atol=ATOL)
-                torch.testing.assert_close(got.float(), w.float(), **tol, msg=name)
-        for j, old in zip(shadows, before):
-            sh, st = run.states[j], run.states[j - 1]
-            assert torch.equal(sh[folds], st[folds].to(torch.bfloat16)), "shadow after a fold"
-            assert torch.equal(sh[~folds], old[~folds]), "shadow written without a fold"
+    check_shadow_spec(run, ort, ModuleRunner(step, commit, None, None), lambda: _drafts(gen),
+                      random_accept(torch.Generator().manual_seed(6), T), STEPS, "gdn_shadow")
     assert min(run.flushes) >= 2, run.flushes
     kinds = model.config.layer_types
     compared = sequential_check(model, run, patch_gdn_replayssm, L_SEQ, PRE_DECODE, 2e-2, 2e-2, gdn_layers(model),

@@ -123,7 +123,6 @@ def test_format_errors_name_the_shadow(engines):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(shadow="fp4"), "--shadow: expected one of"),
-    (dict(shadow="fp8", num_draft=3, buffer_len=16), "speculative engines have no fp8 shadow"),
     (dict(shadow="bf16", state_dtype="bf16"), "--state-dtype fp32"),
 ])
 def test_bad_shadow_options_are_refused(tmp_path, kw, match):
@@ -131,20 +130,23 @@ def test_bad_shadow_options_are_refused(tmp_path, kw, match):
         check_options(BuildOptions(out=tmp_path / "x", **kw))
 
 
-def test_speculative_shadow_engines(tmp_path):
-    """GDN verify graphs carry the shadow (gdn_verify_shadow, updated by verify only); Nemotron's are refused."""
-    out = build(BuildOptions(out=tmp_path / "q", tiny="qwen3_next", buffer_len=L, max_batch=2, max_seq_len=48,
-                             num_draft=1, shadow="bf16"))
+@pytest.mark.parametrize("tiny, kind, op, prefix, layers", [
+    ("qwen3_next", "bf16", "gdn_verify_shadow", "gdn_shadow", "gdn_layers"),
+    ("nemotron_h", "fp8", "mamba2_verify_shadow", "ssm_shadow", "mamba_layers"),
+])
+def test_speculative_shadow_engines(tmp_path, tiny, kind, op, prefix, layers):
+    """Verify graphs carry the shadow states, updated by verify only (the graphs themselves:
+    tests/test_spec_builder.py, tests/test_gdn_spec_builder.py); an fp8 GDN shadow is refused before loading."""
+    out = build(BuildOptions(out=tmp_path / "q", tiny=tiny, buffer_len=L, max_batch=2, max_seq_len=48,
+                             num_draft=1, shadow=kind))
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["shadow"] == "bf16"
-    assert [p["op_type"] for p in cfg["plugin"]["plugins"]] == ["gdn_verify_shadow", "spec_commit"]
-    sh = [s for s in cfg["states"] if s["name"].startswith("gdn_shadow_")]
-    assert len(sh) == len(cfg["model"]["gdn_layers"]) and all(s["updated_by"] == {"verify": f"{s['name']}_out"}
-                                                                for s in sh)
+    assert cfg["shadow"] == kind
+    assert [p["op_type"] for p in cfg["plugin"]["plugins"]] == [op, "spec_commit"]
+    assert all(f"_sh-{kind}_" in k["spec"] for k in cfg["plugin"]["plugins"][0]["kernels"])
+    sh = [s for s in cfg["states"] if s["name"].startswith(prefix + "_")]
+    assert len(sh) == len(cfg["model"][layers]) * (2 if kind == "fp8" else 1)
+    assert all(s["updated_by"] == {"verify": f"{s['name']}_out"} for s in sh)
     check_layer_states(cfg)
-    with pytest.raises(BuildError, match="speculative Nemotron engines have no checkpoint shadow"):
-        build(BuildOptions(out=tmp_path / "n", buffer_len=16, num_draft=3, shadow="bf16"))
-    assert not (tmp_path / "n").exists()
     with pytest.raises(BuildError, match="there is no fp8 GDN shadow"):
         build(BuildOptions(out=tmp_path / "g", tiny="qwen3_next", shadow="fp8"))
     assert not (tmp_path / "g").exists()

@@ -54,7 +54,15 @@ from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecComm
 from trtllm_replayssm import reference
 from trtllm_replayssm import spec_reference as sr
 
-from .spec_driver import ModuleRunner, OrtRunner, SpecDecode, check_greedy_acceptance, random_accept, sequential_check
+from .spec_driver import (
+    ModuleRunner,
+    OrtRunner,
+    SpecDecode,
+    check_greedy_acceptance,
+    check_shadow_spec,
+    random_accept,
+    sequential_check,
+)
 
 NUM_DRAFT, L_SPEC, L_SEQ = 3, 16, 4
 T = NUM_DRAFT + 1
@@ -234,3 +242,34 @@ def test_commit_graph_bookkeeping_is_exact(graphs):
             assert torch.equal(got[live], want[live])
             r = T  # n = 0: shifted right by T, zero-filled
             assert torch.equal(got[~live], torch.cat([torch.zeros_like(w[~live][..., :r]), w[~live][..., :-r]], -1))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+def test_shadow_verify_graph_follows_the_module(model, tmp_path, kind):
+    """``build_engine --shadow {bf16,fp8} --num-draft N``: one ``mamba2_verify_shadow`` node per Mamba layer and
+    the shadow state(s) after each checkpoint; in onnxruntime under random acceptance across folds the graphs
+    follow the PyTorch verify step and the shadow is requantized from the checkpoint at every fold only
+    (spec_driver.check_shadow_spec); the logits stay near fp32 sequential decoding (the shadow's rounding)."""
+    import onnx
+
+    from builders.ort_reference import session
+
+    step = NemotronHSpecStep(model, L_SPEC, MAX_SEQ, NUM_DRAFT, shadow=kind)
+    commit = NemotronHSpecCommit(step)
+    export_onnx(step, tmp_path / "verify.onnx", tmp_path / "commit.onnx")
+    g = onnx.load(str(tmp_path / "verify.onnx"))
+    assert [n.op_type for n in g.graph.node if n.domain == DOMAIN] == ["mamba2_verify_shadow"] * len(mamba_layers(model))
+    ort = OrtRunner(step, commit, session(tmp_path / "verify.onnx"), session(tmp_path / "commit.onnx"))
+    run = SpecDecode(model, step, _prompts(), patch_replayssm, PRE_DECODE, STARTS)
+    gen = torch.Generator().manual_seed(5)
+    check_shadow_spec(run, ort, ModuleRunner(step, commit, None, None),
+                      lambda: torch.randint(0, VOCAB, (len(PROMPT_LENS), NUM_DRAFT), generator=gen),
+                      random_accept(torch.Generator().manual_seed(6), T), STEPS, "ssm_shadow")
+    assert min(run.flushes) >= 2, run.flushes
+    kinds = model.config.layers_block_type
+    tol = 2e-2 if kind == "bf16" else 1e-1
+    compared = sequential_check(model, run, patch_replayssm, L_SEQ, PRE_DECODE, tol, tol, mamba_layers(model),
+                                model.config.conv_kernel, [i for i, k in enumerate(kinds) if k == "full_attention"],
+                                _ssm_state, False)
+    assert compared >= STEPS * len(PROMPT_LENS)
+

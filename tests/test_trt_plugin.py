@@ -433,6 +433,8 @@ PLUGIN_CASES = {
                             lambda a: tp.io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
     tp.VERIFY_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4),
                             lambda a: tp.verify_io_shapes("b", "s", *a.values()), ("bf16", "f16", None)),
+    tp.VERIFY_SHADOW_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4),
+                                   lambda a: tp.verify_io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
     tp.COMMIT_PLUGIN_NAME: (dict(num_tokens=2, buffer_len=8), lambda a: tp.commit_io_shapes("b", "s"),
                             (None, None, None)),
     tp.GDN_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8, use_qk_l2norm=1),
@@ -517,8 +519,8 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
         name_, ptx, launch, extra = reg["aot"](*ins, *fields.values(), outs, tactic)
         if plugin == tp.COMMIT_PLUGIN_NAME:
             want = tp.aot_commit_kernel(attrs["num_tokens"], attrs["buffer_len"], 90)
-        elif plugin == tp.VERIFY_PLUGIN_NAME:
-            want = tp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic)
+        elif plugin in tp.VERIFY_PLUGINS:
+            want = tp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic, shadow or "none")
         elif plugin in tp.GDN_VERIFY_PLUGINS:
             want = tp.aot_gdn_verify_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         elif plugin in GDN_PLUGINS:
@@ -539,6 +541,22 @@ def test_attribute_values_in_either_form():
         tp._int(np.array([1, 2], dtype=np.int32))
     with pytest.raises(ValueError, match="expected one integer, got an array float32"):
         tp._int(np.array([1.5], dtype=np.float32))
+
+
+@pytest.mark.parametrize("shadow", ["none", "bf16", "fp8"])
+def test_verify_kernel_parameters_are_in_tensorrt_order(shadow):
+    """mamba2_verify[_shadow]: the entry's parameters are the plugin's inputs, two int32 scalars, its outputs (the
+    shadow and its scales among both with a shadow), the module ops.replay_verify launches."""
+    from trtllm_replayssm.config import verify_spec
+
+    k = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 1, shadow)
+    params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
+    kinds = re.findall(r"\.param \.(u64|u32)", params)
+    info = tp.PLUGINS[tp.VERIFY_SHADOW_PLUGIN_NAME if shadow != "none" else tp.VERIFY_PLUGIN_NAME]
+    assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
+    assert k.spec == verify_spec("f32", "bf16", 128, 64, 128, 8, 16, 4, tp.TACTICS[1], False, 90, shadow)
+    with pytest.raises(ValueError, match="with an f32 state"):
+        tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "bf16", "bf16", 90, 1, "bf16")
 
 
 # ---- gdn_decode ---------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative plugins verified by proxy: launch exactly what ``aot_impl`` returns, as TensorRT would.
 
-``mamba2_verify`` and ``spec_commit``: the kernel name and PTX (loaded by the driver from PTX, as
+``mamba2_verify`` (+ ``mamba2_verify_shadow``) and ``spec_commit``: the kernel name and PTX (loaded by the driver from PTX, as
 TensorRT does), grid, block, shared memory and int32 extra args come from
 :func:`trt_plugin.aot_verify_kernel` / :func:`trt_plugin.aot_commit_kernel`; pointers are passed in
 TensorRT's order, built from the plugins' input names (inputs, extra args, outputs; aliased outputs get
@@ -37,9 +37,10 @@ class PluginLaunches:
 
         major, minor = torch.cuda.get_device_capability()
         arch = major * 10 + minor
-        self.T, self.L = pb.T, pb.L
+        self.T, self.L, self.shadow = pb.T, pb.L, pb.shadow_kind
         self.verify = tp.aot_verify_kernel(pb.H, pb.P, pb.N, pb.G, pb.L, pb.T, DTYPE_CODES[pb.sdt], DTYPE_CODES[pb.act],
-                                           arch, tactic)
+                                           arch, tactic, pb.shadow_kind)
+        self.placeholder = torch.ones(1, device="cuda")  # mamba2_verify_shadow's scale input with a bf16 shadow
         self.commit = tp.aot_commit_kernel(pb.T, pb.L, arch)
         Device().set_current()
         self.kernels = {k.kernel_name: ObjectCode.from_ptx(k.ptx).get_kernel(k.kernel_name)
@@ -57,16 +58,19 @@ class PluginLaunches:
         self.count[k.kernel_name] += 1
 
     def replay_verify(self, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
-                      state_batch_indices, z=None, out=None, **_):
+                      state_batch_indices, z=None, out=None, shadow=None, shadow_scale=None, **_):
         assert z is None and out is not None  # the plugin has no gate input; y is its first output
+        assert (shadow is None) == (self.shadow == "none")
         named = dict(x=x, B=B, C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, state_batch_indices=state_batch_indices,
-                     cursor=cursor, state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache)
+                     cursor=cursor, state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, shadow=shadow,
+                     shadow_scale=self.placeholder if shadow_scale is None else shadow_scale)
         shapes = tp.verify_io_shapes(x.shape[0], state.shape[0], self.verify.spec.nheads, self.verify.spec.headdim,
-                                     self.verify.spec.dstate, self.verify.spec.ngroups, self.L, self.T)
-        ins = [named[n] for n in tp.VERIFY_INPUT_NAMES]
-        for n, t in zip(tp.VERIFY_INPUT_NAMES, ins):
+                                     self.verify.spec.dstate, self.verify.spec.ngroups, self.L, self.T, self.shadow)
+        info = tp.PLUGINS[tp.VERIFY_PLUGIN_NAME if self.shadow == "none" else tp.VERIFY_SHADOW_PLUGIN_NAME]
+        ins = [named[n] for n in info.inputs]
+        for n, t in zip(info.inputs, ins):
             assert tuple(t.shape) == shapes[n] and t.is_contiguous(), n
-        outs = [out] + [ins[i] for i in tp.VERIFY_ALIASES.values()]
+        outs = [out] + [ins[i] for i in info.aliases.values()]
         self._launch(self.verify, ins, outs, x.shape[0], state.shape[0])
         return out
 
@@ -93,11 +97,16 @@ CASES = [
     dict(geom="nemotron_h_8b", state="f32", act="bf16", T=4, L=16, batch=3, slots=3, engine=True),
     dict(geom="tiny", state="bf16", act="bf16", T=2, L=8, batch=3, slots=5, pad_rows=(1,), engine=False),
     dict(geom=(8, 64, 128, 2), state="f32", act="f32", T=8, L=16, batch=4, slots=4, engine=True),
+    # mamba2_verify_shadow (the shadow read by verifies without a fold, rewritten by the fold)
+    dict(geom="nemotron_h_8b", state="f32", act="bf16", T=4, L=16, batch=3, slots=3, engine=True, shadow="bf16"),
+    dict(geom=(8, 64, 128, 2), state="f32", act="bf16", T=2, L=8, batch=3, slots=5, pad_rows=(1,), engine=False,
+         shadow="fp8"),
 ]
 
 
 def _id(c):
-    return f"{c['geom']}-{c['state']}-{c['act']}-T{c['T']}-L{c['L']}-{'engine' if c['engine'] else 'padded'}"
+    sh = f"-sh-{c['shadow']}" if c.get("shadow", "none") != "none" else ""
+    return f"{c['geom']}-{c['state']}-{c['act']}-T{c['T']}-L{c['L']}-{'engine' if c['engine'] else 'padded'}{sh}"
 
 
 @pytest.mark.parametrize("tactic", sorted(tp.TACTICS))

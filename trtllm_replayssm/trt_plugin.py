@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """TensorRT AOT quickly-deployable plugins ``replayssm::*`` (TensorRT >= 10.9, 11.x).
 
-``mamba2_decode`` (+ ``mamba2_decode_shadow``) for standard decode, ``mamba2_verify`` + ``spec_commit``
-for speculative decoding. Each plugin layer is one kernel launch.
+``mamba2_decode`` (+ ``mamba2_decode_shadow``) for standard decode, ``mamba2_verify`` (+
+``mamba2_verify_shadow``) + ``spec_commit`` for speculative decoding; the Gated DeltaNet counterparts
+``gdn_decode`` / ``gdn_verify`` (+ ``_shadow``). Each plugin layer is one kernel launch.
 
 ``replayssm::mamba2_decode``: one launch of ``replayssm_decode`` (plugins/replayssm_decode.cu): the fused
 ReplaySSM step (output, append, flush when the buffer fills). The engine runs it without Python:
@@ -72,6 +73,12 @@ inputs 9-12 (state written on flush steps only, the rings at the window's entrie
 Attributes: nheads, headdim, dstate, ngroups, buffer_len, num_tokens (checked against the shapes;
 compiled into the PTX). Kernel parameters: the 13 input pointers, int32 batch, int32 slots, the 5
 output pointers. Tactics as above; grid (heads * chunks, batch), static shared memory only.
+
+``replayssm::mamba2_verify_shadow``: the same verify with a bf16 or fp8-e4m3 shadow of an fp32
+checkpoint, the two inputs and aliased outputs of ``mamba2_decode_shadow`` (13 shadow, 14 shadow_scale;
+outputs 5, 6): a verify without a fold reads the shadow, the fold rewrites it from the checkpoint it
+stores. Kernel parameters: the 15 input pointers, int32 batch, int32 slots, the 7 output pointers (the
+same ``replayssm_verify`` entry as ``ops.replay_verify`` launches with a shadow).
 
 ``replayssm::spec_commit``: one launch of ``replayssm_spec_commit`` per model step, after sampling
 (all Mamba layers share the cursor): the flush the verify layers did (count + 2T > L: start =
@@ -187,6 +194,9 @@ VERIFY_ATTRIBUTES = ATTRIBUTES + ("num_tokens",)
 VERIFY_INPUT_NAMES = INPUT_NAMES  # same names; x, B, C, dt carry a window axis, cursor is (S, 2)
 VERIFY_OUTPUT_NAMES = OUTPUT_NAMES
 VERIFY_ALIASES = ALIASES
+VERIFY_SHADOW_PLUGIN_NAME = "mamba2_verify_shadow"
+VERIFY_SHADOW_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{VERIFY_SHADOW_PLUGIN_NAME}"
+VERIFY_PLUGINS = (VERIFY_PLUGIN_NAME, VERIFY_SHADOW_PLUGIN_NAME)
 
 COMMIT_PLUGIN_NAME = "spec_commit"
 COMMIT_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{COMMIT_PLUGIN_NAME}"
@@ -247,6 +257,8 @@ PLUGINS = {
                                    SHADOW_ALIASES, ATTRIBUTES),
     VERIFY_PLUGIN_NAME: PluginInfo(VERIFY_PLUGIN_NAME, VERIFY_KERNEL_NAME, VERIFY_INPUT_NAMES, VERIFY_OUTPUT_NAMES,
                                    VERIFY_ALIASES, VERIFY_ATTRIBUTES),
+    VERIFY_SHADOW_PLUGIN_NAME: PluginInfo(VERIFY_SHADOW_PLUGIN_NAME, VERIFY_KERNEL_NAME, SHADOW_INPUT_NAMES,
+                                          SHADOW_OUTPUT_NAMES, SHADOW_ALIASES, VERIFY_ATTRIBUTES),
     COMMIT_PLUGIN_NAME: PluginInfo(COMMIT_PLUGIN_NAME, COMMIT_KERNEL_NAME, COMMIT_INPUT_NAMES, COMMIT_OUTPUT_NAMES,
                                    COMMIT_ALIASES, COMMIT_ATTRIBUTES),
     GDN_PLUGIN_NAME: PluginInfo(GDN_PLUGIN_NAME, GDN_KERNEL_NAME, GDN_INPUT_NAMES, GDN_OUTPUT_NAMES, GDN_ALIASES,
@@ -326,13 +338,17 @@ def check_spec_attributes(num_tokens: int, buffer_len: int) -> None:
 
 
 def aot_verify_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int, num_tokens: int,
-                      state: str, act: str, arch: int, tactic: int = 1) -> AotKernel:
-    """PTX and launch parameters of one ``mamba2_verify`` layer: the kernel ``ops.replay_verify``
-    launches (same spec, grid and argument order) for the tactic's batch geometry."""
+                      state: str, act: str, arch: int, tactic: int = 1, shadow: str = "none") -> AotKernel:
+    """PTX and launch parameters of one ``mamba2_verify`` (``mamba2_verify_shadow`` with ``shadow`` "bf16" /
+    "fp8") layer: the kernel ``ops.replay_verify`` launches (same spec, grid and argument order) for the
+    tactic's batch geometry."""
     check_spec_attributes(num_tokens, buffer_len)
+    if shadow != "none" and (shadow not in SHADOW_KINDS or state != "f32"):
+        raise ValueError(f"shadow: expected one of {SHADOW_KINDS} with an f32 state, got shadow={shadow!r}, "
+                         f"state={state!r}")
     _check_dtypes(state, act, tactic)
     spec = verify_spec(state, act, nheads, headdim, dstate, ngroups, buffer_len, num_tokens, TACTICS[tactic], False,
-                       arch)
+                       arch, shadow)
     return AotKernel(VERIFY_KERNEL_NAME, compile_spec(spec, "ptx"), spec_grid(spec, 1)[0], True, spec.threads, 0,
                      ("batch", "slots"), spec)
 
@@ -429,15 +445,20 @@ def io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, shadow
     return {**ins, **outs}
 
 
-def verify_io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, num_tokens) -> dict[str, tuple]:
-    """Shapes of every ``mamba2_verify`` input and output."""
+def verify_io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, num_tokens,
+                     shadow: str = "none") -> dict[str, tuple]:
+    """Shapes of every ``mamba2_verify`` (``mamba2_verify_shadow``) input and output."""
     H, P, N, G, L, T = nheads, headdim, dstate, ngroups, buffer_len, num_tokens
     ins = {"x": (batch, T, H, P), "B": (batch, T, G, N), "C": (batch, T, G, N), "dt": (batch, T, H), "dt_bias": (H,),
            "A": (H,), "D": (H,), "state_batch_indices": (batch,), "cursor": (slots, 2), "state": (slots, H, P, N),
            "x_cache": (slots, H, L, P), "B_cache": (slots, G, L, N), "dt_cache": (slots, H, L)}
+    in_names, out_names, aliases = VERIFY_INPUT_NAMES, VERIFY_OUTPUT_NAMES, VERIFY_ALIASES
+    if shadow != "none":
+        ins |= {"shadow": (slots, H, P, N), "shadow_scale": (slots, H, P) if shadow == "fp8" else (1,)}
+        in_names, out_names, aliases = SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES, SHADOW_ALIASES
     outs = {"y": (batch, T, H, P)}
-    for o, i in VERIFY_ALIASES.items():
-        outs[VERIFY_OUTPUT_NAMES[o]] = ins[VERIFY_INPUT_NAMES[i]]
+    for o, i in aliases.items():
+        outs[out_names[o]] = ins[in_names[i]]
     return {**ins, **outs}
 
 
@@ -456,7 +477,7 @@ def shape_attributes(plugin: str, shapes: dict) -> dict:
     if plugin in (PLUGIN_NAME, SHADOW_PLUGIN_NAME):
         return dict(nheads=dim("x", 1), headdim=dim("x", 2), dstate=dim("state", 3), ngroups=dim("B", 1),
                     buffer_len=dim("x_cache", 2))
-    if plugin == VERIFY_PLUGIN_NAME:
+    if plugin in VERIFY_PLUGINS:
         return dict(nheads=dim("x", 2), headdim=dim("x", 3), dstate=dim("state", 3), ngroups=dim("B", 2),
                     buffer_len=dim("x_cache", 2), num_tokens=dim("x", 1))
     if plugin == COMMIT_PLUGIN_NAME:
@@ -482,7 +503,7 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict) -> None:
             raise ValueError(f"{PLUGINS[plugin].id}: use_qk_l2norm: expected 0 or 1, got {attrs['use_qk_l2norm']!r}")
         if not 1 <= attrs["buffer_len"] <= 32:
             raise ValueError(f"{PLUGINS[plugin].id}: buffer_len: expected 1..32, got {attrs['buffer_len']!r}")
-    if plugin in (VERIFY_PLUGIN_NAME, COMMIT_PLUGIN_NAME) + GDN_VERIFY_PLUGINS:
+    if plugin in VERIFY_PLUGINS + (COMMIT_PLUGIN_NAME,) + GDN_VERIFY_PLUGINS:
         check_spec_attributes(attrs["num_tokens"], attrs["buffer_len"])
         cursor = shapes.get("cursor")
         if cursor is not None and (len(cursor) != 2 or cursor[1] not in (2, None)):
@@ -527,7 +548,7 @@ def current_device() -> tuple[int, int]:
 
 
 def register():
-    """Register the eight plugins with TensorRT's Python plugin registry (idempotent).
+    """Register the nine plugins with TensorRT's Python plugin registry (idempotent).
 
     Thin on purpose: every value it hands TensorRT comes from the plain functions above. Runs only
     where TensorRT is installed; tests/test_trt_plugin.py drives it through a stand-in of
@@ -640,6 +661,34 @@ def register():
         arch, _ = current_device()
         k = aot_verify_kernel(*map(_int, (nheads, headdim, dstate, ngroups, buffer_len, num_tokens)), dt_code[state.dtype],
                               dt_code[x.dtype], arch, tactic)
+        return result(k, x.shape_expr[0], state.shape_expr[0])
+
+    # ---- mamba2_verify_shadow ------------------------------------------------------------------------------
+    @trtp.register(VERIFY_SHADOW_PLUGIN_ID)
+    def _desc_vs(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+                 cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, shadow: Desc,
+                 shadow_scale: Desc, nheads: IntAttr, headdim: IntAttr, dstate: IntAttr, ngroups: IntAttr,
+                 buffer_len: IntAttr, num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
+        check(VERIFY_SHADOW_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
+                                              buffer_len=buffer_len, num_tokens=num_tokens),
+              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor)
+        return (x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased(), shadow.aliased(),
+                shadow_scale.aliased())
+
+    @trtp.autotune(VERIFY_SHADOW_PLUGIN_ID)
+    def _tune_vs(x, B, C, dt, dt_bias, A, D, state_batch_indices, cursor, state, x_cache, B_cache, dt_cache, shadow,
+                 shadow_scale, outputs) -> Tune:
+        return [trtp.AutoTuneCombination(", ".join(type_combination("f32", act, sh)), "LINEAR", list(TACTICS))
+                for sh in SHADOW_KINDS for act in ACT_DTYPES]
+
+    @trtp.aot_impl(VERIFY_SHADOW_PLUGIN_ID)
+    def _aot_vs(x: Desc, B: Desc, C: Desc, dt: Desc, dt_bias: Desc, A: Desc, D: Desc, state_batch_indices: Desc,
+                cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, shadow: Desc,
+                shadow_scale: Desc, nheads: IntAttr, headdim: IntAttr, dstate: IntAttr, ngroups: IntAttr,
+                buffer_len: IntAttr, num_tokens: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
+        arch, _ = current_device()
+        k = aot_verify_kernel(*map(_int, (nheads, headdim, dstate, ngroups, buffer_len, num_tokens)),
+                              dt_code[state.dtype], dt_code[x.dtype], arch, tactic, shadow_code[shadow.dtype])
         return result(k, x.shape_expr[0], state.shape_expr[0])
 
     # ---- spec_commit --------------------------------------------------------------------------------------
