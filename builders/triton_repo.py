@@ -297,7 +297,7 @@ def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str =
                      model_dir: pathlib.Path | None = None,
                      dtype: str = "float32", seed: int = 0, device: str = "auto", max_slots: int = 8,
                      max_seq_len: int = 1024, buffer_len: int = 16, idle_us: int = 60_000_000,
-                     max_queue_delay_us: int = 100) -> pathlib.Path:
+                     max_queue_delay_us: int = 100, shadow: str = "none") -> pathlib.Path:
     """Write REPO/NAME/{config.pbtxt, 1/model.py} of the Python-backend model; returns REPO/NAME."""
     if dtype not in DTYPES:
         raise RepoError(f"--dtype: expected one of {DTYPES}, got {dtype!r}")
@@ -305,10 +305,17 @@ def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str =
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if shadow not in ("none", "bf16", "fp8"):
+        raise RepoError(f"--shadow: expected none, bf16 or fp8, got {shadow!r}")
     vocab = _vocab(tiny, model_dir)
+    if shadow == "fp8":
+        from .qwen3_next import FAMILIES, is_gdn_checkpoint
+
+        if (model_dir is None and tiny in FAMILIES) or (model_dir is not None and is_gdn_checkpoint(model_dir)):
+            raise RepoError("--shadow fp8: Gated DeltaNet models take --shadow bf16 (there is no fp8 GDN shadow)")
     name = name or default_name(tiny=tiny, model_dir=model_dir)
     params = dict(model_dir="" if model_dir is None else str(model_dir.resolve()), tiny="" if model_dir else tiny,
-                  seed=seed, dtype=dtype, python_path=os.pathsep.join(python_paths()),
+                  seed=seed, dtype=dtype, shadow=shadow, python_path=os.pathsep.join(python_paths()),
                   python_version=_py_version(), python_libdir=sysconfig.get_config_var("LIBDIR") or "")
     text = config_text(python_model_config(name, vocab, device=device, max_slots=max_slots, max_seq_len=max_seq_len,
                                            buffer_len=buffer_len, idle_us=idle_us,

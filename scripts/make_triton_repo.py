@@ -90,6 +90,9 @@ def main(argv=None) -> int:
     py.add_argument("--max-slots", type=int, default=8, help="cache slots = max_candidate_sequences (default: %(default)s)")
     py.add_argument("--max-seq-len", type=int, default=1024, help="tokens per sequence, K/V rows (default: %(default)s)")
     py.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM ring length L, 1..32 (default: %(default)s)")
+    py.add_argument("--shadow", choices=("none", "bf16", "fp8"), default="none",
+                    help="a low-precision shadow of each fp32 checkpoint, read by non-flush steps (fp8: Mamba-2 "
+                         "models only; default: %(default)s)")
     py.add_argument("--idle-ms", type=int, default=60_000, help="max_sequence_idle_microseconds / 1000 (default: %(default)s)")
     py.add_argument("--max-queue-delay-us", type=int, default=100, help="oldest strategy's batching delay (default: %(default)s)")
     args = ap.parse_args(argv)
@@ -98,7 +101,8 @@ def main(argv=None) -> int:
             target = make_python_repo(args.repo, args.name, tiny=args.tiny, model_dir=args.model, dtype=args.dtype,
                                       seed=args.seed, device=args.device, max_slots=args.max_slots,
                                       max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
-                                      idle_us=args.idle_ms * 1000, max_queue_delay_us=args.max_queue_delay_us)
+                                      idle_us=args.idle_ms * 1000, max_queue_delay_us=args.max_queue_delay_us,
+                                      shadow=args.shadow)
         elif args.engine_dir is None:
             raise RepoError("--engine-dir is required with --backend tensorrt_plan")
         else:

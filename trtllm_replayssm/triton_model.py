@@ -99,8 +99,10 @@ class SlotStep(_Slots):
     syncs for host checks, False never reads the device).
     """
 
-    def __init__(self, model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False):
+    def __init__(self, model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False,
+                 shadow: str = "none"):
         cfg = model.config
+        shadow_dtype = _shadow_dtype(shadow, ("none", "bf16", "fp8"))
         bad = sorted({t for t in cfg.layers_block_type if t not in ("linear_attention", "full_attention", "mlp", "moe")})
         if bad:
             raise ValueError(f"layers_block_type: expected linear_attention, full_attention, mlp or moe, got {bad}")
@@ -120,7 +122,8 @@ class SlotStep(_Slots):
         self.cache = ReplayStateCache(len(self.mamba), num_slots, self.H, self.P, self.N, self.G, buffer_len,
                                       num_draft=0, conv_kernel=cfg.conv_kernel, conv_dim=layers[self.mamba[0]].mixer.conv_dim,
                                       state_dtype=torch.float32, act_dtype=self.act, device=self.device,
-                                      check_values=check_values, cursor="standard")  # the tuned decode kernel
+                                      check_values=check_values, cursor="standard",  # the tuned decode kernel
+                                      shadow_dtype=shadow_dtype, read_shadow=shadow_dtype is not None)
         self.consts = {}
         for j, i in enumerate(self.mamba):
             mx = layers[i].mixer
@@ -206,11 +209,13 @@ class QwenSlotStep(_Slots):
     the exported engines run), so the two routes cannot drift apart.
     """
 
-    def __init__(self, model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False):
+    def __init__(self, model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False,
+                 shadow: str = "none"):
         from builders.gdn_step import QwenGDNDecodeStep
         from builders.qwen3_next import gdn_layers
 
         cfg = model.config
+        shadow_dtype = _shadow_dtype(shadow, ("none", "bf16"))
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
         bad = sorted({t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")})
@@ -230,7 +235,8 @@ class QwenSlotStep(_Slots):
         self.H, self.HV, self.Kd, self.V = H, HV, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.cache = ReplayStateCache.for_gdn(len(self.gdn), num_slots, HV, H, self.V, self.Kd, buffer_len, num_draft=0,
                                               conv_kernel=cfg.linear_conv_kernel_dim, act_dtype=self.act,
-                                              device=self.device, check_values=check_values, cursor="standard")
+                                              device=self.device, check_values=check_values, cursor="standard",
+                                              shadow_dtype=shadow_dtype, read_shadow=shadow_dtype is not None)
         self.consts = {}
         for j, i in enumerate(self.gdn):
             mx = model.model.layers[i].linear_attn
@@ -293,11 +299,20 @@ class QwenSlotStep(_Slots):
         return out
 
 
-def slot_step(model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False):
+def slot_step(model, num_slots: int, max_seq_len: int, buffer_len: int = 16, check_values: bool | None = False,
+              shadow: str = "none"):
     """The slot step of the model's family: :class:`QwenSlotStep` for Qwen3-Next / Qwen3.5, else
-    :class:`SlotStep` (Nemotron-H, Nemotron 3)."""
+    :class:`SlotStep` (Nemotron-H, Nemotron 3). ``shadow`` "bf16" / "fp8" (Mamba-2 only): the cache keeps a
+    low-precision shadow of each checkpoint that non-flush steps read (the kernels' shadow modes; the CPU
+    reference reads it too)."""
     cls = QwenSlotStep if hasattr(model.config, "linear_num_value_heads") else SlotStep
-    return cls(model, num_slots, max_seq_len, buffer_len, check_values)
+    return cls(model, num_slots, max_seq_len, buffer_len, check_values, shadow)
+
+
+def _shadow_dtype(shadow: str, allowed: tuple):
+    if shadow not in allowed:
+        raise ValueError(f"shadow: expected one of {allowed} for this model, got {shadow!r}")
+    return {"none": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[shadow]
 
 
 # ---- sequences -> slots -----------------------------------------------------------------------------------
@@ -420,8 +435,9 @@ class SequenceModel:
                              "slot per candidate sequence)")
         idle_s = int(sb.get("max_sequence_idle_microseconds", 0) or 1_000_000) / 1e6  # Triton's default: 1 s
         self.model = model if model is not None else load_model(self.params, self.device)
+        self.params["shadow"] = _param(cfg, "shadow", "none")  # absent in repositories written before the option
         self.step = slot_step(self.model, slots, int(self.params["max_seq_len"]), int(self.params["buffer_len"]),
-                             check_values=None if self.device.type == "cpu" else False)
+                             check_values=None if self.device.type == "cpu" else False, shadow=self.params["shadow"])
         self.table = SequenceTable(self.step.allocate, self.step.free, slots, int(self.params["max_seq_len"]), idle_s,
                                    clock=clock, log=self._warn)
         self.clock = clock
