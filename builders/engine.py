@@ -77,7 +77,7 @@ class BuildOptions:
     (nemotron_h when None); ``dtype``: activations / weights of the engine, ``state_dtype``: the checkpoint
     state (keys of :data:`DTYPES`); ``arch``: SM of the PTX (:data:`SUPPORTED_ARCHS`); ``sm_count``: SMs of the
     target GPU (persistent-kernel grid); ``num_draft`` > 0: the speculative verify + commit pair; ``shadow``
-    "bf16": a bf16 shadow of the fp32 checkpoint per Mamba-2 layer (standard Nemotron engines)."""
+    "bf16" / "fp8": a shadow of the fp32 checkpoint per SSM layer (bf16: every family; fp8: Nemotron)."""
 
     out: pathlib.Path
     model: pathlib.Path | None = None

@@ -164,7 +164,7 @@ SHADOW_STATE = LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "bfloat
 FP8_SHADOW_STATES = (LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "float8_e4m3fn"),  # shadow "fp8"
                      LayerState("ssm_shadow_scale", ("nheads", "headdim"), "float32"))  # per-row scales
 GDN_SHADOW_STATE = LayerState("gdn_shadow", ("num_v_heads", "value_dim", "key_dim"), "bfloat16")
-SHADOWS = ("none", "bf16", "fp8")  # config.json ``shadow`` values (fp8: Mamba-2 standard engines)
+SHADOWS = ("none", "bf16", "fp8")  # config.json ``shadow`` values (fp8: Mamba-2 layers only)
 ATTENTION_STATES = (
     LayerState("k_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
     LayerState("v_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),

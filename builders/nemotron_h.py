@@ -393,8 +393,8 @@ class MixerPatch:
     prefill, write-back) is refused by name instead of continuing from an inconsistent state. A fresh cache
     (a new prefill) works as before."""
 
-    _broken = None  # weakref of the transformers cache a forward left mid-step
     _step_cache = None  # weakref of the transformers cache of the step under way
+    BROKEN = "_replayssm_broken"  # the attribute that marks a transformers cache a forward left mid-step
 
     def _holds(self, cache) -> bool:
         return self._cache_ref is not None and self._cache_ref() is cache
@@ -434,16 +434,20 @@ class MixerPatch:
                 self._fold_into(mixer.layer_idx, rec)
 
     def _is_broken(self, cache) -> bool:
-        return cache is not None and self._broken is not None and self._broken() is cache
+        return cache is not None and getattr(cache, self.BROKEN, False)
 
     def _before_model_step(self, module, args) -> None:
-        """A step still open here was left by a forward that raised: abort it, the held cache is broken."""
+        """A step still open here was left by a forward that raised: abort it and mark the cache that step ran
+        on (a raising prefill of a new cache breaks that one, not the one our buffers held until then). The mark
+        is on the transformers cache itself, so every broken cache stays refused, whatever happens after."""
         if self._step is None:
             return
         if self._step == "decode" and self.cache is not None:
             self.cache.abort_step()
-        self._broken = self._step_cache  # the cache that step ran on (a raising prefill of a new cache breaks
-        self._step = None                # that one, not the one our buffers held until then)
+        broken = None if self._step_cache is None else self._step_cache()
+        if broken is not None:
+            setattr(broken, self.BROKEN, True)
+        self._step = None
 
     def _forward(self, mixer, orig, hidden_states, cache=None, attention_mask=None, **kw):
         if cache is None:
@@ -498,7 +502,9 @@ class MixerPatch:
         return self
 
     def unpatch(self) -> None:
-        """Undo the patch; the held cache's recurrent states get what our buffers hold, so it continues unpatched."""
+        """Undo the patch; the held cache's recurrent states get what our buffers hold, so it continues unpatched
+        (unless a forward left it mid-step: that step is aborted and the cache stays marked broken)."""
+        self._before_model_step(None, ())
         self._write_back()
         for undo in self._handles:
             undo()
@@ -605,7 +611,6 @@ class ReplaySSMDecoder(MixerPatch):
         self.cache = None
         self._ready = set()
         self._cache_ref = None
-        self._broken = None
 
 
 class StepExecutor:

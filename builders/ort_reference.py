@@ -60,8 +60,8 @@ def _mamba2_decode(op_type, ins, shadow, shadow_scale, attrs, verify: bool = Fal
     want = tuple(attrs[k] for k in ("nheads", "headdim", "dstate", "ngroups", "buffer_len")
                  + (("num_tokens",) if w else ()))
     if got != want:
-        raise ValueError(f"{DOMAIN}::{op_type}: attributes (nheads, headdim, dstate, ngroups, buffer_len) = {want}, "
-                         f"inputs have {got}")
+        names = ("nheads", "headdim", "dstate", "ngroups", "buffer_len") + (("num_tokens",) if w else ())
+        raise ValueError(f"{DOMAIN}::{op_type}: attributes ({', '.join(names)}) = {want}, inputs have {got}")
     t = lambda a: torch.from_numpy(np.array(a))  # noqa: E731  (copies: the outputs must not alias the inputs)
     caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
     sh = scale = None
@@ -95,6 +95,20 @@ def _float_shadow_io(model) -> None:
     nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in _SHADOW_IO]
     shadow_ins = {n.input[_SHADOW_IO[n.op_type][0]] for n in nodes}
     shadow_outs = {n.output[_SHADOW_IO[n.op_type][1]] for n in nodes}
+    # After the retyping the op tells bf16 from fp8 by its scale input (the (1,) constant or (S, H, P) row
+    # scales): check here, from the declared types, that each Mamba-2 shadow node's scale matches its shadow.
+    graph_in = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
+    for n in nodes:
+        if n.op_type not in (SHADOW_OP_TYPE, VERIFY_SHADOW_OP_TYPE):
+            continue
+        kind = graph_in.get(n.input[13])
+        scale_is_input = n.input[14] in graph_in
+        if kind == TensorProto.FLOAT8E4M3FN and not scale_is_input:
+            raise ValueError(f"ort_reference: {n.name or n.op_type}: an fp8 shadow ({n.input[13]}) needs its row "
+                             f"scales as a state input, got {n.input[14]!r}")
+        if kind == TensorProto.BFLOAT16 and scale_is_input:
+            raise ValueError(f"ort_reference: {n.name or n.op_type}: a bf16 shadow ({n.input[13]}) takes the (1,) "
+                             f"placeholder, got the graph input {n.input[14]!r}")
     for v in list(model.graph.input) + list(model.graph.output):
         if v.type.tensor_type.elem_type not in (TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN):
             continue

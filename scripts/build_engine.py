@@ -74,8 +74,8 @@ def parse_args(argv=None):
                         "verify and commit graphs instead of the decode step")
     p.add_argument("--shadow", choices=SHADOWS, default=DEFAULTS["shadow"],
                    help="a low-precision shadow of the fp32 checkpoint as one more state per SSM layer, read by "
-                        "non-flush steps, rewritten by flushes: bf16 (Nemotron standard engines; Qwen standard and "
-                        "speculative) or fp8 with per-row scales (Nemotron standard engines); --state-dtype fp32")
+                        "steps without a fold, rewritten by folds: bf16 (Nemotron and Qwen engines, standard and "
+                        "--num-draft) or fp8 with per-row scales (Nemotron engines); --state-dtype fp32")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     a = p.parse_args(argv)
     try:

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import sys
 
@@ -59,7 +60,9 @@ def main():
                           f"flush {r['replay_us_flush']:7.1f}  amort {r['replay_us_amortized']:7.1f}  "
                           f"x{r['speedup_vs_conv']:.2f}", flush=True)
                     if args.out:  # after every row: a run cut short by its time limit keeps what it measured
-                        pathlib.Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                        tmp = pathlib.Path(args.out + ".tmp")
+                        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+                        os.replace(tmp, args.out)  # never a half-written file
 
 
 if __name__ == "__main__":

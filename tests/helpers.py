@@ -78,8 +78,9 @@ def check_beams_and_conversations(model, patch, buffer_len: int, atol: float) ->
 
 def check_forward_raising_mid_step(model, patch, buffer_len: int, atol: float) -> None:
     """A forward that raises after some mixers decoded (here: the last layer) leaves that cache unusable: the
-    next decode and a continuation prefill of it are refused by name, unpatch() leaves it alone, and a new
-    cache decodes exactly as the unpatched model."""
+    next decode and a continuation prefill of it are refused by name, also after a second cache broke the same
+    way and after the decoder's reset(); unpatch() right after a raising forward aborts its step and writes
+    nothing back into that cache; a new cache decodes exactly as the unpatched model."""
     from transformers import DynamicCache
 
     gen = torch.Generator().manual_seed(7)
@@ -91,12 +92,9 @@ def check_forward_raising_mid_step(model, patch, buffer_len: int, atol: float) -
             out = model(out.argmax(-1), cache=cache, use_cache=True).logits[:, -1:]
         return out
 
-    want = talk(DynamicCache(config=model.config), b, buffer_len + 2)
-    dec = patch(model, buffer_len=buffer_len)
     last = model.model.layers[-1]
-    try:
-        cache_a = DynamicCache(config=model.config)
-        tok = talk(cache_a, a, 2).argmax(-1)
+
+    def raising(cache, ids):
         orig = last.forward
 
         def boom(*args, **kw):
@@ -104,22 +102,61 @@ def check_forward_raising_mid_step(model, patch, buffer_len: int, atol: float) -
 
         last.forward = boom
         try:
-            model(tok, cache=cache_a, use_cache=True)
+            model(ids, cache=cache, use_cache=True)
             raise AssertionError("the forward should have raised")
         except KeyboardInterrupt:
             pass
         finally:
             last.forward = orig
+
+    def refused(cache, ids):
+        try:
+            model(ids, cache=cache, use_cache=True)
+            raise AssertionError("a broken cache was continued")
+        except RuntimeError as e:
+            assert "raised in the middle of a step" in str(e), e
+
+    want = talk(DynamicCache(config=model.config), b, buffer_len + 2)
+    dec = patch(model, buffer_len=buffer_len)
+    try:
+        cache_a = DynamicCache(config=model.config)
+        tok = talk(cache_a, a, 2).argmax(-1)
+        raising(cache_a, tok)
         for ids in (tok, a[:, :3]):  # decode, continuation prefill
-            try:
-                model(ids, cache=cache_a, use_cache=True)
-                raise AssertionError("a broken cache was continued")
-            except RuntimeError as e:
-                assert "raised in the middle of a step" in str(e), e
+            refused(cache_a, ids)
+        cache_b = DynamicCache(config=model.config)  # a second cache breaks in its prefill
+        raising(cache_b, b)
+        refused(cache_b, b[:, :1])
+        refused(cache_a, tok)  # the first one stays refused
+        if hasattr(dec, "reset"):
+            dec.reset()
+            refused(cache_a, tok)
         got = talk(DynamicCache(config=model.config), b, buffer_len + 2)
     finally:
-        dec.unpatch()  # must not write back into the broken cache (nor raise)
+        dec.unpatch()  # must not write back into the broken caches (nor raise)
     torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+    # unpatch() right after the raising forward (no forward in between): the step is aborted, nothing written back
+    dec = patch(model, buffer_len=buffer_len)
+    cache_c = DynamicCache(config=model.config)
+    tok = talk(cache_c, a, 2).argmax(-1)
+    raising(cache_c, tok)
+    def recurrent():
+        out = []
+        for i in range(len(cache_c.layers)):
+            try:
+                t = cache_c.get_recurrent_state(i)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError):  # not an SSM layer
+                t = None
+            out.append(t.clone() if isinstance(t, torch.Tensor) else None)
+        return out
+
+    before = recurrent()
+    assert any(t is not None for t in before)
+    dec.unpatch()
+    after = recurrent()
+    assert all((x is None) == (y is None) and (x is None or torch.equal(x, y)) for x, y in zip(before, after))
+    assert getattr(cache_c, "_replayssm_broken", False)
 
 
 # --- CPU process groups (gloo) for the tensor-parallel tests -----------------------------------------------

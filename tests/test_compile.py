@@ -6,6 +6,7 @@ large-batch geometry, and every buffer length x gate x small-batch geometry on t
 shape, for both archs. A compile error fails with NVRTC's log and the spec key.
 """
 
+import contextlib
 import itertools
 import re
 
@@ -21,6 +22,7 @@ from trtllm_replayssm.config import (
     KernelSpec,
     Variant,
     choose_geometry,
+    override_variant,
     parse_variant,
     plan,
     replay_smem_bytes,
@@ -72,7 +74,8 @@ STAGED = [
 ]
 
 
-# 64-row items of 4 warps (16 rows a thread; pinned by sweeps and tests/test_kernels_gpu.py, not yet planned).
+# 64-row items of 4 warps (16 rows a thread): the shadow plans above batch 4 on the main geometry (with a shadow;
+# config.SHADOW_REGS_PER_THREAD), pinned here in every storage form.
 ROWS64_WARPS4 = [
     KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 4, False, arch, Variant("staged", 8, 2), sh)
     for sh, arch in itertools.product(("none", "bf16", "fp8"), ARCHS)
@@ -262,14 +265,20 @@ def test_variant_override_and_environment(monkeypatch):
 
 def test_every_plan_fits_static_shared_memory():
     """Every standard decode plan (supported headdim x dstate, L 1..32, state / activation dtypes, shadows, small
-    and large batch) fits 48 KiB by the mirror of the kernel it runs; the C vector of the stage stays aligned."""
-    for P, N, L, st, act, sh, b in itertools.product(SUPPORTED_HEADDIM, SUPPORTED_DSTATE, range(1, 33), ("f32", "bf16"),
-                                                    ("bf16", "f16", "f32"), ("none", "bf16", "fp8"), (1, 256)):
-        if sh != "none" and st != "f32":
-            continue
-        rows, warps, v = plan(st, act, 128, P, N, L, b, False, sh)
-        smem = replay_smem_bytes(st, act, rows, N, L, v.kind == "persistent", sh, v.kind == "staged")
-        assert smem <= 48 * 1024, (P, N, L, st, act, sh, b, rows, v.key, smem)
+    and large batch; shipped and pinned staged variants) is a valid KernelSpec (rows <= threads, whole warps)
+    and fits 48 KiB by the mirror of the kernel it runs; the C vector of the stage stays aligned. (headdim 80 x
+    dstate 64 with a shadow at batch > 4 once planned 80 rows on 64 threads.)"""
+    for pinned in (None, Variant("staged", 8, 2)):
+        with override_variant(pinned) if pinned else contextlib.nullcontext():
+            for P, N, L, st, act, sh, b in itertools.product(SUPPORTED_HEADDIM, SUPPORTED_DSTATE, range(1, 33),
+                                                            ("f32", "bf16"), ("bf16", "f16", "f32"),
+                                                            ("none", "bf16", "fp8"), (1, 5, 256)):
+                if sh != "none" and st != "f32":
+                    continue
+                rows, warps, v = plan(st, act, 128, P, N, L, b, False, sh)
+                KernelSpec(st, act, 128, P, N, 8, L, rows, warps, False, 90, v, sh)  # raises if not launchable
+                smem = replay_smem_bytes(st, act, rows, N, L, v.kind == "persistent", sh, v.kind == "staged")
+                assert smem <= 48 * 1024, (P, N, L, st, act, sh, b, rows, v.key, smem)
 
 
 def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
@@ -287,6 +296,7 @@ def test_fp8_shadow_geometry_keeps_rows_a_multiple_of_4():
 # 16-byte aligned) and f32-activation shadow plans whose staged stage outgrows the one-shot tiles (the planner
 # sized them by the one-shot kernel and ptxas refused them: "uses too much shared data").
 EDGE_CASES = (("f32", "bf16", 64, 80, 128, 5, 1, "none"), ("f32", "bf16", 128, 80, 256, 6, 256, "bf16"),
+              ("f32", "bf16", 128, 80, 64, 16, 256, "bf16"), ("f32", "bf16", 128, 80, 64, 16, 256, "fp8"),
               ("f32", "bf16", 128, 80, 128, 3, 1, "fp8"), ("f32", "f32", 128, 80, 256, 32, 256, "fp8"),
               ("f32", "f32", 128, 80, 256, 24, 256, "bf16"), ("f32", "f32", 128, 64, 256, 12, 256, "bf16"))
 EDGE_PLANS = [

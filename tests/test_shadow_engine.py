@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Standard engines with a bf16 checkpoint shadow (``build_engine.py --shadow bf16``), on the CPU: Nemotron-H
-(Mamba-2) and Qwen3-Next (Gated DeltaNet).
+"""Engines with a checkpoint shadow (``build_engine.py --shadow bf16|fp8``), on the CPU: Nemotron-H (Mamba-2;
+bf16 and fp8 with its row scales) and Qwen3-Next (Gated DeltaNet; bf16). Speculative engines: the config here,
+the verify graphs in tests/test_spec_builder.py and tests/test_gdn_spec_builder.py.
 
 The exported graph has one shadow plugin node per SSM layer (``replayssm::mamba2_decode_shadow`` /
-``gdn_decode_shadow``) and one more state per layer, ``ssm_shadow_i`` / ``gdn_shadow_i`` (bf16), after its
-checkpoint. In onnxruntime (the plugin ops = the float64 references with the shadow) the graph follows the
-PyTorch step over 3L + 1 steps; the shadow is the bf16 rounding of the checkpoint after every flush and passes
-through unchanged otherwise; non-flush outputs read it (teeth); the logits stay near the engine without a
+``gdn_decode_shadow``) and one more state per layer, ``ssm_shadow_i`` / ``gdn_shadow_i`` (+
+``ssm_shadow_scale_i`` for fp8), after its checkpoint. In onnxruntime (the plugin ops = the float64
+references with the shadow) the graph follows the PyTorch step over 3L + 1 steps; the shadow is
+quantize_shadow of the checkpoint after every flush and passes through unchanged otherwise; non-flush outputs
+read it (teeth); the logits stay near the engine without a
 shadow. Options and format errors name what is wrong."""
 
 from __future__ import annotations
@@ -240,3 +242,30 @@ def test_triton_repository_pairs_the_shadow_states(engines, tmp_path):
     name = f"{FAMILIES[engines['family']][1]}_0"
     assert f'input_name: "{name}"' in text and f'output_name: "{name}_out"' in text
     assert "TYPE_BF16" in text
+
+
+@needs_ort
+def test_ort_refuses_a_shadow_wired_to_the_wrong_scale(engines, tmp_path):
+    """The CPU session tells bf16 from fp8 by the scale input: a graph whose fp8 shadow takes the (1,) placeholder
+    (or whose bf16 shadow takes a row-scale input) is refused when the session is made, not run unscaled."""
+    import onnx
+
+    from builders.ort_reference import session
+
+    if engines["family"] != "nemotron_h":
+        pytest.skip("the Mamba-2 shadow nodes carry the scale input")
+    g = onnx.load(str(engines["shadow"] / "model.onnx"))
+    node = next(n for n in g.graph.node if n.op_type == "mamba2_decode_shadow")
+    ins = {v.name for v in g.graph.input}
+    if engines["kind"] == "fp8":
+        placeholder = "scale_placeholder_for_test"
+        g.graph.initializer.append(onnx.numpy_helper.from_array(np.ones(1, np.float32), placeholder))
+        node.input[14] = placeholder
+        match = "needs its row scales as a state input"
+    else:
+        node.input[14] = next(n for n in ins if n.startswith("ssm_state_"))
+        match = "takes the \\(1,\\) placeholder"
+    onnx.save(g, str(tmp_path / "bad.onnx"))
+    with pytest.raises(ValueError, match=match):
+        session(tmp_path / "bad.onnx")
+

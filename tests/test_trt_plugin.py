@@ -543,6 +543,27 @@ def test_attribute_values_in_either_form():
         tp._int(np.array([1.5], dtype=np.float32))
 
 
+@pytest.mark.parametrize("plugin", [tp.SHADOW_PLUGIN_NAME, tp.VERIFY_SHADOW_PLUGIN_NAME])
+def test_shadow_plugins_check_the_shadow_and_its_scale(plugin):
+    """The shadow has the state's shape; an fp8 shadow's scale input is its (S, H, P) row scales, a bf16 shadow's
+    the (1,) placeholder (the kernel reads and writes S*H*P scales for fp8: a (1,) buffer would be overrun)."""
+    attrs = dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8)
+    if plugin == tp.VERIFY_SHADOW_PLUGIN_NAME:
+        attrs["num_tokens"] = 4
+        shapes_of = lambda sh: tp.verify_io_shapes(3, 5, *attrs.values(), sh)  # noqa: E731
+    else:
+        shapes_of = lambda sh: tp.io_shapes(3, 5, *attrs.values(), sh)  # noqa: E731
+    for kind in ("bf16", "fp8"):
+        tp.check_attributes(plugin, attrs, shapes_of(kind), kind)
+        tp.check_attributes(plugin, attrs, {**shapes_of(kind), "shadow_scale": (None, None, None)}, None)
+    with pytest.raises(ValueError, match=r"shadow_scale: expected \(slots, nheads, headdim\) row scales for a fp8"):
+        tp.check_attributes(plugin, attrs, shapes_of("bf16"), "fp8")  # fp8 shadow on the bf16 placeholder
+    with pytest.raises(ValueError, match=r"shadow_scale: expected \(1,\) \(a bf16 shadow's placeholder\)"):
+        tp.check_attributes(plugin, attrs, shapes_of("fp8"), "bf16")
+    with pytest.raises(ValueError, match=r"shadow: expected the state's shape \(5, 8, 64, 64\), got \(5, 8, 64, 32\)"):
+        tp.check_attributes(plugin, attrs, {**shapes_of("fp8"), "shadow": (5, 8, 64, 32)}, "fp8")
+
+
 @pytest.mark.parametrize("shadow", ["none", "bf16", "fp8"])
 def test_verify_kernel_parameters_are_in_tensorrt_order(shadow):
     """mamba2_verify[_shadow]: the entry's parameters are the plugin's inputs, two int32 scalars, its outputs (the

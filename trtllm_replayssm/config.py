@@ -381,6 +381,10 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
         w = max(1, rows // (lay.rows_per_warp_load * rows_per_thread))
         while rows % (lay.rows_per_warp_load * w):
             w -= 1
+        if 32 * w < rows:  # rounding down left a row without a thread (headdim 80, dstate 64 at 64 registers):
+            # the next warp count that divides the rows (the kernels need rows <= threads)
+            w = next((x for x in range(-(-rows // 32), rows // lay.rows_per_warp_load + 1)
+                      if rows % (lay.rows_per_warp_load * x) == 0), w)
         return w
 
     def can_halve(rows: int) -> bool:
@@ -441,8 +445,10 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
     tile next to its state rows; it is used where the state rows outweigh the B tile at least 4:1
     (else the tile traffic and the small items it forces cost more than the pipeline saves:
     measured, bench/NOTES.md v4) and where two stages fit in static shared memory, else the
-    one-shot kernel. With a shadow the staged one-shot kernel (one-shot measured as fast or faster
-    than persistent: bs256 2.03x vs 1.98x, bench/NOTES.md "Shadow reads"; staged faster still).
+    one-shot kernel; an fp32 checkpoint at batch <= SMALL_BATCH takes the staged kernel (SMALL_BATCH_VARIANT).
+    With a shadow the staged one-shot kernel (one-shot measured as fast or faster than persistent: bs256
+    2.03x vs 1.98x, bench/NOTES.md "Shadow reads"; staged faster still), above SMALL_BATCH with 64 state
+    registers a thread and the blocks that leave them (SHADOW_REGS_PER_THREAD, SHADOW_THREADS_PER_SM).
     The conventional module is one-shot.
 
     A pinned variant (:func:`override_variant`, ``TRTLLM_REPLAYSSM_VARIANT``; tests and sweeps) is used
@@ -454,7 +460,7 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
             variant = Variant("one_shot", SHIPPED_MIN_BLOCKS)
         elif shadow != "none":
             variant = SHADOW_VARIANTS[shadow]
-        elif batch <= SMALL_BATCH:
+        elif batch <= SMALL_BATCH and state == "f32":  # measured for an fp32 checkpoint only
             variant = SMALL_BATCH_VARIANT
         else:
             variant = DEFAULT_VARIANT
@@ -472,7 +478,7 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
         variant = dataclasses.replace(variant, kind="one_shot")
     rows, warps = choose_geometry(state, headdim, dstate, nheads, batch, act, buffer_len, False, shadow,
                                   variant.kind == "staged")
-    if pinned is None and shadow != "none" and batch > SMALL_BATCH:  # SHADOW_REGS_PER_THREAD's register budget
+    if pinned is None and variant.kind == "staged" and shadow != "none" and batch > SMALL_BATCH:  # 64 registers
         variant = dataclasses.replace(variant, min_blocks=max(1, SHADOW_THREADS_PER_SM // (32 * warps)))
     return rows, warps, variant
 

@@ -311,7 +311,8 @@ def slot_step(model, num_slots: int, max_seq_len: int, buffer_len: int = 16, che
 
 def _shadow_dtype(shadow: str, allowed: tuple):
     if shadow not in allowed:
-        raise ValueError(f"shadow: expected one of {allowed} for this model, got {shadow!r}")
+        raise ValueError(f"shadow (config.pbtxt parameters['shadow'], make_triton_repo --shadow): expected one of "
+                         f"{allowed} for this model (fp8: Mamba-2 models only), got {shadow!r}")
     return {"none": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[shadow]
 
 

@@ -491,13 +491,18 @@ def shape_attributes(plugin: str, shapes: dict) -> dict:
     raise ValueError(f"plugin: expected one of {sorted(PLUGINS)}, got {plugin!r}")
 
 
-def check_attributes(plugin: str, attrs: dict, shapes: dict) -> None:
-    """Raise if an attribute disagrees with a known input dimension (attributes are compiled into the PTX)."""
+def check_attributes(plugin: str, attrs: dict, shapes: dict, shadow_kind: str | None = None) -> None:
+    """Raise if an attribute disagrees with a known input dimension (attributes are compiled into the PTX);
+    for the Mamba-2 shadow plugins also a shadow whose shape is not the state's, or a shadow_scale that is not
+    the fp8 shadow's (S, H, P) row scales / the bf16 shadow's (1,) placeholder (``shadow_kind``: "bf16" or
+    "fp8", the shadow input's dtype; None: not known yet)."""
     implied = shape_attributes(plugin, shapes)
     bad = {k: (attrs[k], v) for k, v in implied.items() if v is not None and v != attrs[k]}
     if bad:
         got = ", ".join(f"{k}={a} but the inputs have {v}" for k, (a, v) in bad.items())
         raise ValueError(f"{PLUGINS[plugin].id}: attributes do not match the input shapes: {got}")
+    if plugin in (SHADOW_PLUGIN_NAME, VERIFY_SHADOW_PLUGIN_NAME):
+        _check_shadow_shapes(plugin, shapes, shadow_kind)
     if plugin in GDN_DECODE_PLUGINS + GDN_VERIFY_PLUGINS:
         if attrs["use_qk_l2norm"] not in (0, 1):
             raise ValueError(f"{PLUGINS[plugin].id}: use_qk_l2norm: expected 0 or 1, got {attrs['use_qk_l2norm']!r}")
@@ -508,6 +513,26 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict) -> None:
         cursor = shapes.get("cursor")
         if cursor is not None and (len(cursor) != 2 or cursor[1] not in (2, None)):
             raise ValueError(f"{PLUGINS[plugin].id}: cursor: expected shape (slots, 2), got {tuple(cursor)}")
+
+
+def _check_shadow_shapes(plugin: str, shapes: dict, shadow_kind: str | None) -> None:
+    def same(a, b):  # dims equal where both are known
+        return a is None or b is None or (len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b)))
+
+    state, shadow, scale = shapes.get("state"), shapes.get("shadow"), shapes.get("shadow_scale")
+    if not same(shadow, state):
+        raise ValueError(f"{PLUGINS[plugin].id}: shadow: expected the state's shape {tuple(state)}, got {tuple(shadow)}")
+    if scale is None or shadow_kind is None:
+        return
+    want = (1,) if shadow_kind == "bf16" else None if state is None else tuple(state[:3])
+    if shadow_kind == "fp8" and want is None:
+        want_ok = len(scale) == 3
+    else:
+        want_ok = same(scale, want)
+    if not want_ok:
+        what = "(1,) (a bf16 shadow's placeholder)" if shadow_kind == "bf16" else "(slots, nheads, headdim) row scales"
+        raise ValueError(f"{PLUGINS[plugin].id}: shadow_scale: expected {what} for a {shadow_kind} shadow, got "
+                         f"{tuple(scale)}")
 
 
 _TRT_TYPE_NAMES = {"f32": "FP32", "f16": "FP16", "bf16": "BF16", "fp8": "FP8"}
@@ -570,8 +595,8 @@ def register():
         asks for output types, the dynamic batch)."""
         return tuple(None if e.is_fake or not e.is_constant else e.constant_value() for e in desc.shape_expr)
 
-    def check(plugin, attrs, **descs):
-        check_attributes(plugin, _ints(attrs), {name: shape(d) for name, d in descs.items()})
+    def check(plugin, attrs, shadow_kind=None, **descs):
+        check_attributes(plugin, _ints(attrs), {name: shape(d) for name, d in descs.items()}, shadow_kind)
 
     def result(k, batch, slots):
         check_ptx_loadable()  # the engine's driver JIT-compiles this PTX
@@ -616,7 +641,8 @@ def register():
                  shadow_scale: Desc, nheads: IntAttr, headdim: IntAttr, dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr
                  ) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(SHADOW_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
-                                       buffer_len=buffer_len), x=x, B=B, state=state, x_cache=x_cache)
+                                       buffer_len=buffer_len), shadow_code.get(shadow.dtype), x=x, B=B, state=state,
+              x_cache=x_cache, shadow=shadow, shadow_scale=shadow_scale)
         return (x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased(), shadow.aliased(),
                 shadow_scale.aliased())
 
@@ -670,8 +696,8 @@ def register():
                  shadow_scale: Desc, nheads: IntAttr, headdim: IntAttr, dstate: IntAttr, ngroups: IntAttr,
                  buffer_len: IntAttr, num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(VERIFY_SHADOW_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
-                                              buffer_len=buffer_len, num_tokens=num_tokens),
-              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor)
+                                              buffer_len=buffer_len, num_tokens=num_tokens), shadow_code.get(shadow.dtype),
+              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor, shadow=shadow, shadow_scale=shadow_scale)
         return (x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased(), shadow.aliased(),
                 shadow_scale.aliased())
 
