@@ -227,6 +227,9 @@ SHADOW_CASES = [
     # f32 activations, dstate 256, L = 32: the staged stage outgrows the one-shot tiles (planned by its own size)
     {**SHADOW_BASE, "shadow": "fp8", "act": "f32", "geom": (4, 80, 256, 2), "L": 32, "batch": 8, "slots": 9},
     {**SHADOW_BASE, "shadow": "bf16", "geom": (4, 80, 128, 2), "L": 3, "batch": 1, "slots": 2, "pad_rows": ()},
+    # headdim 80 x dstate 64 above batch 4: 80 rows on 4 warps (planned 80 rows on 2 warps before 05e42e33bb)
+    {**SHADOW_BASE, "shadow": "bf16", "geom": (32, 80, 64, 4), "L": 8, "batch": 16, "slots": 18, "pad_rows": (1,)},
+    {**SHADOW_BASE, "shadow": "fp8", "geom": (32, 80, 64, 4), "L": 5, "batch": 16, "slots": 18, "pad_rows": (1,)},
 ]
 VARIANTS = {"persistent": config.Variant("persistent", 5), "one-shot": config.Variant("one_shot", 5), "staged": STAGED}
 
