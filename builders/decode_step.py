@@ -367,16 +367,10 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
     def _shadow_of(self, state) -> list[torch.Tensor]:
         if self.shadow == "none":
             return []
-        from trtllm_replayssm.reference import quantize_shadow
+        from trtllm_replayssm.reference import Shadow
 
-        if self.shadow == "fp8":
-            q = torch.empty(state.shape, dtype=torch.float8_e4m3fn, device=state.device)
-            scale = torch.empty(state.shape[:-1], dtype=torch.float32, device=state.device)
-            quantize_shadow(state, q, scale)
-            return [q, scale]
-        q = torch.empty(state.shape, dtype=torch.bfloat16, device=state.device)
-        quantize_shadow(state, q)
-        return [q]
+        sh = Shadow.of(state, self.shadow)  # the one quantizer, as the kernels store
+        return [sh.q] if sh.scale is None else [sh.q, sh.scale]
 
     def _patched_ssm(self, decoder, i: int):
         """Mamba layer i of a patched model (ReplaySSMDecoder): (checkpoint, standard buffers x, B, dt)."""

@@ -239,7 +239,9 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
 
     def _shadow_of(self, state) -> list[torch.Tensor]:
         """[the bf16 shadow of a GDN checkpoint] with a shadow, else []."""
-        return [] if self.shadow == "none" else [state.to(torch.bfloat16)]
+        from trtllm_replayssm.reference import Shadow
+
+        return [] if self.shadow == "none" else [Shadow.of(state, self.shadow).q]
 
     def _patched_ssm(self, decoder, i: int):
         """GDN layer i of a patched model (GDNReplayDecoder): (checkpoint, standard buffers u, v, k, g, beta)."""

@@ -100,7 +100,7 @@ def check_shadow_spec(run: SpecDecode, ort: OrtRunner, mod: ModuleRunner, drafts
     the same inputs (logits, every state but the commit-rolled conv windows; the shadow within one ulp of its
     format, its flushed checkpoints differing in the last bits), and the shadow states = quantize_shadow of the
     stored checkpoint after every fold, untouched without one (``drafts(gen) -> (batch, T - 1)``)."""
-    from trtllm_replayssm.reference import quantize_shadow
+    from trtllm_replayssm.reference import Shadow
 
     names = [s.name for s in run.step.state_specs()]
     shadows = [j for j, n in enumerate(names) if n.startswith(shadow_prefix + "_") and "_scale_" not in n]
@@ -121,14 +121,8 @@ def check_shadow_spec(run: SpecDecode, ort: OrtRunner, mod: ModuleRunner, drafts
             tol = dict(rtol=1e-4, atol=2e-5) if ulp is None else dict(rtol=ulp, atol=1e-6)
             torch.testing.assert_close(got.float(), w.float(), **tol, msg=name)
         for j in shadows:
-            st = run.states[j - 1]
-            if fp8:
-                q, sc = torch.empty(st.shape, dtype=torch.float8_e4m3fn), torch.empty(st.shape[:-1])
-                quantize_shadow(st, q, sc)
-                want_q = [q, sc]
-            else:
-                want_q = [st.to(torch.bfloat16)]
-            for k, q in enumerate(want_q):
+            sh = Shadow.of(run.states[j - 1], "fp8" if fp8 else "bf16")
+            for k, q in enumerate([sh.q] if sh.scale is None else [sh.q, sh.scale]):
                 got_k, old = run.states[j + k], before[j + k]
                 assert torch.equal(got_k[folds], q[folds]), f"{names[j + k]} after a fold"
                 assert torch.equal(got_k[~folds], old[~folds]), f"{names[j + k]} written without a fold"

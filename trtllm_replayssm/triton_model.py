@@ -57,6 +57,7 @@ from collections import OrderedDict
 import torch
 
 from .cache import ReplayStateCache
+from .config import SHADOW_DTYPES
 
 CONTROLS = ("START", "END", "READY", "CORRID")
 INPUT_IDS, LOGITS, SLOT = "input_ids", "logits", "slot"
@@ -313,7 +314,7 @@ def _shadow_dtype(shadow: str, allowed: tuple):
     if shadow not in allowed:
         raise ValueError(f"shadow (config.pbtxt parameters['shadow'], make_triton_repo --shadow): expected one of "
                          f"{allowed} for this model (fp8: Mamba-2 models only), got {shadow!r}")
-    return {"none": None, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[shadow]
+    return None if shadow == "none" else SHADOW_DTYPES[shadow]
 
 
 # ---- sequences -> slots -----------------------------------------------------------------------------------

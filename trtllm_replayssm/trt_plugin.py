@@ -524,12 +524,8 @@ def _check_shadow_shapes(plugin: str, shapes: dict, shadow_kind: str | None) -> 
         raise ValueError(f"{PLUGINS[plugin].id}: shadow: expected the state's shape {tuple(state)}, got {tuple(shadow)}")
     if scale is None or shadow_kind is None:
         return
-    want = (1,) if shadow_kind == "bf16" else None if state is None else tuple(state[:3])
-    if shadow_kind == "fp8" and want is None:
-        want_ok = len(scale) == 3
-    else:
-        want_ok = same(scale, want)
-    if not want_ok:
+    want = (1,) if shadow_kind == "bf16" else (None,) * 3 if state is None else tuple(state[:3])
+    if not same(scale, want):
         what = "(1,) (a bf16 shadow's placeholder)" if shadow_kind == "bf16" else "(slots, nheads, headdim) row scales"
         raise ValueError(f"{PLUGINS[plugin].id}: shadow_scale: expected {what} for a {shadow_kind} shadow, got "
                          f"{tuple(scale)}")
