@@ -100,6 +100,7 @@ SPEC_FORMAT = f"trtllm-replayssm-spec-step/{FORMAT_VERSION}"
 SPEC_FORMAT_PREFIX = "trtllm-replayssm-spec-step"  # any version: a speculative pair, whatever else it says
 
 SHARED_STATES = ("lengths", "cursor")
+CONFIG_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # act_dtype / state_dtype -> ONNX names
 
 
 class FormatError(ValueError):
@@ -197,7 +198,8 @@ def is_speculative(cfg: dict) -> bool:
 
 
 def check_layer_states(cfg: dict) -> None:
-    """The states are exactly the shared ones plus those of each layer of ``model.pattern``."""
+    """The states are exactly the shared ones plus those of each layer of ``model.pattern``, each with the dtype
+    the format gives it (``act`` / ``state`` states in ``act_dtype`` / ``state_dtype``, shadows in theirs)."""
     pattern = cfg.get("model", {}).get("pattern")
     if not isinstance(pattern, str):
         raise FormatError(f"config.json: model.pattern: expected the layer pattern string (e.g. 'MEM*EM*E'), "
@@ -230,3 +232,16 @@ def check_layer_states(cfg: dict) -> None:
             raise FormatError(f"state {n!r}: expected {list(SHARED_STATES)} or a per-layer state of pattern {pattern!r}")
     if len(names) != len(have):
         raise FormatError(f"config.json: states: {sorted(n for n in have if names.count(n) > 1)} listed twice")
+    dtypes = {"act": CONFIG_DTYPES.get(cfg.get("act_dtype")), "state": CONFIG_DTYPES.get(cfg.get("state_dtype"))}
+    for role, key in (("act", "act_dtype"), ("state", "state_dtype")):
+        if dtypes[role] is None:
+            raise FormatError(f"config.json: {key}: expected one of {sorted(CONFIG_DTYPES)}, got {cfg.get(key)!r}")
+    want_dtype = {n: "int32" for n in SHARED_STATES}
+    for i, c in enumerate(pattern):
+        for st in layer_states(c, spec, shadow):
+            want_dtype[st.name(i)] = dtypes.get(st.dtype, st.dtype)
+    for s in cfg["states"]:
+        if s.get("dtype") != want_dtype[s["name"]]:
+            raise FormatError(f"state {s['name']!r}: dtype: expected {want_dtype[s['name']]!r} (act_dtype "
+                              f"{cfg['act_dtype']!r}, state_dtype {cfg['state_dtype']!r}, shadow {shadow!r}), "
+                              f"got {s.get('dtype')!r}")

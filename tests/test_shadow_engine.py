@@ -121,6 +121,16 @@ def test_format_errors_name_the_shadow(engines):
     plain = json.loads((engines["none"] / "config.json").read_text())
     with pytest.raises(FormatError, match=name):  # a shadow state in an engine that says none
         check_layer_states(dict(plain, states=cfg["states"]))
+    wrong = {"bfloat16": "float16", "float8_e4m3fn": "bfloat16"}  # a shadow state in another dtype than it says
+    have = next(s["dtype"] for s in cfg["states"] if s["name"] == name)
+    bad = [dict(s, dtype=wrong[have]) if s["name"] == name else s for s in cfg["states"]]
+    with pytest.raises(FormatError, match=rf"state '{name}': dtype: expected '{have}'"):
+        check_layer_states(dict(cfg, states=bad))
+    ckpt = next(s for s in cfg["states"] if s["name"] == f"{FAMILIES[engines['family']][0]}_0")
+    with pytest.raises(FormatError, match="dtype: expected 'float32'"):  # the fp32 checkpoint listed as bf16
+        check_layer_states(dict(cfg, states=[dict(s, dtype="bfloat16") if s is ckpt else s for s in cfg["states"]]))
+    with pytest.raises(FormatError, match="act_dtype: expected one of"):
+        check_layer_states(dict(cfg, act_dtype="float8"))
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -94,7 +94,9 @@ def test_model_directory_has_the_umask_mode(engine_dir, tmp_path):
 
 @pytest.mark.parametrize("mutate, match", [
     (lambda c: c["states"][0].update(output="nope"), "is not an engine output"),
-    (lambda c: c["states"][1].update(dtype="float16"), "expected float16"),
+    (lambda c: c["states"][1].update(dtype="float16"), r"state 'cursor': dtype: expected 'int32'.*got 'float16'"),
+    (lambda c: next(o for o in c["outputs"] if o["name"] == c["states"][1]["output"]).update(dtype="float16"),
+     r"state 'cursor': output 'cursor_out' has float16 \[-1\], expected int32"),
     (lambda c: c["inputs"].append({"name": "extra", "shape": [-1], "dtype": "int32"}), "neither a request input"),
     (lambda c: c["outputs"][0].update(dtype="complex64"), "has no Triton type"),
     (lambda c: c.pop("states"), "missing 'states'"),
