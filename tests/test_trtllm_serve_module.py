@@ -229,6 +229,64 @@ def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, 
             assert int(adapter.cursor[s]) == 0
 
 
+@pytest.mark.parametrize("shadow, tol", [("bf16", 1e-2), ("fp8", 1.5e-1)])
+def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, shadow, tol):
+    """With a checkpoint shadow (TRTLLM_REPLAYSSM_SHADOW) on the Nemotron 3 pattern, through the schedule above:
+    the state checkpoint + buffer stand for is the conventional one to 1e-10 (the shadow's rounding never enters
+    it); after every step each used slot's shadow is exactly the quantized checkpoint (re-prefilled slot 0
+    included: requantized at end_step, after the prefill wrote it); outputs are within the shadow's rounding of
+    the conventional ones and, between flushes, not equal to them (the shadow is what they read)."""
+    from trtllm_replayssm import reference
+
+    mixer_cls, model_cls = fake_trtllm
+    H, P, N, S, G, pattern = 4, 8, 16, 7, 2, "MEM*EM*E"
+    layers = tuple(mod.mamba_layer_indices(pattern))
+    gen = torch.Generator().manual_seed(11)
+    prm = {i: fp32_params(H, gen) for i in layers}
+    oracle = [mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in layers]
+    adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L, shadow=shadow))
+    model = build_model(mixer_cls, model_cls, pattern, prm, P, N)
+    init = {i: torch.randn(S, H, P, N, generator=gen, dtype=F64) for i in layers}
+    ssm_rep = {i: init[i].clone() for i in layers}
+    ssm_conv = {i: init[i].clone() for i in layers}
+    worst, read = 0.0, 0.0
+    for t, (pre, dec) in enumerate(schedule(3 * L + 3)):
+        rows = list(dec) + ([-1] if dec else [])
+        inputs = {i: dict(prefill_state=torch.randn(len(pre), H, P, N, generator=gen, dtype=F64),
+                          x=torch.randn(len(rows), H, P, generator=gen, dtype=F64),
+                          B=torch.randn(len(rows), G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                          C=torch.randn(len(rows), G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                          dt=torch.randn(len(rows), H, generator=gen, dtype=F64) - 2.0) for i in layers}
+        md_rep = metadata(pre + rows, len(pre), ssm_rep, inputs, H, P)
+        md_conv = metadata(pre + rows, len(pre), ssm_conv, inputs, H, P)
+        model.forward(md_rep)
+        for m in oracle:
+            m.forward(md_conv)
+        for i in layers:
+            lay = adapter.layers.get(i)
+            if lay is None:  # allocated by the first decode call
+                assert not rows
+                continue
+            assert lay["shadow"].dtype == (torch.bfloat16 if shadow == "bf16" else torch.float8_e4m3fn)
+            for s in set(dec) | set(pre):
+                q = torch.empty(H, P, N, dtype=lay["shadow"].dtype)
+                sc = None if shadow == "bf16" else torch.empty(H, P, dtype=torch.float32)
+                reference.quantize_shadow(ssm_rep[i][s], q, sc)
+                assert torch.equal(lay["shadow"][s].float(), q.float()), (t, i, s)
+                if sc is not None:
+                    assert torch.equal(lay["shadow_scale"][s], sc), (t, i, s)
+            if not rows:
+                continue
+            for s in dec:
+                assert torch.allclose(adapter.current_state(i, s), ssm_conv[i][s], rtol=1e-10, atol=1e-10), (t, i, s)
+            y_rep, y_conv = md_rep.out[i][:-1], md_conv.out[i][:-1]
+            assert torch.equal(md_rep.out[i][-1], torch.full_like(y_rep[0], SENTINEL))  # padding row untouched
+            err = float((y_rep - y_conv).norm() / y_conv.norm())
+            worst, read = max(worst, err), max(read, err)
+    assert worst < tol, worst
+    assert read > 1e-6, read  # the shadow's rounding is visible: the non-flush steps read it
+
+
 def test_only_mamba_positions_of_the_pattern_may_decode(fake_trtllm, caplog):
     """A decode call from an "E" (MoE) position is refused before anything is written; "M" layers whose
     mixers were built before install (unrouted, conventional) are logged once, the others still match."""
@@ -366,6 +424,20 @@ def test_unsupported_arguments_are_named(change, exc, match):
 def test_buffer_len_is_checked():
     with pytest.raises(ValueError, match=r"^buffer_len: expected an int in 1\.\.32, got 0"):
         ReplaySSMAdapter(buffer_len=0)
+
+
+def test_shadow_options_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match=r"^shadow: expected one of \('none', 'bf16', 'fp8'\), got 'fp4'"):
+        ReplaySSMAdapter(shadow="fp4")
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_SHADOW", "int8")
+    with pytest.raises(ValueError, match=r"^TRTLLM_REPLAYSSM_SHADOW: expected one of \('none', 'bf16', 'fp8'\)"):
+        mod.install.__globals__["new_adapter"]()
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_SHADOW", "fp8")
+    assert mod.install.__globals__["new_adapter"]().shadow == "fp8"
+    kw = _call_args()
+    adapter = ReplaySSMAdapter(buffer_len=L, shadow="bf16")
+    with pytest.raises(ValueError, match=r"^state: a bf16 shadow needs an fp32 SSM state pool .*got bfloat16"):
+        _step(adapter, {**kw, "state": kw["state"].bfloat16(), "x": kw["x"].bfloat16()})
 
 
 def test_step_guards():

@@ -37,6 +37,16 @@ activations are); one cursor (slots,) int32
 shared by all layers. TRT-LLM's ``state`` tensor stays the checkpoint: written only on a flush
 (the step whose buffer becomes full), and by TRT-LLM's own prefill.
 
+Checkpoint shadow (``shadow="bf16"`` or ``"fp8"``, ``TRTLLM_REPLAYSSM_SHADOW``; needs an fp32 state pool,
+``mamba_ssm_cache_dtype: float32``): the adapter also owns, per Mamba layer, a low-precision copy of the
+checkpoint, (slots, H, P, N) bfloat16, or float8_e4m3fn with (slots, H, P) fp32 row scales
+(``reference.quantize_shadow``). Non-flush steps read it instead of the fp32 checkpoint (the step's state
+traffic drops to half or a quarter); flushes update the fp32 checkpoint and rewrite the shadow from it, so
+the shadow's rounding never enters the state. It is quantized from the whole pool when the layer's buffers
+are allocated and, for the slots of each step's prefill rows, at :meth:`ReplaySSMAdapter.end_step` (after
+TRT-LLM's prefill has written their checkpoints in that step's forward). Storage has one scratch slot past
+the pool's (padding prefill rows write there; no host sync).
+
 Step protocol ("once per step"): :meth:`ReplaySSMAdapter.begin_step` before the model's layers run
 (zeroes the cursor of the prefill rows' slots: their prefill writes a fresh checkpoint), one decode
 call per Mamba layer, :meth:`ReplaySSMAdapter.end_step` after the last layer (advances the cursor
@@ -65,8 +75,11 @@ import torch
 
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm import reference
+from trtllm_replayssm.config import SHADOW_DTYPES
 
 log = logging.getLogger("trtllm_replayssm_module")
+
+SHADOWS = ("none", *SHADOW_DTYPES)  # the adapter's ``shadow`` values
 
 # TRT-LLM / FlashInfer selective_state_update arguments of the multi-token (speculative verify) and
 # stochastic-rounding paths. ReplaySSM single-token decode does not implement them.
@@ -148,10 +161,15 @@ class ReplaySSMAdapter:
     ``check_values``: host-side slot/cursor and tie_hdim value checks (each synchronizes; off in serving).
     """
 
-    def __init__(self, buffer_len: int = 16, backend=None, advance=None, check_values: bool = False):
+    def __init__(self, buffer_len: int = 16, backend=None, advance=None, check_values: bool = False,
+                 shadow: str = "none"):
         if not isinstance(buffer_len, int) or not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected an int in 1..32, got {buffer_len!r}")
+        if shadow not in SHADOWS:
+            raise ValueError(f"shadow: expected one of {SHADOWS}, got {shadow!r}")
         self.buffer_len = buffer_len
+        self.shadow = shadow
+        self._prefill_slots: torch.Tensor | None = None
         self.backend, self.advance = backend, advance
         self.check_values = check_values
         self.layers: dict[int, dict] = {}
@@ -190,6 +208,9 @@ class ReplaySSMAdapter:
             elif self.cursor.shape[0] != S or self.cursor.device != state.device:
                 raise ValueError(f"state: expected {self.cursor.shape[0]} slots on {self.cursor.device} like the other "
                                  f"Mamba layers, got {S} on {state.device}")
+            if self.shadow != "none" and state.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"state: a {self.shadow} shadow needs an fp32 SSM state pool (kv_cache_config "
+                                 f"mamba_ssm_cache_dtype: float32), got {str(state.dtype).replace('torch.', '')}")
             lay = dict(state=state,
                        x_cache=torch.zeros(S, H, L, P, dtype=x.dtype, device=state.device),
                        B_cache=torch.zeros(S, G, L, N, dtype=x.dtype, device=state.device),
@@ -197,6 +218,12 @@ class ReplaySSMAdapter:
                        dt_cache=torch.zeros(S, H, L, dtype=torch.promote_types(torch.float32, x.dtype),
                                             device=state.device),
                        params=None)
+            if self.shadow != "none":  # one scratch slot past the pool: padding prefill rows land there
+                sh = torch.empty(S + 1, H, P, N, dtype=SHADOW_DTYPES[self.shadow], device=state.device)
+                sc = (torch.ones(S + 1, H, P, dtype=torch.float32, device=state.device) if self.shadow == "fp8"
+                      else None)
+                reference.quantize_shadow(state, sh[:S], None if sc is None else sc[:S])
+                lay.update(shadow_storage=sh, scale_storage=sc, shadow=sh[:S], shadow_scale=None if sc is None else sc[:S])
             self.layers[layer_idx] = lay
         for name, want in (("x_cache", (S, H, L, P)), ("B_cache", (S, G, L, N))):
             got = lay[name]
@@ -254,7 +281,11 @@ class ReplaySSMAdapter:
         if self._step_layers:
             raise RuntimeError("begin_step: the previous step decoded layers "
                                f"{sorted(self._step_layers)} but was not closed by end_step()")
-        if prefill_slots is None or self.cursor is None or prefill_slots.numel() == 0:
+        if prefill_slots is None or prefill_slots.numel() == 0:
+            return
+        if self.shadow != "none":  # their shadows are requantized at end_step, after the prefill wrote them
+            self._prefill_slots = prefill_slots
+        if self.cursor is None:
             return
         S = self.cursor.shape[0]
         idx = prefill_slots.to(device=self.cursor.device, dtype=torch.long)
@@ -268,7 +299,10 @@ class ReplaySSMAdapter:
         Returns the ``layer_idx`` of the layers that decoded this step."""
         slots = self._step_slots
         decoded = self._step_layers
+        prefill = self._prefill_slots
         self.abort_step()
+        if prefill is not None:
+            self._requantize(prefill)
         if slots is not None and self.mamba_layers is not None and decoded != self.mamba_layers \
                 and not self._warned_unrouted:
             self._warned_unrouted = True
@@ -285,6 +319,26 @@ class ReplaySSMAdapter:
         self._step_slots = None
         self._step_key = None
         self._step_layers = set()
+        self._prefill_slots = None
+
+    def _requantize(self, slots: torch.Tensor) -> None:
+        """Rewrite every layer's shadow of ``slots`` (-1: padding) from its checkpoint, as a flush does."""
+        for lay in self.layers.values():
+            state, sh, sc = lay["state"], lay["shadow_storage"], lay["scale_storage"]
+            S = state.shape[0]
+            idx = slots.to(device=state.device, dtype=torch.long)
+            valid = idx >= 0
+            src = state.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))
+            q = torch.empty(src.shape, dtype=sh.dtype, device=sh.device)
+            scale = None if sc is None else torch.empty(src.shape[:-1], dtype=torch.float32, device=sh.device)
+            reference.quantize_shadow(src, q, scale)
+            dst = torch.where(valid, idx, torch.full_like(idx, S))
+            if sh.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: move the bytes
+                sh.view(torch.uint8).index_copy_(0, dst, q.view(torch.uint8))
+            else:
+                sh.index_copy_(0, dst, q)
+            if sc is not None:
+                sc.index_copy_(0, dst, scale)
 
     # ---- the decode call ----------------------------------------------------------------------------
     def selective_state_update(self, layer_idx: int, state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
@@ -341,7 +395,8 @@ class ReplaySSMAdapter:
                   and out.dtype == x.dtype)
         y = backend(x=x, B=B, C=C, dt=dt_h, dt_bias=dtb, A=A_h, D=D_h, z=z, state=state, x_cache=lay["x_cache"],
                     B_cache=lay["B_cache"], dt_cache=lay["dt_cache"], cursor=self.cursor, state_batch_indices=sbi,
-                    out=out if direct else None, check_values=check)
+                    out=out if direct else None, check_values=check, shadow=lay.get("shadow"),
+                    shadow_scale=lay.get("shadow_scale"))
         if out is None:
             return y
         if not direct:

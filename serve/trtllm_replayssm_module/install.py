@@ -49,7 +49,7 @@ import functools
 import logging
 import os
 
-from .adapter import ReplaySSMAdapter, replay_selective_state_update
+from .adapter import SHADOWS, ReplaySSMAdapter, replay_selective_state_update
 from .check import HOOK_ATTR, VERIFIED_AGAINST, bypass_message, check_mixer_class, verified_summary
 
 log = logging.getLogger("trtllm_replayssm_module")
@@ -67,6 +67,13 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name}: expected an integer, got {raw!r}") from None
+
+
+def _env_choice(name: str, choices: tuple, default: str) -> str:
+    raw = os.environ.get(name, default)
+    if raw not in choices:
+        raise ValueError(f"{name}: expected one of {choices}, got {raw!r}")
+    return raw
 
 
 def prefill_slots(attn_metadata):
@@ -96,9 +103,11 @@ def decode_rows(attn_metadata) -> int:
 
 
 def new_adapter() -> ReplaySSMAdapter:
-    """An adapter configured from the environment (``TRTLLM_REPLAYSSM_BUFFER_LEN``, ``..._CHECK_VALUES``)."""
+    """An adapter configured from the environment (``TRTLLM_REPLAYSSM_BUFFER_LEN``, ``..._CHECK_VALUES``,
+    ``..._SHADOW``: none, bf16 or fp8)."""
     return ReplaySSMAdapter(buffer_len=_env_int("TRTLLM_REPLAYSSM_BUFFER_LEN", 16),
-                            check_values=os.environ.get("TRTLLM_REPLAYSSM_CHECK_VALUES") == "1")
+                            check_values=os.environ.get("TRTLLM_REPLAYSSM_CHECK_VALUES") == "1",
+                            shadow=_env_choice("TRTLLM_REPLAYSSM_SHADOW", SHADOWS, "none"))
 
 
 def check_cache_manager(manager) -> None:
@@ -190,7 +199,9 @@ def install(adapter: ReplaySSMAdapter | None = None) -> ReplaySSMAdapter:
     """Fallback route: patch tensorrt_llm's Mamba2Mixer and NemotronHModel in this process; returns the adapter.
 
     Environment: ``TRTLLM_REPLAYSSM_BUFFER_LEN`` (L, default 16), ``TRTLLM_REPLAYSSM_CHECK_VALUES=1``
-    (host-side slot/cursor checks; synchronizes every layer). Raises RuntimeError when the mixer's
+    (host-side slot/cursor checks; synchronizes every layer), ``TRTLLM_REPLAYSSM_SHADOW`` (none, bf16 or fp8: a
+    low-precision checkpoint shadow the non-flush steps read; needs ``mamba_ssm_cache_dtype: float32``).
+    Raises RuntimeError when the mixer's
     decode does not call the attribute we replace (:func:`.check.check_mixer_class`).
     """
     try:
