@@ -595,13 +595,16 @@ def test_install_into_real_tensorrt_llm():
 
 # ---- CUDA: the ops backend behind the same adapter (runs on the device machine) ---------------------
 @pytest.mark.gpu
-def test_ops_backend_matches_reference_backend_on_cuda():
+@pytest.mark.parametrize("shadow", ["none", "bf16", "fp8"])
+def test_ops_backend_matches_reference_backend_on_cuda(shadow):
+    """The kernels behind the adapter against the float64 reference executor behind another, over two flushes;
+    with a shadow both read their own (quantized from the same fp32 values), and the shadows match after."""
     H, P, N, G, S, batch = 8, 64, 64, 2, 5, 3
     gen = torch.Generator().manual_seed(3)
     prm = fp32_params(H, gen)
     state = torch.randn(S, H, P, N, generator=gen)
     sbi = torch.tensor([4, -1, 1], dtype=torch.int32)
-    gpu, cpu = ReplaySSMAdapter(buffer_len=L), ReplaySSMAdapter(buffer_len=L)
+    gpu, cpu = ReplaySSMAdapter(buffer_len=L, shadow=shadow), ReplaySSMAdapter(buffer_len=L, shadow=shadow)
     st_g, st_c = state.cuda(), state.double()
     for _ in range(2 * L + 1):
         x = torch.randn(batch, H, P, generator=gen).bfloat16()
@@ -620,6 +623,15 @@ def test_ops_backend_matches_reference_backend_on_cuda():
         for b in (0, 2):
             assert torch.allclose(out[b].double().cpu(), y_c[b], rtol=2e-2, atol=2e-2)
     assert gpu.cursor.cpu().tolist() == cpu.cursor.tolist()
+    if shadow != "none":  # rewritten by the flushes from checkpoints that agree to fp32 rounding
+        for s in (1, 4):
+            sh_g, sh_c = gpu.layers[0]["shadow"][s].float().cpu(), cpu.layers[0]["shadow"][s].float()
+            if shadow == "fp8":
+                sh_g = sh_g * gpu.layers[0]["shadow_scale"][s].cpu()[..., None]
+                sh_c = sh_c * cpu.layers[0]["shadow_scale"][s][..., None]
+            assert torch.allclose(sh_g, sh_c, rtol=0.07 if shadow == "fp8" else 8e-3, atol=1e-3)
+            assert torch.allclose(sh_g.double(), st_g[s].double().cpu(), rtol=0.07 if shadow == "fp8" else 8e-3,
+                                  atol=1e-3)
 
 
 def test_the_oracle_is_the_reference_conventional_step():
