@@ -20,7 +20,7 @@ Speculative rows (``--spec``, T = 4, L = 16): ReplaySSM ``gdn_replay_verify`` ti
 (count 0, 4, 8: no flush; count 9, 12: the fold of 9 / 12 committed entries inside the launch), and the
 native baseline ``gdn_native_spec_verify`` + ``gdn_native_spec_commit`` (n = T). The ReplaySSM step
 time at acceptance ~0.8 is the mean over the stationary distribution of the committed count
-(``count_weights``: n = 1 + accepted drafts, each draft accepted with p = 0.8 while the previous ones were;
+(``timing.spec_count_weights``: n = 1 + accepted drafts, each draft accepted with p = 0.8 while the previous ones were;
 the commit's flush rule on the cursor; exact, ``costs.spec_count_distribution``), times interpolated
 linearly in count between the measured points (the history and fold costs are linear in count). The
 cursor commit (one tiny kernel shared by all layers) is not timed, as the cursor advance above.
@@ -178,42 +178,6 @@ def load_fla(path: pathlib.Path):
     return fused_recurrent_gated_delta_rule
 
 
-def spec_counts(T: int, L: int) -> tuple[int, ...]:
-    """Committed counts the verify is timed at: a verify starts from 0..L-T; those with m + 2T > L fold first.
-    Three counts without a fold (0, the middle, L-2T) and the first and last with one (T = 4, L = 16: 0, 4, 8,
-    9, 12); the others are interpolated on their side of the rule (:func:`interp`)."""
-    no_fold = sorted({0, (L - 2 * T) // 2, L - 2 * T})
-    fold = sorted({L - 2 * T + 1, L - T})
-    return tuple(no_fold + fold)
-
-
-def count_weights(T: int, L: int, p: float = 0.8) -> tuple[dict, float]:
-    """The committed counts a verify starts from, with their stationary weights, when each draft is accepted with
-    probability p while the previous ones were (n = 1 + consecutive accepted drafts; the commit's flush rule on
-    the cursor): ``costs.spec_count_distribution`` (exact, the end-to-end spec step's model too), and the
-    tokens a step emits (sum_{k<T} p^k)."""
-    tokens = sum(p ** k for k in range(T))
-    return costs.spec_count_distribution(T, L, tokens), tokens
-
-
-def interp(points: dict, m: int, T: int, L: int) -> float:
-    """Time at count m, linear between the measured counts on the same side of the flush rule."""
-    flush = m + 2 * T > L
-    xs = sorted(k for k in points if (k + 2 * T > L) == flush)
-    if len(xs) == 1:
-        return points[xs[0]]
-    if m <= xs[0]:
-        lo, hi = xs[0], xs[1]
-    elif m >= xs[-1]:
-        lo, hi = xs[-2], xs[-1]
-    else:
-        lo = max(x for x in xs if x <= m)
-        hi = min(x for x in xs if x >= m)
-        if lo == hi:
-            return points[lo]
-    return points[lo] + (points[hi] - points[lo]) * (m - lo) / (hi - lo)
-
-
 def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
     HV, H, V, K = geom["HV"], geom["H"], geom["V"], geom["K"]
     act = torch.bfloat16
@@ -250,16 +214,16 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
 
     row = dict(geom="qwen3_next", **geom, L=L, T=T, batch=batch, rotations=R, act="bf16", p_accept=p_accept,
                verify_geometry=gdn_geometry(V, K, HV, batch, True), native_geometry=gdn_geometry(V, K, HV, batch, False))
-    weights, tokens_per_step = count_weights(T, L, p_accept)
+    weights, tokens_per_step = timing.spec_count_weights(T, L, p_accept)
     row["tokens_per_step"] = tokens_per_step
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         pts = {}
-        for m in spec_counts(T, L):
+        for m in timing.spec_timed_counts(T, L):
             cursor[:, 0] = 0
             cursor[:, 1] = m
             pts[m] = graph_time_us(verify(sh), R)[0]
         row[f"{name}_verify_us"] = {str(m): t for m, t in pts.items()}
-        amort = sum(w * interp(pts, m, T, L) for m, w in weights.items())
+        amort = timing.spec_step_us(pts, T, L, p_accept)[0]
         q = 2 if sh is not None else None  # bf16 shadow
         by_count = {m: costs.gdn_verify_bytes(HV, H, V, K, L, T, m, shadow_bytes=q)
                     for m in range(L + 1)}

@@ -14,6 +14,11 @@ Two granularities, both on CUDA graphs so that launch overhead is what a served 
 
 :func:`copy_ceiling_tbps` is the measured bandwidth ceiling every "% of ceiling" column divides by (a
 device-to-device copy through a kernel, bytes read + written).
+
+Speculative verify steps cost what their committed count m says (history entries, and a fold where m + 2T > L):
+the kernel benchmarks time a few counts (:func:`spec_timed_counts`), interpolate the others on their side of the
+fold rule (:func:`interp_count`) and weight them by the count's stationary distribution at an acceptance
+(:func:`spec_count_weights`, exact: ``costs.spec_count_distribution``): :func:`spec_step_us`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import statistics
 import time
 
 import torch
+
+from . import costs
 
 
 def spread(xs) -> float:
@@ -171,3 +178,47 @@ def run_meta(device=None, commit: str | None = None, seed: int | None = None) ->
     if seed is not None:
         meta["seed"] = seed
     return meta
+
+
+def spec_timed_counts(T: int, L: int) -> tuple[int, ...]:
+    """Committed counts a verify benchmark times: a verify starts from 0..L-T; those with m + 2T > L fold first.
+    Three counts without a fold (0, the middle, L-2T) and the first and last with one (T = 4, L = 16: 0, 4, 8,
+    9, 12); the others are interpolated on their side of the rule (:func:`interp_count`)."""
+    no_fold = sorted({0, (L - 2 * T) // 2, L - 2 * T})
+    fold = sorted({L - 2 * T + 1, L - T})
+    return tuple(no_fold + fold)
+
+
+def spec_count_weights(T: int, L: int, p: float = 0.8) -> tuple[dict, float]:
+    """The committed counts a verify starts from, with their stationary weights, when each draft is accepted with
+    probability p while the previous ones were (n = 1 + consecutive accepted drafts; the commit's flush rule on
+    the cursor): ``costs.spec_count_distribution`` (exact, the end-to-end spec step's model too), and the
+    tokens a step emits (sum_{k<T} p^k). p = 1: full acceptance, the counts cycle T, 2T, ... (after a fold the
+    count is the step's n, not 0)."""
+    tokens = sum(p ** k for k in range(T))
+    return costs.spec_count_distribution(T, L, tokens), tokens
+
+
+def interp_count(points: dict, m: int, T: int, L: int) -> float:
+    """Time at count m, linear between the measured counts on the same side of the flush rule."""
+    flush = m + 2 * T > L
+    xs = sorted(k for k in points if (k + 2 * T > L) == flush)
+    if len(xs) == 1:
+        return points[xs[0]]
+    if m <= xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif m >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        lo = max(x for x in xs if x <= m)
+        hi = min(x for x in xs if x >= m)
+        if lo == hi:
+            return points[lo]
+    return points[lo] + (points[hi] - points[lo]) * (m - lo) / (hi - lo)
+
+
+def spec_step_us(points: dict, T: int, L: int, p: float) -> tuple[float, float]:
+    """(time of a verify step at acceptance p, tokens it emits): the timed counts ``points`` ({m: us}) interpolated
+    and weighted by :func:`spec_count_weights`."""
+    weights, tokens = spec_count_weights(T, L, p)
+    return sum(w * interp_count(points, m, T, L) for m, w in weights.items()), tokens
