@@ -230,15 +230,16 @@ def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, 
 
 
 @pytest.mark.parametrize("shadow, tol", [("bf16", 1e-2), ("fp8", 1.5e-1)])
-def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, shadow, tol):
+def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, shadow, tol, monkeypatch):
     """With a checkpoint shadow (TRTLLM_REPLAYSSM_SHADOW) on the Nemotron 3 pattern, through the schedule above:
     the state checkpoint + buffer stand for is the conventional one to 1e-10 (the shadow's rounding never enters
-    it); after every step each used slot's shadow is exactly the quantized checkpoint (re-prefilled slot 0
+    it); after every step each slot's shadow is exactly the quantized checkpoint (re-prefilled slot 0
     included: requantized at end_step, after the prefill wrote it); outputs are within the shadow's rounding of
     the conventional ones and, between flushes, not equal to them (the shadow is what they read)."""
     from trtllm_replayssm import reference
 
     mixer_cls, model_cls = fake_trtllm
+    monkeypatch.setattr(sys.modules[ReplaySSMAdapter.__module__], "_QUANT_SLOTS", 3)  # the pool in chunks 3, 3, 1
     H, P, N, S, G, pattern = 4, 8, 16, 7, 2, "MEM*EM*E"
     layers = tuple(mod.mamba_layer_indices(pattern))
     gen = torch.Generator().manual_seed(11)
@@ -268,7 +269,7 @@ def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, 
                 assert not rows
                 continue
             assert lay["shadow"].dtype == (torch.bfloat16 if shadow == "bf16" else torch.float8_e4m3fn)
-            for s in set(dec) | set(pre):
+            for s in range(S):  # every slot: quantized from the pool at allocation, kept since
                 q = torch.empty(H, P, N, dtype=lay["shadow"].dtype)
                 sc = None if shadow == "bf16" else torch.empty(H, P, dtype=torch.float32)
                 reference.quantize_shadow(ssm_rep[i][s], q, sc)

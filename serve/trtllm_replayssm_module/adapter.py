@@ -80,6 +80,7 @@ from trtllm_replayssm.config import SHADOW_DTYPES
 log = logging.getLogger("trtllm_replayssm_module")
 
 SHADOWS = ("none", *SHADOW_DTYPES)  # the adapter's ``shadow`` values
+_QUANT_SLOTS = 16  # slots quantized per call when a layer's shadow is first written from the whole pool
 
 # TRT-LLM / FlashInfer selective_state_update arguments of the multi-token (speculative verify) and
 # stochastic-rounding paths. ReplaySSM single-token decode does not implement them.
@@ -222,7 +223,9 @@ class ReplaySSMAdapter:
                 sh = torch.empty(S + 1, H, P, N, dtype=SHADOW_DTYPES[self.shadow], device=state.device)
                 sc = (torch.ones(S + 1, H, P, dtype=torch.float32, device=state.device) if self.shadow == "fp8"
                       else None)
-                reference.quantize_shadow(state, sh[:S], None if sc is None else sc[:S])
+                for s0 in range(0, S, _QUANT_SLOTS):  # in slot chunks: the fp8 path's fp32 temporaries stay small
+                    s1 = min(S, s0 + _QUANT_SLOTS)
+                    reference.quantize_shadow(state[s0:s1], sh[s0:s1], None if sc is None else sc[s0:s1])
                 lay.update(shadow_storage=sh, scale_storage=sc, shadow=sh[:S], shadow_scale=None if sc is None else sc[:S])
             self.layers[layer_idx] = lay
         for name, want in (("x_cache", (S, H, L, P)), ("B_cache", (S, G, L, N))):
