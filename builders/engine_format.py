@@ -236,6 +236,9 @@ def check_layer_states(cfg: dict) -> None:
     for role, key in (("act", "act_dtype"), ("state", "state_dtype")):
         if dtypes[role] is None:
             raise FormatError(f"config.json: {key}: expected one of {sorted(CONFIG_DTYPES)}, got {cfg.get(key)!r}")
+    if shadow != "none" and cfg["state_dtype"] != "fp32":
+        raise FormatError(f"config.json: shadow {shadow!r}: expected state_dtype 'fp32' (a shadow is of an fp32 "
+                          f"checkpoint), got {cfg['state_dtype']!r}")
     want_dtype = {n: "int32" for n in SHARED_STATES}
     for i, c in enumerate(pattern):
         for st in layer_states(c, spec, shadow):

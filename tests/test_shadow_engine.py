@@ -131,6 +131,10 @@ def test_format_errors_name_the_shadow(engines):
         check_layer_states(dict(cfg, states=[dict(s, dtype="bfloat16") if s is ckpt else s for s in cfg["states"]]))
     with pytest.raises(FormatError, match="act_dtype: expected one of"):
         check_layer_states(dict(cfg, act_dtype="float8"))
+    ckpt_name = f"{FAMILIES[engines['family']][0]}_"  # a shadow over a bf16 checkpoint, consistently described
+    bf16_ckpt = [dict(s, dtype="bfloat16") if s["name"].startswith(ckpt_name) else s for s in cfg["states"]]
+    with pytest.raises(FormatError, match="shadow .*: expected state_dtype 'fp32'.*got 'bf16'"):
+        check_layer_states(dict(cfg, state_dtype="bf16", states=bf16_ckpt))
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -233,9 +233,10 @@ def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, 
 def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, shadow, tol, monkeypatch):
     """With a checkpoint shadow (TRTLLM_REPLAYSSM_SHADOW) on the Nemotron 3 pattern, through the schedule above:
     the state checkpoint + buffer stand for is the conventional one to 1e-10 (the shadow's rounding never enters
-    it); after every step each slot's shadow is exactly the quantized checkpoint (re-prefilled slot 0
-    included: requantized at end_step, after the prefill wrote it); outputs are within the shadow's rounding of
-    the conventional ones and, between flushes, not equal to them (the shadow is what they read)."""
+    it); after every step each slot's shadow is exactly the quantized checkpoint (slots 0 and 6 prefilled together
+    after the shadows exist: requantized at end_step, after the prefill wrote them); every non-flush row's output is
+    within the shadow's rounding of the conventional one and not equal to it (the shadow is what it reads), every
+    flush row's equals it (the flush reads the full-precision checkpoint)."""
     from trtllm_replayssm import reference
 
     mixer_cls, model_cls = fake_trtllm
@@ -250,9 +251,13 @@ def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, 
     init = {i: torch.randn(S, H, P, N, generator=gen, dtype=F64) for i in layers}
     ssm_rep = {i: init[i].clone() for i in layers}
     ssm_conv = {i: init[i].clone() for i in layers}
-    worst, read = 0.0, 0.0
-    for t, (pre, dec) in enumerate(schedule(3 * L + 3)):
+    plan = [([3, 0, 5], [])] + [([0, 6] if t in (7, 8) else [],  # a two-slot prefill, in two chunks
+                                 [3, 5] + ([0] if t <= 5 or t >= 9 else []) + ([6] if t >= 9 else []))
+                                for t in range(1, 3 * L + 3)]
+    worst, least_read, flushes = 0.0, float("inf"), 0
+    for t, (pre, dec) in enumerate(plan):
         rows = list(dec) + ([-1] if dec else [])
+        before = None if adapter.cursor is None else adapter.cursor.clone()
         inputs = {i: dict(prefill_state=torch.randn(len(pre), H, P, N, generator=gen, dtype=F64),
                           x=torch.randn(len(rows), H, P, generator=gen, dtype=F64),
                           B=torch.randn(len(rows), G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
@@ -282,10 +287,16 @@ def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, 
                 assert torch.allclose(adapter.current_state(i, s), ssm_conv[i][s], rtol=1e-10, atol=1e-10), (t, i, s)
             y_rep, y_conv = md_rep.out[i][:-1], md_conv.out[i][:-1]
             assert torch.equal(md_rep.out[i][-1], torch.full_like(y_rep[0], SENTINEL))  # padding row untouched
-            err = float((y_rep - y_conv).norm() / y_conv.norm())
-            worst, read = max(worst, err), max(read, err)
+            for b, slot in enumerate(dec):
+                err = float((y_rep[b] - y_conv[b]).norm() / y_conv[b].norm())
+                if before is not None and int(before[slot]) == L - 1:  # this row's step flushed
+                    assert err < 1e-10, (t, i, slot, err)
+                    flushes += 1
+                else:  # read the shadow: its rounding is visible, and bounded
+                    worst, least_read = max(worst, err), min(least_read, err)
     assert worst < tol, worst
-    assert read > 1e-6, read  # the shadow's rounding is visible: the non-flush steps read it
+    assert least_read > 1e-7, least_read
+    assert flushes >= 3 * len(layers)
 
 
 def test_only_mamba_positions_of_the_pattern_may_decode(fake_trtllm, caplog):
@@ -425,6 +436,41 @@ def test_unsupported_arguments_are_named(change, exc, match):
 def test_buffer_len_is_checked():
     with pytest.raises(ValueError, match=r"^buffer_len: expected an int in 1\.\.32, got 0"):
         ReplaySSMAdapter(buffer_len=0)
+
+
+def test_shadow_requantize_padding_rows_and_a_new_pool(monkeypatch):
+    """end_step rewrites the shadows of exactly the prefilled slots (chunked; a -1 row goes to the scratch slot, no
+    real slot); a re-created state pool is quantized whole."""
+    from trtllm_replayssm import reference
+    from trtllm_replayssm.config import SHADOW_DTYPES
+
+    monkeypatch.setattr(sys.modules[ReplaySSMAdapter.__module__], "_QUANT_SLOTS", 2)
+    for kind in ("bf16", "fp8"):
+        kw = _call_args(S=5)
+        adapter = ReplaySSMAdapter(buffer_len=L, shadow=kind)
+        _step(adapter, kw)
+        lay = adapter.layers[0]
+        old = lay["shadow"].float().clone()
+        kw["state"][[0, 1, 3, 4]] = torch.randn(4, *kw["state"].shape[1:], dtype=F64)  # prefill writes slots 1, 3
+        adapter.begin_step(torch.tensor([3, -1, 1], dtype=torch.int32))
+        adapter.end_step()
+
+        def quantized(st, kind=kind):
+            q = torch.empty(st.shape, dtype=SHADOW_DTYPES[kind])
+            sc = None if kind == "bf16" else torch.empty(st.shape[:-1], dtype=torch.float32)
+            reference.quantize_shadow(st, q, sc)
+            return q.float(), sc
+
+        for s in range(5):
+            q, sc = quantized(kw["state"][s])
+            if s in (1, 3):
+                assert torch.equal(lay["shadow"][s].float(), q), (kind, s)
+                assert sc is None or torch.equal(lay["shadow_scale"][s], sc)
+            else:  # slots 0 and 4 changed too, but no prefill said so: untouched, as the others
+                assert torch.equal(lay["shadow"][s].float(), old[s]), (kind, s)
+        new_pool = torch.randn_like(kw["state"])
+        _step(adapter, {**kw, "state": new_pool})  # TRT-LLM re-created its cache manager
+        assert torch.equal(adapter.layers[0]["shadow"].float(), quantized(new_pool)[0])
 
 
 def test_shadow_options_are_checked(monkeypatch):

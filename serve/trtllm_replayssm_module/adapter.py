@@ -160,6 +160,8 @@ class ReplaySSMAdapter:
     ``out`` untouched; ``advance(cursor, state_batch_indices, buffer_len)`` moves the cursor. Defaults:
     ``ops.replay_decode`` / ``ops.advance_cursor`` on CUDA, the reference elsewhere.
     ``check_values``: host-side slot/cursor and tie_hdim value checks (each synchronizes; off in serving).
+    ``shadow`` "bf16" / "fp8": the backend is also handed ``shadow=`` and ``shadow_scale=`` (the layer's shadow and
+    its fp8 row scales, None for bf16); with "none" it is called without them.
     """
 
     def __init__(self, buffer_len: int = 16, backend=None, advance=None, check_values: bool = False,
@@ -325,23 +327,26 @@ class ReplaySSMAdapter:
         self._prefill_slots = None
 
     def _requantize(self, slots: torch.Tensor) -> None:
-        """Rewrite every layer's shadow of ``slots`` (-1: padding) from its checkpoint, as a flush does."""
+        """Rewrite every layer's shadow of ``slots`` (-1: padding) from its checkpoint, as a flush does; in chunks of
+        ``_QUANT_SLOTS`` rows (slices of a tensor of known shape: no host sync), so the temporaries stay small."""
         for lay in self.layers.values():
             state, sh, sc = lay["state"], lay["shadow_storage"], lay["scale_storage"]
             S = state.shape[0]
-            idx = slots.to(device=state.device, dtype=torch.long)
-            valid = idx >= 0
-            src = state.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))
-            q = torch.empty(src.shape, dtype=sh.dtype, device=sh.device)
-            scale = None if sc is None else torch.empty(src.shape[:-1], dtype=torch.float32, device=sh.device)
-            reference.quantize_shadow(src, q, scale)
-            dst = torch.where(valid, idx, torch.full_like(idx, S))
-            if sh.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: move the bytes
-                sh.view(torch.uint8).index_copy_(0, dst, q.view(torch.uint8))
-            else:
-                sh.index_copy_(0, dst, q)
-            if sc is not None:
-                sc.index_copy_(0, dst, scale)
+            idx_all = slots.to(device=state.device, dtype=torch.long)
+            for r0 in range(0, idx_all.shape[0], _QUANT_SLOTS):
+                idx = idx_all[r0:r0 + _QUANT_SLOTS]
+                valid = idx >= 0
+                src = state.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))
+                q = torch.empty(src.shape, dtype=sh.dtype, device=sh.device)
+                scale = None if sc is None else torch.empty(src.shape[:-1], dtype=torch.float32, device=sh.device)
+                reference.quantize_shadow(src, q, scale)
+                dst = torch.where(valid, idx, torch.full_like(idx, S))
+                if sh.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: move the bytes
+                    sh.view(torch.uint8).index_copy_(0, dst, q.view(torch.uint8))
+                else:
+                    sh.index_copy_(0, dst, q)
+                if sc is not None:
+                    sc.index_copy_(0, dst, scale)
 
     # ---- the decode call ----------------------------------------------------------------------------
     def selective_state_update(self, layer_idx: int, state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
@@ -398,8 +403,8 @@ class ReplaySSMAdapter:
                   and out.dtype == x.dtype)
         y = backend(x=x, B=B, C=C, dt=dt_h, dt_bias=dtb, A=A_h, D=D_h, z=z, state=state, x_cache=lay["x_cache"],
                     B_cache=lay["B_cache"], dt_cache=lay["dt_cache"], cursor=self.cursor, state_batch_indices=sbi,
-                    out=out if direct else None, check_values=check, shadow=lay.get("shadow"),
-                    shadow_scale=lay.get("shadow_scale"))
+                    out=out if direct else None, check_values=check,
+                    **({} if self.shadow == "none" else dict(shadow=lay["shadow"], shadow_scale=lay["shadow_scale"])))
         if out is None:
             return y
         if not direct:
