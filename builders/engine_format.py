@@ -213,8 +213,8 @@ def check_layer_states(cfg: dict) -> None:
     if shadow not in SHADOWS or (shadow == "fp8" and "G" in pattern):
         raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (Gated DeltaNet: none or bf16), got "
                           f"{shadow!r}")
-    prefixes = {c: [s.prefix for s in layer_states(c, spec, shadow if c in pattern else "none")]
-                for c in LAYER_STATES}
+    by_letter = {c: layer_states(c, spec, shadow if c in pattern else "none") for c in LAYER_STATES}
+    prefixes = {c: [s.prefix for s in states] for c, states in by_letter.items()}
     names = [s["name"] for s in cfg["states"]]
     have = set(names)
     for i, c in enumerate(pattern):
@@ -241,7 +241,7 @@ def check_layer_states(cfg: dict) -> None:
                           f"checkpoint), got {cfg['state_dtype']!r}")
     want_dtype = {n: "int32" for n in SHARED_STATES}
     for i, c in enumerate(pattern):
-        for st in layer_states(c, spec, shadow):
+        for st in by_letter[c]:
             want_dtype[st.name(i)] = dtypes.get(st.dtype, st.dtype)
     for s in cfg["states"]:
         if s.get("dtype") != want_dtype[s["name"]]:

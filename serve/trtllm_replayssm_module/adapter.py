@@ -80,7 +80,7 @@ from trtllm_replayssm.config import SHADOW_DTYPES
 log = logging.getLogger("trtllm_replayssm_module")
 
 SHADOWS = ("none", *SHADOW_DTYPES)  # the adapter's ``shadow`` values
-_QUANT_SLOTS = 16  # slots quantized per call when a layer's shadow is first written from the whole pool
+_QUANT_SLOTS = 16  # slots quantized per call when shadows are written (the whole pool at allocation, prefilled slots)
 
 # TRT-LLM / FlashInfer selective_state_update arguments of the multi-token (speculative verify) and
 # stochastic-rounding paths. ReplaySSM single-token decode does not implement them.
@@ -225,10 +225,8 @@ class ReplaySSMAdapter:
                 sh = torch.empty(S + 1, H, P, N, dtype=SHADOW_DTYPES[self.shadow], device=state.device)
                 sc = (torch.ones(S + 1, H, P, dtype=torch.float32, device=state.device) if self.shadow == "fp8"
                       else None)
-                for s0 in range(0, S, _QUANT_SLOTS):  # in slot chunks: the fp8 path's fp32 temporaries stay small
-                    s1 = min(S, s0 + _QUANT_SLOTS)
-                    reference.quantize_shadow(state[s0:s1], sh[s0:s1], None if sc is None else sc[s0:s1])
                 lay.update(shadow_storage=sh, scale_storage=sc, shadow=sh[:S], shadow_scale=None if sc is None else sc[:S])
+                self._write_shadow(lay, torch.arange(S, device=state.device))
             self.layers[layer_idx] = lay
         for name, want in (("x_cache", (S, H, L, P)), ("B_cache", (S, G, L, N))):
             got = lay[name]
@@ -327,26 +325,32 @@ class ReplaySSMAdapter:
         self._prefill_slots = None
 
     def _requantize(self, slots: torch.Tensor) -> None:
-        """Rewrite every layer's shadow of ``slots`` (-1: padding) from its checkpoint, as a flush does; in chunks of
-        ``_QUANT_SLOTS`` rows (slices of a tensor of known shape: no host sync), so the temporaries stay small."""
+        """Rewrite every layer's shadow of ``slots`` (-1: padding) from its checkpoint, as a flush does."""
         for lay in self.layers.values():
-            state, sh, sc = lay["state"], lay["shadow_storage"], lay["scale_storage"]
-            S = state.shape[0]
-            idx_all = slots.to(device=state.device, dtype=torch.long)
-            for r0 in range(0, idx_all.shape[0], _QUANT_SLOTS):
-                idx = idx_all[r0:r0 + _QUANT_SLOTS]
-                valid = idx >= 0
-                src = state.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))
-                q = torch.empty(src.shape, dtype=sh.dtype, device=sh.device)
-                scale = None if sc is None else torch.empty(src.shape[:-1], dtype=torch.float32, device=sh.device)
-                reference.quantize_shadow(src, q, scale)
-                dst = torch.where(valid, idx, torch.full_like(idx, S))
-                if sh.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: move the bytes
-                    sh.view(torch.uint8).index_copy_(0, dst, q.view(torch.uint8))
-                else:
-                    sh.index_copy_(0, dst, q)
-                if sc is not None:
-                    sc.index_copy_(0, dst, scale)
+            self._write_shadow(lay, slots)
+
+    @staticmethod
+    def _write_shadow(lay: dict, slots: torch.Tensor) -> None:
+        """The layer's shadow of ``slots`` (-1: padding, written to the scratch slot) quantized from its checkpoint,
+        ``_QUANT_SLOTS`` rows at a time (slices of a tensor of known shape: no host sync; the fp8 path's fp32
+        temporaries stay small)."""
+        state, sh, sc = lay["state"], lay["shadow_storage"], lay["scale_storage"]
+        S = state.shape[0]
+        idx_all = slots.to(device=state.device, dtype=torch.long)
+        for r0 in range(0, idx_all.shape[0], _QUANT_SLOTS):
+            idx = idx_all[r0:r0 + _QUANT_SLOTS]
+            valid = idx >= 0
+            src = state.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))
+            q = torch.empty(src.shape, dtype=sh.dtype, device=sh.device)
+            scale = None if sc is None else torch.empty(src.shape[:-1], dtype=torch.float32, device=sh.device)
+            reference.quantize_shadow(src, q, scale)
+            dst = torch.where(valid, idx, torch.full_like(idx, S))
+            if sh.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: move the bytes
+                sh.view(torch.uint8).index_copy_(0, dst, q.view(torch.uint8))
+            else:
+                sh.index_copy_(0, dst, q)
+            if sc is not None:
+                sc.index_copy_(0, dst, scale)
 
     # ---- the decode call ----------------------------------------------------------------------------
     def selective_state_update(self, layer_idx: int, state, x, dt, A, B, C, D=None, z=None, dt_bias=None,
