@@ -129,6 +129,11 @@ def check_options(opts: BuildOptions) -> None:
                          f"with --model")
     if opts.model is not None and not opts.model.is_dir():
         raise BuildError(f"--model: expected an existing directory, got {str(opts.model)!r}")
+    if opts.model is not None:  # --overwrite would swap the engine in for the checkpoint and delete it
+        model, out = opts.model.resolve(), opts.out.resolve()
+        if out == model or out in model.parents:
+            raise BuildError(f"--out: expected a directory that does not hold --model {str(opts.model)!r} (--overwrite "
+                             f"would delete the checkpoint), got {str(opts.out)!r}")
     if opts.out.exists() and not opts.overwrite:
         raise BuildError(f"--out: {str(opts.out)!r} already exists (choose another directory or pass --overwrite)")
 

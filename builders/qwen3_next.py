@@ -31,6 +31,7 @@ structure at toy sizes: layer pattern 3 GDN + 1 attention (full_attention_interv
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import torch
@@ -77,7 +78,6 @@ MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwe
 def is_gdn_checkpoint(model_dir) -> bool:
     """True when ``model_dir``/config.json names a Qwen3-Next / Qwen3.5 text model (False if unreadable)."""
     import json
-    import pathlib
 
     try:
         kind = json.loads((pathlib.Path(model_dir) / "config.json").read_text()).get("model_type")
@@ -86,14 +86,41 @@ def is_gdn_checkpoint(model_dir) -> bool:
     return kind in MODEL_TYPES
 
 
+LAYER_TYPES = ("linear_attention", "full_attention")  # config.layer_types the patch and the step modules run
+
+
 def load_gdn_model(model_dir=None, tiny: str = "qwen3_next", dtype=torch.float32, seed: int = 0, device="cpu"):
     """A Qwen3-Next / Qwen3.5 text model: the checkpoint ``model_dir`` (transformers' AutoModelForCausalLM),
-    or without one the embedded tiny config ``tiny`` with seeded weights."""
+    or without one the embedded tiny config ``tiny`` with seeded weights. A checkpoint whose config is not
+    loadable or has layer types other than :data:`LAYER_TYPES`, or whose tensors are missing, mis-shaped or
+    unreadable, raises ``builders.nemotron_h.CheckpointError`` naming the key (transformers' loader itself only
+    warns about missing tensors and initialises them at random)."""
     if model_dir is None:
         return tiny_model(tiny, dtype=dtype, seed=seed, device=device)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval().to(device)
+    from .nemotron_h import CheckpointError
+
+    cfg_path = pathlib.Path(model_dir) / "config.json"
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir))
+    except Exception as e:  # transformers raises several types for a bad config
+        raise CheckpointError(f"{cfg_path}: not a valid Qwen3-Next / Qwen3.5 config ({type(e).__name__}: {e})") from e
+    types = list(getattr(config.get_text_config(), "layer_types", None) or [])
+    bad = [(i, t) for i, t in enumerate(types) if t not in LAYER_TYPES]
+    if bad:
+        raise CheckpointError(f"{cfg_path}: layer_types: expected only {LAYER_TYPES}, got {bad[0][1]!r} at layer "
+                              f"{bad[0][0]} (of {len(bad)} unknown)")
+    try:  # mis-shaped tensors come back in info (refused below, by name), not as transformers' nameless error
+        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True)
+    except Exception as e:  # no weights, unreadable tensors
+        raise CheckpointError(f"model: cannot load {str(model_dir)!r} ({type(e).__name__}: {e})") from e
+    for what, key in (("missing from", "missing_keys"), ("mis-shaped in", "mismatched_keys")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            raise CheckpointError(f"model: {len(names)} tensors {what} {str(model_dir)!r}: {names[:8]}")
+    return model.eval().to(device)
 
 
 def tiny_model(family: str = "qwen3_next", dtype=torch.float32, seed: int = 0, device="cpu", **overrides):

@@ -161,11 +161,22 @@ def default_name(*, engine_cfg: dict | None = None, tiny: str | None = None,
     return f"{family}_replayssm"
 
 
+def _read_json(path: pathlib.Path) -> dict:
+    """The JSON object in ``path``; RepoError naming the file where it is not one."""
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RepoError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(obj, dict):
+        raise RepoError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str | None = None) -> pathlib.Path:
     cfg_path = engine_dir / "config.json"
     if not cfg_path.is_file():
         raise RepoError(f"--engine-dir: expected {cfg_path} (run scripts/build_engine.py first)")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = _read_json(cfg_path)
     name = name or default_name(engine_cfg=cfg)
     text = config_text(model_config(cfg, name))
     plan = engine_dir / "model.plan"
@@ -255,11 +266,16 @@ def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise RepoError(f"--model: expected a checkpoint directory with config.json, got {model_dir}")
-    raw = json.loads(cfg_path.read_text())
+    raw = _read_json(cfg_path)
     kinds = ("nemotron_h",) + MODEL_TYPES
     if raw.get("model_type") not in kinds:
         raise RepoError(f"{cfg_path}: model_type: expected one of {kinds}, got {raw.get('model_type')!r}")
-    return int(raw["vocab_size"])
+    text = raw.get("text_config")  # the published Qwen3.5 directories: the vision-language wrapper's config
+    vocab = raw.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise RepoError(f"{cfg_path}: vocab_size (or text_config.vocab_size): expected a positive integer, got "
+                        f"{vocab!r}")
+    return vocab
 
 
 def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, max_seq_len: int, buffer_len: int,
@@ -269,7 +285,8 @@ def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, m
     if device not in ("cpu", "cuda"):
         raise RepoError(f"--device: expected cpu or cuda (auto is resolved before), got {device!r}")
     for key, v, lo, hi in (("max-slots", max_slots, 1, 4096), ("max-seq-len", max_seq_len, 1, 1 << 20),
-                           ("buffer-len", buffer_len, 1, 32), ("idle-ms", idle_us // 1000, 1, 1 << 31)):
+                           ("buffer-len", buffer_len, 1, 32), ("idle-ms", idle_us // 1000, 1, 1 << 31),
+                           ("max-queue-delay-us", max_queue_delay_us, 0, (1 << 63) - 1)):
         if not lo <= v <= hi:  # buffer_len >= 1: the standard cursor folds on the step that fills the buffer
             raise RepoError(f"--{key}: expected {lo}..{hi}, got {v}")
     mc = pb.ModelConfig(name=name, backend="python", max_batch_size=max_slots)
@@ -326,6 +343,8 @@ def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str =
 def _write_model(repo: pathlib.Path, name: str, files: dict, copies: dict | None = None) -> pathlib.Path:
     """``repo/name`` with ``files`` (relative path -> text) and ``copies`` (relative path -> a file copied in),
     written in a temporary sibling and renamed into place, so a failure leaves no half-written model."""
+    if not name or name in (".", "..") or any(sep and sep in name for sep in (os.sep, os.altsep)):
+        raise RepoError(f"--name: expected one directory name, got {name!r}")
     target = repo / name
     if target.exists():
         raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")

@@ -585,6 +585,18 @@ def test_build_engine_bad_arguments(tmp_path, args, message):
     assert not any(tmp_path.iterdir())
 
 
+def test_build_engine_overwrite_never_deletes_the_checkpoint(tmp_path):
+    """--overwrite with --out the --model directory (or a directory holding it) is refused by name, before anything
+    is read or written (it built the engine and then swapped it in for the checkpoint, deleting the checkpoint)."""
+    ckpt = tmp_path / "models" / "ckpt"
+    ckpt.mkdir(parents=True)
+    (ckpt / "config.json").write_text("{}")
+    for out in (ckpt, ckpt.parent, tmp_path / "models" / "." / "ckpt"):
+        r = _build("--out", out, "--model", ckpt, "--overwrite")
+        assert r.returncode == 2 and "--out: expected a directory that does not hold --model" in r.stderr, r.stderr
+        assert sorted(p.name for p in tmp_path.rglob("*")) == ["ckpt", "config.json", "models"]
+
+
 def test_build_engine_broken_checkpoint(model, tmp_path):
     ckpt = _save(model, tmp_path / "ckpt", drop=("lm_head.weight",))
     r = _build("--out", tmp_path / "engine", "--model", ckpt)

@@ -308,6 +308,82 @@ def test_a_failed_verify_leaves_the_checkpoint_and_the_step_cannot_be_reopened()
     c.flush(sbi, 2)  # a new step may open (the caller resets the slots the aborted step touched)
 
 
+def test_a_failed_reference_step_writes_nothing():
+    """The reference executor checks ``out``, the rows and (standard decode) every input before a fold writes the
+    checkpoint, as the kernel launchers do: it used to fold, then fail on out / z / D / a short
+    state_batch_indices, leaving a folded checkpoint that the step did not record (abort_step() said [])."""
+    gen = torch.Generator().manual_seed(6)
+    c = _cache(L=8, num_draft=1)
+    prm, weights = _layer_params(2, c, gen)
+    s0 = c.allocate()
+    c.allocate()
+    sbi = torch.tensor([s0], dtype=torch.int32)
+    for _ in range(3):  # count 6 of 8: the next T = 2 window folds first
+        _spec_step(c, sbi, 2, prm, weights, gen, nacc=torch.tensor([2], dtype=torch.int32))
+    c.flush(sbi, 2)
+    before = _slot_tensors(c, s0)
+    x, B, C, dt, _ = _inputs(2, 2, c, gen)
+    p = (prm[0].dt_bias, prm[0].A, prm[0].D, None)
+    with pytest.raises(ValueError, match=r"out: expected shape \(1, 2, 4, 8\), got \(1, 2, 4, 9\)"):
+        c.verify(0, x[:1], B[:1], C[:1], dt[:1], *p, sbi, out=torch.empty(1, 2, 4, 9, dtype=F64))
+    with pytest.raises(ValueError, match=r"state_batch_indices: expected shape \(2,\), got \(1,\)"):
+        c.verify(0, x, B, C, dt, *p, sbi)
+    assert all(torch.equal(a, b) for a, b in zip(_slot_tensors(c, s0), before))
+    assert c.abort_step() == []
+
+    std = _cache(num_draft=0, L=1, cursor="standard")  # L = 1: every step folds
+    s = std.allocate()
+    std.load_prefill(s, 0, torch.randn(4, 8, 8, generator=gen, dtype=F64))
+    sbi = torch.tensor([s], dtype=torch.int32)
+    std.flush(sbi, 1)
+    before = _slot_tensors(std, s)
+    x, B, C, dt, _ = _inputs(1, 1, std, gen)
+    good = dict(x=x, B=B, C=C, dt=dt, dt_bias=prm[0].dt_bias, A=prm[0].A, D=prm[0].D, state_batch_indices=sbi)
+    for bad, match in ((dict(z=torch.zeros(1, 1, 4, 9, dtype=F64)), r"z: expected shape \(1, 4, 8\)"),
+                       (dict(out=torch.empty(1, 1, 4, 9, dtype=F64)), r"out: expected shape \(1, 4, 8\)"),
+                       (dict(D=torch.zeros(5, dtype=F64)), r"D: expected shape \(4,\)")):
+        with pytest.raises(ValueError, match=match):
+            std.verify(0, **{**good, **bad})
+        assert all(torch.equal(a, b) for a, b in zip(_slot_tensors(std, s), before))
+
+
+def test_a_layer_runs_once_per_step_and_abort_reports_shifted_conv_windows():
+    """A second verify of a layer in one step would fold its checkpoint again on the unmoved cursor (it used to, and
+    the committed state came out wrong); a second conv update would shift its window twice: both refused. A conv
+    window shifted before a verify raised is reported by abort_step() and keeps flush() from reopening the step."""
+    gen = torch.Generator().manual_seed(6)
+    c = _cache(L=8, num_draft=1)
+    prm, weights = _layer_params(2, c, gen)
+    s0 = c.allocate()
+    sbi = torch.tensor([s0], dtype=torch.int32)
+    for _ in range(3):  # count 6 of 8: the next T = 2 window folds first
+        _spec_step(c, sbi, 2, prm, weights, gen, nacc=torch.tensor([2], dtype=torch.int32))
+    c.flush(sbi, 2)
+    x, B, C, dt, u = _inputs(1, 2, c, gen)
+    args = (x, B, C, dt, prm[0].dt_bias, prm[0].A, prm[0].D, None, sbi)
+    c.verify(0, *args)
+    folded = c.state[0, s0].clone()
+    with pytest.raises(RuntimeError, match=r"verify: layer 0 already ran in this step"):
+        c.verify(0, *args)
+    assert torch.equal(c.state[0, s0], folded)
+    c.conv_update(0, u, *weights[0], sbi)
+    with pytest.raises(RuntimeError, match=r"conv_update: layer \('conv', 0\) already ran in this step"):
+        c.conv_update(0, u, *weights[0], sbi)
+    with pytest.raises(IndexError, match="layer: expected 0 <= layer < 2, got -1"):
+        c.conv_update(-1, u, *weights[1], sbi)
+    assert c.abort_step() == [("conv", 0), 0]
+
+    c = _cache(L=8, num_draft=1)
+    s0 = c.allocate()
+    c.flush(sbi, 2)
+    c.conv_update(0, u, *weights[0], sbi)  # the model's order: the conv, then the SSM of the same layer
+    with pytest.raises(ValueError, match="z: expected shape"):
+        c.verify(0, *args[:7], torch.zeros(1, 2, 4, 9, dtype=F64), sbi)
+    with pytest.raises(RuntimeError, match=r"flush: the open step already verified layers \[\('conv', 0\)\]"):
+        c.flush(sbi, 2)
+    assert c.abort_step() == [("conv", 0)]  # the window holds the step's inputs: the slot must be reset
+
+
 def test_shadow_dtypes_the_kernels_do_not_read_are_refused():
     with pytest.raises(ValueError, match="shadow_dtype: expected None, bfloat16 or float8_e4m3fn, got torch.float16"):
         _cache(shadow_dtype=torch.float16)

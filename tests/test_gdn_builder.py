@@ -391,6 +391,51 @@ def test_build_engine_gdn_refuses_what_it_cannot_build(tmp_path):
     assert not (tmp_path / "e").exists() and list(tmp_path.iterdir()) == []
 
 
+
+def _save_qwen(path, drop=(), **overrides):
+    """A Qwen3.5 checkpoint directory (save_pretrained), less the tensors in ``drop``."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model("qwen3_5", **overrides).save_pretrained(path)
+    for f in path.glob("*.safetensors"):
+        sd = load_file(f)
+        save_file({k: v for k, v in sd.items() if k not in drop}, f, metadata={"format": "pt"})
+    return path
+
+
+def test_build_engine_gdn_checkpoint_missing_a_tensor_is_refused(tmp_path):
+    """A Qwen checkpoint missing a tensor is refused naming it, as a Nemotron one is (transformers' loader only
+    warns and initialises the tensor at random: the engine was built, with random weights, exit 0)."""
+    key = "model.layers.1.linear_attn.in_proj_qkv.weight"
+    ckpt = _save_qwen(tmp_path / "ckpt", drop=(key,))
+    r = _build("--out", tmp_path / "engine", "--model", ckpt, "--max-seq-len", MAX_SEQ)
+    assert r.returncode == 1 and "missing" in r.stderr and key in r.stderr, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_gdn_checkpoint_errors_name_the_problem(tmp_path):
+    """Layer types the step cannot run, a mis-shaped tensor and a directory without weights: CheckpointError naming
+    the key (they were an AttributeError in the middle of the ONNX export, or transformers' own exceptions)."""
+    from safetensors.torch import load_file, save_file
+
+    from builders.nemotron_h import CheckpointError
+    from builders.qwen3_next import load_gdn_model
+
+    odd = _save_qwen(tmp_path / "odd", layer_types=["linear_attention"] * 3 + ["sliding_attention"])
+    with pytest.raises(CheckpointError, match=r"layer_types: expected only .*'sliding_attention' at layer 3"):
+        load_gdn_model(odd)
+    bad = _save_qwen(tmp_path / "bad")
+    f = next(bad.glob("*.safetensors"))
+    sd = load_file(f)
+    sd["model.layers.0.linear_attn.dt_bias"] = torch.zeros(7)
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.layers.0.linear_attn.dt_bias"):
+        load_gdn_model(bad)
+    f.unlink()
+    with pytest.raises(CheckpointError, match="bad"):
+        load_gdn_model(bad)
+
+
 @torch.no_grad()
 def test_check_values_reaches_the_cache(model):
     """patch_gdn_replayssm(check_values=...) is the cache's (host checks of slots and cursors)."""

@@ -135,3 +135,35 @@ def test_a_failed_gdn_verify_leaves_the_checkpoint_as_it_was():
     with pytest.raises(ValueError, match=r"a: expected shape \(1, 2, 4\)"):
         cache.gdn_verify(0, **bad, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
     assert torch.equal(cache.gdn_state[0, s], before)
+
+
+@pytest.mark.parametrize("cursor", ["ring", "standard"])
+def test_a_gdn_verify_with_a_bad_out_or_twice_in_a_step_leaves_the_checkpoint(cursor):
+    """``out`` is checked before the fold writes the checkpoint (the reference used to fold, then fail writing the
+    outputs), and a second gdn_verify of a layer in one step, which would fold it again, is refused."""
+    gen = torch.Generator().manual_seed(8)
+    ring = cursor == "ring"
+    cache = ReplayStateCache.for_gdn(1, 2, HV, HK, V, KD, L if ring else 1, num_draft=1 if ring else 0, cursor=cursor,
+                                     state_dtype=F64, act_dtype=F64, dt_dtype=F64)
+    s = cache.allocate()
+    cache.load_gdn_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
+    sbi = torch.tensor([s], dtype=torch.int32)
+    A_log, dt_bias = torch.zeros(HV, dtype=F64), torch.zeros(HV, dtype=F64)
+    T = 2 if ring else 1
+    for _ in range(3 if ring else 0):  # count 6 of 8: the next T = 2 window folds first (standard: L = 1, every step)
+        cache.flush(sbi, T, [])
+        cache.gdn_verify(0, **_gdn_inputs(gen, 1, T), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+        cache.commit(sbi, torch.tensor([T], dtype=torch.int32), T)
+    before = cache.gdn_state[0, s].clone()
+    cache.flush(sbi, T, [])
+    x = _gdn_inputs(gen, 1, T)
+    with pytest.raises(ValueError, match=r"out: expected shape"):
+        cache.gdn_verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi,
+                         out=torch.empty(1, T, HV, V + 1, dtype=F64))
+    assert torch.equal(cache.gdn_state[0, s], before)
+    cache.gdn_verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+    folded = cache.gdn_state[0, s].clone()
+    assert not torch.equal(folded, before)
+    with pytest.raises(RuntimeError, match=r"gdn_verify: layer \('gdn', 0\) already ran in this step"):
+        cache.gdn_verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+    assert torch.equal(cache.gdn_state[0, s], folded)

@@ -127,3 +127,48 @@ def test_cli_refuses_to_overwrite_and_reports(engine_dir, tmp_path):
     family = "qwen3_next" if engine_dir.name == "qwen3_next" else "nemotron_h"  # the engine's model_type
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == [f"{family}_replayssm"]
     assert mtr.main(["--engine-dir", str(tmp_path / "none"), "--repo", str(tmp_path / "r2")]) == 2
+
+
+def test_python_repo_of_a_published_qwen3_5_directory(tmp_path):
+    """The published Qwen3.5 directories carry the vision-language wrapper's config.json (model_type qwen3_5, the
+    text model's vocab_size under text_config): the Python-backend repository takes its vocabulary from there (it was
+    a KeyError: 'vocab_size')."""
+    from google.protobuf import text_format
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    from builders.qwen3_next import TINY_QWEN3_5
+
+    ckpt = tmp_path / "ckpt"
+    Qwen3_5Config(text_config=Qwen3_5TextConfig(**dict(TINY_QWEN3_5, vocab_size=300)).to_dict()).save_pretrained(ckpt)
+    assert "vocab_size" not in json.loads((ckpt / "config.json").read_text())
+    target = tr.make_python_repo(tmp_path / "repo", model_dir=ckpt, device="cpu")
+    mc = text_format.Parse((target / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert target.name == "qwen3_5_replayssm" and list(mc.output[0].dims) == [300]
+
+
+def test_bad_inputs_are_refused_by_name_before_anything_is_written(tmp_path):
+    """An unreadable config.json (engine directory or checkpoint), a --name that is not one directory name and a
+    negative --max-queue-delay-us: RepoError naming the file or flag (they were a JSONDecodeError, AttributeError,
+    FileNotFoundError from mkdtemp, or protobuf's ValueError), the CLI's exit 2, and no file written."""
+    eng, ckpt, repo = tmp_path / "engine", tmp_path / "ckpt", tmp_path / "repo"
+    eng.mkdir()
+    ckpt.mkdir()
+    (eng / "config.json").write_text('{"format": "trtllm-replayssm-decode-step/1", "sta')  # cut short
+    with pytest.raises(tr.RepoError, match=r"engine/config.json: not valid JSON"):
+        tr.make_repo(eng, repo)
+    (eng / "config.json").write_text("[1, 2]")
+    with pytest.raises(tr.RepoError, match=r"engine/config.json: expected a JSON object, got list"):
+        tr.make_repo(eng, repo)
+    assert mtr.main(["--engine-dir", str(eng), "--repo", str(repo)]) == 2
+    (ckpt / "config.json").write_text("{")
+    with pytest.raises(tr.RepoError, match=r"ckpt/config.json: not valid JSON"):
+        tr.make_python_repo(repo, model_dir=ckpt, device="cpu")
+    for name in ("a/b", "../escape"):
+        with pytest.raises(tr.RepoError, match=f"--name: expected one directory name, got '{name}'"):
+            tr.make_python_repo(repo, name, device="cpu")
+        assert mtr.main(["--backend", "python", "--device", "cpu", "--repo", str(repo), "--name", name]) == 2
+    with pytest.raises(tr.RepoError, match=r"--max-queue-delay-us: expected 0\.\..*, got -5"):
+        tr.make_python_repo(repo, device="cpu", max_queue_delay_us=-5)
+    assert mtr.main(["--backend", "python", "--device", "cpu", "--repo", str(repo), "--max-queue-delay-us", "-5"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "engine"]

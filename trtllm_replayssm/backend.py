@@ -71,6 +71,45 @@ def _into(y, dtype, out, sbi):
     return out
 
 
+def _check_rows_out(sbi, out, shape) -> None:
+    """The rows' slots (batch,) and ``out`` (the outputs' shape), checked before a step writes anything (as the
+    kernel launchers do): the reference folds checkpoints before it computes the outputs."""
+    if sbi is not None:
+        spec_reference._check_shape(sbi, "state_batch_indices", tuple(shape[:1]))
+    if out is not None:
+        spec_reference._check_shape(out, "out", tuple(shape))
+
+
+def _check_decode_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sbi, out,
+                         shadow) -> None:
+    """Every shape :func:`.reference.replay_decode` reads, and the rows' cursors, checked before it writes: a flush
+    step folds the checkpoint before its outputs are gated."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x: expected a (batch, nheads, headdim) tensor, got {spec_reference._shape_of(x)}")
+    if not isinstance(B_cache, torch.Tensor) or B_cache.dim() != 4:
+        raise ValueError(f"B_cache: expected a (slots, ngroups, L, dstate) tensor, got "
+                         f"{spec_reference._shape_of(B_cache)}")
+    batch, H, P = x.shape
+    nslots, G, L, N = B_cache.shape
+    for name, t, shape in (("state", state, (nslots, H, P, N)), ("x_cache", x_cache, (nslots, H, L, P)),
+                           ("dt_cache", dt_cache, (nslots, H, L)), ("cursor", cursor, (nslots,)),
+                           ("B", B, (batch, G, N)), ("C", C, (batch, G, N)), ("dt", dt, (batch, H)),
+                           ("dt_bias", dt_bias, (H,)), ("A", A, (H,)), ("D", D, (H,))):
+        spec_reference._check_shape(t, name, shape)
+    if z is not None:
+        spec_reference._check_shape(z, "z", (batch, H, P))
+    if shadow is not None:
+        spec_reference._check_shape(shadow, "shadow", (nslots, H, P, N))
+    if H % G:
+        raise ValueError(f"B_cache: ngroups must divide nheads={H}, got {G}")
+    _check_rows_out(sbi, out, (batch, H, P))
+    rows = [int(s) for s in (torch.arange(batch) if sbi is None else sbi).tolist() if s >= 0]
+    bad = [s for s in rows if not 0 <= s < nslots or not 0 <= int(cursor[s]) < L]
+    if bad:
+        raise ValueError(f"state_batch_indices / cursor: slots in [0, {nslots}) with cursor in [0, {L}) expected, got "
+                         f"slots {bad[:8]}")
+
+
 def _reads_its_shadow(shadow, read_shadow: bool) -> None:
     if shadow is not None and not read_shadow:
         raise ValueError("read_shadow: the kernels always read the shadow they are given (pass shadow=None)")
@@ -89,6 +128,7 @@ class ReferenceBackend:
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
+        _check_decode_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sbi, out, shadow)
         caches = [state, x_cache, B_cache, dt_cache]
         wide = [c.double() for c in caches]
         L = x_cache.shape[2]
@@ -110,6 +150,7 @@ class ReferenceBackend:
         sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
         # every input checked before the fold writes the checkpoint (as the kernel launchers do before launching)
         spec_reference.check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sh)
+        _check_rows_out(sbi, out, x.shape)
         T, L = x.shape[1], x_cache.shape[2]
         flushed = spec_reference.flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi)
         _rewrite_shadows(state, shadow, shadow_scale, flushed)
@@ -126,6 +167,8 @@ class ReferenceBackend:
     def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                           check_values=None, use_qk_l2norm=True, scale=None):
         sh = None if shadow is None else Shadow.wrap(shadow, None)
+        if isinstance(v, torch.Tensor) and v.dim() == 3:  # the other shapes: gdn_reference's checks, before a write
+            _check_rows_out(sbi, out, v.shape)
         y = gdn_reference.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh,
                                         use_qk_l2norm=use_qk_l2norm, scale=scale)
         return _into(y, v.dtype, out, sbi)
@@ -138,6 +181,7 @@ class ReferenceBackend:
                              f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
         # every input checked before the fold writes the checkpoint (as the kernel launchers do before launching)
         gdn_reference.check_inputs(buf, q, k, v, a, b, A_log, dt_bias, tuple(v.shape[:2]))
+        _check_rows_out(sbi, out, v.shape)
         T, L = v.shape[1], buf.u_cache.shape[2]
         flushed = gdn_reference.flush_checkpoint(buf, cursor, T, sbi, sh)  # the shadow rewritten from what it stored
         after = cursor.clone()

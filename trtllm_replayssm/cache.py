@@ -441,11 +441,12 @@ class ReplayStateCache:
         if A_by_layer is not None and len(A_by_layer) != self.num_layers:
             raise ValueError(f"A_by_layer: expected {self.num_layers} tensors, got {len(A_by_layer)}")
         if self._step is not None and self._step[1]:
-            # Those layers already folded their checkpoints and appended the window on the pre-step cursor: a
-            # new step would fold them again. Finish the step (commit) or reset the slots it touched.
+            # Those layers already folded their checkpoints and appended the window on the pre-step cursor (or
+            # shifted their conv windows): a new step would do it again. Finish the step (commit) or reset the
+            # slots it touched.
             raise RuntimeError(f"flush: the open step already verified layers {sorted(self._step[1], key=str)} "
-                               "(their checkpoints hold this step's fold); commit it, or abort_step() and reset "
-                               "its slots, before opening another")
+                               "(their checkpoints hold this step's fold, their conv windows its inputs); commit "
+                               "it, or abort_step() and reset its slots, before opening another")
         rows = self._rows(state_batch_indices, "flush") if self._checking() else None
         self._step = (num_tokens, set())
         if self.uses_kernels:
@@ -456,19 +457,30 @@ class ReplayStateCache:
         return [s for s in rows if s >= 0 and sr.needs_flush(self.cursor, s, num_tokens, self.buffer_len)]
 
     def abort_step(self) -> list:
-        """Close an open step without committing it (a layer's verify raised). Returns the layers it verified:
-        their checkpoints may hold the step's fold and their rings its window while the cursor does not count
-        them, so the step's slots must be reset (or prefilled again) before they decode."""
+        """Close an open step without committing it (a layer's verify raised). Returns the layers it verified
+        (and ``("conv", l)`` / ``("gdn_conv", l)`` for the conv windows it shifted): their checkpoints may hold the
+        step's fold, their rings and windows its inputs while the cursor does not count them, so the step's slots
+        must be reset (or prefilled again) before they decode."""
         verified = [] if self._step is None else sorted(self._step[1], key=str)
         self._step = None
         return verified
 
-    def _open(self, T: int, state_batch_indices, what: str) -> tuple[set, bool]:
+    def _open(self, T: int, state_batch_indices, what: str, key) -> tuple[set, bool]:
         self._check_T(T)
         check = self._checking()
         if check:
             self._rows(state_batch_indices, what)
-        return self._step_T(T, what), check
+        done = self._step_T(T, what)
+        self._once(done, key, what)
+        return done, check
+
+    @staticmethod
+    def _once(done: set, key, what: str) -> None:
+        """A layer runs once per step: a second verify would fold its checkpoint again on the unmoved cursor (a
+        second conv update would shift its window twice)."""
+        if key in done:
+            raise RuntimeError(f"{what}: layer {key} already ran in this step (again, it would fold its checkpoint "
+                               f"or shift its conv window a second time); commit the step first")
 
     def verify(self, layer: int, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None) -> torch.Tensor:
         """Outputs (batch, T, H, P) of the T window tokens of one layer; appends the window to its ring.
@@ -476,7 +488,7 @@ class ReplayStateCache:
         Where count + 2T > L on the pre-step cursor the layer's checkpoint (and shadow) is folded first.
         Outputs in x's dtype (padding rows NaN on the reference), or written into ``out`` (rows with a slot).
         """
-        verified, check = self._open(x.shape[1], state_batch_indices, "verify")
+        verified, check = self._open(x.shape[1], state_batch_indices, "verify", layer)
         lay = self.layer(layer)
         if self.standard:  # T = 1 on the (slots,) cursor: the standard decode kernel
             y = self.x.replay_decode(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x[:, 0], B[:, 0],
@@ -501,13 +513,17 @@ class ReplayStateCache:
         Gathered rows (:func:`conv_update_rows`), math in fp32 (float64 for float64 tensors), outputs in u's
         dtype; padding rows NaN and no slot touched. ``spec_reference.conv_window_update`` is its spec.
         """
-        return self._conv_update(self._conv[layer], self.conv_dim, u, weight, bias, state_batch_indices, activation)
+        self.layer(layer)  # the index checked (a negative one would wrap to another layer's window)
+        return self._conv_update(self._conv[layer], self.conv_dim, u, weight, bias, state_batch_indices, activation,
+                                 ("conv", layer))
 
-    def _conv_update(self, conv_scratch, conv_dim, u, weight, bias, state_batch_indices, activation):
+    def _conv_update(self, conv_scratch, conv_dim, u, weight, bias, state_batch_indices, activation, key):
         T = u.shape[1]
         self._check_T(T)
+        done = None
         if self._step is not None:
-            self._step_T(T, "conv_update")
+            done = self._step_T(T, "conv_update")
+            self._once(done, key, "conv_update")
         if self._checking():
             self._rows(state_batch_indices, "conv_update")
         batch, K = state_batch_indices.shape[0], self.conv_kernel
@@ -518,6 +534,8 @@ class ReplayStateCache:
         if activation not in (None, "silu"):
             raise ValueError(f"activation: expected None or 'silu', got {activation!r}")
         out = conv_update_rows(conv_scratch, u, weight, bias, self._dst(state_batch_indices), K, activation)
+        if done is not None:  # the step shifted this window: abort_step reports it, flush() refuses to reopen
+            done.add(key)
         return torch.where((state_batch_indices >= 0)[:, None, None], out, float("nan"))
 
     def gdn_verify(self, layer: int, q, k, v, a, b, A_log, dt_bias, state_batch_indices=None, out=None,
@@ -527,7 +545,7 @@ class ReplayStateCache:
         q, k (batch, T, Hk, Kd), v (batch, T, HV, V), a, b (batch, T, HV) raw, A_log, dt_bias (HV,). The
         executor's ``gdn_replay_verify`` (reference: ``gdn_reference`` in float64, padding rows NaN; kernels:
         ``gdn_ops.gdn_replay_verify``) with the layer's shadow; outputs in v's dtype or into ``out``."""
-        verified, check = self._open(v.shape[1], state_batch_indices, "gdn_verify")
+        verified, check = self._open(v.shape[1], state_batch_indices, "gdn_verify", ("gdn", layer))
         lay = self.gdn_layer(layer)
         if self.standard:  # T = 1 on the (slots,) cursor: the standard GDN decode kernel
             y = self.x.gdn_replay_decode(lay.buf, self.cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log,
@@ -545,8 +563,9 @@ class ReplayStateCache:
     def gdn_conv_update(self, layer: int, u, weight, bias=None, state_batch_indices=None,
                         activation="silu") -> torch.Tensor:
         """:meth:`conv_update` for GDN layer ``layer``'s window over q | k | v (u (batch, T, gdn_conv_dim))."""
+        self.gdn_layer(layer)  # the index checked
         return self._conv_update(self._gdn_conv[layer], self.gdn_conv_dim, u, weight, bias, state_batch_indices,
-                                 activation)
+                                 activation, ("gdn_conv", layer))
 
     def commit(self, state_batch_indices, n_accepted, num_tokens: int) -> None:
         """Accept n of T tokens per row: count += n (cursor move), conv windows drop T - n inputs (all layers)."""
