@@ -283,6 +283,50 @@ def test_a_failed_step_drops_its_sequences_and_the_model_serves_on(tmp_path, tin
     torch.testing.assert_close(torch.stack([r.outputs["logits"][0] for r in got]), want, rtol=0, atol=TOL)
 
 
+def test_a_restart_or_end_later_in_the_batch_leaves_the_new_sequence_fresh(tmp_path):
+    """A START (or an END, then a START) of a sequence whose earlier request is in the same batch: the earlier
+    row used to run after the restart had freed its slot and handed it to the new sequence (the lowest free
+    slot: the same one), so the new sequence began on the old one's token; and the batch's END was applied
+    at its end, freeing the sequence that started after it."""
+    m = tm.SequenceModel(FakePb, make_args(tmp_path), clock=Clock())
+    a, b = m.execute([request(2, 10, start=True), request(2, 11, start=True)])
+    assert a.error is None and b.error is None
+    torch.testing.assert_close(a.outputs["logits"][0], oracle()([10])[0], rtol=0, atol=TOL)
+    torch.testing.assert_close(b.outputs["logits"][0], oracle()([11])[0], rtol=0, atol=TOL)  # from zeros
+    a, b = m.execute([request(2, 12, end=True), request(2, 13, start=True)])
+    assert a.error is None and b.error is None
+    torch.testing.assert_close(a.outputs["logits"][0], oracle()([11, 12])[1], rtol=0, atol=TOL)
+    torch.testing.assert_close(b.outputs["logits"][0], oracle()([13])[0], rtol=0, atol=TOL)
+    c = m.execute([request(2, 14)])[0]  # the sequence that started after the END lives on
+    assert c.error is None, err(c)
+    torch.testing.assert_close(c.outputs["logits"][0], oracle()([13, 14])[1], rtol=0, atol=TOL)
+    a, b = m.execute([request(2, 15, end=True), request(2, 16)])  # a request after the END: the sequence is over
+    assert a.error is None and "sequence 2 is over (ended by sequence_end)" in err(b)
+    assert not m.table.live and m.step.cache.num_free == 4
+
+
+def test_a_failed_step_fails_the_later_rows_of_its_sequences(tmp_path, monkeypatch):
+    """Two requests of one sequence in a batch, the first round's step fails: the second row used to run on the
+    dropped sequence's freed slot and come back as a success when the cache does not check rows (CUDA:
+    check_values=False); the sequence's next request is told the step failed, not that it was ended."""
+    m = tm.SequenceModel(FakePb, make_args(tmp_path), clock=Clock())
+    m.step.cache.check_values = False  # as on CUDA
+    orig, boom = m.step._attention, {"n": 1}
+
+    def failing(*a, **k):
+        if boom["n"]:
+            boom["n"] -= 1
+            raise RuntimeError("injected")
+        return orig(*a, **k)
+
+    monkeypatch.setattr(m.step, "_attention", failing)
+    a, b = m.execute([request(1, 10, start=True), request(1, 11)])
+    assert "step failed (RuntimeError: injected)" in err(a) and "step failed (RuntimeError: injected)" in err(b)
+    assert not m.table.live and m.step.cache.num_free == 4
+    c = err(m.execute([request(1, 12)])[0])
+    assert "sequence 1 is over (step failed (RuntimeError: injected))" in c, c
+
+
 def test_idle_sequences_are_freed_and_reset(tmp_path):
     clock = Clock()
     m = tm.SequenceModel(FakePb, make_args(tmp_path, slots=2, idle_us=500_000), clock=clock)

@@ -564,6 +564,22 @@ def test_shadow_plugins_check_the_shadow_and_its_scale(plugin):
         tp.check_attributes(plugin, attrs, {**shapes_of("fp8"), "shadow": (5, 8, 64, 32)}, "fp8")
 
 
+@pytest.mark.parametrize("plugin", [tp.GDN_SHADOW_PLUGIN_NAME, tp.GDN_VERIFY_SHADOW_PLUGIN_NAME])
+def test_gdn_shadow_plugins_check_the_shadow(fake_trt, plugin):
+    """The GDN kernels read and write an (S, HV, V, K) bf16 shadow like the state: one of another shape (K and V
+    swapped) was accepted by check_attributes and by the registered shape function, and overrun or misread."""
+    trt, trtp, registry = fake_trt
+    attrs, shapes_of, (state, act, shadow) = PLUGIN_CASES[plugin]
+    shapes = {**shapes_of(attrs), "state": (5, 4, 64, 128)}
+    tp.check_attributes(plugin, attrs, {**shapes, "shadow": (5, 4, 64, 128)})
+    bad = {**shapes, "shadow": (5, 4, 128, 64)}
+    with pytest.raises(ValueError, match=r"shadow: expected the state's shape \(5, 4, 64, 128\), got \(5, 4, 128, 64\)"):
+        tp.check_attributes(plugin, attrs, bad)
+    with pytest.raises(ValueError, match=r"shadow: expected the state's shape \(5, 4, 64, 128\), got \(5, 4, 128, 64\)"):
+        registry[tp.PLUGINS[plugin].id]["desc"](*_descs(trtp, plugin, bad, _dtypes(plugin, state, act, shadow)),
+                                                **attrs)
+
+
 @pytest.mark.parametrize("shadow", ["none", "bf16", "fp8"])
 def test_verify_kernel_parameters_are_in_tensorrt_order(shadow):
     """mamba2_verify[_shadow]: the entry's parameters are the plugin's inputs, two int32 scalars, its outputs (the

@@ -224,6 +224,59 @@ def test_registered_op_runs_the_adapter():
     assert torch.equal(out, want)
 
 
+
+def test_registered_op_refuses_a_forced_flush_eagerly():
+    """vLLM's is_flush reaches the registered op too: a forced flush (is_flush set where write_pos != L - 1) is
+    refused eagerly, before anything is written (the op used to have no is_flush, so it was served silently)."""
+    a = _args()
+    before = {k: a[k].clone() for k in ("state", "x_cache", "B_cache", "dt_cache")}
+    out = torch.full(a["x"].shape, 3.0, dtype=a["x"].dtype)
+    op = torch.ops.trtllm_replayssm.vllm_mamba2_decode
+    args = (a["state"], a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], a["x_cache"], a["dt_cache"],
+            a["B_cache"], a["write_pos"], a["state_batch_indices"], out)
+    with pytest.raises(ValueError, match="is_flush: expected write_pos == 3"):
+        op(*args, z=a["z"], is_flush=torch.tensor([1, 0, 0], dtype=torch.int32))
+    assert all(torch.equal(a[k], v) for k, v in before.items())
+    assert torch.equal(out, torch.full_like(out, 3.0))
+    op(*args, z=a["z"], is_flush=torch.zeros(3, dtype=torch.int32))  # consistent flags: served
+    assert not torch.equal(out, torch.full_like(out, 3.0))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_cpu_path_computes_wide_whatever_the_checkpoint_dtype(state_dtype):
+    """A bf16 / fp16 checkpoint: the CPU path computes in float64 as the kernel computes in fp32, not in the
+    checkpoint's dtype: the dt ring holds fp32 processed dt (the contract) and the fold is rounded to the
+    checkpoint dtype once (it used to run the whole step in bf16 / fp16)."""
+    H, P, N, G, L, act = 4, 16, 16, 2, 2, torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    pages = Pages(5, H, P, N, G, L, 4, act, state_dtype, 32, "cpu")
+    pages.fill(gen)
+    prm = make_params(H, gen)
+    A, D, dtb = tied(prm, H, P, N, "cpu")
+    sbi = torch.tensor([1, 3, 4], dtype=torch.int32)
+    d64 = {k: v.to(F64) for k, v in pages.dense().items()}
+    for step in range(L):  # the second step flushes
+        x, B, C, z, dt = activations(3, H, P, N, G, act, gen, "cpu")
+        wp = torch.full((3,), step, dtype=torch.int32)
+        out = torch.empty(3, H, P, dtype=act)
+        vllm.selective_state_update_replayssm(
+            pages.views["ssm"], x, dt, A, B, C, D=D, dt_bias=dtb, z=z, x_cache=pages.views["x_cache"],
+            dt_cache=pages.views["dt_cache"], B_cache=pages.views["B_cache"], write_pos=wp, max_cache_len=L,
+            state_batch_indices=sbi, out=out)
+        cur = torch.zeros(5, dtype=torch.int32)
+        cur[sbi.long()] = wp
+        y64 = ref.replay_decode(d64["ssm"], d64["x_cache"], d64["B_cache"], d64["dt_cache"], cur, x.to(F64),
+                                B.to(F64), C.to(F64), dt[:, :, 0].to(F64), prm.dt_bias.to(F64), prm.A.to(F64),
+                                prm.D.to(F64), z=z.to(F64), state_batch_indices=sbi)
+        d64["dt_cache"] = d64["dt_cache"].float().to(F64)
+        if step == 0:
+            got = pages.views["dt_cache"][sbi.long(), :, 0].to(F64)
+            want = d64["dt_cache"][sbi.long(), :, 0]
+            assert torch.allclose(got, want, rtol=1e-6, atol=0), float(((got - want) / want).abs().max())
+        assert ((out.to(F64) - y64).norm() / y64.norm()).item() < 4e-3  # y rounded to bf16 once
+    s = pages.views["ssm"][sbi.long()]
+    assert torch.equal(s, d64["ssm"][sbi.long()].to(state_dtype))
+
 # ---- CPU: the strided module compiles (NVRTC) ----------------------------------------------------------
 LAYOUT = Layout(slot_state=128 * 64 * 128 + 96, slot_x=128 * 16 * 64 + 48, slot_B=8 * 16 * 128 + 48,
                 slot_dt=128 * 16 + 24, row_x=10240, row_B=10240, row_C=10240, row_dt=18560, row_z=18560,

@@ -384,9 +384,9 @@ class SequenceTable:
             raise RequestError(f"sequence {seq.corrid} holds {held} = max_seq_len {self.max_seq_len}: "
                                f"no room for another; end it (sequence_end=True) and start a new one")
 
-    def end(self, corrid: int) -> None:
+    def end(self, corrid: int, why: str = "ended by sequence_end") -> None:
         if corrid in self.live:
-            self._forget(corrid, "ended by sequence_end")
+            self._forget(corrid, why)
 
 
 # ---- the Triton adapter ---------------------------------------------------------------------------------------
@@ -475,11 +475,21 @@ class SequenceModel:
         now = self.clock()
         self.table.expire(now)
         responses: list = [None] * len(requests)
-        rows = []  # (request index, Sequence, token, end)
-        ends = set()
+        rows = []  # (request index, Sequence, token) admitted, not yet run
+        ends = set()  # CORRIDs whose END came with a request of this batch, not yet applied
         for r, req in enumerate(requests):
             try:
                 start, end, ready, corrid = (self._scalar(req, c) for c in CONTROLS)
+                # A request after its sequence's END, or a START that frees a slot (a restart, or no free slot: the
+                # least recently used goes), would free a sequence that earlier rows of this batch still hold and
+                # hand its slot to a new one: run those rows and apply those ENDs first, in request order.
+                if corrid in ends or (rows and start and (corrid in self.table.live
+                                                          or len(self.table.live) >= self.table.num_slots)):
+                    self._run(rows, responses)
+                    rows = []
+                    for c in ends:
+                        self.table.end(c)
+                    ends.clear()
                 if end:
                     ends.add(corrid)  # the client ends the sequence whatever happens to this token
                 if not ready:
@@ -489,11 +499,18 @@ class SequenceModel:
                 if not 0 <= token < self.step.vocab:
                     raise RequestError(f"sequence {corrid}: input_ids: expected a token in [0, {self.step.vocab}), "
                                        f"got {token}")
-                # rows of this sequence admitted earlier in the batch run first (later rounds below)
+                # rows of this sequence admitted earlier in the batch run first (later rounds in _run)
                 self.table.check_room(seq, sum(row[1] is seq for row in rows))
                 rows.append((r, seq, token))
             except RequestError as e:
                 responses[r] = self._error(str(e))
+        self._run(rows, responses)
+        for corrid in ends:
+            self.table.end(corrid)
+        return responses
+
+    def _run(self, rows, responses) -> None:
+        """Steps over ``rows`` (request index, Sequence, token): one row per sequence per step, in order."""
         while rows:  # the oldest strategy sends one request per sequence per batch; more go in later rounds
             batch, later, seen = [], [], set()
             for row in rows:
@@ -503,19 +520,22 @@ class SequenceModel:
             try:
                 logits = self.step([s.slot for _, s, _ in batch], [t for _, _, t in batch]).cpu()
             except Exception as e:  # the rows' state is undefined after a failed step: drop those sequences
+                why = f"step failed ({type(e).__name__}: {e})"
                 for r, seq, _ in batch:
-                    responses[r] = self._error(f"sequence {seq.corrid}: step failed ({type(e).__name__}: {e}); "
-                                               f"the sequence was dropped, start it again")
-                    self.table.end(seq.corrid)
+                    responses[r] = self._error(f"sequence {seq.corrid}: {why}; the sequence was dropped, start it again")
+                    self.table.end(seq.corrid, why)
+                dropped = {id(seq) for _, seq, _ in batch}  # their later rows would run on a freed slot
+                for r, seq, _ in rows:
+                    if id(seq) in dropped:
+                        responses[r] = self._error(f"sequence {seq.corrid}: an earlier request of this batch: {why}; "
+                                                   f"the sequence was dropped, start it again")
+                rows = [row for row in rows if id(row[1]) not in dropped]
                 continue
             for b, (r, seq, _) in enumerate(batch):
                 seq.length += 1
                 slot = torch.tensor([[seq.slot]], dtype=torch.int32)
                 responses[r] = self.pb.InferenceResponse(output_tensors=[self._out(LOGITS, logits[b:b + 1].clone()),
                                                                          self._out(SLOT, slot)])
-        for corrid in ends:
-            self.table.end(corrid)
-        return responses
 
     def finalize(self) -> None:
         self.table.live.clear()

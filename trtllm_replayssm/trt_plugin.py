@@ -503,6 +503,8 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict, shadow_kind: str | 
         raise ValueError(f"{PLUGINS[plugin].id}: attributes do not match the input shapes: {got}")
     if plugin in (SHADOW_PLUGIN_NAME, VERIFY_SHADOW_PLUGIN_NAME):
         _check_shadow_shapes(plugin, shapes, shadow_kind)
+    if plugin in (GDN_SHADOW_PLUGIN_NAME, GDN_VERIFY_SHADOW_PLUGIN_NAME):  # the kernels read it as the state (bf16)
+        _check_shadow_shapes(plugin, {k: shapes.get(k) for k in ("state", "shadow")}, None)
     if plugin in GDN_DECODE_PLUGINS + GDN_VERIFY_PLUGINS:
         if attrs["use_qk_l2norm"] not in (0, 1):
             raise ValueError(f"{PLUGINS[plugin].id}: use_qk_l2norm: expected 0 or 1, got {attrs['use_qk_l2norm']!r}")
@@ -769,7 +771,7 @@ def register():
                  buffer_len: IntAttr, use_qk_l2norm: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(GDN_SHADOW_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                            value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
-              q=q, v=v, u_cache=u_cache)
+              q=q, v=v, u_cache=u_cache, state=state, shadow=shadow)
         return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
                 beta_cache.aliased(), shadow.aliased())
 
@@ -829,7 +831,8 @@ def register():
         check(GDN_VERIFY_SHADOW_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                                   value_dim=value_dim, buffer_len=buffer_len,
                                                   use_qk_l2norm=use_qk_l2norm, num_tokens=num_tokens),
-              q=q, v=v, u_cache=u_cache, cursor=cursor)
+              q=q, v=v, u_cache=u_cache, cursor=cursor, state=state,
+              shadow=shadow)
         return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
                 beta_cache.aliased(), shadow.aliased())
 

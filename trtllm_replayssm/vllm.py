@@ -325,13 +325,20 @@ def selective_state_update_replayssm(state, x, dt, A, B, C, D=None, dt_bias=None
 
 
 def _reference_step(state, x_cache, B_cache, dt_cache, c: _Call) -> None:
-    """The CPU path: reference.replay_decode on the same views (per-slot cursor from the per-row one)."""
+    """The CPU path: reference.replay_decode in float64 on copies of the live rows' blocks (compacted, with the
+    per-row cursor), stored back into the views in their own dtypes; padding rows and other blocks untouched."""
     live = (c.sbi >= 0) & (c.sbi != c.layout.null_slot)
-    sbi = torch.where(live, c.sbi, torch.full_like(c.sbi, -1))
-    cursor = torch.zeros(state.shape[0], dtype=torch.int32)
-    cursor[sbi[live].long()] = c.write_pos[live]
-    y = _ref.replay_decode(state, x_cache, B_cache, dt_cache, cursor, c.x, c.B, c.C, c.dt, c.dt_bias, c.A, c.D,
-                           z=c.z, state_batch_indices=sbi)
+    blocks = c.sbi[live].long()
+    if not blocks.numel():
+        return
+    views = (state, x_cache, B_cache, dt_cache)
+    wide = [v[blocks].double() for v in views]
+    sbi = torch.full_like(c.sbi, -1)
+    sbi[live] = torch.arange(blocks.numel(), dtype=sbi.dtype)
+    act = [None if t is None else t.double() for t in (c.x, c.B, c.C, c.dt, c.dt_bias, c.A, c.D, c.z)]
+    y = _ref.replay_decode(*wide, c.write_pos[live], *act[:7], z=act[7], state_batch_indices=sbi)
+    for v, w in zip(views, wide):
+        v[blocks] = w.to(v.dtype)
     c.out[live] = y[live].to(c.out.dtype)
 
 
@@ -341,16 +348,17 @@ def vllm_mamba2_decode_op(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor
                           C: torch.Tensor, D: torch.Tensor, dt_bias: torch.Tensor, x_cache: torch.Tensor,
                           dt_cache: torch.Tensor, B_cache: torch.Tensor, write_pos: torch.Tensor,
                           state_batch_indices: torch.Tensor, out: torch.Tensor, z: torch.Tensor | None = None,
-                          null_block_id: int = NULL_BLOCK_ID) -> None:
+                          null_block_id: int = NULL_BLOCK_ID, is_flush: torch.Tensor | None = None) -> None:
     """The registered op (``torch.ops.trtllm_replayssm.vllm_mamba2_decode``) a vLLM backend calls from its
-    own custom op: opaque to torch.compile, capturable in a CUDA graph (no host checks while capturing)."""
+    own custom op: opaque to torch.compile, capturable in a CUDA graph (no host checks while capturing).
+    ``is_flush``: vLLM's per-row flag, checked eagerly as in :func:`selective_state_update_replayssm`."""
     selective_state_update_replayssm(state, x, dt, A, B, C, D=D, dt_bias=dt_bias, z=z, x_cache=x_cache,
-                                     dt_cache=dt_cache, B_cache=B_cache, write_pos=write_pos,
+                                     dt_cache=dt_cache, B_cache=B_cache, write_pos=write_pos, is_flush=is_flush,
                                      max_cache_len=x_cache.shape[2], state_batch_indices=state_batch_indices,
                                      null_block_id=null_block_id, out=out)
 
 
 @vllm_mamba2_decode_op.register_fake
 def _(state, x, dt, A, B, C, D, dt_bias, x_cache, dt_cache, B_cache, write_pos, state_batch_indices, out, z=None,
-      null_block_id=NULL_BLOCK_ID):
+      null_block_id=NULL_BLOCK_ID, is_flush=None):
     return None
