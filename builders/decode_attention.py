@@ -8,7 +8,7 @@ boolean mask reads every position of the cache; at batch 256 and a 1024-position
 
 Layout (that of builders/model_step.py): q (b, T, nh * hd) as the q projection writes it; the caches
 k, v (b, kvh, cap, hd) contiguous, grouped-query heads (nh = kvh * rep); ``last`` (b, T) int64: the
-last position query t of row b sees (keys 0..last[b, t]; the step passes min(lengths[b] + t, kv_len - 1)).
+last position query t of row b sees (keys 0..last[b, t]; the step passes min(lengths[b] + t, kv_len + T - 2)).
 Output o (b, T, nh * hd), ready for o_proj. Scale hd^-1/2 (Nemotron-H: NoPE, no softcap).
 
 One program per (row, kv head): its rep * T query rows (padded to 16 for the tensor cores) walk the

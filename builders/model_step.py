@@ -511,7 +511,9 @@ class HybridStep:
         i64 = dict(dtype=torch.int64, device=dev)
         conv_dim = self.H * self.P + 2 * self.G * self.N
         self.W = self.K - 2 + T
-        self.kv_cap = -(-kv_len // 16) * 16  # aligned rows for the attention kernels; positions >= kv_len unused
+        # aligned rows for the attention kernels; positions >= kv_len are scratch: the T - 1 rows after kv_len - 1
+        # take the K/V of a window that runs past the cache, so they never overwrite a committed position
+        self.kv_cap = -(-(kv_len + T - 1) // 16) * 16
         self.tokens = torch.zeros(b, T, **i64)
         self.lengths = torch.zeros(b, **i64)
         self.shift = torch.zeros(b, **i64)
@@ -650,9 +652,11 @@ class HybridStep:
 
     def _attention_positions(self) -> None:
         """Cache positions of the T tokens and the mask of every attention layer of this step: query t
-        of row b sees positions <= lengths[b] + t (clamped into the cache)."""
+        of row b sees positions <= lengths[b] + t (clamped into the cache: positions past kv_len - 1, a
+        window that runs past the cache, land in the scratch rows kv_len .. kv_len + T - 2, never on a
+        committed position)."""
         b, T = self.batch, self.T
-        self._kv_at = (self.lengths[:, None] + self.ar_T[None, :]).clamp(max=self.kv_len - 1)  # (b, T)
+        self._kv_at = (self.lengths[:, None] + self.ar_T[None, :]).clamp(max=self.kv_len + T - 2)  # (b, T)
         if self.flash:
             return  # decode_attention takes _kv_at, no mask
         seen = self.kv_pos[None, None, :] <= self._kv_at[:, :, None]  # (b, T, S)
@@ -687,7 +691,9 @@ class HybridStep:
             self.conv_all[j][:, W - (K - 1):].copy_(snap["conv"][i])
         for name in ("k", "v"):
             for i, t in getattr(self, name).items():
-                t.copy_(snap[name][i])
+                n = min(t.shape[2], snap[name][i].shape[2])  # a T = 1 step's cache may have fewer scratch rows
+                t[:, :, :n].copy_(snap[name][i][:, :, :n])
+                t[:, :, n:].zero_()
         self.ssm.load(snap["ssm"])  # layer by layer (copy_ crosses devices): no second full copy on the GPU
 
 
@@ -784,7 +790,9 @@ class SpecStep(HybridStep):
     ``out`` (batch, table_len + T) (entries >= pos are scratch), ``n_acc`` (batch,) int32, ``agree``
     and ``partial`` (batch,) counters; ``ref`` and ``drafts`` (batch, table_len) are inputs. Indices
     into the tables and caches are clamped so an over-long run never writes out of bounds; the driver
-    sizes them so clamping never happens (``steps * T + T + 1 <= table_len``).
+    sizes the tables so clamping never happens (``steps * T + T + 1 <= table_len``). A window that runs
+    past the KV cache (lengths[b] + T > kv_len) writes its tokens beyond kv_len - 1 to scratch rows, so
+    the tokens within the cache keep sequential decoding's logits.
     """
 
     def __init__(self, model, batch: int, kv_len: int, T: int, table_len: int, ssm: SSMMode, live: bool = True,

@@ -119,6 +119,32 @@ def test_conv_window_offset_matches_reference_rollback():
         assert torch.equal(committed.transpose(1, 2).double(), ref_win[:, :, W - (K - 1):]), step  # moved values only
 
 
+def test_window_running_past_the_kv_cache_keeps_the_positions_inside(model):
+    """A row whose verify window runs past max_seq_len (lengths + T > kv_len): the tokens inside the cache
+    get sequential T = 1 decoding's logits. Before the fix, the positions past kv_len - 1 were clamped onto
+    kv_len - 1 and their K/V overwrote that committed position's (logits off by ~0.3)."""
+    b, prompt_len, kv_len = 2, 5, 12
+    prompt = torch.randint(0, model.config.vocab_size, (b, prompt_len), generator=torch.Generator().manual_seed(0))
+    std = ss.DecodeStep(model, b, kv_len, ss.Conventional())
+    std.feed(prompt)
+    snap = std.snapshot()
+    G, seq = [std.ids.clone()], []
+    for _ in range(kv_len - prompt_len):  # inputs at positions prompt_len .. kv_len - 1
+        seq.append(std().clone())
+        G.append(std.ids.clone())
+    G, seq = torch.stack(G, 1), torch.stack(seq, 1)
+    table = torch.cat([G, torch.zeros(b, 2 * T, dtype=torch.int64)], 1)  # drafts = the greedy tokens: all accepted
+    spec = ss.SpecStep(model, b, kv_len, T, table.shape[1], ss.NativeSpec(), live=True)
+    spec.set_tables(table, table)
+    spec.restore(snap)
+    spec()
+    assert spec.lengths.tolist() == [prompt_len + T] * b
+    got = spec()  # inputs at positions 9 .. 12: 9, 10, 11 inside the cache, 12 past it
+    inside = kv_len - (prompt_len + T)
+    torch.testing.assert_close(got[:, :inside], seq[:, T:T + inside], rtol=1e-4, atol=2e-5)
+    assert torch.equal(spec.out[:, :1 + T + inside], G[:, :1 + T + inside])
+
+
 # ---- the tiny path end to end --------------------------------------------------------------------------------
 def test_spec_modes_equal_greedy_and_rows(model):
     rows = bs.run_batch(model, 2, list(bs.MODES), acceptances=(0.0, 1.0), **RUN)

@@ -475,6 +475,23 @@ def test_verify_triangular_alone():
     assert _rel(y_tri[:2], y[:2]) < RTOL
 
 
+def test_verify_triangular_is_causal_for_a_non_finite_later_value():
+    """Like verify (a recurrence), verify_triangular's y_t reads u_t' for t' <= t only: a NaN in v of window
+    token 3 must not reach y_0..y_2 (a zero tril weight times the NaN u_3 spread it to every position)."""
+    gen = torch.Generator().manual_seed(29)
+    HV, H, V, K, L, T = 4, 2, 6, 8, 8, 4
+    A_log, dt_bias = _params(HV, gen)
+    buf = _buffers(1, HV, H, V, K, L, gen)
+    cursor = torch.tensor([[6, 3]], dtype=torch.int32)
+    q, k, v, a, b = _tokens((1, T), H, HV, V, K, gen)
+    v[0, 3, 1, 2] = float("nan")
+    y_tri = gdn.verify_triangular(buf, cursor, q, k, v, a, b, A_log, dt_bias)
+    y = gdn.verify(buf.clone(), cursor, q, k, v, a, b, A_log, dt_bias)
+    assert torch.isfinite(y[0, :3]).all()
+    assert torch.isfinite(y_tri[0, :3]).all(), "a later token's NaN reached earlier positions"
+    assert _rel(y_tri[0, :3], y[0, :3]) < RTOL
+
+
 # ---- shadow ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind,tol", [("bf16", 4e-3), ("fp8", 6e-2)])
 def test_shadow_errors_do_not_accumulate(kind, tol):

@@ -503,3 +503,25 @@ def test_spec_step_with_shadow_and_teeth():
     assert torch.equal(sh_b.q[1], sh_a.q[1])  # the flush rewrote slot 1's shadow from the checkpoint
     with pytest.raises(ValueError, match="scale: an fp8 shadow needs row scales"):
         ref.Shadow.wrap(sh.q.to(torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("what", ["x", "B", "dt_nan", "dt_inf"])
+def test_verify_is_causal_for_non_finite_later_tokens(what):
+    """Position t sees window tokens t' <= t only: a NaN / inf in window token 2 (x, B or dt) must not reach
+    y_0 or y_1 (as in the conventional baseline and the kernel, which sums e <= m + t only). The masked
+    T x (m+T) product multiplied the NaN by a zero weight and spread it to earlier positions."""
+    gen = torch.Generator().manual_seed(31)
+    H, P, N, G, L, T = 2, 3, 4, 1, 8, 3
+    prm = make_params(H, gen)
+    S0 = torch.randn(1, H, P, N, generator=gen, dtype=F64)
+    x, B, C, dt = _window(1, T, H, P, N, G, gen)[:4]
+    bad = {"x": x, "B": B, "dt_nan": dt, "dt_inf": dt}[what]
+    bad[0, 2] = float("inf") if what in ("B", "dt_inf") else float("nan")
+    caches = (S0.clone(), torch.zeros(1, H, L, P, dtype=F64), torch.zeros(1, G, L, N, dtype=F64),
+              torch.zeros(1, H, L, dtype=F64), torch.tensor([[5, 2]], dtype=torch.int32))
+    y = sr.verify(*caches, x, B, C, dt, prm.dt_bias, prm.A, prm.D)
+    S = sr.committed_state(*caches[:5], prm.A, 0)[None].clone()
+    for t in range(2):
+        y_c = ref.conventional_step(S, x[:, t], B[:, t], C[:, t], dt[:, t], prm.dt_bias, prm.A, prm.D)
+        assert torch.isfinite(y[0, t]).all(), f"y_{t} took the non-finite {what} of token 2"
+        assert _rel(y[0, t], y_c[0]) < RTOL

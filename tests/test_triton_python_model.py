@@ -259,14 +259,9 @@ def test_over_long_end_and_two_requests_of_one_sequence(tmp_path):
     assert m.table.live[2].length == MAX_SEQ  # the sequence lives on
 
 
-@pytest.mark.parametrize("tiny", ("nemotron_h", "qwen3_5_moe"))
-def test_a_failed_step_drops_its_sequences_and_the_model_serves_on(tmp_path, tiny, monkeypatch):
-    """A step that raises mid-model: its sequences are dropped with an error, the cache's open step is aborted,
-    and the next batch runs (the cache refused to open a step over one with verified layers)."""
-    m = tm.SequenceModel(FakePb, make_args(tmp_path, tiny=tiny), clock=Clock())
-    assert m.execute([request(1, 10, start=True)])[0].error is None
-    boom = {"n": 1}
-    orig = m.step._attention
+def _fail_next_attention(m, monkeypatch) -> None:
+    """The model's next attention call raises RuntimeError("injected"); later calls run as before."""
+    orig, boom = m.step._attention, {"n": 1}
 
     def failing(*a, **k):
         if boom["n"]:
@@ -275,6 +270,15 @@ def test_a_failed_step_drops_its_sequences_and_the_model_serves_on(tmp_path, tin
         return orig(*a, **k)
 
     monkeypatch.setattr(m.step, "_attention", failing)
+
+
+@pytest.mark.parametrize("tiny", ("nemotron_h", "qwen3_5_moe"))
+def test_a_failed_step_drops_its_sequences_and_the_model_serves_on(tmp_path, tiny, monkeypatch):
+    """A step that raises mid-model: its sequences are dropped with an error, the cache's open step is aborted,
+    and the next batch runs (the cache refused to open a step over one with verified layers)."""
+    m = tm.SequenceModel(FakePb, make_args(tmp_path, tiny=tiny), clock=Clock())
+    assert m.execute([request(1, 10, start=True)])[0].error is None
+    _fail_next_attention(m, monkeypatch)
     assert "step failed (RuntimeError: injected)" in err(m.execute([request(1, 11)])[0])
     assert 1 not in m.table.live
     got = [m.execute([request(2, t, start=k == 0)])[0] for k, t in enumerate((10, 11, 12))]
@@ -311,15 +315,7 @@ def test_a_failed_step_fails_the_later_rows_of_its_sequences(tmp_path, monkeypat
     check_values=False); the sequence's next request is told the step failed, not that it was ended."""
     m = tm.SequenceModel(FakePb, make_args(tmp_path), clock=Clock())
     m.step.cache.check_values = False  # as on CUDA
-    orig, boom = m.step._attention, {"n": 1}
-
-    def failing(*a, **k):
-        if boom["n"]:
-            boom["n"] -= 1
-            raise RuntimeError("injected")
-        return orig(*a, **k)
-
-    monkeypatch.setattr(m.step, "_attention", failing)
+    _fail_next_attention(m, monkeypatch)
     a, b = m.execute([request(1, 10, start=True), request(1, 11)])
     assert "step failed (RuntimeError: injected)" in err(a) and "step failed (RuntimeError: injected)" in err(b)
     assert not m.table.live and m.step.cache.num_free == 4

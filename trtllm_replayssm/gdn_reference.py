@@ -356,7 +356,9 @@ def verify_triangular(buf: GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, st
             if t:
                 rhs = rhs - bw[:, t, None] * torch.einsum("hs,hsv->hv", kk[:, t, :t], U[:, :t])
             U[:, t] = rhs
-        yw = torch.exp(Gw)[:, :, None] * SQ + torch.einsum("hts,hsv->htv", torch.tril(kq_), U)
+        yw = torch.exp(Gw)[:, :, None] * SQ
+        for t in range(T):  # the causal sum over t' <= t, sliced (a zero weight times a later NaN u is NaN)
+            yw[:, t] = yw[:, t] + torch.einsum("hs,hsv->hv", kq_[:, t, :t + 1], U[:, :t + 1])
         y[r] = yw.transpose(0, 1)
     return y
 

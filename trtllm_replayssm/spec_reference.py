@@ -268,13 +268,15 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
         bc = torch.einsum("gjn,gtn->gtj", Bs, Cw).repeat_interleave(hpg, dim=0)  # (H, T, m+T), once per group
         S0 = state[s].to(F64) if shadow is None or s in exact else shadow.read(s, F64)
         S0C = torch.einsum("hpn,htn->htp", S0, Cw.repeat_interleave(hpg, dim=0))  # (H, T, P)
-        # causal-masked weights: position t (k = count + t + 1 entries) sees entries j < k
+        # causal weights: position t (k = count + t + 1 entries) sums entries j < k only (sliced, not
+        # masked: a zero weight times a later token's NaN / inf would reach earlier positions)
         cum = A64[:, None] * torch.cumsum(dts, dim=-1)  # (H, m+T): c_j
         ck = cum[:, count:]  # (H, T): c_k of each window position
-        seen = torch.arange(count + T, device=cum.device)[None, :] < (count + 1 + torch.arange(T, device=cum.device))[:, None]
-        expo = torch.where(seen, ck[:, :, None] - cum[:, None, :], torch.tensor(float("-inf"), dtype=F64, device=cum.device))
-        w = dts[:, None, :] * torch.exp(expo)  # (H, T, m+T), zero above the causal boundary
-        yw = torch.exp(ck)[:, :, None] * S0C + torch.einsum("htj,hjp->htp", w * bc, xs)
+        yw = torch.exp(ck)[:, :, None] * S0C
+        for t in range(T):
+            k = count + t + 1
+            w = dts[:, :k] * torch.exp(ck[:, t, None] - cum[:, :k])  # (H, k)
+            yw[:, t] = yw[:, t] + torch.einsum("hj,hjp->hp", w * bc[:, t, :k], xs[:, :k])
         yw = yw + D64[:, None, None] * xs[:, count:]
         y[b] = _gate(yw.transpose(0, 1), None if z is None else z[b].to(F64))
     return y
