@@ -132,6 +132,21 @@ def test_cache_key_is_readable_and_hit(tmp_path, monkeypatch):
     assert cc.compile_spec(spec, "ptx", use_cache=False) == first
 
 
+def test_cache_key_follows_the_cuda_headers(tmp_path, monkeypatch):
+    """An edit of the CUDA headers (an upgraded nvidia-cuda-runtime wheel: same path, same NVRTC) misses the cache."""
+    import shutil
+
+    monkeypatch.setenv("TRTLLM_REPLAYSSM_CACHE", str(tmp_path / "cache"))
+    inc = tmp_path / "include"
+    shutil.copytree(cc._include_dirs()[1], inc)
+    monkeypatch.setattr(cc, "_include_dirs", lambda: (str(cc.PLUGIN_DIR), str(inc)))
+    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, 8, 8, 1, False, 90, num_tokens=1)
+    assert b"rssm_header_probe" not in cc.compile_spec(spec, "ptx")
+    with open(inc / "cuda_fp16.h", "a") as f:
+        f.write('\n#ifndef RSSM_PROBE\n#define RSSM_PROBE\nextern "C" __device__ int rssm_header_probe = 1;\n#endif\n')
+    assert b"rssm_header_probe" in cc.compile_spec(spec, "ptx")
+
+
 def test_compile_error_names_the_spec(monkeypatch):
     spec = _spec("f32", "bf16", 64, 128, 16, 256, False, 90)
     monkeypatch.setattr(cc, "prelude", lambda s: "this is not C++;\n")
@@ -146,6 +161,8 @@ def test_compile_error_names_the_spec(monkeypatch):
     (dict(rows=48), "rows"),
     (dict(shadow="fp4"), "KernelSpec.shadow"),
     (dict(state="bf16", shadow="bf16"), "needs an f32 checkpoint"),
+    # fp8 row scales move as 16-byte vectors of 4 rows: the decode entry file's static_assert
+    (dict(headdim=80, dstate=64, rows=10, warps=1, shadow="fp8"), "fp8"),
 ])
 def test_bad_specs_rejected(bad, match):
     base = dict(state="f32", act="bf16", nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, rows=64, warps=8)

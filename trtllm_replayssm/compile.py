@@ -187,12 +187,30 @@ def _plugin_sources_digest() -> str:
     return h.hexdigest()
 
 
+def _header_dirs_signature() -> str:
+    """Name, size and mtime of every file under the CUDA header directories (``cuda_bf16.h`` and the headers
+    it pulls in): an upgraded ``nvidia-cuda-runtime`` wheel changes them at the same path and NVRTC version."""
+    h = hashlib.sha256()
+    for d in _include_dirs():
+        if pathlib.Path(d) == PLUGIN_DIR:  # hashed by content (_plugin_sources_digest)
+            continue
+        for root, dirs, files in os.walk(d):
+            dirs.sort()
+            for name in sorted(files):
+                try:
+                    st = os.stat(os.path.join(root, name))
+                except OSError:
+                    continue
+                h.update(f"{os.path.relpath(os.path.join(root, name), d)}\0{st.st_size}\0{st.st_mtime_ns}\0".encode())
+    return h.hexdigest()
+
+
 def compile_spec(spec: KernelSpec, target: str = "ptx", use_cache: bool = True) -> bytes:
     """PTX (text, as bytes) or cubin for ``spec``; cached on disk."""
     opts = options(spec, target)
     src = source(spec)
     digest = hashlib.sha256(
-        "\x00".join([src, *opts, _plugin_sources_digest(), repr(nvrtc_version())]).encode()
+        "\x00".join([src, *opts, _plugin_sources_digest(), _header_dirs_signature(), repr(nvrtc_version())]).encode()
     ).hexdigest()[:16]
     path = cache_dir() / f"{spec.key}_{digest}.{target}"
     if use_cache and path.exists():

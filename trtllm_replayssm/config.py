@@ -223,6 +223,9 @@ class KernelSpec:
             )
         if self.rows > self.warps * 32 or self.warps * 32 > MAX_THREADS:
             raise ValueError(f"rows={self.rows}, warps={self.warps}: need rows <= threads <= {MAX_THREADS}")
+        if self.shadow == "fp8" and not self.num_tokens and self.rows % 4:
+            raise ValueError(f"rows={self.rows}: the fp8 shadow's row scales move as 16-byte vectors of 4 rows "
+                             "(replayssm_decode.cu): rows must be a multiple of 4")
         if not isinstance(self.variant, Variant):
             raise TypeError(f"KernelSpec.variant: expected a config.Variant (kind, min_blocks, flush_rows, copy), got "
                             f"{type(self.variant).__name__} {self.variant!r}")
