@@ -80,29 +80,9 @@ def _check_rows_out(sbi, out, shape) -> None:
         spec_reference._check_shape(out, "out", tuple(shape))
 
 
-def _check_decode_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sbi, out,
-                         shadow) -> None:
-    """Every shape :func:`.reference.replay_decode` reads, and the rows' cursors, checked before it writes: a flush
-    step folds the checkpoint before its outputs are gated."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"x: expected a (batch, nheads, headdim) tensor, got {spec_reference._shape_of(x)}")
-    if not isinstance(B_cache, torch.Tensor) or B_cache.dim() != 4:
-        raise ValueError(f"B_cache: expected a (slots, ngroups, L, dstate) tensor, got "
-                         f"{spec_reference._shape_of(B_cache)}")
-    batch, H, P = x.shape
-    nslots, G, L, N = B_cache.shape
-    for name, t, shape in (("state", state, (nslots, H, P, N)), ("x_cache", x_cache, (nslots, H, L, P)),
-                           ("dt_cache", dt_cache, (nslots, H, L)), ("cursor", cursor, (nslots,)),
-                           ("B", B, (batch, G, N)), ("C", C, (batch, G, N)), ("dt", dt, (batch, H)),
-                           ("dt_bias", dt_bias, (H,)), ("A", A, (H,)), ("D", D, (H,))):
-        spec_reference._check_shape(t, name, shape)
-    if z is not None:
-        spec_reference._check_shape(z, "z", (batch, H, P))
-    if shadow is not None:
-        spec_reference._check_shape(shadow, "shadow", (nslots, H, P, N))
-    if H % G:
-        raise ValueError(f"B_cache: ngroups must divide nheads={H}, got {G}")
-    _check_rows_out(sbi, out, (batch, H, P))
+def _check_decode_rows(cursor, L: int, nslots: int, batch: int, sbi) -> None:
+    """The rows' slots and cursors of a standard decode step, checked before it writes (the shadow of a folding
+    row is written in place)."""
     rows = [int(s) for s in (torch.arange(batch) if sbi is None else sbi).tolist() if s >= 0]
     bad = [s for s in rows if not 0 <= s < nslots or not 0 <= int(cursor[s]) < L]
     if bad:
@@ -128,13 +108,19 @@ class ReferenceBackend:
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
-        _check_decode_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sbi, out, shadow)
+        sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
+        # every input, out and the rows checked before anything is written (as the kernel launchers do)
+        spec_reference.check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z,
+                                           standard=True)
+        if shadow is not None:  # also when it is not read: a fold rewrites it
+            spec_reference._check_shape(shadow, "shadow", tuple(state.shape))
+        _check_rows_out(sbi, out, x.shape)
+        L = x_cache.shape[2]
+        _check_decode_rows(cursor, L, state.shape[0], x.shape[0], sbi)
         caches = [state, x_cache, B_cache, dt_cache]
         wide = [c.double() for c in caches]
-        L = x_cache.shape[2]
         rows = sbi[sbi >= 0].long()
         flushed = rows[cursor[rows] == L - 1].tolist()  # the step that fills the buffer folds it
-        sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
         y = reference.replay_decode(*wide, cursor, *map(_wide, (x, B, C, dt, dt_bias, A, D, z)),
                                     state_batch_indices=sbi, shadow=sh)
         for c, w in zip(caches, wide):

@@ -197,30 +197,37 @@ def maybe_flush(state, x_cache, B_cache, dt_cache, cursor, A, num_tokens: int, s
 
 # ---- verify / commit -----------------------------------------------------------------------------------
 def check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z=None,
-                        shadow: Shadow | None = None) -> None:
+                        shadow: Shadow | None = None, *, standard: bool = False) -> None:
     """Every shape :func:`verify` needs, checked without writing anything: callers that fold first
-    (:func:`flush_checkpoint`) call it before the fold, so a bad input leaves the checkpoint as it was."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 4:
-        raise ValueError(f"x: expected a (batch, T, nheads, headdim) tensor, got {_shape_of(x)}")
+    (:func:`flush_checkpoint`) call it before the fold, so a bad input leaves the checkpoint as it was.
+    ``standard``: the inputs of one standard decode step (:func:`.reference.replay_decode`): no T dim (x
+    (batch, nheads, headdim)) and the (slots,) cursor."""
+    rank, want = (3, "(batch, nheads, headdim)") if standard else (4, "(batch, T, nheads, headdim)")
+    if not isinstance(x, torch.Tensor) or x.dim() != rank:
+        raise ValueError(f"x: expected a {want} tensor, got {_shape_of(x)}")
     if not isinstance(B_cache, torch.Tensor) or B_cache.dim() != 4:
         raise ValueError(f"B_cache: expected a (slots, ngroups, L, dstate) tensor, got {_shape_of(B_cache)}")
-    batch, T, H, P = x.shape
+    batch, H, P = x.shape[0], x.shape[-2], x.shape[-1]
+    tok = () if standard else (x.shape[1],)  # the window's T
     nslots, G, L, N = B_cache.shape
     _check_shape(state, "state", (nslots, H, P, N))
     _check_shape(x_cache, "x_cache", (nslots, H, L, P))
     _check_shape(dt_cache, "dt_cache", (nslots, H, L))
-    _check_shape(B, "B", (batch, T, G, N))
-    _check_shape(C, "C", (batch, T, G, N))
-    _check_shape(dt, "dt", (batch, T, H))
+    _check_shape(B, "B", (batch, *tok, G, N))
+    _check_shape(C, "C", (batch, *tok, G, N))
+    _check_shape(dt, "dt", (batch, *tok, H))
     if z is not None:
-        _check_shape(z, "z", (batch, T, H, P))
+        _check_shape(z, "z", (batch, *tok, H, P))
     for name, v in (("dt_bias", dt_bias), ("A", A), ("D", D)):
         _check_shape(v, name, (H,))
     if H % G:
         raise ValueError(f"B_cache: ngroups must divide nheads={H}, got {G}")
-    _check_cursor(cursor, nslots)
-    if T > L:
-        raise ValueError(f"x: expected at most L={L} tokens per window, got T={T}")
+    if standard:
+        _check_shape(cursor, "cursor", (nslots,))
+    else:
+        _check_cursor(cursor, nslots)
+        if tok[0] > L:
+            raise ValueError(f"x: expected at most L={L} tokens per window, got T={tok[0]}")
     if shadow is not None:
         _check_shape(shadow.q, "shadow", (nslots, H, P, N))
 
