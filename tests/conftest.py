@@ -1,6 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
+import os
+
 import pytest
 import torch
+
+# scripts/gpu_suite.py sets this: one line per test phase (node id, phase, outcome, seconds), appended as
+# each ends, so a run cut by a time limit still says where its time went.
+TEST_LOG_ENV = "TRTLLM_REPLAYSSM_TEST_LOG"
+
+
+def pytest_configure(config):
+    # Under pytest-xdist every worker would start one intra-op thread per core, and the float64 references
+    # of the GPU tests run on the CPU: N workers x all cores threads thrash. Share the cores instead.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(TEST_LOG_ENV)
+    # Under xdist the controller sees each worker's reports again (with .node): the worker wrote it already.
+    relayed = getattr(report, "node", None) is not None
+    if path and not relayed and (report.when == "call" or report.outcome != "passed" or report.duration >= 0.5):
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t{report.duration:.3f}\n")
 
 
 def pytest_collection_modifyitems(config, items):

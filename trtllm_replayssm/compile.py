@@ -13,13 +13,15 @@ Loading and launching (``cuda.core``) live in :mod:`.ops`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
+import json
 import os
 import pathlib
 import tempfile
 
-from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, GDNSpec, KernelSpec
+from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, GDNSpec, KernelSpec, Layout, Variant
 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "plugins"
 if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the package
@@ -205,8 +207,38 @@ def _header_dirs_signature() -> str:
     return h.hexdigest()
 
 
+# A process that sets this appends one JSON line per compile_spec call (spec_to_json), so a later run can
+# compile the same modules ahead of time, in parallel (scripts/warm_kernels.py, tests/gpu_kernel_specs.jsonl).
+SPEC_LOG_ENV = "TRTLLM_REPLAYSSM_SPEC_LOG"
+
+
+def spec_to_json(spec: KernelSpec | GDNSpec, target: str) -> str:
+    """One line naming ``spec`` and ``target``; :func:`spec_from_json` reads it back."""
+    return json.dumps({"type": type(spec).__name__, "target": target, **dataclasses.asdict(spec)}, sort_keys=True)
+
+
+def spec_from_json(line: str) -> tuple[KernelSpec | GDNSpec, str]:
+    d = json.loads(line)
+    kind, target = d.pop("type"), d.pop("target")
+    if kind == "GDNSpec":
+        return GDNSpec(**d), target
+    if kind != "KernelSpec":
+        raise ValueError(f"spec line: type: expected 'KernelSpec' or 'GDNSpec', got {kind!r}")
+    d["variant"] = Variant(**d["variant"])
+    d["layout"] = None if d["layout"] is None else Layout(**d["layout"])
+    return KernelSpec(**d), target
+
+
+def _log_spec(spec, target: str) -> None:
+    path = os.environ.get(SPEC_LOG_ENV)
+    if path:  # one short O_APPEND write per line: whole lines even with several processes appending
+        with open(path, "a") as f:
+            f.write(spec_to_json(spec, target) + "\n")
+
+
 def compile_spec(spec: KernelSpec, target: str = "ptx", use_cache: bool = True) -> bytes:
     """PTX (text, as bytes) or cubin for ``spec``; cached on disk."""
+    _log_spec(spec, target)
     opts = options(spec, target)
     src = source(spec)
     digest = hashlib.sha256(
