@@ -24,8 +24,10 @@ import datetime
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                     help="pytest-xdist workers (default: half the cores, at most 8)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes of the warm-up")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds after which pytest is interrupted (SIGINT: it still reports what ran), then killed")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. test files")
     args = ap.parse_args(argv)
     if args.workers < 1:
@@ -98,6 +102,12 @@ def main(argv=None) -> int:
     env = dict(os.environ, **{_compile.SPEC_LOG_ENV: str(spec_log), "TRTLLM_REPLAYSSM_TEST_LOG": str(times)})
     t1 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if args.time_limit is not None:
+        def stop():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                threading.Timer(20, lambda: proc.poll() is None and proc.kill()).start()
+        threading.Timer(args.time_limit, stop).start()
     lines = []
     for line in proc.stdout:
         sys.stdout.write(line)
