@@ -102,17 +102,25 @@ def main(argv=None) -> int:
     env = dict(os.environ, **{_compile.SPEC_LOG_ENV: str(spec_log), "TRTLLM_REPLAYSSM_TEST_LOG": str(times)})
     t1 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = None
     if args.time_limit is not None:
         def stop():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGINT)
-                threading.Timer(20, lambda: proc.poll() is None and proc.kill()).start()
-        threading.Timer(args.time_limit, stop).start()
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        timer = threading.Timer(args.time_limit, stop)
+        timer.daemon = True  # never keeps this process alive after pytest ends
+        timer.start()
     lines = []
     for line in proc.stdout:
         sys.stdout.write(line)
         lines.append(line)
     rc = proc.wait()
+    if timer is not None:
+        timer.cancel()
     pytest_s, total_s = time.perf_counter() - t1, time.perf_counter() - t0
 
     seen = read_specs([spec_log]) if spec_log.exists() else []
