@@ -67,6 +67,8 @@ Each mode takes its executor once, at ``alloc``, from :func:`trtllm_replayssm.ba
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +107,11 @@ class SSMMode:
     def load(self, states: dict) -> None:
         for i, s in states.items():
             self.state[i].copy_(s)
+
+    def load_slot(self, slot: int, states: dict) -> None:
+        """One slot's prefill hand-off: ``states`` {layer: (H, P, N)} become its state (a server's new request)."""
+        for i, s in states.items():
+            self.state[i][slot].copy_(s)
 
     def states(self, A: dict) -> dict:
         """Current recurrent state per layer (conventional layout, fp32); ``A`` = -exp(A_log) per layer."""
@@ -181,6 +188,10 @@ class Replay(SSMMode):
         self.cursor.zero_()
         for i in self.shadow:  # prefill hand-off: the shadow of the new checkpoint
             executors.write_shadow(self.state[i], self.shadow[i], self.shadow_scale.get(i))
+
+    def load_slot(self, slot: int, states: dict) -> None:
+        for i, s in states.items():  # checkpoint = the prompt's final state, ring empty, cursor 0, shadow rewritten
+            self.cache.load_prefill(slot, self.j[i], s)
 
     def states(self, A: dict) -> dict:
         return {i: torch.stack([self.cache.committed_state(j, s, A[i]).float() for s in range(self.batch)])
@@ -282,8 +293,11 @@ class NoOp(SSMMode):
     def load(self, states: dict) -> None:
         pass
 
+    def load_slot(self, slot: int, states: dict) -> None:
+        pass
+
     def step(self, i, x, B, C, dt, dt_bias, A, D, sbi):
-        return self.y
+        return self.y[:x.shape[0]]
 
 
 # ---- the fusable regions (pure functions of tensors; compiled as they are when fuse=True) ----------------
@@ -679,6 +693,44 @@ class HybridStep:
         logits, top = self.f["head"](h, delta, m.norm_f.weight, self.model.lm_head.weight, self.eps)
         self.logits_all.copy_(logits)
         self.argmax.copy_(top)
+
+    # ---- rows of a server's batch --------------------------------------------------------------------------
+    def rows(self, n: int) -> HybridStep:
+        """A step over the first ``n`` rows that shares every tensor of this one (inputs, lengths, conv windows,
+        K/V, logits) and its SSM mode (whose state the rows reach through ``sbi``). A server captures one graph
+        per such prefix and runs the smallest that holds its live rows (builders/generation.py)."""
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"n: expected 1..{self.batch} rows, got {n}")
+        v = copy.copy(self)
+        v.batch = n
+        for name in ("tokens", "lengths", "shift", "sbi", "argmax", "logits_all"):
+            setattr(v, name, getattr(self, name)[:n])
+        v.logits = v.logits_all if self.logits is self.logits_all else v.logits_all[:, 0]
+        v.conv_all = self.conv_all[:, :n]
+        v.conv = {i: v.conv_all[j] for j, i in enumerate(self.mamba)}
+        v.k = {i: t[:n] for i, t in self.k.items()}
+        v.v = {i: t[:n] for i, t in self.v.items()}
+        if hasattr(self, "ids"):
+            v.ids = v.tokens[:, 0]
+        return v
+
+    def load_slot(self, row: int, length: int, conv: dict, k: dict, v: dict, ssm: dict) -> None:
+        """A prefill's hand-off into row ``row`` (its slot): ``length`` tokens of K/V (``k[i]``, ``v[i]``
+        (kv_heads, length, head_dim)), the last K-1 conv inputs ``conv[i]`` (K-1, conv_dim), the final SSM
+        states ``ssm[i]`` (H, P, N) (the mode's hand-off: ReplaySSM's checkpoint with an empty ring)."""
+        K, W = self.K, self.W
+        if not 0 <= row < self.batch or not 0 < length <= self.kv_len:
+            raise ValueError(f"row, length: expected 0 <= row < {self.batch} and 0 < length <= {self.kv_len}, "
+                             f"got {row}, {length}")
+        self.lengths[row] = length
+        self.shift[row] = 0
+        for j, i in enumerate(self.mamba):
+            self.conv_all[j][row].zero_()
+            self.conv_all[j][row, W - (K - 1):].copy_(conv[i])
+        for i in self.attn:
+            self.k[i][row, :, :length].copy_(k[i])
+            self.v[i][row, :, :length].copy_(v[i])
+        self.ssm.load_slot(row, ssm)
 
     # ---- state hand-off ---------------------------------------------------------------------------------
     def load_committed(self, snap: dict) -> None:

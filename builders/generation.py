@@ -1,0 +1,482 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A generation engine over the captured model step: prompt in, tokens out, in-flight batching on the SSM state.
+
+Route (one engine thread owns the model, the step and every slot; clients only queue and read):
+
+  submit(Request)      checked at once (prompt ids in the vocabulary, max_tokens >= 1, prompt + max_tokens within
+                       the KV capacity, sampling parameters in range): a bad request raises :class:`RequestError`
+                       before any work; a good one waits in a FIFO queue (more requests than slots wait there).
+      |
+  admission            between two decode steps, each queued request takes the lowest free slot and is
+                       prefilled in one pass of the model's own forward (transformers, chunks of
+                       ``prefill_chunk`` tokens on one cache): its K/V, the last K-1 conv inputs and the final SSM
+                       states are handed to the slot (:meth:`~builders.model_step.HybridStep.load_slot`;
+                       ReplaySSM: the checkpoint with an empty ring, ``ReplayStateCache.load_prefill``); its last
+                       logits give the first token (streamed at once: the time to first token is one prefill).
+      |
+  decode step          :class:`~builders.model_step.DecodeStep`, the step every benchmark times (rows = slots):
+                       the smallest captured prefix of rows that holds every live slot (``HybridStep.rows``, one
+                       CUDA graph per prefix of 1, 2, 4, ... rows, captured at start) runs one token for all of
+                       them; rows of free slots are padding rows (``sbi = -1``: no SSM state touched). Greedy rows
+                       take the step's argmax; sampled rows (temperature > 0) are drawn on the device from the
+                       step's logits (:func:`sample`: top-k, top-p, Gumbel noise from a counter-based hash of
+                       (seed, position), so a seeded request gives the same tokens whatever else is batched).
+      |
+  outputs              one device-to-host copy of the new tokens per step; each request's callback gets its
+                       tokens, then a final output with the finish reason ("stop": a stop token, "length":
+                       max_tokens, "cancelled", "error"); a finished, cancelled or failed request frees its slot
+                       before the next step, so sequences join and leave between steps.
+
+Faults: :meth:`Engine.cancel` (or a request's ``is_cancelled`` callable, polled every ``poll_s`` seconds: a
+client that went away) frees the slot at the next step; an exception in a step fails the requests of that step
+with the error and resets their slots (the engine keeps serving); :meth:`Engine.shutdown` ends every open and
+queued request with an error and joins the thread, so a server never hangs on open streams.
+
+SSM modes (``mode``): "conventional" (state read and written every step), "replay" (ReplaySSM, fp32
+checkpoint), "replay_bf16" / "replay_fp8" (ReplaySSM with a bf16 / fp8 shadow of the checkpoint that non-flush
+steps read). Nemotron-H and Nemotron 3 (transformers' ``NemotronHForCausalLM``); CPU (eager, the float64
+reference for the SSM) or CUDA (kernels, graphs).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from .model_step import Conventional, DecodeStep, Replay
+
+MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; raised by :meth:`Engine.submit` before any work, message for the client."""
+
+
+def make_ssm(mode: str, buffer_len: int = 16):
+    if mode == "conventional":
+        return Conventional()
+    if mode in ("replay", "replay_bf16", "replay_fp8"):
+        return Replay(buffer_len, shadow=None if mode == "replay" else mode.split("_")[1])
+    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+@dataclasses.dataclass
+class Output:
+    """What a request's callback receives: ``token_ids`` new since the last output; ``finished`` on the last one,
+    with ``finish_reason`` (one of FINISH_REASONS) and, for "error", ``error``."""
+
+    request_id: str
+    token_ids: list
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation. ``prompt`` token ids; ``max_tokens`` new tokens at most; ``temperature`` 0 is greedy;
+    ``top_k`` 0 and ``top_p`` 1 keep every token; ``seed`` None draws one; generation ends at any of
+    ``stop_token_ids`` (the stop token is emitted). ``on_output(Output)`` is called from the engine thread;
+    ``is_cancelled()`` (optional) is polled: True ends the request with "cancelled"."""
+
+    prompt: list
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple = ()
+    on_output: Callable[[Output], None] | None = None
+    is_cancelled: Callable[[], bool] | None = None
+    request_id: str = ""
+
+
+@dataclasses.dataclass
+class _Live:
+    req: Request
+    slot: int
+    generated: int = 0
+    cancelled: bool = False
+    t_submit: float = 0.0
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------
+_M64 = (1 << 64) - 1
+
+
+def _to_i64(v: int) -> int:
+    v &= _M64
+    return v - (1 << 64) if v >> 63 else v
+
+
+_GOLDEN, _MIX1, _MIX2 = _to_i64(0x9E3779B97F4A7C15), _to_i64(0xBF58476D1CE4E5B9), _to_i64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def uniform_noise(seed: torch.Tensor, position: torch.Tensor, vocab: int) -> torch.Tensor:
+    """(rows, vocab) uniforms in (0, 1) from splitmix64 of (seed, position, token): the same on every device
+    and batch composition (int64 products wrap, as splitmix64's do)."""
+    idx = torch.arange(vocab, device=seed.device, dtype=torch.int64)
+    x = seed[:, None] * _GOLDEN + position[:, None] * _MIX1 + (idx[None, :] + 1) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 40).to(torch.float64) + 0.5) / float(1 << 24)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seed: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Next tokens (rows,) int64 from ``logits`` (rows, vocab): argmax where ``temperature`` <= 0, else the Gumbel-max
+    draw from softmax(logits / temperature) restricted to the ``top_k`` largest (0: all) and to the smallest set
+    whose probability reaches ``top_p`` (at least one token). Parameters are per row; ``position`` (the token's
+    index in its sequence) and ``seed`` key the noise."""
+    lg = logits.float()
+    greedy = lg.argmax(-1)
+    hot = temperature > 0
+    if not bool(hot.any()):
+        return greedy
+    x = lg / temperature.clamp_min(1e-6)[:, None]
+    vocab = x.shape[-1]
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    if bool((k < vocab).any()) or bool((top_p < 1).any()):
+        srt, order = x.sort(-1, descending=True)
+        rank = torch.arange(vocab, device=x.device)[None, :]
+        drop = rank >= k[:, None]
+        probs = torch.softmax(srt, -1)
+        before = probs.cumsum(-1) - probs  # mass of the tokens ranked above
+        drop |= (before >= top_p[:, None]) & (rank > 0)
+        x = x.scatter(1, order, srt.masked_fill(drop, float("-inf")))
+    gumbel = -torch.log(-torch.log(uniform_noise(seed, position, vocab))).to(x.dtype)
+    drawn = (x + gumbel).argmax(-1)
+    return torch.where(hot, drawn, greedy)
+
+
+# ---- the engine ------------------------------------------------------------------------------------------
+def _buckets(n: int) -> list[int]:
+    out, b = [], 1
+    while b < n:
+        out.append(b)
+        b *= 2
+    return out + [n]
+
+
+class Engine:
+    """In-flight batching over one :class:`DecodeStep` of ``max_slots`` rows (module docstring).
+
+    ``model``: a loaded ``NemotronHForCausalLM`` (its device and dtype are the engine's); ``max_seq_len``: K/V
+    positions per slot (prompt + max_tokens must fit); ``mode`` one of MODES; ``cuda_graphs`` (default: on CUDA)
+    captures one graph per row prefix at start; ``start()`` runs the engine thread (``step()`` drives it by hand,
+    e.g. in tests)."""
+
+    def __init__(self, model, max_slots: int = 8, max_seq_len: int = 1024, mode: str = "replay",
+                 buffer_len: int = 16, cuda_graphs: bool | None = None, prefill_chunk: int = 2048,
+                 poll_s: float = 0.05, fuse: bool | None = None):
+        for name, v, lo in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 2), ("prefill_chunk", prefill_chunk, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+        self.model, self.mode = model, mode
+        self.cfg = model.config
+        self.vocab = self.cfg.vocab_size
+        self.max_slots, self.max_seq_len, self.prefill_chunk, self.poll_s = max_slots, max_seq_len, prefill_chunk, poll_s
+        self.step = DecodeStep(model, max_slots, max_seq_len, make_ssm(mode, buffer_len), fuse=fuse)
+        self.device = self.step.device
+        cuda = self.device.type == "cuda"
+        self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and not cuda:
+            raise ValueError(f"cuda_graphs: the model is on {self.device}, graphs need CUDA")
+        dev = self.device
+        # per-slot sampling parameters, read by sample() for the rows of a step
+        self.temperature = torch.zeros(max_slots, device=dev)
+        self.top_k = torch.zeros(max_slots, dtype=torch.int64, device=dev)
+        self.top_p = torch.ones(max_slots, device=dev)
+        self.seed = torch.zeros(max_slots, dtype=torch.int64, device=dev)
+        self.step.sbi.fill_(-1)  # every row a padding row until a request takes its slot
+        self.views = {n: self.step.rows(n) for n in _buckets(max_slots)}
+        self.graphs = {}
+        if self.cuda_graphs:
+            self._capture()
+        self.free = list(range(max_slots))  # a heap: the lowest free slot first, so live rows stay a short prefix
+        self.live: dict[int, _Live] = {}
+        self.queue: collections.deque = collections.deque()
+        self.open: dict[str, _Live] = {}  # request id -> every request not yet finished (under ``lock``)
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.thread = None
+        self.closed = False
+        self.failed: str | None = None
+        self.steps = 0
+        self._next_id = 0
+        self._last_poll = 0.0
+
+    # ---- graphs ---------------------------------------------------------------------------------------
+    def _capture(self) -> None:
+        from trtllm_replayssm import timing
+
+        step = self.step
+        for n, view in self.views.items():  # every row padding: the warm-up and the capture touch no SSM state
+            self.graphs[n] = timing.capture(view, lambda: None, True)
+        step.lengths.zero_()  # the warm-up steps advanced every row's length
+        step.tokens.zero_()
+
+    def _run_step(self, n: int) -> None:
+        if self.cuda_graphs:
+            self.graphs[n][0]()
+        else:
+            self.views[n]()
+
+    # ---- client side (any thread) -----------------------------------------------------------------------
+    def check(self, req: Request) -> None:
+        """Raise :class:`RequestError` naming the field if ``req`` cannot be served."""
+        p = req.prompt
+        if not isinstance(p, (list, tuple)) or not p:
+            raise RequestError("prompt: expected a non-empty list of token ids")
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab for t in p):
+            bad = next(t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab)
+            raise RequestError(f"prompt: token ids must be ints in 0..{self.vocab - 1}, got {bad!r}")
+        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens < 1:
+            raise RequestError(f"max_tokens: expected an int >= 1, got {req.max_tokens!r}")
+        if len(p) + req.max_tokens > self.max_seq_len:
+            raise RequestError(f"prompt + max_tokens: {len(p)} + {req.max_tokens} = {len(p) + req.max_tokens} tokens "
+                               f"exceed the KV capacity of {self.max_seq_len} per sequence")
+        if not (isinstance(req.temperature, (int, float)) and 0 <= req.temperature < float("inf")):
+            raise RequestError(f"temperature: expected a finite number >= 0, got {req.temperature!r}")
+        if isinstance(req.top_k, bool) or not isinstance(req.top_k, int) or req.top_k < 0:
+            raise RequestError(f"top_k: expected an int >= 0 (0: no limit), got {req.top_k!r}")
+        if not (isinstance(req.top_p, (int, float)) and 0 < req.top_p <= 1):
+            raise RequestError(f"top_p: expected a number in (0, 1], got {req.top_p!r}")
+        if req.seed is not None and (isinstance(req.seed, bool) or not isinstance(req.seed, int)):
+            raise RequestError(f"seed: expected an int or None, got {req.seed!r}")
+        for t in req.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise RequestError(f"stop_token_ids: expected ints, got {t!r}")
+
+    def submit(self, req: Request) -> str:
+        """Check ``req`` and queue it; returns its request id. Raises :class:`RequestError` (nothing queued)."""
+        self.check(req)
+        with self.lock:
+            if self.closed:
+                raise RequestError("the engine is shutting down")
+            if self.failed is not None:
+                raise RequestError(f"the engine failed: {self.failed}")
+            if not req.request_id:
+                self._next_id += 1
+                req.request_id = f"req-{self._next_id}"
+            if req.seed is None:
+                req.seed = int.from_bytes(os.urandom(7), "little")
+            if req.request_id in self.open:
+                raise RequestError(f"request_id: {req.request_id!r} is already open")
+            live = _Live(req, -1, t_submit=time.perf_counter())
+            self.open[req.request_id] = live
+            self.queue.append(live)
+            self.wake.notify()
+        return req.request_id
+
+    def cancel(self, request_id: str) -> bool:
+        """Mark a queued or live request cancelled (it ends, its slot freed, at the next step); False if unknown."""
+        with self.lock:
+            live = self.open.get(request_id)
+            if live is None:
+                return False
+            live.cancelled = True
+            self.wake.notify()
+            return True
+
+    def pending(self) -> int:
+        with self.lock:
+            return len(self.live) + len(self.queue)
+
+    # ---- engine side ----------------------------------------------------------------------------------
+    def _emit(self, live: _Live, tokens: list, reason: str | None = None, error: str | None = None) -> None:
+        if reason is not None:
+            with self.lock:
+                self.open.pop(live.req.request_id, None)
+        cb = live.req.on_output
+        if cb is None:
+            return
+        try:
+            cb(Output(live.req.request_id, tokens, reason is not None, reason, len(live.req.prompt), live.generated,
+                      error))
+        except Exception:  # a client callback must never take the engine down
+            live.cancelled = True
+
+    def _finish(self, live: _Live, tokens: list, reason: str, error: str | None = None) -> None:
+        self._emit(live, tokens, reason, error)
+        if live.slot >= 0:
+            self.step.sbi[live.slot] = -1
+            self.live.pop(live.slot, None)
+            heapq.heappush(self.free, live.slot)
+            live.slot = -1
+
+    def _poll_cancelled(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last_poll < self.poll_s:
+            return
+        self._last_poll = now
+        for live in list(self.live.values()) + list(self.queue):
+            if not live.cancelled and live.req.is_cancelled is not None:
+                try:
+                    live.cancelled = bool(live.req.is_cancelled())
+                except Exception:
+                    live.cancelled = True
+
+    def _reap_cancelled(self) -> None:
+        for live in [v for v in self.live.values() if v.cancelled]:
+            self._finish(live, [], "cancelled")
+        kept = collections.deque()
+        for live in self.queue:
+            if live.cancelled:
+                self._emit(live, [], "cancelled")
+            else:
+                kept.append(live)
+        self.queue = kept
+
+    @torch.no_grad()
+    def _prefill(self, live: _Live) -> int:
+        """The model's own forward over the prompt (chunked), handed to ``live.slot``; returns the first token."""
+        from transformers import DynamicCache
+
+        req, step, slot = live.req, self.step, live.slot
+        ids = torch.tensor([req.prompt], dtype=torch.int64, device=self.device)
+        cache = DynamicCache(config=self.cfg)
+        logits = None
+        for a in range(0, ids.shape[1], self.prefill_chunk):
+            logits = self.model(input_ids=ids[:, a:a + self.prefill_chunk], cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1]
+        n = ids.shape[1]
+        # transformers' conv state: the last K inputs, zeros before the first one (as the step's window)
+        conv = {i: cache.get_conv_state(i)[0, :, 1:].transpose(0, 1) for i in step.mamba}  # (K-1, conv_dim)
+        kv = {i: (cache.layers[i].keys[0, :, :n], cache.layers[i].values[0, :, :n]) for i in step.attn}
+        ssm = {i: cache.get_recurrent_state(i)[0].float() for i in step.mamba}
+        step.load_slot(slot, n, conv, {i: t[0] for i, t in kv.items()}, {i: t[1] for i, t in kv.items()}, ssm)
+        self.temperature[slot] = float(req.temperature)
+        self.top_k[slot] = req.top_k
+        self.top_p[slot] = float(req.top_p)
+        self.seed[slot] = _to_i64(req.seed)
+        pos = torch.tensor([n], device=self.device)
+        first = sample(logits, self.temperature[slot:slot + 1], self.top_k[slot:slot + 1], self.top_p[slot:slot + 1],
+                       self.seed[slot:slot + 1], pos)
+        step.ids[slot] = first[0]
+        step.sbi[slot] = slot
+        return int(first[0])
+
+    def _admit(self) -> None:
+        while self.free:
+            with self.lock:
+                if not self.queue:
+                    return
+                live = self.queue.popleft()
+            if live.cancelled:
+                self._emit(live, [], "cancelled")
+                continue
+            live.slot = heapq.heappop(self.free)
+            self.live[live.slot] = live
+            try:
+                tok = self._prefill(live)
+            except Exception as e:  # this request fails; its slot is free again, the engine goes on
+                self._finish(live, [], "error", f"prefill failed: {type(e).__name__}: {e}")
+                continue
+            self._deliver(live, tok)
+
+    def _deliver(self, live: _Live, tok: int) -> None:
+        live.generated += 1
+        req = live.req
+        if tok in req.stop_token_ids:
+            self._finish(live, [tok], "stop")
+        elif live.generated >= req.max_tokens:
+            self._finish(live, [tok], "length")
+        elif live.cancelled:
+            self._finish(live, [tok], "cancelled")
+        else:
+            self._emit(live, [tok])
+
+    @torch.no_grad()
+    def step_once(self) -> bool:
+        """Admit what fits, then one decode step for every live slot; False when there was nothing to do."""
+        self._poll_cancelled()
+        with self.lock:
+            self._reap_cancelled()
+        self._admit()
+        if not self.live:
+            return False
+        n = next(b for b in self.views if b > max(self.live))
+        view = self.views[n]
+        try:
+            self._run_step(n)
+            rows = sorted(self.live)
+            if bool((self.temperature[:n] > 0).any()):
+                toks = sample(view.logits, self.temperature[:n], self.top_k[:n], self.top_p[:n], self.seed[:n],
+                              view.lengths)
+                toks = torch.where(view.sbi >= 0, toks, view.ids)
+                view.ids.copy_(toks)
+            out = view.ids.tolist()
+        except Exception as e:  # the step's requests fail, their slots are reset; the engine keeps serving
+            msg = f"decode step failed: {type(e).__name__}: {e}"
+            for live in list(self.live.values()):
+                self._finish(live, [], "error", msg)
+            return True
+        self.steps += 1
+        for r in rows:
+            self._deliver(self.live[r], out[r])
+        return True
+
+    def _loop(self) -> None:
+        while True:
+            with self.lock:
+                while not self.closed and not self.live and not self.queue:
+                    self.wake.wait(self.poll_s)
+                    if self.queue or self.closed:
+                        break
+                    self._poll_cancelled(force=True)
+                if self.closed:
+                    return
+            try:
+                self.step_once()
+            except Exception as e:  # an engine bug: fail everything open, refuse new work, never hang
+                self._fail_all(f"engine error: {type(e).__name__}: {e}")
+                with self.lock:
+                    self.failed = str(e)
+                return
+
+    def _fail_all(self, msg: str) -> None:
+        with self.lock:
+            queued, self.queue = list(self.queue), collections.deque()
+        for live in list(self.live.values()):
+            self._finish(live, [], "error", msg)
+        for live in queued:
+            self._emit(live, [], "error", msg)
+
+    def start(self) -> Engine:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._loop, name="replayssm-engine", daemon=True)
+            self.thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine: every open or queued request ends with an error, the thread is joined."""
+        with self.lock:
+            self.closed = True
+            self.wake.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+        self._fail_all("the server is shutting down")
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Drive the engine on this thread until nothing is queued or live (tests, the in-process benchmark)."""
+        for _ in range(max_steps):
+            if not self.step_once() and not self.queue:
+                return
+        raise RuntimeError(f"run_until_idle: still busy after {max_steps} steps")
