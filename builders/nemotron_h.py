@@ -251,7 +251,13 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
     if raw.get("model_type") != "nemotron_h":
-        raise CheckpointError(f"{cfg_path}: model_type: expected 'nemotron_h', got {raw.get('model_type')!r}")
+        from .qwen3_next import ACCEPTED_MODEL_TYPES, MODEL_TYPES
+
+        if raw.get("model_type") in MODEL_TYPES:
+            raise CheckpointError(f"{cfg_path}: model_type {raw['model_type']!r} is a Qwen3-Next / Qwen3.5 checkpoint: "
+                                  f"load it with builders.qwen3_next.load_gdn_model (the scripts choose by model_type)")
+        raise CheckpointError(f"{cfg_path}: model_type: expected one of {list(ACCEPTED_MODEL_TYPES)} (Nemotron-H / "
+                              f"Nemotron 3, Qwen3-Next / Qwen3.5), got {raw.get('model_type')!r}")
     _check_raw_layers(raw, cfg_path)
     try:
         config = NemotronHConfig.from_pretrained(str(root))

@@ -73,6 +73,9 @@ FAMILIES = {"qwen3_next": TINY_QWEN3_NEXT, "qwen3_5": TINY_QWEN3_5, "qwen3_5_moe
 # config.json model_type of the checkpoints we load: the text models, and the published Qwen3.5 directories, whose
 # config is the vision-language wrapper's (qwen3_5 / qwen3_5_moe; AutoModelForCausalLM takes its text model)
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+# every config.json model_type this project loads: Nemotron-H / Nemotron 3 (builders/nemotron_h.py), then the above.
+# The one list the loaders' and the writers' messages name.
+ACCEPTED_MODEL_TYPES = ("nemotron_h",) + MODEL_TYPES
 
 
 def is_gdn_checkpoint(model_dir) -> bool:

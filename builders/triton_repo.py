@@ -27,9 +27,15 @@ Two routes, each a ``REPO/NAME/`` model directory whose ``config.pbtxt`` is buil
   this interpreter's project root and site-packages on ``sys.path`` itself (:func:`python_paths`) and
   refuses another Python version.
 
+What the server would refuse at load is refused at write time, before a file is written, naming the flag
+(:class:`RepoError`): a ``--repo`` that is not a directory, ``--device cuda`` where torch sees no CUDA device, a
+checkpoint that the server's own loader or slot step refuses (:func:`check_model`: one load of it, on the CPU).
+``--dtype`` is spelled as scripts/build_engine.py's (:data:`DTYPES`, the torch names accepted: :func:`dtype_spelling`).
+
 Serving the Python-backend repository with the tritonserver that the nvidia-pytriton wheel bundles:
 :func:`pytriton_server` finds its files, :func:`write_backend_dir` links its Python backend and stub,
-:func:`serve_command` gives the command line and environment.
+:func:`serve_command` gives the command line and environment, with a bounded shutdown (:data:`EXIT_TIMEOUT_S`:
+tritonserver waits for sequences that were never ended).
 
 Importing this module needs neither torch nor TensorRT (the ``tensorrt_plan`` route reads JSON only);
 tritonclient is imported when a config is built.
@@ -46,11 +52,31 @@ import site
 import sys
 import sysconfig
 
-from .engine_format import DECODE_FORMAT, FormatError, check_layer_states, is_speculative, staging_dir
+from .engine_format import CONFIG_DTYPES, DECODE_FORMAT, FormatError, check_layer_states, is_speculative, staging_dir
 
 TRITON_TYPES = {"float32": "TYPE_FP32", "float16": "TYPE_FP16", "bfloat16": "TYPE_BF16", "int32": "TYPE_INT32",
                 "int64": "TYPE_INT64"}
 REQUEST_INPUTS = ("input_ids",)  # what a client sends each step; every other input is implicit state
+# The install hint wherever one is printed: --no-deps, since the wheel's own requirements would downgrade numpy to
+# 1.26 with ~20 other packages, and only its tritonserver files are used (the package itself is never imported).
+PYTRITON_INSTALL = "pip install --no-deps 'nvidia-pytriton==0.7.0'"
+# --dtype of both scripts (build_engine.py and make_triton_repo.py): the engine-directory format's spellings
+# (builders/engine_format.py CONFIG_DTYPES), the torch names accepted as aliases (make_triton_repo's spelling before).
+DTYPES = tuple(CONFIG_DTYPES)
+DTYPE_ALIASES = {long: short for short, long in CONFIG_DTYPES.items()}
+# tritonserver --exit-timeout-secs of the serve commands printed here. On SIGINT / SIGTERM tritonserver stops taking
+# new sequences but counts every sequence still holding a slot of a sequence batcher as an in-flight inference until
+# its END or its max_sequence_idle_microseconds (--idle-ms, 60 s by default: the first CUDA step compiles kernels for
+# longer than a short timeout), and waits for in-flight inferences and then the unloads up to this many seconds
+# (its default is 30). The backend is not told about the shutdown and has no way to end a sequence, so this bound
+# is what makes a shutdown with a sequence left open prompt; such a sequence is dropped with the server's state.
+EXIT_TIMEOUT_S = 10
+
+
+def dtype_spelling(value: str) -> str:
+    """``value`` of a --dtype flag in :data:`DTYPES`' spelling (float32 -> fp32, ...); anything else unchanged
+    (argparse's choices then name it)."""
+    return DTYPE_ALIASES.get(value, value)
 
 
 class RepoError(ValueError):
@@ -84,9 +110,22 @@ def _dtype(entry: dict) -> str:
                         f"(known: {sorted(TRITON_TYPES)})") from None
 
 
+def _check_ranges(*checks) -> None:
+    """RepoError naming the flag of the first (flag, value, lo, hi) whose value is outside lo..hi."""
+    for key, v, lo, hi in checks:
+        if not lo <= v <= hi:
+            raise RepoError(f"--{key}: expected {lo}..{hi}, got {v}")
+
+
+def _batching_ranges(idle_us: int, max_queue_delay_us: int) -> tuple:
+    """The sequence batcher's flags, both routes (the python route's --idle-ms and --max-queue-delay-us)."""
+    return ("idle-ms", idle_us // 1000, 1, 1 << 31), ("max-queue-delay-us", max_queue_delay_us, 0, (1 << 63) - 1)
+
+
 def model_config(cfg: dict, name: str, max_queue_delay_us: int = 100, idle_us: int = 60_000_000):
     """Triton ``ModelConfig`` for the standard decode-step engine whose config.json is ``cfg`` (builders/engine_format.py)."""
     pb = _pb()
+    _check_ranges(*_batching_ranges(idle_us, max_queue_delay_us))
     if is_speculative(cfg):
         raise RepoError("config.json describes a speculative engine pair (verify.plan + commit.plan, sampling in "
                         "between; scripts/build_engine.py --num-draft): one Triton sequence model cannot run it")
@@ -172,13 +211,16 @@ def _read_json(path: pathlib.Path) -> dict:
     return obj
 
 
-def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str | None = None) -> pathlib.Path:
+def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str | None = None, *, idle_us: int = 60_000_000,
+              max_queue_delay_us: int = 100) -> pathlib.Path:
+    """Write REPO/NAME/{config.pbtxt, 1/model.plan} of the engine in ``engine_dir``; returns REPO/NAME."""
     cfg_path = engine_dir / "config.json"
     if not cfg_path.is_file():
         raise RepoError(f"--engine-dir: expected {cfg_path} (run scripts/build_engine.py first)")
     cfg = _read_json(cfg_path)
     name = name or default_name(engine_cfg=cfg)
-    text = config_text(model_config(cfg, name))
+    _check_target(repo, name)
+    text = config_text(model_config(cfg, name, max_queue_delay_us=max_queue_delay_us, idle_us=idle_us))
     plan = engine_dir / "model.plan"
     if plan.is_file():
         return _write_model(repo, name, {"config.pbtxt": text}, copies={"1/model.plan": plan})
@@ -189,7 +231,6 @@ def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str | None = N
 
 # ---- Python backend: the model owns its state on its device ------------------------------------------------
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the project root: builders/ and trtllm_replayssm/ live there
-DTYPES = ("float32", "bfloat16", "float16")
 MODEL_PY = '''# SPDX-License-Identifier: Apache-2.0
 """Triton Python-backend entry point, written by scripts/make_triton_repo.py --backend python.
 
@@ -256,7 +297,7 @@ def python_paths() -> list[str]:
 
 def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     from .nemotron_h import TINY_CONFIGS
-    from .qwen3_next import FAMILIES, MODEL_TYPES
+    from .qwen3_next import ACCEPTED_MODEL_TYPES, FAMILIES
 
     if model_dir is None:
         tinies = {**TINY_CONFIGS, **FAMILIES}
@@ -267,9 +308,9 @@ def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     if not cfg_path.is_file():
         raise RepoError(f"--model: expected a checkpoint directory with config.json, got {model_dir}")
     raw = _read_json(cfg_path)
-    kinds = ("nemotron_h",) + MODEL_TYPES
-    if raw.get("model_type") not in kinds:
-        raise RepoError(f"{cfg_path}: model_type: expected one of {kinds}, got {raw.get('model_type')!r}")
+    if raw.get("model_type") not in ACCEPTED_MODEL_TYPES:
+        raise RepoError(f"--model: {cfg_path}: model_type: expected one of {list(ACCEPTED_MODEL_TYPES)}, got "
+                        f"{raw.get('model_type')!r}")
     text = raw.get("text_config")  # the published Qwen3.5 directories: the vision-language wrapper's config
     vocab = raw.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
@@ -284,11 +325,9 @@ def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, m
     pb = _pb()
     if device not in ("cpu", "cuda"):
         raise RepoError(f"--device: expected cpu or cuda (auto is resolved before), got {device!r}")
-    for key, v, lo, hi in (("max-slots", max_slots, 1, 4096), ("max-seq-len", max_seq_len, 1, 1 << 20),
-                           ("buffer-len", buffer_len, 1, 32), ("idle-ms", idle_us // 1000, 1, 1 << 31),
-                           ("max-queue-delay-us", max_queue_delay_us, 0, (1 << 63) - 1)):
-        if not lo <= v <= hi:  # buffer_len >= 1: the standard cursor folds on the step that fills the buffer
-            raise RepoError(f"--{key}: expected {lo}..{hi}, got {v}")
+    # buffer_len >= 1: the standard cursor folds on the step that fills the buffer
+    _check_ranges(("max-slots", max_slots, 1, 4096), ("max-seq-len", max_seq_len, 1, 1 << 20),
+                  ("buffer-len", buffer_len, 1, 32), *_batching_ranges(idle_us, max_queue_delay_us))
     mc = pb.ModelConfig(name=name, backend="python", max_batch_size=max_slots)
     mc.input.add(name="input_ids", data_type=pb.TYPE_INT64, dims=[1])
     mc.output.add(name="logits", data_type=pb.TYPE_FP32, dims=[vocab])
@@ -312,16 +351,26 @@ def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, m
 
 def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
                      model_dir: pathlib.Path | None = None,
-                     dtype: str = "float32", seed: int = 0, device: str = "auto", max_slots: int = 8,
+                     dtype: str = "fp32", seed: int = 0, device: str = "auto", max_slots: int = 8,
                      max_seq_len: int = 1024, buffer_len: int = 16, idle_us: int = 60_000_000,
                      max_queue_delay_us: int = 100, shadow: str = "none") -> pathlib.Path:
-    """Write REPO/NAME/{config.pbtxt, 1/model.py} of the Python-backend model; returns REPO/NAME."""
-    if dtype not in DTYPES:
-        raise RepoError(f"--dtype: expected one of {DTYPES}, got {dtype!r}")
-    if device == "auto":
+    """Write REPO/NAME/{config.pbtxt, 1/model.py} of the Python-backend model; returns REPO/NAME. Everything the
+    server would refuse at load is refused here first, naming the flag: ``device="cuda"`` where torch sees no CUDA
+    device, and a ``model_dir`` that the server's own loader and slot step refuse (:func:`check_model`)."""
+    if dtype_spelling(dtype) not in DTYPES:
+        raise RepoError(f"--dtype: expected one of {list(DTYPES)} (or {list(DTYPE_ALIASES)}), got {dtype!r}")
+    dtype = dtype_spelling(dtype)
+    if device not in ("auto", "cpu", "cuda"):
+        raise RepoError(f"--device: expected auto, cpu or cuda, got {device!r}")
+    if device != "cpu":
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif not torch.cuda.is_available():
+            raise RepoError("--device cuda: torch sees no CUDA device on this machine (torch.cuda.is_available() is "
+                            "False), so the model instance (KIND_GPU) would fail to load; write the repository where it "
+                            "is served, or pass --device cpu (the float64 reference)")
     if shadow not in ("none", "bf16", "fp8"):
         raise RepoError(f"--shadow: expected none, bf16 or fp8, got {shadow!r}")
     vocab = _vocab(tiny, model_dir)
@@ -331,25 +380,66 @@ def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str =
         if (model_dir is None and tiny in FAMILIES) or (model_dir is not None and is_gdn_checkpoint(model_dir)):
             raise RepoError("--shadow fp8: Gated DeltaNet models take --shadow bf16 (there is no fp8 GDN shadow)")
     name = name or default_name(tiny=tiny, model_dir=model_dir)
+    _check_target(repo, name)
     params = dict(model_dir="" if model_dir is None else str(model_dir.resolve()), tiny="" if model_dir else tiny,
-                  seed=seed, dtype=dtype, shadow=shadow, python_path=os.pathsep.join(python_paths()),
+                  seed=seed, dtype=CONFIG_DTYPES[dtype], shadow=shadow, python_path=os.pathsep.join(python_paths()),
                   python_version=_py_version(), python_libdir=sysconfig.get_config_var("LIBDIR") or "")
     text = config_text(python_model_config(name, vocab, device=device, max_slots=max_slots, max_seq_len=max_seq_len,
                                            buffer_len=buffer_len, idle_us=idle_us,
                                            max_queue_delay_us=max_queue_delay_us, params=params))
+    if model_dir is not None:
+        check_model(model_dir, dtype, buffer_len=buffer_len, shadow=shadow)
     return _write_model(repo, name, {"config.pbtxt": text, "1/model.py": MODEL_PY})
+
+
+def check_model(model_dir: pathlib.Path, dtype: str = "fp32", *, buffer_len: int = 16, shadow: str = "none") -> None:
+    """Load the checkpoint ``model_dir`` as the server's model.py will (``trtllm_replayssm.triton_model.load_model``:
+    builders/nemotron_h.py's or builders/qwen3_next.py's checked loader: config, layer types, every tensor's name,
+    shape and bytes), on the CPU in ``dtype``, and build the server's slot step over it for one slot; RepoError naming
+    --model where either refuses it (a truncated or missing safetensors file, a tensor missing or mis-shaped), which the
+    server would otherwise report only when it loads the model. Costs one load of the checkpoint."""
+    import torch
+
+    from trtllm_replayssm.triton_model import load_model, slot_step
+
+    params = dict(model_dir=str(model_dir), tiny="", seed=0, dtype=CONFIG_DTYPES[dtype_spelling(dtype)])
+    try:
+        model = load_model(params, torch.device("cpu"))
+    except Exception as e:  # CheckpointError names the file or tensor; anything else is the loader's own
+        raise RepoError(f"--model: {str(model_dir)!r} does not load as the server would load it: {e}") from e
+    try:
+        slot_step(model, 1, 1, buffer_len, check_values=None, shadow=shadow)
+    except Exception as e:
+        raise RepoError(f"--model: the server's decode step refuses {str(model_dir)!r}: {e}") from e
+
+
+def _check_target(repo: pathlib.Path, name: str) -> None:
+    """RepoError naming --name or --repo unless ``repo/name`` can be created: one directory name, ``repo`` a
+    directory or a path whose first existing ancestor is one, ``repo/name`` not there yet."""
+    if not name or name in (".", "..") or any(sep and sep in name for sep in (os.sep, os.altsep)):
+        raise RepoError(f"--name: expected one directory name, got {name!r}")
+    for p in (repo, *repo.parents):  # the first that exists must be a directory
+        if p.exists() or p.is_symlink():
+            if not p.is_dir():
+                where = "which is not a directory" if p == repo else f"inside {str(p)!r}, which is not a directory"
+                raise RepoError(f"--repo: expected a directory (the model repository root, created if missing), got "
+                                f"{str(repo)!r}, {where}")
+            break
+    target = repo / name
+    if target.exists():
+        raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")
 
 
 def _write_model(repo: pathlib.Path, name: str, files: dict, copies: dict | None = None) -> pathlib.Path:
     """``repo/name`` with ``files`` (relative path -> text) and ``copies`` (relative path -> a file copied in),
     written in a temporary sibling and renamed into place, so a failure leaves no half-written model."""
-    if not name or name in (".", "..") or any(sep and sep in name for sep in (os.sep, os.altsep)):
-        raise RepoError(f"--name: expected one directory name, got {name!r}")
+    _check_target(repo, name)
     target = repo / name
-    if target.exists():
-        raise RepoError(f"--repo: {target} already exists; remove it or pick another --name")
-    repo.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(repo, f".{name}.")
+    try:
+        repo.mkdir(parents=True, exist_ok=True)
+        tmp = staging_dir(repo, f".{name}.")
+    except OSError as e:  # e.g. no permission
+        raise RepoError(f"--repo: cannot write in the directory {str(repo)!r} ({e.strerror or e})") from e
     try:
         for rel, text in files.items():
             (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -371,8 +461,8 @@ def pytriton_server() -> dict:
     this interpreter's Python version. Raises RepoError naming what is missing."""
     spec = importlib.util.find_spec("pytriton")
     if spec is None or not spec.submodule_search_locations:
-        raise RepoError("nvidia-pytriton is not installed (pip install 'nvidia-pytriton==0.7.0'; "
-                        "it bundles tritonserver with the Python backend)")
+        raise RepoError(f"nvidia-pytriton is not installed ({PYTRITON_INSTALL}; it bundles tritonserver with the "
+                        f"Python backend)")
     root = pathlib.Path(list(spec.submodule_search_locations)[0]) / "tritonserver"
     ver = _py_version()
     files = dict(server=root / "bin" / "tritonserver", backend=root / "backends" / "python" / "libtriton_python.so",
@@ -388,22 +478,27 @@ def write_backend_dir(dest: pathlib.Path) -> pathlib.Path:
     """``dest/python/`` with the Python backend and this Python's stub, as symlinks into the wheel (the
     stub finds the wheel's libraries through its relative RPATH, which a copy would break). Returns dest."""
     files = pytriton_server()
-    (dest / "python").mkdir(parents=True, exist_ok=True)
-    for key, name in (("backend", "libtriton_python.so"), ("utils", "triton_python_backend_utils.py"),
-                      ("stub", "triton_python_backend_stub")):
-        link = dest / "python" / name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        link.symlink_to(files[key])
+    try:
+        (dest / "python").mkdir(parents=True, exist_ok=True)
+        for key, name in (("backend", "libtriton_python.so"), ("utils", "triton_python_backend_utils.py"),
+                          ("stub", "triton_python_backend_stub")):
+            link = dest / "python" / name
+            if link.is_symlink() or link.exists():
+                link.unlink()
+            link.symlink_to(files[key])
+    except OSError as e:  # e.g. a file where the directory goes
+        raise RepoError(f"backend directory {str(dest)!r}: cannot write the Python backend links there ({e})") from e
     return dest
 
 
 def serve_command(repo: pathlib.Path, backend_dir: pathlib.Path, grpc_port: int = 8001, http_port: int = 8000,
-                  metrics_port: int = 8002, host: str = "127.0.0.1") -> tuple[list[str], dict]:
+                  metrics_port: int = 8002, host: str = "127.0.0.1",
+                  exit_timeout_s: int = EXIT_TIMEOUT_S) -> tuple[list[str], dict]:
     """(argv, environment additions) serving ``repo`` with the wheel's tritonserver on ``host``. The stub
     links libpython3.X.so by name, so LD_LIBRARY_PATH leads with this interpreter's LIBDIR: otherwise
     the dynamic linker may pick another libpython of the same version (e.g. the system's, whose
-    sys.path has none of this environment's packages)."""
+    sys.path has none of this environment's packages). ``exit_timeout_s``: the longest a shutdown waits for
+    open sequences and the unloads (:data:`EXIT_TIMEOUT_S`)."""
     if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
         raise RepoError(f"{sys.executable} was built without a shared libpython; the backend stub needs "
                         f"libpython{sys.version_info[0]}.{sys.version_info[1]}.so of the interpreter that built the repository")
@@ -411,5 +506,6 @@ def serve_command(repo: pathlib.Path, backend_dir: pathlib.Path, grpc_port: int 
     ld = os.pathsep.join(p for p in (libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
     argv = [str(pytriton_server()["server"]), f"--model-repository={repo}", f"--backend-directory={backend_dir}",
             f"--grpc-address={host}", f"--grpc-port={grpc_port}", f"--http-address={host}", f"--http-port={http_port}",
-            f"--metrics-address={host}", f"--metrics-port={metrics_port}", "--exit-on-error=true"]
+            f"--metrics-address={host}", f"--metrics-port={metrics_port}", "--exit-on-error=true",
+            f"--exit-timeout-secs={exit_timeout_s}"]
     return argv, {"LD_LIBRARY_PATH": ld}

@@ -12,6 +12,12 @@ TensorRT's Python plugins are registered by the building process (``trt_plugin.r
 script does it). trtexec cannot register them, so its commands only work from a process that can, or
 to run the built plans (AOT plugins need no Python at run time: ``trtexec --loadEngine=...``).
 
+It ends by listing what it wrote (every file of --out with its size) and the next step: the
+scripts/make_triton_repo.py command for a standard engine, the test command for this kind of engine and, where
+no plan was built here, trtexec.sh (the trtexec command itself stays in that file).
+``--dtype`` / ``--state-dtype`` take make_triton_repo.py's spellings, fp32 / bf16 / fp16 (float32 / bfloat16 /
+float16 also accepted).
+
 Usage: python scripts/build_engine.py --out DIR [--model HF_DIR | --tiny nemotron3] [--max-batch 8]
        [--buffer-len 16] [--moe-formulation dense] [--state-dtype fp32] [--dtype fp32] [--arch 90]
        [--max-seq-len 4096] [--num-draft N] [--shadow none|bf16|fp8] [--overwrite]
@@ -38,6 +44,8 @@ from builders.engine import (  # noqa: E402
     build,
     check_options,
 )
+from builders.engine_format import is_speculative  # noqa: E402
+from builders.triton_repo import DTYPE_ALIASES, dtype_spelling  # noqa: E402  (--dtype spelled as make_triton_repo's)
 from trtllm_replayssm.config import SUPPORTED_BUFFER_LEN  # noqa: E402
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(BuildOptions)}  # one set of defaults: the library's
@@ -59,10 +67,12 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=DEFAULTS["max_batch"])
     p.add_argument("--buffer-len", type=int, default=DEFAULTS["buffer_len"],
                    help=f"ReplaySSM buffer length, one of {SUPPORTED_BUFFER_LEN}")
-    p.add_argument("--state-dtype", choices=sorted(DTYPES), default=DEFAULTS["state_dtype"], help="checkpoint state dtype")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=DEFAULTS["dtype"],
-                   help="activation / weight dtype of the engine (a bf16 checkpoint still gives an fp32 engine "
-                        "unless --dtype bf16 is passed)")
+    aliases = "/".join(DTYPE_ALIASES)
+    p.add_argument("--state-dtype", type=dtype_spelling, choices=sorted(DTYPES), default=DEFAULTS["state_dtype"],
+                   help=f"checkpoint state dtype ({aliases} also accepted)")
+    p.add_argument("--dtype", type=dtype_spelling, choices=sorted(DTYPES), default=DEFAULTS["dtype"],
+                   help="activation / weight dtype of the engine, as make_triton_repo.py's --dtype (a bf16 checkpoint "
+                        f"still gives an fp32 engine unless --dtype bf16 is passed; {aliases} also accepted)")
     p.add_argument("--arch", type=int, default=DEFAULTS["arch"], choices=SUPPORTED_ARCHS,
                    help="SM architecture of the plugin PTX (90 = Hopper, tested on the H200; 100 = Blackwell, compiled in CI "
                         "only; the PTX needs a driver that reads the installed NVRTC's PTX ISA, README)")
@@ -85,15 +95,52 @@ def parse_args(argv=None):
     return a
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def summary(out: pathlib.Path) -> str:
+    """What the build wrote (every file of ``out`` with its size) and the next step: the Triton repository of a
+    standard engine (scripts/make_triton_repo.py) or what runs a speculative pair, the tests of this kind of
+    engine, and, where no plan was built here, trtexec.sh (its command stays in that file)."""
+    import json
+
+    cfg = json.loads((out / "config.json").read_text())
+    files = sorted(f for f in out.rglob("*") if f.is_file())
+    lines = [f"wrote {out} ({len(files)} files):"]
+    lines += [f"  {_size(f.stat().st_size):>10}  {f.relative_to(out)}" for f in files]
+    spec = is_speculative(cfg)
+    plans = ("verify.plan", "commit.plan") if spec else ("model.plan",)
+    missing = [p for p in plans if not (out / p).is_file()]
+    if missing:
+        lines.append(f"{' and '.join(missing)} not built here (TensorRT >= 10.9 and a GPU): rerun this command "
+                     f"there, or the trtexec command in {out / 'trtexec.sh'} from a process that registered the plugins")
+    gdn = "G" in (cfg.get("model") or {}).get("pattern", "")  # Gated DeltaNet layers: a Qwen3-Next / Qwen3.5 engine
+    tests = {(False, False): "tests/test_builder.py tests/test_triton_repo.py",
+             (True, False): "tests/test_gdn_builder.py tests/test_triton_repo.py",
+             (False, True): "tests/test_spec_builder.py", (True, True): "tests/test_gdn_spec_builder.py"}[gdn, spec]
+    if spec:
+        lines.append("next: the verify + commit pair is driven by its caller (sampling between the two plans; "
+                     "config.json 'graphs'); scripts/make_triton_repo.py serves standard engines only")
+    else:
+        lines.append(f"next: python scripts/make_triton_repo.py --engine-dir {out} --repo {out}-triton")
+    lines.append(f"tests: python -m pytest -q {tests}   (on a GPU: python -m pytest -m gpu)")
+    return "\n".join(f"[build_engine] {line}" for line in lines)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from builders.nemotron_h import CheckpointError
 
     try:
-        build(BuildOptions(**vars(args)))
+        out = build(BuildOptions(**vars(args)))
     except (BuildError, CheckpointError) as e:
         print(f"build_engine.py: error: {e}", file=sys.stderr)
         return 1
+    print(summary(out), flush=True)
     return 0
 
 

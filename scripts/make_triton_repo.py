@@ -23,6 +23,8 @@ builders/gdn_step.py) has conv_state_i, gdn_state_i, gdn_u_i, gdn_v_i, gdn_k_i, 
 anything else is refused before a file is written, naming the layer and the state.
 
 Usage: python scripts/make_triton_repo.py --engine-dir build/tiny --repo build/triton [--name NAME]
+       [--idle-ms 60000] [--max-queue-delay-us 100]
+(the model, dtype and sizes are the engine's: the --backend python flags below are refused here by name)
 
 ``--backend python`` (no engine): a Python-backend model instead (``backend: "python"``,
 ``1/model.py``), whose instance owns a ``ReplayStateCache`` and the K/V rows of
@@ -44,7 +46,16 @@ qwen3_5_moe (or their *_text); its
 Gated DeltaNet layers on the cache's GDN rings, ``triton_model.QwenSlotStep``).
 
 Usage: python scripts/make_triton_repo.py --backend python --repo build/triton-py [--tiny nemotron_h | --model DIR]
-       [--device auto|cpu|cuda] [--max-slots 8] [--max-seq-len 1024] [--buffer-len 16] [--idle-ms 60000]
+       [--dtype fp32|bf16|fp16] [--device auto|cpu|cuda] [--max-slots 8] [--max-seq-len 1024] [--buffer-len 16]
+       [--idle-ms 60000] [--shadow none|bf16|fp8]
+Refused before a file is written, naming the flag: --engine-dir (tensorrt_plan only); --device cuda where torch
+sees no CUDA device; a --model that the server's own loader refuses (it is loaded once here, on the CPU: a truncated
+safetensors file, a missing or mis-shaped tensor); a --repo that is a file.
+
+Shutdown: on SIGINT / SIGTERM tritonserver keeps every sequence that has not ended (no END yet, not idle for
+--idle-ms) as an in-flight inference and waits for it; the printed serve commands bound that wait with
+--exit-timeout-secs (builders/triton_repo.py EXIT_TIMEOUT_S; tritonserver's default is 30 s), after which such
+sequences are dropped with the server.
 """
 
 # The writer is builders/triton_repo.py (config.pbtxt, model.py, make_repo); the docstring above is this
@@ -52,6 +63,7 @@ Usage: python scripts/make_triton_repo.py --backend python --repo build/triton-p
 from __future__ import annotations
 
 import argparse
+import inspect
 import pathlib
 import sys
 
@@ -60,53 +72,86 @@ sys.path.insert(0, str(ROOT))
 
 from builders.triton_repo import (  # noqa: E402  (the writer; this script is its command line)
     DTYPES,
+    EXIT_TIMEOUT_S,
     RepoError,
+    dtype_spelling,
     make_python_repo,
     make_repo,
     serve_command,
     write_backend_dir,
 )
 
+# --backend python's flags (dest -> make_python_repo keyword). Their defaults are make_python_repo's (one set of
+# defaults); argparse's are None, so that a flag the user gave is told from one left out: with --backend
+# tensorrt_plan these are refused by name (the engine was built with its own; scripts/build_engine.py).
+PYTHON_ONLY = {"model": "model_dir", "tiny": "tiny", "seed": "seed", "dtype": "dtype", "device": "device",
+               "max_slots": "max_slots", "max_seq_len": "max_seq_len", "buffer_len": "buffer_len", "shadow": "shadow"}
+PY_DEFAULTS = {k: v.default for k, v in inspect.signature(make_python_repo).parameters.items()
+               if v.default is not inspect.Parameter.empty}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("tensorrt_plan", "python"), default="tensorrt_plan",
                     help="tensorrt_plan: the built engine with implicit state; python: a model that owns its state")
-    ap.add_argument("--engine-dir", type=pathlib.Path, help="output directory of build_engine.py (tensorrt_plan)")
+    ap.add_argument("--engine-dir", type=pathlib.Path, help="output directory of build_engine.py (tensorrt_plan only)")
     ap.add_argument("--repo", required=True, type=pathlib.Path, help="model repository root to write into")
     ap.add_argument("--name", help="model name in the repository (default: <family>_replayssm, the family from the "
                                    "engine's or checkpoint's model_type or the --tiny name, e.g. nemotron_h_replayssm, "
                                    "qwen3_5_moe_replayssm)")
-    py = ap.add_argument_group("--backend python")
+    both = ap.add_argument_group("sequence batching (both backends)")
+    both.add_argument("--idle-ms", type=int, default=PY_DEFAULTS["idle_us"] // 1000,
+                      help="max_sequence_idle_microseconds / 1000 (default: %(default)s)")
+    both.add_argument("--max-queue-delay-us", type=int, default=PY_DEFAULTS["max_queue_delay_us"],
+                      help="oldest strategy's batching delay (default: %(default)s)")
+    d = PY_DEFAULTS
+    py = ap.add_argument_group("--backend python only")
     py.add_argument("--model", type=pathlib.Path,
-                    help="Nemotron-H / Nemotron 3 / Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded tiny)")
-    py.add_argument("--tiny", default="nemotron_h",
-                    help="embedded tiny config without --model: nemotron_h, nemotron3, qwen3_next, qwen3_5, qwen3_5_moe "
-                         "(default: %(default)s)")
-    py.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights (default: %(default)s)")
-    py.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and activations (default: %(default)s)")
-    py.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                    help="auto: cuda where torch sees a GPU at build time (default: %(default)s)")
-    py.add_argument("--max-slots", type=int, default=8, help="cache slots = max_candidate_sequences (default: %(default)s)")
-    py.add_argument("--max-seq-len", type=int, default=1024, help="tokens per sequence, K/V rows (default: %(default)s)")
-    py.add_argument("--buffer-len", type=int, default=16, help="ReplaySSM ring length L, 1..32 (default: %(default)s)")
-    py.add_argument("--shadow", choices=("none", "bf16", "fp8"), default="none",
+                    help="Nemotron-H / Nemotron 3 / Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded "
+                         "tiny); loaded once here as the server will load it, so a bad checkpoint is refused now")
+    py.add_argument("--tiny", help="embedded tiny config without --model: nemotron_h, nemotron3, qwen3_next, qwen3_5, "
+                                   f"qwen3_5_moe (default: {d['tiny']})")
+    py.add_argument("--seed", type=int, help=f"seed of the tiny model's weights (default: {d['seed']})")
+    py.add_argument("--dtype", type=dtype_spelling, choices=DTYPES,
+                    help=f"weights and activations, as build_engine.py's --dtype (float32 / bfloat16 / float16 are "
+                         f"also accepted; default: {d['dtype']})")
+    py.add_argument("--device", choices=("auto", "cpu", "cuda"),
+                    help=f"auto: cuda where torch sees a GPU here; cuda is refused where it sees none (default: "
+                         f"{d['device']})")
+    py.add_argument("--max-slots", type=int, help=f"cache slots = max_candidate_sequences (default: {d['max_slots']})")
+    py.add_argument("--max-seq-len", type=int, help=f"tokens per sequence, K/V rows (default: {d['max_seq_len']})")
+    py.add_argument("--buffer-len", type=int, help=f"ReplaySSM ring length L, 1..32 (default: {d['buffer_len']})")
+    py.add_argument("--shadow", choices=("none", "bf16", "fp8"),
                     help="a low-precision shadow of each fp32 checkpoint, read by non-flush steps (fp8: Mamba-2 "
-                         "models only; default: %(default)s)")
-    py.add_argument("--idle-ms", type=int, default=60_000, help="max_sequence_idle_microseconds / 1000 (default: %(default)s)")
-    py.add_argument("--max-queue-delay-us", type=int, default=100, help="oldest strategy's batching delay (default: %(default)s)")
+                         f"models only; default: {d['shadow']})")
     args = ap.parse_args(argv)
+    given = {dest: getattr(args, dest) for dest in PYTHON_ONLY if getattr(args, dest) is not None}
+    batching = dict(idle_us=args.idle_ms * 1000, max_queue_delay_us=args.max_queue_delay_us)
     try:
         if args.backend == "python":
-            target = make_python_repo(args.repo, args.name, tiny=args.tiny, model_dir=args.model, dtype=args.dtype,
-                                      seed=args.seed, device=args.device, max_slots=args.max_slots,
-                                      max_seq_len=args.max_seq_len, buffer_len=args.buffer_len,
-                                      idle_us=args.idle_ms * 1000, max_queue_delay_us=args.max_queue_delay_us,
-                                      shadow=args.shadow)
+            if args.engine_dir is not None:
+                raise RepoError(f"--engine-dir: only with --backend tensorrt_plan (--backend python runs the "
+                                f"checkpoint itself: --model DIR or --tiny NAME), got --engine-dir {args.engine_dir}")
+            tiny_only = [_flag(k) for k in ("tiny", "seed") if k in given]
+            if args.model is not None and tiny_only:
+                raise RepoError(f"{', '.join(tiny_only)}: the embedded tiny model's, used only without --model, got "
+                                f"them with --model {args.model}")
+            if args.model is not None:
+                print(f"[make_triton_repo] checking --model {args.model}: loading it as the server will", flush=True)
+            target = make_python_repo(args.repo, args.name, **{PYTHON_ONLY[k]: v for k, v in given.items()},
+                                      **batching)
+        elif given:
+            flags = ", ".join(_flag(k) for k in given)
+            raise RepoError(f"{flags}: only with --backend python (a tensorrt_plan repository serves the engine in "
+                            f"--engine-dir, built with its own model, dtype and sizes by scripts/build_engine.py)")
         elif args.engine_dir is None:
             raise RepoError("--engine-dir is required with --backend tensorrt_plan")
         else:
-            target = make_repo(args.engine_dir, args.repo, args.name)
+            target = make_repo(args.engine_dir, args.repo, args.name, **batching)
     except RepoError as e:
         print(f"make_triton_repo: {e}", file=sys.stderr)
         return 2
@@ -123,7 +168,8 @@ def main(argv=None) -> int:
     has_plan = (target / "1" / "model.plan").is_file()
     note = "" if has_plan else " (no model.plan yet: see 1/MISSING_PLAN.txt)"
     print(f"[make_triton_repo] wrote {target}/config.pbtxt{note}")
-    print(f"[make_triton_repo] serve with: tritonserver --model-repository={args.repo}")
+    print(f"[make_triton_repo] serve with: tritonserver --model-repository={args.repo} "
+          f"--exit-timeout-secs={EXIT_TIMEOUT_S}")
     return 0
 
 

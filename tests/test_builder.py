@@ -423,7 +423,17 @@ def test_load_checkpoint_errors(model, tmp_path):
     bad = _save(model, tmp_path / "llama")
     cfg = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
-    with pytest.raises(CheckpointError, match="model_type: expected 'nemotron_h', got 'llama'"):
+    with pytest.raises(CheckpointError, match="model_type: expected one of .*, got 'llama'") as e:
+        load_nemotron_h(bad)
+    from builders.qwen3_next import ACCEPTED_MODEL_TYPES
+
+    # every model_type the project loads is named (the message said only 'nemotron_h'), from the one list
+    assert str(list(ACCEPTED_MODEL_TYPES)) in str(e.value)
+    assert {"nemotron_h", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"} <= set(
+        ACCEPTED_MODEL_TYPES)
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3_5"}))  # a Qwen checkpoint: its loader
+    with pytest.raises(CheckpointError, match="model_type 'qwen3_5' is a Qwen3-Next / Qwen3.5 checkpoint: load it "
+                                              "with builders.qwen3_next.load_gdn_model"):
         load_nemotron_h(bad)
     with pytest.raises(CheckpointError, match="missing.*model.layers.0.mixer.A_log"):
         load_nemotron_h(_save(model, tmp_path / "missing", drop=("model.layers.0.mixer.A_log",)))

@@ -129,6 +129,23 @@ def test_cli_refuses_to_overwrite_and_reports(engine_dir, tmp_path):
     assert mtr.main(["--engine-dir", str(tmp_path / "none"), "--repo", str(tmp_path / "r2")]) == 2
 
 
+def test_sequence_batching_flags_reach_the_tensorrt_plan_config(engine_dir, tmp_path, capsys):
+    """--idle-ms and --max-queue-delay-us were taken with --backend tensorrt_plan and ignored (the config kept 60 s
+    and 100 us): they set its sequence batcher, range-checked by name as for --backend python; the printed serve
+    command bounds a shutdown's wait for open sequences (--exit-timeout-secs)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    argv = ["--engine-dir", str(engine_dir), "--repo", str(tmp_path / "r"), "--name", "m"]
+    assert mtr.main(argv + ["--idle-ms", "5000", "--max-queue-delay-us", "250"]) == 0
+    assert f"--exit-timeout-secs={tr.EXIT_TIMEOUT_S}" in capsys.readouterr().out
+    mc = text_format.Parse((tmp_path / "r" / "m" / "config.pbtxt").read_text(), pb.ModelConfig())
+    sb = mc.sequence_batching
+    assert sb.max_sequence_idle_microseconds == 5_000_000 and sb.oldest.max_queue_delay_microseconds == 250
+    assert mtr.main(["--engine-dir", str(engine_dir), "--repo", str(tmp_path / "r2"), "--idle-ms", "0"]) == 2
+    assert "--idle-ms: expected 1.." in capsys.readouterr().err and not (tmp_path / "r2").exists()
+
+
 def test_python_repo_of_a_published_qwen3_5_directory(tmp_path):
     """The published Qwen3.5 directories carry the vision-language wrapper's config.json (model_type qwen3_5, the
     text model's vocab_size under text_config): the Python-backend repository takes its vocabulary from there (it was
@@ -137,9 +154,10 @@ def test_python_repo_of_a_published_qwen3_5_directory(tmp_path):
     from transformers import Qwen3_5Config, Qwen3_5TextConfig
     from tritonclient.grpc import model_config_pb2 as pb
 
-    from builders.qwen3_next import TINY_QWEN3_5
+    from builders.qwen3_next import TINY_QWEN3_5, tiny_model
 
     ckpt = tmp_path / "ckpt"
+    tiny_model("qwen3_5", vocab_size=300).save_pretrained(ckpt)  # the weights: the writer loads the checkpoint
     Qwen3_5Config(text_config=Qwen3_5TextConfig(**dict(TINY_QWEN3_5, vocab_size=300)).to_dict()).save_pretrained(ckpt)
     assert "vocab_size" not in json.loads((ckpt / "config.json").read_text())
     target = tr.make_python_repo(tmp_path / "repo", model_dir=ckpt, device="cpu")

@@ -21,6 +21,7 @@ chunked prefill) over 8 layers and <= 16 steps; measured max 4e-6, so 1e-4 is 25
 the test's teeth: a slot mix-up or a stale state would fail).
 """
 
+import contextlib
 import importlib.util
 import os
 import queue
@@ -61,19 +62,14 @@ def _free_ports(n):
             s.close()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("triton")
-    repo = tmp / "repo"
-    tr.make_python_repo(repo, "nh", device="cpu", max_slots=SLOTS, max_seq_len=MAX_SEQ, buffer_len=L,
-                         idle_us=120_000_000, max_queue_delay_us=5000)  # 5 ms: rows of several sequences batch together
-    tr.make_python_repo(repo, "nh_idle", device="cpu", max_slots=1, max_seq_len=MAX_SEQ, buffer_len=L,
-                         idle_us=IDLE_S * 1_000_000)
-    tr.make_python_repo(repo, "qwen", tiny="qwen3_next", device="cpu", max_slots=2, max_seq_len=MAX_SEQ,
-                         buffer_len=L, idle_us=120_000_000, max_queue_delay_us=5000)
+@contextlib.contextmanager
+def _serve(tmp, repo, models, **serve_kw):
+    """The wheel's tritonserver on ``repo`` (scripts/make_triton_repo.py's serve command: serve_command), on free
+    ports of 127.0.0.1, until every model in ``models`` is ready; yields (url, tail of its log, the process). Stopped
+    by its PID (SIGTERM, then SIGKILL after 30 s) on the way out, also when the body fails."""
     backends = tr.write_backend_dir(tmp / "backends")
     grpc_port, http_port, metrics_port = _free_ports(3)
-    argv, env = tr.serve_command(repo, backends, grpc_port, http_port, metrics_port)
+    argv, env = tr.serve_command(repo, backends, grpc_port, http_port, metrics_port, **serve_kw)
     log = open(tmp / "tritonserver.log", "wb")
     proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
     url = f"127.0.0.1:{grpc_port}"
@@ -89,7 +85,7 @@ def server(tmp_path_factory):
             if proc.poll() is not None:
                 pytest.fail(f"tritonserver exited with {proc.returncode} during startup:\n{tail()}")
             try:
-                if client.is_server_ready() and all(client.is_model_ready(m) for m in ("nh", "nh_idle", "qwen")):
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
                     break
             except Exception:  # not listening yet
                 pass
@@ -97,7 +93,7 @@ def server(tmp_path_factory):
                 pytest.fail(f"tritonserver not ready after {STARTUP_S} s:\n{tail()}")
             time.sleep(0.2)
         client.close()
-        yield url, tail
+        yield url, tail, proc
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)  # graceful: unloads the models, stops their stubs
@@ -107,6 +103,20 @@ def server(tmp_path_factory):
                 proc.kill()
                 proc.wait(timeout=30)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("triton")
+    repo = tmp / "repo"
+    tr.make_python_repo(repo, "nh", device="cpu", max_slots=SLOTS, max_seq_len=MAX_SEQ, buffer_len=L,
+                         idle_us=120_000_000, max_queue_delay_us=5000)  # 5 ms: rows of several sequences batch together
+    tr.make_python_repo(repo, "nh_idle", device="cpu", max_slots=1, max_seq_len=MAX_SEQ, buffer_len=L,
+                         idle_us=IDLE_S * 1_000_000)
+    tr.make_python_repo(repo, "qwen", tiny="qwen3_next", device="cpu", max_slots=2, max_seq_len=MAX_SEQ,
+                         buffer_len=L, idle_us=120_000_000, max_queue_delay_us=5000)
+    with _serve(tmp, repo, ("nh", "nh_idle", "qwen")) as (url, tail, _):
+        yield url, tail
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +326,23 @@ def test_qwen_gdn_sequences(server, qwen_reference):
     assert streams[0].slots[0] != streams[1].slots[0]
     n = min(len(r) for r in refs)
     assert (refs[0][:n] - refs[1][:n]).abs().amax(-1).min() > 100 * TOL
+
+
+def test_shutdown_with_an_open_sequence_is_prompt(tmp_path):
+    """A sequence left open (started, never ended) made tritonserver's shutdown wait its whole exit timeout (30 s)
+    and end with "Exit timeout expired": on SIGTERM it stops taking new sequences but counts each sequence holding a
+    slot as an in-flight inference until its END or its idle timeout (the writer's default, 60 s), and the backend
+    is not told. The printed serve command bounds that wait (--exit-timeout-secs, triton_repo.EXIT_TIMEOUT_S).
+    A server of its own, one slot, the writer's defaults otherwise: ~5 s to start, the bound to stop."""
+    repo = tmp_path / "repo"
+    tr.make_python_repo(repo, "open", device="cpu", max_slots=1, max_seq_len=MAX_SEQ, buffer_len=L)
+    with _serve(tmp_path, repo, ("open",)) as (url, tail, proc):
+        got = _infer(url, "open", 900, 7, start=True)  # no END: the sequence stays open
+        assert not isinstance(got, Exception), got
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - t0
+        log = tail()
+    assert took < tr.EXIT_TIMEOUT_S + 5, f"shutdown took {took:.1f} s:\n{log}"
+    assert "Model 'open' (version 1) has 1 in-flight inferences" in log  # the cause, as the server reports it
