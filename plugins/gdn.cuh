@@ -15,7 +15,8 @@
 // Math, per (slot, value head hv), key head h = hv / (HV / H), state S (V x K) fp32:
 //   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), q, k l2-normalised, q *= scale
 //   conventional: S <- exp(g) S; u = beta (v - S k); S <- S + u k^T; y = S q
-// ReplaySSM (checkpoint S0, entries j < m of the buffer, G_j = sum_{i<=j} g_i, w_j = exp(G_m - G_j)):
+// ReplaySSM (checkpoint S0, entries j < m of the buffer, G_j = sum_{i<=j} g_i, w_j = exp(G_m - G_j), whose
+// exponent is formed in fp32 as the suffix sum sum_{j<i<=m} g_i, never as a difference: suffix_after):
 //   S_m k = exp(G_m) S0 k + sum_j w_j (k_j . k) u_j       (same with q)
 //   u = beta (v - exp(g) S_m k),  y = exp(g) S_m q + (k . q) u
 // so a non-flush step reads S0 once (two dots per row) and appends (u, v, k, g, beta). The flush
@@ -87,6 +88,24 @@ __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1p
 constexpr float kL2Eps = 1e-6f;
 // Below this the fold's lazy decay is applied to the rows (fp32 keeps ~2^-126; 2^-30 leaves room for u / D).
 constexpr float kRenorm = 9.3132257e-10f;  // 2^-30
+
+// Exclusive suffix sum over the warp: lane j gets sum_{i>j} v_i (lanes past the entries hold 0), a reverse
+// scan from the newest entry backwards. The replay weights exp(G_m - G_j) take their exponent from it,
+// sum_{j<i<m} g_i, never as the difference of two prefix sums: after a gate spike (softplus past its
+// threshold, g of -exp(A_log) x 24..100) G_m - G_j loses ~ulp(G_m) and every surviving weight a relative
+// ~ulp(|G_m|) (3e-5 at G_m = -480); a suffix of like-signed terms is exact to a few ulp of itself (as
+// replayssm.cuh's rssm::suffix_after; bench/NOTES.md "fp32 exponents after a dt spike").
+__device__ __forceinline__ float suffix_after(float v) {
+  const int lane = threadIdx.x % 32;
+  float s = __shfl_down_sync(0xffffffffu, v, 1);
+  if (lane == 31) s = 0.f;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float u = __shfl_down_sync(0xffffffffu, s, o);
+    if (lane + o < 32) s += u;
+  }
+  return s;
+}
 
 // cp.async (sm_80+): 16-byte global->shared copies that hold no registers while in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -431,16 +450,10 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   const int row = dot_row(c);
   const act_t v_raw = a.v[yrow + row];
-  if (warp == 0) {  // inclusive scan of g: w_j = exp(G_m - G_j), exp(G_m)
-    float G = gl;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float t = __shfl_up_sync(0xffffffffu, G, o);
-      if (c.lane >= o) G += t;
-    }
-    const float Gm = __shfl_sync(0xffffffffu, G, 31);  // entries past m add 0
-    if (c.lane < m) sm.w[c.lane] = expf(Gm - G);
-    if (c.lane == 0) sm.eGm = expf(Gm);
+  if (warp == 0) {  // w_j = exp(G_m - G_j) = exp(sum_{j<i<m} g_i) by a suffix scan, exp(G_m)
+    const float after = suffix_after(gl);  // gl = 0 on lanes >= m
+    if (c.lane < m) sm.w[c.lane] = expf(after);
+    if (c.lane == 0) sm.eGm = expf(gl + after);
   }
 #pragma unroll
   for (int it = 0; it < kIters; ++it) {

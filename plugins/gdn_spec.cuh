@@ -14,7 +14,8 @@
 //     the window then sees S_m = that fold and no history (cursor (start + m, 0) for the rest).
 //   no flush: S_m = exp(G_m) S0 + sum_j exp(G_m - G_j) u_j k_j^T, never formed: only its products
 //     S_m x = exp(G_m) (S0 x) + sum_j exp(G_m - G_j) (k_j . x) u_j with the window's x = k_t, q_t.
-//   Window (triangular form, gdn_reference.verify_triangular), Γ_t = sum_{i<=t} g_i:
+//   Window (triangular form, gdn_reference.verify_triangular), Γ_t = sum_{i<=t} g_i (in fp32 every exponent
+//   Γ_t - Γ_s and G_m - G_j is summed over its own range, never a difference of two prefix sums):
 //     u_t = beta_t (v_t - exp(Γ_t) S_m k_t - sum_{s<t} exp(Γ_t - Γ_s) (k_s . k_t) u_s)
 //     y_t = exp(Γ_t) S_m q_t + sum_{s<=t} exp(Γ_t - Γ_s) (k_s . q_t) u_s
 //   so each state element costs 2T FMAs (the 2T row dots) and nothing is updated in registers; the
@@ -124,14 +125,12 @@ __device__ __forceinline__ void window_pairs(WinSmem& w, const Lane& c) {
     smem_cols(qt, w.q[t], c);
     float acc[2] = {dot_cols(ks, kt), dot_cols(ks, qt)};
     const float d = group_reduce<2>(acc);
-    if (live && c.l < 2) {
-      float Gt = 0.f, Gs = 0.f;
+    if (live && c.l < 2) {  // Γ_t - Γ_s = sum_{s<i<=t} g_i summed directly (no difference of two prefix sums)
+      float Gst = 0.f;
 #pragma unroll
-      for (int i = 0; i < kT; ++i) {
-        if (i <= t) Gt += w.g[i];
-        if (i <= s) Gs += w.g[i];
-      }
-      const float dec = expf(Gt - Gs);
+      for (int i = 0; i < kT; ++i)
+        if (i > s && i <= t) Gst += w.g[i];
+      const float dec = expf(Gst);
       if (c.l == 0) w.kk[t][s] = s < t ? dec * d : 0.f;
       else w.kq[t][s] = s <= t ? dec * d : 0.f;
     }
@@ -225,16 +224,10 @@ __device__ __forceinline__ void spec_verify(const ReplayArgs& a) {
 #pragma unroll
   for (int t = 0; t < kT; ++t) v_raw[t] = a.v[(((size_t)p.b * kT + t) * kHV + p.hv) * kV + p.row0 + row];
   prep_window(w, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
-  if (!flush && warp == 0) {  // inclusive scan of the history's g: w_j = exp(G_m - G_j), exp(G_m)
-    float G = gl;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float t = __shfl_up_sync(0xffffffffu, G, o);
-      if (c.lane >= o) G += t;
-    }
-    const float Gm = __shfl_sync(0xffffffffu, G, 31);  // lanes past m add 0
-    if (c.lane < m) hs.w[c.lane] = expf(Gm - G);
-    if (c.lane == 0) hs.eGm = expf(Gm);
+  if (!flush && warp == 0) {  // the history's w_j = exp(sum_{j<i<m} g_i) by a suffix scan (suffix_after), exp(G_m)
+    const float after = suffix_after(gl);  // gl = 0 on lanes >= m
+    if (c.lane < m) hs.w[c.lane] = expf(after);
+    if (c.lane == 0) hs.eGm = expf(gl + after);
   }
   __syncthreads();
   window_pairs(w, c);

@@ -18,6 +18,8 @@
 // c_j = A * sum_{i<=j} dt_i, w_j = dt_j * exp(c_k - c_j):
 //   y_k = exp(c_k) (S0 C_k) + sum_j w_j (B_j . C_k) x_j + D x_k          (output form, no state write)
 //   S_k = exp(c_k) S0 + sum_j w_j x_j B_j^T                              (state form, used by flush)
+// In fp32 the exponent c_k - c_j is formed as A * sum_{j<i<=k} dt_i, a suffix sum (suffix_after), never as
+// the difference of two prefix sums (which loses ~ulp(sum dt) after a dt spike).
 //
 // Work split: one block per (batch row, head, chunk of kRows rows). Each thread owns kRT rows x
 // kVPL 16-byte vectors of the state, so a warp load covers whole contiguous rows. The state loads
@@ -192,6 +194,23 @@ __device__ __forceinline__ float group_sum(float v) {  // xor stays inside align
 #pragma unroll
   for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
+}
+// Exclusive suffix sum over the warp: lane j gets sum_{i>j} v_i (lanes past the entries hold 0), a reverse
+// Hillis-Steele scan from the newest entry backwards. The decay exponents are built from it, never as the
+// difference of two prefix sums: after a dt spike (softplus past its threshold, sums of dt of 24..100)
+// c_k - c_j loses ~ulp(sum dt) and every weight that survives the spike carries a relative error of
+// ~|A| ulp(sum dt) (1e-4 at |A| = 16); a suffix is a sum of like-signed terms, exact to a few ulp of itself
+// (bench/NOTES.md "fp32 exponents after a dt spike"). Six shuffles, as the prefix scan and its broadcast.
+__device__ __forceinline__ float suffix_after(float v) {
+  const int lane = threadIdx.x % 32;
+  float s = __shfl_down_sync(0xffffffffu, v, 1);
+  if (lane == 31) s = 0.f;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const float u = __shfl_down_sync(0xffffffffu, s, o);
+    if (lane + o < 32) s += u;
+  }
+  return s;
 }
 
 template <int R>
@@ -729,17 +748,11 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
       }
     }
   }
-  if (warp == 0) {
+  if (warp == 0) {  // w_j = dt_j exp(A sum_{j<i<k} dt_i), exp(c_k) = exp(A sum_i dt_i): suffix sums (suffix_after)
     const float A = a.A[c.h];
-    float cum = dtj;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float u = __shfl_up_sync(0xffffffffu, cum, o);
-      if (lane >= o) cum += u;
-    }
-    const float total = __shfl_sync(0xffffffffu, cum, k - 1);
-    if (lane < k) sm.w[lane] = dtj * expf(A * (total - cum));
-    if (lane == 0) sm.decay = expf(A * total);
+    const float after = suffix_after(dtj);  // dtj = 0 on lanes >= k
+    if (lane < k) sm.w[lane] = dtj * expf(A * after);
+    if (lane == 0) sm.decay = expf(A * (dtj + after));
     if (lane == pos && !flush && c.chunk == 0) a.dtc_out[dtc_off(slot, c.h) + pos] = dtj;
   }
   const float D = a.D[c.h];
@@ -882,17 +895,11 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
   const float dt_now = softplus(sc.dt_raw + sc.dt_bias);
 
   // Buffer weights (warp 0) and B_j . C_k (all entries at once), from the stage.
-  if (warp == 0) {
+  if (warp == 0) {  // exponents from suffix sums (suffix_after), as replay_decode
     const float dtj = lane < pos ? sg.dt[lane] : (lane == pos ? dt_now : 0.f);
-    float cum = dtj;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float u = __shfl_up_sync(0xffffffffu, cum, o);
-      if (lane >= o) cum += u;
-    }
-    const float total = __shfl_sync(0xffffffffu, cum, pos);
-    if (lane < k) sm.w[lane] = dtj * expf(sc.A * (total - cum));
-    if (lane == 0) sm.decay = expf(sc.A * total);
+    const float after = suffix_after(dtj);
+    if (lane < k) sm.w[lane] = dtj * expf(sc.A * after);
+    if (lane == 0) sm.decay = expf(sc.A * (dtj + after));
   }
   if (!flush) {  // all k dots at once: kDL lanes per entry, kDVPL 16-byte vectors per lane
     const int dl = t % kDL;

@@ -16,6 +16,9 @@
 //     (scan from 0) is stored as the new checkpoint, rounded to state_t, and the window is computed
 //     from it with base = m. The cursor is not moved here: replayssm_spec_commit repeats the flush
 //     decision (start += count, count = 0) and adds the accepted tokens, once for all layers.
+//   fp32 exponents: every c_a - c_e (a > e) is A * sum_{e<i<=a} dt_i formed as a sum of like-signed terms
+//     (the history's suffix sums from suffix_after, then the window's dt one by one), never as the
+//     difference of two prefix sums, which loses ~ulp(sum dt) after a dt spike (replayssm.cuh suffix_after).
 //   shadow (RSSM_SHADOW 1: bf16, 2: fp8-e4m3 with fp32 row scales; f32 checkpoint only): a
 //     non-flush step reads S = S0 from the shadow (fp8 values times their row scale) instead of
 //     the f32 checkpoint; a flush step reads the f32 checkpoint, folds, stores f32 and rewrites the
@@ -164,9 +167,9 @@ struct alignas(16) SpecSmem {
   act_t xt[kL][kRows];         // x of entries 0..m+T-1, this block's rows
   act_t zt[kHasZ ? kT : 1][kRows];
   float W[kT][kL];             // dt_e exp(c_{m+t} - c_e) (B_e . C_t) for base <= e <= m+t
-  float c[kL];                 // A * segmented cumulative dt
+  float c[kL];                 // exponent terms: A sum_{e<i<m} dt_i for history e < m, A dt_e for window e >= m
   float dte[kL];               // processed dt
-  float wf[kL];                // flush: dt_e exp(c_{m-1} - c_e), e < m
+  float wf[kL];                // flush: dt_e exp(c_{m-1} - c_e) = dt_e exp(A sum_{e<i<m} dt_i), e < m
   float decay[kT];             // exp(c_{m+t})
   float decay_f;               // flush: exp(c_{m-1})
 };
@@ -232,16 +235,17 @@ __device__ __forceinline__ void spec_verify(const SpecArgs& a) {
       const float u = __shfl_up_sync(0xffffffffu, cum, o);
       if (lane - o >= seg) cum += u;
     }
-    const float cl = A * cum;
+    const float cl = A * cum;  // the decays exp(c) need only these sums; no exponent is a difference of them
     const float c_prev = __shfl_sync(0xffffffffu, cl, m > 0 ? m - 1 : 0);  // c_{m-1} of the history scan
     const float c_win = __shfl_sync(0xffffffffu, cl, min(m + lane, 31));  // c_{m+t}, t = lane
+    const float hist_after = suffix_after(lane < m ? dte : 0.f);          // sum_{lane<i<m} dt_i (history)
     if (lane < n) {
       sm.dte[lane] = dte;
-      sm.c[lane] = cl;
+      sm.c[lane] = A * (lane < m ? hist_after : dte);
     }
     if (lane < kT) sm.decay[lane] = expf(c_win);
     if (flush) {
-      if (lane < m) sm.wf[lane] = dte * expf(c_prev - cl);
+      if (lane < m) sm.wf[lane] = dte * expf(A * hist_after);
       if (lane == 0) sm.decay_f = expf(c_prev);
     }
     if (c.chunk == 0 && lane >= m && lane < n) a.dtc_out[((size_t)slot * kH + c.h) * kL + (start + lane) % kL] = dte;
@@ -269,7 +273,13 @@ __device__ __forceinline__ void spec_verify(const SpecArgs& a) {
         }
       }
       acc = group_sum<kBLanes>(acc);
-      if (live && bl == 0) sm.W[t][e] = sm.dte[e] * expf(sm.c[m + t] - sm.c[e]) * acc;
+      if (live && bl == 0) {  // c_{m+t} - c_e = A sum_{e<i<=m+t} dt_i as a sum of like-signed terms (sm.c)
+        float ex = e < m ? sm.c[e] : 0.f;
+#pragma unroll
+        for (int i = 0; i < kT; ++i)
+          if (i <= t && m + i > e) ex += sm.c[m + i];
+        sm.W[t][e] = sm.dte[e] * expf(ex) * acc;
+      }
     }
     act_t* xo = a.xc_out + ((size_t)slot * kH + c.h) * kL * kP + c.row0;
     for (int i = tid; i < kT * kXVecRow; i += kThreads) {
