@@ -1,126 +1,149 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One Nemotron-H / Nemotron 3 decode step as a module with explicit state I/O, and its ONNX export.
+"""One Nemotron-H / Nemotron 3 step of T = 1 + num_draft tokens per row as a module with explicit state I/O, and
+the one ONNX export of every step (this family's and builders/gdn_step.py's).
+
+:class:`NemotronHDecodeStep` with ``num_draft = 0`` (T = 1) is the standard decode step; with ``num_draft`` > 0
+it is the verify graph of speculative decoding, whose commit graph (run after sampling) is
+builders/spec_step.py's. The layers are the same code on (batch, T, D) tokens (:func:`window_conv`,
+:func:`window_attention`, :func:`mamba2_mixer`); T changes the SSM node, the conv state's width, the cursor
+and the graph outputs. :func:`export_onnx` writes the step's graph (and, for T > 1, the commit graph).
 
 Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) inside):
 
- 1. input_ids       (batch, 1) int64
- 2. lengths         (batch,) int32     tokens already in the KV caches; the new one is written there
-                                       (the caller keeps lengths < max_seq_len)
- 3. cursor          (batch,) int32     ReplaySSM buffer fill, shared by all Mamba layers
+ 1. input_ids       (batch, T) int64    T = 1; T > 1: the last sampled token, then the num_draft drafts
+ 2. lengths         (batch,) int32      tokens already in the KV caches; the T new ones are written at
+                                        lengths .. lengths + T - 1 (the caller keeps lengths + T <= max_seq_len)
+ 3. cursor          T = 1: (batch,) int32 ReplaySSM buffer fill, shared by all Mamba layers;
+                    T > 1: (batch, 2) int32 ring (start, count), shared, read only (the commit graph moves it)
  4. per attention layer i: k_cache_i, v_cache_i  (batch, kv_heads, max_seq_len, head_dim)  act
- 5. per Mamba layer i:     conv_state_i (batch, conv_dim, conv_kernel) act,
+ 5. per Mamba layer i:     T = 1: conv_state_i (batch, conv_dim, K) act (the last K inputs);
+                           T > 1: conv_window_i (batch, conv_dim, K - 1 + num_draft) act,
                            ssm_state_i (batch, H, P, N) state dtype (the checkpoint S0),
+                           [with a shadow: ssm_shadow_i (batch, H, P, N) bf16 / fp8, ssm_shadow_scale_i (fp8)],
                            x_cache_i (batch, H, L, P) act, B_cache_i (batch, G, L, N) act,
                            dt_cache_i (batch, H, L) fp32 (processed dt)
 
-Graph outputs: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L,
-then every state tensor of 4-5 as ``<name>_out`` with the input's shape and dtype (in-place aliases
-in TensorRT). :meth:`NemotronHDecodeStep.state_specs` lists them.
+Graph outputs: T = 1: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L;
+T > 1: logits (batch, T, vocab) fp32 (verify commits nothing: no lengths or cursor output); then every state
+tensor of 4-5 as ``<name>_out`` with the input's shape and dtype (in-place aliases in TensorRT).
+:meth:`NemotronHDecodeStep.state_specs` lists them (builders/engine_format.py's state table).
 
-Per Mamba layer: in_proj, conv1d over the window [conv_state[:, :, 1:], xBC] (the new conv state),
-silu, then ONE ``replayssm::mamba2_decode`` node (:class:`Mamba2Decode`), then the model's gated
-RMSNorm with z and out_proj. Attention (Nemotron-H uses no positional encoding): the new K/V is
-written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attended. MoE layers
-(Nemotron 3) carry no state: :func:`builders.moe.moe_forward` in standard ops (sigmoid routing,
-TopK, the routed experts in the ``moe_formulation`` the step was built with, and the shared expert);
-transformers' own MoE module cannot be traced (its expert loop reads the routing on the host, so a
-trace would freeze the experts of the tracing input). The default "dense" formulation runs every
-expert on every token as two batched MatMuls over (E, ., .) constants weighted by a (batch, E)
-routing mask: static shapes TensorRT builds as plain GEMMs, each expert matrix read once per step
-whatever the batch; "gather" copies each token's k expert matrices and is cheaper only while
-2·batch·k < E (builders/moe.py has the numbers). MLP layers are the model's.
-
-The layers take (batch, T, D) tokens (:func:`window_conv`, :func:`window_attention`): T = 1 here, T = 1 +
-num_draft in builders/spec_step.py's verify step, which subclasses this one and changes only the SSM node,
-the conv state's width and the I/O (the conv state of K columns is the window of a step with no drafts).
+Per Mamba layer: in_proj of the T tokens, the causal depthwise conv over [the last K - 1 committed inputs, the T
+new ones] (the new conv state / window), silu, then ONE plugin node, then the model's gated RMSNorm with z and
+out_proj. The node: T = 1, ``replayssm::mamba2_decode`` on the squeezed token (``reference.replay_decode``);
+T > 1, ``replayssm::mamba2_verify`` (window outputs from checkpoint + committed ring history + the causal part
+of the window; the window appended to the rings; the committed history folded into the checkpoint first when
+count + 2T > L: trtllm_replayssm/spec_reference.py); with a checkpoint shadow the ``_shadow`` twin of either
+(inputs and outputs then (shadow, shadow_scale)). Attention (Nemotron-H uses no positional encoding): the T new
+K/V written at lengths + t with one-hot selects, query t attends keys j <= lengths + t; rejected speculative
+positions leave K/V and ring entries beyond the committed range, never read and overwritten by later windows.
+MoE layers (Nemotron 3) carry no state: :func:`builders.moe.moe_forward` in standard ops (sigmoid routing,
+TopK, the routed experts in the ``moe_formulation`` the step was built with, and the shared expert), each of
+the batch * T tokens routed on its own; transformers' own MoE module cannot be traced (its expert loop reads
+the routing on the host, so a trace would freeze the experts of the tracing input). The default "dense"
+formulation runs every expert on every token as two batched MatMuls over (E, ., .) constants weighted by a
+(batch, E) routing mask: static shapes TensorRT builds as plain GEMMs, each expert matrix read once per step
+whatever the batch; "gather" copies each token's k expert matrices and is cheaper only while 2·batch·k < E
+(builders/moe.py has the numbers). MLP layers are the model's.
 
 Export route: the TorchScript exporter (``torch.onnx.export(..., dynamo=False)``) with
-``torch.autograd.Function.symbolic``. It emits exactly one custom node with our domain, attributes
-and five outputs, and the Python ``forward`` (the reference backend) runs while tracing. The
-torch.export-based exporter would need an onnxscript translation of a torch.library op for the same
-node; the TorchScript route is the smaller one and works on torch 2.13 (with a DeprecationWarning).
+``torch.autograd.Function.symbolic`` (:class:`PluginOp`). It emits exactly one custom node with our domain,
+attributes and outputs per plugin call, and the Python ``forward`` (the reference backend) runs while
+tracing. The torch.export-based exporter would need an onnxscript translation of a torch.library op for the
+same node; the TorchScript route is the smaller one and works on torch 2.13 (with a DeprecationWarning).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from trtllm_replayssm import backend as executors
 
 from .engine_format import SHADOWS, layer_states
 from .moe import FORMULATIONS, moe_forward
 from .nemotron_h import _check_layers, reference_backend
 
-OP_TYPE = "mamba2_decode"
 DOMAIN = "replayssm"
+OP_TYPE = "mamba2_decode"
+SHADOW_OP_TYPE = "mamba2_decode_shadow"
+VERIFY_OP_TYPE = "mamba2_verify"
+VERIFY_SHADOW_OP_TYPE = "mamba2_verify_shadow"
 _ONNX_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                      torch.int32: "int32", torch.int64: "int64", torch.float8_e4m3fn: "float8_e4m3fn"}
 _TORCH_DTYPES = {n: t for t, n in _ONNX_DTYPE_NAMES.items()}
 
+# ``replayssm::mamba2_verify`` in float64 (what the kernel does): fold the committed history into the checkpoint
+# where count + 2T > L (stored in the state dtype), then verify the window on the flushed cursor; caches written
+# back in their own dtypes, the cursor not moved, y in x's dtype: the reference executor of
+# trtllm_replayssm.backend in the launchers' keyword form (``reference_backend``, the T = 1 node's, is
+# builders.nemotron_h's).
+verify_reference_backend = executors.replay_verify_kw(executors.REFERENCE)
 
-class Mamba2Decode(torch.autograd.Function):
-    """``replayssm::mamba2_decode``: inputs (x, B, C, dt, dt_bias, A, D, state_batch_indices, cursor,
-    state, x_cache, B_cache, dt_cache), outputs (y, state_out, x_cache_out, B_cache_out, dt_cache_out).
 
-    Eager: the backend runs on copies of the caches (functional, as the graph is); TensorRT aliases
-    the last four outputs to their inputs.
-    """
+# ---- plugin nodes ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class PluginNode:
+    """One ``replayssm::<op_type>`` node: its integer attributes (name, value) in the plugin's order (after
+    ``plugin_namespace`` and ``aot``), for each output the index of the input whose type it has, and ``run``, the
+    eager computation (inputs -> outputs, functional: state inputs are not written)."""
+
+    op_type: str
+    attrs: tuple[tuple[str, int], ...]
+    like: tuple[int, ...]
+    run: Callable
+
+
+class PluginOp(torch.autograd.Function):
+    """``PluginOp.apply(node, *inputs)``: ``node.run(*inputs)`` eagerly (the Python backend runs while tracing),
+    exported as one ``node.op_type`` node of our domain with ``plugin_namespace``, ``aot = 1`` and ``node.attrs``
+    (every plugin node of the exported steps and the commit graph)."""
 
     @staticmethod
-    def forward(ctx, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache,
-                sizes, backend):
-        state, x_cache, B_cache, dt_cache = (t.clone() for t in (state, x_cache, B_cache, dt_cache))
+    def forward(ctx, node, *inputs):
+        return node.run(*inputs)
+
+    @staticmethod
+    def symbolic(g, node, *inputs):
+        outs = g.op(f"{DOMAIN}::{node.op_type}", *inputs, plugin_namespace_s=DOMAIN, aot_i=1,
+                    **{f"{k}_i": v for k, v in node.attrs}, outputs=len(node.like))
+        outs = list(outs) if len(node.like) > 1 else [outs]
+        for o, i in zip(outs, node.like):
+            o.setType(inputs[i].type())
+        return outs if len(outs) > 1 else outs[0]
+
+
+def mamba2_op_type(speculative: bool, shadow: bool) -> str:
+    """The Mamba-2 node of a step: ``mamba2_decode`` (T = 1) or ``mamba2_verify`` (T > 1), ``_shadow`` with a
+    checkpoint shadow; the name of its TensorRT plugin too (trtllm_replayssm.trt_plugin.PLUGINS)."""
+    return (VERIFY_SHADOW_OP_TYPE if shadow else VERIFY_OP_TYPE) if speculative else (
+        SHADOW_OP_TYPE if shadow else OP_TYPE)
+
+
+def mamba2_node(ins, caches, op_type: str, attrs: dict, backend, fp8: bool = False):
+    """One Mamba-2 node (``op_type``: :func:`mamba2_op_type`; ``attrs``: its integer attributes) on ``ins`` (x, B,
+    C, dt, dt_bias, A, D, state_batch_indices, cursor; x, B, C, dt with a window axis for a verify node) and
+    ``caches`` (state, x_cache, B_cache, dt_cache[, shadow, shadow_scale]): a shadow node's scale is the fp8
+    shadow's per-row scales (``fp8``) or the bf16 shadow's (1,) placeholder, never read or written. Outputs (y,
+    state, x_cache, B_cache, dt_cache[, shadow, shadow_scale]); TensorRT aliases all but y to their inputs, the
+    eager run (``backend``) works on copies."""
+
+    def run(x, B, C, dt, dt_bias, A, D, sbi, cursor, *cs):
+        state, x_cache, B_cache, dt_cache, *sh = (t.clone() for t in cs)
+        extra = {} if not sh else dict(shadow=sh[0], shadow_scale=sh[1] if fp8 else None)
         y = backend(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x, B=B,
-                    C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=None, state_batch_indices=sbi)
-        return y.to(x.dtype), state, x_cache, B_cache, dt_cache
+                    C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=None, state_batch_indices=sbi, **extra)
+        return (y.to(x.dtype), state, x_cache, B_cache, dt_cache, *sh)
 
-    @staticmethod
-    def symbolic(g, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, sizes, backend):
-        nheads, headdim, dstate, ngroups, buffer_len = sizes
-        outs = g.op(f"{DOMAIN}::{OP_TYPE}", x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
-                    dt_cache, plugin_namespace_s=DOMAIN, aot_i=1, nheads_i=nheads, headdim_i=headdim,
-                    dstate_i=dstate, ngroups_i=ngroups, buffer_len_i=buffer_len, outputs=5)
-        for o, like in zip(outs, (x, state, x_cache, B_cache, dt_cache)):
-            o.setType(like.type())
-        return outs
+    node = PluginNode(op_type, tuple(attrs.items()), (0,) + tuple(range(9, 9 + len(caches))), run)
+    return PluginOp.apply(node, *ins, *caches)
 
 
-SHADOW_OP_TYPE = "mamba2_decode_shadow"
-
-
-class Mamba2DecodeShadow(torch.autograd.Function):
-    """``replayssm::mamba2_decode_shadow``: :class:`Mamba2Decode`'s inputs then (shadow, shadow_scale), outputs
-    then (shadow_out, shadow_scale_out). A bf16 or fp8-e4m3 shadow of the fp32 checkpoint: non-flush steps read
-    it, flush steps rewrite it from the checkpoint they store (trtllm_replayssm/reference.py). ``shadow_scale``:
-    an fp8 shadow's per-row fp32 scales (a state), or the plugin's (1,) fp32 placeholder of a bf16 shadow (never
-    read or written; a constant of the graph)."""
-
-    @staticmethod
-    def forward(ctx, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow,
-                shadow_scale, sizes, backend):
-        state, x_cache, B_cache, dt_cache, shadow, shadow_scale = (
-            t.clone() for t in (state, x_cache, B_cache, dt_cache, shadow, shadow_scale))
-        fp8 = shadow.dtype == torch.float8_e4m3fn
-        y = backend(state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x, B=B,
-                    C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=None, state_batch_indices=sbi, shadow=shadow,
-                    shadow_scale=shadow_scale if fp8 else None)
-        return y.to(x.dtype), state, x_cache, B_cache, dt_cache, shadow, shadow_scale
-
-    @staticmethod
-    def symbolic(g, x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache, dt_cache, shadow, shadow_scale,
-                 sizes, backend):
-        nheads, headdim, dstate, ngroups, buffer_len = sizes
-        outs = g.op(f"{DOMAIN}::{SHADOW_OP_TYPE}", x, B, C, dt, dt_bias, A, D, sbi, cursor, state, x_cache, B_cache,
-                    dt_cache, shadow, shadow_scale, plugin_namespace_s=DOMAIN, aot_i=1, nheads_i=nheads,
-                    headdim_i=headdim, dstate_i=dstate, ngroups_i=ngroups, buffer_len_i=buffer_len, outputs=7)
-        for o, like in zip(outs, (x, state, x_cache, B_cache, dt_cache, shadow, shadow_scale)):
-            o.setType(like.type())
-        return outs
-
-
-# ---- the T-general layer pieces (this step, builders/spec_step.py, builders/gdn_step.py) ----------------
+# ---- the T-general layer pieces (this module's step and builders/gdn_step.py's) -------------------------
 def window_conv(window, inputs, conv1d, K: int, T: int):
     """Causal depthwise conv of the T window inputs ``inputs`` (batch, T, C) over [the last K - 1 committed
     inputs (the window's last K - 1 columns), the T inputs]: (conv (batch, T, C) before the activation,
@@ -244,12 +267,33 @@ def ring_cursor_and_windows(step, decoder, cache, start, conv_layers) -> tuple[t
     return torch.stack([start, count], dim=1), windows
 
 
+def check_window(num_draft: int, buffer_len: int) -> int:
+    """T = 1 + ``num_draft`` of a step, checked against its buffer length: standard decode (num_draft = 0)
+    takes L in 1..32; a speculative verify flushes one window early, so 2T <= L <= 32."""
+    if num_draft < 0:
+        raise ValueError(f"num_draft: expected >= 0 (0: standard decode), got {num_draft}")
+    T = num_draft + 1
+    if num_draft == 0 and not 1 <= buffer_len <= 32:
+        raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+    if num_draft and not 2 * T <= buffer_len <= 32:
+        raise ValueError(f"buffer_len: expected in [2 (num_draft + 1), 32] = [{2 * T}, 32] (flush one window early), "
+                         f"got {buffer_len}")
+    return T
+
+
 class StepIO:
     """The engine I/O and the forward every step with explicit state shares (Nemotron-H and Qwen3-Next /
-    Qwen3.5, standard decode and speculative verify): names, zero states, the states equivalent to a patched
-    model, the K/V of a transformers cache. Subclasses give ``state_specs()``, ``max_seq_len``, ``kinds``
-    (``"linear_attention"`` = an SSM layer), ``speculative``, ``num_tokens``, ``_layers`` and
+    Qwen3.5, standard decode and speculative verify): the window (:meth:`_set_tokens`), names, zero states, the
+    states equivalent to a patched model, the K/V of a transformers cache. Subclasses call ``_set_tokens`` and
+    give ``state_specs()``, ``max_seq_len``, ``kinds`` (``"linear_attention"`` = an SSM layer), ``_layers`` and
     ``_patched_ssm`` (a layer's checkpoint and standard buffers in the patched model)."""
+
+    def _set_tokens(self, num_draft: int, buffer_len: int, conv_kernel: int) -> None:
+        """``num_draft``, ``num_tokens`` = T (:func:`check_window`), ``speculative`` (T > 1) and ``window``, the
+        conv state's width: the last K inputs at T = 1, a window of K - 1 + num_draft at T > 1."""
+        self.num_tokens = check_window(num_draft, buffer_len)
+        self.num_draft, self.speculative = num_draft, num_draft > 0
+        self.window = conv_kernel - 1 + num_draft if self.speculative else conv_kernel
 
     def input_names(self) -> list[str]:
         return ["input_ids", "lengths", "cursor"] + [s.name for s in self.state_specs()]
@@ -308,16 +352,13 @@ class StepIO:
 
 
 class NemotronHDecodeStep(StepIO, torch.nn.Module):
-    """Decode step of a (loaded, unpatched or patched) ``NemotronHForCausalLM``; shares its weights.
-
-    The layers take (batch, T, D) tokens: T = 1 here, T = 1 + num_draft in ``spec_step.NemotronHSpecStep``."""
-
-    num_tokens = 1
-
-    speculative = False  # the verify step (builders/spec_step.py) keeps a wider conv window, conv_window_i
+    """The step of T = 1 + ``num_draft`` tokens of a (loaded, unpatched or patched) ``NemotronHForCausalLM``;
+    shares its weights. ``num_draft = 0``: standard decode; ``num_draft`` > 0: the speculative verify graph
+    (module docstring), whose commit graph is ``spec_step.NemotronHSpecCommit(step)``. ``backend``: the SSM
+    node's eager computation (default: the float64 reference of the node, decode or verify)."""
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype = torch.float32,
-                 backend=None, moe_formulation: str = "dense", shadow: str = "none"):
+                 backend=None, moe_formulation: str = "dense", shadow: str = "none", num_draft: int = 0):
         super().__init__()
         _check_layers(model.config)
         if shadow not in SHADOWS:
@@ -325,22 +366,20 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         if shadow != "none" and state_dtype != torch.float32:
             raise ValueError(f"shadow: a checkpoint shadow is of an fp32 checkpoint, got state_dtype={state_dtype}")
         self.shadow = shadow
-        # mamba2_decode_shadow's (1,) fp32 scale placeholder of a bf16 shadow (never read or written)
+        # the shadow node's (1,) fp32 scale placeholder of a bf16 shadow (never read or written)
         self.register_buffer("shadow_scale_placeholder", torch.ones(1), persistent=False)
         if moe_formulation not in FORMULATIONS:
             raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {moe_formulation!r}")
         self.moe_formulation = moe_formulation
-        if not 1 <= buffer_len <= 32:
-            raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+        self._set_tokens(num_draft, buffer_len, model.config.conv_kernel)
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
         self.model = model
         self.config = cfg = model.config
         self.buffer_len, self.max_seq_len, self.state_dtype = buffer_len, max_seq_len, state_dtype
-        self.backend = backend or reference_backend
+        self.backend = backend or (verify_reference_backend if self.speculative else reference_backend)
         self.act_dtype = next(model.parameters()).dtype
         self.kinds = list(cfg.layers_block_type)
-        self.window = cfg.conv_kernel  # conv state: the last K inputs
         # Per-head SSM constants in fp32 (constants of the graph; A is not computed in the graph).
         for i, kind in enumerate(self.kinds):
             if kind == "linear_attention":
@@ -377,6 +416,19 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         c = decoder.caches[i]
         return c["state"].to(self.state_dtype), (c["x_cache"], c["B_cache"], c["dt_cache"])
 
+    # ---- the SSM node --------------------------------------------------------------------------------
+    @property
+    def op_type(self) -> str:
+        """The op type of the step's Mamba-2 nodes, the name of their TensorRT plugin (:func:`mamba2_op_type`)."""
+        return mamba2_op_type(self.speculative, self.shadow != "none")
+
+    def plugin_attributes(self) -> dict:
+        """The integer attributes of the step's Mamba-2 nodes in the plugin's order (config.json's too)."""
+        cfg = self.config
+        return dict(nheads=cfg.mamba_num_heads, headdim=cfg.mamba_head_dim, dstate=cfg.ssm_state_size,
+                    ngroups=cfg.n_groups, buffer_len=self.buffer_len,
+                    **({"num_tokens": self.num_tokens} if self.speculative else {}))
+
     # ---- the layers, on (batch, T, D) -----------------------------------------------------------------
     def _attention(self, layer, h, k_cache, v_cache, lengths):
         cfg, att, batch, T = self.config, layer.mixer, h.shape[0], self.num_tokens
@@ -389,9 +441,8 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
 
     def _mamba(self, i, layer, h, window, ssm_states, cursor, sbi):
         """Mamba layer i: (out, [new window, *new caches]); ``ssm_states`` its states after the conv state in
-        state_specs' order (checkpoint[, shadow], x, B, dt)."""
+        state_specs' order (checkpoint[, shadow[, scales]], x, B, dt)."""
         mx, T = layer.mixer, self.num_tokens
-        sizes = (mx.num_heads, mx.head_dim, mx.ssm_state_size, mx.n_groups, self.buffer_len)
 
         def conv(xBC):
             c, new_window = window_conv(window, xBC, mx.conv1d, self.config.conv_kernel, T)
@@ -399,33 +450,28 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
 
         def ssm(x, B, C, dt):
             y, *caches = self._ssm_op(x, B, C, dt, getattr(self, f"dt_bias_{i}"), getattr(self, f"A_{i}"),
-                                      getattr(self, f"D_{i}"), sbi, cursor, tuple(ssm_states), sizes)
+                                      getattr(self, f"D_{i}"), sbi, cursor, tuple(ssm_states))
             return y, caches
 
         out, new_window, caches = mamba2_mixer(mx, h, T, conv, ssm)
         return out, [new_window, *caches]
 
-    def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches, sizes):
-        """One ``mamba2_decode`` (``mamba2_decode_shadow``) node on the step's one token: (y (batch, 1, H, P), the
-        layer's caches in state order: checkpoint[, shadow], x, B, dt)."""
-        one = (x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, sbi, cursor)
-        if self.shadow == "none":
-            y, *caches = Mamba2Decode.apply(*one, *caches, sizes, self.backend)
-        else:
-            y, *caches = self._with_shadow(Mamba2DecodeShadow, one, caches, sizes)
-        return (y[:, None], *caches)
-
-    def _with_shadow(self, node, ins, caches, sizes):
-        """A shadow node (``mamba2_decode_shadow`` / ``mamba2_verify_shadow``) on the step's inputs ``ins`` and a
-        layer's caches in state order (checkpoint, shadow[, fp8 scales], x, B, dt): (y, the caches in that order).
-        A bf16 shadow's scale input is the (1,) placeholder constant."""
+    def _ssm_op(self, x, B, C, dt, dt_bias, A, D, sbi, cursor, caches):
+        """One Mamba-2 plugin node (:func:`mamba2_node`: decode on the squeezed token at T = 1, verify of the
+        window at T > 1) on a layer's caches in state order (checkpoint[, shadow[, fp8 scales]], x, B, dt):
+        (y (batch, T, H, P), the caches in that order). A bf16 shadow's scale input is the (1,) placeholder."""
         if self.shadow == "fp8":  # the per-row scales are a state
-            state, shadow, scale, x_cache, B_cache, dt_cache = caches
+            state, shadow, scale, *rings = caches
+        elif self.shadow == "bf16":
+            (state, shadow, *rings), scale = caches, self.shadow_scale_placeholder
         else:
-            (state, shadow, x_cache, B_cache, dt_cache), scale = caches, self.shadow_scale_placeholder
-        y, state, x_cache, B_cache, dt_cache, shadow, scale = node.apply(
-            *ins, state, x_cache, B_cache, dt_cache, shadow, scale, sizes, self.backend)
-        return (y, state, shadow, *((scale,) if self.shadow == "fp8" else ()), x_cache, B_cache, dt_cache)
+            state, *rings = caches
+        ins = (x, B, C, dt) if self.speculative else (x[:, 0], B[:, 0], C[:, 0], dt[:, 0])
+        node_caches = (state, *rings) + (() if self.shadow == "none" else (shadow, scale))
+        y, state, *rest = mamba2_node((*ins, dt_bias, A, D, sbi, cursor), node_caches, self.op_type,
+                                      self.plugin_attributes(), self.backend, fp8=self.shadow == "fp8")
+        shadows = rest[3:4] if self.shadow == "bf16" else rest[3:]  # a bf16 shadow's placeholder is no state
+        return (y if self.speculative else y[:, None], state, *shadows, *rest[:3])
 
     def _layers(self, input_ids, lengths, cursor, states):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
@@ -486,10 +532,26 @@ def export_graph(module, args, path, opset: int = 17) -> None:
                                f"{want} {spec.to_json()['dtype']}")
 
 
-def export_onnx(step, path, batch: int = 2, opset: int = 17) -> None:
-    """Trace ``step`` (a decode step with explicit state I/O: this module's, or builders/gdn_step.py's) on zero
-    states of ``batch`` rows and write ONNX with a dynamic batch dimension."""
+def export_onnx(step, path, commit_path=None, batch: int = 2, opset: int = 17) -> None:
+    """The one export of every step with explicit state I/O (this module's or builders/gdn_step.py's, any T):
+    trace ``step`` on zero states of ``batch`` rows and write its graph to ``path`` (an engine's model.onnx at
+    T = 1, verify.onnx at T > 1) and, for a speculative step, its commit graph (builders/spec_step.py) to
+    ``commit_path``; ONNX with a dynamic batch dimension (:func:`export_graph`)."""
+    if opset < 17:
+        raise ValueError(f"opset: expected >= 17, got {opset}")
+    if step.speculative != (commit_path is not None):
+        why = ("a speculative step (num_draft > 0) writes its commit graph too" if step.speculative else
+               "a standard decode step (num_draft = 0) has no commit graph")
+        raise ValueError(f"commit_path: {why}, got {commit_path!r}")
     dev = next(step.parameters()).device
-    args = (torch.ones(batch, 1, dtype=torch.int64, device=dev), torch.zeros(batch, dtype=torch.int32, device=dev),
-            torch.zeros(batch, dtype=torch.int32, device=dev), *step.empty_states(batch, dev))
-    export_graph(step, args, path, opset)
+    ids = torch.ones(batch, step.num_tokens, dtype=torch.int64, device=dev)
+    lengths = torch.zeros(batch, dtype=torch.int32, device=dev)
+    cursor = torch.zeros((batch, 2) if step.speculative else (batch,), dtype=torch.int32, device=dev)
+    states = step.empty_states(batch, dev)
+    export_graph(step, (ids, lengths, cursor, *states), path, opset)
+    if step.speculative:
+        from .spec_step import NemotronHSpecCommit
+
+        windows = [t for s, t in zip(step.state_specs(), states) if s.name.startswith("conv_window_")]
+        n = torch.ones(batch, dtype=torch.int32, device=dev)
+        export_graph(NemotronHSpecCommit(step), (n, cursor, lengths, *windows), commit_path, opset)

@@ -7,10 +7,12 @@ is the format of :mod:`builders.engine_format`; ``scripts/build_engine.py`` is t
 Route: load the model (:attr:`BuildOptions.model`, a Nemotron-H / Nemotron 3 or Qwen3-Next / Qwen3.5
 checkpoint directory, or an embedded tiny config with seeded random weights: :attr:`BuildOptions.tiny`,
 ``nemotron_h`` by default), MoE layers as standard ONNX ops (``moe_formulation``, builders/moe.py), export
-one step to ONNX with one plugin node per Mamba-2 / Gated DeltaNet layer (builders/decode_step.py,
-builders/gdn_step.py; with ``num_draft`` the verify and commit graphs of builders/spec_step.py), compile
-the plugin kernels to PTX with NVRTC (no GPU needed), describe every input, output and state tensor in
-config.json (checked against the format's state table before it is written), and build the plan(s) where
+the family's step of T = 1 + ``num_draft`` tokens (builders/decode_step.py, builders/gdn_step.py) through the
+one export (``decode_step.export_onnx``) with one plugin node per Mamba-2 / Gated DeltaNet layer: model.onnx,
+or with ``num_draft`` the verify graph and builders/spec_step.py's commit graph (:func:`_step_artifacts`, the
+one path of both formats), compile the plugin kernels to PTX with NVRTC (no GPU needed), describe every input,
+output and state tensor in config.json (checked against the format's state table before it is written), and
+build the plan(s) where
 TensorRT >= 10.9, a GPU and the plugin registration are available (:func:`tensorrt_status`,
 :func:`build_plan`); otherwise print the trtexec command(s) that finish the build elsewhere
 (:func:`trtexec_command`, also saved as trtexec.sh).
@@ -193,62 +195,6 @@ QWEN_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", 
                  "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
-def _gdn_spec_artifacts(opts, model, tmp):
-    """verify.onnx (one gdn_verify node per GDN layer) + commit.onnx, their PTX, config.json's content and the
-    trtexec commands (builders/gdn_step.py's QwenGDNSpecStep, builders/spec_step.py's commit graph)."""
-    from .gdn_step import GDN_VERIFY_OP_TYPE, GDN_VERIFY_SHADOW_OP_TYPE, QwenGDNSpecStep
-    from .qwen3_next import gdn_layers
-
-    check_gdn_state_dtype(opts)
-    H, HV, K, V = check_gdn_geometry(model.config)
-    T, L = opts.num_draft + 1, opts.buffer_len
-    act = DTYPE_CODES[DTYPES[opts.dtype]]
-    step = QwenGDNSpecStep(model, L, opts.max_seq_len, opts.num_draft, moe_formulation=opts.moe_formulation,
-                           shadow=opts.shadow)
-    shadow = opts.shadow != "none"
-    verify = dict(op_type=GDN_VERIFY_SHADOW_OP_TYPE if shadow else GDN_VERIFY_OP_TYPE,
-                  plugin=trt_plugin.GDN_VERIFY_SHADOW_PLUGIN_NAME if shadow else trt_plugin.GDN_VERIFY_PLUGIN_NAME,
-                  nodes=len(gdn_layers(model)),
-                  attributes=dict(num_k_heads=H, num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=L,
-                                  use_qk_l2norm=1, num_tokens=T),
-                  make=lambda t: trt_plugin.aot_gdn_verify_kernel(H, HV, K, V, L, 1, T, act, opts.arch, t,
-                                                                  opts.shadow))
-    return _spec_graphs(opts, step, tmp, verify, gdn_model_entry(opts, model), model.config.vocab_size)
-
-
-def _gdn_decode_artifacts(opts, model, tmp):
-    """model.onnx (one gdn_decode node per GDN layer), the gdn_decode PTX per tactic, config.json's content
-    and the trtexec command (the state contract of builders/gdn_step.py)."""
-    from .decode_step import DOMAIN
-    from .gdn_step import GDN_OP_TYPE, GDN_SHADOW_OP_TYPE, QwenGDNDecodeStep, export_onnx
-    from .qwen3_next import gdn_layers
-
-    check_gdn_state_dtype(opts)
-    cfg = model.config
-    H, HV, K, V = check_gdn_geometry(cfg)
-    ngdn = len(gdn_layers(model))
-    step = QwenGDNDecodeStep(model, opts.buffer_len, opts.max_seq_len, moe_formulation=opts.moe_formulation,
-                             shadow=opts.shadow)
-    op_type = GDN_OP_TYPE if opts.shadow == "none" else GDN_SHADOW_OP_TYPE
-    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {ngdn} {DOMAIN}::{op_type} nodes)")
-    export_onnx(step, tmp / "model.onnx")
-    kernels = []
-    for tactic in sorted(trt_plugin.TACTICS):
-        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_gdn_kernel(
-            H, HV, K, V, opts.buffer_len, 1, DTYPE_CODES[DTYPES[opts.dtype]], opts.arch, t, opts.shadow),
-            f"tactic {tactic}")
-        log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
-        kernels.append(_kernel_entry(k, tactic))
-    log("[4/5] writing config.json and trtexec.sh")
-    sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{op_type}")
-    info = trt_plugin.PLUGINS[trt_plugin.GDN_PLUGIN_NAME if opts.shadow == "none" else trt_plugin.GDN_SHADOW_PLUGIN_NAME]
-    config = _decode_config(opts, gdn_model_entry(opts, model), sio, dict(
-        op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=ngdn, num_k_heads=H,
-        num_v_heads=HV, key_dim=K, value_dim=V, buffer_len=opts.buffer_len, use_qk_l2norm=1, kernels=kernels,
-        inputs=list(info.inputs), outputs=list(info.outputs), aliased_outputs=info.manifest()["aliased_outputs"]))
-    return config, [("model.onnx", "model.plan", sio["io_shapes"])]
-
-
 def _decode_config(opts, model: dict, sio: dict, plugin: dict) -> dict:
     """config.json of a standard decode engine directory (either family): the fields in the format's order."""
     cfg = dict(format=DECODE_FORMAT, model=model, max_batch=opts.max_batch, max_seq_len=opts.max_seq_len,
@@ -380,72 +326,94 @@ def _step_io(step, opts, tmp, vocab: int, plugins: str) -> dict:
                 states=states, io_shapes=io_shapes, trtexec=cmd)
 
 
-def _decode_artifacts(opts, model, tmp, H, P, N, G, nmamba):
-    """model.onnx, the mamba2_decode PTX per tactic, config.json's content and the trtexec command."""
-    from .decode_step import DOMAIN, OP_TYPE, SHADOW_OP_TYPE, NemotronHDecodeStep, export_onnx
+def _mamba2_ptx(opts, step):
+    """The PTX maker (tactic -> AotKernel) of a Nemotron-H / Nemotron 3 step's Mamba-2 node and config.json's
+    plugin keys after its attributes (standard engines: the persistent grid's sm_count)."""
+    H, P, N, G = check_geometry(step.config, opts.buffer_len)
+    act, state, L = DTYPE_CODES[DTYPES[opts.dtype]], DTYPE_CODES[DTYPES[opts.state_dtype]], opts.buffer_len
+    if step.speculative:
+        T = step.num_tokens
+        return lambda t: trt_plugin.aot_verify_kernel(H, P, N, G, L, T, state, act, opts.arch, t, opts.shadow), {}
+    return (lambda t: trt_plugin.aot_kernel(H, P, N, G, L, state, act, opts.arch, t, opts.sm_count, opts.shadow),
+            dict(sm_count=opts.sm_count))
 
-    act, state_dtype, cfg = DTYPES[opts.dtype], DTYPES[opts.state_dtype], model.config
-    step = NemotronHDecodeStep(model, opts.buffer_len, opts.max_seq_len, state_dtype,
-                               moe_formulation=opts.moe_formulation, shadow=opts.shadow)
-    op_type = OP_TYPE if opts.shadow == "none" else SHADOW_OP_TYPE
-    info = trt_plugin.PLUGINS[trt_plugin.PLUGIN_NAME if opts.shadow == "none" else trt_plugin.SHADOW_PLUGIN_NAME]
-    log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nmamba} {DOMAIN}::{op_type} nodes)")
-    export_onnx(step, tmp / "model.onnx")
+
+def _gdn_ptx(opts, step):
+    """The PTX maker (tactic -> AotKernel) of a Qwen3-Next / Qwen3.5 step's GDN node (and no further plugin keys)."""
+    H, HV, K, V = check_gdn_geometry(step.config)
+    act, L = DTYPE_CODES[DTYPES[opts.dtype]], opts.buffer_len
+    if step.speculative:
+        T = step.num_tokens
+        return lambda t: trt_plugin.aot_gdn_verify_kernel(H, HV, K, V, L, 1, T, act, opts.arch, t, opts.shadow), {}
+    return lambda t: trt_plugin.aot_gdn_kernel(H, HV, K, V, L, 1, act, opts.arch, t, opts.shadow), {}
+
+
+def _step_artifacts(opts, model, tmp, gdn: bool):
+    """The one path of every engine directory: the family's step of T = 1 + num_draft tokens
+    (builders/decode_step.py's NemotronHDecodeStep, builders/gdn_step.py's QwenGDNDecodeStep), written by the one
+    export (``decode_step.export_onnx``: model.onnx at T = 1; verify.onnx and the commit graph's commit.onnx at
+    T > 1), the SSM node's PTX per tactic, then config.json's content and the trtexec command(s) in the format
+    of the step's T (:func:`_decode_config`; :func:`_spec_graphs`, which adds the spec_commit PTX). Returns
+    (config, [(onnx file, plan file, io shapes)])."""
+    from .decode_step import DOMAIN, export_onnx
+
+    if gdn:
+        from .gdn_step import QwenGDNDecodeStep
+        from .qwen3_next import gdn_layers
+
+        check_gdn_state_dtype(opts)
+        step = QwenGDNDecodeStep(model, opts.buffer_len, opts.max_seq_len, moe_formulation=opts.moe_formulation,
+                                 shadow=opts.shadow, num_draft=opts.num_draft)
+        nodes, entry, (make, extra) = len(gdn_layers(model)), gdn_model_entry(opts, model), _gdn_ptx(opts, step)
+    else:
+        from .decode_step import NemotronHDecodeStep
+        from .nemotron_h import mamba_layers
+
+        step = NemotronHDecodeStep(model, opts.buffer_len, opts.max_seq_len, DTYPES[opts.state_dtype],
+                                   moe_formulation=opts.moe_formulation, shadow=opts.shadow, num_draft=opts.num_draft)
+        nodes, entry, (make, extra) = len(mamba_layers(model)), model_entry(opts, model), _mamba2_ptx(opts, step)
+    op_type, T, spec = step.op_type, step.num_tokens, step.speculative
+    if spec:
+        from .spec_step import COMMIT_OP_TYPE
+
+        log(f"[2/5] exporting verify.onnx ({nodes} {DOMAIN}::{op_type} nodes, T = {T}) and commit.onnx "
+            f"(one {DOMAIN}::{COMMIT_OP_TYPE} node)")
+        export_onnx(step, tmp / "verify.onnx", tmp / "commit.onnx")
+    else:
+        log(f"[2/5] exporting model.onnx (TorchScript exporter, opset 17, {nodes} {DOMAIN}::{op_type} nodes)")
+        export_onnx(step, tmp / "model.onnx")
 
     kernels = []
     for tactic in sorted(trt_plugin.TACTICS):
-        k = _write_ptx(tmp, lambda t=tactic: trt_plugin.aot_kernel(
-            H, P, N, G, opts.buffer_len, DTYPE_CODES[state_dtype], DTYPE_CODES[act], opts.arch, t, opts.sm_count,
-            opts.shadow), f"tactic {tactic}")
-        log(f"[3/5] plugin PTX, tactic {tactic}: {k.spec.key} (NVRTC)")
+        what = f"{op_type}, tactic {tactic}" if spec else f"tactic {tactic}"
+        k = _write_ptx(tmp, lambda t=tactic: make(t), what)
+        log(f"[3/5] plugin PTX{' ' if spec else ', '}{what}: {k.spec.key} (NVRTC)")
         kernels.append(_kernel_entry(k, tactic))
+    plugin = dict(op_type=op_type, nodes=nodes, attributes=step.plugin_attributes(), kernels=kernels)
+    vocab = model.config.vocab_size
+    if spec:
+        return _spec_graphs(opts, step, tmp, plugin, entry, vocab)
 
     log("[4/5] writing config.json and trtexec.sh")
-    sio = _step_io(step, opts, tmp, cfg.vocab_size, f"{DOMAIN}::{op_type}")
-    config = _decode_config(opts, model_entry(opts, model), sio, dict(
-        op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nmamba, nheads=H, headdim=P,
-        dstate=N, ngroups=G, buffer_len=opts.buffer_len, sm_count=opts.sm_count, kernels=kernels,
-        inputs=list(info.inputs), outputs=list(info.outputs),
-        aliased_outputs={info.outputs[o]: info.inputs[i] for o, i in info.aliases.items()}))
+    sio = _step_io(step, opts, tmp, vocab, f"{DOMAIN}::{op_type}")
+    info = trt_plugin.PLUGINS[op_type]
+    config = _decode_config(opts, entry, sio, dict(
+        op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nodes, **plugin["attributes"], **extra,
+        kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
+        aliased_outputs=info.manifest()["aliased_outputs"]))
     return config, [("model.onnx", "model.plan", sio["io_shapes"])]
 
 
-def _spec_artifacts(opts, model, tmp, H, P, N, G, nmamba):
-    """verify.onnx + commit.onnx of a Nemotron-H / Nemotron 3 model (one mamba2_verify node per Mamba layer)."""
-    from .spec_step import VERIFY_OP_TYPE, VERIFY_SHADOW_OP_TYPE, NemotronHSpecStep
-
-    act, state_dtype = DTYPE_CODES[DTYPES[opts.dtype]], DTYPES[opts.state_dtype]
-    T, L = opts.num_draft + 1, opts.buffer_len
-    step = NemotronHSpecStep(model, L, opts.max_seq_len, opts.num_draft, state_dtype,
-                             moe_formulation=opts.moe_formulation, shadow=opts.shadow)
-    shadow = opts.shadow != "none"
-    verify = dict(op_type=VERIFY_SHADOW_OP_TYPE if shadow else VERIFY_OP_TYPE,
-                  plugin=trt_plugin.VERIFY_SHADOW_PLUGIN_NAME if shadow else trt_plugin.VERIFY_PLUGIN_NAME,
-                  nodes=nmamba, attributes=dict(nheads=H, headdim=P, dstate=N, ngroups=G, buffer_len=L, num_tokens=T),
-                  make=lambda t: trt_plugin.aot_verify_kernel(H, P, N, G, L, T, DTYPE_CODES[state_dtype], act,
-                                                              opts.arch, t, opts.shadow))
-    return _spec_graphs(opts, step, tmp, verify, model_entry(opts, model), model.config.vocab_size)
-
-
 def _spec_graphs(opts, step, tmp, verify: dict, model: dict, vocab: int):
-    """The speculative engine directory of any verify step (``verify``: its plugin's op_type, name, node
-    count, attributes and PTX maker per tactic): verify.onnx + commit.onnx, the verify PTX per tactic and
-    the spec_commit PTX, config.json's content and the trtexec commands."""
+    """The rest of a speculative engine directory after :func:`_step_artifacts` wrote verify.onnx, commit.onnx and
+    the verify PTX (``verify``: the SSM node's op_type, node count, attributes and kernels): the spec_commit PTX,
+    config.json's content and the trtexec commands."""
     from .decode_step import DOMAIN
-    from .spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit, export_onnx
+    from .spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit
 
     T = step.num_tokens
     VERIFY_OP_TYPE = verify["op_type"]
     commit = NemotronHSpecCommit(step)
-    log(f"[2/5] exporting verify.onnx ({verify['nodes']} {DOMAIN}::{VERIFY_OP_TYPE} nodes, T = {T}) and commit.onnx "
-        f"(one {DOMAIN}::{COMMIT_OP_TYPE} node)")
-    export_onnx(step, tmp / "verify.onnx", tmp / "commit.onnx")
-
-    verify_kernels = []
-    for tactic in sorted(trt_plugin.TACTICS):
-        k = _write_ptx(tmp, lambda t=tactic: verify["make"](t), f"{VERIFY_OP_TYPE}, tactic {tactic}")
-        log(f"[3/5] plugin PTX {VERIFY_OP_TYPE}, tactic {tactic}: {k.spec.key} (NVRTC)")
-        verify_kernels.append(_kernel_entry(k, tactic))
     k = _write_ptx(tmp, lambda: trt_plugin.aot_commit_kernel(T, opts.buffer_len, opts.arch), COMMIT_OP_TYPE)
     log(f"[3/5] plugin PTX {COMMIT_OP_TYPE}: {k.spec.key} (NVRTC)")
     commit_kernels = [_kernel_entry(k, trt_plugin.COMMIT_TACTICS[0])]
@@ -486,7 +454,7 @@ def _spec_graphs(opts, step, tmp, verify: dict, model: dict, vocab: int):
     (tmp / "trtexec.sh").write_text(
         "#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=" and ".join(f"{DOMAIN}::{p}" for p in plugins))
         + "set -e\n" + "\n".join(cmds) + "\n")
-    verify_manifest = trt_plugin.PLUGINS[verify["plugin"]].manifest()
+    verify_manifest = trt_plugin.PLUGINS[VERIFY_OP_TYPE].manifest()
     commit_manifest = trt_plugin.PLUGINS[trt_plugin.COMMIT_PLUGIN_NAME].manifest()
     config = dict(
         format=SPEC_FORMAT,
@@ -500,7 +468,7 @@ def _spec_graphs(opts, step, tmp, verify: dict, model: dict, vocab: int):
         step=["verify", "sample n_accepted (batch,) int32 in 1..T from the logits", "commit"],
         plugin=dict(domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, plugins=[
             dict(verify_manifest, op_type=VERIFY_OP_TYPE, graph="verify", nodes=verify["nodes"],
-                 attributes=verify["attributes"], kernels=verify_kernels),
+                 attributes=verify["attributes"], kernels=verify["kernels"]),
             dict(commit_manifest, op_type=COMMIT_OP_TYPE, graph="commit", nodes=1,
                  attributes=dict(num_tokens=T, buffer_len=opts.buffer_len), kernels=commit_kernels)]),
         trtexec=cmds,
@@ -545,11 +513,7 @@ def build(opts: BuildOptions) -> pathlib.Path:
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(opts.out.parent, f".{opts.out.name}.tmp-")
     try:
-        if gdn:
-            config, plans = (_gdn_spec_artifacts if opts.num_draft else _gdn_decode_artifacts)(opts, model, tmp)
-        else:
-            make = _spec_artifacts if opts.num_draft else _decode_artifacts
-            config, plans = make(opts, model, tmp, H, P, N, G, nmamba)
+        config, plans = _step_artifacts(opts, model, tmp, gdn)
         try:  # the states written are those the readers of the format expect (builders/engine_format.py)
             check_layer_states(config)
         except FormatError as e:

@@ -1,45 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One Qwen3-Next / Qwen3.5 decode step as a module with explicit state I/O, and its ONNX export.
+"""One Qwen3-Next / Qwen3.5 step of T = 1 + num_draft tokens per row as a module with explicit state I/O
+(:class:`QwenGDNDecodeStep`: num_draft = 0 the standard decode step, num_draft > 0 the speculative verify graph);
+its ONNX export is builders/decode_step.py's :func:`~builders.decode_step.export_onnx`, the one of every step.
 
 Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) inside):
 
- 1. input_ids       (batch, 1) int64
- 2. lengths         (batch,) int32     tokens already in the KV caches (= the new token's position)
- 3. cursor          (batch,) int32     ReplaySSM buffer fill, shared by all GDN layers
+ 1. input_ids       (batch, T) int64
+ 2. lengths         (batch,) int32     tokens already in the KV caches (= the first new token's position)
+ 3. cursor          T = 1: (batch,) int32 ReplaySSM buffer fill, shared by all GDN layers;
+                    T > 1: (batch, 2) int32 ring (start, committed count), read only
  4. per attention layer i: k_cache_i, v_cache_i (batch, kv_heads, max_seq_len, head_dim) act
- 5. per GDN layer i:       conv_state_i (batch, conv_dim, K) act (the last K inputs of [q | k | v]),
+ 5. per GDN layer i:       T = 1: conv_state_i (batch, conv_dim, K) act (the last K inputs of [q | k | v]);
+                           T > 1: conv_window_i (batch, conv_dim, K - 1 + num_draft) act,
                            gdn_state_i (batch, HV, V, K) fp32 (the checkpoint S0),
+                           [gdn_shadow_i (batch, HV, V, K) bf16 with a shadow],
                            gdn_u_i (batch, HV, L, V) fp32, gdn_v_i (batch, HV, L, V) act,
                            gdn_k_i (batch, H, L, Kd) fp32, gdn_g_i (batch, HV, L) fp32,
                            gdn_beta_i (batch, HV, L) fp32   (:mod:`trtllm_replayssm.gdn_reference`)
 
-Graph outputs: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L,
-then every state tensor as ``<name>_out`` (in-place aliases in TensorRT).
+Graph outputs: T = 1: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L;
+T > 1: logits (batch, T, vocab) fp32; then every state tensor as ``<name>_out`` (in-place aliases in TensorRT).
 
-Per GDN layer: the layer's projections, conv1d over [conv_state[:, :, 1:], qkv] (the new conv
-state), silu, then ONE ``replayssm::gdn_decode`` node (:class:`GDNDecode`: raw a and b in, g and
-beta computed inside, the l2 norm of q and k inside), then the layer's gated RMSNorm with z and
-out_proj. Attention (gated, with q/k RMSNorm and partial RoPE at position ``lengths``): the new K/V is
-written at ``lengths[b]`` with a one-hot select, keys j <= lengths[b] are attended, the output is
+Per GDN layer: the layer's projections, the causal conv1d over [the last K - 1 committed inputs, the T new
+ones] (the new conv state / window), silu, then ONE plugin node (:func:`gdn_node`): T = 1 ``replayssm::gdn_decode``
+on the squeezed token (raw a and b in, g and beta computed inside, the l2 norm of q and k inside), T > 1
+``replayssm::gdn_verify`` (fold the committed entries first where count + 2T > L, the window's outputs, the window
+appended to the rings), ``_shadow`` with a bf16 shadow; then the layer's gated RMSNorm with z and out_proj.
+Attention (gated, with q/k RMSNorm and partial RoPE at positions lengths + t): the T new K/V written at
+lengths + t with one-hot selects, query t attends keys j <= lengths + t, the output is
 multiplied by sigmoid(gate). Qwen3-Next's sparse MoE (:func:`moe_qwen`: softmax routing, one TopK with a
 constant k, the shared expert gated by a sigmoid) in the step's ``moe_formulation``, as builders/moe.py
 argues them for Nemotron 3: "dense" (default; the routing mask built by Equal/Mul/ReduceSum, every expert as
 a batched MatMul over (E, ., .) constants) or "gather" (each token's k expert matrices gathered): static
 shapes and nothing data-dependent either way. MLPs and norms are the model's.
-Export route: TorchScript with ``torch.autograd.Function.symbolic``, as builders/decode_step.py.
-
-Speculative decoding (:class:`QwenGDNSpecStep`, T = 1 + num_draft tokens per row): the same layers on
-(batch, T) tokens, the verify graph of builders/spec_step.py's two-graph scheme. Inputs input_ids
-(batch, T), lengths, cursor (batch, 2) (ring start, committed count; read only), per attention layer
-the KV caches (the T new K/V at lengths + t, query t sees keys j <= lengths + t), per GDN layer
-conv_window_i (batch, conv_dim, K - 1 + num_draft) act and the six GDN states; ONE
-``replayssm::gdn_verify`` node per GDN layer (:class:`GDNVerify`: fold the committed entries first
-where count + 2T > L, the window's outputs, the window appended to the rings). Outputs logits
-(batch, T, vocab) and the states. The commit graph is builders/spec_step.py's
-:class:`~builders.spec_step.NemotronHSpecCommit` (one ``replayssm::spec_commit`` node, lengths += n,
-conv windows rolled back), which holds for any step with conv windows; ``spec_step.export_onnx``
-exports both graphs. The decode step is the T = 1 case of the same layer code (conv state = a window
-of K columns, a ``gdn_decode`` node on the squeezed token).
+Export route: TorchScript with ``torch.autograd.Function.symbolic``, as builders/decode_step.py. The commit
+graph of the speculative route is builders/spec_step.py's :class:`~builders.spec_step.NemotronHSpecCommit` (one
+``replayssm::spec_commit`` node, lengths += n, conv windows rolled back), which holds for any step with conv
+windows; ``export_onnx(step, verify_path, commit_path)`` writes both graphs.
 """
 
 from __future__ import annotations
@@ -51,8 +48,10 @@ import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
 
-from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
+from .decode_step import (  # noqa: F401  (export_onnx: the one export of every step)
     DOMAIN,
+    PluginNode,
+    PluginOp,
     StateSpec,
     StepIO,
     export_onnx,
@@ -62,7 +61,6 @@ from .decode_step import (  # noqa: F401  (export_onnx: any step with state I/O)
 )
 from .moe import FORMULATIONS
 from .qwen3_next import gdn_layers, reference_backend
-from .spec_step import _check_window
 
 GDN_OP_TYPE = "gdn_decode"
 GDN_SHADOW_OP_TYPE = "gdn_decode_shadow"
@@ -78,89 +76,35 @@ verify_reference_backend = executors.gdn_replay_verify_kw(executors.REFERENCE)
 verify_kernel_backend = executors.gdn_replay_verify_kw(executors.for_device("cuda"), contiguous=True)
 
 
-class GDNDecode(torch.autograd.Function):
-    """``replayssm::gdn_decode``: inputs (q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor, state,
-    u_cache, v_cache, k_cache, g_cache, beta_cache), outputs (y, state_out, u_out, v_out, k_out, g_out, beta_out).
+def gdn_op_type(speculative: bool, shadow: bool) -> str:
+    """The GDN node of a step: ``gdn_decode`` (T = 1) or ``gdn_verify`` (T > 1), ``_shadow`` with the bf16 shadow;
+    the name of its TensorRT plugin too (trtllm_replayssm.trt_plugin.PLUGINS)."""
+    return (GDN_VERIFY_SHADOW_OP_TYPE if shadow else GDN_VERIFY_OP_TYPE) if speculative else (
+        GDN_SHADOW_OP_TYPE if shadow else GDN_OP_TYPE)
 
-    Eager: the backend runs on copies of the caches (functional, as the graph is)."""
 
-    @staticmethod
-    def forward(ctx, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, sizes, backend):
+def gdn_node(ins, caches, op_type: str, attrs: dict, backend):
+    """One Gated DeltaNet node (``op_type``: :func:`gdn_op_type`; ``attrs``: its integer attributes) on ``ins`` (q,
+    k, v, a, b, A_log, dt_bias, state_batch_indices, cursor; q, k (b[, T], H, Kd), v (b[, T], HV, V), a, b
+    (b[, T], HV), the window axis in a verify node) and ``caches`` (state, u_cache, v_cache, k_cache, g_cache,
+    beta_cache[, the bf16 shadow of the checkpoint (S, HV, V, K)]). ``gdn_decode``: raw a and b in, g and beta
+    computed inside, the l2 norm of q and k inside; ``gdn_verify``: the same on a window with the (slots, 2) ring
+    cursor; a shadow op's non-fold steps read the shadow, folds rewrite it from the checkpoint they store
+    (trtllm_replayssm/gdn_reference.py). Outputs (y, the caches in that order); the eager run (``backend``) works
+    on copies (functional, as the graph is)."""
+
+    def run(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *cs):
         from trtllm_replayssm.gdn_reference import GDNBuffers
 
-        buf = GDNBuffers(*(t.clone() for t in (state, u, vc, kc, gc, bc)))
+        buf = GDNBuffers(*(t.clone() for t in cs[:6]))
+        extra = dict(shadow=cs[6].clone()) if len(cs) == 7 else {}
         y = backend(buf=buf, cursor=cursor, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                    state_batch_indices=sbi)
-        return (y.to(v.dtype), buf.state, buf.u_cache, buf.v_cache, buf.k_cache, buf.g_cache, buf.beta_cache)
+                    state_batch_indices=sbi, **extra)
+        return (y.to(v.dtype), buf.state, buf.u_cache, buf.v_cache, buf.k_cache, buf.g_cache, buf.beta_cache,
+                *extra.values())
 
-    @staticmethod
-    def symbolic(g, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, sizes, backend):
-        num_k_heads, num_v_heads, key_dim, value_dim, buffer_len = sizes
-        outs = g.op(f"{DOMAIN}::{GDN_OP_TYPE}", q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc,
-                    plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads, num_v_heads_i=num_v_heads,
-                    key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len, use_qk_l2norm_i=1, outputs=7)
-        for o, like in zip(outs, (v, state, u, vc, kc, gc, bc)):
-            o.setType(like.type())
-        return outs
-
-
-class GDNDecodeShadow(torch.autograd.Function):
-    """``replayssm::gdn_decode_shadow``: :class:`GDNDecode`'s inputs then the bf16 shadow of the checkpoint
-    (S, HV, V, K), its outputs then shadow_out: non-flush steps read the shadow, flush steps rewrite it from the
-    checkpoint they store (trtllm_replayssm/gdn_reference.py)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, shadow, sizes, backend):
-        from trtllm_replayssm.gdn_reference import GDNBuffers
-
-        buf = GDNBuffers(*(t.clone() for t in (state, u, vc, kc, gc, bc)))
-        shadow = shadow.clone()
-        y = backend(buf=buf, cursor=cursor, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                    state_batch_indices=sbi, shadow=shadow)
-        return (y.to(v.dtype), buf.state, buf.u_cache, buf.v_cache, buf.k_cache, buf.g_cache, buf.beta_cache, shadow)
-
-    @staticmethod
-    def symbolic(g, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, shadow, sizes, backend):
-        num_k_heads, num_v_heads, key_dim, value_dim, buffer_len = sizes
-        outs = g.op(f"{DOMAIN}::{GDN_SHADOW_OP_TYPE}", q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc,
-                    gc, bc, shadow, plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads,
-                    num_v_heads_i=num_v_heads, key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len,
-                    use_qk_l2norm_i=1, outputs=8)
-        for o, like in zip(outs, (v, state, u, vc, kc, gc, bc, shadow)):
-            o.setType(like.type())
-        return outs
-
-
-class GDNVerifyShadow(GDNDecodeShadow):
-    """``replayssm::gdn_verify_shadow``: :class:`GDNVerify`'s inputs then the bf16 shadow, its outputs then
-    shadow_out (verify without a fold reads the shadow; the fold rewrites it)."""
-
-    @staticmethod
-    def symbolic(g, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, shadow, sizes, backend):
-        num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, num_tokens = sizes
-        outs = g.op(f"{DOMAIN}::{GDN_VERIFY_SHADOW_OP_TYPE}", q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc,
-                    kc, gc, bc, shadow, plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads,
-                    num_v_heads_i=num_v_heads, key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len,
-                    use_qk_l2norm_i=1, num_tokens_i=num_tokens, outputs=8)
-        for o, like in zip(outs, (v, state, u, vc, kc, gc, bc, shadow)):
-            o.setType(like.type())
-        return outs
-
-
-class GDNVerify(GDNDecode):
-    """``replayssm::gdn_verify``: the inputs of ``gdn_decode`` with a window axis (q, k (b, T, H, Kd), v
-    (b, T, HV, V), a, b (b, T, HV)) and the (slots, 2) ring cursor; the same seven outputs."""
-
-    @staticmethod
-    def symbolic(g, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc, sizes, backend):
-        num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, num_tokens = sizes
-        outs = g.op(f"{DOMAIN}::{GDN_VERIFY_OP_TYPE}", q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc,
-                    gc, bc, plugin_namespace_s=DOMAIN, aot_i=1, num_k_heads_i=num_k_heads, num_v_heads_i=num_v_heads,
-                    key_dim_i=key_dim, value_dim_i=value_dim, buffer_len_i=buffer_len, use_qk_l2norm_i=1,
-                    num_tokens_i=num_tokens, outputs=7)
-        for o, like in zip(outs, (v, state, u, vc, kc, gc, bc)):
-            o.setType(like.type())
-        return outs
+    node = PluginNode(op_type, tuple(attrs.items()), (2,) + tuple(range(9, 9 + len(caches))), run)
+    return PluginOp.apply(node, *ins, *caches)
 
 
 def moe_qwen(hn, moe, formulation: str = "dense"):
@@ -195,22 +139,19 @@ def moe_qwen(hn, moe, formulation: str = "dense"):
 
 
 class QwenGDNDecodeStep(StepIO, torch.nn.Module):
-    """Decode step of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model; shares its weights.
-
-    The layers take (batch, T, D) tokens: T = 1 here, T = 1 + num_draft in :class:`QwenGDNSpecStep`."""
-
-    num_tokens = 1
-    speculative = False  # the verify step keeps a wider conv window, conv_window_i
+    """The step of T = 1 + ``num_draft`` tokens of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text
+    model; shares its weights. ``num_draft = 0``: standard decode; ``num_draft`` > 0: the speculative verify
+    graph (module docstring), whose commit graph is ``spec_step.NemotronHSpecCommit(step)``. ``backend``: the GDN
+    node's eager computation (default: the float64 reference of the node, decode or verify)."""
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense",
-                 shadow: str = "none"):
+                 shadow: str = "none", num_draft: int = 0):
         super().__init__()
         if shadow not in ("none", "bf16"):
             raise ValueError(f"shadow: expected none or bf16 (a bf16 shadow of the fp32 checkpoint; no fp8 GDN shadow), "
                              f"got {shadow!r}")
         self.shadow = shadow
-        if not 1 <= buffer_len <= 32:
-            raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+        self._set_tokens(num_draft, buffer_len, model.config.linear_conv_kernel_dim)
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
         if moe_formulation not in FORMULATIONS:
@@ -218,11 +159,10 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         self.moe_formulation = moe_formulation
         self.model, self.config = model, model.config
         self.buffer_len, self.max_seq_len = buffer_len, max_seq_len
-        self.backend = backend or reference_backend
+        self.backend = backend or (verify_reference_backend if self.speculative else reference_backend)
         self.act_dtype = next(model.parameters()).dtype
         self.kinds = list(model.config.layer_types)
         self.gdn = set(gdn_layers(model))
-        self.window = model.config.linear_conv_kernel_dim  # conv state: the last K inputs
 
     # ---- the state contract ---------------------------------------------------------------------
     def state_specs(self) -> list[StateSpec]:
@@ -247,6 +187,19 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         """GDN layer i of a patched model (GDNReplayDecoder): (checkpoint, standard buffers u, v, k, g, beta)."""
         b = decoder.bufs[i]
         return b.state, (b.u_cache, b.v_cache, b.k_cache, b.g_cache, b.beta_cache)
+
+    # ---- the SSM node --------------------------------------------------------------------------------
+    @property
+    def op_type(self) -> str:
+        """The op type of the step's GDN nodes, the name of their TensorRT plugin (:func:`gdn_op_type`)."""
+        return gdn_op_type(self.speculative, self.shadow != "none")
+
+    def plugin_attributes(self) -> dict:
+        """The integer attributes of the step's GDN nodes in the plugin's order (config.json's too)."""
+        c = self.config
+        return dict(num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                    key_dim=c.linear_key_head_dim, value_dim=c.linear_value_head_dim, buffer_len=self.buffer_len,
+                    use_qk_l2norm=1, **({"num_tokens": self.num_tokens} if self.speculative else {}))
 
     # ---- the layers, on (batch, T, D) -----------------------------------------------------------------
     def _attention(self, layer, h, k_cache, v_cache, lengths, cos_sin):
@@ -277,17 +230,15 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         return mx.out_proj(core.reshape(batch, T, HV * V)), [window, *new]
 
     def _gdn_op(self, q, k, v, a, b, A_log, dt_bias, sbi, cursor, st):
-        """One ``gdn_decode`` (``gdn_decode_shadow``) node on the step's one token: y (batch, 1, HV, V), then the
-        layer's states in state order (checkpoint[, shadow], u, v, k, g, beta)."""
-        H, HV, Kd, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
-        one = (q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, sbi, cursor)
-        sizes = (H, HV, Kd, V, self.buffer_len)
-        if self.shadow == "none":
-            y, *new = GDNDecode.apply(*one, *st, sizes, self.backend)
-            return (y[:, None], *new)
-        state, shadow, *rings = st
-        y, state, *rest = GDNDecodeShadow.apply(*one, state, *rings, shadow, sizes, self.backend)
-        return (y[:, None], state, rest[-1], *rest[:-1])
+        """One GDN plugin node (:func:`gdn_node`: decode on the squeezed token at T = 1, verify of the window at
+        T > 1): y (batch, T, HV, V), then the layer's states in state order (checkpoint[, shadow], u, v, k, g,
+        beta)."""
+        ins = (q, k, v, a, b) if self.speculative else (q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0])
+        state, *rings = st
+        shadow = () if self.shadow == "none" else (rings.pop(0),)
+        y, state, *rest = gdn_node((*ins, A_log, dt_bias, sbi, cursor), (state, *rings, *shadow), self.op_type,
+                                   self.plugin_attributes(), self.backend)
+        return (y if self.speculative else y[:, None], state, *rest[5:], *rest[:5])
 
     def _rope(self, positions):
         """(cos, sin) (batch, T, rotary_dim) at ``positions`` (batch, T), in the activation dtype. Text positions
@@ -327,27 +278,3 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
             else:
                 h = h + mlp(hn)
         return self.model.lm_head(m.norm(h)).float(), new_states
-
-
-class QwenGDNSpecStep(QwenGDNDecodeStep):
-    """Verify graph of a (loaded, unpatched or patched) Qwen3-Next / Qwen3.5 text model (module docstring);
-    the commit graph is ``spec_step.NemotronHSpecCommit(step)``."""
-
-    speculative = True  # conv_window_i of K - 1 + num_draft columns instead of conv_state_i
-
-    def __init__(self, model, buffer_len: int, max_seq_len: int, num_draft: int, backend=None,
-                 moe_formulation: str = "dense", shadow: str = "none"):
-        super().__init__(model, buffer_len, max_seq_len, backend or verify_reference_backend, moe_formulation, shadow)
-        self.num_draft = num_draft
-        self.num_tokens = _check_window(num_draft, buffer_len)
-        self.window = model.config.linear_conv_kernel_dim - 1 + num_draft
-
-    def _gdn_op(self, q, k, v, a, b, A_log, dt_bias, sbi, cursor, st):
-        H, HV, Kd, V = q.shape[2], v.shape[2], q.shape[3], v.shape[3]
-        sizes = (H, HV, Kd, V, self.buffer_len, self.num_tokens)
-        if self.shadow == "none":
-            return GDNVerify.apply(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *st, sizes, self.backend)
-        state, shadow, *rings = st
-        y, state, *rest = GDNVerifyShadow.apply(q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, *rings, shadow,
-                                                sizes, self.backend)
-        return (y, state, rest[-1], *rest[:-1])

@@ -8,7 +8,7 @@
   fp8 row scales or the bf16 (1,) placeholder; outputs then shadow_out, shadow_scale_out), the shadow rewritten
   on flush steps.
 * ``mamba2_verify_shadow``: ``mamba2_verify`` with the shadow inputs and outputs of ``mamba2_decode_shadow``.
-* ``mamba2_verify``: :func:`builders.spec_step.verify_reference_backend` (``spec_reference`` flush +
+* ``mamba2_verify``: :func:`builders.decode_step.verify_reference_backend` (``spec_reference`` flush +
   verify in float64), same outputs; the cursor is read only.
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
 * ``gdn_decode``: :func:`builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
@@ -25,17 +25,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .decode_step import DOMAIN, OP_TYPE, SHADOW_OP_TYPE
+from .decode_step import (
+    DOMAIN,
+    OP_TYPE,
+    SHADOW_OP_TYPE,
+    VERIFY_OP_TYPE,
+    VERIFY_SHADOW_OP_TYPE,
+    verify_reference_backend,
+)
 from .gdn_step import GDN_OP_TYPE, GDN_SHADOW_OP_TYPE, GDN_VERIFY_OP_TYPE, GDN_VERIFY_SHADOW_OP_TYPE
 from .gdn_step import verify_reference_backend as gdn_verify_backend
 from .nemotron_h import reference_backend
-from .spec_step import (
-    COMMIT_OP_TYPE,
-    VERIFY_OP_TYPE,
-    VERIFY_SHADOW_OP_TYPE,
-    commit_reference_backend,
-    verify_reference_backend,
-)
+from .spec_step import COMMIT_OP_TYPE, commit_reference_backend
 
 _registered = False
 

@@ -11,7 +11,7 @@ inside the exported decode / verify steps, against the float64 reference paths t
   exact, the GDN checkpoint and u/k/g/beta buffers to 1e-5 relative (fp32 vs float64 arithmetic stored
   in fp32), v buffers and conv windows exactly (copies of fp32 inputs computed by the same ops would
   differ only by the device's matmul rounding: 1e-5), K/V caches to 1e-5.
-* Verify step (:class:`QwenGDNSpecStep`) with ``verify_kernel_backend`` likewise, 12 steps of random
+* Verify step (:class:`QwenGDNDecodeStep` with num_draft > 0) with ``verify_kernel_backend`` likewise, 12 steps of random
   acceptance driven by tests/spec_driver.py (every row crosses flushes); the commit graph is run on the
   CPU output for both.
 Teeth: a scaled committed u entry on the GPU input must move the decode logits far past the tolerance.
@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from builders.gdn_step import QwenGDNDecodeStep, QwenGDNSpecStep, verify_kernel_backend  # noqa: E402
+from builders.gdn_step import QwenGDNDecodeStep, verify_kernel_backend  # noqa: E402
 from builders.qwen3_next import FAMILIES, kernel_backend, patch_gdn_replayssm, tiny_model  # noqa: E402
 from builders.spec_step import NemotronHSpecCommit  # noqa: E402
 
@@ -143,8 +143,8 @@ class _DeviceRunner(ModuleRunner):
 def test_verify_step_kernel_backend_matches_reference(models):
     cpu, gpu = models
     num_draft, L_spec = 3, 16
-    ref_step = QwenGDNSpecStep(cpu, L_spec, MAX_SEQ, num_draft)
-    dev_step = QwenGDNSpecStep(gpu, L_spec, MAX_SEQ, num_draft, backend=verify_kernel_backend)
+    ref_step = QwenGDNDecodeStep(cpu, L_spec, MAX_SEQ, num_draft=num_draft)
+    dev_step = QwenGDNDecodeStep(gpu, L_spec, MAX_SEQ, backend=verify_kernel_backend, num_draft=num_draft)
     prompts = [torch.randint(2, 256, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7, 6)]
     run = SpecDecode(cpu, ref_step, prompts, patch_gdn_replayssm, 2, (0, 11, 15))
     runner = _DeviceRunner(ModuleRunner(ref_step, NemotronHSpecCommit(ref_step), None, None), dev_step, run.names)

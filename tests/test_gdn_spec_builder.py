@@ -2,8 +2,8 @@
 """Speculative export of Qwen3-Next / Qwen3.5 on the CPU: the verify + commit graphs in onnxruntime
 against sequential decoding.
 
-Graphs: builders/gdn_step.py's :class:`QwenGDNSpecStep` (one ``replayssm::gdn_verify`` node per GDN
-layer) and builders/spec_step.py's commit graph (one ``replayssm::spec_commit`` node), the plugin ops
+Graphs: builders/gdn_step.py's :class:`QwenGDNDecodeStep` with num_draft > 0 (one ``replayssm::gdn_verify``
+node per GDN layer) and builders/spec_step.py's commit graph (one ``replayssm::spec_commit`` node), the plugin ops
 supplied in Python (builders/ort_reference.py: gdn_reference flush + verify in float64, and commit).
 Rows have different prompt lengths and are handed off after prefill + 2 standard ReplaySSM GDN decode
 steps (a committed history of 2, ring starts that wrap).
@@ -33,10 +33,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from builders.decode_step import DOMAIN  # noqa: E402
-from builders.gdn_step import GDN_VERIFY_OP_TYPE, QwenGDNSpecStep  # noqa: E402
+from builders.decode_step import DOMAIN, export_onnx  # noqa: E402
+from builders.gdn_step import GDN_OP_TYPE, GDN_VERIFY_OP_TYPE, QwenGDNDecodeStep  # noqa: E402
 from builders.qwen3_next import FAMILIES, gdn_layers, patch_gdn_replayssm, tiny_model  # noqa: E402
-from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit, export_onnx  # noqa: E402
+from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit  # noqa: E402
 from trtllm_replayssm import gdn_reference as gref  # noqa: E402
 
 from .spec_driver import (  # noqa: E402
@@ -75,7 +75,7 @@ def model(request):
 def graphs(model, tmp_path_factory):
     from builders.ort_reference import session
 
-    step = QwenGDNSpecStep(model, L_SPEC, MAX_SEQ, NUM_DRAFT)
+    step = QwenGDNDecodeStep(model, L_SPEC, MAX_SEQ, num_draft=NUM_DRAFT)
     commit = NemotronHSpecCommit(step)
     d = tmp_path_factory.mktemp("gdn_spec_onnx")
     export_onnx(step, d / "verify.onnx", d / "commit.onnx")
@@ -199,10 +199,15 @@ def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
 
 def test_spec_step_rejects_bad_windows(model):
     with pytest.raises(ValueError, match=r"buffer_len: expected in \[2 \(num_draft \+ 1\), 32\] = \[8, 32\]"):
-        QwenGDNSpecStep(model, 6, MAX_SEQ, 3)
-    with pytest.raises(ValueError, match="num_draft: expected >= 1, got 0"):
-        QwenGDNSpecStep(model, 8, MAX_SEQ, 0)
-    step = QwenGDNSpecStep(model, 8, MAX_SEQ, 1)
+        QwenGDNDecodeStep(model, 6, MAX_SEQ, num_draft=3)
+    with pytest.raises(ValueError, match=r"num_draft: expected >= 0 \(0: standard decode\), got -1"):
+        QwenGDNDecodeStep(model, 8, MAX_SEQ, num_draft=-1)
+    standard = QwenGDNDecodeStep(model, 8, MAX_SEQ, num_draft=0)  # T = 1: the standard decode step
+    assert (standard.speculative, standard.num_tokens, standard.op_type) == (False, 1, GDN_OP_TYPE)
+    assert standard.window == model.config.linear_conv_kernel_dim
+    step = QwenGDNDecodeStep(model, 8, MAX_SEQ, num_draft=1)
+    assert (step.speculative, step.num_tokens, step.op_type) == (True, 2, GDN_VERIFY_OP_TYPE)
+    assert step.window == model.config.linear_conv_kernel_dim
     with pytest.raises(ValueError, match=r"input_ids: expected \(batch, 2\)"):
         step(torch.ones(2, 3, dtype=torch.int64), torch.zeros(2, dtype=torch.int32),
              torch.zeros(2, 2, dtype=torch.int32), *step.empty_states(2))
@@ -219,7 +224,7 @@ def test_shadow_verify_graph_follows_the_module_and_the_checkpoint_stays_exact(m
 
     from builders.ort_reference import session
 
-    step = QwenGDNSpecStep(model, L_SPEC, MAX_SEQ, NUM_DRAFT, shadow="bf16")
+    step = QwenGDNDecodeStep(model, L_SPEC, MAX_SEQ, shadow="bf16", num_draft=NUM_DRAFT)
     commit = NemotronHSpecCommit(step)
     export_onnx(step, tmp_path / "verify.onnx", tmp_path / "commit.onnx")
     g = onnx.load(str(tmp_path / "verify.onnx"))

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Speculative export on the CPU: the verify + commit graphs in onnxruntime against sequential decoding.
 
-Graphs: builders/spec_step.py (one ``replayssm::mamba2_verify`` node per Mamba layer, one
-``replayssm::spec_commit`` node), the plugin ops supplied in Python (builders/ort_reference.py: the
-float64 spec_reference flush + verify, and commit). Rows have different prompt lengths and start
-from a hand-off after prefill + 2 standard ReplaySSM decode steps (a committed history of 2 and
-ring starts that wrap).
+Graphs: builders/decode_step.py's step with num_draft > 0 (one ``replayssm::mamba2_verify`` node per Mamba
+layer) and builders/spec_step.py's commit graph (one ``replayssm::spec_commit`` node), the plugin ops
+supplied in Python (builders/ort_reference.py: the float64 spec_reference flush + verify, and commit).
+Rows have different prompt lengths and start from a hand-off after prefill + 2 standard ReplaySSM
+decode steps (a committed history of 2 and ring starts that wrap).
 
 Oracles, each where it holds:
 * the PyTorch spec modules for the ONNX graphs (same float64 SSM spec in both; attention, conv and
@@ -48,9 +48,9 @@ if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H
     pytest.skip(f"transformers {transformers.__version__} lacks the Mamba cache API the patch uses (needs >= 5.24)",
                 allow_module_level=True)
 
-from builders.decode_step import DOMAIN
+from builders.decode_step import DOMAIN, VERIFY_OP_TYPE, NemotronHDecodeStep, export_onnx
 from builders.nemotron_h import load_nemotron_h, mamba_layers, patch_replayssm
-from builders.spec_step import COMMIT_OP_TYPE, VERIFY_OP_TYPE, NemotronHSpecCommit, NemotronHSpecStep, export_onnx
+from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit
 from trtllm_replayssm import reference
 from trtllm_replayssm import spec_reference as sr
 
@@ -91,7 +91,7 @@ def model(request):
 def graphs(model, tmp_path_factory):
     from builders.ort_reference import session
 
-    step = NemotronHSpecStep(model, L_SPEC, MAX_SEQ, NUM_DRAFT)
+    step = NemotronHDecodeStep(model, L_SPEC, MAX_SEQ, num_draft=NUM_DRAFT)
     commit = NemotronHSpecCommit(step)
     d = tmp_path_factory.mktemp("spec_onnx")
     export_onnx(step, d / "verify.onnx", d / "commit.onnx")
@@ -254,7 +254,7 @@ def test_shadow_verify_graph_follows_the_module(model, tmp_path, kind):
 
     from builders.ort_reference import session
 
-    step = NemotronHSpecStep(model, L_SPEC, MAX_SEQ, NUM_DRAFT, shadow=kind)
+    step = NemotronHDecodeStep(model, L_SPEC, MAX_SEQ, shadow=kind, num_draft=NUM_DRAFT)
     commit = NemotronHSpecCommit(step)
     export_onnx(step, tmp_path / "verify.onnx", tmp_path / "commit.onnx")
     g = onnx.load(str(tmp_path / "verify.onnx"))
@@ -273,3 +273,30 @@ def test_shadow_verify_graph_follows_the_module(model, tmp_path, kind):
                                 _ssm_state, False)
     assert compared >= STEPS * len(PROMPT_LENS)
 
+
+
+def test_one_step_class_and_one_export(model, tmp_path):
+    """T = 1 + num_draft: the same step class is the standard decode step at num_draft = 0 and the verify step
+    above; the one export writes the commit graph exactly for the latter (refused before any tracing)."""
+    K = model.config.conv_kernel
+    std = NemotronHDecodeStep(model, L_SPEC, MAX_SEQ)
+    spec = NemotronHDecodeStep(model, L_SPEC, MAX_SEQ, num_draft=NUM_DRAFT)
+    assert (std.speculative, std.num_tokens, std.op_type, std.window) == (False, 1, "mamba2_decode", K)
+    assert (spec.speculative, spec.num_tokens, spec.op_type, spec.window) == (True, T, VERIFY_OP_TYPE, K - 1 + NUM_DRAFT)
+    assert std.plugin_attributes() == {k: v for k, v in spec.plugin_attributes().items() if k != "num_tokens"}
+    assert spec.plugin_attributes()["num_tokens"] == T
+    assert [n.replace("conv_state_", "conv_window_") for n in std.input_names()] == spec.input_names()
+    assert std.output_names()[3:] == [n.replace("conv_window_", "conv_state_") for n in spec.output_names()[1:]]
+    with pytest.raises(ValueError, match="commit_path: a speculative step"):
+        export_onnx(spec, tmp_path / "verify.onnx")
+    with pytest.raises(ValueError, match="commit_path: a standard decode step"):
+        export_onnx(std, tmp_path / "model.onnx", tmp_path / "commit.onnx")
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="step: a commit graph follows a speculative verify step"):
+        NemotronHSpecCommit(std)
+    with pytest.raises(ValueError, match=r"num_draft: expected >= 0 \(0: standard decode\), got -1"):
+        NemotronHDecodeStep(model, L_SPEC, MAX_SEQ, num_draft=-1)
+    with pytest.raises(ValueError, match=r"buffer_len: expected in \[2 \(num_draft \+ 1\), 32\] = \[8, 32\]"):
+        NemotronHDecodeStep(model, 6, MAX_SEQ, num_draft=3)
+    with pytest.raises(ValueError, match="buffer_len: expected 1..32, got 33"):
+        NemotronHDecodeStep(model, 33, MAX_SEQ)
