@@ -1065,3 +1065,66 @@ def test_register_against_real_tensorrt_llm():
     cls = mod.register()
     lookup = getattr(modeling_utils, "get_registered_model_class", modeling_utils.MODEL_CLASS_MAPPING.get)
     assert lookup("NemotronHForCausalLM") is cls
+
+
+# ---- packaging: the module imports trtllm_replayssm by name, with no sys.path fallback -------------------------
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _isolated(code: str, cwd) -> str:
+    """stderr + stdout of ``code`` in an interpreter without site-packages' .pth files (so no editable install),
+    the user site or the working directory on sys.path."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, cwd=cwd, timeout=300)
+    return done.stderr + done.stdout
+
+
+def test_without_trtllm_replayssm_the_import_says_how_to_install(tmp_path):
+    """Only serve/ importable: the module's import fails with an ImportError naming the pip install of this
+    repository (and no repository path lands on sys.path); where trtllm_replayssm is found but one of its own
+    dependencies is not, that error is kept (not misread as a missing install)."""
+    serve = str(REPO / "serve")
+    out = _isolated(f"import sys; sys.path.insert(0, {serve!r}); import trtllm_replayssm_module", tmp_path)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("ImportError: trtllm_replayssm_module: the trtllm_replayssm package is not installed"), out
+    assert f"pip install {REPO} " in last and f"pip install -e {REPO} " in last and "PYTHONPATH" in last
+    out = _isolated(f"import sys; sys.path[:0] = [{serve!r}, {str(REPO)!r}]; import trtllm_replayssm_module", tmp_path)
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: No module named ") and "not installed" not in last, out
+
+
+def test_a_non_editable_install_imports_without_the_repository(tmp_path):
+    """``pip install . --target DIR --no-deps`` of a copy of the sources: trtllm_replayssm_module, trtllm_replayssm
+    (with its plugin sources) and builders import from DIR in an interpreter that has neither the repository
+    nor the editable install on sys.path (pyproject.toml's packages)."""
+    import ast
+    import shutil
+    import subprocess
+    import sysconfig
+
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode:
+        pytest.skip("pip is not available")
+    src, target = tmp_path / "src", tmp_path / "target"
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    for d in ("trtllm_replayssm", "plugins", "builders", "serve"):
+        shutil.copytree(REPO / d, src / d, ignore=skip)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", str(src), "--target", str(target), "--no-deps",
+                           "--no-build-isolation", "--no-index", "-q"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    code = (f"import sys; sys.path[:0] = [{str(target)!r}, {sysconfig.get_paths()['purelib']!r}]\n"
+            "import importlib.resources, trtllm_replayssm_module, trtllm_replayssm, builders.decode_step, builders.engine\n"
+            "mods = [trtllm_replayssm_module, trtllm_replayssm, builders.decode_step, builders.engine]\n"
+            "print([m.__file__ for m in mods])\n"
+            "print(sorted(p.name for p in importlib.resources.files('trtllm_replayssm.plugins').iterdir()))\n"
+            "print(sorted({m.__file__.split('/site-packages/')[0] for m in list(sys.modules.values())\n"
+            f"             if {str(REPO)!r} in (getattr(m, '__file__', None) or '')}}))")
+    out = _isolated(code, tmp_path).strip().splitlines()
+    assert len(out) == 3, out
+    files, plugin_files, from_repo = (ast.literal_eval(line) for line in out)
+    assert all(f.startswith(str(target)) for f in files), files
+    assert {"replayssm_decode.cu", "replayssm.cuh", "gdn_decode.cu"} <= set(plugin_files)
+    assert from_repo == [], from_repo

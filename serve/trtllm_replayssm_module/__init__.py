@@ -5,8 +5,10 @@ Only the Mamba-2 ("M") layers are routed; Nemotron 3's MoE ("E"), the attention 
 layers stay TensorRT-LLM's own (see :mod:`.install` for how TRT-LLM names them).
 
 Load with ``trtllm-serve MODEL --backend pytorch --custom_module_dirs serve/trtllm_replayssm_module`` after
-``pip install`` of the repository, which installs this package by name (``PYTHONPATH=serve`` from a checkout
-that is not installed; README "trtllm-serve"). What TensorRT-LLM does with that flag
+``pip install`` of the repository, which installs this package, ``trtllm_replayssm`` and ``builders`` by name
+(pyproject.toml; from a checkout that is not installed, the repository root and ``serve/`` on ``PYTHONPATH``;
+docs/trtllm-serve.md). This package imports ``trtllm_replayssm`` by name and nothing else of the checkout: without
+it the import fails with an ImportError that says how to install it. What TensorRT-LLM does with that flag
 (tensorrt_llm/commands/serve.py, read at 00209af1; tensorrt_llm/tools/importlib_utils.py): ``serve()``
 calls ``import_custom_module_from_dir(dir)`` for each directory before it builds the LLM; that inserts
 the directory's parent into ``sys.path`` and ``importlib.import_module(<directory name>)``. serve.py has
@@ -64,11 +66,26 @@ import os
 import pathlib
 import sys
 
+
+def _install_hint() -> str:
+    """How to make ``trtllm_replayssm`` importable, for the ImportError of a package that is not installed: pip
+    install of the repository this directory lives in (named when it is one), or the repository root on
+    PYTHONPATH."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    repo = str(root) if (root / "pyproject.toml").is_file() and (root / "trtllm_replayssm").is_dir() else (
+        "<the trtllm-replayssm repository>")
+    return (f"trtllm_replayssm_module: the trtllm_replayssm package is not installed. Install the repository, which "
+            f"installs trtllm_replayssm, builders and this module by name (trtllm-serve's worker processes import "
+            f"them so): pip install {repo}  (or pip install -e {repo} for a checkout you edit); from a checkout "
+            f"that is not installed, put {repo} and {repo}/serve on PYTHONPATH")
+
+
 try:
     import trtllm_replayssm  # noqa: F401
-except ImportError:  # not pip-installed: use the repository this directory lives in
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-    import trtllm_replayssm  # noqa: F401
+except ModuleNotFoundError as e:  # only the package itself missing: a broken install keeps its own error
+    if e.name != "trtllm_replayssm":
+        raise
+    raise ImportError(_install_hint(), name=e.name) from e
 
 from .adapter import ReplaySSMAdapter, mamba_layer_indices, replay_selective_state_update  # noqa: E402
 from .check import VERIFIED_AGAINST, check_mixer_class, verified_summary  # noqa: E402
