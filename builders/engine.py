@@ -14,8 +14,8 @@ one path of both formats), compile the plugin kernels to PTX with NVRTC (no GPU 
 output and state tensor in config.json (checked against the format's state table before it is written), and
 build the plan(s) where
 TensorRT >= 10.9, a GPU and the plugin registration are available (:func:`tensorrt_status`,
-:func:`build_plan`); otherwise print the trtexec command(s) that finish the build elsewhere
-(:func:`trtexec_command`, also saved as trtexec.sh).
+:func:`build_plan`); otherwise the trtexec command(s) that finish the build elsewhere
+(:func:`trtexec_command`) are in trtexec.sh, which the log names.
 
 The directory is written to a temporary sibling and renamed to ``out`` at the end (``overwrite``: swapped
 with the old one), so an interrupted build leaves no half-written engine.
@@ -529,11 +529,11 @@ def build(opts: BuildOptions) -> pathlib.Path:
                     config["plan"] = plan_name
         else:
             names = " and ".join(p for _, p, _ in plans)
+            cmds = "the trtexec command is" if isinstance(config["trtexec"], str) else "the two trtexec commands are"
             log(f"[5/5] {names} not built: {why}. TensorRT >= {MIN_TRT[0]}.{MIN_TRT[1]} with a GPU is needed "
                 "for the plan. Finish there by rerunning this script (it registers the plugins through "
-                "trtllm_replayssm.trt_plugin), or in --out, with the plugins registered, with:")
-            for cmd in ([config["trtexec"]] if isinstance(config["trtexec"], str) else config["trtexec"]):
-                print(cmd, flush=True)
+                f"trtllm_replayssm.trt_plugin), or in --out, with the plugins registered: {cmds} in "
+                f"{opts.out / 'trtexec.sh'}")
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
         if opts.out.exists():  # --overwrite: swap, then drop the old directory
