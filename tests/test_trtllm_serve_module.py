@@ -932,7 +932,10 @@ def test_registered_class_routes_mamba_layers_without_patching_trtllm(monkeypatc
     if lazy:
         assert mu.export_external_model_modules() == dict.fromkeys(("NemotronHForCausalLM", "NemotronHPuzzleForCausalLM"),
                                                                    "trtllm_replayssm_module.model")
-        assert any("add " in m and "to PYTHONPATH" in m for m in msgs)  # a fresh worker would not find us
+        # a fresh worker would not find us: the warning names both packages and both fixes
+        warned = [m for m in msgs if "a fresh interpreter here would not find them" in m]
+        assert len(warned) == 1 and f"PYTHONPATH={REPO}:{REPO}/serve" in warned[0]
+        assert f"pip install -e {REPO}" in warned[0] and "imports trtllm_replayssm" in warned[0]
     else:
         assert any("does not pass custom modules to spawned workers" in m for m in msgs)
 
@@ -967,6 +970,25 @@ def test_fresh_process_probe_asks_a_new_interpreter(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(pathlib.Path(mod.__file__).resolve().parents[1]))
     assert mod.model._fresh_process_can_import()
     assert not mod.model._fresh_process_can_import("trtllm_replayssm_module_that_does_not_exist")
+    assert not mod.model._fresh_process_can_import("trtllm_replayssm_module", "trtllm_replayssm_that_does_not_exist")
+
+
+def test_fresh_process_probe_needs_trtllm_replayssm_too(monkeypatch, tmp_path):
+    """A worker's import of trtllm_replayssm_module.model imports trtllm_replayssm by name (no sys.path fallback
+    since afda1b3), so PYTHONPATH=serve alone is not enough for an uninstalled checkout: with no install visible
+    (the fresh interpreter runs without site, so without the editable install) the check fails where only serve/ is
+    on PYTHONPATH, and passes with the repository root too. Checking the module alone (the old check) passed there."""
+    wrapper = tmp_path / "python-no-site"
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S -s "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(wrapper))
+    assert mod.model.WORKER_IMPORTS == ("trtllm_replayssm_module", "trtllm_replayssm")
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "serve"))
+    assert mod.model._fresh_process_can_import("trtllm_replayssm_module")  # what the old check asked
+    assert not mod.model._fresh_process_can_import("trtllm_replayssm")
+    assert not mod.model._fresh_process_can_import()
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}:{REPO / 'serve'}")
+    assert mod.model._fresh_process_can_import()
 
 
 def test_a_worker_process_resolves_the_class_by_module_name(monkeypatch):

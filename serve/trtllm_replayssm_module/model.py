@@ -36,8 +36,10 @@ TensorRT-LLM facts (read, not run; commits are of the files named):
   registrations as architecture -> module name (``export_external_model_modules``; the worker side
   ``register_external_model_modules`` + ``_ensure_model_registered`` imports that module on lookup),
   so each worker / TP rank imports ``trtllm_replayssm_module.model``, which runs this package's
-  ``__init__`` and registers the class there too. That import needs the package on the worker's
-  path: set ``PYTHONPATH`` to the directory holding it (``serve/``); we warn when it is not. We read
+  ``__init__`` and registers the class there too. That import needs this package and ``trtllm_replayssm`` (which
+  it imports by name) on the worker's path: ``pip install`` of the repository (``-e`` too) provides both; a
+  checkout that is not installed needs ``PYTHONPATH=$PWD:$PWD/serve`` (the repository root and ``serve/``); we
+  warn when a fresh interpreter would miss either of them. We read
   this propagation in modeling_utils.py's own comments and functions; the executor code that calls
   them was not in the stored sources. A registry without ``export_external_model_modules`` (the 2025
   version) has no propagation we could find: there, spawned workers would build TensorRT-LLM's own
@@ -134,10 +136,15 @@ def make_model_class(base, mixer_cls):
     return ReplaySSMNemotronHForCausalLM
 
 
-def _fresh_process_can_import(name: str = __package__) -> bool:
-    """Would a spawned worker (a fresh interpreter in this environment) find package ``name``? Asked of one,
-    outside the checkout: ``pip install`` (editable too) or PYTHONPATH both count. Once per registration."""
-    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({name!r}) is None)"
+WORKER_IMPORTS = (__package__, "trtllm_replayssm")  # what a worker's import of this module needs by name
+
+
+def _fresh_process_can_import(*names: str) -> bool:
+    """Would a spawned worker (a fresh interpreter in this environment) find every package of ``names`` (default
+    :data:`WORKER_IMPORTS`: this package and the ``trtllm_replayssm`` it imports)? Asked of one, outside the
+    checkout: ``pip install`` (editable too) or PYTHONPATH both count. Once per registration."""
+    names = names or WORKER_IMPORTS
+    probe = f"import importlib.util, sys; sys.exit(any(importlib.util.find_spec(n) is None for n in {names!r}))"
     try:
         done = subprocess.run([sys.executable, "-c", probe], cwd=tempfile.gettempdir(), env=dict(os.environ),
                               capture_output=True, timeout=120)
@@ -182,8 +189,11 @@ def register():
     if hasattr(modeling_utils, "export_external_model_modules"):
         workers = "workers and TP ranks import it by module name"
         if not _fresh_process_can_import():
-            log.warning("trtllm_replayssm_module: worker processes import %s by name but will not find it: pip install "
-                        "the repository, or add %s to PYTHONPATH", __name__, pathlib.Path(__file__).resolve().parents[1])
+            root = pathlib.Path(__file__).resolve().parents[2]
+            repo = str(root) if (root / "pyproject.toml").is_file() else "<the trtllm-replayssm repository>"
+            log.warning("trtllm_replayssm_module: worker processes import %s by name, and it imports trtllm_replayssm, "
+                        "but a fresh interpreter here would not find them: pip install %s (or pip install -e %s), or "
+                        "for a checkout that is not installed PYTHONPATH=%s:%s/serve", __name__, repo, repo, repo, repo)
     else:
         workers = "this process only (the registry has no export_external_model_modules)"
         if os.environ.get("TLLM_WORKER_USE_SINGLE_PROCESS") != "1":
