@@ -75,7 +75,7 @@ def parse_args(argv=None):
                         f"still gives an fp32 engine unless --dtype bf16 is passed; {aliases} also accepted)")
     p.add_argument("--arch", type=int, default=DEFAULTS["arch"], choices=SUPPORTED_ARCHS,
                    help="SM architecture of the plugin PTX (90 = Hopper, tested on the H200; 100 = Blackwell, compiled in CI "
-                        "only; the PTX needs a driver that reads the installed NVRTC's PTX ISA, README)")
+                        "only; the PTX needs a driver that reads the installed NVRTC's PTX ISA, docs/tensorrt.md)")
     p.add_argument("--sm-count", type=int, default=DEFAULTS["sm_count"], help="SMs of the target GPU (persistent-kernel grid)")
     p.add_argument("--max-seq-len", type=int, default=DEFAULTS["max_seq_len"], help="KV cache capacity per row")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed of the tiny model's random weights")

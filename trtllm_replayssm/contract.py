@@ -4,7 +4,7 @@
 This docstring is the one home of the contract. The launchers (:mod:`.ops`, :mod:`.gdn_ops`) list the
 per-step inputs next to the checks that enforce them, :class:`~.cache.ReplayStateCache` allocates
 these tensors for every layer of a model (a leading ``layers`` dim), the builders export them as engine
-I/O (``builders/decode_step.py``, ``spec_step.py``, ``gdn_step.py``: ``<name>_<layer>`` in,
+I/O (``builders/decode_step.py``, ``gdn_step.py``, and ``spec_step.py``'s commit graph: ``<name>_<layer>`` in,
 ``<name>_<layer>_out`` out, aliased in TensorRT), and the float64 specs (:mod:`.reference`,
 :mod:`.spec_reference`, :mod:`.gdn_reference`) define what each step computes. The layouts are
 vLLM's (>= PR #48018) and FlashInfer's (>= 0.7.0 ring API), so users can swap kernels.
@@ -61,7 +61,7 @@ layers ran (never by a layer's kernel):
   ``spec_commit``: where count + 2T > L (the verify kernels folded the committed entries into the
   checkpoint, "flush one window early") start += count, count = 0; then count += n_accepted. Rejected
   drafts are a cursor move: their ring entries lie beyond count and are overwritten later.
-- the standard form is the ring form with start = 0 (``spec_step.ring_cursor_and_windows`` converts a
+- the standard form is the ring form with start = 0 (``decode_step.ring_cursor_and_windows`` converts a
   standard buffer into a ring); :class:`~.cache.ReplayStateCache` keeps either: the ring form (T = 1 is then
   standard decode on the ring, through the verify kernel) or, with ``cursor="standard"``, the standard form
   and the standard decode kernels.

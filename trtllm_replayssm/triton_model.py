@@ -42,7 +42,7 @@ Tensors cross the backend boundary only through DLPack (``Tensor.to_dlpack`` / `
 never through numpy: the Python backend stub of Triton 2.51 (the one nvidia-pytriton 0.7.0 bundles) is
 built with a pybind11 that reads numpy's pre-2.0 dtype layout, so under numpy 2.x ``as_numpy()`` of a
 [1, 3] fp32 input [1, 2, 3] reads [1, 1, 1] and ``Tensor(name, ndarray)`` sends a 0-byte output,
-without an error (README, "Triton Inference Server (Python backend)"). DLPack does not use numpy, so
+without an error (docs/triton.md, "Route 2: Python-backend model that owns its state"). DLPack does not use numpy, so
 this model is correct under numpy 1.x and 2.x.
 """
 

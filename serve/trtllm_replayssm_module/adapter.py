@@ -8,7 +8,7 @@ dt_bias=..., dt_softplus=..., state_batch_indices=..., out=...)`` once per Mamba
 arguments to our state contract and calls ``trtllm_replayssm.ops.replay_decode`` (CUDA) or
 ``trtllm_replayssm.reference.replay_decode`` (CPU, float64 tests).
 
-Argument conversion (TRT-LLM layout -> ours, README "State contract"):
+Argument conversion (TRT-LLM layout -> ours, the state contract of trtllm_replayssm/contract.py):
 
 =====================  ==========================================  =====================================
 TRT-LLM argument       TRT-LLM layout                               ReplaySSM
