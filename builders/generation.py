@@ -7,12 +7,13 @@ Route (one engine thread owns the model, the step and every slot; clients only q
                        the KV capacity, sampling parameters in range): a bad request raises :class:`RequestError`
                        before any work; a good one waits in a FIFO queue (more requests than slots wait there).
       |
-  admission            between two decode steps, each queued request takes the lowest free slot and is
-                       prefilled in one pass of the model's own forward (transformers, chunks of
-                       ``prefill_chunk`` tokens on one cache): its K/V, the last K-1 conv inputs and the final SSM
-                       states are handed to the slot (:meth:`~builders.model_step.HybridStep.load_slot`;
-                       ReplaySSM: the checkpoint with an empty ring, ``ReplayStateCache.load_prefill``); its last
-                       logits give the first token (streamed at once: the time to first token is one prefill).
+  admission            between two decode steps (up to ``prefill_chunk`` prompt tokens each time, at least one
+                       request), each queued request takes the lowest free slot and is prefilled in one pass of
+                       the model's own forward (transformers, chunks of ``prefill_chunk`` tokens on one cache):
+                       its K/V, the last K-1 conv inputs and the final SSM states are handed to the slot
+                       (:meth:`~builders.model_step.HybridStep.load_slot`; ReplaySSM: the checkpoint with an empty
+                       ring, ``ReplayStateCache.load_prefill``); its last logits give the first token (streamed at
+                       once: the time to first token is one prefill).
       |
   decode step          :class:`~builders.model_step.DecodeStep`, the step every benchmark times (rows = slots):
                        the smallest captured prefix of rows that holds every live slot (``HybridStep.rows``, one
@@ -374,11 +375,15 @@ class Engine:
         return int(first[0])
 
     def _admit(self) -> None:
-        while self.free:
+        """Prefill queued requests into free slots, up to ``prefill_chunk`` prompt tokens per decode step (at least
+        one request), so streams already decoding keep their pace while many join."""
+        budget = self.prefill_chunk
+        while self.free and budget > 0:
             with self.lock:
                 if not self.queue:
                     return
                 live = self.queue.popleft()
+            budget -= len(live.req.prompt)
             if live.cancelled:
                 self._emit(live, [], "cancelled")
                 continue

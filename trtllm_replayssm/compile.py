@@ -26,6 +26,12 @@ from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, GDNSpec, KernelSpec, Layout, 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "plugins"
 if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the package
     PLUGIN_DIR = pathlib.Path(__file__).resolve().parent / "plugins"
+# Another kernel source tree (an A/B benchmark of two versions on one warm card: one process per tree). The cache
+# key hashes the sources, so the two trees never share a cache entry.
+if os.environ.get("TRTLLM_REPLAYSSM_PLUGIN_DIR"):
+    PLUGIN_DIR = pathlib.Path(os.environ["TRTLLM_REPLAYSSM_PLUGIN_DIR"]).resolve()
+    if not (PLUGIN_DIR / "replayssm.cuh").is_file():
+        raise RuntimeError(f"TRTLLM_REPLAYSSM_PLUGIN_DIR: {PLUGIN_DIR} is not a directory of kernel sources")
 ENTRY_FILE = "replayssm_decode.cu"
 KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
 SPEC_ENTRY_FILE = "replayssm_spec.cu"
