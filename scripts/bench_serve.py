@@ -169,6 +169,8 @@ def main(argv=None) -> int:
                            dtype=args.dtype, layers=len(cfg.layers_block_type), buffer_len=args.buffer_len,
                            driver="in-process: builders.generation.Engine (the Triton streaming model's engine)")
                 rows.append(row)
+                if args.out is not None:  # after every row: a run cut short keeps what it measured
+                    write(args.out, meta, rows)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
                                   if k not in meta}), flush=True)
         finally:
@@ -184,11 +186,15 @@ def main(argv=None) -> int:
         print(f"{r['mode']:<12} {r['concurrency']:>5} {r['tokens_per_s']:>9.0f} {dec:>12} {r['step_tokens_per_s']:>10.0f} "
               f"{ov:>8} {r['ttft_ms_p50']:>7.1f}/{r['ttft_ms_p99']:<8.1f} {r['itl_ms_p50']:>6.2f}/{r['itl_ms_p99']:<7.2f}")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{meta['date'][:10]}_serve_{meta['commit']}.json"
-        path.write_text(json.dumps(rows, indent=1) + "\n")
-        print(f"wrote {path}")
+        print(f"wrote {write(args.out, meta, rows)}")
     return 0
+
+
+def write(out: pathlib.Path, meta: dict, rows: list) -> pathlib.Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{meta['date'][:10]}_serve_{meta['commit']}.json"
+    path.write_text(json.dumps(rows, indent=1) + "\n")
+    return path
 
 
 if __name__ == "__main__":
