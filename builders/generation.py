@@ -214,7 +214,7 @@ class Engine:
         self.live: dict[int, _Live] = {}
         self.queue: collections.deque = collections.deque()
         self.open: dict[str, _Live] = {}  # request id -> every request not yet finished (under ``lock``)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # _emit (final) takes it, also under step_once's hold
         self.wake = threading.Condition(self.lock)
         self.thread = None
         self.closed = False
