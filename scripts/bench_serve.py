@@ -191,9 +191,11 @@ def main(argv=None) -> int:
 
 
 def write(out: pathlib.Path, meta: dict, rows: list) -> pathlib.Path:
+    """``{"meta": ..., "rows": [...]}`` as every result file (scripts/bench_table.py reads it: kind "serve")."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{meta['date'][:10]}_serve_{meta['commit']}.json"
-    path.write_text(json.dumps(rows, indent=1) + "\n")
+    body = [{k: v for k, v in r.items() if k not in meta} for r in rows]
+    path.write_text(json.dumps({"meta": meta, "rows": body}, indent=1) + "\n")
     return path
 
 

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
-KINDS = ("kernels", "gdn", "gdn-spec", "spec", "decode", "spec-decode", "tp-check", "profile", "vllm-layout")
+KINDS = ("kernels", "gdn", "gdn-spec", "spec", "decode", "spec-decode", "tp-check", "profile", "vllm-layout", "serve")
 BEGIN = re.compile(r"^<!-- bench_table: (?P<args>.+?) -->$")
 END = "<!-- /bench_table -->"
 
@@ -84,6 +84,8 @@ def classify_rows(rows: list) -> str | None:
         return "tp-check"
     if "categories_ms" in k:
         return "profile"
+    if {"concurrency", "ttft_ms_p50"} <= k:
+        return "serve"
     if {"acceptance", "tokens_per_s"} <= k:
         return "spec-decode"
     if {"ms_step", "mode"} <= k:
@@ -443,7 +445,27 @@ def vllm_layout_table(rows: list[dict]) -> list[str]:
     return render(cols, rows)
 
 
-ROW_TABLES = {"kernels": kernels_table, "gdn": gdn_table, "gdn-spec": gdn_spec_table, "spec": spec_table,
+def serve_table(rows: list[dict]) -> list[str]:
+    cols: list[Column] = [
+        FILE_COLUMN,
+        ("mode", lambda r: text(r.get("mode"))),
+        ("concurrency", lambda r: text(r.get("concurrency"))),
+        ("decode tok/s", lambda r: num(r.get("decode_tokens_per_s"), 0)),
+        ("captured step tok/s", lambda r: num(r.get("step_tokens_per_s"), 0)),
+        ("server overhead", lambda r: None if r.get("overhead_vs_step") is None
+         else num(100 * r["overhead_vs_step"], 1, "%")),
+        ("tok/s (prefills included)", lambda r: num(r.get("tokens_per_s"), 0)),
+        ("TTFT p50 / p99 ms", lambda r: None if r.get("ttft_ms_p50") is None
+         else f"{num(r['ttft_ms_p50'])} / {num(r.get('ttft_ms_p99'))}"),
+        ("ITL p50 / p99 ms", lambda r: None if r.get("itl_ms_p50") is None
+         else f"{num(r['itl_ms_p50'], 2)} / {num(r.get('itl_ms_p99'), 2)}"),
+        ("TTFT alone / prefill ms", lambda r: None if r.get("ttft_ms_single") is None
+         else f"{num(r['ttft_ms_single'])} / {num(r.get('prefill_ms'))}"),
+    ]
+    return render(cols, rows)
+
+
+ROW_TABLES = {"serve": serve_table, "kernels": kernels_table, "gdn": gdn_table, "gdn-spec": gdn_spec_table, "spec": spec_table,
               "tp-check": tp_check_table, "profile": profile_table, "vllm-layout": vllm_layout_table}
 PIVOT_TABLES = {"decode": decode_table, "spec-decode": spec_decode_table}
 
