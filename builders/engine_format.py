@@ -17,7 +17,8 @@ their version in ``config.json``'s ``format``:
   model.plan        only where TensorRT >= 10.9 and a GPU were present at build time
 
 **Speculative**, ``trtllm-replayssm-spec-step/1`` (:data:`SPEC_FORMAT`), T = num_draft + 1 tokens per row
-and step, two graphs run once each per step with sampling in between (builders/spec_step.py):
+and step, two graphs run once each per step with sampling in between (verify: builders/decode_step.py with
+num_draft > 0; commit: builders/spec_step.py):
 
   verify.onnx       input_ids (batch, T), lengths, cursor (batch, 2), the states -> logits (batch, T, vocab)
                     and the states; one ``replayssm::mamba2_verify`` (``replayssm::gdn_verify``) node per

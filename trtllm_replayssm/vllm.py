@@ -6,7 +6,7 @@ block: conv state, ssm state (the checkpoint), x_cache, dt_cache and B_cache. Th
 allocations: every block is one page of raw bytes, and each tensor is a ``torch.as_strided`` view
 ``(num_blocks, *shape)`` whose block stride is the page size over its itemsize, at its byte offset
 inside the page (pages may be padded to the attention page size). Per block the shapes and dtypes are
-ours (README "State contract"): ssm (H, P, N) in the ssm cache dtype, x_cache (H, L, P) and B_cache
+ours (trtllm_replayssm/contract.py): ssm (H, P, N) in the ssm cache dtype, x_cache (H, L, P) and B_cache
 (G, L, N) in the activation dtype, dt_cache (H, L) float32 holding processed dt. What differs:
 
 ===========================  ==============================================  ===============================
