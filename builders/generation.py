@@ -8,12 +8,13 @@ Route (one engine thread owns the model, the step and every slot; clients only q
                        before any work; a good one waits in a FIFO queue (more requests than slots wait there).
       |
   admission            between two decode steps (up to ``prefill_chunk`` prompt tokens each time, at least one
-                       request), each queued request takes the lowest free slot and is prefilled in one pass of
-                       the model's own forward (transformers, chunks of ``prefill_chunk`` tokens on one cache):
-                       its K/V, the last K-1 conv inputs and the final SSM states are handed to the slot
-                       (:meth:`~builders.model_step.HybridStep.load_slot`; ReplaySSM: the checkpoint with an empty
-                       ring, ``ReplayStateCache.load_prefill``); its last logits give the first token (streamed at
-                       once: the time to first token is one prefill).
+                       request), queued requests take the lowest free slots and are prefilled together by the
+                       model's own forward (transformers; one batch of at most ``prefill_chunk`` padded tokens,
+                       left-padded with an attention mask so every prompt ends at the last position; a prompt
+                       longer than that alone, in chunks on one cache): each row's K/V, last K-1 conv inputs and
+                       final SSM states are handed to its slot (:meth:`~builders.model_step.HybridStep.load_slot`;
+                       ReplaySSM: the checkpoint with an empty ring, ``ReplayStateCache.load_prefill``); its last
+                       logits give the first token (streamed at once: the time to first token is one prefill).
       |
   decode step          :class:`~builders.model_step.DecodeStep`, the step every benchmark times (rows = slots):
                        the smallest captured prefix of rows that holds every live slot (``HybridStep.rows``, one
@@ -346,55 +347,81 @@ class Engine:
         self.queue = kept
 
     @torch.no_grad()
-    def _prefill(self, live: _Live) -> int:
-        """The model's own forward over the prompt (chunked), handed to ``live.slot``; returns the first token."""
+    def _prefill(self, lives: list) -> list:
+        """The model's own forward over the prompts of ``lives`` (one batch, left-padded with an attention mask, so
+        every prompt ends at the last position; a lone prompt longer than ``prefill_chunk`` in chunks on one cache),
+        each handed to its slot; returns the first tokens."""
         from transformers import DynamicCache
 
-        req, step, slot = live.req, self.step, live.slot
-        ids = torch.tensor([req.prompt], dtype=torch.int64, device=self.device)
+        step, dev = self.step, self.device
+        lens = [len(v.req.prompt) for v in lives]
+        m, b = max(lens), len(lives)
+        ids = torch.zeros(b, m, dtype=torch.int64)
+        mask = torch.zeros(b, m, dtype=torch.int64)
+        for r, v in enumerate(lives):
+            ids[r, m - lens[r]:] = torch.tensor(v.req.prompt)
+            mask[r, m - lens[r]:] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
         cache = DynamicCache(config=self.cfg)
         logits = None
-        for a in range(0, ids.shape[1], self.prefill_chunk):
+        for a in range(0, m, self.prefill_chunk):  # b > 1 only when b * m <= prefill_chunk: one pass
+            kw = dict(attention_mask=mask[:, :a + self.prefill_chunk]) if b > 1 else {}
             logits = self.model(input_ids=ids[:, a:a + self.prefill_chunk], cache=cache, use_cache=True,
-                                logits_to_keep=1).logits[:, -1]
-        n = ids.shape[1]
-        # transformers' conv state: the last K inputs, zeros before the first one (as the step's window)
-        conv = {i: cache.get_conv_state(i)[0, :, 1:].transpose(0, 1) for i in step.mamba}  # (K-1, conv_dim)
-        kv = {i: (cache.layers[i].keys[0, :, :n], cache.layers[i].values[0, :, :n]) for i in step.attn}
-        ssm = {i: cache.get_recurrent_state(i)[0].float() for i in step.mamba}
-        step.load_slot(slot, n, conv, {i: t[0] for i, t in kv.items()}, {i: t[1] for i, t in kv.items()}, ssm)
-        self.temperature[slot] = float(req.temperature)
-        self.top_k[slot] = req.top_k
-        self.top_p[slot] = float(req.top_p)
-        self.seed[slot] = _to_i64(req.seed)
-        pos = torch.tensor([n], device=self.device)
-        first = sample(logits, self.temperature[slot:slot + 1], self.top_k[slot:slot + 1], self.top_p[slot:slot + 1],
-                       self.seed[slot:slot + 1], pos)
-        step.ids[slot] = first[0]
-        step.sbi[slot] = slot
-        return int(first[0])
+                                logits_to_keep=1, **kw).logits[:, -1]
+        slots = torch.tensor([v.slot for v in lives], device=dev)
+        for r, (v, n) in enumerate(zip(lives, lens)):
+            # transformers' conv state: the last K inputs, zeros before the first one (padding is masked to zero)
+            conv = {i: cache.get_conv_state(i)[r, :, 1:].transpose(0, 1) for i in step.mamba}  # (K-1, conv_dim)
+            k = {i: cache.layers[i].keys[r, :, m - n:] for i in step.attn}
+            vv = {i: cache.layers[i].values[r, :, m - n:] for i in step.attn}
+            ssm = {i: cache.get_recurrent_state(i)[r].float() for i in step.mamba}
+            step.load_slot(v.slot, n, conv, k, vv, ssm)
+            req = v.req
+            self.temperature[v.slot] = float(req.temperature)
+            self.top_k[v.slot] = req.top_k
+            self.top_p[v.slot] = float(req.top_p)
+            self.seed[v.slot] = _to_i64(req.seed)
+        first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
+                       torch.tensor(lens, device=dev))
+        step.ids[slots] = first
+        step.sbi[slots] = slots.to(step.sbi.dtype)
+        return first.tolist()
 
     def _admit(self) -> None:
-        """Prefill queued requests into free slots, up to ``prefill_chunk`` prompt tokens per decode step (at least
-        one request), so streams already decoding keep their pace while many join."""
+        """Prefill queued requests into free slots, in batches of at most ``prefill_chunk`` (padded) prompt tokens,
+        up to ``prefill_chunk`` prompt tokens per decode step (at least one request), so streams already decoding
+        keep their pace while many join."""
         budget = self.prefill_chunk
         while self.free and budget > 0:
+            group: list = []
             with self.lock:
-                if not self.queue:
-                    return
-                live = self.queue.popleft()
-            budget -= len(live.req.prompt)
-            if live.cancelled:
-                self._emit(live, [], "cancelled")
+                while self.queue and len(group) < len(self.free) and budget > 0:
+                    nxt = self.queue[0]
+                    m = max([len(nxt.req.prompt)] + [len(v.req.prompt) for v in group])
+                    if group and (len(group) + 1) * m > self.prefill_chunk:
+                        break
+                    self.queue.popleft()
+                    budget -= len(nxt.req.prompt)
+                    group.append(nxt)
+            if not group:
+                return
+            live = [v for v in group if not v.cancelled]
+            for v in group:
+                if v.cancelled:
+                    self._emit(v, [], "cancelled")
+            for v in live:
+                v.slot = heapq.heappop(self.free)
+                self.live[v.slot] = v
+            if not live:
                 continue
-            live.slot = heapq.heappop(self.free)
-            self.live[live.slot] = live
             try:
-                tok = self._prefill(live)
-            except Exception as e:  # this request fails; its slot is free again, the engine goes on
-                self._finish(live, [], "error", f"prefill failed: {type(e).__name__}: {e}")
+                toks = self._prefill(live)
+            except Exception as e:  # these requests fail; their slots are free again, the engine goes on
+                for v in live:
+                    self._finish(v, [], "error", f"prefill failed: {type(e).__name__}: {e}")
                 continue
-            self._deliver(live, tok)
+            for v, tok in zip(live, toks):
+                self._deliver(v, tok)
 
     def _deliver(self, live: _Live, tok: int) -> None:
         live.generated += 1
