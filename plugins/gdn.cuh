@@ -31,6 +31,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "common.cuh"
+
 #ifndef GDN_SHADOW
 #define GDN_SHADOW 0
 #endif
@@ -89,23 +91,7 @@ constexpr float kL2Eps = 1e-6f;
 // Below this the fold's lazy decay is applied to the rows (fp32 keeps ~2^-126; 2^-30 leaves room for u / D).
 constexpr float kRenorm = 9.3132257e-10f;  // 2^-30
 
-// Exclusive suffix sum over the warp: lane j gets sum_{i>j} v_i (lanes past the entries hold 0), a reverse
-// scan from the newest entry backwards. The replay weights exp(G_m - G_j) take their exponent from it,
-// sum_{j<i<m} g_i, never as the difference of two prefix sums: after a gate spike (softplus past its
-// threshold, g of -exp(A_log) x 24..100) G_m - G_j loses ~ulp(G_m) and every surviving weight a relative
-// ~ulp(|G_m|) (3e-5 at G_m = -480); a suffix of like-signed terms is exact to a few ulp of itself (as
-// replayssm.cuh's rssm::suffix_after; bench/NOTES.md "fp32 exponents after a dt spike").
-__device__ __forceinline__ float suffix_after(float v) {
-  const int lane = threadIdx.x % 32;
-  float s = __shfl_down_sync(0xffffffffu, v, 1);
-  if (lane == 31) s = 0.f;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float u = __shfl_down_sync(0xffffffffu, s, o);
-    if (lane + o < 32) s += u;
-  }
-  return s;
-}
+using rssm_common::suffix_after;  // common.cuh
 
 // cp.async (sm_80+): 16-byte global->shared copies that hold no registers while in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {

@@ -42,6 +42,8 @@
 #endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+
+#include "common.cuh"
 #if RSSM_SHADOW == 2
 #include <cuda_fp8.h>
 #endif
@@ -195,23 +197,7 @@ __device__ __forceinline__ float group_sum(float v) {  // xor stays inside align
   for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-// Exclusive suffix sum over the warp: lane j gets sum_{i>j} v_i (lanes past the entries hold 0), a reverse
-// Hillis-Steele scan from the newest entry backwards. The decay exponents are built from it, never as the
-// difference of two prefix sums: after a dt spike (softplus past its threshold, sums of dt of 24..100)
-// c_k - c_j loses ~ulp(sum dt) and every weight that survives the spike carries a relative error of
-// ~|A| ulp(sum dt) (1e-4 at |A| = 16); a suffix is a sum of like-signed terms, exact to a few ulp of itself
-// (bench/NOTES.md "fp32 exponents after a dt spike"). Six shuffles, as the prefix scan and its broadcast.
-__device__ __forceinline__ float suffix_after(float v) {
-  const int lane = threadIdx.x % 32;
-  float s = __shfl_down_sync(0xffffffffu, v, 1);
-  if (lane == 31) s = 0.f;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const float u = __shfl_down_sync(0xffffffffu, s, o);
-    if (lane + o < 32) s += u;
-  }
-  return s;
-}
+using rssm_common::suffix_after;  // common.cuh
 
 template <int R>
 struct RowRegs {
