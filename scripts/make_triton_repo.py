@@ -26,28 +26,30 @@ Usage: python scripts/make_triton_repo.py --engine-dir build/tiny --repo build/t
        [--idle-ms 60000] [--max-queue-delay-us 100]
 (the model, dtype and sizes are the engine's: the --backend python flags below are refused here by name)
 
-``--backend python`` (no engine): a Python-backend model instead (``backend: "python"``,
-``1/model.py``), whose instance owns a ``ReplayStateCache`` and the K/V rows of
-``max_candidate_sequences`` slots on its device and runs the decode step there
-(``trtllm_replayssm/triton_model.py``: kernels on CUDA, the float64 reference on the CPU). No
-implicit state: sequence_batching ``oldest`` with the controls START, END, READY and CORRID maps
-each sequence to a slot; a request carries one token (``input_ids`` [1], int64) and returns
-``logits`` [vocab] (fp32) and ``slot`` [1] (int32). Everything the model needs is a ``parameters``
-entry of config.pbtxt: the checkpoint (``model_dir``, or ``tiny`` + ``seed``), dtype, device,
-buffer_len, max_seq_len, and ``python_path`` / ``python_version``: the Python backend stub embeds
-libpython with an isolated configuration that ignores PYTHONPATH, so model.py puts this
-interpreter's project root and site-packages on ``sys.path`` itself and refuses another Python
-version. :func:`pytriton_server` finds the tritonserver that the nvidia-pytriton wheel bundles and
-:func:`serve_command` gives the command that serves the repository with it.
+``--backend python`` (no engine): a Python-backend model that runs the checkpoint itself; everything it needs is a
+``parameters`` entry of config.pbtxt (the checkpoint: ``model_dir``, or ``tiny`` + ``seed``; dtype, device, sizes;
+``python_path`` / ``python_version``: the backend stub embeds libpython with an isolated configuration that ignores
+PYTHONPATH, so model.py puts this interpreter's project root and site-packages on ``sys.path`` itself and refuses
+another Python version). Which model depends on the family:
 
-The model is Nemotron-H / Nemotron 3 (``--tiny nemotron_h|nemotron3``) or Qwen3-Next / Qwen3.5
-(``--tiny qwen3_next|qwen3_5|qwen3_5_moe``, or a ``--model`` whose config.json says qwen3_next / qwen3_5 /
-qwen3_5_moe (or their *_text); its
-Gated DeltaNet layers on the cache's GDN rings, ``triton_model.QwenSlotStep``).
+* Nemotron-H / Nemotron 3 (``--tiny nemotron_h|nemotron3``, or a ``--model`` whose config.json says nemotron_h): the
+  **streaming** model (builders/triton_generate.py): decoupled, a prompt in (``input_ids`` or ``text_input``),
+  the completion streamed back (``output_ids``, ``text_output``, then ``finish_reason`` and token counts), over the
+  generation engine of builders/generation.py (in-flight batching of ``--max-slots`` sequences on the captured model
+  step, ``--mode`` conventional | replay | replay_bf16 | replay_fp8); Triton's HTTP generate_stream works too.
+* Qwen3-Next / Qwen3.5 (``--tiny qwen3_next|qwen3_5|qwen3_5_moe``, or a ``--model`` whose config.json says
+  qwen3_next / qwen3_5 / qwen3_5_moe or their *_text): the **per-token** model (trtllm_replayssm/triton_model.py;
+  the captured model step has no Gated DeltaNet layers yet): sequence_batching ``oldest`` with the controls START,
+  END, READY and CORRID maps each sequence to a slot of its ``ReplayStateCache``; a request carries one token
+  (``input_ids`` [1]) and returns ``logits`` [vocab] and ``slot`` [1]; ``--shadow`` (or ``--mode replay_bf16``).
+
+:func:`pytriton_server` finds the tritonserver that the nvidia-pytriton wheel bundles, :func:`serve_command` gives
+the command that serves the repository with it (printed; ``--serve`` runs it).
 
 Usage: python scripts/make_triton_repo.py --backend python --repo build/triton-py [--tiny nemotron_h | --model DIR]
        [--dtype fp32|bf16|fp16] [--device auto|cpu|cuda] [--max-slots 8] [--max-seq-len 1024] [--buffer-len 16]
-       [--idle-ms 60000] [--shadow none|bf16|fp8]
+       [--mode conventional|replay|replay_bf16|replay_fp8] [--text-input auto|tensor|parameter] [--serve]
+       (per-token model only: [--idle-ms 60000] [--max-queue-delay-us 100] [--shadow none|bf16|fp8])
 Refused before a file is written, naming the flag: --engine-dir (tensorrt_plan only); --device cuda where torch
 sees no CUDA device; a --model that the server's own loader refuses (it is loaded once here, on the CPU: a truncated
 safetensors file, a missing or mis-shaped tensor); a --repo that is a file.
@@ -64,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import pathlib
 import sys
 
@@ -74,6 +77,8 @@ from builders.triton_repo import (  # noqa: E402  (the writer; this script is it
     DTYPES,
     EXIT_TIMEOUT_S,
     RepoError,
+    _batching_ranges,
+    _check_ranges,
     dtype_spelling,
     make_python_repo,
     make_repo,
@@ -88,10 +93,22 @@ PYTHON_ONLY = {"model": "model_dir", "tiny": "tiny", "seed": "seed", "dtype": "d
                "max_slots": "max_slots", "max_seq_len": "max_seq_len", "buffer_len": "buffer_len", "shadow": "shadow"}
 PY_DEFAULTS = {k: v.default for k, v in inspect.signature(make_python_repo).parameters.items()
                if v.default is not inspect.Parameter.empty}
+# the streaming model's own flags (builders/triton_generate.py make_generate_repo); MODES is builders/generation.py's,
+# spelled out here so that the tensorrt_plan route imports no torch (tests/test_triton_repo.py checks they agree)
+STREAMING_ONLY = ("mode", "text_input")
+MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
+SHADOW_MODE = {"none": "replay", "bf16": "replay_bf16", "fp8": "replay_fp8"}  # --shadow as a --mode
 
 
 def _flag(dest: str) -> str:
     return "--" + dest.replace("_", "-")
+
+
+def _mode(mode: str | None, shadow: str | None) -> str:
+    """--mode, or --shadow's mode; RepoError where the two disagree."""
+    if mode is not None and shadow is not None and SHADOW_MODE[shadow] != mode:
+        raise RepoError(f"--mode {mode} and --shadow {shadow} disagree (--shadow {shadow} is --mode {SHADOW_MODE[shadow]})")
+    return mode or SHADOW_MODE[shadow or "none"]
 
 
 def main(argv=None) -> int:
@@ -127,9 +144,20 @@ def main(argv=None) -> int:
     py.add_argument("--buffer-len", type=int, help=f"ReplaySSM ring length L, 1..32 (default: {d['buffer_len']})")
     py.add_argument("--shadow", choices=("none", "bf16", "fp8"),
                     help="a low-precision shadow of each fp32 checkpoint, read by non-flush steps (fp8: Mamba-2 "
-                         f"models only; default: {d['shadow']})")
+                         f"models only; default: {d['shadow']}); the same as --mode replay / replay_bf16 / replay_fp8")
+    py.add_argument("--mode", choices=MODES,
+                    help="the SSM state of the streaming model (Nemotron-H / Nemotron 3): conventional, replay "
+                         "(ReplaySSM), replay_bf16 / replay_fp8 (ReplaySSM + a shadow; default: replay, or --shadow's); "
+                         "the per-token model (Qwen) runs ReplaySSM, its --shadow from this")
+    py.add_argument("--text-input", choices=("auto", "tensor", "parameter"),
+                    help="how the streaming model takes a text prompt: a BYTES text_input tensor, or the request "
+                         "parameter text_input (HTTP generate passes an undeclared JSON field as one); auto: the "
+                         "tensor where numpy < 2 (the stub of tritonserver 2.51 cannot read BYTES under numpy 2)")
+    py.add_argument("--serve", action="store_true",
+                    help="after writing, run the printed serve command (the nvidia-pytriton tritonserver on "
+                         "127.0.0.1, HTTP 8000, gRPC 8001) in place of this process")
     args = ap.parse_args(argv)
-    given = {dest: getattr(args, dest) for dest in PYTHON_ONLY if getattr(args, dest) is not None}
+    given = {dest: getattr(args, dest) for dest in (*PYTHON_ONLY, *STREAMING_ONLY) if getattr(args, dest) is not None}
     batching = dict(idle_us=args.idle_ms * 1000, max_queue_delay_us=args.max_queue_delay_us)
     try:
         if args.backend == "python":
@@ -140,10 +168,29 @@ def main(argv=None) -> int:
             if args.model is not None and tiny_only:
                 raise RepoError(f"{', '.join(tiny_only)}: the embedded tiny model's, used only without --model, got "
                                 f"them with --model {args.model}")
+            _check_ranges(*_batching_ranges(**batching))
+            from builders.triton_generate import is_streaming_family, make_generate_repo
+
+            kw = {PYTHON_ONLY[k]: v for k, v in given.items() if k in PYTHON_ONLY}
+            streaming = is_streaming_family(kw.get("tiny", PY_DEFAULTS["tiny"]), args.model)
+            mode = _mode(args.mode, args.shadow)
             if args.model is not None:
                 print(f"[make_triton_repo] checking --model {args.model}: loading it as the server will", flush=True)
-            target = make_python_repo(args.repo, args.name, **{PYTHON_ONLY[k]: v for k, v in given.items()},
-                                      **batching)
+            if streaming:
+                kw.pop("shadow", None)
+                target = make_generate_repo(args.repo, args.name, **kw, mode=mode,
+                                            **({"text_input": args.text_input} if args.text_input else {}))
+            else:
+                if mode == "conventional":
+                    raise RepoError("--mode conventional: the per-token model of Qwen3-Next / Qwen3.5 runs ReplaySSM "
+                                    "(--mode replay, replay_bf16)")
+                if args.text_input:
+                    raise RepoError("--text-input: only for the streaming model (Nemotron-H / Nemotron 3)")
+                kw["shadow"] = {v: k for k, v in SHADOW_MODE.items()}[mode]
+                print("[make_triton_repo] note: Qwen3-Next / Qwen3.5 get the per-token model (one token in, logits "
+                      "out, a sequence per correlation id): the streaming model needs the captured model step, which "
+                      "has no Gated DeltaNet layers yet")
+                target = make_python_repo(args.repo, args.name, **kw, **batching)
         elif given:
             flags = ", ".join(_flag(k) for k in given)
             raise RepoError(f"{flags}: only with --backend python (a tensorrt_plan repository serves the engine in "
@@ -160,10 +207,14 @@ def main(argv=None) -> int:
         try:
             backends = write_backend_dir(args.repo.parent / f"{args.repo.name}-backends")
             cmd, env = serve_command(args.repo, backends)
-            print("[make_triton_repo] serve with: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd))
+            print("[make_triton_repo] serve with: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(cmd),
+                  flush=True)
         except RepoError as e:
             print(f"[make_triton_repo] {e}; or serve it with a tritonserver whose Python backend runs this Python "
                   f"(its packages and the project on the paths of parameters['python_path'])")
+            return 2 if args.serve else 0
+        if args.serve:
+            os.execvpe(cmd[0], cmd, {**os.environ, **env})
         return 0
     has_plan = (target / "1" / "model.plan").is_file()
     note = "" if has_plan else " (no model.plan yet: see 1/MISSING_PLAN.txt)"

@@ -190,3 +190,40 @@ def test_bad_inputs_are_refused_by_name_before_anything_is_written(tmp_path):
         tr.make_python_repo(repo, device="cpu", max_queue_delay_us=-5)
     assert mtr.main(["--backend", "python", "--device", "cpu", "--repo", str(repo), "--max-queue-delay-us", "-5"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "engine"]
+
+
+def test_cli_python_backend_picks_the_model_by_family(tmp_path, capsys):
+    """--backend python writes the streaming (decoupled) model for Nemotron-H / Nemotron 3, --mode or --shadow as its
+    mode (the two must agree), and the per-token model for Qwen3-Next / Qwen3.5 with a note saying why (--mode
+    replay_bf16 as its --shadow bf16; conventional refused there)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    def config(repo, name):
+        return text_format.Parse((repo / name / "config.pbtxt").read_text(), pb.ModelConfig())
+
+    base = ["--backend", "python", "--device", "cpu"]
+    for flags, mode in ((["--shadow", "bf16"], "replay_bf16"), (["--mode", "conventional"], "conventional"),
+                        (["--tiny", "nemotron3", "--mode", "replay_fp8", "--shadow", "fp8"], "replay_fp8"), ([], "replay")):
+        repo = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
+        assert mtr.main(base + ["--repo", str(repo), *flags]) == 0
+        name = "nemotron3_replayssm" if "nemotron3" in flags else "nemotron_h_replayssm"
+        mc = config(repo, name)
+        assert mc.model_transaction_policy.decoupled and mc.parameters["mode"].string_value == mode, flags
+    capsys.readouterr()
+    assert mtr.main(base + ["--repo", str(tmp_path / "bad"), "--mode", "replay", "--shadow", "bf16"]) == 2
+    assert "--mode replay and --shadow bf16 disagree" in capsys.readouterr().err
+    assert mtr.main(base + ["--repo", str(tmp_path / "q"), "--tiny", "qwen3_next", "--mode", "replay_bf16"]) == 0
+    assert "note: Qwen3-Next / Qwen3.5 get the per-token model" in capsys.readouterr().out
+    mc = config(tmp_path / "q", "qwen3_next_replayssm")
+    assert not mc.model_transaction_policy.decoupled and mc.parameters["shadow"].string_value == "bf16"
+    assert mtr.main(base + ["--repo", str(tmp_path / "q2"), "--tiny", "qwen3_5", "--mode", "conventional"]) == 2
+    assert "--mode conventional: the per-token model" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "q2").exists()
+
+
+def test_cli_streaming_flags_only_with_backend_python(tmp_path, capsys):
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    assert mtr.main(["--engine-dir", str(eng), "--repo", str(tmp_path / "r"), "--mode", "replay"]) == 2
+    assert "--mode: only with --backend python" in capsys.readouterr().err
