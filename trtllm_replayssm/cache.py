@@ -84,6 +84,15 @@ T = 1; with ``cursor="standard"`` (num_draft = 0) the cache keeps the (slots,) c
 the tuned standard decode kernel, verify runs the executor's ``replay_decode`` (the step that fills the ring
 folds it, L >= 1; GDN layers: ``gdn_replay_decode``, reading the shadow when there is one) and commit its
 ``advance_cursor`` (n_accepted may be None: every row accepts its token).
+Snapshots (:meth:`ReplayStateCache.snapshot` -> :class:`Snapshot`, :meth:`~ReplayStateCache.restore`): the state of
+some slots after their last committed token, between steps: every tensor above that the slot owns (checkpoint,
+shadow and scales, rings, conv window, cursor), copied as stored, so a slot restored anywhere (another slot,
+another cache of the same configuration, another process through :meth:`Snapshot.to_bytes` /
+:meth:`Snapshot.from_bytes`) continues bit-identically to one that never stopped (:meth:`snapshot` says why
+not the checkpoint folded with the ring). Preemption: :meth:`~ReplayStateCache.swap_out` (snapshot to pinned host
+memory, asynchronous on CUDA, then free) and :meth:`~ReplayStateCache.swap_in` (take free slots, restore).
+``tests/test_state_lifecycle.py`` checks it under random schedules against a twin that never stopped.
+
 ``conv_dim=0`` holds no conv windows (a caller that keeps its own, e.g. builders/model_step.py's
 channels-innermost ones, skips conv_update).
 
@@ -94,7 +103,11 @@ native spec); the latter is re-exported here under its old import path.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
+import struct
+import zlib
 
 import torch
 
@@ -148,6 +161,206 @@ def _check_gdn_geometry(HV: int, Hk: int, V: int, Kd: int, cuda: bool, shadow_dt
             raise ValueError(f"{name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
     if state_dtype != torch.float32:
         raise ValueError(f"state_dtype: the GDN kernels keep an fp32 checkpoint, got {state_dtype}")
+
+
+# ---- snapshots: the state of some slots, portable (ReplayStateCache.snapshot / restore, to_bytes / from_bytes) -------
+SNAPSHOT_MAGIC = b"RSSMSNAP"
+SNAPSHOT_VERSION = 1  # the byte format (Snapshot.to_bytes); bump on any change of the prefix, header or tensor names
+SNAPSHOT_FORMAT = "replayssm-state"
+_MAMBA_NAMES = ("state", "shadow", "shadow_scale", "x_cache", "B_cache", "dt_cache", "conv")
+_GDN_NAMES = ("gdn_state", "gdn_shadow", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta", "gdn_conv")
+_PREFIX = struct.Struct("<8sII")  # magic, format version, header length
+_PAYLOAD = struct.Struct("<QI")  # payload length, its crc32
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 (same bytes): index_copy_ has no fp8 kernel on the CPU."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError as e:  # pragma: no cover - safetensors comes with the builder extra
+        raise ImportError("Snapshot.to_bytes / from_bytes need safetensors (pip install safetensors, or the "
+                          "project's [builder] extra)") from e
+    return st
+
+
+@dataclasses.dataclass(eq=False)
+class Snapshot:
+    """The state of ``num_slots`` slots after their last committed token, as :class:`ReplayStateCache` stores it.
+
+    ``tensors``: for every tensor a slot owns (module docstring: checkpoint, shadow and fp8 scales, rings, conv
+    window; Mamba-2 names for a cache with Mamba-2 layers, ``gdn_*`` ones with GDN layers), its slice
+    (layers, num_slots, ...) in the cache's dtype, bit for bit; ``cursor`` (num_slots,) or (num_slots, 2), the
+    cache's cursor form. Row i of every tensor is the i-th slot given to :meth:`ReplayStateCache.snapshot`.
+    ``header``: what a cache must match to take it (JSON-able: format, version, num_slots, cursor form, layers
+    per family, geometry, tensor-parallel shard, name -> dtype and shape of every tensor).
+
+    Copies made asynchronously (a CUDA cache into pinned host memory) are ordered on the stream that made
+    them: a restore, free or reset on that stream is safe at once; a host read of the values needs
+    :meth:`synchronize` (:meth:`to_bytes` and :meth:`to` call it).
+
+    Bytes (:meth:`to_bytes`, :meth:`from_bytes`), little-endian::
+
+        b"RSSMSNAP" | u32 format version | u32 header length h | header (JSON, UTF-8, h bytes)
+                    | u64 payload length p | u32 crc32 of the payload | payload (safetensors, p bytes)
+
+    The payload is safetensors rather than ``torch.save``: no pickle at all (a snapshot crosses process and
+    machine boundaries in a prefill/decode hand-off; ``weights_only`` loading restricts pickle but still runs
+    it), a plain documented layout that non-Python engines read (a C++ or Rust runtime can take the hand-off),
+    fp8 and bf16 kept bit-exact, and a header of its own that names every tensor's dtype, shape and byte range
+    (a short or overlapping payload is refused). The prefix's magic and version are checked before anything is
+    parsed, the crc32 catches corruption, and every tensor is checked against the header.
+    """
+
+    header: dict
+    tensors: dict
+    _ready: object = dataclasses.field(default=None, repr=False)  # CUDA event after the async copies (None: ready)
+
+    def __repr__(self) -> str:
+        h = self.header
+        return (f"Snapshot(num_slots={h.get('num_slots')}, cursor={h.get('cursor')!r}, layers={h.get('layers')}, "
+                f"nbytes={self.nbytes}, device={self.device})")
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.header["num_slots"])
+
+    @property
+    def cursor_form(self) -> str:
+        return self.header["cursor"]
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors["cursor"].device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors (num_slots x ReplayStateCache.bytes_per_slot())."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def synchronize(self) -> Snapshot:
+        """Wait for the asynchronous copies that made this snapshot (a host read of its values needs it)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._ready = None
+        return self
+
+    def to(self, device, *, pin_memory: bool = False) -> Snapshot:
+        """A copy on ``device`` (host copies pinned if asked; copies to CUDA from pinned memory are asynchronous)."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            self.synchronize()
+            tensors = {k: (t.to("cpu") if t.device.type != "cpu" else t.clone()) for k, t in self.tensors.items()}
+            if pin_memory:
+                tensors = {k: t.pin_memory() for k, t in tensors.items()}
+            return Snapshot(copy.deepcopy(self.header), tensors)
+        tensors = {k: t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned(), copy=True)
+                   for k, t in self.tensors.items()}
+        return Snapshot(copy.deepcopy(self.header), tensors)
+
+    # ---- bytes ------------------------------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The versioned byte form (class docstring); waits for the copies, reads the values on the host."""
+        st = _safetensors()
+        self.synchronize()
+        self.validate("to_bytes")
+        payload = st.save({k: t.detach().to("cpu").contiguous() for k, t in self.tensors.items()})
+        head = json.dumps(self.header, sort_keys=True).encode()
+        return b"".join((_PREFIX.pack(SNAPSHOT_MAGIC, SNAPSHOT_VERSION, len(head)), head,
+                         _PAYLOAD.pack(len(payload), zlib.crc32(payload)), payload))
+
+    export = to_bytes
+
+    @classmethod
+    def from_bytes(cls, data) -> Snapshot:
+        """A snapshot (host tensors) from :meth:`to_bytes`'s bytes. Raises ValueError naming what is wrong: magic,
+        format version, a truncated or overlong payload, a crc mismatch, a header that does not match the tensors.
+        Whether it fits a cache is checked by :meth:`ReplayStateCache.restore`."""
+        data = bytes(data)
+        what = "snapshot bytes"
+        if len(data) < _PREFIX.size:
+            raise ValueError(f"{what}: truncated: {len(data)} bytes, shorter than the {_PREFIX.size}-byte prefix")
+        magic, version, hlen = _PREFIX.unpack_from(data)
+        if magic != SNAPSHOT_MAGIC:
+            raise ValueError(f"{what}: wrong magic {magic!r}, expected {SNAPSHOT_MAGIC!r} (not a ReplayStateCache "
+                             "snapshot)")
+        if version != SNAPSHOT_VERSION:
+            raise ValueError(f"{what}: format version {version}, this build reads version {SNAPSHOT_VERSION} only")
+        end = _PREFIX.size + hlen
+        if len(data) < end + _PAYLOAD.size:
+            raise ValueError(f"{what}: truncated: {len(data)} bytes, the header alone needs {end + _PAYLOAD.size}")
+        try:
+            header = json.loads(data[_PREFIX.size:end].decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{what}: the header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise ValueError(f"{what}: the header is not a JSON object")
+        plen, crc = _PAYLOAD.unpack_from(data, end)
+        payload = data[end + _PAYLOAD.size:]
+        if len(payload) < plen:
+            raise ValueError(f"{what}: truncated payload: {len(payload)} of {plen} bytes")
+        if len(payload) > plen:
+            raise ValueError(f"{what}: {len(payload) - plen} bytes after the {plen}-byte payload")
+        if zlib.crc32(payload) != crc:
+            raise ValueError(f"{what}: payload crc32 {zlib.crc32(payload):#010x}, the header says {crc:#010x} "
+                             "(corrupted)")
+        st = _safetensors()
+        try:
+            tensors = st.load(payload)
+        except Exception as e:  # safetensors' own error type
+            raise ValueError(f"{what}: the payload is not a valid safetensors blob ({e})") from None
+        snap = cls(header, tensors)
+        snap.validate("from_bytes")
+        return snap
+
+    import_ = from_bytes
+
+    def validate(self, what: str = "snapshot") -> None:
+        """The header well formed and every tensor as it says (dtype, shape, one row per slot, the cursor's
+        form); raises ValueError naming the first thing that differs."""
+        h = self.header
+        for key in ("format", "version", "num_slots", "cursor", "layers", "geometry", "shard", "tensors"):
+            if key not in h:
+                raise ValueError(f"{what}: the header has no {key!r}")
+        if h["format"] != SNAPSHOT_FORMAT or h["version"] != SNAPSHOT_VERSION:
+            raise ValueError(f"{what}: header format {h['format']!r} version {h['version']}, expected "
+                             f"{SNAPSHOT_FORMAT!r} version {SNAPSHOT_VERSION}")
+        n = h["num_slots"]
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"{what}: num_slots: expected an int >= 1, got {n!r}")
+        if h["cursor"] not in ("ring", "standard"):
+            raise ValueError(f"{what}: cursor: expected 'ring' or 'standard', got {h['cursor']!r}")
+        layers = h["layers"]
+        if not isinstance(layers, dict) or set(layers) != {"mamba2", "gdn"}:
+            raise ValueError(f"{what}: layers: expected {{'mamba2': n, 'gdn': n}}, got {layers!r}")
+        want = {"cursor"} | (set(_MAMBA_NAMES) if layers["mamba2"] else set()) | (set(_GDN_NAMES) if layers["gdn"] else set())
+        names, spec = set(self.tensors), h["tensors"]
+        for bad, msg in ((names - want, "unknown tensors"), (set(spec) ^ names, "tensors and header differ on"),
+                         ({"cursor", "state" if layers["mamba2"] else "gdn_state"} - names, "missing tensors")):
+            if bad:
+                raise ValueError(f"{what}: {msg} {sorted(bad)}")
+        cursor_shape = [n] if h["cursor"] == "standard" else [n, 2]
+        for name, t in self.tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{what}: {name}: expected a tensor, got {type(t).__name__}")
+            s = spec[name]
+            got = (_dtype_name(t.dtype), list(t.shape))
+            if got != (s.get("dtype"), s.get("shape")):
+                raise ValueError(f"{what}: {name}: {got[0]} {tuple(got[1])}, the header says {s.get('dtype')} "
+                                 f"{tuple(s.get('shape') or ())}")
+            if name == "cursor":
+                if got != ("int32", cursor_shape):
+                    raise ValueError(f"{what}: cursor: expected int32 {tuple(cursor_shape)} (the {h['cursor']} form), "
+                                     f"got {got[0]} {tuple(got[1])}")
+            elif t.dim() < 2 or t.shape[:2] != (layers["gdn" if name.startswith("gdn_") else "mamba2"], n):
+                raise ValueError(f"{what}: {name}: expected (layers, num_slots={n}, ...), got {tuple(t.shape)}")
 
 
 class ReplayStateCache:
@@ -345,6 +558,202 @@ class ReplayStateCache:
         idx = src.to(device=self.cursor.device, dtype=torch.long)
         for t in (*self._tensors(), self.cursor):
             t.copy_(t[idx] if t is self.cursor else t[:, idx])
+
+    # ---- snapshot / restore / preemption -------------------------------------------------------------------------
+    def _snapshot_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of everything a slot owns: the families with layers, their shadows if kept, the cursor."""
+        names = (_MAMBA_NAMES if self.num_layers else ()) + (_GDN_NAMES if self.gdn_layers else ())
+        out = [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
+        return out + [("cursor", self.cursor)]
+
+    def snapshot_header(self, num_slots: int) -> dict:
+        """The header of a snapshot of ``num_slots`` slots of this cache (:class:`Snapshot`): what a cache must
+        match to take it."""
+        geometry = dict(buffer_len=self.buffer_len, num_draft=self.num_draft, conv_kernel=self.conv_kernel,
+                        conv_width=self.conv_width)
+        if self.num_layers:
+            geometry.update(nheads=self.nheads, headdim=self.headdim, dstate=self.dstate, ngroups=self.ngroups,
+                            conv_dim=self.conv_dim)
+        if self.gdn_layers:
+            geometry.update(gdn_value_heads=self.gdn_value_heads, gdn_key_heads=self.gdn_key_heads,
+                            gdn_value_dim=self.gdn_value_dim, gdn_key_dim=self.gdn_key_dim,
+                            gdn_conv_dim=self.gdn_conv_dim)
+        shard = getattr(self, "shard", None)
+        tensors = {}
+        for name, t in self._snapshot_tensors():
+            shape = [num_slots, *t.shape[1:]] if name == "cursor" else [t.shape[0], num_slots, *t.shape[2:]]
+            tensors[name] = dict(dtype=_dtype_name(t.dtype), shape=shape)
+        return dict(format=SNAPSHOT_FORMAT, version=SNAPSHOT_VERSION, num_slots=num_slots,
+                    cursor="standard" if self.standard else "ring",
+                    layers=dict(mamba2=self.num_layers, gdn=self.gdn_layers), geometry=geometry,
+                    shard=None if shard is None else dataclasses.asdict(shard), tensors=tensors)
+
+    def _snapshot_slots(self, slots, what: str, n: int | None = None, live: bool = True) -> list[int]:
+        """Host ints, distinct, in range, live (or free with live=False), ``n`` of them if given; no open step."""
+        if self._step is not None:
+            raise RuntimeError(f"{what}: a step is open (flush() without commit()); the committed state is there "
+                               "between steps only")
+        try:
+            slots = [int(s) for s in slots]
+        except TypeError:
+            raise TypeError(f"{what}: slots: expected a sequence of ints, got {type(slots).__name__}") from None
+        if not slots:
+            raise ValueError(f"{what}: slots: expected at least one slot")
+        if n is not None and len(slots) != n:
+            raise ValueError(f"{what}: the snapshot holds {n} slots, got {len(slots)} slots {slots}")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"{what}: slots: expected distinct slots, got {slots}")
+        for s in slots:
+            if not 0 <= s < self.num_slots:
+                raise IndexError(f"{what}: slot: expected 0 <= slot < {self.num_slots}, got {s}")
+            if live:
+                self._check_live(s, what)
+            elif s in self._live:
+                raise ValueError(f"{what}: slot {s} is live (expected a free slot; free slots: {sorted(self._free)})")
+        return slots
+
+    def _slot_index(self, slots: list[int]) -> torch.Tensor:
+        """``slots`` as an int64 index on the cache's device; on CUDA through pinned memory (no host sync)."""
+        dev = self.cursor.device
+        if dev.type != "cuda":
+            return torch.tensor(slots, dtype=torch.long, device=dev)
+        return torch.tensor(slots, dtype=torch.long, pin_memory=True).to(dev, non_blocking=True)
+
+    def snapshot(self, slots, device="cpu", *, pin_memory: bool | None = None) -> Snapshot:
+        """The state of ``slots`` (live, between steps) after their last committed token, copied to ``device``.
+
+        What is copied: the checkpoint, its shadow (and fp8 scales), every ring, the conv window and the cursor,
+        exactly as stored (bits), for every Mamba-2 and GDN layer; row i of the snapshot is ``slots[i]``. A
+        slot restored from it (:meth:`restore`, any slot, any cache of the same configuration, this process or
+        another through :meth:`Snapshot.to_bytes`) then runs the same arithmetic on the same bits as the slot
+        that never stopped: its outputs and states continue bit-identically (same executor; fp32 checkpoint).
+
+        Why as stored, not the checkpoint folded with the ring (the form a conventional cache would carry): a
+        fold is arithmetic the slot that never stopped does not do at that token (it folds later, at its own
+        flush, over a longer ring, and its fp32/bf16/fp8 rounding lands elsewhere), so a folded restore drifts
+        from it in the last bits and every later flush compounds that; the fold also needs the model's A of
+        each Mamba-2 layer, which the cache does not hold, and costs a full state read and write per layer at
+        every snapshot. The ring it would save is small next to the checkpoint (per layer at L = 16:
+        Nemotron-H-8B's x, B and dt rings 296 KiB next to a 4 MiB fp32 checkpoint, 7%; Qwen3-Next's GDN rings
+        516 KiB next to 2 MiB, 25%); the whole ring is carried, dead entries included, so a snapshot is one
+        gather per tensor and the restored slot's bytes equal the twin's. ``tests/test_state_lifecycle.py``
+        measures the folded alternative: close (1e-7 relative) but not bit-identical.
+
+        ``device``: where the copies go (default host memory). A CUDA cache copies to the host into pinned
+        memory asynchronously on the current stream (``pin_memory`` None or True; False: pageable, synchronous)
+        and records an event: nothing waits for the device here (no host sync); :meth:`Snapshot.synchronize`
+        before reading the values on the host (:meth:`Snapshot.to_bytes` does). Work queued later on the same
+        stream (a :meth:`free` + :meth:`allocate` that resets the slot, a restore) is ordered after the copies.
+        """
+        slots = self._snapshot_slots(slots, "snapshot")
+        target = torch.device(device)
+        src = self.cursor.device
+        pinned = src.type == "cuda" and target.type == "cpu" and pin_memory is not False
+        idx = self._slot_index(slots)
+        tensors = {}
+        for name, t in self._snapshot_tensors():
+            g = _raw(t).index_select(0 if name == "cursor" else 1, idx)  # a fresh copy on the cache's device
+            if g.device.type != target.type or (target.index is not None and g.device.index != target.index):
+                if pinned:
+                    host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
+                    g = host.copy_(g, non_blocking=True)
+                else:
+                    g = g.to(target)
+            tensors[name] = g.view(t.dtype)
+        snap = Snapshot(self.snapshot_header(len(slots)), tensors)
+        if pinned:
+            snap._ready = torch.cuda.Event()
+            snap._ready.record()
+        return snap
+
+    def snapshot_mismatch(self, snapshot: Snapshot) -> list[str]:
+        """What keeps ``snapshot`` out of this cache, one line per difference (empty: it fits)."""
+        if not isinstance(snapshot, Snapshot):
+            return [f"expected a Snapshot, got {type(snapshot).__name__}"]
+        try:
+            snapshot.validate()
+        except ValueError as e:
+            return [str(e)]
+        got, want = snapshot.header, self.snapshot_header(snapshot.num_slots)
+        diffs = []
+        if got["layers"] != want["layers"]:
+            g, w = got["layers"], want["layers"]
+            diffs.append(f"layers: the snapshot holds {g['mamba2']} Mamba-2 and {g['gdn']} GDN layers, the cache "
+                         f"{w['mamba2']} and {w['gdn']}")
+        if got["cursor"] != want["cursor"]:
+            diffs.append(f"cursor form: {got['cursor']!r} in the snapshot, {want['cursor']!r} in the cache")
+        for key in sorted(set(got["geometry"]) | set(want["geometry"])):
+            g, w = got["geometry"].get(key), want["geometry"].get(key)
+            if g != w and g is not None and w is not None:  # a family's geometry only where both hold it
+                diffs.append(f"{key}: {g} in the snapshot, {w} in the cache")
+        if got["shard"] != want["shard"]:
+            diffs.append(f"tensor-parallel shard: {got['shard']} in the snapshot, {want['shard']} in the cache")
+        if diffs:  # the tensors would differ too; name the cause only
+            return diffs
+        for name in sorted(set(got["tensors"]) | set(want["tensors"])):
+            g, w = got["tensors"].get(name), want["tensors"].get(name)
+            if g is None or w is None:
+                diffs.append(f"{name}: " + (f"the snapshot has none, the cache keeps {w['dtype']}" if g is None else
+                                            f"the snapshot holds {g['dtype']}, the cache keeps none"))
+            elif g["dtype"] != w["dtype"]:
+                diffs.append(f"{name} dtype: {g['dtype']} in the snapshot, {w['dtype']} in the cache")
+            elif g["shape"] != w["shape"]:
+                diffs.append(f"{name} shape: {tuple(g['shape'])} in the snapshot, {tuple(w['shape'])} in the cache")
+        return diffs
+
+    def _check_snapshot(self, snapshot: Snapshot, what: str) -> None:
+        diffs = self.snapshot_mismatch(snapshot)
+        if diffs:
+            raise ValueError(f"{what}: the snapshot does not fit this cache (nothing was written): " + "; ".join(diffs))
+
+    def restore(self, slots, snapshot: Snapshot) -> None:
+        """Write ``snapshot`` into the live ``slots`` (row i into ``slots[i]``; any slots, not necessarily the
+        ones it was taken from), between steps. Everything is checked first (the snapshot's header and tensors
+        against this cache: layers per family, cursor form, geometry, buffer_len, dtypes, shadow, shard; the
+        slots: as many as the snapshot holds, distinct, live): a ValueError names what differs and nothing is
+        written. Host copies in pinned memory go to a CUDA cache asynchronously (no host sync)."""
+        self._check_snapshot(snapshot, "restore")
+        slots = self._snapshot_slots(slots, "restore", snapshot.num_slots)
+        self._write_slots(slots, snapshot)
+
+    def _write_slots(self, slots: list[int], snapshot: Snapshot) -> None:
+        idx = self._slot_index(slots)
+        dev = self.cursor.device
+        for name, t in self._snapshot_tensors():
+            src = snapshot.tensors[name]
+            if src.device != dev:
+                src = src.to(dev, non_blocking=dev.type == "cuda" and src.is_pinned())
+            _raw(t).index_copy_(0 if name == "cursor" else 1, idx, _raw(src))
+
+    def swap_out(self, slots) -> Snapshot:
+        """Preemption: :meth:`snapshot` of ``slots`` to host memory (pinned, asynchronous on CUDA), then
+        :meth:`free` them. The slots may be allocated again at once: the reset that allocate() does is queued
+        behind the copies on the same stream."""
+        slots = list(slots)
+        snap = self.snapshot(slots, "cpu")
+        for s in slots:
+            self.free(int(s))
+        return snap
+
+    def swap_in(self, slots, snapshot: Snapshot) -> list[int]:
+        """Preemption's way back: take free slots (``slots``, or the lowest free ones when None) and
+        :meth:`restore` ``snapshot`` into them; returns the slots. Checked before any slot is taken (the
+        snapshot against the cache as in :meth:`restore`, the slots free, enough of them): on an error the
+        pool is as it was."""
+        self._check_snapshot(snapshot, "swap_in")
+        n = snapshot.num_slots
+        if slots is None:
+            if self._step is not None:
+                raise RuntimeError("swap_in: a step is open (flush() without commit())")
+            if len(self._free) < n:
+                raise RuntimeError(f"swap_in: the snapshot holds {n} slots, {len(self._free)} are free")
+            slots = sorted(self._free)[:n]
+        slots = self._snapshot_slots(slots, "swap_in", n, live=False)
+        for s in slots:  # no reset: the restore writes everything the slot owns
+            self._free.remove(s)
+            self._live.add(s)
+        self._write_slots(slots, snapshot)
+        return slots
 
     def _check_live(self, slot: int, what: str) -> None:
         if slot not in self._live:

@@ -73,4 +73,15 @@ Slot lifecycle (:class:`~.cache.ReplayStateCache`): an allocated slot, fresh or 
 (state, shadow, rings, conv, cursor): ``allocate()`` resets it (``free()`` only returns it to the pool, its
 tensors as they were); prefill hand-off writes the checkpoint (and shadow) from the prefill's final
 SSM state, empties the ring and fills the conv window's last K_conv - 1 columns.
+
+Snapshots (:class:`~.cache.Snapshot`; ``ReplayStateCache.snapshot`` / ``restore``, ``swap_out`` / ``swap_in``,
+``Snapshot.to_bytes`` / ``from_bytes``) carry exactly the tensors of this contract that a slot owns, in these
+layouts and dtypes with a leading ``layers`` dim and one row per snapshotted slot (Mamba-2: state, shadow,
+shadow_scale, x_cache, B_cache, dt_cache, conv; GDN: the same under ``gdn_`` names, u / v / k / g / beta for
+the rings), plus the cursor rows in the cache's form (standard (n,) or speculative (n, 2)). Nothing is folded:
+the checkpoint, the ring entries (dead ones beyond the count included) and the cursor are the bits the
+kernels left, so the state after the last committed token is the contract's fold of them (S_count) and a
+restored slot continues bit-identically. The byte form's header names the format version, the layers per
+family, the geometry (sizes above, L, num_draft, conv width), every tensor's dtype and shape and the cursor
+form; a cache takes only a snapshot that matches all of them.
 """
