@@ -438,3 +438,131 @@ def test_engine_slot_reused_after_a_padding_row_matches_generate():
     ids = torch.tensor([[7, 8, 9]])
     want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)[0, 3:]
     assert [t for o in out for t in o.token_ids] == want.tolist()
+
+
+class _FakePb:
+    """A stand-in of ``triton_python_backend_utils`` that behaves as the 2.51 stub does around numpy: ``broken``
+    reads a numpy array's item size where pybind11 2.10 does (4 bytes at offset 32 of the dtype: numpy 2's flags),
+    so a uint8 tensor from DLPack reads back as its first byte repeated and a BYTES output takes that many bytes
+    per item; BYTES inputs go through ``deserialize_bytes_tensor`` of this module (which the model may replace)."""
+
+    TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+    def __init__(self, broken: bool):
+        import ctypes
+
+        pb = self
+
+        def pybind_nbytes(arr):
+            size = ctypes.c_int32.from_address(id(arr.dtype) + 32).value if broken else arr.dtype.itemsize
+            return arr.size * size
+
+        class Tensor:
+            def __init__(self, name, arr, raw=None):
+                self._name, self.arr = name, arr
+                if arr.dtype == object:  # BYTES: serialized through the module's function, sized as pybind does
+                    ser = pb.serialize_byte_tensor(arr)
+                    ser = ser if isinstance(ser, np.ndarray) else np.frombuffer(ser, dtype=np.uint8)
+                    self.raw = ser.tobytes()[:pybind_nbytes(ser)]
+                else:
+                    self.raw = raw
+
+            @classmethod
+            def from_dlpack(cls, name, capsule):
+                t = torch.from_dlpack(capsule).clone()
+                return cls(name, t.numpy(), raw=t)
+
+            def to_dlpack(self):
+                return torch.utils.dlpack.to_dlpack(self.raw)
+
+            def as_numpy(self):
+                if self.arr.dtype == np.uint8 and broken:
+                    return np.full_like(self.arr, self.arr.reshape(-1)[0])
+                return self.arr
+
+            def name(self):
+                return self._name
+
+        self.Tensor = Tensor
+        self.Logger = type("L", (), {"log_info": staticmethod(lambda m: None), "log_warn": staticmethod(lambda m: None)})
+        self.serialize_byte_tensor = lambda arr: b"".join(len(b).to_bytes(4, "little") + b for b in arr.reshape(-1))
+        self.deserialize_bytes_tensor = None  # the stub's own would die on a misread input: the model replaces it
+
+    class TritonError:
+        INVALID_ARG = 3
+
+        def __init__(self, msg, code=None):
+            self.msg = msg
+
+    class InferenceResponse:
+        def __init__(self, output_tensors=(), error=None):
+            self.outputs, self.error = {t.name(): t for t in output_tensors}, error
+
+    @staticmethod
+    def get_input_tensor_by_name(request, name):
+        return request.inputs.get(name)
+
+
+class _FakeRequest:
+    def __init__(self, pb, inputs: dict, params=None, text=None):
+        self.inputs = {k: pb.Tensor.from_dlpack(k, torch.utils.dlpack.to_dlpack(torch.tensor(v, dtype=torch.int32
+                       if k in ("max_tokens", "top_k") else torch.int64 if k != "temperature" else torch.float32)))
+                       for k, v in inputs.items()}
+        if text is not None:  # as the stub loads a BYTES input: deserialize_bytes_tensor of its bytes
+            raw = len(text).to_bytes(4, "little") + text
+            self.inputs["text_input"] = pb.Tensor("text_input", pb.deserialize_bytes_tensor(
+                np.frombuffer(raw[:1] * len(raw), dtype=np.uint8)))  # what 2.51 hands it: the first byte repeated
+        self.params, self.responses, self.done = json.dumps(params or {}), [], __import__("threading").Event()
+
+    def parameters(self):
+        return self.params
+
+    def is_cancelled(self):
+        return False
+
+    def get_response_sender(self):
+        req = self
+
+        class Sender:
+            def send(self, response=None, flags=0):
+                req.responses.append((response, flags))
+                if flags:
+                    req.done.set()
+        return Sender()
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["sound-stub", "numpy2-stub"])
+def test_model_in_process_with_a_stand_in_stub(broken, ckpt, ref):
+    """GenerateModel under a stand-in stub, sound and numpy-2-broken: token ids and text stream out (BYTES through
+    the shim where the stub is broken: without it each text item would be cut to the misread size), the final
+    response carries finish_reason and counts; a BYTES text_input the broken stub cannot read, and a bad request, get
+    one final error each."""
+    model, tok, greedy = ref
+    pb = _FakePb(broken)
+    cfg = {"parameters": {k: {"string_value": v} for k, v in dict(device="cpu", max_slots="2", max_seq_len="64",
+                                                                    buffer_len="4", mode="replay",
+                                                                    health_url="off").items()}}
+    gm = tg.GenerateModel(pb, {"model_config": json.dumps(cfg)}, model=model, tokenizer=tok)
+    try:
+        assert gm.bytes.sound == (not broken) and gm.bytes.text_out
+        text = "naïve café"
+        good = _FakeRequest(pb, {"max_tokens": [10]}, params={"text_input": text})
+        bad = _FakeRequest(pb, {"input_ids": [1, 2], "max_tokens": [70]})
+        gm.execute([good, bad])
+        for r in (good, bad):
+            assert r.done.wait(30)
+        prompt = tok(text)["input_ids"]
+        ids = [t for resp, _ in good.responses for t in resp.outputs["output_ids"].raw.tolist()]
+        pieces = [resp.outputs["text_output"].raw for resp, _ in good.responses]
+        assert ids == greedy(prompt, 10) and len(good.responses) == 10 and good.responses[-1][1] == 1
+        joined = b"".join(p[4:] for p in pieces).decode()  # each piece: 4-byte length, the bytes
+        assert joined == tok.decode(ids) and all(int.from_bytes(p[:4], "little") == len(p) - 4 for p in pieces)
+        last = good.responses[-1][0].outputs
+        assert last["finish_reason"].raw == b"\x06\x00\x00\x00length" and last["completion_tokens"].raw.tolist() == [10]
+        assert len(bad.responses) == 1 and "KV capacity" in bad.responses[0][0].error.msg
+        if broken:
+            t = _FakeRequest(pb, {"max_tokens": [4]}, text=b"hello")
+            gm.execute([t])
+            assert t.done.wait(5) and "send the prompt as the request parameter 'text_input'" in t.responses[0][0].error.msg
+    finally:
+        gm.finalize()
