@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from trtllm_replayssm.cache import SNAPSHOT_MAGIC, ReplayStateCache, Snapshot
+from trtllm_replayssm.config import SUPPORTED_NUM_TOKENS
 from trtllm_replayssm.problems import make_params
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,6 +84,10 @@ class Lifecycle:
         self.sub = make_cache(slots=subject_slots, **kw)
         c = self.twin
         self.T_max = c.num_draft + 1
+        # one T per ring cache (the largest of the kernels' SUPPORTED_NUM_TOKENS it takes): a ring that committed
+        # entries with a smaller T can hold more than a larger T's L - T, which the verify launcher refuses (the
+        # reference executor folds first and accepts it: noted on issue 38)
+        self.T = max(t for t in SUPPORTED_NUM_TOKENS if t <= self.T_max)
         self.mamba = [make_params(c.nheads, self.gen) for _ in range(c.num_layers)]  # f32
         self.mamba_w = [self._conv_weights(c.conv_dim) for _ in range(c.num_layers)]
         self.gdn = [(torch.rand(c.gdn_value_heads, generator=self.gen) * 2 - 3,  # A_log: decays in ~(0.6, 1)
@@ -197,7 +202,7 @@ class Lifecycle:
         reqs = sorted(self.live)
         if not reqs:
             return
-        T = 1 if self.cursor == "standard" else self.rng.randint(1, self.T_max)
+        T = 1 if self.cursor == "standard" else self.T
         row_reqs = list(reqs)
         if self.rng.random() < 0.3:
             row_reqs.insert(self.rng.randint(0, len(row_reqs)), None)  # a padding row: the same row in both caches
@@ -607,7 +612,7 @@ def test_teeth_a_folded_snapshot_is_close_but_not_bit_identical():
     lc.sub.free(s)
     lc.live[r] = (new, t)
     lc.strict = False
-    lc.T_max = 1  # the twin folds later, over its longer ring (had it folded at this very token, the two folds
+    lc.T_max = lc.T = 1  # the twin folds later, over its longer ring (had it folded at this very token, the two folds
     # would be the same arithmetic)
     for _ in range(12):
         lc.step()
