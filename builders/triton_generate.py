@@ -71,11 +71,11 @@ import threading
 import urllib.error
 import urllib.request
 
+from trtllm_replayssm.triton_model import PbModel
+
 from .engine_format import CONFIG_DTYPES
 from .generation import MODES, Engine, Output, Request, RequestError
 from .triton_repo import (
-    DTYPE_ALIASES,
-    DTYPES,
     MODEL_PY,
     RepoError,
     _check_ranges,
@@ -84,10 +84,10 @@ from .triton_repo import (
     _py_version,
     _vocab,
     _write_model,
+    check_dtype_device,
     check_model,
     config_text,
     default_name,
-    dtype_spelling,
     python_paths,
 )
 
@@ -321,7 +321,7 @@ class _Stream:
         return delta
 
 
-class GenerateModel:
+class GenerateModel(PbModel):
     """What the generated ``TritonPythonModel`` does, with the ``triton_python_backend_utils`` module ``pb`` passed
     in (tests pass a stand-in). ``args``: Triton's initialize() arguments. ``model`` / ``tokenizer`` skip loading
     (tests)."""
@@ -395,16 +395,6 @@ class GenerateModel:
         if eos is None:
             return ()
         return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-
-    def _warn(self, msg: str, info: bool = False) -> None:
-        logger = getattr(self.pb, "Logger", None)
-        if logger is not None:
-            (logger.log_info if info else logger.log_warn)(msg)
-
-    def _error(self, msg: str):
-        err = self.pb.TritonError
-        code = getattr(err, "INVALID_ARG", None)
-        return self.pb.InferenceResponse(error=err(msg) if code is None else err(msg, code))
 
     def _values(self, request, name: str):
         """The input's values as a flat list (DLPack, not numpy), or None when absent."""
@@ -580,19 +570,7 @@ def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str
     """Write REPO/NAME/{config.pbtxt, 1/model.py} of the streaming model; returns REPO/NAME. Refused before a file is
     written, naming the flag: a Qwen3-Next / Qwen3.5 model (the per-token model serves those), a bad --dtype,
     --device cuda without CUDA, a --mode outside MODES, a checkpoint the server's loader refuses."""
-    if dtype_spelling(dtype) not in DTYPES:
-        raise RepoError(f"--dtype: expected one of {list(DTYPES)} (or {list(DTYPE_ALIASES)}), got {dtype!r}")
-    dtype = dtype_spelling(dtype)
-    if device not in ("auto", "cpu", "cuda"):
-        raise RepoError(f"--device: expected auto, cpu or cuda, got {device!r}")
-    if device != "cpu":
-        import torch
-
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        elif not torch.cuda.is_available():
-            raise RepoError("--device cuda: torch sees no CUDA device on this machine, so the model instance (KIND_GPU) "
-                            "would fail to load; write the repository where it is served, or pass --device cpu")
+    dtype, device = check_dtype_device(dtype, device)
     if mode not in MODES:
         raise RepoError(f"--mode: expected one of {MODES}, got {mode!r}")
     _vocab(tiny, model_dir)  # the checkpoint's config.json or the tiny name, checked

@@ -349,17 +349,11 @@ def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, m
     return mc
 
 
-def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
-                     model_dir: pathlib.Path | None = None,
-                     dtype: str = "fp32", seed: int = 0, device: str = "auto", max_slots: int = 8,
-                     max_seq_len: int = 1024, buffer_len: int = 16, idle_us: int = 60_000_000,
-                     max_queue_delay_us: int = 100, shadow: str = "none") -> pathlib.Path:
-    """Write REPO/NAME/{config.pbtxt, 1/model.py} of the Python-backend model; returns REPO/NAME. Everything the
-    server would refuse at load is refused here first, naming the flag: ``device="cuda"`` where torch sees no CUDA
-    device, and a ``model_dir`` that the server's own loader and slot step refuse (:func:`check_model`)."""
+def check_dtype_device(dtype: str, device: str) -> tuple[str, str]:
+    """``--dtype`` in its one spelling and ``--device`` resolved ("auto": cuda where torch sees a GPU); refused by
+    name where the server would fail at load (both Python-backend models)."""
     if dtype_spelling(dtype) not in DTYPES:
         raise RepoError(f"--dtype: expected one of {list(DTYPES)} (or {list(DTYPE_ALIASES)}), got {dtype!r}")
-    dtype = dtype_spelling(dtype)
     if device not in ("auto", "cpu", "cuda"):
         raise RepoError(f"--device: expected auto, cpu or cuda, got {device!r}")
     if device != "cpu":
@@ -371,6 +365,18 @@ def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str =
             raise RepoError("--device cuda: torch sees no CUDA device on this machine (torch.cuda.is_available() is "
                             "False), so the model instance (KIND_GPU) would fail to load; write the repository where it "
                             "is served, or pass --device cpu (the float64 reference)")
+    return dtype_spelling(dtype), device
+
+
+def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
+                     model_dir: pathlib.Path | None = None,
+                     dtype: str = "fp32", seed: int = 0, device: str = "auto", max_slots: int = 8,
+                     max_seq_len: int = 1024, buffer_len: int = 16, idle_us: int = 60_000_000,
+                     max_queue_delay_us: int = 100, shadow: str = "none") -> pathlib.Path:
+    """Write REPO/NAME/{config.pbtxt, 1/model.py} of the Python-backend model; returns REPO/NAME. Everything the
+    server would refuse at load is refused here first, naming the flag: ``device="cuda"`` where torch sees no CUDA
+    device, and a ``model_dir`` that the server's own loader and slot step refuse (:func:`check_model`)."""
+    dtype, device = check_dtype_device(dtype, device)
     if shadow not in ("none", "bf16", "fp8"):
         raise RepoError(f"--shadow: expected none, bf16 or fp8, got {shadow!r}")
     vocab = _vocab(tiny, model_dir)

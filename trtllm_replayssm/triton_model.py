@@ -414,7 +414,24 @@ def load_model(params: dict, device: torch.device):
     return load_nemotron_h(model_dir, dtype=dtype, seed=seed, device=device, tiny=tiny)
 
 
-class SequenceModel:
+class PbModel:
+    """What both Python-backend models (this one and builders/triton_generate.py's streaming one) do with ``self.pb``
+    (triton_python_backend_utils or a test's stand-in): log, and make an error response."""
+
+    pb = None
+
+    def _warn(self, msg: str, info: bool = False) -> None:
+        logger = getattr(self.pb, "Logger", None)
+        if logger is not None:
+            (logger.log_info if info else logger.log_warn)(msg)
+
+    def _error(self, msg: str):
+        err = self.pb.TritonError
+        code = getattr(err, "INVALID_ARG", None)
+        return self.pb.InferenceResponse(error=err(msg) if code is None else err(msg, code))
+
+
+class SequenceModel(PbModel):
     """What ``TritonPythonModel`` does, with the ``triton_python_backend_utils`` module ``pb`` passed in
     (tests pass a stand-in). ``args``: Triton's initialize() arguments (model_config JSON, instance kind
     and device id)."""
@@ -448,16 +465,6 @@ class SequenceModel:
                    f"on {self.device}, cache {self.step.cache.bytes_per_slot() / 2**20:.2f} MiB per slot; Python "
                    f"{sys.version.split()[0]}, numpy {getattr(sys.modules.get('numpy'), '__version__', 'not loaded')} "
                    f"(tensors through DLPack)", info=True)
-
-    def _warn(self, msg: str, info: bool = False) -> None:
-        logger = getattr(self.pb, "Logger", None)
-        if logger is not None:
-            (logger.log_info if info else logger.log_warn)(msg)
-
-    def _error(self, msg: str):
-        err = self.pb.TritonError
-        code = getattr(err, "INVALID_ARG", None)
-        return self.pb.InferenceResponse(error=err(msg) if code is None else err(msg, code))
 
     def _scalar(self, request, name: str) -> int:
         t = self.pb.get_input_tensor_by_name(request, name)
