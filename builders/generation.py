@@ -375,12 +375,6 @@ class Engine:
             k = {i: cache.layers[i].keys[r, :, m - n:] for i in step.attn}
             vv = {i: cache.layers[i].values[r, :, m - n:] for i in step.attn}
             ssm = {i: cache.get_recurrent_state(i)[r].float() for i in step.mamba}
-            # While the slot was free its row ran as a padding row, writing K/V (NaN where its undefined SSM output
-            # got in) at positions past any prompt; masked positions still enter the unfused attention's product
-            # (0 * NaN = NaN), so the next sequence of this row must find zeros there
-            for i in step.attn:
-                step.k[i][v.slot, :, n:].zero_()
-                step.v[i][v.slot, :, n:].zero_()
             step.load_slot(v.slot, n, conv, k, vv, ssm)
             req = v.req
             self.temperature[v.slot] = float(req.temperature)

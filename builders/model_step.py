@@ -727,9 +727,13 @@ class HybridStep:
         for j, i in enumerate(self.mamba):
             self.conv_all[j][row].zero_()
             self.conv_all[j][row, W - (K - 1):].copy_(conv[i])
-        for i in self.attn:
+        for i in self.attn:  # positions past the prompt zeroed: while its slot was free the row ran as a padding
+            # row and wrote K/V there (NaN where its undefined SSM output got in); masked positions still enter the
+            # unfused attention's product (0 * NaN = NaN)
             self.k[i][row, :, :length].copy_(k[i])
             self.v[i][row, :, :length].copy_(v[i])
+            self.k[i][row, :, length:].zero_()
+            self.v[i][row, :, length:].zero_()
         self.ssm.load_slot(row, ssm)
 
     # ---- state hand-off ---------------------------------------------------------------------------------
