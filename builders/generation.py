@@ -10,15 +10,18 @@ Route (one engine thread owns the model, the step and every slot; clients only q
   admission            between two decode steps (up to ``prefill_chunk`` prompt tokens each time, at least one
                        request), queued requests take the lowest free slots and are prefilled together by the
                        model's own forward (transformers; one batch of at most ``prefill_chunk`` padded tokens,
-                       left-padded with an attention mask so every prompt ends at the last position; a prompt
-                       longer than that alone, in chunks on one cache): each row's K/V, last K-1 conv inputs and
-                       final SSM states are handed to its slot (:meth:`~builders.model_step.HybridStep.load_slot`;
-                       ReplaySSM: the checkpoint with an empty ring, ``ReplayStateCache.load_prefill``); its last
-                       logits give the first token (streamed at once: the time to first token is one prefill).
+                       left-padded with an attention mask and positions counted from each prompt's first token,
+                       so every prompt ends at the last position; a prompt longer than that alone, in chunks on
+                       one cache): each row's K/V, last K-1 conv inputs and final SSM states are handed to its
+                       slot (the step's ``load_prefill_row``; ReplaySSM: the checkpoint with an empty ring,
+                       ``ReplayStateCache.load_prefill`` / ``load_gdn_prefill``); its last logits give the first
+                       token (streamed at once: the time to first token is one prefill).
       |
-  decode step          :class:`~builders.model_step.DecodeStep`, the step every benchmark times (rows = slots):
-                       the smallest captured prefix of rows that holds every live slot (``HybridStep.rows``, one
-                       CUDA graph per prefix of 1, 2, 4, ... rows, captured at start) runs one token for all of
+  decode step          the family's step (:data:`STEPS`, by ``config.model_type``; rows = slots): Nemotron-H /
+                       Nemotron 3 :class:`~builders.model_step.DecodeStep`, the step every benchmark times;
+                       Qwen3-Next / Qwen3.5 :class:`~builders.qwen_step.QwenStep`. The smallest prefix of rows
+                       that holds every live slot (``step.rows``; one CUDA graph per prefix of 1, 2, 4, ... rows,
+                       captured at start, where the step is ``capturable``; else eager) runs one token for all of
                        them; rows of free slots are padding rows (``sbi = -1``: no SSM state touched). Greedy rows
                        take the step's argmax; sampled rows (temperature > 0) are drawn on the device from the
                        step's logits (:func:`sample`: top-k, top-p, Gumbel noise from a counter-based hash of
@@ -36,8 +39,9 @@ queued request with an error and joins the thread, so a server never hangs on op
 
 SSM modes (``mode``): "conventional" (state read and written every step), "replay" (ReplaySSM, fp32
 checkpoint), "replay_bf16" / "replay_fp8" (ReplaySSM with a bf16 / fp8 shadow of the checkpoint that non-flush
-steps read). Nemotron-H and Nemotron 3 (transformers' ``NemotronHForCausalLM``); CPU (eager, the float64
-reference for the SSM) or CUDA (kernels, graphs).
+steps read; no fp8 shadow for Gated DeltaNet). Nemotron-H and Nemotron 3 (transformers' ``NemotronHForCausalLM``),
+Qwen3-Next, Qwen3.5 and Qwen3.5 MoE (``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``);
+CPU (eager, the float64 reference for the SSM) or CUDA (kernels; graphs where the step is capturable).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from collections.abc import Callable
 import torch
 
 from .model_step import Conventional, DecodeStep, Replay
+from .qwen3_next import MODEL_TYPES as QWEN_MODEL_TYPES
 
 MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -68,6 +73,47 @@ def make_ssm(mode: str, buffer_len: int = 16):
     if mode in ("replay", "replay_bf16", "replay_fp8"):
         return Replay(buffer_len, shadow=None if mode == "replay" else mode.split("_")[1])
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+
+# ---- the family's decode step ------------------------------------------------------------------------------------
+class NemotronStep(DecodeStep):
+    """:class:`~builders.model_step.DecodeStep` (Nemotron-H, Nemotron 3) as the engine takes it: built from the
+    engine's mode, capturable in CUDA graphs, and handed row r of transformers' cache after a prefill."""
+
+    capturable = True
+
+    @classmethod
+    def for_engine(cls, model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
+        return cls(model, batch, kv_len, make_ssm(mode, buffer_len), fuse=fuse)
+
+    def load_prefill_row(self, cache, r: int, row: int, m: int, n: int) -> None:
+        """Row ``r`` of transformers' cache after a prefill of ``m`` (left-padded) positions whose last ``n`` are the
+        prompt, into row ``row``: the last K-1 conv inputs (transformers keeps the last K, zeros before the first
+        input: padding is masked to zero), the prompt's K/V, the final SSM states."""
+        conv = {i: cache.get_conv_state(i)[r, :, 1:].transpose(0, 1) for i in self.mamba}  # (K-1, conv_dim)
+        k = {i: cache.layers[i].keys[r, :, m - n:] for i in self.attn}
+        v = {i: cache.layers[i].values[r, :, m - n:] for i in self.attn}
+        ssm = {i: cache.get_recurrent_state(i)[r].float() for i in self.mamba}
+        self.load_slot(row, n, conv, k, v, ssm)
+
+
+def _qwen_step(model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
+    from .qwen_step import QwenStep  # eager, no fused regions: ``fuse`` does not apply
+
+    return QwenStep(model, batch, kv_len, mode, buffer_len)
+
+
+# config.model_type -> the step factory (model, batch, kv_len, mode, buffer_len, fuse): the one place a family is named
+STEPS = {"nemotron_h": NemotronStep.for_engine, **{t: _qwen_step for t in QWEN_MODEL_TYPES}}
+
+
+def make_step(model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16, fuse: bool | None = None):
+    """The decode step of ``model``'s family (:data:`STEPS`, by ``config.model_type``) for ``batch`` slots of
+    ``kv_len`` positions in SSM ``mode``; ValueError naming the model type where no step serves it."""
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in STEPS:
+        raise ValueError(f"model: no generation step for model_type {kind!r} (served: {sorted(STEPS)})")
+    return STEPS[kind](model, batch, kv_len, mode, buffer_len, fuse)
 
 
 @dataclasses.dataclass
@@ -177,12 +223,13 @@ def _buckets(n: int) -> list[int]:
 
 
 class Engine:
-    """In-flight batching over one :class:`DecodeStep` of ``max_slots`` rows (module docstring).
+    """In-flight batching over one decode step of ``max_slots`` rows (module docstring).
 
-    ``model``: a loaded ``NemotronHForCausalLM`` (its device and dtype are the engine's); ``max_seq_len``: K/V
-    positions per slot (prompt + max_tokens must fit); ``mode`` one of MODES; ``cuda_graphs`` (default: on CUDA)
-    captures one graph per row prefix at start; ``start()`` runs the engine thread (``step()`` drives it by hand,
-    e.g. in tests)."""
+    ``model``: a loaded model of a family in :data:`STEPS` (its device and dtype are the engine's; the step is
+    :func:`make_step`'s); ``max_seq_len``: K/V positions per slot (prompt + max_tokens must fit); ``mode`` one of
+    MODES (the step refuses one it cannot run); ``cuda_graphs`` (default: on CUDA) captures one graph per row prefix
+    at start, where the step is capturable (``step.capturable``; otherwise it runs eagerly); ``start()`` runs the
+    engine thread (``step_once()`` drives it by hand, e.g. in tests)."""
 
     def __init__(self, model, max_slots: int = 8, max_seq_len: int = 1024, mode: str = "replay",
                  buffer_len: int = 16, cuda_graphs: bool | None = None, prefill_chunk: int = 2048,
@@ -194,12 +241,13 @@ class Engine:
         self.cfg = model.config
         self.vocab = self.cfg.vocab_size
         self.max_slots, self.max_seq_len, self.prefill_chunk, self.poll_s = max_slots, max_seq_len, prefill_chunk, poll_s
-        self.step = DecodeStep(model, max_slots, max_seq_len, make_ssm(mode, buffer_len), fuse=fuse)
+        self.step = make_step(model, max_slots, max_seq_len, mode, buffer_len, fuse)
         self.device = self.step.device
         cuda = self.device.type == "cuda"
         self.cuda_graphs = cuda if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and not cuda:
             raise ValueError(f"cuda_graphs: the model is on {self.device}, graphs need CUDA")
+        self.cuda_graphs = self.cuda_graphs and self.step.capturable  # a step that cannot be captured runs eagerly
         dev = self.device
         # per-slot sampling parameters, read by sample() for the rows of a step
         self.temperature = torch.zeros(max_slots, device=dev)
@@ -232,7 +280,7 @@ class Engine:
         for n, view in self.views.items():  # every row padding: the warm-up and the capture touch no SSM state
             self.graphs[n] = timing.capture(view, lambda: None, True)
         step.lengths.zero_()  # the warm-up steps advanced every row's length
-        step.tokens.zero_()
+        step.ids.zero_()
 
     def _run_step(self, n: int) -> None:
         if self.cuda_graphs:
@@ -365,17 +413,13 @@ class Engine:
         cache = DynamicCache(config=self.cfg)
         logits = None
         for a in range(0, m, self.prefill_chunk):  # b > 1 only when b * m <= prefill_chunk: one pass
-            kw = dict(attention_mask=mask[:, :a + self.prefill_chunk]) if b > 1 else {}
+            # left padding: positions count the prompt's own tokens (what generate passes; RoPE models need it)
+            kw = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)) if b > 1 else {}
             logits = self.model(input_ids=ids[:, a:a + self.prefill_chunk], cache=cache, use_cache=True,
                                 logits_to_keep=1, **kw).logits[:, -1]
         slots = torch.tensor([v.slot for v in lives], device=dev)
         for r, (v, n) in enumerate(zip(lives, lens)):
-            # transformers' conv state: the last K inputs, zeros before the first one (padding is masked to zero)
-            conv = {i: cache.get_conv_state(i)[r, :, 1:].transpose(0, 1) for i in step.mamba}  # (K-1, conv_dim)
-            k = {i: cache.layers[i].keys[r, :, m - n:] for i in step.attn}
-            vv = {i: cache.layers[i].values[r, :, m - n:] for i in step.attn}
-            ssm = {i: cache.get_recurrent_state(i)[r].float() for i in step.mamba}
-            step.load_slot(v.slot, n, conv, k, vv, ssm)
+            step.load_prefill_row(cache, r, v.slot, m, n)  # the family's hand-off (its step class)
             req = v.req
             self.temperature[v.slot] = float(req.temperature)
             self.top_k[v.slot] = req.top_k
