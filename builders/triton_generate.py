@@ -2,17 +2,19 @@
 """A decoupled (streaming) Triton Python-backend model for generation: prompt in, tokens streamed out, over the
 generation engine of :mod:`builders.generation` (in-flight batching on the captured model step).
 
-Route (``scripts/make_triton_repo.py --backend python`` writes the repository for Nemotron-H / Nemotron 3:
-:func:`make_generate_repo`; its ``1/model.py`` puts the project on ``sys.path`` as the per-token model's does and
-hands every call to :class:`GenerateModel`):
+Route (``scripts/make_triton_repo.py --backend python`` writes the repository for every family the engine serves:
+Nemotron-H / Nemotron 3 and Qwen3-Next / Qwen3.5 / Qwen3.5 MoE; :func:`make_generate_repo`; its ``1/model.py``,
+builders/triton_repo.py's ``MODEL_PY``, puts the project on ``sys.path`` and hands every call to
+:class:`GenerateModel`):
 
   config.pbtxt   ``backend: "python"``, ``model_transaction_policy { decoupled: true }``, ``max_batch_size: 0``
                  (the engine batches: requests join and leave its slots between decode steps), one instance.
   initialize     the model of the parameters (``model_dir``, or ``tiny`` + ``seed``; ``dtype``, ``device``) through
-                 the per-token model's loader (``trtllm_replayssm.triton_model.load_model``), an
-                 :class:`~builders.generation.Engine` of ``max_slots`` x ``max_seq_len`` in ``mode``
-                 (conventional | replay | replay_bf16 | replay_fp8; ``buffer_len``) started on its thread, and
-                 ``transformers.AutoTokenizer`` where the checkpoint directory has a tokenizer.
+                 :func:`load_model` (the checked loaders of builders/nemotron_h.py and builders/qwen3_next.py), an
+                 :class:`~builders.generation.Engine` of ``max_slots`` x ``max_seq_len`` over the family's decode step
+                 in ``mode`` (conventional | replay | replay_bf16 | replay_fp8, no fp8 for Gated DeltaNet;
+                 ``buffer_len``) started on its thread, and ``transformers.AutoTokenizer`` where the checkpoint
+                 directory has a tokenizer.
   execute        each request's inputs are read and submitted (nothing blocks); a bad request (the engine's
                  :class:`~builders.generation.RequestError`: prompt + max_tokens past ``max_seq_len``, a token outside
                  the vocabulary, a parameter out of range) gets one final error response before any work.
@@ -34,9 +36,12 @@ Inputs (named so that Triton's HTTP ``generate`` / ``generate_stream`` extension
 those). Outputs: ``output_ids`` INT64 [-1], ``text_output`` BYTES [1], ``finish_reason`` BYTES [1],
 ``prompt_tokens`` INT32 [1], ``completion_tokens`` INT32 [1].
 
-Tensors cross the boundary through DLPack (``trtllm_replayssm/triton_model.py`` says why: the stub of Triton
-2.51 misreads numpy 2 arrays). DLPack cannot carry strings, so BYTES goes through numpy, and under that stub
-with numpy >= 2 (its pybind11 2.10 reads a numpy 2 dtype's ``flags`` where numpy 1 kept ``elsize``) both ways
+Tensors cross the boundary through DLPack (``Tensor.to_dlpack`` / ``Tensor.from_dlpack``), never through numpy: the
+Python backend stub of Triton 2.51 (the one nvidia-pytriton 0.7.0 bundles) is built with a pybind11 that reads
+numpy's pre-2.0 dtype layout, so under numpy 2.x ``as_numpy()`` of a [1, 3] fp32 input [1, 2, 3] reads [1, 1, 1]
+and ``Tensor(name, ndarray)`` sends a 0-byte output, without an error (docs/triton.md, "numpy 2.x silently
+corrupts tensors"); DLPack does not use numpy. DLPack cannot carry strings, so BYTES goes through numpy, and under
+that stub with numpy >= 2 (its pybind11 2.10 reads a numpy 2 dtype's ``flags`` where numpy 1 kept ``elsize``) both ways
 break: an input arrives as its first byte repeated (and the stub process dies parsing it) and an output is sent
 empty. :class:`BytesIO` probes the stub at load and, where it is broken:
 
@@ -71,10 +76,9 @@ import threading
 import urllib.error
 import urllib.request
 
-from trtllm_replayssm.triton_model import PbModel
-
 from .engine_format import CONFIG_DTYPES
 from .generation import MODES, Engine, Output, Request, RequestError
+from .qwen3_next import FAMILIES as QWEN_FAMILIES
 from .triton_repo import (
     MODEL_PY,
     RepoError,
@@ -101,18 +105,6 @@ OUTPUTS = (("output_ids", "TYPE_INT64", [-1]), ("text_output", "TYPE_STRING", [1
 DEFAULT_MAX_TOKENS = 16
 TEXT_INPUT_ROUTES = ("auto", "tensor", "parameter")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-
-GENERATE_MODEL_PY = MODEL_PY
-for _old, _new in (("The rest is\ntrtllm_replayssm.triton_model.SequenceModel.",
-                    "The rest is\nbuilders.triton_generate.GenerateModel (decoupled: responses go through each "
-                    "request's sender)."),
-                   ("from trtllm_replayssm.triton_model import SequenceModel",
-                    "from builders.triton_generate import GenerateModel"),
-                   ("self.impl = SequenceModel(pb_utils, args)", "self.impl = GenerateModel(pb_utils, args)")):
-    if _old not in GENERATE_MODEL_PY:  # the per-token template changed: keep the two entry points in step
-        raise ImportError(f"builders/triton_repo.py MODEL_PY no longer contains {_old!r}")
-    GENERATE_MODEL_PY = GENERATE_MODEL_PY.replace(_old, _new)
-
 
 # ---- BYTES tensors under the stub's numpy ----------------------------------------------------------------------
 UNREADABLE = b"\x00replayssm: a BYTES input this backend stub cannot read\x00"
@@ -297,6 +289,48 @@ def _param(cfg: dict, key: str, default: str = "") -> str:
     return default if v is None or v == "" else v
 
 
+def load_model(params: dict, device):
+    """The model of the repository's parameters: ``model_dir`` (an HF checkpoint: Nemotron-H / Nemotron 3, or
+    Qwen3-Next / Qwen3.5 by its config.json) or the embedded tiny config ``tiny`` (builders/nemotron_h.py's or
+    builders/qwen3_next.py's) with seeded weights ``seed``, in ``dtype``, on ``device``."""
+    import torch
+
+    from .nemotron_h import load_nemotron_h
+    from .qwen3_next import is_gdn_checkpoint, load_gdn_model
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params["dtype"]]
+    model_dir = params.get("model_dir") or None
+    tiny, seed = params.get("tiny") or "nemotron_h", int(params.get("seed", 0))
+    if (model_dir is None and tiny in QWEN_FAMILIES) or (model_dir is not None and is_gdn_checkpoint(model_dir)):
+        return load_gdn_model(model_dir, tiny, dtype=dtype, seed=seed, device=device)
+    return load_nemotron_h(model_dir, dtype=dtype, seed=seed, device=device, tiny=tiny)
+
+
+def is_gdn(tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None) -> bool:
+    """Whether the repository's model is a Gated DeltaNet one (Qwen3-Next / Qwen3.5): the --tiny name or the
+    checkpoint's config.json."""
+    from .qwen3_next import is_gdn_checkpoint
+
+    return tiny in QWEN_FAMILIES if model_dir is None else is_gdn_checkpoint(model_dir)
+
+
+class PbModel:
+    """What a Python-backend model does with ``self.pb`` (triton_python_backend_utils or a test's stand-in): log,
+    and make an error response."""
+
+    pb = None
+
+    def _warn(self, msg: str, info: bool = False) -> None:
+        logger = getattr(self.pb, "Logger", None)
+        if logger is not None:
+            (logger.log_info if info else logger.log_warn)(msg)
+
+    def _error(self, msg: str):
+        err = self.pb.TritonError
+        code = getattr(err, "INVALID_ARG", None)
+        return self.pb.InferenceResponse(error=err(msg) if code is None else err(msg, code))
+
+
 class _Stream:
     """One request's response sender and what its client has been sent."""
 
@@ -344,12 +378,7 @@ class GenerateModel(PbModel):
         if mode not in MODES:
             raise ValueError(f"config.pbtxt: parameters['mode']: expected one of {MODES}, got {mode!r}")
         if model is None:
-            from trtllm_replayssm.triton_model import load_model
-
             model = load_model(dict(p, dtype=p["dtype"] or "float32", seed=p["seed"] or "0"), self.device)
-        if not hasattr(model.config, "layers_block_type") or not hasattr(model.config, "mamba_num_heads"):
-            raise ValueError(f"the streaming model serves Nemotron-H / Nemotron 3 (NemotronHForCausalLM), got "
-                             f"{type(model).__name__}: write the per-token model for it (make_triton_repo.py)")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else self._load_tokenizer(p["model_dir"])
         self.eos = self._eos_ids(model, self.tokenizer)
@@ -362,7 +391,7 @@ class GenerateModel(PbModel):
         kw = dict(max_slots=int(p["max_slots"] or 8), max_seq_len=int(p["max_seq_len"] or 1024), mode=mode,
                   buffer_len=int(p["buffer_len"] or 16), poll_s=int(p["cancel_poll_ms"] or 50) / 1000)
         kw.update(engine_kw or {})
-        self.engine = Engine(model, **kw).start()
+        self.engine = Engine(model, **kw).start()  # the family's step (generation.STEPS); ValueError for another
         self.watch = None
         url = p["health_url"] or "auto"
         if url == "auto":
@@ -553,30 +582,21 @@ def generate_model_config(name: str, *, device: str, max_slots: int, max_seq_len
     return mc
 
 
-def is_streaming_family(tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None) -> bool:
-    """Whether the streaming model serves this checkpoint: Nemotron-H / Nemotron 3 (the captured model step's
-    layers); Qwen3-Next / Qwen3.5 (Gated DeltaNet) are not there yet."""
-    from .qwen3_next import FAMILIES, is_gdn_checkpoint
-
-    if model_dir is None:
-        return tiny not in FAMILIES
-    return not is_gdn_checkpoint(model_dir)
-
-
 def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
                        model_dir: pathlib.Path | None = None, dtype: str = "fp32", seed: int = 0, device: str = "auto",
                        max_slots: int = 8, max_seq_len: int = 1024, buffer_len: int = 16, mode: str = "replay",
                        text_input: str = "auto", health_url: str = "auto") -> pathlib.Path:
     """Write REPO/NAME/{config.pbtxt, 1/model.py} of the streaming model; returns REPO/NAME. Refused before a file is
-    written, naming the flag: a Qwen3-Next / Qwen3.5 model (the per-token model serves those), a bad --dtype,
-    --device cuda without CUDA, a --mode outside MODES, a checkpoint the server's loader refuses."""
+    written, naming the flag: a bad --dtype, --device cuda without CUDA, a --mode outside MODES (replay_fp8 for a
+    Gated DeltaNet model: there is no fp8 GDN shadow), a bad --tiny, a checkpoint the server's loader or decode
+    step refuses."""
     dtype, device = check_dtype_device(dtype, device)
     if mode not in MODES:
         raise RepoError(f"--mode: expected one of {MODES}, got {mode!r}")
     _vocab(tiny, model_dir)  # the checkpoint's config.json or the tiny name, checked
-    if not is_streaming_family(tiny, model_dir):
-        raise RepoError("the streaming model serves Nemotron-H / Nemotron 3; Qwen3-Next / Qwen3.5 take the per-token "
-                        "model (make_python_repo)")
+    if mode == "replay_fp8" and is_gdn(tiny, model_dir):
+        raise RepoError("--mode replay_fp8 (--shadow fp8): Gated DeltaNet models (Qwen3-Next / Qwen3.5) take "
+                        "replay_bf16 (--shadow bf16); there is no fp8 GDN shadow")
     route = text_input_route(text_input)
     name = name or default_name(tiny=tiny, model_dir=model_dir)
     _check_target(repo, name)
@@ -587,5 +607,5 @@ def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str
     text = config_text(generate_model_config(name, device=device, max_slots=max_slots, max_seq_len=max_seq_len,
                                              buffer_len=buffer_len, mode=mode, params=params, text_input=route))
     if model_dir is not None:
-        check_model(model_dir, dtype, buffer_len=buffer_len)
-    return _write_model(repo, name, {"config.pbtxt": text, "1/model.py": GENERATE_MODEL_PY})
+        check_model(model_dir, dtype, buffer_len=buffer_len, mode=mode)
+    return _write_model(repo, name, {"config.pbtxt": text, "1/model.py": MODEL_PY})

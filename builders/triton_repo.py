@@ -15,27 +15,25 @@ Two routes, each a ``REPO/NAME/`` model directory whose ``config.pbtxt`` is buil
   returns ``logits``. The states must be exactly those of the format's table for ``model.pattern``
   (``engine_format.check_layer_states``); anything else is refused before a file is written, naming the
   layer and the state (:class:`RepoError`).
-* :func:`make_python_repo` (``backend: "python"``, no engine): config.pbtxt (:func:`python_model_config`)
-  and ``1/model.py`` (:data:`MODEL_PY`), whose instance owns a ``ReplayStateCache`` and the K/V rows of
-  ``max_candidate_sequences`` slots on its device and runs the decode step there
-  (``trtllm_replayssm/triton_model.py``). No implicit state: sequence_batching ``oldest`` with the
-  controls START, END, READY and CORRID maps each sequence to a slot; a request carries one token
-  (``input_ids`` [1], int64) and returns ``logits`` [vocab] (fp32) and ``slot`` [1] (int32). Everything the
-  model needs is a ``parameters`` entry: the checkpoint (``model_dir``, or ``tiny`` + ``seed``), dtype,
-  device, buffer_len, max_seq_len, and ``python_path`` / ``python_version`` / ``python_libdir``: the Python
-  backend stub embeds libpython with an isolated configuration that ignores PYTHONPATH, so model.py puts
-  this interpreter's project root and site-packages on ``sys.path`` itself (:func:`python_paths`) and
-  refuses another Python version.
+* ``--backend python`` (no engine; :func:`builders.triton_generate.make_generate_repo`): the streaming (decoupled)
+  generation model of every family, config.pbtxt and ``1/model.py`` (:data:`MODEL_PY`, which hands every call to
+  ``builders.triton_generate.GenerateModel``: the generation engine of builders/generation.py owns the state of its
+  slots on its device). Everything the model needs is a ``parameters`` entry: the checkpoint (``model_dir``, or
+  ``tiny`` + ``seed``), dtype, device, sizes, mode, and ``python_path`` / ``python_version`` / ``python_libdir``:
+  the Python backend stub embeds libpython with an isolated configuration that ignores PYTHONPATH, so model.py puts
+  this interpreter's project root and site-packages on ``sys.path`` itself (:func:`python_paths`) and refuses
+  another Python version. This module holds what that writer shares with this one (:func:`config_text`,
+  :func:`default_name`, :func:`check_dtype_device`, :func:`check_model`, :func:`_write_model`).
 
 What the server would refuse at load is refused at write time, before a file is written, naming the flag
 (:class:`RepoError`): a ``--repo`` that is not a directory, ``--device cuda`` where torch sees no CUDA device, a
-checkpoint that the server's own loader or slot step refuses (:func:`check_model`: one load of it, on the CPU).
+checkpoint that the server's own loader or decode step refuses (:func:`check_model`: one load of it, on the CPU).
 ``--dtype`` is spelled as scripts/build_engine.py's (:data:`DTYPES`, the torch names accepted: :func:`dtype_spelling`).
 
 Serving the Python-backend repository with the tritonserver that the nvidia-pytriton wheel bundles:
 :func:`pytriton_server` finds its files, :func:`write_backend_dir` links its Python backend and stub,
 :func:`serve_command` gives the command line and environment, with a bounded shutdown (:data:`EXIT_TIMEOUT_S`:
-tritonserver waits for sequences that were never ended).
+tritonserver waits for in-flight requests and the unloads).
 
 Importing this module needs neither torch nor TensorRT (the ``tensorrt_plan`` route reads JSON only);
 tritonclient is imported when a config is built.
@@ -65,11 +63,10 @@ PYTRITON_INSTALL = "pip install --no-deps 'nvidia-pytriton==0.7.0'"
 DTYPES = tuple(CONFIG_DTYPES)
 DTYPE_ALIASES = {long: short for short, long in CONFIG_DTYPES.items()}
 # tritonserver --exit-timeout-secs of the serve commands printed here. On SIGINT / SIGTERM tritonserver stops taking
-# new sequences but counts every sequence still holding a slot of a sequence batcher as an in-flight inference until
-# its END or its max_sequence_idle_microseconds (--idle-ms, 60 s by default: the first CUDA step compiles kernels for
-# longer than a short timeout), and waits for in-flight inferences and then the unloads up to this many seconds
-# (its default is 30). The backend is not told about the shutdown and has no way to end a sequence, so this bound
-# is what makes a shutdown with a sequence left open prompt; such a sequence is dropped with the server's state.
+# new requests and waits for in-flight inferences and then the unloads up to this many seconds (its default is 30):
+# a sequence batcher (the tensorrt_plan route) counts every sequence still holding a slot as one until its END or its
+# max_sequence_idle_microseconds (--idle-ms); the streaming model ends its open streams itself once the server stops
+# being live (builders/triton_generate.py ServerWatch), and this bound covers the rest.
 EXIT_TIMEOUT_S = 10
 
 
@@ -118,7 +115,7 @@ def _check_ranges(*checks) -> None:
 
 
 def _batching_ranges(idle_us: int, max_queue_delay_us: int) -> tuple:
-    """The sequence batcher's flags, both routes (the python route's --idle-ms and --max-queue-delay-us)."""
+    """The sequence batcher's flags (--idle-ms and --max-queue-delay-us: the tensorrt_plan route's)."""
     return ("idle-ms", idle_us // 1000, 1, 1 << 31), ("max-queue-delay-us", max_queue_delay_us, 0, (1 << 63) - 1)
 
 
@@ -229,7 +226,7 @@ def make_repo(engine_dir: pathlib.Path, repo: pathlib.Path, name: str | None = N
         f"build it there with scripts/build_engine.py and copy it here as 1/model.plan.\n")})
 
 
-# ---- Python backend: the model owns its state on its device ------------------------------------------------
+# ---- Python backend: the streaming model owns its state on its device (builders/triton_generate.py) ------------
 ROOT = pathlib.Path(__file__).resolve().parent.parent  # the project root: builders/ and trtllm_replayssm/ live there
 MODEL_PY = '''# SPDX-License-Identifier: Apache-2.0
 """Triton Python-backend entry point, written by scripts/make_triton_repo.py --backend python.
@@ -238,7 +235,7 @@ The backend stub embeds libpython with an isolated configuration, which ignores 
 directories of the interpreter that built this repository (config.pbtxt, parameters['python_path']:
 the project root and its site-packages) go first on sys.path before anything else is imported, and
 another Python version is refused (its compiled packages would not load). The rest is
-trtllm_replayssm.triton_model.SequenceModel.
+builders.triton_generate.GenerateModel (decoupled: responses go through each request's sender).
 """
 
 import json
@@ -270,9 +267,9 @@ class TritonPythonModel:
         _setup_path(json.loads(args["model_config"]))
         import triton_python_backend_utils as pb_utils
 
-        from trtllm_replayssm.triton_model import SequenceModel
+        from builders.triton_generate import GenerateModel
 
-        self.impl = SequenceModel(pb_utils, args)
+        self.impl = GenerateModel(pb_utils, args)
 
     def execute(self, requests):
         return self.impl.execute(requests)
@@ -296,6 +293,7 @@ def python_paths() -> list[str]:
 
 
 def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
+    """The vocabulary size of the --tiny name or of the --model checkpoint's config.json, both checked by name."""
     from .nemotron_h import TINY_CONFIGS
     from .qwen3_next import ACCEPTED_MODEL_TYPES, FAMILIES
 
@@ -319,39 +317,9 @@ def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     return vocab
 
 
-def python_model_config(name: str, vocab: int, *, device: str, max_slots: int, max_seq_len: int, buffer_len: int,
-                        idle_us: int, max_queue_delay_us: int, params: dict):
-    """Triton ``ModelConfig`` of the Python-backend sequence model (module docstring)."""
-    pb = _pb()
-    if device not in ("cpu", "cuda"):
-        raise RepoError(f"--device: expected cpu or cuda (auto is resolved before), got {device!r}")
-    # buffer_len >= 1: the standard cursor folds on the step that fills the buffer
-    _check_ranges(("max-slots", max_slots, 1, 4096), ("max-seq-len", max_seq_len, 1, 1 << 20),
-                  ("buffer-len", buffer_len, 1, 32), *_batching_ranges(idle_us, max_queue_delay_us))
-    mc = pb.ModelConfig(name=name, backend="python", max_batch_size=max_slots)
-    mc.input.add(name="input_ids", data_type=pb.TYPE_INT64, dims=[1])
-    mc.output.add(name="logits", data_type=pb.TYPE_FP32, dims=[vocab])
-    mc.output.add(name="slot", data_type=pb.TYPE_INT32, dims=[1])
-    sb = mc.sequence_batching
-    sb.max_sequence_idle_microseconds = idle_us
-    sb.oldest.max_candidate_sequences = max_slots  # one cache slot per candidate sequence
-    sb.oldest.max_queue_delay_microseconds = max_queue_delay_us
-    C = pb.ModelSequenceBatching.Control
-    for ctl, kind in (("START", C.CONTROL_SEQUENCE_START), ("END", C.CONTROL_SEQUENCE_END),
-                      ("READY", C.CONTROL_SEQUENCE_READY)):
-        sb.control_input.add(name=ctl, control=[C(kind=kind, int32_false_true=[0, 1])])
-    sb.control_input.add(name="CORRID", control=[C(kind=C.CONTROL_SEQUENCE_CORRID, data_type=pb.TYPE_UINT64)])
-    kind = pb.ModelInstanceGroup.KIND_GPU if device == "cuda" else pb.ModelInstanceGroup.KIND_CPU
-    mc.instance_group.add(kind=kind, count=1)  # the state lives in this one instance
-    full = dict(params, device=device, buffer_len=buffer_len, max_seq_len=max_seq_len)
-    for k, v in full.items():
-        mc.parameters[k].string_value = str(v)
-    return mc
-
-
 def check_dtype_device(dtype: str, device: str) -> tuple[str, str]:
     """``--dtype`` in its one spelling and ``--device`` resolved ("auto": cuda where torch sees a GPU); refused by
-    name where the server would fail at load (both Python-backend models)."""
+    name where the server would fail at load."""
     if dtype_spelling(dtype) not in DTYPES:
         raise RepoError(f"--dtype: expected one of {list(DTYPES)} (or {list(DTYPE_ALIASES)}), got {dtype!r}")
     if device not in ("auto", "cpu", "cuda"):
@@ -368,45 +336,17 @@ def check_dtype_device(dtype: str, device: str) -> tuple[str, str]:
     return dtype_spelling(dtype), device
 
 
-def make_python_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
-                     model_dir: pathlib.Path | None = None,
-                     dtype: str = "fp32", seed: int = 0, device: str = "auto", max_slots: int = 8,
-                     max_seq_len: int = 1024, buffer_len: int = 16, idle_us: int = 60_000_000,
-                     max_queue_delay_us: int = 100, shadow: str = "none") -> pathlib.Path:
-    """Write REPO/NAME/{config.pbtxt, 1/model.py} of the Python-backend model; returns REPO/NAME. Everything the
-    server would refuse at load is refused here first, naming the flag: ``device="cuda"`` where torch sees no CUDA
-    device, and a ``model_dir`` that the server's own loader and slot step refuse (:func:`check_model`)."""
-    dtype, device = check_dtype_device(dtype, device)
-    if shadow not in ("none", "bf16", "fp8"):
-        raise RepoError(f"--shadow: expected none, bf16 or fp8, got {shadow!r}")
-    vocab = _vocab(tiny, model_dir)
-    if shadow == "fp8":
-        from .qwen3_next import FAMILIES, is_gdn_checkpoint
-
-        if (model_dir is None and tiny in FAMILIES) or (model_dir is not None and is_gdn_checkpoint(model_dir)):
-            raise RepoError("--shadow fp8: Gated DeltaNet models take --shadow bf16 (there is no fp8 GDN shadow)")
-    name = name or default_name(tiny=tiny, model_dir=model_dir)
-    _check_target(repo, name)
-    params = dict(model_dir="" if model_dir is None else str(model_dir.resolve()), tiny="" if model_dir else tiny,
-                  seed=seed, dtype=CONFIG_DTYPES[dtype], shadow=shadow, python_path=os.pathsep.join(python_paths()),
-                  python_version=_py_version(), python_libdir=sysconfig.get_config_var("LIBDIR") or "")
-    text = config_text(python_model_config(name, vocab, device=device, max_slots=max_slots, max_seq_len=max_seq_len,
-                                           buffer_len=buffer_len, idle_us=idle_us,
-                                           max_queue_delay_us=max_queue_delay_us, params=params))
-    if model_dir is not None:
-        check_model(model_dir, dtype, buffer_len=buffer_len, shadow=shadow)
-    return _write_model(repo, name, {"config.pbtxt": text, "1/model.py": MODEL_PY})
-
-
-def check_model(model_dir: pathlib.Path, dtype: str = "fp32", *, buffer_len: int = 16, shadow: str = "none") -> None:
-    """Load the checkpoint ``model_dir`` as the server's model.py will (``trtllm_replayssm.triton_model.load_model``:
+def check_model(model_dir: pathlib.Path, dtype: str = "fp32", *, buffer_len: int = 16, mode: str = "replay") -> None:
+    """Load the checkpoint ``model_dir`` as the server's model.py will (``builders.triton_generate.load_model``:
     builders/nemotron_h.py's or builders/qwen3_next.py's checked loader: config, layer types, every tensor's name,
-    shape and bytes), on the CPU in ``dtype``, and build the server's slot step over it for one slot; RepoError naming
-    --model where either refuses it (a truncated or missing safetensors file, a tensor missing or mis-shaped), which the
-    server would otherwise report only when it loads the model. Costs one load of the checkpoint."""
+    shape and bytes), on the CPU in ``dtype``, and build the generation engine's decode step over it for one slot in
+    ``mode`` (``builders.generation.make_step``); RepoError naming --model where either refuses it (a truncated or
+    missing safetensors file, a tensor missing or mis-shaped, a family or mode without a step), which the server
+    would otherwise report only when it loads the model. Costs one load of the checkpoint."""
     import torch
 
-    from trtllm_replayssm.triton_model import load_model, slot_step
+    from .generation import make_step
+    from .triton_generate import load_model
 
     params = dict(model_dir=str(model_dir), tiny="", seed=0, dtype=CONFIG_DTYPES[dtype_spelling(dtype)])
     try:
@@ -414,7 +354,7 @@ def check_model(model_dir: pathlib.Path, dtype: str = "fp32", *, buffer_len: int
     except Exception as e:  # CheckpointError names the file or tensor; anything else is the loader's own
         raise RepoError(f"--model: {str(model_dir)!r} does not load as the server would load it: {e}") from e
     try:
-        slot_step(model, 1, 1, buffer_len, check_values=None, shadow=shadow)
+        make_step(model, 1, 2, mode, buffer_len, fuse=False)
     except Exception as e:
         raise RepoError(f"--model: the server's decode step refuses {str(model_dir)!r}: {e}") from e
 
@@ -504,7 +444,7 @@ def serve_command(repo: pathlib.Path, backend_dir: pathlib.Path, grpc_port: int 
     links libpython3.X.so by name, so LD_LIBRARY_PATH leads with this interpreter's LIBDIR: otherwise
     the dynamic linker may pick another libpython of the same version (e.g. the system's, whose
     sys.path has none of this environment's packages). ``exit_timeout_s``: the longest a shutdown waits for
-    open sequences and the unloads (:data:`EXIT_TIMEOUT_S`)."""
+    in-flight requests and the unloads (:data:`EXIT_TIMEOUT_S`)."""
     if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
         raise RepoError(f"{sys.executable} was built without a shared libpython; the backend stub needs "
                         f"libpython{sys.version_info[0]}.{sys.version_info[1]}.so of the interpreter that built the repository")

@@ -26,46 +26,42 @@ Usage: python scripts/make_triton_repo.py --engine-dir build/tiny --repo build/t
        [--idle-ms 60000] [--max-queue-delay-us 100]
 (the model, dtype and sizes are the engine's: the --backend python flags below are refused here by name)
 
-``--backend python`` (no engine): a Python-backend model that runs the checkpoint itself; everything it needs is a
-``parameters`` entry of config.pbtxt (the checkpoint: ``model_dir``, or ``tiny`` + ``seed``; dtype, device, sizes;
+``--backend python`` (no engine): the **streaming** model (builders/triton_generate.py) of every family the
+generation engine serves: Nemotron-H / Nemotron 3 (``--tiny nemotron_h|nemotron3``, or a ``--model`` whose
+config.json says nemotron_h) and Qwen3-Next / Qwen3.5 / Qwen3.5 MoE (``--tiny qwen3_next|qwen3_5|qwen3_5_moe``, or a
+``--model`` whose config.json says qwen3_next / qwen3_5 / qwen3_5_moe or their *_text). Decoupled: a prompt in
+(``input_ids`` or ``text_input``), the completion streamed back (``output_ids``, ``text_output``, then
+``finish_reason`` and token counts), over the generation engine of builders/generation.py (in-flight batching of
+``--max-slots`` sequences on the family's decode step, ``--mode`` conventional | replay | replay_bf16 | replay_fp8;
+no fp8 for Gated DeltaNet); Triton's HTTP generate_stream works too. Everything it needs is a ``parameters`` entry
+of config.pbtxt (the checkpoint: ``model_dir``, or ``tiny`` + ``seed``; dtype, device, sizes, mode;
 ``python_path`` / ``python_version``: the backend stub embeds libpython with an isolated configuration that ignores
 PYTHONPATH, so model.py puts this interpreter's project root and site-packages on ``sys.path`` itself and refuses
-another Python version). Which model depends on the family:
-
-* Nemotron-H / Nemotron 3 (``--tiny nemotron_h|nemotron3``, or a ``--model`` whose config.json says nemotron_h): the
-  **streaming** model (builders/triton_generate.py): decoupled, a prompt in (``input_ids`` or ``text_input``),
-  the completion streamed back (``output_ids``, ``text_output``, then ``finish_reason`` and token counts), over the
-  generation engine of builders/generation.py (in-flight batching of ``--max-slots`` sequences on the captured model
-  step, ``--mode`` conventional | replay | replay_bf16 | replay_fp8); Triton's HTTP generate_stream works too.
-* Qwen3-Next / Qwen3.5 (``--tiny qwen3_next|qwen3_5|qwen3_5_moe``, or a ``--model`` whose config.json says
-  qwen3_next / qwen3_5 / qwen3_5_moe or their *_text): the **per-token** model (trtllm_replayssm/triton_model.py;
-  the captured model step has no Gated DeltaNet layers yet): sequence_batching ``oldest`` with the controls START,
-  END, READY and CORRID maps each sequence to a slot of its ``ReplayStateCache``; a request carries one token
-  (``input_ids`` [1]) and returns ``logits`` [vocab] and ``slot`` [1]; ``--shadow`` (or ``--mode replay_bf16``).
+another Python version).
 
 :func:`pytriton_server` finds the tritonserver that the nvidia-pytriton wheel bundles, :func:`serve_command` gives
 the command that serves the repository with it (printed; ``--serve`` runs it).
 
-Usage: python scripts/make_triton_repo.py --backend python --repo build/triton-py [--tiny nemotron_h | --model DIR]
+Usage: python scripts/make_triton_repo.py --backend python --repo build/triton [--tiny nemotron_h | --model DIR]
        [--dtype fp32|bf16|fp16] [--device auto|cpu|cuda] [--max-slots 8] [--max-seq-len 1024] [--buffer-len 16]
-       [--mode conventional|replay|replay_bf16|replay_fp8] [--text-input auto|tensor|parameter] [--serve]
-       (per-token model only: [--idle-ms 60000] [--max-queue-delay-us 100] [--shadow none|bf16|fp8])
-Refused before a file is written, naming the flag: --engine-dir (tensorrt_plan only); --device cuda where torch
-sees no CUDA device; a --model that the server's own loader refuses (it is loaded once here, on the CPU: a truncated
-safetensors file, a missing or mis-shaped tensor); a --repo that is a file.
+       [--mode conventional|replay|replay_bf16|replay_fp8 | --shadow none|bf16|fp8]
+       [--text-input auto|tensor|parameter] [--serve]
+Refused before a file is written, naming the flag: --engine-dir, --idle-ms and --max-queue-delay-us (tensorrt_plan
+only: the streaming model has no sequence batcher); --device cuda where torch sees no CUDA device; --mode replay_fp8
+for a Gated DeltaNet model; a --model that the server's own loader or decode step refuses (it is loaded once here, on
+the CPU: a truncated safetensors file, a missing or mis-shaped tensor); a --repo that is a file.
 
-Shutdown: on SIGINT / SIGTERM tritonserver keeps every sequence that has not ended (no END yet, not idle for
---idle-ms) as an in-flight inference and waits for it; the printed serve commands bound that wait with
---exit-timeout-secs (builders/triton_repo.py EXIT_TIMEOUT_S; tritonserver's default is 30 s), after which such
-sequences are dropped with the server.
+Shutdown: on SIGINT / SIGTERM tritonserver waits for in-flight requests (a sequence batcher's: every sequence that
+has not ended, no END yet, not idle for --idle-ms); the streaming model ends its open streams with an error once the
+server stops being live. The printed serve commands bound that wait with --exit-timeout-secs
+(builders/triton_repo.py EXIT_TIMEOUT_S; tritonserver's default is 30 s).
 """
 
-# The writer is builders/triton_repo.py (config.pbtxt, model.py, make_repo); the docstring above is this
-# command's --help.
+# The writers are builders/triton_repo.py (make_repo) and builders/triton_generate.py (make_generate_repo); the
+# docstring above is this command's --help.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import pathlib
 import sys
@@ -80,24 +76,25 @@ from builders.triton_repo import (  # noqa: E402  (the writer; this script is it
     _batching_ranges,
     _check_ranges,
     dtype_spelling,
-    make_python_repo,
     make_repo,
     serve_command,
     write_backend_dir,
 )
 
-# --backend python's flags (dest -> make_python_repo keyword). Their defaults are make_python_repo's (one set of
-# defaults); argparse's are None, so that a flag the user gave is told from one left out: with --backend
-# tensorrt_plan these are refused by name (the engine was built with its own; scripts/build_engine.py).
+# --backend python's flags (dest -> builders/triton_generate.py make_generate_repo keyword) and their defaults,
+# which are make_generate_repo's; argparse's are None, so that a flag the user gave is told from one left out. They
+# are spelled out here, as the engine's MODES are, so that the tensorrt_plan route imports no torch
+# (tests/test_triton_generate.py checks that they agree). With --backend tensorrt_plan these are refused by name (the
+# engine was built with its own; scripts/build_engine.py).
 PYTHON_ONLY = {"model": "model_dir", "tiny": "tiny", "seed": "seed", "dtype": "dtype", "device": "device",
-               "max_slots": "max_slots", "max_seq_len": "max_seq_len", "buffer_len": "buffer_len", "shadow": "shadow"}
-PY_DEFAULTS = {k: v.default for k, v in inspect.signature(make_python_repo).parameters.items()
-               if v.default is not inspect.Parameter.empty}
-# the streaming model's own flags (builders/triton_generate.py make_generate_repo); MODES is builders/generation.py's,
-# spelled out here so that the tensorrt_plan route imports no torch (tests/test_triton_repo.py checks they agree)
-STREAMING_ONLY = ("mode", "text_input")
+               "max_slots": "max_slots", "max_seq_len": "max_seq_len", "buffer_len": "buffer_len", "mode": "mode",
+               "text_input": "text_input"}
+PY_DEFAULTS = {"tiny": "nemotron_h", "seed": 0, "dtype": "fp32", "device": "auto", "max_slots": 8,
+               "max_seq_len": 1024, "buffer_len": 16, "mode": "replay", "text_input": "auto"}
 MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
 SHADOW_MODE = {"none": "replay", "bf16": "replay_bf16", "fp8": "replay_fp8"}  # --shadow as a --mode
+# the tensorrt_plan route's sequence batcher (builders/triton_repo.py model_config's defaults)
+TRT_ONLY = {"idle_ms": 60_000, "max_queue_delay_us": 100}
 
 
 def _flag(dest: str) -> str:
@@ -114,17 +111,18 @@ def _mode(mode: str | None, shadow: str | None) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=("tensorrt_plan", "python"), default="tensorrt_plan",
-                    help="tensorrt_plan: the built engine with implicit state; python: a model that owns its state")
+                    help="tensorrt_plan: the built engine with implicit state; python: the streaming generation "
+                         "model, which owns its state")
     ap.add_argument("--engine-dir", type=pathlib.Path, help="output directory of build_engine.py (tensorrt_plan only)")
     ap.add_argument("--repo", required=True, type=pathlib.Path, help="model repository root to write into")
     ap.add_argument("--name", help="model name in the repository (default: <family>_replayssm, the family from the "
                                    "engine's or checkpoint's model_type or the --tiny name, e.g. nemotron_h_replayssm, "
                                    "qwen3_5_moe_replayssm)")
-    both = ap.add_argument_group("sequence batching (both backends)")
-    both.add_argument("--idle-ms", type=int, default=PY_DEFAULTS["idle_us"] // 1000,
-                      help="max_sequence_idle_microseconds / 1000 (default: %(default)s)")
-    both.add_argument("--max-queue-delay-us", type=int, default=PY_DEFAULTS["max_queue_delay_us"],
-                      help="oldest strategy's batching delay (default: %(default)s)")
+    trt = ap.add_argument_group("--backend tensorrt_plan only (its sequence batcher)")
+    trt.add_argument("--idle-ms", type=int,
+                     help=f"max_sequence_idle_microseconds / 1000 (default: {TRT_ONLY['idle_ms']})")
+    trt.add_argument("--max-queue-delay-us", type=int,
+                     help=f"oldest strategy's batching delay (default: {TRT_ONLY['max_queue_delay_us']})")
     d = PY_DEFAULTS
     py = ap.add_argument_group("--backend python only")
     py.add_argument("--model", type=pathlib.Path,
@@ -139,16 +137,17 @@ def main(argv=None) -> int:
     py.add_argument("--device", choices=("auto", "cpu", "cuda"),
                     help=f"auto: cuda where torch sees a GPU here; cuda is refused where it sees none (default: "
                          f"{d['device']})")
-    py.add_argument("--max-slots", type=int, help=f"cache slots = max_candidate_sequences (default: {d['max_slots']})")
-    py.add_argument("--max-seq-len", type=int, help=f"tokens per sequence, K/V rows (default: {d['max_seq_len']})")
+    py.add_argument("--max-slots", type=int, help=f"sequences decoded at once (engine slots; more wait in a queue; "
+                                                  f"default: {d['max_slots']})")
+    py.add_argument("--max-seq-len", type=int, help=f"prompt + max_tokens per sequence, K/V rows (default: "
+                                                    f"{d['max_seq_len']})")
     py.add_argument("--buffer-len", type=int, help=f"ReplaySSM ring length L, 1..32 (default: {d['buffer_len']})")
-    py.add_argument("--shadow", choices=("none", "bf16", "fp8"),
-                    help="a low-precision shadow of each fp32 checkpoint, read by non-flush steps (fp8: Mamba-2 "
-                         f"models only; default: {d['shadow']}); the same as --mode replay / replay_bf16 / replay_fp8")
     py.add_argument("--mode", choices=MODES,
-                    help="the SSM state of the streaming model (Nemotron-H / Nemotron 3): conventional, replay "
-                         "(ReplaySSM), replay_bf16 / replay_fp8 (ReplaySSM + a shadow; default: replay, or --shadow's); "
-                         "the per-token model (Qwen) runs ReplaySSM, its --shadow from this")
+                    help="the SSM state: conventional, replay (ReplaySSM), replay_bf16 / replay_fp8 (ReplaySSM + a "
+                         "low-precision shadow of each fp32 checkpoint that non-flush steps read; fp8: Mamba-2 models "
+                         f"only); default: {d['mode']}, or --shadow's")
+    py.add_argument("--shadow", choices=("none", "bf16", "fp8"),
+                    help="the same as --mode replay / replay_bf16 / replay_fp8 (the two must agree)")
     py.add_argument("--text-input", choices=("auto", "tensor", "parameter"),
                     help="how the streaming model takes a text prompt: a BYTES text_input tensor, or the request "
                          "parameter text_input (HTTP generate passes an undeclared JSON field as one); auto: the "
@@ -157,40 +156,27 @@ def main(argv=None) -> int:
                     help="after writing, run the printed serve command (the nvidia-pytriton tritonserver on "
                          "127.0.0.1, HTTP 8000, gRPC 8001) in place of this process")
     args = ap.parse_args(argv)
-    given = {dest: getattr(args, dest) for dest in (*PYTHON_ONLY, *STREAMING_ONLY) if getattr(args, dest) is not None}
-    batching = dict(idle_us=args.idle_ms * 1000, max_queue_delay_us=args.max_queue_delay_us)
+    given = {dest: getattr(args, dest) for dest in (*PYTHON_ONLY, "shadow") if getattr(args, dest) is not None}
+    trt_given = [dest for dest in TRT_ONLY if getattr(args, dest) is not None]
     try:
         if args.backend == "python":
             if args.engine_dir is not None:
                 raise RepoError(f"--engine-dir: only with --backend tensorrt_plan (--backend python runs the "
                                 f"checkpoint itself: --model DIR or --tiny NAME), got --engine-dir {args.engine_dir}")
+            if trt_given:
+                raise RepoError(f"{', '.join(_flag(k) for k in trt_given)}: only with --backend tensorrt_plan (its "
+                                f"sequence batcher; the streaming model of --backend python batches in its engine)")
             tiny_only = [_flag(k) for k in ("tiny", "seed") if k in given]
             if args.model is not None and tiny_only:
                 raise RepoError(f"{', '.join(tiny_only)}: the embedded tiny model's, used only without --model, got "
                                 f"them with --model {args.model}")
-            _check_ranges(*_batching_ranges(**batching))
-            from builders.triton_generate import is_streaming_family, make_generate_repo
-
             kw = {PYTHON_ONLY[k]: v for k, v in given.items() if k in PYTHON_ONLY}
-            streaming = is_streaming_family(kw.get("tiny", PY_DEFAULTS["tiny"]), args.model)
-            mode = _mode(args.mode, args.shadow)
+            kw["mode"] = _mode(args.mode, args.shadow)
+            from builders.triton_generate import make_generate_repo
+
             if args.model is not None:
                 print(f"[make_triton_repo] checking --model {args.model}: loading it as the server will", flush=True)
-            if streaming:
-                kw.pop("shadow", None)
-                target = make_generate_repo(args.repo, args.name, **kw, mode=mode,
-                                            **({"text_input": args.text_input} if args.text_input else {}))
-            else:
-                if mode == "conventional":
-                    raise RepoError("--mode conventional: the per-token model of Qwen3-Next / Qwen3.5 runs ReplaySSM "
-                                    "(--mode replay, replay_bf16)")
-                if args.text_input:
-                    raise RepoError("--text-input: only for the streaming model (Nemotron-H / Nemotron 3)")
-                kw["shadow"] = {v: k for k, v in SHADOW_MODE.items()}[mode]
-                print("[make_triton_repo] note: Qwen3-Next / Qwen3.5 get the per-token model (one token in, logits "
-                      "out, a sequence per correlation id): the streaming model needs the captured model step, which "
-                      "has no Gated DeltaNet layers yet")
-                target = make_python_repo(args.repo, args.name, **kw, **batching)
+            target = make_generate_repo(args.repo, args.name, **kw)
         elif given:
             flags = ", ".join(_flag(k) for k in given)
             raise RepoError(f"{flags}: only with --backend python (a tensorrt_plan repository serves the engine in "
@@ -198,6 +184,10 @@ def main(argv=None) -> int:
         elif args.engine_dir is None:
             raise RepoError("--engine-dir is required with --backend tensorrt_plan")
         else:
+            batching = dict(idle_us=(args.idle_ms if args.idle_ms is not None else TRT_ONLY["idle_ms"]) * 1000,
+                            max_queue_delay_us=args.max_queue_delay_us if args.max_queue_delay_us is not None
+                            else TRT_ONLY["max_queue_delay_us"])
+            _check_ranges(*_batching_ranges(**batching))
             target = make_repo(args.engine_dir, args.repo, args.name, **batching)
     except RepoError as e:
         print(f"make_triton_repo: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("tritonclient.grpc.model_config_pb2", reason="tritonclient[grpc] is not installed")
 
+from builders import triton_generate as tg  # noqa: E402  (make_triton_repo.py --backend python's writer)
 from builders import triton_repo as tr  # noqa: E402  (the writer behind make_triton_repo.py)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -78,7 +79,7 @@ def test_repo_naming_a_file_is_refused_by_name(tmp_path, capsys, where):
         assert "--repo: expected a directory" in err and "which is not a directory" in err and str(afile) in err, err
         assert "Traceback" not in err
     with pytest.raises(tr.RepoError, match="--repo: expected a directory"):
-        tr.make_python_repo(repo, device="cpu")
+        tg.make_generate_repo(repo, device="cpu")
     assert _listing(tmp_path) == before and afile.read_text() == "not a directory"
 
 
@@ -126,7 +127,7 @@ def test_truncated_or_incomplete_checkpoint_is_refused_at_write_time(tmp_path, c
     for f in qwen.glob("*.safetensors"):
         save_file({k: v for k, v in load_file(f).items() if k != key}, f, metadata={"format": "pt"})
     with pytest.raises(tr.RepoError, match=rf"--model: .*missing.*{re.escape(key)}"):
-        tr.make_python_repo(tmp_path / "r3", model_dir=qwen, device="cpu")
+        tg.make_generate_repo(tmp_path / "r3", model_dir=qwen, device="cpu")
     assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
 
 
@@ -134,11 +135,11 @@ def test_device_cuda_without_cuda_is_refused(tmp_path, capsys, monkeypatch):
     """--device cuda on a machine where torch sees no GPU wrote a KIND_GPU model that the server failed to load."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(tr.RepoError, match=r"--device cuda: torch sees no CUDA device on this machine"):
-        tr.make_python_repo(tmp_path / "repo", device="cuda")
+        tg.make_generate_repo(tmp_path / "repo", device="cuda")
     assert mtr.main(["--backend", "python", "--device", "cuda", "--repo", str(tmp_path / "repo")]) == 2
     assert "--device cuda" in capsys.readouterr().err and not (tmp_path / "repo").exists()
     with pytest.raises(tr.RepoError, match=r"--device: expected auto, cpu or cuda, got 'gpu'"):
-        tr.make_python_repo(tmp_path / "repo", device="gpu")
+        tg.make_generate_repo(tmp_path / "repo", device="gpu")
 
 
 def test_pytriton_install_hint_has_no_deps(tmp_path, capsys, monkeypatch):
@@ -168,7 +169,7 @@ def test_unsupported_model_type_lists_every_accepted_one(tmp_path):
     ckpt.mkdir()
     (ckpt / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32}))
     with pytest.raises(tr.RepoError, match="--model: .*model_type: expected one of") as e:
-        tr.make_python_repo(tmp_path / "repo", model_dir=ckpt, device="cpu")
+        tg.make_generate_repo(tmp_path / "repo", model_dir=ckpt, device="cpu")
     with pytest.raises(CheckpointError, match="model_type: expected one of") as e2:
         load_nemotron_h(ckpt)
     for err in (e, e2):

@@ -217,7 +217,10 @@ def test_cuda_engine_matches_generate(name):
     CPU) in conventional and ReplaySSM modes, and completes in the bf16 shadow mode."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    cpu = tiny_model(name, seed=0)
+    try:
+        cpu = tiny_model(name, seed=0)
+    except ImportError as e:  # a device image with an older transformers (no Qwen3.5 classes)
+        pytest.skip(f"transformers has no {name} model here: {e}")
     refs = [reference(cpu, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
     model = tiny_model(name, seed=0, device="cuda")
     for mode in QWEN_MODES:

@@ -3,19 +3,24 @@
 nvidia-pytriton 0.7.0 bundles (Python backend, CPU), driven through tritonclient gRPC streams and the HTTP
 generate_stream endpoint; and its parts in process.
 
-One server for the module (tests/test_triton_server.py's ``_serve``: random free ports on 127.0.0.1, readiness
-bounded, stopped by its PID), one model: the tiny Nemotron-H (seed 0) saved as a checkpoint directory with a
-byte-level tokenizer of its 256 tokens (so text goes in and out), ``SLOTS`` = 2 slots of ``MAX_SEQ`` tokens, ReplaySSM
-with L = 4. Oracle: transformers' own ``generate(do_sample=False)`` on the same checkpoint, token for token. The last
-test stops the server with SIGTERM while a stream is open.
+One server for the module (:func:`_serve`: random free ports on 127.0.0.1, readiness bounded, stopped by its PID),
+two models in its repository: the tiny Nemotron-H (seed 0) saved as a checkpoint directory with a byte-level
+tokenizer of its 256 tokens (so text goes in and out), ``SLOTS`` = 2 slots of ``MAX_SEQ`` tokens, ReplaySSM with
+L = 4; and the embedded tiny Qwen3-Next (seed 0: Gated DeltaNet layers, gated attention, sparse MoE; builders/
+qwen_step.py's step) with the same slots and mode. Oracle: transformers' own ``generate(do_sample=False)`` on the
+same weights, token for token. The last test stops the server with SIGTERM while a stream is open.
 """
 
+import contextlib
 import importlib.util
+import inspect
 import json
+import os
 import pathlib
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,13 +38,70 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 import numpy as np  # noqa: E402  (tritonclient's own dependency)
 
 from builders import triton_generate as tg  # noqa: E402
-from tests.test_triton_server import _serve  # noqa: E402  (one way to start and stop the server)
+from builders import triton_repo as tr  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NAME = "nemotron_h_replayssm"  # the default name of a nemotron_h checkpoint's repository (the README's too)
+QWEN = "qwen3_next_replayssm"  # the default name of the tiny Qwen3-Next's repository
 SLOTS, MAX_SEQ, L = 2, 4096, 4
 LONG = 4000  # tokens: tens of seconds of decode here, far longer than any test waits
 RESPONSE_S = 60
+STARTUP_S = 180  # two stubs import torch + transformers and build their models (~7 s each here)
+
+
+# ---- the server -----------------------------------------------------------------------------------------------------
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextlib.contextmanager
+def _serve(tmp, repo, models, **serve_kw):
+    """The wheel's tritonserver on ``repo`` (scripts/make_triton_repo.py's serve command: serve_command), on free
+    ports of 127.0.0.1, until every model in ``models`` is ready; yields (url, tail of its log, the process). Stopped
+    by its PID (SIGTERM, then SIGKILL after 30 s) on the way out, also when the body fails."""
+    backends = tr.write_backend_dir(tmp / "backends")
+    grpc_port, http_port, metrics_port = _free_ports(3)
+    argv, env = tr.serve_command(repo, backends, grpc_port, http_port, metrics_port, **serve_kw)
+    log = open(tmp / "tritonserver.log", "wb")
+    proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+    url = f"127.0.0.1:{grpc_port}"
+
+    def tail():
+        log.flush()
+        return (tmp / "tritonserver.log").read_text(errors="replace")[-4000:]
+
+    try:
+        client = grpcclient.InferenceServerClient(url)
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"tritonserver exited with {proc.returncode} during startup:\n{tail()}")
+            try:
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
+                    break
+            except Exception:  # not listening yet
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"tritonserver not ready after {STARTUP_S} s:\n{tail()}")
+            time.sleep(0.2)
+        client.close()
+        yield url, tail, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # graceful: unloads the models, stops their stubs
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+        log.close()
 
 
 # ---- fixtures -----------------------------------------------------------------------------------------------
@@ -89,7 +151,9 @@ def server(tmp_path_factory, ckpt):
     tmp = tmp_path_factory.mktemp("triton_gen")
     tg.make_generate_repo(tmp / "repo", model_dir=ckpt, device="cpu", max_slots=SLOTS, max_seq_len=MAX_SEQ,
                           buffer_len=L, mode="replay")
-    with _serve(tmp, tmp / "repo", (NAME,)) as (url, tail, proc):
+    tg.make_generate_repo(tmp / "repo", tiny="qwen3_next", device="cpu", max_slots=SLOTS, max_seq_len=MAX_SEQ,
+                          buffer_len=L, mode="replay")
+    with _serve(tmp, tmp / "repo", (NAME, QWEN)) as (url, tail, proc):
         http = next(int(a.split("=", 1)[1]) for a in proc.args if a.startswith("--http-port="))
         yield dict(url=url, http=f"http://127.0.0.1:{http}", tail=tail, proc=proc)
 
@@ -117,12 +181,12 @@ class Stream:
     """One request on its own gRPC stream; ``wait()`` collects every response: ``tokens`` (per response),
     ``text``, ``final`` (finish_reason, prompt_tokens, completion_tokens) or ``error``, and when each came."""
 
-    def __init__(self, url, inputs, parameters=None):
+    def __init__(self, url, inputs, parameters=None, model=NAME):
         self.client = grpcclient.InferenceServerClient(url)
         self.q = queue.Queue()
         self.tokens, self.text, self.times, self.final, self.error = [], "", [], None, None
         self.client.start_stream(callback=lambda result, error: self.q.put((result, error, time.monotonic())))
-        self.client.async_stream_infer(NAME, inputs, parameters=parameters, enable_empty_final_response=True)
+        self.client.async_stream_infer(model, inputs, parameters=parameters, enable_empty_final_response=True)
 
     @property
     def ids(self):
@@ -336,6 +400,31 @@ def test_readme_client_example_runs(server, ref):
     assert lines[-1] == "finish_reason: length"
 
 
+def test_qwen_streams_match_transformers(server):
+    """The tiny Qwen3-Next through the same streaming model (its Gated DeltaNet layers on the engine's ReplaySSM GDN
+    step, gated attention with RoPE, sparse MoE): three greedy streams at once on 2 slots (one waits, then takes a
+    freed slot; two are prefilled together, left-padded) each equal transformers' generate token for token."""
+    from builders.qwen3_next import tiny_model
+
+    model = tiny_model("qwen3_next", seed=0)  # the weights the server's model.py builds
+    gen = torch.Generator().manual_seed(5)
+    jobs = [(torch.randint(0, 256, (2 + 3 * k,), generator=gen).tolist(), n) for k, n in enumerate((14, 9, 17))]
+    streams = [Stream(server["url"], _inputs(p, max_tokens=n), model=QWEN) for p, n in jobs]
+    try:
+        for s in streams:
+            s.wait()
+    finally:
+        for s in streams:
+            s.close()
+    for s, (p, n) in zip(streams, jobs):
+        assert s.error is None, f"{s.error}\n{server['tail']()}"
+        with torch.no_grad():
+            want = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(p):].tolist()
+        assert s.ids == want and s.final == ("length", len(p), n), (p, n)
+        assert all(len(r) == 1 for r in s.tokens)
+
+
 def test_shutdown_with_an_open_stream_is_prompt(server):
     """SIGTERM while a stream is generating (runs last: it stops the module's server): the stream ends with an
     error within a few seconds, and once its client closes it the server exits, well before tritonserver's exit
@@ -403,11 +492,49 @@ def test_repository_config(tmp_path):
         assert (p["mode"], p["max_slots"], p["max_seq_len"], p["tiny"], p["dtype"]) == ("replay_bf16", "3", "64",
                                                                                        "nemotron_h", "float32")
         assert "GenerateModel" in (target / "1" / "model.py").read_text()
-    with pytest.raises(tg.RepoError, match="Qwen3-Next / Qwen3.5 take the per-token model"):
-        tg.make_generate_repo(tmp_path / "q", tiny="qwen3_next", device="cpu")
+    for tiny in ("qwen3_next", "qwen3_5", "qwen3_5_moe"):  # every family streams; Gated DeltaNet has no fp8 shadow
+        target = tg.make_generate_repo(tmp_path / "q", tiny=tiny, device="cpu", mode="conventional")
+        mc = text_format.Parse((target / "config.pbtxt").read_text(), pb.ModelConfig())
+        assert target.name == f"{tiny}_replayssm" and mc.model_transaction_policy.decoupled
+        assert mc.parameters["mode"].string_value == "conventional" and mc.parameters["tiny"].string_value == tiny
+    with pytest.raises(tg.RepoError, match="--mode replay_fp8 .*there is no fp8 GDN shadow"):
+        tg.make_generate_repo(tmp_path / "f", tiny="qwen3_5", device="cpu", mode="replay_fp8")
     with pytest.raises(tg.RepoError, match="--mode: expected one of"):
         tg.make_generate_repo(tmp_path / "m", device="cpu", mode="shadow")
-    assert not (tmp_path / "q").exists() and not (tmp_path / "m").exists()
+    assert not (tmp_path / "f").exists() and not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(buffer_len=0), "--buffer-len: expected 1..32"),
+    (dict(buffer_len=33), "--buffer-len: expected 1..32"),
+    (dict(max_slots=0), "--max-slots"),
+    (dict(max_seq_len=1), "--max-seq-len"),
+    (dict(dtype="int8"), "--dtype"),
+    (dict(tiny="nope"), "--tiny: expected one of"),
+    (dict(model_dir=pathlib.Path("/nonexistent")), "--model: expected a checkpoint directory"),
+    (dict(text_input="bytes"), "--text-input: expected one of"),
+])
+def test_repository_rejects_bad_options(tmp_path, kw, match):
+    with pytest.raises(tg.RepoError, match=match):
+        tg.make_generate_repo(tmp_path / "r", "m", **{"device": "cpu", **kw})
+    assert not (tmp_path / "r" / "m").exists()
+
+
+def test_model_py_puts_the_project_first_and_refuses_another_python(tmp_path):
+    """The generated model.py: the stub ignores PYTHONPATH, so it puts parameters['python_path'] first on sys.path
+    (the project root leads) and refuses a repository built for another Python version, naming the fix."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    target = tg.make_generate_repo(tmp_path / "r", "m", device="cpu")
+    mc = text_format.Parse((target / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert mc.parameters["python_path"].string_value.split(os.pathsep)[0] == str(ROOT)
+    assert (target / "1" / "model.py").read_text() == tr.MODEL_PY
+    ns = {}
+    exec(compile(tr.MODEL_PY, "model.py", "exec"), ns)
+    cfg = {"parameters": {"python_version": {"string_value": "2.7"}, "python_libdir": {"string_value": "/x/lib"}}}
+    with pytest.raises(RuntimeError, match="built with Python 2.7.*LD_LIBRARY_PATH=/x/lib"):
+        ns["_setup_path"](cfg)
 
 
 def test_the_cli_modes_are_the_engines():
@@ -417,6 +544,9 @@ def test_the_cli_modes_are_the_engines():
     mtr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mtr)
     assert mtr.MODES == MODES and set(mtr.SHADOW_MODE.values()) <= set(MODES)
+    sig = inspect.signature(tg.make_generate_repo).parameters  # the CLI's defaults are the writer's
+    assert {k: sig[k].default for k in mtr.PY_DEFAULTS} == mtr.PY_DEFAULTS
+    assert set(mtr.PYTHON_ONLY.values()) <= set(sig)
 
 
 
@@ -566,3 +696,35 @@ def test_model_in_process_with_a_stand_in_stub(broken, ckpt, ref):
             assert t.done.wait(5) and "send the prompt as the request parameter 'text_input'" in t.responses[0][0].error.msg
     finally:
         gm.finalize()
+
+
+def test_qwen_model_in_process(tmp_path):
+    """GenerateModel over the tiny Qwen3.5 MoE (loaded from the repository's parameters as the server's model.py
+    loads it) under the stand-in stub: two requests on one slot stream transformers' greedy tokens in the
+    conventional mode; a repository asking for the fp8 shadow of a Gated DeltaNet model fails at load, naming it."""
+    from builders.qwen3_next import tiny_model
+
+    pb = _FakePb(False)
+
+    def args(mode):
+        p = dict(tiny="qwen3_5_moe", seed="0", dtype="float32", device="cpu", max_slots="1", max_seq_len="64",
+                 buffer_len="4", mode=mode, health_url="off")
+        return {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in p.items()}})}
+
+    gm = tg.GenerateModel(pb, args("conventional"))
+    try:
+        assert type(gm.engine.step).__name__ == "QwenStep" and gm.tokenizer is None
+        jobs = [([3, 1, 4, 1, 5], 9), ([9, 2, 6], 6)]
+        reqs = [_FakeRequest(pb, {"input_ids": p, "max_tokens": [n]}) for p, n in jobs]
+        gm.execute(reqs)
+        model = tiny_model("qwen3_5_moe", seed=0)
+        for r, (p, n) in zip(reqs, jobs):
+            assert r.done.wait(60)
+            ids = [t for resp, _ in r.responses for t in resp.outputs["output_ids"].raw.tolist()]
+            want = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(p):].tolist()
+            assert ids == want and r.responses[-1][0].outputs["completion_tokens"].raw.tolist() == [n]
+    finally:
+        gm.finalize()
+    with pytest.raises(ValueError, match="no fp8 GDN shadow"):
+        tg.GenerateModel(pb, args("replay_fp8"))

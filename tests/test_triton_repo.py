@@ -3,7 +3,8 @@
 the engine description that scripts/build_engine.py writes (every state paired, nothing missing),
 for the embedded tiny configs: Nemotron-H (``M*-M-M*-``), Nemotron 3 (``MEM*EM*E``: its MoE layers
 carry no state, so the repository holds the states of the Mamba and attention layers only) and
-Qwen3-Next (``GGG*``: seven states per Gated DeltaNet layer).
+Qwen3-Next (``GGG*``: seven states per Gated DeltaNet layer); and the command line's --backend python, which writes
+the streaming model of builders/triton_generate.py for every family (tests/test_triton_generate.py serves it).
 """
 
 import importlib.util
@@ -22,6 +23,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "scripts" / "make_triton_repo.py")
 mtr = importlib.util.module_from_spec(spec)  # its command line
 spec.loader.exec_module(mtr)
+
+
+def _tg():
+    """builders/triton_generate.py (the --backend python writer; it imports torch, which the tensorrt_plan route
+    does not need)."""
+    from builders import triton_generate
+
+    return triton_generate
 
 
 @pytest.fixture(scope="module", params=("nemotron_h", "nemotron3", "qwen3_next"))
@@ -86,7 +95,7 @@ def test_model_directory_has_the_umask_mode(engine_dir, tmp_path):
     old = os.umask(0o022)
     try:
         target = tr.make_repo(engine_dir, tmp_path / "repo", "nh")
-        python = tr.make_python_repo(tmp_path / "py", "nh_py", tiny="nemotron_h")
+        python = _tg().make_generate_repo(tmp_path / "py", "nh_py", tiny="nemotron_h", device="cpu")
     finally:
         os.umask(old)
     assert (target.stat().st_mode & 0o777) == 0o755 and (python.stat().st_mode & 0o777) == 0o755
@@ -148,8 +157,8 @@ def test_sequence_batching_flags_reach_the_tensorrt_plan_config(engine_dir, tmp_
 
 def test_python_repo_of_a_published_qwen3_5_directory(tmp_path):
     """The published Qwen3.5 directories carry the vision-language wrapper's config.json (model_type qwen3_5, the
-    text model's vocab_size under text_config): the Python-backend repository takes its vocabulary from there (it was
-    a KeyError: 'vocab_size')."""
+    text model's vocab_size under text_config): the Python-backend repository reads its vocabulary from there (it was
+    a KeyError: 'vocab_size'), loads the checkpoint as the server will and builds the engine's decode step over it."""
     from google.protobuf import text_format
     from transformers import Qwen3_5Config, Qwen3_5TextConfig
     from tritonclient.grpc import model_config_pb2 as pb
@@ -160,15 +169,18 @@ def test_python_repo_of_a_published_qwen3_5_directory(tmp_path):
     tiny_model("qwen3_5", vocab_size=300).save_pretrained(ckpt)  # the weights: the writer loads the checkpoint
     Qwen3_5Config(text_config=Qwen3_5TextConfig(**dict(TINY_QWEN3_5, vocab_size=300)).to_dict()).save_pretrained(ckpt)
     assert "vocab_size" not in json.loads((ckpt / "config.json").read_text())
-    target = tr.make_python_repo(tmp_path / "repo", model_dir=ckpt, device="cpu")
+    assert tr._vocab("qwen3_5", ckpt) == 300
+    target = _tg().make_generate_repo(tmp_path / "repo", model_dir=ckpt, device="cpu", mode="replay_bf16")
     mc = text_format.Parse((target / "config.pbtxt").read_text(), pb.ModelConfig())
-    assert target.name == "qwen3_5_replayssm" and list(mc.output[0].dims) == [300]
+    assert target.name == "qwen3_5_replayssm" and mc.model_transaction_policy.decoupled
+    assert mc.parameters["model_dir"].string_value == str(ckpt.resolve())
 
 
-def test_bad_inputs_are_refused_by_name_before_anything_is_written(tmp_path):
-    """An unreadable config.json (engine directory or checkpoint), a --name that is not one directory name and a
-    negative --max-queue-delay-us: RepoError naming the file or flag (they were a JSONDecodeError, AttributeError,
-    FileNotFoundError from mkdtemp, or protobuf's ValueError), the CLI's exit 2, and no file written."""
+def test_bad_inputs_are_refused_by_name_before_anything_is_written(tmp_path, capsys):
+    """An unreadable config.json (engine directory or checkpoint), a --name that is not one directory name, a
+    negative --max-queue-delay-us (and the sequence batcher's flags with --backend python, which has none): RepoError
+    naming the file or flag (they were a JSONDecodeError, AttributeError, FileNotFoundError from mkdtemp, or
+    protobuf's ValueError), the CLI's exit 2, and no file written."""
     eng, ckpt, repo = tmp_path / "engine", tmp_path / "ckpt", tmp_path / "repo"
     eng.mkdir()
     ckpt.mkdir()
@@ -180,22 +192,23 @@ def test_bad_inputs_are_refused_by_name_before_anything_is_written(tmp_path):
         tr.make_repo(eng, repo)
     assert mtr.main(["--engine-dir", str(eng), "--repo", str(repo)]) == 2
     (ckpt / "config.json").write_text("{")
+    tg = _tg()
     with pytest.raises(tr.RepoError, match=r"ckpt/config.json: not valid JSON"):
-        tr.make_python_repo(repo, model_dir=ckpt, device="cpu")
+        tg.make_generate_repo(repo, model_dir=ckpt, device="cpu")
     for name in ("a/b", "../escape"):
         with pytest.raises(tr.RepoError, match=f"--name: expected one directory name, got '{name}'"):
-            tr.make_python_repo(repo, name, device="cpu")
+            tg.make_generate_repo(repo, name, device="cpu")
         assert mtr.main(["--backend", "python", "--device", "cpu", "--repo", str(repo), "--name", name]) == 2
-    with pytest.raises(tr.RepoError, match=r"--max-queue-delay-us: expected 0\.\..*, got -5"):
-        tr.make_python_repo(repo, device="cpu", max_queue_delay_us=-5)
-    assert mtr.main(["--backend", "python", "--device", "cpu", "--repo", str(repo), "--max-queue-delay-us", "-5"]) == 2
+    assert mtr.main(["--engine-dir", str(eng), "--repo", str(repo), "--max-queue-delay-us", "-5"]) == 2
+    assert "--max-queue-delay-us: expected 0.." in capsys.readouterr().err
+    assert mtr.main(["--backend", "python", "--device", "cpu", "--repo", str(repo), "--max-queue-delay-us", "5"]) == 2
+    assert "--max-queue-delay-us: only with --backend tensorrt_plan" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "engine"]
 
 
-def test_cli_python_backend_picks_the_model_by_family(tmp_path, capsys):
-    """--backend python writes the streaming (decoupled) model for Nemotron-H / Nemotron 3, --mode or --shadow as its
-    mode (the two must agree), and the per-token model for Qwen3-Next / Qwen3.5 with a note saying why (--mode
-    replay_bf16 as its --shadow bf16; conventional refused there)."""
+def test_cli_python_backend_writes_the_streaming_model_of_every_family(tmp_path, capsys):
+    """--backend python writes the streaming (decoupled) model for Nemotron-H, Nemotron 3 and the Qwen families, --mode
+    or --shadow as its mode (the two must agree); a Gated DeltaNet model has no fp8 shadow (refused by name)."""
     from google.protobuf import text_format
     from tritonclient.grpc import model_config_pb2 as pb
 
@@ -203,23 +216,40 @@ def test_cli_python_backend_picks_the_model_by_family(tmp_path, capsys):
         return text_format.Parse((repo / name / "config.pbtxt").read_text(), pb.ModelConfig())
 
     base = ["--backend", "python", "--device", "cpu"]
-    for flags, mode in ((["--shadow", "bf16"], "replay_bf16"), (["--mode", "conventional"], "conventional"),
-                        (["--tiny", "nemotron3", "--mode", "replay_fp8", "--shadow", "fp8"], "replay_fp8"), ([], "replay")):
+    for flags, name, mode in ((["--shadow", "bf16"], "nemotron_h", "replay_bf16"),
+                              (["--mode", "conventional"], "nemotron_h", "conventional"),
+                              (["--tiny", "nemotron3", "--mode", "replay_fp8", "--shadow", "fp8"], "nemotron3", "replay_fp8"),
+                              ([], "nemotron_h", "replay"),
+                              (["--tiny", "qwen3_next", "--mode", "replay_bf16"], "qwen3_next", "replay_bf16"),
+                              (["--tiny", "qwen3_5", "--mode", "conventional"], "qwen3_5", "conventional"),
+                              (["--tiny", "qwen3_5_moe"], "qwen3_5_moe", "replay")):
         repo = tmp_path / f"r{len(list(tmp_path.iterdir()))}"
         assert mtr.main(base + ["--repo", str(repo), *flags]) == 0
-        name = "nemotron3_replayssm" if "nemotron3" in flags else "nemotron_h_replayssm"
-        mc = config(repo, name)
+        mc = config(repo, f"{name}_replayssm")
         assert mc.model_transaction_policy.decoupled and mc.parameters["mode"].string_value == mode, flags
+        assert "GenerateModel" in (repo / f"{name}_replayssm" / "1" / "model.py").read_text()
     capsys.readouterr()
     assert mtr.main(base + ["--repo", str(tmp_path / "bad"), "--mode", "replay", "--shadow", "bf16"]) == 2
     assert "--mode replay and --shadow bf16 disagree" in capsys.readouterr().err
-    assert mtr.main(base + ["--repo", str(tmp_path / "q"), "--tiny", "qwen3_next", "--mode", "replay_bf16"]) == 0
-    assert "note: Qwen3-Next / Qwen3.5 get the per-token model" in capsys.readouterr().out
-    mc = config(tmp_path / "q", "qwen3_next_replayssm")
-    assert not mc.model_transaction_policy.decoupled and mc.parameters["shadow"].string_value == "bf16"
-    assert mtr.main(base + ["--repo", str(tmp_path / "q2"), "--tiny", "qwen3_5", "--mode", "conventional"]) == 2
-    assert "--mode conventional: the per-token model" in capsys.readouterr().err
-    assert not (tmp_path / "bad").exists() and not (tmp_path / "q2").exists()
+    assert mtr.main(base + ["--repo", str(tmp_path / "q"), "--tiny", "qwen3_5", "--shadow", "fp8"]) == 2
+    assert "there is no fp8 GDN shadow" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists() and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("tiny", ["qwen3_5_moe", "nemotron3"])
+def test_default_name_follows_the_model(tmp_path, tiny):
+    """The repository's model is named after the model it serves (was nemotron_h_replayssm for every model);
+    --name still sets it."""
+    assert mtr.main(["--backend", "python", "--repo", str(tmp_path / "r"), "--device", "cpu", "--tiny", tiny]) == 0
+    assert (tmp_path / "r" / f"{tiny}_replayssm" / "1" / "model.py").is_file()
+    assert mtr.main(["--backend", "python", "--repo", str(tmp_path / "r"), "--device", "cpu", "--tiny", tiny,
+                     "--name", "m"]) == 0
+    assert (tmp_path / "r" / "m" / "config.pbtxt").is_file()
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "qwen3_5_moe", "vocab_size": 64}')
+    assert tr.default_name(model_dir=ckpt) == "qwen3_5_moe_replayssm"
+    assert tr.default_name(engine_cfg={"model": {"source": "x"}}) == "nemotron_h_replayssm"
 
 
 def test_cli_streaming_flags_only_with_backend_python(tmp_path, capsys):
