@@ -36,8 +36,18 @@ Per (batch row, GDN layer), the same forms (:func:`gdn_bytes_per_position`, :fun
     verify, no fold  R + T io + m E_r + T E_w;  fold  2 S + R_w + T io + m E_f + T E_w
     standard decode at k < L: R + io + (k - 1) E_r + E_w;  flush: 2 S + R_w + io + (L - 1) E_f
     native verify S + T S + T io;  native commit 2 S
-Amortized over a flush cycle (:func:`mamba2_bytes_per_step`, :func:`gdn_bytes_per_step`): the mean over
-k = 1..L; ratio = conventional / that mean.
+Per (batch row, Kimi Delta Attention (KDA) layer), the same forms (:func:`kda_bytes_per_position`,
+:func:`kda_verify_bytes`, :func:`kda_native_spec_bytes`; H heads, K key dim, V value dim; ring u bytes u
+(bf16 2), per-channel log-decay bytes g (fp32 4); :mod:`.families.kda.reference`'s ring):
+    S   = H K V s,  R = H K (V q + r)
+    io  = q, k, raw forget gate f 3 H K a + v H V a + raw beta H a + y H V a
+    E_r = k H K a + u H V u + g H K g               entry read by the output path
+    E_f = k H K a + v H V a + g H K g + beta H 4    entry read by the exact fold
+    E_w = k H K a + u H V u + g H K g + v H V a + beta H 4   entry written (:func:`kda_ring_entry_bytes`)
+    then exactly the GDN forms above with these S, R, io, E_r, E_f, E_w.
+Amortized over a flush cycle (:func:`mamba2_bytes_per_step`, :func:`gdn_bytes_per_step`,
+:func:`kda_bytes_per_step`): the mean over k = 1..L; ratio = conventional / that mean. :func:`ring_sweep`: the
+best L and the L past which the amortized ratio falls below 1, for any family.
 
 Per (batch row, Mamba-2 layer), one step of the end-to-end model (:func:`decode_step_bytes`,
 :func:`spec_step_bytes`; the layer's io is not counted there, and the standard replay step charges an
@@ -65,6 +75,8 @@ which adds up exactly what :class:`.cache.ReplayStateCache` allocates; tests/tes
                    + conv window cd W a,  W = K - 1 + num_draft
     GDN layer      state HV V Kd s + shadow HV V Kd q + HV V r + rings u HV L V f + v HV L V a
                    + k Hk L Kd f + g, beta 2 HV L f + conv window (2 Hk Kd + HV V) W a
+    KDA layer      state H K V s + shadow H K V q + H K r + ring L E_w + conv window (2 H K + H V) W a
+                   (:func:`kda_layer_memory`)
     slot           Mamba-2 layers + GDN layers + cursor 8;  cache = slots x slot + one scratch conv window
                    per layer (the padding rows' destination)
     native spec    (1 + num_draft) (S + cd (K - 1) a) per layer (vLLM / TensorRT-LLM keep a state and a
@@ -226,6 +238,77 @@ def gdn_native_spec_bytes(HV: int, H: int, V: int, K: int, T: int, act_bytes: in
     return state + T * state + T * io, 2 * state
 
 
+# ---- Kimi Delta Attention: one launch per (batch row, layer) ----------------------------------------------------
+def kda_state_bytes(H: int, K: int, V: int, state_bytes: int = 4) -> int:
+    """S = H K V s: one row's checkpoint in one KDA layer."""
+    return H * K * V * state_bytes
+
+
+def kda_ring_entry_bytes(H: int, K: int, V: int, act_bytes: int = 2, u_bytes: int = 2, g_bytes: int = 4) -> dict:
+    """Bytes of one ring entry of one row's KDA layer (families/kda/reference.py's ring): ``read`` by the output
+    path (k, u, g), read by the exact ``fold`` (k, v, g, beta), ``write`` (all five), and ``hold`` (what the slot
+    keeps: = write)."""
+    a = act_bytes
+    write = H * (K * a + V * u_bytes + K * g_bytes + V * a + 4)
+    return {"read": H * (K * a + V * u_bytes + K * g_bytes), "fold": H * (K * a + V * a + K * g_bytes + 4),
+            "write": write, "hold": write}
+
+
+def _kda_parts(H, K, V, act_bytes, state_bytes, shadow, u_bytes, g_bytes):
+    a = act_bytes
+    state = kda_state_bytes(H, K, V, state_bytes)
+    sh = shadow_sizes(shadow)
+    read = state if sh is None else H * K * V * sh[0] + H * K * sh[1]  # fp8 scales: one per (head, key row)
+    io = (3 * H * K + H * V + H) * a + H * V * a  # q, k, raw forget gate f, v, raw beta b in; y out
+    e = kda_ring_entry_bytes(H, K, V, act_bytes, u_bytes, g_bytes)
+    return state, read, (0 if sh is None else read), io, e["read"], e["fold"], e["write"]
+
+
+def kda_bytes_per_position(H: int, K: int, V: int, L: int, act_bytes: int = 2, state_bytes: int = 4, shadow=None,
+                           u_bytes: int = 2, g_bytes: int = 4) -> tuple[int, dict[int, int]]:
+    """The KDA bytes model per (row, layer): (conventional step, {k: ReplaySSM standard decode step at buffer
+    position k = 1..L}). Conventional: read + write S. ReplaySSM at k < L: S0 (or its shadow) once, the k - 1
+    entries the output needs (k, u, g), one entry written; k = L (the flush): S0 and the L - 1 entries the
+    exact fold needs (k, v, g, beta) read, S0 (+ the shadow) written, no entry. io is counted in both."""
+    state, read, wsh, io, hist, fold, entry = _kda_parts(H, K, V, act_bytes, state_bytes, shadow, u_bytes, g_bytes)
+    return _per_position(state, read, wsh, io, hist, fold, entry, L)
+
+
+def kda_bytes_per_step(H: int, K: int, V: int, L: int, act_bytes: int = 2, state_bytes: int = 4, shadow=None,
+                       u_bytes: int = 2, g_bytes: int = 4) -> dict:
+    """:func:`kda_bytes_per_position` over a flush cycle: conventional, replay (mean over k), ratio, nonflush, flush."""
+    conv, per_k = kda_bytes_per_position(H, K, V, L, act_bytes, state_bytes, shadow, u_bytes, g_bytes)
+    return _per_step(conv, per_k, L)
+
+
+def kda_verify_bytes(H: int, K: int, V: int, L: int, T: int, m: int, act_bytes: int = 2, state_bytes: int = 4,
+                     shadow=None, u_bytes: int = 2, g_bytes: int = 4) -> int:
+    """One KDA ReplaySSM verify of T tokens at committed count m (the exact fold of the m entries where m + 2T > L)."""
+    state, read, wsh, io, hist, fold, entry = _kda_parts(H, K, V, act_bytes, state_bytes, shadow, u_bytes, g_bytes)
+    return _window(state, read, wsh, io, hist, fold, entry, L, T, m)
+
+
+def kda_native_spec_bytes(H: int, K: int, V: int, T: int, act_bytes: int = 2, state_bytes: int = 4) -> tuple[int, int]:
+    """(native verify: S + T snapshots + T io, native commit: 2 S) per (row, layer)."""
+    state, _, _, io, *_ = _kda_parts(H, K, V, act_bytes, state_bytes, None, 2, 4)
+    return state + T * state + T * io, 2 * state
+
+
+def ring_sweep(bytes_per_step, *geometry, L_max: int = 1024, **kw) -> dict:
+    """Any family's ``*_bytes_per_step`` over L = 1..L_max: {"best_L", "best_ratio", "break_even_L"} with
+    break_even_L the smallest L > 1 whose amortized ratio is below 1 (None if none up to L_max): the ring past
+    which replay moves more bytes than the conventional step."""
+    best_L, best, even = 1, 0.0, None
+    for L in range(1, L_max + 1):
+        r = bytes_per_step(*geometry, L, **kw)["ratio"]
+        if r > best:
+            best_L, best = L, r
+        if L > 1 and r < 1 and even is None:
+            even = L
+            break
+    return {"best_L": best_L, "best_ratio": best, "break_even_L": even}
+
+
 # ---- the end-to-end model step (scripts/bench_e2e.py: standard and spec) -----------------------------------------------
 def _model_geometry(config) -> dict:
     """A NemotronHConfig's Mamba-2 shape and layer counts (M Mamba-2, A attention)."""
@@ -350,6 +433,17 @@ def gdn_layer_memory(HV: int, Hk: int, V: int, Kd: int, L: int, conv_width: int,
             "shadow": 0 if sh is None else HV * V * Kd * sh[0] + HV * V * sh[1],
             "ring": HV * L * V * f + HV * L * V * act_bytes + Hk * L * Kd * f + 2 * HV * L * f,
             "conv": cd * conv_width * act_bytes}
+
+
+def kda_layer_memory(H: int, K: int, V: int, L: int, conv_width: int = 0, state_bytes: int = 4, act_bytes: int = 2,
+                     shadow=None, u_bytes: int = 2, g_bytes: int = 4) -> dict:
+    """Bytes one slot holds in one KDA layer: {state, shadow, ring (k, u, g, v, beta), conv} (conv over q | k | v,
+    3 H K channels with K = V as Kimi / GLM; ``conv_width`` 0 leaves it to the cache)."""
+    sh = shadow_sizes(shadow)
+    return {"state": kda_state_bytes(H, K, V, state_bytes),
+            "shadow": 0 if sh is None else H * K * V * sh[0] + H * K * sh[1],
+            "ring": L * kda_ring_entry_bytes(H, K, V, act_bytes, u_bytes, g_bytes)["hold"],
+            "conv": (2 * H * K + H * V) * conv_width * act_bytes}
 
 
 def cache_bytes(num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int,
@@ -511,6 +605,8 @@ def config_weight_bytes(config, dtype) -> int:
 __all__ = ["GiB", "FP8_SCALE_BYTES", "DECODE_MODES", "SPEC_MODES", "shadow_sizes", "mamba2_state_bytes",
            "mamba2_bytes_per_position", "mamba2_bytes_per_step", "mamba2_verify_bytes", "mamba2_native_spec_bytes",
            "gdn_state_bytes", "gdn_bytes_per_position", "gdn_bytes_per_step", "gdn_verify_bytes", "gdn_native_spec_bytes",
+           "kda_state_bytes", "kda_ring_entry_bytes", "kda_bytes_per_position", "kda_bytes_per_step", "kda_verify_bytes",
+           "kda_native_spec_bytes", "kda_layer_memory", "ring_sweep",
            "mamba2_decode_step_ssm", "mamba2_spec_step_ssm", "decode_step_bytes", "spec_step_bytes",
            "mamba2_layer_memory", "gdn_layer_memory", "cache_bytes", "memory_per_request", "serving_memory",
            "max_batch_within", "max_batch", "spec_run_plan", "decode_run_plan", "model_weight_bytes",

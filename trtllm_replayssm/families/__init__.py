@@ -1,0 +1,145 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The SSM-family interface (issue 36): one folder per family, consumed without branching on its name.
+
+A family is a subpackage ``trtllm_replayssm.families.<name>`` whose ``__init__`` defines ``FAMILY``, a
+:class:`Family`. :func:`get` imports it by name and :func:`names` lists the folders, so adding a family
+adds a folder and touches no registry. What a family declares today:
+
+- its persistent state table (:class:`StateTensor` rows: name, shape in symbols, dtype role, who writes it),
+  from which :meth:`Family.shapes` and :meth:`Family.allocate` give the tensors of one layer;
+- its float64 executable spec (:attr:`Family.reference`, a module imported on demand);
+- its bytes model (:attr:`Family.bytes_per_step`, a function of :mod:`trtllm_replayssm.costs`: one bytes
+  model for every family).
+
+The kernel specs and launchers, ONNX / onnxruntime ops, TensorRT plugin registration and the builders' mixer
+patch are further fields that issue 36 adds when Mamba-2 and Gated DeltaNet move into their own folders
+(``mamba2/``, ``gdn/``); until then those two families live in the layer modules (``reference.py``,
+``gdn_reference.py``, ...).
+
+Shared ring-cursor rules and validation: the cursor forms and their moves are the ones :mod:`..contract`
+describes and :mod:`..reference` / :mod:`..spec_reference` implement (``advance_cursor``, ``flush_cursor``,
+``commit``); the helpers below re-export what a family's reference needs from them under public names, so a
+family imports nothing private of another family's modules and the move to a shared module is one place.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import reference as _reference
+from .. import spec_reference as _spec
+
+START, COUNT = _spec.START, _spec.COUNT
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One persistent tensor of a family's layer: a leading ``slots`` dim, then symbols resolved by
+    :meth:`Family.shapes` (``L`` the ring capacity, the rest the family's geometry); ``dtype`` is a role name
+    that :meth:`Family.allocate` maps to a torch dtype (defaults in :attr:`Family.dtypes`)."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str
+    written_by: str
+    optional: bool = False
+
+    def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        missing = [d for d in self.dims if d not in sizes]
+        if missing:
+            raise ValueError(f"{self.name}: sizes {missing} are not given (have {sorted(sizes)})")
+        return tuple(int(sizes[d]) for d in self.dims)
+
+
+@dataclass(frozen=True)
+class Family:
+    """What the cache, the executors and the benchmarks read from a family (module docstring)."""
+
+    name: str
+    geometry: tuple[str, ...]  # the symbols of one layer's geometry, in the order a geometry tuple gives them
+    state_table: tuple[StateTensor, ...]
+    dtypes: Mapping[str, torch.dtype]  # role -> default dtype
+    reference: str  # module path of the float64 spec
+    bytes_per_step: Callable[..., dict]
+    geometries: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # published per-GPU geometries
+
+    def sizes(self, slots: int, L: int, geometry) -> dict[str, int]:
+        if len(geometry) != len(self.geometry):
+            raise ValueError(f"geometry: expected {len(self.geometry)} sizes {self.geometry}, got {tuple(geometry)}")
+        return {"slots": slots, "L": L, **dict(zip(self.geometry, (int(g) for g in geometry)))}
+
+    def shapes(self, slots: int, L: int, geometry, optional: bool = False) -> dict[str, tuple[int, ...]]:
+        """{name: shape} of one layer's persistent tensors (the optional ones, e.g. a shadow, when asked)."""
+        sz = self.sizes(slots, L, geometry)
+        return {t.name: t.shape(sz) for t in self.state_table if optional or not t.optional}
+
+    def allocate(self, slots: int, L: int, geometry, dtypes: Mapping[str, torch.dtype] | None = None,
+                 optional: bool = False, device="cpu") -> dict[str, torch.Tensor]:
+        """Zeroed tensors of one layer, in the table's order: a fresh slot reads zeros everywhere (contract.py)."""
+        dt = {**self.dtypes, **(dtypes or {})}
+        unknown = sorted(set(dtypes or {}) - set(self.dtypes))
+        if unknown:
+            raise ValueError(f"dtypes: unknown roles {unknown} for family {self.name} (roles {sorted(self.dtypes)})")
+        sz = self.sizes(slots, L, geometry)
+        return {t.name: torch.zeros(t.shape(sz), dtype=dt[t.dtype], device=device)
+                for t in self.state_table if optional or not t.optional}
+
+    def reference_module(self):
+        return importlib.import_module(self.reference)
+
+
+def names() -> list[str]:
+    """The family folders under this package."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.ispkg)
+
+
+def get(name: str) -> Family:
+    """The :class:`Family` of folder ``name`` (imported on first use)."""
+    if name not in names():
+        raise ValueError(f"family: expected one of {names()}, got {name!r}")
+    return importlib.import_module(f"{__name__}.{name}").FAMILY
+
+
+# ---- shared row / cursor rules (one implementation: spec_reference) ------------------------------------------
+def rows(state_batch_indices, batch: int, nslots: int) -> list[int]:
+    """The slot of each batch row (-1 padding) after the shared checks: int32 (batch,), values in [-1, nslots),
+    no slot twice; None means rows 0..batch-1 (batch <= nslots)."""
+    return _spec._slots(state_batch_indices, batch, nslots)
+
+
+def check_ring_cursor(cursor, nslots: int) -> None:
+    """The speculative cursor: (nslots, 2) int32 (start, count)."""
+    _spec._check_cursor(cursor, nslots)
+
+
+def check_window(num_tokens: int, L: int) -> None:
+    """A window of T = num_tokens tokens on a ring of L: T >= 1 and L >= 2T (flush one window early)."""
+    _spec._check_window(num_tokens, L)
+
+
+def check_standard_cursor(cursor, nslots: int, slots: list[int], L: int) -> None:
+    """The standard cursor: (nslots,) with every used slot's entry count in [0, L)."""
+    if tuple(cursor.shape) != (nslots,):
+        raise ValueError(f"cursor: expected shape ({nslots},), got {tuple(cursor.shape)}")
+    for s in slots:
+        if s >= 0 and not 0 <= int(cursor[s]) < L:
+            raise ValueError(f"cursor[{s}] = {int(cursor[s])} is outside [0, {L})")
+
+
+ring_indices = _spec.ring_indices
+needs_flush = _spec.needs_flush
+flush_cursor = _spec.flush_cursor
+commit = _spec.commit
+
+
+advance_cursor = _reference.advance_cursor  # the standard cursor's move: (c + 1) % L, once per model step
+
+
+__all__ = ["StateTensor", "Family", "names", "get", "rows", "check_ring_cursor", "check_window",
+           "check_standard_cursor", "ring_indices", "needs_flush", "flush_cursor", "commit", "advance_cursor",
+           "START", "COUNT"]
