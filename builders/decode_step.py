@@ -161,8 +161,7 @@ def window_conv(window, inputs, conv1d, K: int, T: int):
 
 def mamba2_mixer(mx, h, T: int, conv, ssm):
     """The Nemotron-H Mamba-2 mixer around a pluggable conv update and SSM step, written once for this
-    module's exported steps (standard and speculative) and the Triton Python model
-    (trtllm_replayssm/triton_model.py); builders/model_step.py's fused regions are the engine-speed form of
+    module's exported steps (standard and speculative); builders/model_step.py's fused regions are the engine-speed form of
     the same math. ``mx`` transformers' mixer module, h (batch, T, D) normed input, T the step's Python int
     (a constant in the exported graph).
 
@@ -201,7 +200,7 @@ def grouped_attention(q, k_cache, v_cache, at, scaling, pos=None, T: int | None 
     size-1 dim), so no copy of the KV cache per query head is made (nor put in an exported graph). ``pos``:
     arange(S) on q's device (made here if None); ``T``: the number of queries as a Python int (a constant in an
     exported graph; q.shape[2] if None). Returns (batch, nh, T, hd). The exported steps
-    (:func:`window_attention`) and the Triton Python model (trtllm_replayssm/triton_model.py) both attend here."""
+    (:func:`window_attention`) attend here."""
     nh, hd = q.shape[1], q.shape[3]
     T = q.shape[2] if T is None else T
     kvh = k_cache.shape[1]
