@@ -241,8 +241,13 @@ def test_sample_rules():
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
+    check_seeded_sampling(tiny)
+
+
+def check_seeded_sampling(model):
+    """A seeded sampled request gives the same tokens alone and batched with others (and not the greedy ones)."""
     def run(with_others):
-        eng = Engine(tiny, max_slots=3, max_seq_len=40, mode="replay", buffer_len=4)
+        eng = Engine(model, max_slots=3, max_seq_len=40, mode="replay", buffer_len=4)
         got = Collect()
         if with_others:
             eng.submit(Request(PROMPTS[2], 9, temperature=0.7, seed=5, on_output=got))
@@ -253,7 +258,7 @@ def test_seeded_sampling_is_reproducible_in_any_batch(tiny):
         return got.tokens[i]
 
     a, b = run(False), run(True)
-    assert a == b and a != reference(tiny, PROMPTS[0], 12)
+    assert a == b and a != reference(model, PROMPTS[0], 12)
 
 
 def test_256_concurrent_streams_on_16_slots(tiny):

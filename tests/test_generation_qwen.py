@@ -19,9 +19,17 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 from builders.generation import MODES, STEPS, Engine, Request, RequestError, make_step  # noqa: E402
 from builders.qwen3_next import FAMILIES, tiny_model  # noqa: E402
 
+from .test_generation import (  # noqa: E402  (the engine tests' prompts, oracle and bookkeeping)
+    MAX_TOKENS,
+    PROMPTS,
+    Collect,
+    assert_idle,
+    check_seeded_sampling,
+    reference,
+)
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-PROMPTS = [[5, 9, 13, 200, 7], [1, 2], [100] * 11, [3, 4, 5, 6, 7, 8, 9], [250]]
-MAX_TOKENS = [7, 12, 5, 9, 13]  # L = 4: the longer ones fold their rings three times
+# PROMPTS / MAX_TOKENS of the Nemotron tests (L = 4: the longer ones fold their rings three times)
 QWEN_MODES = ("conventional", "replay", "replay_bf16")
 TOL = 1e-5  # module docstring
 
@@ -36,27 +44,6 @@ def family(request):
 @pytest.fixture(scope="module")
 def qwen():
     return tiny_model("qwen3_next", seed=0)
-
-
-def reference(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-class Collect:
-    def __init__(self):
-        self.tokens, self.final = {}, {}
-
-    def __call__(self, o):
-        self.tokens.setdefault(o.request_id, []).extend(o.token_ids)
-        if o.finished:
-            assert o.request_id not in self.final, "two final outputs"
-            self.final[o.request_id] = o
-
-
-def assert_idle(eng: Engine):
-    assert sorted(eng.free) == list(range(eng.max_slots)) and not eng.live and not eng.queue and not eng.open
-    assert (eng.step.sbi == -1).all()
 
 
 @pytest.mark.parametrize("mode", QWEN_MODES)
@@ -193,19 +180,7 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on(qwen, monkeypatch
 
 
 def test_seeded_sampling_is_reproducible_in_any_batch(qwen):
-    def run(with_others):
-        eng = Engine(qwen, max_slots=3, max_seq_len=40, mode="replay", buffer_len=4)
-        got = Collect()
-        if with_others:
-            eng.submit(Request(PROMPTS[2], 9, temperature=0.7, seed=5, on_output=got))
-        i = eng.submit(Request(PROMPTS[0], 12, temperature=0.9, top_p=0.9, top_k=50, seed=1234, on_output=got))
-        if with_others:
-            eng.submit(Request(PROMPTS[1], 4, on_output=got))
-        eng.run_until_idle()
-        return got.tokens[i]
-
-    a, b = run(False), run(True)
-    assert a == b and a != reference(qwen, PROMPTS[0], 12)
+    check_seeded_sampling(qwen)
 
 
 # ---- CUDA: the GDN kernels behind the same engine ----------------------------------------------------------------
