@@ -32,6 +32,23 @@ Route (one engine thread owns the model, the step and every slot; clients only q
                        max_tokens, "cancelled", "error"); a finished, cancelled or failed request frees its slot
                        before the next step, so sequences join and leave between steps.
 
+Prefix cache (opt-in, ``prefix_cache_tokens`` > 0; off by default, the route above unchanged): an LRU of snapshots
+of transformers' cache (every layer's conv window, SSM / GDN recurrent state and attention K/V, a deep copy of the
+``DynamicCache`` on the engine's device) after a block-aligned prefix of a prompt (``prefix_block`` tokens a
+block), with that prefix's last logits, keyed by a chain hash of the prefix's blocks (a block's key hashes its
+parent's key and its tokens, so a prompt finds its longest cached prefix block by block; the tokens are compared on
+a hit). With the cache on, each request is prefilled alone: the longest cached prefix is copied into a fresh cache
+and only the rest is computed (a prompt equal to a cached prefix computes nothing: the entry's logits give the first
+token); snapshots are taken at the prompt's longest block-aligned prefix and at the deepest block boundary an
+earlier prompt passed too (where prompts branch: a shared system prompt). The budget is in cached prefix tokens
+(the sum of the entries' prefix lengths; least recently used entries go first; a prefix longer than the budget is
+not kept). Entries stay on the engine's device; an entry's bytes (counted on the snapshot, ``stats``) are per SSM
+layer its state (Mamba-2: ``costs.mamba2_state_bytes``; GDN: ``costs.gdn_state_bytes``, in the cache's dtype) plus
+the K last conv inputs (transformers keeps K), per attention layer 2 x kv_heads x head_dim x the prefix length in
+the cache's dtype, and the prefix's last logits (tests/test_prefix_cache.py checks this for Nemotron-H).
+``engine.stats``: prefill_tokens_computed / prefill_tokens_reused, prefix_hits / prefix_misses, prefix_entries,
+prefix_cached_tokens, prefix_cache_bytes, prefix_evictions.
+
 Faults: :meth:`Engine.cancel` (or a request's ``is_cancelled`` callable, polled every ``poll_s`` seconds: a
 client that went away) frees the slot at the next step; an exception in a step fails the requests of that step
 with the error and resets their slots (the engine keeps serving); :meth:`Engine.shutdown` ends every open and
@@ -47,6 +64,7 @@ CPU (eager, the float64 reference for the SSM) or CUDA (kernels; graphs where th
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import heapq
 import os
@@ -214,6 +232,40 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 
 # ---- the engine ------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _PrefixEntry:
+    tokens: tuple  # the prefix's token ids (checked on a hit: the key is a hash)
+    cache: object  # transformers' DynamicCache after the prefix (one row), never run on: hits copy it
+    logits: torch.Tensor  # (1, vocab) the prefix's last logits (a prompt equal to the prefix computes nothing)
+    nbytes: int
+
+
+def _nbytes(obj, seen=None) -> int:
+    """Bytes of the tensors reachable from ``obj`` through attributes, lists, tuples and dicts (each counted once)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return obj.nelement() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v, seen) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v, seen) for v in obj)
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return sum(_nbytes(v, seen) for v in vars(obj).values())
+    return 0
+
+
+def block_keys(prompt, block: int) -> list:
+    """Chain keys of the full ``block``-token blocks of ``prompt``: key j hashes key j-1 and block j's tokens."""
+    keys, key = [], 0
+    for a in range(0, len(prompt) - block + 1, block):
+        key = hash((key, tuple(prompt[a:a + block])))
+        keys.append(key)
+    return keys
+
+
 def _buckets(n: int) -> list[int]:
     out, b = [], 1
     while b < n:
@@ -229,12 +281,15 @@ class Engine:
     :func:`make_step`'s); ``max_seq_len``: K/V positions per slot (prompt + max_tokens must fit); ``mode`` one of
     MODES (the step refuses one it cannot run); ``cuda_graphs`` (default: on CUDA) captures one graph per row prefix
     at start, where the step is capturable (``step.capturable``; otherwise it runs eagerly); ``start()`` runs the
-    engine thread (``step_once()`` drives it by hand, e.g. in tests)."""
+    engine thread (``step_once()`` drives it by hand, e.g. in tests). ``prefix_cache_tokens`` > 0 turns the prefix
+    cache on with that budget in cached prefix tokens, snapshots at multiples of ``prefix_block`` (module docstring)."""
 
     def __init__(self, model, max_slots: int = 8, max_seq_len: int = 1024, mode: str = "replay",
                  buffer_len: int = 16, cuda_graphs: bool | None = None, prefill_chunk: int = 2048,
-                 poll_s: float = 0.05, fuse: bool | None = None):
-        for name, v, lo in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 2), ("prefill_chunk", prefill_chunk, 1)):
+                 poll_s: float = 0.05, fuse: bool | None = None, prefix_cache_tokens: int = 0,
+                 prefix_block: int = 16):
+        for name, v, lo in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 2), ("prefill_chunk", prefill_chunk, 1),
+                            ("prefix_cache_tokens", prefix_cache_tokens, 0), ("prefix_block", prefix_block, 1)):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
         self.model, self.mode = model, mode
@@ -271,6 +326,11 @@ class Engine:
         self.steps = 0
         self._next_id = 0
         self._last_poll = 0.0
+        self.prefix_cache_tokens, self.prefix_block = prefix_cache_tokens, prefix_block
+        self._prefix: collections.OrderedDict = collections.OrderedDict()  # chain key -> _PrefixEntry, LRU first
+        self._seen: collections.OrderedDict = collections.OrderedDict()  # chain keys prompts passed (branch points)
+        self.stats = dict(prefill_tokens_computed=0, prefill_tokens_reused=0, prefix_hits=0, prefix_misses=0,
+                          prefix_entries=0, prefix_cached_tokens=0, prefix_cache_bytes=0, prefix_evictions=0)
 
     # ---- graphs ---------------------------------------------------------------------------------------
     def _capture(self) -> None:
@@ -401,9 +461,13 @@ class Engine:
         each handed to its slot; returns the first tokens."""
         from transformers import DynamicCache
 
-        step, dev = self.step, self.device
+        dev = self.device
         lens = [len(v.req.prompt) for v in lives]
         m, b = max(lens), len(lives)
+        if self.prefix_cache_tokens:  # one request a group (_admit)
+            cache, logits = self._prefill_cached(list(lives[0].req.prompt))
+            return self._hand_off(lives, lens, m, cache, logits)
+        self.stats["prefill_tokens_computed"] += sum(lens)
         ids = torch.zeros(b, m, dtype=torch.int64)
         mask = torch.zeros(b, m, dtype=torch.int64)
         for r, v in enumerate(lives):
@@ -417,6 +481,11 @@ class Engine:
             kw = dict(attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)) if b > 1 else {}
             logits = self.model(input_ids=ids[:, a:a + self.prefill_chunk], cache=cache, use_cache=True,
                                 logits_to_keep=1, **kw).logits[:, -1]
+        return self._hand_off(lives, lens, m, cache, logits)
+
+    def _hand_off(self, lives: list, lens: list, m: int, cache, logits: torch.Tensor) -> list:
+        """Each row of ``cache`` to its request's slot, the sampling parameters set; returns the first tokens."""
+        step, dev = self.step, self.device
         slots = torch.tensor([v.slot for v in lives], device=dev)
         for r, (v, n) in enumerate(zip(lives, lens)):
             step.load_prefill_row(cache, r, v.slot, m, n)  # the family's hand-off (its step class)
@@ -431,6 +500,70 @@ class Engine:
         step.sbi[slots] = slots.to(step.sbi.dtype)
         return first.tolist()
 
+    # ---- the prefix cache (module docstring) ------------------------------------------------------------------
+    def _prefill_cached(self, prompt: list):
+        """One prompt's prefill through the prefix cache: (transformers' cache after the prompt, last logits (1, vocab)).
+        Copies the longest cached prefix, computes the rest (chunks of ``prefill_chunk``, cut at the snapshot points),
+        keeps the snapshots."""
+        from transformers import DynamicCache
+
+        n, blk, st = len(prompt), self.prefix_block, self.stats
+        keys = block_keys(prompt, blk)
+        hit = 0
+        for j in range(len(keys), 0, -1):
+            e = self._prefix.get(keys[j - 1])
+            if e is not None and e.tokens == tuple(prompt[:j * blk]):
+                hit = j
+                break
+        if hit:
+            e = self._prefix[keys[hit - 1]]
+            self._prefix.move_to_end(keys[hit - 1])
+            cache, logits = copy.deepcopy(e.cache), e.logits
+            st["prefix_hits"] += 1
+        else:
+            cache, logits = DynamicCache(config=self.cfg), None
+            st["prefix_misses"] += 1
+        st["prefill_tokens_reused"] += hit * blk
+        st["prefill_tokens_computed"] += n - hit * blk
+        # snapshots: the longest block-aligned prefix, and the deepest boundary an earlier prompt passed (a branch)
+        snaps = {len(keys)}
+        snaps |= {next((j for j in range(len(keys), hit, -1) if keys[j - 1] in self._seen), 0)}
+        snaps = {j for j in snaps if j > hit and j * blk <= self.prefix_cache_tokens}
+        for k in keys:
+            self._seen[k] = None
+            self._seen.move_to_end(k)
+        while len(self._seen) > 1 << 16:
+            self._seen.popitem(last=False)
+        cuts = sorted({j * blk for j in snaps} | set(range(hit * blk, n, self.prefill_chunk)) | {n})
+        ids = torch.tensor([prompt], dtype=torch.int64, device=self.device)
+        a = hit * blk
+        for b in cuts:
+            if b <= a:
+                continue
+            logits = self.model(input_ids=ids[:, a:b], cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            a = b
+            if b % blk == 0 and b // blk in snaps:
+                self._store(keys[b // blk - 1], tuple(prompt[:b]), cache, logits)
+        return cache, logits
+
+    def _store(self, key, tokens: tuple, cache, logits: torch.Tensor) -> None:
+        st = self.stats
+        if key in self._prefix:
+            self._prefix.move_to_end(key)
+            return
+        snap = copy.deepcopy(cache)
+        e = _PrefixEntry(tokens, snap, logits.clone(), _nbytes(snap) + logits.nelement() * logits.element_size())
+        self._prefix[key] = e
+        st["prefix_entries"] += 1
+        st["prefix_cached_tokens"] += len(tokens)
+        st["prefix_cache_bytes"] += e.nbytes
+        while st["prefix_cached_tokens"] > self.prefix_cache_tokens:
+            _, old = self._prefix.popitem(last=False)
+            st["prefix_entries"] -= 1
+            st["prefix_cached_tokens"] -= len(old.tokens)
+            st["prefix_cache_bytes"] -= old.nbytes
+            st["prefix_evictions"] += 1
+
     def _admit(self) -> None:
         """Prefill queued requests into free slots, in batches of at most ``prefill_chunk`` (padded) prompt tokens,
         up to ``prefill_chunk`` prompt tokens per decode step (at least one request), so streams already decoding
@@ -442,8 +575,8 @@ class Engine:
                 while self.queue and len(group) < len(self.free) and budget > 0:
                     nxt = self.queue[0]
                     m = max([len(nxt.req.prompt)] + [len(v.req.prompt) for v in group])
-                    if group and (len(group) + 1) * m > self.prefill_chunk:
-                        break
+                    if group and ((len(group) + 1) * m > self.prefill_chunk or self.prefix_cache_tokens):
+                        break  # with the prefix cache on, each request is prefilled alone
                     self.queue.popleft()
                     budget -= len(nxt.req.prompt)
                     group.append(nxt)
