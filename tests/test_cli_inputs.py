@@ -179,10 +179,10 @@ def test_unsupported_model_type_lists_every_accepted_one(tmp_path):
 
 # ---- fetch_peers.py -----------------------------------------------------------------------------------------------
 def test_fetch_peers_has_no_index_url_of_its_own():
-    """It asked https://pypi.org/pypi/<name>/json for the sdist's URL and downloaded it with urllib, past the user's
-    pip configuration (index, mirrors, proxies): every file now comes through pip download."""
+    """It asked the package index's JSON API (a hard-coded host) for the sdist's URL and downloaded it with urllib,
+    past the user's pip configuration (index, mirrors, proxies): every file now comes through pip download."""
     src = (ROOT / "scripts" / "fetch_peers.py").read_text()
-    assert "://" not in src and "pypi.org" not in src.lower() and "urllib" not in src
+    assert "://" not in src and "pypi." not in src.lower() and "urllib" not in src
 
 
 def test_fetch_peers_downloads_the_pinned_sdist_with_pip(tmp_path, monkeypatch):
