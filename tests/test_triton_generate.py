@@ -228,6 +228,18 @@ def _run(url, inputs, parameters=None):
         s.close()
 
 
+def run_streams(streams, server) -> None:
+    """Wait for every stream (each closed, also on failure), then none may have ended in an error."""
+    try:
+        for s in streams:
+            s.wait()
+    finally:
+        for s in streams:
+            s.close()
+    for s in streams:
+        assert s.error is None, f"{s.error}\n{server['tail']()}"
+
+
 # ---- against the real server --------------------------------------------------------------------------------------
 def test_concurrent_greedy_streams_match_transformers_and_queue(server, ref):
     """N = 4 greedy streams at once on 2 slots: each streams one token per response and equals transformers'
@@ -237,14 +249,8 @@ def test_concurrent_greedy_streams_match_transformers_and_queue(server, ref):
     gen = torch.Generator().manual_seed(3)
     jobs = [(torch.randint(0, 256, (3 + 2 * k,), generator=gen).tolist(), n) for k, n in enumerate((20, 24, 28, 32))]
     streams = [Stream(server["url"], _inputs(p, max_tokens=n)) for p, n in jobs]
-    try:
-        for s in streams:
-            s.wait()
-    finally:
-        for s in streams:
-            s.close()
+    run_streams(streams, server)
     for s, (p, n) in zip(streams, jobs):
-        assert s.error is None, f"{s.error}\n{server['tail']()}"
         assert s.ids == greedy(p, n), (p, n)
         assert s.final == ("length", len(p), n)
         assert all(len(r) == 1 for r in s.tokens)  # streamed: one new token per response
@@ -410,14 +416,8 @@ def test_qwen_streams_match_transformers(server):
     gen = torch.Generator().manual_seed(5)
     jobs = [(torch.randint(0, 256, (2 + 3 * k,), generator=gen).tolist(), n) for k, n in enumerate((14, 9, 17))]
     streams = [Stream(server["url"], _inputs(p, max_tokens=n), model=QWEN) for p, n in jobs]
-    try:
-        for s in streams:
-            s.wait()
-    finally:
-        for s in streams:
-            s.close()
+    run_streams(streams, server)
     for s, (p, n) in zip(streams, jobs):
-        assert s.error is None, f"{s.error}\n{server['tail']()}"
         with torch.no_grad():
             want = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, len(p):].tolist()

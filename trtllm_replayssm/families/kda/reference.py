@@ -377,6 +377,28 @@ def _verify_setup(buf, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_indice
     return slots, batch, T, H, V, L
 
 
+def _verify_rows(buf, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_indices, shadow, flushed, use_qk_l2norm,
+                 scale, lower_bound):
+    """What both verify routes start from: the checked setup ((T, H, V, L)), the prepared q / k and gates, the
+    NaN-filled output, and an iterator over the live rows: (row, slot, ring start, count, the committed entries'
+    k / u / g, S0 as the step reads it: the shadow's except for the slots in ``flushed``)."""
+    slots, batch, T, H, V, L = _verify_setup(buf, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_indices, shadow)
+    qn, kn = prep_qk(q, k, use_qk_l2norm, scale)
+    g, beta = gates(f, b, A_log, dt_bias, lower_bound)
+    exact = {int(s) for s in flushed}
+    y = torch.full((batch, T, H, V), float("nan"), dtype=F64, device=v.device)
+
+    def live():
+        for r, s in enumerate(slots):
+            if s < 0:
+                continue
+            start, count = int(cursor[s, START]), int(cursor[s, COUNT])
+            ks, us, gs, _, _ = _entries(buf, s, ring_indices(start, 0, count, L, buf.state.device), use_qk_l2norm)
+            yield r, s, start, count, ks, us, gs, _read_S0(buf, s, shadow, s in exact)
+
+    return (T, H, V, L), qn, kn, g, beta, y, live()
+
+
 def verify(buf: KDABuffers, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_indices=None,
            shadow: Shadow | None = None, flushed=(), use_qk_l2norm=True, scale=None, lower_bound=None):
     """Verify T tokens: y (batch, T, H, V) float64; window entries appended to the ring, S0 and cursor untouched.
@@ -386,17 +408,11 @@ def verify(buf: KDABuffers, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_i
     ``flushed``, folded this step, which read ``state``) and the window's own tokens t' <= t by the recurrence,
     which :func:`verify_triangular` writes as the kernel's triangular system. The window's u_t are computed
     at full precision and stored in the ring dtype. Needs count + T <= L; every row is checked first."""
-    slots, batch, T, H, V, L = _verify_setup(buf, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_indices, shadow)
-    qn, kn = prep_qk(q, k, use_qk_l2norm, scale)
-    g, beta = gates(f, b, A_log, dt_bias, lower_bound)
-    exact = {int(s) for s in flushed}
-    y = torch.full((batch, T, H, V), float("nan"), dtype=F64, device=v.device)
-    for r, s in enumerate(slots):
-        if s < 0:
-            continue
-        start, count = int(cursor[s, START]), int(cursor[s, COUNT])
-        ks, us, gs, _, _ = _entries(buf, s, ring_indices(start, 0, count, L, buf.state.device), use_qk_l2norm)
-        S = _replay(_read_S0(buf, s, shadow, s in exact), ks, us, gs)
+    (T, H, V, L), qn, kn, g, beta, y, live = _verify_rows(buf, cursor, q, k, v, f, b, A_log, dt_bias,
+                                                          state_batch_indices, shadow, flushed, use_qk_l2norm, scale,
+                                                          lower_bound)
+    for r, s, start, count, ks, us, gs, S0 in live:
+        S = _replay(S0, ks, us, gs)
         u = torch.empty(H, T, V, dtype=F64, device=v.device)
         for t in range(T):
             S, u[:, t], y[r, t] = _step(S, qn[r, t], kn[r, t], v[r, t].to(F64), g[r, t], beta[r, t])
@@ -416,17 +432,10 @@ def verify_triangular(buf: KDABuffers, cursor, q, k, v, f, b, A_log, dt_bias, st
     T = 1 at count = m is the standard decode step at position m + 1 < L. Position t reads window tokens t' <= t
     only (sliced, never masked: a zero weight times a later NaN is NaN). A second oracle: its agreement with
     :func:`verify` checks the algebra above."""
-    slots, batch, T, H, V, L = _verify_setup(buf, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_indices, shadow)
-    qn, kn = prep_qk(q, k, use_qk_l2norm, scale)
-    g, beta = gates(f, b, A_log, dt_bias, lower_bound)
-    exact = {int(s) for s in flushed}
-    y = torch.full((batch, T, H, V), float("nan"), dtype=F64, device=v.device)
-    for r, s in enumerate(slots):
-        if s < 0:
-            continue
-        start, count = int(cursor[s, START]), int(cursor[s, COUNT])
-        ks, us, gs, _, _ = _entries(buf, s, ring_indices(start, 0, count, L, buf.state.device), use_qk_l2norm)
-        S0 = _read_S0(buf, s, shadow, s in exact)
+    (T, H, V, L), qn, kn, g, beta, y, live = _verify_rows(buf, cursor, q, k, v, f, b, A_log, dt_bias,
+                                                          state_batch_indices, shadow, flushed, use_qk_l2norm, scale,
+                                                          lower_bound)
+    for r, _, _, _, ks, us, gs, S0 in live:
         after, total = _suffix(gs)  # (H, m, K), (H, K)
         qw, kw, gw = qn[r].transpose(0, 1), kn[r].transpose(0, 1), g[r].transpose(0, 1)  # (H, T, K)
         vw, bw = v[r].to(F64).transpose(0, 1), beta[r].transpose(0, 1)  # (H, T, V), (H, T)
