@@ -20,7 +20,7 @@ Standard: one ReplaySSM decode step amortized over its flush cycle (bench_kernel
 
 Bytes: the full model per (row, layer) is ``trtllm_replayssm.costs.mamba2_verify_bytes`` (state + history +
 window, + state on the flush step) and ``costs.mamba2_native_spec_bytes`` (the numbers of
-plugins/replayssm_spec.cuh's comment); the rows' TB/s count the state only (``costs.mamba2_state_bytes``,
+plugins/mamba2/replayssm_spec.cuh's comment); the rows' TB/s count the state only (``costs.mamba2_state_bytes``,
 fp32): ``tbps_native_verify`` state * (1 + T), ``tbps_verify_count0`` state (which dominates).
 
 Usage: python scripts/bench_spec.py [--batches 32,256] [--tokens 2,4,8] [--out bench/results] [--commit SHA]

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """trtllm_replayssm.costs: the memory model against what ReplayStateCache really allocates, the bytes model
-against the numbers plugins/replayssm_spec.cuh states, and the forms the module docstring says are one."""
+against the numbers plugins/mamba2/replayssm_spec.cuh states, and the forms the module docstring says are one."""
 
 import pytest
 import torch
@@ -60,7 +60,7 @@ def test_memory_per_request_is_the_cache_slot():
 
 
 def test_mamba2_bytes_match_the_spec_kernel_comment():
-    """plugins/replayssm_spec.cuh's numbers: (128, 64, 128, 8), fp32 state, bf16, T = 4, L = 16, batch 256."""
+    """plugins/mamba2/replayssm_spec.cuh's numbers: (128, 64, 128, 8), fp32 state, bf16, T = 4, L = 16, batch 256."""
     H, P, N, G = GEOMETRIES["nemotron_h_8b"]
     b, T, L = 256, 4, 16
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gated DeltaNet kernels (plugins/gdn_decode.cu) against trtllm_replayssm/gdn_reference.py, step by step.
+"""Gated DeltaNet kernels (plugins/gdn/gdn_decode.cu) against trtllm_replayssm/gdn_reference.py, step by step.
 
 Oracles:
 - float64 reference (:mod:`trtllm_replayssm.gdn_reference`) evolving on its own from the same initial

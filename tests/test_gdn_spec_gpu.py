@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GDN speculative kernels (plugins/gdn_spec.cu) against trtllm_replayssm/gdn_reference.py, step by step.
+"""GDN speculative kernels (plugins/gdn/gdn_spec.cu) against trtllm_replayssm/gdn_reference.py, step by step.
 
 Each step: the kernel's ``gdn_replay_verify`` (flush decided on the pre-step cursor, folded inside the
 launch) then ``gdn_spec_commit`` (the Mamba-2 ``replayssm_spec_commit`` kernel through ops.spec_commit),

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Speculative-decoding kernels (plugins/replayssm_spec.cu) against spec_reference, step by step.
+"""Speculative-decoding kernels (plugins/mamba2/replayssm_spec.cu) against spec_reference, step by step.
 
 Oracles:
 - "mirror": :mod:`trtllm_replayssm.spec_reference` in float64 on CPU copies of every cache, fed the

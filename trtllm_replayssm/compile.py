@@ -1,14 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""NVRTC compilation of the kernels in ``plugins/`` for one :class:`~.config.KernelSpec`.
+"""NVRTC compilation of the kernels in ``plugins/`` for one kernel spec.
 
-Route: a generated prelude (``using state_t``/``act_t``, sizes as ``constexpr``) is prepended to
-the spec's entry file (``plugins/replayssm_decode.cu``; for speculative specs, ``num_tokens`` >= 1,
-``plugins/replayssm_spec.cu`` and ``constexpr int kT``; for Gated DeltaNet, :class:`~.config.GDNSpec`,
-``plugins/gdn_decode.cu``, and ``plugins/gdn_spec.cu`` with ``kT`` for speculative GDN specs) and compiled by NVRTC through
-``cuda.bindings.nvrtc``. That needs no GPU and no driver, so CI compiles every variant for sm_90 and
-sm_100. Headers come from the ``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into NVRTC).
-Results are cached on disk under the spec's readable key plus a hash of source, options and NVRTC version.
-Loading and launching (``cuda.core``) live in :mod:`.ops`.
+Route: a generated prelude (``using`` dtypes, sizes as ``constexpr``) is prepended to the spec's entry file and
+compiled by NVRTC through ``cuda.bindings.nvrtc``. That needs no GPU and no driver, so CI compiles every variant
+for sm_90 and sm_100. Headers come from the ``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into
+NVRTC). Results are cached on disk under the spec's readable key plus a hash of source, options and NVRTC version.
+Loading and launching (``cuda.core``) live in the launchers (:mod:`.ops`, :mod:`.gdn_ops`, the families' ``ops``).
+
+Kernel sources: ``plugins/common/`` (conversions, warp scans: every family) and ``plugins/<family>/``
+(``mamba2/``, ``gdn/``, ...); the include path is ``plugins/``, so a family header includes
+``"common/scan.cuh"`` and its own files by their plain names. A spec names its module through three members:
+``entry_file`` (path under ``plugins/``), ``kernel_names`` (the module's entry points) and ``prelude()`` (the
+generated lines). :class:`~.config.KernelSpec` (Mamba-2: ``mamba2/replayssm_decode.cu``, speculative specs
+``mamba2/replayssm_spec.cu`` with ``constexpr int kT``) and :class:`~.config.GDNSpec` (Gated DeltaNet:
+``gdn/gdn_decode.cu``, ``gdn/gdn_spec.cu``) get theirs below; a family folder's spec type declares its own and is
+listed in its :class:`~.families.Family` (``spec_types``), which is also how :func:`spec_from_json` finds it.
 """
 
 from __future__ import annotations
@@ -30,29 +36,39 @@ if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the
 # key hashes the sources, so the two trees never share a cache entry.
 if os.environ.get("TRTLLM_REPLAYSSM_PLUGIN_DIR"):
     PLUGIN_DIR = pathlib.Path(os.environ["TRTLLM_REPLAYSSM_PLUGIN_DIR"]).resolve()
-    if not (PLUGIN_DIR / "replayssm.cuh").is_file():
+    if not any(PLUGIN_DIR.rglob("replayssm.cuh")):
         raise RuntimeError(f"TRTLLM_REPLAYSSM_PLUGIN_DIR: {PLUGIN_DIR} is not a directory of kernel sources")
-ENTRY_FILE = "replayssm_decode.cu"
+ENTRY_FILE = "mamba2/replayssm_decode.cu"
 KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
-SPEC_ENTRY_FILE = "replayssm_spec.cu"
+SPEC_ENTRY_FILE = "mamba2/replayssm_spec.cu"
 SPEC_KERNEL_NAMES = ("replayssm_verify", "replayssm_spec_commit", "replayssm_native_verify", "replayssm_native_commit")
-GDN_ENTRY_FILE = "gdn_decode.cu"
+GDN_ENTRY_FILE = "gdn/gdn_decode.cu"
 GDN_KERNEL_NAMES = ("gdn_replay_decode", "gdn_conventional")
-GDN_SPEC_ENTRY_FILE = "gdn_spec.cu"
+GDN_SPEC_ENTRY_FILE = "gdn/gdn_spec.cu"
 GDN_SPEC_KERNEL_NAMES = ("gdn_verify", "gdn_native_verify")
 
 
-def entry_file(spec: KernelSpec | GDNSpec) -> str:
+def entry_file(spec) -> str:
+    """The spec's entry file, a path under ``plugins/``. A kernel tree of the flat layout (before the family
+    folders; ``TRTLLM_REPLAYSSM_PLUGIN_DIR`` naming an old checkout for an A/B run) has it at its base name."""
     if isinstance(spec, GDNSpec):
-        return GDN_SPEC_ENTRY_FILE if spec.num_tokens else GDN_ENTRY_FILE
-    return SPEC_ENTRY_FILE if spec.num_tokens else ENTRY_FILE
+        rel = GDN_SPEC_ENTRY_FILE if spec.num_tokens else GDN_ENTRY_FILE
+    elif isinstance(spec, KernelSpec):
+        rel = SPEC_ENTRY_FILE if spec.num_tokens else ENTRY_FILE
+    else:
+        rel = spec.entry_file
+    if not (PLUGIN_DIR / rel).is_file() and (PLUGIN_DIR / pathlib.PurePath(rel).name).is_file():
+        return pathlib.PurePath(rel).name
+    return rel
 
 
-def kernel_names(spec: KernelSpec | GDNSpec) -> tuple[str, ...]:
+def kernel_names(spec) -> tuple[str, ...]:
     """The entry points of the module ``spec`` compiles."""
     if isinstance(spec, GDNSpec):
         return GDN_SPEC_KERNEL_NAMES if spec.num_tokens else GDN_KERNEL_NAMES
-    return SPEC_KERNEL_NAMES if spec.num_tokens else KERNEL_NAMES
+    if isinstance(spec, KernelSpec):
+        return SPEC_KERNEL_NAMES if spec.num_tokens else KERNEL_NAMES
+    return tuple(spec.kernel_names)
 
 
 class CompileError(RuntimeError):
@@ -95,9 +111,11 @@ def gdn_prelude(spec: GDNSpec) -> str:
     )
 
 
-def prelude(spec: KernelSpec | GDNSpec) -> str:
+def prelude(spec) -> str:
     if isinstance(spec, GDNSpec):
         return gdn_prelude(spec)
+    if not isinstance(spec, KernelSpec):
+        return spec.prelude()
     return "\n".join(
         [
             f"// generated for {spec.key}",
@@ -125,7 +143,7 @@ def prelude(spec: KernelSpec | GDNSpec) -> str:
     )
 
 
-def source(spec: KernelSpec) -> str:
+def source(spec) -> str:
     return prelude(spec) + f'#include "{entry_file(spec)}"\n'
 
 
@@ -189,8 +207,8 @@ def options(spec: KernelSpec, target: str) -> list[str]:
 
 def _plugin_sources_digest() -> str:
     h = hashlib.sha256()
-    for path in sorted(PLUGIN_DIR.glob("*.cu*")):
-        h.update(path.name.encode())
+    for path in sorted(PLUGIN_DIR.rglob("*.cu*")):
+        h.update(path.relative_to(PLUGIN_DIR).as_posix().encode())
         h.update(path.read_bytes())
     return h.hexdigest()
 
@@ -223,13 +241,24 @@ def spec_to_json(spec: KernelSpec | GDNSpec, target: str) -> str:
     return json.dumps({"type": type(spec).__name__, "target": target, **dataclasses.asdict(spec)}, sort_keys=True)
 
 
-def spec_from_json(line: str) -> tuple[KernelSpec | GDNSpec, str]:
+def spec_types() -> dict[str, type]:
+    """{class name: spec class} of every kernel spec: Mamba-2's and Gated DeltaNet's, then each family folder's."""
+    from . import families
+
+    types = {"KernelSpec": KernelSpec, "GDNSpec": GDNSpec}
+    for name in families.names():
+        types.update({t.__name__: t for t in families.get(name).spec_types})
+    return types
+
+
+def spec_from_json(line: str) -> tuple:
     d = json.loads(line)
     kind, target = d.pop("type"), d.pop("target")
-    if kind == "GDNSpec":
-        return GDNSpec(**d), target
+    types = spec_types()
+    if kind not in types:
+        raise ValueError(f"spec line: type: expected one of {sorted(types)}, got {kind!r}")
     if kind != "KernelSpec":
-        raise ValueError(f"spec line: type: expected 'KernelSpec' or 'GDNSpec', got {kind!r}")
+        return types[kind](**d), target
     d["variant"] = Variant(**d["variant"])
     d["layout"] = None if d["layout"] is None else Layout(**d["layout"])
     return KernelSpec(**d), target

@@ -5,8 +5,8 @@ A :class:`KernelSpec` names everything that is compiled into one kernel module (
 buffer length, rows per block, warps, gate, target arch, kernel :class:`Variant`). :func:`plan` picks
 the variant, :func:`choose_geometry` rows per block and warps from the state geometry and the batch;
 :func:`override_variant` and :func:`override_geometry` pin them for tests and sweeps. Every entry
-point of ``plugins/replayssm_decode.cu`` shares one spec per module.
-Speculative-decoding modules (``num_tokens`` = T >= 1, ``plugins/replayssm_spec.cu``) take their
+point of ``plugins/mamba2/replayssm_decode.cu`` shares one spec per module.
+Speculative-decoding modules (``num_tokens`` = T >= 1, ``plugins/mamba2/replayssm_spec.cu``) take their
 geometry from :func:`plan_spec`.
 """
 
@@ -67,7 +67,7 @@ class Layout:
     row_sbi: int = 1
     null_slot: int = 0
 
-    # stride field -> the prelude's constant (plugins/replayssm.cuh); the order is the key's
+    # stride field -> the prelude's constant (plugins/mamba2/replayssm.cuh); the order is the key's
     CONSTANTS = {"slot_state": "kSlotState", "slot_x": "kSlotX", "slot_B": "kSlotB", "slot_dt": "kSlotDt",
                  "row_x": "kRowX", "row_B": "kRowB", "row_C": "kRowC", "row_dt": "kRowDt", "row_z": "kRowZ",
                  "row_y": "kRowY", "row_sbi": "kRowSbi"}
@@ -101,7 +101,7 @@ VARIANT_ENV = "TRTLLM_REPLAYSSM_VARIANT"
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """Which replay decode kernel a standard decode module compiles, and its register budget (the
-    ``RSSM_*`` definitions of the prelude, plugins/replayssm.cuh):
+    ``RSSM_*`` definitions of the prelude, plugins/mamba2/replayssm.cuh):
 
     - ``kind``: ``"one_shot"`` (one block per work item, buffer tiles in registers), ``"persistent"``
       (blocks walk the items through a two-stage cp.async pipeline; RSSM_PERSISTENT) or ``"staged"``
@@ -305,7 +305,7 @@ class VectorLayout:
 
 
 def vector_layout(state: str, dstate: int) -> VectorLayout:
-    """Mirror of the constexpr layout in plugins/replayssm.cuh (kEPV, kLPR, kVPL, kRPW)."""
+    """Mirror of the constexpr layout in plugins/mamba2/replayssm.cuh (kEPV, kLPR, kVPL, kRPW)."""
     epv = 16 // ITEMSIZE[state]
     if dstate % epv:
         raise ValueError(f"dstate={dstate} must be a multiple of {epv} for a {state} state")
@@ -334,7 +334,7 @@ SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 
 def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: int, persistent: bool = False,
                       shadow: str = "none", staged: bool = False, bulk: bool = False) -> int:
-    """Mirror of ``ReplaySmem`` / ``PipeSmem`` / ``StagedSmem`` in plugins/replayssm.cuh (state, B, x
+    """Mirror of ``ReplaySmem`` / ``PipeSmem`` / ``StagedSmem`` in plugins/mamba2/replayssm.cuh (state, B, x
     tiles, scalars). choose_geometry sizes a block by the kernel that runs it: the one-shot tiles hold an fp32 x
     tile, the staged stage x in the activation dtype plus C and the history dt, so with f32 activations the
     staged block is the larger (by 4 N + 4 L bytes)."""
@@ -357,7 +357,7 @@ def replay_smem_bytes(state: str, act: str, rows: int, dstate: int, buffer_len: 
 
 
 def spec_smem_bytes(act: str, rows: int, dstate: int, buffer_len: int, num_tokens: int, has_z: bool) -> int:
-    """Mirror of ``SpecSmem`` in plugins/replayssm_spec.cuh (the verify kernel; native verify needs less)."""
+    """Mirror of ``SpecSmem`` in plugins/mamba2/replayssm_spec.cuh (the verify kernel; native verify needs less)."""
     a, L, T = ITEMSIZE[act], buffer_len, num_tokens
     tiles = (L + T) * dstate * a + (L + (T if has_z else 1)) * rows * a  # B, C; x, z
     scalars = 4 * (T * L + 3 * L + T + 1)  # W, c, dte, wf, decay, decay_f
@@ -591,7 +591,7 @@ def override_geometry(rows: int, warps: int):
         _local.override = prev
 
 
-# ---- Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention; plugins/gdn_decode.cu) -------------------------
+# ---- Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention; plugins/gdn/gdn_decode.cu) -------------------------
 GDN_SUPPORTED_DIMS = (64, 128, 256)  # V and K
 GDN_SHADOW_KINDS = ("none", "bf16")
 GDN_MAX_WARPS = 16
@@ -618,7 +618,7 @@ def gdn_layout(K: int, lanes: int = 32) -> tuple[int, int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class GDNSpec:
-    """One Gated DeltaNet module (both kernels of ``plugins/gdn_decode.cu``): fp32 state, fp32 buffers
+    """One Gated DeltaNet module (both kernels of ``plugins/gdn/gdn_decode.cu``): fp32 state, fp32 buffers
     except v_cache (act). ``scale`` None is K^-1/2 (the key omits it); ``l2norm``: q, k l2-normalised."""
 
     act: str  # "f32" | "bf16" | "f16"
@@ -634,8 +634,8 @@ class GDNSpec:
     l2norm: bool = True
     scale: float | None = None
     arch: int = 90
-    # 0: the standard decode module (plugins/gdn_decode.cu); T >= 1: the speculative module
-    # (plugins/gdn_spec.cu: gdn_verify, gdn_native_verify over windows of T tokens).
+    # 0: the standard decode module (plugins/gdn/gdn_decode.cu); T >= 1: the speculative module
+    # (plugins/gdn/gdn_spec.cu: gdn_verify, gdn_native_verify over windows of T tokens).
     num_tokens: int = 0
     # standard decode only: the block's rows in ``passes`` passes under one prologue (gdn.cuh, GDN_PASSES)
     passes: int = 1
@@ -706,7 +706,7 @@ class GDNSpec:
 
 
 def gdn_spec_smem_bytes(act: str, rows: int, K: int, L: int, T: int) -> int:
-    """Upper bound of ``VerifySmem`` in plugins/gdn_spec.cuh: the window tile (q, k of T tokens, T x T
+    """Upper bound of ``VerifySmem`` in plugins/gdn/gdn_spec.cuh: the window tile (q, k of T tokens, T x T
     weights, scalars) plus the larger of the history tile (u of L - 2T entries) and the fold tile
     (k, v of L - T entries)."""
     win = 4 * (2 * T * K + 2 * T * T + 3 * T)

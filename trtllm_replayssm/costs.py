@@ -14,7 +14,7 @@ state row, bf16 r = 0). ``shadow`` arguments take None / "none", "bf16", "fp8" o
 a model, kvh KV heads of hd, V_voc vocabulary, W_w weight bytes.
 
 Per (batch row, Mamba-2 layer), one launch (:func:`mamba2_bytes_per_position`, :func:`mamba2_verify_bytes`,
-:func:`mamba2_native_spec_bytes`; plugins/replayssm_spec.cuh states the same per head):
+:func:`mamba2_native_spec_bytes`; plugins/mamba2/replayssm_spec.cuh states the same per head):
     S   = H P N s                                  checkpoint
     R   = H P (N q + r)                            shadow read instead of S (R = S without a shadow)
     io  = x H P a + B, C 2 G N a + dt H a + y H P a   per token, in and out

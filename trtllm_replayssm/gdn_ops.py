@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Validated launchers of the Gated DeltaNet decode kernels (``plugins/gdn_decode.cu``) on torch tensors.
+"""Validated launchers of the Gated DeltaNet decode kernels (``plugins/gdn/gdn_decode.cu``) on torch tensors.
 
 The math and the state contract are :mod:`.gdn_reference`'s (the float64 spec); validation reuses
 :mod:`.ops`' helpers, so errors read the same: the tensor named, got and expected, before any launch.
@@ -36,7 +36,7 @@ NaN outputs and leaves state and buffers as they are.
 Per model step: :func:`gdn_replay_decode` for every GDN layer, then one :func:`advance_cursor` (shared
 with the Mamba-2 layers' cursor op; all layers of a model share the cursor).
 
-Speculative decoding (T = 1 + num_draft tokens per window, ``plugins/gdn_spec.cu``; ring cursor and
+Speculative decoding (T = 1 + num_draft tokens per window, ``plugins/gdn/gdn_spec.cu``; ring cursor and
 "flush one window early" exactly as the Mamba-2 speculative ops, :mod:`.spec_reference`):
 
 =====================  ====================  =================  ==========================================

@@ -5,7 +5,7 @@
 ``mamba2_verify_shadow``) + ``spec_commit`` for speculative decoding; the Gated DeltaNet counterparts
 ``gdn_decode`` / ``gdn_verify`` (+ ``_shadow``). Each plugin layer is one kernel launch.
 
-``replayssm::mamba2_decode``: one launch of ``replayssm_decode`` (plugins/replayssm_decode.cu): the fused
+``replayssm::mamba2_decode``: one launch of ``replayssm_decode`` (plugins/mamba2/replayssm_decode.cu): the fused
 ReplaySSM step (output, append, flush when the buffer fills). The engine runs it without Python:
 ``aot_impl`` hands TensorRT the PTX, the kernel name, the launch geometry and int32 extra args.
 
@@ -50,7 +50,7 @@ e4m3), so it is compiled into the PTX like every other type. Two more inputs and
   outputs 5 shadow_out -> input 13, 6 shadow_scale_out -> input 14
 Kernel parameters: the 15 input pointers, int32 batch, int32 slots, the 7 output pointers.
 
-``replayssm::mamba2_verify``: one launch of ``replayssm_verify`` (plugins/replayssm_spec.cu) per Mamba
+``replayssm::mamba2_verify``: one launch of ``replayssm_verify`` (plugins/mamba2/replayssm_spec.cu) per Mamba
 layer of a speculative step: the outputs of the T = 1 + num_draft window tokens from the checkpoint,
 the committed ring history and the causal part of the window; the window appended to the rings at
 (start + count + t) % L; when count + 2T > L the committed history is first folded into the
@@ -90,7 +90,7 @@ Output: 0 cursor_out aliased to input 2. Attributes: num_tokens, buffer_len. Ker
 3 input pointers, int32 batch, int32 slots, the output pointer. Grid ceil(b / 256), block 256.
 
 ``replayssm::gdn_decode`` (+ ``gdn_decode_shadow``): one launch of ``gdn_replay_decode``
-(plugins/gdn_decode.cu) per Gated DeltaNet layer (Qwen3-Next / Qwen3.5): the fused ReplaySSM GDN step
+(plugins/gdn/gdn_decode.cu) per Gated DeltaNet layer (Qwen3-Next / Qwen3.5): the fused ReplaySSM GDN step
 (output from the checkpoint and the buffered corrected updates, append, exact fold when the buffer
 fills; trtllm_replayssm/gdn_reference.py). Inputs (H key heads, HV value heads, Kd key dim, V value dim):
   0  q                    (b, H, Kd)    act, raw (l2 norm and Kd^-1/2 inside)
@@ -111,7 +111,7 @@ num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm (0/1; co
 PTX). Kernel parameters: the input pointers, int32 batch, int32 slots, the output pointers. Tactics
 as above (large / small batch geometry); grid (HV * V / rows, batch).
 
-``replayssm::gdn_verify`` (+ ``gdn_verify_shadow``): one launch of ``gdn_verify`` (plugins/gdn_spec.cu)
+``replayssm::gdn_verify`` (+ ``gdn_verify_shadow``): one launch of ``gdn_verify`` (plugins/gdn/gdn_spec.cu)
 per GDN layer of a speculative step, the GDN counterpart of ``mamba2_verify``: the T window tokens'
 outputs from the checkpoint (or its bf16 shadow), the committed u ring and the window's triangular
 system; the window entries (u, v, k, g, beta) appended at (start + count + t) % L; where count + 2T > L

@@ -67,6 +67,7 @@ class Family:
     reference: str  # module path of the float64 spec
     bytes_per_step: Callable[..., dict]
     geometries: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # published per-GPU geometries
+    spec_types: tuple[type, ...] = ()  # its kernel spec classes (entry_file, kernel_names, prelude(): compile.py)
 
     def sizes(self, slots: int, L: int, geometry) -> dict[str, int]:
         if len(geometry) != len(self.geometry):

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Gated DeltaNet speculative entry points (device math in gdn_spec.cuh), ordered as TensorRT's AOT plugins
 // pass them: inputs, int32 scalars, outputs. Aliased outputs receive the same pointers as their inputs.
-// The commit is the Mamba-2 replayssm_spec_commit kernel (plugins/replayssm_spec.cu), shared by all layers.
+// The commit is the Mamba-2 replayssm_spec_commit kernel (plugins/mamba2/replayssm_spec.cu), shared by all layers.
 //
 // gdn_verify: grid (HV * V / kRows, batch), block (kWarps * 32)
 //   inputs   1 q (batch, T, H, K) act        2 k (batch, T, H, K) act     3 v (batch, T, HV, V) act

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// Device helpers every family's kernels share (replayssm.cuh: Mamba-2, gdn.cuh: Gated DeltaNet); no torch, no
-// family sizes. Included by the family headers; each brings the names it uses into its own namespace.
+// Warp scans every family's kernels share (mamba2/, gdn/, ...); no torch, no family sizes. Included by the family
+// headers (as "common/scan.cuh": the compiler's include path is plugins/); each brings the names it uses into its
+// own namespace.
 #pragma once
 
 namespace rssm_common {

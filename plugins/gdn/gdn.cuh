@@ -31,7 +31,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "common.cuh"
+#include "common/convert.cuh"
+#include "common/scan.cuh"
 
 #ifndef GDN_SHADOW
 #define GDN_SHADOW 0
@@ -43,13 +44,8 @@
 namespace gdn {
 
 // ---- dtype helpers ---------------------------------------------------------------------------
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+using rssm_common::from_f;  // common/convert.cuh
+using rssm_common::to_f;
 
 // Four contiguous elements (8 bytes of bf16/fp16, 16 of fp32) through the read-only path, widened.
 template <typename T>
@@ -91,7 +87,7 @@ constexpr float kL2Eps = 1e-6f;
 // Below this the fold's lazy decay is applied to the rows (fp32 keeps ~2^-126; 2^-30 leaves room for u / D).
 constexpr float kRenorm = 9.3132257e-10f;  // 2^-30
 
-using rssm_common::suffix_after;  // common.cuh
+using rssm_common::suffix_after;  // common/scan.cuh
 
 // cp.async (sm_80+): 16-byte global->shared copies that hold no registers while in flight.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {

@@ -42,27 +42,18 @@
 #endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-
-#include "common.cuh"
 #if RSSM_SHADOW == 2
 #include <cuda_fp8.h>
 #endif
 
+#include "common/convert.cuh"
+#include "common/scan.cuh"
+
 namespace rssm {
 
 // ---- dtype helpers ---------------------------------------------------------------------------
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-#if RSSM_SHADOW == 2
-__device__ __forceinline__ float to_f(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
-// Round to nearest even, saturating to +-448 (values here are |v| <= 448 by construction of the scale).
-template <> __device__ __forceinline__ __nv_fp8_e4m3 from_f<__nv_fp8_e4m3>(float v) { return __nv_fp8_e4m3(v); }
-#endif
+using rssm_common::from_f;  // common/convert.cuh
+using rssm_common::to_f;
 
 // n contiguous elements moved as one aligned vector access (up to 16 bytes, else several).
 // Alignment: the largest power of two dividing the vector's bytes, at most 16 (so a vector of
@@ -197,7 +188,7 @@ __device__ __forceinline__ float group_sum(float v) {  // xor stays inside align
   for (int o = kLanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-using rssm_common::suffix_after;  // common.cuh
+using rssm_common::suffix_after;  // common/scan.cuh
 
 template <int R>
 struct RowRegs {
