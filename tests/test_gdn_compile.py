@@ -120,7 +120,7 @@ def test_shadow_modules_take_two_passes_at_large_batches():
     assert gdn_spec("bf16", 32, 16, 128, 128, 16, 256, False).passes == 1
 
 
-# ---- speculative module (plugins/gdn_spec.cu: gdn_verify, gdn_native_verify) ---------------------------
+# ---- speculative module (plugins/gdn/gdn_spec.cu: gdn_verify, gdn_native_verify) ---------------------------
 SPEC_FULL = [
     gdn_spec(a, 32, 16, V, K, 16, 256, replay, sh, arch=arch, num_tokens=4)
     for a, V, K, (replay, sh), arch in itertools.product(

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Speculative-decoding module (plugins/replayssm_spec.cu) on the CPU: NVRTC compiles, keys, the
+"""Speculative-decoding module (plugins/mamba2/replayssm_spec.cu) on the CPU: NVRTC compiles, keys, the
 static shared memory mirror, the launch geometry table, and launcher validation before any CUDA use.
 
 The compile matrix is a table: every (T, L >= 2T) on the main geometry, every state x activation
