@@ -160,9 +160,9 @@ def test_spec_parameter_lists_are_tensorrt_order(shadow, n_sh):
 def test_spec_key_and_entry_file():
     spec = GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, num_tokens=4)
     assert spec.key == "gdn_a-bf16_HV32_H16_V128_K128_L16_R64_W8_P32_n1_sm90_T4"
-    assert cc.entry_file(spec) == "gdn_spec.cu" and cc.kernel_names(spec) == cc.GDN_SPEC_KERNEL_NAMES
+    assert cc.entry_file(spec) == "gdn/gdn_spec.cu" and cc.kernel_names(spec) == cc.GDN_SPEC_KERNEL_NAMES
     std = GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8)
-    assert cc.entry_file(std) == "gdn_decode.cu" and cc.kernel_names(std) == cc.GDN_KERNEL_NAMES
+    assert cc.entry_file(std) == "gdn/gdn_decode.cu" and cc.kernel_names(std) == cc.GDN_KERNEL_NAMES
     assert "kT" not in cc.prelude(std) and "constexpr int kT = 4;" in cc.prelude(spec)
 
 

@@ -100,11 +100,11 @@ def test_verify_shadow_parameters_follow_the_rings(shadow):
 def test_keys_and_entry_files():
     spec = _spec()
     assert spec.key == "replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sm90_T4"
-    assert cc.entry_file(spec) == "replayssm_spec.cu" and cc.kernel_names(spec) == cc.SPEC_KERNEL_NAMES
+    assert cc.entry_file(spec) == "mamba2/replayssm_spec.cu" and cc.kernel_names(spec) == cc.SPEC_KERNEL_NAMES
     assert "constexpr int kT = 4;" in cc.prelude(spec)
     std = KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 64, 8)  # num_tokens = 0: the standard module, key unchanged
     assert std.key == "replayssm_s-f32_a-bf16_H128_P64_N128_G8_L16_R64_W8_z0_sm90"
-    assert cc.entry_file(std) == "replayssm_decode.cu" and cc.kernel_names(std) == cc.KERNEL_NAMES
+    assert cc.entry_file(std) == "mamba2/replayssm_decode.cu" and cc.kernel_names(std) == cc.KERNEL_NAMES
     assert "kT" not in cc.prelude(std)
 
 

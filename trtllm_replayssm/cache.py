@@ -111,8 +111,9 @@ import zlib
 
 import torch
 
-from . import backend, ops, reference
+from . import backend, reference
 from . import gdn_reference as gref
+from . import launch as _launch
 from . import spec_reference as sr
 from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
 from .costs import memory_per_request  # noqa: F401  (re-exported: the memory model's home is .costs)
@@ -479,7 +480,7 @@ class ReplayStateCache:
         return self.x.name == "kernels"
 
     def _checking(self) -> bool:
-        return self.check_values if self.check_values is not None else not ops._capturing()
+        return self.check_values if self.check_values is not None else not _launch.capturing()
 
     # ---- views ----------------------------------------------------------------------------------------
     def layer(self, l: int) -> LayerState:

@@ -75,18 +75,20 @@ import torch
 
 from . import ops
 from .config import DTYPE_CODES, GDN_SUPPORTED_DIMS, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS, gdn_spec
-from .ops import (
-    _F32,
-    _I32,
+from .launch import (
+    F32,
+    I32,
     VECTOR_BYTES,
-    _Arg,
-    _check_args,
-    _check_rank,
-    _check_window,
-    _require_cuda,
-    _values,
+    Arg,
+    arch,
+    check_args,
     check_indices,
+    check_rank,
     check_spec_values,
+    check_window,
+    launch,
+    require_cuda,
+    values_checked,
 )
 
 _BF16 = (torch.bfloat16,)
@@ -104,15 +106,15 @@ def _check_options(use_qk_l2norm, scale) -> None:
 
 def _geometry(q, v, state, u_cache=None):
     """(batch, H, HV, V, K, S, L) of a GDN call from the tensors that define them (L None without u_cache)."""
-    _check_rank(q, "q", 3, "(batch, H, K)")
-    _check_rank(v, "v", 3, "(batch, HV, V)")
-    _check_rank(state, "state", 4, "(slots, HV, V, K)")
+    check_rank(q, "q", 3, "(batch, H, K)")
+    check_rank(v, "v", 3, "(batch, HV, V)")
+    check_rank(state, "state", 4, "(slots, HV, V, K)")
     batch, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     S = state.shape[0]
     L = None
     if u_cache is not None:
-        _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+        check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
         L = u_cache.shape[2]
         if not 1 <= L <= 32:
             raise ValueError(f"u_cache: buffer length L (dim 2) must be in 1..32, got {L}")
@@ -121,28 +123,28 @@ def _geometry(q, v, state, u_cache=None):
 
 def _step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, lead=("batch",)) -> list:
     return [
-        _Arg("q", q, lead + ("heads_k", "K"), "act"),
-        _Arg("k", k, lead + ("heads_k", "K"), "act"),
-        _Arg("v", v, lead + ("heads_v", "V"), "act", None),
-        _Arg("a", a, lead + ("heads_v",), "act", None),
-        _Arg("b", b, lead + ("heads_v",), "act", None),
-        _Arg("A_log", A_log, ("heads_v",), _F32, None),
-        _Arg("dt_bias", dt_bias, ("heads_v",), _F32, None),
-        _Arg("state", state, ("slots", "heads_v", "V", "K"), _F32),
-        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
-        _Arg("out", out, lead + ("heads_v", "V"), "act", None, optional=True),
+        Arg("q", q, lead + ("heads_k", "K"), "act"),
+        Arg("k", k, lead + ("heads_k", "K"), "act"),
+        Arg("v", v, lead + ("heads_v", "V"), "act", None),
+        Arg("a", a, lead + ("heads_v",), "act", None),
+        Arg("b", b, lead + ("heads_v",), "act", None),
+        Arg("A_log", A_log, ("heads_v",), F32, None),
+        Arg("dt_bias", dt_bias, ("heads_v",), F32, None),
+        Arg("state", state, ("slots", "heads_v", "V", "K"), F32),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("out", out, lead + ("heads_v", "V"), "act", None, optional=True),
     ]
 
 
 def _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow, cursor_dims=("slots",)) -> list:
     return [
-        _Arg("u_cache", u_cache, ("slots", "heads_v", "L", "V"), _F32, VECTOR_BYTES),  # cp.async tiles
-        _Arg("v_cache", v_cache, ("slots", "heads_v", "L", "V"), "act", VECTOR_BYTES),  # cp.async tiles (flush)
-        _Arg("k_cache", k_cache, ("slots", "heads_k", "L", "K"), _F32, VECTOR_BYTES),
-        _Arg("g_cache", g_cache, ("slots", "heads_v", "L"), _F32, None),
-        _Arg("beta_cache", beta_cache, ("slots", "heads_v", "L"), _F32, None),
-        _Arg("cursor", cursor, cursor_dims, _I32, None),
-        _Arg("shadow", shadow, ("slots", "heads_v", "V", "K"), _BF16, optional=True),
+        Arg("u_cache", u_cache, ("slots", "heads_v", "L", "V"), F32, VECTOR_BYTES),  # cp.async tiles
+        Arg("v_cache", v_cache, ("slots", "heads_v", "L", "V"), "act", VECTOR_BYTES),  # cp.async tiles (flush)
+        Arg("k_cache", k_cache, ("slots", "heads_k", "L", "K"), F32, VECTOR_BYTES),
+        Arg("g_cache", g_cache, ("slots", "heads_v", "L"), F32, None),
+        Arg("beta_cache", beta_cache, ("slots", "heads_v", "L"), F32, None),
+        Arg("cursor", cursor, cursor_dims, I32, None),
+        Arg("shadow", shadow, ("slots", "heads_v", "V", "K"), _BF16, optional=True),
     ]
 
 
@@ -163,18 +165,18 @@ def gdn_conventional_step(q, k, v, a, b, A_log, dt_bias, state, state_batch_indi
     S <- S + u k^T; y = S q, with q, k l2-normalised (``use_qk_l2norm``) and q scaled by ``scale``."""
     _check_options(use_qk_l2norm, scale)
     batch, H, HV, V, K, S, _ = _geometry(q, v, state)
-    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out))
+    sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out))
     _check_geometry(sizes, q, v)
-    if _values(check_values):
+    if values_checked(check_values):
         check_indices(state_batch_indices, S, None, 1)
-    _require_cuda(q, "q")
+    require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:
         return y
-    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, 1, batch, False, "none", use_qk_l2norm, scale, ops._arch(dev))
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, 1, batch, False, "none", use_qk_l2norm, scale, arch(dev))
     args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, state)]
     args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
-    ops.launch(spec, "gdn_conventional", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "gdn_conventional", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
 
@@ -191,38 +193,38 @@ def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
     shadow must hold the checkpoint's values (bf16, round to nearest even) when the call starts."""
     _check_options(use_qk_l2norm, scale)
     batch, H, HV, V, K, S, L = _geometry(q, v, state, u_cache)
-    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out)
+    sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out)
                              + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow))
     _check_geometry(sizes, q, v)
-    if _values(check_values):
+    if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
-    _require_cuda(q, "q")
+    require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:
         return y
     kind = "none" if shadow is None else "bf16"
-    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, ops._arch(dev))
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, arch(dev))
     bufs = [t.data_ptr() for t in (state, u_cache, v_cache, k_cache, g_cache, beta_cache)]
     sh = [] if shadow is None else [shadow.data_ptr()]
     args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor)]
     args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
-    ops.launch(spec, "gdn_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "gdn_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
 
 def advance_cursor(cursor, state_batch_indices, u_cache, check_values: bool | None = None) -> None:
     """cursor[slot] = (cursor[slot] + 1) % L for every row with a slot (the Mamba-2 cursor kernel);
     L is u_cache's buffer length (dim 2)."""
-    _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+    check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
     ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
 
 
 # ---- speculative decoding -------------------------------------------------------------------------------
 def _spec_geometry(q, v, state, u_cache=None):
     """(batch, T, H, HV, V, K, S, L) of a speculative GDN call (L None without u_cache)."""
-    _check_rank(q, "q", 4, "(batch, T, H, K)")
-    _check_rank(v, "v", 4, "(batch, T, HV, V)")
-    _check_rank(state, "state", 4, "(slots, HV, V, K)")
+    check_rank(q, "q", 4, "(batch, T, H, K)")
+    check_rank(v, "v", 4, "(batch, T, HV, V)")
+    check_rank(state, "state", 4, "(slots, HV, V, K)")
     batch, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     S = state.shape[0]
@@ -230,9 +232,9 @@ def _spec_geometry(q, v, state, u_cache=None):
         raise ValueError(f"q: expected T = 1 + num_draft (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
     L = None
     if u_cache is not None:
-        _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+        check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
         L = u_cache.shape[2]
-        _check_window(T, L, "u_cache: buffer length L (dim 2)")
+        check_window(T, L, "u_cache: buffer length L (dim 2)")
     return batch, T, H, HV, V, K, S, L
 
 
@@ -259,22 +261,22 @@ def gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
     not moved: call :func:`gdn_spec_commit` (or :func:`.ops.spec_commit`) once per model step."""
     _check_options(use_qk_l2norm, scale)
     batch, T, H, HV, V, K, S, L = _spec_geometry(q, v, state, u_cache)
-    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
+    sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
                              + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow, ("slots", 2)))
     _check_spec_geometry(sizes, q, v)
-    if _values(check_values):
+    if values_checked(check_values):
         check_spec_values(state_batch_indices, S, T, cursor, L)
-    _require_cuda(q, "q")
+    require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:
         return y
     kind = "none" if shadow is None else "bf16"
-    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, ops._arch(dev), T)
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, arch(dev), T)
     bufs = [t.data_ptr() for t in (state, u_cache, v_cache, k_cache, g_cache, beta_cache)]
     sh = [] if shadow is None else [shadow.data_ptr()]
     args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor)]
     args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
-    ops.launch(spec, "gdn_verify", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "gdn_verify", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
 
@@ -282,7 +284,7 @@ def gdn_spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, u_
                     check_values: bool | None = None) -> None:
     """Commit n_accepted[row] window tokens (in place, once per model step for all layers): the Mamba-2
     ``replayssm_spec_commit`` kernel through :func:`.ops.spec_commit`, L from u_cache (dim 2)."""
-    _check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
+    check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
     ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
                     check_values=check_values)
 
@@ -297,21 +299,21 @@ def gdn_native_spec_verify(q, k, v, a, b, A_log, dt_bias, state, snapshots, stat
     :func:`.gdn_reference.native_spec_verify` is the spec (with T_max = T)."""
     _check_options(use_qk_l2norm, scale)
     batch, T, H, HV, V, K, S, _ = _spec_geometry(q, v, state)
-    _check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
-    sizes, dev = _check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
-                             + [_Arg("snapshots", snapshots, _SNAPSHOT_DIMS, _F32)])
+    check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
+    sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
+                             + [Arg("snapshots", snapshots, _SNAPSHOT_DIMS, F32)])
     _check_spec_geometry(sizes, q, v)
-    if _values(check_values):
+    if values_checked(check_values):
         check_spec_values(state_batch_indices, S, T)
-    _require_cuda(q, "q")
+    require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:
         return y
     spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, 2 * T, batch, False, "none", use_qk_l2norm, scale,
-                    ops._arch(dev), T)
+                    arch(dev), T)
     args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, state)]
     args += [np.int32(batch), np.int32(S), y.data_ptr(), snapshots.data_ptr()]
-    ops.launch(spec, "gdn_native_verify", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "gdn_native_verify", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
 
@@ -319,14 +321,14 @@ def gdn_native_spec_commit(state, snapshots, n_accepted, state_batch_indices, ch
     """Native-spec baseline commit: state[slot] = snapshots[slot, n - 1] for rows with n >= 1 (a state copy).
     The Mamba-2 ``replayssm_native_commit`` kernel through :func:`.ops.native_spec_commit`: it copies whole
     (HV, V, K) f32 states in 16-byte vectors, whatever the trailing dims mean."""
-    _check_rank(state, "state", 4, "(slots, HV, V, K)")
-    _check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
-    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
-    _, dev = _check_args([
-        _Arg("state", state, ("slots", "heads_v", "V", "K"), _F32),
-        _Arg("snapshots", snapshots, _SNAPSHOT_DIMS, _F32),
-        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
-        _Arg("n_accepted", n_accepted, ("batch",), _I32, None),
+    check_rank(state, "state", 4, "(slots, HV, V, K)")
+    check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
+    check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    _, dev = check_args([
+        Arg("state", state, ("slots", "heads_v", "V", "K"), F32),
+        Arg("snapshots", snapshots, _SNAPSHOT_DIMS, F32),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("n_accepted", n_accepted, ("batch",), I32, None),
     ])
     if snapshots.shape[1] not in SUPPORTED_NUM_TOKENS:
         raise ValueError(f"snapshots: expected T (dim 1) in {SUPPORTED_NUM_TOKENS}, got {snapshots.shape[1]}")

@@ -69,16 +69,11 @@ Rules every launcher checks before a launch (TypeError / ValueError naming the t
 
 from __future__ import annotations
 
-import collections
-import functools
 import numbers
-import threading
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from . import compile as _compile
 from .config import (
     COMMIT_THREADS,
     DTYPE_CODES,
@@ -93,64 +88,25 @@ from .config import (
     spec_grid,
     verify_spec,
 )
-
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_F32, _I32 = (torch.float32,), (torch.int32,)
-# Dtype groups: the tensors of a group share one dtype of the group's set.
-_GROUPS = {"act": _ACT_DTYPES, "state": _STATE_DTYPES}
-# The kernels move x, z, B, C, the checkpoint, its shadow and scales, the x / B rings and the snapshots
-# in 16-byte vectors (cp.async, float4 loads and stores).
-VECTOR_BYTES = 16
+from .launch import (
+    F32,
+    I32,
+    Arg,
+    arch,
+    check_args,
+    check_indices,
+    check_rank,
+    check_spec_values,
+    check_window,
+    launch,
+    ptr,
+    require_cuda,
+    sm_count,
+    values_checked,
+)
 
 
 # ---- validation -----------------------------------------------------------------------------------
-def _fmt_dtypes(dtypes) -> str:
-    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
-
-
-def check_tensor(t, name: str, shape: tuple | None = None, dtypes=None, device=None,
-                 align: int | None = VECTOR_BYTES) -> None:
-    """One tensor: type, shape, dtype, device, contiguity, and a data pointer aligned to ``align`` bytes."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name}: expected dtype {_fmt_dtypes(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name}: expected device {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(t.stride())}")
-    if align and t.data_ptr() % align:
-        raise ValueError(f"{name}: expected a {align}-byte aligned data pointer (vector loads), got {t.data_ptr():#x} "
-                         f"(storage offset {t.storage_offset()} elements)")
-
-
-class _Arg(NamedTuple):
-    """One tensor of a launch. ``dims``: a label per dimension (a size shared with other tensors) or an
-    int (a fixed size); ``dtypes``: the allowed dtypes, or a group of _GROUPS; ``align``: bytes (None:
-    read as scalars, element alignment is enough)."""
-
-    name: str
-    t: object
-    dims: tuple
-    dtypes: tuple | str
-    align: int | None = VECTOR_BYTES
-    optional: bool = False
-
-
-def _vote(values: list, prefer=None):
-    """The value most entries hold; a tie goes to a value ``prefer`` accepts, then to the first seen."""
-    if values.count(values[0]) == len(values):  # the usual case: all agree
-        return values[0]
-    counts = collections.Counter(values)
-    first: dict = {}
-    for i, v in enumerate(values):
-        first.setdefault(v, -i)
-    return max(counts, key=lambda v: (counts[v], bool(prefer and prefer(v)), first[v]))
-
-
 def _check_sizes(args: list, shapes: list, sizes: dict) -> None:
     """Agreed sizes no kernel supports (headdim, dstate: config.py; ngroups must divide nheads), named on
     the first tensor that holds them. The first tensor carrying ngroups (B) is checked with its own value
@@ -170,93 +126,22 @@ def _check_sizes(args: list, shapes: list, sizes: dict) -> None:
             raise ValueError(f"{a.name}: {lab} (dim {i}) expected one of {supported}, got {v}")
 
 
-@functools.lru_cache(maxsize=256)
-def _label_positions(dims: tuple) -> tuple:
-    """(label, ((tensor index, dim), ...)) for the dims of a launch's tensors (static per call site)."""
-    pos: dict = {}
-    for i, ds in enumerate(dims):
-        for d, lab in enumerate(ds):
-            if isinstance(lab, str):
-                pos.setdefault(lab, []).append((i, d))
-    return tuple((lab, tuple(p)) for lab, p in pos.items())
-
-
-def _check_args(args: list) -> tuple[dict, torch.device]:
-    """Check the tensors of one launch against the sizes, dtypes and device most of them agree on (see the
-    module docstring); returns (size by label, device). Callers check the rank of every tensor that alone
-    carries a label first, so that every label has a size."""
-    given = []
-    for a in args:
-        if a.t is None and a.optional:
-            continue
-        if not isinstance(a.t, torch.Tensor):
-            raise TypeError(f"{a.name}: expected a torch.Tensor, got {type(a.t).__name__}")
-        given.append(a)
-    shapes = [a.t.shape for a in given]
-    ranked = [len(s) == len(a.dims) for a, s in zip(given, shapes)]  # only these vote
-    sizes = {lab: _vote([shapes[i][d] for i, d in pos if ranked[i]])
-             for lab, pos in _label_positions(tuple(a.dims for a in given))}
-    _check_sizes(given, shapes, sizes)
-    group = {}
-    for g, allowed in _GROUPS.items():
-        seen = [a.t.dtype for a in given if a.dtypes == g and a.t.dtype in allowed]
-        if seen:
-            group[g] = _vote(seen)
-    dev = _vote([a.t.device for a in given], prefer=lambda d: d.type == "cuda")
-    for a in given:
-        shape = tuple(sizes[lab] if isinstance(lab, str) else lab for lab in a.dims)
-        dtypes = a.dtypes
-        if isinstance(dtypes, str):  # a dtype of the group's set that differs from the group's: the group's
-            dtypes = (group[dtypes],) if a.t.dtype in _GROUPS[dtypes] else _GROUPS[dtypes]
-        check_tensor(a.t, a.name, shape, dtypes, dev, a.align)
-    return sizes, dev
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _values(check_values: bool | None) -> bool:
-    return check_values if check_values is not None else not _capturing()
-
-
-def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.Tensor | None, L: int) -> None:
-    """Value checks that need a device->host copy (skipped while capturing a CUDA graph)."""
-    sbi = state_batch_indices.cpu()
-    bad = sbi[(sbi < -1) | (sbi >= nslots)]
-    if bad.numel():
-        raise ValueError(f"state_batch_indices: expected values in [-1, {nslots}), got {bad.tolist()[:8]}")
-    used = sbi[sbi >= 0]
-    slots, counts = used.unique(return_counts=True)
-    if (counts > 1).any():
-        raise ValueError(f"state_batch_indices: expected each slot in at most one row (rows would race), got slots "
-                         f"{slots[counts > 1].tolist()[:8]} in more than one row")
-    if cursor is not None and used.numel():
-        cur = cursor.cpu()[used.long()]
-        bad = (cur < 0) | (cur >= L)
-        if bad.any():
-            raise ValueError(f"cursor: expected values in [0, {L}) for the rows' slots, got {cur[bad].tolist()[:8]} "
-                             f"(slots {used[bad].tolist()[:8]})")
-
-
-def _check_rank(t, name: str, ndim: int, want: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a {want} torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name}: expected a {want} tensor, got shape {tuple(t.shape)}")
+def _checked(args: list) -> tuple[dict, torch.device]:
+    """launch.check_args with Mamba-2's supported sizes (_check_sizes)."""
+    return check_args(args, _check_sizes)
 
 
 def _geometry(x, B, state, x_cache=None):
     """(batch, H, P, N, G, S, L) of a decode call, from the tensors that define them (L None without x_cache)."""
-    _check_rank(x, "x", 3, "(batch, nheads, headdim)")
-    _check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
-    _check_rank(B, "B", 3, "(batch, ngroups, dstate)")
+    check_rank(x, "x", 3, "(batch, nheads, headdim)")
+    check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
+    check_rank(B, "B", 3, "(batch, ngroups, dstate)")
     batch, H, P = x.shape
     S, N = state.shape[0], state.shape[3]
     G = B.shape[1]
     L = None
     if x_cache is not None:
-        _check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
+        check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
         L = x_cache.shape[2]
         if not 1 <= L <= 32:
             raise ValueError(f"x_cache: buffer_len (dim 2) must be in 1..32, got {L}")
@@ -267,78 +152,35 @@ def _step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, l
     """The tensors every decode / verify launch takes: step inputs, parameters, checkpoint, slots, output."""
     rows = lead + ("nheads", "headdim")
     return [
-        _Arg("x", x, rows, "act"),
-        _Arg("state", state, ("slots", "nheads", "headdim", "dstate"), "state"),
-        _Arg("B", B, lead + ("ngroups", "dstate"), "act"),
-        _Arg("C", C, lead + ("ngroups", "dstate"), "act"),
-        _Arg("dt", dt, lead + ("nheads",), "act", None),
-        *(_Arg(name, t, ("nheads",), _F32, None) for name, t in (("dt_bias", dt_bias), ("A", A), ("D", D))),
-        _Arg("z", z, rows, "act", optional=True),
-        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
-        _Arg("out", out, rows, "act", None, optional=True),
+        Arg("x", x, rows, "act"),
+        Arg("state", state, ("slots", "nheads", "headdim", "dstate"), "state"),
+        Arg("B", B, lead + ("ngroups", "dstate"), "act"),
+        Arg("C", C, lead + ("ngroups", "dstate"), "act"),
+        Arg("dt", dt, lead + ("nheads",), "act", None),
+        *(Arg(name, t, ("nheads",), F32, None) for name, t in (("dt_bias", dt_bias), ("A", A), ("D", D))),
+        Arg("z", z, rows, "act", optional=True),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("out", out, rows, "act", None, optional=True),
     ]
 
 
 def _ring_args(x_cache, B_cache, dt_cache, cursor, cursor_dims, shadow, shadow_scale) -> list:
     """The replay tensors: x / B / dt rings, cursor, optional shadow of the checkpoint and its row scales."""
     return [
-        _Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act"),
-        _Arg("B_cache", B_cache, ("slots", "ngroups", "buffer_len", "dstate"), "act"),
-        _Arg("dt_cache", dt_cache, ("slots", "nheads", "buffer_len"), _F32, None),
-        _Arg("cursor", cursor, cursor_dims, _I32, None),
-        _Arg("shadow", shadow, ("slots", "nheads", "headdim", "dstate"), tuple(SHADOW_DTYPES.values()), optional=True),
-        _Arg("shadow_scale", shadow_scale, ("slots", "nheads", "headdim"), _F32, optional=True),
+        Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act"),
+        Arg("B_cache", B_cache, ("slots", "ngroups", "buffer_len", "dstate"), "act"),
+        Arg("dt_cache", dt_cache, ("slots", "nheads", "buffer_len"), F32, None),
+        Arg("cursor", cursor, cursor_dims, I32, None),
+        Arg("shadow", shadow, ("slots", "nheads", "headdim", "dstate"), tuple(SHADOW_DTYPES.values()), optional=True),
+        Arg("shadow_scale", shadow_scale, ("slots", "nheads", "headdim"), F32, optional=True),
     ]
-
-
-def _require_cuda(x, name: str = "x") -> None:
-    # Last, so that shape, dtype and value errors are reported (and testable) on any device.
-    if x.device.type != "cuda":
-        raise ValueError(f"{name}: expected CUDA tensors, got device {x.device}")
-
-
-# ---- loading and launching ---------------------------------------------------------------------------
-_lock = threading.Lock()
-_kernels: dict = {}
-
-
-def _arch(device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
-
-
-def get_kernel(spec: KernelSpec, name: str, device: torch.device):
-    """Load (once) the cubin of ``spec`` on ``device`` and return the cuda.core kernel ``name``."""
-    key = (spec, name, device.index)
-    kern = _kernels.get(key)
-    if kern is None:
-        from cuda.core import Device, ObjectCode
-
-        with _lock:
-            Device(device.index).set_current()
-            obj = ObjectCode.from_cubin(_compile.compile_spec(spec, "cubin"))
-            for n in _compile.kernel_names(spec):
-                _kernels[(spec, n, device.index)] = obj.get_kernel(n)
-        kern = _kernels[key]
-    return kern
-
-
-def launch(spec: KernelSpec, name: str, device, grid, block, args) -> None:
-    """Launch kernel ``name`` of ``spec`` on torch's current stream. ``args``: ints for pointers,
-    numpy.int32 for the int32 scalars, in the kernel's parameter order."""
-    from cuda.core import LaunchConfig, Stream
-    from cuda.core import launch as _launch
-
-    kern = get_kernel(spec, name, device)
-    stream = Stream.from_handle(torch.cuda.current_stream(device).cuda_stream)
-    _launch(stream, LaunchConfig(grid=grid, block=block), kern, *args)
 
 
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool = False,
               shadow: str = "none") -> KernelSpec:
     sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
     rows, warps, variant = plan(sd, ad, H, P, N, L or 1, batch, conventional, shadow)
-    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, _arch(device), variant=variant, shadow=shadow)
+    return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, arch(device), variant=variant, shadow=shadow)
 
 
 def shadow_kind(shadow, shadow_scale, state) -> str:
@@ -356,15 +198,6 @@ def shadow_kind(shadow, shadow_scale, state) -> str:
     if kind != "fp8" and shadow_scale is not None:
         raise ValueError("shadow_scale: only an fp8 shadow has row scales, got one with a bfloat16 shadow")
     return kind
-
-
-@functools.cache
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _ptr(t):
-    return 0 if t is None else t.data_ptr()
 
 
 def _step_ptrs(x, B, C, dt, dt_bias, A, D, z) -> list[int]:
@@ -385,18 +218,18 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     :class:`~.reference.Shadow`: written at prefill hand-off and by every flush).
     """
     batch, H, P, N, G, S, L = _geometry(x, B, state, x_cache)
-    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out)
+    _checked(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out)
                 + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots",), shadow, shadow_scale))
     kind = shadow_kind(shadow, shadow_scale, state)
-    if _values(check_values):
+    if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
-    _require_cuda(x)
+    require_cuda(x)
     y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
     dev = x.device
     spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev, shadow=kind)
-    sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
+    sh = [] if shadow is None else [shadow.data_ptr(), ptr(shadow_scale)]  # bf16: no scales (null)
     args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
              B_cache.data_ptr(), dt_cache.data_ptr(), *sh, np.int32(batch), np.int32(S), y.data_ptr(),
@@ -409,10 +242,10 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
                       check_values: bool | None = None):
     """One conventional Mamba-2 decode step (reads and writes the whole state); returns y."""
     batch, H, P, N, G, S, _ = _geometry(x, B, state)
-    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out))
-    if _values(check_values):
+    _checked(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out))
+    if values_checked(check_values):
         check_indices(state_batch_indices, S, None, 1)
-    _require_cuda(x)
+    require_cuda(x)
     y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
@@ -434,7 +267,7 @@ def _buffer_len(buffer_len, x_cache) -> tuple[int, str]:
         if buffer_len is None:
             raise TypeError("buffer_len: expected an int, or x_cache to take it from; got neither")
         return int(buffer_len), "buffer_len"
-    _check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
+    check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
     L = x_cache.shape[2]
     if buffer_len is not None and buffer_len != L:
         raise ValueError(f"buffer_len: expected {L} (the buffer length of x_cache, dim 2), got {buffer_len}")
@@ -454,21 +287,21 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, c
     L, what = _buffer_len(buffer_len, x_cache)
     if not 1 <= L <= 32:
         raise ValueError(f"{what}: expected in 1..32, got {L}")
-    _check_rank(cursor, "cursor", 1, "(slots,)")
-    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
-    _, dev = _check_args([
-        _Arg("cursor", cursor, ("slots",), _I32, None),
-        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
-        _Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act", None, optional=True),
+    check_rank(cursor, "cursor", 1, "(slots,)")
+    check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    _, dev = _checked([
+        Arg("cursor", cursor, ("slots",), I32, None),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act", None, optional=True),
     ])
     S, batch = cursor.shape[0], state_batch_indices.shape[0]
-    if _values(check_values):
+    if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
-    _require_cuda(cursor, "cursor")
+    require_cuda(cursor, "cursor")
     if batch == 0:
         return
     # Any spec with this L carries the same advance kernel; use the smallest valid one.
-    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, _arch(dev))
+    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev))
     launch(spec, "replayssm_advance_cursor", dev, ((batch + 255) // 256, 1, 1), (256, 1, 1),
            [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()])
 
@@ -476,9 +309,9 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, c
 # ---- speculative decoding -----------------------------------------------------------------------------
 def _spec_geometry(x, B, state, x_cache=None):
     """(batch, T, H, P, N, G, S, L) of a speculative call; L is None without x_cache."""
-    _check_rank(x, "x", 4, "(batch, T, nheads, headdim)")
-    _check_rank(B, "B", 4, "(batch, T, ngroups, dstate)")
-    _check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
+    check_rank(x, "x", 4, "(batch, T, nheads, headdim)")
+    check_rank(B, "B", 4, "(batch, T, ngroups, dstate)")
+    check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
     batch, T, H, P = x.shape
     S, N = state.shape[0], state.shape[3]
     G = B.shape[2]
@@ -486,47 +319,14 @@ def _spec_geometry(x, B, state, x_cache=None):
         raise ValueError(f"x: expected T = 1 + num_draft (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
     L = None
     if x_cache is not None:
-        _check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
+        check_rank(x_cache, "x_cache", 4, "(slots, nheads, buffer_len, headdim)")
         L = x_cache.shape[2]
-        _check_window(T, L, "x_cache: buffer_len (dim 2)")
+        check_window(T, L, "x_cache: buffer_len (dim 2)")
     return batch, T, H, P, N, G, S, L
 
 
-def _check_window(T: int, L: int, what: str) -> None:
-    if not 2 * T <= L <= 32:
-        raise ValueError(f"{what}: expected in [2T, 32] = [{2 * T}, 32] (flush one window early, T={T}), got {L}")
-
-
-def check_spec_values(state_batch_indices: torch.Tensor, nslots: int, num_tokens: int, cursor: torch.Tensor | None = None,
-                      buffer_len: int | None = None, n_accepted: torch.Tensor | None = None) -> None:
-    """Host value checks of the speculative ops (a device->host copy; skipped while capturing a graph):
-    slots, cursor start in [0, L) and count in [0, L - T] for the rows' slots, n_accepted in [0, T]."""
-    check_indices(state_batch_indices, nslots, None, 1)
-    sbi = state_batch_indices.cpu()
-    rows = (sbi >= 0).nonzero()[:, 0]
-    T, L = num_tokens, buffer_len
-    if cursor is not None and rows.numel():
-        used = sbi[rows]
-        cur = cursor.cpu()[used.long()]
-        start, count = cur[:, 0], cur[:, 1]
-        bad = (start < 0) | (start >= L)
-        if bad.any():
-            raise ValueError(f"cursor: expected start (column 0) in [0, {L}) for the rows' slots, got {start[bad].tolist()[:8]} "
-                             f"(slots {used[bad].tolist()[:8]})")
-        bad = (count < 0) | (count > L - T)
-        if bad.any():
-            raise ValueError(f"cursor: expected count (column 1) in [0, L - T] = [0, {L - T}] for the rows' slots, "
-                             f"got {count[bad].tolist()[:8]} (slots {used[bad].tolist()[:8]})")
-    if n_accepted is not None and rows.numel():
-        n = n_accepted.cpu()[rows]
-        bad = (n < 0) | (n > T)
-        if bad.any():
-            raise ValueError(f"n_accepted: expected values in [0, T] = [0, {T}] for rows with a slot, got {n[bad].tolist()[:8]} "
-                             f"(rows {rows[bad].tolist()[:8]})")
-
-
 def make_verify_spec(state_dtype, act_dtype, H, P, N, G, L, T, batch, has_z, device, shadow: str = "none") -> KernelSpec:
-    return verify_spec(DTYPE_CODES[state_dtype], DTYPE_CODES[act_dtype], H, P, N, G, L, T, batch, has_z, _arch(device),
+    return verify_spec(DTYPE_CODES[state_dtype], DTYPE_CODES[act_dtype], H, P, N, G, L, T, batch, has_z, arch(device),
                        shadow)
 
 
@@ -545,18 +345,18 @@ def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     (:func:`spec_reference.verify` with ``shadow`` and ``flushed`` is the spec).
     """
     batch, T, H, P, N, G, S, L = _spec_geometry(x, B, state, x_cache)
-    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, ("batch", "T"))
+    _checked(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, ("batch", "T"))
                 + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots", 2), shadow, shadow_scale))
     kind = shadow_kind(shadow, shadow_scale, state)
-    if _values(check_values):
+    if values_checked(check_values):
         check_spec_values(state_batch_indices, S, T, cursor, L)
-    _require_cuda(x)
+    require_cuda(x)
     y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
     dev = x.device
     spec = make_verify_spec(state.dtype, x.dtype, H, P, N, G, L, T, batch, z is not None, dev, kind)
-    sh = [] if shadow is None else [shadow.data_ptr(), _ptr(shadow_scale)]  # bf16: no scales (null)
+    sh = [] if shadow is None else [shadow.data_ptr(), ptr(shadow_scale)]  # bf16: no scales (null)
     args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
              B_cache.data_ptr(), dt_cache.data_ptr(), *sh, np.int32(batch), np.int32(S), y.data_ptr(),
@@ -580,25 +380,25 @@ def spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, buffer
     if num_tokens not in SUPPORTED_NUM_TOKENS:
         raise ValueError(f"num_tokens: expected one of {SUPPORTED_NUM_TOKENS}, got {num_tokens}")
     L, what = _buffer_len(buffer_len, x_cache)
-    _check_window(num_tokens, L, what)
+    check_window(num_tokens, L, what)
     if not isinstance(cursor, torch.Tensor):
         raise TypeError(f"cursor: expected a torch.Tensor, got {type(cursor).__name__}")
     if cursor.dim() != 2 or cursor.shape[1] != 2:
         raise ValueError(f"cursor: expected shape (slots, 2), got {tuple(cursor.shape)}")
-    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
-    _, dev = _check_args([
-        _Arg("cursor", cursor, ("slots", 2), _I32, None),
-        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
-        _Arg("n_accepted", n_accepted, ("batch",), _I32, None),
-        _Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act", None, optional=True),
+    check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    _, dev = _checked([
+        Arg("cursor", cursor, ("slots", 2), I32, None),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("n_accepted", n_accepted, ("batch",), I32, None),
+        Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act", None, optional=True),
     ])
     S, batch = cursor.shape[0], state_batch_indices.shape[0]
-    if _values(check_values):
+    if values_checked(check_values):
         check_spec_values(state_batch_indices, S, num_tokens, cursor, L, n_accepted)
-    _require_cuda(cursor, "cursor")
+    require_cuda(cursor, "cursor")
     if batch == 0:
         return
-    spec = commit_spec(num_tokens, L, _arch(dev))
+    spec = commit_spec(num_tokens, L, arch(dev))
     # TensorRT's order: inputs (the cursor is the aliased input of the in-place cursor output), int32s, outputs.
     launch(spec, "replayssm_spec_commit", dev, commit_grid(batch), (COMMIT_THREADS, 1, 1),
            [state_batch_indices.data_ptr(), n_accepted.data_ptr(), cursor.data_ptr(), np.int32(batch), np.int32(S),
@@ -613,11 +413,11 @@ def native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch
     """Native-spec baseline (vLLM / TensorRT-LLM style): the conventional recurrence over the T window
     tokens from state[slot] (read only); snapshots[slot, t] = state after token t; returns y (batch, T, H, P)."""
     batch, T, H, P, N, G, S, _ = _spec_geometry(x, B, state)
-    _check_args(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, ("batch", "T"))
-                + [_Arg("snapshots", snapshots, _SNAPSHOT_DIMS, "state")])
-    if _values(check_values):
+    _checked(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out, ("batch", "T"))
+                + [Arg("snapshots", snapshots, _SNAPSHOT_DIMS, "state")])
+    if values_checked(check_values):
         check_spec_values(state_batch_indices, S, T)
-    _require_cuda(x)
+    require_cuda(x)
     y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
@@ -631,23 +431,23 @@ def native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, state_batch
 
 def native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values: bool | None = None) -> None:
     """Native-spec baseline commit: state[slot] = snapshots[slot, n - 1] for rows with n >= 1 (a copy)."""
-    _check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
-    _check_rank(snapshots, "snapshots", 5, "(slots, T, nheads, headdim, dstate)")
-    _check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    check_rank(state, "state", 4, "(slots, nheads, headdim, dstate)")
+    check_rank(snapshots, "snapshots", 5, "(slots, T, nheads, headdim, dstate)")
+    check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
     S, H, P, N = state.shape
     T = snapshots.shape[1]
     if T not in SUPPORTED_NUM_TOKENS:
         raise ValueError(f"snapshots: expected T (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
-    _, dev = _check_args([
-        _Arg("state", state, ("slots", "nheads", "headdim", "dstate"), "state"),
-        _Arg("snapshots", snapshots, _SNAPSHOT_DIMS, "state"),
-        _Arg("state_batch_indices", state_batch_indices, ("batch",), _I32, None),
-        _Arg("n_accepted", n_accepted, ("batch",), _I32, None),
+    _, dev = _checked([
+        Arg("state", state, ("slots", "nheads", "headdim", "dstate"), "state"),
+        Arg("snapshots", snapshots, _SNAPSHOT_DIMS, "state"),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("n_accepted", n_accepted, ("batch",), I32, None),
     ])
     batch = state_batch_indices.shape[0]
-    if _values(check_values):
+    if values_checked(check_values):
         check_spec_values(state_batch_indices, S, T, n_accepted=n_accepted)
-    _require_cuda(state, "state")
+    require_cuda(state, "state")
     if batch == 0:
         return
     spec = make_verify_spec(state.dtype, state.dtype, H, P, N, 1, 2 * T, T, batch, False, dev)

@@ -53,6 +53,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from . import launch as _launch
 from . import ops as _ops
 from . import reference as _ref
 from .config import Layout
@@ -139,11 +140,11 @@ def _lead_strided(t, name: str, shape: tuple, dtypes, device, align: bool) -> in
         raise ValueError(f"{name}: dim-0 stride {lead} is below the {inner} elements of one entry (entries "
                          f"would overlap)")
     if align:
-        if t.data_ptr() % _ops.VECTOR_BYTES:
-            raise ValueError(f"{name}: expected a {_ops.VECTOR_BYTES}-byte aligned data pointer (vector loads), "
+        if t.data_ptr() % _launch.VECTOR_BYTES:
+            raise ValueError(f"{name}: expected a {_launch.VECTOR_BYTES}-byte aligned data pointer (vector loads), "
                              f"got {t.data_ptr():#x} (storage offset {t.storage_offset()} elements)")
-        if lead * t.element_size() % _ops.VECTOR_BYTES:
-            raise ValueError(f"{name}: expected a dim-0 stride of a multiple of {_ops.VECTOR_BYTES} bytes (vector "
+        if lead * t.element_size() % _launch.VECTOR_BYTES:
+            raise ValueError(f"{name}: expected a dim-0 stride of a multiple of {_launch.VECTOR_BYTES} bytes (vector "
                              f"loads), got {lead} elements = {lead * t.element_size()} bytes")
     return lead
 
@@ -249,7 +250,7 @@ def _prepare(state, x, dt, A, B, C, D, dt_bias, z, x_cache, dt_cache, B_cache, w
     A = _per_head(A, "A", H, (P, N), dev)
     D = _per_head(D, "D", H, (P,), dev)
     dt_bias = _per_head(dt_bias, "dt_bias", H, (P,), dev)
-    if _ops._values(check_values):
+    if _launch.values_checked(check_values):
         _check_values(sbi, write_pos, is_flush, S, L, null_block_id)
     lay = Layout(slot_state=slot_state, slot_x=slot_x, slot_B=slot_B, slot_dt=slot_dt, row_x=row_x, row_B=row_B,
                  row_C=row_C, row_dt=row_dt, row_z=row_z, row_y=row_y, row_sbi=row_sbi, null_slot=null_block_id)
@@ -320,7 +321,7 @@ def selective_state_update_replayssm(state, x, dt, A, B, C, D=None, dt_bias=None
              dt_cache.data_ptr(), np.int32(batch), np.int32(S), c.out.data_ptr(), state.data_ptr(),
              x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr()]
     dev = x.device
-    _ops.launch(spec, "replayssm_decode", dev, spec.grid(batch, _ops.sm_count(dev.index)), (spec.threads, 1, 1), args)
+    _launch.launch(spec, "replayssm_decode", dev, spec.grid(batch, _launch.sm_count(dev.index)), (spec.threads, 1, 1), args)
     return c.out
 
 
