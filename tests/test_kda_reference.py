@@ -944,7 +944,7 @@ def test_family_interface_allocates_the_state_table():
     sh = mamba2_ref.Shadow.of(buf.state, "bf16")
     assert mem["state"] + mem["ring"] == sum(t.numel() * t.element_size() for t in buf.tensors()) // slots
     assert mem["shadow"] == sh.q.numel() * sh.q.element_size() // slots
-    with pytest.raises(ValueError, match=r"family: expected one of \['kda'"):
+    with pytest.raises(ValueError, match=r"family: expected one of \['gdn', 'kda', 'mamba2'\]"):
         families.get("mamba3")
     with pytest.raises(ValueError, match=r"dtypes: unknown roles \['x'\]"):
         fam.allocate(1, 2, geo, {"x": torch.float32})

@@ -111,7 +111,7 @@ import zlib
 
 import torch
 
-from . import backend, reference
+from . import backend, families, reference
 from . import gdn_reference as gref
 from . import launch as _launch
 from . import spec_reference as sr
@@ -425,12 +425,16 @@ class ReplayStateCache:
         self.x = backend.for_device(device) if executor is None else executor
         Ly, S, H, P, N, G, L = num_layers, num_slots, nheads, headdim, dstate, ngroups, buffer_len
         kw = dict(device=device)
-        self.state = torch.zeros(Ly, S, H, P, N, dtype=state_dtype, **kw)
-        self.shadow = None if shadow_dtype is None else torch.zeros(Ly, S, H, P, N, dtype=shadow_dtype, **kw)
-        self.shadow_scale = torch.ones(Ly, S, H, P, dtype=torch.float32, **kw) if shadow_dtype == torch.float8_e4m3fn else None
-        self.x_cache = torch.zeros(Ly, S, H, L, P, dtype=act_dtype, **kw)
-        self.B_cache = torch.zeros(Ly, S, G, L, N, dtype=act_dtype, **kw)
-        self.dt_cache = torch.zeros(Ly, S, H, L, dtype=dt_dtype, **kw)
+        # One allocation per tensor for all layers of a family, from the family's state table (families/).
+        shadow_roles = {} if shadow_dtype is None else {"shadow": shadow_dtype}
+        opt = () if shadow_dtype is None else ("shadow", "shadow_scale") if shadow_dtype == torch.float8_e4m3fn \
+            else ("shadow",)
+        m = families.get("mamba2").allocate(S, L, (H, P, N, G), dict(state=state_dtype, act=act_dtype, dt=dt_dtype,
+                                                                    **shadow_roles), opt, device, layers=Ly)
+        self.state, self.x_cache, self.B_cache, self.dt_cache = m["state"], m["x_cache"], m["B_cache"], m["dt_cache"]
+        self.shadow, self.shadow_scale = m.get("shadow"), m.get("shadow_scale")
+        if self.shadow_scale is not None:
+            self.shadow_scale.fill_(1.0)  # a fresh slot's scale (reset() writes the same)
         self.standard = cursor == "standard"
         self.cursor = torch.zeros((S,) if self.standard else (S, 2), dtype=torch.int32, **kw)
         # Slot S is scratch: the gathered conv updates of the CUDA path send padding rows there.
@@ -443,15 +447,14 @@ class ReplayStateCache:
         self.gdn_value_dim, self.gdn_key_dim = V, Kd
         self.gdn_conv_dim = 2 * Hk * Kd + HV * V if gdn_conv_dim is None else gdn_conv_dim
         buf = torch.float64 if state_dtype == torch.float64 else torch.float32  # f64 only in tests
-        self.gdn_state = torch.zeros(Lg, S, HV, V, Kd, dtype=state_dtype, **kw)
-        self.gdn_shadow = None if shadow_dtype is None or not Lg else torch.zeros(Lg, S, HV, V, Kd, dtype=shadow_dtype,
-                                                                                  **kw)
+        gshadow = shadow_dtype is not None and Lg > 0
+        g = families.get("gdn").allocate(S, L, (HV, Hk, V, Kd), dict(state=state_dtype, act=act_dtype, f32=buf,
+                                                                    **(shadow_roles if gshadow else {})),
+                                         ("shadow",) if gshadow else (), device, layers=Lg)
+        self.gdn_state, self.gdn_shadow = g["state"], g.get("shadow")
         self.gdn_shadow_scale = None  # a GDN shadow is bf16: no row scales
-        self.gdn_u = torch.zeros(Lg, S, HV, L, V, dtype=buf, **kw)
-        self.gdn_v = torch.zeros(Lg, S, HV, L, V, dtype=act_dtype, **kw)
-        self.gdn_k = torch.zeros(Lg, S, Hk, L, Kd, dtype=buf, **kw)
-        self.gdn_g = torch.zeros(Lg, S, HV, L, dtype=buf, **kw)
-        self.gdn_beta = torch.zeros(Lg, S, HV, L, dtype=buf, **kw)
+        self.gdn_u, self.gdn_v, self.gdn_k = g["u_cache"], g["v_cache"], g["k_cache"]
+        self.gdn_g, self.gdn_beta = g["g_cache"], g["beta_cache"]
         self._gdn_conv = torch.zeros(Lg, S + 1, self.gdn_conv_dim, self.conv_width, dtype=act_dtype, **kw)
         self.gdn_conv = self._gdn_conv[:, :S]
         self._free = list(range(S))

@@ -10,8 +10,8 @@ I/O (``builders/decode_step.py``, ``gdn_step.py``, and ``spec_step.py``'s commit
 vLLM's (>= PR #48018) and FlashInfer's (>= 0.7.0 ring API), so users can swap kernels.
 
 Sizes: S slots (one per live request, plus padding), H heads, P headdim, N dstate, G groups (Mamba-2);
-HV value heads, Hk key heads, V value dim, K key dim (Gated DeltaNet); L ring capacity (buffer length,
-1..32); T = 1 + num_draft tokens per step; W conv window; act = the activation dtype.
+HV value heads, Hk key heads, V value dim, K key dim (Gated DeltaNet; Kimi Delta Attention: H heads, K, V);
+L ring capacity (buffer length, 1..32); T = 1 + num_draft tokens per step; W conv window; act = the activation dtype.
 
 Mamba-2 layer (``reference.py`` math; DESIGN.md §1):
 
@@ -50,6 +50,28 @@ g_cache        (S, HV, L)            f32                 ring of log decays g_j
 beta_cache     (S, HV, L)            f32                 ring of beta_j
 conv           (S, conv_dim, W)      act                 conv1d over q | k | v, as Mamba-2's
 =============  ====================  ==================  ===================================================
+
+Kimi Delta Attention layer (Kimi-K3, Kimi-Linear, GLM-5.3-Flash; ``families/kda/reference.py``): Gated DeltaNet
+with a per-key-channel decay; the state is (K, V) per head (the transformers / fla layout), the ring keeps the raw
+k_j (both paths normalise it again) and the K-wide log decays.
+
+=============  ====================  ==================  ===================================================
+tensor         shape                 dtype               written by
+=============  ====================  ==================  ===================================================
+state          (S, H, K, V)          f32                 checkpoint S0: prefill hand-off; the exact fold
+                                                         of the ring at a flush
+shadow         (S, H, K, V)          bf16                optional; rewritten with the checkpoint
+k_cache        (S, H, L, K)          act                 ring of raw k_j (before the l2 norm)
+u_cache        (S, H, L, V)          bf16 (ring)         ring of corrected updates u_j (output path only)
+g_cache        (S, H, L, K)          f32                 ring of per-channel log decays g_j
+v_cache        (S, H, L, V)          act                 ring of v_j (the exact fold only)
+beta_cache     (S, H, L)             f32                 ring of beta_j (the exact fold only)
+conv           (S, conv_dim, W)      act                 conv1d over q | k | v, as Mamba-2's
+=============  ====================  ==================  ===================================================
+
+Each family's folder (:mod:`.families`) declares the same table as :class:`~.families.StateTensor` rows (what the
+cache allocates from); tests/test_families.py checks every family's rows against the tables above (names, shapes,
+default dtypes; ``conv`` is the cache's, not the family's).
 
 Cursor, shared by every layer of a model (Mamba-2 and GDN alike), moved once per model step after all
 layers ran (never by a layer's kernel):

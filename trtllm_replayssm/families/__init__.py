@@ -11,10 +11,14 @@ adds a folder and touches no registry. What a family declares today:
 - its bytes model (:attr:`Family.bytes_per_step`, a function of :mod:`trtllm_replayssm.costs`: one bytes
   model for every family).
 
-The kernel specs and launchers, ONNX / onnxruntime ops, TensorRT plugin registration and the builders' mixer
-patch are further fields that issue 36 adds when Mamba-2 and Gated DeltaNet move into their own folders
-(``mamba2/``, ``gdn/``); until then those two families live in the layer modules (``reference.py``,
-``gdn_reference.py``, ...).
+- its kernel spec types (:attr:`Family.spec_types`: each names its entry file under ``plugins/``, its kernel
+  names and its generated prelude, which is all :mod:`..compile` needs).
+
+The three families: ``mamba2/``, ``gdn/`` and ``kda/``. Mamba-2's and Gated DeltaNet's code still lives in the layer
+modules (``reference.py``, ``gdn_reference.py``, ``ops.py``, ``gdn_ops.py``, ...), which their declarations point
+at; the launchers, the cache, ONNX / onnxruntime ops, TensorRT plugin registration and the builders' mixer patch
+join the interface as the families move into their folders (issue 36). Every family's state table is checked
+against the one home of the state shapes, :mod:`..contract` (tests/test_families.py).
 
 Shared ring-cursor rules and validation: the cursor forms and their moves are the ones :mod:`..contract`
 describes and :mod:`..reference` / :mod:`..spec_reference` implement (``advance_cursor``, ``flush_cursor``,
@@ -80,15 +84,22 @@ class Family:
         return {t.name: t.shape(sz) for t in self.state_table if optional or not t.optional}
 
     def allocate(self, slots: int, L: int, geometry, dtypes: Mapping[str, torch.dtype] | None = None,
-                 optional: bool = False, device="cpu") -> dict[str, torch.Tensor]:
-        """Zeroed tensors of one layer, in the table's order: a fresh slot reads zeros everywhere (contract.py)."""
+                 optional=False, device="cpu", layers: int | None = None) -> dict[str, torch.Tensor]:
+        """Zeroed tensors of one layer, in the table's order: a fresh slot reads zeros everywhere (contract.py).
+        ``optional``: True for every optional tensor, or a collection of the optional names wanted; ``layers``:
+        a leading dim of that many layers (a cache's one allocation per tensor for all its layers)."""
         dt = {**self.dtypes, **(dtypes or {})}
         unknown = sorted(set(dtypes or {}) - set(self.dtypes))
         if unknown:
             raise ValueError(f"dtypes: unknown roles {unknown} for family {self.name} (roles {sorted(self.dtypes)})")
+        optional_names = {t.name for t in self.state_table if t.optional}
+        want = optional_names if optional is True else set(optional or ())
+        if want - optional_names:
+            raise ValueError(f"optional: expected names among {sorted(optional_names)}, got {sorted(want - optional_names)}")
         sz = self.sizes(slots, L, geometry)
-        return {t.name: torch.zeros(t.shape(sz), dtype=dt[t.dtype], device=device)
-                for t in self.state_table if optional or not t.optional}
+        lead = () if layers is None else (int(layers),)
+        return {t.name: torch.zeros(lead + t.shape(sz), dtype=dt[t.dtype], device=device)
+                for t in self.state_table if not t.optional or t.name in want}
 
     def reference_module(self):
         return importlib.import_module(self.reference)
