@@ -14,7 +14,7 @@ Route (one engine thread owns the model, the step and every slot; clients only q
                        so every prompt ends at the last position; a prompt longer than that alone, in chunks on
                        one cache): each row's K/V, last K-1 conv inputs and final SSM states are handed to its
                        slot (the step's ``load_prefill_row``; ReplaySSM: the checkpoint with an empty ring,
-                       ``ReplayStateCache.load_prefill`` / ``load_gdn_prefill``); its last logits give the first
+                       ``ReplayStateCache.load_prefill``); its last logits give the first
                        token (streamed at once: the time to first token is one prefill).
       |
   decode step          the family's step (:data:`STEPS`, by ``config.model_type``; rows = slots): Nemotron-H /

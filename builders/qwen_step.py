@@ -28,7 +28,7 @@ checkpoint, rings of L entries, the step that fills them folds), "replay_bf16" (
 checkpoint that non-flush steps read). There is no fp8 GDN shadow: "replay_fp8" is refused. The prefill hand-off
 (:meth:`QwenStep.load_prefill_row`) reads row r of transformers' cache after the model's own forward: the last
 K - 1 conv inputs, the final recurrent state (transformers' (HV, Kd, V), transposed), the K/V of the prompt
-(ReplaySSM: ``ReplayStateCache.load_gdn_prefill``, the checkpoint with empty rings).
+(ReplaySSM: ``ReplayStateCache.load_prefill``, the checkpoint with empty rings).
 
 The step is eager (``capturable = False``): transformers' MoE block picks its experts with data-dependent shapes, so
 the engine runs it without CUDA graphs.
@@ -101,7 +101,7 @@ class GDNConventional(GDNMode):
 class GDNReplay(GDNMode):
     """ReplaySSM on a GDN-only :class:`ReplayStateCache` (``cursor="standard"``: the standard GDN decode step of the
     executor, the cursor advanced once per model step); the step keeps the conv windows (``gdn_conv_dim=0``). Every
-    slot is allocated once: a slot's prefill hand-off (``load_gdn_prefill``) resets its rings and cursor."""
+    slot is allocated once: a slot's prefill hand-off (``load_prefill``) resets its rings and cursor."""
 
     def __init__(self, buffer_len: int = 16, shadow: str | None = None):
         if not 1 <= buffer_len <= 32:
@@ -124,13 +124,13 @@ class GDNReplay(GDNMode):
 
     def load_slot(self, slot: int, states: dict) -> None:
         for i, s in states.items():  # the checkpoint = the prompt's final state, rings empty, cursor 0, shadow rewritten
-            self.cache.load_gdn_prefill(slot, self.j[i], s)
+            self.cache.load_prefill(slot, self.j[i], s)
 
     def begin_step(self, sbi) -> None:
         self.cache.flush(sbi, 1, [])
 
     def step(self, i, q, k, v, a, b, A_log, dt_bias, sbi):
-        return self.cache.gdn_verify(self.j[i], q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log,
+        return self.cache.verify(self.j[i], q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log,
                                      dt_bias, sbi)[:, 0]
 
     def end_step(self, sbi) -> None:
@@ -140,7 +140,7 @@ class GDNReplay(GDNMode):
         self.cache.abort_step()  # the engine fails these rows' requests; their slots are prefilled again before use
 
     def states(self) -> dict:
-        return {i: torch.stack([self.cache.gdn_committed_state(j, s) for s in range(self.slots)])
+        return {i: torch.stack([self.cache.committed_state(j, s) for s in range(self.slots)])
                 for i, j in self.j.items()}
 
 
