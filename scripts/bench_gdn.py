@@ -171,8 +171,8 @@ def pin_replay_rt(rt: int) -> None:
     per row; capped at V rows): gdn_spec and gdn_passes read config.gdn_geometry at every call."""
     planned = config.gdn_geometry
 
-    def geometry(V, K, HV, batch, replay):
-        rows, warps, lanes = planned(V, K, HV, batch, replay)
+    def geometry(V, K, HV, batch, replay, num_tokens=0):
+        rows, warps, lanes = planned(V, K, HV, batch, replay, num_tokens)
         if not replay:
             return rows, warps, lanes
         _, rpw, _ = config.gdn_layout(K, lanes)
@@ -230,7 +230,7 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
         return fn
 
     row = dict(geom="qwen3_next", **geom, L=L, T=T, batch=batch, rotations=R, act="bf16", p_accept=p_accept,
-               verify_geometry=config.gdn_geometry(V, K, HV, batch, True),
+               verify_geometry=config.gdn_geometry(V, K, HV, batch, True, T),
                native_geometry=config.gdn_geometry(V, K, HV, batch, False))
     weights, tokens_per_step = timing.spec_count_weights(T, L, p_accept)
     row["tokens_per_step"] = tokens_per_step
