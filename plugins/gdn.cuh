@@ -251,6 +251,18 @@ __device__ __forceinline__ void rank1_update(Rows& st, float u_mine, float eg, c
       for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(u, k[v][e], eg * st[r][v][e]);
   }
 }
+// S <- S + u k^T (no decay: the fold's lazy form).
+__device__ __forceinline__ void rank1_add(Rows& st, float u_mine, const Cols& k) {
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const float u = from_group_lane(u_mine, r);
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(u, k[v][e], st[r][v][e]);
+  }
+}
+
 // The conventional step on registers: dots, u, y, update. Returns u of this lane's dot row.
 __device__ __forceinline__ float conventional_rows(Rows& st, const StepIn& in, float v_row, float* y) {
   float acc[2 * kRT];
@@ -380,8 +392,7 @@ constexpr int kFE = kL > 1 ? kL - 1 : 1;
 struct alignas(16) FlushSmem {
   float k[kFE][kK];      // k_j
   act_t v[kFE][kRows];   // v_j of the block's rows
-  alignas(16) float4 coef[32];  // fold_coefs: (a_j, b_j, r_j, -) per entry
-  float dfin;                   // the fold's last lazy decay
+  float g[32], beta[32];
 };
 // v rows of a block move as 16-byte vectors where they are whole vectors (small blocks: element-wise).
 constexpr bool kVVectors = kRows * sizeof(act_t) % 16 == 0;
@@ -500,64 +511,38 @@ __device__ __forceinline__ void smem_cols(Cols& out, const float* row, const Lan
   }
 }
 
-// The fold's lazy-decay bookkeeping, once per block (it depends on g_j, beta_j only). One warp; lane j < m
-// holds (g_j, beta_j). The rows hold T with S_j = D_j T: P_j = D_{j-1} exp(g_j) is entry j's decay of T, and
-// D_j = P_j, or 1 after T is rescaled by P_j where P_j < kRenorm. With u_j = beta_j (v_j - P_j (T . k_j)) the
-// update T += (u_j / D_j) k_j takes c_j = a_j v_j - b_j (T . k_j): a_j = beta_j / D_j, b_j = beta_j P_j / D_j
-// (beta_j without a rescale). coef[j] = (a_j, b_j, r_j = the rescale factor or 1); *dfin = D_{m-1}.
-__device__ __forceinline__ void fold_coefs(float4* coef, float* dfin, float g, float beta, int m) {
-  const int lane = threadIdx.x % 32;
-  const float e = expf(g);
-  float D = 1.f, Pl = 1.f;
-  for (int j = 0; j < m; ++j) {  // warp-uniform; D is the same on every lane
-    const float P = D * __shfl_sync(0xffffffffu, e, j);
-    D = P < kRenorm ? 1.f : P;
-    if (lane == j) Pl = P;
-  }
-  if (lane < m) {
-    const bool re = Pl < kRenorm;
-    coef[lane] = make_float4(re ? beta : beta / Pl, re ? beta * Pl : beta, re ? Pl : 1.f, 0.f);
-  }
-  if (lane == 0) *dfin = D;
-}
-
-// Exact fold of m staged entries (fs.k[j], fs.v[j][row] and fold_coefs' fs.coef[j], fs.dfin; FlushSmem here,
-// the speculative module's FoldSmem) into this thread's rows: S <- exp(g_j) S + u_j k_j^T with
-// u_j = beta_j (v_j - exp(g_j) S k_j), in the lazy form of fold_coefs (one FMA per element for the dot and one
-// for the update; T rescaled where the decay falls below kRenorm, block-uniform). Per entry the serial chain is
-// the dot, its butterfly, one FMA (c_j) and the update; with one row per thread every lane of the row group
-// holds the whole dot after the xor butterfly, so c_j needs no broadcast.
+// Exact fold of m staged entries (fs.k[j], fs.v[j][row], fs.g[j], fs.beta[j]; FlushSmem here, the
+// speculative module's FoldSmem) into this thread's rows: S <- exp(g_j) S + u_j k_j^T with
+// u_j = beta_j (v_j - exp(g_j) S k_j). Lazy decay: the rows hold T with S_j = D_j T, so each entry costs
+// one FMA per element for the dot and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset)
+// when D_j falls below kRenorm. D_j is per (slot, head), so the branch is block-uniform.
 template <typename Smem>
 __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& c, int m) {
   const int fold_row = c.rb + c.l % kRT;  // after a kRT-value butterfly, lane l holds row l % kRT
+  float D = 1.f;
 #pragma unroll 2
   for (int j = 0; j < m; ++j) {
     Cols kj;
     smem_cols(kj, fs.k[j], c);
-    const float4 cf = fs.coef[j];
-    const float av = cf.x * to_f(fs.v[j][fold_row]);
+    const float vj = to_f(fs.v[j][fold_row]);
     float acc[kRT];
 #pragma unroll
     for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
-    const float cj = fmaf(-cf.y, group_reduce<kRT>(acc), av);
-    if (cf.z != 1.f) {
+    const float Dj = D * expf(fs.g[j]);
+    const float u = fs.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
+    if (Dj < kRenorm) {
 #pragma unroll
       for (int r = 0; r < kRT; ++r)
 #pragma unroll
         for (int v = 0; v < kVPL; ++v)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) st[r][v][e] *= cf.z;
+          for (int e = 0; e < 4; ++e) st[r][v][e] *= Dj;
+      D = 1.f;
+    } else {
+      D = Dj;
     }
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      const float cr = kRT == 1 ? cj : from_group_lane(cj, r);
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(cr, kj[v][e], st[r][v][e]);
-    }
+    rank1_add(st, u / D, kj);
   }
-  const float D = fs.dfin;
   if (D != 1.f) {
 #pragma unroll
     for (int r = 0; r < kRT; ++r)
@@ -586,15 +571,12 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
       for (int i = threadIdx.x; i < (kL - 1) * kRows; i += kThreads)
         sm.v[i / kRows][i % kRows] = a.vc_in[(eh + i / kRows) * kV + p.row0 + i % kRows];
     }
+    if (threadIdx.x < kL - 1) sm.g[threadIdx.x] = __ldg(a.gc_in + eh + threadIdx.x);
+    else if (threadIdx.x >= 32 && threadIdx.x < 32 + kL - 1) sm.beta[threadIdx.x - 32] = __ldg(a.bc_in + eh + threadIdx.x - 32);
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
   load_rows(st, a.state_in + sh * kK, c);
-  if (threadIdx.x < 32) {  // warp 0: the fold's per-entry scalars while the checkpoint rows stream in
-    const bool e = threadIdx.x < kL - 1;
-    fold_coefs(sm.coef, &sm.dfin, e ? __ldg(a.gc_in + eh + threadIdx.x) : 0.f,
-               e ? __ldg(a.bc_in + eh + threadIdx.x) : 0.f, kL - 1);
-  }
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();

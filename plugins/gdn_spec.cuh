@@ -67,8 +67,7 @@ struct alignas(16) HistSmem {
 struct alignas(16) FoldSmem {
   float k[kFE2][kK];      // k_j of the committed entries, in entry order
   act_t v[kFE2][kRows];   // v_j of the block's rows
-  alignas(16) float4 coef[32];  // fold_coefs (gdn.cuh): (a_j, b_j, r_j, -) per entry
-  float dfin;
+  float g[32], beta[32];
 };
 struct alignas(16) VerifySmem {
   WinSmem win;
@@ -189,12 +188,11 @@ __device__ __forceinline__ void spec_verify(const ReplayArgs& a) {
       for (int i = tid; i < m * kRows; i += kThreads)
         fs.v[i / kRows][i % kRows] = a.vc_in[(eh + (start + i / kRows) % kL) * kV + p.row0 + i % kRows];
     }
-    load_rows(st, a.state_in + sh * kK, c);
-    if (warp == 0) {  // the fold's per-entry scalars while the checkpoint rows stream in
-      const bool e = c.lane < m;
-      const size_t j = eh + (start + c.lane) % kL;
-      fold_coefs(fs.coef, &fs.dfin, e ? __ldg(a.gc_in + j) : 0.f, e ? __ldg(a.bc_in + j) : 0.f, m);
+    for (int i = tid; i < 2 * m; i += kThreads) {
+      if (i < m) fs.g[i] = __ldg(a.gc_in + eh + (start + i) % kL);
+      else fs.beta[i - m] = __ldg(a.bc_in + eh + (start + i - m) % kL);
     }
+    load_rows(st, a.state_in + sh * kK, c);
 #pragma unroll
     for (int it = 0; it < kIters; ++it)
 #pragma unroll

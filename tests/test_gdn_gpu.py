@@ -192,8 +192,8 @@ def test_replay_qwen3_next_geometry():
 
 def test_replay_strong_decay_rescales_in_the_fold():
     """Decays strong enough that the fold's lazy decay falls below 2^-30 within a cycle, on every entry for some
-    heads (g ~ -40 softplus(a + dt_bias)) and now and then for others: fold_coefs' rescale branch and its plain path
-    in one launch."""
+    heads (g ~ -40 softplus(a + dt_bias)) and now and then for others: fold_rows' rescale branch (kRenorm) and its
+    plain path in one launch."""
     pb = Problem((4, 2, 128, 128), torch.bfloat16, 8, 3, 6, (), seed=5)
     pb.prm = Params(torch.log(torch.tensor([40.0, 1.0, 8.0, 16.0])), pb.prm.dt_bias)
     run(pb, 2 * 8 + 1)

@@ -716,7 +716,7 @@ def gdn_spec_smem_bytes(act: str, rows: int, K: int, L: int, T: int) -> int:
     win = 4 * (2 * T * K + 2 * T * T + 3 * T)
     he = max(1, L - 2 * T)
     hist = 4 * (he * rows + 32 + 2 * he * T + 4)
-    fold = 4 * (L - T) * K + ITEMSIZE[act] * (L - T) * rows + 16 * 32 + 32  # + fold_coefs: 32 float4, dfin
+    fold = 4 * (L - T) * K + ITEMSIZE[act] * (L - T) * rows + 4 * 64
     return (win + 15) // 16 * 16 + (max(hist, fold) + 15) // 16 * 16
 
 
