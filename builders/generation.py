@@ -49,6 +49,37 @@ the cache's dtype, and the prefix's last logits (tests/test_prefix_cache.py chec
 ``engine.stats``: prefill_tokens_computed / prefill_tokens_reused, prefix_hits / prefix_misses, prefix_entries,
 prefix_cached_tokens, prefix_cache_bytes, prefix_evictions.
 
+Preemption (opt-in, ``preempt=True``; off by default: requests beyond the slots wait in the queue): the engine's slots
+have a fixed K/V capacity (``max_seq_len``), so a running request never needs more room; preemption is for admission.
+Waiting requests (queued, and swapped out) stand in one line by ticket (taken at submit and again at each swap-out),
+and free slots go to the line in order. Before admission, when requests wait and no slot is free, running requests
+that have decoded at least ``preempt_quantum`` steps since they last took a slot are swapped out, the longest holder
+first, one per waiting request: time-sliced round robin, so a new request's time to first token is bounded by about
+one quantum of steps and nobody starves; ``max_swapped_bytes`` (None: no limit) caps the host memory the swapped-out
+requests hold (a swap that would pass it is not done: the request waits for a slot freed by a finish). A swap-out is
+the step's ``save_slot``: the row's next input, conv windows, the K/V of its ``length`` positions and the SSM mode's
+state (ReplaySSM: the cache's ``swap_out``: checkpoint, shadow, rings and cursor as stored, then the cache slot taken
+back at once; conventional: the fp32 state) copied to host memory, pinned and asynchronous on CUDA (ordered on the
+stream before anything that reuses the slot); the sampling parameters stay on the request and the seeded noise is
+keyed by (seed, position), so a swapped request resumes into any free slot (``load_saved``: asynchronous copies back,
+K/V past its length zeroed) and continues bit-identically (tests/test_preemption.py: tokens equal a run with enough
+slots, greedy and sampled, Nemotron-H and Qwen3.5). Cancelling a swapped-out request drops its host copy at the next
+step. ``engine.stats``: preemptions, resumes, swapped_requests, swapped_bytes (now), swapped_bytes_peak,
+swap_out_bytes (total); :meth:`Engine.saved_nbytes` is a slot's swap size (the step's ``saved_spec`` + the cache's
+``bytes_per_slot``).
+
+Prefill/decode hand-off: ``Request(export=True)`` ends after its prefill (the first token streamed), or
+:meth:`Engine.export_request` at the next step boundary (a decoding or swapped-out request), with finish_reason
+"exported" and ``Output.state``: the same saved slot as bytes (:func:`export_state`: a versioned, crc-checked frame
+with a JSON header of the step's ``slot_geometry`` (family, layer stack, sizes, dtype, SSM mode) and the request
+(prompt, tokens generated, length, sampling parameters), the step's tensors as safetensors, the ReplayStateCache
+snapshot's own versioned bytes). ``Request(resume_from=state)`` in another engine (another process, other slot counts
+and K/V capacity) is checked at submit (the geometry, every tensor's dtype and shape, the snapshot against the cache:
+ring length, shadow, cursor form; a RequestError names each difference, nothing is queued), waits in the line like a
+swapped-out request and is loaded without a prefill; tokens equal one engine doing both (tests/test_handoff.py, two
+processes). The weights are not fingerprinted: a state imported into a model of the same geometry but other weights
+decodes without complaint.
+
 Faults: :meth:`Engine.cancel` (or a request's ``is_cancelled`` callable, polled every ``poll_s`` seconds: a
 client that went away) frees the slot at the next step; an exception in a step fails the requests of that step
 with the error and resets their slots (the engine keeps serving); :meth:`Engine.shutdown` ends every open and
