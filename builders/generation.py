@@ -532,6 +532,8 @@ class Engine:
         for t in req.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise RequestError(f"stop_token_ids: expected ints, got {t!r}")
+        if not isinstance(req.export, bool):
+            raise RequestError(f"export: expected True or False, got {req.export!r}")
 
     def _import(self, req: Request) -> tuple:
         """``req.resume_from`` checked against this engine (the state's bytes, its geometry against the step's, its

@@ -131,7 +131,12 @@ class CacheSlots:
         if diffs:  # before the slot leaves the pool
             raise ValueError("load_saved: the snapshot does not fit this cache: " + "; ".join(diffs))
         self.cache.free(slot)
-        self.cache.swap_in([slot], snapshot)
+        try:
+            self.cache.swap_in([slot], snapshot)
+        except BaseException:
+            if slot not in self.cache.live_slots:  # the pool stays the engine's
+                self.cache.allocate()
+            raise
 
 
 # ---- SSM modes ----------------------------------------------------------------------------------------
