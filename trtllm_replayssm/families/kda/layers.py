@@ -4,8 +4,8 @@
 Step inputs per layer (:mod:`.reference`): q, k, f (batch, T, H, K), v (batch, T, H, V), b (batch, T, H) raw,
 A_log (H,), dt_bias (H, K); options ``use_qk_l2norm``, ``scale``, ``lower_bound`` (GLM-5 Next's bounded gate);
 outputs (batch, T, H, V). A prefill hands over the final recurrent state in the (H, K, V) layout (transformers'
-and fla's). The float64 spec runs the steps on CPU tensors; on CUDA the family's launchers
-(``families/kda/ops.py``) when they are there.
+and fla's). The float64 spec runs the steps on CPU tensors; on CUDA the family's launchers (``families/kda/ops.py``:
+the fused standard decode step; speculative verify on CUDA is not there yet).
 """
 
 from __future__ import annotations
@@ -58,9 +58,8 @@ class KDALayers(LayerGroup):
                 raise ValueError(f"geometry: {name}: expected >= 1, got {v}")
         if shadow_dtype not in (None, torch.bfloat16):
             raise ValueError(f"shadow_dtype: a model with KDA layers keeps a bfloat16 shadow only, got {shadow_dtype}")
-        if cuda:
-            raise NotImplementedError("KDA layers on CUDA: the KDA kernels' cache executor is not wired yet "
-                                      "(issue 37); use a CPU cache (the float64 spec)")
+        if cuda and state_dtype != torch.float32:
+            raise ValueError(f"state_dtype: the KDA kernels keep an fp32 checkpoint, got {state_dtype}")
 
     @staticmethod
     def roles(state_dtype, act_dtype, dt_dtype, shadow_dtype) -> tuple[dict, tuple]:
@@ -80,6 +79,17 @@ class KDALayers(LayerGroup):
              read_shadow: bool):
         q, k, v, f, b, A_log, dt_bias = bound.inputs
         sbi, out, opt = bound.state_batch_indices, bound.out, bound.options
+        if executor.name == "kernels":  # the family's launchers (families/kda/ops.py)
+            if not standard:
+                raise NotImplementedError("KDA speculative verify on CUDA: the KDA verify kernel is not there yet "
+                                          "(issue 37); use cursor='standard' (one token per step) on CUDA")
+            from . import ops as kops
+
+            y = kops.kda_replay_decode(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias, view.buf.state,
+                                       view.buf.k_cache, view.buf.u_cache, view.buf.g_cache, view.buf.v_cache,
+                                       view.buf.beta_cache, cursor, sbi, out=None if out is None else out[:, 0],
+                                       shadow=view.shadow, check_values=check, **opt)
+            return y[:, None] if out is None else out
         sh = None if view.shadow is None else Shadow.wrap(view.shadow, None)
         if out is not None:
             sr._check_shape(out, "out", tuple(v.shape))
