@@ -129,5 +129,5 @@ def test_kda_cache_errors_name_the_argument():
         ReplayStateCache(0, 2, 1, 1, 1, 1, L, layers={"nope": (1, (1, 1, 1))})
     with pytest.raises(ValueError, match="shadow_dtype: a model with KDA layers keeps a bfloat16 shadow only"):
         ReplayStateCache.for_family("kda", 1, 2, (H, K, V), L, shadow_dtype=torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="family: the cache holds no 'gdn' layers"):
+    with pytest.raises(ValueError, match="family: the cache holds no .gdn. layers"):
         cache.first_layer("gdn")
