@@ -17,6 +17,7 @@ from __future__ import annotations
 from ... import costs
 from .. import Family
 from . import reference
+from .config import KDASpec
 
 MODELS = {  # name: (KDA heads, K, V, KDA layers, all layers)
     "kimi_k3": (96, 128, 128, 69, 93),
@@ -33,6 +34,7 @@ FAMILY = Family(
     reference=reference.__name__,
     bytes_per_step=costs.kda_bytes_per_step,
     geometries=GEOMETRIES,
+    spec_types=(KDASpec,),
 )
 
-__all__ = ["FAMILY", "GEOMETRIES", "MODELS", "reference"]
+__all__ = ["FAMILY", "GEOMETRIES", "MODELS", "KDASpec", "reference"]
