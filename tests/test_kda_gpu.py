@@ -168,7 +168,8 @@ def test_conventional_against_reference(case):
 
 
 def test_teeth():
-    """One corrupted g value in the kernel's ring (a channel of one entry of one live row) must be caught."""
+    """A corrupted g entry in the kernel's ring (the newest entry of one head of one live row: every older entry and
+    S0 decay through it) must be caught; the other row, untouched, still agrees."""
     dev = cuda()
     H, K, V = GEOMETRIES["kimi_k3_tp8"]
     L, batch, slots = 8, 2, 3
@@ -178,7 +179,7 @@ def test_teeth():
     cursor = torch.full((slots,), 5, dtype=torch.int32)
     sbi = torch.tensor([0, 2], dtype=torch.int32)
     gpu = to_dev(ref, dev)
-    gpu.g_cache[2, 3, 1, 7] = -3.0  # an entry before the cursor: the output path reads it
+    gpu.g_cache[2, 3, 4] = -20.0  # entry 4 < cursor 5: the output path reads it
     q, k, v, f, b = make_inputs(batch, H, K, V, torch.bfloat16, gen)
     y_ref = kref.replay_decode(ref, cursor, q, k, v, f, b, A_log, dt_bias, sbi)
     y = kops.kda_replay_decode(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), *gpu.tensors(),
