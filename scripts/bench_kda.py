@@ -21,7 +21,7 @@ the final state written to a new tensor: the conventional bytes. Its output is f
 conventional kernel on the same inputs (``fla_check_rel``).
 
 Usage: python scripts/bench_kda.py [--batches 1,8,32,64,128,256] [--geoms kimi_k3_tp8,glm5_3_flash_tp8]
-       [--out bench/results] [--commit SHA] [--fla-path third_party/fla_peer]
+       [--out bench/results] [--commit SHA] [--fla-path third_party/fla_peer] [--sweep 4:4,4:8,2:4]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from trtllm_replayssm import costs, timing  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
-from trtllm_replayssm.families.kda.config import kda_geometry  # noqa: E402
+from trtllm_replayssm.families.kda.config import kda_geometry, override  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -59,7 +59,9 @@ def load_fla(path: pathlib.Path):
     return fused_recurrent_kda
 
 
-def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0) -> dict:
+def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
+                peer: bool = True) -> dict:
+    """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla."""
     H, K, V = GEOMETRIES[geom]
     lb = LOWER_BOUND.get(geom)
     act = torch.bfloat16
@@ -101,8 +103,8 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0) -> dict:
         return fn
 
     row = dict(geom=geom, H=H, K=K, V=V, L=L, batch=batch, rotations=R, act="bf16", lower_bound=lb,
-               geometry=kda_geometry(H, K, V, batch))
-    if FLA is not None:  # the peer on the same inputs: checked against our conventional kernel, then timed
+               geometry=kda_geometry(H, K, V, batch), conv_geometry=kda_geometry(H, K, V, batch, conventional=True))
+    if FLA is not None and peer:  # the peer on the same inputs: checked against our conventional kernel, then timed
         sts = [state[sbis[r].long()].contiguous() for r in range(R)]  # (batch, H, K, V)
 
         def fla_step(r, st):
@@ -136,9 +138,12 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0) -> dict:
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         per_k = []
-        for k in range(1, L + 1):
+        for k in (range(1, L + 1) if ks is None else ks):
             cursor.fill_(k - 1)
             per_k.append(graph_time_us(replay(sh), R)[0])
+        if ks is not None:
+            row[f"{name}_us_at"] = dict(zip(ks, per_k))
+            continue
         _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16" if sh is not None else None)
         amort = sum(per_k) / L
         bytes_amort = sum(bk.values()) / L * batch
@@ -169,6 +174,8 @@ def main():
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--tag", default="kda-kernels")
     ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer")
+    ap.add_argument("--sweep", default="", help="launch shapes col_lanes:warps,... timed at positions 1, L/2, L "
+                    "for the first geometry at the smallest and largest batch (rows of kind 'sweep')")
     args = ap.parse_args()
     try:
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
@@ -202,10 +209,22 @@ def main():
                 row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
             rows.append(row)
             print("RESULT_JSON " + json.dumps({"kind": "row", **row}), flush=True)
+    sweep = []
+    for item in [x for x in args.sweep.split(",") if x]:
+        cl, w = (int(t) for t in item.split(":"))
+        for b in sorted({min(batches), max(batches)}):
+            try:
+                with override(col_lanes=cl, warps=w):
+                    row = bench_point(geoms[0], b, args.L, ks=[1, args.L // 2, args.L], peer=False)
+            except ValueError as e:  # a shape this geometry cannot take
+                row = dict(geom=geoms[0], batch=b, error=str(e)[:200])
+            row["shape"] = [cl, w]
+            sweep.append(row)
+            print("RESULT_JSON " + json.dumps({"kind": "sweep", **row}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{meta['date'][:10]}_{args.tag}_{meta['commit'][:10]}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'geom':>16s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} "
           f"{'%ceil':>5s} {'x conv':>6s} {'%bnd':>5s} | {'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} "

@@ -29,7 +29,8 @@ BASE = dict(act="bf16", H=12, K=128, V=128, buffer_len=16)
 ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffer_len=5), dict(buffer_len=8),
         dict(H=3, K=48, V=40, warps=1), dict(H=5, K=64, V=24, warps=1), dict(K=256, V=64, warps=2),
         dict(l2norm=False), dict(scale=0.125), dict(col_lanes=4), dict(col_lanes=4, warps=2, shadow="bf16"),
-        dict(lower_bound=-3.0, shadow="bf16"), dict(warps=8)]
+        dict(lower_bound=-3.0, shadow="bf16"), dict(warps=8), dict(col_lanes=4, warps=8, shadow="bf16"),
+        dict(col_lanes=4, buffer_len=5), dict(col_lanes=4, buffer_len=2, act="f32")]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
 
 
@@ -82,13 +83,17 @@ def test_spec_rejects(bad, match):
 
 
 def test_planner():
-    assert kda_geometry(12, 128, 128, 256) == (2, 4)
-    assert kda_geometry(12, 128, 128, 1)[1] < 4  # small batches: smaller blocks, more of them
+    assert kda_geometry(12, 128, 128, 256) == (4, 4)  # large grids: 4 lanes across a row, 4 warps
+    assert kda_geometry(12, 128, 128, 256, conventional=True) == (4, 4)
+    assert kda_geometry(12, 128, 128, 1, conventional=True)[1] < 4  # small batches: smaller blocks, more of them
+    assert kda_geometry(12, 128, 128, 1) == (2, 4)  # replay: one channel a thread, 2 lanes a row for more blocks
+    assert kda_geometry(2, 256, 64, 256)[0] == 2  # K = 256: 4 lanes would hold 128 state values a lane
     with override(col_lanes=4, warps=2):
         assert kda_geometry(12, 128, 128, 256) == (4, 2)
-    assert kda_geometry(12, 128, 128, 256) == (2, 4)
+    assert kda_geometry(12, 128, 128, 256) == (4, 4)
     for (H, K, V), batch in itertools.product(set(GEOMETRIES.values()), (1, 8, 64, 256)):
         kda_spec("bf16", H, K, V, 16, batch)  # every plan is a valid spec
+        kda_spec("bf16", H, K, V, 2, batch, conventional=True)
 
 
 # ---- launcher validation (CPU tensors: every check runs before require_cuda) -------------------------------

@@ -29,6 +29,7 @@ from trtllm_replayssm.families import advance_cursor as ref_advance
 from trtllm_replayssm.families.kda import GEOMETRIES
 from trtllm_replayssm.families.kda import ops as kops
 from trtllm_replayssm.families.kda import reference as kref
+from trtllm_replayssm.families.kda.config import override
 from trtllm_replayssm.reference import Shadow
 
 pytestmark = pytest.mark.gpu
@@ -97,8 +98,23 @@ def _sbi(batch, slots, gen):
     return perm
 
 
+# The planner's small-batch shape runs above (batch 3-5); its large-batch shapes, pinned (override), run here.
+SHAPED = [(CASES[i], shape) for i, shape in ((0, (4, 4)), (1, (4, 4)), (2, (4, 4)), (3, (4, 4)), (1, (4, 8)),
+                                             (2, (4, 2)))]
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_replay_decode_against_reference(case):
+    _replay_against_reference(case)
+
+
+@pytest.mark.parametrize("case, shape", SHAPED, ids=[f"{c[0]}-C{s[0]}W{s[1]}" for c, s in SHAPED])
+def test_replay_decode_launch_shapes(case, shape):
+    with override(col_lanes=shape[0], warps=shape[1]):
+        _replay_against_reference(case)
+
+
+def _replay_against_reference(case):
     dev = cuda()
     _, (H, K, V), act, L, batch, slots, lb, l2, use_shadow = case
     gen = torch.Generator().manual_seed(37)
@@ -144,8 +160,18 @@ def test_replay_decode_against_reference(case):
         assert torch.equal(b0, a0), "unused slots must be untouched"
 
 
-@pytest.mark.parametrize("case", CASES[:1] + CASES[2:3] + CASES[4:6], ids=lambda c: c[0])
-def test_conventional_against_reference(case):
+CONV = [(c, None) for c in CASES[:1] + CASES[2:3] + CASES[4:6]] + [(CASES[0], (4, 4)), (CASES[2], (4, 8))]
+
+
+@pytest.mark.parametrize("case, shape", CONV, ids=[c[0] + ("" if s is None else f"-C{s[0]}W{s[1]}") for c, s in CONV])
+def test_conventional_against_reference(case, shape):
+    if shape is not None:
+        with override(col_lanes=shape[0], warps=shape[1]):
+            return _conventional_against_reference(case)
+    _conventional_against_reference(case)
+
+
+def _conventional_against_reference(case):
     dev = cuda()
     _, (H, K, V), act, _, batch, slots, lb, l2, _ = case
     gen = torch.Generator().manual_seed(7)

@@ -21,7 +21,8 @@
 //   u = beta (v - that),  y = (that for q) + (k . q) u
 // so a non-flush step reads S0 (or its bf16 shadow) once for two vectors and appends (k raw, u, g, v, beta). The
 // flush (entry L - 1 would be the L-th) refolds the L - 1 buffered (k_j, v_j, g_j, beta_j) into the fp32
-// checkpoint by the exact recurrence, then steps this token and stores (and rewrites the shadow).
+// checkpoint by the exact recurrence (regrouped in chunks of kC entries: fold_step), then steps this token and
+// stores (and rewrites the shadow).
 //
 // Work split: one block per (batch row, head, chunk of kCols value columns); a warp owns 4 kCVL columns over all K
 // rows, so every reduction over K stays in the warp (transposing butterflies over the kRG row groups, no block
@@ -66,13 +67,18 @@ constexpr int kEA = kE > 0 ? kE : 1;         // array extent
 constexpr int kH1 = pow2_at_least(kE + 1);   // non-flush reduce: [0, kH1) k-side, [kH1, 2 kH1) q-side
 constexpr int kN1 = 2 * kH1;
 constexpr int kN2 = kH1;                     // entry norms, then k . q last
-constexpr int kNF = pow2_at_least(kE + 3);   // fold reduce: entry norms, then k.k, q.q, k.q
+constexpr int kC = 4;                        // flush: entries folded per chunk
+constexpr int kNC = (kEA + kC - 1) / kC;     // chunks
+constexpr int kGW = 16;                      // Gram slots a chunk: (j, i <= j) at gslot(j, i), k.k q.q k.q at kTS
+constexpr int kTS = 10;
+__host__ __device__ constexpr int gslot(int j, int i) { return j * (j + 1) / 2 + i; }
 constexpr int kCPT = (kK + kThreads - 1) / kThreads;  // channels per thread
 static_assert(kCVL == 2 || kCVL == 4, "kCVL: 2 or 4 lanes across a row (8 dot values per row group)");
 static_assert(kK % kRG == 0 && kRT >= 1, "K must be a multiple of the row groups");
 static_assert(kV % kCols == 0, "the block's columns must divide V");
 static_assert(kL >= 2 && kL <= 16, "ring length 2..16 (one warp butterfly holds 2 L values)");
-static_assert(kN1 <= 32 && kNF <= 32, "reduce width");
+static_assert(kN1 <= 32, "reduce width");
+static_assert(gslot(kC - 1, kC - 1) < kTS && kTS + 3 <= kGW, "Gram slots");
 
 constexpr float kL2Eps = 1e-6f;  // families/kda/reference.L2NORM_EPS
 __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }  // torch's threshold
@@ -171,16 +177,22 @@ struct Args {
 };
 
 // Shared memory. The token tile: per channel exp(g) k, exp(g) q (raw, the norms enter after the reduce), exp(g),
-// k raw; the fold tile adds (exp(g_j), k_j raw) per entry and channel and the block's v_j columns.
+// k raw. The fold tile (flush) adds, per channel and chunk of kC entries, the decayed keys of the chunk's dots and of
+// its rank-kC update (float4: one load a row for the chunk), the chunk's decay, the block's v_j columns, beta_j, the
+// warp's dots S^T w_j and the Gram entries k_i . D k_j of each chunk (block partials, then totals).
 struct alignas(16) TokenSmem {
   float ak[kK], aq[kK], al[kK], kr[kK];
-  float red[kWarps][kNF];
 };
 struct alignas(16) FoldSmem {
   TokenSmem tok;
-  float2 ek[kEA][kK];       // (exp(g_j), k_j raw)
-  float v[kEA][kCols];      // v_j of the block's columns
+  float4 wk[kK][kNC];          // pass 1: exp(g_j); then (prod_{s0 <= l <= j} exp g_l) k_j raw, j = s0 + component
+  float4 dk[kK][kNC];          // pass 1: k_j raw; then (prod_{j < l < s0 + kC} exp g_l) k_j raw
+  float pc[kNC][kK];           // prod over the chunk of exp g_l
+  float v[kEA][kCols];         // v_j of the block's columns
   float beta[kEA];
+  float bs[kWarps][kEA][kWCols];  // S^T w_j of the warp's columns (k_j raw: times 1 / ||k_j|| in the solve)
+  float red[kWarps][kNC * kGW];
+  float gram[kNC * kGW];
 };
 struct alignas(16) ReplaySmem {
   float e0k[kK], e0q[kK];   // D_{t,0} k, D_{t,0} q (raw)
@@ -188,18 +200,26 @@ struct alignas(16) ReplaySmem {
 };
 constexpr size_t kSmemBytes = sizeof(FoldSmem) > sizeof(ReplaySmem) ? sizeof(FoldSmem) : sizeof(ReplaySmem);
 
-// ---- the fold + token step: the conventional step (m = 0) and the flush (m = kE) -------------------------------
-// S <- exact recurrence over the m buffered entries, then this token; y written; S stored (and the shadow).
-__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, int m, bool write_shadow,
-                                          FoldSmem& sm) {
+__device__ __forceinline__ float comp(const float4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
+
+// ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
+// S <- exact recurrence over the kE buffered entries, then this token; y written; S stored (and the shadow).
+// The entries fold in chunks of kC (the WY / chunked form of the delta rule, exact in real arithmetic): with S the
+// state before the chunk, P_j = prod_{s0 <= l <= j} Diag(exp g_l), n_j = 1 / ||k_j||,
+//   b_j = n_j S^T (P_j k_j),   A_ji = n_i n_j k_i . (P_j / P_i) k_j  (i < j; the ratio as the product over i < l <= j)
+//   u_j = beta_j (v_j - b_j - sum_{i<j} A_ji u_i)        (forward substitution, per column, in registers)
+//   S <- P_end S + sum_j n_j (P_end / P_j) k_j u_j^T      (one rank-kC update)
+// which is the entry-by-entry recurrence u_j = beta_j (v_j - (Diag(exp g_j) S_{j-1})^T k_j), S_j = ... + k_j u_j^T
+// regrouped: the chunk's dots and its update each become one pass over the state registers, and the dependent
+// chain of reductions goes from one per entry to one per chunk.
+template <bool kFlush>
+__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
   load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
-  float red[kNF];
-#pragma unroll
-  for (int i = 0; i < kNF; ++i) red[i] = 0.f;
+  float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
 #pragma unroll
   for (int n = 0; n < kCPT; ++n) {
     const int i = threadIdx.x + n * kThreads;
@@ -207,60 +227,155 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
       const float kt = to_f(a.k[in * kK + i]), qt = to_f(a.q[in * kK + i]);
       const float al = expf(gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A));
       sm.tok.ak[i] = al * kt, sm.tok.aq[i] = al * qt, sm.tok.al[i] = al, sm.tok.kr[i] = kt;
-      red[kNF - 3] += kt * kt, red[kNF - 2] += qt * qt, red[kNF - 1] += kt * qt;
+      tk[0] += kt * kt, tk[1] += qt * qt, tk[2] += kt * qt;
+      if constexpr (kFlush) {  // pass 1: every entry's loads in flight together; the same thread reads them back
 #pragma unroll
-      for (int j = 0; j < kE; ++j) {
-        if (j < m) {
-          const float kj = to_f(a.kc_in[(hs * kL + j) * kK + i]);
-          sm.ek[j][i] = make_float2(expf(__ldg(a.gc_in + (hs * kL + j) * kK + i)), kj);
-          red[j] += kj * kj;
+        for (int q = 0; q < kNC; ++q) {
+          float e[kC], kr[kC];
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj) {
+            const int j = q * kC + jj;
+            e[jj] = j < kE ? expf(__ldg(a.gc_in + (hs * kL + j) * kK + i)) : 0.f;
+            kr[jj] = j < kE ? to_f(a.kc_in[(hs * kL + j) * kK + i]) : 0.f;
+          }
+          sm.wk[i][q] = make_float4(e[0], e[1], e[2], e[3]);
+          sm.dk[i][q] = make_float4(kr[0], kr[1], kr[2], kr[3]);
         }
       }
     }
   }
-  for (int i = threadIdx.x; i < m * kCols; i += kThreads) {
-    const int j = i / kCols, cc = i % kCols;
-    sm.v[j][cc] = to_f(a.vc_in[(hs * kL + j) * kV + (blockIdx.x % kChunks) * kCols + cc]);
-  }
-  if (threadIdx.x < m) sm.beta[threadIdx.x] = __ldg(a.bc_in + hs * kL + threadIdx.x);
-  {
-    const float r = transpose_reduce<kNF, 1>(red);
-    if (c.lane < kNF) sm.tok.red[c.warp][c.lane] = r;
+  const int chunk0 = (blockIdx.x % kChunks) * kCols;
+  if constexpr (kFlush) {
+    for (int i = threadIdx.x; i < kE * kCols; i += kThreads) {
+      const int j = i / kCols, cc = i % kCols;
+      sm.v[j][cc] = to_f(a.vc_in[(hs * kL + j) * kV + chunk0 + cc]);
+    }
+    if (threadIdx.x < kE) sm.beta[threadIdx.x] = __ldg(a.bc_in + hs * kL + threadIdx.x);
+    // pass 2, per chunk: the decayed keys and the Gram partials (slot gslot(j, i), i <= j; k.k, q.q, k.q in chunk 0)
+#pragma unroll
+    for (int q = 0; q < kNC; ++q) {
+      float gr[kGW];
+#pragma unroll
+      for (int s = 0; s < kGW; ++s) gr[s] = 0.f;
+      if (q == 0) gr[kTS] = tk[0], gr[kTS + 1] = tk[1], gr[kTS + 2] = tk[2];
+#pragma unroll
+      for (int n = 0; n < kCPT; ++n) {
+        const int i = threadIdx.x + n * kThreads;
+        if (kK % kThreads == 0 || i < kK) {
+          const float4 e4 = sm.wk[i][q], k4 = sm.dk[i][q];
+          float e[kC], kr[kC], w[kC], d[kC];
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj) e[jj] = comp(e4, jj), kr[jj] = comp(k4, jj);
+          float p = 1.f;
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj) p *= (q * kC + jj < kE ? e[jj] : 1.f), w[jj] = p * kr[jj];
+          float sfx = 1.f;
+#pragma unroll
+          for (int jj = kC - 1; jj >= 0; --jj) d[jj] = sfx * kr[jj], sfx *= (q * kC + jj < kE ? e[jj] : 1.f);
+          sm.wk[i][q] = make_float4(w[0], w[1], w[2], w[3]);
+          sm.dk[i][q] = make_float4(d[0], d[1], d[2], d[3]);
+          sm.pc[q][i] = p;
+#pragma unroll
+          for (int ii = 0; ii < kC; ++ii) {
+            gr[gslot(ii, ii)] = fmaf(kr[ii], kr[ii], gr[gslot(ii, ii)]);
+            float run = kr[ii];
+#pragma unroll
+            for (int jj = ii + 1; jj < kC; ++jj) run *= e[jj], gr[gslot(jj, ii)] = fmaf(run, kr[jj], gr[gslot(jj, ii)]);
+          }
+        }
+      }
+      const float r = transpose_reduce<kGW, 1>(gr);
+      if (c.lane < kGW) sm.red[c.warp][q * kGW + c.lane] = r;
+    }
+  } else {
+    float t4[4] = {tk[0], tk[1], tk[2], 0.f};
+    const float r = transpose_reduce<4, 1>(t4);
+    if (c.lane < 3) sm.red[c.warp][kTS + c.lane] = r;
   }
   const float beta = sigmoid(to_f(a.b[in]));
   const float v_now = to_f(a.v[in * kV + out_col(c)]);
   __syncthreads();
-  float tot = 0.f;  // lane l: the block's sum of value l % kNF
+  float kk = 0.f, qq = 0.f, kqr = 0.f;
+  if constexpr (kFlush) {
+    for (int t = threadIdx.x; t < kNC * kGW; t += kThreads) {
+      float s = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) tot += sm.tok.red[w][c.lane % kNF];
-  const float rj_lane = rnorm(tot);  // lane j < m: 1 / ||k_j||
-  const float kk = __shfl_sync(0xffffffffu, tot, kNF - 3), qq = __shfl_sync(0xffffffffu, tot, kNF - 2);
-  const float kqr = __shfl_sync(0xffffffffu, tot, kNF - 1);
-  const float rk = rnorm(kk), rq = rnorm(qq) * kScale;
-  // The exact fold, entry by entry: u_j = beta_j (v_j - (Diag(exp g_j) S)^T k_j); S <- Diag(exp g_j) S + k_j u_j^T.
-  const int fcol = (c.col - (blockIdx.x % kChunks) * kCols) + c.rg % 4;  // this lane's fold column in the block
-  for (int j = 0; j < m; ++j) {
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      const float2 ek = sm.ek[j][c.row(r)];
-      const float w = ek.x * ek.y;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[e] = fmaf(st[r][e], w, acc[e]);
+      for (int w = 0; w < kWarps; ++w) s += sm.red[w][t];
+      sm.gram[t] = s;
     }
-    const float rj = __shfl_sync(0xffffffffu, rj_lane, j);
-    const float sk = transpose_reduce<4, kCVL>(acc);  // column rg % 4
-    const float u = sm.beta[j] * (sm.v[j][fcol] - sk * rj);
-    float ue[4];
+    __syncthreads();
+    kk = sm.gram[kTS], qq = sm.gram[kTS + 1], kqr = sm.gram[kTS + 2];
+    const int bcol = c.col - chunk0;  // block column of this lane's first column
 #pragma unroll
-    for (int e = 0; e < 4; ++e) ue[e] = __shfl_sync(0xffffffffu, u, e * kCVL + c.cv) * rj;
+    for (int q = 0; q < kNC; ++q) {
+      constexpr int kLast = kE - (kNC - 1) * kC;
+      const int cs = q + 1 < kNC ? kC : kLast;
+      float acc[kC][4];
 #pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      const float2 ek = sm.ek[j][c.row(r)];
+      for (int jj = 0; jj < kC; ++jj)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) st[r][e] = fmaf(ek.x, st[r][e], ek.y * ue[e]);
+        for (int e = 0; e < 4; ++e) acc[jj][e] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) {
+        const float4 w4 = sm.wk[c.row(r)][q];
+#pragma unroll
+        for (int jj = 0; jj < kC; ++jj) {
+          if (jj < cs) {
+            const float w = comp(w4, jj);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[jj][e] = fmaf(st[r][e], w, acc[jj][e]);
+          }
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < kC; jj += 2) {
+        if (jj < cs) {
+          float t8[8];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) t8[e] = acc[jj][e], t8[4 + e] = jj + 1 < cs ? acc[jj + 1][e] : 0.f;
+          const float r8 = transpose_reduce<8, kCVL>(t8);  // lane rg: entry jj + (rg % 8) / 4, column cv 4 + rg % 4
+          const int jw = jj + (c.rg % 8) / 4;
+          if (c.rg < 8 && jw < cs) sm.bs[c.warp][q * kC + jw][c.cv * 4 + c.rg % 4] = r8;
+        }
+      }
+      __syncwarp();
+      // Forward substitution for the lane's 4 columns; uu = u_j n_j (the update multiplies raw k_j).
+      float uu[kC][4], nrm[kC];
+#pragma unroll
+      for (int jj = 0; jj < kC; ++jj) {
+        if (jj < cs) {
+          const int j = q * kC + jj;
+          nrm[jj] = rnorm(sm.gram[q * kGW + gslot(jj, jj)]);
+          const float bj = sm.beta[j];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            // n_j (b_raw + sum_i gram_ji n_i u_i): A_ji u_i = gram_ji n_j (n_i u_i)
+            float t = sm.bs[c.warp][j][c.cv * 4 + e];
+#pragma unroll
+            for (int ii = 0; ii < jj; ++ii) t = fmaf(sm.gram[q * kGW + gslot(jj, ii)], uu[ii][e], t);
+            uu[jj][e] = bj * (sm.v[j][bcol + e] - nrm[jj] * t) * nrm[jj];
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) {
+        const float p = sm.pc[q][c.row(r)];
+        const float4 d4 = sm.dk[c.row(r)][q];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float s = st[r][e] * p;
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj)
+            if (jj < cs) s = fmaf(comp(d4, jj), uu[jj][e], s);
+          st[r][e] = s;
+        }
+      }
     }
+  } else {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) kk += sm.red[w][kTS], qq += sm.red[w][kTS + 1], kqr += sm.red[w][kTS + 2];
   }
+  const float rk = rnorm(kk), rq = rnorm(qq) * kScale;
   // This token: the two dots of Diag(exp g) S, then u, y, the rank-1 update.
   float acc[8];
 #pragma unroll
@@ -396,7 +511,7 @@ __device__ __forceinline__ void conventional(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
-  fold_step(a, c, slot, 0, false, sm);
+  fold_step<false>(a, c, slot, false, sm);
 }
 
 __device__ __forceinline__ void replay_decode(const Args& a) {
@@ -410,7 +525,7 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
       a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
-  if (pos + 1 == kL) fold_step(a, c, slot, kE, true, *reinterpret_cast<FoldSmem*>(smem));
+  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
   else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
 }
 

@@ -93,10 +93,13 @@ class KDASpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Upper bound of the fold tile (kda.cuh FoldSmem): the token's 4 K floats and reduce, (exp g_j, k_j) of
-        L - 1 entries per channel, their v over the block's columns, beta."""
-        e, nf = self.buffer_len - 1, 1 << max(0, math.ceil(math.log2(self.buffer_len + 2)))
-        return 16 * self.K + 4 * self.warps * nf + 8 * e * self.K + 4 * e * self.cols + 4 * e + 64
+        """Upper bound of the fold tile (kda.cuh FoldSmem): the token's 4 K floats; per channel and chunk of 4
+        entries two float4 (decayed keys of the dots and of the update) and the chunk decay; v_j over the block's
+        columns, beta_j, each warp's dots S^T w_j over its columns, the Gram partials and totals (16 a chunk)."""
+        e = self.buffer_len - 1
+        nc = (e + 3) // 4
+        return (16 * self.K + 36 * self.K * nc + 4 * e * self.cols + 4 * e + 4 * self.warps * e * 4 * self.col_lanes
+                + 64 * nc * (self.warps + 1) + 64)
 
     @property
     def scale_f32(self) -> float:
@@ -161,30 +164,43 @@ def override(col_lanes: int | None = None, warps: int | None = None):
         _OVERRIDE.update(old)
 
 
+def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
+    return V % (4 * cl * warps) == 0 and batch * H * (V // (4 * cl * warps)) >= FULL_WAVE_BLOCKS
+
+
 @functools.lru_cache(maxsize=1024)
-def _plan(H: int, K: int, V: int, batch: int) -> tuple[int, int]:
-    # Two lanes across a row (K / 16 rows of 4 columns a lane, 32 fp32 state registers at K = 128) leave registers
-    # for the channel stage (u_j, k_j, g_j of up to 15 entries and two reduce arrays); 4 warps a block (32
-    # columns); fewer warps while the grid is under two blocks per SM (small batches: latency-bound).
-    cl = 2
-    warps = 4
-    while warps > 1 and (V % (4 * cl * warps) or batch * H * (V // (4 * cl * warps)) < FULL_WAVE_BLOCKS):
+def _plan(H: int, K: int, V: int, batch: int, conventional: bool) -> tuple[int, int]:
+    # Large grids (two blocks per SM or more): 4 lanes across a row (a warp load is 8 rows x 64 contiguous bytes
+    # of fp32 state; 2 lanes load 16 rows x 32 B and each 128-byte line is fetched by several warps at different
+    # times; H100 A/B at Kimi-K3 TP8 bs256: conventional 161 vs 192 us, fp32 replay 105 vs 136) and 4 warps. 4
+    # lanes hold 4 K / 8 state values a lane: K <= 128 (STATE_REGS). Small grids: the conventional step takes
+    # smaller blocks (more of them: 2 lanes, fewer warps); the replay step keeps 4 warps (one channel a thread:
+    # its channel stage walks the ring per channel, 4 deep with 1 warp) and takes 2 lanes a row (twice the blocks).
+    cl4 = 4 * K * 4 // 32 <= STATE_REGS and K % 8 == 0
+    if cl4 and _fits(H, K, V, batch, 4, 4):
+        return 4, 4
+    cl, warps = 2, 4
+    if conventional:
+        while warps > 1 and (V % (4 * cl * warps) or not _fits(H, K, V, batch, cl, warps)):
+            warps //= 2
+    while warps > 1 and V % (4 * cl * warps):
         warps //= 2
-    while V % (4 * cl * warps):
-        warps //= 2
-    return cl, max(1, warps)
+    return cl, warps
 
 
-def kda_geometry(H: int, K: int, V: int, batch: int) -> tuple[int, int]:
-    """(col_lanes, warps) of the KDA kernels for this geometry and batch (:func:`override` wins)."""
-    cl, w = _plan(H, K, V, batch)
+def kda_geometry(H: int, K: int, V: int, batch: int, conventional: bool = False) -> tuple[int, int]:
+    """(col_lanes, warps) of the KDA kernels for this geometry and batch (:func:`override` wins); ``conventional``:
+    the plan of the conventional step's module."""
+    cl, w = _plan(H, K, V, batch, conventional)
     return _OVERRIDE.get("col_lanes", cl), _OVERRIDE.get("warps", w)
 
 
 def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str = "none", l2norm: bool = True,
-             scale: float | None = None, lower_bound: float | None = None, arch: int = 90) -> KDASpec:
-    """The module for this geometry and batch (the conventional kernel comes from a module of L = 2)."""
-    cl, w = kda_geometry(H, K, V, batch)
+             scale: float | None = None, lower_bound: float | None = None, arch: int = 90,
+             conventional: bool = False) -> KDASpec:
+    """The module for this geometry and batch (the conventional kernel comes from a module of L = 2 planned with
+    ``conventional``)."""
+    cl, w = kda_geometry(H, K, V, batch, conventional)
     return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch)
 
 

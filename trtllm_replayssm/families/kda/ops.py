@@ -134,7 +134,8 @@ def kda_conventional_step(q, k, v, f, b, A_log, dt_bias, state, state_batch_indi
     y = torch.empty_like(v) if out is None else out
     if batch == 0:
         return y
-    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, 2, batch, "none", use_qk_l2norm, scale, lower_bound, arch(dev))
+    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, 2, batch, "none", use_qk_l2norm, scale, lower_bound, arch(dev),
+                    conventional=True)
     args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, state)]
     args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
     launch(spec, "kda_conventional", dev, spec.grid(batch), (spec.threads, 1, 1), args)
