@@ -84,7 +84,7 @@ def test_spec_rejects(bad, match):
 
 def test_planner():
     assert kda_geometry(12, 128, 128, 256) == (4, 4)  # large grids: 4 lanes across a row, 4 warps
-    assert kda_geometry(12, 128, 128, 256, conventional=True) == (4, 4)
+    assert kda_geometry(12, 128, 128, 256, conventional=True) == (4, 8)
     assert kda_geometry(12, 128, 128, 1, conventional=True)[1] < 4  # small batches: smaller blocks, more of them
     assert kda_geometry(12, 128, 128, 1) == (2, 4)  # replay: one channel a thread, 2 lanes a row for more blocks
     assert kda_geometry(2, 256, 64, 256)[0] == 2  # K = 256: 4 lanes would hold 128 state values a lane

@@ -176,7 +176,12 @@ def _plan(H: int, K: int, V: int, batch: int, conventional: bool) -> tuple[int, 
     # lanes hold 4 K / 8 state values a lane: K <= 128 (STATE_REGS). Small grids: the conventional step takes
     # smaller blocks (more of them: 2 lanes, fewer warps); the replay step keeps 4 warps (one channel a thread:
     # its channel stage walks the ring per channel, 4 deep with 1 warp) and takes 2 lanes a row (twice the blocks).
+    # The conventional step takes 8 warps there (H100, b811d9f6a9, Kimi-K3 TP8 bs256: (4, 8) 157 us, (4, 4) 175,
+    # (2, 4) 203); the replay step 4 (its flush and non-flush steps are slower with 8: f32 k = 1 / 8 / 16 at
+    # 88 / 124 / 340 us against 82 / 94 / 274).
     cl4 = 4 * K * 4 // 32 <= STATE_REGS and K % 8 == 0
+    if cl4 and conventional and _fits(H, K, V, batch, 4, 8):
+        return 4, 8
     if cl4 and _fits(H, K, V, batch, 4, 4):
         return 4, 4
     cl, warps = 2, 4
