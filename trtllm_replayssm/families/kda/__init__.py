@@ -17,6 +17,7 @@ from __future__ import annotations
 from ... import costs
 from .. import Family
 from . import reference
+from .config import KDASpec
 
 MODELS = {  # name: (KDA heads, K, V, KDA layers, all layers)
     "kimi_k3": (96, 128, 128, 69, 93),
@@ -34,6 +35,7 @@ FAMILY = Family(
     bytes_per_step=costs.kda_bytes_per_step,
     geometries=GEOMETRIES,
     layer_group="trtllm_replayssm.families.kda.layers:KDALayers",
+    spec_types=(KDASpec,),
 )
 
-__all__ = ["FAMILY", "GEOMETRIES", "MODELS", "reference"]
+__all__ = ["FAMILY", "GEOMETRIES", "MODELS", "KDASpec", "reference"]

@@ -1,0 +1,532 @@
+// SPDX-License-Identifier: Apache-2.0
+// Kimi Delta Attention (Kimi-K3, Kimi-Linear, GLM-5.3-Flash) decode: device math of the conventional step and
+// of the fused ReplaySSM standard decode step. The spec is trtllm_replayssm/families/kda/reference.py (float64).
+//
+// The generated prelude (trtllm_replayssm/families/kda/config.py, KDASpec) defines, before this header:
+//   act_t                      activations: q, k, v, f, b, y, and the k / v rings
+//   ring_t                     the u ring (bf16)
+//   KDA_SHADOW                 0: none; 1: bf16 shadow of the checkpoint (read on non-flush steps, rewritten at the flush)
+//   KDA_LOWER_BOUND, kLowerBound  0: Kimi's gate; 1: GLM-5 Next's gate bounded below by kLowerBound
+//   kH, kK, kV, kL             heads, key dim, value dim, ring length (2..16)
+//   kCVL, kWarps, kMinBlocks   lanes across a state row's block columns (4 columns each), warps, resident blocks
+//   kL2Norm, kScale            l2-normalise q and k; q scale
+//
+// Math per (slot, head), state S (K x V) fp32, the transformers / fla layout:
+//   g = -exp(A_log) softplus(f + dt_bias)  (Kimi)  or  lb sigmoid(exp(A_log) (f + dt_bias))  (GLM-5 Next), per channel
+//   beta = sigmoid(b); q, k l2-normalised, q *= scale
+//   conventional: S <- Diag(exp g) S; u = beta (v - S^T k); y = S^T q + (k . q) u; S <- S + k u^T
+// ReplaySSM at position m (entries j < m since the checkpoint S0; this token is entry m, D_{t,j} the decay from
+// entry j to now, its exponent the per-channel suffix sum g_t + sum_{j<i<m} g_i, never a difference):
+//   S_m^T D k = S0^T (D_{t,0} k) + sum_j (k_j . D_{t,j} k) u_j    (same with q)
+//   u = beta (v - that),  y = (that for q) + (k . q) u
+// so a non-flush step reads S0 (or its bf16 shadow) once for two vectors and appends (k raw, u, g, v, beta). The
+// flush (entry L - 1 would be the L-th) refolds the L - 1 buffered (k_j, v_j, g_j, beta_j) into the fp32
+// checkpoint by the exact recurrence (regrouped in chunks of kC entries: fold_step), then steps this token and
+// stores (and rewrites the shadow).
+//
+// Work split: one block per (batch row, head, chunk of kCols value columns); a warp owns 4 kCVL columns over all K
+// rows, so every reduction over K stays in the warp (transposing butterflies over the kRG row groups, no block
+// barrier inside the fold). A lane holds 4 consecutive columns of kRT rows (rows rg, rg + kRG, ...); a warp-wide
+// load covers kRG rows x 16 kCVL contiguous bytes. Per-channel work (the gate, the K-wide decay-weighted products
+// k_j . D_{t,j} k and k_j . D_{t,j} q of every buffered entry, the norms of the raw ring k) is spread over the
+// block's threads by channel (thread i owns channel i: its suffix over the entries is a register loop), reduced
+// once per block by transposing butterflies, and handed to the state lanes through shared memory with one
+// barrier. Every chunk of a head repeats that per-channel work (no DRAM cost: L2 hits; the K exponentials per
+// entry are the price of the per-channel gate).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common/convert.cuh"
+#include "common/scan.cuh"
+#include "common/warp.cuh"
+
+#ifndef KDA_SHADOW
+#define KDA_SHADOW 0
+#endif
+#ifndef KDA_LOWER_BOUND
+#define KDA_LOWER_BOUND 0
+#endif
+
+namespace kda {
+
+using rssm_common::from_f;
+using rssm_common::to_f;
+using rssm_common::transpose_reduce;
+
+__host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
+
+constexpr int kThreads = kWarps * 32;
+constexpr int kRG = 32 / kCVL;               // row groups of a warp
+constexpr int kRT = kK / kRG;                // rows per lane
+constexpr int kWCols = 4 * kCVL;             // columns of a warp
+constexpr int kCols = kWCols * kWarps;       // columns of a block
+constexpr int kChunks = kV / kCols;
+constexpr int kE = kL - 1;                   // buffered entries at most (the flush step has kE)
+constexpr int kEA = kE > 0 ? kE : 1;         // array extent
+constexpr int kH1 = pow2_at_least(kE + 1);   // non-flush reduce: [0, kH1) k-side, [kH1, 2 kH1) q-side
+constexpr int kN1 = 2 * kH1;
+constexpr int kN2 = kH1;                     // entry norms, then k . q last
+constexpr int kC = 4;                        // flush: entries folded per chunk
+constexpr int kNC = (kEA + kC - 1) / kC;     // chunks
+constexpr int kGW = 16;                      // Gram slots a chunk: (j, i <= j) at gslot(j, i), k.k q.q k.q at kTS
+constexpr int kTS = 10;
+__host__ __device__ constexpr int gslot(int j, int i) { return j * (j + 1) / 2 + i; }
+constexpr int kCPT = (kK + kThreads - 1) / kThreads;  // channels per thread
+static_assert(kCVL == 2 || kCVL == 4, "kCVL: 2 or 4 lanes across a row (8 dot values per row group)");
+static_assert(kK % kRG == 0 && kRT >= 1, "K must be a multiple of the row groups");
+static_assert(kV % kCols == 0, "the block's columns must divide V");
+static_assert(kL >= 2 && kL <= 16, "ring length 2..16 (one warp butterfly holds 2 L values)");
+static_assert(kN1 <= 32, "reduce width");
+static_assert(gslot(kC - 1, kC - 1) < kTS && kTS + 3 <= kGW, "Gram slots");
+
+constexpr float kL2Eps = 1e-6f;  // families/kda/reference.L2NORM_EPS
+__device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }  // torch's threshold
+__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
+__device__ __forceinline__ float gate(float f, float dtb, float A) {  // A = exp(A_log)
+#if KDA_LOWER_BOUND
+  return kLowerBound * sigmoid(A * (f + dtb));
+#else
+  return -A * softplus(f + dtb);
+#endif
+}
+__device__ __forceinline__ float rnorm(float ss) { return kL2Norm ? rsqrtf(ss + kL2Eps) : 1.f; }
+
+// ---- state rows: 4 columns of kRT rows per lane, streamed once (evict-first) ----------------------------
+using Rows = float[kRT][4];
+__device__ __forceinline__ void load4(const float* p, float (&o)[4]) {
+  const float4 t = __ldcs(reinterpret_cast<const float4*>(p));
+  o[0] = t.x, o[1] = t.y, o[2] = t.z, o[3] = t.w;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* p, float (&o)[4]) {
+  const uint2 raw = __ldcs(reinterpret_cast<const uint2*>(p));
+  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+  o[0] = __low2float(lo), o[1] = __high2float(lo), o[2] = __low2float(hi), o[3] = __high2float(hi);
+}
+__device__ __forceinline__ void store4(float* p, const float (&i)[4]) {
+  __stcs(reinterpret_cast<float4*>(p), make_float4(i[0], i[1], i[2], i[3]));
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&i)[4]) {
+  uint2 raw;
+  *reinterpret_cast<__nv_bfloat162*>(&raw.x) = __floats2bfloat162_rn(i[0], i[1]);
+  *reinterpret_cast<__nv_bfloat162*>(&raw.y) = __floats2bfloat162_rn(i[2], i[3]);
+  __stcs(reinterpret_cast<uint2*>(p), raw);
+}
+
+struct Coords {
+  int b, h, warp, lane, cv, rg;
+  int col;  // first of this lane's 4 columns
+  __device__ int row(int r) const { return r * kRG + rg; }
+};
+__device__ __forceinline__ Coords coords() {
+  Coords c;
+  c.b = blockIdx.y;
+  c.h = blockIdx.x / kChunks;
+  c.warp = threadIdx.x / 32;
+  c.lane = threadIdx.x % 32;
+  c.cv = c.lane % kCVL;
+  c.rg = c.lane / kCVL;
+  c.col = (blockIdx.x % kChunks) * kCols + c.warp * kWCols + c.cv * 4;
+  return c;
+}
+template <typename T>
+__device__ __forceinline__ void load_rows(Rows& st, const T* base, const Coords& c) {  // base: (slot, h) of (K, V)
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) load4(base + (size_t)c.row(r) * kV + c.col, st[r]);
+}
+template <typename T>
+__device__ __forceinline__ void store_rows(const Rows& st, T* base, const Coords& c) {
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) store4(base + (size_t)c.row(r) * kV + c.col, st[r]);
+}
+
+// After a transposing reduce of 8 values (column e, kind: 0 the k-side, 1 the q-side, index 2 e + kind) a lane
+// holds index rg % 8; lanes rg < 8 are the first copies and write.
+__device__ __forceinline__ int out_col(const Coords& c) { return c.col + (c.rg % 8) / 2; }
+__device__ __forceinline__ int out_kind(const Coords& c) { return c.rg & 1; }
+__device__ __forceinline__ bool first_copy(const Coords& c) { return c.rg < 8; }
+// u of column e back to every lane of the column group: it lives on lane rg = 2 e (kind 0) of the same cv.
+__device__ __forceinline__ void gather_u(float u, float (&ue)[4], const Coords& c) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) ue[e] = __shfl_sync(0xffffffffu, u, 2 * e * kCVL + c.cv);
+}
+
+// ---- arguments ------------------------------------------------------------------------------------------
+struct Args {
+  const act_t *q, *k, *v, *f, *b;  // (batch, H, K) x2, (batch, H, V), (batch, H, K), (batch, H)
+  const float *A_log, *dt_bias;    // (H,), (H, K)
+  const int* sbi;                  // (batch,) slot per row, -1 = padding
+  const int* cursor;               // (slots,) entries since the checkpoint (replay only)
+  const float* state_in;           // (slots, H, K, V) fp32 checkpoint
+  const act_t* kc_in;              // (slots, H, L, K) raw k_j
+  const ring_t* uc_in;             // (slots, H, L, V) u_j
+  const float* gc_in;              // (slots, H, L, K) g_j
+  const act_t* vc_in;              // (slots, H, L, V) v_j
+  const float* bc_in;              // (slots, H, L) beta_j
+  const __nv_bfloat16* sh_in;      // (slots, H, K, V) bf16 shadow, or null
+  int batch, nslots;
+  act_t* y;                        // (batch, H, V)
+  float* state_out;                // the outputs alias the inputs of the same name
+  act_t* kc_out;
+  ring_t* uc_out;
+  float* gc_out;
+  act_t* vc_out;
+  float* bc_out;
+  __nv_bfloat16* sh_out;
+};
+
+// Shared memory. The token tile: per channel exp(g) k, exp(g) q (raw, the norms enter after the reduce), exp(g),
+// k raw. The fold tile (flush) adds, per channel and chunk of kC entries, the decayed keys of the chunk's dots and of
+// its rank-kC update (float4: one load a row for the chunk), the chunk's decay, the block's v_j columns, beta_j, the
+// warp's dots S^T w_j and the Gram entries k_i . D k_j of each chunk (block partials, then totals).
+struct alignas(16) TokenSmem {
+  float ak[kK], aq[kK], al[kK], kr[kK];
+};
+struct alignas(16) FoldSmem {
+  TokenSmem tok;
+  float4 wk[kK][kNC];          // pass 1: exp(g_j); then (prod_{s0 <= l <= j} exp g_l) k_j raw, j = s0 + component
+  float4 dk[kK][kNC];          // pass 1: k_j raw; then (prod_{j < l < s0 + kC} exp g_l) k_j raw
+  float pc[kNC][kK];           // prod over the chunk of exp g_l
+  float v[kEA][kCols];         // v_j of the block's columns
+  float beta[kEA];
+  float bs[kWarps][kEA][kWCols];  // S^T w_j of the warp's columns (k_j raw: times 1 / ||k_j|| in the solve)
+  float red[kWarps][kNC * kGW];
+  float gram[kNC * kGW];
+};
+struct alignas(16) ReplaySmem {
+  float e0k[kK], e0q[kK];   // D_{t,0} k, D_{t,0} q (raw)
+  float red1[kWarps][kN1], red2[kWarps][kN2];
+};
+constexpr size_t kSmemBytes = sizeof(FoldSmem) > sizeof(ReplaySmem) ? sizeof(FoldSmem) : sizeof(ReplaySmem);
+
+__device__ __forceinline__ float comp(const float4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
+
+// ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
+// S <- exact recurrence over the kE buffered entries, then this token; y written; S stored (and the shadow).
+// The entries fold in chunks of kC (the WY / chunked form of the delta rule, exact in real arithmetic): with S the
+// state before the chunk, P_j = prod_{s0 <= l <= j} Diag(exp g_l), n_j = 1 / ||k_j||,
+//   b_j = n_j S^T (P_j k_j),   A_ji = n_i n_j k_i . (P_j / P_i) k_j  (i < j; the ratio as the product over i < l <= j)
+//   u_j = beta_j (v_j - b_j - sum_{i<j} A_ji u_i)        (forward substitution, per column, in registers)
+//   S <- P_end S + sum_j n_j (P_end / P_j) k_j u_j^T      (one rank-kC update)
+// which is the entry-by-entry recurrence u_j = beta_j (v_j - (Diag(exp g_j) S_{j-1})^T k_j), S_j = ... + k_j u_j^T
+// regrouped: the chunk's dots and its update each become one pass over the state registers, and the dependent
+// chain of reductions goes from one per entry to one per chunk.
+template <bool kFlush>
+__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
+  const size_t hs = (size_t)slot * kH + c.h;
+  Rows st;
+  load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
+  const float A = expf(__ldg(a.A_log + c.h));
+  const size_t in = (size_t)c.b * kH + c.h;
+  float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
+#pragma unroll
+  for (int n = 0; n < kCPT; ++n) {
+    const int i = threadIdx.x + n * kThreads;
+    if (kK % kThreads == 0 || i < kK) {
+      const float kt = to_f(a.k[in * kK + i]), qt = to_f(a.q[in * kK + i]);
+      const float al = expf(gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A));
+      sm.tok.ak[i] = al * kt, sm.tok.aq[i] = al * qt, sm.tok.al[i] = al, sm.tok.kr[i] = kt;
+      tk[0] += kt * kt, tk[1] += qt * qt, tk[2] += kt * qt;
+      if constexpr (kFlush) {  // pass 1: every entry's loads in flight together; the same thread reads them back
+#pragma unroll
+        for (int q = 0; q < kNC; ++q) {
+          float e[kC], kr[kC];
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj) {
+            const int j = q * kC + jj;
+            e[jj] = j < kE ? expf(__ldg(a.gc_in + (hs * kL + j) * kK + i)) : 0.f;
+            kr[jj] = j < kE ? to_f(a.kc_in[(hs * kL + j) * kK + i]) : 0.f;
+          }
+          sm.wk[i][q] = make_float4(e[0], e[1], e[2], e[3]);
+          sm.dk[i][q] = make_float4(kr[0], kr[1], kr[2], kr[3]);
+        }
+      }
+    }
+  }
+  const int chunk0 = (blockIdx.x % kChunks) * kCols;
+  if constexpr (kFlush) {
+    for (int i = threadIdx.x; i < kE * kCols; i += kThreads) {
+      const int j = i / kCols, cc = i % kCols;
+      sm.v[j][cc] = to_f(a.vc_in[(hs * kL + j) * kV + chunk0 + cc]);
+    }
+    if (threadIdx.x < kE) sm.beta[threadIdx.x] = __ldg(a.bc_in + hs * kL + threadIdx.x);
+    // pass 2, per chunk: the decayed keys and the Gram partials (slot gslot(j, i), i <= j; k.k, q.q, k.q in chunk 0)
+#pragma unroll
+    for (int q = 0; q < kNC; ++q) {
+      float gr[kGW];
+#pragma unroll
+      for (int s = 0; s < kGW; ++s) gr[s] = 0.f;
+      if (q == 0) gr[kTS] = tk[0], gr[kTS + 1] = tk[1], gr[kTS + 2] = tk[2];
+#pragma unroll
+      for (int n = 0; n < kCPT; ++n) {
+        const int i = threadIdx.x + n * kThreads;
+        if (kK % kThreads == 0 || i < kK) {
+          const float4 e4 = sm.wk[i][q], k4 = sm.dk[i][q];
+          float e[kC], kr[kC], w[kC], d[kC];
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj) e[jj] = comp(e4, jj), kr[jj] = comp(k4, jj);
+          float p = 1.f;
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj) p *= (q * kC + jj < kE ? e[jj] : 1.f), w[jj] = p * kr[jj];
+          float sfx = 1.f;
+#pragma unroll
+          for (int jj = kC - 1; jj >= 0; --jj) d[jj] = sfx * kr[jj], sfx *= (q * kC + jj < kE ? e[jj] : 1.f);
+          sm.wk[i][q] = make_float4(w[0], w[1], w[2], w[3]);
+          sm.dk[i][q] = make_float4(d[0], d[1], d[2], d[3]);
+          sm.pc[q][i] = p;
+#pragma unroll
+          for (int ii = 0; ii < kC; ++ii) {
+            gr[gslot(ii, ii)] = fmaf(kr[ii], kr[ii], gr[gslot(ii, ii)]);
+            float run = kr[ii];
+#pragma unroll
+            for (int jj = ii + 1; jj < kC; ++jj) run *= e[jj], gr[gslot(jj, ii)] = fmaf(run, kr[jj], gr[gslot(jj, ii)]);
+          }
+        }
+      }
+      const float r = transpose_reduce<kGW, 1>(gr);
+      if (c.lane < kGW) sm.red[c.warp][q * kGW + c.lane] = r;
+    }
+  } else {
+    float t4[4] = {tk[0], tk[1], tk[2], 0.f};
+    const float r = transpose_reduce<4, 1>(t4);
+    if (c.lane < 3) sm.red[c.warp][kTS + c.lane] = r;
+  }
+  const float beta = sigmoid(to_f(a.b[in]));
+  const float v_now = to_f(a.v[in * kV + out_col(c)]);
+  __syncthreads();
+  float kk = 0.f, qq = 0.f, kqr = 0.f;
+  if constexpr (kFlush) {
+    for (int t = threadIdx.x; t < kNC * kGW; t += kThreads) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) s += sm.red[w][t];
+      sm.gram[t] = s;
+    }
+    __syncthreads();
+    kk = sm.gram[kTS], qq = sm.gram[kTS + 1], kqr = sm.gram[kTS + 2];
+    const int bcol = c.col - chunk0;  // block column of this lane's first column
+#pragma unroll
+    for (int q = 0; q < kNC; ++q) {
+      constexpr int kLast = kE - (kNC - 1) * kC;
+      const int cs = q + 1 < kNC ? kC : kLast;
+      float acc[kC][4];
+#pragma unroll
+      for (int jj = 0; jj < kC; ++jj)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[jj][e] = 0.f;
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) {
+        const float4 w4 = sm.wk[c.row(r)][q];
+#pragma unroll
+        for (int jj = 0; jj < kC; ++jj) {
+          if (jj < cs) {
+            const float w = comp(w4, jj);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[jj][e] = fmaf(st[r][e], w, acc[jj][e]);
+          }
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < kC; jj += 2) {
+        if (jj < cs) {
+          float t8[8];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) t8[e] = acc[jj][e], t8[4 + e] = jj + 1 < cs ? acc[jj + 1][e] : 0.f;
+          const float r8 = transpose_reduce<8, kCVL>(t8);  // lane rg: entry jj + (rg % 8) / 4, column cv 4 + rg % 4
+          const int jw = jj + (c.rg % 8) / 4;
+          if (c.rg < 8 && jw < cs) sm.bs[c.warp][q * kC + jw][c.cv * 4 + c.rg % 4] = r8;
+        }
+      }
+      __syncwarp();
+      // Forward substitution for the lane's 4 columns; uu = u_j n_j (the update multiplies raw k_j).
+      float uu[kC][4], nrm[kC];
+#pragma unroll
+      for (int jj = 0; jj < kC; ++jj) {
+        if (jj < cs) {
+          const int j = q * kC + jj;
+          nrm[jj] = rnorm(sm.gram[q * kGW + gslot(jj, jj)]);
+          const float bj = sm.beta[j];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            // n_j (b_raw + sum_i gram_ji n_i u_i): A_ji u_i = gram_ji n_j (n_i u_i)
+            float t = sm.bs[c.warp][j][c.cv * 4 + e];
+#pragma unroll
+            for (int ii = 0; ii < jj; ++ii) t = fmaf(sm.gram[q * kGW + gslot(jj, ii)], uu[ii][e], t);
+            uu[jj][e] = bj * (sm.v[j][bcol + e] - nrm[jj] * t) * nrm[jj];
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) {
+        const float p = sm.pc[q][c.row(r)];
+        const float4 d4 = sm.dk[c.row(r)][q];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float s = st[r][e] * p;
+#pragma unroll
+          for (int jj = 0; jj < kC; ++jj)
+            if (jj < cs) s = fmaf(comp(d4, jj), uu[jj][e], s);
+          st[r][e] = s;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) kk += sm.red[w][kTS], qq += sm.red[w][kTS + 1], kqr += sm.red[w][kTS + 2];
+  }
+  const float rk = rnorm(kk), rq = rnorm(qq) * kScale;
+  // This token: the two dots of Diag(exp g) S, then u, y, the rank-1 update.
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const int i = c.row(r);
+    const float dk = sm.tok.ak[i], dq = sm.tok.aq[i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
+  }
+  const float d = transpose_reduce<8, kCVL>(acc);
+  const int kind = out_kind(c);
+  const float u0 = beta * (v_now - d * rk);  // meaningful on kind 0 lanes
+  const float u = __shfl_xor_sync(0xffffffffu, u0, kCVL);  // kind 1 lanes: their column's u
+  if (first_copy(c) && kind) a.y[in * kV + out_col(c)] = from_f<act_t>(d * rq + kqr * rk * rq * u);
+  float ue[4];
+  gather_u(u0, ue, c);
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const int i = c.row(r);
+    const float al = sm.tok.al[i], kn = sm.tok.kr[i] * rk;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[r][e] = fmaf(al, st[r][e], kn * ue[e]);
+  }
+  store_rows(st, a.state_out + hs * kK * kV, c);
+  if constexpr (KDA_SHADOW) {
+    if (write_shadow) store_rows(st, a.sh_out + hs * kK * kV, c);
+  }
+}
+
+// ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
+__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm) {
+  const size_t hs = (size_t)slot * kH + c.h;
+  Rows st;
+#if KDA_SHADOW
+  load_rows(st, a.sh_in + hs * kK * kV, c);
+#else
+  load_rows(st, a.state_in + hs * kK * kV, c);
+#endif
+  const int ocol = out_col(c), kind = out_kind(c);
+  float uh[kEA];  // u_j of this lane's output column
+#pragma unroll
+  for (int j = 0; j < kEA; ++j) uh[j] = j < m ? to_f(a.uc_in[(hs * kL + j) * kV + ocol]) : 0.f;
+  const size_t in = (size_t)c.b * kH + c.h;
+  const float A = expf(__ldg(a.A_log + c.h));
+  const bool writer = blockIdx.x % kChunks == 0;  // the head's first chunk appends the per-channel entry
+  float r1[kN1], r2[kN2];
+#pragma unroll
+  for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN2; ++i) r2[i] = 0.f;
+#pragma unroll
+  for (int n = 0; n < kCPT; ++n) {
+    const int i = threadIdx.x + n * kThreads;
+    if (kK % kThreads == 0 || i < kK) {
+      const act_t k_raw = a.k[in * kK + i];
+      const float kt = to_f(k_raw), qt = to_f(a.q[in * kK + i]);
+      const float gt = gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A);
+      float kj[kEA], gj[kEA];
+#pragma unroll
+      for (int j = 0; j < kEA; ++j) {
+        kj[j] = j < m ? to_f(a.kc_in[(hs * kL + j) * kK + i]) : 0.f;
+        gj[j] = j < m ? __ldg(a.gc_in + (hs * kL + j) * kK + i) : 0.f;
+      }
+      // Suffix over the entries, newest first: the exponent entry j sees is g_t + sum_{j<i<m} g_i.
+      float run = gt;
+#pragma unroll
+      for (int j = kE - 1; j >= 0; --j) {
+        if (j < m) {
+          const float w = expf(run) * kj[j];
+          r1[j] = fmaf(w, kt, r1[j]), r1[kH1 + j] = fmaf(w, qt, r1[kH1 + j]), r2[j] = fmaf(kj[j], kj[j], r2[j]);
+          run += gj[j];
+        }
+      }
+      const float e0 = expf(run);
+      sm.e0k[i] = e0 * kt, sm.e0q[i] = e0 * qt;
+      r1[kH1 - 1] += kt * kt, r1[kN1 - 1] += qt * qt, r2[kN2 - 1] += kt * qt;
+      if (writer) {
+        a.kc_out[(hs * kL + m) * kK + i] = k_raw;
+        a.gc_out[(hs * kL + m) * kK + i] = gt;
+      }
+    }
+  }
+  {
+    const float t1 = transpose_reduce<kN1, 1>(r1);
+    const float t2 = transpose_reduce<kN2, 1>(r2);
+    if (c.lane < kN1) sm.red1[c.warp][c.lane] = t1;
+    if (c.lane < kN2) sm.red2[c.warp][c.lane] = t2;
+  }
+  const act_t v_raw = a.v[in * kV + ocol];
+  const float beta = sigmoid(to_f(a.b[in]));
+  __syncthreads();
+  float t1 = 0.f, t2 = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t1 += sm.red1[w][c.lane % kN1], t2 += sm.red2[w][c.lane % kN2];
+  const float rk = rnorm(__shfl_sync(0xffffffffu, t1, kH1 - 1));
+  const float rq = rnorm(__shfl_sync(0xffffffffu, t1, kN1 - 1)) * kScale;
+  const float kq = __shfl_sync(0xffffffffu, t2, kN2 - 1) * rk * rq;
+  // lane l < kN1: the weight of entry l % kH1 on its side (k . D k_t or k . D q_t, every norm applied)
+  const float rj = rnorm(__shfl_sync(0xffffffffu, t2, c.lane % kH1));
+  const float coef = t1 * rj * (c.lane < kH1 ? rk : rq);
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const int i = c.row(r);
+    const float dk = sm.e0k[i], dq = sm.e0q[i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
+  }
+  float d = transpose_reduce<8, kCVL>(acc) * (kind ? rq : rk);
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    if (j < m) d = fmaf(__shfl_sync(0xffffffffu, coef, kind * kH1 + j), uh[j], d);
+  }
+  const float u0 = beta * (to_f(v_raw) - d);
+  const float u = __shfl_xor_sync(0xffffffffu, u0, kCVL);
+  if (first_copy(c)) {
+    if (kind) {
+      a.y[in * kV + ocol] = from_f<act_t>(d + kq * u);
+    } else {
+      a.uc_out[(hs * kL + m) * kV + ocol] = from_f<ring_t>(u0);
+      a.vc_out[(hs * kL + m) * kV + ocol] = v_raw;
+    }
+  }
+  if (writer && threadIdx.x == 0) a.bc_out[hs * kL + m] = beta;
+}
+
+__device__ __forceinline__ void conventional(const Args& a) {
+  __shared__ FoldSmem sm;
+  const Coords c = coords();
+  const int slot = a.sbi[c.b];
+  if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
+  fold_step<false>(a, c, slot, false, sm);
+}
+
+__device__ __forceinline__ void replay_decode(const Args& a) {
+  __shared__ alignas(16) unsigned char smem[kSmemBytes];
+  const Coords c = coords();
+  const int slot = a.sbi[c.b];
+  if (slot < 0 || slot >= a.nslots) return;
+  const int pos = a.cursor[slot];
+  if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
+    for (int i = threadIdx.x; i < kCols; i += kThreads)
+      a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
+    return;
+  }
+  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
+  else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
+}
+
+}  // namespace kda

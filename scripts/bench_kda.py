@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""Kernel benchmark of the KDA decode kernels (plugins/kda/kda_decode.cu): conventional step vs the fused ReplaySSM
+step (fp32 checkpoint, bf16 shadow), per batch, at the Kimi-K3 and GLM-5.3-Flash per-GPU geometries at TP 8
+(families/kda GEOMETRIES), L = 16.
+
+Bytes model (costs.kda_bytes_per_position, per row and layer; H heads, K = V = 128, a = 2 (bf16), s = 4):
+  conventional  2 H K V s + io,  io = (3 H K + H V + H) a + H V a  (q, k, f, v, b in; y out)
+  replay, k < L H K V s (or H K V 2, the shadow) + io + (k - 1) E_r + E_w;  E_r = H (K a + V 2 + K 4) (k, u, g)
+                E_w = H (K a + V 2 + K 4 + V a + 4)
+  flush, k = L  2 H K V s (+ the shadow written) + io + (L - 1) E_f;  E_f = H (K a + V a + K 4 + 4) (k, v, g, beta)
+The replay time of a cycle is the mean of the L positions, each timed with every row's cursor at k - 1
+(``<name>_us_k``); ratio = conventional / that mean. Rows rotate over enough slots (>= 512 MiB of state, at most 64
+rotations) that the state comes from DRAM: each launch of a captured graph uses a fresh set of slots. Achieved TB/s
+= bytes / time; % of the copy ceiling against a device-to-device copy measured in the same run.
+
+Peer column (``fla``): flash-linear-attention's Triton ``fused_recurrent_kda`` (fla-core in the git-ignored
+``third_party/fla_peer``, ``--fla-path``), one decode token per row from an initial state (N, H, K, V) fp32 with
+the gate (``use_gate_in_kernel``, ``A_log``, ``dt_bias``), the beta sigmoid and the q / k l2 norm in its kernel,
+the final state written to a new tensor: the conventional bytes. Its output is first checked against our
+conventional kernel on the same inputs (``fla_check_rel``).
+
+Usage: python scripts/bench_kda.py [--batches 1,8,32,64,128,256] [--geoms kimi_k3_tp8,glm5_3_flash_tp8]
+       [--out bench/results] [--commit SHA] [--fla-path third_party/fla_peer] [--sweep 4:4,4:8,2:4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import sys
+
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from trtllm_replayssm import costs, timing  # noqa: E402
+from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
+from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
+from trtllm_replayssm.families.kda.config import kda_geometry, override  # noqa: E402
+from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
+
+ROTATE_BYTES = 512 << 20
+MAX_ROTATIONS = 64
+LOWER_BOUND = {"glm5_3_flash_tp8": -5.0, "glm5_3_flash_tp1": -5.0}  # GLM-5 Next's bounded gate
+FLA = None
+
+
+def load_fla(path: pathlib.Path):
+    if not (path / "fla" / "ops" / "kda").is_dir():
+        print(f"# fla peer with ops/kda not found in {path}: no fla column", flush=True)
+        return None
+    sys.path.insert(0, str(path))
+    from fla.ops.kda import fused_recurrent_kda
+
+    return fused_recurrent_kda
+
+
+def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
+                peer: bool = True) -> dict:
+    """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla."""
+    H, K, V = GEOMETRIES[geom]
+    lb = LOWER_BOUND.get(geom)
+    act = torch.bfloat16
+    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (costs.kda_state_bytes(H, K, V) * batch))))
+    slots = batch * R
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda")
+    state = torch.randn(slots, H, K, V, generator=gen, **dev) * 0.05
+    shadow = state.to(torch.bfloat16)
+    k_cache = torch.randn(slots, H, L, K, generator=gen, **dev).to(act)
+    u_cache = (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(torch.bfloat16)
+    g_cache = -torch.rand(slots, H, L, K, generator=gen, **dev) * 0.3
+    v_cache = torch.randn(slots, H, L, V, generator=gen, **dev).to(act)
+    beta_cache = torch.rand(slots, H, L, generator=gen, **dev)
+    cursor = torch.zeros(slots, dtype=torch.int32, **dev)
+    A_log = torch.log(torch.rand(H, generator=gen, **dev) * 15 + 1)
+    dt_bias = torch.rand(H, K, generator=gen, **dev) * 0.1 - 3.0
+    perm = torch.randperm(slots, generator=gen, **dev).to(torch.int32)
+    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
+
+    def inputs():
+        shapes = ((batch, H, K), (batch, H, K), (batch, H, V), (batch, H, K), (batch, H))
+        return tuple(torch.randn(*sh, generator=gen, **dev).to(act) for sh in shapes)
+
+    ins = [inputs() for _ in range(min(R, 4))]
+    y = torch.empty(batch, H, V, dtype=act, **dev)
+
+    def conv():
+        for r in range(R):
+            kops.kda_conventional_step(*ins[r % len(ins)], A_log, dt_bias, state, sbis[r], out=y, lower_bound=lb,
+                                       check_values=False)
+
+    def replay(sh):
+        def fn():
+            for r in range(R):
+                kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache,
+                                       beta_cache, cursor, sbis[r], out=y, shadow=sh, lower_bound=lb,
+                                       check_values=False)
+        return fn
+
+    row = dict(geom=geom, H=H, K=K, V=V, L=L, batch=batch, rotations=R, act="bf16", lower_bound=lb,
+               geometry=kda_geometry(H, K, V, batch), conv_geometry=kda_geometry(H, K, V, batch, conventional=True))
+    if FLA is not None and peer:  # the peer on the same inputs: checked against our conventional kernel, then timed
+        sts = [state[sbis[r].long()].contiguous() for r in range(R)]  # (batch, H, K, V)
+
+        def fla_step(r, st):
+            q, k, v, f, b = ins[r % len(ins)]
+            o, _ = FLA(q[:, None], k[:, None], v[:, None], f[:, None], b[:, None], A_log=A_log, dt_bias=dt_bias,
+                       initial_state=st, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                       use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=lb)
+            return o[:, 0]
+
+        mine = state.clone()
+        want = kops.kda_conventional_step(*ins[0], A_log, dt_bias, mine, sbis[0], lower_bound=lb, check_values=False)
+        try:
+            fla_check = float((fla_step(0, sts[0]).float() - want.float()).norm() / want.float().norm())
+        except Exception as e:  # a peer that does not run here is reported, not fatal
+            fla_check = f"{type(e).__name__}: {e}"[:300]
+        del mine
+        if isinstance(fla_check, str):
+            row["fla_error"] = fla_check
+        else:
+            row["fla_check_rel"] = fla_check
+
+            def fla_all():
+                for r in range(R):
+                    fla_step(r, sts[r])
+
+            row["fla_us"], row["fla_spread_us"] = graph_time_us(fla_all, R)
+        del sts
+    conv_b, _ = costs.kda_bytes_per_position(H, K, V, L)
+    row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
+    row["bytes_conv"] = conv_b * batch
+    row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
+    for name, sh in (("f32", None), ("bf16shadow", shadow)):
+        per_k = []
+        for k in (range(1, L + 1) if ks is None else ks):
+            cursor.fill_(k - 1)
+            per_k.append(graph_time_us(replay(sh), R)[0])
+        if ks is not None:
+            row[f"{name}_us_at"] = dict(zip(ks, per_k))
+            continue
+        _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16" if sh is not None else None)
+        amort = sum(per_k) / L
+        bytes_amort = sum(bk.values()) / L * batch
+        row[f"{name}_us_k"] = per_k
+        row[f"{name}_us_k1"], row[f"{name}_us_flush"], row[f"{name}_us_amortized"] = per_k[0], per_k[-1], amort
+        row[f"{name}_bytes_amortized"] = bytes_amort
+        row[f"{name}_bound_ratio"] = conv_b * batch / bytes_amort
+        row[f"{name}_tbps"] = bytes_amort / amort / 1e6
+        row[f"{name}_tbps_k1"] = bk[1] * batch / per_k[0] / 1e6
+        row[f"{name}_tbps_flush"] = bk[L] * batch / per_k[-1] / 1e6
+        row[f"{name}_speedup_vs_conv"] = row["conv_us"] / amort
+        row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
+        row[f"{name}_flush_over_conv"] = per_k[-1] / row["conv_us"]
+        if "fla_us" in row:
+            row[f"{name}_speedup_vs_fla"] = row["fla_us"] / amort
+    if "fla_us" in row:
+        row["tbps_fla"] = row["bytes_conv"] / row["fla_us"] / 1e6
+        row["conv_speedup_vs_fla"] = row["fla_us"] / row["conv_us"]
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--commit", default=None, help="default: $GIT_COMMIT, else git HEAD")
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--geoms", default="kimi_k3_tp8,glm5_3_flash_tp8")
+    ap.add_argument("--L", type=int, default=16)
+    ap.add_argument("--tag", default="kda-kernels")
+    ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer")
+    ap.add_argument("--sweep", default="", help="launch shapes col_lanes:warps,... timed at positions 1, L/2, L "
+                    "for the first geometry at the smallest and largest batch (rows of kind 'sweep')")
+    args = ap.parse_args()
+    try:
+        batches = [int(x) for x in args.batches.split(",") if x.strip()]
+        if not batches or min(batches) < 1:
+            raise ValueError
+    except ValueError:
+        ap.error(f"--batches: expected comma-separated integers >= 1, got {args.batches!r}")
+    geoms = [g for g in args.geoms.split(",") if g]
+    bad = [g for g in geoms if g not in GEOMETRIES]
+    if bad:
+        ap.error(f"--geoms: expected names of {sorted(GEOMETRIES)}, got {bad}")
+    if not 2 <= args.L <= 16:
+        ap.error(f"--L: expected 2..16, got {args.L}")
+    if not torch.cuda.is_available():
+        sys.exit("bench_kda.py needs a CUDA GPU")
+    global FLA
+    FLA = load_fla(args.fla_path)
+    ceiling = copy_ceiling_tbps()
+    meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling,
+                fla=None if FLA is None else json.loads((args.fla_path / "PEER.json").read_text()))
+    print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
+    rows = []
+    for geom in geoms:
+        for b in batches:
+            row = bench_point(geom, b, args.L)
+            row["pct_ceiling_conv"] = 100 * row["tbps_conv"] / ceiling
+            for name in ("f32", "bf16shadow"):
+                row[f"{name}_pct_ceiling"] = 100 * row[f"{name}_tbps"] / ceiling
+                row[f"{name}_pct_ceiling_k1"] = 100 * row[f"{name}_tbps_k1"] / ceiling
+            if "fla_us" in row:
+                row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
+            rows.append(row)
+            print("RESULT_JSON " + json.dumps({"kind": "row", **row}), flush=True)
+    sweep = []
+    for item in [x for x in args.sweep.split(",") if x]:
+        cl, w = (int(t) for t in item.split(":"))
+        for b in sorted({min(batches), max(batches)}):
+            try:
+                with override(col_lanes=cl, warps=w):
+                    row = bench_point(geoms[0], b, args.L, ks=[1, args.L // 2, args.L], peer=False)
+            except ValueError as e:  # a shape this geometry cannot take
+                row = dict(geom=geoms[0], batch=b, error=str(e)[:200])
+            row["shape"] = [cl, w]
+            sweep.append(row)
+            print("RESULT_JSON " + json.dumps({"kind": "sweep", **row}), flush=True)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{meta['date'][:10]}_{args.tag}_{meta['commit'][:10]}.json"
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep}, indent=1))
+    print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
+    print(f"{'geom':>16s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} "
+          f"{'%ceil':>5s} {'x conv':>6s} {'%bnd':>5s} | {'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} "
+          f"{'x conv':>6s} {'%bnd':>5s}")
+    for r in rows:
+        print(f"{r['geom']:>16s} {r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} | "
+              + " | ".join(f"{r[f'{n}_us_k1']:7.1f} {r[f'{n}_us_flush']:7.1f} {r[f'{n}_us_amortized']:7.1f} "
+                           f"{r[f'{n}_pct_ceiling']:5.1f} {r[f'{n}_speedup_vs_conv']:6.2f} {r[f'{n}_pct_of_bound']:5.1f}"
+                           for n in ("f32", "bf16shadow"))
+              + (f" | fla {r['fla_us']:7.1f} us (check {r['fla_check_rel']:.1e}) x fla {r['f32_speedup_vs_fla']:.2f}"
+                 if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else "")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every KDA kernel variant compiles to PTX for sm_90 and sm_100 through NVRTC, and the launchers reject bad input
+by name before any launch (no GPU needed).
+
+The table: the published per-GPU geometries (families/kda GEOMETRIES) at L = 16 with both gates, shadow on and
+off, at the planner's large- and small-batch launch shapes; then rows that change one field each (odd sizes, ring
+lengths, activation dtypes, no l2 norm, a given scale, 4 lanes across a row, K = 256).
+"""
+
+import itertools
+import re
+
+import pytest
+import torch
+
+from trtllm_replayssm import compile as cc
+from trtllm_replayssm.families import get
+from trtllm_replayssm.families.kda import GEOMETRIES
+from trtllm_replayssm.families.kda import ops as kops
+from trtllm_replayssm.families.kda.config import KERNEL_NAMES, KDASpec, kda_geometry, kda_spec, override
+
+ARCHS = (90, 100)
+PUBLISHED = [
+    kda_spec("bf16", H, K, V, 16, batch, sh, lower_bound=lb, arch=arch)
+    for (H, K, V), batch, sh, lb, arch in itertools.product(
+        sorted(set(GEOMETRIES.values())), (1, 256), ("none", "bf16"), (None, -5.0), ARCHS)
+]
+BASE = dict(act="bf16", H=12, K=128, V=128, buffer_len=16)
+ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffer_len=5), dict(buffer_len=8),
+        dict(H=3, K=48, V=40, warps=1), dict(H=5, K=64, V=24, warps=1), dict(K=256, V=64, warps=2),
+        dict(l2norm=False), dict(scale=0.125), dict(col_lanes=4), dict(col_lanes=4, warps=2, shadow="bf16"),
+        dict(lower_bound=-3.0, shadow="bf16"), dict(warps=8), dict(col_lanes=4, warps=8, shadow="bf16"),
+        dict(col_lanes=4, buffer_len=5), dict(col_lanes=4, buffer_len=2, act="f32")]
+EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
+
+
+@pytest.mark.parametrize("spec", PUBLISHED + EDGES, ids=lambda s: s.key)
+def test_compiles_to_ptx(spec):
+    ptx = cc.compile_spec(spec, "ptx").decode()
+    assert f".target sm_{spec.arch}" in ptx
+    for name in KERNEL_NAMES:
+        assert re.search(rf"\.entry {name}\(", ptx), name
+    assert "__local_depot" not in ptx, "a register array went to local memory"
+
+
+@pytest.mark.parametrize("shadow, n_sh", [("none", 0), ("bf16", 1)])
+def test_parameter_lists_are_tensorrt_order(shadow, n_sh):
+    """Replay: 9 step inputs + 6 in-place inputs (+ shadow), 2 int32 scalars, y + 6 aliased outputs (+ shadow).
+    Conventional: 8 step inputs + state, 2 int32 scalars, y + state."""
+    ptx = cc.compile_spec(KDASpec(**BASE, shadow=shadow), "ptx").decode()
+    for name, want in (("kda_replay_decode", ["u64"] * (15 + n_sh) + ["u32"] * 2 + ["u64"] * (7 + n_sh)),
+                       ("kda_conventional", ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2)):
+        params = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S).group(1)
+        assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == want, name
+
+
+def test_key_and_prelude():
+    s = KDASpec(**BASE, shadow="bf16", lower_bound=-5.0)
+    assert s.key == "kda_a-bf16_H12_K128_V128_L16_C2_W4_n1_sh-bf16_lb-5.0_sm90"
+    assert KDASpec(**BASE).key == "kda_a-bf16_H12_K128_V128_L16_C2_W4_n1_sm90"
+    lines = s.prelude()
+    for want in ("using act_t = __nv_bfloat16;", "#define KDA_SHADOW 1", "#define KDA_LOWER_BOUND 1",
+                 "constexpr float kLowerBound = -0x1.4000000000000p+2f;", "constexpr int kK = 128;",
+                 "constexpr int kL = 16;", "constexpr float kScale = 0x1.6a09e60000000p-4f;  // 0.0883883461356163"):
+        assert want in lines, want
+    assert "kLowerBound" not in KDASpec(**BASE).prelude()
+    assert cc.entry_file(s) == "kda/kda_decode.cu" and cc.kernel_names(s) == KERNEL_NAMES
+    assert s.prelude() in cc.source(s)
+    # the family registers its spec type: the spec log round-trips
+    assert KDASpec in get("kda").spec_types
+    assert cc.spec_from_json(cc.spec_to_json(s, "ptx")) == (s, "ptx")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(buffer_len=1), "buffer_len"), (dict(buffer_len=17), "buffer_len"), (dict(K=40), "KDASpec.K"),
+    (dict(V=100), "KDASpec.V"), (dict(col_lanes=8), "col_lanes"), (dict(act="f8"), "act"),
+    (dict(shadow="fp8"), "shadow"), (dict(lower_bound=1.0), "lower_bound"), (dict(warps=9), "warps"),
+    (dict(K=256, col_lanes=4), "state values"),
+])
+def test_spec_rejects(bad, match):
+    with pytest.raises(ValueError, match=match):
+        KDASpec(**{**BASE, **bad})
+
+
+def test_planner():
+    assert kda_geometry(12, 128, 128, 256) == (4, 4)  # large grids: 4 lanes across a row, 4 warps
+    assert kda_geometry(12, 128, 128, 256, conventional=True) == (4, 8)
+    assert kda_geometry(12, 128, 128, 1, conventional=True)[1] < 4  # small batches: smaller blocks, more of them
+    assert kda_geometry(12, 128, 128, 1) == (2, 4)  # replay: one channel a thread, 2 lanes a row for more blocks
+    assert kda_geometry(2, 256, 64, 256)[0] == 2  # K = 256: 4 lanes would hold 128 state values a lane
+    with override(col_lanes=4, warps=2):
+        assert kda_geometry(12, 128, 128, 256) == (4, 2)
+    assert kda_geometry(12, 128, 128, 256) == (4, 4)
+    for (H, K, V), batch in itertools.product(set(GEOMETRIES.values()), (1, 8, 64, 256)):
+        kda_spec("bf16", H, K, V, 16, batch)  # every plan is a valid spec
+        kda_spec("bf16", H, K, V, 2, batch, conventional=True)
+
+
+# ---- launcher validation (CPU tensors: every check runs before require_cuda) -------------------------------
+H, K, V, L, B, S = 2, 32, 16, 4, 3, 5
+
+
+def _args(**kw):
+    bf = torch.bfloat16
+    a = dict(q=torch.zeros(B, H, K, dtype=bf), k=torch.zeros(B, H, K, dtype=bf), v=torch.zeros(B, H, V, dtype=bf),
+             f=torch.zeros(B, H, K, dtype=bf), b=torch.zeros(B, H, dtype=bf), A_log=torch.zeros(H),
+             dt_bias=torch.zeros(H, K), state=torch.zeros(S, H, K, V), k_cache=torch.zeros(S, H, L, K, dtype=bf),
+             u_cache=torch.zeros(S, H, L, V, dtype=bf), g_cache=torch.zeros(S, H, L, K),
+             v_cache=torch.zeros(S, H, L, V, dtype=bf), beta_cache=torch.zeros(S, H, L),
+             cursor=torch.zeros(S, dtype=torch.int32), state_batch_indices=torch.arange(B, dtype=torch.int32))
+    a.update(kw)
+    return a
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(dt_bias=torch.zeros(H)), ValueError, "dt_bias"),
+    (dict(g_cache=torch.zeros(S, H, L, K, dtype=torch.bfloat16)), TypeError, "g_cache"),
+    (dict(u_cache=torch.zeros(S, H, L, V)), TypeError, "u_cache"),
+    (dict(beta_cache=torch.zeros(S, H, L + 1)), ValueError, "beta_cache"),
+    (dict(k_cache=torch.zeros(S, H, L, K + 1, dtype=torch.bfloat16)), ValueError, "k_cache"),
+    (dict(f=torch.zeros(B, H, K + 16, dtype=torch.bfloat16)), ValueError, "f"),
+    (dict(b=torch.zeros(B, H, 1, dtype=torch.bfloat16)), ValueError, "b"),
+    (dict(cursor=torch.zeros(S, dtype=torch.int64)), TypeError, "cursor"),
+    (dict(cursor=torch.full((S,), L, dtype=torch.int32)), ValueError, "cursor"),
+    (dict(state_batch_indices=torch.tensor([0, 0, 1], dtype=torch.int32)), ValueError, "state_batch_indices"),
+    (dict(state_batch_indices=torch.tensor([0, S, 1], dtype=torch.int32)), ValueError, "state_batch_indices"),
+    (dict(u_cache=torch.zeros(S, H, 17, V, dtype=torch.bfloat16)), ValueError, "u_cache"),
+    (dict(state=torch.zeros(S, H, K, V)[..., ::2]), ValueError, "state"),
+    (dict(q=torch.zeros(B, H, 40, dtype=torch.bfloat16), k=torch.zeros(B, H, 40, dtype=torch.bfloat16),
+          f=torch.zeros(B, H, 40, dtype=torch.bfloat16), dt_bias=torch.zeros(H, 40)), ValueError, "K"),
+])
+def test_replay_validation_names_the_tensor(kw, err, match):
+    with pytest.raises(err, match=match):
+        kops.kda_replay_decode(**_args(**kw))
+
+
+def test_options_and_cuda_last():
+    with pytest.raises(ValueError, match="lower_bound"):
+        kops.kda_replay_decode(**_args(), lower_bound=0.5)
+    with pytest.raises(TypeError, match="use_qk_l2norm"):
+        kops.kda_conventional_step(**{k: v for k, v in _args().items() if k in (
+            "q", "k", "v", "f", "b", "A_log", "dt_bias", "state", "state_batch_indices")}, use_qk_l2norm=1)
+    with pytest.raises(ValueError, match="CUDA"):  # everything else was valid: only the device is left
+        kops.kda_replay_decode(**_args())
+    with pytest.raises(ValueError, match="shadow"):
+        kops.kda_replay_decode(**_args(), shadow=torch.zeros(S, H, K, V + 8, dtype=torch.bfloat16))

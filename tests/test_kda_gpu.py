@@ -1,0 +1,237 @@
+# SPDX-License-Identifier: Apache-2.0
+"""KDA kernels (plugins/kda/kda_decode.cu) against trtllm_replayssm/families/kda/reference.py, step by step.
+
+Oracles:
+- float64 reference evolving on its own from the same initial checkpoint and rings (random contents: the replay
+  step is a function of whatever the ring holds, so any contents are a valid state), fed the very activation
+  values the kernel sees and storing into tensors of the kernel's dtypes (f32 state, g, beta; act k, v; bf16 u).
+  What is left between the two is the kernel's fp32 arithmetic and the roundings to bf16 / the act dtype.
+- Bookkeeping exactly (rtol = atol = 0): the k and v rings (copies of the inputs), cursors, padding rows' y still
+  NaN, unused slots of every tensor as they were, the shadow equal to the bf16 rounding of the fp32 checkpoint.
+Tolerances (relative Frobenius norm over the compared values):
+- y: bf16 output rounding 2^-9 relative per element, plus the u ring's bf16 rounding (2^-9) of fp32 vs float64
+  values that can fall on either side of a rounding boundary and then feed up to L - 1 later outputs -> 1e-2;
+  f16 -> 4e-3 (its own 2^-11, the u ring stays bf16); f32 act -> 4e-3 (the bf16 u ring dominates).
+- state (the exact fold from k, v, g, beta; no bf16 u enters it) and the g / beta rings (expf, log1pf in fp32 of
+  a few ulp each): 1e-4, compounded over 3L + 2 steps of a contractive recurrence (|exp g| <= 1, the delta
+  rule's I - beta k k^T of norm <= 1).
+- u ring: 1e-2 (bf16 rounding as for y).
+- y with a bf16 shadow: 2e-2 (S0 read through one bf16 rounding, 2^-9 relative per element, averaged over K terms).
+"""
+
+import math
+
+import pytest
+import torch
+
+from trtllm_replayssm import ops
+from trtllm_replayssm.families import advance_cursor as ref_advance
+from trtllm_replayssm.families.kda import GEOMETRIES
+from trtllm_replayssm.families.kda import ops as kops
+from trtllm_replayssm.families.kda import reference as kref
+from trtllm_replayssm.families.kda.config import override
+from trtllm_replayssm.reference import Shadow
+
+pytestmark = pytest.mark.gpu
+F64 = torch.float64
+Y_TOL = {torch.bfloat16: 1e-2, torch.float16: 4e-3, torch.float32: 4e-3}
+F32_TOL = 1e-4
+SHADOW_Y_TOL = 2e-2
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device("cuda")
+
+
+def make_params(H, K, gen):
+    A_log = torch.log(torch.rand(H, generator=gen, dtype=F64) * 15 + 1).float()
+    dt0 = torch.exp(torch.rand(H, K, generator=gen, dtype=F64) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+    dt_bias = (dt0 + torch.log(-torch.expm1(-dt0))).float()  # inverse softplus
+    return A_log, dt_bias
+
+
+def make_inputs(batch, H, K, V, act, gen, l2norm=True):
+    ks = 1.0 if l2norm else K ** -0.5  # without the norm, |k| ~ 1 keeps the delta rule contractive
+    q = (torch.randn(batch, H, K, generator=gen) * ks).to(act)
+    k = (torch.randn(batch, H, K, generator=gen) * ks).to(act)
+    v = torch.randn(batch, H, V, generator=gen).to(act)
+    f = torch.randn(batch, H, K, generator=gen).to(act)
+    b = torch.randn(batch, H, generator=gen).to(act)
+    return q, k, v, f, b
+
+
+def make_buffers(slots, H, K, V, L, act, gen, l2norm=True):
+    buf = kref.KDABuffers.alloc(slots, H, K, V, L, act=act)
+    buf.state.copy_(torch.randn(slots, H, K, V, generator=gen) * 0.1)
+    buf.k_cache.copy_(torch.randn(slots, H, L, K, generator=gen) * (1.0 if l2norm else K ** -0.5))
+    buf.u_cache.copy_(torch.randn(slots, H, L, V, generator=gen) * 0.1)
+    buf.g_cache.copy_(-torch.rand(slots, H, L, K, generator=gen) * 0.3)
+    buf.v_cache.copy_(torch.randn(slots, H, L, V, generator=gen))
+    buf.beta_cache.copy_(torch.rand(slots, H, L, generator=gen))
+    return buf
+
+
+def to_dev(buf, dev):
+    return kref.KDABuffers(*(t.to(dev) for t in buf.tensors()))
+
+
+CASES = [  # (name, (H, K, V), act, L, batch, slots, gate lower bound, l2norm, shadow)
+    ("kimi_k3_tp8", GEOMETRIES["kimi_k3_tp8"], torch.bfloat16, 16, 3, 6, None, True, False),
+    ("kimi_k3_tp8_shadow", GEOMETRIES["kimi_k3_tp8"], torch.bfloat16, 16, 3, 6, None, True, True),
+    ("glm5_3_flash_tp8", GEOMETRIES["glm5_3_flash_tp8"], torch.bfloat16, 16, 3, 5, -5.0, True, False),
+    ("glm_shadow_L4", GEOMETRIES["glm5_3_flash_tp8"], torch.bfloat16, 4, 4, 7, -5.0, True, True),
+    ("odd_f32_L4", (3, 48, 40), torch.float32, 4, 4, 7, None, True, False),
+    ("odd_f16_nonorm_L5", (5, 64, 24), torch.float16, 5, 5, 9, -3.0, False, False),
+    ("k256_L2", (2, 256, 64), torch.bfloat16, 2, 3, 4, None, True, True),
+]
+
+
+def _sbi(batch, slots, gen):
+    perm = torch.randperm(slots, generator=gen)[:batch].to(torch.int32)
+    perm[1] = -1  # one padding row
+    return perm
+
+
+# The planner's small-batch shape runs above (batch 3-5); its large-batch shapes, pinned (override), run here.
+SHAPED = [(CASES[i], shape) for i, shape in ((0, (4, 4)), (1, (4, 4)), (2, (4, 4)), (3, (4, 4)), (1, (4, 8)),
+                                             (2, (4, 2)))]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_replay_decode_against_reference(case):
+    _replay_against_reference(case)
+
+
+@pytest.mark.parametrize("case, shape", SHAPED, ids=[f"{c[0]}-C{s[0]}W{s[1]}" for c, s in SHAPED])
+def test_replay_decode_launch_shapes(case, shape):
+    with override(col_lanes=shape[0], warps=shape[1]):
+        _replay_against_reference(case)
+
+
+def _replay_against_reference(case):
+    dev = cuda()
+    _, (H, K, V), act, L, batch, slots, lb, l2, use_shadow = case
+    gen = torch.Generator().manual_seed(37)
+    A_log, dt_bias = make_params(H, K, gen)
+    ref = make_buffers(slots, H, K, V, L, act, gen, l2)
+    cursor = torch.randint(0, L, (slots,), generator=gen, dtype=torch.int32)  # rows flush at different steps
+    sbi = _sbi(batch, slots, gen)
+    gpu = to_dev(ref, dev)
+    ref_sh = Shadow.of(ref.state, "bf16") if use_shadow else None
+    sh = ref_sh.q.to(dev) if use_shadow else None
+    cur = cursor.to(dev)
+    unused = [s for s in range(slots) if s not in sbi.tolist()]
+    before = [t[unused].clone() for t in gpu.tensors()] + ([sh[unused].clone()] if use_shadow else [])
+    flushed = 0
+    for step in range(3 * L + 2):
+        q, k, v, f, b = make_inputs(batch, H, K, V, act, gen, l2)
+        flushed += int(((cursor[sbi[sbi >= 0].long()] + 1) == L).sum())
+        y_ref = kref.replay_decode(ref, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=ref_sh, use_qk_l2norm=l2,
+                                   lower_bound=lb)
+        ref_advance(cursor, sbi, L)
+        out = torch.full((batch, H, V), float("nan"), dtype=act, device=dev)
+        kops.kda_replay_decode(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), gpu.state, gpu.k_cache,
+                               gpu.u_cache, gpu.g_cache, gpu.v_cache, gpu.beta_cache, cur, sbi.to(dev), out=out,
+                               shadow=sh, use_qk_l2norm=l2, lower_bound=lb)
+        kops.advance_cursor(cur, sbi.to(dev), gpu.u_cache)
+        live = sbi >= 0
+        y = out.cpu()
+        assert torch.isnan(y[~live]).all(), "padding rows' y must stay untouched (NaN poison)"
+        tol = SHADOW_Y_TOL if use_shadow else Y_TOL[act]
+        assert rel(y[live], y_ref[live]) < tol, f"step {step}: y rel {rel(y[live], y_ref[live])}"
+        assert torch.equal(cur.cpu(), cursor)
+        assert torch.equal(gpu.k_cache.cpu(), ref.k_cache), f"step {step}: k ring must be the raw inputs, exactly"
+        assert torch.equal(gpu.v_cache.cpu(), ref.v_cache), f"step {step}: v ring must be the inputs, exactly"
+        assert rel(gpu.g_cache.cpu(), ref.g_cache) < F32_TOL
+        assert rel(gpu.beta_cache.cpu(), ref.beta_cache) < F32_TOL
+        assert rel(gpu.u_cache.cpu(), ref.u_cache) < 1e-2
+        assert rel(gpu.state.cpu(), ref.state) < F32_TOL, f"step {step}: state rel {rel(gpu.state.cpu(), ref.state)}"
+        if use_shadow:  # rewritten from the fp32 checkpoint at each flush: its bf16 rounding, bit for bit
+            assert torch.equal(sh.cpu(), gpu.state.cpu().to(torch.bfloat16))
+    assert flushed >= 2, "the case must flush"
+    after = [t[unused] for t in gpu.tensors()] + ([sh[unused]] if use_shadow else [])
+    for b0, a0 in zip(before, after):
+        assert torch.equal(b0, a0), "unused slots must be untouched"
+
+
+CONV = [(c, None) for c in CASES[:1] + CASES[2:3] + CASES[4:6]] + [(CASES[0], (4, 4)), (CASES[2], (4, 8))]
+
+
+@pytest.mark.parametrize("case, shape", CONV, ids=[c[0] + ("" if s is None else f"-C{s[0]}W{s[1]}") for c, s in CONV])
+def test_conventional_against_reference(case, shape):
+    if shape is not None:
+        with override(col_lanes=shape[0], warps=shape[1]):
+            return _conventional_against_reference(case)
+    _conventional_against_reference(case)
+
+
+def _conventional_against_reference(case):
+    dev = cuda()
+    _, (H, K, V), act, _, batch, slots, lb, l2, _ = case
+    gen = torch.Generator().manual_seed(7)
+    A_log, dt_bias = make_params(H, K, gen)
+    state = torch.randn(slots, H, K, V, generator=gen) * 0.1
+    sbi = _sbi(batch, slots, gen)
+    st = state.to(dev)
+    unused = [s for s in range(slots) if s not in sbi.tolist()]
+    for step in range(4):
+        q, k, v, f, b = make_inputs(batch, H, K, V, act, gen, l2)
+        y_ref = kref.conventional_step(state, q, k, v, f, b, A_log, dt_bias, sbi, use_qk_l2norm=l2, lower_bound=lb)
+        out = torch.full((batch, H, V), float("nan"), dtype=act, device=dev)
+        kops.kda_conventional_step(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, sbi.to(dev), out=out,
+                                   use_qk_l2norm=l2, lower_bound=lb)
+        y, live = out.cpu(), sbi >= 0
+        assert torch.isnan(y[~live]).all()
+        assert rel(y[live], y_ref[live]) < Y_TOL[act], f"step {step}"
+        assert rel(st.cpu(), state) < F32_TOL, f"step {step}"
+        assert torch.equal(st.cpu()[unused], state[unused])
+
+
+def test_teeth():
+    """A corrupted g entry in the kernel's ring (the newest entry of one head of one live row: every older entry and
+    S0 decay through it) must be caught; the other row, untouched, still agrees."""
+    dev = cuda()
+    H, K, V = GEOMETRIES["kimi_k3_tp8"]
+    L, batch, slots = 8, 2, 3
+    gen = torch.Generator().manual_seed(3)
+    A_log, dt_bias = make_params(H, K, gen)
+    ref = make_buffers(slots, H, K, V, L, torch.bfloat16, gen)
+    cursor = torch.full((slots,), 5, dtype=torch.int32)
+    sbi = torch.tensor([0, 2], dtype=torch.int32)
+    gpu = to_dev(ref, dev)
+    gpu.g_cache[2, 3, 4] = -20.0  # entry 4 < cursor 5: the output path reads it
+    q, k, v, f, b = make_inputs(batch, H, K, V, torch.bfloat16, gen)
+    y_ref = kref.replay_decode(ref, cursor, q, k, v, f, b, A_log, dt_bias, sbi)
+    y = kops.kda_replay_decode(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), *gpu.tensors(),
+                               cursor.to(dev), sbi.to(dev)).cpu()
+    assert rel(y[0], y_ref[0]) < Y_TOL[torch.bfloat16]  # the untouched row still agrees
+    assert rel(y[1, 3], y_ref[1, 3]) > 3 * Y_TOL[torch.bfloat16], "the oracle must see a corrupted ring entry"
+
+
+def test_bad_cursor_gives_nan_and_writes_nothing():
+    dev = cuda()
+    H, K, V, L = 2, 32, 16, 4
+    gen = torch.Generator().manual_seed(5)
+    A_log, dt_bias = make_params(H, K, gen)
+    gpu = to_dev(make_buffers(2, H, K, V, L, torch.bfloat16, gen), dev)
+    before = [t.clone() for t in gpu.tensors()]
+    cursor = torch.tensor([L, 0], dtype=torch.int32, device=dev)
+    q, k, v, f, b = make_inputs(1, H, K, V, torch.bfloat16, gen)
+    y = kops.kda_replay_decode(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), *gpu.tensors(), cursor,
+                               torch.tensor([0], dtype=torch.int32, device=dev), check_values=False)
+    assert torch.isnan(y).all()
+    for b0, a0 in zip(before, gpu.tensors()):
+        assert torch.equal(b0, a0)
+
+
+def test_shared_cursor_kernel():
+    dev = cuda()
+    cur = torch.tensor([0, 3, 2], dtype=torch.int32, device=dev)
+    ops.advance_cursor(cur, torch.tensor([1, -1, 2], dtype=torch.int32, device=dev), buffer_len=4)
+    assert cur.cpu().tolist() == [0, 0, 3]

@@ -1,0 +1,212 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The KDA kernel spec (:class:`KDASpec`: one NVRTC module of ``plugins/kda/kda_decode.cu``) and its planner.
+
+A module holds both kernels (``kda_replay_decode``, ``kda_conventional``) for one geometry (H, K, V, L), dtype,
+gate (Kimi's, or GLM-5 Next's lower-bounded one), q / k l2 norm, q scale, shadow and launch shape. Launch shape
+(plugins/kda/kda.cuh): a warp owns 4 ``col_lanes`` value columns over all K rows (K col_lanes / 32 rows of 4
+columns per lane), a block ``warps`` warps; grid (H V / columns per block, batch). :func:`kda_geometry` picks
+them per batch; :func:`override` pins them for a sweep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+
+from ...config import CUDA_TYPES
+
+ENTRY_FILE = "kda/kda_decode.cu"
+KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
+SHADOW_KINDS = ("none", "bf16")
+MAX_WARPS = 8
+SMEM_LIMIT = 48 * 1024  # static shared memory of one block
+RESIDENT_THREADS = 384  # __launch_bounds__ min blocks = this / threads: ~170 registers a thread
+STATE_REGS = 64  # fp32 state values one lane may hold (4 K col_lanes / 32)
+FULL_WAVE_BLOCKS = 2 * 132  # two blocks per SM of an H100 (132 SMs; an H200 the same)
+
+
+def _f32(x: float) -> float:
+    import numpy as np
+
+    return float(np.float32(x))
+
+
+@dataclass(frozen=True)
+class KDASpec:
+    """One KDA module. ``scale`` None is K^-1/2; ``lower_bound`` None is Kimi's gate, a negative float GLM-5 Next's
+    g = lower_bound sigmoid(exp(A_log) (f + dt_bias)); ``l2norm``: q, k l2-normalised in the kernel."""
+
+    act: str  # "bf16" | "f16" | "f32": q, k, v, f, b, y and the k / v rings
+    H: int
+    K: int
+    V: int
+    buffer_len: int  # L, 2..16
+    col_lanes: int = 2  # lanes across a row's columns (2 or 4)
+    warps: int = 4
+    shadow: str = "none"  # "none" | "bf16"
+    l2norm: bool = True
+    scale: float | None = None
+    lower_bound: float | None = None
+    arch: int = 90
+
+    entry_file = ENTRY_FILE
+    kernel_names = KERNEL_NAMES
+
+    def __post_init__(self):
+        if self.act not in CUDA_TYPES:
+            raise ValueError(f"KDASpec.act: expected one of {sorted(CUDA_TYPES)}, got {self.act!r}")
+        if self.shadow not in SHADOW_KINDS:
+            raise ValueError(f"KDASpec.shadow: expected one of {SHADOW_KINDS}, got {self.shadow!r}")
+        for name in ("H", "K", "V", "buffer_len", "col_lanes", "warps", "arch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"KDASpec.{name}: expected a positive int, got {v!r}")
+        if not 2 <= self.buffer_len <= 16:
+            raise ValueError(f"KDASpec.buffer_len: expected 2..16, got {self.buffer_len}")
+        if self.col_lanes not in (2, 4):
+            raise ValueError(f"KDASpec.col_lanes: expected 2 or 4, got {self.col_lanes}")
+        if not 1 <= self.warps <= MAX_WARPS:
+            raise ValueError(f"KDASpec.warps: expected 1..{MAX_WARPS}, got {self.warps}")
+        rg = 32 // self.col_lanes
+        if self.K % rg or self.K > 256:
+            raise ValueError(f"KDASpec.K: expected a multiple of {rg} (the row groups of col_lanes={self.col_lanes}) "
+                             f"up to 256, got {self.K}")
+        if 4 * self.K * self.col_lanes // 32 > STATE_REGS:
+            raise ValueError(f"KDASpec: K={self.K} with col_lanes={self.col_lanes} holds "
+                             f"{4 * self.K * self.col_lanes // 32} state values a lane, at most {STATE_REGS}")
+        if self.V % self.cols:
+            raise ValueError(f"KDASpec.V: expected a multiple of the block's {self.cols} columns "
+                             f"(4 col_lanes warps), got {self.V}")
+        if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"KDASpec.scale: expected a finite positive float or None, got {self.scale}")
+        if self.lower_bound is not None and not (math.isfinite(self.lower_bound) and self.lower_bound < 0):
+            raise ValueError(f"KDASpec.lower_bound: expected a finite negative float or None, got {self.lower_bound}")
+        if self.smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"KDASpec: {self.smem_bytes} bytes of static shared memory, limit {SMEM_LIMIT}")
+
+    @property
+    def cols(self) -> int:
+        """Value columns of one block."""
+        return 4 * self.col_lanes * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Upper bound of the fold tile (kda.cuh FoldSmem): the token's 4 K floats; per channel and chunk of 4
+        entries two float4 (decayed keys of the dots and of the update) and the chunk decay; v_j over the block's
+        columns, beta_j, each warp's dots S^T w_j over its columns, the Gram partials and totals (16 a chunk)."""
+        e = self.buffer_len - 1
+        nc = (e + 3) // 4
+        return (16 * self.K + 36 * self.K * nc + 4 * e * self.cols + 4 * e + 4 * self.warps * e * 4 * self.col_lanes
+                + 64 * nc * (self.warps + 1) + 64)
+
+    @property
+    def scale_f32(self) -> float:
+        return _f32(self.K ** -0.5 if self.scale is None else self.scale)
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def min_blocks(self) -> int:
+        return max(1, RESIDENT_THREADS // self.threads)
+
+    def grid(self, batch: int) -> tuple[int, int, int]:
+        return (self.H * (self.V // self.cols), batch, 1)
+
+    @property
+    def key(self) -> str:
+        """Readable cache key, e.g. ``kda_a-bf16_H12_K128_V128_L16_C2_W4_n1_sh-bf16_lb-5.0_sm90``."""
+        return (f"kda_a-{self.act}_H{self.H}_K{self.K}_V{self.V}_L{self.buffer_len}_C{self.col_lanes}_W{self.warps}"
+                f"_n{int(self.l2norm)}" + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
+                + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
+                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}")
+
+    def prelude(self) -> str:
+        lb = self.lower_bound is not None
+        return "\n".join([
+            f"// generated for {self.key}",
+            "#include <cuda_bf16.h>",
+            "#include <cuda_fp16.h>",
+            f"using act_t = {CUDA_TYPES[self.act]};",
+            "using ring_t = __nv_bfloat16;",
+            f"#define KDA_SHADOW {SHADOW_KINDS.index(self.shadow)}",
+            f"#define KDA_LOWER_BOUND {int(lb)}",
+            *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;  // {_f32(self.lower_bound)!r}"]
+              if lb else []),
+            f"constexpr int kH = {self.H};",
+            f"constexpr int kK = {self.K};",
+            f"constexpr int kV = {self.V};",
+            f"constexpr int kL = {self.buffer_len};",
+            f"constexpr int kCVL = {self.col_lanes};",
+            f"constexpr int kWarps = {self.warps};",
+            f"constexpr int kMinBlocks = {self.min_blocks};",
+            f"constexpr bool kL2Norm = {'true' if self.l2norm else 'false'};",
+            f"constexpr float kScale = {self.scale_f32.hex()}f;  // {self.scale_f32!r}",
+            "",
+        ])
+
+
+_OVERRIDE: dict = {}
+
+
+@contextlib.contextmanager
+def override(col_lanes: int | None = None, warps: int | None = None):
+    """Pin the planner's launch shape inside the block (benchmark sweeps)."""
+    old = dict(_OVERRIDE)
+    _OVERRIDE.update({k: v for k, v in (("col_lanes", col_lanes), ("warps", warps)) if v is not None})
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(old)
+
+
+def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
+    return V % (4 * cl * warps) == 0 and batch * H * (V // (4 * cl * warps)) >= FULL_WAVE_BLOCKS
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(H: int, K: int, V: int, batch: int, conventional: bool) -> tuple[int, int]:
+    # Large grids (two blocks per SM or more): 4 lanes across a row (a warp load is 8 rows x 64 contiguous bytes
+    # of fp32 state; 2 lanes load 16 rows x 32 B and each 128-byte line is fetched by several warps at different
+    # times; H100 A/B at Kimi-K3 TP8 bs256: conventional 161 vs 192 us, fp32 replay 105 vs 136) and 4 warps. 4
+    # lanes hold 4 K / 8 state values a lane: K <= 128 (STATE_REGS). Small grids: the conventional step takes
+    # smaller blocks (more of them: 2 lanes, fewer warps); the replay step keeps 4 warps (one channel a thread:
+    # its channel stage walks the ring per channel, 4 deep with 1 warp) and takes 2 lanes a row (twice the blocks).
+    # The conventional step takes 8 warps there (H100, b811d9f6a9, Kimi-K3 TP8 bs256: (4, 8) 157 us, (4, 4) 175,
+    # (2, 4) 203); the replay step 4 (its flush and non-flush steps are slower with 8: f32 k = 1 / 8 / 16 at
+    # 88 / 124 / 340 us against 82 / 94 / 274).
+    cl4 = 4 * K * 4 // 32 <= STATE_REGS and K % 8 == 0
+    if cl4 and conventional and _fits(H, K, V, batch, 4, 8):
+        return 4, 8
+    if cl4 and _fits(H, K, V, batch, 4, 4):
+        return 4, 4
+    cl, warps = 2, 4
+    if conventional:
+        while warps > 1 and (V % (4 * cl * warps) or not _fits(H, K, V, batch, cl, warps)):
+            warps //= 2
+    while warps > 1 and V % (4 * cl * warps):
+        warps //= 2
+    return cl, warps
+
+
+def kda_geometry(H: int, K: int, V: int, batch: int, conventional: bool = False) -> tuple[int, int]:
+    """(col_lanes, warps) of the KDA kernels for this geometry and batch (:func:`override` wins); ``conventional``:
+    the plan of the conventional step's module."""
+    cl, w = _plan(H, K, V, batch, conventional)
+    return _OVERRIDE.get("col_lanes", cl), _OVERRIDE.get("warps", w)
+
+
+def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str = "none", l2norm: bool = True,
+             scale: float | None = None, lower_bound: float | None = None, arch: int = 90,
+             conventional: bool = False) -> KDASpec:
+    """The module for this geometry and batch (the conventional kernel comes from a module of L = 2 planned with
+    ``conventional``)."""
+    cl, w = kda_geometry(H, K, V, batch, conventional)
+    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch)
+
+
+__all__ = ["KDASpec", "kda_geometry", "kda_spec", "override", "ENTRY_FILE", "KERNEL_NAMES"]

@@ -1,0 +1,183 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Validated launchers of the KDA decode kernels (``plugins/kda/kda_decode.cu``) on torch tensors.
+
+The math and the state contract are :mod:`.reference`'s (the float64 spec); the checks are :mod:`...launch`'s, so
+errors read as every family's: the tensor named, got and expected, before any launch.
+
+Shapes (batch rows, H heads, K key dim, V value dim, L ring length, S slots):
+
+=====================  ====================  =================  ==========================================
+tensor                 shape                 dtype              mutated
+=====================  ====================  =================  ==========================================
+q, k                   (batch, H, K)         act (bf16/f16/f32) (raw; l2-normalised inside when asked)
+v                      (batch, H, V)         act
+f                      (batch, H, K)         act                (raw forget-gate projection f_b(f_a(x)))
+b                      (batch, H)            act                (raw beta logit: beta = sigmoid(b) inside)
+A_log                  (H,)                  f32
+dt_bias                (H, K)                f32
+state                  (S, H, K, V)          f32                conventional: always; replay: on flush
+k_cache                (S, H, L, K)          act                replay: raw k appended at cursor
+u_cache                (S, H, L, V)          bf16               replay: u appended at cursor
+g_cache                (S, H, L, K)          f32                replay: per-channel log decay appended
+v_cache                (S, H, L, V)          act                replay: v appended at cursor
+beta_cache             (S, H, L)             f32                replay: beta appended at cursor
+cursor                 (S,)                  int32              by :func:`advance_cursor` only
+shadow (optional)      (S, H, K, V)          bf16               replay: on flush; read on the other steps
+state_batch_indices    (batch,)              int32              slot per row, -1 = padding
+y (output)             (batch, H, V)         act                padding rows left untouched
+=====================  ====================  =================  ==========================================
+
+Gates: Kimi's g = -exp(A_log) softplus(f + dt_bias) (``lower_bound`` None) or GLM-5 Next's
+g = lower_bound sigmoid(exp(A_log) (f + dt_bias)); ``use_qk_l2norm``, ``scale`` (default K^-1/2) and
+``lower_bound`` are compiled into the module (its cache key). 2 <= L <= 16; K a multiple of 16 up to 256; V a
+multiple of 8. state, shadow (16-byte vectors) and the row-major tensors are contiguous. Values (``check_values``;
+default unless capturing a CUDA graph; a device->host copy): slots in [-1, S), no slot in two rows, the rows'
+cursors in [0, L). Unchecked, the kernels write nothing outside a row's own slot: a row with an out-of-range slot
+is skipped, one with an out-of-range cursor gets NaN outputs and leaves state and rings as they are.
+
+Per model step: :func:`kda_replay_decode` for every KDA layer, then one :func:`advance_cursor` (the shared cursor
+kernel, :func:`trtllm_replayssm.ops.advance_cursor`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+
+from ... import ops as _ops
+from ...config import DTYPE_CODES
+from ...launch import F32, I32, Arg, arch, check_args, check_indices, check_rank, launch, require_cuda, values_checked
+from .config import kda_spec
+
+_BF16 = (torch.bfloat16,)
+
+
+def _check_options(use_qk_l2norm, scale, lower_bound) -> None:
+    if not isinstance(use_qk_l2norm, bool):
+        raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
+    for name, v, ok, want in (("scale", scale, lambda x: x > 0, "a finite positive float or None (K^-1/2)"),
+                              ("lower_bound", lower_bound, lambda x: x < 0,
+                               "a finite negative float or None (Kimi's gate)")):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"{name}: expected {want}, got {type(v).__name__}")
+        if not (math.isfinite(v) and ok(v)):
+            raise ValueError(f"{name}: expected {want}, got {v}")
+
+
+def _geometry(q, v, state, u_cache=None):
+    check_rank(q, "q", 3, "(batch, H, K)")
+    check_rank(v, "v", 3, "(batch, H, V)")
+    check_rank(state, "state", 4, "(slots, H, K, V)")
+    batch, H, K = q.shape
+    V, S = v.shape[2], state.shape[0]
+    L = None
+    if u_cache is not None:
+        check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
+        L = u_cache.shape[2]
+        if not 2 <= L <= 16:
+            raise ValueError(f"u_cache: ring length L (dim 2) must be in 2..16, got {L}")
+    return batch, H, K, V, S, L
+
+
+def _check_sizes(given, shapes, sizes) -> None:
+    K, V = sizes.get("K"), sizes.get("V")
+    if K is not None and (K % 16 or not 16 <= K <= 256):
+        raise ValueError(f"q: K (dim 2) expected a multiple of 16 in 16..256, got {K}")
+    if V is not None and V % 8:
+        raise ValueError(f"v: V (dim 2) expected a multiple of 8, got {V}")
+
+
+def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out) -> list:
+    return [
+        Arg("q", q, ("batch", "H", "K"), "act", None),
+        Arg("k", k, ("batch", "H", "K"), "act", None),
+        Arg("v", v, ("batch", "H", "V"), "act", None),
+        Arg("f", f, ("batch", "H", "K"), "act", None),
+        Arg("b", b, ("batch", "H"), "act", None),
+        Arg("A_log", A_log, ("H",), F32, None),
+        Arg("dt_bias", dt_bias, ("H", "K"), F32, None),
+        Arg("state", state, ("slots", "H", "K", "V"), F32),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("out", out, ("batch", "H", "V"), "act", None, optional=True),
+    ]
+
+
+def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow) -> list:
+    return [
+        Arg("k_cache", k_cache, ("slots", "H", "L", "K"), "act", None),
+        Arg("u_cache", u_cache, ("slots", "H", "L", "V"), _BF16, None),
+        Arg("g_cache", g_cache, ("slots", "H", "L", "K"), F32, None),
+        Arg("v_cache", v_cache, ("slots", "H", "L", "V"), "act", None),
+        Arg("beta_cache", beta_cache, ("slots", "H", "L"), F32, None),
+        Arg("cursor", cursor, ("slots",), I32, None),
+        Arg("shadow", shadow, ("slots", "H", "K", "V"), _BF16, optional=True),
+    ]
+
+
+def kda_conventional_step(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out=None, use_qk_l2norm=True,
+                          scale=None, lower_bound=None, check_values: bool | None = None):
+    """One conventional KDA decode step (reads and writes the whole state); returns y (batch, H, V).
+
+    :func:`.reference.conventional_step` is the spec: S <- Diag(exp g) S; u = beta (v - S^T k); S <- S + k u^T;
+    y = S^T q."""
+    _check_options(use_qk_l2norm, scale, lower_bound)
+    batch, H, K, V, S, _ = _geometry(q, v, state)
+    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out), _check_sizes)
+    if values_checked(check_values):
+        check_indices(state_batch_indices, S, None, 1)
+    require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, 2, batch, "none", use_qk_l2norm, scale, lower_bound, arch(dev),
+                    conventional=True)
+    args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, state)]
+    args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
+    launch(spec, "kda_conventional", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
+                      state_batch_indices, out=None, shadow=None, use_qk_l2norm=True, scale=None, lower_bound=None,
+                      check_values: bool | None = None):
+    """One fused ReplaySSM KDA decode step for one layer; returns y (batch, H, V).
+
+    :func:`.reference.replay_decode` is the spec. Non-flush step (cursor + 1 < L): y from the checkpoint (or its
+    bf16 ``shadow``) and the ring, the entry (k raw, u, g, v, beta) appended at index cursor. Flush step
+    (cursor + 1 == L): the fp32 checkpoint becomes the exact fold of the L - 1 ring entries and this token, the
+    shadow is rewritten from it, the rings are not written. The cursor is read, not moved: call
+    :func:`advance_cursor` once per model step. The shadow must hold the checkpoint's values (bf16, round to
+    nearest even) when the call starts."""
+    _check_options(use_qk_l2norm, scale, lower_bound)
+    batch, H, K, V, S, L = _geometry(q, v, state, u_cache)
+    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out)
+                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow), _check_sizes)
+    if values_checked(check_values):
+        check_indices(state_batch_indices, S, cursor, L)
+    require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    kind = "none" if shadow is None else "bf16"
+    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, L, batch, kind, use_qk_l2norm, scale, lower_bound, arch(dev))
+    bufs = [t.data_ptr() for t in (state, k_cache, u_cache, g_cache, v_cache, beta_cache)]
+    sh = [] if shadow is None else [shadow.data_ptr()]
+    args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor)]
+    args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
+    launch(spec, "kda_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def advance_cursor(cursor, state_batch_indices, u_cache, check_values: bool | None = None) -> None:
+    """cursor[slot] = (cursor[slot] + 1) % L for every row with a slot (the shared cursor kernel,
+    :func:`trtllm_replayssm.ops.advance_cursor`); L is u_cache's ring length (dim 2)."""
+    check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
+    _ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
+
+
+__all__ = ["kda_conventional_step", "kda_replay_decode", "advance_cursor"]
