@@ -193,6 +193,7 @@ def load_kda_model(model_dir=None, tiny: str = "kimi_linear", dtype=torch.float3
     if bad or "linear_attention" not in types:
         what = f"{bad[0][1]!r} at layer {bad[0][0]}" if bad else "no linear_attention (KDA) layer"
         raise CheckpointError(f"{cfg_path}: layer_types: expected linear_attention and {LAYER_TYPES}, got {what}")
+    _check_tensors(pathlib.Path(model_dir), config, cls)
     try:  # mis-shaped tensors come back in info (refused below, by name), not as transformers' nameless error
         model, info = cls.from_pretrained(str(model_dir), config=config, dtype=dtype, output_loading_info=True,
                                           ignore_mismatched_sizes=True)
@@ -203,6 +204,35 @@ def load_kda_model(model_dir=None, tiny: str = "kimi_linear", dtype=torch.float3
         if names:
             raise CheckpointError(f"model: {len(names)} tensors {what} {str(model_dir)!r}: {names[:8]}")
     return model.eval().to(device)
+
+
+def _check_tensors(model_dir: pathlib.Path, config, cls) -> None:
+    """Every tensor the model needs is in the directory's safetensors, in the directory's own names and shapes:
+    transformers' reverse conversion of the model's state dict (built on the meta device, no memory) names them
+    as the published layout does (Kimi's ``q_conv1d`` / ``block_sparse_moe.experts.<e>.w1``, GLM's ``hc_attn_fn``
+    ...), so a missing one is named as the checkpoint spells it."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import revert_weight_conversion
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"model: no *.safetensors in {str(model_dir)!r}")
+    have = {}
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as h:
+                have.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})
+        except Exception as e:  # a truncated or foreign file
+            raise CheckpointError(f"{f}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+    with torch.device("meta"):
+        skeleton = cls(config)
+    want = {k: tuple(t.shape) for k, t in revert_weight_conversion(skeleton, skeleton.state_dict()).items()}
+    missing = sorted(set(want) - set(have))
+    if missing:
+        raise CheckpointError(f"model: {len(missing)} tensors missing from {str(model_dir)!r}: {missing[:8]}")
+    bad = [f"{k}: expected {want[k]}, got {have[k]}" for k in sorted(want) if have[k] != want[k]]
+    if bad:
+        raise CheckpointError(f"model: {len(bad)} tensors mis-shaped in {str(model_dir)!r}: {bad[:8]}")
 
 
 class KDAStepCache:
