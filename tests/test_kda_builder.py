@@ -107,14 +107,15 @@ def test_ring_and_checkpoint_equal_the_conventional_recurrence(model):
         for before, pos, kw, y in rec:
             assert kw["lower_bound"] == lower
             if int(pos[0]) == 0:  # a flush just wrote the checkpoint: the exact fold of the ring
-                # both float64; the fold and the conventional step associate alike (measured 0)
-                assert torch.allclose(before, S, rtol=0, atol=1e-12), f"layer {i}: checkpoint"
+                # both float64; the fold and the conventional step associate alike (measured 0; states O(1e-2))
+                assert torch.allclose(before, S, rtol=0, atol=1e-15), f"layer {i}: checkpoint"
             y_conv = kref.conventional_step(S, **{k: v for k, v in kw.items() if k != "state_batch_indices"})
-            # replay's decay-weighted inner products vs the conventional state update, float64 (measured 1e-16)
-            assert torch.allclose(y, y_conv, rtol=0, atol=1e-12), f"layer {i}: outputs"
+            # replay's decay-weighted inner products vs the conventional state update, float64 reassociation
+            # (measured 1e-19 on outputs O(1e-3))
+            assert torch.allclose(y, y_conv, rtol=0, atol=1e-15), f"layer {i}: outputs"
         for s in range(2):
-            # the same float64 reassociation
-            assert torch.allclose(dec.cache.committed_state(dec.j[i], s), S[s], rtol=0, atol=1e-12), f"layer {i}"
+            # the exact fold of the ring vs the conventional steps: the same operations (measured 0)
+            assert torch.allclose(dec.cache.committed_state(dec.j[i], s), S[s], rtol=0, atol=1e-15), f"layer {i}"
         # the ring holds the inputs since the last flush exactly: raw k and v, fp32-exact g and beta
         m = int(dec.cursor[0])
         tail = rec[-m:]
