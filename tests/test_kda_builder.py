@@ -214,6 +214,25 @@ def test_beam_search_and_interleaved_conversations_match_unpatched(model):
     check_beams_and_conversations(model, patch_kda_replayssm, L, atol=1e-5)
 
 
+class _TextView:
+    """The model, with ``.model`` its decoder stack (GLM-5 Next's is model.model.language_model), for the helper
+    that interrupts the last decoder layer."""
+
+    def __init__(self, model):
+        self._m, self.config, self.model = model, model.config, text_model(model)
+
+    def __call__(self, *args, **kw):
+        return self._m(*args, **kw)
+
+
+def test_forward_raising_mid_step_breaks_only_its_cache(model):
+    """An error inside a decode step (tests/helpers.py says how) is not silently continued from."""
+    from .helpers import check_forward_raising_mid_step
+
+    check_forward_raising_mid_step(_TextView(model), lambda _, buffer_len: patch_kda_replayssm(model, buffer_len),
+                                   L, atol=1e-5)
+
+
 def test_rejects_other_models_and_bad_buffer_len(model):
     with pytest.raises(ValueError, match="buffer_len: expected 1..32, got 0"):
         patch_kda_replayssm(model, buffer_len=0)
