@@ -80,6 +80,23 @@ def test_padded_batch_of_different_prompt_lengths_matches_unpatched(model):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_bf16_model_keeps_a_bf16_ring_and_its_tokens(family):
+    """A bf16 model: fp32 checkpoint, k / v / u rings in bf16 (DESIGN §5), g and beta fp32; same greedy tokens."""
+    model = tiny_model(family, dtype=torch.bfloat16)
+    ids = _prompt(2, 7)
+    ref, _ = _generate(model, ids, 8, False)
+    out, dec = _generate(model, ids, 8, True)
+    buf = dec.bufs[kda_layers(model)[0]]
+    assert (buf.state.dtype, buf.k_cache.dtype, buf.u_cache.dtype, buf.v_cache.dtype, buf.g_cache.dtype,
+            buf.beta_cache.dtype) == (torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32,
+                                      torch.float32)
+    assert torch.equal(out.sequences, ref.sequences)
+    # bf16 logits of std 0.2 (spacing 1e-3) after bf16 activations on both sides and the bf16 u ring: measured 6e-3
+    assert torch.allclose(torch.stack(out.scores).float(), torch.stack(ref.scores).float(), rtol=0, atol=3e-2)
+
+
+@torch.no_grad()
 def test_ring_and_checkpoint_equal_the_conventional_recurrence(model):
     """Every KDA layer's decode inputs are recorded; from the prefill's checkpoint the float64 conventional step
     over them gives each step's output, the state at each flush (the checkpoint) and now (the fold of the ring)."""
@@ -240,6 +257,48 @@ def test_rejects_other_models_and_bad_buffer_len(model):
 
     with pytest.raises(ValueError, match="model: expected a Kimi-Linear or GLM-5 Next model"):
         patch_kda_replayssm(qwen("qwen3_5"), buffer_len=L)
+
+
+def test_step_cache_protocol_and_checks():
+    """KDAStepCache: flush / verify each layer once / commit; refused orders and shapes are named; gather_slots
+    moves every layer's tensors and the cursor; load_prefill empties the slot's ring."""
+    from builders.kda import KDAStepCache
+
+    H, K = 2, 32
+    c = KDAStepCache(2, 3, (H, K, K), L)
+    g = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(3, 1, H, K, generator=g) for _ in range(4)] + [torch.randn(3, 1, H, generator=g),
+                                                                       torch.zeros(H), torch.zeros(H, K)]
+    q, k, v, f, b, A_log, dt_bias = inputs
+    rows = torch.arange(3, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="verify: call flush"):
+        c.verify(0, *inputs, state_batch_indices=rows)
+    c.flush(rows, 1)
+    y = c.verify(0, *inputs, state_batch_indices=rows)
+    assert y.shape == (3, 1, H, K) and y.dtype == v.dtype
+    with pytest.raises(RuntimeError, match="layer 0 already ran"):
+        c.verify(0, *inputs, state_batch_indices=rows)
+    with pytest.raises(RuntimeError, match=r"commit: layers \[1\] were not verified"):
+        c.commit(rows, None, 1)
+    c.verify(1, *inputs, state_batch_indices=rows)
+    with pytest.raises(RuntimeError, match="flush: the open step already verified layers \\[0, 1\\]"):
+        c.flush(rows, 1)
+    c.commit(rows, None, 1)
+    assert c.cursor.tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match="num_tokens: expected 1"):
+        c.flush(rows, 2)
+    before = [t.clone() for t in c.bufs[1].tensors()]
+    c.cursor[2] = 0
+    c.gather_slots(torch.tensor([2, 2, 0]))
+    assert c.cursor.tolist() == [0, 0, 1]
+    for t, t0 in zip(c.bufs[1].tensors(), before):
+        assert torch.equal(t, t0[[2, 2, 0]])
+    with pytest.raises(ValueError, match=r"state: expected shape \(2, 32, 32\) \(H, K, V\), got \(2, 32\)"):
+        c.load_prefill(2, 1, torch.zeros(H, K))
+    c.load_prefill(2, 1, torch.ones(H, K, K))
+    assert c.cursor[2] == 0 and c.bufs[1].state[2].eq(1).all() and not c.bufs[1].k_cache[2].any()
+    with pytest.raises(IndexError, match="layer: expected 0 <= layer < 2, got 2"):
+        c.committed_state(2, 0)
 
 
 # ---- checkpoint directories (the published layouts: save_pretrained writes them) --------------------------------
