@@ -110,7 +110,8 @@ TINY_GLM5_NEXT = dict(
 )
 FAMILIES = {"kimi_linear": TINY_KIMI_LINEAR, "glm5_next": TINY_GLM5_NEXT}
 MODEL_TYPES = ("kimi_linear", "glm5_next")  # config.json model_type of the checkpoints we load
-LAYER_TYPES = ("linear_attention", "full_attention", "indexed_attention")  # what the patch runs beside KDA
+# config.layer_types the two models build: KDA (patched), Kimi's MLA, GLM-5 Next's DSA (transformers' own)
+LAYER_TYPES = ("linear_attention", "full_attention", "indexed_attention")
 
 
 def _classes(model_type: str):
@@ -189,10 +190,11 @@ def load_kda_model(model_dir=None, tiny: str = "kimi_linear", dtype=torch.float3
     except Exception as e:  # transformers raises several types for a bad config
         raise CheckpointError(f"{cfg_path}: not a valid {kind} config ({type(e).__name__}: {e})") from e
     types = list(config.get_text_config().layer_types or [])
-    bad = [(i, t) for i, t in enumerate(types) if t != "linear_attention" and t not in LAYER_TYPES]
+    bad = [(i, t) for i, t in enumerate(types) if t not in LAYER_TYPES]
     if bad or "linear_attention" not in types:
         what = f"{bad[0][1]!r} at layer {bad[0][0]}" if bad else "no linear_attention (KDA) layer"
-        raise CheckpointError(f"{cfg_path}: layer_types: expected linear_attention and {LAYER_TYPES}, got {what}")
+        raise CheckpointError(f"{cfg_path}: layer_types: expected KDA layers and others among {LAYER_TYPES}, got "
+                              f"{what}")
     _check_tensors(pathlib.Path(model_dir), config, cls)
     try:  # mis-shaped tensors come back in info (refused below, by name), not as transformers' nameless error
         model, info = cls.from_pretrained(str(model_dir), config=config, dtype=dtype, output_loading_info=True,

@@ -8,6 +8,8 @@ inputs the patched layers handed the cache: with a float64 checkpoint and ring t
 state and the checkpoint written at each flush agree to float64 rounding, and the ring holds the inputs exactly.
 A corrupted ring entry must break the agreement (teeth)."""
 
+import json
+
 import pytest
 import torch
 
@@ -334,6 +336,13 @@ def test_checkpoint_directory_loads_and_names_what_is_wrong(tmp_path, family):
     key = MISSING[family][1]
     odd = _save(family, tmp_path / "odd", reshape=(key, (7,)))
     with pytest.raises(CheckpointError, match=rf"mis-shaped .*{key}: expected .*, got \(7,\)"):
+        load_kda_model(odd)
+    cfg = json.loads((odd / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["layer_types"] = text["layer_types"][:3] + ["sliding_attention"]
+    (odd / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"layer_types: expected KDA layers .* got 'sliding_attention' at "
+                                              r"layer 3"):
         load_kda_model(odd)
     (odd / "config.json").write_text('{"model_type": "qwen3_next"}')
     with pytest.raises(CheckpointError, match="model_type: expected one of .*'kimi_linear'.* got 'qwen3_next'"):
