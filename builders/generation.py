@@ -14,7 +14,7 @@ Route (one engine thread owns the model, the step and every slot; clients only q
                        so every prompt ends at the last position; a prompt longer than that alone, in chunks on
                        one cache): each row's K/V, last K-1 conv inputs and final SSM states are handed to its
                        slot (the step's ``load_prefill_row``; ReplaySSM: the checkpoint with an empty ring,
-                       ``ReplayStateCache.load_prefill`` / ``load_gdn_prefill``); its last logits give the first
+                       ``ReplayStateCache.load_prefill``); its last logits give the first
                        token (streamed at once: the time to first token is one prefill).
       |
   decode step          the family's step (:data:`STEPS`, by ``config.model_type``; rows = slots): Nemotron-H /
@@ -49,6 +49,37 @@ the cache's dtype, and the prefix's last logits (tests/test_prefix_cache.py chec
 ``engine.stats``: prefill_tokens_computed / prefill_tokens_reused, prefix_hits / prefix_misses, prefix_entries,
 prefix_cached_tokens, prefix_cache_bytes, prefix_evictions.
 
+Preemption (opt-in, ``preempt=True``; off by default: requests beyond the slots wait in the queue): the engine's slots
+have a fixed K/V capacity (``max_seq_len``), so a running request never needs more room; preemption is for admission.
+Waiting requests (queued, and swapped out) stand in one line by ticket (taken at submit and again at each swap-out),
+and free slots go to the line in order. Before admission, when requests wait and no slot is free, running requests
+that have decoded at least ``preempt_quantum`` steps since they last took a slot are swapped out, the longest holder
+first, one per waiting request: time-sliced round robin, so a new request's time to first token is bounded by about
+one quantum of steps and nobody starves; ``max_swapped_bytes`` (None: no limit) caps the host memory the swapped-out
+requests hold (a swap that would pass it is not done: the request waits for a slot freed by a finish). A swap-out is
+the step's ``save_slot``: the row's next input, conv windows, the K/V of its ``length`` positions and the SSM mode's
+state (ReplaySSM: the cache's ``swap_out``: checkpoint, shadow, rings and cursor as stored, then the cache slot taken
+back at once; conventional: the fp32 state) copied to host memory, pinned and asynchronous on CUDA (ordered on the
+stream before anything that reuses the slot); the sampling parameters stay on the request and the seeded noise is
+keyed by (seed, position), so a swapped request resumes into any free slot (``load_saved``: asynchronous copies back,
+K/V past its length zeroed) and continues bit-identically (tests/test_preemption.py: tokens equal a run with enough
+slots, greedy and sampled, Nemotron-H and Qwen3.5). Cancelling a swapped-out request drops its host copy at the next
+step. ``engine.stats``: preemptions, resumes, swapped_requests, swapped_bytes (now), swapped_bytes_peak,
+swap_out_bytes (total); :meth:`Engine.saved_nbytes` is a slot's swap size (the step's ``saved_spec`` + the cache's
+``bytes_per_slot``).
+
+Prefill/decode hand-off: ``Request(export=True)`` ends after its prefill (the first token streamed), or
+:meth:`Engine.export_request` at the next step boundary (a decoding or swapped-out request), with finish_reason
+"exported" and ``Output.state``: the same saved slot as bytes (:func:`export_state`: a versioned, crc-checked frame
+with a JSON header of the step's ``slot_geometry`` (family, layer stack, sizes, dtype, SSM mode) and the request
+(prompt, tokens generated, length, sampling parameters), the step's tensors as safetensors, the ReplayStateCache
+snapshot's own versioned bytes). ``Request(resume_from=state)`` in another engine (another process, other slot counts
+and K/V capacity) is checked at submit (the geometry, every tensor's dtype and shape, the snapshot against the cache:
+ring length, shadow, cursor form; a RequestError names each difference, nothing is queued), waits in the line like a
+swapped-out request and is loaded without a prefill; tokens equal one engine doing both (tests/test_handoff.py, two
+processes). The weights are not fingerprinted: a state imported into a model of the same geometry but other weights
+decodes without complaint.
+
 Faults: :meth:`Engine.cancel` (or a request's ``is_cancelled`` callable, polled every ``poll_s`` seconds: a
 client that went away) frees the slot at the next step; an exception in a step fails the requests of that step
 with the error and resets their slots (the engine keeps serving); :meth:`Engine.shutdown` ends every open and
@@ -67,9 +98,13 @@ import collections
 import copy
 import dataclasses
 import heapq
+import json
+import math
 import os
+import struct
 import threading
 import time
+import zlib
 from collections.abc import Callable
 
 import torch
@@ -78,7 +113,7 @@ from .model_step import Conventional, DecodeStep, Replay
 from .qwen3_next import MODEL_TYPES as QWEN_MODEL_TYPES
 
 MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "error", "exported")
 
 
 class RequestError(ValueError):
@@ -137,7 +172,8 @@ def make_step(model, batch: int, kv_len: int, mode: str = "replay", buffer_len: 
 @dataclasses.dataclass
 class Output:
     """What a request's callback receives: ``token_ids`` new since the last output; ``finished`` on the last one,
-    with ``finish_reason`` (one of FINISH_REASONS) and, for "error", ``error``."""
+    with ``finish_reason`` (one of FINISH_REASONS) and, for "error", ``error``; for "exported", ``state``: the
+    request's state as bytes (:func:`export_state`'s form), which ``Request(resume_from=state)`` continues."""
 
     request_id: str
     token_ids: list
@@ -146,6 +182,7 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    state: bytes | None = None
 
 
 @dataclasses.dataclass
@@ -153,7 +190,15 @@ class Request:
     """One generation. ``prompt`` token ids; ``max_tokens`` new tokens at most; ``temperature`` 0 is greedy;
     ``top_k`` 0 and ``top_p`` 1 keep every token; ``seed`` None draws one; generation ends at any of
     ``stop_token_ids`` (the stop token is emitted). ``on_output(Output)`` is called from the engine thread;
-    ``is_cancelled()`` (optional) is polled: True ends the request with "cancelled"."""
+    ``is_cancelled()`` (optional) is polled: True ends the request with "cancelled".
+
+    Prefill/decode hand-off (module docstring): ``export`` True ends the request right after its prefill (its first
+    token emitted; unless that token already ends it) with finish_reason "exported" and ``Output.state``, the bytes
+    of its state; ``resume_from`` (those bytes) continues such a request in this engine, without a prefill: its
+    ``prompt`` may be left empty (the state's prompt is taken; a given one must equal it), ``max_tokens`` counts the
+    tokens generated before the export too (the output's ``completion_tokens`` is the total), ``seed`` None takes
+    the state's seed (so a sampled request continues its own draw); the other sampling parameters and the stop ids
+    are this request's."""
 
     prompt: list
     max_tokens: int = 16
@@ -165,6 +210,19 @@ class Request:
     on_output: Callable[[Output], None] | None = None
     is_cancelled: Callable[[], bool] | None = None
     request_id: str = ""
+    export: bool = False
+    resume_from: bytes | None = None
+
+
+@dataclasses.dataclass
+class _Saved:
+    """A slot's state in host memory (the step's ``save_slot``): ``length`` tokens, the step's tensors, the SSM
+    cache's snapshot (ReplaySSM) or None, their bytes."""
+
+    length: int
+    tensors: dict
+    snapshot: object
+    nbytes: int
 
 
 @dataclasses.dataclass
@@ -174,6 +232,12 @@ class _Live:
     generated: int = 0
     cancelled: bool = False
     t_submit: float = 0.0
+    ticket: int = 0  # place in the line for a slot: taken at submit and again at each swap-out (round robin)
+    length: int = 0  # tokens in the slot's K/V (= the position of its next input)
+    entered: int = 0  # engine step at which it last took a slot
+    saved: _Saved | None = None  # swapped out (preemption) or imported (resume_from), until it takes a slot
+    swapped: bool = False
+    export: bool = False
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------
@@ -231,6 +295,89 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.where(hot, drawn, greedy)
 
 
+# ---- a request's state as bytes (the prefill/decode hand-off) --------------------------------------------------
+STATE_MAGIC = b"RSSMREQS"
+STATE_FORMAT, STATE_VERSION = "replayssm-request-state", 1
+_STATE_PREFIX = struct.Struct("<8sII")  # magic, format version, header length
+_STATE_PAYLOAD = struct.Struct("<QIQ")  # step payload length, its crc32, cache snapshot length
+
+
+def export_state(geometry: dict, request: dict, saved: _Saved) -> bytes:
+    """A request's state as bytes, little-endian::
+
+        b"RSSMREQS" | u32 version | u32 header length h | header (JSON, h bytes)
+                    | u64 payload length p | u32 crc32 of the payload | u64 snapshot length q
+                    | payload (safetensors of the step's tensors, p bytes) | snapshot (ReplayStateCache bytes, q bytes)
+
+    The header: format, version, ``geometry`` (the step's ``slot_geometry``: family, layer stack, sizes, dtype, SSM
+    mode), ``request`` (prompt, generated, length, sampling parameters), ``tensors`` (name -> dtype, shape). The
+    snapshot is :meth:`~trtllm_replayssm.cache.Snapshot.to_bytes`'s (its own versioned header and crc; absent, q = 0,
+    in the conventional mode). safetensors, not pickle, for the reason the snapshot gives: the bytes cross process
+    and machine boundaries. A CUDA slot's host copies are waited for here."""
+    from trtllm_replayssm.cache import _safetensors
+
+    if any(t.is_pinned() for t in saved.tensors.values()):
+        torch.cuda.synchronize()  # the asynchronous copies of save_slot
+    tensors = {k: t.contiguous() for k, t in saved.tensors.items()}
+    payload = _safetensors().save(tensors)
+    snap = b"" if saved.snapshot is None else saved.snapshot.to_bytes()
+    head = dict(format=STATE_FORMAT, version=STATE_VERSION, geometry=geometry, request=request,
+                tensors={k: dict(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+                         for k, t in tensors.items()})
+    hb = json.dumps(head, sort_keys=True).encode()
+    return b"".join((_STATE_PREFIX.pack(STATE_MAGIC, STATE_VERSION, len(hb)), hb,
+                     _STATE_PAYLOAD.pack(len(payload), zlib.crc32(payload), len(snap)), payload, snap))
+
+
+def import_state(data) -> tuple:
+    """(header, tensors, snapshot or None) from :func:`export_state`'s bytes; ValueError naming what is wrong (magic,
+    version, truncation, crc, header, the snapshot's own checks). Whether it fits an engine is the engine's check."""
+    from trtllm_replayssm.cache import Snapshot, _safetensors
+
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ValueError(f"expected bytes (Output.state of an exported request), got {type(data).__name__}")
+    data = bytes(data)
+    if len(data) < _STATE_PREFIX.size:
+        raise ValueError(f"truncated: {len(data)} bytes, shorter than the {_STATE_PREFIX.size}-byte prefix")
+    magic, version, hlen = _STATE_PREFIX.unpack_from(data)
+    if magic != STATE_MAGIC:
+        raise ValueError(f"wrong magic {magic!r}, expected {STATE_MAGIC!r} (not an exported request state)")
+    if version != STATE_VERSION:
+        raise ValueError(f"format version {version}, this build reads version {STATE_VERSION} only")
+    end = _STATE_PREFIX.size + hlen
+    if len(data) < end + _STATE_PAYLOAD.size:
+        raise ValueError(f"truncated: {len(data)} bytes, the header alone needs {end + _STATE_PAYLOAD.size}")
+    try:
+        head = json.loads(data[_STATE_PREFIX.size:end].decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"the header is not valid JSON ({e})") from None
+    if not isinstance(head, dict) or head.get("format") != STATE_FORMAT or head.get("version") != STATE_VERSION:
+        raise ValueError(f"header: expected format {STATE_FORMAT!r} version {STATE_VERSION}")
+    for key in ("geometry", "request", "tensors"):
+        if not isinstance(head.get(key), dict):
+            raise ValueError(f"header: no {key!r} object")
+    plen, crc, qlen = _STATE_PAYLOAD.unpack_from(data, end)
+    body = data[end + _STATE_PAYLOAD.size:]
+    if len(body) != plen + qlen:
+        raise ValueError(f"{'truncated' if len(body) < plen + qlen else 'overlong'}: {len(body)} bytes after the "
+                         f"header, expected {plen} + {qlen}")
+    payload, snap = body[:plen], body[plen:]
+    if zlib.crc32(payload) != crc:
+        raise ValueError(f"payload crc32 {zlib.crc32(payload):#010x}, the header says {crc:#010x} (corrupted)")
+    try:
+        tensors = _safetensors().load(payload)
+    except Exception as e:  # safetensors' own error type
+        raise ValueError(f"the payload is not a valid safetensors blob ({e})") from None
+    for k, t in tensors.items():
+        want = head["tensors"].get(k)
+        got = dict(dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+        if want != got:
+            raise ValueError(f"tensor {k}: {got}, the header says {want}")
+    if set(head["tensors"]) != set(tensors):
+        raise ValueError(f"tensors: the header names {sorted(head['tensors'])}, the payload holds {sorted(tensors)}")
+    return head, tensors, (Snapshot.from_bytes(snap) if qlen else None)
+
+
 # ---- the engine ------------------------------------------------------------------------------------------
 @dataclasses.dataclass
 class _PrefixEntry:
@@ -282,16 +429,23 @@ class Engine:
     MODES (the step refuses one it cannot run); ``cuda_graphs`` (default: on CUDA) captures one graph per row prefix
     at start, where the step is capturable (``step.capturable``; otherwise it runs eagerly); ``start()`` runs the
     engine thread (``step_once()`` drives it by hand, e.g. in tests). ``prefix_cache_tokens`` > 0 turns the prefix
-    cache on with that budget in cached prefix tokens, snapshots at multiples of ``prefix_block`` (module docstring)."""
+    cache on with that budget in cached prefix tokens, snapshots at multiples of ``prefix_block`` (module docstring).
+    ``preempt`` True lets waiting requests take the slot of one that has decoded ``preempt_quantum`` steps since it
+    took it, swapped out to host memory (at most ``max_swapped_bytes`` held, None: no limit; module docstring)."""
 
     def __init__(self, model, max_slots: int = 8, max_seq_len: int = 1024, mode: str = "replay",
                  buffer_len: int = 16, cuda_graphs: bool | None = None, prefill_chunk: int = 2048,
                  poll_s: float = 0.05, fuse: bool | None = None, prefix_cache_tokens: int = 0,
-                 prefix_block: int = 16):
+                 prefix_block: int = 16, preempt: bool = False, preempt_quantum: int = 16,
+                 max_swapped_bytes: int | None = None):
         for name, v, lo in (("max_slots", max_slots, 1), ("max_seq_len", max_seq_len, 2), ("prefill_chunk", prefill_chunk, 1),
-                            ("prefix_cache_tokens", prefix_cache_tokens, 0), ("prefix_block", prefix_block, 1)):
+                            ("prefix_cache_tokens", prefix_cache_tokens, 0), ("prefix_block", prefix_block, 1),
+                            ("preempt_quantum", preempt_quantum, 1),
+                            *((("max_swapped_bytes", max_swapped_bytes, 0),) if max_swapped_bytes is not None else ())):
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name}: expected an int >= {lo}, got {v!r}")
+        if not isinstance(preempt, bool):
+            raise ValueError(f"preempt: expected True or False, got {preempt!r}")
         self.model, self.mode = model, mode
         self.cfg = model.config
         self.vocab = self.cfg.vocab_size
@@ -329,8 +483,13 @@ class Engine:
         self.prefix_cache_tokens, self.prefix_block = prefix_cache_tokens, prefix_block
         self._prefix: collections.OrderedDict = collections.OrderedDict()  # chain key -> _PrefixEntry, LRU first
         self._seen: collections.OrderedDict = collections.OrderedDict()  # chain keys prompts passed (branch points)
+        self.preempt, self.preempt_quantum, self.max_swapped_bytes = preempt, preempt_quantum, max_swapped_bytes
+        self.swapped: collections.deque = collections.deque()  # swapped-out requests, in line order (tickets)
+        self._tickets = 0
         self.stats = dict(prefill_tokens_computed=0, prefill_tokens_reused=0, prefix_hits=0, prefix_misses=0,
-                          prefix_entries=0, prefix_cached_tokens=0, prefix_cache_bytes=0, prefix_evictions=0)
+                          prefix_entries=0, prefix_cached_tokens=0, prefix_cache_bytes=0, prefix_evictions=0,
+                          preemptions=0, resumes=0, swapped_requests=0, swapped_bytes=0, swapped_bytes_peak=0,
+                          swap_out_bytes=0, exports=0, export_bytes=0, imports=0)
 
     # ---- graphs ---------------------------------------------------------------------------------------
     def _capture(self) -> None:
@@ -373,9 +532,52 @@ class Engine:
         for t in req.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int):
                 raise RequestError(f"stop_token_ids: expected ints, got {t!r}")
+        if not isinstance(req.export, bool):
+            raise RequestError(f"export: expected True or False, got {req.export!r}")
+
+    def _import(self, req: Request) -> tuple:
+        """``req.resume_from`` checked against this engine (the state's bytes, its geometry against the step's, its
+        tensors against the step's ``saved_spec``, its cache snapshot against the cache; the request against the
+        state); fills an empty prompt and a None seed from the state. RequestError naming every difference."""
+        try:
+            head, tensors, snap = import_state(req.resume_from)
+        except ValueError as e:
+            raise RequestError(f"resume_from: {e}") from None
+        geo, got = self.step.slot_geometry(), head["geometry"]
+        diffs = [f"{k}: {got.get(k)!r} in the state, {geo.get(k)!r} in this engine" for k in sorted(set(geo) | set(got))
+                 if got.get(k) != geo.get(k)]
+        if diffs:
+            raise RequestError("resume_from: the state does not fit this engine (" + "; ".join(diffs) + ")")
+        r = head["request"]
+        try:
+            length, generated, prompt = int(r["length"]), int(r["generated"]), list(r["prompt"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RequestError(f"resume_from: the header's request is incomplete ({e})") from None
+        want = {k: (str(d).removeprefix("torch."), list(sh)) for k, (d, sh) in self.step.saved_spec(length).items()}
+        have = {k: (str(t.dtype).removeprefix("torch."), list(t.shape)) for k, t in tensors.items()}
+        diffs = [f"{k}: {have.get(k)} in the state, {want.get(k)} expected" for k in sorted(set(want) | set(have))
+                 if have.get(k) != want.get(k)]
+        diffs += self.step.ssm.snapshot_mismatch(snap)
+        if diffs:
+            raise RequestError("resume_from: the state does not fit this engine (" + "; ".join(diffs) + ")")
+        if not req.prompt:
+            req.prompt = prompt
+        elif list(req.prompt) != prompt:
+            raise RequestError(f"prompt: differs from the exported request's prompt ({len(prompt)} tokens); leave it "
+                               "empty to take the state's")
+        if isinstance(req.max_tokens, int) and not isinstance(req.max_tokens, bool) and req.max_tokens <= generated:
+            raise RequestError(f"max_tokens: {req.max_tokens}, but the exported request has generated {generated} "
+                               "tokens already (max_tokens counts them)")
+        if length != len(prompt) + generated - 1:
+            raise RequestError(f"resume_from: length {length} != prompt {len(prompt)} + generated {generated} - 1")
+        if req.seed is None and r.get("seed") is not None:
+            req.seed = int(r["seed"])
+        nbytes = sum(t.nelement() * t.element_size() for t in tensors.values()) + (0 if snap is None else snap.nbytes)
+        return _Saved(length, tensors, snap, nbytes), generated
 
     def submit(self, req: Request) -> str:
         """Check ``req`` and queue it; returns its request id. Raises :class:`RequestError` (nothing queued)."""
+        saved, generated = self._import(req) if req.resume_from is not None else (None, 0)
         self.check(req)
         with self.lock:
             if self.closed:
@@ -389,7 +591,9 @@ class Engine:
                 req.seed = int.from_bytes(os.urandom(7), "little")
             if req.request_id in self.open:
                 raise RequestError(f"request_id: {req.request_id!r} is already open")
-            live = _Live(req, -1, t_submit=time.perf_counter())
+            self._tickets += 1
+            live = _Live(req, -1, generated=generated, t_submit=time.perf_counter(), ticket=self._tickets,
+                         saved=saved, export=bool(req.export))
             self.open[req.request_id] = live
             self.queue.append(live)
             self.wake.notify()
@@ -405,12 +609,25 @@ class Engine:
             self.wake.notify()
             return True
 
+    def export_request(self, request_id: str) -> bool:
+        """Export an open request at the next step boundary (a live or swapped-out one at once, a queued one after
+        its prefill): it ends with finish_reason "exported" and ``Output.state`` (the bytes ``Request(resume_from=)``
+        continues, here or in another process). False if unknown."""
+        with self.lock:
+            live = self.open.get(request_id)
+            if live is None:
+                return False
+            live.export = True
+            self.wake.notify()
+            return True
+
     def pending(self) -> int:
         with self.lock:
-            return len(self.live) + len(self.queue)
+            return len(self.live) + len(self.queue) + len(self.swapped)
 
     # ---- engine side ----------------------------------------------------------------------------------
-    def _emit(self, live: _Live, tokens: list, reason: str | None = None, error: str | None = None) -> None:
+    def _emit(self, live: _Live, tokens: list, reason: str | None = None, error: str | None = None,
+              state: bytes | None = None) -> None:
         if reason is not None:
             with self.lock:
                 self.open.pop(live.req.request_id, None)
@@ -419,12 +636,15 @@ class Engine:
             return
         try:
             cb(Output(live.req.request_id, tokens, reason is not None, reason, len(live.req.prompt), live.generated,
-                      error))
+                      error, state))
         except Exception:  # a client callback must never take the engine down
             live.cancelled = True
 
-    def _finish(self, live: _Live, tokens: list, reason: str, error: str | None = None) -> None:
-        self._emit(live, tokens, reason, error)
+    def _finish(self, live: _Live, tokens: list, reason: str, error: str | None = None,
+                state: bytes | None = None) -> None:
+        self._emit(live, tokens, reason, error, state)
+        if live.swapped:
+            self._unswap(live)
         if live.slot >= 0:
             self.step.sbi[live.slot] = -1
             self.live.pop(live.slot, None)
@@ -436,7 +656,7 @@ class Engine:
         if not force and now - self._last_poll < self.poll_s:
             return
         self._last_poll = now
-        for live in list(self.live.values()) + list(self.queue):
+        for live in list(self.live.values()) + list(self.queue) + list(self.swapped):
             if not live.cancelled and live.req.is_cancelled is not None:
                 try:
                     live.cancelled = bool(live.req.is_cancelled())
@@ -446,6 +666,10 @@ class Engine:
     def _reap_cancelled(self) -> None:
         for live in [v for v in self.live.values() if v.cancelled]:
             self._finish(live, [], "cancelled")
+        for live in [v for v in self.swapped if v.cancelled]:  # its host copy is dropped
+            self._finish(live, [], "cancelled")
+        for live in [v for v in (*self.live.values(), *self.swapped) if v.export]:
+            self._export(live)
         kept = collections.deque()
         for live in self.queue:
             if live.cancelled:
@@ -489,16 +713,112 @@ class Engine:
         slots = torch.tensor([v.slot for v in lives], device=dev)
         for r, (v, n) in enumerate(zip(lives, lens)):
             step.load_prefill_row(cache, r, v.slot, m, n)  # the family's hand-off (its step class)
-            req = v.req
-            self.temperature[v.slot] = float(req.temperature)
-            self.top_k[v.slot] = req.top_k
-            self.top_p[v.slot] = float(req.top_p)
-            self.seed[v.slot] = _to_i64(req.seed)
+            self._set_sampling(v.slot, v.req)
         first = sample(logits, self.temperature[slots], self.top_k[slots], self.top_p[slots], self.seed[slots],
                        torch.tensor(lens, device=dev))
         step.ids[slots] = first
         step.sbi[slots] = slots.to(step.sbi.dtype)
         return first.tolist()
+
+    def _set_sampling(self, slot: int, req: Request) -> None:
+        self.temperature[slot] = float(req.temperature)
+        self.top_k[slot] = req.top_k
+        self.top_p[slot] = float(req.top_p)
+        self.seed[slot] = _to_i64(req.seed)
+
+    # ---- preemption and the hand-off (module docstring) -------------------------------------------------------
+    def _save(self, live: _Live) -> _Saved:
+        """The live request's slot in host memory (the step's ``save_slot``); the slot freed (a padding row)."""
+        slot = live.slot
+        tensors, snap = self.step.save_slot(slot, live.length)
+        nbytes = sum(t.nelement() * t.element_size() for t in tensors.values()) + (0 if snap is None else snap.nbytes)
+        self.step.sbi[slot] = -1
+        self.live.pop(slot, None)
+        heapq.heappush(self.free, slot)
+        live.slot = -1
+        return _Saved(live.length, tensors, snap, nbytes)
+
+    def saved_nbytes(self, length: int) -> int:
+        """Host bytes of a slot of ``length`` tokens swapped out or exported (the tensors of the step's ``saved_spec``
+        and the SSM cache's snapshot, ``ReplayStateCache.bytes_per_slot``)."""
+        n = sum(torch.empty((), dtype=dt).element_size() * math.prod(sh)
+                for dt, sh in self.step.saved_spec(length).values())
+        return n + self.step.ssm.snapshot_nbytes()
+
+    def _swap_out(self, live: _Live) -> None:
+        st = self.stats
+        live.saved = self._save(live)
+        live.swapped = True
+        with self.lock:
+            self._tickets += 1
+            live.ticket = self._tickets  # the back of the line
+        self.swapped.append(live)
+        st["preemptions"] += 1
+        st["swapped_requests"] += 1
+        st["swapped_bytes"] += live.saved.nbytes
+        st["swap_out_bytes"] += live.saved.nbytes
+        st["swapped_bytes_peak"] = max(st["swapped_bytes_peak"], st["swapped_bytes"])
+
+    def _unswap(self, live: _Live) -> None:
+        """A swapped-out request leaves the swapped set (resumed, cancelled, exported, failed): its host copy goes."""
+        st = self.stats
+        self.swapped.remove(live)
+        st["swapped_requests"] -= 1
+        st["swapped_bytes"] -= live.saved.nbytes
+        live.swapped = False
+        live.saved = None
+
+    def _swap_in(self, live: _Live, slot: int) -> None:
+        """A swapped-out or imported request into the free ``slot`` (taken off the heap by the caller)."""
+        saved, swapped = live.saved, live.swapped
+        try:
+            self.step.load_saved(slot, saved.length, saved.tensors, saved.snapshot)
+        except BaseException:
+            heapq.heappush(self.free, slot)
+            raise
+        if swapped:
+            self._unswap(live)
+            self.stats["resumes"] += 1
+        else:
+            self.stats["imports"] += 1
+        live.saved = None
+        self._set_sampling(slot, live.req)
+        self.step.sbi[slot] = slot
+        live.slot, live.length, live.entered = slot, saved.length, self.steps
+        self.live[slot] = live
+
+    def _export(self, live: _Live) -> None:
+        """End ``live`` (live or swapped out) with "exported" and its state's bytes (:func:`export_state`)."""
+        try:
+            saved = live.saved if live.slot < 0 else self._save(live)
+            req = live.req
+            meta = dict(prompt=list(req.prompt), generated=live.generated, length=saved.length,
+                        temperature=float(req.temperature), top_k=req.top_k, top_p=float(req.top_p), seed=req.seed,
+                        request_id=req.request_id)
+            data = export_state(self.step.slot_geometry(), meta, saved)
+        except Exception as e:  # the request fails, the engine goes on
+            self._finish(live, [], "error", f"export failed: {type(e).__name__}: {e}")
+            return
+        self.stats["exports"] += 1
+        self.stats["export_bytes"] += len(data)
+        self._finish(live, [], "exported", state=data)
+
+    def _preempt(self) -> None:
+        """Swap out as many running requests as there are waiting ones without a free slot: those that have decoded at
+        least ``preempt_quantum`` steps since they took their slot, the longest holder first, while the host copies
+        stay within ``max_swapped_bytes``."""
+        with self.lock:
+            waiting = sum(1 for v in self.queue if not v.cancelled)
+        need = waiting + len(self.swapped) - len(self.free)
+        if need <= 0:
+            return
+        ripe = sorted((v for v in self.live.values() if not v.cancelled and not v.export
+                       and self.steps - v.entered >= self.preempt_quantum), key=lambda v: (v.entered, -v.slot))
+        for v in ripe[:need]:
+            if (self.max_swapped_bytes is not None
+                    and self.stats["swapped_bytes"] + self.saved_nbytes(v.length) > self.max_swapped_bytes):
+                return
+            self._swap_out(v)
 
     # ---- the prefix cache (module docstring) ------------------------------------------------------------------
     def _prefill_cached(self, prompt: list):
@@ -565,15 +885,38 @@ class Engine:
             st["prefix_evictions"] += 1
 
     def _admit(self) -> None:
-        """Prefill queued requests into free slots, in batches of at most ``prefill_chunk`` (padded) prompt tokens,
-        up to ``prefill_chunk`` prompt tokens per decode step (at least one request), so streams already decoding
-        keep their pace while many join."""
+        """Give free slots to waiting requests in line order (tickets: submit, or the last swap-out): a swapped-out
+        or imported request is loaded back (no compute); queued ones are prefilled in batches of at most
+        ``prefill_chunk`` (padded) prompt tokens, up to ``prefill_chunk`` prompt tokens per decode step (at least one
+        request), so streams already decoding keep their pace while many join. With ``preempt``, running requests
+        make room first (:meth:`_preempt`)."""
+        if self.preempt:
+            self._preempt()
         budget = self.prefill_chunk
-        while self.free and budget > 0:
+        while self.free:
+            sw = self.swapped[0] if self.swapped else None
+            with self.lock:
+                head = self.queue[0] if self.queue else None
+                if head is not None and head.saved is not None and (sw is None or head.ticket < sw.ticket):
+                    self.queue.popleft()  # an imported request: loaded, not prefilled
+                    sw = head
+            if sw is not None and (head is None or sw is head or sw.ticket < head.ticket):
+                if sw.cancelled:
+                    self._finish(sw, [], "cancelled")
+                    continue
+                try:
+                    self._swap_in(sw, heapq.heappop(self.free))
+                except Exception as e:  # this request fails; the slot is free again, the engine goes on
+                    self._finish(sw, [], "error", f"resume failed: {type(e).__name__}: {e}")
+                continue
+            if budget <= 0:
+                return
             group: list = []
             with self.lock:
                 while self.queue and len(group) < len(self.free) and budget > 0:
                     nxt = self.queue[0]
+                    if nxt.saved is not None or (sw is not None and sw.ticket < nxt.ticket):
+                        break
                     m = max([len(nxt.req.prompt)] + [len(v.req.prompt) for v in group])
                     if group and ((len(group) + 1) * m > self.prefill_chunk or self.prefix_cache_tokens):
                         break  # with the prefix cache on, each request is prefilled alone
@@ -598,7 +941,10 @@ class Engine:
                     self._finish(v, [], "error", f"prefill failed: {type(e).__name__}: {e}")
                 continue
             for v, tok in zip(live, toks):
+                v.length, v.entered = len(v.req.prompt), self.steps
                 self._deliver(v, tok)
+                if v.slot >= 0 and v.export:
+                    self._export(v)
 
     def _deliver(self, live: _Live, tok: int) -> None:
         live.generated += 1
@@ -639,13 +985,14 @@ class Engine:
             return True
         self.steps += 1
         for r in rows:
+            self.live[r].length += 1
             self._deliver(self.live[r], out[r])
         return True
 
     def _loop(self) -> None:
         while True:
             with self.lock:
-                while not self.closed and not self.live and not self.queue:
+                while not self.closed and not self.live and not self.queue and not self.swapped:
                     self.wake.wait(self.poll_s)
                     if self.queue or self.closed:
                         break
@@ -663,7 +1010,7 @@ class Engine:
     def _fail_all(self, msg: str) -> None:
         with self.lock:
             queued, self.queue = list(self.queue), collections.deque()
-        for live in list(self.live.values()):
+        for live in list(self.live.values()) + list(self.swapped):
             self._finish(live, [], "error", msg)
         for live in queued:
             self._emit(live, [], "error", msg)
@@ -686,6 +1033,6 @@ class Engine:
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
         """Drive the engine on this thread until nothing is queued or live (tests, the in-process benchmark)."""
         for _ in range(max_steps):
-            if not self.step_once() and not self.queue:
+            if not self.step_once() and not self.queue and not self.swapped:
                 return
         raise RuntimeError(f"run_until_idle: still busy after {max_steps} steps")

@@ -82,6 +82,63 @@ SUPPORTED = ("linear_attention", "full_attention", "mlp", "moe")
 GROUPED_MOE_ON_CUDA = True  # grouped-GEMM experts on CUDA too (see HybridStep.grouped)
 
 
+# ---- one slot's state in host memory (preemption and the prefill/decode hand-off of builders/generation.py) --------
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in host memory: from CUDA into pinned memory, asynchronously on the current stream (a
+    later write of the source on that stream is ordered after the copy; a host read of the values needs a sync); on
+    the CPU a clone."""
+    if t.device.type != "cuda":
+        return t.detach().clone(memory_format=torch.contiguous_format)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def from_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, asynchronous from pinned host memory to CUDA (the caching host allocator keeps ``src`` alive
+    until the copy is done)."""
+    dst.copy_(src, non_blocking=dst.device.type == "cuda" and src.device.type == "cpu" and src.is_pinned())
+
+
+class CacheSlots:
+    """One slot of a :class:`ReplayStateCache` (``self.cache``, every slot allocated for good: slot = row) out to host
+    memory and back, through the cache's own ``swap_out`` / ``swap_in``: the checkpoint, shadow, rings and cursor as
+    stored (bits), so a slot swapped back in continues bit-identically (tests/test_state_lifecycle.py). After
+    :meth:`save_slot` the slot is allocated again at once (reset; the next prefill hand-off or :meth:`load_saved`
+    writes it), so the cache's pool stays the engine's (``cache.num_free`` 0 between steps)."""
+
+    def saved_spec(self) -> dict:
+        return {}  # everything is in the snapshot
+
+    def snapshot_nbytes(self) -> int:
+        return self.cache.bytes_per_slot()
+
+    def snapshot_mismatch(self, snapshot) -> list:
+        if snapshot is None:
+            return [f"the state holds no ReplayStateCache snapshot; SSM mode {self.name!r} needs one"]
+        if getattr(snapshot, "num_slots", 1) != 1:
+            return [f"the snapshot holds {snapshot.num_slots} slots, expected 1"]
+        return self.cache.snapshot_mismatch(snapshot)
+
+    def save_slot(self, slot: int) -> tuple:
+        snap = self.cache.swap_out([slot])  # pinned, asynchronous on CUDA; the slot freed ...
+        again = self.cache.allocate()  # ... and taken back (reset, queued behind the copies on the same stream)
+        if again != slot:
+            raise RuntimeError(f"save_slot: the cache gave slot {again} back, expected {slot} (its pool is not the "
+                               "engine's)")
+        return {}, snap
+
+    def load_saved(self, slot: int, tensors: dict, snapshot) -> None:
+        diffs = self.snapshot_mismatch(snapshot)
+        if diffs:  # before the slot leaves the pool
+            raise ValueError("load_saved: the snapshot does not fit this cache: " + "; ".join(diffs))
+        self.cache.free(slot)
+        try:
+            self.cache.swap_in([slot], snapshot)
+        except BaseException:
+            if slot not in self.cache.live_slots:  # the pool stays the engine's
+                self.cache.allocate()
+            raise
+
+
 # ---- SSM modes ----------------------------------------------------------------------------------------
 class SSMMode:
     """Interface: ``alloc`` per-layer state for T tokens per step, ``load`` it from conventional fp32
@@ -129,6 +186,27 @@ class SSMMode:
     def free(self) -> None:
         self.state = {}
 
+    # ---- one slot in host memory (preemption, the prefill/decode hand-off) --------------------------------------
+    def saved_spec(self) -> dict:
+        """{name: (dtype, shape)} of the tensors :meth:`save_slot` returns for one slot (a cache snapshot aside)."""
+        return {f"ssm.{i}": (s.dtype, tuple(s.shape[1:])) for i, s in self.state.items()}
+
+    def snapshot_nbytes(self) -> int:
+        """Bytes of the ReplayStateCache snapshot :meth:`save_slot` returns (0: none)."""
+        return 0
+
+    def snapshot_mismatch(self, snapshot) -> list:
+        return [] if snapshot is None else [f"the state holds a ReplayStateCache snapshot; SSM mode {self.name!r} "
+                                            "keeps none"]
+
+    def save_slot(self, slot: int) -> tuple:
+        """({name: host copy}, a cache snapshot or None): the slot's state after its last committed token."""
+        return {f"ssm.{i}": to_host(s[slot]) for i, s in self.state.items()}, None
+
+    def load_saved(self, slot: int, tensors: dict, snapshot) -> None:
+        for i, s in self.state.items():
+            from_host(s[slot], tensors[f"ssm.{i}"])
+
 
 class Conventional(SSMMode):
     name = "conventional"
@@ -138,7 +216,7 @@ class Conventional(SSMMode):
                                         sbi)[:, None]
 
 
-class Replay(SSMMode):
+class Replay(CacheSlots, SSMMode):
     """ReplaySSM for any T on a :class:`~trtllm_replayssm.cache.ReplayStateCache`, the product's state owner:
     T = 1 on its standard form (the (slots,) cursor and the tuned decode kernel), T > 1 on its ring (the
     verify kernel, one commit per step). The harness keeps the conv windows (channels innermost, fused into
@@ -735,6 +813,54 @@ class HybridStep:
             self.k[i][row, :, length:].zero_()
             self.v[i][row, :, length:].zero_()
         self.ssm.load_slot(row, ssm)
+
+    # ---- one slot in host memory (builders/generation.py: preemption, the prefill/decode hand-off) ---------------
+    def slot_geometry(self) -> dict:
+        """What a saved slot must match to be loaded into this step (JSON-able): family, layer stack, sizes, dtype,
+        SSM mode."""
+        c = self.cfg
+        return dict(model_type=c.model_type, layers=list(self.kinds), vocab_size=c.vocab_size,
+                    hidden_size=c.hidden_size, dtype=str(self.act).removeprefix("torch."), ssm_mode=self.ssm.name,
+                    tokens_per_step=self.T, conv_kernel=self.K, mamba=[self.H, self.P, self.N, self.G],
+                    attention=[self.nh, self.kvh, self.hd])
+
+    def saved_spec(self, length: int) -> dict:
+        """{name: (dtype, shape)} of :meth:`save_slot`'s tensors for a row of ``length`` tokens."""
+        spec = {"tokens": (torch.int64, (self.T,)), "conv": (self.act, tuple(self.conv_all.shape[:1] + self.conv_all.shape[2:]))}
+        for i in self.attn:
+            spec[f"k.{i}"] = spec[f"v.{i}"] = (self.act, (self.kvh, length, self.hd))
+        return {**spec, **self.ssm.saved_spec()}
+
+    def save_slot(self, row: int, length: int) -> tuple:
+        """Row ``row`` (its slot, between steps, ``length`` tokens in its K/V) in host memory (pinned, asynchronous
+        from CUDA): ({"tokens": the next input, "conv": the windows of every Mamba layer, "k.i" / "v.i": the K/V of
+        its ``length`` positions, the SSM mode's tensors}, the SSM mode's cache snapshot or None). The slot's SSM
+        state is released and taken back (ReplaySSM: ``swap_out``); its other rows are left as they are (the next
+        prefill or :meth:`load_saved` overwrites them)."""
+        t = {"tokens": to_host(self.tokens[row]), "conv": to_host(self.conv_all[:, row])}
+        for i in self.attn:
+            t[f"k.{i}"] = to_host(self.k[i][row, :, :length])
+            t[f"v.{i}"] = to_host(self.v[i][row, :, :length])
+        ssm, snap = self.ssm.save_slot(row)
+        return {**t, **ssm}, snap
+
+    def load_saved(self, row: int, length: int, tensors: dict, snapshot) -> None:
+        """:meth:`save_slot`'s copy back into row ``row`` (any free row): the row then holds exactly what it held
+        (K/V past ``length`` zeroed, as a prefill hand-off leaves it), so it continues as if it never stopped. The
+        caller checked ``tensors`` against :meth:`saved_spec`."""
+        if not 0 <= row < self.batch or not 0 < length <= self.kv_len:
+            raise ValueError(f"row, length: expected 0 <= row < {self.batch} and 0 < length <= {self.kv_len}, "
+                             f"got {row}, {length}")
+        self.ssm.load_saved(row, tensors, snapshot)  # first: it checks the snapshot against the cache
+        self.lengths[row] = length
+        self.shift[row] = 0
+        from_host(self.tokens[row], tensors["tokens"])
+        from_host(self.conv_all[:, row], tensors["conv"])
+        for i in self.attn:
+            from_host(self.k[i][row, :, :length], tensors[f"k.{i}"])
+            from_host(self.v[i][row, :, :length], tensors[f"v.{i}"])
+            self.k[i][row, :, length:].zero_()
+            self.v[i][row, :, length:].zero_()
 
     # ---- state hand-off ---------------------------------------------------------------------------------
     def load_committed(self, snap: dict) -> None:

@@ -227,11 +227,11 @@ class GDNReplayDecoder(MixerPatch):
 
     @property
     def bufs(self) -> dict[int, gref.GDNBuffers]:
-        return {i: self.cache.gdn_layer(self.j[i]).buf for i in self.layers if i in self._ready}
+        return {i: self.cache.layer(self.j[i]).buf for i in self.layers if i in self._ready}
 
     def _fold_into(self, layer_idx: int, rec) -> None:
         for s in range(rec.shape[0]):  # the model's recurrent state is (HV, K, V), ours (HV, V, K)
-            rec[s] = self.cache.gdn_committed_state(self.j[layer_idx], s).transpose(-1, -2).to(rec.dtype)
+            rec[s] = self.cache.committed_state(self.j[layer_idx], s).transpose(-1, -2).to(rec.dtype)
 
     def _end_prefill(self, mixer, cache, act_dtype) -> None:
         S = cache.get_recurrent_state(mixer.layer_idx)  # (batch, HV, K, V)
@@ -248,7 +248,7 @@ class GDNReplayDecoder(MixerPatch):
             for _ in range(batch):
                 c.allocate()
             self._ready = set()
-        lay = c.gdn_layer(self.j[mixer.layer_idx])
+        lay = c.layer(self.j[mixer.layer_idx])
         lay.buf.state.copy_(S.detach().transpose(-1, -2))  # the checkpoint; the rings are empty
         for t in (lay.buf.u_cache, lay.buf.v_cache, lay.buf.k_cache, lay.buf.g_cache, lay.buf.beta_cache):
             t.zero_()
@@ -265,7 +265,7 @@ class GDNReplayDecoder(MixerPatch):
                                         activation=mixer.activation).transpose(1, 2)
         q, k, v = torch.split(mixed, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
         sbi = self._rows()
-        y = self.cache.gdn_verify(self.j[mixer.layer_idx], q.reshape(batch, 1, H, K).contiguous(),
+        y = self.cache.verify(self.j[mixer.layer_idx], q.reshape(batch, 1, H, K).contiguous(),
                                   k.reshape(batch, 1, H, K).contiguous(), v.reshape(batch, 1, HV, V).contiguous(),
                                   a.reshape(batch, 1, HV).contiguous(), b.reshape(batch, 1, HV).contiguous(),
                                   mixer.A_log.float().contiguous(), mixer.dt_bias.float().contiguous(), sbi)[:, 0]

@@ -28,7 +28,7 @@ checkpoint, rings of L entries, the step that fills them folds), "replay_bf16" (
 checkpoint that non-flush steps read). There is no fp8 GDN shadow: "replay_fp8" is refused. The prefill hand-off
 (:meth:`QwenStep.load_prefill_row`) reads row r of transformers' cache after the model's own forward: the last
 K - 1 conv inputs, the final recurrent state (transformers' (HV, Kd, V), transposed), the K/V of the prompt
-(ReplaySSM: ``ReplayStateCache.load_gdn_prefill``, the checkpoint with empty rings).
+(ReplaySSM: ``ReplayStateCache.load_prefill``, the checkpoint with empty rings).
 
 The step is eager (``capturable = False``): transformers' MoE block picks its experts with data-dependent shapes, so
 the engine runs it without CUDA graphs.
@@ -44,6 +44,7 @@ from trtllm_replayssm import backend as executors
 from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache, conv_update_rows
 
+from .model_step import CacheSlots, from_host, to_host
 from .qwen3_next import MODEL_TYPES, _projections, gdn_layers
 
 MODES = ("conventional", "replay", "replay_bf16")  # the engine's modes this step runs
@@ -97,11 +98,28 @@ class GDNConventional(GDNMode):
     def states(self) -> dict:
         return {i: self.state[j] for i, j in self.j.items()}
 
+    # one slot in host memory (preemption, the prefill/decode hand-off: builders/model_step.py SSMMode's interface)
+    def saved_spec(self) -> dict:
+        return {"ssm": (self.state.dtype, (self.state.shape[0], *self.state.shape[2:]))}
 
-class GDNReplay(GDNMode):
+    def snapshot_nbytes(self) -> int:
+        return 0
+
+    def snapshot_mismatch(self, snapshot) -> list:
+        return [] if snapshot is None else ["the state holds a ReplayStateCache snapshot; SSM mode 'conventional' "
+                                            "keeps none"]
+
+    def save_slot(self, slot: int) -> tuple:
+        return {"ssm": to_host(self.state[:, slot])}, None
+
+    def load_saved(self, slot: int, tensors: dict, snapshot) -> None:
+        from_host(self.state[:, slot], tensors["ssm"])
+
+
+class GDNReplay(CacheSlots, GDNMode):
     """ReplaySSM on a GDN-only :class:`ReplayStateCache` (``cursor="standard"``: the standard GDN decode step of the
     executor, the cursor advanced once per model step); the step keeps the conv windows (``gdn_conv_dim=0``). Every
-    slot is allocated once: a slot's prefill hand-off (``load_gdn_prefill``) resets its rings and cursor."""
+    slot is allocated once: a slot's prefill hand-off (``load_prefill``) resets its rings and cursor."""
 
     def __init__(self, buffer_len: int = 16, shadow: str | None = None):
         if not 1 <= buffer_len <= 32:
@@ -124,13 +142,13 @@ class GDNReplay(GDNMode):
 
     def load_slot(self, slot: int, states: dict) -> None:
         for i, s in states.items():  # the checkpoint = the prompt's final state, rings empty, cursor 0, shadow rewritten
-            self.cache.load_gdn_prefill(slot, self.j[i], s)
+            self.cache.load_prefill(slot, self.j[i], s)
 
     def begin_step(self, sbi) -> None:
         self.cache.flush(sbi, 1, [])
 
     def step(self, i, q, k, v, a, b, A_log, dt_bias, sbi):
-        return self.cache.gdn_verify(self.j[i], q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log,
+        return self.cache.verify(self.j[i], q[:, None], k[:, None], v[:, None], a[:, None], b[:, None], A_log,
                                      dt_bias, sbi)[:, 0]
 
     def end_step(self, sbi) -> None:
@@ -140,7 +158,7 @@ class GDNReplay(GDNMode):
         self.cache.abort_step()  # the engine fails these rows' requests; their slots are prefilled again before use
 
     def states(self) -> dict:
-        return {i: torch.stack([self.cache.gdn_committed_state(j, s) for s in range(self.slots)])
+        return {i: torch.stack([self.cache.committed_state(j, s) for s in range(self.slots)])
                 for i, j in self.j.items()}
 
 
@@ -246,6 +264,52 @@ class QwenStep:
         v = {i: cache.layers[i].values[r, :, m - n:] for i in self.attn}
         ssm = {i: cache.get_recurrent_state(i)[r].float().transpose(-1, -2) for i in self.gdn}  # (HV, Kd, V) -> ours
         self.load_slot(row, n, conv, k, v, ssm)
+
+    # ---- one slot in host memory (builders/generation.py: preemption, the prefill/decode hand-off) ---------------
+    def slot_geometry(self) -> dict:
+        """What a saved slot must match to be loaded into this step (JSON-able; HybridStep.slot_geometry's form)."""
+        c = self.cfg
+        return dict(model_type=c.model_type, layers=list(self.kinds), vocab_size=c.vocab_size,
+                    hidden_size=c.hidden_size, dtype=str(self.act).removeprefix("torch."), ssm_mode=self.ssm.name,
+                    tokens_per_step=1, conv_kernel=self.K, gdn=[self.H, self.HV, self.Kd, self.V],
+                    attention=[c.num_attention_heads, c.num_key_value_heads, c.head_dim])
+
+    def saved_spec(self, length: int) -> dict:
+        """{name: (dtype, shape)} of :meth:`save_slot`'s tensors for a row of ``length`` tokens."""
+        spec = {"ids": (torch.int64, ())}
+        for i in self.gdn:
+            spec[f"conv.{i}"] = (self.act, tuple(self.conv[i].shape[1:]))
+        for i in self.attn:
+            spec[f"k.{i}"] = spec[f"v.{i}"] = (self.act, (self.k[i].shape[1], length, self.k[i].shape[3]))
+        return {**spec, **self.ssm.saved_spec()}
+
+    def save_slot(self, row: int, length: int) -> tuple:
+        """Row ``row`` in host memory (builders/model_step.py HybridStep.save_slot's contract): the next input, the
+        conv windows, the K/V of ``length`` positions, the SSM mode's state (ReplaySSM: the cache's snapshot)."""
+        t = {"ids": to_host(self.ids[row])}
+        for i in self.gdn:
+            t[f"conv.{i}"] = to_host(self.conv[i][row])
+        for i in self.attn:
+            t[f"k.{i}"] = to_host(self.k[i][row, :, :length])
+            t[f"v.{i}"] = to_host(self.v[i][row, :, :length])
+        ssm, snap = self.ssm.save_slot(row)
+        return {**t, **ssm}, snap
+
+    def load_saved(self, row: int, length: int, tensors: dict, snapshot) -> None:
+        """:meth:`save_slot`'s copy back into row ``row`` (K/V past ``length`` zeroed, as a prefill leaves them)."""
+        if not 0 <= row < self.batch or not 0 < length <= self.kv_len:
+            raise ValueError(f"row, length: expected 0 <= row < {self.batch} and 0 < length <= {self.kv_len}, "
+                             f"got {row}, {length}")
+        self.ssm.load_saved(row, tensors, snapshot)
+        self.lengths[row] = length
+        from_host(self.ids[row], tensors["ids"])
+        for i in self.gdn:
+            from_host(self.conv[i][row], tensors[f"conv.{i}"])
+        for i in self.attn:
+            from_host(self.k[i][row, :, :length], tensors[f"k.{i}"])
+            from_host(self.v[i][row, :, :length], tensors[f"v.{i}"])
+            self.k[i][row, :, length:].zero_()
+            self.v[i][row, :, length:].zero_()
 
     # ---- one step ---------------------------------------------------------------------------------------------
     @torch.no_grad()

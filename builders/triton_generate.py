@@ -14,7 +14,11 @@ builders/triton_repo.py's ``MODEL_PY``, puts the project on ``sys.path`` and han
                  :class:`~builders.generation.Engine` of ``max_slots`` x ``max_seq_len`` over the family's decode step
                  in ``mode`` (conventional | replay | replay_bf16 | replay_fp8, no fp8 for Gated DeltaNet;
                  ``buffer_len``) started on its thread, and ``transformers.AutoTokenizer`` where the checkpoint
-                 directory has a tokenizer.
+                 directory has a tokenizer. Opt-in engine features (issue 38; :data:`ENGINE_PARAMETERS`):
+                 ``prefix_cache_tokens`` (> 0: the prefix cache of shared prompt prefixes, that budget in tokens;
+                 ``prefix_block`` tokens a block) and ``preempt`` (true: requests beyond the slots take the slot of
+                 one that has decoded ``preempt_quantum`` steps, swapped out to host memory, at most
+                 ``max_swapped_bytes``; empty: no limit).
   execute        each request's inputs are read and submitted (nothing blocks); a bad request (the engine's
                  :class:`~builders.generation.RequestError`: prompt + max_tokens past ``max_seq_len``, a token outside
                  the vocabulary, a parameter out of range) gets one final error response before any work.
@@ -103,6 +107,9 @@ OUTPUTS = (("output_ids", "TYPE_INT64", [-1]), ("text_output", "TYPE_STRING", [1
            ("finish_reason", "TYPE_STRING", [1]), ("prompt_tokens", "TYPE_INT32", [1]),
            ("completion_tokens", "TYPE_INT32", [1]))
 DEFAULT_MAX_TOKENS = 16
+# config.pbtxt parameters -> the Engine keyword, its parser and the default (the Engine's), the opt-in features
+ENGINE_PARAMETERS = {"prefix_cache_tokens": (int, 0), "prefix_block": (int, 16), "preempt": (None, False),
+                     "preempt_quantum": (int, 16), "max_swapped_bytes": (int, None)}
 TEXT_INPUT_ROUTES = ("auto", "tensor", "parameter")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -366,7 +373,7 @@ class GenerateModel(PbModel):
         self.pb = pb
         cfg = json.loads(args["model_config"])
         p = {k: _param(cfg, k) for k in ("model_dir", "tiny", "seed", "dtype", "device", "max_slots", "max_seq_len",
-                                          "buffer_len", "mode", "health_url", "cancel_poll_ms")}
+                                          "buffer_len", "mode", "health_url", "cancel_poll_ms", *ENGINE_PARAMETERS)}
         self.params = p
         if p["device"] == "cuda":
             self.device = torch.device("cuda", int(args.get("model_instance_device_id", 0) or 0))
@@ -389,7 +396,8 @@ class GenerateModel(PbModel):
                        + ("text_output through the dtype shim" if self.bytes.text_out else
                           "text_output is left out (this numpy's dtype layout is not the one the shim knows)"))
         kw = dict(max_slots=int(p["max_slots"] or 8), max_seq_len=int(p["max_seq_len"] or 1024), mode=mode,
-                  buffer_len=int(p["buffer_len"] or 16), poll_s=int(p["cancel_poll_ms"] or 50) / 1000)
+                  buffer_len=int(p["buffer_len"] or 16), poll_s=int(p["cancel_poll_ms"] or 50) / 1000,
+                  **engine_parameters(p))
         kw.update(engine_kw or {})
         self.engine = Engine(model, **kw).start()  # the family's step (generation.STEPS); ValueError for another
         self.watch = None
@@ -399,7 +407,8 @@ class GenerateModel(PbModel):
         if url and url != "off":
             self.watch = ServerWatch(url, self.engine.shutdown, log=self._warn).start()
         self._warn(f"ReplaySSM streaming model: {kw['max_slots']} slots x {kw['max_seq_len']} tokens, mode {mode}, "
-                   f"L = {kw['buffer_len']}, on {self.device}; tokenizer: "
+                   f"L = {kw['buffer_len']}, on {self.device}; prefix cache: {kw['prefix_cache_tokens'] or 'off'}; "
+                   f"preemption: {'on' if kw['preempt'] else 'off'}; tokenizer: "
                    f"{type(self.tokenizer).__name__ if self.tokenizer is not None else 'none (token ids only)'}; "
                    f"numpy {self.bytes.np.__version__} ({'BYTES as numpy' if self.bytes.sound else 'BYTES shim'}); "
                    f"server watch: {url or 'off'}", info=True)
@@ -542,6 +551,26 @@ def _or(v, default):
     return default if v is None else v
 
 
+def engine_parameters(p: dict) -> dict:
+    """The Engine keywords of :data:`ENGINE_PARAMETERS` from the config.pbtxt parameters ``p`` (strings; empty or
+    absent: the default); ValueError naming the parameter where one does not parse."""
+    out = {}
+    for k, (cast, default) in ENGINE_PARAMETERS.items():
+        v = (p.get(k) or "").strip()
+        if not v:
+            out[k] = default
+        elif cast is None:  # a boolean
+            if v.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"config.pbtxt: parameters['{k}']: expected true or false, got {v!r}")
+            out[k] = v.lower() in ("true", "1")
+        else:
+            try:
+                out[k] = cast(v)
+            except ValueError:
+                raise ValueError(f"config.pbtxt: parameters['{k}']: expected an integer, got {v!r}") from None
+    return out
+
+
 # ---- the repository ---------------------------------------------------------------------------------------------
 def text_input_route(route: str = "auto") -> str:
     """"tensor" (a BYTES ``text_input`` input in config.pbtxt) or "parameter" (none: the prompt text comes as the
@@ -556,7 +585,8 @@ def text_input_route(route: str = "auto") -> str:
 
 
 def generate_model_config(name: str, *, device: str, max_slots: int, max_seq_len: int, buffer_len: int, mode: str,
-                          params: dict, text_input: str = "tensor"):
+                          params: dict, text_input: str = "tensor", prefix_cache_tokens: int = 0, prefix_block: int = 16,
+                          preempt: bool = False, preempt_quantum: int = 16, max_swapped_bytes: int | None = None):
     """Triton ``ModelConfig`` of the decoupled generation model (module docstring)."""
     pb = _pb()
     if device not in ("cpu", "cuda"):
@@ -564,7 +594,11 @@ def generate_model_config(name: str, *, device: str, max_slots: int, max_seq_len
     if mode not in MODES:
         raise RepoError(f"--mode: expected one of {MODES}, got {mode!r}")
     _check_ranges(("max-slots", max_slots, 1, 4096), ("max-seq-len", max_seq_len, 2, 1 << 20),
-                  ("buffer-len", buffer_len, 1, 32))
+                  ("buffer-len", buffer_len, 1, 32), ("prefix-cache-tokens", prefix_cache_tokens, 0, 1 << 40),
+                  ("prefix-block", prefix_block, 1, 1 << 20), ("preempt-quantum", preempt_quantum, 1, 1 << 30),
+                  *((("max-swapped-bytes", max_swapped_bytes, 0, 1 << 50),) if max_swapped_bytes is not None else ()))
+    if not isinstance(preempt, bool):
+        raise RepoError(f"--preempt: expected true or false, got {preempt!r}")
     mc = pb.ModelConfig(name=name, backend="python", max_batch_size=0)
     mc.model_transaction_policy.decoupled = True
     for n, t, dims in INPUTS:
@@ -576,7 +610,9 @@ def generate_model_config(name: str, *, device: str, max_slots: int, max_seq_len
     kind = pb.ModelInstanceGroup.KIND_GPU if device == "cuda" else pb.ModelInstanceGroup.KIND_CPU
     mc.instance_group.add(kind=kind, count=1)  # one engine owns the slots
     full = dict(params, device=device, max_slots=max_slots, max_seq_len=max_seq_len, buffer_len=buffer_len, mode=mode,
-                text_input=text_input)
+                text_input=text_input, prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
+                preempt=str(preempt).lower(), preempt_quantum=preempt_quantum,
+                max_swapped_bytes="" if max_swapped_bytes is None else max_swapped_bytes)
     for k, v in full.items():
         mc.parameters[k].string_value = str(v)
     return mc
@@ -585,11 +621,14 @@ def generate_model_config(name: str, *, device: str, max_slots: int, max_seq_len
 def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
                        model_dir: pathlib.Path | None = None, dtype: str = "fp32", seed: int = 0, device: str = "auto",
                        max_slots: int = 8, max_seq_len: int = 1024, buffer_len: int = 16, mode: str = "replay",
-                       text_input: str = "auto", health_url: str = "auto") -> pathlib.Path:
+                       text_input: str = "auto", health_url: str = "auto", prefix_cache_tokens: int = 0,
+                       prefix_block: int = 16, preempt: bool = False, preempt_quantum: int = 16,
+                       max_swapped_bytes: int | None = None) -> pathlib.Path:
     """Write REPO/NAME/{config.pbtxt, 1/model.py} of the streaming model; returns REPO/NAME. Refused before a file is
     written, naming the flag: a bad --dtype, --device cuda without CUDA, a --mode outside MODES (replay_fp8 for a
     Gated DeltaNet model: there is no fp8 GDN shadow), a bad --tiny, a checkpoint the server's loader or decode
-    step refuses."""
+    step refuses, an engine option out of range (--prefix-cache-tokens, --prefix-block, --preempt-quantum,
+    --max-swapped-bytes)."""
     dtype, device = check_dtype_device(dtype, device)
     if mode not in MODES:
         raise RepoError(f"--mode: expected one of {MODES}, got {mode!r}")
@@ -605,7 +644,10 @@ def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str
                   python_path=os.pathsep.join(python_paths()), python_version=_py_version(),
                   python_libdir=sysconfig.get_config_var("LIBDIR") or "")
     text = config_text(generate_model_config(name, device=device, max_slots=max_slots, max_seq_len=max_seq_len,
-                                             buffer_len=buffer_len, mode=mode, params=params, text_input=route))
+                                             buffer_len=buffer_len, mode=mode, params=params, text_input=route,
+                                             prefix_cache_tokens=prefix_cache_tokens, prefix_block=prefix_block,
+                                             preempt=preempt, preempt_quantum=preempt_quantum,
+                                             max_swapped_bytes=max_swapped_bytes))
     if model_dir is not None:
         check_model(model_dir, dtype, buffer_len=buffer_len, mode=mode)
     return _write_model(repo, name, {"config.pbtxt": text, "1/model.py": MODEL_PY})

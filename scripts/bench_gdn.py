@@ -61,7 +61,7 @@ from trtllm_replayssm import (  # noqa: E402
     gdn_ops,
     timing,  # noqa: E402
 )
-from trtllm_replayssm.config import SUPPORTED_NUM_TOKENS, gdn_geometry  # noqa: E402
+from trtllm_replayssm.config import SUPPORTED_NUM_TOKENS  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
@@ -133,7 +133,8 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
 
     conv_b, _ = costs.gdn_bytes_per_position(HV, H, V, K, L)
     row = dict(geom="qwen3_next", **geom, L=L, batch=batch, rotations=R, act="bf16",
-               conv_geometry=gdn_geometry(V, K, HV, batch, False), replay_geometry=gdn_geometry(V, K, HV, batch, True),
+               conv_geometry=config.gdn_geometry(V, K, HV, batch, False),
+               replay_geometry=config.gdn_geometry(V, K, HV, batch, True),
                shadow_passes=config.gdn_passes(V, K, HV, batch, True, "bf16"))
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
@@ -163,6 +164,22 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
         for name in ("f32", "bf16shadow"):
             row[f"{name}_speedup_vs_fla"] = row["fla_us"] / row[f"{name}_us_amortized"]
     return row
+
+
+def pin_replay_rt(rt: int) -> None:
+    """Replace the planner's replay geometry by ``rt`` state rows per thread (8-warp blocks of the planner's lanes
+    per row; capped at V rows): gdn_spec and gdn_passes read config.gdn_geometry at every call."""
+    planned = config.gdn_geometry
+
+    def geometry(V, K, HV, batch, replay, num_tokens=0):
+        rows, warps, lanes = planned(V, K, HV, batch, replay, num_tokens)
+        if not replay:
+            return rows, warps, lanes
+        _, rpw, _ = config.gdn_layout(K, lanes)
+        rows = min(V, rpw * rt * config.GDN_REPLAY_WARPS)
+        return rows, rows // (rpw * rt), lanes
+
+    config.gdn_geometry = geometry
 
 
 FLA = None  # fla's fused_recurrent_gated_delta_rule when --fla-path has it (main)
@@ -213,7 +230,8 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
         return fn
 
     row = dict(geom="qwen3_next", **geom, L=L, T=T, batch=batch, rotations=R, act="bf16", p_accept=p_accept,
-               verify_geometry=gdn_geometry(V, K, HV, batch, True), native_geometry=gdn_geometry(V, K, HV, batch, False))
+               verify_geometry=config.gdn_geometry(V, K, HV, batch, True, T),
+               native_geometry=config.gdn_geometry(V, K, HV, batch, False))
     weights, tokens_per_step = timing.spec_count_weights(T, L, p_accept)
     row["tokens_per_step"] = tokens_per_step
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
@@ -298,6 +316,8 @@ def main():
                     help="the fla peer (scripts/fetch_peers.py --only fla); missing: no fla column")
     ap.add_argument("--shadow-passes", choices=("auto", "1"), default="auto",
                     help="1: pin every shadow module to one pass per block (the A/B baseline of GDNSpec.passes)")
+    ap.add_argument("--replay-rt", choices=("auto", "1", "2", "4"), default="auto",
+                    help="pin the replay modules' state rows per thread (a sweep of the planner's small-batch rule)")
     args = ap.parse_args()
     try:  # every flag before any GPU work
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
@@ -311,11 +331,13 @@ def main():
         ap.error(f"--T {args.T}, --L {args.L}: expected T in {SUPPORTED_NUM_TOKENS} and L >= 2T (flush one window early)")
     if args.shadow_passes == "1":  # gdn_spec reads config.gdn_passes at every call; the key says _x2 or not
         config.gdn_passes = lambda *a, **k: 1
+    if args.replay_rt != "auto":
+        pin_replay_rt(int(args.replay_rt))
     if not torch.cuda.is_available():
         sys.exit("bench_gdn.py needs a CUDA GPU")
     ceiling = copy_ceiling_tbps()
     meta = dict(**timing.run_meta(commit=args.commit),
-                copy_ceiling_tbps=ceiling)
+                copy_ceiling_tbps=ceiling, replay_rt=args.replay_rt)
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     if args.spec:
         return main_spec(args, meta, ceiling)

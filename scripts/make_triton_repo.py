@@ -45,7 +45,10 @@ the command that serves the repository with it (printed; ``--serve`` runs it).
 Usage: python scripts/make_triton_repo.py --backend python --repo build/triton [--tiny nemotron_h | --model DIR]
        [--dtype fp32|bf16|fp16] [--device auto|cpu|cuda] [--max-slots 8] [--max-seq-len 1024] [--buffer-len 16]
        [--mode conventional|replay|replay_bf16|replay_fp8 | --shadow none|bf16|fp8]
-       [--text-input auto|tensor|parameter] [--serve]
+       [--text-input auto|tensor|parameter] [--prefix-cache-tokens N [--prefix-block 16]]
+       [--preempt [--preempt-quantum 16] [--max-swapped-bytes B]] [--serve]
+(--prefix-cache-tokens and --preempt turn on the engine's prefix cache and preemption: parameters prefix_cache_tokens,
+prefix_block, preempt, preempt_quantum, max_swapped_bytes of config.pbtxt; docs/triton.md)
 Refused before a file is written, naming the flag: --engine-dir, --idle-ms and --max-queue-delay-us (tensorrt_plan
 only: the streaming model has no sequence batcher); --device cuda where torch sees no CUDA device; --mode replay_fp8
 for a Gated DeltaNet model; a --model that the server's own loader or decode step refuses (it is loaded once here, on
@@ -88,9 +91,11 @@ from builders.triton_repo import (  # noqa: E402  (the writer; this script is it
 # engine was built with its own; scripts/build_engine.py).
 PYTHON_ONLY = {"model": "model_dir", "tiny": "tiny", "seed": "seed", "dtype": "dtype", "device": "device",
                "max_slots": "max_slots", "max_seq_len": "max_seq_len", "buffer_len": "buffer_len", "mode": "mode",
-               "text_input": "text_input"}
+               "text_input": "text_input", "prefix_cache_tokens": "prefix_cache_tokens", "prefix_block": "prefix_block",
+               "preempt": "preempt", "preempt_quantum": "preempt_quantum", "max_swapped_bytes": "max_swapped_bytes"}
 PY_DEFAULTS = {"tiny": "nemotron_h", "seed": 0, "dtype": "fp32", "device": "auto", "max_slots": 8,
-               "max_seq_len": 1024, "buffer_len": 16, "mode": "replay", "text_input": "auto"}
+               "max_seq_len": 1024, "buffer_len": 16, "mode": "replay", "text_input": "auto", "prefix_cache_tokens": 0,
+               "prefix_block": 16, "preempt": False, "preempt_quantum": 16, "max_swapped_bytes": None}
 MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
 SHADOW_MODE = {"none": "replay", "bf16": "replay_bf16", "fp8": "replay_fp8"}  # --shadow as a --mode
 # the tensorrt_plan route's sequence batcher (builders/triton_repo.py model_config's defaults)
@@ -152,6 +157,18 @@ def main(argv=None) -> int:
                     help="how the streaming model takes a text prompt: a BYTES text_input tensor, or the request "
                          "parameter text_input (HTTP generate passes an undeclared JSON field as one); auto: the "
                          "tensor where numpy < 2 (the stub of tritonserver 2.51 cannot read BYTES under numpy 2)")
+    py.add_argument("--prefix-cache-tokens", type=int,
+                    help="> 0: the engine's prefix cache of shared prompt prefixes, that budget in cached tokens "
+                         f"(default: {d['prefix_cache_tokens']}, off)")
+    py.add_argument("--prefix-block", type=int, help=f"the prefix cache's block in tokens (default: {d['prefix_block']})")
+    py.add_argument("--preempt", action="store_true", default=None,
+                    help="requests beyond the slots take the slot of one that has decoded --preempt-quantum steps, "
+                         "swapped out to host memory and back later (default: off, they wait in the queue)")
+    py.add_argument("--preempt-quantum", type=int,
+                    help=f"decode steps a request keeps its slot before it can be preempted (default: "
+                         f"{d['preempt_quantum']})")
+    py.add_argument("--max-swapped-bytes", type=int,
+                    help="host memory the swapped-out requests may hold at once (default: no limit)")
     py.add_argument("--serve", action="store_true",
                     help="after writing, run the printed serve command (the nvidia-pytriton tritonserver on "
                          "127.0.0.1, HTTP 8000, gRPC 8001) in place of this process")

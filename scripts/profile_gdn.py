@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from trtllm_replayssm import costs, gdn_ops  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
@@ -31,7 +32,13 @@ def main():
     ap.add_argument("--k", type=int, default=1, help="buffer position 1..L (L: the flush step)")
     ap.add_argument("--shadow", choices=("none", "bf16"), default="none")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--replay-rt", choices=("auto", "1", "2", "4"), default="auto",
+                    help="pin the replay module's state rows per thread (bench_gdn.py --replay-rt)")
     args = ap.parse_args()
+    if args.replay_rt != "auto":
+        from bench_gdn import pin_replay_rt
+
+        pin_replay_rt(int(args.replay_rt))
     if not 1 <= args.k <= args.L:
         ap.error(f"--k: expected 1..{args.L}, got {args.k}")
     HV, H, V, K = GDN_GEOMETRIES["qwen3_next_80b"]

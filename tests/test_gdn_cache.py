@@ -30,6 +30,7 @@ def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "r
               gdn_key_heads=HK, gdn_value_dim=V, gdn_key_dim=KD, shadow_dtype=shadow, read_shadow=shadow is not None)
     H, P, N, G = 4, 4, 6, 2
     cache = ReplayStateCache(1 if mixed else 0, slots, H, P, N, G, L, **kw)
+    g0 = cache.first_layer("gdn")  # the cache numbers its GDN layers after its Mamba-2 ones
     live = [cache.allocate() for _ in range(batch)]
     A_log = torch.randn(2, HV, generator=gen, dtype=F64) * 0.3
     dt_bias = torch.randn(2, HV, generator=gen, dtype=F64) * 0.3
@@ -37,7 +38,7 @@ def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "r
     for l in range(2):  # prefill hand-off: a random checkpoint
         for s in live:
             S0 = torch.randn(HV, V, KD, generator=gen, dtype=F64)
-            cache.load_gdn_prefill(s, l, S0)
+            cache.load_prefill(s, g0 + l, S0)
             ref[l, s] = S0
     m = dict(A=-torch.rand(H, generator=gen, dtype=F64), D=torch.randn(H, generator=gen, dtype=F64),
              dt_bias=torch.randn(H, generator=gen, dtype=F64) * 0.3)
@@ -47,7 +48,7 @@ def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "r
     for _ in range(steps):
         cache.flush(sbi, T, [m["A"]] if mixed else [])
         x = [_gdn_inputs(gen, batch, T) for _ in range(2)]
-        ys = [cache.gdn_verify(l, **x[l], A_log=A_log[l], dt_bias=dt_bias[l], state_batch_indices=sbi) for l in range(2)]
+        ys = [cache.verify(g0 + l, **x[l], A_log=A_log[l], dt_bias=dt_bias[l], state_batch_indices=sbi) for l in range(2)]
         if mixed:
             mx = dict(x=torch.randn(batch, T, H, P, generator=gen, dtype=F64),
                       B=torch.randn(batch, T, G, N, generator=gen, dtype=F64),
@@ -69,7 +70,7 @@ def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "r
         cache.commit(sbi, n, T)
         for l in range(2):
             for s in live:
-                worst = max(worst, (cache.gdn_committed_state(l, s) - ref[l, s]).abs().max().item())
+                worst = max(worst, (cache.committed_state(g0 + l, s) - ref[l, s]).abs().max().item())
         sbi = sbi[torch.randperm(batch, generator=gen)]
     return cache, worst
 
@@ -109,11 +110,11 @@ def test_reset_and_validation():
     with pytest.raises(ValueError, match="num_layers, gdn_layers: expected >= 0 with at least one layer"):
         ReplayStateCache(0, 2, 1, 1, 1, 1, L)
     with pytest.raises(ValueError, match="state: expected shape"):
-        cache.load_gdn_prefill(s, 0, torch.zeros(HV, KD, V + 1))
+        cache.load_prefill(s, 0, torch.zeros(HV, KD, V + 1))
     with pytest.raises(ValueError, match="slot 2 is not allocated"):
         cache.flush(torch.tensor([2], dtype=torch.int32), 2, [])
-    with pytest.raises(IndexError, match="gdn layer: expected 0 <= layer < 2, got 2"):
-        cache.gdn_layer(2)
+    with pytest.raises(IndexError, match="layer: expected 0 <= layer < 2, got 2"):
+        cache.layer(2)
 
 
 def test_a_failed_gdn_verify_leaves_the_checkpoint_as_it_was():
@@ -121,19 +122,19 @@ def test_a_failed_gdn_verify_leaves_the_checkpoint_as_it_was():
     gen = torch.Generator().manual_seed(8)
     cache = ReplayStateCache.for_gdn(1, 2, HV, HK, V, KD, L, num_draft=1, state_dtype=F64, act_dtype=F64, dt_dtype=F64)
     s = cache.allocate()
-    cache.load_gdn_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
+    cache.load_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
     sbi = torch.tensor([s], dtype=torch.int32)
     A_log, dt_bias = torch.zeros(HV, dtype=F64), torch.zeros(HV, dtype=F64)
     for _ in range(3):  # count 6 of 8: the next T = 2 window folds first
         cache.flush(sbi, 2, [])
-        cache.gdn_verify(0, **_gdn_inputs(gen, 1, 2), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+        cache.verify(0, **_gdn_inputs(gen, 1, 2), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
         cache.commit(sbi, torch.tensor([2], dtype=torch.int32), 2)
     assert cache.cursor[s].tolist() == [0, 6]
     before = cache.gdn_state[0, s].clone()
     cache.flush(sbi, 2, [])
     bad = {**_gdn_inputs(gen, 1, 2), "a": torch.zeros(1, 2, HV + 1, dtype=F64)}
     with pytest.raises(ValueError, match=r"a: expected shape \(1, 2, 4\)"):
-        cache.gdn_verify(0, **bad, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+        cache.verify(0, **bad, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
     assert torch.equal(cache.gdn_state[0, s], before)
 
 
@@ -146,24 +147,24 @@ def test_a_gdn_verify_with_a_bad_out_or_twice_in_a_step_leaves_the_checkpoint(cu
     cache = ReplayStateCache.for_gdn(1, 2, HV, HK, V, KD, L if ring else 1, num_draft=1 if ring else 0, cursor=cursor,
                                      state_dtype=F64, act_dtype=F64, dt_dtype=F64)
     s = cache.allocate()
-    cache.load_gdn_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
+    cache.load_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
     sbi = torch.tensor([s], dtype=torch.int32)
     A_log, dt_bias = torch.zeros(HV, dtype=F64), torch.zeros(HV, dtype=F64)
     T = 2 if ring else 1
     for _ in range(3 if ring else 0):  # count 6 of 8: the next T = 2 window folds first (standard: L = 1, every step)
         cache.flush(sbi, T, [])
-        cache.gdn_verify(0, **_gdn_inputs(gen, 1, T), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+        cache.verify(0, **_gdn_inputs(gen, 1, T), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
         cache.commit(sbi, torch.tensor([T], dtype=torch.int32), T)
     before = cache.gdn_state[0, s].clone()
     cache.flush(sbi, T, [])
     x = _gdn_inputs(gen, 1, T)
     with pytest.raises(ValueError, match=r"out: expected shape"):
-        cache.gdn_verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi,
+        cache.verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi,
                          out=torch.empty(1, T, HV, V + 1, dtype=F64))
     assert torch.equal(cache.gdn_state[0, s], before)
-    cache.gdn_verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+    cache.verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
     folded = cache.gdn_state[0, s].clone()
     assert not torch.equal(folded, before)
-    with pytest.raises(RuntimeError, match=r"gdn_verify: layer \('gdn', 0\) already ran in this step"):
-        cache.gdn_verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
+    with pytest.raises(RuntimeError, match=r"verify: layer 0 already ran in this step"):
+        cache.verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
     assert torch.equal(cache.gdn_state[0, s], folded)

@@ -55,8 +55,8 @@ def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
     for s in live:  # prefill hand-off: a checkpoint of O(1) entries
         for l in range(layers):
             S0 = torch.randn(HV, V, KD, generator=gen) * 0.2
-            dev.load_gdn_prefill(s, l, S0.cuda())
-            cpu.load_gdn_prefill(s, l, S0.double())
+            dev.load_prefill(s, l, S0.cuda())
+            cpu.load_prefill(s, l, S0.double())
     flushed_seen = 0
     for step in range(24 if cursor == "ring" else 2 * L + 2):  # standard: a fold every L steps
         rows = live[:]
@@ -70,8 +70,8 @@ def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
         for l in range(layers):
             u = (torch.randn(batch, T, Dc, generator=gen)).to(act)
             w, bias = conv_w[l]
-            co_dev = dev.gdn_conv_update(l, u.cuda(), w.cuda(), bias.cuda(), sbi.cuda())
-            co_cpu = cpu.gdn_conv_update(l, u.double(), w.double(), bias.double(), sbi)
+            co_dev = dev.conv_update(l, u.cuda(), w.cuda(), bias.cuda(), sbi.cuda())
+            co_cpu = cpu.conv_update(l, u.double(), w.double(), bias.double(), sbi)
             ok = sbi >= 0
             assert rel(co_dev[ok.cuda()].cpu(), co_cpu[ok]) < TOL[act], (step, l, "conv")
             q, k, v = (co_cpu[..., :HK * KD], co_cpu[..., HK * KD:2 * HK * KD], co_cpu[..., 2 * HK * KD:])
@@ -81,9 +81,9 @@ def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
             a = torch.randn(batch, T, HV, generator=gen).to(act)
             b = torch.randn(batch, T, HV, generator=gen).to(act)
             out = torch.full((batch, T, HV, V), float("nan"), dtype=act, device="cuda")
-            y = dev.gdn_verify(l, q.cuda(), k.cuda(), v.cuda(), a.cuda(), b.cuda(), A_log[l].cuda(),
+            y = dev.verify(l, q.cuda(), k.cuda(), v.cuda(), a.cuda(), b.cuda(), A_log[l].cuda(),
                                dt_bias[l].cuda(), sbi.cuda(), out=out)
-            want = cpu.gdn_verify(l, q.double(), k.double(), v.double(), a.double(), b.double(), A_log[l].double(),
+            want = cpu.verify(l, q.double(), k.double(), v.double(), a.double(), b.double(), A_log[l].double(),
                                   dt_bias[l].double(), sbi)
             assert rel(y[ok.cuda()].cpu(), want[ok]) < TOL[act], (step, l)
             assert torch.isnan(y[~ok.cuda()]).all()  # the padding row's output untouched

@@ -97,6 +97,10 @@ def test_geometry_table():
     assert gdn_geometry(128, 128, 32, 256, True) == (64, 8, 16)
     assert gdn_geometry(128, 128, 32, 256, False) == (32, 4, 32)
     assert gdn_geometry(128, 128, 32, 1, True)[0] < 64
+    # Issue 40 (bench/NOTES.md): the standard-decode replay module keeps 4 rows per thread while its grid has at
+    # least one block per SM (132); the verify module (num_tokens) keeps the full-wave rule.
+    assert [gdn_geometry(128, 128, 32, b, True)[0] for b in (1, 2, 4, 8, 16, 32)] == [16, 32, 64, 64, 64, 64]
+    assert [gdn_geometry(128, 128, 32, b, True, 4)[0] for b in (1, 8, 16, 32)] == [16, 16, 32, 64]
     for V, K, HV, batch, replay in itertools.product(GDN_SUPPORTED_DIMS, GDN_SUPPORTED_DIMS, (1, 4, 32, 64), (1, 3, 64, 512),
                                                      (True, False)):
         GDNSpec("bf16", HV, 1, V, K, 16, *gdn_geometry(V, K, HV, batch, replay))

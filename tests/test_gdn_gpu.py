@@ -173,6 +173,7 @@ CASES = [
     ((2, 1, 256, 64), torch.float32, 4, 3, 6, ()),
     ((4, 2, 128, 128), torch.float32, 32, 2, 4, ()),
     ((4, 2, 128, 128), torch.float32, 2, 3, 5, ()),
+    ((4, 2, 128, 128), torch.bfloat16, 4, 10, 12, ()),  # 2 rows per thread (config.gdn_geometry: 160 blocks)
 ]
 
 
@@ -187,6 +188,15 @@ def test_replay_qwen3_next_geometry():
     """Qwen3-Next / Qwen3.5 shapes at the shipped buffer length, from an empty buffer and mid-cycle."""
     pb = Problem(QWEN3_NEXT, torch.bfloat16, 16, 3, 6, (1,), seed=7)
     run(pb, 2 * 16 + 2)
+
+
+def test_replay_strong_decay_rescales_in_the_fold():
+    """Decays strong enough that the fold's lazy decay falls below 2^-30 within a cycle, on every entry for some
+    heads (g ~ -40 softplus(a + dt_bias)) and now and then for others: fold_rows' rescale branch (kRenorm) and its
+    plain path in one launch."""
+    pb = Problem((4, 2, 128, 128), torch.bfloat16, 8, 3, 6, (), seed=5)
+    pb.prm = Params(torch.log(torch.tensor([40.0, 1.0, 8.0, 16.0])), pb.prm.dt_bias)
+    run(pb, 2 * 8 + 1)
 
 
 def test_replay_large_batch_geometry():

@@ -11,7 +11,7 @@ acceptance (ring cursor), with a padding row now and then; both caches run each 
 the same row order, only the slots differ. Oracle: the twin, exactly (rtol = atol = 0): after every step each
 request's outputs (SSM / GDN outputs and conv outputs of every layer), every tensor its subject slot owns
 (checkpoint, shadow, rings, conv window, cursor; compared as bits) and its committed state per layer
-(``committed_state`` / ``gdn_committed_state``, float64) equal the twin's. The snapshot carries the slot as
+(``committed_state``, float64) equal the twin's. The snapshot carries the slot as
 stored, so the same executor on the same bits gives the same bits: fp32 checkpoint, bf16 activations, with and
 without a bf16 shadow (and an fp8 one for Mamba-2), Mamba-2 layers, GDN layers and both in one cache.
 
@@ -133,8 +133,8 @@ class Lifecycle:
                 S = (torch.randn(c.gdn_value_heads, c.gdn_value_dim, c.gdn_key_dim, generator=self.gen) * 0.2
                      ).to(self.device)
                 conv = self.rnd(c.gdn_conv_dim, K_CONV - 1)
-                self.sub.load_gdn_prefill(s, l, S, conv)
-                self.twin.load_gdn_prefill(t, l, S, conv)
+                self.sub.load_prefill(s, c.num_layers + l, S, conv)  # GDN layers follow the Mamba-2 ones
+                self.twin.load_prefill(t, c.num_layers + l, S, conv)
         self.live[r] = (s, t)
         self.left[r] = self.rng.randint(6, 24)
         self.tokens[r] = 0
@@ -235,12 +235,12 @@ class Lifecycle:
             (A_log, dt_bias), (w, b) = self.gdn[l], self.gdn_w[l]
             HV, HK, V, KD = c.gdn_value_heads, c.gdn_key_heads, c.gdn_value_dim, c.gdn_key_dim
             u = self.rnd(batch, T, c.gdn_conv_dim)
-            o = [cache.gdn_conv_update(l, u, w, b, sbi[cache]) for cache in (self.sub, self.twin)]
+            o = [cache.conv_update(c.num_layers + l, u, w, b, sbi[cache]) for cache in (self.sub, self.twin)]
             same(*o, f"conv output of GDN layer {l}")
             q, k, v = self.rnd(batch, T, HK, KD), self.rnd(batch, T, HK, KD), self.rnd(batch, T, HV, V)
             a, bb = self.rnd(batch, T, HV), self.rnd(batch, T, HV)
-            y = [cache.gdn_verify(l, q, k, v, a, bb, A_log.to(self.device), dt_bias.to(self.device),
-                                  state_batch_indices=sbi[cache]) for cache in (self.sub, self.twin)]
+            y = [cache.verify(c.num_layers + l, q, k, v, a, bb, A_log.to(self.device), dt_bias.to(self.device),
+                              state_batch_indices=sbi[cache]) for cache in (self.sub, self.twin)]
             same(*y, f"y of GDN layer {l}")
         if self.cursor == "standard":
             n = None
@@ -272,7 +272,8 @@ class Lifecycle:
                 A = self.mamba[l].A.to(self.device)
                 assert torch.equal(self.sub.committed_state(l, s, A), self.twin.committed_state(l, t, A)), (r, l)
             for l in range(c.gdn_layers):
-                assert torch.equal(self.sub.gdn_committed_state(l, s), self.twin.gdn_committed_state(l, t)), (r, l)
+                g = c.num_layers + l
+                assert torch.equal(self.sub.committed_state(g, s), self.twin.committed_state(g, t)), (r, l)
 
     # ---- a random schedule ------------------------------------------------------------------------------------
     def run(self, rounds):

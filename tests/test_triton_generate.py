@@ -728,3 +728,62 @@ def test_qwen_model_in_process(tmp_path):
         gm.finalize()
     with pytest.raises(ValueError, match="no fp8 GDN shadow"):
         tg.GenerateModel(pb, args("replay_fp8"))
+
+
+def test_prefix_cache_and_preemption_in_config_and_cli(tmp_path):
+    """--prefix-cache-tokens / --prefix-block / --preempt / --preempt-quantum / --max-swapped-bytes: config.pbtxt
+    parameters that the model turns into the Engine's keywords (defaults: both off); bad values refused naming the
+    flag or the parameter, nothing written."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2 as pb
+
+    spec = importlib.util.spec_from_file_location("make_triton_repo", ROOT / "scripts" / "make_triton_repo.py")
+    mtr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mtr)
+    assert mtr.main(["--backend", "python", "--repo", str(tmp_path / "r"), "--device", "cpu", "--prefix-cache-tokens",
+                     "512", "--prefix-block", "32", "--preempt", "--preempt-quantum", "4", "--max-swapped-bytes",
+                     "1000000"]) == 0
+    mc = text_format.Parse((tmp_path / "r" / NAME / "config.pbtxt").read_text(), pb.ModelConfig())
+    p = {k: v.string_value for k, v in mc.parameters.items()}
+    assert tg.engine_parameters(p) == dict(prefix_cache_tokens=512, prefix_block=32, preempt=True, preempt_quantum=4,
+                                           max_swapped_bytes=1000000)
+    target = tg.make_generate_repo(tmp_path / "d", device="cpu")
+    mc = text_format.Parse((target / "config.pbtxt").read_text(), pb.ModelConfig())
+    p = {k: v.string_value for k, v in mc.parameters.items()}
+    assert tg.engine_parameters(p) == dict(prefix_cache_tokens=0, prefix_block=16, preempt=False, preempt_quantum=16,
+                                           max_swapped_bytes=None)
+    for kw, match in ((dict(prefix_cache_tokens=-1), "--prefix-cache-tokens"), (dict(prefix_block=0), "--prefix-block"),
+                      (dict(preempt_quantum=0), "--preempt-quantum"), (dict(max_swapped_bytes=-5), "--max-swapped-bytes")):
+        with pytest.raises(tg.RepoError, match=match):
+            tg.make_generate_repo(tmp_path / "bad", device="cpu", **kw)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(ValueError, match=r"parameters\['preempt'\]: expected true or false"):
+        tg.engine_parameters({"preempt": "yes"})
+    with pytest.raises(ValueError, match=r"parameters\['prefix_cache_tokens'\]: expected an integer"):
+        tg.engine_parameters({"prefix_cache_tokens": "lots"})
+
+
+def test_model_in_process_with_prefix_cache_and_preemption(ckpt, ref):
+    """GenerateModel under the stand-in stub with the prefix cache and preemption on (1 slot, quantum 2): three
+    requests sharing a 32-token prefix stream transformers' greedy tokens; the engine swapped and reused."""
+    model, tok, greedy = ref
+    pb = _FakePb(False)
+    params = dict(device="cpu", max_slots="1", max_seq_len="64", buffer_len="4", mode="replay", health_url="off",
+                  prefix_cache_tokens="256", prefix_block="16", preempt="true", preempt_quantum="2")
+    cfg = {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+    gm = tg.GenerateModel(pb, {"model_config": json.dumps(cfg)}, model=model, tokenizer=tok)
+    try:
+        eng = gm.engine
+        assert (eng.prefix_cache_tokens, eng.prefix_block, eng.preempt, eng.preempt_quantum) == (256, 16, True, 2)
+        system = [(5 * i + 2) % 250 for i in range(32)]
+        prompts = [system + [7, 8], system + [9], system + [1, 2, 3]]
+        reqs = [_FakeRequest(pb, {"input_ids": p, "max_tokens": [8]}) for p in prompts]
+        gm.execute(reqs)
+        for r, p in zip(reqs, prompts):
+            assert r.done.wait(60)
+            ids = [t for resp, _ in r.responses for t in resp.outputs["output_ids"].raw.tolist()]
+            assert ids == greedy(p, 8)
+        assert eng.stats["prefix_hits"] >= 2 and eng.stats["preemptions"] > 0
+        assert eng.stats["swapped_bytes"] == 0
+    finally:
+        gm.finalize()

@@ -1,5 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ReplayStateCache: the decode state of every Mamba layer of one model, per request slot.
+"""ReplayStateCache: the decode state of every recurrent layer of one model (any family), per request slot.
+
+The layers of each family live in a :class:`~.layer_group.LayerGroup` (``families/<name>/layers.py``): the
+family's state table allocated once per tensor for all its layers, its conv windows and its step. The cache
+numbers its layers group by group (Mamba-2, then Gated DeltaNet, then the families of ``layers=``; one family per
+model in practice) and has one method for each call, whatever the layer's family: :meth:`~ReplayStateCache.layer`,
+:meth:`~ReplayStateCache.load_prefill`, :meth:`~ReplayStateCache.verify` (the family's step inputs),
+:meth:`~ReplayStateCache.conv_update`, :meth:`~ReplayStateCache.committed_state`; the step bookkeeping (flush,
+commit), slots and snapshots are the family's business nowhere. :meth:`ReplayStateCache.for_family` makes a cache of
+one family (``for_family("kda", layers, slots, (H, K, V), L, ...)``); the positional constructor keeps Mamba-2's
+geometry and ``gdn_*`` keywords (the models that exist), ``layers={family: (n, geometry)}`` the others.
 
 Owns, for ``num_layers`` Mamba layers and ``num_slots`` request slots (H heads, P headdim, N dstate,
 G groups, L ring capacity, K conv width, T_max = 1 + num_draft, W = K - 1 + num_draft):
@@ -26,7 +36,8 @@ once there).
 Gated DeltaNet layers (Qwen3-Next / Qwen3.5; ``gdn_layers`` > 0, HV value heads, Hk key heads, V value
 dim, Kd key dim; the layouts of :mod:`.gdn_reference`) share the slots, the cursor and the step with the
 Mamba-2 layers (a model may hold both kinds; ``num_layers`` = 0 for a GDN-only model,
-:meth:`ReplayStateCache.for_gdn`):
+:meth:`ReplayStateCache.for_gdn`); the cache's attributes below are views of the GDN group's tensors, and the
+cache's index of GDN layer l is ``num_layers + l``:
 
 =============  =============================  =================  ===============================================
 tensor         shape                          dtype              meaning
@@ -38,8 +49,10 @@ gdn_k          (gdn_layers, slots, Hk, L, Kd)  f32                ring of l2-nor
 gdn_g, gdn_beta (gdn_layers, slots, HV, L)     f32                rings of log decays g_j and beta_j
 gdn_conv       (gdn_layers, slots, gdn_conv_dim, W)  act_dtype   conv1d window over q | k | v
 =============  =============================  =================  ===============================================
-Per step: :meth:`gdn_verify` and :meth:`gdn_conv_update` for every GDN layer between :meth:`flush` and
-:meth:`commit`, exactly as :meth:`verify` / :meth:`conv_update` for the Mamba-2 layers.
+Kimi Delta Attention layers (``layers={"kda": (n, (H, K, V))}`` or ``for_family("kda", ...)``): the table of
+:mod:`.contract` per layer, in the group's ``t`` dict (``cache.groups``); snapshot names ``kda_<table name>``.
+Per step: :meth:`verify` and :meth:`conv_update` for every layer of every family between :meth:`flush` and
+:meth:`commit`.
 
 Slot lifecycle: :meth:`allocate` returns the lowest free slot, already reset; :meth:`free` returns it.
 :meth:`reset` zeroes everything the slot owns in every layer (checkpoint, shadow, rings, conv window,
@@ -111,65 +124,30 @@ import zlib
 
 import torch
 
-from . import backend, families, reference
-from . import gdn_reference as gref
+from . import backend, families
 from . import launch as _launch
 from . import spec_reference as sr
-from .config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
 from .costs import memory_per_request  # noqa: F401  (re-exported: the memory model's home is .costs)
-from .gdn_reference import GDNBuffers
+from .families.gdn.layers import GDNLayerState  # noqa: F401  (re-exported: views of one GDN layer)
+from .families.mamba2.layers import LayerState as Mamba2LayerState
+from .layer_group import LayerGroup, group_class
 from .reference import Shadow
 
-
-@dataclasses.dataclass(frozen=True)
-class LayerState:
-    """Views of one layer's tensors (no copies), in the kernels' per-layer layouts."""
-
-    state: torch.Tensor
-    x_cache: torch.Tensor
-    B_cache: torch.Tensor
-    dt_cache: torch.Tensor
-    conv: torch.Tensor
-    shadow: torch.Tensor | None
-    shadow_scale: torch.Tensor | None
-
-
-@dataclasses.dataclass(frozen=True)
-class GDNLayerState:
-    """Views of one Gated DeltaNet layer's tensors (no copies)."""
-
-    buf: GDNBuffers
-    conv: torch.Tensor
-    shadow: torch.Tensor | None
-    shadow_scale: torch.Tensor | None
-
-
-def _check_gdn_geometry(HV: int, Hk: int, V: int, Kd: int, cuda: bool, shadow_dtype, state_dtype) -> None:
-    for name, v in (("gdn_value_heads", HV), ("gdn_key_heads", Hk), ("gdn_value_dim", V), ("gdn_key_dim", Kd)):
-        if v < 1:
-            raise ValueError(f"{name}: expected >= 1 with gdn_layers > 0, got {v}")
-    if HV % Hk:
-        raise ValueError(f"gdn_key_heads: expected a divisor of gdn_value_heads={HV}, got {Hk}")
-    if shadow_dtype not in (None, torch.bfloat16):  # every device: the GDN reference keeps no fp8 row scales either
-        raise ValueError(f"shadow_dtype: a model with GDN layers keeps a bfloat16 shadow only (the GDN kernels read "
-                         f"no other), got {shadow_dtype}")
-    if not cuda:
-        return
-    from .config import GDN_SUPPORTED_DIMS
-
-    for name, v in (("gdn_value_dim", V), ("gdn_key_dim", Kd)):
-        if v not in GDN_SUPPORTED_DIMS:
-            raise ValueError(f"{name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
-    if state_dtype != torch.float32:
-        raise ValueError(f"state_dtype: the GDN kernels keep an fp32 checkpoint, got {state_dtype}")
+LayerState = Mamba2LayerState  # the names callers import from here (views of one layer)
 
 
 # ---- snapshots: the state of some slots, portable (ReplayStateCache.snapshot / restore, to_bytes / from_bytes) -------
 SNAPSHOT_MAGIC = b"RSSMSNAP"
 SNAPSHOT_VERSION = 1  # the byte format (Snapshot.to_bytes); bump on any change of the prefix, header or tensor names
 SNAPSHOT_FORMAT = "replayssm-state"
-_MAMBA_NAMES = ("state", "shadow", "shadow_scale", "x_cache", "B_cache", "dt_cache", "conv")
-_GDN_NAMES = ("gdn_state", "gdn_shadow", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta", "gdn_conv")
+
+
+_FAMILY_WORDS = {"mamba2": "Mamba-2", "gdn": "GDN", "kda": "KDA"}  # in messages
+
+
+def _snapshot_names(family: str) -> dict[str, str]:
+    """{table name: snapshot name} of a family's tensors (checkpoint under "state")."""
+    return group_class(family).snapshot_names()
 _PREFIX = struct.Struct("<8sII")  # magic, format version, header length
 _PAYLOAD = struct.Struct("<QI")  # payload length, its crc32
 
@@ -339,12 +317,19 @@ class Snapshot:
         if h["cursor"] not in ("ring", "standard"):
             raise ValueError(f"{what}: cursor: expected 'ring' or 'standard', got {h['cursor']!r}")
         layers = h["layers"]
-        if not isinstance(layers, dict) or set(layers) != {"mamba2", "gdn"}:
-            raise ValueError(f"{what}: layers: expected {{'mamba2': n, 'gdn': n}}, got {layers!r}")
-        want = {"cursor"} | (set(_MAMBA_NAMES) if layers["mamba2"] else set()) | (set(_GDN_NAMES) if layers["gdn"] else set())
+        if not isinstance(layers, dict) or not set(layers) <= set(families.names()) \
+                or not all(isinstance(v, int) and v >= 0 for v in layers.values()) or not any(layers.values()):
+            raise ValueError(f"{what}: layers: expected {{family: layers}} over {families.names()} with at least one "
+                             f"layer, got {layers!r}")
+        owner = {}  # snapshot name -> family
+        for fam, count in layers.items():
+            if count:
+                owner.update({name: fam for name in _snapshot_names(fam).values()})
+        want = {"cursor"} | set(owner)
         names, spec = set(self.tensors), h["tensors"]
+        checkpoints = {_snapshot_names(fam)["state"] for fam, count in layers.items() if count}
         for bad, msg in ((names - want, "unknown tensors"), (set(spec) ^ names, "tensors and header differ on"),
-                         ({"cursor", "state" if layers["mamba2"] else "gdn_state"} - names, "missing tensors")):
+                         (({"cursor"} | checkpoints) - names, "missing tensors")):
             if bad:
                 raise ValueError(f"{what}: {msg} {sorted(bad)}")
         cursor_shape = [n] if h["cursor"] == "standard" else [n, 2]
@@ -360,7 +345,7 @@ class Snapshot:
                 if got != ("int32", cursor_shape):
                     raise ValueError(f"{what}: cursor: expected int32 {tuple(cursor_shape)} (the {h['cursor']} form), "
                                      f"got {got[0]} {tuple(got[1])}")
-            elif t.dim() < 2 or t.shape[:2] != (layers["gdn" if name.startswith("gdn_") else "mamba2"], n):
+            elif t.dim() < 2 or t.shape[:2] != (layers[owner[name]], n):
                 raise ValueError(f"{what}: {name}: expected (layers, num_slots={n}, ...), got {tuple(t.shape)}")
 
 
@@ -375,12 +360,13 @@ class ReplayStateCache:
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, gdn_layers: int = 0,
                  gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
-                 gdn_conv_dim: int | None = None, cursor: str = "ring", executor=None):
-        if num_layers < 0 or gdn_layers < 0 or num_layers + gdn_layers < 1:
+                 gdn_conv_dim: int | None = None, cursor: str = "ring", executor=None, layers=None):
+        extra = dict(layers or {})
+        if num_layers < 0 or gdn_layers < 0 or any(spec[0] < 0 for spec in extra.values()) \
+                or num_layers + gdn_layers + sum(spec[0] for spec in extra.values()) < 1:
             raise ValueError(f"num_layers, gdn_layers: expected >= 0 with at least one layer, got {num_layers}, "
-                             f"{gdn_layers}")
-        for name, v in (("num_slots", num_slots), ("nheads", nheads), ("headdim", headdim),
-                        ("dstate", dstate), ("ngroups", ngroups), ("conv_kernel", conv_kernel)):
+                             f"{gdn_layers}" + (f", layers={extra}" if extra else ""))
+        for name, v in (("num_slots", num_slots), ("conv_kernel", conv_kernel)):
             if v < 1:
                 raise ValueError(f"{name}: expected >= 1, got {v}")
         if num_draft < 0:
@@ -390,12 +376,10 @@ class ReplayStateCache:
         if cursor == "standard" and num_draft:
             raise ValueError(f"cursor: 'standard' (the (slots,) cursor of the standard decode kernels) needs num_draft "
                              f"= 0, got num_draft={num_draft}")
-        if cursor == "standard" and gdn_layers and shadow_dtype is not None and not read_shadow \
+        if cursor == "standard" and (gdn_layers or extra) and shadow_dtype is not None and not read_shadow \
                 and torch.device(device).type != "cuda":
             raise ValueError("read_shadow: a standard-cursor GDN cache reads the shadow it keeps (as the kernel "
                              "does); pass read_shadow=True or no shadow_dtype")
-        if nheads % ngroups:
-            raise ValueError(f"ngroups: expected a divisor of nheads={nheads}, got {ngroups}")
         if cursor == "standard" and buffer_len < 1:
             raise ValueError(f"buffer_len: expected >= 1, got {buffer_len}")
         if cursor == "ring" and buffer_len < 2 * (num_draft + 1):
@@ -404,62 +388,71 @@ class ReplayStateCache:
         if shadow_dtype not in (None, torch.bfloat16, torch.float8_e4m3fn):  # the shadows a kernel reads
             raise ValueError(f"shadow_dtype: expected None, bfloat16 or float8_e4m3fn, got {shadow_dtype}")
         cuda = torch.device(device).type == "cuda"
-        if gdn_layers:
-            _check_gdn_geometry(gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim, cuda, shadow_dtype,
-                                state_dtype)
-        if cuda and num_layers:  # the kernels' geometries, named here rather than at the first launch
-            for name, v, ok in (("headdim", headdim, SUPPORTED_HEADDIM), ("dstate", dstate, SUPPORTED_DSTATE)):
-                if v not in ok:
-                    raise ValueError(f"{name}: expected one of {ok} on CUDA (the kernels' geometries), got {v}")
+        unknown = sorted(set(extra) - set(families.names()) | set(extra) & {"mamba2", "gdn"})
+        if unknown:
+            raise ValueError(f"layers: expected families among {sorted(set(families.names()) - {'mamba2', 'gdn'})} "
+                             f"(Mamba-2 and GDN layers: num_layers / gdn_layers), got {unknown}")
+        # The layer groups, in the cache's layer order: Mamba-2 (always present, possibly without layers), GDN
+        # (likewise), then the other families asked for. Each checks its geometry, then allocates from its table.
+        specs = [("mamba2", num_layers, (nheads, headdim, dstate, ngroups), conv_dim),
+                 ("gdn", gdn_layers, (gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim), gdn_conv_dim)]
+        for fam, spec in extra.items():
+            n, geometry, *cd = spec
+            specs.append((fam, int(n), tuple(geometry), cd[0] if cd else None))
+        if num_layers or not gdn_layers and not extra:
+            group_class("mamba2").check_geometry(specs[0][2], cuda, shadow_dtype, state_dtype)
+        for fam, n, geometry, _ in specs[1:]:
+            if n:
+                group_class(fam).check_geometry(geometry, cuda, shadow_dtype, state_dtype)
         if cuda and buffer_len > 32:
             raise ValueError(f"buffer_len: expected <= 32 on CUDA (the kernels' rings), got {buffer_len}")
-        self.num_layers, self.num_slots = num_layers, num_slots
-        self.nheads, self.headdim, self.dstate, self.ngroups = nheads, headdim, dstate, ngroups
-        self.buffer_len, self.num_draft, self.conv_kernel = buffer_len, num_draft, conv_kernel
-        self.conv_dim = nheads * headdim + 2 * ngroups * dstate if conv_dim is None else conv_dim
+        self.num_slots, self.buffer_len, self.num_draft, self.conv_kernel = num_slots, buffer_len, num_draft, conv_kernel
         self.conv_width = conv_kernel - 1 + num_draft
         self.check_values, self.read_shadow = check_values, read_shadow
         # The executor of every step, chosen once (backend.py): the float64 reference for CPU tensors, the
         # kernels for CUDA ones. ``executor`` overrides it (tests run the kernel backend on CPU tensors with
         # emulated launchers).
         self.x = backend.for_device(device) if executor is None else executor
-        Ly, S, H, P, N, G, L = num_layers, num_slots, nheads, headdim, dstate, ngroups, buffer_len
-        kw = dict(device=device)
-        # One allocation per tensor for all layers of a family, from the family's state table (families/).
-        shadow_roles = {} if shadow_dtype is None else {"shadow": shadow_dtype}
-        opt = () if shadow_dtype is None else ("shadow", "shadow_scale") if shadow_dtype == torch.float8_e4m3fn \
-            else ("shadow",)
-        m = families.get("mamba2").allocate(S, L, (H, P, N, G), dict(state=state_dtype, act=act_dtype, dt=dt_dtype,
-                                                                    **shadow_roles), opt, device, layers=Ly)
-        self.state, self.x_cache, self.B_cache, self.dt_cache = m["state"], m["x_cache"], m["B_cache"], m["dt_cache"]
-        self.shadow, self.shadow_scale = m.get("shadow"), m.get("shadow_scale")
-        if self.shadow_scale is not None:
-            self.shadow_scale.fill_(1.0)  # a fresh slot's scale (reset() writes the same)
+        self.groups: list[LayerGroup] = []
+        for fam, n, geometry, cd in specs:
+            cls = group_class(fam)
+            dts, optional = cls.roles(state_dtype, act_dtype, dt_dtype, shadow_dtype if n else None)
+            g = cls(n, num_slots, geometry, buffer_len, self.conv_width, cd, dts, optional, device, act_dtype)
+            self.groups.append(g)
+        self._by_family = {g.family: g for g in self.groups}
+        # global layer index -> (group, layer within the group): the groups' layers in order
+        self._where = [(g, l) for g in self.groups for l in range(g.num_layers)]
         self.standard = cursor == "standard"
-        self.cursor = torch.zeros((S,) if self.standard else (S, 2), dtype=torch.int32, **kw)
-        # Slot S is scratch: the gathered conv updates of the CUDA path send padding rows there.
-        self._conv = torch.zeros(Ly, S + 1, self.conv_dim, self.conv_width, dtype=act_dtype, **kw)
-        self.conv = self._conv[:, :S]
-        # Gated DeltaNet layers (module docstring); empty tensors when there are none.
-        Lg = gdn_layers
-        HV, Hk, V, Kd = gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim
-        self.gdn_layers, self.gdn_value_heads, self.gdn_key_heads = Lg, HV, Hk
-        self.gdn_value_dim, self.gdn_key_dim = V, Kd
-        self.gdn_conv_dim = 2 * Hk * Kd + HV * V if gdn_conv_dim is None else gdn_conv_dim
-        buf = torch.float64 if state_dtype == torch.float64 else torch.float32  # f64 only in tests
-        gshadow = shadow_dtype is not None and Lg > 0
-        g = families.get("gdn").allocate(S, L, (HV, Hk, V, Kd), dict(state=state_dtype, act=act_dtype, f32=buf,
-                                                                    **(shadow_roles if gshadow else {})),
-                                         ("shadow",) if gshadow else (), device, layers=Lg)
-        self.gdn_state, self.gdn_shadow = g["state"], g.get("shadow")
-        self.gdn_shadow_scale = None  # a GDN shadow is bf16: no row scales
-        self.gdn_u, self.gdn_v, self.gdn_k = g["u_cache"], g["v_cache"], g["k_cache"]
-        self.gdn_g, self.gdn_beta = g["g_cache"], g["beta_cache"]
-        self._gdn_conv = torch.zeros(Lg, S + 1, self.gdn_conv_dim, self.conv_width, dtype=act_dtype, **kw)
-        self.gdn_conv = self._gdn_conv[:, :S]
-        self._free = list(range(S))
+        self.cursor = torch.zeros((num_slots,) if self.standard else (num_slots, 2), dtype=torch.int32, device=device)
+        # The first two families' tensors under the names callers use (views of the groups' tensors).
+        m, g = self._by_family["mamba2"], self._by_family["gdn"]
+        self.num_layers, self.gdn_layers = num_layers, gdn_layers
+        self.nheads, self.headdim, self.dstate, self.ngroups = nheads, headdim, dstate, ngroups
+        self.conv_dim, self.gdn_conv_dim = m.conv_dim, g.conv_dim
+        self.state, self.x_cache, self.B_cache, self.dt_cache = (m.t[n] for n in ("state", "x_cache", "B_cache",
+                                                                                  "dt_cache"))
+        self.shadow, self.shadow_scale = m.t.get("shadow"), m.t.get("shadow_scale")
+        self._conv, self.conv = m._conv, m.conv
+        self.gdn_value_heads, self.gdn_key_heads = gdn_value_heads, gdn_key_heads
+        self.gdn_value_dim, self.gdn_key_dim = gdn_value_dim, gdn_key_dim
+        self.gdn_state, self.gdn_shadow, self.gdn_shadow_scale = g.t["state"], g.t.get("shadow"), None
+        self.gdn_u, self.gdn_v, self.gdn_k = g.t["u_cache"], g.t["v_cache"], g.t["k_cache"]
+        self.gdn_g, self.gdn_beta = g.t["g_cache"], g.t["beta_cache"]
+        self._gdn_conv, self.gdn_conv = g._conv, g.conv
+        self._free = list(range(num_slots))
         self._live: set[int] = set()
-        self._step: tuple[int, set[int]] | None = None  # (T, layers verified) since flush()
+        self._step: tuple[int, set] | None = None  # (T, layers verified) since flush()
+
+    @classmethod
+    def for_family(cls, family: str, num_layers: int, num_slots: int, geometry, buffer_len: int, *,
+                   conv_dim: int | None = None, **kw) -> ReplayStateCache:
+        """A cache of ``num_layers`` layers of one family (``families.names()``; ``geometry`` in the order of the
+        family's ``Family.geometry``), e.g. ``for_family("kda", 21, 8, (32, 128, 128), 16, cursor="standard")``."""
+        if family == "mamba2":
+            return cls(num_layers, num_slots, *geometry, buffer_len, conv_dim=conv_dim, **kw)
+        if family == "gdn":
+            return cls.for_gdn(num_layers, num_slots, *geometry, buffer_len, gdn_conv_dim=conv_dim, **kw)
+        return cls(0, num_slots, 1, 1, 1, 1, buffer_len, layers={family: (num_layers, tuple(geometry), conv_dim)}, **kw)
 
     @classmethod
     def for_rank(cls, rank: int, tp: int, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int,
@@ -486,26 +479,35 @@ class ReplayStateCache:
         return self.check_values if self.check_values is not None else not _launch.capturing()
 
     # ---- views ----------------------------------------------------------------------------------------
-    def layer(self, l: int) -> LayerState:
-        if not 0 <= l < self.num_layers:
-            raise IndexError(f"layer: expected 0 <= layer < {self.num_layers}, got {l}")
-        return LayerState(self.state[l], self.x_cache[l], self.B_cache[l], self.dt_cache[l], self.conv[l],
-                          None if self.shadow is None else self.shadow[l],
-                          None if self.shadow_scale is None else self.shadow_scale[l])
+    @property
+    def total_layers(self) -> int:
+        """Layers of every family; the cache numbers them group by group (Mamba-2, GDN, then the others)."""
+        return len(self._where)
 
-    def gdn_layer(self, l: int) -> GDNLayerState:
-        """Views of GDN layer ``l``'s tensors in :mod:`.gdn_reference`'s per-layer layouts (no copies)."""
-        if not 0 <= l < self.gdn_layers:
-            raise IndexError(f"gdn layer: expected 0 <= layer < {self.gdn_layers}, got {l}")
-        buf = GDNBuffers(self.gdn_state[l], self.gdn_u[l], self.gdn_v[l], self.gdn_k[l], self.gdn_g[l],
-                         self.gdn_beta[l])
-        return GDNLayerState(buf, self.gdn_conv[l], None if self.gdn_shadow is None else self.gdn_shadow[l],
-                             None if self.gdn_shadow_scale is None else self.gdn_shadow_scale[l])
+    def _locate(self, l: int) -> tuple[LayerGroup, int]:
+        if not isinstance(l, int) or not 0 <= l < len(self._where):
+            raise IndexError(f"layer: expected 0 <= layer < {len(self._where)}, got {l}")
+        return self._where[l]
+
+    def layer(self, l: int):
+        """Views of layer ``l``'s tensors (no copies) in its family's per-layer form (Mamba-2: :class:`LayerState`,
+        GDN: :class:`GDNLayerState` with the :mod:`.gdn_reference` buffers, ...)."""
+        g, i = self._locate(l)
+        return g.view(i)
+
+    def layer_family(self, l: int) -> str:
+        return self._locate(l)[0].family
+
+    def first_layer(self, family: str) -> int:
+        """The cache's index of ``family``'s first layer (its layers are consecutive)."""
+        for i, (g, _) in enumerate(self._where):
+            if g.family == family:
+                return i
+        raise ValueError(f"family: the cache holds no {family!r} layers (it holds "
+                         f"{sorted({g.family for g, _ in self._where})})")
 
     def _tensors(self):
-        return [t for t in (self.state, self.shadow, self.shadow_scale, self.x_cache, self.B_cache, self.dt_cache,
-                            self.conv, self.gdn_state, self.gdn_shadow, self.gdn_shadow_scale, self.gdn_u, self.gdn_v,
-                            self.gdn_k, self.gdn_g, self.gdn_beta, self.gdn_conv) if t is not None]
+        return [t for g in self.groups for _, t in g.tensors()]
 
     @classmethod
     def for_gdn(cls, gdn_layers: int, num_slots: int, value_heads: int, key_heads: int, value_dim: int, key_dim: int,
@@ -542,11 +544,8 @@ class ReplayStateCache:
         """Zero everything ``slot`` owns in every layer and its cursor (start = count = 0)."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot: expected 0 <= slot < {self.num_slots}, got {slot}")
-        for t in self._tensors():
-            t[:, slot].zero_()
-        for scale in (self.shadow_scale, self.gdn_shadow_scale):
-            if scale is not None:
-                scale[:, slot] = 1.0
+        for g in self.groups:
+            g.reset_slot(slot)
         self.cursor[slot].zero_()
 
     def gather_slots(self, src: torch.Tensor) -> None:
@@ -565,9 +564,8 @@ class ReplayStateCache:
 
     # ---- snapshot / restore / preemption -------------------------------------------------------------------------
     def _snapshot_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of everything a slot owns: the families with layers, their shadows if kept, the cursor."""
-        names = (_MAMBA_NAMES if self.num_layers else ()) + (_GDN_NAMES if self.gdn_layers else ())
-        out = [(n, getattr(self, n)) for n in names if getattr(self, n) is not None]
+        """(name, tensor) of everything a slot owns: the groups with layers, their shadows if kept, the cursor."""
+        out = [(n, t) for g in self.groups if g.num_layers for n, t in g.tensors()]
         return out + [("cursor", self.cursor)]
 
     def snapshot_header(self, num_slots: int) -> dict:
@@ -575,21 +573,17 @@ class ReplayStateCache:
         match to take it."""
         geometry = dict(buffer_len=self.buffer_len, num_draft=self.num_draft, conv_kernel=self.conv_kernel,
                         conv_width=self.conv_width)
-        if self.num_layers:
-            geometry.update(nheads=self.nheads, headdim=self.headdim, dstate=self.dstate, ngroups=self.ngroups,
-                            conv_dim=self.conv_dim)
-        if self.gdn_layers:
-            geometry.update(gdn_value_heads=self.gdn_value_heads, gdn_key_heads=self.gdn_key_heads,
-                            gdn_value_dim=self.gdn_value_dim, gdn_key_dim=self.gdn_key_dim,
-                            gdn_conv_dim=self.gdn_conv_dim)
+        for g in self.groups:
+            if g.num_layers:
+                geometry.update(g.geometry_header())
         shard = getattr(self, "shard", None)
         tensors = {}
         for name, t in self._snapshot_tensors():
             shape = [num_slots, *t.shape[1:]] if name == "cursor" else [t.shape[0], num_slots, *t.shape[2:]]
             tensors[name] = dict(dtype=_dtype_name(t.dtype), shape=shape)
+        layers = {g.family: g.num_layers for g in self.groups if g.num_layers or g.family in ("mamba2", "gdn")}
         return dict(format=SNAPSHOT_FORMAT, version=SNAPSHOT_VERSION, num_slots=num_slots,
-                    cursor="standard" if self.standard else "ring",
-                    layers=dict(mamba2=self.num_layers, gdn=self.gdn_layers), geometry=geometry,
+                    cursor="standard" if self.standard else "ring", layers=layers, geometry=geometry,
                     shard=None if shard is None else dataclasses.asdict(shard), tensors=tensors)
 
     def _snapshot_slots(self, slots, what: str, n: int | None = None, live: bool = True) -> list[int]:
@@ -680,10 +674,14 @@ class ReplayStateCache:
             return [str(e)]
         got, want = snapshot.header, self.snapshot_header(snapshot.num_slots)
         diffs = []
-        if got["layers"] != want["layers"]:
-            g, w = got["layers"], want["layers"]
-            diffs.append(f"layers: the snapshot holds {g['mamba2']} Mamba-2 and {g['gdn']} GDN layers, the cache "
-                         f"{w['mamba2']} and {w['gdn']}")
+        g_layers = {f: n for f, n in got["layers"].items() if n}
+        w_layers = {f: n for f, n in want["layers"].items() if n}
+        if g_layers != w_layers:
+            order = [f for f in families.names() if f in ("mamba2", "gdn") or f in g_layers or f in w_layers]
+            order.sort(key=lambda f: ("mamba2", "gdn").index(f) if f in ("mamba2", "gdn") else 2)
+            held = " and ".join(f"{got['layers'].get(f, 0)} {_FAMILY_WORDS.get(f, f)}" for f in order)
+            kept = " and ".join(str(want["layers"].get(f, 0)) for f in order)
+            diffs.append(f"layers: the snapshot holds {held} layers, the cache {kept}")
         if got["cursor"] != want["cursor"]:
             diffs.append(f"cursor form: {got['cursor']!r} in the snapshot, {want['cursor']!r} in the cache")
         for key in sorted(set(got["geometry"]) | set(want["geometry"])):
@@ -790,55 +788,24 @@ class ReplayStateCache:
         return torch.where((sbi >= 0) & (sbi < self.num_slots), sbi, self.num_slots).long()
 
     # ---- prefill hand-off ------------------------------------------------------------------------------------
-    def load_prefill(self, slot: int, layer: int, ssm_state: torch.Tensor, conv_state: torch.Tensor | None = None) -> None:
-        """Prefill's final SSM state (H, P, N) becomes the checkpoint; ring empty; conv_state (conv_dim, K-1)."""
+    def load_prefill(self, slot: int, layer: int, state: torch.Tensor, conv_state: torch.Tensor | None = None) -> None:
+        """Prefill hand-off of layer ``layer``: its final recurrent state (the checkpoint's shape per slot: Mamba-2
+        (H, P, N), GDN (HV, V, K), KDA (H, K, V)) becomes the checkpoint (and its shadow), the rings are emptied,
+        ``conv_state`` (conv_dim, K - 1) fills the conv window's last columns, the cursor is zeroed. Everything is
+        checked before anything is written."""
         self._check_live(slot, "load_prefill")
-        lay = self.layer(layer)
-        sr._check_shape(ssm_state, "ssm_state", lay.state.shape[1:])
-        if conv_state is not None:  # validate everything before writing anything
-            sr._check_shape(conv_state, "conv_state", (self.conv_dim, self.conv_kernel - 1))
-        lay.state[slot] = ssm_state.to(lay.state.dtype)
-        self._refresh_shadow(layer, slot)
-        lay.x_cache[slot].zero_()
-        lay.B_cache[slot].zero_()
-        lay.dt_cache[slot].zero_()
-        lay.conv[slot].zero_()
-        if conv_state is not None and self.conv_kernel > 1:
-            lay.conv[slot][:, self.conv_width - (self.conv_kernel - 1):] = conv_state.to(lay.conv.dtype)
+        g, i = self._locate(layer)
+        g.load_state(i, slot, state, conv_state, self.conv_kernel, self.conv_width)
         self.cursor[slot].zero_()
-
-    def load_gdn_prefill(self, slot: int, layer: int, state: torch.Tensor, conv_state: torch.Tensor | None = None) -> None:
-        """GDN prefill hand-off: the final recurrent state (HV, V, Kd) (transformers keeps (HV, Kd, V): transpose
-        it) becomes the checkpoint, rings empty, conv_state (gdn_conv_dim, K-1) in the window's last columns."""
-        self._check_live(slot, "load_gdn_prefill")
-        lay = self.gdn_layer(layer)
-        sr._check_shape(state, "state", lay.buf.state.shape[1:])
-        if conv_state is not None:
-            sr._check_shape(conv_state, "conv_state", (self.gdn_conv_dim, self.conv_kernel - 1))
-        lay.buf.state[slot] = state.to(lay.buf.state.dtype)
-        self._refresh_gdn_shadow(layer, slot)
-        for t in (lay.buf.u_cache, lay.buf.v_cache, lay.buf.k_cache, lay.buf.g_cache, lay.buf.beta_cache, lay.conv):
-            t[slot].zero_()
-        if conv_state is not None and self.conv_kernel > 1:
-            lay.conv[slot][:, self.conv_width - (self.conv_kernel - 1):] = conv_state.to(lay.conv.dtype)
-        self.cursor[slot].zero_()
-
-    def _refresh_gdn_shadow(self, layer: int, slot: int) -> None:
-        if self.gdn_shadow is not None:
-            self._gdn_shadow_view(layer).write(slot, self.gdn_state[layer, slot])
-
-    def _gdn_shadow_view(self, layer: int) -> Shadow | None:
-        lay = self.gdn_layer(layer)
-        return None if lay.shadow is None else Shadow.wrap(lay.shadow, lay.shadow_scale)
 
     def _refresh_shadow(self, layer: int, slot: int) -> None:
         """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (reference.quantize_shadow)."""
-        if self.shadow is not None:
-            self._shadow_view(layer).write(slot, self.state[layer, slot])
+        g, i = self._locate(layer)
+        g.refresh_shadow(i, slot)
 
     def _shadow_view(self, layer: int) -> Shadow | None:
-        lay = self.layer(layer)
-        return None if lay.shadow is None else Shadow.wrap(lay.shadow, lay.shadow_scale)
+        g, i = self._locate(layer)
+        return g.shadow(i)
 
     # ---- speculative step ----------------------------------------------------------------------------------------
     def flush(self, state_batch_indices, num_tokens: int, A_by_layer=None) -> list[int] | None:
@@ -895,25 +862,21 @@ class ReplayStateCache:
             raise RuntimeError(f"{what}: layer {key} already ran in this step (again, it would fold its checkpoint "
                                f"or shift its conv window a second time); commit the step first")
 
-    def verify(self, layer: int, x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None) -> torch.Tensor:
-        """Outputs (batch, T, H, P) of the T window tokens of one layer; appends the window to its ring.
+    def verify(self, layer: int, *args, **kwargs) -> torch.Tensor:
+        """Outputs (batch, T, ...) of the T window tokens of layer ``layer``; appends the window to its rings.
 
-        Where count + 2T > L on the pre-step cursor the layer's checkpoint (and shadow) is folded first.
-        Outputs in x's dtype (padding rows NaN on the reference), or written into ``out`` (rows with a slot).
-        """
-        verified, check = self._open(x.shape[1], state_batch_indices, "verify", layer)
-        lay = self.layer(layer)
-        if self.standard:  # T = 1 on the (slots,) cursor: the standard decode kernel
-            y = self.x.replay_decode(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x[:, 0], B[:, 0],
-                                     C[:, 0], dt[:, 0], dt_bias, A, D, state_batch_indices, lay.shadow,
-                                     lay.shadow_scale, z=None if z is None else z[:, 0],
-                                     out=None if out is None else out[:, 0], check_values=check,
-                                     read_shadow=self._reads_shadow())
-            verified.add(layer)
-            return y[:, None] if out is None else out
-        y = self.x.replay_verify(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, x, B, C, dt, dt_bias,
-                                 A, D, state_batch_indices, lay.shadow, lay.shadow_scale, z=z, out=out,
-                                 check_values=check, read_shadow=self._reads_shadow())
+        The arguments are the layer family's step inputs, then ``state_batch_indices``, ``out`` and the family's
+        options (:meth:`LayerGroup.signature`): Mamba-2 ``(x, B, C, dt, dt_bias, A, D, z=None, ...)``, GDN
+        ``(q, k, v, a, b, A_log, dt_bias, ..., use_qk_l2norm=True, scale=None)``, KDA ``(q, k, v, f, b, A_log,
+        dt_bias, ..., use_qk_l2norm=True, scale=None, lower_bound=None)``. Where count + 2T > L on the pre-step
+        cursor (standard cursor: the step that fills the ring) the layer's checkpoint (and shadow) is folded first.
+        Outputs in the activation dtype (padding rows NaN on the reference), or written into ``out`` (rows with
+        a slot)."""
+        g, i = self._locate(layer)
+        bound = g.bind(args, kwargs, "verify")
+        verified, check = self._open(g.window(bound), bound.state_batch_indices, "verify", layer)
+        y = g.step(self.x, g.view(i), self.cursor, bound, standard=self.standard, check=check,
+                   read_shadow=self._reads_shadow())
         verified.add(layer)
         return y
 
@@ -921,13 +884,14 @@ class ReplayStateCache:
         return self.uses_kernels or self.read_shadow
 
     def conv_update(self, layer: int, u, weight, bias=None, state_batch_indices=None, activation="silu") -> torch.Tensor:
-        """Causal conv of the T window inputs u (batch, T, conv_dim) of one layer; shifts them into its window.
+        """Causal conv of the T window inputs u (batch, T, conv_dim) of layer ``layer`` (any family); shifts them
+        into its window.
 
         Gathered rows (:func:`conv_update_rows`), math in fp32 (float64 for float64 tensors), outputs in u's
         dtype; padding rows NaN and no slot touched. ``spec_reference.conv_window_update`` is its spec.
         """
-        self.layer(layer)  # the index checked (a negative one would wrap to another layer's window)
-        return self._conv_update(self._conv[layer], self.conv_dim, u, weight, bias, state_batch_indices, activation,
+        g, i = self._locate(layer)  # the index checked (a negative one would wrap to another layer's window)
+        return self._conv_update(g._conv[i], g.conv_dim, u, weight, bias, state_batch_indices, activation,
                                  ("conv", layer))
 
     def _conv_update(self, conv_scratch, conv_dim, u, weight, bias, state_batch_indices, activation, key):
@@ -951,39 +915,10 @@ class ReplayStateCache:
             done.add(key)
         return torch.where((state_batch_indices >= 0)[:, None, None], out, float("nan"))
 
-    def gdn_verify(self, layer: int, q, k, v, a, b, A_log, dt_bias, state_batch_indices=None, out=None,
-                   use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
-        """Outputs (batch, T, HV, V) of the T window tokens of GDN layer ``layer``; appends the window to its rings.
-
-        q, k (batch, T, Hk, Kd), v (batch, T, HV, V), a, b (batch, T, HV) raw, A_log, dt_bias (HV,). The
-        executor's ``gdn_replay_verify`` (reference: ``gdn_reference`` in float64, padding rows NaN; kernels:
-        ``gdn_ops.gdn_replay_verify``) with the layer's shadow; outputs in v's dtype or into ``out``."""
-        verified, check = self._open(v.shape[1], state_batch_indices, "gdn_verify", ("gdn", layer))
-        lay = self.gdn_layer(layer)
-        if self.standard:  # T = 1 on the (slots,) cursor: the standard GDN decode kernel
-            y = self.x.gdn_replay_decode(lay.buf, self.cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log,
-                                         dt_bias, state_batch_indices, lay.shadow,
-                                         out=None if out is None else out[:, 0], check_values=check,
-                                         use_qk_l2norm=use_qk_l2norm, scale=scale)
-            verified.add(("gdn", layer))
-            return y[:, None] if out is None else out
-        y = self.x.gdn_replay_verify(lay.buf, self.cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices,
-                                     lay.shadow, out=out, check_values=check, read_shadow=self._reads_shadow(),
-                                     use_qk_l2norm=use_qk_l2norm, scale=scale)
-        verified.add(("gdn", layer))
-        return y
-
-    def gdn_conv_update(self, layer: int, u, weight, bias=None, state_batch_indices=None,
-                        activation="silu") -> torch.Tensor:
-        """:meth:`conv_update` for GDN layer ``layer``'s window over q | k | v (u (batch, T, gdn_conv_dim))."""
-        self.gdn_layer(layer)  # the index checked
-        return self._conv_update(self._gdn_conv[layer], self.gdn_conv_dim, u, weight, bias, state_batch_indices,
-                                 activation, ("gdn_conv", layer))
-
     def commit(self, state_batch_indices, n_accepted, num_tokens: int) -> None:
         """Accept n of T tokens per row: count += n (cursor move), conv windows drop T - n inputs (all layers)."""
         self._check_T(num_tokens)
-        want = set(range(self.num_layers)) | {("gdn", l) for l in range(self.gdn_layers)}
+        want = set(range(self.total_layers))
         missing = sorted(want - self._step_T(num_tokens, "commit"), key=str)
         if missing:
             raise RuntimeError(f"commit: layers {missing} were not verified since flush(); their history would be "
@@ -1015,24 +950,19 @@ class ReplayStateCache:
             return
         self.x.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.buffer_len,
                            check_values=check)
-        windows = [*(self._conv if self.conv_dim else ()), *(self._gdn_conv if self.gdn_conv_dim else ())]
+        windows = [w for g in self.groups if g.conv_dim for w in g._conv]
         if windows:  # none with conv_dim=0 (the caller keeps them): no launches on empty tensors
             dst = self._dst(state_batch_indices)
             for conv in windows:  # one layer at a time: the gathered windows stay small
                 conv_rollback_rows(conv, n_accepted, num_tokens, dst)
         self._step = None
 
-    def committed_state(self, layer: int, slot: int, A) -> torch.Tensor:
-        """The recurrent state after the committed tokens (float64), e.g. for prefix caching or migration.
-        Between steps only (module docstring)."""
-        lay = self.layer(layer)
-        fold = reference.replay_state if self.standard else sr.committed_state
-        return fold(lay.state, lay.x_cache, lay.B_cache, lay.dt_cache, self.cursor, A, slot)
-
-    def gdn_committed_state(self, layer: int, slot: int) -> torch.Tensor:
-        """GDN layer ``layer``'s recurrent state after the committed tokens, float64 (HV, V, Kd)."""
-        fold = gref.replay_state if self.standard else gref.committed_state
-        return fold(self.gdn_layer(layer).buf, self.cursor, slot)
+    def committed_state(self, layer: int, slot: int, *args, **kwargs) -> torch.Tensor:
+        """Layer ``layer``'s recurrent state after the committed tokens of ``slot``, float64 (the checkpoint's shape),
+        e.g. for prefix caching or migration. Between steps only (module docstring). A Mamba-2 layer takes its A
+        (the cache does not hold it): ``committed_state(layer, slot, A)``; a KDA layer ``use_qk_l2norm``."""
+        g, i = self._locate(layer)
+        return g.committed_state(g.view(i), self.cursor, slot, self.standard, *args, **kwargs)
 
     def bytes_per_slot(self) -> int:
         """Bytes one slot holds across all layers (allocated tensors, cursor included): ``costs.cache_bytes(...)["slot"]``."""

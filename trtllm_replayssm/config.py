@@ -603,6 +603,10 @@ GDN_RESIDENT_THREADS = 768
 GDN_STATE_REGS = 32
 # Warps below which rows per thread are halved (small batches): one full wave of the H200, 132 SMs x 64.
 GDN_FULL_WAVE_WARPS = 132 * 64
+# Standard-decode replay modules halve rows per thread only below one block per SM (issue 40, H100 sweep at bs 1-32:
+# 4 rows per thread won at every batch with >= 2 blocks per SM; the per-thread prologue and the fold's per-entry
+# overhead, not the grid, bound the small batches; bench/NOTES.md "Issue 40").
+GDN_SMS = 132
 
 
 def gdn_layout(K: int, lanes: int = 32) -> tuple[int, int, int]:
@@ -717,7 +721,7 @@ def gdn_spec_smem_bytes(act: str, rows: int, K: int, L: int, T: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool) -> tuple[int, int, int]:
+def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: int = 0) -> tuple[int, int, int]:
     """(rows per block, warps, lanes per row) of the GDN kernels for this geometry and batch.
 
     Large batches: 32 state elements per thread, so ~128 bytes per thread are in flight and a row's dots
@@ -726,14 +730,21 @@ def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool) -> tuple[int
     8 lanes spilled under the 3-blocks register cap), so the flush's serial fold, one butterfly and one
     broadcast per entry, costs 5 + 4 shuffles per entry instead of 9 + 8 (bench/NOTES.md "GDN kernels").
     Rows per thread halve while the grid has under one full wave of warps (small batches: latency-bound,
-    more threads each with shorter serial chains). Replay blocks have 8 warps (the buffer dots k_j . k,
+    more threads each with shorter serial chains); the standard-decode replay module (``num_tokens`` 0) only
+    while its grid has fewer blocks than SMs: at bs 2-32 its 8-warp blocks hold 24-32 warps per SM, so halving
+    multiplied the fixed per-thread work (issue 40: bs8 flush 33.2 -> 24.8 us, amortized 0.95x -> 1.29x at 4
+    rows per thread, H100). Replay blocks have 8 warps (the buffer dots k_j . k,
     k_j . q are computed once per block, so fewer, larger blocks
     share them), conventional blocks 4 warps (nothing shared across rows)."""
     lpr, rpw, vpl = gdn_layout(K, max(16, K // 8) if replay else 32)
     rt = max(1, min(GDN_STATE_REGS // (4 * vpl), lpr // 2))
     total_rows = batch * HV * V
-    while rt > 1 and total_rows // (rpw * rt) < GDN_FULL_WAVE_WARPS:
-        rt //= 2
+    if replay and not num_tokens:
+        while rt > 1 and total_rows // min(V, rpw * rt * GDN_REPLAY_WARPS) < GDN_SMS:
+            rt //= 2
+    else:
+        while rt > 1 and total_rows // (rpw * rt) < GDN_FULL_WAVE_WARPS:
+            rt //= 2
     rows = min(V, rpw * rt * GDN_REPLAY_WARPS) if replay else min(V, rpw * rt * 4)
     while rows // (rpw * rt) > GDN_MAX_WARPS:
         rows //= 2
@@ -759,6 +770,6 @@ def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, repl
              l2norm: bool = True, scale: float | None = None, arch: int = 90, num_tokens: int = 0) -> GDNSpec:
     """The module for this geometry and batch. ``num_tokens`` = T >= 1: the speculative module, with the
     replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``."""
-    rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay)
+    rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay, num_tokens)
     passes = gdn_passes(V, K, HV, batch, replay, shadow, num_tokens)
     return GDNSpec(act, HV, H, V, K, L, rows * passes, warps, lanes, shadow, l2norm, scale, arch, num_tokens, passes)

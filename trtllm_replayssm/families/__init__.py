@@ -72,6 +72,7 @@ class Family:
     bytes_per_step: Callable[..., dict]
     geometries: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # published per-GPU geometries
     spec_types: tuple[type, ...] = ()  # its kernel spec classes (entry_file, kernel_names, prelude(): compile.py)
+    layer_group: str = ""  # "module:Class" of its layers in a ReplayStateCache (layer_group.LayerGroup)
 
     def sizes(self, slots: int, L: int, geometry) -> dict[str, int]:
         if len(geometry) != len(self.geometry):

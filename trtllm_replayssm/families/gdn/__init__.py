@@ -39,6 +39,7 @@ FAMILY = Family(
     reference="trtllm_replayssm.gdn_reference",
     bytes_per_step=costs.gdn_bytes_per_step,
     geometries=GDN_GEOMETRIES,
+    layer_group="trtllm_replayssm.families.gdn.layers:GDNLayers",
     spec_types=(GDNSpec,),
 )
 

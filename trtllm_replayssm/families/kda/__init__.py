@@ -33,6 +33,7 @@ FAMILY = Family(
     reference=reference.__name__,
     bytes_per_step=costs.kda_bytes_per_step,
     geometries=GEOMETRIES,
+    layer_group="trtllm_replayssm.families.kda.layers:KDALayers",
 )
 
 __all__ = ["FAMILY", "GEOMETRIES", "MODELS", "reference"]
