@@ -20,19 +20,19 @@ Patching (:func:`patch_kda_replayssm`), per KDA layer, mirroring the layer's own
                                                                   lower_bound sigmoid(exp(A_log) (f + dt_bias)))
     out = o_proj(o_norm(y, g_b(g_a(h))))                          (the layer's sigmoid-gated RMSNorm)
 
-The step is :func:`trtllm_replayssm.families.kda.reference.replay_decode` (float64, CPU): q and k l2-normalised in
-the step, q scaled by K^-1/2, as transformers' ``recurrent_kimi_delta_attention(use_qk_l2norm_in_kernel=True)``.
-Prefill (more than one token) is the model's own chunked path; its final recurrent state, which transformers keeps
-as (batch, H, K, V) fp32, is already our checkpoint layout (S, H, K, V) (the fla layout, y = S^T q): it is copied
-unchanged, with an empty ring (cursor 0). A continuation prefill, another conversation's prefill and ``unpatch()``
-first fold the ring back into the transformers cache (the exact recurrence, ``replay_state``). The cursor is shared
-by all KDA layers and advanced once per model step. Beam search, switching between caches and a forward raising
-mid-step are builders/nemotron_h.py's ``MixerPatch`` (shared). Not covered: caches that record the past.
-
-State: :class:`KDAStepCache`, the per-layer :class:`~trtllm_replayssm.families.kda.reference.KDABuffers` of the KDA
-state table behind the cache API the family-generic ``ReplayStateCache`` gets in issue 36 (``flush`` / ``verify``
-/ ``commit`` / ``abort_step`` / ``gather_slots`` / ``load_prefill`` / ``committed_state``); the conv windows stay in
-the transformers cache.
+State: a standard-cursor :class:`~trtllm_replayssm.cache.ReplayStateCache` of the KDA layers
+(``ReplayStateCache.for_family("kda", ...)``, the family's :class:`~trtllm_replayssm.families.kda.layers.KDALayers`;
+``conv_dim=0``: the conv windows stay in the transformers cache). Its step on CPU tensors is
+:func:`trtllm_replayssm.families.kda.reference.replay_decode` (float64): q and k l2-normalised in the step, q scaled
+by K^-1/2, as transformers' ``recurrent_kimi_delta_attention(use_qk_l2norm_in_kernel=True)``; the u ring is bf16
+(DESIGN §5) unless the checkpoint is float64. Prefill (more than one token) is the model's own chunked path; its
+final recurrent state, which transformers keeps as (batch, H, K, V) fp32, is already the checkpoint layout
+(S, H, K, V) (the fla layout, y = S^T q): ``cache.load_prefill`` takes it unchanged, with an empty ring (cursor 0).
+A continuation prefill, another conversation's prefill and ``unpatch()`` first fold every layer's ring back into the
+transformers cache (``cache.committed_state``: the exact recurrence) at the step's first KDA layer (load_prefill
+zeroes the shared cursor). The cursor advances once per model step. Beam search, switching between caches and a
+forward raising mid-step are builders/nemotron_h.py's ``MixerPatch`` (shared). Not covered: caches that record the
+past; CUDA (the KDA kernels' cache executor is not wired: the cache refuses a CUDA device).
 
 The embedded tiny configs keep the published structure at toy sizes: :data:`TINY_KIMI_LINEAR` (Kimi-Linear-48B's
 layout: 3 KDA + 1 MLA, KDA heads of K = V = 64, conv 4, MLA with a latent KV and NoPE/RoPE split, first layer dense
@@ -49,7 +49,7 @@ import sys
 
 import torch
 
-from trtllm_replayssm import families
+from trtllm_replayssm.cache import ReplayStateCache
 from trtllm_replayssm.families.kda import reference as kref
 
 from .nemotron_h import CheckpointError, MixerPatch
@@ -237,130 +237,14 @@ def _check_tensors(model_dir: pathlib.Path, config, cls) -> None:
         raise CheckpointError(f"model: {len(bad)} tensors mis-shaped in {str(model_dir)!r}: {bad[:8]}")
 
 
-class KDAStepCache:
-    """The ReplaySSM state of a model's KDA layers on the standard (slots,) cursor: one
-    :class:`~trtllm_replayssm.families.kda.reference.KDABuffers` per layer (checkpoint (S, H, K, V) in
-    ``state_dtype``; rings of raw k and v in the activation dtype, u in ``ring_dtype``, g and beta fp32) and one
-    cursor, with the step protocol of ``ReplayStateCache``: ``flush(rows, 1)`` opens a step, ``verify`` runs each
-    layer once (``step``, :func:`~trtllm_replayssm.families.kda.reference.replay_decode`'s signature: the flush step
-    folds the ring exactly into the checkpoint), ``commit(rows, None, 1)`` advances the cursor once
-    (``advance``, :func:`trtllm_replayssm.families.advance_cursor`'s). Slot s is row s; every slot is live."""
-
-    def __init__(self, num_layers: int, num_slots: int, geometry, buffer_len: int, *, act_dtype=torch.float32,
-                 state_dtype=torch.float32, ring_dtype=None, device="cpu", step=None, advance=None):
-        if num_layers < 1 or num_slots < 1:
-            raise ValueError(f"num_layers, num_slots: expected >= 1, got {num_layers}, {num_slots}")
-        if buffer_len < 1:
-            raise ValueError(f"buffer_len: expected >= 1, got {buffer_len}")
-        H, K, V = geometry
-        # u is the one rounded ring entry (DESIGN §5: bf16 beside a bf16 model); a float32 model keeps it in fp32
-        ring = ring_dtype or (act_dtype if act_dtype.itemsize >= 4 else kref.DTYPES["ring"])
-        f32 = torch.float64 if state_dtype == torch.float64 else torch.float32  # f64 only in exact tests
-        self.bufs = [kref.KDABuffers.alloc(num_slots, H, K, V, buffer_len, act=act_dtype, ring=ring,
-                                           state_dtype=state_dtype, f32=f32, device=device) for _ in range(num_layers)]
-        self.cursor = torch.zeros(num_slots, dtype=torch.int32, device=device)
-        self.num_layers, self.num_slots, self.buffer_len, self.geometry = num_layers, num_slots, buffer_len, (H, K, V)
-        self.act_dtype = act_dtype
-        self.step = step or kref.replay_decode
-        self.advance = advance or families.advance_cursor
-        self._step: set[int] | None = None  # layers verified since flush()
-
-    def _layer(self, layer: int) -> kref.KDABuffers:
-        if not 0 <= layer < self.num_layers:
-            raise IndexError(f"layer: expected 0 <= layer < {self.num_layers}, got {layer}")
-        return self.bufs[layer]
-
-    def flush(self, state_batch_indices, num_tokens: int):
-        """Open a step of ``num_tokens`` = 1 (the standard form folds its ring inside the step that fills it)."""
-        if num_tokens != 1:
-            raise ValueError(f"num_tokens: expected 1 (standard decode), got {num_tokens}")
-        if self._step:
-            raise RuntimeError(f"flush: the open step already verified layers {sorted(self._step)}; commit it or "
-                               "abort_step() and prefill its slots again")
-        self._step = set()
-
-    def verify(self, layer: int, q, k, v, f, b, A_log, dt_bias, state_batch_indices=None, out=None,
-               use_qk_l2norm: bool = True, scale: float | None = None, lower_bound: float | None = None):
-        """y (batch, 1, H, V) in v's dtype (or into ``out``) of one layer's token; appends it to the ring (or folds
-        the ring into the checkpoint at the step that fills it). q, k, f (batch, 1, H, K), v (batch, 1, H, V),
-        b (batch, 1, H) raw, A_log (H,), dt_bias (H, K)."""
-        if self._step is None:
-            raise RuntimeError("verify: call flush() first (a step is flush, verify of every layer, commit)")
-        if layer in self._step:
-            raise RuntimeError(f"verify: layer {layer} already ran in this step; commit the step first")
-        if v.dim() != 4 or v.shape[1] != 1:
-            raise ValueError(f"v: expected (batch, 1, H, V) (one token), got {tuple(v.shape)}")
-        y = self.step(self._layer(layer), self.cursor, q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias,
-                      state_batch_indices=state_batch_indices, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                      lower_bound=lower_bound)
-        self._step.add(layer)
-        y = y[:, None].to(v.dtype)
-        if out is None:
-            return y
-        out.copy_(y)
-        return out
-
-    def commit(self, state_batch_indices, n_accepted, num_tokens: int) -> None:
-        """Close the step: every row accepts its token, the cursor advances once for all layers."""
-        if self._step is None:
-            raise RuntimeError("commit: no step is open (flush() first)")
-        if n_accepted is not None or num_tokens != 1:
-            raise ValueError(f"n_accepted, num_tokens: expected None, 1 (standard decode), got {n_accepted}, "
-                             f"{num_tokens}")
-        missing = sorted(set(range(self.num_layers)) - self._step)
-        if missing:
-            raise RuntimeError(f"commit: layers {missing} were not verified since flush(); their history would be "
-                               "dropped by the cursor move")
-        self.advance(self.cursor, state_batch_indices, self.buffer_len)
-        self._step = None
-
-    def abort_step(self) -> list[int]:
-        """Close an open step without committing; returns the layers it verified (their slots need a new prefill)."""
-        verified = sorted(self._step or ())
-        self._step = None
-        return verified
-
-    def gather_slots(self, src: torch.Tensor) -> None:
-        """Slot s takes what slot ``src[s]`` held in every layer and its cursor (a beam search's reorder)."""
-        if not isinstance(src, torch.Tensor) or tuple(src.shape) != (self.num_slots,):
-            raise ValueError(f"src: expected a ({self.num_slots},) integer tensor, got {src!r}")
-        if self._step is not None:
-            raise RuntimeError("gather_slots: a step is open (flush() without commit())")
-        idx = src.to(device=self.cursor.device, dtype=torch.long)
-        for t in (*(t for buf in self.bufs for t in buf.tensors()), self.cursor):
-            t.copy_(t[idx])
-
-    def load_prefill(self, slot: int, layer: int, state: torch.Tensor, conv_state=None) -> None:
-        """Prefill hand-off of one slot and layer: ``state`` (H, K, V) becomes the checkpoint, the ring is emptied
-        and the slot's cursor zeroed (so hand every layer off before a decode step; a continuation prefill folds
-        every layer first). The conv windows stay in the transformers cache: ``conv_state`` must be None."""
-        buf = self._layer(layer)
-        if not 0 <= slot < self.num_slots:
-            raise IndexError(f"slot: expected 0 <= slot < {self.num_slots}, got {slot}")
-        if conv_state is not None:
-            raise ValueError("conv_state: expected None (the conv windows stay in the transformers cache)")
-        if not isinstance(state, torch.Tensor) or tuple(state.shape) != tuple(buf.state.shape[1:]):
-            raise ValueError(f"state: expected shape {tuple(buf.state.shape[1:])} (H, K, V), got "
-                             f"{tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__}")
-        buf.state[slot] = state.to(buf.state.dtype)
-        for t in buf.tensors()[1:]:
-            t[slot].zero_()
-        self.cursor[slot] = 0
-
-    def committed_state(self, layer: int, slot: int) -> torch.Tensor:
-        """Layer ``layer``'s recurrent state of ``slot`` after the committed tokens: the exact fold of its ring,
-        float64 (H, K, V) (transformers' layout). Between steps only."""
-        return kref.replay_state(self._layer(layer), self.cursor, slot)
-
-
 class KDAReplayDecoder(MixerPatch):
-    """ReplaySSM state of a patched Kimi-Linear / GLM-5 Next model: a :class:`KDAStepCache` of its KDA layers,
-    allocated at the prefill hand-off (row b of the batch is slot b). ``backend`` (the signature of
-    :func:`~trtllm_replayssm.families.kda.reference.replay_decode`, the default) and ``advance`` run the step;
-    ``bufs[layer_idx]`` (KDABuffers) and ``cursor`` are the cache's tensors."""
+    """ReplaySSM state of a patched Kimi-Linear / GLM-5 Next model: a standard-cursor
+    :class:`~trtllm_replayssm.cache.ReplayStateCache` of its KDA layers (``for_family("kda", ...)``), allocated at
+    the prefill hand-off (row b of the batch is slot b); the conv windows stay in the transformers cache
+    (``conv_dim=0``). The cache's executor runs the step (the float64 spec on CPU tensors). ``bufs[layer_idx]``
+    (KDABuffers views) and ``cursor`` are the cache's tensors."""
 
-    def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32,
-                 ring_dtype=None):
+    def __init__(self, model, buffer_len: int, state_dtype=torch.float32, check_values: bool | None = None):
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
         if model.config.model_type not in MODEL_TYPES:
@@ -368,8 +252,8 @@ class KDAReplayDecoder(MixerPatch):
                              f"{model.config.model_type!r}")
         self.model = model
         self.buffer_len = buffer_len
-        self.state_dtype, self.ring_dtype = state_dtype, ring_dtype
-        self.backend, self.advance = backend, advance
+        self.state_dtype = state_dtype
+        self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
         self.layers = kda_layers(model)
         if not self.layers:
             raise ValueError("model: no linear_attention (KDA) layer in config.layer_types")
@@ -381,7 +265,7 @@ class KDAReplayDecoder(MixerPatch):
             raise RuntimeError(f"transformers {transformers.__version__}: {mod.__name__} has no causal_conv1d_forward "
                                f"(the decode conv the patch calls); needs transformers >= 5.25")
         self.j = {i: j for j, i in enumerate(self.layers)}
-        self.cache = None  # a KDAStepCache of the KDA layers, from the first prefill hand-off
+        self.cache = None  # a ReplayStateCache of the KDA layers, from the first prefill hand-off
         self._ready: set[int] = set()
         self._step: str | None = None
         self._cache_ref = None  # weakref of the transformers cache our buffers continue
@@ -394,7 +278,7 @@ class KDAReplayDecoder(MixerPatch):
 
     @property
     def bufs(self) -> dict[int, kref.KDABuffers]:
-        return {i: self.cache.bufs[self.j[i]] for i in self.layers if i in self._ready}
+        return {i: self.cache.layer(self.j[i]).buf for i in self.layers if i in self._ready}
 
     def _mixers(self) -> list:
         return [text_model(self.model).layers[i].self_attn for i in self.layers]
@@ -422,10 +306,12 @@ class KDAReplayDecoder(MixerPatch):
         batch, H, K, V = S.shape
         c = self.cache
         if c is None or not self._holds(cache) or c.num_slots != batch or c.cursor.device != S.device \
-                or c.act_dtype != act_dtype:
-            c = self.cache = KDAStepCache(len(self.layers), batch, (H, K, V), self.buffer_len, act_dtype=act_dtype,
-                                          state_dtype=self.state_dtype, ring_dtype=self.ring_dtype, device=S.device,
-                                          step=self.backend, advance=self.advance)
+                or c.layer(0).conv.dtype != act_dtype:
+            c = self.cache = ReplayStateCache.for_family(
+                "kda", len(self.layers), batch, (H, K, V), self.buffer_len, conv_dim=0, cursor="standard",
+                state_dtype=self.state_dtype, act_dtype=act_dtype, device=S.device, check_values=self.check_values)
+            for _ in range(batch):
+                c.allocate()
             self._ready = set()
         for s in range(batch):
             c.load_prefill(s, self.j[mixer.layer_idx], S[s].detach())
@@ -451,12 +337,12 @@ class KDAReplayDecoder(MixerPatch):
         return mixer.o_proj(mixer.o_norm(y.to(dtype), gate).reshape(batch, 1, -1))
 
 
-def patch_kda_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32,
-                        ring_dtype=None):
-    """Patch every KDA layer of ``model`` in place; returns the :class:`KDAReplayDecoder` (``unpatch()`` undoes)."""
-    return KDAReplayDecoder(model, buffer_len, backend, advance, state_dtype, ring_dtype).patch()
+def patch_kda_replayssm(model, buffer_len: int = 16, state_dtype=torch.float32, *, check_values: bool | None = None):
+    """Patch every KDA layer of ``model`` in place; returns the :class:`KDAReplayDecoder` (``unpatch()`` undoes).
+    ``check_values`` as :func:`builders.nemotron_h.patch_replayssm`'s."""
+    return KDAReplayDecoder(model, buffer_len, state_dtype, check_values).patch()
 
 
 __all__ = ["TINY_KIMI_LINEAR", "TINY_GLM5_NEXT", "FAMILIES", "MODEL_TYPES", "LAYER_TYPES", "text_model", "kda_layers",
-           "is_kda_checkpoint", "tiny_model", "load_kda_model", "KDAStepCache", "KDAReplayDecoder",
+           "is_kda_checkpoint", "tiny_model", "load_kda_model", "KDAReplayDecoder",
            "patch_kda_replayssm"]
