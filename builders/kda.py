@@ -306,7 +306,7 @@ class KDAReplayDecoder(MixerPatch):
         batch, H, K, V = S.shape
         c = self.cache
         if c is None or not self._holds(cache) or c.num_slots != batch or c.cursor.device != S.device \
-                or c.layer(0).conv.dtype != act_dtype:
+                or c.layer(0).buf.k_cache.dtype != act_dtype:
             c = self.cache = ReplayStateCache.for_family(
                 "kda", len(self.layers), batch, (H, K, V), self.buffer_len, conv_dim=0, cursor="standard",
                 state_dtype=self.state_dtype, act_dtype=act_dtype, device=S.device, check_values=self.check_values)
