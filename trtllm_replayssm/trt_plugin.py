@@ -167,6 +167,9 @@ def _ints(attrs: dict) -> dict:
     return {k: _int(v) for k, v in attrs.items()}
 
 
+as_int = _int  # the name a family's plugin module uses (families/<name>/trt_plugin.py)
+
+
 PLUGIN_NAMESPACE = "replayssm"
 PLUGIN_NAME = "mamba2_decode"
 PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{PLUGIN_NAME}"
@@ -307,6 +310,30 @@ def _check_dtypes(state: str, act: str, tactic: int, tactics=TACTICS) -> None:
         raise ValueError(f"act: expected one of {ACT_DTYPES}, got {act!r}")
     if tactic not in tactics:
         raise ValueError(f"tactic: expected one of {sorted(tactics)}, got {tactic!r}")
+
+
+check_dtypes = _check_dtypes  # the name a family's plugin module uses
+
+
+def family_plugins() -> dict:
+    """{plugin name: (the family's plugin module, PluginInfo)} of every family folder that declares TensorRT plugins
+    (``Family.trt_plugin``; imported on first use)."""
+    import importlib
+
+    from . import families
+
+    out = {}
+    for name in families.names():
+        path = families.get(name).trt_plugin
+        if path:
+            mod = importlib.import_module(path)
+            out.update({n: (mod, info) for n, info in mod.PLUGINS.items()})
+    return out
+
+
+def all_plugins() -> dict:
+    """{plugin name: PluginInfo} of every plugin: the ones defined here and the families' (:func:`family_plugins`)."""
+    return {**PLUGINS, **{n: info for n, (_, info) in family_plugins().items()}}
 
 
 def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int, state: str, act: str,
@@ -488,7 +515,10 @@ def shape_attributes(plugin: str, shapes: dict) -> dict:
     if plugin in GDN_VERIFY_PLUGINS:
         return dict(num_k_heads=dim("q", 2), num_v_heads=dim("v", 2), key_dim=dim("q", 3), value_dim=dim("v", 3),
                     buffer_len=dim("u_cache", 2), num_tokens=dim("q", 1))
-    raise ValueError(f"plugin: expected one of {sorted(PLUGINS)}, got {plugin!r}")
+    fam = family_plugins()
+    if plugin in fam:
+        return fam[plugin][0].shape_attributes(plugin, dim)
+    raise ValueError(f"plugin: expected one of {sorted(all_plugins())}, got {plugin!r}")
 
 
 def check_attributes(plugin: str, attrs: dict, shapes: dict, shadow_kind: str | None = None) -> None:
@@ -500,7 +530,11 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict, shadow_kind: str | 
     bad = {k: (attrs[k], v) for k, v in implied.items() if v is not None and v != attrs[k]}
     if bad:
         got = ", ".join(f"{k}={a} but the inputs have {v}" for k, (a, v) in bad.items())
-        raise ValueError(f"{PLUGINS[plugin].id}: attributes do not match the input shapes: {got}")
+        raise ValueError(f"{all_plugins()[plugin].id}: attributes do not match the input shapes: {got}")
+    fam = family_plugins()
+    if plugin in fam:  # the family's own checks (its module)
+        fam[plugin][0].check_attributes(plugin, attrs, shapes, _check_shadow_shapes)
+        return
     if plugin in (SHADOW_PLUGIN_NAME, VERIFY_SHADOW_PLUGIN_NAME):
         _check_shadow_shapes(plugin, shapes, shadow_kind)
     if plugin in (GDN_SHADOW_PLUGIN_NAME, GDN_VERIFY_SHADOW_PLUGIN_NAME):  # the kernels read it as the state (bf16)
@@ -518,22 +552,24 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict, shadow_kind: str | 
 
 
 def _check_shadow_shapes(plugin: str, shapes: dict, shadow_kind: str | None) -> None:
+    pid = all_plugins()[plugin].id
     def same(a, b):  # dims equal where both are known
         return a is None or b is None or (len(a) == len(b) and all(x is None or y is None or x == y for x, y in zip(a, b)))
 
     state, shadow, scale = shapes.get("state"), shapes.get("shadow"), shapes.get("shadow_scale")
     if not same(shadow, state):
-        raise ValueError(f"{PLUGINS[plugin].id}: shadow: expected the state's shape {tuple(state)}, got {tuple(shadow)}")
+        raise ValueError(f"{pid}: shadow: expected the state's shape {tuple(state)}, got {tuple(shadow)}")
     if scale is None or shadow_kind is None:
         return
     want = (1,) if shadow_kind == "bf16" else (None,) * 3 if state is None else tuple(state[:3])
     if not same(scale, want):
         what = "(1,) (a bf16 shadow's placeholder)" if shadow_kind == "bf16" else "(slots, nheads, headdim) row scales"
-        raise ValueError(f"{PLUGINS[plugin].id}: shadow_scale: expected {what} for a {shadow_kind} shadow, got "
+        raise ValueError(f"{pid}: shadow_scale: expected {what} for a {shadow_kind} shadow, got "
                          f"{tuple(scale)}")
 
 
 _TRT_TYPE_NAMES = {"f32": "FP32", "f16": "FP16", "bf16": "BF16", "fp8": "FP8"}
+TRT_TYPE_NAMES = _TRT_TYPE_NAMES  # the name a family's plugin module uses
 
 
 def type_combination(state: str, act: str, shadow: str = "none") -> list[str]:
@@ -571,7 +607,8 @@ def current_device() -> tuple[int, int]:
 
 
 def register():
-    """Register the nine plugins with TensorRT's Python plugin registry (idempotent).
+    """Register the nine plugins here and the families' (``families/<name>/trt_plugin.py``: KDA's ``kda_decode``,
+    ``kda_decode_shadow``) with TensorRT's Python plugin registry (idempotent).
 
     Thin on purpose: every value it hands TensorRT comes from the plain functions above. Runs only
     where TensorRT is installed; tests/test_trt_plugin.py drives it through a stand-in of
@@ -852,5 +889,13 @@ def register():
         kern = aot_gdn_verify_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
                                                   use_qk_l2norm, num_tokens)), dt_code[v.dtype], arch, tactic, "bf16")
         return result(kern, v.shape_expr[0], state.shape_expr[0])
+
+    # ---- the families' plugins (families/<name>/trt_plugin.py), through the shared pieces above ------------------
+    import types
+
+    ctx = types.SimpleNamespace(trtp=trtp, Desc=Desc, IntAttr=IntAttr, AotResult=AotResult, Tune=Tune, dt_code=dt_code,
+                                check=check, result=result, current_device=current_device)
+    for mod in {id(m): m for m, _ in family_plugins().values()}.values():
+        mod.register(ctx)
 
     register._done = True

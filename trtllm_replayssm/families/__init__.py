@@ -73,6 +73,7 @@ class Family:
     geometries: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # published per-GPU geometries
     spec_types: tuple[type, ...] = ()  # its kernel spec classes (entry_file, kernel_names, prelude(): compile.py)
     layer_group: str = ""  # "module:Class" of its layers in a ReplayStateCache (layer_group.LayerGroup)
+    trt_plugin: str = ""  # module of its TensorRT plugins (PLUGINS, aot_kernel, register(ctx)), registered by trt_plugin
 
     def sizes(self, slots: int, L: int, geometry) -> dict[str, int]:
         if len(geometry) != len(self.geometry):
