@@ -67,9 +67,6 @@ unchecked, a row with an out-of-range cursor gets NaN outputs and nothing else i
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 import torch
 
@@ -82,6 +79,8 @@ from .launch import (
     Arg,
     arch,
     check_args,
+    check_flag,
+    check_float,
     check_indices,
     check_rank,
     check_spec_values,
@@ -95,13 +94,8 @@ _BF16 = (torch.bfloat16,)
 
 
 def _check_options(use_qk_l2norm, scale) -> None:
-    if not isinstance(use_qk_l2norm, bool):
-        raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-            raise TypeError(f"scale: expected a float or None (K^-1/2), got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale: expected a finite positive float, got {scale}")
+    check_flag(use_qk_l2norm, "use_qk_l2norm")
+    check_float(scale, "scale", lambda x: x > 0, "a finite positive float", "a float or None (K^-1/2)")
 
 
 def _geometry(q, v, state, u_cache=None):

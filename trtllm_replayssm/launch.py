@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
+import numbers
 import threading
 from typing import NamedTuple
 
@@ -118,6 +120,22 @@ def check_args(args: list, check_sizes=None) -> tuple[dict, torch.device]:
             dtypes = (group[dtypes],) if a.t.dtype in GROUPS[dtypes] else GROUPS[dtypes]
         check_tensor(a.t, a.name, shape, dtypes, dev, a.align)
     return sizes, dev
+
+
+def check_flag(value, name: str) -> None:
+    """A launcher's bool option (compiled into the module: a truthy non-bool would pick a module silently)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {type(value).__name__}")
+
+
+def check_float(value, name: str, ok, want: str, type_want: str | None = None) -> None:
+    """A launcher's float option: None passes (the default); else a real number, not a bool, finite, with ``ok``."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected {type_want or want}, got {type(value).__name__}")
+    if not (math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name}: expected {want}, got {value}")
 
 
 def capturing() -> bool:

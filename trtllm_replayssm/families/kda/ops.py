@@ -41,32 +41,34 @@ kernel, :func:`trtllm_replayssm.ops.advance_cursor`).
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 import torch
 
 from ... import ops as _ops
 from ...config import DTYPE_CODES
-from ...launch import F32, I32, Arg, arch, check_args, check_indices, check_rank, launch, require_cuda, values_checked
+from ...launch import (
+    F32,
+    I32,
+    Arg,
+    arch,
+    check_args,
+    check_flag,
+    check_float,
+    check_indices,
+    check_rank,
+    launch,
+    require_cuda,
+    values_checked,
+)
 from .config import kda_spec
 
 _BF16 = (torch.bfloat16,)
 
 
 def _check_options(use_qk_l2norm, scale, lower_bound) -> None:
-    if not isinstance(use_qk_l2norm, bool):
-        raise TypeError(f"use_qk_l2norm: expected a bool, got {type(use_qk_l2norm).__name__}")
-    for name, v, ok, want in (("scale", scale, lambda x: x > 0, "a finite positive float or None (K^-1/2)"),
-                              ("lower_bound", lower_bound, lambda x: x < 0,
-                               "a finite negative float or None (Kimi's gate)")):
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise TypeError(f"{name}: expected {want}, got {type(v).__name__}")
-        if not (math.isfinite(v) and ok(v)):
-            raise ValueError(f"{name}: expected {want}, got {v}")
+    check_flag(use_qk_l2norm, "use_qk_l2norm")
+    check_float(scale, "scale", lambda x: x > 0, "a finite positive float or None (K^-1/2)")
+    check_float(lower_bound, "lower_bound", lambda x: x < 0, "a finite negative float or None (Kimi's gate)")
 
 
 def _geometry(q, v, state, u_cache=None):
