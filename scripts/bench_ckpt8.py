@@ -31,6 +31,7 @@ from trtllm_replayssm import timing  # noqa: E402
 def _load(name):
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
     spec.loader.exec_module(mod)
     return mod
 
