@@ -65,7 +65,6 @@ namespace rssm {
 // shadow's); the e4m3 checkpoint pointers are the shadow's (shadow_t), the fp32 ones unused.
 using state_t = float;
 #endif
-constexpr bool kCkpt8 = RSSM_CKPT8;
 
 // ---- dtype helpers ---------------------------------------------------------------------------
 using rssm_common::from_f;  // common/convert.cuh
@@ -352,8 +351,15 @@ __device__ __forceinline__ void store_shadow(const RowRegs<R>& st, shadow_t* bas
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     float scale = 1.f, inv = 1.f;
-    if constexpr (kShadow == 2) {
-      scale = fp8_row_scale(st.s[r], inv);
+    if constexpr (kShadow == 2) {  // fp8_row_scale, written out: the shipped modules' PTX was measured so
+      float m = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) m = fmaxf(m, fabsf(st.s[r][v][e]));
+      m = group_max<kLPR>(m);
+      scale = m > 0.f ? m / 448.f : 1.f;
+      inv = __frcp_rn(scale);
       if (l == r0 + r) scales[rb + r] = scale;
     }
 #pragma unroll
@@ -388,10 +394,10 @@ __device__ __forceinline__ void load_shadow(StateRegs& st, const shadow_t* base,
 // State form of the flush for this thread's elements, from tiles in shared memory:
 // st = exp(c_k) S0 + sum_j (w_j x_j) B_j^T. Bt is [kL][kN]; xt is [kL][kRows] (float or act_t).
 // Ss: the checkpoint rows in shared memory, or in global memory (generic pointer) with a shadow.
-// fold_ring: the sum over the ring onto st (rows [r0, r0 + R) of the thread), entry by entry.
+// fold_ring: the sum over the ring onto st (the thread's rows [rb, rb + R) of the block), entry by entry.
 template <typename XT, int R>
 __device__ __forceinline__ void fold_ring(RowRegs<R>& st, const float* w, const act_t (*Bt)[kN], const XT (*xt)[kRows],
-                                          int r0);
+                                          int rb);
 template <typename XT, int R>
 __device__ __forceinline__ void flush_rows(RowRegs<R>& st, const state_t* Ss, float decay, const float* w,
                                            const act_t (*Bt)[kN], const XT (*xt)[kRows], int r0 = 0) {
@@ -404,12 +410,11 @@ __device__ __forceinline__ void flush_rows(RowRegs<R>& st, const state_t* Ss, fl
 #pragma unroll
       for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
     }
-  fold_ring(st, w, Bt, xt, r0);
+  fold_ring(st, w, Bt, xt, rb);
 }
 template <typename XT, int R>
 __device__ __forceinline__ void fold_ring(RowRegs<R>& st, const float* w, const act_t (*Bt)[kN], const XT (*xt)[kRows],
-                                          int r0) {
-  const int rb = row_base() + r0;
+                                          int rb) {
 #pragma unroll 4
   for (int j = 0; j < kL; ++j) {
     const float wj = w[j];
@@ -567,7 +572,7 @@ __device__ __forceinline__ float flush_ckpt8(const float4* S, float decay, const
         for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = st.s[r][v][e] * qs * decay;  // (q * scale) * exp(c_k)
       }
     }
-    fold_ring(st, w, Bt, xt, r0);
+    fold_ring(st, w, Bt, xt, rb);
 #pragma unroll
     for (int r = 0; r < kFR; ++r) {
       float inv;
@@ -686,7 +691,7 @@ __device__ __forceinline__ void issue_rows(float4* S, const ReplayArgs& a, int s
   const int t = threadIdx.x;
   const size_t base = state_off(slot, h, row0);
   if (kShadow) {
-    if (flush && !kCkpt8) return;  // a shadow's flush folds the fp32 rows; an 8-bit checkpoint's, these
+    if (flush && !RSSM_CKPT8) return;  // a shadow's flush folds the fp32 rows; an 8-bit checkpoint's, these
     const float4* src = reinterpret_cast<const float4*>(a.sh_in + base);
 #pragma unroll
     for (int u = 0; u < (kShadowVecs + kThreads - 1) / kThreads; ++u) {
@@ -1175,7 +1180,7 @@ __device__ __forceinline__ void issue_item_bulk(Stage& sg, unsigned bar, const R
   constexpr unsigned kA = sizeof(act_t);
   constexpr unsigned kRowBytes = (kShadow ? kShadowVecs : kStateVecs) * 16u;
   constexpr unsigned kScaleBytes = kShadow == 2 ? kRows * 4u : 0u;
-  const bool rows = !(kShadow && !kCkpt8 && pos == kL - 1);  // a shadow's flush reads the f32 rows from global memory
+  const bool rows = !(kShadow && !RSSM_CKPT8 && pos == kL - 1);  // a shadow's flush reads the f32 rows from global memory
   const unsigned bytes = (rows ? kRowBytes + kScaleBytes : 0u) + (pos + 1) * (kN + kRows) * kA + kN * kA;
   mbar_init(bar, 1);
   mbar_arrive_expect_tx(bar, bytes);
