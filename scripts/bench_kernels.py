@@ -49,7 +49,7 @@ from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E4
 
 ROTATE_BYTES = 512 << 20  # ~8x the H200's 60 MB L2
 MAX_ROTATIONS = 64
-DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+DT = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "fp8": torch.float8_e4m3fn}
 
 
 def load_mamba(path: str | None):
@@ -124,6 +124,9 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
     inputs = [make_inputs(batch, H, P, N, G, act, gen, "cuda") for _ in range(min(R, 4))]
     y = torch.empty(batch, H, P, dtype=act, device="cuda")
     sh = sc = None
+    ckpt8 = state_code == "fp8"  # an 8-bit checkpoint (its scales and flush counts; no conventional step)
+    ck = dict(ckpt_scale=torch.ones(slots, H, P, device="cuda"), ckpt_flushes=torch.zeros(slots, dtype=torch.int32,
+                                                                                           device="cuda")) if ckpt8 else {}
     if shadow != "none":
         sh = state.to(torch.bfloat16 if shadow == "bf16" else torch.float8_e4m3fn)  # values do not matter here
         sc = torch.ones(slots, H, P, device="cuda") if shadow == "fp8" else None
@@ -137,11 +140,11 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
         for r in range(R):
             x, B, C, dt, _ = inputs[r % len(inputs)]
             ops.replay_decode(x, B, C, dt, prm.dt_bias, prm.A, prm.D, state, xc, Bc, dtc, cursor, sbis[r], out=y,
-                              shadow=sh, shadow_scale=sc)
+                              shadow=sh, shadow_scale=sc, **ck)
 
     row = dict(geom=geom, H=H, P=P, N=N, G=G, state=state_code, act=act_code, L=L, batch=batch, rotations=R,
                shadow=shadow)
-    row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
+    row["conv_us"], row["conv_spread_us"] = (None, None) if ckpt8 else graph_time_us(conv, R)
     measured = {}
     for k in ks or range(1, L + 1):
         cursor.fill_(k - 1)
@@ -154,12 +157,12 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
     conv_b, rep_b = costs.mamba2_bytes_per_position(H, P, N, G, L, s, a, shadow)
     row["bytes_conv"] = conv_b * batch
     row["bytes_replay_amortized"] = sum(rep_b.values()) / L * batch
-    row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
+    row["tbps_conv"] = None if ckpt8 else row["bytes_conv"] / row["conv_us"] / 1e6
     row["tbps_replay"] = row["bytes_replay_amortized"] / row["replay_us_amortized"] / 1e6
     row["tbps_replay_k1"] = rep_b[1] * batch / per_k[0] / 1e6
     row["tbps_replay_flush"] = rep_b[L] * batch / per_k[-1] / 1e6
-    row["speedup_vs_conv"] = row["conv_us"] / row["replay_us_amortized"]
-    row["flush_over_conv"] = per_k[-1] / row["conv_us"]
+    row["speedup_vs_conv"] = None if ckpt8 else row["conv_us"] / row["replay_us_amortized"]
+    row["flush_over_conv"] = None if ckpt8 else per_k[-1] / row["conv_us"]
     # Serving-like phases: the rows of one launch spread over the L buffer positions (row i at k = i mod L + 1),
     # as sequences that started at different tokens are; ~1/L of the rows flush in every step.
     for sbi in sbis:
@@ -168,7 +171,7 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
     mixed_b = sum(rep_b[i % L + 1] for i in range(batch))
     row["bytes_replay_mixed"] = mixed_b
     row["tbps_replay_mixed"] = mixed_b / row["replay_us_mixed"] / 1e6
-    row["speedup_vs_conv_mixed"] = row["conv_us"] / row["replay_us_mixed"]
+    row["speedup_vs_conv_mixed"] = None if ckpt8 else row["conv_us"] / row["replay_us_mixed"]
     if mamba_fn is not None and state_code == "f32" and shadow == "none":
         # tie_hdim: dt, A, dt_bias, D broadcast over headdim with stride 0, as Nemotron-H runs it.
         A_t = prm.A[:, None, None].expand(H, P, N)

@@ -27,7 +27,7 @@ import os
 import pathlib
 import tempfile
 
-from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, GDNSpec, KernelSpec, Layout, Variant
+from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, STATE_CUDA_TYPES, GDNSpec, KernelSpec, Layout, Variant
 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "plugins"
 if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the package
@@ -121,8 +121,9 @@ def prelude(spec) -> str:
             f"// generated for {spec.key}",
             "#include <cuda_bf16.h>",
             "#include <cuda_fp16.h>",
-            *(["#include <cuda_fp8.h>"] if spec.shadow == "fp8" else []),
-            f"using state_t = {CUDA_TYPES[spec.state]};",
+            *(["#include <cuda_fp8.h>"] if spec.shadow == "fp8" or spec.state == "fp8" else []),
+            *(["#define RSSM_CKPT8 1"] if spec.state == "fp8" else []),  # 8-bit checkpoint (replayssm.cuh)
+            f"using state_t = {STATE_CUDA_TYPES[spec.state]};",
             f"using act_t = {CUDA_TYPES[spec.act]};",
             f"using shadow_t = {SHADOW_CUDA_TYPES.get(spec.shadow, 'state_t')};",
             f"#define RSSM_SHADOW {('none', 'bf16', 'fp8').index(spec.shadow)}",

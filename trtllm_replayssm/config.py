@@ -24,6 +24,12 @@ DTYPE_CODES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16
 CODE_DTYPES = {v: k for k, v in DTYPE_CODES.items()}
 CUDA_TYPES = {"f32": "float", "bf16": "__nv_bfloat16", "f16": "__half"}
 ITEMSIZE = {"f32": 4, "bf16": 2, "f16": 2}
+# The 8-bit checkpoint (KernelSpec.state "fp8"; issue 38): e4m3 with one fp32 scale per (slot, head, row), no
+# full-precision copy. Its module reads and writes the rows as the fp8 shadow's (4-element vectors of the fp32
+# row layout), on the staged kernel only, standard decode only.
+CKPT8 = "fp8"
+CKPT8_DTYPE = torch.float8_e4m3fn
+STATE_CUDA_TYPES = {**CUDA_TYPES, CKPT8: "__nv_fp8_e4m3"}
 # Low-precision shadow of the checkpoint (read by the output form, written at each flush).
 SHADOW_KINDS = ("none", "bf16", "fp8")
 SHADOW_CUDA_TYPES = {"bf16": "__nv_bfloat16", "fp8": "__nv_fp8_e4m3"}
@@ -204,9 +210,11 @@ class KernelSpec:
     layout: Layout | None = None
 
     def __post_init__(self):
-        for name in ("state", "act"):
-            if getattr(self, name) not in CUDA_TYPES:
-                raise ValueError(f"KernelSpec.{name}: expected one of {sorted(CUDA_TYPES)}, got {getattr(self, name)!r}")
+        for name, types in (("state", STATE_CUDA_TYPES), ("act", CUDA_TYPES)):
+            if getattr(self, name) not in types:
+                raise ValueError(f"KernelSpec.{name}: expected one of {sorted(types)}, got {getattr(self, name)!r}")
+        if self.state == CKPT8:
+            self._check_ckpt8()
         if self.shadow not in SHADOW_KINDS:
             raise ValueError(f"KernelSpec.shadow: expected one of {SHADOW_KINDS}, got {self.shadow!r}")
         if self.shadow != "none" and self.state != "f32":
@@ -215,7 +223,7 @@ class KernelSpec:
             raise ValueError(f"ngroups ({self.ngroups}) must divide nheads ({self.nheads})")
         if not 1 <= self.buffer_len <= 32:
             raise ValueError(f"buffer_len must be in 1..32, got {self.buffer_len}")
-        lay = vector_layout(self.state, self.dstate)
+        lay = vector_layout(self.layout_state, self.dstate)
         if self.headdim % self.rows or self.rows % (lay.rows_per_warp_load * self.warps):
             raise ValueError(
                 f"rows={self.rows}, warps={self.warps}: rows must divide headdim={self.headdim} and be a "
@@ -223,7 +231,7 @@ class KernelSpec:
             )
         if self.rows > self.warps * 32 or self.warps * 32 > MAX_THREADS:
             raise ValueError(f"rows={self.rows}, warps={self.warps}: need rows <= threads <= {MAX_THREADS}")
-        if self.shadow == "fp8" and not self.num_tokens and self.rows % 4:
+        if (self.shadow == "fp8" or self.state == CKPT8) and not self.num_tokens and self.rows % 4:
             raise ValueError(f"rows={self.rows}: the fp8 shadow's row scales move as 16-byte vectors of 4 rows "
                              "(replayssm_decode.cu): rows must be a multiple of 4")
         if not isinstance(self.variant, Variant):
@@ -244,6 +252,23 @@ class KernelSpec:
         if self.layout is not None and (self.num_tokens or self.shadow != "none"):
             raise ValueError("KernelSpec.layout: the strided layout is for the standard decode module without a "
                              f"shadow, got num_tokens={self.num_tokens}, shadow={self.shadow!r}")
+
+    def _check_ckpt8(self):
+        if self.shadow != "none":
+            raise ValueError(f"KernelSpec.shadow={self.shadow!r}: an 8-bit checkpoint (state='fp8') is its own fp8 read copy; "
+                             "expected shadow='none'")
+        if self.num_tokens or self.layout is not None:
+            raise ValueError("KernelSpec.state='fp8': the contiguous standard decode module only, got "
+                             f"num_tokens={self.num_tokens}, layout={self.layout!r}")
+        if self.variant.kind != "staged":
+            raise ValueError(f"KernelSpec.state='fp8': the staged kernel only (the flush folds the staged 8-bit rows), "
+                             f"got variant.kind={self.variant.kind!r}")
+
+    @property
+    def layout_state(self) -> str:
+        """The state dtype whose row layout the module uses: an 8-bit checkpoint's rows are laid out as an fp32
+        checkpoint's (4-element vectors), as the fp8 shadow's."""
+        return "f32" if self.state == CKPT8 else self.state
 
     def _check_spec(self):
         T, L = self.num_tokens, self.buffer_len
@@ -458,6 +483,13 @@ def _plan(state: str, act: str, nheads: int, headdim: int, dstate: int, buffer_l
     as given, with or without a shadow; a persistent one wherever two stages fit (else one-shot with
     the same register budget), and one-shot in the conventional module (that kernel has no persistent form).
     """
+    if state == CKPT8:  # the fp8 shadow's plan and geometry: same staged rows (e4m3 + row scales) on every step
+        if conventional:
+            raise ValueError("state='fp8': an 8-bit checkpoint has no conventional module")
+        rows, warps, variant = _plan("f32", act, nheads, headdim, dstate, buffer_len, batch, False, pinned, _override, "fp8")
+        if variant.kind != "staged":
+            raise ValueError(f"state='fp8': the 8-bit checkpoint runs the staged kernel only, got a pinned {variant!r}")
+        return rows, warps, variant
     if pinned is None:
         if conventional:
             variant = Variant("one_shot", SHIPPED_MIN_BLOCKS)

@@ -10,7 +10,9 @@ cursor's count), k = m + 1 the buffer position of a standard decode step, K conv
 columns. Bytes per element: s state (fp32 4), a activations (bf16 2), f ring floats (fp32 4; 8 in the
 float64 test caches), q shadow (bf16 2, fp8 1; an fp8 shadow also keeps r = 4 bytes of fp32 scale per
 state row, bf16 r = 0). ``shadow`` arguments take None / "none", "bf16", "fp8" or q as a number
-(0 = none; a number below 2 carries the fp8 row scales). b batch rows, M Mamba-2 / A attention layers of
+(0 = none; a number below 2 carries the fp8 row scales). s = 1 is an 8-bit checkpoint (fp8-e4m3 with one fp32 scale
+per state row, no full-precision copy; issue 38): S below then counts its scales, S = H P (N + 4) (GDN: HV V (Kd + 4)),
+and it is its own read copy (no shadow). b batch rows, M Mamba-2 / A attention layers of
 a model, kvh KV heads of hd, V_voc vocabulary, W_w weight bytes.
 
 Per (batch row, Mamba-2 layer), one launch (:func:`mamba2_bytes_per_position`, :func:`mamba2_verify_bytes`,
@@ -98,7 +100,8 @@ config's parameter count times the dtype's itemsize, without allocating).
 from __future__ import annotations
 
 GiB = 1 << 30
-FP8_SCALE_BYTES = 4  # one fp32 scale per state row of an fp8 shadow
+FP8_SCALE_BYTES = 4  # one fp32 scale per state row of an fp8 shadow (and of an 8-bit checkpoint)
+CKPT8_BYTES = 1  # state_bytes of an 8-bit checkpoint: e4m3 + FP8_SCALE_BYTES per row
 DECODE_MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "mamba_ssm", "noop")
 SPEC_MODES = ("standard", "replay_spec", "native_spec", "spec_noop")
 _SHADOW_NAMES = {"none": None, "bf16": (2, 0), "fp8": (1, FP8_SCALE_BYTES)}
@@ -143,8 +146,8 @@ def _per_step(conv, per_k: dict, L: int) -> dict:
 
 # ---- Mamba-2: one launch per (batch row, layer) -----------------------------------------------------------------
 def mamba2_state_bytes(H: int, P: int, N: int, state_bytes: int = 4) -> int:
-    """S = H P N s: one row's checkpoint in one layer."""
-    return H * P * N * state_bytes
+    """S = H P N s: one row's checkpoint in one layer (an 8-bit one, s = 1, with its fp32 row scales: H P (N + 4))."""
+    return H * P * N * state_bytes + (H * P * FP8_SCALE_BYTES if state_bytes == CKPT8_BYTES else 0)
 
 
 def _mamba2_parts(H, P, N, G, state_bytes, act_bytes, shadow):
@@ -187,8 +190,8 @@ def mamba2_native_spec_bytes(H: int, P: int, N: int, G: int, T: int, state_bytes
 
 # ---- Gated DeltaNet: one launch per (batch row, layer) -----------------------------------------------------------
 def gdn_state_bytes(HV: int, V: int, K: int, state_bytes: int = 4) -> int:
-    """S = HV V Kd s: one row's checkpoint in one GDN layer."""
-    return HV * V * K * state_bytes
+    """S = HV V Kd s: one row's checkpoint in one GDN layer (8-bit, s = 1: with a scale per (head, row v))."""
+    return HV * V * K * state_bytes + (HV * V * FP8_SCALE_BYTES if state_bytes == CKPT8_BYTES else 0)
 
 
 def _gdn_parts(HV, H, V, K, act_bytes, state_bytes, shadow):

@@ -26,6 +26,16 @@ state_batch_indices    (batch,)            int32              slot per row, -1 =
 y (output)             (batch, H, P)       act                padding rows left untouched
 =====================  ==================  =================  ==========================
 
+8-bit checkpoint (``state`` float8_e4m3fn; reference.Checkpoint8; replay_decode only, staged kernel, no shadow):
+
+=====================  ==================  =================  ==========================================
+state                  (S, H, P, N)        float8_e4m3fn      on flush: q = SR(S / scale), seeded
+ckpt_scale             (S, H, P)           f32                on flush: max |S[row]| / 448
+ckpt_flushes           (S,)                int32              read on flush (the hash's flush count);
+                                                              advance_cursor(flushes=) adds 1 at a wrap
+ckpt_seed              int                                    the layer's seed (the hash has no layer)
+=====================  ==================  =================  ==========================================
+
 Speculative decoding (T = 1 + num_draft tokens per window; ring cursor, spec_reference.py):
 
 =====================  ==================  =================  ==========================================
@@ -74,7 +84,10 @@ import numbers
 import numpy as np
 import torch
 
+from . import config
 from .config import (
+    CKPT8,
+    CKPT8_DTYPE,
     COMMIT_THREADS,
     DTYPE_CODES,
     SHADOW_DTYPES,
@@ -178,7 +191,7 @@ def _ring_args(x_cache, B_cache, dt_cache, cursor, cursor_dims, shadow, shadow_s
 
 def make_spec(state, x, H, P, N, G, L, batch, has_z, device, conventional: bool = False,
               shadow: str = "none") -> KernelSpec:
-    sd, ad = DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
+    sd, ad = CKPT8 if state.dtype == CKPT8_DTYPE else DTYPE_CODES[state.dtype], DTYPE_CODES[x.dtype]
     rows, warps, variant = plan(sd, ad, H, P, N, L or 1, batch, conventional, shadow)
     return KernelSpec(sd, ad, H, P, N, G, L or 1, rows, warps, has_z, arch(device), variant=variant, shadow=shadow)
 
@@ -205,9 +218,22 @@ def _step_ptrs(x, B, C, dt, dt_bias, A, D, z) -> list[int]:
     return [t.data_ptr() for t in (x, B, C, dt, dt_bias, A, D, z) if t is not None]
 
 
+def _ckpt8_args(state, ckpt_scale, ckpt_flushes, ckpt_seed, shadow) -> list:
+    """The 8-bit checkpoint's tensors (state float8_e4m3fn): its row scales and flush counts, checked by name."""
+    if shadow is not None:
+        raise ValueError("shadow: an 8-bit checkpoint (state float8_e4m3fn) is its own fp8 read copy; expected no shadow")
+    for name, t in (("ckpt_scale", ckpt_scale), ("ckpt_flushes", ckpt_flushes)):
+        if t is None:
+            raise ValueError(f"{name}: an 8-bit checkpoint (state float8_e4m3fn) needs it, got None")
+    if isinstance(ckpt_seed, bool) or not isinstance(ckpt_seed, numbers.Integral) or not -2**31 <= ckpt_seed < 2**31:
+        raise TypeError(f"ckpt_seed: expected an int32, got {ckpt_seed!r}")
+    return [Arg("ckpt_scale", ckpt_scale, ("slots", "nheads", "headdim"), F32),
+            Arg("ckpt_flushes", ckpt_flushes, ("slots",), I32, None)]
+
+
 def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
                   state_batch_indices, z=None, out=None, check_values: bool | None = None, shadow=None,
-                  shadow_scale=None):
+                  shadow_scale=None, ckpt_scale=None, ckpt_flushes=None, ckpt_seed: int = 0):
     """One fused ReplaySSM decode step (output, append, flush when full); returns y.
 
     The cursor is read, not moved: call :func:`advance_cursor` once per model step (all layers
@@ -216,11 +242,23 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     non-flush steps read the shadow instead of the f32 checkpoint and a flush rewrites both; the
     shadow must hold the checkpoint's current values when the call starts (see
     :class:`~.reference.Shadow`: written at prefill hand-off and by every flush).
+    With an 8-bit checkpoint (``state`` float8_e4m3fn, ``ckpt_scale`` its (slots, H, P) fp32 row scales,
+    ``ckpt_flushes`` the (slots,) int32 flush counts, ``ckpt_seed`` the layer's seed; no shadow): every step
+    reads q * scale, the flush folds from it and stores it requantised with stochastic rounding
+    (:class:`~.reference.Checkpoint8` is the spec, bit for bit); call :func:`advance_cursor` with
+    ``flushes=ckpt_flushes`` so that each flush draws fresh random words.
     """
     batch, H, P, N, G, S, L = _geometry(x, B, state, x_cache)
-    _checked(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out)
-                + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots",), shadow, shadow_scale))
-    kind = shadow_kind(shadow, shadow_scale, state)
+    ckpt8 = isinstance(state, torch.Tensor) and state.dtype == CKPT8_DTYPE
+    args = _step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out)
+    if ckpt8:
+        args[1] = args[1]._replace(dtypes=(CKPT8_DTYPE,))
+        args += _ckpt8_args(state, ckpt_scale, ckpt_flushes, ckpt_seed, shadow)
+    elif ckpt_scale is not None or ckpt_flushes is not None:
+        raise ValueError("ckpt_scale / ckpt_flushes: given with a state of dtype "
+                         f"{str(state.dtype).replace('torch.', '')}; they belong to an 8-bit (float8_e4m3fn) checkpoint")
+    _checked(args + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots",), shadow, shadow_scale))
+    kind = "none" if ckpt8 else shadow_kind(shadow, shadow_scale, state)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
     require_cuda(x)
@@ -230,10 +268,13 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     dev = x.device
     spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev, shadow=kind)
     sh = [] if shadow is None else [shadow.data_ptr(), ptr(shadow_scale)]  # bf16: no scales (null)
+    ck_in = [ckpt_scale.data_ptr(), ckpt_flushes.data_ptr()] if ckpt8 else []
+    seed = [np.int32(ckpt_seed)] if ckpt8 else []
     args = _step_ptrs(x, B, C, dt, dt_bias, A, D, z)
     args += [state_batch_indices.data_ptr(), cursor.data_ptr(), state.data_ptr(), x_cache.data_ptr(),
-             B_cache.data_ptr(), dt_cache.data_ptr(), *sh, np.int32(batch), np.int32(S), y.data_ptr(),
-             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr(), *sh]
+             B_cache.data_ptr(), dt_cache.data_ptr(), *sh, *ck_in, np.int32(batch), np.int32(S), *seed, y.data_ptr(),
+             state.data_ptr(), x_cache.data_ptr(), B_cache.data_ptr(), dt_cache.data_ptr(), *sh,
+             *([ckpt_scale.data_ptr()] if ckpt8 else [])]
     launch(spec, "replayssm_decode", dev, spec.grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args)
     return y
 
@@ -242,6 +283,9 @@ def conventional_step(x, B, C, dt, dt_bias, A, D, state, state_batch_indices, z=
                       check_values: bool | None = None):
     """One conventional Mamba-2 decode step (reads and writes the whole state); returns y."""
     batch, H, P, N, G, S, _ = _geometry(x, B, state)
+    if state.dtype == CKPT8_DTYPE:
+        raise TypeError("state: the conventional step needs a float32 / bfloat16 / float16 state, got float8_e4m3fn "
+                        "(an 8-bit checkpoint is replay_decode's)")
     _checked(_step_args(x, B, C, dt, dt_bias, A, D, z, state, state_batch_indices, out))
     if values_checked(check_values):
         check_indices(state_batch_indices, S, None, 1)
@@ -275,14 +319,15 @@ def _buffer_len(buffer_len, x_cache) -> tuple[int, str]:
 
 
 def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, check_values: bool | None = None,
-                   x_cache=None) -> None:
+                   x_cache=None, flushes=None) -> None:
     """cursor[slot] = (cursor[slot] + 1) % L for every row with a slot, on the GPU (in place).
 
     cursor (slots,) int32, mutated; state_batch_indices (batch,) int32. L: x_cache's buffer length
     (dim 2) when the (slots, nheads, L, headdim) ring of any layer is given (then ``buffer_len``, if
     given too, must equal it), else ``buffer_len``. ``check_values`` (default: unless capturing a
     graph): slots in [-1, slots), no slot in two rows, the rows' cursors in [0, L). Unchecked, the
-    kernel skips out-of-range slots and leaves a cursor outside [0, L) as it is.
+    kernel skips out-of-range slots and leaves a cursor outside [0, L) as it is. ``flushes`` (slots,) int32 (an
+    8-bit checkpoint's ``ckpt_flushes``, shared by its layers): flushes[slot] += 1 where the cursor wraps.
     """
     L, what = _buffer_len(buffer_len, x_cache)
     if not 1 <= L <= 32:
@@ -293,6 +338,7 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, c
         Arg("cursor", cursor, ("slots",), I32, None),
         Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
         Arg("x_cache", x_cache, ("slots", "nheads", "buffer_len", "headdim"), "act", None, optional=True),
+        Arg("flushes", flushes, ("slots",), I32, None, optional=True),
     ])
     S, batch = cursor.shape[0], state_batch_indices.shape[0]
     if values_checked(check_values):
@@ -300,10 +346,15 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, c
     require_cuda(cursor, "cursor")
     if batch == 0:
         return
-    # Any spec with this L carries the same advance kernel; use the smallest valid one.
-    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev))
+    # Any spec with this L carries the same advance kernel; use the smallest valid one (an 8-bit checkpoint's
+    # module also counts the flushes).
+    if flushes is None:
+        spec = KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev))
+    else:
+        spec = KernelSpec(CKPT8, "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev), variant=config.Variant("staged"))
     launch(spec, "replayssm_advance_cursor", dev, ((batch + 255) // 256, 1, 1), (256, 1, 1),
-           [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()])
+           [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()]
+           + ([] if flushes is None else [flushes.data_ptr()]))
 
 
 # ---- speculative decoding -----------------------------------------------------------------------------

@@ -8,6 +8,9 @@
 //   kHasZ                          whether the output is gated by silu(z)
 //   shadow_t, RSSM_SHADOW          low-precision shadow of the checkpoint: 0 none (shadow_t =
 //                                  state_t, unused), 1 bf16, 2 fp8-e4m3 with one fp32 scale per row
+//   RSSM_CKPT8                     (8-bit checkpoint modules only) the checkpoint itself is e4m3 with one
+//                                  fp32 scale per row and no fp32 copy (state_t = shadow_t = e4m3): see
+//                                  "8-bit checkpoint" below
 // and, from the spec's config.Variant, only those that are not at their defaults:
 //   RSSM_PERSISTENT or RSSM_STAGED the decode kernel (kind; neither: one-shot)
 //   RSSM_MIN_BLOCKS                resident blocks per SM of __launch_bounds__ (min_blocks)
@@ -27,6 +30,13 @@
 #pragma once
 #ifndef RSSM_PERSISTENT
 #define RSSM_PERSISTENT 0
+#endif
+#ifndef RSSM_CKPT8
+#define RSSM_CKPT8 0
+#endif
+#if RSSM_CKPT8  // the 8-bit checkpoint is read and staged as the fp8 shadow is (RSSM_SHADOW 2 paths)
+#undef RSSM_SHADOW
+#define RSSM_SHADOW 2
 #endif
 #ifndef RSSM_SHADOW
 #define RSSM_SHADOW 0
@@ -50,6 +60,11 @@
 #include "common/scan.cuh"
 
 namespace rssm {
+#if RSSM_CKPT8
+// Inside the kernels the rows keep the fp32 checkpoint's layout (4-element vectors of e4m3 are the fp8
+// shadow's); the e4m3 checkpoint pointers are the shadow's (shadow_t), the fp32 ones unused.
+using state_t = float;
+#endif
 
 // ---- dtype helpers ---------------------------------------------------------------------------
 using rssm_common::from_f;  // common/convert.cuh
@@ -318,13 +333,25 @@ __device__ __forceinline__ float group_max(float v) {
 // bf16: one rounding; fp8-e4m3: q = S * (1 / scale), scale = max|S[row]| / 448 (1 for a zero row): one
 // IEEE reciprocal per row and a product per value (a division per value cost the flush its spills).
 constexpr int kShadow = RSSM_SHADOW;
+// The fp8 scale of one row held by the kLPR lanes of a row group (every lane gets it) and its reciprocal.
+__device__ __forceinline__ float fp8_row_scale(const float (&row)[kVPL][kEPV], float& inv) {
+  float m = 0.f;
+#pragma unroll
+  for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+    for (int e = 0; e < kEPV; ++e) m = fmaxf(m, fabsf(row[v][e]));
+  m = group_max<kLPR>(m);
+  const float scale = m > 0.f ? m / 448.f : 1.f;
+  inv = __frcp_rn(scale);
+  return scale;
+}
 template <int R>
 __device__ __forceinline__ void store_shadow(const RowRegs<R>& st, shadow_t* base, float* scales, int r0 = 0) {
   const int rb = row_base() + r0, l = threadIdx.x % kLPR;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
     float scale = 1.f, inv = 1.f;
-    if constexpr (kShadow == 2) {
+    if constexpr (kShadow == 2) {  // fp8_row_scale, written out: the shipped modules' PTX was measured so
       float m = 0.f;
 #pragma unroll
       for (int v = 0; v < kVPL; ++v)
@@ -367,6 +394,10 @@ __device__ __forceinline__ void load_shadow(StateRegs& st, const shadow_t* base,
 // State form of the flush for this thread's elements, from tiles in shared memory:
 // st = exp(c_k) S0 + sum_j (w_j x_j) B_j^T. Bt is [kL][kN]; xt is [kL][kRows] (float or act_t).
 // Ss: the checkpoint rows in shared memory, or in global memory (generic pointer) with a shadow.
+// fold_ring: the sum over the ring onto st (the thread's rows [rb, rb + R) of the block), entry by entry.
+template <typename XT, int R>
+__device__ __forceinline__ void fold_ring(RowRegs<R>& st, const float* w, const act_t (*Bt)[kN], const XT (*xt)[kRows],
+                                          int rb);
 template <typename XT, int R>
 __device__ __forceinline__ void flush_rows(RowRegs<R>& st, const state_t* Ss, float decay, const float* w,
                                            const act_t (*Bt)[kN], const XT (*xt)[kRows], int r0 = 0) {
@@ -379,6 +410,11 @@ __device__ __forceinline__ void flush_rows(RowRegs<R>& st, const state_t* Ss, fl
 #pragma unroll
       for (int e = 0; e < kEPV; ++e) st.s[r][v][e] *= decay;
     }
+  fold_ring(st, w, Bt, xt, rb);
+}
+template <typename XT, int R>
+__device__ __forceinline__ void fold_ring(RowRegs<R>& st, const float* w, const act_t (*Bt)[kN], const XT (*xt)[kRows],
+                                          int rb) {
 #pragma unroll 4
   for (int j = 0; j < kL; ++j) {
     const float wj = w[j];
@@ -476,6 +512,91 @@ constexpr int kScaleVecs = kShadow == 2 ? kRows / 4 : 0;  // fp8 row scales, aft
 // a quarter (fp8) of the bytes per row lets an item cover twice or four times the rows.
 constexpr int kStageVecs = kShadow ? kShadowVecs + kScaleVecs : kStateVecs;
 
+#if RSSM_CKPT8
+// ---- 8-bit checkpoint (issue 38; reference.Checkpoint8 is the spec, mirrored bit for bit) ---------------------
+// The checkpoint is e4m3 with one fp32 scale per (slot, head, row) and no fp32 copy. Every step stages its rows
+// and scales as the fp8 shadow's; the flush folds the ring onto the dequantised rows (q * scale, then * exp(c_k))
+// and stores the result quantised again: scale = max |S[row]| / 448, q = SR(S * (1 / scale)) with stochastic
+// rounding whose uint32 words come from a counter-based hash of (seed, flush count, slot, head, row, n)
+// (reference.ckpt8_random_bits), so any flush of any element is reproducible from its coordinates.
+__device__ __forceinline__ unsigned mix32(unsigned x) {  // reference.mix32 (lowbias32)
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+// |v| rounded down or up to e4m3 (reference.stochastic_round_e4m3): the low d bits of |v| below its e4m3 quantum
+// 2^max(e - 3, -9) are dropped, and the quantum added when r < (dropped bits) * 2^(32 - d); below 2^-9 the
+// candidates are 0 and 2^-9. Saturates at 448; NaN stays NaN. The result is an e4m3 value, converted exactly.
+__device__ __forceinline__ float sr_e4m3(float v, unsigned r) {
+  const unsigned bits = __float_as_uint(v), mag = bits & 0x7fffffffu;
+  if (mag > 0x7f800000u) return v;
+  const unsigned a = min(mag, 0x43e00000u);
+  const int e = (int)(a >> 23) - 127;
+  const int d = e >= -6 ? 20 : 14 - e;
+  unsigned out;
+  if (d <= 23) {
+    const unsigned mask = (1u << d) - 1u;
+    out = (a & ~mask) + (r < ((a & mask) << (32 - d)) ? mask + 1u : 0u);
+  } else {
+    const int sh = d - 24;
+    const unsigned thr = sh < 32 ? (((a & 0x7fffffu) | 0x800000u) << 8) >> sh : 0u;
+    out = r < thr ? 0x3b000000u : 0u;
+  }
+  return __uint_as_float(out | (bits & 0x80000000u));
+}
+// The flush of this thread's rows from the staged 8-bit rows S (e4m3 rows, then the fp32 row scales): fold,
+// store e4m3 rows and scales (out, sc: this block's first row), return this lane's row dot with C (as
+// flush_store_dot). key: mix32(mix32(mix32(mix32(seed) + flush) + slot) + head); row0: the block's first row.
+template <typename XT>
+__device__ __forceinline__ float flush_ckpt8(const float4* S, float decay, const float* w, const act_t (*Bt)[kN],
+                                             const XT (*xt)[kRows], shadow_t* out, float* sc, unsigned key, int row0,
+                                             const ColRegs& cc) {
+  const shadow_t* Q = reinterpret_cast<const shadow_t*>(S);
+  const float* Qs = reinterpret_cast<const float*>(S + kShadowVecs);
+  const int l = threadIdx.x % kLPR;
+  float acc[kRT];
+#pragma unroll
+  for (int r0 = 0; r0 < kRT; r0 += kFR) {
+    const int rb = row_base() + r0;
+    RowRegs<kFR> st;
+#pragma unroll
+    for (int r = 0; r < kFR; ++r) {
+      const float qs = Qs[rb + r];
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v) {
+        load_f<shadow_t, kEPV>(Q + (rb + r) * kN + my_col(v), st.s[r][v]);
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) st.s[r][v][e] = st.s[r][v][e] * qs * decay;  // (q * scale) * exp(c_k)
+      }
+    }
+    fold_ring(st, w, Bt, xt, rb);
+#pragma unroll
+    for (int r = 0; r < kFR; ++r) {
+      float inv;
+      const float scale = fp8_row_scale(st.s[r], inv);
+      if (l == r0 + r) sc[rb + r] = scale;
+      const unsigned rk = mix32(key + (unsigned)(row0 + rb + r));
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v) {
+        float q[kEPV];
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) q[e] = sr_e4m3(st.s[r][v][e] * inv, mix32(rk + (unsigned)(my_col(v) + e) * 0x9e3779b9u));
+        store_f<shadow_t, kEPV>(out + (size_t)(rb + r) * kN + my_col(v), q);
+      }
+      acc[r0 + r] = 0.f;
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < kEPV; ++e) acc[r0 + r] = fmaf(st.s[r][v][e], cc.c[v][e], acc[r0 + r]);
+    }
+  }
+  return rows_reduce(acc);
+}
+#endif
+
 struct alignas(16) ReplaySmem {
   float4 S[kStageVecs];  // checkpoint rows of this block (or their shadow), same layout as in global memory
   act_t Bt[kL][kN];      // B_1..B_k, needed by the flush only
@@ -510,6 +631,10 @@ struct ReplayArgs {
   const float* sc_in;         // (slots, H, P) fp8 row scales, or null
   shadow_t* sh_out;           // aliases sh_in (written on flush)
   float* sc_out;              // aliases sc_in
+#if RSSM_CKPT8  // 8-bit checkpoint: sh_* / sc_* are the checkpoint and its scales, state_* unused
+  const int* flushes;         // (slots,) flushes each slot has completed (read)
+  unsigned seed;              // the layer's seed
+#endif
 };
 
 // ---- layout of the decode tensors: element offsets -------------------------------------------------
@@ -566,7 +691,7 @@ __device__ __forceinline__ void issue_rows(float4* S, const ReplayArgs& a, int s
   const int t = threadIdx.x;
   const size_t base = state_off(slot, h, row0);
   if (kShadow) {
-    if (flush) return;
+    if (flush && !RSSM_CKPT8) return;  // a shadow's flush folds the fp32 rows; an 8-bit checkpoint's, these
     const float4* src = reinterpret_cast<const float4*>(a.sh_in + base);
 #pragma unroll
     for (int u = 0; u < (kShadowVecs + kThreads - 1) / kThreads; ++u) {
@@ -924,8 +1049,14 @@ __device__ __forceinline__ void compute_item(Smem& sm, const Stage& sg, const Re
     if (l < kRT) val = sm.decay * sdot + sc.D * to_f(sg.xt[pos][rb + l]) + bsum;
   } else {
     const size_t sbase = state_off(slot, it.h, it.row0);
+#if RSSM_CKPT8
+    const unsigned key = mix32(mix32(mix32(mix32(a.seed) + (unsigned)a.flushes[slot]) + (unsigned)slot) + (unsigned)it.h);
+    const float sdot = flush_ckpt8(sg.S, sm.decay, sm.w, sg.Bt, sg.xt, a.sh_out + sbase, a.sc_out + sbase / kN, key,
+                                   it.row0, cc);
+#else
     const float sdot = flush_store_dot(kShadow ? a.state_in + sbase : Ss, sm.decay, sm.w, sg.Bt, sg.xt,
                                        a.state_out + sbase, a.sh_out + sbase, a.sc_out + sbase / kN, cc);
+#endif
     if (l < kRT) val = sdot + sc.D * to_f(sg.xt[pos][rb + l]);
   }
   if (l < kRT) {
@@ -1049,7 +1180,7 @@ __device__ __forceinline__ void issue_item_bulk(Stage& sg, unsigned bar, const R
   constexpr unsigned kA = sizeof(act_t);
   constexpr unsigned kRowBytes = (kShadow ? kShadowVecs : kStateVecs) * 16u;
   constexpr unsigned kScaleBytes = kShadow == 2 ? kRows * 4u : 0u;
-  const bool rows = !(kShadow && pos == kL - 1);  // a shadow's flush reads the f32 rows from global memory
+  const bool rows = !(kShadow && !RSSM_CKPT8 && pos == kL - 1);  // a shadow's flush reads the f32 rows from global memory
   const unsigned bytes = (rows ? kRowBytes + kScaleBytes : 0u) + (pos + 1) * (kN + kRows) * kA + kN * kA;
   mbar_init(bar, 1);
   mbar_arrive_expect_tx(bar, bytes);

@@ -8,6 +8,31 @@ static_assert(rssm::kShadow != 2 || kRows % 4 == 0, "fp8 row scales move as 16-b
 
 #include "replayssm_params.cuh"
 
+#if RSSM_CKPT8
+// ReplaySSM decode step on an 8-bit checkpoint (replayssm.cuh "8-bit checkpoint"; staged kernel only):
+// state_in / state_out are the e4m3 checkpoint (slots, H, P, N), scale_in / scale_out its fp32 row scales
+// (slots, H, P), both written on flush; flushes (slots,) the flushes each slot has completed, read on flush
+// (replayssm_advance_cursor moves it); seed the layer's seed. grid (nheads * headdim / kRows, batch).
+static_assert(RSSM_STAGED && !RSSM_PERSISTENT, "an 8-bit checkpoint runs the staged kernel (kind=staged)");
+extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_decode(
+    const act_t* __restrict__ x, const act_t* __restrict__ B, const act_t* __restrict__ C,
+    const act_t* __restrict__ dt, const float* __restrict__ dt_bias, const float* __restrict__ A,
+    const float* __restrict__ D, RSSM_Z_PARAM const int* __restrict__ sbi,
+    const int* __restrict__ cursor, const state_t* state_in, const act_t* xc_in,
+    const act_t* Bc_in, const float* dtc_in, const float* scale_in, const int* __restrict__ flushes, int batch,
+    int nslots, int seed, act_t* __restrict__ y, state_t* state_out, act_t* xc_out, act_t* Bc_out, float* dtc_out,
+    float* scale_out) {
+  rssm::ReplayArgs a{x,       B,       C,      dt,     dt_bias, A,         D,       RSSM_Z_ARG,
+                     sbi,     cursor,  nullptr, xc_in, Bc_in,   dtc_in,    batch,   nslots,
+                     y,       nullptr, xc_out, Bc_out, dtc_out, state_in,  scale_in, state_out,
+                     scale_out, flushes, static_cast<unsigned>(seed)};
+  rssm::replay_decode_staged(a);
+}
+
+// An 8-bit checkpoint has no conventional step (ops refuses it); the entry exists because every standard
+// decode module carries the same three kernels.
+extern "C" __global__ void replayssm_conventional() {}
+#else
 // ReplaySSM decode step: output from checkpoint + buffer, append, flush when the buffer fills.
 // grid (nheads * headdim / kRows, batch), block (kWarps * 32).
 extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) replayssm_decode(
@@ -39,14 +64,20 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kConvMinBlock
                    state_out};
   rssm::conventional_step(a);
 }
+#endif
 
 // Advance every valid row's cursor by one entry, wrapping at the buffer length (a flush empties
 // the buffer). One launch per decode step for all layers, which share the cursor. Unchecked values
 // (ops.py check_values=False, graph capture) write nothing but the row's own cursor: an out-of-range
 // slot is skipped, and a cursor outside [0, L) is left as it is, so the decode kernels keep writing
-// NaN for that row instead of a silent wrap making it look valid.
+// NaN for that row instead of a silent wrap making it look valid. In an 8-bit checkpoint module it also
+// counts the flush of every slot whose cursor wraps (flushes, (slots,) int32, aliased in and out).
 extern "C" __global__ void replayssm_advance_cursor(const int* __restrict__ sbi, int batch,
-                                                    int nslots, int* cursor) {
+                                                    int nslots, int* cursor
+#if RSSM_CKPT8
+                                                    , int* flushes
+#endif
+) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= batch) return;
   const int slot = sbi[b];
@@ -54,4 +85,7 @@ extern "C" __global__ void replayssm_advance_cursor(const int* __restrict__ sbi,
   const int pos = cursor[slot];
   if (pos < 0 || pos >= kL) return;
   cursor[slot] = pos + 1 == kL ? 0 : pos + 1;
+#if RSSM_CKPT8
+  if (pos + 1 == kL) flushes[slot] += 1;
+#endif
 }
