@@ -327,3 +327,29 @@ def test_prefix_cache_reuses_a_shared_prompt_prefix(kimi):
     st = eng.stats
     assert (st["prefix_hits"], st["prefill_tokens_reused"], st["prefill_tokens_computed"]) == (2, 16, 13), st
     assert_idle(eng)
+
+
+# ---- CUDA: the KDA kernels behind the same engine ----------------------------------------------------------------
+@pytest.mark.gpu
+def test_cuda_engine_matches_generate():
+    """The engine on CUDA (the KDA kernels: kda_replay_decode on the cache's rings, kda_conventional_step; fp32
+    weights and state; the step runs eagerly, capturable is False) gives transformers' greedy tokens (computed on the
+    CPU) in conventional and ReplaySSM modes, and completes in the bf16 shadow mode (whose rounding may move a
+    token)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cpu = tiny_model("kimi_linear", seed=0)
+    refs = [reference(cpu, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    model = tiny_model("kimi_linear", seed=0, device="cuda")
+    for mode in MODES:
+        eng = Engine(model, max_slots=3, max_seq_len=40, mode=mode, buffer_len=L)
+        assert not eng.cuda_graphs and eng.step.device.type == "cuda"
+        got = Collect()
+        ids = [eng.submit(Request(p, m, on_output=got)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+        eng.run_until_idle()
+        for m, i, want in zip(MAX_TOKENS, ids, refs):
+            if mode == "replay_bf16":
+                assert len(got.tokens[i]) == m and got.final[i].finish_reason == "length"
+            else:
+                assert got.tokens[i] == want, (mode, i)
+        assert_idle(eng)
