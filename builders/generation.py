@@ -156,8 +156,14 @@ def _qwen_step(model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse:
     return QwenStep(model, batch, kv_len, mode, buffer_len)
 
 
+def _kimi_step(model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
+    from .kda_step import KimiStep  # eager, no fused regions: ``fuse`` does not apply
+
+    return KimiStep(model, batch, kv_len, mode, buffer_len)
+
+
 # config.model_type -> the step factory (model, batch, kv_len, mode, buffer_len, fuse): the one place a family is named
-STEPS = {"nemotron_h": NemotronStep.for_engine, **{t: _qwen_step for t in QWEN_MODEL_TYPES}}
+STEPS = {"nemotron_h": NemotronStep.for_engine, **{t: _qwen_step for t in QWEN_MODEL_TYPES}, "kimi_linear": _kimi_step}
 
 
 def make_step(model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16, fuse: bool | None = None):

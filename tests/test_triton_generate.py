@@ -730,6 +730,42 @@ def test_qwen_model_in_process(tmp_path):
         tg.GenerateModel(pb, args("replay_fp8"))
 
 
+def test_kimi_linear_model_in_process():
+    """GenerateModel over the tiny Kimi-Linear (builders/kda.py; handed in as a loaded model: ``load_model`` reads no
+    Kimi checkpoint yet) under the stand-in stub: the engine's KDA step (builders/kda_step.py ``KimiStep``), two
+    requests on one slot (one waits) stream transformers' greedy tokens in the replay and conventional modes, L = 4
+    (the 9-token request folds its rings twice); the fp8 shadow is refused, naming KDA."""
+    from builders.kda import tiny_model
+
+    pb = _FakePb(False)
+    model = tiny_model("kimi_linear", seed=0)
+
+    def args(mode):
+        p = dict(dtype="float32", device="cpu", max_slots="1", max_seq_len="64", buffer_len="4", mode=mode,
+                 health_url="off")
+        return {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in p.items()}})}
+
+    jobs = [([3, 1, 4, 1, 5], 9), ([9, 2, 6], 6)]
+    want = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(p):].tolist() for p, n in jobs]
+    for mode in ("replay", "conventional"):
+        gm = tg.GenerateModel(pb, args(mode), model=model)
+        try:
+            assert type(gm.engine.step).__name__ == "KimiStep" and gm.engine.step.ssm.name == mode
+            reqs = [_FakeRequest(pb, {"input_ids": p, "max_tokens": [n]}) for p, n in jobs]
+            gm.execute(reqs)
+            for r, (_, n), w in zip(reqs, jobs, want):
+                assert r.done.wait(60)
+                ids = [t for resp, _ in r.responses for t in resp.outputs["output_ids"].raw.tolist()]
+                assert ids == w, mode
+                last = r.responses[-1][0].outputs
+                assert last["completion_tokens"].raw.tolist() == [n] and r.responses[-1][1] == 1
+        finally:
+            gm.finalize()
+    with pytest.raises(ValueError, match="no fp8 KDA shadow"):
+        tg.GenerateModel(pb, args("replay_fp8"), model=model)
+
+
 def test_prefix_cache_and_preemption_in_config_and_cli(tmp_path):
     """--prefix-cache-tokens / --prefix-block / --preempt / --preempt-quantum / --max-swapped-bytes: config.pbtxt
     parameters that the model turns into the Engine's keywords (defaults: both off); bad values refused naming the
