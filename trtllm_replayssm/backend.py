@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from . import gdn_reference, reference, spec_reference
+from .config import CKPT8_DTYPE
 from .reference import Shadow
 
 write_shadow = reference.quantize_shadow  # every slot at once: write_shadow(state, shadow, shadow_scale)
@@ -107,7 +108,19 @@ class ReferenceBackend:
         return y.to(x.dtype)
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
+                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True,
+                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0):
+        if state.dtype == CKPT8_DTYPE:  # an 8-bit checkpoint: the spec reads and writes it in place
+            _check_rows_out(sbi, out, x.shape)
+            _check_decode_rows(cursor, x_cache.shape[2], state.shape[0], x.shape[0], sbi)
+            ck = reference.Checkpoint8.wrap(state, ckpt_scale, ckpt_flushes, "sr", ckpt_seed)
+            rings = [x_cache, B_cache, dt_cache]
+            wide = [c.double() for c in rings]
+            y = reference.replay_decode(None, *wide, cursor, *map(_wide, (x, B, C, dt, dt_bias, A, D, z)),
+                                        state_batch_indices=sbi, ckpt8=ck)
+            for c, w in zip(rings, wide):
+                c.copy_(w)
+            return _into(y, x.dtype, out, sbi)
         sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
         # every input, out and the rows checked before anything is written (as the kernel launchers do)
         spec_reference.check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z,
@@ -128,8 +141,8 @@ class ReferenceBackend:
         _rewrite_shadows(state, shadow, shadow_scale, flushed)  # from the fp32 checkpoint as stored
         return _into(y, x.dtype, out, sbi)
 
-    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
-        reference.advance_cursor(cursor, sbi, L)
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
+        reference.advance_cursor(cursor, sbi, L, flushes)
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
@@ -198,14 +211,16 @@ class KernelBackend:
         return self.ops.conventional_step(x, B, C, dt, dt_bias, A, D, state, sbi)
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
+                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True,
+                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0):
         _reads_its_shadow(shadow, read_shadow)
         return self.ops.replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi,
                                       z=z, out=out, check_values=check_values, shadow=shadow,
-                                      shadow_scale=shadow_scale)
+                                      shadow_scale=shadow_scale, ckpt_scale=ckpt_scale, ckpt_flushes=ckpt_flushes,
+                                      ckpt_seed=ckpt_seed)
 
-    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
-        self.ops.advance_cursor(cursor, sbi, L, check_values=check_values)
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
+        self.ops.advance_cursor(cursor, sbi, L, check_values=check_values, flushes=flushes)
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):

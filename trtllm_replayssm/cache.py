@@ -143,6 +143,7 @@ SNAPSHOT_FORMAT = "replayssm-state"
 
 
 _FAMILY_WORDS = {"mamba2": "Mamba-2", "gdn": "GDN", "kda": "KDA"}  # in messages
+_PER_SLOT = ("cursor", "ckpt_flushes")  # snapshot tensors of one row per slot and no layer dim
 
 
 def _snapshot_names(family: str) -> dict[str, str]:
@@ -325,7 +326,7 @@ class Snapshot:
         for fam, count in layers.items():
             if count:
                 owner.update({name: fam for name in _snapshot_names(fam).values()})
-        want = {"cursor"} | set(owner)
+        want = {"cursor"} | set(owner) | ({"ckpt_flushes"} if "ckpt_scale" in self.tensors else set())
         names, spec = set(self.tensors), h["tensors"]
         checkpoints = {_snapshot_names(fam)["state"] for fam, count in layers.items() if count}
         for bad, msg in ((names - want, "unknown tensors"), (set(spec) ^ names, "tensors and header differ on"),
@@ -341,7 +342,10 @@ class Snapshot:
             if got != (s.get("dtype"), s.get("shape")):
                 raise ValueError(f"{what}: {name}: {got[0]} {tuple(got[1])}, the header says {s.get('dtype')} "
                                  f"{tuple(s.get('shape') or ())}")
-            if name == "cursor":
+            if name == "ckpt_flushes":
+                if got != ("int32", [n]):
+                    raise ValueError(f"{what}: ckpt_flushes: expected int32 ({n},), got {got[0]} {tuple(got[1])}")
+            elif name == "cursor":
                 if got != ("int32", cursor_shape):
                     raise ValueError(f"{what}: cursor: expected int32 {tuple(cursor_shape)} (the {h['cursor']} form), "
                                      f"got {got[0]} {tuple(got[1])}")
@@ -360,7 +364,8 @@ class ReplayStateCache:
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, gdn_layers: int = 0,
                  gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
-                 gdn_conv_dim: int | None = None, cursor: str = "ring", executor=None, layers=None):
+                 gdn_conv_dim: int | None = None, cursor: str = "ring", executor=None, layers=None,
+                 ckpt_seed: int = 0):
         extra = dict(layers or {})
         if num_layers < 0 or gdn_layers < 0 or any(spec[0] < 0 for spec in extra.values()) \
                 or num_layers + gdn_layers + sum(spec[0] for spec in extra.values()) < 1:
@@ -406,6 +411,14 @@ class ReplayStateCache:
                 group_class(fam).check_geometry(geometry, cuda, shadow_dtype, state_dtype)
         if cuda and buffer_len > 32:
             raise ValueError(f"buffer_len: expected <= 32 on CUDA (the kernels' rings), got {buffer_len}")
+        ckpt8 = state_dtype == torch.float8_e4m3fn
+        if ckpt8 and (cursor != "standard" or gdn_layers or extra):
+            raise ValueError("state_dtype: an 8-bit checkpoint (float8_e4m3fn) is for Mamba-2 layers on the standard "
+                             f"cursor (its kernel is the standard decode step); got cursor={cursor!r}, gdn_layers="
+                             f"{gdn_layers}" + (f", layers={sorted(extra)}" if extra else ""))
+        if isinstance(ckpt_seed, bool) or not isinstance(ckpt_seed, int) or not 0 <= ckpt_seed < 2 ** 31 - num_layers:
+            raise TypeError(f"ckpt_seed: expected an int in [0, 2^31 - num_layers) (layer l draws with seed + l), got "
+                            f"{ckpt_seed!r}")
         self.num_slots, self.buffer_len, self.num_draft, self.conv_kernel = num_slots, buffer_len, num_draft, conv_kernel
         self.conv_width = conv_kernel - 1 + num_draft
         self.check_values, self.read_shadow = check_values, read_shadow
@@ -420,6 +433,10 @@ class ReplayStateCache:
             g = cls(n, num_slots, geometry, buffer_len, self.conv_width, cd, dts, optional, device, act_dtype)
             self.groups.append(g)
         self._by_family = {g.family: g for g in self.groups}
+        # An 8-bit checkpoint's flush counts, one per slot for every layer (the rounding stream's counter), and seed.
+        self.ckpt_seed = ckpt_seed
+        self.ckpt_flushes = torch.zeros(num_slots, dtype=torch.int32, device=device) if ckpt8 else None
+        self._by_family["mamba2"].ckpt_flushes, self._by_family["mamba2"].ckpt_seed = self.ckpt_flushes, ckpt_seed
         # global layer index -> (group, layer within the group): the groups' layers in order
         self._where = [(g, l) for g in self.groups for l in range(g.num_layers)]
         self.standard = cursor == "standard"
@@ -547,6 +564,8 @@ class ReplayStateCache:
         for g in self.groups:
             g.reset_slot(slot)
         self.cursor[slot].zero_()
+        if self.ckpt_flushes is not None:
+            self.ckpt_flushes[slot] = 0
 
     def gather_slots(self, src: torch.Tensor) -> None:
         """Slot s takes what slot ``src[s]`` held, in every layer and its cursor (src (num_slots,) int, repeats
@@ -559,13 +578,15 @@ class ReplayStateCache:
         if self._step is not None:
             raise RuntimeError("gather_slots: a step is open (flush() without commit())")
         idx = src.to(device=self.cursor.device, dtype=torch.long)
-        for t in (*self._tensors(), self.cursor):
-            t.copy_(t[idx] if t is self.cursor else t[:, idx])
+        per_slot = [t for t in (self.cursor, self.ckpt_flushes) if t is not None]
+        for t in (*self._tensors(), *per_slot):
+            t.copy_(t[idx] if any(t is u for u in per_slot) else t[:, idx])
 
     # ---- snapshot / restore / preemption -------------------------------------------------------------------------
     def _snapshot_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of everything a slot owns: the groups with layers, their shadows if kept, the cursor."""
         out = [(n, t) for g in self.groups if g.num_layers for n, t in g.tensors()]
+        out += [] if self.ckpt_flushes is None else [("ckpt_flushes", self.ckpt_flushes)]
         return out + [("cursor", self.cursor)]
 
     def snapshot_header(self, num_slots: int) -> dict:
@@ -573,13 +594,15 @@ class ReplayStateCache:
         match to take it."""
         geometry = dict(buffer_len=self.buffer_len, num_draft=self.num_draft, conv_kernel=self.conv_kernel,
                         conv_width=self.conv_width)
+        if self.ckpt_flushes is not None:
+            geometry["ckpt_seed"] = self.ckpt_seed  # the 8-bit checkpoint's rounding stream
         for g in self.groups:
             if g.num_layers:
                 geometry.update(g.geometry_header())
         shard = getattr(self, "shard", None)
         tensors = {}
         for name, t in self._snapshot_tensors():
-            shape = [num_slots, *t.shape[1:]] if name == "cursor" else [t.shape[0], num_slots, *t.shape[2:]]
+            shape = [num_slots, *t.shape[1:]] if name in _PER_SLOT else [t.shape[0], num_slots, *t.shape[2:]]
             tensors[name] = dict(dtype=_dtype_name(t.dtype), shape=shape)
         layers = {g.family: g.num_layers for g in self.groups if g.num_layers or g.family in ("mamba2", "gdn")}
         return dict(format=SNAPSHOT_FORMAT, version=SNAPSHOT_VERSION, num_slots=num_slots,
@@ -650,7 +673,7 @@ class ReplayStateCache:
         idx = self._slot_index(slots)
         tensors = {}
         for name, t in self._snapshot_tensors():
-            g = _raw(t).index_select(0 if name == "cursor" else 1, idx)  # a fresh copy on the cache's device
+            g = _raw(t).index_select(0 if name in _PER_SLOT else 1, idx)  # a fresh copy on the cache's device
             if g.device.type != target.type or (target.index is not None and g.device.index != target.index):
                 if pinned:
                     host = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
@@ -725,7 +748,7 @@ class ReplayStateCache:
             src = snapshot.tensors[name]
             if src.device != dev:
                 src = src.to(dev, non_blocking=dev.type == "cuda" and src.is_pinned())
-            _raw(t).index_copy_(0 if name == "cursor" else 1, idx, _raw(src))
+            _raw(t).index_copy_(0 if name in _PER_SLOT else 1, idx, _raw(src))
 
     def swap_out(self, slots) -> Snapshot:
         """Preemption: :meth:`snapshot` of ``slots`` to host memory (pinned, asynchronous on CUDA), then
@@ -945,7 +968,8 @@ class ReplayStateCache:
         elif check:
             self._rows(state_batch_indices, "commit")
         if self.standard:  # every row accepts its one token: the cursor advances, no conv input is rejected
-            self.x.advance_cursor(self.cursor, state_batch_indices, self.buffer_len, check_values=check)
+            flushes = {} if self.ckpt_flushes is None else {"flushes": self.ckpt_flushes}  # counted where it wraps
+            self.x.advance_cursor(self.cursor, state_batch_indices, self.buffer_len, check_values=check, **flushes)
             self._step = None
             return
         self.x.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.buffer_len,

@@ -18,7 +18,7 @@ Mamba-2 layer (``reference.py`` math; DESIGN.md §1):
 =============  ====================  ==================  ===================================================
 tensor         shape                 dtype               written by
 =============  ====================  ==================  ===================================================
-state          (S, H, P, N)          f32 (bf16/f16 ok)   the checkpoint S0: prefill hand-off; a flush
+state          (S, H, P, N)          f32 (bf16/f16/fp8)  the checkpoint S0: prefill hand-off; a flush
                                                          (replay_decode when the buffer fills, k = L;
                                                          replay_verify when count + 2T > L); every step
                                                          of the conventional baseline
@@ -26,6 +26,10 @@ shadow         (S, H, P, N)          bf16 / fp8-e4m3fn   optional, with an f32 s
 shadow_scale   (S, H, P)             f32 (fp8 only)      f32 checkpoint whenever it is written
                                                          (:func:`.reference.quantize_shadow`); read
                                                          instead of state by the steps that do not flush
+ckpt_scale     (S, H, P)             f32 (8-bit state)   with an 8-bit checkpoint (state fp8-e4m3, no shadow;
+                                                         standard decode): its row scales, rewritten with it at
+                                                         each flush (stochastic rounding, :class:`.reference.
+                                                         Checkpoint8`; the cache's (S,) flush counts seed it)
 x_cache        (S, H, L, P)          act                 ring of x_j, one entry appended per token
 B_cache        (S, G, L, N)          act                 ring of B_j (C is never cached)
 dt_cache       (S, H, L)             f32                 ring of processed dt_j = softplus(dt + dt_bias)

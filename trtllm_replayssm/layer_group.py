@@ -29,6 +29,8 @@ from . import families
 from . import spec_reference as sr
 from .reference import Shadow
 
+SCALES = ("shadow_scale", "ckpt_scale")  # row-scale tensors: a fresh slot's scale is 1, not 0
+
 
 @dataclasses.dataclass(frozen=True)
 class Bound:
@@ -55,8 +57,9 @@ class LayerGroup:
         self.fam = families.get(self.family)
         self.num_layers, self.num_slots, self.geometry = num_layers, num_slots, tuple(int(g) for g in geometry)
         self.t = self.fam.allocate(num_slots, buffer_len, self.geometry, dtypes, optional, device, layers=num_layers)
-        if "shadow_scale" in self.t:
-            self.t["shadow_scale"].fill_(1.0)  # a fresh slot's scale (reset writes the same)
+        for name in SCALES:
+            if name in self.t:
+                self.t[name].fill_(1.0)  # a fresh slot's scale (reset writes the same)
         self.conv_dim = self.default_conv_dim() if conv_dim is None else int(conv_dim)
         self._conv = torch.zeros(num_layers, num_slots + 1, self.conv_dim, conv_width, dtype=act_dtype, device=device)
         self.conv = self._conv[:, :num_slots]
@@ -150,8 +153,9 @@ class LayerGroup:
     def reset_slot(self, slot: int) -> None:
         for _, t in self.tensors():
             t[:, slot].zero_()
-        if "shadow_scale" in self.t:
-            self.t["shadow_scale"][:, slot] = 1.0
+        for name in SCALES:
+            if name in self.t:
+                self.t[name][:, slot] = 1.0
 
     def shadow(self, l: int) -> Shadow | None:
         sh = self.t.get("shadow")

@@ -24,6 +24,8 @@ STATE_TABLE = (
     StateTensor("state", ("slots", "H", "P", "N"), "state", "prefill hand-off; a flush (the L-th entry / count + 2T > L)"),
     StateTensor("shadow", ("slots", "H", "P", "N"), "shadow", "rewritten with the checkpoint", optional=True),
     StateTensor("shadow_scale", ("slots", "H", "P"), "f32", "with an fp8 shadow: rewritten with it", optional=True),
+    StateTensor("ckpt_scale", ("slots", "H", "P"), "f32", "with an 8-bit checkpoint: rewritten with it at a flush",
+                optional=True),
     StateTensor("x_cache", ("slots", "H", "L", "P"), "act", "each step: its token's x"),
     StateTensor("B_cache", ("slots", "G", "L", "N"), "act", "each step: its token's B"),
     StateTensor("dt_cache", ("slots", "H", "L"), "dt", "each step: its token's processed dt"),

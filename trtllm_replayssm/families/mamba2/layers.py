@@ -13,6 +13,7 @@ import torch
 
 from ... import reference
 from ... import spec_reference as sr
+from ...config import CKPT8_DTYPE
 from ...layer_group import Bound, LayerGroup
 
 
@@ -51,6 +52,9 @@ class Mamba2Layers(LayerGroup):
                 raise ValueError(f"{name}: expected >= 1, got {v}")
         if H % G:
             raise ValueError(f"ngroups: expected a divisor of nheads={H}, got {G}")
+        if state_dtype == CKPT8_DTYPE and shadow_dtype is not None:
+            raise ValueError(f"shadow_dtype: an 8-bit checkpoint (state_dtype float8_e4m3fn) is its own fp8 read copy; "
+                             f"expected no shadow, got {shadow_dtype}")
         if cuda:  # the kernels' geometries, named here rather than at the first launch
             for name, v, ok in (("headdim", P, SUPPORTED_HEADDIM), ("dstate", N, SUPPORTED_DSTATE)):
                 if v not in ok:
@@ -59,6 +63,8 @@ class Mamba2Layers(LayerGroup):
     @staticmethod
     def roles(state_dtype, act_dtype, dt_dtype, shadow_dtype) -> tuple[dict, tuple]:
         d = dict(state=state_dtype, act=act_dtype, dt=dt_dtype)
+        if state_dtype == CKPT8_DTYPE:  # the 8-bit checkpoint and its row scales (no shadow: it is the fp8 copy)
+            return d, ("ckpt_scale",)
         if shadow_dtype is None:
             return d, ()
         return d | {"shadow": shadow_dtype}, ("shadow", "shadow_scale") if shadow_dtype == torch.float8_e4m3fn \
@@ -77,6 +83,16 @@ class Mamba2Layers(LayerGroup):
     def window(self, bound: Bound) -> int:
         return bound.inputs[0].shape[1]
 
+    # An 8-bit checkpoint (state float8_e4m3fn, ``ckpt_scale``): the cache sets ``ckpt_flushes`` (its (slots,) flush
+    # counts, shared by the layers) and ``ckpt_seed`` (layer l draws with seed + l: the hash has no layer coordinate).
+    ckpt_flushes = None
+    ckpt_seed = 0
+
+    def _ckpt8(self, l: int) -> dict:
+        if "ckpt_scale" not in self.t:
+            return {}
+        return dict(ckpt_scale=self.t["ckpt_scale"][l], ckpt_flushes=self.ckpt_flushes, ckpt_seed=self.ckpt_seed + l)
+
     def step(self, executor, view: LayerState, cursor, bound: Bound, *, standard: bool, check: bool,
              read_shadow: bool):
         x, B, C, dt, dt_bias, A, D, z = bound.inputs
@@ -85,16 +101,35 @@ class Mamba2Layers(LayerGroup):
             y = executor.replay_decode(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x[:, 0], B[:, 0],
                                        C[:, 0], dt[:, 0], dt_bias, A, D, sbi, view.shadow, view.shadow_scale,
                                        z=None if z is None else z[:, 0], out=None if out is None else out[:, 0],
-                                       check_values=check, read_shadow=read_shadow)
+                                       check_values=check, read_shadow=read_shadow, **self._ckpt8(self._layer_of(view)))
             return y[:, None] if out is None else out
         return executor.replay_verify(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x, B, C, dt,
                                       dt_bias, A, D, sbi, view.shadow, view.shadow_scale, z=z, out=out,
                                       check_values=check, read_shadow=read_shadow)
 
+    def _layer_of(self, view: LayerState) -> int:
+        """The group's index of the layer ``view`` looks at (views share storage with the group's tensors)."""
+        per = self.t["state"][0].numel() * self.t["state"].element_size()
+        return (view.state.data_ptr() - self.t["state"].data_ptr()) // per if per else 0
+
     def committed_state(self, view: LayerState, cursor, slot: int, standard: bool, A) -> torch.Tensor:
         """S after the committed tokens, float64 (H, P, N); needs the layer's A (the cache does not hold it)."""
         fold = reference.replay_state if standard else sr.committed_state
-        return fold(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, A, slot)
+        state = view.state
+        if state.dtype == CKPT8_DTYPE:  # the 8-bit checkpoint as the steps read it: q * scale in fp32
+            state = view.state.float() * self.t["ckpt_scale"][self._layer_of(view)][..., None]
+        return fold(state, view.x_cache, view.B_cache, view.dt_cache, cursor, A, slot)
+
+    def load_state(self, l: int, slot: int, state: torch.Tensor, conv_state, conv_kernel: int, conv_width: int):
+        if "ckpt_scale" not in self.t:
+            return super().load_state(l, slot, state, conv_state, conv_kernel, conv_width)
+        sr._check_shape(state, "state", self.prefill_shape())
+        super().load_state(l, slot, torch.zeros(self.prefill_shape(), dtype=state.dtype, device=state.device),
+                           conv_state, conv_kernel, conv_width)  # rings and conv window as every family's
+        self.ckpt_flushes[slot] = 0  # a new sequence's rounding stream (the cursor is zeroed with it)
+        ck = reference.Checkpoint8.wrap(self.t["state"][l], self.t["ckpt_scale"][l], self.ckpt_flushes, "sr",
+                                        self.ckpt_seed + l)
+        ck.write(slot, state)
 
 
 __all__ = ["LayerState", "Mamba2Layers"]
