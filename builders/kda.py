@@ -32,7 +32,7 @@ A continuation prefill, another conversation's prefill and ``unpatch()`` first f
 transformers cache (``cache.committed_state``: the exact recurrence) at the step's first KDA layer (load_prefill
 zeroes the shared cursor). The cursor advances once per model step. Beam search, switching between caches and a
 forward raising mid-step are builders/nemotron_h.py's ``MixerPatch`` (shared). Not covered: caches that record the
-past; CUDA (the KDA kernels' cache executor is not wired: the cache refuses a CUDA device).
+past. On CUDA the cache's KDA layers run the family's fused decode kernel (families/kda/ops.py).
 
 The embedded tiny configs keep the published structure at toy sizes: :data:`TINY_KIMI_LINEAR` (Kimi-Linear-48B's
 layout: 3 KDA + 1 MLA, KDA heads of K = V = 64, conv 4, MLA with a latent KV and NoPE/RoPE split, first layer dense
@@ -50,9 +50,8 @@ import sys
 import torch
 
 from trtllm_replayssm.cache import ReplayStateCache
-from trtllm_replayssm.families.kda import reference as kref
 
-from .nemotron_h import CheckpointError, MixerPatch
+from .nemotron_h import CheckpointError, LinearAttentionPatch
 
 _TEXT = dict(
     vocab_size=256,
@@ -237,7 +236,7 @@ def _check_tensors(model_dir: pathlib.Path, config, cls) -> None:
         raise CheckpointError(f"model: {len(bad)} tensors mis-shaped in {str(model_dir)!r}: {bad[:8]}")
 
 
-class KDAReplayDecoder(MixerPatch):
+class KDAReplayDecoder(LinearAttentionPatch):
     """ReplaySSM state of a patched Kimi-Linear / GLM-5 Next model: a standard-cursor
     :class:`~trtllm_replayssm.cache.ReplayStateCache` of its KDA layers (``for_family("kda", ...)``), allocated at
     the prefill hand-off (row b of the batch is slot b); the conv windows stay in the transformers cache
@@ -250,35 +249,9 @@ class KDAReplayDecoder(MixerPatch):
         if model.config.model_type not in MODEL_TYPES:
             raise ValueError(f"model: expected a Kimi-Linear or GLM-5 Next model, got model_type "
                              f"{model.config.model_type!r}")
-        self.model = model
-        self.buffer_len = buffer_len
-        self.state_dtype = state_dtype
-        self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
-        self.layers = kda_layers(model)
-        if not self.layers:
-            raise ValueError("model: no linear_attention (KDA) layer in config.layer_types")
-        mixer = text_model(model).layers[self.layers[0]].self_attn
-        mod = sys.modules[type(mixer).__module__]
-        if not hasattr(mod, "causal_conv1d_forward"):
-            import transformers
-
-            raise RuntimeError(f"transformers {transformers.__version__}: {mod.__name__} has no causal_conv1d_forward "
-                               f"(the decode conv the patch calls); needs transformers >= 5.25")
-        self.j = {i: j for j, i in enumerate(self.layers)}
-        self.cache = None  # a ReplayStateCache of the KDA layers, from the first prefill hand-off
-        self._ready: set[int] = set()
-        self._step: str | None = None
-        self._cache_ref = None  # weakref of the transformers cache our buffers continue
+        self._init_layers(model, kda_layers(model), "KDA", lambda i: text_model(model).layers[i].self_attn,
+                          buffer_len, state_dtype, check_values)
         self._folded = False  # this prefill step has folded our rings back (at its first KDA layer)
-        self._handles = []
-
-    @property
-    def cursor(self) -> torch.Tensor | None:
-        return None if self.cache is None else self.cache.cursor
-
-    @property
-    def bufs(self) -> dict[int, kref.KDABuffers]:
-        return {i: self.cache.layer(self.j[i]).buf for i in self.layers if i in self._ready}
 
     def _mixers(self) -> list:
         return [text_model(self.model).layers[i].self_attn for i in self.layers]

@@ -41,6 +41,7 @@ import json
 import math
 import pathlib
 import re
+import sys
 import weakref
 
 import torch
@@ -515,6 +516,44 @@ class MixerPatch:
         for undo in self._handles:
             undo()
         self._handles.clear()
+
+
+class LinearAttentionPatch(MixerPatch):
+    """What the linear-attention families' patches share (Gated DeltaNet: builders/qwen3_next.py, Kimi Delta
+    Attention: builders/kda.py): the patched layers, the decode conv's presence in the model's module, the map from
+    a model layer to its cache layer, and the views of a standard-cursor cache of those layers (``cursor``, ``bufs``;
+    the cache is made at the first prefill hand-off). Mamba-2's patch (:class:`ReplaySSMDecoder`) keeps its own."""
+
+    def _init_layers(self, model, layers: list[int], family: str, mixer, buffer_len: int, state_dtype,
+                     check_values) -> None:
+        if not 1 <= buffer_len <= 32:
+            raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
+        self.model, self.buffer_len, self.state_dtype = model, buffer_len, state_dtype
+        self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
+        self.layers = layers
+        if not layers:
+            raise ValueError(f"model: no linear_attention ({family}) layer in config.layer_types")
+        mod = sys.modules[type(mixer(layers[0])).__module__]
+        if not hasattr(mod, "causal_conv1d_forward"):
+            import transformers
+
+            raise RuntimeError(f"transformers {transformers.__version__}: {mod.__name__} has no causal_conv1d_forward "
+                               f"(the decode conv the patch calls); needs transformers >= 5.25")
+        self.j = {i: j for j, i in enumerate(layers)}
+        self.cache = None  # a ReplayStateCache of these layers, from the first prefill hand-off
+        self._ready: set[int] = set()
+        self._step: str | None = None
+        self._cache_ref = None  # weakref of the transformers cache our buffers continue
+        self._handles = []
+
+    @property
+    def cursor(self) -> torch.Tensor | None:
+        return None if self.cache is None else self.cache.cursor
+
+    @property
+    def bufs(self) -> dict:
+        """{model layer: the cache layer's buffers (views)} of the layers handed off so far."""
+        return {i: self.cache.layer(self.j[i]).buf for i in self.layers if i in self._ready}
 
 
 class ReplaySSMDecoder(MixerPatch):

@@ -37,10 +37,9 @@ import sys
 import torch
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache
 
-from .nemotron_h import MixerPatch, StepExecutor
+from .nemotron_h import LinearAttentionPatch, StepExecutor
 
 _COMMON = dict(
     vocab_size=256,
@@ -183,7 +182,7 @@ def _projections(mixer, hs):
     return mixer.in_proj_qkv(hs), z, mixer.in_proj_b(hs), mixer.in_proj_a(hs)
 
 
-class GDNReplayDecoder(MixerPatch):
+class GDNReplayDecoder(LinearAttentionPatch):
     """ReplaySSM state of a patched model, held by a :class:`~trtllm_replayssm.cache.ReplayStateCache` of its GDN
     layers on the standard form (the (slots,) cursor, one standard decode step per layer), allocated at the
     prefill hand-off; the conv windows stay in the transformers cache (``gdn_conv_dim=0``). Row b of the batch
@@ -195,39 +194,14 @@ class GDNReplayDecoder(MixerPatch):
                  check_values: bool | None = None):
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
-        self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
         if model.config.model_type not in MODEL_TYPES:
             raise ValueError(f"model: expected a Qwen3-Next or Qwen3.5 text model, got model_type "
                              f"{model.config.model_type!r}")
-        self.model = model
-        self.buffer_len = buffer_len
-        self.state_dtype = state_dtype
         dflt = default_backend(next(model.parameters()).device)
         self.backend = backend or dflt[0]
         self.advance = advance or dflt[1]
-        self.layers = gdn_layers(model)
-        if not self.layers:
-            raise ValueError("model: no linear_attention (Gated DeltaNet) layer in config.layer_types")
-        mod = sys.modules[type(model.model.layers[self.layers[0]].linear_attn).__module__]
-        if not hasattr(mod, "causal_conv1d_forward"):
-            import transformers
-
-            raise RuntimeError(f"transformers {transformers.__version__}: {mod.__name__} has no causal_conv1d_forward "
-                               f"(the decode conv the patch calls); needs transformers >= 5.25")
-        self.j = {i: j for j, i in enumerate(self.layers)}
-        self.cache = None  # a ReplayStateCache of the GDN layers, from the first prefill hand-off
-        self._ready: set[int] = set()
-        self._step: str | None = None
-        self._cache_ref = None  # weakref of the transformers cache our buffers continue
-        self._handles = []
-
-    @property
-    def cursor(self) -> torch.Tensor | None:
-        return None if self.cache is None else self.cache.cursor
-
-    @property
-    def bufs(self) -> dict[int, gref.GDNBuffers]:
-        return {i: self.cache.layer(self.j[i]).buf for i in self.layers if i in self._ready}
+        self._init_layers(model, gdn_layers(model), "Gated DeltaNet", lambda i: model.model.layers[i].linear_attn,
+                          buffer_len, state_dtype, check_values)
 
     def _fold_into(self, layer_idx: int, rec) -> None:
         for s in range(rec.shape[0]):  # the model's recurrent state is (HV, K, V), ours (HV, V, K)
