@@ -57,8 +57,10 @@ def test_source_hash_names_the_tree_that_ran(tmp_path):
     for d in ("plugins", "trtllm_replayssm", "builders", "scripts"):
         shutil.copytree(root / d, tmp_path / d, ignore=shutil.ignore_patterns("__pycache__"))
     assert timing.source_hash(tmp_path) == timing.source_hash(root)
-    f = tmp_path / "plugins" / "replayssm.cuh"
-    f.write_text(f.read_text() + "\n// edited\n")
-    assert timing.source_hash(tmp_path) != timing.source_hash(root)
+    for rel in ("plugins/mamba2/replayssm.cuh", "trtllm_replayssm/families/kda/ops.py"):  # family folders count
+        f = tmp_path / rel
+        before = timing.source_hash(tmp_path)
+        f.write_text(f.read_text() + "\n// edited\n")
+        assert timing.source_hash(tmp_path) != before, rel
     m = timing.run_meta("cpu", "abc", seed=7)
     assert m["source_hash"] == timing.source_hash(root) and m["seed"] == 7

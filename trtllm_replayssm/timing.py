@@ -148,7 +148,7 @@ def commit_id(arg: str | None = None) -> str:
         return "unknown"
 
 
-SOURCE_GLOBS = ("plugins/*.cu", "plugins/*.cuh", "trtllm_replayssm/*.py", "builders/*.py", "scripts/*.py")
+SOURCE_GLOBS = ("plugins/**/*.cu", "plugins/**/*.cuh", "trtllm_replayssm/**/*.py", "builders/*.py", "scripts/*.py")
 
 
 def source_hash(root=None) -> str:
