@@ -112,7 +112,7 @@ import torch
 from .model_step import Conventional, DecodeStep, Replay
 from .qwen3_next import MODEL_TYPES as QWEN_MODEL_TYPES
 
-MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
+MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "replay_ckpt8")
 FINISH_REASONS = ("stop", "length", "cancelled", "error", "exported")
 
 
@@ -125,6 +125,8 @@ def make_ssm(mode: str, buffer_len: int = 16):
         return Conventional()
     if mode in ("replay", "replay_bf16", "replay_fp8"):
         return Replay(buffer_len, shadow=None if mode == "replay" else mode.split("_")[1])
+    if mode == "replay_ckpt8":  # the 8-bit (fp8-e4m3) checkpoint, stochastic rounding at each flush (issue 38)
+        return Replay(buffer_len, checkpoint="fp8")
     raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 

@@ -228,16 +228,22 @@ class Replay(CacheSlots, SSMMode):
     name = "replay"
     tokens = (1, 2)
 
-    def __init__(self, buffer_len: int = 16, shadow: str | None = None, advance=None, commit_fn=None):
+    def __init__(self, buffer_len: int = 16, shadow: str | None = None, advance=None, commit_fn=None,
+                 checkpoint: str = "f32"):
         if not 1 <= buffer_len <= 32:
             raise ValueError(f"buffer_len: expected 1..32, got {buffer_len}")
         if shadow not in (None, "bf16", "fp8"):
             raise ValueError(f"shadow: expected None, 'bf16' or 'fp8', got {shadow!r}")
-        self.L, self.shadow_kind = buffer_len, shadow
+        if checkpoint not in ("f32", "fp8") or (checkpoint == "fp8" and shadow is not None):
+            raise ValueError(f"checkpoint: expected 'f32', or 'fp8' (an 8-bit checkpoint, no shadow), got "
+                             f"{checkpoint!r} with shadow={shadow!r}")
+        self.L, self.shadow_kind, self.checkpoint = buffer_len, shadow, checkpoint
         self.advance, self.commit_fn = advance, commit_fn
         self.cache = None
         if shadow is not None:
             self.name = f"replay_{shadow}"
+        if checkpoint == "fp8":  # the 8-bit checkpoint's kernel is the standard decode step
+            self.name, self.tokens = "replay_ckpt8", (1,)
 
     def alloc(self, layers, batch, T, H, P, N, G, device, act_dtype):
         self._check_T(T)
@@ -251,7 +257,9 @@ class Replay(CacheSlots, SSMMode):
         c = self.cache = ReplayStateCache(len(layers), batch, H, P, N, G, self.L, num_draft=T - 1, conv_dim=0,
                                           act_dtype=act_dtype, shadow_dtype=shadow_dtype, device=device,
                                           cursor="standard" if T == 1 else "ring", executor=x,
-                                          read_shadow=shadow_dtype is not None)  # the reference reads it too
+                                          read_shadow=shadow_dtype is not None,  # the reference reads it too
+                                          state_dtype=torch.float8_e4m3fn if self.checkpoint == "fp8" else
+                                          torch.float32)
         for _ in range(batch):
             c.allocate()
         self.j = {i: j for j, i in enumerate(self.layers)}
@@ -262,6 +270,10 @@ class Replay(CacheSlots, SSMMode):
             setattr(self, name, {} if t is None else {i: t[j] for i, j in self.j.items()})
 
     def load(self, states: dict) -> None:
+        if self.checkpoint == "fp8":  # quantised by the cache's prefill hand-off (its row scales, flush count 0)
+            for s in range(self.batch):
+                self.load_slot(s, {i: st[s] for i, st in states.items()})
+            return
         super().load(states)  # the prompt's final state becomes the checkpoint, the buffers are empty
         self.cursor.zero_()
         for i in self.shadow:  # prefill hand-off: the shadow of the new checkpoint
@@ -300,8 +312,12 @@ class _HookedExecutor:
     def __getattr__(self, name):
         return getattr(self._x, name)
 
-    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
-        (self._advance or self._x.advance_cursor)(cursor, sbi, L)
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
+        if self._advance is None:
+            self._x.advance_cursor(cursor, sbi, L, check_values=check_values,
+                                   **({} if flushes is None else {"flushes": flushes}))
+        else:
+            self._advance(cursor, sbi, L)
 
     def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
         (self._commit or self._x.spec_commit)(cursor, n_accepted, sbi, T, L)

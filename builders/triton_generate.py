@@ -12,7 +12,7 @@ builders/triton_repo.py's ``MODEL_PY``, puts the project on ``sys.path`` and han
   initialize     the model of the parameters (``model_dir``, or ``tiny`` + ``seed``; ``dtype``, ``device``) through
                  :func:`load_model` (the checked loaders of builders/nemotron_h.py and builders/qwen3_next.py), an
                  :class:`~builders.generation.Engine` of ``max_slots`` x ``max_seq_len`` over the family's decode step
-                 in ``mode`` (conventional | replay | replay_bf16 | replay_fp8, no fp8 for Gated DeltaNet;
+                 in ``mode`` (conventional | replay | replay_bf16 | replay_fp8 | replay_ckpt8, no fp8 for Gated DeltaNet;
                  ``buffer_len``) started on its thread, and ``transformers.AutoTokenizer`` where the checkpoint
                  directory has a tokenizer. Opt-in engine features (issue 38; :data:`ENGINE_PARAMETERS`):
                  ``prefix_cache_tokens`` (> 0: the prefix cache of shared prompt prefixes, that budget in tokens;
@@ -636,6 +636,8 @@ def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str
     if mode == "replay_fp8" and is_gdn(tiny, model_dir):
         raise RepoError("--mode replay_fp8 (--shadow fp8): Gated DeltaNet models (Qwen3-Next / Qwen3.5) take "
                         "replay_bf16 (--shadow bf16); there is no fp8 GDN shadow")
+    if mode == "replay_ckpt8" and is_gdn(tiny, model_dir):
+        raise RepoError("--mode replay_ckpt8: the 8-bit checkpoint is for Mamba-2 models (Nemotron-H, Nemotron 3)")
     route = text_input_route(text_input)
     name = name or default_name(tiny=tiny, model_dir=model_dir)
     _check_target(repo, name)

@@ -32,7 +32,7 @@ config.json says nemotron_h) and Qwen3-Next / Qwen3.5 / Qwen3.5 MoE (``--tiny qw
 ``--model`` whose config.json says qwen3_next / qwen3_5 / qwen3_5_moe or their *_text). Decoupled: a prompt in
 (``input_ids`` or ``text_input``), the completion streamed back (``output_ids``, ``text_output``, then
 ``finish_reason`` and token counts), over the generation engine of builders/generation.py (in-flight batching of
-``--max-slots`` sequences on the family's decode step, ``--mode`` conventional | replay | replay_bf16 | replay_fp8;
+``--max-slots`` sequences on the family's decode step, ``--mode`` conventional | replay | replay_bf16 | replay_fp8 | replay_ckpt8;
 no fp8 for Gated DeltaNet); Triton's HTTP generate_stream works too. Everything it needs is a ``parameters`` entry
 of config.pbtxt (the checkpoint: ``model_dir``, or ``tiny`` + ``seed``; dtype, device, sizes, mode;
 ``python_path`` / ``python_version``: the backend stub embeds libpython with an isolated configuration that ignores
@@ -44,7 +44,7 @@ the command that serves the repository with it (printed; ``--serve`` runs it).
 
 Usage: python scripts/make_triton_repo.py --backend python --repo build/triton [--tiny nemotron_h | --model DIR]
        [--dtype fp32|bf16|fp16] [--device auto|cpu|cuda] [--max-slots 8] [--max-seq-len 1024] [--buffer-len 16]
-       [--mode conventional|replay|replay_bf16|replay_fp8 | --shadow none|bf16|fp8]
+       [--mode conventional|replay|replay_bf16|replay_fp8|replay_ckpt8 | --shadow none|bf16|fp8]
        [--text-input auto|tensor|parameter] [--prefix-cache-tokens N [--prefix-block 16]]
        [--preempt [--preempt-quantum 16] [--max-swapped-bytes B]] [--serve]
 (--prefix-cache-tokens and --preempt turn on the engine's prefix cache and preemption: parameters prefix_cache_tokens,
@@ -96,7 +96,7 @@ PYTHON_ONLY = {"model": "model_dir", "tiny": "tiny", "seed": "seed", "dtype": "d
 PY_DEFAULTS = {"tiny": "nemotron_h", "seed": 0, "dtype": "fp32", "device": "auto", "max_slots": 8,
                "max_seq_len": 1024, "buffer_len": 16, "mode": "replay", "text_input": "auto", "prefix_cache_tokens": 0,
                "prefix_block": 16, "preempt": False, "preempt_quantum": 16, "max_swapped_bytes": None}
-MODES = ("conventional", "replay", "replay_bf16", "replay_fp8")
+MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "replay_ckpt8")
 SHADOW_MODE = {"none": "replay", "bf16": "replay_bf16", "fp8": "replay_fp8"}  # --shadow as a --mode
 # the tensorrt_plan route's sequence batcher (builders/triton_repo.py model_config's defaults)
 TRT_ONLY = {"idle_ms": 60_000, "max_queue_delay_us": 100}
@@ -150,7 +150,8 @@ def main(argv=None) -> int:
     py.add_argument("--mode", choices=MODES,
                     help="the SSM state: conventional, replay (ReplaySSM), replay_bf16 / replay_fp8 (ReplaySSM + a "
                          "low-precision shadow of each fp32 checkpoint that non-flush steps read; fp8: Mamba-2 models "
-                         f"only); default: {d['mode']}, or --shadow's")
+                         "only), replay_ckpt8 (an 8-bit fp8-e4m3 checkpoint, stochastic rounding at each flush; "
+                         f"Mamba-2 models only); default: {d['mode']}, or --shadow's")
     py.add_argument("--shadow", choices=("none", "bf16", "fp8"),
                     help="the same as --mode replay / replay_bf16 / replay_fp8 (the two must agree)")
     py.add_argument("--text-input", choices=("auto", "tensor", "parameter"),

@@ -87,7 +87,7 @@ def test_shadow_modes_serve(tiny):
         eng.run_until_idle()
         assert len(got.tokens[i]) == 10 and got.final[i].finish_reason == "length"
         assert_idle(eng)
-    assert set(MODES) == {"conventional", "replay", "replay_bf16", "replay_fp8"}
+    assert set(MODES) == {"conventional", "replay", "replay_bf16", "replay_fp8", "replay_ckpt8"}
 
 
 def test_stop_token_and_cancel_free_their_slots(tiny):
