@@ -124,7 +124,8 @@ def quantize_ckpt8(S: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, roundi
     scale.copy_(torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax)))
     v = S32 * torch.reciprocal(scale)[..., None]
     H, P, N = S.shape
-    q.copy_(stochastic_round_e4m3(v, ckpt8_random_bits(seed, flush, slot, H, P, N)).to(torch.float8_e4m3fn))
+    r = ckpt8_random_bits(seed, flush, slot, H, P, N).to(v.device)  # the words depend on coordinates only
+    q.copy_(stochastic_round_e4m3(v, r).to(torch.float8_e4m3fn))
 
 
 class Checkpoint8:
