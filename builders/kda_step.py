@@ -123,16 +123,10 @@ class KimiStep(QwenStep):
     capturable = False  # eager only (module docstring)
     MODEL_TYPES = MODEL_TYPES
 
+    FAMILY = "a Kimi-Linear model"
+
     def __init__(self, model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16):
-        cfg = model.config
-        if getattr(cfg, "model_type", None) not in MODEL_TYPES:
-            raise ValueError(f"model: expected a Kimi-Linear model (model_type one of {MODEL_TYPES}), got "
-                             f"{getattr(cfg, 'model_type', None)!r}")
-        bad = sorted({t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")})
-        if bad:
-            raise ValueError(f"layer_types: expected linear_attention or full_attention, got {bad}")
-        if batch < 1 or kv_len < 1:
-            raise ValueError(f"batch and kv_len: expected >= 1, got {batch} and {kv_len}")
+        cfg = self._checked_config(model, batch, kv_len)
         ssm = make_kda_mode(mode, buffer_len)  # a bad mode refused before anything is allocated
         self.model, self.cfg, self.batch, self.kv_len = model, cfg, batch, kv_len
         p = next(model.parameters())

@@ -180,18 +180,26 @@ class QwenStep:
     capturable = False  # eager only (module docstring): the engine runs it without CUDA graphs
     MODEL_TYPES = MODEL_TYPES
 
-    def __init__(self, model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16):
-        from .gdn_step import QwenGDNDecodeStep
+    FAMILY = "a Qwen3-Next / Qwen3.5 text model"  # in the error that names a wrong model_type
 
+    @classmethod
+    def _checked_config(cls, model, batch: int, kv_len: int):
+        """The model's config after the checks every hybrid step of this shape makes (model_type, layer types, sizes)."""
         cfg = model.config
-        if getattr(cfg, "model_type", None) not in MODEL_TYPES:
-            raise ValueError(f"model: expected a Qwen3-Next / Qwen3.5 text model (model_type one of {MODEL_TYPES}), "
+        if getattr(cfg, "model_type", None) not in cls.MODEL_TYPES:
+            raise ValueError(f"model: expected {cls.FAMILY} (model_type one of {cls.MODEL_TYPES}), "
                              f"got {getattr(cfg, 'model_type', None)!r}")
         bad = sorted({t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")})
         if bad:
             raise ValueError(f"layer_types: expected linear_attention or full_attention, got {bad}")
         if batch < 1 or kv_len < 1:
             raise ValueError(f"batch and kv_len: expected >= 1, got {batch} and {kv_len}")
+        return cfg
+
+    def __init__(self, model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16):
+        from .gdn_step import QwenGDNDecodeStep
+
+        cfg = self._checked_config(model, batch, kv_len)
         self.model, self.cfg, self.batch, self.kv_len = model, cfg, batch, kv_len
         p = next(model.parameters())
         self.device, self.act = p.device, p.dtype
