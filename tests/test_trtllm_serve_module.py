@@ -1141,12 +1141,14 @@ def test_a_non_editable_install_imports_without_the_repository(tmp_path):
             "import importlib.resources, trtllm_replayssm_module, trtllm_replayssm, builders.decode_step, builders.engine\n"
             "mods = [trtllm_replayssm_module, trtllm_replayssm, builders.decode_step, builders.engine]\n"
             "print([m.__file__ for m in mods])\n"
-            "print(sorted(p.name for p in importlib.resources.files('trtllm_replayssm.plugins').iterdir()))\n"
+            "print(sorted(f'{d.name}/{p.name}' for d in importlib.resources.files('trtllm_replayssm.plugins').iterdir()\n"
+            "             if d.is_dir() and d.name != '__pycache__' for p in d.iterdir()))\n"
             "print(sorted({m.__file__.split('/site-packages/')[0] for m in list(sys.modules.values())\n"
             f"             if {str(REPO)!r} in (getattr(m, '__file__', None) or '')}}))")
     out = _isolated(code, tmp_path).strip().splitlines()
     assert len(out) == 3, out
     files, plugin_files, from_repo = (ast.literal_eval(line) for line in out)
     assert all(f.startswith(str(target)) for f in files), files
-    assert {"replayssm_decode.cu", "replayssm.cuh", "gdn_decode.cu"} <= set(plugin_files)
+    assert {"mamba2/replayssm_decode.cu", "mamba2/replayssm.cuh", "gdn/gdn_decode.cu", "kda/kda_decode.cu",
+            "common/convert.cuh", "common/scan.cuh"} <= set(plugin_files)  # the family folders ship
     assert from_repo == [], from_repo

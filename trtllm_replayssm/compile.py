@@ -27,7 +27,20 @@ import os
 import pathlib
 import tempfile
 
-from .config import CUDA_TYPES, SHADOW_CUDA_TYPES, STATE_CUDA_TYPES, GDNSpec, KernelSpec, Layout, Variant
+from .config import (  # noqa: F401  (the module names re-exported: tests and scripts read them here)
+    ENTRY_FILE,  # noqa: F401
+    GDN_ENTRY_FILE,
+    GDN_KERNEL_NAMES,
+    GDN_SPEC_ENTRY_FILE,
+    GDN_SPEC_KERNEL_NAMES,
+    KERNEL_NAMES,
+    SPEC_ENTRY_FILE,
+    SPEC_KERNEL_NAMES,
+    GDNSpec,
+    KernelSpec,
+    Layout,
+    Variant,
+)
 
 PLUGIN_DIR = pathlib.Path(__file__).resolve().parent.parent / "plugins"
 if not PLUGIN_DIR.is_dir():  # installed as a wheel: the kernels ship inside the package
@@ -38,36 +51,20 @@ if os.environ.get("TRTLLM_REPLAYSSM_PLUGIN_DIR"):
     PLUGIN_DIR = pathlib.Path(os.environ["TRTLLM_REPLAYSSM_PLUGIN_DIR"]).resolve()
     if not any(PLUGIN_DIR.rglob("replayssm.cuh")):
         raise RuntimeError(f"TRTLLM_REPLAYSSM_PLUGIN_DIR: {PLUGIN_DIR} is not a directory of kernel sources")
-ENTRY_FILE = "mamba2/replayssm_decode.cu"
-KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
-SPEC_ENTRY_FILE = "mamba2/replayssm_spec.cu"
-SPEC_KERNEL_NAMES = ("replayssm_verify", "replayssm_spec_commit", "replayssm_native_verify", "replayssm_native_commit")
-GDN_ENTRY_FILE = "gdn/gdn_decode.cu"
-GDN_KERNEL_NAMES = ("gdn_replay_decode", "gdn_conventional")
-GDN_SPEC_ENTRY_FILE = "gdn/gdn_spec.cu"
-GDN_SPEC_KERNEL_NAMES = ("gdn_verify", "gdn_native_verify")
 
 
 def entry_file(spec) -> str:
-    """The spec's entry file, a path under ``plugins/``. A kernel tree of the flat layout (before the family
-    folders; ``TRTLLM_REPLAYSSM_PLUGIN_DIR`` naming an old checkout for an A/B run) has it at its base name."""
-    if isinstance(spec, GDNSpec):
-        rel = GDN_SPEC_ENTRY_FILE if spec.num_tokens else GDN_ENTRY_FILE
-    elif isinstance(spec, KernelSpec):
-        rel = SPEC_ENTRY_FILE if spec.num_tokens else ENTRY_FILE
-    else:
-        rel = spec.entry_file
+    """The spec's entry file (its ``entry_file``), a path under ``plugins/``. A kernel tree of the flat layout (before
+    the family folders; ``TRTLLM_REPLAYSSM_PLUGIN_DIR`` naming an old checkout for an A/B run) has it at its base
+    name."""
+    rel = spec.entry_file
     if not (PLUGIN_DIR / rel).is_file() and (PLUGIN_DIR / pathlib.PurePath(rel).name).is_file():
         return pathlib.PurePath(rel).name
     return rel
 
 
 def kernel_names(spec) -> tuple[str, ...]:
-    """The entry points of the module ``spec`` compiles."""
-    if isinstance(spec, GDNSpec):
-        return GDN_SPEC_KERNEL_NAMES if spec.num_tokens else GDN_KERNEL_NAMES
-    if isinstance(spec, KernelSpec):
-        return SPEC_KERNEL_NAMES if spec.num_tokens else KERNEL_NAMES
+    """The entry points of the module ``spec`` compiles (its ``kernel_names``)."""
     return tuple(spec.kernel_names)
 
 
@@ -84,64 +81,9 @@ def cache_dir() -> pathlib.Path:
     return path
 
 
-def gdn_prelude(spec: GDNSpec) -> str:
-    return "\n".join(
-        [
-            f"// generated for {spec.key}",
-            "#include <cuda_bf16.h>",
-            "#include <cuda_fp16.h>",
-            f"using act_t = {CUDA_TYPES[spec.act]};",
-            f"using shadow_t = {SHADOW_CUDA_TYPES[spec.shadow] if spec.shadow != 'none' else 'float'};",
-            f"#define GDN_SHADOW {('none', 'bf16').index(spec.shadow)}",
-            f"constexpr int kHV = {spec.heads_v};",
-            f"constexpr int kHK = {spec.heads_k};",
-            f"constexpr int kV = {spec.V};",
-            f"constexpr int kK = {spec.K};",
-            f"constexpr int kL = {spec.buffer_len};",
-            f"constexpr int kRows = {spec.rows};",
-            f"constexpr int kWarps = {spec.warps};",
-            f"constexpr int kMinBlocks = {spec.min_blocks};",
-            f"constexpr int kLanes = {min(spec.lanes, spec.K // 4)};",
-            f"constexpr bool kL2Norm = {'true' if spec.l2norm else 'false'};",
-            f"constexpr float kScale = {spec.scale_f32.hex()}f;  // {spec.scale_f32!r}",
-            *([f"constexpr int kT = {spec.num_tokens};"] if spec.num_tokens else []),
-            *([f"#define GDN_PASSES {spec.passes}"] if spec.passes > 1 else []),
-            "",
-        ]
-    )
-
-
 def prelude(spec) -> str:
-    if isinstance(spec, GDNSpec):
-        return gdn_prelude(spec)
-    if not isinstance(spec, KernelSpec):
-        return spec.prelude()
-    return "\n".join(
-        [
-            f"// generated for {spec.key}",
-            "#include <cuda_bf16.h>",
-            "#include <cuda_fp16.h>",
-            *(["#include <cuda_fp8.h>"] if spec.shadow == "fp8" or spec.state == "fp8" else []),
-            *(["#define RSSM_CKPT8 1"] if spec.state == "fp8" else []),  # 8-bit checkpoint (replayssm.cuh)
-            f"using state_t = {STATE_CUDA_TYPES[spec.state]};",
-            f"using act_t = {CUDA_TYPES[spec.act]};",
-            f"using shadow_t = {SHADOW_CUDA_TYPES.get(spec.shadow, 'state_t')};",
-            f"#define RSSM_SHADOW {('none', 'bf16', 'fp8').index(spec.shadow)}",
-            f"constexpr int kH = {spec.nheads};",
-            f"constexpr int kP = {spec.headdim};",
-            f"constexpr int kN = {spec.dstate};",
-            f"constexpr int kG = {spec.ngroups};",
-            f"constexpr int kL = {spec.buffer_len};",
-            *([f"constexpr int kT = {spec.num_tokens};"] if spec.num_tokens else []),
-            f"constexpr int kRows = {spec.rows};",
-            f"constexpr int kWarps = {spec.warps};",
-            f"constexpr bool kHasZ = {'true' if spec.has_z else 'false'};",
-            f"#define RSSM_HAS_Z {int(spec.has_z)}",
-            *spec.variant.prelude(),
-            *(spec.layout.prelude() if spec.layout is not None else []),
-            "",
-        ]
-    )
+    """The generated lines before the entry file: the spec's own (``spec.prelude()``)."""
+    return spec.prelude()
 
 
 def source(spec) -> str:
@@ -197,7 +139,7 @@ def _check(err, what: str, log: str = "") -> None:
         raise CompileError(f"{what} failed ({err!r})" + (f"\n{log}" if log else ""))
 
 
-def options(spec: KernelSpec, target: str) -> list[str]:
+def options(spec, target: str) -> list[str]:
     if target not in ("ptx", "cubin"):
         raise ValueError(f"target: expected 'ptx' or 'cubin', got {target!r}")
     arch = f"compute_{spec.arch}" if target == "ptx" else f"sm_{spec.arch}"
@@ -237,16 +179,16 @@ def _header_dirs_signature() -> str:
 SPEC_LOG_ENV = "TRTLLM_REPLAYSSM_SPEC_LOG"
 
 
-def spec_to_json(spec: KernelSpec | GDNSpec, target: str) -> str:
+def spec_to_json(spec, target: str) -> str:
     """One line naming ``spec`` and ``target``; :func:`spec_from_json` reads it back."""
     return json.dumps({"type": type(spec).__name__, "target": target, **dataclasses.asdict(spec)}, sort_keys=True)
 
 
 def spec_types() -> dict[str, type]:
-    """{class name: spec class} of every kernel spec: Mamba-2's and Gated DeltaNet's, then each family folder's."""
+    """{class name: spec class} of every kernel spec: the ones each family folder lists (``Family.spec_types``)."""
     from . import families
 
-    types = {"KernelSpec": KernelSpec, "GDNSpec": GDNSpec}
+    types = {}
     for name in families.names():
         types.update({t.__name__: t for t in families.get(name).spec_types})
     return types
@@ -258,11 +200,8 @@ def spec_from_json(line: str) -> tuple:
     types = spec_types()
     if kind not in types:
         raise ValueError(f"spec line: type: expected one of {sorted(types)}, got {kind!r}")
-    if kind != "KernelSpec":
-        return types[kind](**d), target
-    d["variant"] = Variant(**d["variant"])
-    d["layout"] = None if d["layout"] is None else Layout(**d["layout"])
-    return KernelSpec(**d), target
+    cls = types[kind]
+    return (cls.from_dict(d) if hasattr(cls, "from_dict") else cls(**d)), target
 
 
 def _log_spec(spec, target: str) -> None:
@@ -272,7 +211,7 @@ def _log_spec(spec, target: str) -> None:
             f.write(spec_to_json(spec, target) + "\n")
 
 
-def compile_spec(spec: KernelSpec, target: str = "ptx", use_cache: bool = True) -> bytes:
+def compile_spec(spec, target: str = "ptx", use_cache: bool = True) -> bytes:
     """PTX (text, as bytes) or cubin for ``spec``; cached on disk."""
     _log_spec(spec, target)
     opts = options(spec, target)

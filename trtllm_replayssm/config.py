@@ -188,6 +188,17 @@ def parse_variant(text: str, what: str = VARIANT_ENV) -> Variant | None:
         raise ValueError(f"{what}: {e}") from None
 
 
+# The modules of plugins/mamba2/ and plugins/gdn/ (entry file under plugins/, kernel names), named by their specs.
+ENTRY_FILE = "mamba2/replayssm_decode.cu"
+KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
+SPEC_ENTRY_FILE = "mamba2/replayssm_spec.cu"
+SPEC_KERNEL_NAMES = ("replayssm_verify", "replayssm_spec_commit", "replayssm_native_verify", "replayssm_native_commit")
+GDN_ENTRY_FILE = "gdn/gdn_decode.cu"
+GDN_KERNEL_NAMES = ("gdn_replay_decode", "gdn_conventional")
+GDN_SPEC_ENTRY_FILE = "gdn/gdn_spec.cu"
+GDN_SPEC_KERNEL_NAMES = ("gdn_verify", "gdn_native_verify")
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     state: str  # "f32" | "bf16" | "f16"
@@ -312,6 +323,51 @@ class KernelSpec:
             return 1024 // self.threads if self.threads >= 256 else 1
         threads_per_sm = 2048 if self.variant.kind == "staged" else 1024
         return max(1, min(self.variant.min_blocks, threads_per_sm // self.threads))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KernelSpec:
+        """The spec of ``dataclasses.asdict(spec)`` (compile.spec_from_json): its variant and layout rebuilt."""
+        d = dict(d, variant=Variant(**d["variant"]))
+        d["layout"] = None if d.get("layout") is None else Layout(**d["layout"])
+        return cls(**d)
+
+    @property
+    def entry_file(self) -> str:
+        """The module's entry file under plugins/ (compile.py)."""
+        return SPEC_ENTRY_FILE if self.num_tokens else ENTRY_FILE
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        return SPEC_KERNEL_NAMES if self.num_tokens else KERNEL_NAMES
+
+    def prelude(self) -> str:
+        """The generated lines compile.py puts before the entry file (dtypes, sizes as constexpr, the variant)."""
+        return "\n".join(
+            [
+                f"// generated for {self.key}",
+                "#include <cuda_bf16.h>",
+                "#include <cuda_fp16.h>",
+                *(["#include <cuda_fp8.h>"] if self.shadow == "fp8" or self.state == "fp8" else []),
+                *(["#define RSSM_CKPT8 1"] if self.state == "fp8" else []),  # 8-bit checkpoint (replayssm.cuh)
+                f"using state_t = {STATE_CUDA_TYPES[self.state]};",
+                f"using act_t = {CUDA_TYPES[self.act]};",
+                f"using shadow_t = {SHADOW_CUDA_TYPES.get(self.shadow, 'state_t')};",
+                f"#define RSSM_SHADOW {('none', 'bf16', 'fp8').index(self.shadow)}",
+                f"constexpr int kH = {self.nheads};",
+                f"constexpr int kP = {self.headdim};",
+                f"constexpr int kN = {self.dstate};",
+                f"constexpr int kG = {self.ngroups};",
+                f"constexpr int kL = {self.buffer_len};",
+                *([f"constexpr int kT = {self.num_tokens};"] if self.num_tokens else []),
+                f"constexpr int kRows = {self.rows};",
+                f"constexpr int kWarps = {self.warps};",
+                f"constexpr bool kHasZ = {'true' if self.has_z else 'false'};",
+                f"#define RSSM_HAS_Z {int(self.has_z)}",
+                *self.variant.prelude(),
+                *(self.layout.prelude() if self.layout is not None else []),
+                "",
+            ]
+        )
 
     def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
@@ -736,6 +792,42 @@ class GDNSpec:
     def min_blocks(self) -> int:
         """Resident blocks per SM the kernels are built for (``__launch_bounds__``; caps registers)."""
         return max(1, GDN_RESIDENT_THREADS // self.threads)
+
+    @property
+    def entry_file(self) -> str:
+        """The module's entry file under plugins/ (compile.py)."""
+        return GDN_SPEC_ENTRY_FILE if self.num_tokens else GDN_ENTRY_FILE
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        return GDN_SPEC_KERNEL_NAMES if self.num_tokens else GDN_KERNEL_NAMES
+
+    def prelude(self) -> str:
+        """The generated lines compile.py puts before the entry file."""
+        return "\n".join(
+            [
+                f"// generated for {self.key}",
+                "#include <cuda_bf16.h>",
+                "#include <cuda_fp16.h>",
+                f"using act_t = {CUDA_TYPES[self.act]};",
+                f"using shadow_t = {SHADOW_CUDA_TYPES[self.shadow] if self.shadow != 'none' else 'float'};",
+                f"#define GDN_SHADOW {('none', 'bf16').index(self.shadow)}",
+                f"constexpr int kHV = {self.heads_v};",
+                f"constexpr int kHK = {self.heads_k};",
+                f"constexpr int kV = {self.V};",
+                f"constexpr int kK = {self.K};",
+                f"constexpr int kL = {self.buffer_len};",
+                f"constexpr int kRows = {self.rows};",
+                f"constexpr int kWarps = {self.warps};",
+                f"constexpr int kMinBlocks = {self.min_blocks};",
+                f"constexpr int kLanes = {min(self.lanes, self.K // 4)};",
+                f"constexpr bool kL2Norm = {'true' if self.l2norm else 'false'};",
+                f"constexpr float kScale = {self.scale_f32.hex()}f;  // {self.scale_f32!r}",
+                *([f"constexpr int kT = {self.num_tokens};"] if self.num_tokens else []),
+                *([f"#define GDN_PASSES {self.passes}"] if self.passes > 1 else []),
+                "",
+            ]
+        )
 
     def grid(self, batch: int) -> tuple[int, int, int]:
         return (self.heads_v * (self.V // self.rows), batch, 1)
