@@ -294,11 +294,13 @@ def python_paths() -> list[str]:
 
 def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     """The vocabulary size of the --tiny name or of the --model checkpoint's config.json, both checked by name."""
+    from .kda import TINY_KIMI_LINEAR
     from .nemotron_h import TINY_CONFIGS
     from .qwen3_next import ACCEPTED_MODEL_TYPES, FAMILIES
 
+    served = ACCEPTED_MODEL_TYPES + ("kimi_linear",)  # the model types the generation engine serves
     if model_dir is None:
-        tinies = {**TINY_CONFIGS, **FAMILIES}
+        tinies = {**TINY_CONFIGS, **FAMILIES, "kimi_linear": TINY_KIMI_LINEAR}
         if tiny not in tinies:
             raise RepoError(f"--tiny: expected one of {sorted(tinies)}, got {tiny!r}")
         return int(tinies[tiny]["vocab_size"])
@@ -306,8 +308,8 @@ def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     if not cfg_path.is_file():
         raise RepoError(f"--model: expected a checkpoint directory with config.json, got {model_dir}")
     raw = _read_json(cfg_path)
-    if raw.get("model_type") not in ACCEPTED_MODEL_TYPES:
-        raise RepoError(f"--model: {cfg_path}: model_type: expected one of {list(ACCEPTED_MODEL_TYPES)}, got "
+    if raw.get("model_type") not in served:
+        raise RepoError(f"--model: {cfg_path}: model_type: expected one of {list(served)}, got "
                         f"{raw.get('model_type')!r}")
     text = raw.get("text_config")  # the published Qwen3.5 directories: the vision-language wrapper's config
     vocab = raw.get("vocab_size", text.get("vocab_size") if isinstance(text, dict) else None)

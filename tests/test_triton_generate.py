@@ -731,8 +731,8 @@ def test_qwen_model_in_process(tmp_path):
 
 
 def test_kimi_linear_model_in_process():
-    """GenerateModel over the tiny Kimi-Linear (builders/kda.py; handed in as a loaded model: ``load_model`` reads no
-    Kimi checkpoint yet) under the stand-in stub: the engine's KDA step (builders/kda_step.py ``KimiStep``), two
+    """GenerateModel over the tiny Kimi-Linear (builders/kda.py; handed in as a loaded model) under the stand-in stub:
+    the engine's KDA step (builders/kda_step.py ``KimiStep``), two
     requests on one slot (one waits) stream transformers' greedy tokens in the replay and conventional modes, L = 4
     (the 9-token request folds its rings twice); the fp8 shadow is refused, naming KDA."""
     from builders.kda import tiny_model
@@ -821,5 +821,33 @@ def test_model_in_process_with_prefix_cache_and_preemption(ckpt, ref):
             assert ids == greedy(p, 8)
         assert eng.stats["prefix_hits"] >= 2 and eng.stats["preemptions"] > 0
         assert eng.stats["swapped_bytes"] == 0
+    finally:
+        gm.finalize()
+
+
+def test_kimi_linear_repository_from_the_cli_parameters(tmp_path):
+    """``--tiny kimi_linear`` (or a Kimi-Linear ``--model``): the repository writer takes it, the model loads it from
+    config.pbtxt's parameters as the server does (``load_model``: builders/kda.py), and the engine serves
+    transformers' greedy tokens; the fp8 shadow and the 8-bit checkpoint are refused for a KDA model, by name."""
+    from builders.kda import tiny_model
+
+    repo = tg.make_generate_repo(tmp_path / "repo", tiny="kimi_linear", device="cpu", max_slots=1, buffer_len=4)
+    assert repo.name == "kimi_linear_replayssm" and (repo / "config.pbtxt").is_file()
+    for mode, what in (("replay_fp8", "no fp8 KDA shadow"), ("replay_ckpt8", "for Mamba-2 models")):
+        with pytest.raises(tg.RepoError, match=what):
+            tg.make_generate_repo(tmp_path / mode, tiny="kimi_linear", device="cpu", mode=mode)
+    pb = _FakePb(False)
+    p = dict(tiny="kimi_linear", seed="0", dtype="float32", device="cpu", max_slots="1", max_seq_len="48",
+             buffer_len="4", mode="replay", health_url="off")
+    gm = tg.GenerateModel(pb, {"model_config": json.dumps({"parameters": {k: {"string_value": v} for k, v in p.items()}})})
+    try:
+        assert type(gm.engine.step).__name__ == "KimiStep"
+        r = _FakeRequest(pb, {"input_ids": [3, 1, 4, 1, 5], "max_tokens": [7]})
+        gm.execute([r])
+        assert r.done.wait(60)
+        ids = [t for resp, _ in r.responses for t in resp.outputs["output_ids"].raw.tolist()]
+        want = tiny_model("kimi_linear", seed=0).generate(torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=7,
+                                                          do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert ids == want[0, 5:].tolist()
     finally:
         gm.finalize()
