@@ -51,6 +51,7 @@ from trtllm_replayssm.config import (
     SUPPORTED_HEADDIM,
     SUPPORTED_NUM_TOKENS,
 )
+from trtllm_replayssm.families.gdn import trt_plugin as gdn_plugin
 
 from .engine_format import DECODE_FORMAT, SHADOWS, SPEC_FORMAT, FormatError, check_layer_states, staging_dir
 from .moe import FORMULATIONS as MOE_FORMULATIONS
@@ -344,8 +345,8 @@ def _gdn_ptx(opts, step):
     act, L = DTYPE_CODES[DTYPES[opts.dtype]], opts.buffer_len
     if step.speculative:
         T = step.num_tokens
-        return lambda t: trt_plugin.aot_gdn_verify_kernel(H, HV, K, V, L, 1, T, act, opts.arch, t, opts.shadow), {}
-    return lambda t: trt_plugin.aot_gdn_kernel(H, HV, K, V, L, 1, act, opts.arch, t, opts.shadow), {}
+        return lambda t: gdn_plugin.aot_verify_kernel(H, HV, K, V, L, 1, T, act, opts.arch, t, opts.shadow), {}
+    return lambda t: gdn_plugin.aot_kernel(H, HV, K, V, L, 1, act, opts.arch, t, opts.shadow), {}
 
 
 def _step_artifacts(opts, model, tmp, gdn: bool):
@@ -396,7 +397,7 @@ def _step_artifacts(opts, model, tmp, gdn: bool):
 
     log("[4/5] writing config.json and trtexec.sh")
     sio = _step_io(step, opts, tmp, vocab, f"{DOMAIN}::{op_type}")
-    info = trt_plugin.PLUGINS[op_type]
+    info = trt_plugin.all_plugins()[op_type]
     config = _decode_config(opts, entry, sio, dict(
         op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nodes, **plugin["attributes"], **extra,
         kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
@@ -454,8 +455,8 @@ def _spec_graphs(opts, step, tmp, verify: dict, model: dict, vocab: int):
     (tmp / "trtexec.sh").write_text(
         "#!/bin/sh\n" + TRTEXEC_NOTE.format(plugins=" and ".join(f"{DOMAIN}::{p}" for p in plugins))
         + "set -e\n" + "\n".join(cmds) + "\n")
-    verify_manifest = trt_plugin.PLUGINS[VERIFY_OP_TYPE].manifest()
-    commit_manifest = trt_plugin.PLUGINS[trt_plugin.COMMIT_PLUGIN_NAME].manifest()
+    verify_manifest = trt_plugin.all_plugins()[VERIFY_OP_TYPE].manifest()
+    commit_manifest = trt_plugin.all_plugins()[trt_plugin.COMMIT_PLUGIN_NAME].manifest()
     config = dict(
         format=SPEC_FORMAT,
         model=model,

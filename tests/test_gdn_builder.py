@@ -295,7 +295,7 @@ def test_build_engine_tiny_gdn(tmp_path, tiny):
 
     onnx = pytest.importorskip("onnx", reason="onnx is not installed")
     from builders.decode_step import DOMAIN
-    from trtllm_replayssm import trt_plugin as tp
+    from trtllm_replayssm.families.gdn import trt_plugin as gp
 
     out = tmp_path / "engine"
     r = _build("--out", out, "--buffer-len", L, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--tiny", tiny)
@@ -313,10 +313,10 @@ def test_build_engine_tiny_gdn(tmp_path, tiny):
     else:
         assert "moe" not in cfg["model"] and "moe_layers" not in cfg["model"]
     plugin = cfg["plugin"]
-    assert plugin["op_type"] == tp.GDN_PLUGIN_NAME and plugin["nodes"] == 3
-    assert plugin["inputs"] == list(tp.GDN_INPUT_NAMES) and plugin["outputs"] == list(tp.GDN_OUTPUT_NAMES)
+    assert plugin["op_type"] == gp.DECODE and plugin["nodes"] == 3
+    assert plugin["inputs"] == list(gp.INPUT_NAMES) and plugin["outputs"] == list(gp.OUTPUT_NAMES)
     for k in plugin["kernels"]:  # the PTX aot_impl hands TensorRT for each tactic
-        want = tp.aot_gdn_kernel(2, 4, 64, 64, L, 1, "f32", 90, k["tactic"])
+        want = gp.aot_kernel(2, 4, 64, 64, L, 1, "f32", 90, k["tactic"])
         assert (out / k["ptx"]).read_bytes() == want.ptx and k["grid"] == [want.grid_x, "batch", 1]
     g = onnx.load(str(out / "model.onnx"))
     assert sum(n.domain == DOMAIN for n in g.graph.node) == 3
@@ -332,7 +332,7 @@ def test_build_engine_gdn_spec(tmp_path, tiny):
 
     onnx = pytest.importorskip("onnx", reason="onnx is not installed")
     from builders.decode_step import DOMAIN
-    from trtllm_replayssm import trt_plugin as tp
+    from trtllm_replayssm.families.gdn import trt_plugin as gp
 
     out = tmp_path / "spec"
     r = _build("--out", out, "--buffer-len", 8, "--max-seq-len", MAX_SEQ, "--max-batch", 4, "--num-draft", 3,
@@ -348,9 +348,9 @@ def test_build_engine_gdn_spec(tmp_path, tiny):
     verify = plugins["replayssm::gdn_verify"]
     assert verify["attributes"] == dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=64, buffer_len=8,
                                         use_qk_l2norm=1, num_tokens=4)
-    assert verify["nodes"] == 3 and verify["inputs"] == list(tp.GDN_INPUT_NAMES)
+    assert verify["nodes"] == 3 and verify["inputs"] == list(gp.INPUT_NAMES)
     for k in verify["kernels"]:
-        want = tp.aot_gdn_verify_kernel(2, 4, 64, 64, 8, 1, 4, "f32", 90, k["tactic"])
+        want = gp.aot_verify_kernel(2, 4, 64, 64, 8, 1, 4, "f32", 90, k["tactic"])
         assert (out / k["ptx"]).read_bytes() == want.ptx and k["kernel"] == "gdn_verify"
     script = (out / "trtexec.sh").read_text()
     assert "replayssm::gdn_verify and replayssm::spec_commit" in script

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from trtllm_replayssm import trt_plugin as tp
+from trtllm_replayssm.families.gdn import trt_plugin as gp
 
 
 def test_aot_kernel_matches_the_kernel_signature():
@@ -225,7 +226,7 @@ def test_spec_io_contract_and_aliases():
     for info in tp.PLUGINS.values():  # every aliased output has its input's shape
         m = info.manifest()
         assert m["id"] == f"replayssm::{info.name}" and len(m["aliased_outputs"]) == len(info.aliases)
-    v = tp.PLUGINS[tp.VERIFY_PLUGIN_NAME].manifest()
+    v = tp.all_plugins()[tp.VERIFY_PLUGIN_NAME].manifest()
     assert v["attributes"][-1] == "num_tokens" and v["aliased_outputs"]["state_out"] == "state"
 
 
@@ -437,33 +438,33 @@ PLUGIN_CASES = {
                                    lambda a: tp.verify_io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
     tp.COMMIT_PLUGIN_NAME: (dict(num_tokens=2, buffer_len=8), lambda a: tp.commit_io_shapes("b", "s"),
                             (None, None, None)),
-    tp.GDN_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8, use_qk_l2norm=1),
-                         lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5]), ("f32", "bf16", None)),
-    tp.GDN_SHADOW_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=128, value_dim=64, buffer_len=16,
+    gp.DECODE: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8, use_qk_l2norm=1),
+                         lambda a: gp.io_shapes("b", "s", *list(a.values())[:5]), ("f32", "bf16", None)),
+    gp.DECODE_SHADOW: (dict(num_k_heads=2, num_v_heads=4, key_dim=128, value_dim=64, buffer_len=16,
                                      use_qk_l2norm=0),
-                                lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5], "bf16"),
+                                lambda a: gp.io_shapes("b", "s", *list(a.values())[:5], "bf16"),
                                 ("f32", "f16", "bf16")),
-    tp.GDN_VERIFY_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8,
+    gp.VERIFY: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8,
                                      use_qk_l2norm=1, num_tokens=4),
-                                lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5], num_tokens=a["num_tokens"]),
+                                lambda a: gp.io_shapes("b", "s", *list(a.values())[:5], num_tokens=a["num_tokens"]),
                                 ("f32", "bf16", None)),
-    tp.GDN_VERIFY_SHADOW_PLUGIN_NAME: (dict(num_k_heads=2, num_v_heads=4, key_dim=128, value_dim=64, buffer_len=16,
+    gp.VERIFY_SHADOW: (dict(num_k_heads=2, num_v_heads=4, key_dim=128, value_dim=64, buffer_len=16,
                                             use_qk_l2norm=1, num_tokens=2),
-                                       lambda a: tp.gdn_io_shapes("b", "s", *list(a.values())[:5], "bf16",
+                                       lambda a: gp.io_shapes("b", "s", *list(a.values())[:5], "bf16",
                                                                   a["num_tokens"]),
                                        ("f32", "f16", "bf16")),
 }
-GDN_PLUGINS = tp.GDN_DECODE_PLUGINS + tp.GDN_VERIFY_PLUGINS
+GDN_PLUGINS = gp.DECODE_PLUGINS + gp.VERIFY_PLUGINS
 
 
 def _types(plugin, state, act, shadow):
     if plugin in GDN_PLUGINS:
-        return tp.gdn_type_combination(act, shadow or "none")
+        return gp.type_combination(act, shadow or "none")
     return tp.type_combination(state, act, shadow or "none")
 
 
 def _dtypes(plugin, state, act, shadow):
-    info = tp.PLUGINS[plugin]
+    info = tp.all_plugins()[plugin]
     if plugin == tp.COMMIT_PLUGIN_NAME:
         return dict.fromkeys(info.inputs, "i32")
     types = _types(plugin, state, act, shadow)
@@ -474,7 +475,7 @@ def _dtypes(plugin, state, act, shadow):
 @pytest.mark.parametrize("plugin", list(PLUGIN_CASES))
 def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
     trt, trtp, registry = fake_trt
-    info = tp.PLUGINS[plugin]
+    info = tp.all_plugins()[plugin]
     attrs, shapes_of, (state, act, shadow) = PLUGIN_CASES[plugin]
     reg = registry[info.id]
     assert set(registry) == {p.id for p in tp.all_plugins().values()}  # the families' plugins too
@@ -521,10 +522,10 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
             want = tp.aot_commit_kernel(attrs["num_tokens"], attrs["buffer_len"], 90)
         elif plugin in tp.VERIFY_PLUGINS:
             want = tp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic, shadow or "none")
-        elif plugin in tp.GDN_VERIFY_PLUGINS:
-            want = tp.aot_gdn_verify_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
+        elif plugin in gp.VERIFY_PLUGINS:
+            want = gp.aot_verify_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         elif plugin in GDN_PLUGINS:
-            want = tp.aot_gdn_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
+            want = gp.aot_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         else:
             want = tp.aot_kernel(*attrs.values(), state, act, 90, tactic, 132, shadow or "none")
         assert (name_, ptx) == (want.kernel_name, want.ptx)
@@ -564,7 +565,7 @@ def test_shadow_plugins_check_the_shadow_and_its_scale(plugin):
         tp.check_attributes(plugin, attrs, {**shapes_of("fp8"), "shadow": (5, 8, 64, 32)}, "fp8")
 
 
-@pytest.mark.parametrize("plugin", [tp.GDN_SHADOW_PLUGIN_NAME, tp.GDN_VERIFY_SHADOW_PLUGIN_NAME])
+@pytest.mark.parametrize("plugin", [gp.DECODE_SHADOW, gp.VERIFY_SHADOW])
 def test_gdn_shadow_plugins_check_the_shadow(fake_trt, plugin):
     """The GDN kernels read and write an (S, HV, V, K) bf16 shadow like the state: one of another shape (K and V
     swapped) was accepted by check_attributes and by the registered shape function, and overrun or misread."""
@@ -576,7 +577,7 @@ def test_gdn_shadow_plugins_check_the_shadow(fake_trt, plugin):
     with pytest.raises(ValueError, match=r"shadow: expected the state's shape \(5, 4, 64, 128\), got \(5, 4, 128, 64\)"):
         tp.check_attributes(plugin, attrs, bad)
     with pytest.raises(ValueError, match=r"shadow: expected the state's shape \(5, 4, 64, 128\), got \(5, 4, 128, 64\)"):
-        registry[tp.PLUGINS[plugin].id]["desc"](*_descs(trtp, plugin, bad, _dtypes(plugin, state, act, shadow)),
+        registry[tp.all_plugins()[plugin].id]["desc"](*_descs(trtp, plugin, bad, _dtypes(plugin, state, act, shadow)),
                                                 **attrs)
 
 
@@ -589,7 +590,7 @@ def test_verify_kernel_parameters_are_in_tensorrt_order(shadow):
     k = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 1, shadow)
     params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
     kinds = re.findall(r"\.param \.(u64|u32)", params)
-    info = tp.PLUGINS[tp.VERIFY_SHADOW_PLUGIN_NAME if shadow != "none" else tp.VERIFY_PLUGIN_NAME]
+    info = tp.all_plugins()[tp.VERIFY_SHADOW_PLUGIN_NAME if shadow != "none" else tp.VERIFY_PLUGIN_NAME]
     assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
     assert k.spec == verify_spec("f32", "bf16", 128, 64, 128, 8, 16, 4, tp.TACTICS[1], False, 90, shadow)
     with pytest.raises(ValueError, match="with an f32 state"):
@@ -604,10 +605,10 @@ def test_gdn_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, shadow):
     inputs, two int32 scalars, the outputs; the module is gdn_ops' for the tactic's batch."""
     from trtllm_replayssm.config import gdn_spec
 
-    k = tp.aot_gdn_kernel(16, 32, 128, 128, 16, 1, "bf16", 90, tactic, shadow)
+    k = gp.aot_kernel(16, 32, 128, 128, 16, 1, "bf16", 90, tactic, shadow)
     params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
     kinds = re.findall(r"\.param \.(u64|u32)", params)
-    info = tp.PLUGINS[tp.GDN_SHADOW_PLUGIN_NAME if shadow == "bf16" else tp.GDN_PLUGIN_NAME]
+    info = tp.all_plugins()[gp.DECODE_SHADOW if shadow == "bf16" else gp.DECODE]
     assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
     assert k.spec == gdn_spec("bf16", 32, 16, 128, 128, 16, tp.TACTICS[tactic], True, shadow, True, None, 90)
     assert k.grid(7) == k.spec.grid(7) and k.block_x == k.spec.threads and k.extra_args == ("batch", "slots")
@@ -620,54 +621,54 @@ def test_gdn_verify_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, sh
     module gdn_ops.gdn_replay_verify compiles, parameters in TensorRT's order."""
     from trtllm_replayssm.config import gdn_spec
 
-    k = tp.aot_gdn_verify_kernel(16, 32, 128, 128, 16, 1, 4, "bf16", 90, tactic, shadow)
+    k = gp.aot_verify_kernel(16, 32, 128, 128, 16, 1, 4, "bf16", 90, tactic, shadow)
     assert k.kernel_name == "gdn_verify"
     params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
     kinds = re.findall(r"\.param \.(u64|u32)", params)
-    info = tp.PLUGINS[tp.GDN_VERIFY_SHADOW_PLUGIN_NAME if shadow == "bf16" else tp.GDN_VERIFY_PLUGIN_NAME]
+    info = tp.all_plugins()[gp.VERIFY_SHADOW if shadow == "bf16" else gp.VERIFY]
     assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
     assert k.spec == gdn_spec("bf16", 32, 16, 128, 128, 16, tp.TACTICS[tactic], True, shadow, True, None, 90, 4)
     assert k.grid(7) == k.spec.grid(7) and k.block_x == k.spec.threads and k.extra_args == ("batch", "slots")
 
 
 def test_gdn_verify_io_contract_attributes_and_rejects():
-    shapes = tp.gdn_io_shapes(3, 5, 16, 32, 128, 64, 16, num_tokens=4)
+    shapes = gp.io_shapes(3, 5, 16, 32, 128, 64, 16, num_tokens=4)
     assert shapes["q"] == (3, 4, 16, 128) and shapes["v"] == shapes["y"] == (3, 4, 32, 64)
     assert shapes["a"] == (3, 4, 32) and shapes["cursor"] == (5, 2) and shapes["state_out"] == (5, 32, 64, 128)
     attrs = dict(num_k_heads=16, num_v_heads=32, key_dim=128, value_dim=64, buffer_len=16, use_qk_l2norm=1,
                  num_tokens=4)
-    assert tp.shape_attributes(tp.GDN_VERIFY_PLUGIN_NAME, shapes) == {k: v for k, v in attrs.items()
+    assert tp.shape_attributes(gp.VERIFY, shapes) == {k: v for k, v in attrs.items()
                                                                       if k != "use_qk_l2norm"}
-    tp.check_attributes(tp.GDN_VERIFY_PLUGIN_NAME, attrs, shapes)
+    tp.check_attributes(gp.VERIFY, attrs, shapes)
     with pytest.raises(ValueError, match="num_tokens=2 but the inputs have 4"):
-        tp.check_attributes(tp.GDN_VERIFY_PLUGIN_NAME, {**attrs, "num_tokens": 2}, shapes)
+        tp.check_attributes(gp.VERIFY, {**attrs, "num_tokens": 2}, shapes)
     with pytest.raises(ValueError, match=r"cursor: expected shape \(slots, 2\), got \(5,\)"):
-        tp.check_attributes(tp.GDN_VERIFY_PLUGIN_NAME, attrs, {**shapes, "cursor": (5,)})
+        tp.check_attributes(gp.VERIFY, attrs, {**shapes, "cursor": (5,)})
     with pytest.raises(ValueError, match=r"buffer_len: expected in \[2 \* num_tokens, 32\] = \[8, 32\]"):
-        tp.aot_gdn_verify_kernel(16, 32, 128, 128, 6, 1, 4, "bf16", 90)
+        gp.aot_verify_kernel(16, 32, 128, 128, 6, 1, 4, "bf16", 90)
     with pytest.raises(ValueError, match="num_tokens: expected one of"):
-        tp.aot_gdn_verify_kernel(16, 32, 128, 128, 16, 1, 3, "bf16", 90)
+        gp.aot_verify_kernel(16, 32, 128, 128, 16, 1, 3, "bf16", 90)
 
 
 def test_gdn_io_contract_attributes_and_rejects():
-    shapes = tp.gdn_io_shapes(3, 5, 16, 32, 128, 64, 16)
-    assert list(shapes)[: len(tp.GDN_INPUT_NAMES)] == list(tp.GDN_INPUT_NAMES)
+    shapes = gp.io_shapes(3, 5, 16, 32, 128, 64, 16)
+    assert list(shapes)[: len(gp.INPUT_NAMES)] == list(gp.INPUT_NAMES)
     assert shapes["state_out"] == shapes["state"] == (5, 32, 64, 128) and shapes["y"] == shapes["v"] == (3, 32, 64)
     assert shapes["k_cache_out"] == (5, 16, 16, 128) and shapes["beta_cache_out"] == (5, 32, 16)
-    types = tp.gdn_type_combination("bf16")
-    assert len(types) == len(tp.GDN_INPUT_NAMES) + len(tp.GDN_OUTPUT_NAMES) and types[11] == "BF16"
-    assert tp.shape_attributes(tp.GDN_PLUGIN_NAME, shapes) == dict(num_k_heads=16, num_v_heads=32, key_dim=128,
+    types = gp.type_combination("bf16")
+    assert len(types) == len(gp.INPUT_NAMES) + len(gp.OUTPUT_NAMES) and types[11] == "BF16"
+    assert tp.shape_attributes(gp.DECODE, shapes) == dict(num_k_heads=16, num_v_heads=32, key_dim=128,
                                                                    value_dim=64, buffer_len=16)
     attrs = dict(num_k_heads=16, num_v_heads=32, key_dim=128, value_dim=64, buffer_len=16, use_qk_l2norm=1)
-    tp.check_attributes(tp.GDN_PLUGIN_NAME, attrs, shapes)
+    tp.check_attributes(gp.DECODE, attrs, shapes)
     with pytest.raises(ValueError, match="value_dim=128 but the inputs have 64"):
-        tp.check_attributes(tp.GDN_PLUGIN_NAME, {**attrs, "value_dim": 128}, shapes)
+        tp.check_attributes(gp.DECODE, {**attrs, "value_dim": 128}, shapes)
     with pytest.raises(ValueError, match="use_qk_l2norm: expected 0 or 1, got 2"):
-        tp.check_attributes(tp.GDN_PLUGIN_NAME, {**attrs, "use_qk_l2norm": 2}, shapes)
+        tp.check_attributes(gp.DECODE, {**attrs, "use_qk_l2norm": 2}, shapes)
     with pytest.raises(ValueError, match="shadow: expected 'none' or 'bf16'"):
-        tp.aot_gdn_kernel(16, 32, 128, 128, 16, 1, "bf16", 90, 1, "fp8")
+        gp.aot_kernel(16, 32, 128, 128, 16, 1, "bf16", 90, 1, "fp8")
     with pytest.raises(ValueError, match="act: expected one of"):
-        tp.aot_gdn_kernel(16, 32, 128, 128, 16, 1, "i8", 90)
+        gp.aot_kernel(16, 32, 128, 128, 16, 1, "i8", 90)
 
 
 def test_gdn_onnx_node_matches_the_plugin_contract(tmp_path):
@@ -679,7 +680,7 @@ def test_gdn_onnx_node_matches_the_plugin_contract(tmp_path):
 
     step = QwenGDNDecodeStep(tiny_model("qwen3_5"), 8, 32)
     export_onnx(step, tmp_path / "m.onnx")
-    node = next(n for n in onnx.load(str(tmp_path / "m.onnx")).graph.node if n.op_type == tp.GDN_PLUGIN_NAME)
+    node = next(n for n in onnx.load(str(tmp_path / "m.onnx")).graph.node if n.op_type == gp.DECODE)
     attrs = [a.name for a in node.attribute if a.name not in ("plugin_namespace", "aot")]
-    assert sorted(attrs) == sorted(tp.GDN_ATTRIBUTES)
-    assert len(node.input) == len(tp.GDN_INPUT_NAMES) and len(node.output) == len(tp.GDN_OUTPUT_NAMES)
+    assert sorted(attrs) == sorted(gp.ATTRIBUTES)
+    assert len(node.input) == len(gp.INPUT_NAMES) and len(node.output) == len(gp.OUTPUT_NAMES)

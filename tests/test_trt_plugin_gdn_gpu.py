@@ -3,10 +3,10 @@
 
 ``gdn_decode[_shadow]``, ``gdn_verify[_shadow]`` and ``spec_commit``: the kernel name and PTX (loaded by
 the driver from PTX, as TensorRT does), grid, block, shared memory and int32 extra args come from
-:func:`trt_plugin.aot_gdn_kernel` / :func:`trt_plugin.aot_gdn_verify_kernel` /
+:func:`families/gdn/trt_plugin.aot_kernel` / :func:`families/gdn/trt_plugin.aot_verify_kernel` /
 :func:`trt_plugin.aot_commit_kernel`; pointers are passed in TensorRT's order, built from the plugins'
 input and output names in ``trt_plugin.PLUGINS`` (inputs, extra args, outputs; aliased outputs get their
-inputs' pointers), after checking every tensor against :func:`trt_plugin.gdn_io_shapes`. The launches
+inputs' pointers), after checking every tensor against :func:`families/gdn/trt_plugin.io_shapes`. The launches
 stand in for ``gdn_ops.gdn_replay_decode`` / ``gdn_ops.gdn_replay_verify`` / ``gdn_ops.gdn_spec_commit``
 inside :class:`tests.test_gdn_gpu.Problem` (3L + 1 steps crossing flushes) and
 :class:`tests.test_gdn_spec_gpu.SpecProblem` (40 steps of random acceptance), which mirror every step
@@ -25,6 +25,7 @@ import torch
 from trtllm_replayssm import gdn_ops
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.config import DTYPE_CODES
+from trtllm_replayssm.families.gdn import trt_plugin as gp
 
 from .test_gdn_gpu import Problem
 from .test_gdn_spec_gpu import STEPS, SpecProblem
@@ -44,13 +45,13 @@ class GDNPluginLaunches:
         self.T, self.L, self.shadow = T, pb.L, shadow
         self.geom = (pb.H, pb.HV, pb.K, pb.V, pb.L)
         if T:
-            self.step_kernel = tp.aot_gdn_verify_kernel(*self.geom, 1, T, act, arch, tactic, shadow)
-            self.plugin = tp.PLUGINS[tp.GDN_VERIFY_SHADOW_PLUGIN_NAME if shadow != "none" else tp.GDN_VERIFY_PLUGIN_NAME]
+            self.step_kernel = gp.aot_verify_kernel(*self.geom, 1, T, act, arch, tactic, shadow)
+            self.plugin = tp.all_plugins()[gp.VERIFY_SHADOW if shadow != "none" else gp.VERIFY]
             self.commit = tp.aot_commit_kernel(T, pb.L, arch)
             kernels = (self.step_kernel, self.commit)
         else:
-            self.step_kernel = tp.aot_gdn_kernel(*self.geom, 1, act, arch, tactic, shadow)
-            self.plugin = tp.PLUGINS[tp.GDN_SHADOW_PLUGIN_NAME if shadow != "none" else tp.GDN_PLUGIN_NAME]
+            self.step_kernel = gp.aot_kernel(*self.geom, 1, act, arch, tactic, shadow)
+            self.plugin = tp.all_plugins()[gp.DECODE_SHADOW if shadow != "none" else gp.DECODE]
             kernels = (self.step_kernel,)
         assert self.step_kernel.kernel_name == self.plugin.kernel_name
         Device().set_current()
@@ -75,7 +76,7 @@ class GDNPluginLaunches:
                      cursor=cursor, state=state, u_cache=u_cache, v_cache=v_cache, k_cache=k_cache, g_cache=g_cache,
                      beta_cache=beta_cache, shadow=shadow)
         batch, slots = q.shape[0], state.shape[0]
-        shapes = tp.gdn_io_shapes(batch, slots, *self.geom, shadow=self.shadow, num_tokens=self.T)
+        shapes = gp.io_shapes(batch, slots, *self.geom, shadow=self.shadow, num_tokens=self.T)
         ins = [named[n] for n in self.plugin.inputs]
         for n, t in zip(self.plugin.inputs, ins):
             assert tuple(t.shape) == shapes[n] and t.is_contiguous(), n
@@ -144,7 +145,7 @@ def test_gdn_decode_plugin_launched_as_tensorrt_would(case, tactic, monkeypatch)
     steps = 3 * L + 1
     for _ in range(steps):
         pb.step()
-    assert plugin.count == {tp.GDN_KERNEL_NAME: steps}
+    assert plugin.count == {gp.KERNEL_NAME: steps}
 
 
 @pytest.mark.parametrize("tactic", sorted(tp.TACTICS))
@@ -161,4 +162,4 @@ def test_gdn_verify_plugins_launched_as_tensorrt_would(case, tactic, monkeypatch
     for _ in range(STEPS):
         pb.step()
     assert pb.flushes > 0, "no flush in 40 steps: the plugin's fold was not exercised"
-    assert plugin.count == {tp.GDN_VERIFY_KERNEL_NAME: STEPS, tp.COMMIT_KERNEL_NAME: STEPS}
+    assert plugin.count == {gp.VERIFY_KERNEL_NAME: STEPS, tp.COMMIT_KERNEL_NAME: STEPS}

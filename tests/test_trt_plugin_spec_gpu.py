@@ -66,7 +66,7 @@ class PluginLaunches:
                      shadow_scale=self.placeholder if shadow_scale is None else shadow_scale)
         shapes = tp.verify_io_shapes(x.shape[0], state.shape[0], self.verify.spec.nheads, self.verify.spec.headdim,
                                      self.verify.spec.dstate, self.verify.spec.ngroups, self.L, self.T, self.shadow)
-        info = tp.PLUGINS[tp.VERIFY_PLUGIN_NAME if self.shadow == "none" else tp.VERIFY_SHADOW_PLUGIN_NAME]
+        info = tp.all_plugins()[tp.VERIFY_PLUGIN_NAME if self.shadow == "none" else tp.VERIFY_SHADOW_PLUGIN_NAME]
         ins = [named[n] for n in info.inputs]
         for n, t in zip(info.inputs, ins):
             assert tuple(t.shape) == shapes[n] and t.is_contiguous(), n

@@ -2,8 +2,9 @@
 """TensorRT AOT quickly-deployable plugins ``replayssm::*`` (TensorRT >= 10.9, 11.x).
 
 ``mamba2_decode`` (+ ``mamba2_decode_shadow``) for standard decode, ``mamba2_verify`` (+
-``mamba2_verify_shadow``) + ``spec_commit`` for speculative decoding; the Gated DeltaNet counterparts
-``gdn_decode`` / ``gdn_verify`` (+ ``_shadow``). Each plugin layer is one kernel launch.
+``mamba2_verify_shadow``) + ``spec_commit`` for speculative decoding; each family folder's own (Gated DeltaNet:
+``gdn_decode`` / ``gdn_verify`` (+ ``_shadow``), families/gdn/trt_plugin.py; Kimi Delta Attention: ``kda_decode``
+(+ ``_shadow``), families/kda/trt_plugin.py) through :func:`family_plugins`. Each plugin layer is one kernel launch.
 
 ``replayssm::mamba2_decode``: one launch of ``replayssm_decode`` (plugins/mamba2/replayssm_decode.cu): the fused
 ReplaySSM step (output, append, flush when the buffer fills). The engine runs it without Python:
@@ -89,42 +90,9 @@ same ``replayssm_verify`` entry as ``ops.replay_verify`` launches with a shadow)
 Output: 0 cursor_out aliased to input 2. Attributes: num_tokens, buffer_len. Kernel parameters: the
 3 input pointers, int32 batch, int32 slots, the output pointer. Grid ceil(b / 256), block 256.
 
-``replayssm::gdn_decode`` (+ ``gdn_decode_shadow``): one launch of ``gdn_replay_decode``
-(plugins/gdn/gdn_decode.cu) per Gated DeltaNet layer (Qwen3-Next / Qwen3.5): the fused ReplaySSM GDN step
-(output from the checkpoint and the buffered corrected updates, append, exact fold when the buffer
-fills; trtllm_replayssm/gdn_reference.py). Inputs (H key heads, HV value heads, Kd key dim, V value dim):
-  0  q                    (b, H, Kd)    act, raw (l2 norm and Kd^-1/2 inside)
-  1  k                    (b, H, Kd)    act, raw
-  2  v                    (b, HV, V)    act
-  3  a                    (b, HV)       act, raw (g = -exp(A_log) softplus(a + dt_bias) inside)
-  4  b                    (b, HV)       act, raw (beta = sigmoid(b) inside)
-  5  A_log                (HV,)         fp32
-  6  dt_bias              (HV,)         fp32
-  7  state_batch_indices  (b,)          int32, -1 = padding row
-  8  cursor               (S,)          int32, read only (advanced once per step, shared with Mamba-2)
-  9  state                (S, HV, V, Kd) fp32 checkpoint
-  10 u_cache              (S, HV, L, V) fp32      11 v_cache (S, HV, L, V) act
-  12 k_cache              (S, H, L, Kd) fp32      13 g_cache (S, HV, L) fp32     14 beta_cache (S, HV, L) fp32
-  [15 shadow              (S, HV, V, Kd) bf16, gdn_decode_shadow only]
-Outputs: 0 y (b, HV, V) act; 1-6 aliased to inputs 9-14 [7 shadow_out -> 15]. Attributes:
-num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm (0/1; compiled into the
-PTX). Kernel parameters: the input pointers, int32 batch, int32 slots, the output pointers. Tactics
-as above (large / small batch geometry); grid (HV * V / rows, batch).
-
-``replayssm::gdn_verify`` (+ ``gdn_verify_shadow``): one launch of ``gdn_verify`` (plugins/gdn/gdn_spec.cu)
-per GDN layer of a speculative step, the GDN counterpart of ``mamba2_verify``: the T window tokens'
-outputs from the checkpoint (or its bf16 shadow), the committed u ring and the window's triangular
-system; the window entries (u, v, k, g, beta) appended at (start + count + t) % L; where count + 2T > L
-the committed entries are first folded exactly into the checkpoint (and the shadow rewritten). The
-same inputs as ``gdn_decode[_shadow]`` with a window axis: q, k (b, T, H, Kd), v (b, T, HV, V), a, b
-(b, T, HV); cursor (S, 2) (ring start, committed count), read only. Outputs: y (b, T, HV, V) and the
-same aliases. Attributes: those of ``gdn_decode`` + num_tokens. The commit is ``spec_commit`` (one
-cursor for every layer, Mamba-2 or GDN).
-
 Everything ``register`` hands TensorRT comes from plain functions that the CPU tests run:
-:func:`aot_kernel`, :func:`aot_verify_kernel`, :func:`aot_commit_kernel`, :func:`aot_gdn_kernel`,
-:func:`aot_gdn_verify_kernel` (PTX, kernel name, grid,
-block, int32 args), :func:`shape_attributes` + :func:`check_attributes`, :func:`type_combination`.
+:func:`aot_kernel`, :func:`aot_verify_kernel`, :func:`aot_commit_kernel` and each family module's ``aot_*`` (PTX,
+kernel name, grid, block, int32 args), :func:`shape_attributes` + :func:`check_attributes`, :func:`type_combination`.
 """
 
 # No ``from __future__ import annotations`` here: tensorrt.plugin checks the annotations of the
@@ -210,27 +178,6 @@ COMMIT_OUTPUT_NAMES = ("cursor_out",)
 COMMIT_ALIASES = {0: 2}
 COMMIT_TACTICS = (1,)  # one kernel; advertised so that TensorRT always sets a tactic
 
-GDN_PLUGIN_NAME = "gdn_decode"
-GDN_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{GDN_PLUGIN_NAME}"
-GDN_KERNEL_NAME = "gdn_replay_decode"
-GDN_ATTRIBUTES = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "buffer_len", "use_qk_l2norm")
-GDN_INPUT_NAMES = ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state_batch_indices", "cursor", "state", "u_cache",
-                   "v_cache", "k_cache", "g_cache", "beta_cache")
-GDN_OUTPUT_NAMES = ("y", "state_out", "u_cache_out", "v_cache_out", "k_cache_out", "g_cache_out", "beta_cache_out")
-GDN_ALIASES = {1: 9, 2: 10, 3: 11, 4: 12, 5: 13, 6: 14}
-GDN_SHADOW_PLUGIN_NAME = "gdn_decode_shadow"
-GDN_SHADOW_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{GDN_SHADOW_PLUGIN_NAME}"
-GDN_SHADOW_INPUT_NAMES = GDN_INPUT_NAMES + ("shadow",)
-GDN_SHADOW_OUTPUT_NAMES = GDN_OUTPUT_NAMES + ("shadow_out",)
-GDN_SHADOW_ALIASES = {**GDN_ALIASES, 7: 15}
-GDN_VERIFY_PLUGIN_NAME = "gdn_verify"
-GDN_VERIFY_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{GDN_VERIFY_PLUGIN_NAME}"
-GDN_VERIFY_KERNEL_NAME = "gdn_verify"
-GDN_VERIFY_ATTRIBUTES = GDN_ATTRIBUTES + ("num_tokens",)
-GDN_VERIFY_SHADOW_PLUGIN_NAME = "gdn_verify_shadow"
-GDN_VERIFY_SHADOW_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{GDN_VERIFY_SHADOW_PLUGIN_NAME}"
-GDN_DECODE_PLUGINS = (GDN_PLUGIN_NAME, GDN_SHADOW_PLUGIN_NAME)
-GDN_VERIFY_PLUGINS = (GDN_VERIFY_PLUGIN_NAME, GDN_VERIFY_SHADOW_PLUGIN_NAME)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,16 +211,6 @@ PLUGINS = {
                                           SHADOW_OUTPUT_NAMES, SHADOW_ALIASES, VERIFY_ATTRIBUTES),
     COMMIT_PLUGIN_NAME: PluginInfo(COMMIT_PLUGIN_NAME, COMMIT_KERNEL_NAME, COMMIT_INPUT_NAMES, COMMIT_OUTPUT_NAMES,
                                    COMMIT_ALIASES, COMMIT_ATTRIBUTES),
-    GDN_PLUGIN_NAME: PluginInfo(GDN_PLUGIN_NAME, GDN_KERNEL_NAME, GDN_INPUT_NAMES, GDN_OUTPUT_NAMES, GDN_ALIASES,
-                                GDN_ATTRIBUTES),
-    GDN_SHADOW_PLUGIN_NAME: PluginInfo(GDN_SHADOW_PLUGIN_NAME, GDN_KERNEL_NAME, GDN_SHADOW_INPUT_NAMES,
-                                       GDN_SHADOW_OUTPUT_NAMES, GDN_SHADOW_ALIASES, GDN_ATTRIBUTES),
-    # same tensor names as gdn_decode[_shadow]: q, k, v, a, b carry a window axis, cursor is (S, 2)
-    GDN_VERIFY_PLUGIN_NAME: PluginInfo(GDN_VERIFY_PLUGIN_NAME, GDN_VERIFY_KERNEL_NAME, GDN_INPUT_NAMES,
-                                       GDN_OUTPUT_NAMES, GDN_ALIASES, GDN_VERIFY_ATTRIBUTES),
-    GDN_VERIFY_SHADOW_PLUGIN_NAME: PluginInfo(GDN_VERIFY_SHADOW_PLUGIN_NAME, GDN_VERIFY_KERNEL_NAME,
-                                              GDN_SHADOW_INPUT_NAMES, GDN_SHADOW_OUTPUT_NAMES, GDN_SHADOW_ALIASES,
-                                              GDN_VERIFY_ATTRIBUTES),
 }
 
 
@@ -388,73 +325,6 @@ def aot_commit_kernel(num_tokens: int, buffer_len: int, arch: int) -> AotKernel:
                      spec, rows_per_block=COMMIT_THREADS)
 
 
-def aot_gdn_kernel(num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
-                   use_qk_l2norm: int, act: str, arch: int, tactic: int = 1, shadow: str = "none") -> AotKernel:
-    """PTX and launch parameters of one ``gdn_decode[_shadow]`` layer: the module and grid that
-    ``gdn_ops.gdn_replay_decode`` launches for the tactic's batch geometry (argument order: inputs,
-    batch, slots, outputs)."""
-    return _aot_gdn(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, 0, act, arch, tactic,
-                    shadow)
-
-
-def aot_gdn_verify_kernel(num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
-                          use_qk_l2norm: int, num_tokens: int, act: str, arch: int, tactic: int = 1,
-                          shadow: str = "none") -> AotKernel:
-    """PTX and launch parameters of one ``gdn_verify[_shadow]`` layer: the module and grid that
-    ``gdn_ops.gdn_replay_verify`` launches (same argument order as ``gdn_decode``)."""
-    check_spec_attributes(num_tokens, buffer_len)
-    return _aot_gdn(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, num_tokens, act, arch,
-                    tactic, shadow)
-
-
-def _aot_gdn(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, num_tokens, act, arch, tactic,
-             shadow) -> AotKernel:
-    from .config import gdn_spec
-
-    _check_dtypes("f32", act, tactic)
-    if shadow not in ("none", "bf16"):
-        raise ValueError(f"shadow: expected 'none' or 'bf16' (the GDN kernels read a bf16 shadow), got {shadow!r}")
-    if use_qk_l2norm not in (0, 1, True, False):
-        raise ValueError(f"use_qk_l2norm: expected 0 or 1, got {use_qk_l2norm!r}")
-    spec = gdn_spec(act, num_v_heads, num_k_heads, value_dim, key_dim, buffer_len, TACTICS[tactic], True, shadow,
-                    bool(use_qk_l2norm), None, arch, num_tokens)
-    name = GDN_VERIFY_KERNEL_NAME if num_tokens else GDN_KERNEL_NAME
-    return AotKernel(name, compile_spec(spec, "ptx"), spec.grid(1)[0], True, spec.threads, 0, ("batch", "slots"), spec)
-
-
-def gdn_io_shapes(batch, slots, num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
-                  shadow: str = "none", num_tokens: int = 0) -> dict[str, tuple]:
-    """Shapes of every ``gdn_decode[_shadow]`` input and output; with ``num_tokens`` = T >= 1, those of
-    ``gdn_verify[_shadow]`` (a window axis after the batch, the (slots, 2) ring cursor)."""
-    H, HV, K, V, L = num_k_heads, num_v_heads, key_dim, value_dim, buffer_len
-    lead = (batch, num_tokens) if num_tokens else (batch,)
-    ins = {"q": (*lead, H, K), "k": (*lead, H, K), "v": (*lead, HV, V), "a": (*lead, HV), "b": (*lead, HV),
-           "A_log": (HV,), "dt_bias": (HV,), "state_batch_indices": (batch,),
-           "cursor": (slots, 2) if num_tokens else (slots,),
-           "state": (slots, HV, V, K), "u_cache": (slots, HV, L, V), "v_cache": (slots, HV, L, V),
-           "k_cache": (slots, H, L, K), "g_cache": (slots, HV, L), "beta_cache": (slots, HV, L)}
-    in_names, out_names, aliases = GDN_INPUT_NAMES, GDN_OUTPUT_NAMES, GDN_ALIASES
-    if shadow != "none":
-        ins["shadow"] = (slots, HV, V, K)
-        in_names, out_names, aliases = GDN_SHADOW_INPUT_NAMES, GDN_SHADOW_OUTPUT_NAMES, GDN_SHADOW_ALIASES
-    outs = {"y": (*lead, HV, V)}
-    for o, i in aliases.items():
-        outs[out_names[o]] = ins[in_names[i]]
-    return {**ins, **outs}
-
-
-def gdn_type_combination(act: str, shadow: str = "none") -> list[str]:
-    """TensorRT type names of the inputs then the outputs of ``gdn_decode[_shadow]`` (and ``gdn_verify[_shadow]``)
-    for one activation type."""
-    a = _TRT_TYPE_NAMES[act]
-    ins = [a, a, a, a, a, "FP32", "FP32", "INT32", "INT32", "FP32", "FP32", a, "FP32", "FP32", "FP32"]
-    aliases = GDN_ALIASES
-    if shadow != "none":
-        ins.append(_TRT_TYPE_NAMES[shadow])
-        aliases = GDN_SHADOW_ALIASES
-    return ins + [a] + [ins[i] for i in aliases.values()]
-
-
 def io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, shadow: str = "none") -> dict[str, tuple]:
     """Shapes of every plugin input and output (the contract ``register`` checks); with a shadow,
     those of ``mamba2_decode_shadow``."""
@@ -509,12 +379,6 @@ def shape_attributes(plugin: str, shapes: dict) -> dict:
                     buffer_len=dim("x_cache", 2), num_tokens=dim("x", 1))
     if plugin == COMMIT_PLUGIN_NAME:
         return {}
-    if plugin in GDN_DECODE_PLUGINS:
-        return dict(num_k_heads=dim("q", 1), num_v_heads=dim("v", 1), key_dim=dim("q", 2), value_dim=dim("v", 2),
-                    buffer_len=dim("u_cache", 2))
-    if plugin in GDN_VERIFY_PLUGINS:
-        return dict(num_k_heads=dim("q", 2), num_v_heads=dim("v", 2), key_dim=dim("q", 3), value_dim=dim("v", 3),
-                    buffer_len=dim("u_cache", 2), num_tokens=dim("q", 1))
     fam = family_plugins()
     if plugin in fam:
         return fam[plugin][0].shape_attributes(plugin, dim)
@@ -537,14 +401,7 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict, shadow_kind: str | 
         return
     if plugin in (SHADOW_PLUGIN_NAME, VERIFY_SHADOW_PLUGIN_NAME):
         _check_shadow_shapes(plugin, shapes, shadow_kind)
-    if plugin in (GDN_SHADOW_PLUGIN_NAME, GDN_VERIFY_SHADOW_PLUGIN_NAME):  # the kernels read it as the state (bf16)
-        _check_shadow_shapes(plugin, {k: shapes.get(k) for k in ("state", "shadow")}, None)
-    if plugin in GDN_DECODE_PLUGINS + GDN_VERIFY_PLUGINS:
-        if attrs["use_qk_l2norm"] not in (0, 1):
-            raise ValueError(f"{PLUGINS[plugin].id}: use_qk_l2norm: expected 0 or 1, got {attrs['use_qk_l2norm']!r}")
-        if not 1 <= attrs["buffer_len"] <= 32:
-            raise ValueError(f"{PLUGINS[plugin].id}: buffer_len: expected 1..32, got {attrs['buffer_len']!r}")
-    if plugin in VERIFY_PLUGINS + (COMMIT_PLUGIN_NAME,) + GDN_VERIFY_PLUGINS:
+    if plugin in VERIFY_PLUGINS + (COMMIT_PLUGIN_NAME,):
         check_spec_attributes(attrs["num_tokens"], attrs["buffer_len"])
         cursor = shapes.get("cursor")
         if cursor is not None and (len(cursor) != 2 or cursor[1] not in (2, None)):
@@ -769,126 +626,6 @@ def register():
         arch, _ = current_device()
         k = aot_commit_kernel(_int(num_tokens), _int(buffer_len), arch)
         return result(k, state_batch_indices.shape_expr[0], cursor.shape_expr[0])
-
-    # ---- gdn_decode ----------------------------------------------------------------------------------------
-    @trtp.register(GDN_PLUGIN_ID)
-    def _desc_g(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
-                cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
-                buffer_len: IntAttr,
-                use_qk_l2norm: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
-        check(GDN_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
-                                    value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
-              q=q, v=v, u_cache=u_cache)
-        return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
-                beta_cache.aliased())
-
-    @trtp.autotune(GDN_PLUGIN_ID)
-    def _tune_g(q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor, state, u_cache, v_cache, k_cache, g_cache,
-                beta_cache, outputs) -> Tune:
-        return [trtp.AutoTuneCombination(", ".join(gdn_type_combination(act)), "LINEAR", list(TACTICS))
-                for act in ACT_DTYPES]
-
-    @trtp.aot_impl(GDN_PLUGIN_ID)
-    def _aot_g(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
-               cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-               beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
-               buffer_len: IntAttr,
-               use_qk_l2norm: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
-        arch, _ = current_device()
-        kern = aot_gdn_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm)),
-                              dt_code[v.dtype], arch, tactic)
-        return result(kern, v.shape_expr[0], state.shape_expr[0])
-
-    # ---- gdn_decode_shadow ---------------------------------------------------------------------------------
-    @trtp.register(GDN_SHADOW_PLUGIN_ID)
-    def _desc_gs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
-                 cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                 beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
-                 buffer_len: IntAttr, use_qk_l2norm: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
-        check(GDN_SHADOW_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
-                                           value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
-              q=q, v=v, u_cache=u_cache, state=state, shadow=shadow)
-        return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
-                beta_cache.aliased(), shadow.aliased())
-
-    @trtp.autotune(GDN_SHADOW_PLUGIN_ID)
-    def _tune_gs(q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor, state, u_cache, v_cache, k_cache,
-                 g_cache, beta_cache, shadow, outputs) -> Tune:
-        return [trtp.AutoTuneCombination(", ".join(gdn_type_combination(act, "bf16")), "LINEAR", list(TACTICS))
-                for act in ACT_DTYPES]
-
-    @trtp.aot_impl(GDN_SHADOW_PLUGIN_ID)
-    def _aot_gs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
-                cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
-                buffer_len: IntAttr, use_qk_l2norm: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
-        arch, _ = current_device()
-        kern = aot_gdn_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm)),
-                              dt_code[v.dtype], arch, tactic, "bf16")
-        return result(kern, v.shape_expr[0], state.shape_expr[0])
-
-    # ---- gdn_verify ----------------------------------------------------------------------------------------
-    @trtp.register(GDN_VERIFY_PLUGIN_ID)
-    def _desc_gv(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
-                 cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                 beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
-                 buffer_len: IntAttr,
-                 use_qk_l2norm: IntAttr, num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
-        check(GDN_VERIFY_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
-                                           value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm,
-                                           num_tokens=num_tokens), q=q, v=v, u_cache=u_cache, cursor=cursor)
-        return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
-                beta_cache.aliased())
-
-    @trtp.autotune(GDN_VERIFY_PLUGIN_ID)
-    def _tune_gv(q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor, state, u_cache, v_cache, k_cache,
-                 g_cache, beta_cache, outputs) -> Tune:
-        return [trtp.AutoTuneCombination(", ".join(gdn_type_combination(act)), "LINEAR", list(TACTICS))
-                for act in ACT_DTYPES]
-
-    @trtp.aot_impl(GDN_VERIFY_PLUGIN_ID)
-    def _aot_gv(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc, state_batch_indices: Desc,
-                cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc, g_cache: Desc,
-                beta_cache: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr,
-                buffer_len: IntAttr,
-                use_qk_l2norm: IntAttr, num_tokens: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
-        arch, _ = current_device()
-        kern = aot_gdn_verify_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
-                                                  use_qk_l2norm, num_tokens)), dt_code[v.dtype], arch, tactic)
-        return result(kern, v.shape_expr[0], state.shape_expr[0])
-
-    # ---- gdn_verify_shadow ---------------------------------------------------------------------------------
-    @trtp.register(GDN_VERIFY_SHADOW_PLUGIN_ID)
-    def _desc_gvs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc,
-                  state_batch_indices: Desc, cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc,
-                  g_cache: Desc, beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr,
-                  value_dim: IntAttr, buffer_len: IntAttr, use_qk_l2norm: IntAttr,
-                  num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
-        check(GDN_VERIFY_SHADOW_PLUGIN_NAME, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
-                                                  value_dim=value_dim, buffer_len=buffer_len,
-                                                  use_qk_l2norm=use_qk_l2norm, num_tokens=num_tokens),
-              q=q, v=v, u_cache=u_cache, cursor=cursor, state=state,
-              shadow=shadow)
-        return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
-                beta_cache.aliased(), shadow.aliased())
-
-    @trtp.autotune(GDN_VERIFY_SHADOW_PLUGIN_ID)
-    def _tune_gvs(q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor, state, u_cache, v_cache, k_cache,
-                  g_cache, beta_cache, shadow, outputs) -> Tune:
-        return [trtp.AutoTuneCombination(", ".join(gdn_type_combination(act, "bf16")), "LINEAR", list(TACTICS))
-                for act in ACT_DTYPES]
-
-    @trtp.aot_impl(GDN_VERIFY_SHADOW_PLUGIN_ID)
-    def _aot_gvs(q: Desc, k: Desc, v: Desc, a: Desc, b: Desc, A_log: Desc, dt_bias: Desc,
-                 state_batch_indices: Desc, cursor: Desc, state: Desc, u_cache: Desc, v_cache: Desc, k_cache: Desc,
-                 g_cache: Desc, beta_cache: Desc, shadow: Desc, num_k_heads: IntAttr, num_v_heads: IntAttr, key_dim: IntAttr,
-                 value_dim: IntAttr, buffer_len: IntAttr, use_qk_l2norm: IntAttr, num_tokens: IntAttr, outputs: tuple[Desc],
-                 tactic: int) -> AotResult:
-        arch, _ = current_device()
-        kern = aot_gdn_verify_kernel(*map(_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
-                                                  use_qk_l2norm, num_tokens)), dt_code[v.dtype], arch, tactic, "bf16")
-        return result(kern, v.shape_expr[0], state.shape_expr[0])
 
     # ---- the families' plugins (families/<name>/trt_plugin.py), through the shared pieces above ------------------
     import types

@@ -40,6 +40,7 @@ FAMILY = Family(
     bytes_per_step=costs.gdn_bytes_per_step,
     geometries=GDN_GEOMETRIES,
     layer_group="trtllm_replayssm.families.gdn.layers:GDNLayers",
+    trt_plugin="trtllm_replayssm.families.gdn.trt_plugin",
     spec_types=(GDNSpec,),
 )
 
