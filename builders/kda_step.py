@@ -220,11 +220,7 @@ class KimiStep(QwenStep):
         except BaseException:
             self.ssm.abort_step()
             raise
-        self.logits.copy_(logits)
-        self.ids.copy_(logits.argmax(-1))
-        self.lengths.add_(1)
-        self.ssm.end_step(sbi)
-        return self.logits
+        return self._finish_step(logits, sbi)
 
     def _kda(self, i, mx, hn, dst):
         c, n, H, Kd = self.consts[i], hn.shape[0], self.H, self.Kd

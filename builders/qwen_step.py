@@ -346,6 +346,11 @@ class QwenStep:
         except BaseException:
             self.ssm.abort_step()
             raise
+        return self._finish_step(logits, sbi)
+
+    def _finish_step(self, logits, sbi) -> torch.Tensor:
+        """After the layers of one step: the logits and the greedy ids in place, every row one token longer, the SSM
+        step closed (the cursor moves once)."""
         self.logits.copy_(logits)
         self.ids.copy_(logits.argmax(-1))
         self.lengths.add_(1)
