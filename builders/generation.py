@@ -456,7 +456,9 @@ class Engine:
             raise ValueError(f"preempt: expected True or False, got {preempt!r}")
         self.model, self.mode = model, mode
         self.cfg = model.config
-        self.vocab = self.cfg.vocab_size
+        # a composite (vision-language) config keeps the vocabulary in its text config (GLM-5 Next, Qwen3.5 wrappers)
+        self.vocab = self.cfg.get_text_config().vocab_size if hasattr(self.cfg, "get_text_config") else \
+            self.cfg.vocab_size
         self.max_slots, self.max_seq_len, self.prefill_chunk, self.poll_s = max_slots, max_seq_len, prefill_chunk, poll_s
         self.step = make_step(model, max_slots, max_seq_len, mode, buffer_len, fuse)
         self.device = self.step.device

@@ -353,3 +353,16 @@ def test_cuda_engine_matches_generate():
             else:
                 assert got.tokens[i] == want, (mode, i)
         assert_idle(eng)
+
+
+def test_glm5_next_is_refused_by_name():
+    """GLM-5 Next has no engine step yet (docs/triton.md says what it needs): the engine refuses it naming the
+    model_type and the served ones, before any allocation (its composite config's vocabulary is read from the text
+    config, where it lives)."""
+    from builders.generation import Engine
+    from builders.kda import tiny_model as kda_tiny
+
+    glm = kda_tiny("glm5_next", seed=0)
+    assert getattr(glm.config, "vocab_size", None) is None and glm.config.get_text_config().vocab_size == 256
+    with pytest.raises(ValueError, match=r"no generation step for model_type 'glm5_next' \(served: .*'kimi_linear'"):
+        Engine(glm, max_slots=1, max_seq_len=16, mode="replay", buffer_len=4)
