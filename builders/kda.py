@@ -51,7 +51,7 @@ import torch
 
 from trtllm_replayssm.cache import ReplayStateCache
 
-from .nemotron_h import CheckpointError, LinearAttentionPatch
+from .nemotron_h import CheckpointError, LinearAttentionPatch, from_pretrained_checked
 
 _TEXT = dict(
     vocab_size=256,
@@ -195,16 +195,7 @@ def load_kda_model(model_dir=None, tiny: str = "kimi_linear", dtype=torch.float3
         raise CheckpointError(f"{cfg_path}: layer_types: expected KDA layers and others among {LAYER_TYPES}, got "
                               f"{what}")
     _check_tensors(pathlib.Path(model_dir), config, cls)
-    try:  # mis-shaped tensors come back in info (refused below, by name), not as transformers' nameless error
-        model, info = cls.from_pretrained(str(model_dir), config=config, dtype=dtype, output_loading_info=True,
-                                          ignore_mismatched_sizes=True)
-    except Exception as e:  # no weights, unreadable tensors
-        raise CheckpointError(f"model: cannot load {str(model_dir)!r} ({type(e).__name__}: {e})") from e
-    for what, key in (("missing from", "missing_keys"), ("mis-shaped in", "mismatched_keys")):
-        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
-        if names:
-            raise CheckpointError(f"model: {len(names)} tensors {what} {str(model_dir)!r}: {names[:8]}")
-    return model.eval().to(device)
+    return from_pretrained_checked(cls, model_dir, config=config, dtype=dtype).to(device)
 
 
 def _check_tensors(model_dir: pathlib.Path, config, cls) -> None:

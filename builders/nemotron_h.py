@@ -99,6 +99,21 @@ class CheckpointError(ValueError):
     """A model directory that is not a loadable Nemotron-H checkpoint; the message says what is wrong."""
 
 
+def from_pretrained_checked(cls, model_dir, **kw):
+    """``cls.from_pretrained(model_dir, **kw)`` in eval mode, with every missing or mis-shaped tensor refused by name
+    (:class:`CheckpointError`): transformers' loader only warns about missing tensors and initialises them at random,
+    and reports mis-shaped ones without their names."""
+    try:  # mis-shaped tensors come back in info (refused below, by name), not as transformers' nameless error
+        model, info = cls.from_pretrained(str(model_dir), output_loading_info=True, ignore_mismatched_sizes=True, **kw)
+    except Exception as e:  # no weights, unreadable tensors
+        raise CheckpointError(f"model: cannot load {str(model_dir)!r} ({type(e).__name__}: {e})") from e
+    for what, key in (("missing from", "missing_keys"), ("mis-shaped in", "mismatched_keys")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            raise CheckpointError(f"model: {len(names)} tensors {what} {str(model_dir)!r}: {names[:8]}")
+    return model.eval()
+
+
 def _require_transformers():
     try:
         from transformers import DynamicCache, NemotronHConfig, NemotronHForCausalLM

@@ -101,7 +101,7 @@ def load_gdn_model(model_dir=None, tiny: str = "qwen3_next", dtype=torch.float32
         return tiny_model(tiny, dtype=dtype, seed=seed, device=device)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .nemotron_h import CheckpointError
+    from .nemotron_h import CheckpointError, from_pretrained_checked
 
     cfg_path = pathlib.Path(model_dir) / "config.json"
     try:
@@ -113,16 +113,7 @@ def load_gdn_model(model_dir=None, tiny: str = "qwen3_next", dtype=torch.float32
     if bad:
         raise CheckpointError(f"{cfg_path}: layer_types: expected only {LAYER_TYPES}, got {bad[0][1]!r} at layer "
                               f"{bad[0][0]} (of {len(bad)} unknown)")
-    try:  # mis-shaped tensors come back in info (refused below, by name), not as transformers' nameless error
-        model, info = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, output_loading_info=True,
-                                                           ignore_mismatched_sizes=True)
-    except Exception as e:  # no weights, unreadable tensors
-        raise CheckpointError(f"model: cannot load {str(model_dir)!r} ({type(e).__name__}: {e})") from e
-    for what, key in (("missing from", "missing_keys"), ("mis-shaped in", "mismatched_keys")):
-        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
-        if names:
-            raise CheckpointError(f"model: {len(names)} tensors {what} {str(model_dir)!r}: {names[:8]}")
-    return model.eval().to(device)
+    return from_pretrained_checked(AutoModelForCausalLM, model_dir, dtype=dtype).to(device)
 
 
 def tiny_model(family: str = "qwen3_next", dtype=torch.float32, seed: int = 0, device="cpu", **overrides):
