@@ -164,8 +164,15 @@ def _kimi_step(model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse:
     return KimiStep(model, batch, kv_len, mode, buffer_len)
 
 
+def _glm5_step(model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
+    from .glm5_step import Glm5Step  # KimiStep's, eager: ``fuse`` does not apply
+
+    return Glm5Step(model, batch, kv_len, mode, buffer_len)
+
+
 # config.model_type -> the step factory (model, batch, kv_len, mode, buffer_len, fuse): the one place a family is named
-STEPS = {"nemotron_h": NemotronStep.for_engine, **{t: _qwen_step for t in QWEN_MODEL_TYPES}, "kimi_linear": _kimi_step}
+STEPS = {"nemotron_h": NemotronStep.for_engine, **{t: _qwen_step for t in QWEN_MODEL_TYPES}, "kimi_linear": _kimi_step,
+         "glm5_next": _glm5_step}
 
 
 def make_step(model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16, fuse: bool | None = None):

@@ -40,7 +40,7 @@ prompt's MLA latents (ReplaySSM: ``ReplayStateCache.load_prefill``, the checkpoi
 
 The step is eager (``capturable = False``): transformers' MoE block picks its experts with data-dependent shapes.
 
-GLM-5 Next (``glm5_next``) is not served here; what its step needs is in docs/triton.md ("Kimi-Linear").
+GLM-5 Next (``glm5_next``): builders/glm5_step.py ``Glm5Step``, this step with its DSA attention and hyper-connections.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class KimiStep(QwenStep):
         self.kda = self.gdn = kda_layers(model)
         if not self.kda:
             raise ValueError("layer_types: expected at least one Kimi Delta Attention (linear_attention) layer")
-        self.attn = [i for i, k in enumerate(self.kinds) if k == "full_attention"]
+        self.attn = [i for i, k in enumerate(self.kinds) if k != "linear_attention"]  # MLA (Kimi), DSA (GLM-5 Next)
         layers = text_model(model).layers
         mx0 = layers[self.kda[0]].self_attn
         if mx0.activation != "silu":

@@ -302,6 +302,7 @@ def load_model(params: dict, device):
     builders/qwen3_next.py's) with seeded weights ``seed``, in ``dtype``, on ``device``."""
     import torch
 
+    from .kda import FAMILIES as KDA_TINY
     from .kda import is_kda_checkpoint, load_kda_model
     from .nemotron_h import load_nemotron_h
     from .qwen3_next import is_gdn_checkpoint, load_gdn_model
@@ -311,7 +312,7 @@ def load_model(params: dict, device):
     tiny, seed = params.get("tiny") or "nemotron_h", int(params.get("seed", 0))
     if (model_dir is None and tiny in QWEN_FAMILIES) or (model_dir is not None and is_gdn_checkpoint(model_dir)):
         return load_gdn_model(model_dir, tiny, dtype=dtype, seed=seed, device=device)
-    if (model_dir is None and tiny == "kimi_linear") or (model_dir is not None and is_kda_checkpoint(model_dir)):
+    if (model_dir is None and tiny in KDA_TINY) or (model_dir is not None and is_kda_checkpoint(model_dir)):
         return load_kda_model(model_dir, tiny, dtype=dtype, seed=seed, device=device)
     return load_nemotron_h(model_dir, dtype=dtype, seed=seed, device=device, tiny=tiny)
 
@@ -325,10 +326,12 @@ def is_gdn(tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None) -> b
 
 
 def is_kda(tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None) -> bool:
-    """Whether the repository's model is a Kimi Delta Attention one (Kimi-Linear): the --tiny name or config.json."""
+    """Whether the repository's model is a Kimi Delta Attention one (Kimi-Linear, GLM-5 Next): the --tiny name or
+    config.json."""
+    from .kda import FAMILIES as KDA_TINY
     from .kda import is_kda_checkpoint
 
-    return tiny == "kimi_linear" if model_dir is None else is_kda_checkpoint(model_dir)
+    return tiny in KDA_TINY if model_dir is None else is_kda_checkpoint(model_dir)
 
 
 class PbModel:
@@ -647,8 +650,8 @@ def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str
         raise RepoError("--mode replay_fp8 (--shadow fp8): Gated DeltaNet models (Qwen3-Next / Qwen3.5) take "
                         "replay_bf16 (--shadow bf16); there is no fp8 GDN shadow")
     if mode == "replay_fp8" and is_kda(tiny, model_dir):
-        raise RepoError("--mode replay_fp8 (--shadow fp8): Kimi Delta Attention models (Kimi-Linear) take replay_bf16 "
-                        "(--shadow bf16); there is no fp8 KDA shadow")
+        raise RepoError("--mode replay_fp8 (--shadow fp8): Kimi Delta Attention models (Kimi-Linear, GLM-5 Next) take "
+                        "replay_bf16 (--shadow bf16); there is no fp8 KDA shadow")
     if mode == "replay_ckpt8" and (is_gdn(tiny, model_dir) or is_kda(tiny, model_dir)):
         raise RepoError("--mode replay_ckpt8: the 8-bit checkpoint is for Mamba-2 models (Nemotron-H, Nemotron 3)")
     route = text_input_route(text_input)
