@@ -189,43 +189,18 @@ struct StepIn {
   float g, eg, beta;
 };
 
-// 4 elements of `bytes` bytes as one load (uint2 of bf16/fp16, float4 of fp32).
-template <int bytes>
-struct Vec4Of;
-template <>
-struct Vec4Of<2> {
-  using type = uint2;
-};
-template <>
-struct Vec4Of<4> {
-  using type = float4;
-};
-// Four contiguous elements from global memory through the read-only path (kGlobal) or from shared memory.
-template <bool kGlobal, typename A>
-__device__ __forceinline__ void load4_from(const A* p, float (&out)[4]) {
-  using Vec = typename Vec4Of<sizeof(A)>::type;
-  const Vec raw = kGlobal ? __ldg(reinterpret_cast<const Vec*>(p)) : *reinterpret_cast<const Vec*>(p);
-  const A* e = reinterpret_cast<const A*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = to_f(e[i]);
-}
-// q, k rows of key head h, batch row brow.
+// q, k of key head h, batch row bq (normalised), gates of value head hv.
 template <typename A>
-__device__ __forceinline__ const A* qk_row(const A* x, int brow, int h) {
-  return x + ((size_t)brow * kHK + h) * kK;
-}
-// q' = q / |q| * scale, k' = k / |k| from the raw rows qh, kh, and the gates of value head hv from the raw
-// a, b. kGlobal: the inputs as given (a[bh], b[bh] of batch row brow, A_log[hv], dt_bias[hv]); else the
-// values a kernel staged in shared memory (qh, kh the rows; a, b, A_log, dt_bias the block's scalars).
-template <bool kGlobal, typename A>
-__device__ __forceinline__ void make_step(StepIn& in, const Lane& c, const A* qh, const A* kh, const A* a,
+__device__ __forceinline__ void load_step(StepIn& in, const Lane& c, const A* q, const A* k, const A* a,
                                           const A* b, const float* A_log, const float* dt_bias, int brow,
-                                          int hv) {
+                                          int h, int hv) {
+  const A* qh = q + ((size_t)brow * kHK + h) * kK;
+  const A* kh = k + ((size_t)brow * kHK + h) * kK;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // |q|^2, |k|^2, q . k
 #pragma unroll
   for (int v = 0; v < kVPL; ++v) {
-    load4_from<kGlobal>(qh + c.col(v), in.q[v]);
-    load4_from<kGlobal>(kh + c.col(v), in.k[v]);
+    load4(qh + c.col(v), in.q[v]);
+    load4(kh + c.col(v), in.k[v]);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       acc[0] = fmaf(in.q[v][e], in.q[v][e], acc[0]);
@@ -242,18 +217,10 @@ __device__ __forceinline__ void make_step(StepIn& in, const Lane& c, const A* qh
 #pragma unroll
     for (int e = 0; e < 4; ++e) in.q[v][e] *= sq, in.k[v][e] *= rk;
   in.kq = qk * sq * rk;
-  const size_t bh = kGlobal ? (size_t)brow * kHV + hv : 0;
-  in.g = -expf(kGlobal ? __ldg(A_log + hv) : *A_log) *
-         softplus(to_f(a[bh]) + (kGlobal ? __ldg(dt_bias + hv) : *dt_bias));
+  const size_t bh = (size_t)brow * kHV + hv;
+  in.g = -expf(__ldg(A_log + hv)) * softplus(to_f(a[bh]) + __ldg(dt_bias + hv));
   in.eg = expf(in.g);
   in.beta = 1.f / (1.f + expf(-to_f(b[bh])));
-}
-// q, k of key head h, batch row brow (normalised), gates of value head hv.
-template <typename A>
-__device__ __forceinline__ void load_step(StepIn& in, const Lane& c, const A* q, const A* k, const A* a,
-                                          const A* b, const float* A_log, const float* dt_bias, int brow,
-                                          int h, int hv) {
-  make_step<true>(in, c, qk_row(q, brow, h), qk_row(k, brow, h), a, b, A_log, dt_bias, brow, hv);
 }
 
 // The output step for this thread's rows from per-row products P k and P q (P: the state before the
@@ -280,12 +247,11 @@ __device__ __forceinline__ void rank1_update(Rows& st, float u_mine, float eg, c
       for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(u, k[v][e], eg * st[r][v][e]);
   }
 }
-// S <- S + u k^T (no decay: the fold's lazy form). At kRT = 1 every lane of the row group holds u (the
-// fold's all-lanes butterfly).
+// S <- S + u k^T (no decay: the fold's lazy form).
 __device__ __forceinline__ void rank1_add(Rows& st, float u_mine, const Cols& k) {
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    const float u = kRT == 1 ? u_mine : from_group_lane(u_mine, r);
+    const float u = from_group_lane(u_mine, r);
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
@@ -421,11 +387,8 @@ struct alignas(16) ReplaySmem {
 constexpr int kFE = kL > 1 ? kL - 1 : 1;
 struct alignas(16) FlushSmem {
   float k[kFE][kK];      // k_j
-  alignas(16) act_t qt[kK], kt[kK];  // this token's q, k (raw), staged with the entries (issue 40)
   act_t v[kFE][kRows];   // v_j of the block's rows
   float g[32], beta[32];
-  act_t at, bt;          // this token's raw gates
-  float A_log, dt_bias;  // of the block's head
 };
 // v rows of a block move as 16-byte vectors where they are whole vectors (small blocks: element-wise).
 constexpr bool kVVectors = kRows * sizeof(act_t) % 16 == 0;
@@ -547,41 +510,34 @@ __device__ __forceinline__ void smem_cols(Cols& out, const float* row, const Lan
 // Exact fold of m staged entries (fs.k[j], fs.v[j][row], fs.g[j], fs.beta[j]; FlushSmem here, the
 // speculative module's FoldSmem) into this thread's rows: S <- exp(g_j) S + u_j k_j^T with
 // u_j = beta_j (v_j - exp(g_j) S k_j). Lazy decay: the rows hold T with S_j = D_j T, so each entry costs
-// one FMA per element for the dot and one for the update (T += (u_j / D_j) k_j); T is rescaled (and D reset
-// to 1) when D_j = D_{j-1} exp(g_j) falls below kRenorm. D_j is per (slot, head): the branch is block-uniform.
-// The update's scalar is formed as u_j / D = cv v_j - cd (T k_j) with cv = beta_j / D, cd = beta_j D_j / D
-// (D after entry j: cd = beta_j unless rescaled): cv and cd depend on (g, beta) only, so they issue while
-// the previous entry's update and this entry's dot are in flight, and an entry's dependent chain is
-// dot -> butterfly -> one FMA -> update (issue 40: the division u / D sat on it). At one row per thread
-// every lane of the row group holds the whole dot after the butterfly, so u needs no broadcast.
+// one FMA per element for the dot and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset)
+// when D_j falls below kRenorm. D_j is per (slot, head), so the branch is block-uniform.
 template <typename Smem>
 __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& c, int m) {
   const int fold_row = c.rb + c.l % kRT;  // after a kRT-value butterfly, lane l holds row l % kRT
   float D = 1.f;
 #pragma unroll 2
   for (int j = 0; j < m; ++j) {
-    const float bj = fs.beta[j];
-    const float Dj = D * expf(fs.g[j]);
-    const bool rescale = Dj < kRenorm;
-    const float cv = rescale ? bj : bj / Dj;
-    const float cd = rescale ? bj * Dj : bj;
-    D = rescale ? 1.f : Dj;
-    const float av = cv * to_f(fs.v[j][fold_row]);
     Cols kj;
     smem_cols(kj, fs.k[j], c);
+    const float vj = to_f(fs.v[j][fold_row]);
     float acc[kRT];
 #pragma unroll
     for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
-    const float x = fmaf(-cd, group_reduce<kRT>(acc), av);  // u_j / D
-    if (rescale) {
+    const float Dj = D * expf(fs.g[j]);
+    const float u = fs.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
+    if (Dj < kRenorm) {
 #pragma unroll
       for (int r = 0; r < kRT; ++r)
 #pragma unroll
         for (int v = 0; v < kVPL; ++v)
 #pragma unroll
           for (int e = 0; e < 4; ++e) st[r][v][e] *= Dj;
+      D = 1.f;
+    } else {
+      D = Dj;
     }
-    rank1_add(st, x, kj);
+    rank1_add(st, u / D, kj);
   }
   if (D != 1.f) {
 #pragma unroll
@@ -614,29 +570,10 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
     if (threadIdx.x < kL - 1) sm.g[threadIdx.x] = __ldg(a.gc_in + eh + threadIdx.x);
     else if (threadIdx.x >= 32 && threadIdx.x < 32 + kL - 1) sm.beta[threadIdx.x - 32] = __ldg(a.bc_in + eh + threadIdx.x - 32);
   }
-  // This token's q, k rows and gates ride with the entries (the fold holds every register it has: the
-  // inputs in registers across it cost 40 bytes of spill at 80), so the step after the fold reads shared
-  // memory instead of waiting on a DRAM round trip (issue 40). q, k are 16-byte aligned (gdn_ops contract).
-  constexpr int kQKVec = kK * (int)sizeof(act_t) / 16;
-  {
-    const act_t* qh = qk_row(a.q, p.b, p.h);
-    const act_t* kh = qk_row(a.k, p.b, p.h);
-    for (int i = kThreads - 1 - threadIdx.x; i < 2 * kQKVec; i += kThreads)  // the last warp, behind the ring's
-      cp_async16(reinterpret_cast<char*>(i < kQKVec ? sm.qt : sm.kt) + (i % kQKVec) * 16,
-                 reinterpret_cast<const char*>(i < kQKVec ? qh : kh) + (i % kQKVec) * 16);
-    if (threadIdx.x == kThreads - 1) {
-      const size_t bh = (size_t)p.b * kHV + p.hv;
-      sm.at = a.a[bh], sm.bt = a.b[bh];
-      sm.A_log = __ldg(a.A_log + p.hv), sm.dt_bias = __ldg(a.dt_bias + p.hv);
-    }
-  }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
   load_rows(st, a.state_in + sh * kK, c);
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
-  act_t v_now[kPasses];
-#pragma unroll
-  for (int ps = 0; ps < kPasses; ++ps) v_now[ps] = a.v[yrow + dot_row(in_pass(c, ps))];
   cp_async_wait_all();
   __syncthreads();
   // The staged entries serve every pass; each pass folds, steps and stores its own rows.
@@ -645,10 +582,12 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
     const Lane cp = in_pass(c, ps);
     if (ps > 0) load_rows(st, a.state_in + sh * kK, cp);
     fold_rows(st, sm, cp, kL - 1);
+    // This token's inputs after the fold: held across it they cost 40 bytes of spill (ptxas, 80 registers).
     StepIn in;
-    make_step<false>(in, cp, sm.qt, sm.kt, &sm.at, &sm.bt, &sm.A_log, &sm.dt_bias, p.b, p.hv);
+    load_step(in, cp, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
+    const float v_now = to_f(a.v[yrow + dot_row(cp)]);
     float y;
-    conventional_rows(st, in, to_f(v_now[ps]), &y);
+    conventional_rows(st, in, v_now, &y);
     store_rows(st, a.state_out + sh * kK, cp);
     if constexpr (kShadow) store_shadow_rows(st, a.sh_out + sh * kK, cp);
     if (holds_y(cp)) a.y[yrow + dot_row(cp)] = from_f<act_t>(y);
