@@ -235,6 +235,8 @@ def main():
                     "for the first geometry at the smallest and largest batch (rows of kind 'sweep')")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep rows (an A/B over another kernel tree)")
     ap.add_argument("--verify", type=int, default=0, help="T: verify rows (kind 'verify') at every geometry and batch")
+    ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
+                    "(threads an SM the register budget is set for), comma-separated")
     args = ap.parse_args()
     try:
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
@@ -269,11 +271,14 @@ def main():
             rows.append(row)
             print("RESULT_JSON " + json.dumps({"kind": "row", **row}), flush=True)
             if args.verify:
-                vrow = bench_verify(geom, b, args.verify, args.L, conv_us=row["conv_us"])
-                for key in [k for k in vrow if k.startswith(("f32_tbps", "bf16shadow_tbps"))]:
-                    vrow[key.replace("tbps", "pct_ceiling")] = 100 * vrow[key] / ceiling
-                verify.append(vrow)
-                print("RESULT_JSON " + json.dumps({"kind": "verify", **vrow}), flush=True)
+                for res in [0] + [int(x) for x in args.verify_resident.split(",") if x]:
+                    with override(resident=res or None):
+                        vrow = bench_verify(geom, b, args.verify, args.L, conv_us=row["conv_us"])
+                    vrow["resident"] = res
+                    for key in [k for k in vrow if k.startswith(("f32_tbps", "bf16shadow_tbps"))]:
+                        vrow[key.replace("tbps", "pct_ceiling")] = 100 * vrow[key] / ceiling
+                    verify.append(vrow)
+                    print("RESULT_JSON " + json.dumps({"kind": "verify", **vrow}), flush=True)
     sweep = []
     for item in [x for x in args.sweep.split(",") if x]:
         cl, w = (int(t) for t in item.split(":"))
@@ -306,7 +311,7 @@ def main():
             print(f"sweep {r['geom']} bs{r['batch']} {r['shape']}: conv {r['conv_us']:.1f} us, f32 k {r['f32_us_at']}, "
                   f"shadow k {r['bf16shadow_us_at']}")
     for r in verify:
-        print(f"verify T{r['T']} {r['geom']} bs{r['batch']}: " + ", ".join(
+        print(f"verify T{r['T']} r{r['resident']} {r['geom']} bs{r['batch']}: " + ", ".join(
             f"{n} m{m} {r[f'{n}_us_m{m}']:.1f} us ({r[f'{n}_pct_ceiling_m{m}']:.0f}%, x conv*T "
             f"{r.get(f'{n}_x_conv_T_m{m}', float('nan')):.2f})" for n in ("f32", "bf16shadow")
             for m in (0, r['L'] - 2 * r['T'], r['L'] - r['T'])))

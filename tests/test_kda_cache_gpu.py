@@ -84,7 +84,8 @@ def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound, T):
             tol = 2e-2 if shadow is not None else 1e-2
             assert rel(y[ok.cuda()].cpu(), want[ok]) < tol, (step, l, rel(y[ok.cuda()].cpu(), want[ok]))
             assert torch.isnan(y[~ok.cuda()]).all()  # the padding row's output untouched
-        acc = None if standard else torch.randint(0, T + 1, (batch,), generator=gen).to(torch.int32)
+        # n >= T - num_draft = 1: the conv window keeps K - 1 inputs past the last accepted one (cache.commit)
+        acc = None if standard else torch.randint(1, T + 1, (batch,), generator=gen).to(torch.int32)
         dev.commit(sbi.cuda(), None if standard else acc.cuda(), T)
         cpu.commit(sbi, acc, T)
         assert torch.equal(dev.cursor.cpu(), cpu.cursor), step

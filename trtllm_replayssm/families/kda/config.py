@@ -59,6 +59,7 @@ class KDASpec:
     lower_bound: float | None = None
     arch: int = 90
     num_tokens: int = 0  # 0: the decode module; T = 1 + num_draft: the verify module (2 T <= L)
+    resident: int = 0  # threads an SM the register budget is planned for (0: the module's default, min_blocks)
 
     @property
     def entry_file(self) -> str:
@@ -85,6 +86,8 @@ class KDASpec:
         if self.num_tokens and (self.num_tokens not in SUPPORTED_NUM_TOKENS or 2 * self.num_tokens > self.buffer_len):
             raise ValueError(f"KDASpec.num_tokens: expected 0 (decode) or one of {SUPPORTED_NUM_TOKENS} with "
                              f"2 T <= L = {self.buffer_len} (flush one window early), got {self.num_tokens}")
+        if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < 0:
+            raise ValueError(f"KDASpec.resident: expected an int >= 0 (0: the default), got {self.resident!r}")
         if self.num_tokens and self.K > 2 * 32 * self.warps:
             raise ValueError(f"KDASpec: the verify module holds at most 2 key channels a thread: K={self.K} needs "
                              f">= {(self.K + 63) // 64} warps, got {self.warps}")
@@ -149,7 +152,8 @@ class KDASpec:
 
     @property
     def min_blocks(self) -> int:
-        return max(1, (VERIFY_RESIDENT_THREADS if self.num_tokens else RESIDENT_THREADS) // self.threads)
+        default = VERIFY_RESIDENT_THREADS if self.num_tokens else RESIDENT_THREADS
+        return max(1, (self.resident or default) // self.threads)
 
     def grid(self, batch: int) -> tuple[int, int, int]:
         return (self.H * (self.V // self.cols), batch, 1)
@@ -162,7 +166,8 @@ class KDASpec:
                 + f"_a-{self.act}_H{self.H}_K{self.K}_V{self.V}_L{self.buffer_len}_C{self.col_lanes}_W{self.warps}"
                 f"_n{int(self.l2norm)}" + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
-                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}")
+                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
+                + (f"_r{self.resident}" if self.resident else "") + f"_sm{self.arch}")
 
     def prelude(self) -> str:
         lb = self.lower_bound is not None
@@ -194,10 +199,12 @@ _OVERRIDE: dict = {}
 
 
 @contextlib.contextmanager
-def override(col_lanes: int | None = None, warps: int | None = None):
-    """Pin the planner's launch shape inside the block (benchmark sweeps)."""
+def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None):
+    """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
+    register budget of the planned modules is set for (KDASpec.resident)."""
     old = dict(_OVERRIDE)
-    _OVERRIDE.update({k: v for k, v in (("col_lanes", col_lanes), ("warps", warps)) if v is not None})
+    _OVERRIDE.update({k: v for k, v in (("col_lanes", col_lanes), ("warps", warps), ("resident", resident))
+                      if v is not None})
     try:
         yield
     finally:
@@ -247,7 +254,8 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
     """The module for this geometry and batch (the conventional kernel comes from a module of L = 2 planned with
     ``conventional``; ``num_tokens`` T >= 1: the verify module, planned as the replay step)."""
     cl, w = kda_geometry(H, K, V, batch, conventional)
-    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens)
+    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
+                   _OVERRIDE.get("resident", 0))
 
 
 __all__ = ["KDASpec", "kda_geometry", "kda_spec", "override", "ENTRY_FILE", "KERNEL_NAMES", "SPEC_ENTRY_FILE",
