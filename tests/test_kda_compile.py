@@ -105,6 +105,9 @@ def test_key_and_prelude():
     # L = 16, T = 4: 2 (L - 2T) T history x window products, L - 2T history norms, T^2 window pairs, 2T window norms
     assert v.window_products == 64 + 8 + 16 + 8
     assert v.min_blocks == 2 and KDASpec(**BASE).min_blocks == 3  # verify: ~255 registers a thread (config)
+    with override(resident=384):  # the register budget of a sweep: in the key, so modules never collide
+        r = kda_spec("bf16", 12, 128, 128, 16, 256, num_tokens=4)
+    assert r.min_blocks == 3 and r.key.endswith("_r384_sm90") and "_r" not in kda_spec("bf16", 12, 128, 128, 16, 256).key
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -114,6 +117,7 @@ def test_key_and_prelude():
     (dict(K=256, col_lanes=4), "state values"),
     (dict(num_tokens=3), "num_tokens"), (dict(num_tokens=4, buffer_len=7), "num_tokens"),
     (dict(num_tokens=-1), "num_tokens"), (dict(num_tokens=2, K=256, V=64, warps=1), "2 key channels a thread"),
+    (dict(resident=-1), "resident"),
 ])
 def test_spec_rejects(bad, match):
     with pytest.raises(ValueError, match=match):
