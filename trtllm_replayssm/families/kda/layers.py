@@ -5,7 +5,8 @@ Step inputs per layer (:mod:`.reference`): q, k, f (batch, T, H, K), v (batch, T
 A_log (H,), dt_bias (H, K); options ``use_qk_l2norm``, ``scale``, ``lower_bound`` (GLM-5 Next's bounded gate);
 outputs (batch, T, H, V). A prefill hands over the final recurrent state in the (H, K, V) layout (transformers'
 and fla's). The float64 spec runs the steps on CPU tensors; on CUDA the family's launchers (``families/kda/ops.py``:
-the fused standard decode step; speculative verify on CUDA is not there yet).
+the fused standard decode step on the standard cursor, the verify kernel (fold where count + 2T > L, window
+appended) on the ring cursor; the cache's commit moves the shared cursor).
 """
 
 from __future__ import annotations
@@ -80,11 +81,13 @@ class KDALayers(LayerGroup):
         q, k, v, f, b, A_log, dt_bias = bound.inputs
         sbi, out, opt = bound.state_batch_indices, bound.out, bound.options
         if executor.name == "kernels":  # the family's launchers (families/kda/ops.py)
-            if not standard:
-                raise NotImplementedError("KDA speculative verify on CUDA: the KDA verify kernel is not there yet "
-                                          "(issue 37); use cursor='standard' (one token per step) on CUDA")
             from . import ops as kops
 
+            if not standard:  # the kernel folds where count + 2T > L; it reads the shadow it is given
+                return kops.kda_replay_verify(q, k, v, f, b, A_log, dt_bias, view.buf.state, view.buf.k_cache,
+                                              view.buf.u_cache, view.buf.g_cache, view.buf.v_cache,
+                                              view.buf.beta_cache, cursor, sbi, out=out, shadow=view.shadow,
+                                              check_values=check, **opt)
             y = kops.kda_replay_decode(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias, view.buf.state,
                                        view.buf.k_cache, view.buf.u_cache, view.buf.g_cache, view.buf.v_cache,
                                        view.buf.beta_cache, cursor, sbi, out=None if out is None else out[:, 0],
