@@ -36,8 +36,9 @@ config.json, both formats:
   model             source (checkpoint directory or ``embedded-tiny-<name>``), seed (tiny only, else null),
                     pattern (one letter per layer, :data:`LAYER_NAMES`), vocab_size, hidden_size,
                     layer_types, attention_layers; Nemotron: mamba_layers, moe_layers and, with MoE layers,
-                    moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers and, with
-                    sparse MoE layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation)
+                    moe (the MoE config keys and the graph formulation); GDN: gdn_layers and, with sparse MoE
+                    layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation); model_type
+                    (the checkpoint's config.json model_type; builders/models.py's registry knows the kind by it)
   max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX);
                     shadow where built with one ("bf16" or "fp8": the checkpoint shadow, below; absent: none)
   states            every state tensor (below): name, shape (batch as -1), dtype (numpy / ONNX name: float32,
@@ -166,13 +167,15 @@ SHADOW_STATE = LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "bfloat
 FP8_SHADOW_STATES = (LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "float8_e4m3fn"),  # shadow "fp8"
                      LayerState("ssm_shadow_scale", ("nheads", "headdim"), "float32"))  # per-row scales
 GDN_SHADOW_STATE = LayerState("gdn_shadow", ("num_v_heads", "value_dim", "key_dim"), "bfloat16")
-SHADOWS = ("none", "bf16", "fp8")  # config.json ``shadow`` values (fp8: Mamba-2 layers only)
+SHADOWS = ("none", "bf16", "fp8")  # config.json ``shadow`` values (an SSM layer keeps those of SHADOW_STATES)
 ATTENTION_STATES = (
     LayerState("k_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
     LayerState("v_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
 )
 LAYER_STATES = {"M": MAMBA2_STATES, "*": ATTENTION_STATES, "E": (), "-": (), "G": GDN_STATES}  # by pattern letter
 LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "Gated DeltaNet"}
+# the checkpoint shadows of an SSM layer by pattern letter: shadow -> its states, after the layer's checkpoint
+SHADOW_STATES = {"M": {"bf16": (SHADOW_STATE,), "fp8": FP8_SHADOW_STATES}, "G": {"bf16": (GDN_SHADOW_STATE,)}}
 
 
 def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -> tuple[LayerState, ...]:
@@ -186,11 +189,12 @@ def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -
     states = LAYER_STATES[letter]
     if speculative:
         states = tuple(dataclasses.replace(s, prefix=CONV_WINDOW) if s is CONV_STATE else s for s in states)
-    if shadow == "fp8" and letter == "G":
-        raise FormatError("shadow: an fp8 shadow is for Mamba-2 layers only (Gated DeltaNet: bf16)")
-    if shadow != "none" and letter in ("M", "G"):  # after the checkpoint
-        extra = FP8_SHADOW_STATES if shadow == "fp8" else (SHADOW_STATE if letter == "M" else GDN_SHADOW_STATE,)
-        states = states[:2] + extra + states[2:]
+    if shadow != "none" and letter in SHADOW_STATES:  # after the checkpoint
+        kept = SHADOW_STATES[letter]
+        if shadow not in kept:
+            raise FormatError(f"shadow: a {LAYER_NAMES[letter]} layer keeps a {' or '.join(kept)} shadow, got "
+                              f"{shadow!r}")
+        states = states[:2] + kept[shadow] + states[2:]
     return states
 
 
@@ -211,9 +215,11 @@ def check_layer_states(cfg: dict) -> None:
                           f"{bad[0][1]!r} at layer {bad[0][0]}")
     spec = is_speculative(cfg)
     shadow = cfg.get("shadow", "none")
-    if shadow not in SHADOWS or (shadow == "fp8" and "G" in pattern):
-        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (Gated DeltaNet: none or bf16), got "
-                          f"{shadow!r}")
+    refused = [LAYER_NAMES[c] for c in dict.fromkeys(pattern) if c in SHADOW_STATES and shadow != "none"
+               and shadow not in SHADOW_STATES[c]]
+    if shadow not in SHADOWS or refused:
+        kept = "; ".join(f"{LAYER_NAMES[c]}: none or {' or '.join(SHADOW_STATES[c])}" for c in SHADOW_STATES)
+        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} ({kept}), got {shadow!r}")
     by_letter = {c: layer_states(c, spec, shadow if c in pattern else "none") for c in LAYER_STATES}
     prefixes = {c: [s.prefix for s in states] for c, states in by_letter.items()}
     names = [s["name"] for s in cfg["states"]]

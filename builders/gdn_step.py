@@ -47,6 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm.config import DTYPE_CODES, GDN_SUPPORTED_DIMS
+from trtllm_replayssm.families.gdn import trt_plugin as gdn_plugin
 
 from .decode_step import (  # noqa: F401  (export_onnx: the one export of every step)
     DOMAIN,
@@ -66,6 +68,9 @@ GDN_OP_TYPE = "gdn_decode"
 GDN_SHADOW_OP_TYPE = "gdn_decode_shadow"
 GDN_VERIFY_OP_TYPE = "gdn_verify"
 GDN_VERIFY_SHADOW_OP_TYPE = "gdn_verify_shadow"
+# config.json's ``model.moe`` of a Qwen3-Next engine: the sparse MoE keys of its config (and the graph formulation)
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
 # ``replayssm::gdn_verify`` in float64 (what the kernel does): the committed entries folded into the checkpoint
@@ -163,6 +168,69 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         self.act_dtype = next(model.parameters()).dtype
         self.kinds = list(model.config.layer_types)
         self.gdn = set(gdn_layers(model))
+
+    @classmethod
+    def for_build(cls, model, *, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype, moe_formulation: str,
+                  shadow: str, num_draft: int) -> QwenGDNDecodeStep:
+        """The step of an engine build (builders/models.py's export step protocol; the checkpoint is fp32)."""
+        if state_dtype != torch.float32:
+            raise ValueError(f"state_dtype: the gdn_decode / gdn_verify plugins keep an fp32 checkpoint, got {state_dtype}")
+        return cls(model, buffer_len, max_seq_len, moe_formulation=moe_formulation, shadow=shadow, num_draft=num_draft)
+
+    # ---- the engine directory (builders/models.py's export step protocol) -------------------------------------
+    def ssm_layers(self) -> list[int]:
+        return sorted(self.gdn)
+
+    def plugin_geometry(self) -> tuple[int, int, int, int]:
+        """(key heads, value heads, key dim, value dim) of the GDN plugin kernels; ValueError naming the config key."""
+        cfg = self.config
+        H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        for name, v in (("linear_key_head_dim", K), ("linear_value_head_dim", V)):
+            if v not in GDN_SUPPORTED_DIMS:
+                raise ValueError(f"{name}: the gdn_decode plugin supports {GDN_SUPPORTED_DIMS}, got {v}")
+        if HV % H:
+            raise ValueError(f"linear_num_key_heads: expected a divisor of linear_num_value_heads={HV}, got {H}")
+        return H, HV, K, V
+
+    def plugin_kernel(self, tactic: int, arch: int, sm_count: int):
+        """The PTX and launch of the step's GDN node for ``tactic`` (the family's aot_impl; no persistent grid)."""
+        H, HV, K, V = self.plugin_geometry()
+        act, L = DTYPE_CODES[self.act_dtype], self.buffer_len
+        if self.speculative:
+            return gdn_plugin.aot_verify_kernel(H, HV, K, V, L, 1, self.num_tokens, act, arch, tactic, self.shadow)
+        return gdn_plugin.aot_kernel(H, HV, K, V, L, 1, act, arch, tactic, self.shadow)
+
+    def plugin_keys(self, sm_count: int) -> dict:
+        return {}
+
+    def _moe_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "experts")]
+
+    def describe(self) -> list[str]:
+        cfg = self.config
+        H, HV, K, V = self.plugin_geometry()
+        lines = [f"{cfg.model_type}: {len(self.gdn)} Gated DeltaNet layers, key heads={H} value heads={HV} key dim={K} "
+                 f"value dim={V}"]
+        if self._moe_layers():
+            lines.append(f"sparse MoE layers: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, as "
+                         f"{self.moe_formulation} standard ONNX ops (builders/gdn_step.moe_qwen)")
+        return lines
+
+    def model_entry(self) -> dict:
+        """config.json's ``model`` after source, seed and model_type: pattern (G per Gated DeltaNet layer, * for
+        attention), sizes, the layers by type; with sparse MoE layers (Qwen3-Next) their indices and config keys."""
+        cfg = self.config
+        kinds = list(cfg.layer_types)
+        entry = dict(pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
+                     vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
+                     gdn_layers=self.ssm_layers(),
+                     attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"])
+        moe = self._moe_layers()
+        if moe:  # the config keys and the graph formulation (moe_qwen)
+            entry["moe_layers"] = moe
+            entry["moe"] = dict({k: getattr(cfg, k, None) for k in MOE_KEYS}, formulation=self.moe_formulation)
+        return entry
 
     # ---- the state contract ---------------------------------------------------------------------
     def state_specs(self) -> list[StateSpec]:
