@@ -61,7 +61,7 @@ from .decode_step import (  # noqa: F401  (export_onnx: the one export of every 
     window_attention,
     window_conv,
 )
-from .moe import FORMULATIONS
+from .moe import FORMULATIONS, gated_experts
 from .qwen3_next import gdn_layers, reference_backend
 
 GDN_OP_TYPE = "gdn_decode"
@@ -120,25 +120,12 @@ def moe_qwen(hn, moe, formulation: str = "dense"):
     them against E, so it wins at small batch, e.g. Qwen3-Next's 512 experts at top-10 while T <= 25)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {formulation!r}")
-    gate, E, top_k = moe.gate, moe.gate.num_experts, moe.gate.top_k
+    gate, top_k = moe.gate, moe.gate.top_k
     probs = F.softmax(F.linear(hn, gate.weight), dim=-1, dtype=torch.float32)
     top_v, top_i = torch.topk(probs, top_k, dim=-1)
     if getattr(gate, "norm_topk_prob", True):  # Qwen3.5 MoE's router has no switch: it always renormalises
         top_v = top_v / top_v.sum(dim=-1, keepdim=True)
-    top_v = top_v.to(hn.dtype)
-    ex = moe.experts
-    if formulation == "dense":
-        experts = torch.arange(E, device=hn.device)
-        mask = ((top_i[:, :, None] == experts[None, None, :]).to(hn.dtype) * top_v[:, :, None]).sum(1)  # (batch, E)
-        gu = torch.matmul(hn[None], ex.gate_up_proj.transpose(1, 2))  # (E, batch, 2I)
-        g, u = gu.chunk(2, dim=-1)
-        ye = torch.matmul(ex.act_fn(g) * u, ex.down_proj.transpose(1, 2))  # (E, batch, D)
-        routed = (ye * mask.transpose(0, 1)[:, :, None]).sum(0)
-    else:
-        gu = torch.matmul(ex.gate_up_proj[top_i], hn[:, None, :, None])[..., 0]  # (batch, k, 2I)
-        g, u = gu.chunk(2, dim=-1)
-        ye = torch.matmul(ex.down_proj[top_i], (ex.act_fn(g) * u)[..., None])[..., 0]  # (batch, k, D)
-        routed = (ye * top_v[:, :, None]).sum(1)
+    routed = gated_experts(hn, moe.experts, top_v.to(hn.dtype), top_i, formulation)
     shared = torch.sigmoid(moe.shared_expert_gate(hn)) * moe.shared_expert(hn)
     return routed + shared
 
