@@ -22,7 +22,7 @@ Steps are named ``"module:attribute"`` and imported on first use, as :class:`~tr
 names its layer group: a step module imports the engine modules that import this registry.
 
 The export step protocol (builders/decode_step.py ``NemotronHDecodeStep``, builders/gdn_step.py
-``QwenGDNDecodeStep``), besides ``decode_step.StepIO``'s state I/O
+``QwenGDNDecodeStep``, builders/kda_step.py ``KimiKDADecodeStep``), besides ``decode_step.StepIO``'s state I/O
 (``state_specs``, ``input_names``, ``output_names``, ``speculative``, ``num_tokens``, ``window``) and the SSM node's
 ``op_type`` / ``plugin_attributes``:
 
@@ -149,7 +149,8 @@ KINDS = (
               tests=("tests/test_gdn_builder.py tests/test_triton_repo.py", "tests/test_gdn_spec_builder.py")),
     ModelKind("kimi_linear", "Kimi-Linear", "Kimi Delta Attention", "kda",
               {n: kda.FAMILIES[n] for n in kda_step.MODEL_TYPES}, kda_step.MODEL_TYPES, kda.load_kda_model,
-              streaming_step="builders.kda_step:KimiStep"),
+              export_step="builders.kda_step:KimiKDADecodeStep", streaming_step="builders.kda_step:KimiStep",
+              tests=("tests/test_kda_export.py", "")),
     ModelKind("glm5_next", "GLM-5 Next", "Kimi Delta Attention", "kda",
               {n: kda.FAMILIES[n] for n in glm5_step.MODEL_TYPES}, glm5_step.MODEL_TYPES, kda.load_kda_model,
               streaming_step="builders.glm5_step:Glm5Step"),
