@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The generation engine's decode step for Kimi-Linear (transformers' ``KimiLinearForCausalLM``): one token for every
-row, rows = slots, with the step interface of :class:`builders.qwen_step.QwenStep` (its rows, slot hand-off and
-host save / load are inherited unchanged) that :class:`builders.generation.Engine` drives.
+"""Kimi-Linear's decode steps (transformers' ``KimiLinearForCausalLM``): the generation engine's, :class:`KimiStep`,
+and the engine directory's, :class:`KimiKDADecodeStep` (below), the two steps of its entry in builders/models.py.
+
+:class:`KimiStep`: one token for every row, rows = slots, with the step interface of
+:class:`builders.qwen_step.QwenStep` (its rows, slot hand-off and host save / load are inherited unchanged) that
+:class:`builders.generation.Engine` drives.
 
 In-place state, allocated once for ``batch`` slots of ``kv_len`` positions: ``ids`` (batch,) int64 (the input token;
 the greedy next token after a call), ``lengths`` (batch,) int64 (tokens in the K/V rows = the input's position),
@@ -40,6 +43,37 @@ prompt's MLA latents (ReplaySSM: ``ReplayStateCache.load_prefill``, the checkpoi
 
 The step is eager (``capturable = False``): transformers' MoE block picks its experts with data-dependent shapes.
 
+The engine directory's step (builders/engine.py through builders/models.py): :class:`KimiKDADecodeStep`, one
+decode step as a module with explicit state I/O; its ONNX export is builders/decode_step.py's
+:func:`~builders.decode_step.export_onnx`, the one of every step. Standard decode only (T = 1): the speculative
+verify of Kimi Delta Attention has no plugin yet (``replayssm::kda_verify``, issue 37).
+
+Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) inside):
+
+ 1. input_ids       (batch, 1) int64
+ 2. lengths         (batch,) int32     tokens already in the latent caches (= the new token's position)
+ 3. cursor          (batch,) int32     ReplaySSM ring fill, shared by all KDA layers
+ 4. per KDA layer i (pattern letter K): conv_state_i (batch, 3 H K, K_conv) act (the last K_conv inputs of
+    [q | k | v]), kda_state_i (batch, H, K, V) fp32 (the checkpoint S0), [kda_shadow_i (batch, H, K, V) bf16 with
+    a shadow], kda_k_i (batch, H, L, K) act, kda_u_i (batch, H, L, V) bf16, kda_g_i (batch, H, L, K) fp32,
+    kda_v_i (batch, H, L, V) act, kda_beta_i (batch, H, L) fp32   (trtllm_replayssm/families/kda's state table)
+ 5. per MLA layer i (pattern letter A): mla_kv_i (batch, max_seq_len, kv_lora_rank) act (the kv_a_layernorm'd
+    latent), mla_k_rope_i (batch, max_seq_len, qk_rope_head_dim) act (the shared rope part of the key)
+
+Graph outputs: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L, then every
+state tensor as ``<name>_out`` (in-place aliases in TensorRT). builders/engine_format.py's K and A rows.
+
+Per KDA layer (as KimiStep and transformers' decode): [q | k | v] projections, the causal
+conv over [the last K_conv - 1 inputs, the new one] (``decode_step.window_conv``), silu; f = f_b(f_a(x)) and
+b = b_proj(x) raw; ONE ``replayssm::kda_decode`` node (``_shadow`` with a bf16 shadow; g, beta, the l2 norm of q and
+k and q's K^-1/2 scale inside; the reference of the node is ``families/kda/onnx_ops.decode_node``); the layer's
+sigmoid-gated RMSNorm with g_b(g_a(x)); o_proj. MLA (Kimi's is NoPE: a position only bounds what a row sees): the
+query (q_proj, or q_a / q_a_layernorm / q_b), the new latent and rope key written at ``lengths`` with one-hot selects,
+keys and values of every position expanded by kv_b_proj, query attends positions <= lengths (softmax in fp32), o_proj.
+MoE layers (sigmoid routing with the correction bias, groups, top-k, renormalised and scaled: builders/moe.py's
+``route``; the gated experts in the step's ``moe_formulation``, ``moe.gated_experts``; transformers' shared experts
+MLP), static shapes; dense MLPs and norms are the model's.
+
 GLM-5 Next (``glm5_next``): builders/glm5_step.py ``Glm5Step``, this step with its DSA attention and hyper-connections.
 """
 
@@ -48,12 +82,20 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm import trt_plugin
 from trtllm_replayssm.cache import ReplayStateCache, conv_update_rows
+from trtllm_replayssm.config import DTYPE_CODES
+from trtllm_replayssm.families.kda import onnx_ops
 from trtllm_replayssm.families.kda import reference as kref
+from trtllm_replayssm.families.kda import trt_plugin as kda_plugin
+from trtllm_replayssm.families.kda.config import SHADOW_KINDS, kda_spec
 
+from .decode_step import PluginNode, PluginOp, StateSpec, StepIO, layer_state_specs, window_conv
 from .kda import kda_layers, text_model
+from .moe import FORMULATIONS, MoEWeights, gated_experts, route
 from .qwen_step import GDNConventional, GDNReplay, QwenStep
 
 MODES = ("conventional", "replay", "replay_bf16")  # the engine's modes this step runs
@@ -257,4 +299,247 @@ class KimiStep(QwenStep):
         return att.o_proj(o.reshape(n, 1, -1))
 
 
-__all__ = ["MODES", "MODEL_TYPES", "KDAConventional", "KDAReplay", "make_kda_mode", "KimiStep"]
+# ---- the engine directory's step -------------------------------------------------------------------------
+# config.json's ``model.moe`` of a Kimi-Linear engine: the MoE keys of its config (and the graph formulation)
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+            "topk_group", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace")
+
+
+def kda_node(ins, caches, op_type: str, attrs: dict, backend=None):
+    """One Kimi Delta Attention node (``op_type`` kda_decode / kda_decode_shadow, ``attrs`` its integer attributes in
+    the plugin's order) on ``ins`` (q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor) and ``caches`` (state,
+    k, u, g, v, beta[, shadow]): outputs (y, the caches in that order). The eager run (``backend``, default the
+    family's reference node) works on copies, functional as the graph is."""
+    run = backend or onnx_ops.decode_node
+
+    def node_run(*inputs):
+        return run(*inputs, **attrs)
+
+    node = PluginNode(op_type, tuple(attrs.items()), (2,) + tuple(range(9, 9 + len(caches))), node_run)
+    return PluginOp.apply(node, *ins, *caches)
+
+
+class KimiKDADecodeStep(StepIO, torch.nn.Module):
+    """The decode step (T = 1) of a loaded Kimi-Linear model (module docstring); shares its weights. ``backend``:
+    the KDA node's eager computation (default: the family's float64 reference node)."""
+
+    def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense",
+                 shadow: str = "none", num_draft: int = 0):
+        super().__init__()
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in MODEL_TYPES:
+            raise ValueError(f"model: expected a Kimi-Linear model (model_type one of {MODEL_TYPES}), got "
+                             f"{getattr(cfg, 'model_type', None)!r}")
+        if num_draft:
+            raise ValueError(f"num_draft: Kimi Delta Attention engines are standard decode only (no kda_verify plugin "
+                             f"yet), got {num_draft}")
+        if shadow not in SHADOW_KINDS:
+            raise ValueError(f"shadow: expected one of {SHADOW_KINDS} (a bf16 shadow of the fp32 "
+                             f"checkpoint), got {shadow!r}")
+        if moe_formulation not in FORMULATIONS:
+            raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {moe_formulation!r}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
+        self.kinds = list(cfg.layer_types)
+        bad = sorted({k for k in self.kinds if k not in ("linear_attention", "full_attention")})
+        if bad:
+            raise ValueError(f"layer_types: expected linear_attention or full_attention, got {bad}")
+        self.kda = kda_layers(model)
+        if not self.kda:
+            raise ValueError("layer_types: expected at least one Kimi Delta Attention (linear_attention) layer")
+        self.model, self.config = model, cfg
+        layers = text_model(model).layers
+        mx = layers[self.kda[0]].self_attn
+        self.H, self.Kd, self.V, self.K_conv = mx.num_heads, mx.head_dim, mx.head_dim, mx.conv_kernel_size
+        self._set_tokens(0, buffer_len, self.K_conv)
+        self.shadow, self.moe_formulation = shadow, moe_formulation
+        self.buffer_len, self.max_seq_len = buffer_len, max_seq_len
+        self.backend = backend
+        self.act_dtype = next(model.parameters()).dtype
+        # GLM-5 Next's bounded gate keeps its bound on the forget gate; Kimi's gate has none (None -> bits 0)
+        self.lower_bound = getattr(mx.forget_gate, "safe_gate_lower_bound", None)
+        for i in self.kda:  # per-layer gate constants in fp32, as the plugin takes them (A_log (H,), dt_bias (H, K))
+            fg = layers[i].self_attn.forget_gate
+            self.register_buffer(f"A_log_{i}", fg.A_log.detach().float().reshape(self.H).clone(), persistent=False)
+            self.register_buffer(f"dt_bias_{i}", fg.dt_bias.detach().float().reshape(self.H, self.Kd).clone(),
+                                 persistent=False)
+
+    @classmethod
+    def for_build(cls, model, *, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype, moe_formulation: str,
+                  shadow: str, num_draft: int) -> KimiKDADecodeStep:
+        """The step of an engine build (builders/models.py's export step protocol; the checkpoint is fp32)."""
+        if state_dtype != torch.float32:
+            raise ValueError(f"state_dtype: the kda_decode plugin keeps an fp32 checkpoint, got {state_dtype}")
+        return cls(model, buffer_len, max_seq_len, moe_formulation=moe_formulation, shadow=shadow, num_draft=num_draft)
+
+    # ---- the engine directory (builders/models.py's export step protocol) -------------------------------------
+    def ssm_layers(self) -> list[int]:
+        return list(self.kda)
+
+    def plugin_geometry(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) of the kda_decode kernels, checked by the family's kernel spec for both
+        tactics' batch geometries (ValueError naming the spec field and the config key or flag behind it)."""
+        for batch in trt_plugin.TACTICS.values():
+            try:
+                kda_spec(DTYPE_CODES[self.act_dtype], self.H, self.Kd, self.V, self.buffer_len, batch, self.shadow,
+                         True, None, self.lower_bound)
+            except ValueError as e:
+                raise ValueError(f"{e} (the kda_decode plugin's kernel: H = linear_num_heads {self.H}, K = V = "
+                                 f"linear_head_dim {self.Kd}, buffer_len = --buffer-len {self.buffer_len})") from None
+        return self.H, self.Kd, self.V
+
+    def plugin_kernel(self, tactic: int, arch: int, sm_count: int):
+        """The PTX and launch of the step's KDA node for ``tactic`` (the family's aot_impl; no persistent grid)."""
+        a = self.plugin_attributes()
+        return kda_plugin.aot_kernel(*a.values(), DTYPE_CODES[self.act_dtype], arch, tactic, self.shadow)
+
+    def plugin_keys(self, sm_count: int) -> dict:
+        return {}
+
+    def _moe_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(text_model(self.model).layers) if hasattr(layer.mlp, "experts")]
+
+    def describe(self) -> list[str]:
+        cfg = self.config
+        H, K, V = self.plugin_geometry()
+        lines = [f"{cfg.model_type}: {len(self.kda)} Kimi Delta Attention layers, heads={H} key dim={K} value dim={V}; "
+                 f"{self.kinds.count('full_attention')} MLA layers"]
+        if self._moe_layers():
+            lines.append(f"{len(self._moe_layers())} MoE layers: {cfg.num_experts} experts, top-"
+                         f"{cfg.num_experts_per_tok}, as {self.moe_formulation} standard ONNX ops "
+                         f"(builders/moe.py gated_experts)")
+        return lines
+
+    def model_entry(self) -> dict:
+        """config.json's ``model`` after source, seed and model_type: pattern (K per KDA layer, A per MLA layer),
+        sizes, the layers by type, the MoE layers and keys."""
+        cfg = self.config
+        entry = dict(pattern="".join("K" if k == "linear_attention" else "A" for k in self.kinds),
+                     vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=self.kinds,
+                     kda_layers=self.ssm_layers(),
+                     attention_layers=[i for i, k in enumerate(self.kinds) if k == "full_attention"])
+        moe = self._moe_layers()
+        if moe:
+            entry["moe_layers"] = moe
+            entry["moe"] = dict({k: getattr(cfg, k, None) for k in MOE_KEYS}, formulation=self.moe_formulation)
+        return entry
+
+    # ---- the state contract ---------------------------------------------------------------------------------
+    def state_specs(self) -> list[StateSpec]:
+        c = self.config
+        sizes = dict(num_heads=self.H, key_dim=self.Kd, value_dim=self.V, buffer_len=self.buffer_len,
+                     conv_dim=3 * self.H * self.Kd, conv_width=self.window, max_seq_len=self.max_seq_len,
+                     kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+        specs = []
+        for i, kind in enumerate(self.kinds):
+            specs += layer_state_specs("K" if kind == "linear_attention" else "A", i, sizes, dict(act=self.act_dtype),
+                                       False, self.shadow)
+        return specs
+
+    def _shadow_of(self, state) -> list[torch.Tensor]:
+        from trtllm_replayssm.reference import Shadow
+
+        return [] if self.shadow == "none" else [Shadow.of(state, self.shadow).q]
+
+    def _patched_ssm(self, decoder, i: int):
+        """KDA layer i of a patched model (builders/kda.py's KDAReplayDecoder): (checkpoint, rings k, u, g, v, beta)."""
+        b = decoder.bufs[i]
+        return b.state, (b.k_cache, b.u_cache, b.g_cache, b.v_cache, b.beta_cache)
+
+    def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
+        """MLA layer i's latent and rope key from a transformers cache holding ``lengths`` tokens ((batch, 1, seq, .)
+        there), padded to max_seq_len."""
+        out = []
+        for t in (cache.layers[i].keys, cache.layers[i].values):
+            buf = t.new_zeros((t.shape[0], self.max_seq_len, t.shape[3]))
+            buf[:, :lengths] = t[:, 0, :lengths]
+            out.append(buf)
+        return out
+
+    # ---- the SSM node ---------------------------------------------------------------------------------------
+    @property
+    def op_type(self) -> str:
+        """The op type of the step's KDA nodes, the name of their TensorRT plugin (families/kda/trt_plugin.py)."""
+        return kda_plugin.DECODE_SHADOW if self.shadow != "none" else kda_plugin.DECODE
+
+    def plugin_attributes(self) -> dict:
+        """The integer attributes of the step's KDA nodes in the plugin's order (config.json's too)."""
+        return dict(num_heads=self.H, key_dim=self.Kd, value_dim=self.V, buffer_len=self.buffer_len, use_qk_l2norm=1,
+                    lower_bound_bits=kda_plugin.lower_bound_bits(self.lower_bound))
+
+    # ---- the layers, on (batch, 1, D) -----------------------------------------------------------------------
+    def _kda(self, i, mx, h, conv_state, st, cursor, sbi):
+        batch, H, Kd = h.shape[0], self.H, self.Kd
+        mixed = torch.cat([mx.q_proj(h), mx.k_proj(h), mx.v_proj(h)], dim=-1)  # (batch, 1, 3 H K)
+        conv, window = window_conv(conv_state, mixed, mx.conv1d, self.K_conv, 1)
+        q, k, v = (t.reshape(batch, H, Kd) for t in F.silu(conv).to(h.dtype).split([mx.qkv_dim] * 3, dim=-1))
+        fg = mx.forget_gate
+        f = fg.f_b_proj(fg.f_a_proj(h)).reshape(batch, H, Kd)
+        b = mx.b_proj(h).reshape(batch, H)
+        state, *rings = st
+        shadow = () if self.shadow == "none" else (rings.pop(0),)
+        ins = (q, k, v, f, b, getattr(self, f"A_log_{i}"), getattr(self, f"dt_bias_{i}"), sbi, cursor)
+        y, state, *rest = kda_node(ins, (state, *rings, *shadow), self.op_type, self.plugin_attributes(), self.backend)
+        new = [window, state, *rest[5:], *rest[:5]]  # state order: conv, checkpoint[, shadow], k, u, g, v, beta
+        gate = mx.g_b_proj(mx.g_a_proj(h)).reshape(batch, 1, H, Kd)
+        out = mx.o_proj(mx.o_norm(y[:, None].to(h.dtype), gate).reshape(batch, 1, -1))
+        return out, new
+
+    def _mla(self, att, h, kv_cache, rope_cache, lengths):
+        """Kimi's MLA for the new token of each row over the row's cached latents (module docstring)."""
+        batch, nh = h.shape[0], att.num_heads
+        q = att.q_proj(h) if att.q_lora_rank is None else att.q_b_proj(att.q_a_layernorm(att.q_a_proj(h)))
+        q = q.view(batch, 1, nh, att.qk_head_dim).transpose(1, 2)  # (batch, nh, 1, qk_head_dim)
+        kv_nope, k_rot = att.kv_a_proj_with_mqa(h).split([att.kv_lora_rank, att.qk_rope_head_dim], dim=-1)
+        pos = torch.arange(self.max_seq_len, device=h.device)
+        here = (pos[None, :] == lengths.long()[:, None])[:, :, None]  # (batch, S, 1): the new position
+        kv_cache = torch.where(here, att.kv_a_layernorm(kv_nope).to(kv_cache.dtype), kv_cache)
+        rope_cache = torch.where(here, k_rot.to(rope_cache.dtype), rope_cache)
+        kv = att.kv_b_proj(kv_cache).view(batch, self.max_seq_len, nh, -1).transpose(1, 2)  # (batch, nh, S, .)
+        k_nope, values = kv.split([att.qk_nope_head_dim, att.v_head_dim], dim=-1)
+        keys = torch.cat([k_nope, rope_cache[:, None].expand(batch, nh, self.max_seq_len, att.qk_rope_head_dim)],
+                         dim=-1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * att.scaling  # (batch, nh, 1, S)
+        visible = (pos[None, :] <= lengths.long()[:, None])[:, None, None, :]
+        scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(probs, values)  # (batch, nh, 1, v_head_dim)
+        return att.o_proj(o.transpose(1, 2).reshape(batch, 1, -1)), kv_cache, rope_cache
+
+    def _moe(self, hn, moe):
+        """KimiLinearMoE on (batch, 1, D) as static-shape ops (module docstring)."""
+        g = moe.gate
+        x = hn.reshape(-1, hn.shape[-1])
+        router = MoEWeights(gate_weight=g.weight, correction_bias=g.e_score_correction_bias, up=None, down=None,
+                            shared_up=None, shared_down=None, act=None, top_k=g.top_k, n_group=g.num_group,
+                            topk_group=g.topk_group, norm_topk_prob=g.norm_topk_prob,
+                            routed_scaling_factor=g.routed_scaling_factor)
+        top_w, top_i = route(x, router)
+        routed = gated_experts(x, moe.experts, top_w.to(x.dtype), top_i, self.moe_formulation)
+        return routed.reshape(hn.shape) + moe.shared_experts(hn)
+
+    def _layers(self, input_ids, lengths, cursor, states):
+        """(logits (batch, 1, vocab) fp32, new states) of the tokens ``input_ids`` (batch, 1)."""
+        m = text_model(self.model)
+        h = m.embed_tokens(input_ids)
+        sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+        new_states, j = [], 0
+        for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
+            hn = layer.input_layernorm(h)
+            if kind == "linear_attention":
+                n = 7 + (self.shadow != "none")  # conv, checkpoint[, shadow], k, u, g, v, beta
+                out, st = self._kda(i, layer.self_attn, hn, states[j], list(states[j + 1:j + n]), cursor, sbi)
+                new_states += st
+                j += n
+            else:
+                out, kv, rope = self._mla(layer.self_attn, hn, states[j], states[j + 1], lengths)
+                new_states += [kv, rope]
+                j += 2
+            h = h + out
+            hn = layer.post_attention_layernorm(h)
+            h = h + (self._moe(hn, layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp(hn))
+        return self.model.lm_head(m.norm(h)).float(), new_states
+
+
+__all__ = ["MODES", "MODEL_TYPES", "KDAConventional", "KDAReplay", "make_kda_mode", "KimiStep", "KimiKDADecodeStep",
+           "kda_node", "MOE_KEYS"]

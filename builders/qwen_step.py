@@ -184,6 +184,12 @@ class QwenStep:
     LAYER_TYPES = ("linear_attention", "full_attention")  # the config.layer_types the step runs
 
     @classmethod
+    def for_engine(cls, model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
+        """The step as the generation engine builds it (builders/models.py's streaming step); eager, no fused regions:
+        ``fuse`` does not apply."""
+        return cls(model, batch, kv_len, mode, buffer_len)
+
+    @classmethod
     def _checked_config(cls, model, batch: int, kv_len: int):
         """The model's (text) config after the checks every hybrid step of this shape makes (model_type, layer types,
         sizes); a composite (vision-language) config's text config, where its decoder lives (GLM-5 Next)."""
