@@ -363,8 +363,8 @@ def check_kind(kind, opts: BuildOptions) -> None:
         raise BuildError(f"--state-dtype: {kind.ssm} checkpoints are {' / '.join(kind.state_dtypes)} in the engines "
                          f"(their plugins' checkpoint), got {opts.state_dtype}")
     if opts.num_draft and not kind.speculative:
-        raise BuildError(f"--num-draft: {kind.ssm} engines ({kind.title}) are standard decode only (no speculative "
-                         f"verify plugin yet), got {opts.num_draft}")
+        raise BuildError(f"--num-draft: {kind.ssm} engines ({kind.title}) are standard decode only (their export has "
+                         f"no speculative verify graph yet), got {opts.num_draft}")
 
 
 def model_entry(opts, tiny, step) -> dict:

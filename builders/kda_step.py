@@ -46,7 +46,7 @@ The step is eager (``capturable = False``): transformers' MoE block picks its ex
 The engine directory's step (builders/engine.py through builders/models.py): :class:`KimiKDADecodeStep`, one
 decode step as a module with explicit state I/O; its ONNX export is builders/decode_step.py's
 :func:`~builders.decode_step.export_onnx`, the one of every step. Standard decode only (T = 1): the speculative
-verify of Kimi Delta Attention has no plugin yet (``replayssm::kda_verify``, issue 37).
+verify graph (``replayssm::kda_verify`` nodes; the plugin is families/kda/trt_plugin.py's) is not exported yet.
 
 Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) inside):
 
@@ -331,8 +331,8 @@ class KimiKDADecodeStep(StepIO, torch.nn.Module):
             raise ValueError(f"model: expected a Kimi-Linear model (model_type one of {MODEL_TYPES}), got "
                              f"{getattr(cfg, 'model_type', None)!r}")
         if num_draft:
-            raise ValueError(f"num_draft: Kimi Delta Attention engines are standard decode only (no kda_verify plugin "
-                             f"yet), got {num_draft}")
+            raise ValueError(f"num_draft: Kimi Delta Attention engines are standard decode only (no kda_verify graph "
+                             f"exported yet), got {num_draft}")
         if shadow not in SHADOW_KINDS:
             raise ValueError(f"shadow: expected one of {SHADOW_KINDS} (a bf16 shadow of the fp32 "
                              f"checkpoint), got {shadow!r}")
