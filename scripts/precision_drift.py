@@ -186,13 +186,15 @@ def main():
                          "low-precision checkpoint's rounding errors accumulate across flushes)")
     ap.add_argument("--name", default=None, help="base name of the JSON / PNG written under --out (default: "
                                                  "precision_drift, or precision_drift_kda_<gate> for --family kda)")
-    ap.add_argument("--family", choices=("mamba2", "kda"), default="mamba2")
+    ap.add_argument("--family", choices=sorted(EXPERIMENTS), default="mamba2")
     ap.add_argument("--gate", choices=sorted(GATES), default="glm", help="--family kda: the forget gate (GLM-5 Next's "
                                                                          "bounded gate or Kimi's softplus gate)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.family == "kda":
-        return main_kda(args)
+    EXPERIMENTS[args.family](args)
+
+
+def main_mamba2(args) -> None:
     args.name = args.name or "precision_drift"
     errs = drift(args.steps, granularity=True, a_range=tuple(args.a_range))
     gran = errs.pop("_granularity")
@@ -266,5 +268,9 @@ def _plot(errs, path, title) -> None:
     fig.savefig(path, dpi=120)
 
 
+EXPERIMENTS = {"mamba2": main_mamba2, "kda": main_kda}  # --family: each family's drift experiment (its own reference)
+
+
 if __name__ == "__main__":
     main()
+
