@@ -150,7 +150,7 @@ KINDS = (
     ModelKind("kimi_linear", "Kimi-Linear", "Kimi Delta Attention", "kda",
               {n: kda.FAMILIES[n] for n in kda_step.MODEL_TYPES}, kda_step.MODEL_TYPES, kda.load_kda_model,
               export_step="builders.kda_step:KimiKDADecodeStep", streaming_step="builders.kda_step:KimiStep",
-              tests=("tests/test_kda_export.py", "")),
+              speculative=True, tests=("tests/test_kda_export.py", "tests/test_kda_spec_export.py")),
     ModelKind("glm5_next", "GLM-5 Next", "Kimi Delta Attention", "kda",
               {n: kda.FAMILIES[n] for n in glm5_step.MODEL_TYPES}, glm5_step.MODEL_TYPES, kda.load_kda_model,
               streaming_step="builders.glm5_step:Glm5Step"),

@@ -254,7 +254,6 @@ def test_bf16_shadow_engine(model, tmp_path):
     (dict(shadow="fp8"), r"--shadow fp8: Kimi Delta Attention models \(Kimi-Linear\) take replay_bf16 \(--shadow "
                          r"bf16\); there is no fp8 KDA shadow"),
     (dict(state_dtype="bf16"), "--state-dtype: Kimi Delta Attention checkpoints are fp32"),
-    (dict(num_draft=1, buffer_len=8), "--num-draft: Kimi Delta Attention engines .* standard decode only"),
     (dict(buffer_len=32), r"KDASpec.buffer_len: expected 2..16, got 32 .*--buffer-len 32"),
 ])
 def test_refused_by_name_before_anything_is_written(tmp_path, kw, match):
