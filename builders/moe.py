@@ -190,18 +190,27 @@ def gated_experts(x: torch.Tensor, experts, top_w: torch.Tensor, top_i: torch.Te
     modules): sum_i w_i · down_i(act(gate_i x) · up_i x) over each token's k experts, for x (T, D), ``top_w`` (T, k)
     in x's dtype and ``top_i`` (T, k); (T, D) in x's dtype. The two formulations of the module docstring: "dense"
     runs every expert on every token and weights them by the (T, E) routing mask built by Equal/Mul/ReduceSum,
-    "gather" runs each token's k gathered expert matrices."""
+    "gather" runs each token's k gathered expert matrices. GLM-5 Next's experts (``Glm5NextTextExperts._apply_gate``)
+    have no ``act_fn`` (silu) and a ``swiglu_limit``: silu(min(gate, limit)) · clamp(up, -limit, limit)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {formulation!r}")
+    limit = getattr(experts, "swiglu_limit", None)
+    act = getattr(experts, "act_fn", F.silu)
+
+    def glu(g, u):
+        if limit is not None:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        return act(g) * u
+
     if formulation == "dense":
         E = experts.gate_up_proj.shape[0]
         onehot = top_i[:, :, None] == torch.arange(E, device=x.device)[None, None, :]
         mask = (onehot.to(x.dtype) * top_w[:, :, None]).sum(1)  # (T, E)
         gu = torch.matmul(x[None], experts.gate_up_proj.transpose(1, 2))  # (E, T, 2I)
         g, u = gu.chunk(2, dim=-1)
-        ye = torch.matmul(experts.act_fn(g) * u, experts.down_proj.transpose(1, 2))  # (E, T, D)
+        ye = torch.matmul(glu(g, u), experts.down_proj.transpose(1, 2))  # (E, T, D)
         return (ye * mask.transpose(0, 1)[:, :, None]).sum(0)
     gu = torch.matmul(experts.gate_up_proj[top_i], x[:, None, :, None])[..., 0]  # (T, k, 2I)
     g, u = gu.chunk(2, dim=-1)
-    ye = torch.matmul(experts.down_proj[top_i], (experts.act_fn(g) * u)[..., None])[..., 0]  # (T, k, D)
+    ye = torch.matmul(experts.down_proj[top_i], glu(g, u)[..., None])[..., 0]  # (T, k, D)
     return (ye * top_w[:, :, None]).sum(1)
