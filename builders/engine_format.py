@@ -10,7 +10,7 @@ their version in ``config.json``'s ``format``:
                     node per Mamba-2 layer (Nemotron-H / Nemotron 3, builders/decode_step.py), one
                     ``replayssm::gdn_decode`` node per Gated DeltaNet layer (Qwen3-Next / Qwen3.5,
                     builders/gdn_step.py) or one ``replayssm::kda_decode`` node per Kimi Delta Attention layer
-                    (Kimi-Linear, builders/kda_step.py)
+                    (Kimi-Linear, builders/kda_step.py; GLM-5 Next, builders/glm5_export.py)
   <spec key>.ptx    the plugin kernel shared by all those layers, one per plugin tactic (large / small
                     batch), the PTX and launch parameters ``trt_plugin``'s ``aot_impl`` hands TensorRT
   config.json       below
@@ -39,7 +39,8 @@ config.json, both formats:
                     layer_types, attention_layers; Nemotron: mamba_layers, moe_layers and, with MoE layers,
                     moe (the MoE config keys and the graph formulation); GDN: gdn_layers and, with sparse MoE
                     layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation); KDA
-                    (Kimi-Linear): kda_layers, moe_layers and moe; model_type (the checkpoint's config.json
+                    (Kimi-Linear): kda_layers, moe_layers and moe; GLM-5 Next: also hc_mult (hyper-connection
+                    streams) and dsa (the indexer's config keys); model_type (the checkpoint's config.json
                     model_type; builders/models.py's registry knows the kind by it)
   max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX);
                     shadow where built with one ("bf16" or "fp8": the checkpoint shadow, below; absent: none)
@@ -78,6 +79,11 @@ shapes after the batch dimension, in the sizes of :class:`LayerState`):
   *  attention        k_cache_i, v_cache_i (kv_heads, max_seq_len, head_dim) act
   A  MLA attention    mla_kv_i (max_seq_len, kv_lora_rank) act (the normed latent), mla_k_rope_i (max_seq_len,
                       qk_rope_head_dim) act (the shared rope part of the key)
+  D  DSA attention    dsa_kv_i (max_seq_len, kv_lora_rank) act (the normed latent; NoPE: no rope key),
+                      dsa_index_k_i, dsa_index_gate_i (max_seq_len, index_head_dim) act (the indexer's key and
+                      k-pool compress-gate score; valid: position < lengths)   (GLM-5 Next, builders/glm5_export.py)
+  d  DSA attention    dsa_kv_i only: the layer reuses the previous D layer's top-k (indexer_types "shared")
+     sharing top-k
   E  MoE, - MLP       none (their weights are in the graph)
 
 A standard engine built with a bf16 shadow of its fp32 checkpoints (config.json ``shadow``: "bf16"; absent or
@@ -134,7 +140,8 @@ class LayerState:
 
     ``dims``: its sizes after the batch dimension, by name (``nheads``, ``headdim``, ``dstate``,
     ``ngroups``, ``buffer_len``, ``conv_dim``, ``conv_width``, ``kv_heads``, ``max_seq_len``,
-    ``head_dim``, ``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``), which the step resolves
+    ``head_dim``, ``num_k_heads``, ``num_v_heads``, ``num_heads``, ``key_dim``, ``value_dim``,
+    ``kv_lora_rank``, ``qk_rope_head_dim``, ``index_head_dim``), which the step resolves
     from its model config. ``dtype``: ``act`` (the engine's activations), ``state`` (the checkpoint dtype,
     --state-dtype) or a fixed ONNX dtype name."""
 
@@ -184,6 +191,11 @@ MLA_STATES = (  # multi-head latent attention (Kimi-Linear): the cached latent a
     LayerState("mla_kv", ("max_seq_len", "kv_lora_rank"), "act"),
     LayerState("mla_k_rope", ("max_seq_len", "qk_rope_head_dim"), "act"),
 )
+DSA_STATES = (  # DeepSeek sparse attention (GLM-5 Next, NoPE): the cached latent, the indexer's key and k-pool
+    LayerState("dsa_kv", ("max_seq_len", "kv_lora_rank"), "act"),  # compress-gate score, per position
+    LayerState("dsa_index_k", ("max_seq_len", "index_head_dim"), "act"),
+    LayerState("dsa_index_gate", ("max_seq_len", "index_head_dim"), "act"),
+)
 SHADOW_STATE = LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "bfloat16")  # with shadow "bf16"
 FP8_SHADOW_STATES = (LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "float8_e4m3fn"),  # shadow "fp8"
                      LayerState("ssm_shadow_scale", ("nheads", "headdim"), "float32"))  # per-row scales
@@ -195,9 +207,10 @@ ATTENTION_STATES = (
     LayerState("v_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
 )
 LAYER_STATES = {"M": MAMBA2_STATES, "*": ATTENTION_STATES, "E": (), "-": (), "G": GDN_STATES,  # by pattern letter
-                "K": KDA_STATES, "A": MLA_STATES}
+                "K": KDA_STATES, "A": MLA_STATES, "D": DSA_STATES, "d": DSA_STATES[:1]}
 LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "Gated DeltaNet",
-               "K": "Kimi Delta Attention", "A": "MLA attention"}
+               "K": "Kimi Delta Attention", "A": "MLA attention", "D": "DSA attention",
+               "d": "DSA attention sharing the previous top-k"}
 # the checkpoint shadows of an SSM layer by pattern letter: shadow -> its states, after the layer's checkpoint
 SHADOW_STATES = {"M": {"bf16": (SHADOW_STATE,), "fp8": FP8_SHADOW_STATES}, "G": {"bf16": (GDN_SHADOW_STATE,)},
                  "K": {"bf16": (KDA_SHADOW_STATE,)}}
