@@ -35,6 +35,8 @@ prompt's latents, rope keys and indexer states (``keys``, ``values``, ``indexer_
 the indexer starts its pools at a row's first valid position, so left padding and our position 0 agree).
 
 Eager only (``capturable = False``), as KimiStep: the MoE and the indexer's selection have data-dependent shapes.
+The engine directory's step (the same decode in static-shape standard ops over explicit state I/O, for TensorRT) is
+builders/glm5_export.py's ``Glm5KDADecodeStep``.
 """
 
 from __future__ import annotations

@@ -343,14 +343,19 @@ class KimiKDADecodeStep(StepIO, torch.nn.Module):
     """The step of T = 1 + ``num_draft`` tokens of a loaded Kimi-Linear model (module docstring); shares its weights.
     ``num_draft = 0``: standard decode; ``num_draft`` > 0: the speculative verify graph, whose commit graph is
     ``spec_step.NemotronHSpecCommit(step)``. ``backend``: the KDA node's eager computation (default: the family's
-    float64 reference node, decode or verify)."""
+    float64 reference node, decode or verify). ``MODEL_TYPES``, ``FAMILY`` and ``LAYER_TYPES`` (KDA, then the other
+    layers' type) are what a subclass changes (builders/glm5_export.py)."""
+
+    MODEL_TYPES = MODEL_TYPES
+    FAMILY = "a Kimi-Linear model"
+    LAYER_TYPES = ("linear_attention", "full_attention")
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense",
                  shadow: str = "none", num_draft: int = 0):
         super().__init__()
         cfg = model.config
-        if getattr(cfg, "model_type", None) not in MODEL_TYPES:
-            raise ValueError(f"model: expected a Kimi-Linear model (model_type one of {MODEL_TYPES}), got "
+        if getattr(cfg, "model_type", None) not in self.MODEL_TYPES:
+            raise ValueError(f"model: expected {self.FAMILY} (model_type one of {self.MODEL_TYPES}), got "
                              f"{getattr(cfg, 'model_type', None)!r}")
         if shadow not in SHADOW_KINDS:
             raise ValueError(f"shadow: expected one of {SHADOW_KINDS} (a bf16 shadow of the fp32 "
@@ -359,10 +364,10 @@ class KimiKDADecodeStep(StepIO, torch.nn.Module):
             raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {moe_formulation!r}")
         if max_seq_len < 1:
             raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
-        self.kinds = list(cfg.layer_types)
-        bad = sorted({k for k in self.kinds if k not in ("linear_attention", "full_attention")})
+        self.kinds = list(cfg.get_text_config().layer_types)  # a composite (GLM-5 Next) config's text config
+        bad = sorted({k for k in self.kinds if k not in self.LAYER_TYPES})
         if bad:
-            raise ValueError(f"layer_types: expected linear_attention or full_attention, got {bad}")
+            raise ValueError(f"layer_types: expected {' or '.join(self.LAYER_TYPES)}, got {bad}")
         self.kda = kda_layers(model)
         if not self.kda:
             raise ValueError("layer_types: expected at least one Kimi Delta Attention (linear_attention) layer")

@@ -22,7 +22,8 @@ Steps are named ``"module:attribute"`` and imported on first use, as :class:`~tr
 names its layer group: a step module imports the engine modules that import this registry.
 
 The export step protocol (builders/decode_step.py ``NemotronHDecodeStep``, builders/gdn_step.py
-``QwenGDNDecodeStep``, builders/kda_step.py ``KimiKDADecodeStep``), besides ``decode_step.StepIO``'s state I/O
+``QwenGDNDecodeStep``, builders/kda_step.py ``KimiKDADecodeStep``, builders/glm5_export.py ``Glm5KDADecodeStep``),
+besides ``decode_step.StepIO``'s state I/O
 (``state_specs``, ``input_names``, ``output_names``, ``speculative``, ``num_tokens``, ``window``) and the SSM node's
 ``op_type`` / ``plugin_attributes``:
 
@@ -153,7 +154,8 @@ KINDS = (
               speculative=True, tests=("tests/test_kda_export.py", "tests/test_kda_spec_export.py")),
     ModelKind("glm5_next", "GLM-5 Next", "Kimi Delta Attention", "kda",
               {n: kda.FAMILIES[n] for n in glm5_step.MODEL_TYPES}, glm5_step.MODEL_TYPES, kda.load_kda_model,
-              streaming_step="builders.glm5_step:Glm5Step"),
+              export_step="builders.glm5_export:Glm5KDADecodeStep", streaming_step="builders.glm5_step:Glm5Step",
+              tests=("tests/test_glm5_export.py", "")),
 )
 DEFAULT_TINY = "nemotron_h"  # the model without --model or --tiny
 
