@@ -176,7 +176,7 @@ def _projections(mixer, hs):
 class GDNReplayDecoder(LinearAttentionPatch):
     """ReplaySSM state of a patched model, held by a :class:`~trtllm_replayssm.cache.ReplayStateCache` of its GDN
     layers on the standard form (the (slots,) cursor, one standard decode step per layer), allocated at the
-    prefill hand-off; the conv windows stay in the transformers cache (``gdn_conv_dim=0``). Row b of the batch
+    prefill hand-off; the conv windows stay in the transformers cache (``conv_dim=0``). Row b of the batch
     uses slot b. ``backend`` (keyword form ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)``,
     default: :data:`kernel_backend` on CUDA, :data:`reference_backend` elsewhere) and ``advance`` run the step
     through the cache; ``bufs[layer_idx]`` (GDNBuffers views) and ``cursor`` are the cache's tensors."""
@@ -204,10 +204,10 @@ class GDNReplayDecoder(LinearAttentionPatch):
         if not self._holds(cache):
             self._write_back()  # the cache held until now keeps what our buffers hold
         c = self.cache
-        if c is None or not self._holds(cache) or c.num_slots != batch or c.gdn_state.device != S.device \
-                or c.gdn_v.dtype != act_dtype:
-            c = self.cache = ReplayStateCache.for_gdn(
-                len(self.layers), batch, HV, mixer.num_k_heads, V, K, self.buffer_len, gdn_conv_dim=0,
+        if c is None or not self._holds(cache) or c.num_slots != batch or c.group("gdn").t["state"].device != S.device \
+                or c.group("gdn").t["v_cache"].dtype != act_dtype:
+            c = self.cache = ReplayStateCache.for_family(
+                "gdn", len(self.layers), batch, (HV, mixer.num_k_heads, V, K), self.buffer_len, conv_dim=0,
                 state_dtype=self.state_dtype, act_dtype=act_dtype, device=S.device, cursor="standard",
                 executor=StepExecutor(self.backend, self.advance), check_values=self.check_values)
             for _ in range(batch):

@@ -118,7 +118,7 @@ class GDNConventional(GDNMode):
 
 class GDNReplay(CacheSlots, GDNMode):
     """ReplaySSM on a GDN-only :class:`ReplayStateCache` (``cursor="standard"``: the standard GDN decode step of the
-    executor, the cursor advanced once per model step); the step keeps the conv windows (``gdn_conv_dim=0``). Every
+    executor, the cursor advanced once per model step); the step keeps the conv windows (``conv_dim=0``). Every
     slot is allocated once: a slot's prefill hand-off (``load_prefill``) resets its rings and cursor."""
 
     def __init__(self, buffer_len: int = 16, shadow: str | None = None):
@@ -133,10 +133,10 @@ class GDNReplay(CacheSlots, GDNMode):
         super().alloc(layers, slots, HV, H, V, Kd, device, act_dtype)
         cuda = torch.device(device).type == "cuda"
         shadow = None if self.shadow is None else torch.bfloat16
-        self.cache = ReplayStateCache.for_gdn(len(layers), slots, HV, H, V, Kd, self.L, num_draft=0, gdn_conv_dim=0,
-                                              act_dtype=act_dtype, device=device, cursor="standard",
-                                              check_values=False if cuda else None, shadow_dtype=shadow,
-                                              read_shadow=shadow is not None)
+        self.cache = ReplayStateCache.for_family("gdn", len(layers), slots, (HV, H, V, Kd), self.L, num_draft=0,
+                                                 conv_dim=0, act_dtype=act_dtype, device=device, cursor="standard",
+                                                 check_values=False if cuda else None, shadow_dtype=shadow,
+                                                 read_shadow=shadow is not None)
         for _ in range(slots):
             self.cache.allocate()
 

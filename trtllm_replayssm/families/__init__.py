@@ -74,6 +74,11 @@ class Family:
     spec_types: tuple[type, ...] = ()  # its kernel spec classes (entry_file, kernel_names, prelude(): compile.py)
     layer_group: str = ""  # "module:Class" of its layers in a ReplayStateCache (layer_group.LayerGroup)
     trt_plugin: str = ""  # module of its TensorRT plugins (PLUGINS, aot_kernel, register(ctx)), registered by trt_plugin
+    title: str = ""  # its name in messages ("Mamba-2", "GDN", ...); the folder name where empty
+
+    @property
+    def label(self) -> str:
+        return self.title or self.name
 
     def sizes(self, slots: int, L: int, geometry) -> dict[str, int]:
         if len(geometry) != len(self.geometry):

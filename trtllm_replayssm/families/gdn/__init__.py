@@ -33,6 +33,7 @@ DTYPES = {"state": torch.float32, "shadow": torch.bfloat16, "act": torch.bfloat1
 
 FAMILY = Family(
     name="gdn",
+    title="GDN",
     geometry=GEOMETRY,
     state_table=STATE_TABLE,
     dtypes=DTYPES,

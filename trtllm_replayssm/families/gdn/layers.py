@@ -30,6 +30,7 @@ class GDNLayerState:
 class GDNLayers(LayerGroup):
     family = "gdn"
     snapshot_prefix = "gdn_"
+    standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
     # the names of snapshot format version 1 (rings without the _cache suffix)
     snapshot_aliases = {"u_cache": "gdn_u", "v_cache": "gdn_v", "k_cache": "gdn_k", "g_cache": "gdn_g",
                         "beta_cache": "gdn_beta"}
@@ -46,11 +47,11 @@ class GDNLayers(LayerGroup):
     @staticmethod
     def check_geometry(geometry, cuda: bool, shadow_dtype, state_dtype) -> None:
         HV, Hk, V, K = geometry
-        for name, v in (("gdn_value_heads", HV), ("gdn_key_heads", Hk), ("gdn_value_dim", V), ("gdn_key_dim", K)):
+        for name, v in (("value_heads", HV), ("key_heads", Hk), ("value_dim", V), ("key_dim", K)):
             if v < 1:
-                raise ValueError(f"{name}: expected >= 1 with gdn_layers > 0, got {v}")
+                raise ValueError(f"geometry: gdn {name}: expected >= 1, got {v}")
         if HV % Hk:
-            raise ValueError(f"gdn_key_heads: expected a divisor of gdn_value_heads={HV}, got {Hk}")
+            raise ValueError(f"geometry: gdn key_heads: expected a divisor of value_heads={HV}, got {Hk}")
         if shadow_dtype not in (None, torch.bfloat16):  # every device: the GDN reference keeps no fp8 row scales either
             raise ValueError(f"shadow_dtype: a model with GDN layers keeps a bfloat16 shadow only (the GDN kernels read "
                              f"no other), got {shadow_dtype}")
@@ -58,9 +59,9 @@ class GDNLayers(LayerGroup):
             return
         from ...config import GDN_SUPPORTED_DIMS
 
-        for name, v in (("gdn_value_dim", V), ("gdn_key_dim", K)):
+        for name, v in (("value_dim", V), ("key_dim", K)):
             if v not in GDN_SUPPORTED_DIMS:
-                raise ValueError(f"{name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
+                raise ValueError(f"geometry: gdn {name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
         if state_dtype != torch.float32:
             raise ValueError(f"state_dtype: the GDN kernels keep an fp32 checkpoint, got {state_dtype}")
 

@@ -28,6 +28,7 @@ GEOMETRIES = {f"{name}_tp{tp}": (H // tp, K, V) for name, (H, K, V, *_) in MODEL
 
 FAMILY = Family(
     name="kda",
+    title="KDA",
     geometry=reference.GEOMETRY,
     state_table=reference.STATE_TABLE,
     dtypes=reference.DTYPES,

@@ -41,6 +41,7 @@ def _into(y, dtype, out, sbi):
 class KDALayers(LayerGroup):
     family = "kda"
     snapshot_prefix = "kda_"
+    standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
 
     @staticmethod
     def signature(q, k, v, f, b, A_log, dt_bias, state_batch_indices=None, out=None, use_qk_l2norm: bool = True,

@@ -35,6 +35,7 @@ DTYPES = {"state": torch.float32, "shadow": torch.bfloat16, "act": torch.bfloat1
 
 FAMILY = Family(
     name="mamba2",
+    title="Mamba-2",
     geometry=GEOMETRY,
     state_table=STATE_TABLE,
     dtypes=DTYPES,

@@ -33,6 +33,7 @@ class LayerState:
 class Mamba2Layers(LayerGroup):
     family = "mamba2"
     snapshot_prefix = ""  # the first family's names are the plain table names (format version 1)
+    ckpt8 = True  # an 8-bit checkpoint on the standard cursor (cache.ckpt_flushes / ckpt_seed: LayerGroup)
 
     @staticmethod
     def signature(x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None):  # noqa: D401
@@ -70,6 +71,14 @@ class Mamba2Layers(LayerGroup):
         return d | {"shadow": shadow_dtype}, ("shadow", "shadow_scale") if shadow_dtype == torch.float8_e4m3fn \
             else ("shadow",)
 
+    def cache_attributes(self) -> dict:
+        """The cache's attributes of its Mamba-2 layers (the names callers have read since the first models)."""
+        t = self.t
+        H, P, N, G = self.geometry
+        return dict(num_layers=self.num_layers, nheads=H, headdim=P, dstate=N, ngroups=G, conv_dim=self.conv_dim,
+                    state=t["state"], x_cache=t["x_cache"], B_cache=t["B_cache"], dt_cache=t["dt_cache"],
+                    shadow=t.get("shadow"), shadow_scale=t.get("shadow_scale"), _conv=self._conv, conv=self.conv)
+
     def geometry_header(self) -> dict:
         H, P, N, G = self.geometry
         return dict(nheads=H, headdim=P, dstate=N, ngroups=G, conv_dim=self.conv_dim)
@@ -85,9 +94,6 @@ class Mamba2Layers(LayerGroup):
 
     # An 8-bit checkpoint (state float8_e4m3fn, ``ckpt_scale``): the cache sets ``ckpt_flushes`` (its (slots,) flush
     # counts, shared by the layers) and ``ckpt_seed`` (layer l draws with seed + l: the hash has no layer coordinate).
-    ckpt_flushes = None
-    ckpt_seed = 0
-
     def _ckpt8(self, l: int) -> dict:
         if "ckpt_scale" not in self.t:
             return {}
