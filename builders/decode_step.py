@@ -63,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
 
 from .engine_format import SHADOWS, layer_states
 from .moe import FORMULATIONS, moe_forward
@@ -82,7 +83,7 @@ _TORCH_DTYPES = {n: t for t, n in _ONNX_DTYPE_NAMES.items()}
 # back in their own dtypes, the cursor not moved, y in x's dtype: the reference executor of
 # trtllm_replayssm.backend in the launchers' keyword form (``reference_backend``, the T = 1 node's, is
 # builders.nemotron_h's).
-verify_reference_backend = executors.replay_verify_kw(executors.REFERENCE)
+verify_reference_backend = mamba2_steps.replay_verify_kw(executors.REFERENCE)
 
 
 # ---- plugin nodes ---------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm.families.gdn import steps as gdn_steps
 
 from .decode_step import (  # noqa: F401  (export_onnx: the one export of every step)
     DOMAIN,
@@ -72,8 +73,8 @@ GDN_VERIFY_SHADOW_OP_TYPE = "gdn_verify_shadow"
 # where count + 2T > L (stored in fp32), then the window verified on the flushed cursor and appended to the rings;
 # the (slots, 2) cursor not moved; y in v's dtype. And the same through the CUDA kernel on contiguous copies of
 # the views. The executors of trtllm_replayssm.backend in the builders' keyword form.
-verify_reference_backend = executors.gdn_replay_verify_kw(executors.REFERENCE)
-verify_kernel_backend = executors.gdn_replay_verify_kw(executors.for_device("cuda"), contiguous=True)
+verify_reference_backend = gdn_steps.replay_verify_kw(executors.REFERENCE)
+verify_kernel_backend = gdn_steps.replay_verify_kw(executors.for_device("cuda"), contiguous=True)
 
 
 def gdn_op_type(speculative: bool, shadow: bool) -> str:

@@ -38,6 +38,7 @@ import torch
 
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.families.gdn import steps as gdn_steps
 
 from .nemotron_h import LinearAttentionPatch, StepExecutor
 
@@ -152,8 +153,8 @@ def gdn_layers(model) -> list[int]:
 # ``gdn_reference.replay_decode`` in float64 on the buffers (stored back in their dtypes), y in v's dtype; and the
 # same through the CUDA kernel on contiguous copies of the step's views: the executors of trtllm_replayssm.backend
 # in the builders' keyword form.
-reference_backend = executors.gdn_replay_decode_kw(executors.REFERENCE)
-kernel_backend = executors.gdn_replay_decode_kw(executors.for_device("cuda"), contiguous=True)
+reference_backend = gdn_steps.replay_decode_kw(executors.REFERENCE)
+kernel_backend = gdn_steps.replay_decode_kw(executors.for_device("cuda"), contiguous=True)
 
 
 def default_backend(device):

@@ -9,10 +9,12 @@ adds a folder and touches no registry. What a family declares today:
   from which :meth:`Family.shapes` and :meth:`Family.allocate` give the tensors of one layer;
 - its float64 executable spec (:attr:`Family.reference`, a module imported on demand);
 - its bytes model (:attr:`Family.bytes_per_step`, a function of :mod:`trtllm_replayssm.costs`: one bytes
-  model for every family).
-
+  model for every family);
 - its kernel spec types (:attr:`Family.spec_types`: each names its entry file under ``plugins/``, its kernel
-  names and its generated prelude, which is all :mod:`..compile` needs).
+  names and its generated prelude, which is all :mod:`..compile` needs);
+- its cache layer group (:attr:`Family.layer_group`, ``layers.py``), its steps on each executor
+  (:attr:`Family.steps`, ``steps.py``: what :mod:`..backend`'s executors run for it) and its TensorRT plugins
+  (:attr:`Family.trt_plugin`).
 
 The three families: ``mamba2/``, ``gdn/`` and ``kda/``. Mamba-2's and Gated DeltaNet's code still lives in the layer
 modules (``reference.py``, ``gdn_reference.py``, ``ops.py``, ``gdn_ops.py``, ...), which their declarations point
@@ -75,6 +77,7 @@ class Family:
     layer_group: str = ""  # "module:Class" of its layers in a ReplayStateCache (layer_group.LayerGroup)
     trt_plugin: str = ""  # module of its TensorRT plugins (PLUGINS, aot_kernel, register(ctx)), registered by trt_plugin
     title: str = ""  # its name in messages ("Mamba-2", "GDN", ...); the folder name where empty
+    steps: str = ""  # module of its steps on each executor (STEPS: executor name -> backend.Steps class; Injected)
 
     @property
     def label(self) -> str:

@@ -40,6 +40,7 @@ FAMILY = Family(
     reference="trtllm_replayssm.gdn_reference",
     bytes_per_step=costs.gdn_bytes_per_step,
     geometries=GDN_GEOMETRIES,
+    steps="trtllm_replayssm.families.gdn.steps",
     layer_group="trtllm_replayssm.families.gdn.layers:GDNLayers",
     trt_plugin="trtllm_replayssm.families.gdn.trt_plugin",
     spec_types=(GDNSpec,),

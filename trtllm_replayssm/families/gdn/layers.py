@@ -2,9 +2,10 @@
 """Gated DeltaNet layers in a :class:`~trtllm_replayssm.cache.ReplayStateCache` (:mod:`trtllm_replayssm.layer_group`).
 
 Step inputs per layer: q, k (batch, T, Hk, K), v (batch, T, HV, V), a, b (batch, T, HV) raw, A_log, dt_bias (HV,);
-options ``use_qk_l2norm``, ``scale``; outputs (batch, T, HV, V). The executor's ``gdn_replay_decode`` (standard
-cursor, T = 1; a shadow is always read) or ``gdn_replay_verify`` (ring cursor). A prefill hands over the final
-recurrent state in our (HV, V, K) layout (transformers keeps (HV, K, V): transpose it)."""
+options ``use_qk_l2norm``, ``scale``; outputs (batch, T, HV, V). The family's steps (:mod:`.steps`) on the cache's
+executor: ``replay_decode`` (standard cursor, T = 1; a shadow is always read) or ``replay_verify`` (ring cursor).
+A prefill hands over the final recurrent state in our (HV, V, K) layout (transformers keeps (HV, K, V): transpose
+it)."""
 
 from __future__ import annotations
 
@@ -82,13 +83,13 @@ class GDNLayers(LayerGroup):
              read_shadow: bool):
         q, k, v, a, b, A_log, dt_bias = bound.inputs
         sbi, out, opt = bound.state_batch_indices, bound.out, bound.options
+        steps = executor.steps(self.family)
         if standard:  # T = 1 on the (slots,) cursor: the standard GDN decode kernel
-            y = executor.gdn_replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log,
-                                           dt_bias, sbi, view.shadow, out=None if out is None else out[:, 0],
-                                           check_values=check, **opt)
+            y = steps.replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, sbi,
+                                    view.shadow, out=None if out is None else out[:, 0], check_values=check, **opt)
             return y[:, None] if out is None else out
-        return executor.gdn_replay_verify(view.buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, view.shadow, out=out,
-                                          check_values=check, read_shadow=read_shadow, **opt)
+        return steps.replay_verify(view.buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, view.shadow, out=out,
+                                   check_values=check, read_shadow=read_shadow, **opt)
 
     def committed_state(self, view: GDNLayerState, cursor, slot: int, standard: bool) -> torch.Tensor:
         """S after the committed tokens, float64 (HV, V, K)."""

@@ -35,6 +35,7 @@ FAMILY = Family(
     reference=reference.__name__,
     bytes_per_step=costs.kda_bytes_per_step,
     geometries=GEOMETRIES,
+    steps="trtllm_replayssm.families.kda.steps",
     layer_group="trtllm_replayssm.families.kda.layers:KDALayers",
     trt_plugin="trtllm_replayssm.families.kda.trt_plugin",
     spec_types=(KDASpec,),

@@ -42,6 +42,7 @@ FAMILY = Family(
     reference="trtllm_replayssm.reference",
     bytes_per_step=costs.mamba2_bytes_per_step,
     geometries=GEOMETRIES,
+    steps="trtllm_replayssm.families.mamba2.steps",
     layer_group="trtllm_replayssm.families.mamba2.layers:Mamba2Layers",
     spec_types=(KernelSpec,),
 )

@@ -2,8 +2,9 @@
 """Mamba-2 layers in a :class:`~trtllm_replayssm.cache.ReplayStateCache` (:mod:`trtllm_replayssm.layer_group`).
 
 Step inputs per layer: x (batch, T, H, P), B, C (batch, T, G, N), dt (batch, T, H) raw, dt_bias, A, D (H,), z
-(batch, T, H, P) or None; outputs (batch, T, H, P). The executor's ``replay_decode`` (standard cursor, T = 1) or
-``replay_verify`` (ring cursor) with the layer's shadow (bf16, or fp8 with row scales)."""
+(batch, T, H, P) or None; outputs (batch, T, H, P). The family's steps (:mod:`.steps`) on the cache's executor:
+``replay_decode`` (standard cursor, T = 1) or ``replay_verify`` (ring cursor) with the layer's shadow (bf16, or fp8
+with row scales)."""
 
 from __future__ import annotations
 
@@ -103,15 +104,16 @@ class Mamba2Layers(LayerGroup):
              read_shadow: bool):
         x, B, C, dt, dt_bias, A, D, z = bound.inputs
         sbi, out = bound.state_batch_indices, bound.out
+        steps = executor.steps(self.family)
         if standard:  # T = 1 on the (slots,) cursor: the standard decode kernel
-            y = executor.replay_decode(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x[:, 0], B[:, 0],
-                                       C[:, 0], dt[:, 0], dt_bias, A, D, sbi, view.shadow, view.shadow_scale,
-                                       z=None if z is None else z[:, 0], out=None if out is None else out[:, 0],
-                                       check_values=check, read_shadow=read_shadow, **self._ckpt8(self._layer_of(view)))
+            y = steps.replay_decode(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x[:, 0], B[:, 0],
+                                    C[:, 0], dt[:, 0], dt_bias, A, D, sbi, view.shadow, view.shadow_scale,
+                                    z=None if z is None else z[:, 0], out=None if out is None else out[:, 0],
+                                    check_values=check, read_shadow=read_shadow, **self._ckpt8(self._layer_of(view)))
             return y[:, None] if out is None else out
-        return executor.replay_verify(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x, B, C, dt,
-                                      dt_bias, A, D, sbi, view.shadow, view.shadow_scale, z=z, out=out,
-                                      check_values=check, read_shadow=read_shadow)
+        return steps.replay_verify(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x, B, C, dt, dt_bias,
+                                   A, D, sbi, view.shadow, view.shadow_scale, z=z, out=out, check_values=check,
+                                   read_shadow=read_shadow)
 
     def _layer_of(self, view: LayerState) -> int:
         """The group's index of the layer ``view`` looks at (views share storage with the group's tensors)."""
