@@ -52,6 +52,7 @@ from trtllm_replayssm.config import (
     SUPPORTED_NUM_TOKENS,
 )
 from trtllm_replayssm.families.gdn import trt_plugin as gdn_plugin
+from trtllm_replayssm.families.mamba2 import trt_plugin as mamba2_plugin
 
 from .engine_format import DECODE_FORMAT, SHADOWS, SPEC_FORMAT, FormatError, check_layer_states, staging_dir
 from .moe import FORMULATIONS as MOE_FORMULATIONS
@@ -334,8 +335,8 @@ def _mamba2_ptx(opts, step):
     act, state, L = DTYPE_CODES[DTYPES[opts.dtype]], DTYPE_CODES[DTYPES[opts.state_dtype]], opts.buffer_len
     if step.speculative:
         T = step.num_tokens
-        return lambda t: trt_plugin.aot_verify_kernel(H, P, N, G, L, T, state, act, opts.arch, t, opts.shadow), {}
-    return (lambda t: trt_plugin.aot_kernel(H, P, N, G, L, state, act, opts.arch, t, opts.sm_count, opts.shadow),
+        return lambda t: mamba2_plugin.aot_verify_kernel(H, P, N, G, L, T, state, act, opts.arch, t, opts.shadow), {}
+    return (lambda t: mamba2_plugin.aot_kernel(H, P, N, G, L, state, act, opts.arch, t, opts.sm_count, opts.shadow),
             dict(sm_count=opts.sm_count))
 
 

@@ -44,6 +44,7 @@ FAMILY = Family(
     geometries=GEOMETRIES,
     steps="trtllm_replayssm.families.mamba2.steps",
     layer_group="trtllm_replayssm.families.mamba2.layers:Mamba2Layers",
+    trt_plugin="trtllm_replayssm.families.mamba2.trt_plugin",
     spec_types=(KernelSpec,),
 )
 
