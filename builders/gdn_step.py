@@ -16,7 +16,7 @@ Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) 
                            [gdn_shadow_i (batch, HV, V, K) bf16 with a shadow],
                            gdn_u_i (batch, HV, L, V) fp32, gdn_v_i (batch, HV, L, V) act,
                            gdn_k_i (batch, H, L, Kd) fp32, gdn_g_i (batch, HV, L) fp32,
-                           gdn_beta_i (batch, HV, L) fp32   (:mod:`trtllm_replayssm.gdn_reference`)
+                           gdn_beta_i (batch, HV, L) fp32   (:mod:`trtllm_replayssm.families.gdn.reference`)
 
 Graph outputs: T = 1: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L;
 T > 1: logits (batch, T, vocab) fp32; then every state tensor as ``<name>_out`` (in-place aliases in TensorRT).
@@ -91,11 +91,11 @@ def gdn_node(ins, caches, op_type: str, attrs: dict, backend):
     beta_cache[, the bf16 shadow of the checkpoint (S, HV, V, K)]). ``gdn_decode``: raw a and b in, g and beta
     computed inside, the l2 norm of q and k inside; ``gdn_verify``: the same on a window with the (slots, 2) ring
     cursor; a shadow op's non-fold steps read the shadow, folds rewrite it from the checkpoint they store
-    (trtllm_replayssm/gdn_reference.py). Outputs (y, the caches in that order); the eager run (``backend``) works
+    (trtllm_replayssm/families/gdn/reference.py). Outputs (y, the caches in that order); the eager run (``backend``) works
     on copies (functional, as the graph is)."""
 
     def run(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *cs):
-        from trtllm_replayssm.gdn_reference import GDNBuffers
+        from trtllm_replayssm.families.gdn.reference import GDNBuffers
 
         buf = GDNBuffers(*(t.clone() for t in cs[:6]))
         extra = dict(shadow=cs[6].clone()) if len(cs) == 7 else {}

@@ -15,12 +15,12 @@ Patching (:func:`patch_gdn_replayssm`), per GDN layer, mirroring the layer's own
     y = backend(buf, cursor, q, k, v, a, b, A_log, dt_bias)   (raw a, b: g and beta inside the step)
     out = out_proj(norm(y, z))                      (the layer's gated RMSNorm)
 
-``backend`` has the signature of :func:`trtllm_replayssm.gdn_reference.replay_decode` (keywords):
-the float64 reference on the CPU, the GDN kernel (:mod:`trtllm_replayssm.gdn_ops`) on CUDA.
+``backend`` has the signature of :func:`trtllm_replayssm.families.gdn.reference.replay_decode` (keywords):
+the float64 reference on the CPU, the GDN kernel (:mod:`trtllm_replayssm.families.gdn.ops`) on CUDA.
 Prefill (more than one token) is the model's own chunked path; its final recurrent state, stored
 by transformers as (batch, HV, K, V), becomes the checkpoint in our (batch, HV, V, K) layout with an
 empty buffer (cursor 0). A continuation prefill after decode steps first writes the current state
-(:func:`~trtllm_replayssm.gdn_reference.replay_state`) back into the model's cache. The cursor is
+(:func:`~trtllm_replayssm.families.gdn.reference.replay_state`) back into the model's cache. The cursor is
 shared by all GDN layers and advanced once per model step. Beam search and switching between transformers
 caches as builders/nemotron_h.py's ``MixerPatch`` (shared). Not covered: caches that record the past.
 

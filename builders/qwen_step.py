@@ -41,8 +41,8 @@ import copy
 import torch
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache, conv_update_rows
+from trtllm_replayssm.families.gdn import reference as gref
 
 from .model_step import CacheSlots, from_host, to_host
 from .qwen3_next import MODEL_TYPES, _projections, gdn_layers
@@ -80,7 +80,7 @@ class GDNConventional(GDNMode):
         super().alloc(layers, slots, HV, H, V, Kd, device, act_dtype)
         self.state = torch.zeros(len(layers), slots, HV, V, Kd, dtype=torch.float32, device=device)
         if executors.for_device(device).name == "kernels":
-            from trtllm_replayssm import gdn_ops
+            from trtllm_replayssm.families.gdn import ops as gdn_ops
 
             self._step = lambda st, q, k, v, a, b, A_log, dt_bias, sbi: gdn_ops.gdn_conventional_step(
                 q, k, v, a, b, A_log, dt_bias, st, sbi, check_values=False)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from trtllm_replayssm import costs
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.families.gdn import reference as gref
 from trtllm_replayssm.geometries import GDN_GEOMETRIES, GEOMETRIES
 
 BF, F8 = torch.bfloat16, torch.float8_e4m3fn

@@ -36,8 +36,8 @@ def gdn_tensors(cache) -> dict:
                                                     (torch.bfloat16, torch.bfloat16, 1, "standard"),
                                                     (torch.float32, None, 1, "standard")])
 def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
-    pytest.importorskip("trtllm_replayssm.gdn_ops")
-    from trtllm_replayssm import gdn_ops
+    pytest.importorskip("trtllm_replayssm.families.gdn.ops")
+    from trtllm_replayssm.families.gdn import ops as gdn_ops
 
     if not hasattr(gdn_ops, "gdn_replay_verify"):
         pytest.skip("gdn_ops.gdn_replay_verify is not built")

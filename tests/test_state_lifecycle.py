@@ -339,7 +339,7 @@ def test_restored_slots_continue_bit_identically_on_cuda(family, cursor, shadow,
     swaps to pinned host memory, byte round trips; the twin runs the same kernels with the same batch and row
     order, so the restored slot's bits and outputs must equal the twin's exactly."""
     if family != "mamba2":
-        pytest.importorskip("trtllm_replayssm.gdn_ops")
+        pytest.importorskip("trtllm_replayssm.families.gdn.ops")
     lc = Lifecycle(family, cursor, shadow, seed=zlib.crc32(f"cuda-{family}-{cursor}-{shadow}-{seed}".encode()),
                    device="cuda", geom=GPU_GEOM, check_values=False if seed == 1 else None)
     stats = lc.run(60)
@@ -354,7 +354,7 @@ def test_swap_out_and_in_do_not_sync_the_host_on_cuda(family):
     scatter) queue work without a device->host synchronization (torch's sync debug mode raises on one); the
     slot's bits come back exactly."""
     if family != "mamba2":
-        pytest.importorskip("trtllm_replayssm.gdn_ops")
+        pytest.importorskip("trtllm_replayssm.families.gdn.ops")
     c = make_cache(family, "ring", "bf16", slots=4, device="cuda", geom=GPU_GEOM, check_values=False)
     slots = [c.allocate() for _ in range(3)]
     for t in c._tensors():

@@ -4,7 +4,7 @@ memory table, batch budget and run plan adds up (issue 15). Nothing here runs a 
 integer (or float, where a mean or an acceptance enters) arithmetic on the geometry.
 
 Symbols. Mamba-2 layer: H heads, P headdim, N dstate, G groups; Gated DeltaNet (GDN) layer: HV value heads,
-Hk key heads (``H`` in the GDN functions, as :mod:`.gdn_reference` names them), V value dim, Kd key dim.
+Hk key heads (``H`` in the GDN functions, as :mod:`.families.gdn.reference` names them), V value dim, Kd key dim.
 L ring (buffer) length, T = 1 + num_draft tokens of a step, m entries committed before a step (the
 cursor's count), k = m + 1 the buffer position of a standard decode step, K conv kernel, W conv window
 columns. Bytes per element: s state (fp32 4), a activations (bf16 2), f ring floats (fp32 4; 8 in the
@@ -29,7 +29,7 @@ Per (batch row, Mamba-2 layer), one launch (:func:`mamba2_bytes_per_position`, :
                             and writes no entry (the ring restarts empty): 2 S + R_w + io + (L - 1) E
     native verify           S + T io + T S  (T snapshots written);   native commit 2 S
 Per (batch row, GDN layer), the same forms (:func:`gdn_bytes_per_position`, :func:`gdn_verify_bytes`,
-:func:`gdn_native_spec_bytes`; :mod:`.gdn_reference` re-exports the first two under its old names):
+:func:`gdn_native_spec_bytes`; :mod:`.families.gdn.reference` re-exports the first two under its old names):
     S   = HV V Kd s,  R = HV V (Kd q + r)
     io  = q, k 2 Hk Kd a + v HV V a + a, b 2 HV a + y HV V a
     E_r = u HV V 4 + k Hk Kd 4 + g HV 4           entry read by the output path

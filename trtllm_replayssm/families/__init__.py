@@ -16,11 +16,12 @@ adds a folder and touches no registry. What a family declares today:
   (:attr:`Family.steps`, ``steps.py``: what :mod:`..backend`'s executors run for it) and its TensorRT plugins
   (:attr:`Family.trt_plugin`).
 
-The three families: ``mamba2/``, ``gdn/`` and ``kda/``. Mamba-2's and Gated DeltaNet's code still lives in the layer
-modules (``reference.py``, ``gdn_reference.py``, ``ops.py``, ``gdn_ops.py``, ...), which their declarations point
-at; the launchers, the cache, ONNX / onnxruntime ops, TensorRT plugin registration and the builders' mixer patch
-join the interface as the families move into their folders (issue 36). Every family's state table is checked
-against the one home of the state shapes, :mod:`..contract` (tests/test_families.py).
+The three families: ``mamba2/``, ``gdn/`` and ``kda/``, each folder holding its declaration, cache layer group,
+executor steps and TensorRT plugins; Gated DeltaNet's and KDA's float64 spec (``reference.py``) and launchers
+(``ops.py``) too. Mamba-2's spec and launchers are still the top-level ``reference.py`` / ``spec_reference.py`` /
+``ops.py``, which also hold pieces every family shares (the shadow quantizer, the cursor rules, the cursor
+kernels' launchers); the ONNX / onnxruntime ops and the builders' mixer patch join the interface next (issue 36).
+Every family's state table is checked against the one home of the state shapes, :mod:`..contract` (tests/test_families.py).
 
 Shared ring-cursor rules and validation: the cursor forms and their moves are the ones :mod:`..contract`
 describes and :mod:`..reference` / :mod:`..spec_reference` implement (``advance_cursor``, ``flush_cursor``,

@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
-from ... import gdn_reference as gref
-from ...gdn_reference import GDNBuffers
 from ...layer_group import Bound, LayerGroup
+from . import reference as gref
+from .reference import GDNBuffers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gated DeltaNet's steps on each executor (:mod:`trtllm_replayssm.backend`): the float64 spec and the CUDA kernels.
 
-``buf`` holds one layer's checkpoint and rings (:class:`~trtllm_replayssm.gdn_reference.GDNBuffers`), ``shadow``
+``buf`` holds one layer's checkpoint and rings (:class:`~trtllm_replayssm.families.gdn.reference.GDNBuffers`), ``shadow``
 its optional bf16 copy of the checkpoint; the same arguments on both executors:
 
   replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None) -> y (batch, HV, V)
@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from ... import gdn_reference, spec_reference
+from ... import spec_reference
 from ...backend import Steps, check_rows_out, into, reads_its_shadow, run_into
 from ...reference import Shadow
+from . import reference as gdn_reference
 
 
 class Reference(Steps):
-    """The float64 spec of :mod:`trtllm_replayssm.gdn_reference`."""
+    """The float64 spec of :mod:`trtllm_replayssm.families.gdn.reference`."""
 
     def replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, use_qk_l2norm=True, scale=None):
@@ -55,11 +56,11 @@ class Reference(Steps):
 
 
 class Kernels(Steps):
-    """The CUDA kernels through the validated launchers of :mod:`trtllm_replayssm.gdn_ops` (graph-safe)."""
+    """The CUDA kernels through the validated launchers of :mod:`trtllm_replayssm.families.gdn.ops` (graph-safe)."""
 
     def replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, use_qk_l2norm=True, scale=None):
-        from ... import gdn_ops
+        from . import ops as gdn_ops  # cuda.core is imported only where the kernels run
 
         return gdn_ops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache,
                                          buf.k_cache, buf.g_cache, buf.beta_cache, cursor, sbi, out=out,
@@ -68,7 +69,7 @@ class Kernels(Steps):
 
     def replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
-        from ... import gdn_ops
+        from . import ops as gdn_ops  # cuda.core is imported only where the kernels run
 
         reads_its_shadow(shadow, read_shadow)
         return gdn_ops.gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache,
