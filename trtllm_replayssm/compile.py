@@ -29,14 +29,9 @@ import tempfile
 
 from .config import (  # noqa: F401  (the module names re-exported: tests and scripts read them here)
     ENTRY_FILE,  # noqa: F401
-    GDN_ENTRY_FILE,
-    GDN_KERNEL_NAMES,
-    GDN_SPEC_ENTRY_FILE,
-    GDN_SPEC_KERNEL_NAMES,
     KERNEL_NAMES,
     SPEC_ENTRY_FILE,
     SPEC_KERNEL_NAMES,
-    GDNSpec,
     KernelSpec,
     Layout,
     Variant,
