@@ -63,11 +63,13 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm.config import DTYPE_CODES, SUPPORTED_DSTATE, SUPPORTED_HEADDIM
 from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
+from trtllm_replayssm.families.mamba2 import trt_plugin as mamba2_plugin
 
 from .engine_format import SHADOWS, layer_states
 from .moe import FORMULATIONS, moe_forward
-from .nemotron_h import _check_layers, reference_backend
+from .nemotron_h import _check_layers, has_moe, mamba_layers, reference_backend
 
 DOMAIN = "replayssm"
 OP_TYPE = "mamba2_decode"
@@ -77,6 +79,9 @@ VERIFY_SHADOW_OP_TYPE = "mamba2_verify_shadow"
 _ONNX_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                      torch.int32: "int32", torch.int64: "int64", torch.float8_e4m3fn: "float8_e4m3fn"}
 _TORCH_DTYPES = {n: t for t, n in _ONNX_DTYPE_NAMES.items()}
+# config.json's ``model.moe`` of a Nemotron 3 engine: the MoE keys of its config (and the graph formulation)
+MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
+            "moe_latent_size", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "mlp_hidden_act")
 
 # ``replayssm::mamba2_verify`` in float64 (what the kernel does): fold the committed history into the checkpoint
 # where count + 2T > L (stored in the state dtype), then verify the window on the flushed cursor; caches written
@@ -387,6 +392,65 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
                 self.register_buffer(f"A_{i}", -torch.exp(mx.A_log.detach().float()), persistent=False)
                 self.register_buffer(f"D_{i}", mx.D.detach().float().clone(), persistent=False)
                 self.register_buffer(f"dt_bias_{i}", mx.dt_bias.detach().float().clone(), persistent=False)
+
+    @classmethod
+    def for_build(cls, model, *, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype, moe_formulation: str,
+                  shadow: str, num_draft: int) -> NemotronHDecodeStep:
+        """The step of an engine build (builders/models.py's export step protocol)."""
+        return cls(model, buffer_len, max_seq_len, state_dtype, moe_formulation=moe_formulation, shadow=shadow,
+                   num_draft=num_draft)
+
+    # ---- the engine directory (builders/models.py's export step protocol) -------------------------------------
+    def ssm_layers(self) -> list[int]:
+        return mamba_layers(self.model)
+
+    def plugin_geometry(self) -> tuple[int, int, int, int]:
+        """(nheads, headdim, dstate, ngroups) of the Mamba-2 plugin kernels; ValueError naming the config key."""
+        cfg = self.config
+        H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
+        if P not in SUPPORTED_HEADDIM:
+            raise ValueError(f"mamba_head_dim: the plugin supports {SUPPORTED_HEADDIM}, got {P}")
+        if N not in SUPPORTED_DSTATE:
+            raise ValueError(f"ssm_state_size: the plugin supports {SUPPORTED_DSTATE}, got {N}")
+        if H % G:
+            raise ValueError(f"n_groups: expected a divisor of mamba_num_heads={H}, got {G}")
+        return H, P, N, G
+
+    def plugin_kernel(self, tactic: int, arch: int, sm_count: int):
+        """The PTX and launch of the step's Mamba-2 node for ``tactic`` (families/mamba2/trt_plugin's aot_impl; standard
+        engines: the persistent grid of ``sm_count`` SMs)."""
+        H, P, N, G = self.plugin_geometry()
+        act, state, L = DTYPE_CODES[self.act_dtype], DTYPE_CODES[self.state_dtype], self.buffer_len
+        if self.speculative:
+            return mamba2_plugin.aot_verify_kernel(H, P, N, G, L, self.num_tokens, state, act, arch, tactic, self.shadow)
+        return mamba2_plugin.aot_kernel(H, P, N, G, L, state, act, arch, tactic, sm_count, self.shadow)
+
+    def plugin_keys(self, sm_count: int) -> dict:
+        """config.json's plugin keys after the node's attributes: a standard engine's persistent grid size."""
+        return {} if self.speculative else dict(sm_count=sm_count)
+
+    def describe(self) -> list[str]:
+        cfg = self.config
+        H, P, N, G = self.plugin_geometry()
+        lines = [f"{cfg.hybrid_override_pattern!r}: {len(self.ssm_layers())} Mamba layers, nheads={H} headdim={P} "
+                 f"dstate={N} ngroups={G}"]
+        if has_moe(cfg):
+            lines.append(f"{list(cfg.layers_block_type).count('moe')} MoE layers: {cfg.n_routed_experts} experts, top-"
+                         f"{cfg.num_experts_per_tok}, as {self.moe_formulation} standard ONNX ops (builders/moe.py)")
+        return lines
+
+    def model_entry(self) -> dict:
+        """config.json's ``model`` after source, seed and model_type: pattern, sizes, the layers by type; the MoE
+        configuration (its config keys and the graph formulation) where the model has MoE layers."""
+        cfg = self.config
+        kinds = list(cfg.layers_block_type)
+        entry = dict(pattern=cfg.hybrid_override_pattern, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                     layer_types=kinds, mamba_layers=self.ssm_layers(),
+                     attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"],
+                     moe_layers=[i for i, k in enumerate(kinds) if k == "moe"])
+        if has_moe(cfg):
+            entry["moe"] = dict({k: getattr(cfg, k) for k in MOE_KEYS}, formulation=self.moe_formulation)
+        return entry
 
     # ---- the state contract ---------------------------------------------------------------------
     def state_specs(self) -> list[StateSpec]:

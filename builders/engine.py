@@ -4,18 +4,19 @@
 is the format of :mod:`builders.engine_format`; ``scripts/build_engine.py`` is the command line over
 :func:`build`.
 
-Route: load the model (:attr:`BuildOptions.model`, a Nemotron-H / Nemotron 3 or Qwen3-Next / Qwen3.5
-checkpoint directory, or an embedded tiny config with seeded random weights: :attr:`BuildOptions.tiny`,
-``nemotron_h`` by default), MoE layers as standard ONNX ops (``moe_formulation``, builders/moe.py), export
-the family's step of T = 1 + ``num_draft`` tokens (builders/decode_step.py, builders/gdn_step.py) through the
-one export (``decode_step.export_onnx``) with one plugin node per Mamba-2 / Gated DeltaNet layer: model.onnx,
-or with ``num_draft`` the verify graph and builders/spec_step.py's commit graph (:func:`_step_artifacts`, the
-one path of both formats), compile the plugin kernels to PTX with NVRTC (no GPU needed), describe every input,
-output and state tensor in config.json (checked against the format's state table before it is written), and
-build the plan(s) where
-TensorRT >= 10.9, a GPU and the plugin registration are available (:func:`tensorrt_status`,
-:func:`build_plan`); otherwise the trtexec command(s) that finish the build elsewhere
-(:func:`trtexec_command`) are in trtexec.sh, which the log names.
+Route: the model kind of :attr:`BuildOptions.model` (a checkpoint directory, by its config.json ``model_type``) or of
+the embedded tiny config :attr:`BuildOptions.tiny` (seeded random weights; ``nemotron_h`` by default), from the
+registry of :mod:`builders.models`, which is all this module knows of a model: load it with the kind's checked
+loader; refuse what its engine cannot take (:func:`check_kind`: a shadow its SSM family does not keep, a checkpoint
+dtype or a speculative step its plugins lack); build its export step of T = 1 + ``num_draft`` tokens (MoE layers as
+standard ONNX ops, ``moe_formulation``, builders/moe.py) and check the geometry its plugin kernels take; export it
+through the one export (``decode_step.export_onnx``) with one plugin node per SSM layer: model.onnx, or with
+``num_draft`` the verify graph and builders/spec_step.py's commit graph (:func:`_step_artifacts`, the one path of
+both formats); compile the plugin kernels to PTX with NVRTC (no GPU needed); describe every input, output and state
+tensor in config.json (checked against the format's state table before it is written); and build the plan(s) where
+TensorRT >= 10.9, a GPU and the plugin registration are available (:func:`tensorrt_status`, :func:`build_plan`);
+otherwise the trtexec command(s) that finish the build elsewhere (:func:`trtexec_command`) are in trtexec.sh, which
+the log names.
 
 The directory is written to a temporary sibling and renamed to ``out`` at the end (``overwrite``: swapped
 with the old one), so an interrupted build leaves no half-written engine.
@@ -25,9 +26,10 @@ TensorRT's Python plugins are registered by the building process (``trt_plugin.r
 that can, or to run the built plans (AOT plugins need no Python at run time: ``trtexec --loadEngine=...``).
 
 API: :class:`BuildOptions` (the fields of the script's flags, same defaults), :func:`check_options`
-(raises :class:`BuildError` naming the flag), :func:`build` (returns ``out``; raises :class:`BuildError`
-or ``builders.nemotron_h.CheckpointError``), and the pieces: :func:`trtexec_command`, :func:`build_plan`,
-:func:`tensorrt_status`, :func:`model_entry` / :func:`gdn_model_entry` (config.json's ``model``).
+(raises :class:`BuildError` naming the flag), :func:`check_kind` (the same for the model kind's engine),
+:func:`build` (returns ``out``; raises :class:`BuildError` or ``builders.nemotron_h.CheckpointError``), and the
+pieces: :func:`trtexec_command`, :func:`build_plan`, :func:`tensorrt_status`, :func:`model_entry` (config.json's
+``model``).
 """
 
 from __future__ import annotations
@@ -44,22 +46,13 @@ import torch
 
 from trtllm_replayssm import trt_plugin
 from trtllm_replayssm.compile import CompileError
-from trtllm_replayssm.config import (
-    DTYPE_CODES,
-    SUPPORTED_BUFFER_LEN,
-    SUPPORTED_DSTATE,
-    SUPPORTED_HEADDIM,
-    SUPPORTED_NUM_TOKENS,
-)
-from trtllm_replayssm.families.gdn import trt_plugin as gdn_plugin
-from trtllm_replayssm.families.mamba2 import trt_plugin as mamba2_plugin
+from trtllm_replayssm.config import SUPPORTED_BUFFER_LEN, SUPPORTED_NUM_TOKENS
 
+from . import models
 from .engine_format import DECODE_FORMAT, SHADOWS, SPEC_FORMAT, FormatError, check_layer_states, staging_dir
 from .moe import FORMULATIONS as MOE_FORMULATIONS
-from .nemotron_h import TINY_CONFIGS
 
-GDN_TINY_NAMES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")  # builders/qwen3_next.py: Gated DeltaNet hybrids
-TINY_NAMES = tuple(TINY_CONFIGS) + GDN_TINY_NAMES
+TINY_NAMES = models.tiny_names(export=True)  # --tiny: the embedded tiny configs of the kinds with an engine export
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MIN_TRT = (10, 9)
 SUPPORTED_ARCHS = (90, 100)  # the SM targets every kernel is compiled for in CI (tests/test_*compile.py)
@@ -78,10 +71,11 @@ def log(msg: str) -> None:
 class BuildOptions:
     """What to build; the fields of scripts/build_engine.py's flags (``--max-batch`` is ``max_batch``), with its
     defaults. ``model``: HF directory (config.json + *.safetensors), else the embedded tiny config ``tiny``
-    (nemotron_h when None); ``dtype``: activations / weights of the engine, ``state_dtype``: the checkpoint
-    state (keys of :data:`DTYPES`); ``arch``: SM of the PTX (:data:`SUPPORTED_ARCHS`); ``sm_count``: SMs of the
-    target GPU (persistent-kernel grid); ``num_draft`` > 0: the speculative verify + commit pair; ``shadow``
-    "bf16" / "fp8": a shadow of the fp32 checkpoint per SSM layer (bf16: every family; fp8: Nemotron)."""
+    (:data:`builders.models.DEFAULT_TINY` when None); ``dtype``: activations / weights of the engine,
+    ``state_dtype``: the checkpoint state (keys of :data:`DTYPES`); ``arch``: SM of the PTX
+    (:data:`SUPPORTED_ARCHS`); ``sm_count``: SMs of the target GPU (persistent-kernel grid); ``num_draft`` > 0: the
+    speculative verify + commit pair; ``shadow`` "bf16" / "fp8": a shadow of the fp32 checkpoint per SSM layer
+    (those the kind's family keeps: :attr:`builders.models.ModelKind.shadows`)."""
 
     out: pathlib.Path
     model: pathlib.Path | None = None
@@ -142,61 +136,6 @@ def check_options(opts: BuildOptions) -> None:
         raise BuildError(f"--out: {str(opts.out)!r} already exists (choose another directory or pass --overwrite)")
 
 
-def is_gdn(opts) -> bool:
-    """True for the Gated DeltaNet families (an embedded tiny one, or a --model whose config.json says so; a
-    broken or missing config.json is left to the Nemotron loader to report)."""
-    from .qwen3_next import is_gdn_checkpoint
-
-    return opts.tiny in GDN_TINY_NAMES if opts.model is None else is_gdn_checkpoint(opts.model)
-
-
-def check_gdn_geometry(cfg) -> tuple[int, int, int, int]:
-    from trtllm_replayssm.config import GDN_SUPPORTED_DIMS
-
-    H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    for name, v in (("linear_key_head_dim", K), ("linear_value_head_dim", V)):
-        if v not in GDN_SUPPORTED_DIMS:
-            raise BuildError(f"{name}: the gdn_decode plugin supports {GDN_SUPPORTED_DIMS}, got {v}")
-    if HV % H:
-        raise BuildError(f"linear_num_key_heads: expected a divisor of linear_num_value_heads={HV}, got {H}")
-    return H, HV, K, V
-
-
-def load_gdn(opts, act):
-    from .qwen3_next import load_gdn_model
-
-    return load_gdn_model(opts.model, opts.tiny, dtype=act, seed=opts.seed)
-
-
-def check_gdn_state_dtype(opts) -> None:
-    if opts.state_dtype != "fp32":
-        raise BuildError(f"--state-dtype: Gated DeltaNet checkpoints are fp32 (the gdn_decode / gdn_verify "
-                         f"plugins), got {opts.state_dtype}")
-
-
-def gdn_model_entry(opts, model) -> dict:
-    """config.json's ``model`` for a Gated DeltaNet hybrid (pattern letter G, * for attention)."""
-    from .qwen3_next import gdn_layers
-
-    cfg = model.config
-    kinds = list(cfg.layer_types)
-    entry = dict(source=str(opts.model) if opts.model else f"embedded-tiny-{opts.tiny}",
-                 seed=None if opts.model else opts.seed, model_type=cfg.model_type,
-                 pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
-                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
-                 gdn_layers=gdn_layers(model), attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"])
-    moe = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
-    if moe:  # Qwen3-Next's sparse MoE layers: the config keys and the graph formulation (builders/gdn_step.moe_qwen)
-        entry["moe_layers"] = moe
-        entry["moe"] = dict({k: getattr(cfg, k, None) for k in QWEN_MOE_KEYS}, formulation=opts.moe_formulation)
-    return entry
-
-
-QWEN_MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
-                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
-
-
 def _decode_config(opts, model: dict, sio: dict, plugin: dict) -> dict:
     """config.json of a standard decode engine directory (either family): the fields in the format's order."""
     cfg = dict(format=DECODE_FORMAT, model=model, max_batch=opts.max_batch, max_seq_len=opts.max_seq_len,
@@ -205,17 +144,6 @@ def _decode_config(opts, model: dict, sio: dict, plugin: dict) -> dict:
         cfg["shadow"] = opts.shadow
     return dict(cfg, inputs=sio["inputs"], outputs=sio["outputs"], states=sio["states"], plugin=plugin, plan=None,
                 trtexec=sio["trtexec"])
-
-
-def check_geometry(cfg, buffer_len: int) -> tuple[int, int, int, int]:
-    H, P, N, G = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.ssm_state_size, cfg.n_groups
-    if P not in SUPPORTED_HEADDIM:
-        raise BuildError(f"mamba_head_dim: the plugin supports {SUPPORTED_HEADDIM}, got {P}")
-    if N not in SUPPORTED_DSTATE:
-        raise BuildError(f"ssm_state_size: the plugin supports {SUPPORTED_DSTATE}, got {N}")
-    if H % G:
-        raise BuildError(f"n_groups: expected a divisor of mamba_num_heads={H}, got {G}")
-    return H, P, N, G
 
 
 def shape_arg(specs, batch: int) -> str:
@@ -283,28 +211,6 @@ def _write_ptx(tmp: pathlib.Path, make, what: str):
     return k
 
 
-MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "moe_shared_expert_intermediate_size",
-            "moe_latent_size", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "mlp_hidden_act")
-
-
-def model_entry(opts, model) -> dict:
-    """config.json's ``model``: source, pattern, sizes, the layers by type; the MoE configuration
-    (its config keys and the graph formulation) where the model has MoE layers."""
-    from .nemotron_h import has_moe, mamba_layers
-
-    cfg = model.config
-    kinds = list(cfg.layers_block_type)
-    entry = dict(source=str(opts.model) if opts.model else f"embedded-tiny-{opts.tiny or 'nemotron_h'}",
-                 seed=None if opts.model else opts.seed, pattern=cfg.hybrid_override_pattern,
-                 vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
-                 mamba_layers=mamba_layers(model),
-                 attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"],
-                 moe_layers=[i for i, k in enumerate(kinds) if k == "moe"])
-    if has_moe(cfg):
-        entry["moe"] = dict({k: getattr(cfg, k) for k in MOE_KEYS}, formulation=opts.moe_formulation)
-    return entry
-
-
 TRTEXEC_NOTE = ("# TensorRT >= 10.9 with {plugins} registered in the building process\n"
                 "# (trtllm_replayssm.trt_plugin.register(); scripts/build_engine.py does it where TensorRT is installed).\n"
                 "# trtexec cannot register Python plugins itself; the built AOT plans run without Python\n"
@@ -328,52 +234,16 @@ def _step_io(step, opts, tmp, vocab: int, plugins: str) -> dict:
                 states=states, io_shapes=io_shapes, trtexec=cmd)
 
 
-def _mamba2_ptx(opts, step):
-    """The PTX maker (tactic -> AotKernel) of a Nemotron-H / Nemotron 3 step's Mamba-2 node and config.json's
-    plugin keys after its attributes (standard engines: the persistent grid's sm_count)."""
-    H, P, N, G = check_geometry(step.config, opts.buffer_len)
-    act, state, L = DTYPE_CODES[DTYPES[opts.dtype]], DTYPE_CODES[DTYPES[opts.state_dtype]], opts.buffer_len
-    if step.speculative:
-        T = step.num_tokens
-        return lambda t: mamba2_plugin.aot_verify_kernel(H, P, N, G, L, T, state, act, opts.arch, t, opts.shadow), {}
-    return (lambda t: mamba2_plugin.aot_kernel(H, P, N, G, L, state, act, opts.arch, t, opts.sm_count, opts.shadow),
-            dict(sm_count=opts.sm_count))
-
-
-def _gdn_ptx(opts, step):
-    """The PTX maker (tactic -> AotKernel) of a Qwen3-Next / Qwen3.5 step's GDN node (and no further plugin keys)."""
-    H, HV, K, V = check_gdn_geometry(step.config)
-    act, L = DTYPE_CODES[DTYPES[opts.dtype]], opts.buffer_len
-    if step.speculative:
-        T = step.num_tokens
-        return lambda t: gdn_plugin.aot_verify_kernel(H, HV, K, V, L, 1, T, act, opts.arch, t, opts.shadow), {}
-    return lambda t: gdn_plugin.aot_kernel(H, HV, K, V, L, 1, act, opts.arch, t, opts.shadow), {}
-
-
-def _step_artifacts(opts, model, tmp, gdn: bool):
-    """The one path of every engine directory: the family's step of T = 1 + num_draft tokens
-    (builders/decode_step.py's NemotronHDecodeStep, builders/gdn_step.py's QwenGDNDecodeStep), written by the one
-    export (``decode_step.export_onnx``: model.onnx at T = 1; verify.onnx and the commit graph's commit.onnx at
-    T > 1), the SSM node's PTX per tactic, then config.json's content and the trtexec command(s) in the format
-    of the step's T (:func:`_decode_config`; :func:`_spec_graphs`, which adds the spec_commit PTX). Returns
+def _step_artifacts(opts, step, entry: dict, tmp):
+    """The one path of every engine directory: the kind's export step of T = 1 + num_draft tokens (``step``,
+    :meth:`builders.models.ModelKind.export`), written by the one export (``decode_step.export_onnx``: model.onnx at
+    T = 1; verify.onnx and the commit graph's commit.onnx at T > 1), the SSM node's PTX per tactic
+    (``step.plugin_kernel``), then config.json's content (``entry``: its ``model``) and the trtexec command(s) in the
+    format of the step's T (:func:`_decode_config`; :func:`_spec_graphs`, which adds the spec_commit PTX). Returns
     (config, [(onnx file, plan file, io shapes)])."""
     from .decode_step import DOMAIN, export_onnx
 
-    if gdn:
-        from .gdn_step import QwenGDNDecodeStep
-        from .qwen3_next import gdn_layers
-
-        check_gdn_state_dtype(opts)
-        step = QwenGDNDecodeStep(model, opts.buffer_len, opts.max_seq_len, moe_formulation=opts.moe_formulation,
-                                 shadow=opts.shadow, num_draft=opts.num_draft)
-        nodes, entry, (make, extra) = len(gdn_layers(model)), gdn_model_entry(opts, model), _gdn_ptx(opts, step)
-    else:
-        from .decode_step import NemotronHDecodeStep
-        from .nemotron_h import mamba_layers
-
-        step = NemotronHDecodeStep(model, opts.buffer_len, opts.max_seq_len, DTYPES[opts.state_dtype],
-                                   moe_formulation=opts.moe_formulation, shadow=opts.shadow, num_draft=opts.num_draft)
-        nodes, entry, (make, extra) = len(mamba_layers(model)), model_entry(opts, model), _mamba2_ptx(opts, step)
+    nodes = len(step.ssm_layers())
     op_type, T, spec = step.op_type, step.num_tokens, step.speculative
     if spec:
         from .spec_step import COMMIT_OP_TYPE
@@ -388,11 +258,11 @@ def _step_artifacts(opts, model, tmp, gdn: bool):
     kernels = []
     for tactic in sorted(trt_plugin.TACTICS):
         what = f"{op_type}, tactic {tactic}" if spec else f"tactic {tactic}"
-        k = _write_ptx(tmp, lambda t=tactic: make(t), what)
+        k = _write_ptx(tmp, lambda t=tactic: step.plugin_kernel(t, opts.arch, opts.sm_count), what)
         log(f"[3/5] plugin PTX{' ' if spec else ', '}{what}: {k.spec.key} (NVRTC)")
         kernels.append(_kernel_entry(k, tactic))
     plugin = dict(op_type=op_type, nodes=nodes, attributes=step.plugin_attributes(), kernels=kernels)
-    vocab = model.config.vocab_size
+    vocab = step.model.config.get_text_config().vocab_size
     if spec:
         return _spec_graphs(opts, step, tmp, plugin, entry, vocab)
 
@@ -400,8 +270,8 @@ def _step_artifacts(opts, model, tmp, gdn: bool):
     sio = _step_io(step, opts, tmp, vocab, f"{DOMAIN}::{op_type}")
     info = trt_plugin.all_plugins()[op_type]
     config = _decode_config(opts, entry, sio, dict(
-        op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nodes, **plugin["attributes"], **extra,
-        kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
+        op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nodes, **plugin["attributes"],
+        **step.plugin_keys(opts.sm_count), kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
         aliased_outputs=info.manifest()["aliased_outputs"]))
     return config, [("model.onnx", "model.plan", sio["io_shapes"])]
 
@@ -479,43 +349,57 @@ def _spec_graphs(opts, step, tmp, verify: dict, model: dict, vocab: int):
                     for n in ("verify", "commit")]
 
 
+def check_kind(kind, opts: BuildOptions) -> None:
+    """Raise :class:`BuildError` naming the flag whose value the model kind's engine cannot take (its data:
+    :class:`builders.models.ModelKind`): no export, a shadow its family does not keep, a checkpoint dtype or a
+    speculative step its plugins do not have."""
+    if not kind.export_step:
+        raise BuildError(f"{'--model' if opts.model else '--tiny'}: {kind.title} models have no engine export (the "
+                         f"streaming Triton model serves them: scripts/make_triton_repo.py --backend python)")
+    why = kind.shadow_refusal(opts.shadow)
+    if why:
+        raise BuildError(f"--shadow {opts.shadow}: {why}")
+    if opts.state_dtype not in kind.state_dtypes:
+        raise BuildError(f"--state-dtype: {kind.ssm} checkpoints are {' / '.join(kind.state_dtypes)} in the engines "
+                         f"(their plugins' checkpoint), got {opts.state_dtype}")
+    if opts.num_draft and not kind.speculative:
+        raise BuildError(f"--num-draft: {kind.ssm} engines ({kind.title}) are standard decode only (their export has "
+                         f"no speculative verify graph yet), got {opts.num_draft}")
+
+
+def model_entry(opts, tiny, step) -> dict:
+    """config.json's ``model``: the source (checkpoint directory or embedded tiny config), the tiny model's seed, the
+    model type, then the step's entry (pattern, sizes, the layers by type, the MoE configuration)."""
+    return dict(source=str(opts.model) if opts.model else f"embedded-tiny-{tiny}",
+                seed=None if opts.model else opts.seed, model_type=step.config.model_type, **step.model_entry())
+
+
 def build(opts: BuildOptions) -> pathlib.Path:
     """Write the engine directory ``opts.out`` (module docstring); returns it."""
-    from .nemotron_h import has_moe, load_nemotron_h, mamba_layers
-
     check_options(opts)
     t0 = time.time()
-    act = DTYPES[opts.dtype]
-    tiny = opts.tiny or "nemotron_h"
+    try:
+        kind, tiny = models.for_source(opts.model, opts.tiny)
+    except ValueError as e:  # an unknown --tiny (the API's; the script's argparse choices refuse it first)
+        raise BuildError(str(e)) from None
     source = f"model from {opts.model}" if opts.model else f"embedded tiny {tiny} (seed {opts.seed})"
     log(f"[1/5] loading {source}")
-    gdn = is_gdn(opts)
-    if gdn and opts.shadow == "fp8":
-        raise BuildError("--shadow fp8: Gated DeltaNet engines take --shadow bf16 (there is no fp8 GDN shadow)")
-    if gdn:
-        model = load_gdn(opts, act)
-        cfg = model.config
-        H, HV, K, V = check_gdn_geometry(cfg)
-        log(f"      {cfg.model_type}: {list(cfg.layer_types).count('linear_attention')} Gated DeltaNet layers, key "
-            f"heads={H} value heads={HV} key dim={K} value dim={V}")
-    else:
-        model = load_nemotron_h(opts.model, dtype=act, seed=opts.seed, tiny=tiny)
-        cfg = model.config
-        H, P, N, G = check_geometry(cfg, opts.buffer_len)
-        nmamba = len(mamba_layers(model))
-        log(f"      {cfg.hybrid_override_pattern!r}: {nmamba} Mamba layers, nheads={H} headdim={P} dstate={N} "
-            f"ngroups={G}")
-    if not gdn and has_moe(cfg):
-        log(f"      {list(cfg.layers_block_type).count('moe')} MoE layers: {cfg.n_routed_experts} experts, top-"
-            f"{cfg.num_experts_per_tok}, as {opts.moe_formulation} standard ONNX ops (builders/moe.py)")
-    if gdn and any(hasattr(layer.mlp, "experts") for layer in model.model.layers):
-        log(f"      sparse MoE layers: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, as "
-            f"{opts.moe_formulation} standard ONNX ops (builders/gdn_step.moe_qwen)")
-
+    check_kind(kind, opts)
+    model = kind.load(opts.model, tiny, dtype=DTYPES[opts.dtype], seed=opts.seed)
+    try:  # the step of T = 1 + num_draft tokens, and the geometry its plugin kernels take (named by config key)
+        step = kind.export(model, buffer_len=opts.buffer_len, max_seq_len=opts.max_seq_len,
+                           state_dtype=DTYPES[opts.state_dtype], moe_formulation=opts.moe_formulation,
+                           shadow=opts.shadow, num_draft=opts.num_draft)
+        step.plugin_geometry()
+    except ValueError as e:
+        raise BuildError(str(e)) from e
+    for line in step.describe():
+        log(f"      {line}")
+    entry = model_entry(opts, tiny, step)
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(opts.out.parent, f".{opts.out.name}.tmp-")
     try:
-        config, plans = _step_artifacts(opts, model, tmp, gdn)
+        config, plans = _step_artifacts(opts, step, entry, tmp)
         try:  # the states written are those the readers of the format expect (builders/engine_format.py)
             check_layer_states(config)
         except FormatError as e:

@@ -7,9 +7,10 @@ their version in ``config.json``'s ``format``:
 **Standard decode**, ``trtllm-replayssm-decode-step/1`` (:data:`DECODE_FORMAT`), one token per row and step:
 
   model.onnx        the decode step, batch dimension dynamic (1..max_batch): one ``replayssm::mamba2_decode``
-                    node per Mamba-2 layer (Nemotron-H / Nemotron 3, builders/decode_step.py) or one
+                    node per Mamba-2 layer (Nemotron-H / Nemotron 3, builders/decode_step.py), one
                     ``replayssm::gdn_decode`` node per Gated DeltaNet layer (Qwen3-Next / Qwen3.5,
-                    builders/gdn_step.py)
+                    builders/gdn_step.py) or one ``replayssm::kda_decode`` node per Kimi Delta Attention layer
+                    (Kimi-Linear, builders/kda_step.py)
   <spec key>.ptx    the plugin kernel shared by all those layers, one per plugin tactic (large / small
                     batch), the PTX and launch parameters ``trt_plugin``'s ``aot_impl`` hands TensorRT
   config.json       below
@@ -36,8 +37,10 @@ config.json, both formats:
   model             source (checkpoint directory or ``embedded-tiny-<name>``), seed (tiny only, else null),
                     pattern (one letter per layer, :data:`LAYER_NAMES`), vocab_size, hidden_size,
                     layer_types, attention_layers; Nemotron: mamba_layers, moe_layers and, with MoE layers,
-                    moe (the MoE config keys and the graph formulation); GDN: model_type, gdn_layers and, with
-                    sparse MoE layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation)
+                    moe (the MoE config keys and the graph formulation); GDN: gdn_layers and, with sparse MoE
+                    layers (Qwen3-Next), moe_layers and moe (its config keys and the formulation); KDA
+                    (Kimi-Linear): kda_layers, moe_layers and moe; model_type (the checkpoint's config.json
+                    model_type; builders/models.py's registry knows the kind by it)
   max_batch, max_seq_len, buffer_len, act_dtype, state_dtype (fp32 / bf16 / fp16), arch (SM of the PTX);
                     shadow where built with one ("bf16" or "fp8": the checkpoint shadow, below; absent: none)
   states            every state tensor (below): name, shape (batch as -1), dtype (numpy / ONNX name: float32,
@@ -69,13 +72,19 @@ shapes after the batch dimension, in the sizes of :class:`LayerState`):
   G  Gated DeltaNet   conv_state_i (conv_dim = 2 H K + HV V, conv_kernel) act, gdn_state_i (HV, V, K) float32,
                       gdn_u_i (HV, L, V) float32, gdn_v_i (HV, L, V) act, gdn_k_i (H, L, K) float32,
                       gdn_g_i (HV, L) float32, gdn_beta_i (HV, L) float32
+  K  Kimi Delta       conv_state_i (conv_dim = 3 H K, conv_kernel) act, kda_state_i (H, K, V) float32,
+     Attention        kda_k_i (H, L, K) act, kda_u_i (H, L, V) bfloat16, kda_g_i (H, L, K) float32,
+                      kda_v_i (H, L, V) act, kda_beta_i (H, L) float32 (trtllm_replayssm/families/kda's table)
   *  attention        k_cache_i, v_cache_i (kv_heads, max_seq_len, head_dim) act
+  A  MLA attention    mla_kv_i (max_seq_len, kv_lora_rank) act (the normed latent), mla_k_rope_i (max_seq_len,
+                      qk_rope_head_dim) act (the shared rope part of the key)
   E  MoE, - MLP       none (their weights are in the graph)
 
 A standard engine built with a bf16 shadow of its fp32 checkpoints (config.json ``shadow``: "bf16"; absent or
 "none": no shadow) has one more state per M layer, after ssm_state_i: ssm_shadow_i (nheads, headdim, dstate)
 bfloat16 (``replayssm::mamba2_decode_shadow``), and per G layer, after gdn_state_i: gdn_shadow_i (HV, V, K)
-bfloat16 (``replayssm::gdn_decode_shadow``); non-flush steps read it, flush steps rewrite it. With "fp8"
+bfloat16 (``replayssm::gdn_decode_shadow``), and per K layer, after kda_state_i: kda_shadow_i (H, K, V)
+bfloat16 (``replayssm::kda_decode_shadow``); non-flush steps read it, flush steps rewrite it. With "fp8"
 (Mamba-2 layers) the M layer's shadow is ssm_shadow_i (nheads, headdim, dstate) float8_e4m3fn (ONNX
 FLOAT8E4M3FN) followed by ssm_shadow_scale_i (nheads, headdim) float32, its per-row scales. Speculative
 engines carry the same shadow states (``mamba2_verify_shadow`` / ``gdn_verify_shadow``: the verify graph updates
@@ -162,17 +171,36 @@ GDN_STATES = (  # trtllm_replayssm/families/gdn/reference.py's GDNBuffers, the c
     LayerState("gdn_g", ("num_v_heads", "buffer_len"), "float32"),
     LayerState("gdn_beta", ("num_v_heads", "buffer_len"), "float32"),
 )
+KDA_STATES = (  # trtllm_replayssm/families/kda's state table (checked against it: tests/test_kda_export.py), the
+    CONV_STATE,  # checkpoint in the (H, K, V) layout, the plugin's input order; the u ring in bf16 (DESIGN §5)
+    LayerState("kda_state", ("num_heads", "key_dim", "value_dim"), "float32"),
+    LayerState("kda_k", ("num_heads", "buffer_len", "key_dim"), "act"),
+    LayerState("kda_u", ("num_heads", "buffer_len", "value_dim"), "bfloat16"),
+    LayerState("kda_g", ("num_heads", "buffer_len", "key_dim"), "float32"),
+    LayerState("kda_v", ("num_heads", "buffer_len", "value_dim"), "act"),
+    LayerState("kda_beta", ("num_heads", "buffer_len"), "float32"),
+)
+MLA_STATES = (  # multi-head latent attention (Kimi-Linear): the cached latent and the shared rope key, per position
+    LayerState("mla_kv", ("max_seq_len", "kv_lora_rank"), "act"),
+    LayerState("mla_k_rope", ("max_seq_len", "qk_rope_head_dim"), "act"),
+)
 SHADOW_STATE = LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "bfloat16")  # with shadow "bf16"
 FP8_SHADOW_STATES = (LayerState("ssm_shadow", ("nheads", "headdim", "dstate"), "float8_e4m3fn"),  # shadow "fp8"
                      LayerState("ssm_shadow_scale", ("nheads", "headdim"), "float32"))  # per-row scales
 GDN_SHADOW_STATE = LayerState("gdn_shadow", ("num_v_heads", "value_dim", "key_dim"), "bfloat16")
-SHADOWS = ("none", "bf16", "fp8")  # config.json ``shadow`` values (fp8: Mamba-2 layers only)
+KDA_SHADOW_STATE = LayerState("kda_shadow", ("num_heads", "key_dim", "value_dim"), "bfloat16")
+SHADOWS = ("none", "bf16", "fp8")  # config.json ``shadow`` values (an SSM layer keeps those of SHADOW_STATES)
 ATTENTION_STATES = (
     LayerState("k_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
     LayerState("v_cache", ("kv_heads", "max_seq_len", "head_dim"), "act"),
 )
-LAYER_STATES = {"M": MAMBA2_STATES, "*": ATTENTION_STATES, "E": (), "-": (), "G": GDN_STATES}  # by pattern letter
-LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "Gated DeltaNet"}
+LAYER_STATES = {"M": MAMBA2_STATES, "*": ATTENTION_STATES, "E": (), "-": (), "G": GDN_STATES,  # by pattern letter
+                "K": KDA_STATES, "A": MLA_STATES}
+LAYER_NAMES = {"M": "Mamba-2", "*": "attention", "E": "MoE", "-": "MLP", "G": "Gated DeltaNet",
+               "K": "Kimi Delta Attention", "A": "MLA attention"}
+# the checkpoint shadows of an SSM layer by pattern letter: shadow -> its states, after the layer's checkpoint
+SHADOW_STATES = {"M": {"bf16": (SHADOW_STATE,), "fp8": FP8_SHADOW_STATES}, "G": {"bf16": (GDN_SHADOW_STATE,)},
+                 "K": {"bf16": (KDA_SHADOW_STATE,)}}
 
 
 def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -> tuple[LayerState, ...]:
@@ -186,11 +214,12 @@ def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -
     states = LAYER_STATES[letter]
     if speculative:
         states = tuple(dataclasses.replace(s, prefix=CONV_WINDOW) if s is CONV_STATE else s for s in states)
-    if shadow == "fp8" and letter == "G":
-        raise FormatError("shadow: an fp8 shadow is for Mamba-2 layers only (Gated DeltaNet: bf16)")
-    if shadow != "none" and letter in ("M", "G"):  # after the checkpoint
-        extra = FP8_SHADOW_STATES if shadow == "fp8" else (SHADOW_STATE if letter == "M" else GDN_SHADOW_STATE,)
-        states = states[:2] + extra + states[2:]
+    if shadow != "none" and letter in SHADOW_STATES:  # after the checkpoint
+        kept = SHADOW_STATES[letter]
+        if shadow not in kept:
+            raise FormatError(f"shadow: a {LAYER_NAMES[letter]} layer keeps a {' or '.join(kept)} shadow, got "
+                              f"{shadow!r}")
+        states = states[:2] + kept[shadow] + states[2:]
     return states
 
 
@@ -211,9 +240,11 @@ def check_layer_states(cfg: dict) -> None:
                           f"{bad[0][1]!r} at layer {bad[0][0]}")
     spec = is_speculative(cfg)
     shadow = cfg.get("shadow", "none")
-    if shadow not in SHADOWS or (shadow == "fp8" and "G" in pattern):
-        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} (Gated DeltaNet: none or bf16), got "
-                          f"{shadow!r}")
+    refused = [LAYER_NAMES[c] for c in dict.fromkeys(pattern) if c in SHADOW_STATES and shadow != "none"
+               and shadow not in SHADOW_STATES[c]]
+    if shadow not in SHADOWS or refused:
+        kept = "; ".join(f"{LAYER_NAMES[c]}: none or {' or '.join(SHADOW_STATES[c])}" for c in SHADOW_STATES)
+        raise FormatError(f"config.json: shadow: expected one of {SHADOWS} ({kept}), got {shadow!r}")
     by_letter = {c: layer_states(c, spec, shadow if c in pattern else "none") for c in LAYER_STATES}
     prefixes = {c: [s.prefix for s in states] for c, states in by_letter.items()}
     names = [s["name"] for s in cfg["states"]]

@@ -47,7 +47,9 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm.config import DTYPE_CODES, GDN_SUPPORTED_DIMS
 from trtllm_replayssm.families.gdn import steps as gdn_steps
+from trtllm_replayssm.families.gdn import trt_plugin as gdn_plugin
 
 from .decode_step import (  # noqa: F401  (export_onnx: the one export of every step)
     DOMAIN,
@@ -60,13 +62,16 @@ from .decode_step import (  # noqa: F401  (export_onnx: the one export of every 
     window_attention,
     window_conv,
 )
-from .moe import FORMULATIONS
+from .moe import FORMULATIONS, gated_experts
 from .qwen3_next import gdn_layers, reference_backend
 
 GDN_OP_TYPE = "gdn_decode"
 GDN_SHADOW_OP_TYPE = "gdn_decode_shadow"
 GDN_VERIFY_OP_TYPE = "gdn_verify"
 GDN_VERIFY_SHADOW_OP_TYPE = "gdn_verify_shadow"
+# config.json's ``model.moe`` of a Qwen3-Next engine: the sparse MoE keys of its config (and the graph formulation)
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
 # ``replayssm::gdn_verify`` in float64 (what the kernel does): the committed entries folded into the checkpoint
@@ -116,25 +121,12 @@ def moe_qwen(hn, moe, formulation: str = "dense"):
     them against E, so it wins at small batch, e.g. Qwen3-Next's 512 experts at top-10 while T <= 25)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {formulation!r}")
-    gate, E, top_k = moe.gate, moe.gate.num_experts, moe.gate.top_k
+    gate, top_k = moe.gate, moe.gate.top_k
     probs = F.softmax(F.linear(hn, gate.weight), dim=-1, dtype=torch.float32)
     top_v, top_i = torch.topk(probs, top_k, dim=-1)
     if getattr(gate, "norm_topk_prob", True):  # Qwen3.5 MoE's router has no switch: it always renormalises
         top_v = top_v / top_v.sum(dim=-1, keepdim=True)
-    top_v = top_v.to(hn.dtype)
-    ex = moe.experts
-    if formulation == "dense":
-        experts = torch.arange(E, device=hn.device)
-        mask = ((top_i[:, :, None] == experts[None, None, :]).to(hn.dtype) * top_v[:, :, None]).sum(1)  # (batch, E)
-        gu = torch.matmul(hn[None], ex.gate_up_proj.transpose(1, 2))  # (E, batch, 2I)
-        g, u = gu.chunk(2, dim=-1)
-        ye = torch.matmul(ex.act_fn(g) * u, ex.down_proj.transpose(1, 2))  # (E, batch, D)
-        routed = (ye * mask.transpose(0, 1)[:, :, None]).sum(0)
-    else:
-        gu = torch.matmul(ex.gate_up_proj[top_i], hn[:, None, :, None])[..., 0]  # (batch, k, 2I)
-        g, u = gu.chunk(2, dim=-1)
-        ye = torch.matmul(ex.down_proj[top_i], (ex.act_fn(g) * u)[..., None])[..., 0]  # (batch, k, D)
-        routed = (ye * top_v[:, :, None]).sum(1)
+    routed = gated_experts(hn, moe.experts, top_v.to(hn.dtype), top_i, formulation)
     shared = torch.sigmoid(moe.shared_expert_gate(hn)) * moe.shared_expert(hn)
     return routed + shared
 
@@ -164,6 +156,69 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         self.act_dtype = next(model.parameters()).dtype
         self.kinds = list(model.config.layer_types)
         self.gdn = set(gdn_layers(model))
+
+    @classmethod
+    def for_build(cls, model, *, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype, moe_formulation: str,
+                  shadow: str, num_draft: int) -> QwenGDNDecodeStep:
+        """The step of an engine build (builders/models.py's export step protocol; the checkpoint is fp32)."""
+        if state_dtype != torch.float32:
+            raise ValueError(f"state_dtype: the gdn_decode / gdn_verify plugins keep an fp32 checkpoint, got {state_dtype}")
+        return cls(model, buffer_len, max_seq_len, moe_formulation=moe_formulation, shadow=shadow, num_draft=num_draft)
+
+    # ---- the engine directory (builders/models.py's export step protocol) -------------------------------------
+    def ssm_layers(self) -> list[int]:
+        return sorted(self.gdn)
+
+    def plugin_geometry(self) -> tuple[int, int, int, int]:
+        """(key heads, value heads, key dim, value dim) of the GDN plugin kernels; ValueError naming the config key."""
+        cfg = self.config
+        H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        K, V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        for name, v in (("linear_key_head_dim", K), ("linear_value_head_dim", V)):
+            if v not in GDN_SUPPORTED_DIMS:
+                raise ValueError(f"{name}: the gdn_decode plugin supports {GDN_SUPPORTED_DIMS}, got {v}")
+        if HV % H:
+            raise ValueError(f"linear_num_key_heads: expected a divisor of linear_num_value_heads={HV}, got {H}")
+        return H, HV, K, V
+
+    def plugin_kernel(self, tactic: int, arch: int, sm_count: int):
+        """The PTX and launch of the step's GDN node for ``tactic`` (the family's aot_impl; no persistent grid)."""
+        H, HV, K, V = self.plugin_geometry()
+        act, L = DTYPE_CODES[self.act_dtype], self.buffer_len
+        if self.speculative:
+            return gdn_plugin.aot_verify_kernel(H, HV, K, V, L, 1, self.num_tokens, act, arch, tactic, self.shadow)
+        return gdn_plugin.aot_kernel(H, HV, K, V, L, 1, act, arch, tactic, self.shadow)
+
+    def plugin_keys(self, sm_count: int) -> dict:
+        return {}
+
+    def _moe_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "experts")]
+
+    def describe(self) -> list[str]:
+        cfg = self.config
+        H, HV, K, V = self.plugin_geometry()
+        lines = [f"{cfg.model_type}: {len(self.gdn)} Gated DeltaNet layers, key heads={H} value heads={HV} key dim={K} "
+                 f"value dim={V}"]
+        if self._moe_layers():
+            lines.append(f"sparse MoE layers: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, as "
+                         f"{self.moe_formulation} standard ONNX ops (builders/gdn_step.moe_qwen)")
+        return lines
+
+    def model_entry(self) -> dict:
+        """config.json's ``model`` after source, seed and model_type: pattern (G per Gated DeltaNet layer, * for
+        attention), sizes, the layers by type; with sparse MoE layers (Qwen3-Next) their indices and config keys."""
+        cfg = self.config
+        kinds = list(cfg.layer_types)
+        entry = dict(pattern="".join("G" if k == "linear_attention" else "*" for k in kinds),
+                     vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=kinds,
+                     gdn_layers=self.ssm_layers(),
+                     attention_layers=[i for i, k in enumerate(kinds) if k == "full_attention"])
+        moe = self._moe_layers()
+        if moe:  # the config keys and the graph formulation (moe_qwen)
+            entry["moe_layers"] = moe
+            entry["moe"] = dict({k: getattr(cfg, k, None) for k in MOE_KEYS}, formulation=self.moe_formulation)
+        return entry
 
     # ---- the state contract ---------------------------------------------------------------------
     def state_specs(self) -> list[StateSpec]:

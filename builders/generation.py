@@ -17,9 +17,11 @@ Route (one engine thread owns the model, the step and every slot; clients only q
                        ``ReplayStateCache.load_prefill``); its last logits give the first
                        token (streamed at once: the time to first token is one prefill).
       |
-  decode step          the family's step (:data:`STEPS`, by ``config.model_type``; rows = slots): Nemotron-H /
-                       Nemotron 3 :class:`~builders.model_step.DecodeStep`, the step every benchmark times;
-                       Qwen3-Next / Qwen3.5 :class:`~builders.qwen_step.QwenStep`. The smallest prefix of rows
+  decode step          the model kind's step (:data:`STEPS`, by ``config.model_type``, from the registry of
+                       builders/models.py; rows = slots): Nemotron-H / Nemotron 3
+                       :class:`~builders.model_step.DecodeStep`, the step every benchmark times; Qwen3-Next / Qwen3.5
+                       :class:`~builders.qwen_step.QwenStep`; Kimi-Linear :class:`~builders.kda_step.KimiStep`. The
+                       smallest prefix of rows
                        that holds every live slot (``step.rows``; one CUDA graph per prefix of 1, 2, 4, ... rows,
                        captured at start, where the step is ``capturable``; else eager) runs one token for all of
                        them; rows of free slots are padding rows (``sbi = -1``: no SSM state touched). Greedy rows
@@ -109,10 +111,10 @@ from collections.abc import Callable
 
 import torch
 
+from . import models
 from .model_step import Conventional, DecodeStep, Replay
-from .qwen3_next import MODEL_TYPES as QWEN_MODEL_TYPES
+from .models import MODES
 
-MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "replay_ckpt8")
 FINISH_REASONS = ("stop", "length", "cancelled", "error", "exported")
 
 
@@ -152,28 +154,21 @@ class NemotronStep(DecodeStep):
         self.load_slot(row, n, conv, k, v, ssm)
 
 
-def _qwen_step(model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
-    from .qwen_step import QwenStep  # eager, no fused regions: ``fuse`` does not apply
-
-    return QwenStep(model, batch, kv_len, mode, buffer_len)
-
-
-def _kimi_step(model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
-    from .kda_step import KimiStep  # eager, no fused regions: ``fuse`` does not apply
-
-    return KimiStep(model, batch, kv_len, mode, buffer_len)
-
-
-# config.model_type -> the step factory (model, batch, kv_len, mode, buffer_len, fuse): the one place a family is named
-STEPS = {"nemotron_h": NemotronStep.for_engine, **{t: _qwen_step for t in QWEN_MODEL_TYPES}, "kimi_linear": _kimi_step}
+# config.model_type -> the step factory (model, batch, kv_len, mode, buffer_len, fuse) of its kind: the registry's
+# streaming steps (builders/models.py; this module's NemotronStep, builders/qwen_step.py, builders/kda_step.py)
+STEPS = {t: kind.streaming for kind in models.kinds(streaming=True) for t in kind.model_types}
 
 
 def make_step(model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16, fuse: bool | None = None):
-    """The decode step of ``model``'s family (:data:`STEPS`, by ``config.model_type``) for ``batch`` slots of
-    ``kv_len`` positions in SSM ``mode``; ValueError naming the model type where no step serves it."""
+    """The decode step of ``model``'s kind (:data:`STEPS`, by ``config.model_type``) for ``batch`` slots of
+    ``kv_len`` positions in SSM ``mode``; ValueError naming the model type where no step serves it, or the mode where
+    the kind's family keeps no such state (``ModelKind.refusal``: no fp8 shadow for Gated DeltaNet, ...)."""
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind not in STEPS:
         raise ValueError(f"model: no generation step for model_type {kind!r} (served: {sorted(STEPS)})")
+    why = models.by_model_type(kind).refusal(mode)
+    if why:
+        raise ValueError(f"mode: {mode!r}: {why}")
     return STEPS[kind](model, batch, kv_len, mode, buffer_len, fuse)
 
 

@@ -147,7 +147,10 @@ def is_kda_checkpoint(model_dir) -> bool:
 def tiny_model(family: str = "kimi_linear", dtype=torch.float32, seed: int = 0, device="cpu", **overrides):
     """transformers' own model class with an embedded tiny config and seeded random weights; ``overrides`` go to
     the text config. The forget gate gets a data-dependent decay that matters: f_b_proj std 0.5 (f = O(1) against
-    dt_bias in (-7, -2)), and GLM-5 Next's A_log (zero at transformers' init) spread over (-1, 1)."""
+    dt_bias in (-7, -2)), and GLM-5 Next's A_log (zero at transformers' init) spread over (-1, 1); GLM-5 Next's
+    hyper-connection biases (zero at init: pre, post and comb nearly uniform) standard normal and its indexers'
+    k-pool compress gates and position embeddings (ones and zeros at init) random, so that stream mixing and pool
+    weighting matter."""
     if family not in FAMILIES:
         raise ValueError(f"family: expected one of {sorted(FAMILIES)}, got {family!r}")
     cfg = FAMILIES[family]
@@ -163,6 +166,15 @@ def tiny_model(family: str = "kimi_linear", dtype=torch.float32, seed: int = 0, 
             fg.f_b_proj.weight.copy_(torch.randn(fg.f_b_proj.weight.shape, generator=gen) * 0.5)
             if family == "glm5_next":
                 fg.A_log.copy_(torch.empty(fg.A_log.shape).uniform_(-1.0, 1.0, generator=gen))
+        if family == "glm5_next":
+            for layer in text_model(model).layers:
+                for hc in (layer.attn_hc, layer.ffn_hc):  # init: base 0, scale 1: pre, post and comb nearly uniform
+                    hc.base.copy_(torch.randn(hc.base.shape, generator=gen))
+                ix = getattr(layer.self_attn, "indexer", None)
+                if ix is not None:  # init: gate ones, ape zeros: every channel of a pool weighted alike
+                    ix.index_kpool_compress_gate.copy_(torch.randn(ix.index_kpool_compress_gate.shape,
+                                                                   generator=gen) * 0.1)
+                    ix.index_kpool_compress_ape.copy_(torch.randn(ix.index_kpool_compress_ape.shape, generator=gen))
     return model.to(dtype=dtype, device=device)
 
 

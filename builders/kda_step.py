@@ -1,7 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The generation engine's decode step for Kimi-Linear (transformers' ``KimiLinearForCausalLM``): one token for every
-row, rows = slots, with the step interface of :class:`builders.qwen_step.QwenStep` (its rows, slot hand-off and
-host save / load are inherited unchanged) that :class:`builders.generation.Engine` drives.
+"""Kimi-Linear's decode steps (transformers' ``KimiLinearForCausalLM``): the generation engine's, :class:`KimiStep`,
+and the engine directory's, :class:`KimiKDADecodeStep` (below), the two steps of its entry in builders/models.py.
+
+:class:`KimiStep`: one token for every row, rows = slots, with the step interface of
+:class:`builders.qwen_step.QwenStep` (its rows, slot hand-off and host save / load are inherited unchanged) that
+:class:`builders.generation.Engine` drives.
 
 In-place state, allocated once for ``batch`` slots of ``kv_len`` positions: ``ids`` (batch,) int64 (the input token;
 the greedy next token after a call), ``lengths`` (batch,) int64 (tokens in the K/V rows = the input's position),
@@ -40,7 +43,49 @@ prompt's MLA latents (ReplaySSM: ``ReplayStateCache.load_prefill``, the checkpoi
 
 The step is eager (``capturable = False``): transformers' MoE block picks its experts with data-dependent shapes.
 
-GLM-5 Next (``glm5_next``) is not served here; what its step needs is in docs/triton.md ("Kimi-Linear").
+The engine directory's step (builders/engine.py through builders/models.py): :class:`KimiKDADecodeStep`, the step
+of T = 1 + ``num_draft`` tokens per row as a module with explicit state I/O, in the form every family's export step
+has (builders/decode_step.py's ``StepIO``): ``num_draft = 0`` the standard decode step (model.onnx), ``num_draft`` > 0
+the verify graph of speculative decoding (verify.onnx), whose commit graph is the shared one of builders/spec_step.py
+(``NemotronHSpecCommit``: one ``replayssm::spec_commit`` node, lengths += n, the conv windows rolled back; the commit
+is a cursor move, rejected ring entries are overwritten by later windows). Its ONNX export is
+builders/decode_step.py's :func:`~builders.decode_step.export_onnx`, the one of every step.
+
+Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) inside):
+
+ 1. input_ids       (batch, T) int64       T = 1; T > 1: the last sampled token, then the num_draft drafts
+ 2. lengths         (batch,) int32         tokens already in the latent caches; the T new ones are written at
+                                           lengths .. lengths + T - 1 (the caller keeps lengths + T <= max_seq_len)
+ 3. cursor          T = 1: (batch,) int32  ReplaySSM ring fill, shared by all KDA layers;
+                    T > 1: (batch, 2) int32 ring (start, committed count), shared, read only
+ 4. per KDA layer i (pattern letter K): T = 1: conv_state_i (batch, 3 H K, K_conv) act (the last K_conv inputs of
+    [q | k | v]); T > 1: conv_window_i (batch, 3 H K, K_conv - 1 + num_draft) act; kda_state_i (batch, H, K, V) fp32
+    (the checkpoint S0), [kda_shadow_i (batch, H, K, V) bf16 with a shadow], kda_k_i (batch, H, L, K) act,
+    kda_u_i (batch, H, L, V) bf16, kda_g_i (batch, H, L, K) fp32, kda_v_i (batch, H, L, V) act,
+    kda_beta_i (batch, H, L) fp32   (trtllm_replayssm/families/kda's state table)
+ 5. per MLA layer i (pattern letter A): mla_kv_i (batch, max_seq_len, kv_lora_rank) act (the kv_a_layernorm'd
+    latent), mla_k_rope_i (batch, max_seq_len, qk_rope_head_dim) act (the shared rope part of the key)
+
+Graph outputs: T = 1: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L;
+T > 1: logits (batch, T, vocab) fp32 (verify commits nothing: no lengths or cursor output); then every state tensor
+as ``<name>_out`` (in-place aliases in TensorRT). builders/engine_format.py's K and A rows.
+
+Per KDA layer (as KimiStep and transformers' decode): [q | k | v] projections of the T tokens, the causal conv over
+[the last K_conv - 1 committed inputs, the T new ones] (``decode_step.window_conv``), silu; f = f_b(f_a(x)) and
+b = b_proj(x) raw; ONE plugin node (g, beta, the l2 norm of q and k and q's K^-1/2 scale inside; ``_shadow`` with a
+bf16 shadow): T = 1 ``replayssm::kda_decode`` on the squeezed token (its reference ``families/kda/onnx_ops.
+decode_node``), T > 1 ``replayssm::kda_verify`` on the window (the committed entries folded into the checkpoint
+first where count + 2T > L, the window's outputs, the window appended to the rings; ``onnx_ops.verify_node``); the
+layer's sigmoid-gated RMSNorm with g_b(g_a(x)); o_proj. MLA (Kimi's is NoPE: a position only bounds what a row
+sees): the queries (q_proj, or q_a / q_a_layernorm / q_b), the T new latents and rope keys written at lengths + t
+with one-hot selects, keys and values of every position expanded by kv_b_proj, query t attends positions
+<= lengths + t (softmax in fp32), o_proj; rejected speculative positions leave latents beyond the committed length,
+never read and overwritten by later windows. MoE layers (sigmoid routing with the correction bias, groups, top-k,
+renormalised and scaled: builders/moe.py's ``route``; the gated experts in the step's ``moe_formulation``,
+``moe.gated_experts``; transformers' shared experts MLP), each of the batch * T tokens routed on its own, static
+shapes; dense MLPs and norms are the model's.
+
+GLM-5 Next (``glm5_next``): builders/glm5_step.py ``Glm5Step``, this step with its DSA attention and hyper-connections.
 """
 
 from __future__ import annotations
@@ -48,12 +93,20 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm import trt_plugin
 from trtllm_replayssm.cache import ReplayStateCache, conv_update_rows
+from trtllm_replayssm.config import DTYPE_CODES
+from trtllm_replayssm.families.kda import onnx_ops
 from trtllm_replayssm.families.kda import reference as kref
+from trtllm_replayssm.families.kda import trt_plugin as kda_plugin
+from trtllm_replayssm.families.kda.config import SHADOW_KINDS, kda_spec
 
+from .decode_step import PluginNode, PluginOp, StateSpec, StepIO, layer_state_specs, window_conv
 from .kda import kda_layers, text_model
+from .moe import FORMULATIONS, MoEWeights, gated_experts, route
 from .qwen_step import GDNConventional, GDNReplay, QwenStep
 
 MODES = ("conventional", "replay", "replay_bf16")  # the engine's modes this step runs
@@ -135,7 +188,7 @@ class KimiStep(QwenStep):
         self.kda = self.gdn = kda_layers(model)
         if not self.kda:
             raise ValueError("layer_types: expected at least one Kimi Delta Attention (linear_attention) layer")
-        self.attn = [i for i, k in enumerate(self.kinds) if k == "full_attention"]
+        self.attn = [i for i, k in enumerate(self.kinds) if k != "linear_attention"]  # MLA (Kimi), DSA (GLM-5 Next)
         layers = text_model(model).layers
         mx0 = layers[self.kda[0]].self_attn
         if mx0.activation != "silu":
@@ -257,4 +310,265 @@ class KimiStep(QwenStep):
         return att.o_proj(o.reshape(n, 1, -1))
 
 
-__all__ = ["MODES", "MODEL_TYPES", "KDAConventional", "KDAReplay", "make_kda_mode", "KimiStep"]
+# ---- the engine directory's step -------------------------------------------------------------------------
+# config.json's ``model.moe`` of a Kimi-Linear engine: the MoE keys of its config (and the graph formulation)
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",
+            "topk_group", "norm_topk_prob", "routed_scaling_factor", "first_k_dense_replace")
+
+
+def kda_op_type(speculative: bool, shadow: bool) -> str:
+    """The KDA node of a step: ``kda_decode`` (T = 1) or ``kda_verify`` (T > 1), ``_shadow`` with the bf16 shadow; the
+    name of its TensorRT plugin too (families/kda/trt_plugin.py)."""
+    if speculative:
+        return kda_plugin.VERIFY_SHADOW if shadow else kda_plugin.VERIFY
+    return kda_plugin.DECODE_SHADOW if shadow else kda_plugin.DECODE
+
+
+def kda_node(ins, caches, op_type: str, attrs: dict, backend=None):
+    """One Kimi Delta Attention node (``op_type``: :func:`kda_op_type`, ``attrs`` its integer attributes in the
+    plugin's order) on ``ins`` (q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor; q, k, v, f, b with a window
+    axis in a verify node) and ``caches`` (state, k, u, g, v, beta[, shadow]): outputs (y, the caches in that order).
+    The eager run (``backend``, default the family's reference node of ``op_type``: ``onnx_ops.decode_node`` /
+    ``verify_node``) works on copies, functional as the graph is."""
+    run = backend or (onnx_ops.verify_node if op_type in kda_plugin.VERIFY_PLUGINS else onnx_ops.decode_node)
+
+    def node_run(*inputs):
+        return run(*inputs, **attrs)
+
+    node = PluginNode(op_type, tuple(attrs.items()), (2,) + tuple(range(9, 9 + len(caches))), node_run)
+    return PluginOp.apply(node, *ins, *caches)
+
+
+class KimiKDADecodeStep(StepIO, torch.nn.Module):
+    """The step of T = 1 + ``num_draft`` tokens of a loaded Kimi-Linear model (module docstring); shares its weights.
+    ``num_draft = 0``: standard decode; ``num_draft`` > 0: the speculative verify graph, whose commit graph is
+    ``spec_step.NemotronHSpecCommit(step)``. ``backend``: the KDA node's eager computation (default: the family's
+    float64 reference node, decode or verify)."""
+
+    def __init__(self, model, buffer_len: int, max_seq_len: int, backend=None, moe_formulation: str = "dense",
+                 shadow: str = "none", num_draft: int = 0):
+        super().__init__()
+        cfg = model.config
+        if getattr(cfg, "model_type", None) not in MODEL_TYPES:
+            raise ValueError(f"model: expected a Kimi-Linear model (model_type one of {MODEL_TYPES}), got "
+                             f"{getattr(cfg, 'model_type', None)!r}")
+        if shadow not in SHADOW_KINDS:
+            raise ValueError(f"shadow: expected one of {SHADOW_KINDS} (a bf16 shadow of the fp32 "
+                             f"checkpoint), got {shadow!r}")
+        if moe_formulation not in FORMULATIONS:
+            raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {moe_formulation!r}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len: expected >= 1, got {max_seq_len}")
+        self.kinds = list(cfg.layer_types)
+        bad = sorted({k for k in self.kinds if k not in ("linear_attention", "full_attention")})
+        if bad:
+            raise ValueError(f"layer_types: expected linear_attention or full_attention, got {bad}")
+        self.kda = kda_layers(model)
+        if not self.kda:
+            raise ValueError("layer_types: expected at least one Kimi Delta Attention (linear_attention) layer")
+        self.model, self.config = model, cfg
+        layers = text_model(model).layers
+        mx = layers[self.kda[0]].self_attn
+        self.H, self.Kd, self.V, self.K_conv = mx.num_heads, mx.head_dim, mx.head_dim, mx.conv_kernel_size
+        self._set_tokens(num_draft, buffer_len, self.K_conv)
+        self.shadow, self.moe_formulation = shadow, moe_formulation
+        self.buffer_len, self.max_seq_len = buffer_len, max_seq_len
+        self.backend = backend
+        self.act_dtype = next(model.parameters()).dtype
+        # GLM-5 Next's bounded gate keeps its bound on the forget gate; Kimi's gate has none (None -> bits 0)
+        self.lower_bound = getattr(mx.forget_gate, "safe_gate_lower_bound", None)
+        for i in self.kda:  # per-layer gate constants in fp32, as the plugin takes them (A_log (H,), dt_bias (H, K))
+            fg = layers[i].self_attn.forget_gate
+            self.register_buffer(f"A_log_{i}", fg.A_log.detach().float().reshape(self.H).clone(), persistent=False)
+            self.register_buffer(f"dt_bias_{i}", fg.dt_bias.detach().float().reshape(self.H, self.Kd).clone(),
+                                 persistent=False)
+
+    @classmethod
+    def for_build(cls, model, *, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype, moe_formulation: str,
+                  shadow: str, num_draft: int) -> KimiKDADecodeStep:
+        """The step of an engine build (builders/models.py's export step protocol; the checkpoint is fp32)."""
+        if state_dtype != torch.float32:
+            raise ValueError(f"state_dtype: the kda_decode plugin keeps an fp32 checkpoint, got {state_dtype}")
+        return cls(model, buffer_len, max_seq_len, moe_formulation=moe_formulation, shadow=shadow, num_draft=num_draft)
+
+    # ---- the engine directory (builders/models.py's export step protocol) -------------------------------------
+    def ssm_layers(self) -> list[int]:
+        return list(self.kda)
+
+    def plugin_geometry(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) of the kda_decode / kda_verify kernels, checked by the family's kernel spec for
+        both tactics' batch geometries (ValueError naming the spec field and the config key or flag behind it)."""
+        for batch in trt_plugin.TACTICS.values():
+            try:
+                kda_spec(DTYPE_CODES[self.act_dtype], self.H, self.Kd, self.V, self.buffer_len, batch, self.shadow,
+                         True, None, self.lower_bound, num_tokens=self.num_tokens if self.speculative else 0)
+            except ValueError as e:
+                T = f", num_tokens = --num-draft {self.num_draft} + 1" if self.speculative else ""
+                raise ValueError(f"{e} (the {self.op_type} plugin's kernel: H = linear_num_heads {self.H}, K = V = "
+                                 f"linear_head_dim {self.Kd}, buffer_len = --buffer-len {self.buffer_len}{T})") from None
+        return self.H, self.Kd, self.V
+
+    def plugin_kernel(self, tactic: int, arch: int, sm_count: int):
+        """The PTX and launch of the step's KDA node for ``tactic`` (the family's aot_impl; no persistent grid)."""
+        a = self.plugin_attributes()
+        aot = kda_plugin.aot_verify_kernel if self.speculative else kda_plugin.aot_kernel
+        return aot(*a.values(), DTYPE_CODES[self.act_dtype], arch, tactic, self.shadow)
+
+    def plugin_keys(self, sm_count: int) -> dict:
+        return {}
+
+    def _moe_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(text_model(self.model).layers) if hasattr(layer.mlp, "experts")]
+
+    def describe(self) -> list[str]:
+        cfg = self.config
+        H, K, V = self.plugin_geometry()
+        lines = [f"{cfg.model_type}: {len(self.kda)} Kimi Delta Attention layers, heads={H} key dim={K} value dim={V}; "
+                 f"{self.kinds.count('full_attention')} MLA layers"]
+        if self._moe_layers():
+            lines.append(f"{len(self._moe_layers())} MoE layers: {cfg.num_experts} experts, top-"
+                         f"{cfg.num_experts_per_tok}, as {self.moe_formulation} standard ONNX ops "
+                         f"(builders/moe.py gated_experts)")
+        return lines
+
+    def model_entry(self) -> dict:
+        """config.json's ``model`` after source, seed and model_type: pattern (K per KDA layer, A per MLA layer),
+        sizes, the layers by type, the MoE layers and keys."""
+        cfg = self.config
+        entry = dict(pattern="".join("K" if k == "linear_attention" else "A" for k in self.kinds),
+                     vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, layer_types=self.kinds,
+                     kda_layers=self.ssm_layers(),
+                     attention_layers=[i for i, k in enumerate(self.kinds) if k == "full_attention"])
+        moe = self._moe_layers()
+        if moe:
+            entry["moe_layers"] = moe
+            entry["moe"] = dict({k: getattr(cfg, k, None) for k in MOE_KEYS}, formulation=self.moe_formulation)
+        return entry
+
+    # ---- the state contract ---------------------------------------------------------------------------------
+    def state_specs(self) -> list[StateSpec]:
+        c = self.config
+        sizes = dict(num_heads=self.H, key_dim=self.Kd, value_dim=self.V, buffer_len=self.buffer_len,
+                     conv_dim=3 * self.H * self.Kd, conv_width=self.window, max_seq_len=self.max_seq_len,
+                     kv_lora_rank=c.kv_lora_rank, qk_rope_head_dim=c.qk_rope_head_dim)
+        specs = []
+        for i, kind in enumerate(self.kinds):
+            specs += layer_state_specs("K" if kind == "linear_attention" else "A", i, sizes, dict(act=self.act_dtype),
+                                       self.speculative, self.shadow)
+        return specs
+
+    def _shadow_of(self, state) -> list[torch.Tensor]:
+        from trtllm_replayssm.reference import Shadow
+
+        return [] if self.shadow == "none" else [Shadow.of(state, self.shadow).q]
+
+    def _patched_ssm(self, decoder, i: int):
+        """KDA layer i of a patched model (builders/kda.py's KDAReplayDecoder): (checkpoint, rings k, u, g, v, beta)."""
+        b = decoder.bufs[i]
+        return b.state, (b.k_cache, b.u_cache, b.g_cache, b.v_cache, b.beta_cache)
+
+    def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
+        """MLA layer i's latent and rope key from a transformers cache holding ``lengths`` tokens ((batch, 1, seq, .)
+        there), padded to max_seq_len."""
+        out = []
+        for t in (cache.layers[i].keys, cache.layers[i].values):
+            buf = t.new_zeros((t.shape[0], self.max_seq_len, t.shape[3]))
+            buf[:, :lengths] = t[:, 0, :lengths]
+            out.append(buf)
+        return out
+
+    # ---- the SSM node ---------------------------------------------------------------------------------------
+    @property
+    def op_type(self) -> str:
+        """The op type of the step's KDA nodes, the name of their TensorRT plugin (:func:`kda_op_type`)."""
+        return kda_op_type(self.speculative, self.shadow != "none")
+
+    def plugin_attributes(self) -> dict:
+        """The integer attributes of the step's KDA nodes in the plugin's order (config.json's too)."""
+        return dict(num_heads=self.H, key_dim=self.Kd, value_dim=self.V, buffer_len=self.buffer_len, use_qk_l2norm=1,
+                    lower_bound_bits=kda_plugin.lower_bound_bits(self.lower_bound),
+                    **({"num_tokens": self.num_tokens} if self.speculative else {}))
+
+    # ---- the layers, on (batch, T, D) -----------------------------------------------------------------------
+    def _kda(self, i, mx, h, conv_state, st, cursor, sbi):
+        """KDA layer i on the T tokens h (batch, T, D): (out (batch, T, D), its new states in state order: conv
+        state / window, checkpoint[, shadow], k, u, g, v, beta); ``st`` its states after the conv state."""
+        batch, T, H, Kd = h.shape[0], self.num_tokens, self.H, self.Kd
+        mixed = torch.cat([mx.q_proj(h), mx.k_proj(h), mx.v_proj(h)], dim=-1)  # (batch, T, 3 H K)
+        conv, window = window_conv(conv_state, mixed, mx.conv1d, self.K_conv, T)
+        q, k, v = (t.reshape(batch, T, H, Kd) for t in F.silu(conv).to(h.dtype).split([mx.qkv_dim] * 3, dim=-1))
+        fg = mx.forget_gate
+        f = fg.f_b_proj(fg.f_a_proj(h)).reshape(batch, T, H, Kd)
+        b = mx.b_proj(h).reshape(batch, T, H)
+        if not self.speculative:  # kda_decode takes the squeezed token
+            q, k, v, f, b = (t[:, 0] for t in (q, k, v, f, b))
+        state, *rings = st
+        shadow = () if self.shadow == "none" else (rings.pop(0),)
+        ins = (q, k, v, f, b, getattr(self, f"A_log_{i}"), getattr(self, f"dt_bias_{i}"), sbi, cursor)
+        y, state, *rest = kda_node(ins, (state, *rings, *shadow), self.op_type, self.plugin_attributes(), self.backend)
+        new = [window, state, *rest[5:], *rest[:5]]  # state order: conv, checkpoint[, shadow], k, u, g, v, beta
+        y = y if self.speculative else y[:, None]  # (batch, T, H, V)
+        gate = mx.g_b_proj(mx.g_a_proj(h)).reshape(batch, T, H, Kd)
+        out = mx.o_proj(mx.o_norm(y.to(h.dtype), gate).reshape(batch, T, -1))
+        return out, new
+
+    def _mla(self, att, h, kv_cache, rope_cache, lengths):
+        """Kimi's MLA for the T new tokens of each row over the row's cached latents (module docstring)."""
+        batch, T, nh, S = h.shape[0], self.num_tokens, att.num_heads, self.max_seq_len
+        q = att.q_proj(h) if att.q_lora_rank is None else att.q_b_proj(att.q_a_layernorm(att.q_a_proj(h)))
+        q = q.view(batch, T, nh, att.qk_head_dim).transpose(1, 2)  # (batch, nh, T, qk_head_dim)
+        kv_nope, k_rot = att.kv_a_proj_with_mqa(h).split([att.kv_lora_rank, att.qk_rope_head_dim], dim=-1)
+        latent = att.kv_a_layernorm(kv_nope).to(kv_cache.dtype)  # (batch, T, kv_lora_rank)
+        pos = torch.arange(S, device=h.device)
+        at = lengths.long()[:, None] + torch.arange(T, device=h.device)[None, :]  # (batch, T): the new positions
+        for t in range(T):  # one-hot selects: exact copies, no arithmetic on the caches
+            here = (pos[None, :] == at[:, t:t + 1])[:, :, None]  # (batch, S, 1)
+            kv_cache = torch.where(here, latent[:, t:t + 1], kv_cache)
+            rope_cache = torch.where(here, k_rot[:, t:t + 1].to(rope_cache.dtype), rope_cache)
+        kv = att.kv_b_proj(kv_cache).view(batch, S, nh, -1).transpose(1, 2)  # (batch, nh, S, .)
+        k_nope, values = kv.split([att.qk_nope_head_dim, att.v_head_dim], dim=-1)
+        keys = torch.cat([k_nope, rope_cache[:, None].expand(batch, nh, S, att.qk_rope_head_dim)], dim=-1)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * att.scaling  # (batch, nh, T, S)
+        visible = (pos[None, None, :] <= at[:, :, None])[:, None]  # (batch, 1, T, S): query t sees <= lengths + t
+        scores = torch.where(visible, scores, torch.full_like(scores, torch.finfo(scores.dtype).min))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        o = torch.matmul(probs, values)  # (batch, nh, T, v_head_dim)
+        return att.o_proj(o.transpose(1, 2).reshape(batch, T, -1)), kv_cache, rope_cache
+
+    def _moe(self, hn, moe):
+        """KimiLinearMoE on (batch, T, D) as static-shape ops, each token routed on its own (module docstring)."""
+        g = moe.gate
+        x = hn.reshape(-1, hn.shape[-1])
+        router = MoEWeights(gate_weight=g.weight, correction_bias=g.e_score_correction_bias, up=None, down=None,
+                            shared_up=None, shared_down=None, act=None, top_k=g.top_k, n_group=g.num_group,
+                            topk_group=g.topk_group, norm_topk_prob=g.norm_topk_prob,
+                            routed_scaling_factor=g.routed_scaling_factor)
+        top_w, top_i = route(x, router)
+        routed = gated_experts(x, moe.experts, top_w.to(x.dtype), top_i, self.moe_formulation)
+        return routed.reshape(hn.shape) + moe.shared_experts(hn)
+
+    def _layers(self, input_ids, lengths, cursor, states):
+        """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
+        m = text_model(self.model)
+        h = m.embed_tokens(input_ids)
+        sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+        new_states, j = [], 0
+        for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
+            hn = layer.input_layernorm(h)
+            if kind == "linear_attention":
+                n = 7 + (self.shadow != "none")  # conv, checkpoint[, shadow], k, u, g, v, beta
+                out, st = self._kda(i, layer.self_attn, hn, states[j], list(states[j + 1:j + n]), cursor, sbi)
+                new_states += st
+                j += n
+            else:
+                out, kv, rope = self._mla(layer.self_attn, hn, states[j], states[j + 1], lengths)
+                new_states += [kv, rope]
+                j += 2
+            h = h + out
+            hn = layer.post_attention_layernorm(h)
+            h = h + (self._moe(hn, layer.mlp) if hasattr(layer.mlp, "experts") else layer.mlp(hn))
+        return self.model.lm_head(m.norm(h)).float(), new_states
+
+
+__all__ = ["MODES", "MODEL_TYPES", "KDAConventional", "KDAReplay", "make_kda_mode", "KimiStep", "KimiKDADecodeStep",
+           "kda_op_type", "kda_node", "MOE_KEYS"]

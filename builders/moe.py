@@ -181,3 +181,27 @@ def moe_forward(hidden: torch.Tensor, moe, formulation: str = "dense") -> torch.
     act = w.shared_act or w.act
     shared = F.linear(act(F.linear(h, w.shared_up, w.shared_up_bias)), w.shared_down, w.shared_down_bias)
     return (y + shared).reshape(shape)
+
+
+def gated_experts(x: torch.Tensor, experts, top_w: torch.Tensor, top_i: torch.Tensor,
+                  formulation: str = "dense") -> torch.Tensor:
+    """The routed sum of gated (SwiGLU-style) experts stored as transformers fuses them, ``experts.gate_up_proj``
+    (E, 2I, D), ``experts.down_proj`` (E, D, I) and ``experts.act_fn`` (Qwen3-Next's and Kimi-Linear's expert
+    modules): sum_i w_i · down_i(act(gate_i x) · up_i x) over each token's k experts, for x (T, D), ``top_w`` (T, k)
+    in x's dtype and ``top_i`` (T, k); (T, D) in x's dtype. The two formulations of the module docstring: "dense"
+    runs every expert on every token and weights them by the (T, E) routing mask built by Equal/Mul/ReduceSum,
+    "gather" runs each token's k gathered expert matrices."""
+    if formulation not in FORMULATIONS:
+        raise ValueError(f"moe_formulation: expected one of {FORMULATIONS}, got {formulation!r}")
+    if formulation == "dense":
+        E = experts.gate_up_proj.shape[0]
+        onehot = top_i[:, :, None] == torch.arange(E, device=x.device)[None, None, :]
+        mask = (onehot.to(x.dtype) * top_w[:, :, None]).sum(1)  # (T, E)
+        gu = torch.matmul(x[None], experts.gate_up_proj.transpose(1, 2))  # (E, T, 2I)
+        g, u = gu.chunk(2, dim=-1)
+        ye = torch.matmul(experts.act_fn(g) * u, experts.down_proj.transpose(1, 2))  # (E, T, D)
+        return (ye * mask.transpose(0, 1)[:, :, None]).sum(0)
+    gu = torch.matmul(experts.gate_up_proj[top_i], x[:, None, :, None])[..., 0]  # (T, k, 2I)
+    g, u = gu.chunk(2, dim=-1)
+    ye = torch.matmul(experts.down_proj[top_i], (experts.act_fn(g) * u)[..., None])[..., 0]  # (T, k, D)
+    return (ye * top_w[:, :, None]).sum(1)

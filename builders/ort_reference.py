@@ -16,8 +16,16 @@
 * ``gdn_decode_shadow``, ``gdn_verify_shadow``: the same with a bf16 shadow of the checkpoint last in and out.
 * ``gdn_verify``: :func:`builders.gdn_step.verify_reference_backend` (``gdn_reference`` flush + verify),
   same outputs; the cursor is read only.
+* the ops a family folder declares (:func:`family_ops`: ``trtllm_replayssm/families/<name>/onnx_ops.py``'s
+  ``ORT_OPS``, e.g. Kimi Delta Attention's ``kda_decode``), registered as they are declared (below).
 Declared for fp32 activations and an fp32 state (the graphs the CPU tests export); attributes are
 accepted and checked against the input shapes.
+
+A family's ``ORT_OPS`` maps its op type to a dict: ``inputs`` / ``outputs`` (type names per position: "float",
+"int32", "int64"), ``attrs`` (attribute name -> "int" or "string", after the ``plugin_namespace`` and ``aot`` every
+plugin node carries), ``low`` ({input index: output index} of the states the graph declares in a low-precision dtype
+(bfloat16) that the CPU session carries as float32: :func:`_float_low_io`) and ``run`` (numpy inputs and the
+attributes as keywords -> numpy outputs, the family's reference on copies of the states).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ def _mamba2_decode(op_type, ins, shadow, shadow_scale, attrs, verify: bool = Fal
     caches = dict(state=t(state), x_cache=t(x_cache), B_cache=t(B_cache), dt_cache=t(dt_cache))
     sh = scale = None
     if shadow is not None:
-        # float32 values of the bf16 / fp8 shadow (:func:`_float_shadow_io`); which one: the scale says, a (1,)
+        # float32 values of the bf16 / fp8 shadow (:func:`_float_low_io`); which one: the scale says, a (1,)
         # placeholder for bf16 and (slots, H, P) row scales for fp8
         fp8 = np.asarray(shadow_scale).ndim == 3
         kind = torch.float8_e4m3fn if fp8 else torch.bfloat16
@@ -86,16 +94,38 @@ _SHADOW_IO = {SHADOW_OP_TYPE: (13, 5), VERIFY_SHADOW_OP_TYPE: (13, 5),  # op -> 
               GDN_SHADOW_OP_TYPE: (15, 7), GDN_VERIFY_SHADOW_OP_TYPE: (15, 7)}
 
 
-def _float_shadow_io(model) -> None:
-    """onnxruntime-extensions' Python ops take no bfloat16 tensors, nor does onnxruntime's numpy I/O: the bf16
-    shadow inputs and outputs of the graph, which only the shadow ops' nodes read and write, are
-    declared float32 for the CPU session (exact: the values are bf16; :func:`feed` and :func:`to_torch`
-    convert, and the op checks that its shadow input holds bf16 values)."""
+def family_ops() -> dict:
+    """{op type: declaration} of the ops the family folders declare (module docstring), imported on first use."""
+    import importlib
+    import importlib.util
+
+    from trtllm_replayssm import families
+
+    out = {}
+    for name in families.names():
+        module = f"{families.__name__}.{name}.onnx_ops"
+        if importlib.util.find_spec(module) is not None:
+            out.update(importlib.import_module(module).ORT_OPS)
+    return out
+
+
+def _low_io() -> dict:
+    """{op type: {input index: output index}} of every op's low-precision states (:func:`_float_low_io`)."""
+    return {**{op: dict([io]) for op, io in _SHADOW_IO.items()},
+            **{op: dict(d.get("low", {})) for op, d in family_ops().items() if d.get("low")}}
+
+
+def _float_low_io(model) -> None:
+    """onnxruntime-extensions' Python ops take no bfloat16 tensors, nor does onnxruntime's numpy I/O: the bf16 (and
+    fp8) states of the graph, which only the plugin ops that declare them (:func:`_low_io`: the checkpoint shadows,
+    Kimi Delta Attention's bf16 u ring) read and write, are declared float32 for the CPU session (exact: the values
+    are bf16; :func:`feed` and :func:`to_torch` convert, and the ops check that such an input holds bf16 values)."""
     from onnx import TensorProto
 
-    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in _SHADOW_IO]
-    shadow_ins = {n.input[_SHADOW_IO[n.op_type][0]] for n in nodes}
-    shadow_outs = {n.output[_SHADOW_IO[n.op_type][1]] for n in nodes}
+    low = _low_io()
+    nodes = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type in low]
+    shadow_ins = {n.input[i] for n in nodes for i in low[n.op_type]}
+    shadow_outs = {n.output[o] for n in nodes for o in low[n.op_type].values()}
     # After the retyping the op tells bf16 from fp8 by its scale input (the (1,) constant or (S, H, P) row
     # scales): check here, from the declared types, that each Mamba-2 shadow node's scale matches its shadow.
     graph_in = {v.name: v.type.tensor_type.elem_type for v in model.graph.input}
@@ -114,10 +144,11 @@ def _float_shadow_io(model) -> None:
         if v.type.tensor_type.elem_type not in (TensorProto.BFLOAT16, TensorProto.FLOAT8E4M3FN):
             continue
         if v.name not in shadow_ins | shadow_outs:
-            raise ValueError(f"ort_reference: low-precision graph I/O {v.name!r} is not a shadow op's shadow")
+            raise ValueError(f"ort_reference: low-precision graph I/O {v.name!r} is not a low-precision state of a "
+                             f"plugin op")
         readers = [n for n in model.graph.node if v.name in n.input]
-        if v.name in shadow_ins and any(n.op_type not in _SHADOW_IO for n in readers):
-            raise ValueError(f"ort_reference: {v.name!r} is read by nodes other than the shadow ops")
+        if v.name in shadow_ins and any(n.op_type not in low for n in readers):
+            raise ValueError(f"ort_reference: {v.name!r} is read by nodes other than the plugin ops that declare it")
         v.type.tensor_type.elem_type = TensorProto.FLOAT
 
 
@@ -170,7 +201,7 @@ def _gdn(*args, **attrs):
 
 
 def _gdn_shadow(*args, **attrs):
-    """``gdn_decode_shadow``: the bf16 shadow (as float32 values, :func:`_float_shadow_io`) last in and out."""
+    """``gdn_decode_shadow``: the bf16 shadow (as float32 values, :func:`_float_low_io`) last in and out."""
     from .qwen3_next import reference_backend as gdn_backend
 
     return _gdn_shadow_run(GDN_SHADOW_OP_TYPE, gdn_backend, 0, args, attrs)
@@ -234,31 +265,50 @@ def register() -> str:
                 outputs=[f] * 8, attrs={**gdn_attrs, "num_tokens": i64})(_gdn_verify_shadow)
         onnx_op(op_type=f"{DOMAIN}::{GDN_VERIFY_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,
                 attrs={**gdn_attrs, "num_tokens": i64})(_gdn_verify)
+        types = {"float": f, "int32": i32, "int64": i64}
+        for op_type, d in family_ops().items():
+            onnx_op(op_type=f"{DOMAIN}::{op_type}", inputs=[types[t] for t in d["inputs"]],
+                    outputs=[types[t] for t in d["outputs"]],
+                    attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64,
+                           **{a: i64 if t == "int" else PyCustomOpDef.dt_string for a, t in d["attrs"].items()}},
+                    )(_family_op(d["run"]))
         _registered = True
     return get_library_path()
 
 
+def _family_op(run):
+    """A family's op as onnxruntime-extensions calls it: the attributes every plugin node carries dropped."""
+
+    def op(*inputs, **attrs):
+        attrs.pop("plugin_namespace", None)
+        attrs.pop("aot", None)
+        return run(*inputs, **attrs)
+
+    return op
+
+
 def session(path):
-    """An onnxruntime CPU session of ``path`` with the reference ops registered (a graph with bf16 shadow
-    nodes gets float32 shadow I/O first, :func:`_float_shadow_io`)."""
+    """An onnxruntime CPU session of ``path`` with the reference ops registered (a graph with low-precision states
+    gets float32 I/O for them first, :func:`_float_low_io`)."""
     import onnx
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.register_custom_ops_library(register())
     model = onnx.load(str(path), load_external_data=False)
-    if any(n.domain == DOMAIN and n.op_type in _SHADOW_IO for n in model.graph.node):
+    low = _low_io()
+    if any(n.domain == DOMAIN and n.op_type in low for n in model.graph.node):
         model = onnx.load(str(path))  # with its weights: the retyped graph is handed over in memory
-        _float_shadow_io(model)
+        _float_low_io(model)
         return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-_LOW = (torch.bfloat16, torch.float8_e4m3fn)  # the shadow dtypes the CPU session carries as float32
+_LOW = (torch.bfloat16, torch.float8_e4m3fn)  # the state dtypes the CPU session carries as float32
 
 
 def feed(names, values) -> dict:
-    """Session inputs from torch tensors (bfloat16 / fp8 ones as float32: :func:`_float_shadow_io`)."""
+    """Session inputs from torch tensors (bfloat16 / fp8 ones as float32: :func:`_float_low_io`)."""
     return {n: (v.float() if v.dtype in _LOW else v).detach().cpu().numpy() for n, v in zip(names, values)}
 
 

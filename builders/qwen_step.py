@@ -181,17 +181,26 @@ class QwenStep:
     MODEL_TYPES = MODEL_TYPES
 
     FAMILY = "a Qwen3-Next / Qwen3.5 text model"  # in the error that names a wrong model_type
+    LAYER_TYPES = ("linear_attention", "full_attention")  # the config.layer_types the step runs
+
+    @classmethod
+    def for_engine(cls, model, batch: int, kv_len: int, mode: str, buffer_len: int, fuse: bool | None = None):
+        """The step as the generation engine builds it (builders/models.py's streaming step); eager, no fused regions:
+        ``fuse`` does not apply."""
+        return cls(model, batch, kv_len, mode, buffer_len)
 
     @classmethod
     def _checked_config(cls, model, batch: int, kv_len: int):
-        """The model's config after the checks every hybrid step of this shape makes (model_type, layer types, sizes)."""
+        """The model's (text) config after the checks every hybrid step of this shape makes (model_type, layer types,
+        sizes); a composite (vision-language) config's text config, where its decoder lives (GLM-5 Next)."""
         cfg = model.config
         if getattr(cfg, "model_type", None) not in cls.MODEL_TYPES:
             raise ValueError(f"model: expected {cls.FAMILY} (model_type one of {cls.MODEL_TYPES}), "
                              f"got {getattr(cfg, 'model_type', None)!r}")
-        bad = sorted({t for t in cfg.layer_types if t not in ("linear_attention", "full_attention")})
+        cfg = cfg.get_text_config()
+        bad = sorted({t for t in cfg.layer_types if t not in cls.LAYER_TYPES})
         if bad:
-            raise ValueError(f"layer_types: expected linear_attention or full_attention, got {bad}")
+            raise ValueError(f"layer_types: expected {' or '.join(cls.LAYER_TYPES)}, got {bad}")
         if batch < 1 or kv_len < 1:
             raise ValueError(f"batch and kv_len: expected >= 1, got {batch} and {kv_len}")
         return cfg

@@ -2,19 +2,20 @@
 """A decoupled (streaming) Triton Python-backend model for generation: prompt in, tokens streamed out, over the
 generation engine of :mod:`builders.generation` (in-flight batching on the captured model step).
 
-Route (``scripts/make_triton_repo.py --backend python`` writes the repository for every family the engine serves:
-Nemotron-H / Nemotron 3 and Qwen3-Next / Qwen3.5 / Qwen3.5 MoE; :func:`make_generate_repo`; its ``1/model.py``,
+Route (``scripts/make_triton_repo.py --backend python`` writes the repository for every model kind the engine serves:
+builders/models.py's kinds with a streaming step; :func:`make_generate_repo`; its ``1/model.py``,
 builders/triton_repo.py's ``MODEL_PY``, puts the project on ``sys.path`` and hands every call to
 :class:`GenerateModel`):
 
   config.pbtxt   ``backend: "python"``, ``model_transaction_policy { decoupled: true }``, ``max_batch_size: 0``
                  (the engine batches: requests join and leave its slots between decode steps), one instance.
   initialize     the model of the parameters (``model_dir``, or ``tiny`` + ``seed``; ``dtype``, ``device``) through
-                 :func:`load_model` (the checked loaders of builders/nemotron_h.py and builders/qwen3_next.py), an
-                 :class:`~builders.generation.Engine` of ``max_slots`` x ``max_seq_len`` over the family's decode step
-                 in ``mode`` (conventional | replay | replay_bf16 | replay_fp8 | replay_ckpt8, no fp8 for Gated DeltaNet;
-                 ``buffer_len``) started on its thread, and ``transformers.AutoTokenizer`` where the checkpoint
-                 directory has a tokenizer. Opt-in engine features (issue 38; :data:`ENGINE_PARAMETERS`):
+                 :func:`load_model` (the checked loader of the model kind, builders/models.py), an
+                 :class:`~builders.generation.Engine` of ``max_slots`` x ``max_seq_len`` over the kind's decode step
+                 in ``mode`` (conventional | replay | replay_bf16 | replay_fp8 | replay_ckpt8, those the kind's SSM
+                 family keeps: ``ModelKind.modes``; ``buffer_len``) started on its thread, and
+                 ``transformers.AutoTokenizer`` where the checkpoint directory has a tokenizer. Opt-in engine
+                 features (issue 38; :data:`ENGINE_PARAMETERS`):
                  ``prefix_cache_tokens`` (> 0: the prefix cache of shared prompt prefixes, that budget in tokens;
                  ``prefix_block`` tokens a block) and ``preempt`` (true: requests beyond the slots take the slot of
                  one that has decoded ``preempt_quantum`` steps, swapped out to host memory, at most
@@ -80,9 +81,9 @@ import threading
 import urllib.error
 import urllib.request
 
+from . import models
 from .engine_format import CONFIG_DTYPES
 from .generation import MODES, Engine, Output, Request, RequestError
-from .qwen3_next import FAMILIES as QWEN_FAMILIES
 from .triton_repo import (
     MODEL_PY,
     RepoError,
@@ -297,38 +298,14 @@ def _param(cfg: dict, key: str, default: str = "") -> str:
 
 
 def load_model(params: dict, device):
-    """The model of the repository's parameters: ``model_dir`` (an HF checkpoint: Nemotron-H / Nemotron 3, or
-    Qwen3-Next / Qwen3.5 by its config.json) or the embedded tiny config ``tiny`` (builders/nemotron_h.py's or
-    builders/qwen3_next.py's) with seeded weights ``seed``, in ``dtype``, on ``device``."""
+    """The model of the repository's parameters: ``model_dir`` (a checkpoint directory, its kind by its config.json
+    ``model_type``) or the embedded tiny config ``tiny`` with seeded weights ``seed``, in ``dtype``, on ``device``,
+    through its kind's checked loader (the registry of builders/models.py)."""
     import torch
 
-    from .kda import is_kda_checkpoint, load_kda_model
-    from .nemotron_h import load_nemotron_h
-    from .qwen3_next import is_gdn_checkpoint, load_gdn_model
-
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[params["dtype"]]
-    model_dir = params.get("model_dir") or None
-    tiny, seed = params.get("tiny") or "nemotron_h", int(params.get("seed", 0))
-    if (model_dir is None and tiny in QWEN_FAMILIES) or (model_dir is not None and is_gdn_checkpoint(model_dir)):
-        return load_gdn_model(model_dir, tiny, dtype=dtype, seed=seed, device=device)
-    if (model_dir is None and tiny == "kimi_linear") or (model_dir is not None and is_kda_checkpoint(model_dir)):
-        return load_kda_model(model_dir, tiny, dtype=dtype, seed=seed, device=device)
-    return load_nemotron_h(model_dir, dtype=dtype, seed=seed, device=device, tiny=tiny)
-
-
-def is_gdn(tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None) -> bool:
-    """Whether the repository's model is a Gated DeltaNet one (Qwen3-Next / Qwen3.5): the --tiny name or the
-    checkpoint's config.json."""
-    from .qwen3_next import is_gdn_checkpoint
-
-    return tiny in QWEN_FAMILIES if model_dir is None else is_gdn_checkpoint(model_dir)
-
-
-def is_kda(tiny: str = "nemotron_h", model_dir: pathlib.Path | None = None) -> bool:
-    """Whether the repository's model is a Kimi Delta Attention one (Kimi-Linear): the --tiny name or config.json."""
-    from .kda import is_kda_checkpoint
-
-    return tiny == "kimi_linear" if model_dir is None else is_kda_checkpoint(model_dir)
+    kind, tiny = models.for_source(params.get("model_dir") or None, params.get("tiny") or None, streaming=True)
+    return kind.load(params.get("model_dir") or None, tiny, dtype=dtype, seed=int(params.get("seed", 0)), device=device)
 
 
 class PbModel:
@@ -628,29 +605,33 @@ def generate_model_config(name: str, *, device: str, max_slots: int, max_seq_len
     return mc
 
 
-def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = "nemotron_h",
+SHADOW_MODES = ("replay_bf16", "replay_fp8")  # the modes --shadow also names (scripts/make_triton_repo.py)
+
+
+def _model_type(model_dir: pathlib.Path):
+    return json.loads((model_dir / "config.json").read_text()).get("model_type")  # read and checked by _vocab
+
+
+def make_generate_repo(repo: pathlib.Path, name: str | None = None, *, tiny: str = models.DEFAULT_TINY,
                        model_dir: pathlib.Path | None = None, dtype: str = "fp32", seed: int = 0, device: str = "auto",
                        max_slots: int = 8, max_seq_len: int = 1024, buffer_len: int = 16, mode: str = "replay",
                        text_input: str = "auto", health_url: str = "auto", prefix_cache_tokens: int = 0,
                        prefix_block: int = 16, preempt: bool = False, preempt_quantum: int = 16,
                        max_swapped_bytes: int | None = None) -> pathlib.Path:
     """Write REPO/NAME/{config.pbtxt, 1/model.py} of the streaming model; returns REPO/NAME. Refused before a file is
-    written, naming the flag: a bad --dtype, --device cuda without CUDA, a --mode outside MODES (replay_fp8 for a
-    Gated DeltaNet model: there is no fp8 GDN shadow), a bad --tiny, a checkpoint the server's loader or decode
-    step refuses, an engine option out of range (--prefix-cache-tokens, --prefix-block, --preempt-quantum,
-    --max-swapped-bytes)."""
+    written, naming the flag: a bad --dtype, --device cuda without CUDA, a --mode outside MODES or one the model
+    kind's family keeps no state for (``ModelKind.refusal``: replay_fp8 for a Gated DeltaNet model, ...), a bad
+    --tiny, a checkpoint the server's loader or decode step refuses, an engine option out of range
+    (--prefix-cache-tokens, --prefix-block, --preempt-quantum, --max-swapped-bytes)."""
     dtype, device = check_dtype_device(dtype, device)
     if mode not in MODES:
         raise RepoError(f"--mode: expected one of {MODES}, got {mode!r}")
     _vocab(tiny, model_dir)  # the checkpoint's config.json or the tiny name, checked
-    if mode == "replay_fp8" and is_gdn(tiny, model_dir):
-        raise RepoError("--mode replay_fp8 (--shadow fp8): Gated DeltaNet models (Qwen3-Next / Qwen3.5) take "
-                        "replay_bf16 (--shadow bf16); there is no fp8 GDN shadow")
-    if mode == "replay_fp8" and is_kda(tiny, model_dir):
-        raise RepoError("--mode replay_fp8 (--shadow fp8): Kimi Delta Attention models (Kimi-Linear) take replay_bf16 "
-                        "(--shadow bf16); there is no fp8 KDA shadow")
-    if mode == "replay_ckpt8" and (is_gdn(tiny, model_dir) or is_kda(tiny, model_dir)):
-        raise RepoError("--mode replay_ckpt8: the 8-bit checkpoint is for Mamba-2 models (Nemotron-H, Nemotron 3)")
+    kind = models.by_model_type(_model_type(model_dir)) if model_dir is not None else models.by_tiny(tiny)
+    why = kind.refusal(mode)
+    if why:
+        flag = f" (--shadow {mode.removeprefix('replay_')})" if mode in SHADOW_MODES else ""
+        raise RepoError(f"--mode {mode}{flag}: {why}")
     route = text_input_route(text_input)
     name = name or default_name(tiny=tiny, model_dir=model_dir)
     _check_target(repo, name)

@@ -294,16 +294,14 @@ def python_paths() -> list[str]:
 
 def _vocab(tiny: str, model_dir: pathlib.Path | None) -> int:
     """The vocabulary size of the --tiny name or of the --model checkpoint's config.json, both checked by name."""
-    from .kda import TINY_KIMI_LINEAR
-    from .nemotron_h import TINY_CONFIGS
-    from .qwen3_next import ACCEPTED_MODEL_TYPES, FAMILIES
+    from . import models
 
-    served = ACCEPTED_MODEL_TYPES + ("kimi_linear",)  # the model types the generation engine serves
+    served = models.model_types(streaming=True)  # the model types the generation engine serves
     if model_dir is None:
-        tinies = {**TINY_CONFIGS, **FAMILIES, "kimi_linear": TINY_KIMI_LINEAR}
-        if tiny not in tinies:
-            raise RepoError(f"--tiny: expected one of {sorted(tinies)}, got {tiny!r}")
-        return int(tinies[tiny]["vocab_size"])
+        try:
+            return models.by_tiny(tiny, streaming=True).vocab_size(tiny)
+        except ValueError as e:
+            raise RepoError(str(e)) from None
     cfg_path = model_dir / "config.json"
     if not cfg_path.is_file():
         raise RepoError(f"--model: expected a checkpoint directory with config.json, got {model_dir}")

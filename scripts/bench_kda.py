@@ -20,8 +20,18 @@ the gate (``use_gate_in_kernel``, ``A_log``, ``dt_bias``), the beta sigmoid and 
 the final state written to a new tensor: the conventional bytes. Its output is first checked against our
 conventional kernel on the same inputs (``fla_check_rel``).
 
+Speculative verify (``--verify T``, rows of kind "verify"; plugins/kda/kda_spec.cu): one ``kda_replay_verify`` of T
+tokens per row at committed count m = 0, L - 2T (the longest history without a fold) and L - T (the fold), fp32
+checkpoint and bf16 shadow; bytes costs.kda_verify_bytes (S0 or its shadow, m x (k, u, g), T io, T entries written;
+the fold: S0 read and written (+ shadow), m x (k, v, g, beta)); ``x_conv_T``: T conventional steps of the same run
+over this one verify (the same tokens stepped one by one without snapshots: a lower bound of the native spec).
+
+A/B of kernel trees (``TRTLLM_REPLAYSSM_PLUGIN_DIR``, compile.py): ``--sweep-only`` skips the main rows, so a second
+process over an older kernel tree times only the sweep rows for a same-card comparison.
+
 Usage: python scripts/bench_kda.py [--batches 1,8,32,64,128,256] [--geoms kimi_k3_tp8,glm5_3_flash_tp8]
-       [--out bench/results] [--commit SHA] [--fla-path third_party/fla_peer] [--sweep 4:4,4:8,2:4]
+       [--out bench/results] [--commit SHA] [--fla-path third_party/fla_peer] [--sweep 4:4,4:8,2:4] [--sweep-only]
+       [--verify 4]
 """
 
 from __future__ import annotations
@@ -59,13 +69,60 @@ def load_fla(path: pathlib.Path):
     return fused_recurrent_kda
 
 
+def _rotations(H, K, V, batch):
+    return max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (costs.kda_state_bytes(H, K, V) * batch))))
+
+
+def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv_us: float | None = None) -> dict:
+    """Verify rows: ``kda_replay_verify`` of T tokens at committed counts 0, L - 2T, L - T (the fold)."""
+    H, K, V = GEOMETRIES[geom]
+    lb = LOWER_BOUND.get(geom)
+    act = torch.bfloat16
+    R = _rotations(H, K, V, batch)
+    slots = batch * R
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dev = dict(device="cuda")
+    state = torch.randn(slots, H, K, V, generator=gen, **dev) * 0.05
+    shadow = state.to(torch.bfloat16)
+    rings = (torch.randn(slots, H, L, K, generator=gen, **dev).to(act),
+             (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(torch.bfloat16),
+             -torch.rand(slots, H, L, K, generator=gen, **dev) * 0.3, torch.randn(slots, H, L, V, generator=gen, **dev).to(act),
+             torch.rand(slots, H, L, generator=gen, **dev))
+    cursor = torch.zeros(slots, 2, dtype=torch.int32, **dev)
+    A_log = torch.log(torch.rand(H, generator=gen, **dev) * 15 + 1)
+    dt_bias = torch.rand(H, K, generator=gen, **dev) * 0.1 - 3.0
+    perm = torch.randperm(slots, generator=gen, **dev).to(torch.int32)
+    sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
+    shapes = ((batch, T, H, K), (batch, T, H, K), (batch, T, H, V), (batch, T, H, K), (batch, T, H))
+    ins = [tuple(torch.randn(*sh, generator=gen, **dev).to(act) for sh in shapes) for _ in range(min(R, 4))]
+    y = torch.empty(batch, T, H, V, dtype=act, **dev)
+    row = dict(geom=geom, H=H, K=K, V=V, L=L, T=T, batch=batch, rotations=R, act="bf16", lower_bound=lb,
+               geometry=kda_geometry(H, K, V, batch))
+    for name, sh in (("f32", None), ("bf16shadow", shadow)):
+        for m in (0, L - 2 * T, L - T):
+            cursor[:, 1] = m
+
+            def fn(sh=sh):
+                for r in range(R):
+                    kops.kda_replay_verify(*ins[r % len(ins)], A_log, dt_bias, state, *rings, cursor, sbis[r], out=y,
+                                           shadow=sh, lower_bound=lb, check_values=False)
+
+            us, spread = graph_time_us(fn, R)
+            b = costs.kda_verify_bytes(H, K, V, L, T, m, shadow="bf16" if sh is not None else None) * batch
+            row[f"{name}_us_m{m}"], row[f"{name}_spread_us_m{m}"] = us, spread
+            row[f"{name}_tbps_m{m}"] = b / us / 1e6
+            if conv_us is not None:
+                row[f"{name}_x_conv_T_m{m}"] = T * conv_us / us
+    return row
+
+
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
                 peer: bool = True) -> dict:
     """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla."""
     H, K, V = GEOMETRIES[geom]
     lb = LOWER_BOUND.get(geom)
     act = torch.bfloat16
-    R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (costs.kda_state_bytes(H, K, V) * batch))))
+    R = _rotations(H, K, V, batch)
     slots = batch * R
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dev = dict(device="cuda")
@@ -176,6 +233,10 @@ def main():
     ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer")
     ap.add_argument("--sweep", default="", help="launch shapes col_lanes:warps,... timed at positions 1, L/2, L "
                     "for the first geometry at the smallest and largest batch (rows of kind 'sweep')")
+    ap.add_argument("--sweep-only", action="store_true", help="only the sweep rows (an A/B over another kernel tree)")
+    ap.add_argument("--verify", type=int, default=0, help="T: verify rows (kind 'verify') at every geometry and batch")
+    ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
+                    "(threads an SM the register budget is set for), comma-separated")
     args = ap.parse_args()
     try:
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
@@ -197,9 +258,9 @@ def main():
     meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling,
                 fla=None if FLA is None else json.loads((args.fla_path / "PEER.json").read_text()))
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
-    rows = []
+    rows, verify = [], []
     for geom in geoms:
-        for b in batches:
+        for b in ([] if args.sweep_only else batches):
             row = bench_point(geom, b, args.L)
             row["pct_ceiling_conv"] = 100 * row["tbps_conv"] / ceiling
             for name in ("f32", "bf16shadow"):
@@ -209,6 +270,15 @@ def main():
                 row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
             rows.append(row)
             print("RESULT_JSON " + json.dumps({"kind": "row", **row}), flush=True)
+            if args.verify:
+                for res in [0] + [int(x) for x in args.verify_resident.split(",") if x]:
+                    with override(resident=res or None):
+                        vrow = bench_verify(geom, b, args.verify, args.L, conv_us=row["conv_us"])
+                    vrow["resident"] = res
+                    for key in [k for k in vrow if k.startswith(("f32_tbps", "bf16shadow_tbps"))]:
+                        vrow[key.replace("tbps", "pct_ceiling")] = 100 * vrow[key] / ceiling
+                    verify.append(vrow)
+                    print("RESULT_JSON " + json.dumps({"kind": "verify", **vrow}), flush=True)
     sweep = []
     for item in [x for x in args.sweep.split(",") if x]:
         cl, w = (int(t) for t in item.split(":"))
@@ -224,7 +294,7 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{meta['date'][:10]}_{args.tag}_{meta['commit'][:10]}.json"
-    path.write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep}, indent=1))
+    path.write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep, "verify": verify}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'geom':>16s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} "
           f"{'%ceil':>5s} {'x conv':>6s} {'%bnd':>5s} | {'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} "
@@ -236,6 +306,15 @@ def main():
                            for n in ("f32", "bf16shadow"))
               + (f" | fla {r['fla_us']:7.1f} us (check {r['fla_check_rel']:.1e}) x fla {r['f32_speedup_vs_fla']:.2f}"
                  if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else "")))
+    for r in sweep:
+        if "error" not in r:
+            print(f"sweep {r['geom']} bs{r['batch']} {r['shape']}: conv {r['conv_us']:.1f} us, f32 k {r['f32_us_at']}, "
+                  f"shadow k {r['bf16shadow_us_at']}")
+    for r in verify:
+        print(f"verify T{r['T']} r{r['resident']} {r['geom']} bs{r['batch']}: " + ", ".join(
+            f"{n} m{m} {r[f'{n}_us_m{m}']:.1f} us ({r[f'{n}_pct_ceiling_m{m}']:.0f}%, x conv*T "
+            f"{r.get(f'{n}_x_conv_T_m{m}', float('nan')):.2f})" for n in ("f32", "bf16shadow")
+            for m in (0, r['L'] - 2 * r['T'], r['L'] - r['T'])))
 
 
 if __name__ == "__main__":

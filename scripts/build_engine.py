@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 # SPDX-License-Identifier: Apache-2.0
-"""Build a ReplaySSM decode-step engine directory for a Nemotron-H / Nemotron 3 or Qwen3-Next / Qwen3.5 model.
+"""Build a ReplaySSM decode-step engine directory for a model of a kind with an engine export (builders/models.py).
 
 The command line over ``builders/engine.py`` (:func:`builders.engine.build`). What the output directory
 holds (model.onnx, or verify.onnx + commit.onnx with ``--num-draft N``; the plugin PTX per tactic;
@@ -45,6 +45,7 @@ from builders.engine import (  # noqa: E402
     check_options,
 )
 from builders.engine_format import is_speculative  # noqa: E402
+from builders.models import by_model_type, kinds  # noqa: E402
 from builders.triton_repo import DTYPE_ALIASES, dtype_spelling  # noqa: E402  (--dtype spelled as make_triton_repo's)
 from trtllm_replayssm.config import SUPPORTED_BUFFER_LEN  # noqa: E402
 
@@ -56,10 +57,9 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", type=pathlib.Path, default=None,
                    help="HF directory (config.json + *.safetensors); default: embedded tiny config")
+    tinies = "; ".join(f"{', '.join(k.tiny)} ({k.title}: {k.ssm})" for k in kinds(export=True))
     p.add_argument("--tiny", choices=TINY_NAMES, default=None,
-                   help="embedded tiny config without --model: nemotron_h (default, M*-M-M*-), nemotron3 "
-                        "(Mamba-2 + MoE + attention, MEM*EM*E), qwen3_next, qwen3_5 or qwen3_5_moe (Gated DeltaNet + "
-                        "gated attention, 3 GDN layers then 1 attention layer; Qwen3-Next and Qwen3.5 MoE with MoE)")
+                   help=f"embedded tiny config without --model (default {TINY_NAMES[0]}): {tinies}")
     p.add_argument("--moe-formulation", choices=MOE_FORMULATIONS, default=DEFAULTS["moe_formulation"],
                    help="routed experts of MoE layers in the graph: dense over experts with a routing mask "
                         "(default) or gathered per token (builders/moe.py says when each is cheaper)")
@@ -84,8 +84,9 @@ def parse_args(argv=None):
                         "verify and commit graphs instead of the decode step")
     p.add_argument("--shadow", choices=SHADOWS, default=DEFAULTS["shadow"],
                    help="a low-precision shadow of the fp32 checkpoint as one more state per SSM layer, read by "
-                        "steps without a fold, rewritten by folds: bf16 (Nemotron and Qwen engines, standard and "
-                        "--num-draft) or fp8 with per-row scales (Nemotron engines); --state-dtype fp32")
+                        "steps without a fold, rewritten by folds: bf16 or fp8 with per-row scales, those the model's "
+                        "SSM family keeps (" + "; ".join(f"{k.ssm}: {', '.join(k.shadows)}" for k in kinds(export=True))
+                        + "); --state-dtype fp32")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     a = p.parse_args(argv)
     try:
@@ -118,10 +119,8 @@ def summary(out: pathlib.Path) -> str:
     if missing:
         lines.append(f"{' and '.join(missing)} not built here (TensorRT >= 10.9 and a GPU): rerun this command "
                      f"there, or the trtexec command in {out / 'trtexec.sh'} from a process that registered the plugins")
-    gdn = "G" in (cfg.get("model") or {}).get("pattern", "")  # Gated DeltaNet layers: a Qwen3-Next / Qwen3.5 engine
-    tests = {(False, False): "tests/test_builder.py tests/test_triton_repo.py",
-             (True, False): "tests/test_gdn_builder.py tests/test_triton_repo.py",
-             (False, True): "tests/test_spec_builder.py", (True, True): "tests/test_gdn_spec_builder.py"}[gdn, spec]
+    kind = by_model_type((cfg.get("model") or {}).get("model_type")) or kinds(export=True)[0]
+    tests = kind.tests[spec]  # the tests of the model kind's engines (builders/models.py)
     if spec:
         lines.append("next: the verify + commit pair is driven by its caller (sampling between the two plans; "
                      "config.json 'graphs'); scripts/make_triton_repo.py serves standard engines only")

@@ -131,10 +131,11 @@ def main(argv=None) -> int:
     d = PY_DEFAULTS
     py = ap.add_argument_group("--backend python only")
     py.add_argument("--model", type=pathlib.Path,
-                    help="Nemotron-H / Nemotron 3 / Qwen3-Next / Qwen3.5 checkpoint directory (default: the embedded "
-                         "tiny); loaded once here as the server will load it, so a bad checkpoint is refused now")
+                    help="Nemotron-H / Nemotron 3 / Qwen3-Next / Qwen3.5 / Kimi-Linear / GLM-5 Next checkpoint directory "
+                         "(default: the embedded tiny); loaded once here as the server will load it, so a bad "
+                         "checkpoint is refused now")
     py.add_argument("--tiny", help="embedded tiny config without --model: nemotron_h, nemotron3, qwen3_next, qwen3_5, "
-                                   f"qwen3_5_moe, kimi_linear (default: {d['tiny']})")
+                                   f"qwen3_5_moe, kimi_linear, glm5_next (default: {d['tiny']})")
     py.add_argument("--seed", type=int, help=f"seed of the tiny model's weights (default: {d['seed']})")
     py.add_argument("--dtype", type=dtype_spelling, choices=DTYPES,
                     help=f"weights and activations, as build_engine.py's --dtype (float32 / bfloat16 / float16 are "

@@ -270,7 +270,9 @@ def test_build_engine_summary_of_a_speculative_pair(tmp_path):
     bld = _script("build_engine")
     out = tmp_path / "spec"
     out.mkdir()
-    (out / "config.json").write_text(json.dumps({"format": "trtllm-replayssm-spec-step/1", "model": {"pattern": "GGG*"}}))
+    # a Qwen3.5 engine's config.json names its model_type, which the summary's test hint follows (builders/models.py)
+    (out / "config.json").write_text(json.dumps({"format": "trtllm-replayssm-spec-step/1",
+                                                 "model": {"pattern": "GGG*", "model_type": "qwen3_5"}}))
     (out / "verify.onnx").write_bytes(b"x" * 2048)
     text = bld.summary(out)
     assert "verify.plan and commit.plan not built here" in text and "make_triton_repo.py serves standard" in text

@@ -123,15 +123,17 @@ def test_forward_raising_mid_step_breaks_only_its_cache(model):
                                              ("qwen3_5_moe", True), ("qwen3_5_moe_text", True), ("nemotron_h", False)])
 def test_published_checkpoint_model_types_are_recognised(tmp_path, model_type, gdn):
     """The published Qwen3.5 directories carry the vision-language wrapper's model_type (qwen3_5 / qwen3_5_moe):
-    they are GDN checkpoints for the builder (they used to go to the Nemotron loader)."""
+    they are GDN checkpoints for the builder (they used to go to the Nemotron loader); the registry of model kinds
+    (builders/models.py) says which kind's loader and steps take a directory."""
     import json
 
-    from builders.engine import BuildOptions, is_gdn
+    from builders import models
     from builders.qwen3_next import is_gdn_checkpoint
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
     assert is_gdn_checkpoint(tmp_path) is gdn
-    assert is_gdn(BuildOptions(out=tmp_path / "e", model=tmp_path)) is gdn
+    kind, tiny = models.for_source(tmp_path)
+    assert (kind.family == "gdn") is gdn and tiny is None and kind.is_checkpoint(tmp_path)
 
 
 # ---- the decode step with explicit state I/O, and its ONNX export ------------------------------------

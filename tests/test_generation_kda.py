@@ -158,13 +158,11 @@ def test_replay_folds_and_bf16_shadow_is_read(kimi):
 
 def test_modes_and_families_are_checked(kimi):
     """No fp8 KDA shadow: replay_fp8 is refused naming it, before anything is allocated; STEPS serves kimi_linear
-    (GLM-5 Next is not served: its model type is refused by name)."""
+    with KimiStep (GLM-5 Next: tests/test_generation_glm5.py)."""
     model, _ = kimi
-    assert STEPS["kimi_linear"] is not None and "glm5_next" not in STEPS
+    assert type(make_step(model, 1, 8)) is KimiStep and "kimi_linear" in STEPS
     with pytest.raises(ValueError, match="no fp8 KDA shadow"):
         Engine(model, max_slots=1, max_seq_len=8, mode="replay_fp8")
-    with pytest.raises(ValueError, match="no generation step for model_type 'glm5_next'"):
-        make_step(tiny_model("glm5_next", seed=0), 1, 8)
     with pytest.raises(RequestError, match="exceed the KV capacity of 8"):
         Engine(model, max_slots=1, max_seq_len=8).submit(Request([1] * 5, 4))
 
@@ -354,15 +352,3 @@ def test_cuda_engine_matches_generate():
                 assert got.tokens[i] == want, (mode, i)
         assert_idle(eng)
 
-
-def test_glm5_next_is_refused_by_name():
-    """GLM-5 Next has no engine step yet (docs/triton.md says what it needs): the engine refuses it naming the
-    model_type and the served ones, before any allocation (its composite config's vocabulary is read from the text
-    config, where it lives)."""
-    from builders.generation import Engine
-    from builders.kda import tiny_model as kda_tiny
-
-    glm = kda_tiny("glm5_next", seed=0)
-    assert getattr(glm.config, "vocab_size", None) is None and glm.config.get_text_config().vocab_size == 256
-    with pytest.raises(ValueError, match=r"no generation step for model_type 'glm5_next' \(served: .*'kimi_linear'"):
-        Engine(glm, max_slots=1, max_seq_len=16, mode="replay", buffer_len=4)

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""ReplayStateCache with Kimi Delta Attention layers on CUDA (the family's fused decode kernel through the cache's one
-API, the shared cursor kernel) against a float64 ReplayStateCache on the CPU, step by step.
+"""ReplayStateCache with Kimi Delta Attention layers on CUDA (the family's fused decode kernel on the standard cursor,
+its verify kernel on the ring cursor with T = 4 and random acceptance, through the cache's one API; the shared cursor
+kernels) against a float64 ReplayStateCache on the CPU, step by step.
 
 Oracle: the CPU cache in float64 fed the very inputs the CUDA cache sees, re-synced to the CUDA cache's KDA tensors
 after every step (checkpoint, rings, shadow, conv windows), so each comparison is one step's fp32-vs-float64
@@ -26,11 +27,13 @@ def rel(a, b):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shadow, lower_bound", [(None, None), (torch.bfloat16, None), (None, -5.0)])
-def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound):
+@pytest.mark.parametrize("shadow, lower_bound, T", [(None, None, 1), (torch.bfloat16, None, 1), (None, -5.0, 1),
+                                                    (None, None, 4), (torch.bfloat16, -5.0, 4)])
+def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound, T):
     H, K, V, L, layers, slots, batch = 4, 128, 128, 8, 2, 6, 4
     act = torch.bfloat16
-    kw = dict(cursor="standard", conv_kernel=K_CONV, shadow_dtype=shadow)
+    standard = T == 1
+    kw = dict(cursor="standard" if standard else "ring", num_draft=T - 1, conv_kernel=K_CONV, shadow_dtype=shadow)
     dev = ReplayStateCache.for_family("kda", layers, slots, (H, K, V), L, act_dtype=act, device="cuda", **kw)
     cpu = ReplayStateCache.for_family("kda", layers, slots, (H, K, V), L, state_dtype=F64, act_dtype=F64, dt_dtype=F64,
                                       read_shadow=shadow is not None, **kw)
@@ -58,21 +61,22 @@ def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound):
         sbi = torch.tensor(rows, dtype=torch.int32)
         free = [s for s in range(slots) if s not in live]
         before = {n: g_dev.t[n][:, free].clone() for n in names}
-        dev.flush(sbi.cuda(), 1)
-        folds += len(cpu.flush(sbi, 1))
+        dev.flush(sbi.cuda(), T)
+        folded = cpu.flush(sbi, T)
+        folds += len(folded)
         ok = sbi >= 0
         for l in range(layers):
-            u = torch.randn(batch, 1, Dc, generator=gen).to(act)
+            u = torch.randn(batch, T, Dc, generator=gen).to(act)
             w, bias = conv_w[l]
             co = cpu.conv_update(l, u.double(), w.double(), bias.double(), sbi)
             dev.conv_update(l, u.cuda(), w.cuda(), bias.cuda(), sbi.cuda())
             q, k, v = co[..., :H * K], co[..., H * K:2 * H * K], co[..., 2 * H * K:]
-            q = q.reshape(batch, 1, H, K).nan_to_num().to(act)
-            k = k.reshape(batch, 1, H, K).nan_to_num().to(act)
-            v = v.reshape(batch, 1, H, V).nan_to_num().to(act)
-            f = torch.randn(batch, 1, H, K, generator=gen).to(act)
-            b = (torch.randn(batch, 1, H, generator=gen) + 1).to(act)
-            out = torch.full((batch, 1, H, V), float("nan"), dtype=act, device="cuda")
+            q = q.reshape(batch, T, H, K).nan_to_num().to(act)
+            k = k.reshape(batch, T, H, K).nan_to_num().to(act)
+            v = v.reshape(batch, T, H, V).nan_to_num().to(act)
+            f = torch.randn(batch, T, H, K, generator=gen).to(act)
+            b = (torch.randn(batch, T, H, generator=gen) + 1).to(act)
+            out = torch.full((batch, T, H, V), float("nan"), dtype=act, device="cuda")
             y = dev.verify(l, q.cuda(), k.cuda(), v.cuda(), f.cuda(), b.cuda(), A_log[l].cuda(), dt_bias[l].cuda(),
                            sbi.cuda(), out=out, lower_bound=lower_bound)
             want = cpu.verify(l, q.double(), k.double(), v.double(), f.double(), b.double(), A_log[l].double(),
@@ -80,15 +84,18 @@ def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound):
             tol = 2e-2 if shadow is not None else 1e-2
             assert rel(y[ok.cuda()].cpu(), want[ok]) < tol, (step, l, rel(y[ok.cuda()].cpu(), want[ok]))
             assert torch.isnan(y[~ok.cuda()]).all()  # the padding row's output untouched
-        dev.commit(sbi.cuda(), None, 1)
-        cpu.commit(sbi, None, 1)
+        # n >= T - num_draft = 1: the conv window keeps K - 1 inputs past the last accepted one (cache.commit)
+        acc = None if standard else torch.randint(1, T + 1, (batch,), generator=gen).to(torch.int32)
+        dev.commit(sbi.cuda(), None if standard else acc.cuda(), T)
+        cpu.commit(sbi, acc, T)
         assert torch.equal(dev.cursor.cpu(), cpu.cursor), step
-        for l in range(layers):
-            if step % L == L - 1:  # every live slot folded this step (standard cursor, loaded together)
-                assert rel(g_dev.t["state"][l].cpu()[live], g_cpu.t["state"][l][live]) < 1e-4, (step, l)
+        assert not standard or sorted(folded) == (sorted(live) if step % L == L - 1 else []), step
+        for l in range(layers):  # the folded slots' checkpoints (standard: every live slot at step L - 1 mod L)
+            if folded:
+                assert rel(g_dev.t["state"][l].cpu()[folded], g_cpu.t["state"][l][folded]) < 1e-4, (step, l)
         assert torch.equal(g_dev.conv.cpu().double(), g_cpu.conv.to(act).double()), step
         for n, t in before.items():  # free slots bit-identical
             assert torch.equal(g_dev.t[n][:, free], t), (step, n)
         for n in names:  # re-sync the mirror: the next comparison is one step's arithmetic
             g_cpu.t[n].copy_(g_dev.t[n].cpu().to(g_cpu.t[n].dtype))
-    assert folds >= 3 * len(live)  # every live slot folded (3L + 2 steps: three times)
+    assert folds >= (3 * len(live) if standard else 2)  # standard: every live slot folded three times in 3L + 2 steps

@@ -4,7 +4,9 @@ by name before any launch (no GPU needed).
 
 The table: the published per-GPU geometries (families/kda GEOMETRIES) at L = 16 with both gates, shadow on and
 off, at the planner's large- and small-batch launch shapes; then rows that change one field each (odd sizes, ring
-lengths, activation dtypes, no l2 norm, a given scale, 4 lanes across a row, K = 256).
+lengths, activation dtypes, no l2 norm, a given scale, 4 lanes across a row, K = 256). The verify modules
+(num_tokens T >= 1, plugins/kda/kda_spec.cu) likewise: the published TP8 geometries at T = 2 and 4, then one field
+changed a row (every supported T, odd sizes, dtypes, the smallest ring 2T, K = 256, the shapes of both plans).
 """
 
 import itertools
@@ -17,7 +19,14 @@ from trtllm_replayssm import compile as cc
 from trtllm_replayssm.families import get
 from trtllm_replayssm.families.kda import GEOMETRIES
 from trtllm_replayssm.families.kda import ops as kops
-from trtllm_replayssm.families.kda.config import KERNEL_NAMES, KDASpec, kda_geometry, kda_spec, override
+from trtllm_replayssm.families.kda.config import (
+    KERNEL_NAMES,
+    SPEC_KERNEL_NAMES,
+    KDASpec,
+    kda_geometry,
+    kda_spec,
+    override,
+)
 
 ARCHS = (90, 100)
 PUBLISHED = [
@@ -32,15 +41,30 @@ ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffe
         dict(lower_bound=-3.0, shadow="bf16"), dict(warps=8), dict(col_lanes=4, warps=8, shadow="bf16"),
         dict(col_lanes=4, buffer_len=5), dict(col_lanes=4, buffer_len=2, act="f32")]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
+VERIFY_PUBLISHED = [
+    kda_spec("bf16", *GEOMETRIES[g], 16, batch, sh, lower_bound=lb, arch=arch, num_tokens=T)
+    for g, (T, batch, sh, lb) in itertools.product(
+        ("kimi_k3_tp8", "kimi_linear_48b_tp8", "glm5_3_flash_tp8"),
+        ((2, 256, "none", None), (4, 1, "bf16", -5.0)))
+    for arch in ARCHS
+]
+VERIFY_ROWS = [dict(num_tokens=4), dict(num_tokens=1), dict(num_tokens=6), dict(num_tokens=8),
+               dict(num_tokens=2, buffer_len=4, act="f32", H=3, K=48, V=40, warps=1),
+               dict(num_tokens=2, buffer_len=5, act="f16", H=5, K=64, V=24, warps=1, l2norm=False),
+               dict(num_tokens=2, buffer_len=4, K=256, V=64, warps=4, shadow="bf16"),
+               dict(num_tokens=4, col_lanes=4, shadow="bf16", lower_bound=-3.0), dict(num_tokens=8, col_lanes=4),
+               dict(num_tokens=1, buffer_len=2, col_lanes=4, scale=0.125)]
+VERIFY_EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(VERIFY_ROWS, ARCHS)]
 
 
-@pytest.mark.parametrize("spec", PUBLISHED + EDGES, ids=lambda s: s.key)
+@pytest.mark.parametrize("spec", PUBLISHED + EDGES + VERIFY_PUBLISHED + VERIFY_EDGES, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
-    for name in KERNEL_NAMES:
+    for name in SPEC_KERNEL_NAMES if spec.num_tokens else KERNEL_NAMES:
         assert re.search(rf"\.entry {name}\(", ptx), name
     assert "__local_depot" not in ptx, "a register array went to local memory"
+    assert f"#define KDA_TOKENS {spec.num_tokens}" in cc.source(spec) if spec.num_tokens else True
 
 
 @pytest.mark.parametrize("shadow, n_sh", [("none", 0), ("bf16", 1)])
@@ -52,6 +76,10 @@ def test_parameter_lists_are_tensorrt_order(shadow, n_sh):
                        ("kda_conventional", ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2)):
         params = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S).group(1)
         assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == want, name
+    # verify: the replay step's list (cursor (slots, 2) is one pointer as the (slots,) one was)
+    ptx = cc.compile_spec(KDASpec(**BASE, shadow=shadow, num_tokens=4), "ptx").decode()
+    params = re.search(r"\.entry kda_verify\((.*?)\)", ptx, re.S).group(1)
+    assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == ["u64"] * (15 + n_sh) + ["u32"] * 2 + ["u64"] * (7 + n_sh)
 
 
 def test_key_and_prelude():
@@ -69,6 +97,17 @@ def test_key_and_prelude():
     # the family registers its spec type: the spec log round-trips
     assert KDASpec in get("kda").spec_types
     assert cc.spec_from_json(cc.spec_to_json(s, "ptx")) == (s, "ptx")
+    v = KDASpec(**BASE, num_tokens=4)
+    assert v.key == "kda_T4_a-bf16_H12_K128_V128_L16_C2_W4_n1_sm90"
+    assert "#define KDA_TOKENS 4" in v.prelude() and "KDA_TOKENS" not in KDASpec(**BASE).prelude()
+    assert cc.entry_file(v) == "kda/kda_spec.cu" and cc.kernel_names(v) == SPEC_KERNEL_NAMES
+    assert cc.spec_from_json(cc.spec_to_json(v, "ptx")) == (v, "ptx")
+    # L = 16, T = 4: 2 (L - 2T) T history x window products, L - 2T history norms, T^2 window pairs, 2T window norms
+    assert v.window_products == 64 + 8 + 16 + 8
+    assert v.min_blocks == 2 and KDASpec(**BASE).min_blocks == 3  # verify: ~255 registers a thread (config)
+    with override(resident=384):  # the register budget of a sweep: in the key, so modules never collide
+        r = kda_spec("bf16", 12, 128, 128, 16, 256, num_tokens=4)
+    assert r.min_blocks == 3 and r.key.endswith("_r384_sm90") and "_r" not in kda_spec("bf16", 12, 128, 128, 16, 256).key
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -76,6 +115,9 @@ def test_key_and_prelude():
     (dict(V=100), "KDASpec.V"), (dict(col_lanes=8), "col_lanes"), (dict(act="f8"), "act"),
     (dict(shadow="fp8"), "shadow"), (dict(lower_bound=1.0), "lower_bound"), (dict(warps=9), "warps"),
     (dict(K=256, col_lanes=4), "state values"),
+    (dict(num_tokens=3), "num_tokens"), (dict(num_tokens=4, buffer_len=7), "num_tokens"),
+    (dict(num_tokens=-1), "num_tokens"), (dict(num_tokens=2, K=256, V=64, warps=1), "2 key channels a thread"),
+    (dict(resident=-1), "resident"),
 ])
 def test_spec_rejects(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -94,6 +136,9 @@ def test_planner():
     for (H, K, V), batch in itertools.product(set(GEOMETRIES.values()), (1, 8, 64, 256)):
         kda_spec("bf16", H, K, V, 16, batch)  # every plan is a valid spec
         kda_spec("bf16", H, K, V, 2, batch, conventional=True)
+        for T in (1, 2, 4, 6, 8):  # the verify module takes the replay step's plan
+            v = kda_spec("bf16", H, K, V, 16, batch, num_tokens=T)
+            assert (v.col_lanes, v.warps, v.num_tokens) == (*kda_geometry(H, K, V, batch), T)
 
 
 # ---- launcher validation (CPU tensors: every check runs before require_cuda) -------------------------------
@@ -144,3 +189,50 @@ def test_options_and_cuda_last():
         kops.kda_replay_decode(**_args())
     with pytest.raises(ValueError, match="shadow"):
         kops.kda_replay_decode(**_args(), shadow=torch.zeros(S, H, K, V + 8, dtype=torch.bfloat16))
+
+
+# ---- verify launcher validation --------------------------------------------------------------------------------
+T = 2
+
+
+def _vargs(**kw):
+    bf = torch.bfloat16
+    a = _args()
+    a.update(q=torch.zeros(B, T, H, K, dtype=bf), k=torch.zeros(B, T, H, K, dtype=bf),
+             v=torch.zeros(B, T, H, V, dtype=bf), f=torch.zeros(B, T, H, K, dtype=bf), b=torch.zeros(B, T, H, dtype=bf),
+             cursor=torch.zeros(S, 2, dtype=torch.int32))
+    a.update(kw)
+    return a
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(cursor=torch.zeros(S, dtype=torch.int32)), ValueError, "cursor"),
+    (dict(cursor=torch.zeros(S, 2, dtype=torch.int64)), TypeError, "cursor"),
+    (dict(cursor=torch.tensor([[0, L - T + 1]] * S, dtype=torch.int32)), ValueError, r"count \(column 1\)"),
+    (dict(cursor=torch.tensor([[L, 0]] * S, dtype=torch.int32)), ValueError, r"start \(column 0\)"),
+    (dict(q=torch.zeros(B, 3, H, K, dtype=torch.bfloat16)), ValueError, "T = 1 \\+ num_draft"),
+    (dict(b=torch.zeros(B, T + 1, H, dtype=torch.bfloat16)), ValueError, "b"),
+    (dict(v=torch.zeros(B, H, V, dtype=torch.bfloat16)), ValueError, "v"),
+    (dict(f=torch.zeros(B, T, H, K), ), TypeError, "f"),
+    (dict(out=torch.zeros(B, H, V, dtype=torch.bfloat16)), ValueError, "out"),
+    (dict(state_batch_indices=torch.tensor([1, 1, -1], dtype=torch.int32)), ValueError, "state_batch_indices"),
+    (dict(shadow=torch.zeros(S, H, K, V)), TypeError, "shadow"),
+])
+def test_verify_validation_names_the_tensor(kw, err, match):
+    with pytest.raises(err, match=match):
+        kops.kda_replay_verify(**_vargs(**kw))
+
+
+def test_verify_window_and_cuda_last():
+    small = dict(k_cache=torch.zeros(S, H, 3, K, dtype=torch.bfloat16), u_cache=torch.zeros(S, H, 3, V, dtype=torch.bfloat16),
+                 g_cache=torch.zeros(S, H, 3, K), v_cache=torch.zeros(S, H, 3, V, dtype=torch.bfloat16),
+                 beta_cache=torch.zeros(S, H, 3))
+    with pytest.raises(ValueError, match=r"u_cache: ring length L \(dim 2\) expected in \[2T, 16\]"):
+        kops.kda_replay_verify(**_vargs(**small))
+    with pytest.raises(ValueError, match="lower_bound"):
+        kops.kda_replay_verify(**_vargs(), lower_bound=1.0)
+    with pytest.raises(ValueError, match="CUDA"):  # everything else was valid: only the device is left
+        kops.kda_replay_verify(**_vargs())
+    with pytest.raises(ValueError, match="u_cache"):
+        kops.kda_spec_commit(torch.zeros(S, 2, dtype=torch.int32), torch.ones(B, dtype=torch.int32),
+                             torch.arange(B, dtype=torch.int32), T, torch.zeros(S, H, V))

@@ -86,3 +86,72 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, name, shadow):  # noqa: 
         assert (kname, ptx) == (want.kernel_name, want.ptx)
         assert tuple(_ev(getattr(launch, f"grid_{a}"), env) for a in "xyz") == want.grid(5)
         assert [_ev(e, env) for e in extra] == [5, 7]
+
+
+# ---- kda_verify[_shadow] ---------------------------------------------------------------------------------------
+VATTRS = {**ATTRS, "num_tokens": 4}
+
+
+@pytest.mark.parametrize("tactic", sorted(tp.TACTICS))
+@pytest.mark.parametrize("shadow, lower_bound, T", [("none", None, 4), ("bf16", -5.0, 2)])
+def test_aot_verify_kernel_is_what_ops_launches_in_tensorrt_order(tactic, shadow, lower_bound, T):
+    k = kp.aot_verify_kernel(12, 128, 128, 16, 1, kp.lower_bound_bits(lower_bound), T, "bf16", 90, tactic, shadow)
+    assert k.kernel_name == "kda_verify" and ".target sm_90" in k.ptx.decode()
+    info = kp.PLUGINS[kp.VERIFY_SHADOW if shadow != "none" else kp.VERIFY]
+    assert _entry_params(k) == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
+    assert k.extra_args == ("batch", "slots") and k.extra_values(3, 5) == [3, 5]
+    assert k.spec == kcfg.kda_spec("bf16", 12, 128, 128, 16, tp.TACTICS[tactic], shadow, True, None, lower_bound, 90,
+                                   num_tokens=T)
+    assert k.grid(7) == k.spec.grid(7) and k.block_x == k.spec.threads and k.shared_mem == 0
+    with pytest.raises(ValueError, match="num_tokens"):
+        kp.aot_verify_kernel(12, 128, 128, 16, 1, 0, 3, "bf16", 90, tactic, shadow)
+
+
+def test_verify_io_contract_types_and_attributes():
+    for name, shadow in ((kp.VERIFY, "none"), (kp.VERIFY_SHADOW, "bf16")):
+        info = tp.all_plugins()[name]
+        assert info.id == f"replayssm::{name}" and info.attributes == kp.VERIFY_ATTRIBUTES
+        assert info.kernel_name == "kda_verify"
+        shapes = kp.io_shapes(3, 5, 4, 64, 128, 8, shadow, 4)
+        assert shapes["q"] == (3, 4, 4, 64) and shapes["y"] == (3, 4, 4, 128) and shapes["cursor"] == (5, 2)
+        assert set(shapes) == set(info.inputs) | set(info.outputs)
+        assert all(shapes[info.outputs[o]] == shapes[info.inputs[i]] for o, i in info.aliases.items())
+        tp.check_attributes(name, VATTRS, shapes)
+    shapes = kp.io_shapes(3, 5, 4, 64, 128, 8, "none", 4)
+    with pytest.raises(ValueError, match="num_tokens=2 but the inputs have 4"):
+        tp.check_attributes(kp.VERIFY, {**VATTRS, "num_tokens": 2}, shapes)
+    with pytest.raises(ValueError, match=r"buffer_len: expected in \[2 \* num_tokens, 32\]"):
+        tp.check_attributes(kp.VERIFY, {**VATTRS, "buffer_len": 6}, kp.io_shapes(3, 5, 4, 64, 128, 6, "none", 4))
+    with pytest.raises(ValueError, match=r"cursor: expected shape \(slots, 2\)"):
+        tp.check_attributes(kp.VERIFY, VATTRS, {**shapes, "cursor": (5,)})
+    with pytest.raises(ValueError, match="shadow: expected the state's shape"):
+        tp.check_attributes(kp.VERIFY_SHADOW, VATTRS, {**kp.io_shapes(3, 5, 4, 64, 128, 8, "bf16", 4),
+                                                       "shadow": (5, 4, 128, 64)})
+
+
+@pytest.mark.parametrize("name, shadow", [(kp.VERIFY, "none"), (kp.VERIFY_SHADOW, "bf16")])
+def test_register_verify_through_a_tensorrt_stand_in(fake_trt, name, shadow):  # noqa: F811
+    trt, trtp, registry = fake_trt
+    info = tp.all_plugins()[name]
+    reg = registry[info.id]
+    assert reg["tensors"] == list(info.inputs) and reg["attrs"] == list(info.attributes)
+    attrs = {**VATTRS, "lower_bound_bits": kp.lower_bound_bits(-5.0)}
+    shapes = kp.io_shapes("b", "s", 4, 64, 128, 8, shadow, 4)
+    back = {"FP32": "f32", "BF16": "bf16", "FP16": "f16", "INT32": "i32"}
+    dtypes = {n: back[t] for n, t in zip(info.inputs, kp.type_combination("bf16", shadow))}
+    fields = {k: np.array([v], dtype=np.int32) for k, v in attrs.items()}
+    ins = _descs(trtp, name, shapes, dtypes)
+    outs = reg["desc"](*ins, **fields)
+    for o, desc in enumerate(outs):
+        assert (desc.aliased_to is ins[info.aliases[o]]) if o in info.aliases else desc.aliased_to is None
+    with pytest.raises(ValueError, match="num_tokens=2 but the inputs have 4"):
+        reg["desc"](*ins, **{**attrs, "num_tokens": 2})
+    combos = reg["tune"](*ins, outs)
+    assert ", ".join(kp.type_combination("bf16", shadow)) in [c.io_types for c in combos]
+    env = dict(batch=5, slots=7)
+    for tactic in sorted(tp.TACTICS):
+        kname, ptx, launch, extra = reg["aot"](*ins, *fields.values(), outs, tactic)
+        want = kp.aot_verify_kernel(*attrs.values(), "bf16", 90, tactic, shadow)
+        assert (kname, ptx) == (want.kernel_name, want.ptx)
+        assert tuple(_ev(getattr(launch, f"grid_{a}"), env) for a in "xyz") == want.grid(5)
+        assert [_ev(e, env) for e in extra] == [5, 7]

@@ -91,3 +91,71 @@ def test_plugin_launch_equals_the_launcher(tactic, shadow, lower_bound):
             assert rel(B[n], A[n]) < 2e-3, (step, n)
         for n, t in before.items():
             assert torch.equal(B[n][unused], t), (step, n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shadow, lower_bound", [("none", None), ("bf16", -5.0)])
+def test_verify_plugin_launch_equals_the_launcher(shadow, lower_bound):
+    """``kda_verify[_shadow]`` as TensorRT would launch it against ``kda_replay_verify``, T = 2 over 3L steps with
+    random acceptance (commit: the shared kernel on both cursors); the same tolerances as the decode test above."""
+    from cuda.core import Device, LaunchConfig, ObjectCode, Stream, launch
+
+    H, K, V, L, T, batch, slots = 4, 128, 128, 8, 2, 3, 5
+    act = torch.bfloat16
+    major, minor = torch.cuda.get_device_capability()
+    bits = kp.lower_bound_bits(lower_bound)
+    k_aot = kp.aot_verify_kernel(H, K, V, L, 1, bits, T, "bf16", major * 10 + minor, 2, shadow)
+    info = tp.all_plugins()[kp.VERIFY_SHADOW if shadow != "none" else kp.VERIFY]
+    Device().set_current()
+    kern = ObjectCode.from_ptx(k_aot.ptx).get_kernel(k_aot.kernel_name)
+    g = torch.Generator(device="cuda").manual_seed(11)
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(dtype)
+
+    state = rnd(slots, H, K, V, scale=0.2)
+    cursor = torch.tensor([[0, 0], [3, 2], [7, 5], [2, 6], [5, 1]], dtype=torch.int32, device="cuda")
+    A = dict(state=state, k_cache=rnd(slots, H, L, K, dtype=act), u_cache=rnd(slots, H, L, V, dtype=torch.bfloat16),
+             g_cache=-rnd(slots, H, L, K).abs(), v_cache=rnd(slots, H, L, V, dtype=act),
+             beta_cache=rnd(slots, H, L).sigmoid(), cursor=cursor)
+    if shadow != "none":
+        A["shadow"] = state.to(torch.bfloat16)
+    B = {n: t.clone() for n, t in A.items()}
+    A_log = torch.log(torch.rand(H, generator=g, device="cuda") + 0.05)
+    dt_bias = rnd(H, K, scale=0.5)
+    sbi = torch.tensor([3, -1, 1], dtype=torch.int32, device="cuda")
+    unused = [0, 2, 4]
+    before = {n: t[unused].clone() for n, t in B.items()}
+    stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
+    for step in range(3 * L):
+        q, k, f = (rnd(batch, T, H, K, dtype=act) for _ in range(3))
+        v, b = rnd(batch, T, H, V, dtype=act), rnd(batch, T, H, dtype=act)
+        ya = torch.full((batch, T, H, V), float("nan"), dtype=act, device="cuda")
+        yb = ya.clone()
+        kops.kda_replay_verify(q, k, v, f, b, A_log, dt_bias, A["state"], A["k_cache"], A["u_cache"], A["g_cache"],
+                               A["v_cache"], A["beta_cache"], A["cursor"], sbi, out=ya, shadow=A.get("shadow"),
+                               lower_bound=lower_bound)
+        named = dict(q=q, k=k, v=v, f=f, b=b, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi, **B)
+        shapes = kp.io_shapes(batch, slots, H, K, V, L, shadow, T)
+        ins = [named[n] for n in info.inputs]
+        for n, t in zip(info.inputs, ins):
+            assert tuple(t.shape) == shapes[n] and t.is_contiguous(), n
+        outs = [yb] + [ins[i] for i in info.aliases.values()]
+        args = [t.data_ptr() for t in ins] + [np.int32(x) for x in k_aot.extra_values(batch, slots)] + \
+            [t.data_ptr() for t in outs]
+        launch(stream, LaunchConfig(grid=k_aot.grid(batch), block=(k_aot.block_x, 1, 1), shmem_size=k_aot.shared_mem),
+               kern, *args)
+        n_acc = torch.randint(0, T + 1, (batch,), generator=g, device="cuda").to(torch.int32)
+        for d in (A, B):
+            kops.kda_spec_commit(d["cursor"], n_acc, sbi, T, d["u_cache"])
+        live = sbi >= 0
+        assert rel(yb[live], ya[live]) < 2e-3, step
+        assert torch.isnan(yb[~live]).all(), "the padding row's output stays untouched"
+        for n in ("k_cache", "v_cache", "cursor"):
+            assert torch.equal(A[n], B[n]), (step, n)
+        for n in ("state", "g_cache", "beta_cache"):
+            assert rel(B[n], A[n]) < 1e-5, (step, n)
+        for n in ("u_cache",) + (("shadow",) if shadow != "none" else ()):
+            assert rel(B[n], A[n]) < 2e-3, (step, n)
+        for n, t in before.items():
+            assert torch.equal(B[n][unused], t), (step, n)

@@ -47,6 +47,9 @@
 #ifndef KDA_LOWER_BOUND
 #define KDA_LOWER_BOUND 0
 #endif
+#ifndef KDA_TOKENS
+#define KDA_TOKENS 0  // 0: the decode module; T >= 1: the verify module (kda_spec.cuh), window of T tokens
+#endif
 
 namespace kda {
 
@@ -67,8 +70,11 @@ constexpr int kEA = kE > 0 ? kE : 1;         // array extent
 constexpr int kH1 = pow2_at_least(kE + 1);   // non-flush reduce: [0, kH1) k-side, [kH1, 2 kH1) q-side
 constexpr int kN1 = 2 * kH1;
 constexpr int kN2 = kH1;                     // entry norms, then k . q last
+// Most entries one fold reads: the decode flush kE; a verify window of KDA_TOKENS = T folds at most L - T.
+constexpr int kFE = KDA_TOKENS > 0 ? kL - KDA_TOKENS : kE;
+constexpr int kFEA = kFE > 0 ? kFE : 1;
 constexpr int kC = 4;                        // flush: entries folded per chunk
-constexpr int kNC = (kEA + kC - 1) / kC;     // chunks
+constexpr int kNC = (kFEA + kC - 1) / kC;    // chunks
 constexpr int kGW = 16;                      // Gram slots a chunk: (j, i <= j) at gslot(j, i), k.k q.q k.q at kTS
 constexpr int kTS = 10;
 __host__ __device__ constexpr int gslot(int j, int i) { return j * (j + 1) / 2 + i; }
@@ -188,9 +194,9 @@ struct alignas(16) FoldSmem {
   float4 wk[kK][kNC];          // pass 1: exp(g_j); then (prod_{s0 <= l <= j} exp g_l) k_j raw, j = s0 + component
   float4 dk[kK][kNC];          // pass 1: k_j raw; then (prod_{j < l < s0 + kC} exp g_l) k_j raw
   float pc[kNC][kK];           // prod over the chunk of exp g_l
-  float v[kEA][kCols];         // v_j of the block's columns
-  float beta[kEA];
-  float bs[kWarps][kEA][kWCols];  // S^T w_j of the warp's columns (k_j raw: times 1 / ||k_j|| in the solve)
+  float v[kFEA][kCols];        // v_j of the block's columns
+  float beta[kFEA];
+  float bs[kWarps][kFEA][kWCols];  // S^T w_j of the warp's columns (k_j raw: times 1 / ||k_j|| in the solve)
   float red[kWarps][kNC * kGW];
   float gram[kNC * kGW];
 };
@@ -202,16 +208,168 @@ constexpr size_t kSmemBytes = sizeof(FoldSmem) > sizeof(ReplaySmem) ? sizeof(Fol
 
 __device__ __forceinline__ float comp(const float4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
 
-// ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
-// S <- exact recurrence over the kE buffered entries, then this token; y written; S stored (and the shadow).
-// The entries fold in chunks of kC (the WY / chunked form of the delta rule, exact in real arithmetic): with S the
-// state before the chunk, P_j = prod_{s0 <= l <= j} Diag(exp g_l), n_j = 1 / ||k_j||,
+// ---- the exact fold of m ring entries (the decode flush; a verify window's flush) -----------------------------
+// S <- the exact recurrence over entries j < m at ring indices (start + j) % L, in chunks of kC (the WY / chunked
+// form of the delta rule, exact in real arithmetic): with S the state before the chunk,
+// P_j = prod_{s0 <= l <= j} Diag(exp g_l), n_j = 1 / ||k_j||,
 //   b_j = n_j S^T (P_j k_j),   A_ji = n_i n_j k_i . (P_j / P_i) k_j  (i < j; the ratio as the product over i < l <= j)
 //   u_j = beta_j (v_j - b_j - sum_{i<j} A_ji u_i)        (forward substitution, per column, in registers)
 //   S <- P_end S + sum_j n_j (P_end / P_j) k_j u_j^T      (one rank-kC update)
 // which is the entry-by-entry recurrence u_j = beta_j (v_j - (Diag(exp g_j) S_{j-1})^T k_j), S_j = ... + k_j u_j^T
 // regrouped: the chunk's dots and its update each become one pass over the state registers, and the dependent
-// chain of reductions goes from one per entry to one per chunk.
+// chain of reductions goes from one per entry to one per chunk. Three stages around the caller's channel loop and
+// barrier: fold_channel (per channel, in the caller's channel loop), fold_gram (after it), fold_apply (after a
+// barrier). m and start are block-uniform; the decode flush passes the constants kE and 0.
+__device__ __forceinline__ int ring_at(int start, int j) {  // start in [0, L), j < L
+  const int r = start + j;
+  return r < kL ? r : r - kL;
+}
+
+// Pass 1 for channel i: every entry's loads in flight together; the same thread reads them back in fold_gram.
+__device__ __forceinline__ void fold_channel(const Args& a, size_t hs, int i, int m, int start, FoldSmem& sm) {
+#pragma unroll
+  for (int q = 0; q < kNC; ++q) {
+    float e[kC], kr[kC];
+#pragma unroll
+    for (int jj = 0; jj < kC; ++jj) {
+      const int j = q * kC + jj;
+      const size_t at = (hs * kL + ring_at(start, j < m ? j : 0)) * kK + i;
+      e[jj] = j < m ? expf(__ldg(a.gc_in + at)) : 0.f;
+      kr[jj] = j < m ? to_f(a.kc_in[at]) : 0.f;
+    }
+    sm.wk[i][q] = make_float4(e[0], e[1], e[2], e[3]);
+    sm.dk[i][q] = make_float4(kr[0], kr[1], kr[2], kr[3]);
+  }
+}
+
+// Pass 2, per chunk: v_j of the block's columns, beta_j, the decayed keys and the Gram partials (slot gslot(j, i),
+// i <= j), reduced over each warp into sm.red; the caller's token partials (k.k, q.q, k.q) ride in chunk 0's kTS.
+__device__ __forceinline__ void fold_gram(const Args& a, const Coords& c, size_t hs, int m, int start,
+                                          const float (&tk)[3], FoldSmem& sm) {
+  const int chunk0 = (blockIdx.x % kChunks) * kCols;
+  for (int i = threadIdx.x; i < m * kCols; i += kThreads) {
+    const int j = i / kCols, cc = i % kCols;
+    sm.v[j][cc] = to_f(a.vc_in[(hs * kL + ring_at(start, j)) * kV + chunk0 + cc]);
+  }
+  if (threadIdx.x < m) sm.beta[threadIdx.x] = __ldg(a.bc_in + hs * kL + ring_at(start, threadIdx.x));
+#pragma unroll
+  for (int q = 0; q < kNC; ++q) {
+    float gr[kGW];
+#pragma unroll
+    for (int s = 0; s < kGW; ++s) gr[s] = 0.f;
+    if (q == 0) gr[kTS] = tk[0], gr[kTS + 1] = tk[1], gr[kTS + 2] = tk[2];
+#pragma unroll
+    for (int n = 0; n < kCPT; ++n) {
+      const int i = threadIdx.x + n * kThreads;
+      if (kK % kThreads == 0 || i < kK) {
+        const float4 e4 = sm.wk[i][q], k4 = sm.dk[i][q];
+        float e[kC], kr[kC], w[kC], d[kC];
+#pragma unroll
+        for (int jj = 0; jj < kC; ++jj) e[jj] = comp(e4, jj), kr[jj] = comp(k4, jj);
+        float p = 1.f;
+#pragma unroll
+        for (int jj = 0; jj < kC; ++jj) p *= (q * kC + jj < m ? e[jj] : 1.f), w[jj] = p * kr[jj];
+        float sfx = 1.f;
+#pragma unroll
+        for (int jj = kC - 1; jj >= 0; --jj) d[jj] = sfx * kr[jj], sfx *= (q * kC + jj < m ? e[jj] : 1.f);
+        sm.wk[i][q] = make_float4(w[0], w[1], w[2], w[3]);
+        sm.dk[i][q] = make_float4(d[0], d[1], d[2], d[3]);
+        sm.pc[q][i] = p;
+#pragma unroll
+        for (int ii = 0; ii < kC; ++ii) {
+          gr[gslot(ii, ii)] = fmaf(kr[ii], kr[ii], gr[gslot(ii, ii)]);
+          float run = kr[ii];
+#pragma unroll
+          for (int jj = ii + 1; jj < kC; ++jj) run *= e[jj], gr[gslot(jj, ii)] = fmaf(run, kr[jj], gr[gslot(jj, ii)]);
+        }
+      }
+    }
+    const float r = transpose_reduce<kGW, 1>(gr);
+    if (c.lane < kGW) sm.red[c.warp][q * kGW + c.lane] = r;
+  }
+}
+
+// After a barrier: the Gram totals (one more barrier), then per chunk the dots S^T w_j, the forward substitution
+// and the rank-kC update of the state registers. sm.gram[kTS ..] then holds the caller's token sums.
+__device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, FoldSmem& sm) {
+  for (int t = threadIdx.x; t < kNC * kGW; t += kThreads) {
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) s += sm.red[w][t];
+    sm.gram[t] = s;
+  }
+  __syncthreads();
+  const int bcol = c.col - (blockIdx.x % kChunks) * kCols;  // block column of this lane's first column
+#pragma unroll
+  for (int q = 0; q < kNC; ++q) {
+    if (q * kC >= m) break;  // block-uniform
+    const int cs = m - q * kC < kC ? m - q * kC : kC;
+    float acc[kC][4];
+#pragma unroll
+    for (int jj = 0; jj < kC; ++jj)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[jj][e] = 0.f;
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      const float4 w4 = sm.wk[c.row(r)][q];
+#pragma unroll
+      for (int jj = 0; jj < kC; ++jj) {
+        if (jj < cs) {
+          const float w = comp(w4, jj);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[jj][e] = fmaf(st[r][e], w, acc[jj][e]);
+        }
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < kC; jj += 2) {
+      if (jj < cs) {
+        float t8[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) t8[e] = acc[jj][e], t8[4 + e] = jj + 1 < cs ? acc[jj + 1][e] : 0.f;
+        const float r8 = transpose_reduce<8, kCVL>(t8);  // lane rg: entry jj + (rg % 8) / 4, column cv 4 + rg % 4
+        const int jw = jj + (c.rg % 8) / 4;
+        if (c.rg < 8 && jw < cs) sm.bs[c.warp][q * kC + jw][c.cv * 4 + c.rg % 4] = r8;
+      }
+    }
+    __syncwarp();
+    // Forward substitution for the lane's 4 columns; uu = u_j n_j (the update multiplies raw k_j).
+    float uu[kC][4], nrm[kC];
+#pragma unroll
+    for (int jj = 0; jj < kC; ++jj) {
+      if (jj < cs) {
+        const int j = q * kC + jj;
+        nrm[jj] = rnorm(sm.gram[q * kGW + gslot(jj, jj)]);
+        const float bj = sm.beta[j];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          // n_j (b_raw + sum_i gram_ji n_i u_i): A_ji u_i = gram_ji n_j (n_i u_i)
+          float t = sm.bs[c.warp][j][c.cv * 4 + e];
+#pragma unroll
+          for (int ii = 0; ii < jj; ++ii) t = fmaf(sm.gram[q * kGW + gslot(jj, ii)], uu[ii][e], t);
+          uu[jj][e] = bj * (sm.v[j][bcol + e] - nrm[jj] * t) * nrm[jj];
+        }
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      const float p = sm.pc[q][c.row(r)];
+      const float4 d4 = sm.dk[c.row(r)][q];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float s = st[r][e] * p;
+#pragma unroll
+        for (int jj = 0; jj < kC; ++jj)
+          if (jj < cs) s = fmaf(comp(d4, jj), uu[jj][e], s);
+        st[r][e] = s;
+      }
+    }
+  }
+}
+
+// ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
+// S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
+// (and the shadow).
 template <bool kFlush>
 __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
@@ -228,65 +386,11 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
       const float al = expf(gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A));
       sm.tok.ak[i] = al * kt, sm.tok.aq[i] = al * qt, sm.tok.al[i] = al, sm.tok.kr[i] = kt;
       tk[0] += kt * kt, tk[1] += qt * qt, tk[2] += kt * qt;
-      if constexpr (kFlush) {  // pass 1: every entry's loads in flight together; the same thread reads them back
-#pragma unroll
-        for (int q = 0; q < kNC; ++q) {
-          float e[kC], kr[kC];
-#pragma unroll
-          for (int jj = 0; jj < kC; ++jj) {
-            const int j = q * kC + jj;
-            e[jj] = j < kE ? expf(__ldg(a.gc_in + (hs * kL + j) * kK + i)) : 0.f;
-            kr[jj] = j < kE ? to_f(a.kc_in[(hs * kL + j) * kK + i]) : 0.f;
-          }
-          sm.wk[i][q] = make_float4(e[0], e[1], e[2], e[3]);
-          sm.dk[i][q] = make_float4(kr[0], kr[1], kr[2], kr[3]);
-        }
-      }
+      if constexpr (kFlush) fold_channel(a, hs, i, kE, 0, sm);
     }
   }
-  const int chunk0 = (blockIdx.x % kChunks) * kCols;
   if constexpr (kFlush) {
-    for (int i = threadIdx.x; i < kE * kCols; i += kThreads) {
-      const int j = i / kCols, cc = i % kCols;
-      sm.v[j][cc] = to_f(a.vc_in[(hs * kL + j) * kV + chunk0 + cc]);
-    }
-    if (threadIdx.x < kE) sm.beta[threadIdx.x] = __ldg(a.bc_in + hs * kL + threadIdx.x);
-    // pass 2, per chunk: the decayed keys and the Gram partials (slot gslot(j, i), i <= j; k.k, q.q, k.q in chunk 0)
-#pragma unroll
-    for (int q = 0; q < kNC; ++q) {
-      float gr[kGW];
-#pragma unroll
-      for (int s = 0; s < kGW; ++s) gr[s] = 0.f;
-      if (q == 0) gr[kTS] = tk[0], gr[kTS + 1] = tk[1], gr[kTS + 2] = tk[2];
-#pragma unroll
-      for (int n = 0; n < kCPT; ++n) {
-        const int i = threadIdx.x + n * kThreads;
-        if (kK % kThreads == 0 || i < kK) {
-          const float4 e4 = sm.wk[i][q], k4 = sm.dk[i][q];
-          float e[kC], kr[kC], w[kC], d[kC];
-#pragma unroll
-          for (int jj = 0; jj < kC; ++jj) e[jj] = comp(e4, jj), kr[jj] = comp(k4, jj);
-          float p = 1.f;
-#pragma unroll
-          for (int jj = 0; jj < kC; ++jj) p *= (q * kC + jj < kE ? e[jj] : 1.f), w[jj] = p * kr[jj];
-          float sfx = 1.f;
-#pragma unroll
-          for (int jj = kC - 1; jj >= 0; --jj) d[jj] = sfx * kr[jj], sfx *= (q * kC + jj < kE ? e[jj] : 1.f);
-          sm.wk[i][q] = make_float4(w[0], w[1], w[2], w[3]);
-          sm.dk[i][q] = make_float4(d[0], d[1], d[2], d[3]);
-          sm.pc[q][i] = p;
-#pragma unroll
-          for (int ii = 0; ii < kC; ++ii) {
-            gr[gslot(ii, ii)] = fmaf(kr[ii], kr[ii], gr[gslot(ii, ii)]);
-            float run = kr[ii];
-#pragma unroll
-            for (int jj = ii + 1; jj < kC; ++jj) run *= e[jj], gr[gslot(jj, ii)] = fmaf(run, kr[jj], gr[gslot(jj, ii)]);
-          }
-        }
-      }
-      const float r = transpose_reduce<kGW, 1>(gr);
-      if (c.lane < kGW) sm.red[c.warp][q * kGW + c.lane] = r;
-    }
+    fold_gram(a, c, hs, kE, 0, tk, sm);
   } else {
     float t4[4] = {tk[0], tk[1], tk[2], 0.f};
     const float r = transpose_reduce<4, 1>(t4);
@@ -297,80 +401,8 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
   __syncthreads();
   float kk = 0.f, qq = 0.f, kqr = 0.f;
   if constexpr (kFlush) {
-    for (int t = threadIdx.x; t < kNC * kGW; t += kThreads) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) s += sm.red[w][t];
-      sm.gram[t] = s;
-    }
-    __syncthreads();
+    fold_apply(c, st, kE, sm);
     kk = sm.gram[kTS], qq = sm.gram[kTS + 1], kqr = sm.gram[kTS + 2];
-    const int bcol = c.col - chunk0;  // block column of this lane's first column
-#pragma unroll
-    for (int q = 0; q < kNC; ++q) {
-      constexpr int kLast = kE - (kNC - 1) * kC;
-      const int cs = q + 1 < kNC ? kC : kLast;
-      float acc[kC][4];
-#pragma unroll
-      for (int jj = 0; jj < kC; ++jj)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[jj][e] = 0.f;
-#pragma unroll
-      for (int r = 0; r < kRT; ++r) {
-        const float4 w4 = sm.wk[c.row(r)][q];
-#pragma unroll
-        for (int jj = 0; jj < kC; ++jj) {
-          if (jj < cs) {
-            const float w = comp(w4, jj);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[jj][e] = fmaf(st[r][e], w, acc[jj][e]);
-          }
-        }
-      }
-#pragma unroll
-      for (int jj = 0; jj < kC; jj += 2) {
-        if (jj < cs) {
-          float t8[8];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) t8[e] = acc[jj][e], t8[4 + e] = jj + 1 < cs ? acc[jj + 1][e] : 0.f;
-          const float r8 = transpose_reduce<8, kCVL>(t8);  // lane rg: entry jj + (rg % 8) / 4, column cv 4 + rg % 4
-          const int jw = jj + (c.rg % 8) / 4;
-          if (c.rg < 8 && jw < cs) sm.bs[c.warp][q * kC + jw][c.cv * 4 + c.rg % 4] = r8;
-        }
-      }
-      __syncwarp();
-      // Forward substitution for the lane's 4 columns; uu = u_j n_j (the update multiplies raw k_j).
-      float uu[kC][4], nrm[kC];
-#pragma unroll
-      for (int jj = 0; jj < kC; ++jj) {
-        if (jj < cs) {
-          const int j = q * kC + jj;
-          nrm[jj] = rnorm(sm.gram[q * kGW + gslot(jj, jj)]);
-          const float bj = sm.beta[j];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            // n_j (b_raw + sum_i gram_ji n_i u_i): A_ji u_i = gram_ji n_j (n_i u_i)
-            float t = sm.bs[c.warp][j][c.cv * 4 + e];
-#pragma unroll
-            for (int ii = 0; ii < jj; ++ii) t = fmaf(sm.gram[q * kGW + gslot(jj, ii)], uu[ii][e], t);
-            uu[jj][e] = bj * (sm.v[j][bcol + e] - nrm[jj] * t) * nrm[jj];
-          }
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < kRT; ++r) {
-        const float p = sm.pc[q][c.row(r)];
-        const float4 d4 = sm.dk[c.row(r)][q];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float s = st[r][e] * p;
-#pragma unroll
-          for (int jj = 0; jj < kC; ++jj)
-            if (jj < cs) s = fmaf(comp(d4, jj), uu[jj][e], s);
-          st[r][e] = s;
-        }
-      }
-    }
   } else {
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) kk += sm.red[w][kTS], qq += sm.red[w][kTS + 1], kqr += sm.red[w][kTS + 2];

@@ -17,27 +17,10 @@
 //   inputs 1-8 as above, 9 state; scalars batch, nslots; outputs y, state (aliased)
 #include "kda.cuh"
 
-#if KDA_SHADOW
-#define KDA_SHADOW_IN , const __nv_bfloat16* sh_in
-#define KDA_SHADOW_OUT , __nv_bfloat16* sh_out
-#define KDA_SH_IN sh_in
-#define KDA_SH_OUT sh_out
-#else
-#define KDA_SHADOW_IN
-#define KDA_SHADOW_OUT
-#define KDA_SH_IN nullptr
-#define KDA_SH_OUT nullptr
-#endif
+#include "kda_params.cuh"
 
-extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_replay_decode(
-    const act_t* __restrict__ q, const act_t* __restrict__ k, const act_t* __restrict__ v,
-    const act_t* __restrict__ f, const act_t* __restrict__ b, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, const int* __restrict__ sbi, const int* __restrict__ cursor,
-    const float* state_in, const act_t* kc_in, const ring_t* uc_in, const float* gc_in, const act_t* vc_in,
-    const float* bc_in KDA_SHADOW_IN, int batch, int nslots, act_t* __restrict__ y, float* state_out,
-    act_t* kc_out, ring_t* uc_out, float* gc_out, act_t* vc_out, float* bc_out KDA_SHADOW_OUT) {
-  const kda::Args args{q, k, v, f, b, A_log, dt_bias, sbi, cursor, state_in, kc_in, uc_in, gc_in, vc_in, bc_in,
-                       KDA_SH_IN, batch, nslots, y, state_out, kc_out, uc_out, gc_out, vc_out, bc_out, KDA_SH_OUT};
+extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_replay_decode(KDA_REPLAY_PARAMS) {
+  const kda::Args args = KDA_REPLAY_ARGS;
   kda::replay_decode(args);
 }
 

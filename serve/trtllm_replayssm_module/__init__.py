@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""trtllm-serve custom module: Nemotron-H / Nemotron 3 Mamba-2 single-token decode through ReplaySSM.
+"""trtllm-serve custom module: Nemotron-H / Nemotron 3 Mamba-2 single-token decode through ReplaySSM, and the Kimi Delta
+Attention models (Kimi-Linear, GLM-5 Next: :mod:`.kda`, registered next to it where TensorRT-LLM defines them).
 
 Only the Mamba-2 ("M") layers are routed; Nemotron 3's MoE ("E"), the attention ("*") and MLP ("-")
 layers stay TensorRT-LLM's own (see :mod:`.install` for how TRT-LLM names them).
@@ -90,11 +91,13 @@ except ModuleNotFoundError as e:  # only the package itself missing: a broken in
 from .adapter import ReplaySSMAdapter, mamba_layer_indices, replay_selective_state_update  # noqa: E402
 from .check import VERIFIED_AGAINST, check_mixer_class, verified_summary  # noqa: E402
 from .install import install, model_pattern, patch_classes, uninstall  # noqa: E402
+from .kda import KDAReplayAdapter, register_kda  # noqa: E402
 from .model import ARCHITECTURES, load, make_model_class, register  # noqa: E402
 
 __all__ = ["ReplaySSMAdapter", "replay_selective_state_update", "mamba_layer_indices", "install", "uninstall",
            "patch_classes", "model_pattern", "VERIFIED_AGAINST", "verified_summary", "check_mixer_class",
-           "ARCHITECTURES", "register", "load", "make_model_class", "ROUTE", "ADAPTER", "MODEL_CLASS"]
+           "ARCHITECTURES", "register", "load", "make_model_class", "ROUTE", "ADAPTER", "MODEL_CLASS",
+           "KDAReplayAdapter", "register_kda"]
 
 ROUTE = None  # "registration" or "monkeypatch" once loaded
 ADAPTER = None  # the monkeypatch route's adapter (the registered class gives each model its own)

@@ -206,11 +206,20 @@ def register():
 
 
 def load():
-    """Register the model class, or fall back to the monkeypatch; returns ``(route, class or adapter)``."""
+    """Register the model class, or fall back to the monkeypatch; returns ``(route, class or adapter)``. The Kimi
+    Delta Attention models (:func:`.kda.register_kda`) are registered next to it where this TensorRT-LLM defines
+    them (their classes: ``kda.KDA_CLASSES``)."""
     try:
-        return "registration", register()
+        loaded = "registration", register()
     except RegistrationUnavailable as e:
         adapter = install()
         log.warning("trtllm_replayssm_module: route=monkeypatch (fallback; model registry unavailable: %s; TensorRT-LLM "
                     "%s)", e, tensorrt_llm_version())
         return "monkeypatch", adapter
+    from .kda import register_kda
+
+    try:
+        register_kda()
+    except ImportError as e:  # no KDA mixer or model in this TensorRT-LLM: the Mamba-2 route alone
+        log.info("trtllm_replayssm_module: KDA models not routed: %s", e)
+    return loaded

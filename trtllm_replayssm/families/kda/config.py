@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The KDA kernel spec (:class:`KDASpec`: one NVRTC module of ``plugins/kda/kda_decode.cu``) and its planner.
+"""The KDA kernel spec (:class:`KDASpec`: one NVRTC module of ``plugins/kda/kda_decode.cu``, or with ``num_tokens``
+T >= 1 of ``plugins/kda/kda_spec.cu``) and its planner.
 
-A module holds both kernels (``kda_replay_decode``, ``kda_conventional``) for one geometry (H, K, V, L), dtype,
-gate (Kimi's, or GLM-5 Next's lower-bounded one), q / k l2 norm, q scale, shadow and launch shape. Launch shape
+A decode module holds both decode kernels (``kda_replay_decode``, ``kda_conventional``), a verify module the
+speculative ``kda_verify`` for a window of T tokens, for one geometry (H, K, V, L), dtype, gate (Kimi's, or GLM-5
+Next's lower-bounded one), q / k l2 norm, q scale, shadow and launch shape. Launch shape
 (plugins/kda/kda.cuh): a warp owns 4 ``col_lanes`` value columns over all K rows (K col_lanes / 32 rows of 4
 columns per lane), a block ``warps`` warps; grid (H V / columns per block, batch). :func:`kda_geometry` picks
 them per batch; :func:`override` pins them for a sweep.
@@ -15,14 +17,20 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ...config import CUDA_TYPES
+from ...config import CUDA_TYPES, SUPPORTED_NUM_TOKENS
 
 ENTRY_FILE = "kda/kda_decode.cu"
 KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
+SPEC_ENTRY_FILE = "kda/kda_spec.cu"
+SPEC_KERNEL_NAMES = ("kda_verify",)
 SHADOW_KINDS = ("none", "bf16")
 MAX_WARPS = 8
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 RESIDENT_THREADS = 384  # __launch_bounds__ min blocks = this / threads: ~170 registers a thread
+# The verify module: 256 / threads (~255 registers). Its channel stage holds the window's and the history's
+# per-channel values beside the 64 state registers: 201-218 registers at (4 lanes, 4 warps), T = 1..4 (ptxas); capped
+# at 168 it spilled 48-76 bytes a thread. Two blocks of 4 warps still keep 64 KiB of state loads in flight an SM.
+VERIFY_RESIDENT_THREADS = 256
 STATE_REGS = 64  # fp32 state values one lane may hold (4 K col_lanes / 32)
 FULL_WAVE_BLOCKS = 2 * 132  # two blocks per SM of an H100 (132 SMs; an H200 the same)
 
@@ -50,9 +58,17 @@ class KDASpec:
     scale: float | None = None
     lower_bound: float | None = None
     arch: int = 90
+    num_tokens: int = 0  # 0: the decode module; T = 1 + num_draft: the verify module (2 T <= L)
+    resident: int = 0  # threads an SM the register budget is planned for (0: the module's default, min_blocks)
 
-    entry_file = ENTRY_FILE
-    kernel_names = KERNEL_NAMES
+    @property
+    def entry_file(self) -> str:
+        """The module's entry file under plugins/ (compile.py)."""
+        return SPEC_ENTRY_FILE if self.num_tokens else ENTRY_FILE
+
+    @property
+    def kernel_names(self) -> tuple[str, ...]:
+        return SPEC_KERNEL_NAMES if self.num_tokens else KERNEL_NAMES
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -65,6 +81,16 @@ class KDASpec:
                 raise ValueError(f"KDASpec.{name}: expected a positive int, got {v!r}")
         if not 2 <= self.buffer_len <= 16:
             raise ValueError(f"KDASpec.buffer_len: expected 2..16, got {self.buffer_len}")
+        if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int) or self.num_tokens < 0:
+            raise ValueError(f"KDASpec.num_tokens: expected an int >= 0, got {self.num_tokens!r}")
+        if self.num_tokens and (self.num_tokens not in SUPPORTED_NUM_TOKENS or 2 * self.num_tokens > self.buffer_len):
+            raise ValueError(f"KDASpec.num_tokens: expected 0 (decode) or one of {SUPPORTED_NUM_TOKENS} with "
+                             f"2 T <= L = {self.buffer_len} (flush one window early), got {self.num_tokens}")
+        if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < 0:
+            raise ValueError(f"KDASpec.resident: expected an int >= 0 (0: the default), got {self.resident!r}")
+        if self.num_tokens and self.K > 2 * 32 * self.warps:
+            raise ValueError(f"KDASpec: the verify module holds at most 2 key channels a thread: K={self.K} needs "
+                             f">= {(self.K + 63) // 64} warps, got {self.warps}")
         if self.col_lanes not in (2, 4):
             raise ValueError(f"KDASpec.col_lanes: expected 2 or 4, got {self.col_lanes}")
         if not 1 <= self.warps <= MAX_WARPS:
@@ -95,11 +121,26 @@ class KDASpec:
     def smem_bytes(self) -> int:
         """Upper bound of the fold tile (kda.cuh FoldSmem): the token's 4 K floats; per channel and chunk of 4
         entries two float4 (decayed keys of the dots and of the update) and the chunk decay; v_j over the block's
-        columns, beta_j, each warp's dots S^T w_j over its columns, the Gram partials and totals (16 a chunk)."""
-        e = self.buffer_len - 1
+        columns, beta_j, each warp's dots S^T w_j over its columns, the Gram partials and totals (16 a chunk). The
+        fold reads L - 1 entries at most (L - T in a verify module), which adds the window tile (kda_spec.cuh
+        WinSmem): exp(A + W_t) k_t and q_t for the T tokens, the warps' sums and the totals of the window's products
+        (:attr:`window_products`, in butterflies of 32)."""
+        T = self.num_tokens
+        e = self.buffer_len - (T if T else 1)
         nc = (e + 3) // 4
-        return (16 * self.K + 36 * self.K * nc + 4 * e * self.cols + 4 * e + 4 * self.warps * e * 4 * self.col_lanes
+        fold = (16 * self.K + 36 * self.K * nc + 4 * e * self.cols + 4 * e + 4 * self.warps * e * 4 * self.col_lanes
                 + 64 * nc * (self.warps + 1) + 64)
+        if not T:
+            return fold
+        return fold + 8 * T * self.K + 128 * ((self.window_products + 31) // 32) * (self.warps + 1) + 16
+
+    @property
+    def window_products(self) -> int:
+        """Per-channel products one verify block reduces (kda_spec.cuh kNV): history x window on the k and q sides
+        (2 (L - 2T) T), the history norms (L - 2T), the window pairs (T^2) and norms (2T)."""
+        T = self.num_tokens
+        he = max(self.buffer_len - 2 * T, 0) if T else 0
+        return 2 * he * T + he + T * T + 2 * T if T else 0
 
     @property
     def scale_f32(self) -> float:
@@ -111,18 +152,22 @@ class KDASpec:
 
     @property
     def min_blocks(self) -> int:
-        return max(1, RESIDENT_THREADS // self.threads)
+        default = VERIFY_RESIDENT_THREADS if self.num_tokens else RESIDENT_THREADS
+        return max(1, (self.resident or default) // self.threads)
 
     def grid(self, batch: int) -> tuple[int, int, int]:
         return (self.H * (self.V // self.cols), batch, 1)
 
     @property
     def key(self) -> str:
-        """Readable cache key, e.g. ``kda_a-bf16_H12_K128_V128_L16_C2_W4_n1_sh-bf16_lb-5.0_sm90``."""
-        return (f"kda_a-{self.act}_H{self.H}_K{self.K}_V{self.V}_L{self.buffer_len}_C{self.col_lanes}_W{self.warps}"
+        """Readable cache key, e.g. ``kda_a-bf16_H12_K128_V128_L16_C2_W4_n1_sh-bf16_lb-5.0_sm90`` (a verify module:
+        ``kda_T4_a-...``)."""
+        return (("kda" if not self.num_tokens else f"kda_T{self.num_tokens}")
+                + f"_a-{self.act}_H{self.H}_K{self.K}_V{self.V}_L{self.buffer_len}_C{self.col_lanes}_W{self.warps}"
                 f"_n{int(self.l2norm)}" + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
-                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}")
+                + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
+                + (f"_r{self.resident}" if self.resident else "") + f"_sm{self.arch}")
 
     def prelude(self) -> str:
         lb = self.lower_bound is not None
@@ -134,6 +179,7 @@ class KDASpec:
             "using ring_t = __nv_bfloat16;",
             f"#define KDA_SHADOW {SHADOW_KINDS.index(self.shadow)}",
             f"#define KDA_LOWER_BOUND {int(lb)}",
+            *([f"#define KDA_TOKENS {self.num_tokens}"] if self.num_tokens else []),
             *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;  // {_f32(self.lower_bound)!r}"]
               if lb else []),
             f"constexpr int kH = {self.H};",
@@ -153,10 +199,12 @@ _OVERRIDE: dict = {}
 
 
 @contextlib.contextmanager
-def override(col_lanes: int | None = None, warps: int | None = None):
-    """Pin the planner's launch shape inside the block (benchmark sweeps)."""
+def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None):
+    """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
+    register budget of the planned modules is set for (KDASpec.resident)."""
     old = dict(_OVERRIDE)
-    _OVERRIDE.update({k: v for k, v in (("col_lanes", col_lanes), ("warps", warps)) if v is not None})
+    _OVERRIDE.update({k: v for k, v in (("col_lanes", col_lanes), ("warps", warps), ("resident", resident))
+                      if v is not None})
     try:
         yield
     finally:
@@ -202,11 +250,13 @@ def kda_geometry(H: int, K: int, V: int, batch: int, conventional: bool = False)
 
 def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str = "none", l2norm: bool = True,
              scale: float | None = None, lower_bound: float | None = None, arch: int = 90,
-             conventional: bool = False) -> KDASpec:
+             conventional: bool = False, num_tokens: int = 0) -> KDASpec:
     """The module for this geometry and batch (the conventional kernel comes from a module of L = 2 planned with
-    ``conventional``)."""
+    ``conventional``; ``num_tokens`` T >= 1: the verify module, planned as the replay step)."""
     cl, w = kda_geometry(H, K, V, batch, conventional)
-    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch)
+    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
+                   _OVERRIDE.get("resident", 0))
 
 
-__all__ = ["KDASpec", "kda_geometry", "kda_spec", "override", "ENTRY_FILE", "KERNEL_NAMES"]
+__all__ = ["KDASpec", "kda_geometry", "kda_spec", "override", "ENTRY_FILE", "KERNEL_NAMES", "SPEC_ENTRY_FILE",
+           "SPEC_KERNEL_NAMES"]

@@ -5,8 +5,8 @@ Step inputs per layer (:mod:`.reference`): q, k, f (batch, T, H, K), v (batch, T
 A_log (H,), dt_bias (H, K); options ``use_qk_l2norm``, ``scale``, ``lower_bound`` (GLM-5 Next's bounded gate);
 outputs (batch, T, H, V). A prefill hands over the final recurrent state in the (H, K, V) layout (transformers'
 and fla's). The family's steps (:mod:`.steps`) on the cache's executor: the float64 spec on CPU tensors, on CUDA the
-family's launchers (``families/kda/ops.py``: the fused standard decode step; speculative verify on CUDA is not there
-yet).
+family's launchers (``families/kda/ops.py``: the fused standard decode step on the standard cursor, the verify kernel
+(fold where count + 2T > L, window appended) on the ring cursor; the cache's commit moves the shared cursor).
 """
 
 from __future__ import annotations

@@ -37,6 +37,14 @@ is skipped, one with an out-of-range cursor gets NaN outputs and leaves state an
 
 Per model step: :func:`kda_replay_decode` for every KDA layer, then one :func:`advance_cursor` (the shared cursor
 kernel, :func:`trtllm_replayssm.ops.advance_cursor`).
+
+Speculative decoding (T = 1 + num_draft tokens a window, ``plugins/kda/kda_spec.cu``; the ring cursor and "flush
+one window early" of every family, :mod:`trtllm_replayssm.spec_reference`): q, k, f (batch, T, H, K), v (batch, T,
+H, V), b (batch, T, H), y (batch, T, H, V); cursor (S, 2) int32 (ring start, committed count), read by
+:func:`kda_replay_verify`, moved by :func:`kda_spec_commit`; T in ``SUPPORTED_NUM_TOKENS`` with 2 T <= L <= 16.
+Values (``check_values``): start in [0, L) and count in [0, L - T] for the rows' slots. Per model step:
+:func:`kda_replay_verify` for every KDA layer, then one :func:`kda_spec_commit` (the shared
+``replayssm_spec_commit`` kernel: the flush the verify kernels did, then count += n_accepted).
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import numpy as np
 import torch
 
 from ... import ops as _ops
-from ...config import DTYPE_CODES
+from ...config import DTYPE_CODES, SUPPORTED_NUM_TOKENS
 from ...launch import (
     F32,
     I32,
@@ -56,6 +64,7 @@ from ...launch import (
     check_float,
     check_indices,
     check_rank,
+    check_spec_values,
     launch,
     require_cuda,
     values_checked,
@@ -89,34 +98,34 @@ def _geometry(q, v, state, u_cache=None):
 def _check_sizes(given, shapes, sizes) -> None:
     K, V = sizes.get("K"), sizes.get("V")
     if K is not None and (K % 16 or not 16 <= K <= 256):
-        raise ValueError(f"q: K (dim 2) expected a multiple of 16 in 16..256, got {K}")
+        raise ValueError(f"q: K (last dim) expected a multiple of 16 in 16..256, got {K}")
     if V is not None and V % 8:
-        raise ValueError(f"v: V (dim 2) expected a multiple of 8, got {V}")
+        raise ValueError(f"v: V (last dim) expected a multiple of 8, got {V}")
 
 
-def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out) -> list:
+def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, lead=("batch",)) -> list:
     return [
-        Arg("q", q, ("batch", "H", "K"), "act", None),
-        Arg("k", k, ("batch", "H", "K"), "act", None),
-        Arg("v", v, ("batch", "H", "V"), "act", None),
-        Arg("f", f, ("batch", "H", "K"), "act", None),
-        Arg("b", b, ("batch", "H"), "act", None),
+        Arg("q", q, (*lead, "H", "K"), "act", None),
+        Arg("k", k, (*lead, "H", "K"), "act", None),
+        Arg("v", v, (*lead, "H", "V"), "act", None),
+        Arg("f", f, (*lead, "H", "K"), "act", None),
+        Arg("b", b, (*lead, "H"), "act", None),
         Arg("A_log", A_log, ("H",), F32, None),
         Arg("dt_bias", dt_bias, ("H", "K"), F32, None),
         Arg("state", state, ("slots", "H", "K", "V"), F32),
         Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
-        Arg("out", out, ("batch", "H", "V"), "act", None, optional=True),
+        Arg("out", out, (*lead, "H", "V"), "act", None, optional=True),
     ]
 
 
-def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow) -> list:
+def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, cursor_dims=("slots",)) -> list:
     return [
         Arg("k_cache", k_cache, ("slots", "H", "L", "K"), "act", None),
         Arg("u_cache", u_cache, ("slots", "H", "L", "V"), _BF16, None),
         Arg("g_cache", g_cache, ("slots", "H", "L", "K"), F32, None),
         Arg("v_cache", v_cache, ("slots", "H", "L", "V"), "act", None),
         Arg("beta_cache", beta_cache, ("slots", "H", "L"), F32, None),
-        Arg("cursor", cursor, ("slots",), I32, None),
+        Arg("cursor", cursor, cursor_dims, I32, None),
         Arg("shadow", shadow, ("slots", "H", "K", "V"), _BF16, optional=True),
     ]
 
@@ -182,4 +191,63 @@ def advance_cursor(cursor, state_batch_indices, u_cache, check_values: bool | No
     _ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
 
 
-__all__ = ["kda_conventional_step", "kda_replay_decode", "advance_cursor"]
+# ---- speculative decoding -------------------------------------------------------------------------------------
+def _spec_geometry(q, v, state, u_cache):
+    """(batch, T, H, K, V, S, L) of a verify call."""
+    check_rank(q, "q", 4, "(batch, T, H, K)")
+    check_rank(v, "v", 4, "(batch, T, H, V)")
+    check_rank(state, "state", 4, "(slots, H, K, V)")
+    check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
+    batch, T, H, K = q.shape
+    V, S, L = v.shape[3], state.shape[0], u_cache.shape[2]
+    if T not in SUPPORTED_NUM_TOKENS:
+        raise ValueError(f"q: expected T = 1 + num_draft (dim 1) in {SUPPORTED_NUM_TOKENS}, got {T}")
+    if not 2 * T <= L <= 16:
+        raise ValueError(f"u_cache: ring length L (dim 2) expected in [2T, 16] = [{2 * T}, 16] (flush one window "
+                         f"early, T={T}), got {L}")
+    return batch, T, H, K, V, S, L
+
+
+def kda_replay_verify(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
+                      state_batch_indices, out=None, shadow=None, use_qk_l2norm=True, scale=None, lower_bound=None,
+                      check_values: bool | None = None):
+    """Verify the T tokens of a speculative window for one KDA layer; returns y (batch, T, H, V).
+
+    :func:`.reference.flush_checkpoint`, :func:`..flush_cursor` then :func:`.reference.verify` is the spec. Where
+    count + 2T > L (on the cursor as given) the committed entries are first folded exactly (from k_j, v_j, g_j,
+    beta_j and the fp32 checkpoint) into ``state`` (and the bf16 ``shadow`` rewritten from it), and the window is
+    computed from the folded checkpoint; elsewhere from the checkpoint (or its ``shadow``) and the committed u_j.
+    The window entries (k raw, u, g, v, beta) are appended at ring index (start + count + t) % L. The cursor is
+    read, not moved: call :func:`kda_spec_commit` once per model step."""
+    _check_options(use_qk_l2norm, scale, lower_bound)
+    batch, T, H, K, V, S, L = _spec_geometry(q, v, state, u_cache)
+    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
+                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, ("slots", 2)),
+                        _check_sizes)
+    if values_checked(check_values):
+        check_spec_values(state_batch_indices, S, T, cursor, L)
+    require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    kind = "none" if shadow is None else "bf16"
+    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, L, batch, kind, use_qk_l2norm, scale, lower_bound, arch(dev),
+                    num_tokens=T)
+    bufs = [t.data_ptr() for t in (state, k_cache, u_cache, g_cache, v_cache, beta_cache)]
+    sh = [] if shadow is None else [shadow.data_ptr()]
+    args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor)]
+    args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
+    launch(spec, "kda_verify", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+def kda_spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, u_cache,
+                    check_values: bool | None = None) -> None:
+    """Commit n_accepted[row] window tokens (in place, once per model step for every layer): the shared
+    ``replayssm_spec_commit`` kernel through :func:`trtllm_replayssm.ops.spec_commit`, L from u_cache (dim 2)."""
+    check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
+    _ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
+                     check_values=check_values)
+
+
+__all__ = ["kda_conventional_step", "kda_replay_decode", "advance_cursor", "kda_replay_verify", "kda_spec_commit"]

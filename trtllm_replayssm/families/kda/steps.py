@@ -10,14 +10,14 @@ copy of the checkpoint; the same arguments on both executors:
                                                  (slots, 2) ring cursor read only
 
 Keywords: ``out``, ``check_values``, ``use_qk_l2norm``, ``scale``, ``lower_bound``; ``replay_verify`` also
-``read_shadow``. On CUDA the standard step is the fused decode kernel (:mod:`.ops`); the speculative verify has no
-kernel yet (issue 37): :meth:`Kernels.replay_verify` is where it goes.
+``read_shadow``. On CUDA the standard step is the fused decode kernel, the verify the verify kernel (:mod:`.ops`: it
+folds where count + 2T > L and reads the shadow it is given).
 """
 
 from __future__ import annotations
 
 from ... import spec_reference as sr
-from ...backend import Steps, into
+from ...backend import Steps, into, reads_its_shadow
 from ...reference import Shadow
 from . import reference as kref
 
@@ -65,8 +65,13 @@ class Kernels(Steps):
 
     def replay_verify(self, buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None, lower_bound=None):
-        raise NotImplementedError("KDA speculative verify on CUDA: the KDA verify kernel is not there yet "
-                                  "(issue 37); use cursor='standard' (one token per step) on CUDA")
+        from . import ops as kops
+
+        reads_its_shadow(shadow, read_shadow)
+        return kops.kda_replay_verify(q, k, v, f, b, A_log, dt_bias, buf.state, buf.k_cache, buf.u_cache, buf.g_cache,
+                                      buf.v_cache, buf.beta_cache, cursor, sbi, out=out, shadow=shadow,
+                                      check_values=check_values, use_qk_l2norm=use_qk_l2norm, scale=scale,
+                                      lower_bound=lower_bound)
 
 
 STEPS = {"reference": Reference, "kernels": Kernels}
