@@ -63,8 +63,9 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm import trt_plugin
 from trtllm_replayssm.config import DTYPE_CODES, SUPPORTED_DSTATE, SUPPORTED_HEADDIM
+from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
+from trtllm_replayssm.families.mamba2 import trt_plugin as mamba2_plugin
 
 from .engine_format import SHADOWS, layer_states
 from .moe import FORMULATIONS, moe_forward
@@ -87,7 +88,7 @@ MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", 
 # back in their own dtypes, the cursor not moved, y in x's dtype: the reference executor of
 # trtllm_replayssm.backend in the launchers' keyword form (``reference_backend``, the T = 1 node's, is
 # builders.nemotron_h's).
-verify_reference_backend = executors.replay_verify_kw(executors.REFERENCE)
+verify_reference_backend = mamba2_steps.replay_verify_kw(executors.REFERENCE)
 
 
 # ---- plugin nodes ---------------------------------------------------------------------------------------------
@@ -416,13 +417,13 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         return H, P, N, G
 
     def plugin_kernel(self, tactic: int, arch: int, sm_count: int):
-        """The PTX and launch of the step's Mamba-2 node for ``tactic`` (trt_plugin's aot_impl; standard engines: the
-        persistent grid of ``sm_count`` SMs)."""
+        """The PTX and launch of the step's Mamba-2 node for ``tactic`` (families/mamba2/trt_plugin's aot_impl; standard
+        engines: the persistent grid of ``sm_count`` SMs)."""
         H, P, N, G = self.plugin_geometry()
         act, state, L = DTYPE_CODES[self.act_dtype], DTYPE_CODES[self.state_dtype], self.buffer_len
         if self.speculative:
-            return trt_plugin.aot_verify_kernel(H, P, N, G, L, self.num_tokens, state, act, arch, tactic, self.shadow)
-        return trt_plugin.aot_kernel(H, P, N, G, L, state, act, arch, tactic, sm_count, self.shadow)
+            return mamba2_plugin.aot_verify_kernel(H, P, N, G, L, self.num_tokens, state, act, arch, tactic, self.shadow)
+        return mamba2_plugin.aot_kernel(H, P, N, G, L, state, act, arch, tactic, sm_count, self.shadow)
 
     def plugin_keys(self, sm_count: int) -> dict:
         """config.json's plugin keys after the node's attributes: a standard engine's persistent grid size."""

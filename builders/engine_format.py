@@ -169,7 +169,7 @@ MAMBA2_STATES = (
     LayerState("B_cache", ("ngroups", "buffer_len", "dstate"), "act"),
     LayerState("dt_cache", ("nheads", "buffer_len"), "float32"),  # processed dt
 )
-GDN_STATES = (  # trtllm_replayssm/gdn_reference.py's GDNBuffers, the checkpoint in vLLM's (HV, V, K) layout
+GDN_STATES = (  # trtllm_replayssm/families/gdn/reference.py's GDNBuffers, the checkpoint in vLLM's (HV, V, K) layout
     CONV_STATE,
     LayerState("gdn_state", ("num_v_heads", "value_dim", "key_dim"), "float32"),
     LayerState("gdn_u", ("num_v_heads", "buffer_len", "value_dim"), "float32"),

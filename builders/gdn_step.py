@@ -16,7 +16,7 @@ Graph inputs (row b of the batch is slot b: state_batch_indices = arange(batch) 
                            [gdn_shadow_i (batch, HV, V, K) bf16 with a shadow],
                            gdn_u_i (batch, HV, L, V) fp32, gdn_v_i (batch, HV, L, V) act,
                            gdn_k_i (batch, H, L, Kd) fp32, gdn_g_i (batch, HV, L) fp32,
-                           gdn_beta_i (batch, HV, L) fp32   (:mod:`trtllm_replayssm.gdn_reference`)
+                           gdn_beta_i (batch, HV, L) fp32   (:mod:`trtllm_replayssm.families.gdn.reference`)
 
 Graph outputs: T = 1: logits (batch, vocab) fp32, lengths_out = lengths + 1, cursor_out = (cursor + 1) % L;
 T > 1: logits (batch, T, vocab) fp32; then every state tensor as ``<name>_out`` (in-place aliases in TensorRT).
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm.config import DTYPE_CODES, GDN_SUPPORTED_DIMS
+from trtllm_replayssm.families.gdn import steps as gdn_steps
 from trtllm_replayssm.families.gdn import trt_plugin as gdn_plugin
 
 from .decode_step import (  # noqa: F401  (export_onnx: the one export of every step)
@@ -77,8 +78,8 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shar
 # where count + 2T > L (stored in fp32), then the window verified on the flushed cursor and appended to the rings;
 # the (slots, 2) cursor not moved; y in v's dtype. And the same through the CUDA kernel on contiguous copies of
 # the views. The executors of trtllm_replayssm.backend in the builders' keyword form.
-verify_reference_backend = executors.gdn_replay_verify_kw(executors.REFERENCE)
-verify_kernel_backend = executors.gdn_replay_verify_kw(executors.for_device("cuda"), contiguous=True)
+verify_reference_backend = gdn_steps.replay_verify_kw(executors.REFERENCE)
+verify_kernel_backend = gdn_steps.replay_verify_kw(executors.for_device("cuda"), contiguous=True)
 
 
 def gdn_op_type(speculative: bool, shadow: bool) -> str:
@@ -95,11 +96,11 @@ def gdn_node(ins, caches, op_type: str, attrs: dict, backend):
     beta_cache[, the bf16 shadow of the checkpoint (S, HV, V, K)]). ``gdn_decode``: raw a and b in, g and beta
     computed inside, the l2 norm of q and k inside; ``gdn_verify``: the same on a window with the (slots, 2) ring
     cursor; a shadow op's non-fold steps read the shadow, folds rewrite it from the checkpoint they store
-    (trtllm_replayssm/gdn_reference.py). Outputs (y, the caches in that order); the eager run (``backend``) works
+    (trtllm_replayssm/families/gdn/reference.py). Outputs (y, the caches in that order); the eager run (``backend``) works
     on copies (functional, as the graph is)."""
 
     def run(q, k, v, a, b, A_log, dt_bias, sbi, cursor, *cs):
-        from trtllm_replayssm.gdn_reference import GDNBuffers
+        from trtllm_replayssm.families.gdn.reference import GDNBuffers
 
         buf = GDNBuffers(*(t.clone() for t in cs[:6]))
         extra = dict(shadow=cs[6].clone()) if len(cs) == 7 else {}

@@ -152,7 +152,7 @@ class SSMMode:
     def alloc(self, layers, batch, T, H, P, N, G, device, act_dtype):
         self._check_T(T)
         self.batch, self.T, self.layers = batch, T, list(layers)
-        self.x = executors.for_device(device)
+        self.x = executors.for_device(device).steps("mamba2")  # Mamba-2's steps on the device's executor
         self.state = {i: torch.zeros(batch, H, P, N, dtype=torch.float32, device=device) for i in layers}
 
     def _check_T(self, T: int) -> None:

@@ -47,7 +47,9 @@ import weakref
 import torch
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm.backend import InjectedExecutor as StepExecutor
 from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
 
 # Layers: M = Mamba-2, * = attention, - = MLP.
 TINY_CONFIG = dict(
@@ -385,7 +387,7 @@ def _read_tensors(index: dict, dtype: torch.dtype, fp32=()) -> dict:
 # ---- SSM backends ---------------------------------------------------------------------------------
 # ``reference.replay_decode`` in float64, caches written back in their own dtypes, y in x's dtype: the reference
 # executor of trtllm_replayssm.backend in the launchers' keyword form (the graph node and the ORT op call it).
-reference_backend = executors.replay_decode_kw(executors.REFERENCE)
+reference_backend = mamba2_steps.replay_decode_kw(executors.REFERENCE)
 
 
 def mamba_layers(model) -> list[int]:
@@ -592,7 +594,7 @@ class ReplaySSMDecoder(MixerPatch):
         self.check_values = check_values  # the cache's host checks (None: unless capturing a CUDA graph)
         self.executor = executors.for_device(next(model.parameters()).device)
         if backend is not None or advance is not None:
-            self.executor = StepExecutor(backend or executors.replay_decode_kw(self.executor),
+            self.executor = StepExecutor(backend or mamba2_steps.replay_decode_kw(self.executor),
                                               advance or self.executor.advance_cursor)
         self.layers = mamba_layers(model)
         self.j = {i: j for j, i in enumerate(self.layers)}
@@ -671,38 +673,6 @@ class ReplaySSMDecoder(MixerPatch):
         self.cache = None
         self._ready = set()
         self._cache_ref = None
-
-
-class StepExecutor:
-    """A decode step in a keyword form (``ops.replay_decode``'s for Mamba-2, the builders'
-    ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)`` for GDN) and a cursor advance
-    (``ops.advance_cursor``'s), as the executor of a standard-cursor cache: the cache validates and keeps the
-    bookkeeping, the step does the arithmetic (what the patched models' ``backend=`` / ``advance=`` inject)."""
-
-    name = "injected step"
-
-    def __init__(self, step, advance):
-        self.step, self.advance = step, advance
-
-    def _run(self, out, **kw):
-        y = self.step(**kw)
-        if out is None:
-            return y
-        out.copy_(y)
-        return out
-
-    def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi, shadow=None,
-                      shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
-        return self._run(out, state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, cursor=cursor, x=x,
-                         B=B, C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, z=z, state_batch_indices=sbi)
-
-    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                          check_values=None, use_qk_l2norm=True, scale=None):
-        return self._run(out, buf=buf, cursor=cursor, q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
-                         state_batch_indices=sbi)
-
-    def advance_cursor(self, cursor, sbi, L, *, check_values=None):
-        self.advance(cursor, sbi, L)
 
 
 def patch_replayssm(model, buffer_len: int = 16, backend=None, advance=None, state_dtype=torch.float32, *,

@@ -178,7 +178,7 @@ _GDN_ATTRS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "buffer_len"
 def _gdn_run(op_type, backend, window: int, q, k, v, a, b, A_log, dt_bias, sbi, cursor, state, u, vc, kc, gc, bc,
              attrs):
     """One GDN plugin op (``window`` = 1 when q, k, v, a, b carry a window axis) on copies of the states."""
-    from trtllm_replayssm.gdn_reference import GDNBuffers
+    from trtllm_replayssm.families.gdn.reference import GDNBuffers
 
     got = (k.shape[1 + window], v.shape[1 + window], k.shape[2 + window], v.shape[2 + window], u.shape[2])
     names = _GDN_ATTRS + (("num_tokens",) if window else ())

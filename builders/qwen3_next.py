@@ -15,12 +15,12 @@ Patching (:func:`patch_gdn_replayssm`), per GDN layer, mirroring the layer's own
     y = backend(buf, cursor, q, k, v, a, b, A_log, dt_bias)   (raw a, b: g and beta inside the step)
     out = out_proj(norm(y, z))                      (the layer's gated RMSNorm)
 
-``backend`` has the signature of :func:`trtllm_replayssm.gdn_reference.replay_decode` (keywords):
-the float64 reference on the CPU, the GDN kernel (:mod:`trtllm_replayssm.gdn_ops`) on CUDA.
+``backend`` has the signature of :func:`trtllm_replayssm.families.gdn.reference.replay_decode` (keywords):
+the float64 reference on the CPU, the GDN kernel (:mod:`trtllm_replayssm.families.gdn.ops`) on CUDA.
 Prefill (more than one token) is the model's own chunked path; its final recurrent state, stored
 by transformers as (batch, HV, K, V), becomes the checkpoint in our (batch, HV, V, K) layout with an
 empty buffer (cursor 0). A continuation prefill after decode steps first writes the current state
-(:func:`~trtllm_replayssm.gdn_reference.replay_state`) back into the model's cache. The cursor is
+(:func:`~trtllm_replayssm.families.gdn.reference.replay_state`) back into the model's cache. The cursor is
 shared by all GDN layers and advanced once per model step. Beam search and switching between transformers
 caches as builders/nemotron_h.py's ``MixerPatch`` (shared). Not covered: caches that record the past.
 
@@ -38,6 +38,7 @@ import torch
 
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.families.gdn import steps as gdn_steps
 
 from .nemotron_h import LinearAttentionPatch, StepExecutor
 
@@ -152,8 +153,8 @@ def gdn_layers(model) -> list[int]:
 # ``gdn_reference.replay_decode`` in float64 on the buffers (stored back in their dtypes), y in v's dtype; and the
 # same through the CUDA kernel on contiguous copies of the step's views: the executors of trtllm_replayssm.backend
 # in the builders' keyword form.
-reference_backend = executors.gdn_replay_decode_kw(executors.REFERENCE)
-kernel_backend = executors.gdn_replay_decode_kw(executors.for_device("cuda"), contiguous=True)
+reference_backend = gdn_steps.replay_decode_kw(executors.REFERENCE)
+kernel_backend = gdn_steps.replay_decode_kw(executors.for_device("cuda"), contiguous=True)
 
 
 def default_backend(device):
@@ -176,7 +177,7 @@ def _projections(mixer, hs):
 class GDNReplayDecoder(LinearAttentionPatch):
     """ReplaySSM state of a patched model, held by a :class:`~trtllm_replayssm.cache.ReplayStateCache` of its GDN
     layers on the standard form (the (slots,) cursor, one standard decode step per layer), allocated at the
-    prefill hand-off; the conv windows stay in the transformers cache (``gdn_conv_dim=0``). Row b of the batch
+    prefill hand-off; the conv windows stay in the transformers cache (``conv_dim=0``). Row b of the batch
     uses slot b. ``backend`` (keyword form ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices)``,
     default: :data:`kernel_backend` on CUDA, :data:`reference_backend` elsewhere) and ``advance`` run the step
     through the cache; ``bufs[layer_idx]`` (GDNBuffers views) and ``cursor`` are the cache's tensors."""
@@ -204,10 +205,10 @@ class GDNReplayDecoder(LinearAttentionPatch):
         if not self._holds(cache):
             self._write_back()  # the cache held until now keeps what our buffers hold
         c = self.cache
-        if c is None or not self._holds(cache) or c.num_slots != batch or c.gdn_state.device != S.device \
-                or c.gdn_v.dtype != act_dtype:
-            c = self.cache = ReplayStateCache.for_gdn(
-                len(self.layers), batch, HV, mixer.num_k_heads, V, K, self.buffer_len, gdn_conv_dim=0,
+        if c is None or not self._holds(cache) or c.num_slots != batch or c.group("gdn").t["state"].device != S.device \
+                or c.group("gdn").t["v_cache"].dtype != act_dtype:
+            c = self.cache = ReplayStateCache.for_family(
+                "gdn", len(self.layers), batch, (HV, mixer.num_k_heads, V, K), self.buffer_len, conv_dim=0,
                 state_dtype=self.state_dtype, act_dtype=act_dtype, device=S.device, cursor="standard",
                 executor=StepExecutor(self.backend, self.advance), check_values=self.check_values)
             for _ in range(batch):

@@ -41,8 +41,8 @@ import copy
 import torch
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache, conv_update_rows
+from trtllm_replayssm.families.gdn import reference as gref
 
 from .model_step import CacheSlots, from_host, to_host
 from .qwen3_next import MODEL_TYPES, _projections, gdn_layers
@@ -80,7 +80,7 @@ class GDNConventional(GDNMode):
         super().alloc(layers, slots, HV, H, V, Kd, device, act_dtype)
         self.state = torch.zeros(len(layers), slots, HV, V, Kd, dtype=torch.float32, device=device)
         if executors.for_device(device).name == "kernels":
-            from trtllm_replayssm import gdn_ops
+            from trtllm_replayssm.families.gdn import ops as gdn_ops
 
             self._step = lambda st, q, k, v, a, b, A_log, dt_bias, sbi: gdn_ops.gdn_conventional_step(
                 q, k, v, a, b, A_log, dt_bias, st, sbi, check_values=False)
@@ -118,7 +118,7 @@ class GDNConventional(GDNMode):
 
 class GDNReplay(CacheSlots, GDNMode):
     """ReplaySSM on a GDN-only :class:`ReplayStateCache` (``cursor="standard"``: the standard GDN decode step of the
-    executor, the cursor advanced once per model step); the step keeps the conv windows (``gdn_conv_dim=0``). Every
+    executor, the cursor advanced once per model step); the step keeps the conv windows (``conv_dim=0``). Every
     slot is allocated once: a slot's prefill hand-off (``load_prefill``) resets its rings and cursor."""
 
     def __init__(self, buffer_len: int = 16, shadow: str | None = None):
@@ -133,10 +133,10 @@ class GDNReplay(CacheSlots, GDNMode):
         super().alloc(layers, slots, HV, H, V, Kd, device, act_dtype)
         cuda = torch.device(device).type == "cuda"
         shadow = None if self.shadow is None else torch.bfloat16
-        self.cache = ReplayStateCache.for_gdn(len(layers), slots, HV, H, V, Kd, self.L, num_draft=0, gdn_conv_dim=0,
-                                              act_dtype=act_dtype, device=device, cursor="standard",
-                                              check_values=False if cuda else None, shadow_dtype=shadow,
-                                              read_shadow=shadow is not None)
+        self.cache = ReplayStateCache.for_family("gdn", len(layers), slots, (HV, H, V, Kd), self.L, num_draft=0,
+                                                 conv_dim=0, act_dtype=act_dtype, device=device, cursor="standard",
+                                                 check_values=False if cuda else None, shadow_dtype=shadow,
+                                                 read_shadow=shadow is not None)
         for _ in range(slots):
             self.cache.allocate()
 

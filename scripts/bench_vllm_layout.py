@@ -25,13 +25,15 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "serve"))  # the vLLM adapter, trtllm_replayssm_vllm (a checkout not installed)
+
+import trtllm_replayssm_vllm as vllm  # noqa: E402
 
 from scripts import bench_kernels as bk  # noqa: E402
 from trtllm_replayssm import (  # noqa: E402
     costs,
     ops,
     timing,  # noqa: E402
-    vllm,
 )
 from trtllm_replayssm.problems import make_inputs  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402

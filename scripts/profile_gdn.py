@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from trtllm_replayssm import costs, gdn_ops  # noqa: E402
+from trtllm_replayssm import costs  # noqa: E402
+from trtllm_replayssm.families.gdn import ops as gdn_ops  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 
 

@@ -388,7 +388,7 @@ def test_shadow_dtypes_the_kernels_do_not_read_are_refused():
     with pytest.raises(ValueError, match="shadow_dtype: expected None, bfloat16 or float8_e4m3fn, got torch.float16"):
         _cache(shadow_dtype=torch.float16)
     with pytest.raises(ValueError, match="a model with GDN layers keeps a bfloat16 shadow only .*float8_e4m3fn"):
-        ReplayStateCache.for_gdn(1, 2, 2, 1, 8, 8, 4, shadow_dtype=torch.float8_e4m3fn)
+        ReplayStateCache.for_family("gdn", 1, 2, (2, 1, 8, 8), 4, shadow_dtype=torch.float8_e4m3fn)
 
 
 def test_memory_model_matches_allocation():

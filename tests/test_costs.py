@@ -6,33 +6,46 @@ import pytest
 import torch
 
 from trtllm_replayssm import costs
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.families.gdn import reference as gref
 from trtllm_replayssm.geometries import GDN_GEOMETRIES, GEOMETRIES
 
 BF, F8 = torch.bfloat16, torch.float8_e4m3fn
 MAMBA = dict(num_layers=3, num_slots=2, nheads=8, headdim=16, dstate=32, ngroups=2, buffer_len=16)
-GDN = dict(gdn_layers=2, gdn_value_heads=4, gdn_key_heads=2, gdn_value_dim=8, gdn_key_dim=16)
+MAMBA_LAYERS = {"mamba2": (3, (8, 16, 32, 2))}
+GDN = {"gdn": (2, (4, 2, 8, 16))}
+KDA = {"kda": (2, (4, 16, 8))}
+
+
+def _layers(*parts, **kw) -> dict:
+    """The layers= form: num_slots / buffer_len from MAMBA, the families' layers in order."""
+    return dict(num_slots=MAMBA["num_slots"], buffer_len=MAMBA["buffer_len"], layers={k: v for p in parts for k, v in p.items()},
+                **kw)
+
+
 CASES = {
     "standard": dict(MAMBA),
     "spec_d3": dict(MAMBA, num_draft=3),
     "bf16_shadow_d1": dict(MAMBA, num_draft=1, shadow_dtype=BF),
     "fp8_shadow_d3": dict(MAMBA, num_draft=3, shadow_dtype=F8),
     "fp32_act_k3_conv_dim": dict(MAMBA, num_draft=2, act_dtype=torch.float32, conv_kernel=3, conv_dim=100),
-    "gdn_only": dict(num_layers=0, num_slots=3, nheads=1, headdim=1, dstate=1, ngroups=1, buffer_len=8, num_draft=1,
-                     **GDN),
-    "gdn_bf16_shadow": dict(num_layers=0, num_slots=3, nheads=1, headdim=1, dstate=1, ngroups=1, buffer_len=8,
-                            shadow_dtype=BF, **GDN),
-    "mixed_bf16_shadow": dict(MAMBA, num_draft=2, shadow_dtype=BF, **GDN),
+    "gdn_only": dict(num_slots=3, buffer_len=8, num_draft=1, layers=GDN),
+    "gdn_bf16_shadow": dict(num_slots=3, buffer_len=8, shadow_dtype=BF, layers=GDN),
+    "gdn_conv_dim": dict(num_slots=3, buffer_len=8, layers={"gdn": (2, (4, 2, 8, 16), 0)}),
+    "mixed_bf16_shadow": _layers(MAMBA_LAYERS, GDN, num_draft=2, shadow_dtype=BF),
     "standard_cursor_no_conv": dict(MAMBA, cursor="standard", conv_dim=0, shadow_dtype=BF),
-    "float64": dict(MAMBA, state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64, **GDN),
+    "float64": _layers(MAMBA_LAYERS, GDN, state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64),
+    "kda_bf16_shadow": dict(num_slots=3, buffer_len=8, num_draft=1, shadow_dtype=BF, layers=KDA),
+    "kda_standard": dict(num_slots=3, buffer_len=8, cursor="standard", layers=KDA),
 }
 
 
 def _allocated(cache) -> int:
-    """Bytes of every tensor the cache holds, each storage once (conv is a view of the scratch-slot tensor)."""
+    """Bytes of every tensor the cache holds (its attributes and its groups'), each storage once (conv is a view of
+    the scratch-slot tensor)."""
     seen, total = set(), 0
-    for t in vars(cache).values():
+    held = [*vars(cache).values()] + [t for g in cache.groups for t in (*g.t.values(), g._conv)]
+    for t in held:
         if isinstance(t, torch.Tensor) and t.numel():
             st = t.untyped_storage()
             if st.data_ptr() not in seen:

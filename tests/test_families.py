@@ -89,15 +89,16 @@ def test_cache_tensors_are_the_families_allocations():
     for name in ("state", "shadow", "shadow_scale", "x_cache", "B_cache", "dt_cache"):
         assert tuple(getattr(c, name).shape) == (2, *m[name]), name
     assert c.shadow.dtype == torch.float8_e4m3fn and bool((c.shadow_scale == 1).all())
-    kw = dict(shadow_dtype=torch.bfloat16, gdn_layers=1, gdn_value_heads=4, gdn_key_heads=2, gdn_value_dim=16,
-              gdn_key_dim=16)
-    c = ReplayStateCache(1, S, 4, 64, 64, 2, L, **kw)
+    kw = dict(num_slots=S, buffer_len=L, shadow_dtype=torch.bfloat16,
+              layers={"mamba2": (1, (4, 64, 64, 2)), "gdn": (1, (4, 2, 16, 16))})
+    c = ReplayStateCache(**kw)
     g = families.get("gdn").shapes(S, L, (4, 2, 16, 16), optional=True)
-    for name, attr in (("state", "gdn_state"), ("shadow", "gdn_shadow"), ("u_cache", "gdn_u"), ("v_cache", "gdn_v"),
-                       ("k_cache", "gdn_k"), ("g_cache", "gdn_g"), ("beta_cache", "gdn_beta")):
-        assert tuple(getattr(c, attr).shape) == (1, *g[name]), name
-    assert c.gdn_shadow.dtype == torch.bfloat16 and c.gdn_u.dtype == torch.float32 and c.gdn_v.dtype == torch.bfloat16
-    assert c.bytes_per_slot() == costs.cache_bytes(1, S, 4, 64, 64, 2, L, **kw)["slot"]
+    t = c.group("gdn").t
+    assert list(t) == list(g)  # every row of the table, in its order
+    for name in g:
+        assert tuple(t[name].shape) == (1, *g[name]), name
+    assert t["shadow"].dtype == torch.bfloat16 and t["u_cache"].dtype == torch.float32 and t["v_cache"].dtype == torch.bfloat16
+    assert c.bytes_per_slot() == costs.cache_bytes(**kw)["slot"]
 
 
 def test_spec_types_come_from_the_families():

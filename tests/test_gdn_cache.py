@@ -9,9 +9,9 @@ conv of the accepted inputs. Both kinds share one cursor, one flush decision and
 import pytest
 import torch
 
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm import reference as mref
 from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.families.gdn import reference as gref
 
 F64 = torch.float64
 HV, HK, V, KD, L, T = 4, 2, 8, 6, 8, 3
@@ -26,10 +26,11 @@ def _gdn_inputs(gen, batch, T):
 def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "ring"):
     gen = torch.Generator().manual_seed(5)
     slots, batch = 5, 3
-    kw = dict(num_draft=T - 1, cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64, gdn_layers=2, gdn_value_heads=HV,
-              gdn_key_heads=HK, gdn_value_dim=V, gdn_key_dim=KD, shadow_dtype=shadow, read_shadow=shadow is not None)
+    kw = dict(num_draft=T - 1, cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64, shadow_dtype=shadow,
+              read_shadow=shadow is not None)
     H, P, N, G = 4, 4, 6, 2
-    cache = ReplayStateCache(1 if mixed else 0, slots, H, P, N, G, L, **kw)
+    layers = ({"mamba2": (1, (H, P, N, G))} if mixed else {}) | {"gdn": (2, (HV, HK, V, KD))}
+    cache = ReplayStateCache(num_slots=slots, buffer_len=L, layers=layers, **kw)
     g0 = cache.first_layer("gdn")  # the cache numbers its GDN layers after its Mamba-2 ones
     live = [cache.allocate() for _ in range(batch)]
     A_log = torch.randn(2, HV, generator=gen, dtype=F64) * 0.3
@@ -99,16 +100,21 @@ def test_gdn_shadow_read_stays_close_and_flushes_exactly():
 
 
 def test_reset_and_validation():
-    cache = ReplayStateCache.for_gdn(2, 3, HV, HK, V, KD, L, num_draft=1)
+    cache = ReplayStateCache.for_family("gdn", 2, 3, (HV, HK, V, KD), L, num_draft=1)
     s = cache.allocate()
-    cache.gdn_u[:, s] = 1.0
-    cache.gdn_conv[:, s] = 1.0
+    g = cache.group("gdn")
+    g.t["u_cache"][:, s] = 1.0
+    g.conv[:, s] = 1.0
     cache.free(s)
-    assert cache.allocate() == s and not cache.gdn_u[:, s].any() and not cache.gdn_conv[:, s].any()
-    with pytest.raises(ValueError, match="gdn_key_heads: expected a divisor of gdn_value_heads=4, got 3"):
-        ReplayStateCache.for_gdn(1, 2, 4, 3, V, KD, L)
-    with pytest.raises(ValueError, match="num_layers, gdn_layers: expected >= 0 with at least one layer"):
+    assert cache.allocate() == s and not g.t["u_cache"][:, s].any() and not g.conv[:, s].any()
+    with pytest.raises(ValueError, match="geometry: gdn key_heads: expected a divisor of value_heads=4, got 3"):
+        ReplayStateCache.for_family("gdn", 1, 2, (4, 3, V, KD), L)
+    with pytest.raises(ValueError, match="layers: expected at least one layer"):
         ReplayStateCache(0, 2, 1, 1, 1, 1, L)
+    with pytest.raises(ValueError, match="layers: expected at least one layer"):
+        ReplayStateCache(num_slots=2, buffer_len=L, layers={"gdn": (0, (HV, HK, V, KD))})
+    with pytest.raises(TypeError, match="nheads: the positional form's sizes; with layers="):
+        ReplayStateCache(num_slots=2, nheads=4, buffer_len=L, layers={"gdn": (1, (HV, HK, V, KD))})
     with pytest.raises(ValueError, match="state: expected shape"):
         cache.load_prefill(s, 0, torch.zeros(HV, KD, V + 1))
     with pytest.raises(ValueError, match="slot 2 is not allocated"):
@@ -120,7 +126,8 @@ def test_reset_and_validation():
 def test_a_failed_gdn_verify_leaves_the_checkpoint_as_it_was():
     """A bad input at a window that folds first: refused before the fold (the reference used to fold, then check)."""
     gen = torch.Generator().manual_seed(8)
-    cache = ReplayStateCache.for_gdn(1, 2, HV, HK, V, KD, L, num_draft=1, state_dtype=F64, act_dtype=F64, dt_dtype=F64)
+    cache = ReplayStateCache.for_family("gdn", 1, 2, (HV, HK, V, KD), L, num_draft=1, state_dtype=F64, act_dtype=F64,
+                                        dt_dtype=F64)
     s = cache.allocate()
     cache.load_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
     sbi = torch.tensor([s], dtype=torch.int32)
@@ -130,12 +137,12 @@ def test_a_failed_gdn_verify_leaves_the_checkpoint_as_it_was():
         cache.verify(0, **_gdn_inputs(gen, 1, 2), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
         cache.commit(sbi, torch.tensor([2], dtype=torch.int32), 2)
     assert cache.cursor[s].tolist() == [0, 6]
-    before = cache.gdn_state[0, s].clone()
+    before = cache.group("gdn").t["state"][0, s].clone()
     cache.flush(sbi, 2, [])
     bad = {**_gdn_inputs(gen, 1, 2), "a": torch.zeros(1, 2, HV + 1, dtype=F64)}
     with pytest.raises(ValueError, match=r"a: expected shape \(1, 2, 4\)"):
         cache.verify(0, **bad, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
-    assert torch.equal(cache.gdn_state[0, s], before)
+    assert torch.equal(cache.group("gdn").t["state"][0, s], before)
 
 
 @pytest.mark.parametrize("cursor", ["ring", "standard"])
@@ -144,8 +151,8 @@ def test_a_gdn_verify_with_a_bad_out_or_twice_in_a_step_leaves_the_checkpoint(cu
     outputs), and a second gdn_verify of a layer in one step, which would fold it again, is refused."""
     gen = torch.Generator().manual_seed(8)
     ring = cursor == "ring"
-    cache = ReplayStateCache.for_gdn(1, 2, HV, HK, V, KD, L if ring else 1, num_draft=1 if ring else 0, cursor=cursor,
-                                     state_dtype=F64, act_dtype=F64, dt_dtype=F64)
+    cache = ReplayStateCache.for_family("gdn", 1, 2, (HV, HK, V, KD), L if ring else 1, num_draft=1 if ring else 0,
+                                        cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64)
     s = cache.allocate()
     cache.load_prefill(s, 0, torch.randn(HV, V, KD, generator=gen, dtype=F64))
     sbi = torch.tensor([s], dtype=torch.int32)
@@ -155,16 +162,16 @@ def test_a_gdn_verify_with_a_bad_out_or_twice_in_a_step_leaves_the_checkpoint(cu
         cache.flush(sbi, T, [])
         cache.verify(0, **_gdn_inputs(gen, 1, T), A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
         cache.commit(sbi, torch.tensor([T], dtype=torch.int32), T)
-    before = cache.gdn_state[0, s].clone()
+    before = cache.group("gdn").t["state"][0, s].clone()
     cache.flush(sbi, T, [])
     x = _gdn_inputs(gen, 1, T)
     with pytest.raises(ValueError, match=r"out: expected shape"):
         cache.verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi,
                          out=torch.empty(1, T, HV, V + 1, dtype=F64))
-    assert torch.equal(cache.gdn_state[0, s], before)
+    assert torch.equal(cache.group("gdn").t["state"][0, s], before)
     cache.verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
-    folded = cache.gdn_state[0, s].clone()
+    folded = cache.group("gdn").t["state"][0, s].clone()
     assert not torch.equal(folded, before)
     with pytest.raises(RuntimeError, match=r"verify: layer 0 already ran in this step"):
         cache.verify(0, **x, A_log=A_log, dt_bias=dt_bias, state_batch_indices=sbi)
-    assert torch.equal(cache.gdn_state[0, s], folded)
+    assert torch.equal(cache.group("gdn").t["state"][0, s], folded)

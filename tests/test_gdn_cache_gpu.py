@@ -24,7 +24,10 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-GDN_TENSORS = ("gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta", "gdn_shadow", "gdn_conv")
+def gdn_tensors(cache) -> dict:
+    """The cache's GDN tensors by state-table name (the shadow when kept), and its conv windows."""
+    g = cache.group("gdn")
+    return {**g.t, "conv": g.conv}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -33,21 +36,21 @@ GDN_TENSORS = ("gdn_state", "gdn_u", "gdn_v", "gdn_k", "gdn_g", "gdn_beta", "gdn
                                                     (torch.bfloat16, torch.bfloat16, 1, "standard"),
                                                     (torch.float32, None, 1, "standard")])
 def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
-    pytest.importorskip("trtllm_replayssm.gdn_ops")
-    from trtllm_replayssm import gdn_ops
+    pytest.importorskip("trtllm_replayssm.families.gdn.ops")
+    from trtllm_replayssm.families.gdn import ops as gdn_ops
 
     if not hasattr(gdn_ops, "gdn_replay_verify"):
         pytest.skip("gdn_ops.gdn_replay_verify is not built")
     HV, HK, V, KD, L, layers, slots, batch = 8, 4, 64, 128, 16, 2, 6, 4
-    geo = dict(num_draft=T - 1, cursor=cursor, conv_kernel=K_CONV, shadow_dtype=shadow, gdn_layers=layers, gdn_value_heads=HV,
-               gdn_key_heads=HK, gdn_value_dim=V, gdn_key_dim=KD)
-    dev = ReplayStateCache(0, slots, 1, 1, 1, 1, L, act_dtype=act, device="cuda", **geo)
-    cpu = ReplayStateCache(0, slots, 1, 1, 1, 1, L, state_dtype=F64, act_dtype=F64, dt_dtype=F64,
-                           read_shadow=shadow is not None, **geo)
+    geo = dict(num_draft=T - 1, cursor=cursor, conv_kernel=K_CONV, shadow_dtype=shadow)
+    dev = ReplayStateCache.for_family("gdn", layers, slots, (HV, HK, V, KD), L, act_dtype=act, device="cuda", **geo)
+    cpu = ReplayStateCache.for_family("gdn", layers, slots, (HV, HK, V, KD), L, state_dtype=F64, act_dtype=F64,
+                                      dt_dtype=F64, read_shadow=shadow is not None, **geo)
+    dev_t, cpu_t = gdn_tensors(dev), gdn_tensors(cpu)
     gen = torch.Generator().manual_seed(3)
     A_log = [torch.rand(HV, generator=gen) * 2 - 3 for _ in range(layers)]  # decays exp(g) in ~(0.6, 1)
     dt_bias = [torch.randn(HV, generator=gen) * 0.3 for _ in range(layers)]
-    Dc = dev.gdn_conv_dim
+    Dc = dev.group("gdn").conv_dim
     conv_w = [(torch.randn(Dc, K_CONV, generator=gen) * 0.5, torch.randn(Dc, generator=gen) * 0.1)
               for _ in range(layers)]
     live = [dev.allocate() for _ in range(batch - 1)]
@@ -63,7 +66,7 @@ def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
         rows.insert(step % batch, -1)  # one padding row at a moving position
         sbi = torch.tensor(rows, dtype=torch.int32)
         free = [s for s in range(slots) if s not in live]
-        before = {n: getattr(dev, n)[:, free].clone() for n in GDN_TENSORS if getattr(dev, n) is not None}
+        before = {n: t[:, free].clone() for n, t in dev_t.items()}
         dev.flush(sbi.cuda(), T, [])
         fl = cpu.flush(sbi, T, [])
         flushed_seen += len(fl)
@@ -93,12 +96,10 @@ def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
         assert torch.equal(dev.cursor.cpu(), cpu.cursor), step
         for l in range(layers):
             for s in fl:  # a flushed slot's checkpoint: fp32 fold vs float64 from the same fp32 inputs
-                assert rel(dev.gdn_state[l, s].cpu(), cpu.gdn_state[l, s]) < 2e-5, (step, l, s)
-        assert torch.equal(dev.gdn_conv.cpu().double(), cpu.gdn_conv.to(act).double()), step  # input copies
+                assert rel(dev_t["state"][l, s].cpu(), cpu_t["state"][l, s]) < 2e-5, (step, l, s)
+        assert torch.equal(dev_t["conv"].cpu().double(), cpu_t["conv"].to(act).double()), step  # input copies
         for name, t in before.items():  # free slots bit-identical
-            assert torch.equal(getattr(dev, name)[:, free], t), (step, name)
-        for name in GDN_TENSORS:  # re-sync the mirror: the next comparison is one step's arithmetic
-            t = getattr(dev, name)
-            if t is not None:
-                getattr(cpu, name).copy_(t.cpu().to(getattr(cpu, name).dtype))
+            assert torch.equal(dev_t[name][:, free], t), (step, name)
+        for name, t in dev_t.items():  # re-sync the mirror: the next comparison is one step's arithmetic
+            cpu_t[name].copy_(t.cpu().to(cpu_t[name].dtype))
     assert flushed_seen >= 2 * len(live)  # every live slot folded at least twice (the path under test ran)

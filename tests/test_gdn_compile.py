@@ -12,6 +12,7 @@ import re
 import pytest
 
 from trtllm_replayssm import compile as cc
+from trtllm_replayssm import config
 from trtllm_replayssm.config import GDN_SUPPORTED_DIMS, GDNSpec, gdn_geometry, gdn_spec
 
 ARCHS = (90, 100)
@@ -34,7 +35,7 @@ EDGES = [
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
-    for name in cc.GDN_KERNEL_NAMES:
+    for name in config.GDN_KERNEL_NAMES:
         assert re.search(rf"\.entry {name}\(", ptx), name
     assert "__local_depot" not in ptx, "a register array went to local memory"
 
@@ -145,7 +146,7 @@ SPEC_EDGES = [
 def test_spec_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
-    for name in cc.GDN_SPEC_KERNEL_NAMES:
+    for name in config.GDN_SPEC_KERNEL_NAMES:
         assert re.search(rf"\.entry {name}\(", ptx), name
     assert "__local_depot" not in ptx, "a register array went to local memory"
 
@@ -164,9 +165,9 @@ def test_spec_parameter_lists_are_tensorrt_order(shadow, n_sh):
 def test_spec_key_and_entry_file():
     spec = GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, num_tokens=4)
     assert spec.key == "gdn_a-bf16_HV32_H16_V128_K128_L16_R64_W8_P32_n1_sm90_T4"
-    assert cc.entry_file(spec) == "gdn/gdn_spec.cu" and cc.kernel_names(spec) == cc.GDN_SPEC_KERNEL_NAMES
+    assert cc.entry_file(spec) == "gdn/gdn_spec.cu" and cc.kernel_names(spec) == config.GDN_SPEC_KERNEL_NAMES
     std = GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8)
-    assert cc.entry_file(std) == "gdn/gdn_decode.cu" and cc.kernel_names(std) == cc.GDN_KERNEL_NAMES
+    assert cc.entry_file(std) == "gdn/gdn_decode.cu" and cc.kernel_names(std) == config.GDN_KERNEL_NAMES
     assert "kT" not in cc.prelude(std) and "constexpr int kT = 4;" in cc.prelude(spec)
 
 

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gated DeltaNet kernels (plugins/gdn/gdn_decode.cu) against trtllm_replayssm/gdn_reference.py, step by step.
+"""Gated DeltaNet kernels (plugins/gdn/gdn_decode.cu) against trtllm_replayssm/families/gdn/reference.py, step by step.
 
 Oracles:
-- float64 reference (:mod:`trtllm_replayssm.gdn_reference`) evolving on its own from the same initial
+- float64 reference (:mod:`trtllm_replayssm.families.gdn.reference`) evolving on its own from the same initial
   checkpoint and buffers, fed the very activation values the kernel sees, storing into tensors of the
   kernel's dtypes (fp32 state and u/k/g/beta caches, act v_cache). What is left between the two is the
   kernel's fp32 arithmetic and the rounding of y to the activation dtype.
@@ -30,9 +30,9 @@ import math
 import pytest
 import torch
 
-from trtllm_replayssm import gdn_ops
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm import reference as ref
+from trtllm_replayssm.families.gdn import ops as gdn_ops
+from trtllm_replayssm.families.gdn import reference as gref
 from trtllm_replayssm.geometries import GDN_GEOMETRIES
 
 pytestmark = pytest.mark.gpu

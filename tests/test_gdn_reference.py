@@ -33,9 +33,9 @@ import math
 import pytest
 import torch
 
-from trtllm_replayssm import gdn_reference as gdn
 from trtllm_replayssm import reference as ref
 from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm.families.gdn import reference as gdn
 from trtllm_replayssm.geometries import GDN_GEOMETRIES, GDN_MODELS
 
 F64 = torch.float64

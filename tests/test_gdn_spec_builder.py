@@ -37,7 +37,7 @@ from builders.decode_step import DOMAIN, export_onnx  # noqa: E402
 from builders.gdn_step import GDN_OP_TYPE, GDN_VERIFY_OP_TYPE, QwenGDNDecodeStep  # noqa: E402
 from builders.qwen3_next import FAMILIES, gdn_layers, patch_gdn_replayssm, tiny_model  # noqa: E402
 from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit  # noqa: E402
-from trtllm_replayssm import gdn_reference as gref  # noqa: E402
+from trtllm_replayssm.families.gdn import reference as gref  # noqa: E402
 
 from .spec_driver import (  # noqa: E402
     ModuleRunner,

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GDN speculative kernels (plugins/gdn/gdn_spec.cu) against trtllm_replayssm/gdn_reference.py, step by step.
+"""GDN speculative kernels (plugins/gdn/gdn_spec.cu) against trtllm_replayssm/families/gdn/reference.py, step by step.
 
 Each step: the kernel's ``gdn_replay_verify`` (flush decided on the pre-step cursor, folded inside the
 launch) then ``gdn_spec_commit`` (the Mamba-2 ``replayssm_spec_commit`` kernel through ops.spec_commit),
@@ -8,7 +8,7 @@ with random acceptance (n in 1..T, some rows n = 0) over 40 steps, so the rings 
 at every count in (L - 2T, L - T].
 
 Oracles:
-- float64 reference (:mod:`trtllm_replayssm.gdn_reference`) evolving on its own from the same initial
+- float64 reference (:mod:`trtllm_replayssm.families.gdn.reference`) evolving on its own from the same initial
   checkpoint and rings, fed the very activation values the kernel sees, storing into tensors of the
   kernel's dtypes. What is left is the kernel's fp32 arithmetic (and its triangular route: the window
   from the 2T products S_m k_t, S_m q_t and a T x T forward substitution, where the reference runs the
@@ -31,10 +31,10 @@ Tolerances (relative Frobenius norm over the valid rows), as tests/test_gdn_gpu.
 import pytest
 import torch
 
-from trtllm_replayssm import gdn_ops
-from trtllm_replayssm import gdn_reference as gref
 from trtllm_replayssm import reference as ref
 from trtllm_replayssm import spec_reference as sref
+from trtllm_replayssm.families.gdn import ops as gdn_ops
+from trtllm_replayssm.families.gdn import reference as gref
 from trtllm_replayssm.geometries import GDN_GEOMETRIES
 
 from .test_gdn_gpu import F32_TOL, SHADOW_Y_TOL, Y_TOL, make_params, rel

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""GDN launcher validation (trtllm_replayssm/gdn_ops.py): bad input is rejected before any launch, naming
+"""GDN launcher validation (trtllm_replayssm/families/gdn/ops.py): bad input is rejected before any launch, naming
 the tensor with got / expected.
 
 Shape, dtype, alignment, option and value checks run before the device check, so they are exercised here
@@ -10,7 +10,7 @@ which shows that every earlier check passed.
 import pytest
 import torch
 
-from trtllm_replayssm import gdn_ops
+from trtllm_replayssm.families.gdn import ops as gdn_ops
 
 HV, H, V, K, L, S, BATCH = 4, 2, 64, 128, 4, 5, 3
 BF, I32 = torch.bfloat16, torch.int32

@@ -130,9 +130,10 @@ def test_bf16_shadow_is_read_and_rewritten(qwen):
         logits[mode] = torch.stack(rows)
         c = eng.step.ssm.cache
         if mode == "replay_bf16":
-            q = torch.empty(c.gdn_state[:, 0].shape, dtype=torch.bfloat16)
-            quantize_shadow(c.gdn_state[:, 0], q, None)
-            assert torch.equal(c.gdn_shadow[:, 0].view(torch.uint8), q.view(torch.uint8))
+            t = c.group("gdn").t
+            q = torch.empty(t["state"][:, 0].shape, dtype=torch.bfloat16)
+            quantize_shadow(t["state"][:, 0], q, None)
+            assert torch.equal(t["shadow"][:, 0].view(torch.uint8), q.view(torch.uint8))
         eng.run_until_idle()
     diff = float((logits["replay"] - logits["replay_bf16"]).abs().max())
     assert 0 < diff < 2e-2 * float(logits["replay"].abs().max()), diff

@@ -42,7 +42,8 @@ def test_kda_layers_follow_the_recurrence(cursor, T, mixed, lower_bound):
     slots, batch, layers = 5, 3, 2
     kw = dict(num_draft=T - 1, cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64)
     if mixed:
-        cache = ReplayStateCache(1, slots, 4, 4, 6, 2, L, layers={"kda": (layers, (H, K, V))}, **kw)
+        cache = ReplayStateCache(num_slots=slots, buffer_len=L, layers={"mamba2": (1, (4, 4, 6, 2)),
+                                                                        "kda": (layers, (H, K, V))}, **kw)
     else:
         cache = ReplayStateCache.for_family("kda", layers, slots, (H, K, V), L, **kw)
     k0 = cache.first_layer("kda")
@@ -126,7 +127,7 @@ def test_kda_cache_errors_name_the_argument():
     with pytest.raises(TypeError, match="verify: kda layer: .*missing a required argument: 'dt_bias'"):
         cache.verify(0, *_tokens(torch.Generator(), 1, 1), torch.zeros(H, dtype=F64))
     with pytest.raises(ValueError, match="layers: expected families among"):
-        ReplayStateCache(0, 2, 1, 1, 1, 1, L, layers={"nope": (1, (1, 1, 1))})
+        ReplayStateCache(num_slots=2, buffer_len=L, layers={"nope": (1, (1, 1, 1))})
     with pytest.raises(ValueError, match="shadow_dtype: a model with KDA layers keeps a bfloat16 shadow only"):
         ReplayStateCache.for_family("kda", 1, 2, (H, K, V), L, shadow_dtype=torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="family: the cache holds no .gdn. layers"):

@@ -63,12 +63,18 @@ def make_cache(family="mamba2", cursor="ring", shadow="none", slots=3, L=None, d
     L = (6 if cursor == "standard" else 8) if L is None else L
     cfg = dict(buffer_len=L, num_draft=nd, conv_kernel=K_CONV, state_dtype=F32, act_dtype=act, dt_dtype=F32,
                shadow_dtype=SHADOWS[shadow], read_shadow=shadow != "none", device=device, cursor=cursor)
-    if family != "mamba2":
-        cfg.update(gdn_layers=2, gdn_value_heads=HV, gdn_key_heads=HK, gdn_value_dim=V, gdn_key_dim=KD)
     cfg.update(kw)
-    if family == "gdn":
-        return ReplayStateCache(0, slots, 1, 1, 1, 1, **cfg)
-    return ReplayStateCache(2, slots, H, P, N, G, **cfg)
+    layers = {f: (2, g) for f, g in (("mamba2", (H, P, N, G)), ("gdn", (HV, HK, V, KD)))
+              if family in (f, "mixed")}
+    return ReplayStateCache(num_slots=slots, layers=layers, **cfg)
+
+
+def group_of(c, family):
+    """(layers, geometry, conv_dim, first layer index) of the cache's ``family`` layers; (0, None, 0, 0) if none."""
+    if family not in {g.family for g in c.groups}:
+        return 0, None, 0, 0
+    g = c.group(family)
+    return g.num_layers, g.geometry, g.conv_dim, c.first_layer(family)
 
 
 class Lifecycle:
@@ -88,11 +94,13 @@ class Lifecycle:
         # entries with a smaller T can hold more than a larger T's L - T, which the verify launcher refuses (the
         # reference executor folds first and accepts it: noted on issue 38)
         self.T = max(t for t in SUPPORTED_NUM_TOKENS if t <= self.T_max)
-        self.mamba = [make_params(c.nheads, self.gen) for _ in range(c.num_layers)]  # f32
-        self.mamba_w = [self._conv_weights(c.conv_dim) for _ in range(c.num_layers)]
-        self.gdn = [(torch.rand(c.gdn_value_heads, generator=self.gen) * 2 - 3,  # A_log: decays in ~(0.6, 1)
-                     torch.randn(c.gdn_value_heads, generator=self.gen) * 0.3) for _ in range(c.gdn_layers)]
-        self.gdn_w = [self._conv_weights(c.gdn_conv_dim) for _ in range(c.gdn_layers)]
+        self.M, self.mgeo, self.mconv, _ = group_of(c, "mamba2")  # Mamba-2 layers first, then the GDN ones
+        self.NG, self.ggeo, self.gconv, self.g0 = group_of(c, "gdn")
+        self.mamba = [make_params(self.mgeo[0], self.gen) for _ in range(self.M)]  # f32
+        self.mamba_w = [self._conv_weights(self.mconv) for _ in range(self.M)]
+        self.gdn = [(torch.rand(self.ggeo[0], generator=self.gen) * 2 - 3,  # A_log: decays in ~(0.6, 1)
+                     torch.randn(self.ggeo[0], generator=self.gen) * 0.3) for _ in range(self.NG)]
+        self.gdn_w = [self._conv_weights(self.gconv) for _ in range(self.NG)]
         self.live = {}  # request -> (subject slot, twin slot)
         self.out = {}  # ((request, twin slot), ...) swapped out together -> (snapshot, rounds left to wait)
         self.left = {}  # request -> steps left
@@ -122,19 +130,18 @@ class Lifecycle:
         self._took([s])
         r = self.next_req
         self.next_req += 1
-        c = self.twin
         if self.rng.random() < 2 / 3:  # a prefill hand-off; else the request starts from zeros
-            for l in range(c.num_layers):
-                S = (torch.randn(c.nheads, c.headdim, c.dstate, generator=self.gen) * 0.5).to(self.device)
-                conv = self.rnd(c.conv_dim, K_CONV - 1)
+            for l in range(self.M):
+                S = (torch.randn(*self.mgeo[:3], generator=self.gen) * 0.5).to(self.device)  # (H, P, N)
+                conv = self.rnd(self.mconv, K_CONV - 1)
                 self.sub.load_prefill(s, l, S, conv)
                 self.twin.load_prefill(t, l, S, conv)
-            for l in range(c.gdn_layers):
-                S = (torch.randn(c.gdn_value_heads, c.gdn_value_dim, c.gdn_key_dim, generator=self.gen) * 0.2
-                     ).to(self.device)
-                conv = self.rnd(c.gdn_conv_dim, K_CONV - 1)
-                self.sub.load_prefill(s, c.num_layers + l, S, conv)  # GDN layers follow the Mamba-2 ones
-                self.twin.load_prefill(t, c.num_layers + l, S, conv)
+            HV, _, V, KD = self.ggeo or (0,) * 4
+            for l in range(self.NG):
+                S = (torch.randn(HV, V, KD, generator=self.gen) * 0.2).to(self.device)
+                conv = self.rnd(self.gconv, K_CONV - 1)
+                self.sub.load_prefill(s, self.g0 + l, S, conv)  # GDN layers follow the Mamba-2 ones
+                self.twin.load_prefill(t, self.g0 + l, S, conv)
         self.live[r] = (s, t)
         self.left[r] = self.rng.randint(6, 24)
         self.tokens[r] = 0
@@ -210,7 +217,7 @@ class Lifecycle:
         valid = torch.tensor([s >= 0 for s, _ in rows], device=self.device)
         sbi = {c: torch.tensor([row[i] for row in rows], dtype=torch.int32, device=self.device)
                for i, c in enumerate((self.sub, self.twin))}
-        batch, c = len(rows), self.twin
+        batch = len(rows)
         for cache in (self.sub, self.twin):
             cache.flush(sbi[cache], T)
 
@@ -220,26 +227,26 @@ class Lifecycle:
             else:
                 self.worst = max(self.worst, rel(a[valid], b[valid]))
 
-        for l in range(c.num_layers):
+        for l in range(self.M):
             p, (w, b) = self.mamba[l], self.mamba_w[l]
-            H, P, N, G = c.nheads, c.headdim, c.dstate, c.ngroups
+            H, P, N, G = self.mgeo
             x, B, C = self.rnd(batch, T, H, P), self.rnd(batch, T, G, N, scale=N ** -0.5 * 4), \
                 self.rnd(batch, T, G, N, scale=N ** -0.5 * 4)
-            dt, u = self.rnd(batch, T, H, shift=-2.0), self.rnd(batch, T, c.conv_dim)
+            dt, u = self.rnd(batch, T, H, shift=-2.0), self.rnd(batch, T, self.mconv)
             prm = [t.to(self.device) for t in (p.dt_bias, p.A, p.D)]
             y = [cache.verify(l, x, B, C, dt, *prm, None, sbi[cache]) for cache in (self.sub, self.twin)]
             same(*y, f"y of Mamba-2 layer {l}")
             o = [cache.conv_update(l, u, w, b, sbi[cache]) for cache in (self.sub, self.twin)]
             same(*o, f"conv output of Mamba-2 layer {l}")
-        for l in range(c.gdn_layers):
+        for l in range(self.NG):
             (A_log, dt_bias), (w, b) = self.gdn[l], self.gdn_w[l]
-            HV, HK, V, KD = c.gdn_value_heads, c.gdn_key_heads, c.gdn_value_dim, c.gdn_key_dim
-            u = self.rnd(batch, T, c.gdn_conv_dim)
-            o = [cache.conv_update(c.num_layers + l, u, w, b, sbi[cache]) for cache in (self.sub, self.twin)]
+            HV, HK, V, KD = self.ggeo
+            u = self.rnd(batch, T, self.gconv)
+            o = [cache.conv_update(self.g0 + l, u, w, b, sbi[cache]) for cache in (self.sub, self.twin)]
             same(*o, f"conv output of GDN layer {l}")
             q, k, v = self.rnd(batch, T, HK, KD), self.rnd(batch, T, HK, KD), self.rnd(batch, T, HV, V)
             a, bb = self.rnd(batch, T, HV), self.rnd(batch, T, HV)
-            y = [cache.verify(c.num_layers + l, q, k, v, a, bb, A_log.to(self.device), dt_bias.to(self.device),
+            y = [cache.verify(self.g0 + l, q, k, v, a, bb, A_log.to(self.device), dt_bias.to(self.device),
                               state_batch_indices=sbi[cache]) for cache in (self.sub, self.twin)]
             same(*y, f"y of GDN layer {l}")
         if self.cursor == "standard":
@@ -256,10 +263,9 @@ class Lifecycle:
         self.check(reqs)
 
     def check(self, reqs):
-        c = self.twin
         if not self.strict:
             for r in reqs:
-                (s, t), layers = self.live[r], range(c.num_layers)
+                (s, t), layers = self.live[r], range(self.M)
                 for l in layers:
                     A = self.mamba[l].A.to(self.device)
                     self.worst = max(self.worst, rel(self.sub.committed_state(l, s, A), self.twin.committed_state(l, t, A)))
@@ -268,11 +274,11 @@ class Lifecycle:
             s, t = self.live[r]
             for i, (a, b) in enumerate(zip(slot_tensors(self.sub, s), slot_tensors(self.twin, t))):
                 assert torch.equal(bits(a), bits(b)), f"request {r}: slot tensor {i} (subject {s}, twin {t})"
-            for l in range(c.num_layers):
+            for l in range(self.M):
                 A = self.mamba[l].A.to(self.device)
                 assert torch.equal(self.sub.committed_state(l, s, A), self.twin.committed_state(l, t, A)), (r, l)
-            for l in range(c.gdn_layers):
-                g = c.num_layers + l
+            for l in range(self.NG):
+                g = self.g0 + l
                 assert torch.equal(self.sub.committed_state(g, s), self.twin.committed_state(g, t)), (r, l)
 
     # ---- a random schedule ------------------------------------------------------------------------------------
@@ -333,7 +339,7 @@ def test_restored_slots_continue_bit_identically_on_cuda(family, cursor, shadow,
     swaps to pinned host memory, byte round trips; the twin runs the same kernels with the same batch and row
     order, so the restored slot's bits and outputs must equal the twin's exactly."""
     if family != "mamba2":
-        pytest.importorskip("trtllm_replayssm.gdn_ops")
+        pytest.importorskip("trtllm_replayssm.families.gdn.ops")
     lc = Lifecycle(family, cursor, shadow, seed=zlib.crc32(f"cuda-{family}-{cursor}-{shadow}-{seed}".encode()),
                    device="cuda", geom=GPU_GEOM, check_values=False if seed == 1 else None)
     stats = lc.run(60)
@@ -348,7 +354,7 @@ def test_swap_out_and_in_do_not_sync_the_host_on_cuda(family):
     scatter) queue work without a device->host synchronization (torch's sync debug mode raises on one); the
     slot's bits come back exactly."""
     if family != "mamba2":
-        pytest.importorskip("trtllm_replayssm.gdn_ops")
+        pytest.importorskip("trtllm_replayssm.families.gdn.ops")
     c = make_cache(family, "ring", "bf16", slots=4, device="cuda", geom=GPU_GEOM, check_values=False)
     slots = [c.allocate() for _ in range(3)]
     for t in c._tensors():
@@ -387,7 +393,8 @@ def test_snapshot_holds_every_byte_of_the_slot_and_round_trips_through_bytes():
             t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
         snap = c.snapshot([slots[2], slots[0]])
         assert snap.nbytes == 2 * c.bytes_per_slot()  # everything a slot owns, nothing else
-        assert snap.header["layers"] == {"mamba2": c.num_layers, "gdn": c.gdn_layers}
+        assert snap.header["layers"] == {g.family: 2 for g in c.groups} == \
+            {f: 2 for f in ("mamba2", "gdn") if family in (f, "mixed")}
         assert snap.header["cursor"] == cursor and snap.header["geometry"]["buffer_len"] == c.buffer_len
         data = snap.to_bytes()
         assert data[:8] == SNAPSHOT_MAGIC
@@ -448,7 +455,7 @@ def _unchanged(c):
     (dict(cursor="standard"), "cursor form: 'ring' in the snapshot, 'standard' in the cache"),
     (dict(family="gdn"), "layers: the snapshot holds 2 Mamba-2 and 0 GDN layers, the cache 0 and 2"),
     (dict(family="mixed"), "layers: the snapshot holds 2 Mamba-2 and 0 GDN layers, the cache 2 and 2"),
-    (dict(num_layers=3), "layers: the snapshot holds 2 Mamba-2 and 0 GDN layers, the cache 3 and 0"),
+    (dict(num_layers=3), "layers: the snapshot holds 2 Mamba-2 layers, the cache 3"),
     (dict(num_draft=1), "num_draft: 3 in the snapshot, 1 in the cache"),
 ])
 def test_a_mismatched_restore_names_the_difference_and_writes_nothing(other, match):
@@ -604,7 +611,7 @@ def test_teeth_a_folded_snapshot_is_close_but_not_bit_identical():
     count = int(lc.sub.cursor[s, 1])
     assert count > 0
     snap = lc.sub.snapshot([s])
-    for l in range(lc.sub.num_layers):
+    for l in range(lc.M):
         snap.tensors["state"][l, 0] = lc.sub.committed_state(l, s, lc.mamba[l].A).float()
     start = int(snap.tensors["cursor"][0, 0])
     snap.tensors["cursor"][0] = torch.tensor([(start + count) % lc.sub.buffer_len, 0], dtype=torch.int32)

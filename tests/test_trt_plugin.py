@@ -19,14 +19,15 @@ import pytest
 
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.families.gdn import trt_plugin as gp
+from trtllm_replayssm.families.mamba2 import trt_plugin as mp
 
 
 def test_aot_kernel_matches_the_kernel_signature():
-    k = tp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=1)
+    k = mp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=1)
     ptx = k.ptx.decode()
     params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", ptx, re.S).group(1)
     kinds = re.findall(r"\.param \.(u64|u32)", params)
-    n_in, n_out = len(tp.INPUT_NAMES), len(tp.OUTPUT_NAMES)
+    n_in, n_out = len(mp.INPUT_NAMES), len(mp.OUTPUT_NAMES)
     assert kinds == ["u64"] * n_in + ["u32"] * len(k.extra_args) + ["u64"] * n_out
     if k.spec.persistent:
         assert k.grid_x == 132 * k.spec.blocks_per_sm and not k.grid_y_is_batch
@@ -37,8 +38,8 @@ def test_aot_kernel_matches_the_kernel_signature():
 
 
 def test_tactics_choose_geometries():
-    big = tp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=1)
-    small = tp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=2)
+    big = mp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=1)
+    small = mp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=2)
     assert small.spec.rows <= big.spec.rows and small.spec.threads // small.spec.rows > big.spec.threads // big.spec.rows
 
 
@@ -50,21 +51,21 @@ def test_tactics_choose_geometries():
 def test_aot_kernel_rejects(bad, match):
     args = dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, state="f32", act="bf16", arch=90)
     with pytest.raises(ValueError, match=match):
-        tp.aot_kernel(**{**args, **bad})
+        mp.aot_kernel(**{**args, **bad})
 
 
 def test_io_contract_and_aliases():
-    shapes = tp.io_shapes(4, 6, 128, 64, 128, 8, 16)
-    assert list(shapes)[: len(tp.INPUT_NAMES)] == list(tp.INPUT_NAMES)
+    shapes = mp.io_shapes(4, 6, 128, 64, 128, 8, 16)
+    assert list(shapes)[: len(mp.INPUT_NAMES)] == list(mp.INPUT_NAMES)
     assert shapes["state_out"] == shapes["state"] == (6, 128, 64, 128)
     assert shapes["x_cache_out"] == (6, 128, 16, 64) and shapes["B_cache_out"] == (6, 8, 16, 128)
     assert shapes["y"] == shapes["x"] == (4, 128, 64)
     for st in tp.STATE_DTYPES:
         for act in tp.ACT_DTYPES:
-            types = tp.type_combination(st, act)
-            assert len(types) == len(tp.INPUT_NAMES) + len(tp.OUTPUT_NAMES)
-            for o, i in tp.ALIASES.items():  # an aliased output has its input's type
-                assert types[len(tp.INPUT_NAMES) + o] == types[i]
+            types = mp.type_combination(st, act)
+            assert len(types) == len(mp.INPUT_NAMES) + len(mp.OUTPUT_NAMES)
+            for o, i in mp.ALIASES.items():  # an aliased output has its input's type
+                assert types[len(mp.INPUT_NAMES) + o] == types[i]
 
 
 def _attr_arrays(attrs: dict) -> dict:
@@ -80,14 +81,14 @@ def test_network_with_plugin_builds():
     H, P, N, G, L, b = 8, 64, 64, 2, 4, 2
     builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
     net = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    shapes = tp.io_shapes(b, b, H, P, N, G, L)
-    types = dict(zip(tp.INPUT_NAMES, (trt.float32,) * 7 + (trt.int32, trt.int32) + (trt.float32,) * 4))
-    ins = [net.add_input(n, types[n], shapes[n]) for n in tp.INPUT_NAMES]
+    shapes = mp.io_shapes(b, b, H, P, N, G, L)
+    types = dict(zip(mp.INPUT_NAMES, (trt.float32,) * 7 + (trt.int32, trt.int32) + (trt.float32,) * 4))
+    ins = [net.add_input(n, types[n], shapes[n]) for n in mp.INPUT_NAMES]
     import tensorrt.plugin as trtp
 
-    op = getattr(getattr(trtp.op, tp.PLUGIN_NAMESPACE), tp.PLUGIN_NAME)
-    layer = net.add_plugin(op(*ins, **_attr_arrays(dict(zip(tp.ATTRIBUTES, (H, P, N, G, L))))), aot=True)
-    for i, name in enumerate(tp.OUTPUT_NAMES):
+    op = getattr(getattr(trtp.op, tp.PLUGIN_NAMESPACE), mp.PLUGIN_NAME)
+    layer = net.add_plugin(op(*ins, **_attr_arrays(dict(zip(mp.ATTRIBUTES, (H, P, N, G, L))))), aot=True)
+    for i, name in enumerate(mp.OUTPUT_NAMES):
         layer.get_output(i).name = name
         net.mark_output(layer.get_output(i))
     config = builder.create_builder_config()
@@ -105,19 +106,19 @@ def test_spec_network_with_plugins_builds():
     H, P, N, G, L, T, b = 8, 64, 64, 2, 8, 4, 2
     builder = trt.Builder(trt.Logger(trt.Logger.WARNING))
     net = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
-    shapes = tp.verify_io_shapes(b, b, H, P, N, G, L, T)
-    types = dict(zip(tp.VERIFY_INPUT_NAMES, (trt.float32,) * 7 + (trt.int32, trt.int32) + (trt.float32,) * 4))
-    ins = {n: net.add_input(n, types[n], shapes[n]) for n in tp.VERIFY_INPUT_NAMES}
+    shapes = mp.verify_io_shapes(b, b, H, P, N, G, L, T)
+    types = dict(zip(mp.VERIFY_INPUT_NAMES, (trt.float32,) * 7 + (trt.int32, trt.int32) + (trt.float32,) * 4))
+    ins = {n: net.add_input(n, types[n], shapes[n]) for n in mp.VERIFY_INPUT_NAMES}
     ns = getattr(trtp.op, tp.PLUGIN_NAMESPACE)
-    attrs = _attr_arrays(dict(zip(tp.VERIFY_ATTRIBUTES, (H, P, N, G, L, T))))
-    verify = net.add_plugin(getattr(ns, tp.VERIFY_PLUGIN_NAME)(*ins.values(), **attrs), aot=True)
+    attrs = _attr_arrays(dict(zip(mp.VERIFY_ATTRIBUTES, (H, P, N, G, L, T))))
+    verify = net.add_plugin(getattr(ns, mp.VERIFY_PLUGIN_NAME)(*ins.values(), **attrs), aot=True)
     # commit in the same network on its own cursor input (engines run verify and commit as separate graphs)
     n_acc = net.add_input("n_accepted", trt.int32, (b,))
     cur = net.add_input("cursor_commit", trt.int32, (b, 2))
     commit_attrs = _attr_arrays(dict(num_tokens=T, buffer_len=L))
     commit = net.add_plugin(getattr(ns, tp.COMMIT_PLUGIN_NAME)(ins["state_batch_indices"], n_acc, cur, **commit_attrs),
                             aot=True)
-    for layer, names in ((verify, tp.VERIFY_OUTPUT_NAMES), (commit, tp.COMMIT_OUTPUT_NAMES)):
+    for layer, names in ((verify, mp.VERIFY_OUTPUT_NAMES), (commit, tp.COMMIT_OUTPUT_NAMES)):
         for i, name in enumerate(names):
             layer.get_output(i).name = name
             net.mark_output(layer.get_output(i))
@@ -126,28 +127,28 @@ def test_spec_network_with_plugins_builds():
     assert builder.build_serialized_network(net, config) is not None
 
 
-@pytest.mark.parametrize("shadow", tp.SHADOW_KINDS)
+@pytest.mark.parametrize("shadow", mp.SHADOW_KINDS)
 def test_shadow_plugin_contract(shadow):
     """mamba2_decode_shadow: 15 inputs, 2 int32 args, 7 outputs; the shadow and its scales alias."""
-    k = tp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=1, shadow=shadow)
+    k = mp.aot_kernel(128, 64, 128, 8, 16, "f32", "bf16", 90, tactic=1, shadow=shadow)
     assert k.spec.shadow == shadow and f"_sh-{shadow}_" in k.spec.key
     params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
     kinds = re.findall(r"\.param \.(u64|u32)", params)
-    assert kinds == ["u64"] * len(tp.SHADOW_INPUT_NAMES) + ["u32"] * 2 + ["u64"] * len(tp.SHADOW_OUTPUT_NAMES)
-    shapes = tp.io_shapes(4, 6, 128, 64, 128, 8, 16, shadow)
-    assert list(shapes)[: len(tp.SHADOW_INPUT_NAMES)] == list(tp.SHADOW_INPUT_NAMES)
+    assert kinds == ["u64"] * len(mp.SHADOW_INPUT_NAMES) + ["u32"] * 2 + ["u64"] * len(mp.SHADOW_OUTPUT_NAMES)
+    shapes = mp.io_shapes(4, 6, 128, 64, 128, 8, 16, shadow)
+    assert list(shapes)[: len(mp.SHADOW_INPUT_NAMES)] == list(mp.SHADOW_INPUT_NAMES)
     assert shapes["shadow_out"] == shapes["shadow"] == (6, 128, 64, 128)
     assert shapes["shadow_scale_out"] == shapes["shadow_scale"] == ((6, 128, 64) if shadow == "fp8" else (1,))
-    types = tp.type_combination("f32", "bf16", shadow)
-    n_in = len(tp.SHADOW_INPUT_NAMES)
-    assert len(types) == n_in + len(tp.SHADOW_OUTPUT_NAMES) and types[13] == {"bf16": "BF16", "fp8": "FP8"}[shadow]
-    for o, i in tp.SHADOW_ALIASES.items():
+    types = mp.type_combination("f32", "bf16", shadow)
+    n_in = len(mp.SHADOW_INPUT_NAMES)
+    assert len(types) == n_in + len(mp.SHADOW_OUTPUT_NAMES) and types[13] == {"bf16": "BF16", "fp8": "FP8"}[shadow]
+    for o, i in mp.SHADOW_ALIASES.items():
         assert types[n_in + o] == types[i]
 
 
 def test_shadow_plugin_rejects_a_non_f32_checkpoint():
     with pytest.raises(ValueError, match="shadow: expected one of"):
-        tp.aot_kernel(128, 64, 128, 8, 16, "bf16", "bf16", 90, shadow="bf16")
+        mp.aot_kernel(128, 64, 128, 8, 16, "bf16", "bf16", 90, shadow="bf16")
 
 
 # ---- speculative decoding: mamba2_verify and spec_commit -------------------------------------------------
@@ -160,9 +161,9 @@ def _entry_params(k):
 def test_verify_kernel_is_what_ops_launches_in_tensorrt_order(tactic):
     from trtllm_replayssm import config
 
-    k = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, tactic)
+    k = mp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, tactic)
     assert k.kernel_name == "replayssm_verify" and ".target sm_90" in k.ptx.decode()
-    n_in, n_out = len(tp.VERIFY_INPUT_NAMES), len(tp.VERIFY_OUTPUT_NAMES)
+    n_in, n_out = len(mp.VERIFY_INPUT_NAMES), len(mp.VERIFY_OUTPUT_NAMES)
     assert _entry_params(k) == ["u64"] * n_in + ["u32"] * len(k.extra_args) + ["u64"] * n_out
     assert k.extra_args == ("batch", "slots") and k.extra_values(3, 5) == [3, 5]
     # ops.replay_verify plans the same module for this batch and launches spec_grid(spec, batch)
@@ -172,8 +173,8 @@ def test_verify_kernel_is_what_ops_launches_in_tensorrt_order(tactic):
 
 
 def test_verify_tactics_choose_geometries():
-    big = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 1)
-    small = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 2)
+    big = mp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 1)
+    small = mp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 2)
     assert small.spec.rows <= big.spec.rows and small.spec.threads // small.spec.rows > big.spec.threads // big.spec.rows
 
 
@@ -204,7 +205,7 @@ def test_spec_kernels_reject(kernel, bad, match):
     if kernel == "verify":
         args = dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, num_tokens=4, state="f32", act="bf16",
                     arch=90)
-        fn = tp.aot_verify_kernel
+        fn = mp.aot_verify_kernel
     else:
         args, fn = dict(num_tokens=4, buffer_len=16, arch=90), tp.aot_commit_kernel
     with pytest.raises(ValueError, match=match):
@@ -212,9 +213,9 @@ def test_spec_kernels_reject(kernel, bad, match):
 
 
 def test_spec_io_contract_and_aliases():
-    shapes = tp.verify_io_shapes(4, 6, 128, 64, 128, 8, 16, 4)
-    assert list(shapes)[: len(tp.VERIFY_INPUT_NAMES)] == list(tp.VERIFY_INPUT_NAMES)
-    assert list(shapes)[len(tp.VERIFY_INPUT_NAMES):] == list(tp.VERIFY_OUTPUT_NAMES)
+    shapes = mp.verify_io_shapes(4, 6, 128, 64, 128, 8, 16, 4)
+    assert list(shapes)[: len(mp.VERIFY_INPUT_NAMES)] == list(mp.VERIFY_INPUT_NAMES)
+    assert list(shapes)[len(mp.VERIFY_INPUT_NAMES):] == list(mp.VERIFY_OUTPUT_NAMES)
     assert shapes["x"] == shapes["y"] == (4, 4, 128, 64) and shapes["B"] == shapes["C"] == (4, 4, 8, 128)
     assert shapes["dt"] == (4, 4, 128) and shapes["cursor"] == (6, 2)
     assert shapes["state_out"] == shapes["state"] == (6, 128, 64, 128)
@@ -223,31 +224,31 @@ def test_spec_io_contract_and_aliases():
     c = tp.commit_io_shapes(4, 6)
     assert list(c) == list(tp.COMMIT_INPUT_NAMES + tp.COMMIT_OUTPUT_NAMES) and c["cursor_out"] == c["cursor"] == (6, 2)
     assert tp.COMMIT_TYPES == ["INT32"] * 4 and tp.COMMIT_ALIASES == {0: 2}
-    for info in tp.PLUGINS.values():  # every aliased output has its input's shape
+    for info in tp.all_plugins().values():  # every aliased output has its input's shape
         m = info.manifest()
         assert m["id"] == f"replayssm::{info.name}" and len(m["aliased_outputs"]) == len(info.aliases)
-    v = tp.all_plugins()[tp.VERIFY_PLUGIN_NAME].manifest()
+    v = tp.all_plugins()[mp.VERIFY_PLUGIN_NAME].manifest()
     assert v["attributes"][-1] == "num_tokens" and v["aliased_outputs"]["state_out"] == "state"
 
 
 def test_attribute_checks():
     ok = dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16, num_tokens=4)
-    shapes = {k: v for k, v in tp.verify_io_shapes(None, None, 128, 64, 128, 8, 16, 4).items()
-              if k in tp.VERIFY_INPUT_NAMES}
-    assert tp.shape_attributes(tp.VERIFY_PLUGIN_NAME, shapes) == ok
-    tp.check_attributes(tp.VERIFY_PLUGIN_NAME, ok, shapes)
-    tp.check_attributes(tp.VERIFY_PLUGIN_NAME, {**ok, "nheads": 7}, {})  # nothing known yet: nothing to compare
+    shapes = {k: v for k, v in mp.verify_io_shapes(None, None, 128, 64, 128, 8, 16, 4).items()
+              if k in mp.VERIFY_INPUT_NAMES}
+    assert tp.shape_attributes(mp.VERIFY_PLUGIN_NAME, shapes) == ok
+    tp.check_attributes(mp.VERIFY_PLUGIN_NAME, ok, shapes)
+    tp.check_attributes(mp.VERIFY_PLUGIN_NAME, {**ok, "nheads": 7}, {})  # nothing known yet: nothing to compare
     with pytest.raises(ValueError, match=r"mamba2_verify: attributes do not match the input shapes: num_tokens=2 but "
                                          r"the inputs have 4"):
-        tp.check_attributes(tp.VERIFY_PLUGIN_NAME, {**ok, "num_tokens": 2}, shapes)
+        tp.check_attributes(mp.VERIFY_PLUGIN_NAME, {**ok, "num_tokens": 2}, shapes)
     with pytest.raises(ValueError, match=r"ngroups=4 but the inputs have 8"):
-        tp.check_attributes(tp.VERIFY_PLUGIN_NAME, {**ok, "ngroups": 4}, shapes)
+        tp.check_attributes(mp.VERIFY_PLUGIN_NAME, {**ok, "ngroups": 4}, shapes)
     with pytest.raises(ValueError, match=r"cursor: expected shape \(slots, 2\), got \(6,\)"):
-        tp.check_attributes(tp.VERIFY_PLUGIN_NAME, ok, {**shapes, "cursor": (6,)})
+        tp.check_attributes(mp.VERIFY_PLUGIN_NAME, ok, {**shapes, "cursor": (6,)})
     with pytest.raises(ValueError, match="num_tokens: expected one of"):
         tp.check_attributes(tp.COMMIT_PLUGIN_NAME, dict(num_tokens=5, buffer_len=16), {"cursor": (None, 2)})
     tp.check_attributes(tp.COMMIT_PLUGIN_NAME, dict(num_tokens=4, buffer_len=16), {"cursor": (None, 2)})
-    dec = tp.shape_attributes(tp.PLUGIN_NAME, tp.io_shapes(2, 2, 128, 64, 128, 8, 16))
+    dec = tp.shape_attributes(mp.PLUGIN_NAME, mp.io_shapes(2, 2, 128, 64, 128, 8, 16))
     assert dec == dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_len=16)
 
 
@@ -428,14 +429,14 @@ def _ev(v, env):
 
 
 PLUGIN_CASES = {
-    tp.PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=4),
-                     lambda a: tp.io_shapes("b", "s", *a.values()), ("f32", "bf16", None)),
-    tp.SHADOW_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=4),
-                            lambda a: tp.io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
-    tp.VERIFY_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4),
-                            lambda a: tp.verify_io_shapes("b", "s", *a.values()), ("bf16", "f16", None)),
-    tp.VERIFY_SHADOW_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4),
-                                   lambda a: tp.verify_io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
+    mp.PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=4),
+                     lambda a: mp.io_shapes("b", "s", *a.values()), ("f32", "bf16", None)),
+    mp.SHADOW_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=4),
+                            lambda a: mp.io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
+    mp.VERIFY_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4),
+                            lambda a: mp.verify_io_shapes("b", "s", *a.values()), ("bf16", "f16", None)),
+    mp.VERIFY_SHADOW_PLUGIN_NAME: (dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8, num_tokens=4),
+                                   lambda a: mp.verify_io_shapes("b", "s", *a.values(), "fp8"), ("f32", "bf16", "fp8")),
     tp.COMMIT_PLUGIN_NAME: (dict(num_tokens=2, buffer_len=8), lambda a: tp.commit_io_shapes("b", "s"),
                             (None, None, None)),
     gp.DECODE: (dict(num_k_heads=2, num_v_heads=4, key_dim=64, value_dim=128, buffer_len=8, use_qk_l2norm=1),
@@ -460,7 +461,7 @@ GDN_PLUGINS = gp.DECODE_PLUGINS + gp.VERIFY_PLUGINS
 def _types(plugin, state, act, shadow):
     if plugin in GDN_PLUGINS:
         return gp.type_combination(act, shadow or "none")
-    return tp.type_combination(state, act, shadow or "none")
+    return mp.type_combination(state, act, shadow or "none")
 
 
 def _dtypes(plugin, state, act, shadow):
@@ -520,14 +521,14 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, plugin):
         name_, ptx, launch, extra = reg["aot"](*ins, *fields.values(), outs, tactic)
         if plugin == tp.COMMIT_PLUGIN_NAME:
             want = tp.aot_commit_kernel(attrs["num_tokens"], attrs["buffer_len"], 90)
-        elif plugin in tp.VERIFY_PLUGINS:
-            want = tp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic, shadow or "none")
+        elif plugin in mp.VERIFY_PLUGINS:
+            want = mp.aot_verify_kernel(*attrs.values(), state, act, 90, tactic, shadow or "none")
         elif plugin in gp.VERIFY_PLUGINS:
             want = gp.aot_verify_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         elif plugin in GDN_PLUGINS:
             want = gp.aot_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
         else:
-            want = tp.aot_kernel(*attrs.values(), state, act, 90, tactic, 132, shadow or "none")
+            want = mp.aot_kernel(*attrs.values(), state, act, 90, tactic, 132, shadow or "none")
         assert (name_, ptx) == (want.kernel_name, want.ptx)
         grid = tuple(_ev(getattr(launch, f"grid_{a}"), env) for a in "xyz")
         assert grid == want.grid(5)
@@ -544,16 +545,16 @@ def test_attribute_values_in_either_form():
         tp._int(np.array([1.5], dtype=np.float32))
 
 
-@pytest.mark.parametrize("plugin", [tp.SHADOW_PLUGIN_NAME, tp.VERIFY_SHADOW_PLUGIN_NAME])
+@pytest.mark.parametrize("plugin", [mp.SHADOW_PLUGIN_NAME, mp.VERIFY_SHADOW_PLUGIN_NAME])
 def test_shadow_plugins_check_the_shadow_and_its_scale(plugin):
     """The shadow has the state's shape; an fp8 shadow's scale input is its (S, H, P) row scales, a bf16 shadow's
     the (1,) placeholder (the kernel reads and writes S*H*P scales for fp8: a (1,) buffer would be overrun)."""
     attrs = dict(nheads=8, headdim=64, dstate=64, ngroups=2, buffer_len=8)
-    if plugin == tp.VERIFY_SHADOW_PLUGIN_NAME:
+    if plugin == mp.VERIFY_SHADOW_PLUGIN_NAME:
         attrs["num_tokens"] = 4
-        shapes_of = lambda sh: tp.verify_io_shapes(3, 5, *attrs.values(), sh)  # noqa: E731
+        shapes_of = lambda sh: mp.verify_io_shapes(3, 5, *attrs.values(), sh)  # noqa: E731
     else:
-        shapes_of = lambda sh: tp.io_shapes(3, 5, *attrs.values(), sh)  # noqa: E731
+        shapes_of = lambda sh: mp.io_shapes(3, 5, *attrs.values(), sh)  # noqa: E731
     for kind in ("bf16", "fp8"):
         tp.check_attributes(plugin, attrs, shapes_of(kind), kind)
         tp.check_attributes(plugin, attrs, {**shapes_of(kind), "shadow_scale": (None, None, None)}, None)
@@ -587,14 +588,14 @@ def test_verify_kernel_parameters_are_in_tensorrt_order(shadow):
     shadow and its scales among both with a shadow), the module ops.replay_verify launches."""
     from trtllm_replayssm.config import verify_spec
 
-    k = tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 1, shadow)
+    k = mp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "f32", "bf16", 90, 1, shadow)
     params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
     kinds = re.findall(r"\.param \.(u64|u32)", params)
-    info = tp.all_plugins()[tp.VERIFY_SHADOW_PLUGIN_NAME if shadow != "none" else tp.VERIFY_PLUGIN_NAME]
+    info = tp.all_plugins()[mp.VERIFY_SHADOW_PLUGIN_NAME if shadow != "none" else mp.VERIFY_PLUGIN_NAME]
     assert kinds == ["u64"] * len(info.inputs) + ["u32"] * 2 + ["u64"] * len(info.outputs)
     assert k.spec == verify_spec("f32", "bf16", 128, 64, 128, 8, 16, 4, tp.TACTICS[1], False, 90, shadow)
     with pytest.raises(ValueError, match="with an f32 state"):
-        tp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "bf16", "bf16", 90, 1, "bf16")
+        mp.aot_verify_kernel(128, 64, 128, 8, 16, 4, "bf16", "bf16", 90, 1, "bf16")
 
 
 # ---- gdn_decode ---------------------------------------------------------------------------------------------

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_replayssm import gdn_ops
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.config import DTYPE_CODES
+from trtllm_replayssm.families.gdn import ops as gdn_ops
 from trtllm_replayssm.families.gdn import trt_plugin as gp
 
 from .test_gdn_gpu import Problem

@@ -3,7 +3,7 @@
 
 TensorRT's builder cannot be installed here, so this test takes the kernel name, the PTX (loaded
 by the driver from PTX, as TensorRT does), the grid/block/shared memory and the int32 extra args
-from :func:`trt_plugin.aot_kernel`, passes pointers in TensorRT's order (inputs, extra args,
+from :func:`families.mamba2.trt_plugin.aot_kernel`, passes pointers in TensorRT's order (inputs, extra args,
 outputs; aliased outputs get their inputs' pointers) and compares with the float64 mirror over
 3L+2 steps crossing flushes, for both tactics, with and without a bf16 / fp8 shadow
 (``mamba2_decode_shadow``). Tolerances: see test_kernels_gpu.py.
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from trtllm_replayssm import trt_plugin as tp
+from trtllm_replayssm.families.mamba2 import trt_plugin as mp
 
 from .test_kernels_gpu import Problem
 
@@ -33,7 +34,7 @@ def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L, shadow):
     pb.valid = pb.sbi.cpu() >= 0
     major, minor = torch.cuda.get_device_capability()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    k = tp.aot_kernel(pb.H, pb.P, pb.N, pb.G, L, state, act, major * 10 + minor, tactic, sms, shadow)
+    k = mp.aot_kernel(pb.H, pb.P, pb.N, pb.G, L, state, act, major * 10 + minor, tactic, sms, shadow)
     placeholder = torch.ones(1, device="cuda")  # a bf16 shadow's scale input (never read or written)
     Device().set_current()
     kern = ObjectCode.from_ptx(k.ptx).get_kernel(k.kernel_name)
@@ -41,10 +42,10 @@ def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L, shadow):
     def plugin_step(x, B, C, dt, dt_bias, A, D, state_, xc, Bc, dtc, cursor, sbi, z=None, out=None, shadow=None,
                     shadow_scale=None, **_):
         ins = [x, B, C, dt, dt_bias, A, D, sbi, cursor, state_, xc, Bc, dtc]
-        aliases = tp.ALIASES
+        aliases = mp.ALIASES
         if shadow is not None:
             ins += [shadow, placeholder if shadow_scale is None else shadow_scale]
-            aliases = tp.SHADOW_ALIASES
+            aliases = mp.SHADOW_ALIASES
         outs = [out] + [ins[i] for i in aliases.values()]
         extra = {"batch": x.shape[0], "slots": state_.shape[0]}
         args = [t.data_ptr() for t in ins] + [np.int32(extra[n]) for n in k.extra_args] + [t.data_ptr() for t in outs]

@@ -3,7 +3,7 @@
 
 ``mamba2_verify`` (+ ``mamba2_verify_shadow``) and ``spec_commit``: the kernel name and PTX (loaded by the driver from PTX, as
 TensorRT does), grid, block, shared memory and int32 extra args come from
-:func:`trt_plugin.aot_verify_kernel` / :func:`trt_plugin.aot_commit_kernel`; pointers are passed in
+:func:`families.mamba2.trt_plugin.aot_verify_kernel` / :func:`trt_plugin.aot_commit_kernel`; pointers are passed in
 TensorRT's order, built from the plugins' input names (inputs, extra args, outputs; aliased outputs get
 their inputs' pointers). The launches stand in for ``ops.replay_verify`` / ``ops.spec_commit`` inside
 :class:`tests.test_spec_gpu.SpecProblem`, which mirrors every step with :mod:`spec_reference` in
@@ -23,6 +23,7 @@ import torch
 from trtllm_replayssm import ops
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.config import DTYPE_CODES
+from trtllm_replayssm.families.mamba2 import trt_plugin as mp
 
 from .test_spec_gpu import STEPS, SpecProblem, run_and_check
 
@@ -38,7 +39,7 @@ class PluginLaunches:
         major, minor = torch.cuda.get_device_capability()
         arch = major * 10 + minor
         self.T, self.L, self.shadow = pb.T, pb.L, pb.shadow_kind
-        self.verify = tp.aot_verify_kernel(pb.H, pb.P, pb.N, pb.G, pb.L, pb.T, DTYPE_CODES[pb.sdt], DTYPE_CODES[pb.act],
+        self.verify = mp.aot_verify_kernel(pb.H, pb.P, pb.N, pb.G, pb.L, pb.T, DTYPE_CODES[pb.sdt], DTYPE_CODES[pb.act],
                                            arch, tactic, pb.shadow_kind)
         self.placeholder = torch.ones(1, device="cuda")  # mamba2_verify_shadow's scale input with a bf16 shadow
         self.commit = tp.aot_commit_kernel(pb.T, pb.L, arch)
@@ -64,9 +65,9 @@ class PluginLaunches:
         named = dict(x=x, B=B, C=C, dt=dt, dt_bias=dt_bias, A=A, D=D, state_batch_indices=state_batch_indices,
                      cursor=cursor, state=state, x_cache=x_cache, B_cache=B_cache, dt_cache=dt_cache, shadow=shadow,
                      shadow_scale=self.placeholder if shadow_scale is None else shadow_scale)
-        shapes = tp.verify_io_shapes(x.shape[0], state.shape[0], self.verify.spec.nheads, self.verify.spec.headdim,
+        shapes = mp.verify_io_shapes(x.shape[0], state.shape[0], self.verify.spec.nheads, self.verify.spec.headdim,
                                      self.verify.spec.dstate, self.verify.spec.ngroups, self.L, self.T, self.shadow)
-        info = tp.all_plugins()[tp.VERIFY_PLUGIN_NAME if self.shadow == "none" else tp.VERIFY_SHADOW_PLUGIN_NAME]
+        info = tp.all_plugins()[mp.VERIFY_PLUGIN_NAME if self.shadow == "none" else mp.VERIFY_SHADOW_PLUGIN_NAME]
         ins = [named[n] for n in info.inputs]
         for n, t in zip(info.inputs, ins):
             assert tuple(t.shape) == shapes[n] and t.is_contiguous(), n

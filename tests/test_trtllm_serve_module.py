@@ -1117,9 +1117,9 @@ def test_without_trtllm_replayssm_the_import_says_how_to_install(tmp_path):
 
 
 def test_a_non_editable_install_imports_without_the_repository(tmp_path):
-    """``pip install . --target DIR --no-deps`` of a copy of the sources: trtllm_replayssm_module, trtllm_replayssm
-    (with its plugin sources) and builders import from DIR in an interpreter that has neither the repository
-    nor the editable install on sys.path (pyproject.toml's packages)."""
+    """``pip install . --target DIR --no-deps`` of a copy of the sources: trtllm_replayssm_module, trtllm_replayssm_vllm,
+    trtllm_replayssm (with its plugin sources and family folders) and builders import from DIR in an interpreter that
+    has neither the repository nor the editable install on sys.path (pyproject.toml's packages)."""
     import ast
     import shutil
     import subprocess
@@ -1138,8 +1138,10 @@ def test_a_non_editable_install_imports_without_the_repository(tmp_path):
                            "--no-build-isolation", "--no-index", "-q"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     code = (f"import sys; sys.path[:0] = [{str(target)!r}, {sysconfig.get_paths()['purelib']!r}]\n"
-            "import importlib.resources, trtllm_replayssm_module, trtllm_replayssm, builders.decode_step, builders.engine\n"
-            "mods = [trtllm_replayssm_module, trtllm_replayssm, builders.decode_step, builders.engine]\n"
+            "import importlib.resources, trtllm_replayssm_module, trtllm_replayssm_vllm, trtllm_replayssm, builders.engine\n"
+            "import builders.decode_step, trtllm_replayssm.families.gdn.steps, trtllm_replayssm.families.mamba2.trt_plugin\n"
+            "mods = [trtllm_replayssm_module, trtllm_replayssm_vllm, trtllm_replayssm, builders.decode_step, builders.engine,\n"
+            "        trtllm_replayssm.families.gdn.steps, trtllm_replayssm.families.mamba2.trt_plugin]\n"
             "print([m.__file__ for m in mods])\n"
             "print(sorted(f'{d.name}/{p.name}' for d in importlib.resources.files('trtllm_replayssm.plugins').iterdir()\n"
             "             if d.is_dir() and d.name != '__pycache__' for p in d.iterdir()))\n"

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The vLLM adapter (trtllm_replayssm/vllm.py) on tensors laid out as vLLM lays them out.
+"""The vLLM adapter (serve/trtllm_replayssm_vllm, ``trtllm_replayssm_vllm``) on tensors laid out as vLLM lays them out.
 
 Layout under test (vLLM v1 with --use-replayssm, Triton backend): one raw byte page per KV-cache block
 holding conv, ssm, x_cache, dt_cache, B_cache back to back (plus padding up to an attention page), each
@@ -15,16 +15,21 @@ outputs untouched; on the GPU also bit-identity with the contiguous kernel (ops.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
+import sys
 
 import pytest
 import torch
 
-from trtllm_replayssm import config, ops, vllm
+from trtllm_replayssm import config, ops
 from trtllm_replayssm import reference as ref
 from trtllm_replayssm.compile import compile_spec
 from trtllm_replayssm.config import KernelSpec, Layout
 
 from .problems import make_params
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "serve"))  # a checkout not installed
+import trtllm_replayssm_vllm as vllm  # noqa: E402
 
 F64 = torch.float64
 POISON = 0xA5

@@ -1,55 +1,58 @@
 # SPDX-License-Identifier: Apache-2.0
 """The two executors of the SSM step, chosen once per device: the float64 reference and the kernels.
 
-:func:`for_device` returns :data:`KERNELS` for CUDA tensors and :data:`REFERENCE` otherwise. Both
-have the same methods with the same arguments, tensors in the layouts of the state contract
-(cache.py's docstring), and mutate the caches they are given in the same way; the caller decides
-once, when it allocates its state, and never branches per call:
+:func:`for_device` returns :data:`KERNELS` for CUDA tensors and :data:`REFERENCE` otherwise. An executor holds
+what every family shares, the cursor moves, and gives each family's step functions for itself:
 
-  conventional_step(state, x, B, C, dt, dt_bias, A, D, sbi) -> y          S read and written
-  replay_decode(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                shadow=None, shadow_scale=None) -> y                       (slots,) cursor read only
-  advance_cursor(cursor, sbi, L)                                           once per model step
-  replay_verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                shadow=None, shadow_scale=None) -> y (batch, T, H, P)      (slots, 2) ring cursor
-  spec_commit(cursor, n_accepted, sbi, T, L)                               once per model step
-  native_spec_verify(state, snapshots, x, B, C, dt, dt_bias, A, D, sbi) -> y
-  native_spec_commit(state, snapshots, n_accepted, sbi)                    per layer
-  gdn_replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None)
-                                                 -> y (batch, HV, V)      Gated DeltaNet, (slots,) cursor
-  gdn_replay_verify(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None)
-                                                 -> y (batch, T, HV, V)   Gated DeltaNet, (slots, 2) cursor
+  executor.steps(family)            the family's steps on this executor (families/<name>/steps.py, named by
+                                    its Family.steps: a class per executor name in its ``STEPS``)
+  executor.advance_cursor(cursor, sbi, L)                       standard (slots,) cursor, once per model step
+  executor.spec_commit(cursor, n_accepted, sbi, T, L)           ring (slots, 2) cursor, once per model step
 
-The step methods also take ``out`` (outputs written into it, rows with a slot only) and ``check_values`` (the
-launchers' host checks; the reference reads the host anyway), the Mamba-2 ones ``z``; the cursor moves take
-``check_values``. ``read_shadow=False`` (reference only; not on ``gdn_replay_decode``, whose shadow is always
-read) keeps the shadow rewritten at each fold without reading it, the CPU cache's default: the kernels always
-read the shadow they are given. :class:`.cache.ReplayStateCache` takes its executor here once, at construction.
+A family's steps (:class:`Steps` subclasses) take tensors in the layouts of the family's state table, with the
+same arguments on both executors, and mutate the caches they are given in the same way; the caller decides once,
+when it allocates its state, and never branches per call. Every family has ``replay_decode`` (the standard step,
+(slots,) cursor read only) and ``replay_verify`` (a T-token window on the ring cursor, read only); a family may
+have more (Mamba-2: ``conventional_step``, ``native_spec_verify`` / ``native_spec_commit``). The steps take
+``out`` (outputs written into it, rows with a slot only) and ``check_values`` (the launchers' host checks; the
+reference reads the host anyway); the cursor moves take ``check_values``. ``read_shadow=False`` (reference only)
+keeps the shadow rewritten at each fold without reading it, the CPU cache's default: the kernels always read the
+shadow they are given. A :class:`Steps` also carries its executor's ``name`` and cursor moves, so one family's
+code can hold it as its executor (``for_device(device).steps("mamba2")``). :class:`.cache.ReplayStateCache`
+takes its executor here once, at construction.
 
-The reference computes in float64 and stores every cache back in its own dtype; y comes back in x's
-dtype. Where the kernels fold the checkpoint inside the verify launch (flush one window early), the
-reference does the same fold inside ``replay_verify`` and moves the ring cursor only in
-``spec_commit``, so between two model steps both leave identical bookkeeping. Shadows (bf16, or fp8
-with per-row scales) are rewritten from the fp32 checkpoint as stored, by :func:`write_shadow`
-(:func:`.reference.quantize_shadow`, the one quantizer that :class:`.reference.Shadow` and the cache use).
+The reference computes in float64 and stores every cache back in its own dtype; y comes back in the activation
+dtype. Where the kernels fold the checkpoint inside the verify launch (flush one window early), the reference
+does the same fold inside ``replay_verify`` and moves the ring cursor only in ``spec_commit``, so between two
+model steps both leave identical bookkeeping. Shadows (bf16, or fp8 with per-row scales) are rewritten from the
+fp32 checkpoint as stored, by :func:`write_shadow` (:func:`.reference.quantize_shadow`, the one quantizer that
+:class:`.reference.Shadow` and the cache use). The kernels' arguments are validated once, at the launchers (the
+one host boundary, :mod:`.launch`), whose errors name the tensor.
+
+:class:`InjectedExecutor`: a family step given as a callable in the family's keyword form (its steps module's
+``Injected``) with an injected cursor advance, the executor of a standard-cursor cache whose arithmetic a caller
+supplies (the patched models' ``backend=`` / ``advance=``). :func:`spec_commit_kw`: ``spec_commit`` in the
+launchers' keyword form (a family's step keyword forms live in its steps module).
 """
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from . import gdn_reference, reference, spec_reference
-from .config import CKPT8_DTYPE
-from .reference import Shadow
+from . import families, reference, spec_reference
 
 write_shadow = reference.quantize_shadow  # every slot at once: write_shadow(state, shadow, shadow_scale)
 
 
-def _wide(t):
+# ---- helpers the families' reference steps share ------------------------------------------------------------------
+def wide(t):
+    """A floating tensor in float64 (anything else as it is)."""
     return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
 
-def _rewrite_shadows(state, shadow, shadow_scale, slots) -> None:
+def rewrite_shadows(state, shadow, shadow_scale, slots) -> None:
     """The shadow of each slot in ``slots`` from the checkpoint as stored (what the kernels do)."""
     if shadow is None or not len(slots):
         return
@@ -62,7 +65,7 @@ def _rewrite_shadows(state, shadow, shadow_scale, slots) -> None:
         shadow_scale[idx] = s
 
 
-def _into(y, dtype, out, sbi):
+def into(y, dtype, out, sbi):
     """The reference's outputs (padding rows NaN) in the activation dtype, or written into ``out`` (rows with a
     slot only, as the kernels leave padding rows of ``out`` untouched)."""
     if out is None:
@@ -72,7 +75,7 @@ def _into(y, dtype, out, sbi):
     return out
 
 
-def _check_rows_out(sbi, out, shape) -> None:
+def check_rows_out(sbi, out, shape) -> None:
     """The rows' slots (batch,) and ``out`` (the outputs' shape), checked before a step writes anything (as the
     kernel launchers do): the reference folds checkpoints before it computes the outputs."""
     if sbi is not None:
@@ -81,7 +84,7 @@ def _check_rows_out(sbi, out, shape) -> None:
         spec_reference._check_shape(out, "out", tuple(shape))
 
 
-def _check_decode_rows(cursor, L: int, nslots: int, batch: int, sbi) -> None:
+def check_decode_rows(cursor, L: int, nslots: int, batch: int, sbi) -> None:
     """The rows' slots and cursors of a standard decode step, checked before it writes (the shadow of a folding
     row is written in place)."""
     rows = [int(s) for s in (torch.arange(batch) if sbi is None else sbi).tolist() if s >= 0]
@@ -91,171 +94,115 @@ def _check_decode_rows(cursor, L: int, nslots: int, batch: int, sbi) -> None:
                          f"slots {bad[:8]}")
 
 
-def _reads_its_shadow(shadow, read_shadow: bool) -> None:
+def reads_its_shadow(shadow, read_shadow: bool) -> None:
+    """The kernels read every shadow they are given: ``read_shadow=False`` with a shadow is refused."""
     if shadow is not None and not read_shadow:
         raise ValueError("read_shadow: the kernels always read the shadow they are given (pass shadow=None)")
 
 
-class ReferenceBackend:
-    """The float64 specs of :mod:`.reference` and :mod:`.spec_reference` (any device; CPU in practice)."""
+# ---- a family's steps on one executor -------------------------------------------------------------------------
+class Steps:
+    """A family's step functions on one executor (subclassed in ``families/<name>/steps.py``). Carries the
+    executor's ``name`` and its cursor moves, so it stands in for the executor in one family's code."""
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    @property
+    def name(self) -> str:
+        return self.executor.name
+
+    def advance_cursor(self, cursor, sbi, L, **kw):
+        self.executor.advance_cursor(cursor, sbi, L, **kw)
+
+    def spec_commit(self, cursor, n_accepted, sbi, T, L, **kw):
+        self.executor.spec_commit(cursor, n_accepted, sbi, T, L, **kw)
+
+
+def steps_module(family: str):
+    """The module of ``family``'s executor steps (its Family.steps)."""
+    path = families.get(family).steps
+    if not path:
+        raise ValueError(f"family {family!r} declares no executor steps (Family.steps)")
+    return importlib.import_module(path)
+
+
+class Executor:
+    """What the executors share: :meth:`steps` (each family's, made once per executor) and the cursor moves."""
+
+    name = ""
+
+    def __init__(self):
+        self._steps: dict[str, Steps] = {}
+
+    def steps(self, family: str) -> Steps:
+        s = self._steps.get(family)
+        if s is None:
+            table = steps_module(family).STEPS
+            if self.name not in table:
+                raise ValueError(f"family {family!r} has no steps for the {self.name!r} executor (it has "
+                                 f"{sorted(table)})")
+            s = self._steps[family] = table[self.name](self)
+        return s
+
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+class ReferenceBackend(Executor):
+    """The float64 specs of every family (any device; CPU in practice); the cursor moves of :mod:`.reference` /
+    :mod:`.spec_reference`."""
 
     name = "reference"
 
-    def conventional_step(self, state, x, B, C, dt, dt_bias, A, D, sbi):
-        wide = state.double()
-        y = reference.conventional_step(wide, *map(_wide, (x, B, C, dt, dt_bias, A, D)), state_batch_indices=sbi)
-        state.copy_(wide)
-        return y.to(x.dtype)
-
-    def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True,
-                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0):
-        if state.dtype == CKPT8_DTYPE:  # an 8-bit checkpoint: the spec reads and writes it in place
-            _check_rows_out(sbi, out, x.shape)
-            _check_decode_rows(cursor, x_cache.shape[2], state.shape[0], x.shape[0], sbi)
-            ck = reference.Checkpoint8.wrap(state, ckpt_scale, ckpt_flushes, "sr", ckpt_seed)
-            rings = [x_cache, B_cache, dt_cache]
-            wide = [c.double() for c in rings]
-            y = reference.replay_decode(None, *wide, cursor, *map(_wide, (x, B, C, dt, dt_bias, A, D, z)),
-                                        state_batch_indices=sbi, ckpt8=ck)
-            for c, w in zip(rings, wide):
-                c.copy_(w)
-            return _into(y, x.dtype, out, sbi)
-        sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
-        # every input, out and the rows checked before anything is written (as the kernel launchers do)
-        spec_reference.check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z,
-                                           standard=True)
-        if shadow is not None:  # also when it is not read: a fold rewrites it
-            spec_reference._check_shape(shadow, "shadow", tuple(state.shape))
-        _check_rows_out(sbi, out, x.shape)
-        L = x_cache.shape[2]
-        _check_decode_rows(cursor, L, state.shape[0], x.shape[0], sbi)
-        caches = [state, x_cache, B_cache, dt_cache]
-        wide = [c.double() for c in caches]
-        rows = sbi[sbi >= 0].long()
-        flushed = rows[cursor[rows] == L - 1].tolist()  # the step that fills the buffer folds it
-        y = reference.replay_decode(*wide, cursor, *map(_wide, (x, B, C, dt, dt_bias, A, D, z)),
-                                    state_batch_indices=sbi, shadow=sh)
-        for c, w in zip(caches, wide):
-            c.copy_(w)
-        _rewrite_shadows(state, shadow, shadow_scale, flushed)  # from the fp32 checkpoint as stored
-        return _into(y, x.dtype, out, sbi)
-
     def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
         reference.advance_cursor(cursor, sbi, L, flushes)
-
-    def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
-        sh = None if shadow is None or not read_shadow else Shadow.wrap(shadow, shadow_scale)
-        # every input checked before the fold writes the checkpoint (as the kernel launchers do before launching)
-        spec_reference.check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, sh)
-        _check_rows_out(sbi, out, x.shape)
-        T, L = x.shape[1], x_cache.shape[2]
-        flushed = spec_reference.flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi)
-        _rewrite_shadows(state, shadow, shadow_scale, flushed)
-        after = cursor.clone()  # the fold's cursor; the shared cursor itself moves once, in spec_commit
-        spec_reference.flush_cursor(after, T, L, sbi)
-        y = spec_reference.verify(state, x_cache, B_cache, dt_cache, after, x, B, C, dt, dt_bias, A, D, z,
-                                  state_batch_indices=sbi, shadow=sh, flushed=flushed)
-        return _into(y, x.dtype, out, sbi)
 
     def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
         spec_reference.flush_cursor(cursor, T, L, sbi)
         spec_reference.commit(cursor, n_accepted, T, L, sbi)
 
-    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                          check_values=None, use_qk_l2norm=True, scale=None):
-        sh = None if shadow is None else Shadow.wrap(shadow, None)
-        if isinstance(v, torch.Tensor) and v.dim() == 3:  # the other shapes: gdn_reference's checks, before a write
-            _check_rows_out(sbi, out, v.shape)
-        y = gdn_reference.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh,
-                                        use_qk_l2norm=use_qk_l2norm, scale=scale)
-        return _into(y, v.dtype, out, sbi)
 
-    def gdn_replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                          check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
-        sh = None if shadow is None else Shadow.wrap(shadow, None)
-        if not isinstance(v, torch.Tensor) or v.dim() != 4:
-            raise ValueError(f"v: expected a (batch, T, value_heads, value_dim) tensor, got "
-                             f"{tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__}")
-        # every input checked before the fold writes the checkpoint (as the kernel launchers do before launching)
-        gdn_reference.check_inputs(buf, q, k, v, a, b, A_log, dt_bias, tuple(v.shape[:2]))
-        _check_rows_out(sbi, out, v.shape)
-        T, L = v.shape[1], buf.u_cache.shape[2]
-        flushed = gdn_reference.flush_checkpoint(buf, cursor, T, sbi, sh)  # the shadow rewritten from what it stored
-        after = cursor.clone()
-        spec_reference.flush_cursor(after, T, L, sbi)
-        y = gdn_reference.verify(buf, after, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh if read_shadow else None,
-                                 flushed=set(flushed), use_qk_l2norm=use_qk_l2norm, scale=scale)
-        return _into(y, v.dtype, out, sbi)
-
-    def native_spec_verify(self, state, snapshots, x, B, C, dt, dt_bias, A, D, sbi):
-        return spec_reference.native_spec_verify(state, snapshots, x, B, C, dt, dt_bias, A, D,
-                                                 state_batch_indices=sbi).to(x.dtype)
-
-    def native_spec_commit(self, state, snapshots, n_accepted, sbi):
-        spec_reference.native_spec_commit(state, snapshots, n_accepted, sbi)
-
-
-class KernelBackend:
-    """The CUDA kernels through the validated launchers of :mod:`.ops` (graph-safe)."""
+class KernelBackend(Executor):
+    """The CUDA kernels through the validated launchers (graph-safe); the shared cursor kernels of :mod:`.ops`."""
 
     name = "kernels"
 
     def __init__(self):
+        super().__init__()
         from . import ops  # cuda.core is imported only where the kernels run
 
         self.ops = ops
 
-    def conventional_step(self, state, x, B, C, dt, dt_bias, A, D, sbi):
-        return self.ops.conventional_step(x, B, C, dt, dt_bias, A, D, state, sbi)
-
-    def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True,
-                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0):
-        _reads_its_shadow(shadow, read_shadow)
-        return self.ops.replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi,
-                                      z=z, out=out, check_values=check_values, shadow=shadow,
-                                      shadow_scale=shadow_scale, ckpt_scale=ckpt_scale, ckpt_flushes=ckpt_flushes,
-                                      ckpt_seed=ckpt_seed)
-
     def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
         self.ops.advance_cursor(cursor, sbi, L, check_values=check_values, flushes=flushes)
-
-    def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
-                      shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
-        _reads_its_shadow(shadow, read_shadow)
-        return self.ops.replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi,
-                                      z=z, out=out, check_values=check_values, shadow=shadow,
-                                      shadow_scale=shadow_scale)
 
     def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
         self.ops.spec_commit(cursor, n_accepted, sbi, T, L, check_values=check_values)
 
-    def gdn_replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                          check_values=None, use_qk_l2norm=True, scale=None):
-        from . import gdn_ops
 
-        return gdn_ops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache,
-                                         buf.k_cache, buf.g_cache, buf.beta_cache, cursor, sbi, out=out,
-                                         shadow=shadow, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                                         check_values=check_values)
+class InjectedExecutor:
+    """An executor whose family step is ``step`` (a callable in the family's keyword form: its steps module's
+    ``Injected`` maps the step's arguments onto it) and whose standard-cursor advance is ``advance(cursor, sbi,
+    L)``: the executor of a standard-cursor cache whose arithmetic the caller supplies (the cache validates and
+    keeps the bookkeeping; what the patched models' ``backend=`` / ``advance=`` inject)."""
 
-    def gdn_replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                          check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
-        from . import gdn_ops
+    name = "injected step"
 
-        _reads_its_shadow(shadow, read_shadow)
-        return gdn_ops.gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache,
-                                         buf.k_cache, buf.g_cache, buf.beta_cache, cursor, sbi, out=out,
-                                         shadow=shadow, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                                         check_values=check_values)
+    def __init__(self, step, advance):
+        self.step, self.advance = step, advance
 
-    def native_spec_verify(self, state, snapshots, x, B, C, dt, dt_bias, A, D, sbi):
-        return self.ops.native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, sbi)
+    def steps(self, family: str):
+        injected = getattr(steps_module(family), "Injected", None)
+        if injected is None:
+            raise ValueError(f"family {family!r} takes no injected step (its steps module has no Injected)")
+        return injected(self, self.step)
 
-    def native_spec_commit(self, state, snapshots, n_accepted, sbi):
-        self.ops.native_spec_commit(state, snapshots, n_accepted, sbi)
+    def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
+        self.advance(cursor, sbi, L)
 
 
 REFERENCE = ReferenceBackend()
@@ -274,29 +221,8 @@ def for_device(device) -> ReferenceBackend | KernelBackend:
 
 # ---- the launchers' keyword form ---------------------------------------------------------------------------
 # The graph nodes of builders/ (and the onnxruntime custom ops that mirror them) and the trtllm-serve adapter
-# take injectable callables with the keyword signature of the ops launchers (ops.replay_decode(x=, ..., state=,
-# ...)). These give an executor's methods that form, so the float64 reference and the kernels have one home.
-def _mamba_kw(method):
-    def step(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None,
-             out=None, check_values=None, shadow=None, shadow_scale=None):
-        return method(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, state_batch_indices, shadow,
-                      shadow_scale, z=z, out=out, check_values=check_values)
-
-    step.executor = method.__self__
-    return step
-
-
-def replay_decode_kw(executor):
-    """``executor.replay_decode`` as ``fn(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
-    state_batch_indices, z=None, out=None, check_values=None, shadow=None, shadow_scale=None) -> y``."""
-    return _mamba_kw(executor.replay_decode)
-
-
-def replay_verify_kw(executor):
-    """``executor.replay_verify`` in the keyword form of :func:`replay_decode_kw` (x (batch, T, H, P), ...)."""
-    return _mamba_kw(executor.replay_verify)
-
-
+# take injectable callables with the keyword signature of the launchers. A family's step keyword forms live in
+# its steps module (replay_decode_kw, ...); the shared cursor move's is here.
 def spec_commit_kw(executor):
     """``executor.spec_commit`` as ``fn(*, cursor, n_accepted, state_batch_indices, num_tokens, buffer_len) ->
     cursor`` (moved in place)."""
@@ -309,23 +235,14 @@ def spec_commit_kw(executor):
     return spec_commit
 
 
-def _gdn_kw(method, contiguous: bool):
-    def step(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow=None):
-        if contiguous:  # the builders hand views of the projections; TensorRT hands a plugin LINEAR inputs
-            q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
-        return method(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow)
-
-    step.executor = method.__self__
-    return step
+def run_into(out, y):
+    """An injected step's outputs ``y``, copied into ``out`` when one is given."""
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
 
 
-def gdn_replay_decode_kw(executor, contiguous: bool = False):
-    """``executor.gdn_replay_decode`` as ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices,
-    shadow=None)`` (a bf16 shadow of the checkpoint: read by non-flush steps, rewritten by flushes)
-    (the builders' GDN decode node); ``contiguous``: q, k, v, a, b made contiguous first (the kernels need it)."""
-    return _gdn_kw(executor.gdn_replay_decode, contiguous)
-
-
-def gdn_replay_verify_kw(executor, contiguous: bool = False):
-    """``executor.gdn_replay_verify`` in the keyword form of :func:`gdn_replay_decode_kw` (q (batch, T, Hk, Kd), ...)."""
-    return _gdn_kw(executor.gdn_replay_verify, contiguous)
+__all__ = ["write_shadow", "wide", "rewrite_shadows", "into", "check_rows_out", "check_decode_rows",
+           "reads_its_shadow", "Steps", "steps_module", "Executor", "ReferenceBackend", "KernelBackend",
+           "InjectedExecutor", "REFERENCE", "for_device", "spec_commit_kw", "run_into"]

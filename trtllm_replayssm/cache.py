@@ -2,17 +2,23 @@
 """ReplayStateCache: the decode state of every recurrent layer of one model (any family), per request slot.
 
 The layers of each family live in a :class:`~.layer_group.LayerGroup` (``families/<name>/layers.py``): the
-family's state table allocated once per tensor for all its layers, its conv windows and its step. The cache
-numbers its layers group by group (Mamba-2, then Gated DeltaNet, then the families of ``layers=``; one family per
-model in practice) and has one method for each call, whatever the layer's family: :meth:`~ReplayStateCache.layer`,
+family's state table allocated once per tensor for all its layers, its conv windows and its step. A cache is
+made of ``layers={family: (n, geometry)}`` (or ``(n, geometry, conv_dim)``; the family's ``Family.geometry``
+order), its layers numbered group by group in that order, e.g.
+``ReplayStateCache(num_slots=8, buffer_len=16, layers={"mamba2": (2, (H, P, N, G)), "gdn": (2, (HV, Hk, V, K))})``;
+:meth:`ReplayStateCache.for_family` makes a cache of one family
+(``for_family("gdn", layers, slots, (HV, Hk, V, K), L, ...)``), and the positional form
+``ReplayStateCache(num_layers, num_slots, nheads, headdim, dstate, ngroups, buffer_len, ...)`` is
+``layers={POSITIONAL_FAMILY: (num_layers, (nheads, headdim, dstate, ngroups), conv_dim)}`` (the models that came
+first). The cache has one method for each call, whatever the layer's family: :meth:`~ReplayStateCache.layer`,
 :meth:`~ReplayStateCache.load_prefill`, :meth:`~ReplayStateCache.verify` (the family's step inputs),
 :meth:`~ReplayStateCache.conv_update`, :meth:`~ReplayStateCache.committed_state`; the step bookkeeping (flush,
-commit), slots and snapshots are the family's business nowhere. :meth:`ReplayStateCache.for_family` makes a cache of
-one family (``for_family("kda", layers, slots, (H, K, V), L, ...)``); the positional constructor keeps Mamba-2's
-geometry and ``gdn_*`` keywords (the models that exist), ``layers={family: (n, geometry)}`` the others.
+commit), slots and snapshots are the family's business nowhere, and it never branches on a family's name (what
+differs is the group's: :meth:`group` gives it, its ``t`` dict the family's tensors by state-table name).
 
-Owns, for ``num_layers`` Mamba layers and ``num_slots`` request slots (H heads, P headdim, N dstate,
-G groups, L ring capacity, K conv width, T_max = 1 + num_draft, W = K - 1 + num_draft):
+Tensors, per family (the family's state table, :mod:`.contract`), each with a leading ``layers`` dim: e.g. for
+``n`` Mamba-2 layers and ``num_slots`` request slots (H heads, P headdim, N dstate, G groups, L ring capacity,
+K conv width, T_max = 1 + num_draft, W = K - 1 + num_draft):
 
 =============  =============================  =================  ===============================================
 tensor         shape                          dtype              meaning
@@ -30,27 +36,12 @@ conv           (layers, slots, conv_dim, W)   act_dtype          conv1d window, 
                                                                  of (layers, slots + 1, ...): one scratch slot)
 =============  =============================  =================  ===============================================
 
-``layer(l)`` gives per-layer views in the layouts of :mod:`.contract` (the kernels' state contract, written
-once there).
+A group offers some of its tensors as the cache's attributes (:meth:`.LayerGroup.cache_attributes`: the Mamba-2
+group the names above, ``nheads`` ... ``conv_dim`` and ``num_layers``, as callers have read them); every other
+family's tensors are read through :meth:`group` (``cache.group("gdn").t["u_cache"]``, ``.conv``) or per layer
+through :meth:`layer`. ``layer(l)`` gives per-layer views in the layouts of :mod:`.contract` (the kernels' state
+contract, written once there).
 
-Gated DeltaNet layers (Qwen3-Next / Qwen3.5; ``gdn_layers`` > 0, HV value heads, Hk key heads, V value
-dim, Kd key dim; the layouts of :mod:`.gdn_reference`) share the slots, the cursor and the step with the
-Mamba-2 layers (a model may hold both kinds; ``num_layers`` = 0 for a GDN-only model,
-:meth:`ReplayStateCache.for_gdn`); the cache's attributes below are views of the GDN group's tensors, and the
-cache's index of GDN layer l is ``num_layers + l``:
-
-=============  =============================  =================  ===============================================
-tensor         shape                          dtype              meaning
-=============  =============================  =================  ===============================================
-gdn_state      (gdn_layers, slots, HV, V, Kd)  state_dtype (f32)  checkpoint S0 (the exact fold writes it)
-gdn_shadow     (gdn_layers, slots, HV, V, Kd)  shadow_dtype       optional bf16 copy read by non-flush steps
-gdn_u, gdn_v   (gdn_layers, slots, HV, L, V)   f32, act_dtype     rings of the corrected updates u_j, values v_j
-gdn_k          (gdn_layers, slots, Hk, L, Kd)  f32                ring of l2-normalised keys k_j
-gdn_g, gdn_beta (gdn_layers, slots, HV, L)     f32                rings of log decays g_j and beta_j
-gdn_conv       (gdn_layers, slots, gdn_conv_dim, W)  act_dtype   conv1d window over q | k | v
-=============  =============================  =================  ===============================================
-Kimi Delta Attention layers (``layers={"kda": (n, (H, K, V))}`` or ``for_family("kda", ...)``): the table of
-:mod:`.contract` per layer, in the group's ``t`` dict (``cache.groups``); snapshot names ``kda_<table name>``.
 Per step: :meth:`verify` and :meth:`conv_update` for every layer of every family between :meth:`flush` and
 :meth:`commit`.
 
@@ -69,15 +60,15 @@ sequence on every device:
     cache.commit(sbi, n_accepted, T)         # count += n; conv windows drop the T - n rejected inputs
 
 One path runs that sequence; only the arithmetic comes from the executor, chosen once at construction
-(:mod:`.backend`: the float64 reference for CPU tensors, the kernels of :mod:`.ops` / :mod:`.gdn_ops` for
-CUDA ones):
+(:mod:`.backend`: the float64 reference for CPU tensors, the kernels for CUDA ones; each family's steps for
+either in its folder, ``families/<name>/steps.py``):
 
 =========  ==============================================================================================
 call       what happens (both executors)
 =========  ==============================================================================================
 flush      opens the step: T and the rows checked; nothing written (returns the slots that will fold on
            the reference, None on the kernels)
-verify     the executor's ``replay_verify`` with the layer's shadow: where count + 2T > L on the pre-step
+verify     the family's ``replay_verify`` with the layer's shadow: where count + 2T > L on the pre-step
            cursor the layer's checkpoint is folded first (and its shadow rewritten), then the window's
            outputs; the window is appended to the ring, the cursor is read only
 conv       :func:`conv_update_rows`: gathered rows, fp32 math (float64 for float64 tensors), scattered back
@@ -94,9 +85,9 @@ executor's after each step. The kernel path is graph-safe: no host reads of devi
 n_accepted. Eager serving without syncs: ``check_values=False``.
 Standard decode is T = 1 of the same sequence: on the ring (num_draft = 0) it runs the verify kernel with
 T = 1; with ``cursor="standard"`` (num_draft = 0) the cache keeps the (slots,) cursor of
-the tuned standard decode kernel, verify runs the executor's ``replay_decode`` (the step that fills the ring
-folds it, L >= 1; GDN layers: ``gdn_replay_decode``, reading the shadow when there is one) and commit its
-``advance_cursor`` (n_accepted may be None: every row accepts its token).
+the tuned standard decode kernel, verify runs the family's ``replay_decode`` (the step that fills the ring
+folds it, L >= 1; a family whose standard step always reads its shadow says so: ``LayerGroup.standard_reads_shadow``)
+and commit the executor's ``advance_cursor`` (n_accepted may be None: every row accepts its token).
 Snapshots (:meth:`ReplayStateCache.snapshot` -> :class:`Snapshot`, :meth:`~ReplayStateCache.restore`): the state of
 some slots after their last committed token, between steps: every tensor above that the slot owns (checkpoint,
 shadow and scales, rings, conv window, cursor), copied as stored, so a slot restored anywhere (another slot,
@@ -128,12 +119,12 @@ from . import backend, families
 from . import launch as _launch
 from . import spec_reference as sr
 from .costs import memory_per_request  # noqa: F401  (re-exported: the memory model's home is .costs)
-from .families.gdn.layers import GDNLayerState  # noqa: F401  (re-exported: views of one GDN layer)
-from .families.mamba2.layers import LayerState as Mamba2LayerState
 from .layer_group import LayerGroup, group_class
 from .reference import Shadow
 
-LayerState = Mamba2LayerState  # the names callers import from here (views of one layer)
+# The family of the positional form ReplayStateCache(num_layers, num_slots, nheads, headdim, dstate, ngroups,
+# buffer_len, ...): its geometry is that family's (H, P, N, G). Every other cache names its families in ``layers=``.
+POSITIONAL_FAMILY = "mamba2"
 
 
 # ---- snapshots: the state of some slots, portable (ReplayStateCache.snapshot / restore, to_bytes / from_bytes) -------
@@ -142,7 +133,6 @@ SNAPSHOT_VERSION = 1  # the byte format (Snapshot.to_bytes); bump on any change 
 SNAPSHOT_FORMAT = "replayssm-state"
 
 
-_FAMILY_WORDS = {"mamba2": "Mamba-2", "gdn": "GDN", "kda": "KDA"}  # in messages
 _PER_SLOT = ("cursor", "ckpt_flushes")  # snapshot tensors of one row per slot and no layer dim
 
 
@@ -176,7 +166,7 @@ class Snapshot:
     """The state of ``num_slots`` slots after their last committed token, as :class:`ReplayStateCache` stores it.
 
     ``tensors``: for every tensor a slot owns (module docstring: checkpoint, shadow and fp8 scales, rings, conv
-    window; Mamba-2 names for a cache with Mamba-2 layers, ``gdn_*`` ones with GDN layers), its slice
+    window; named by each family's group, :meth:`.LayerGroup.snapshot_names`), its slice
     (layers, num_slots, ...) in the cache's dtype, bit for bit; ``cursor`` (num_slots,) or (num_slots, 2), the
     cache's cursor form. Row i of every tensor is the i-th slot given to :meth:`ReplayStateCache.snapshot`.
     ``header``: what a cache must match to take it (JSON-able: format, version, num_slots, cursor form, layers
@@ -359,18 +349,42 @@ class ReplayStateCache:
     form reads the shadow as the kernels do (a CUDA cache with a shadow always reads it). On CUDA, headdim and
     dstate must be geometries the kernels support (config.SUPPORTED_*) and buffer_len <= 32, checked here."""
 
-    def __init__(self, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int,
-                 buffer_len: int, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
+    def __init__(self, num_layers: int | None = None, num_slots: int | None = None, nheads: int | None = None,
+                 headdim: int | None = None, dstate: int | None = None, ngroups: int | None = None,
+                 buffer_len: int | None = None, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
-                 device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, gdn_layers: int = 0,
-                 gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
-                 gdn_conv_dim: int | None = None, cursor: str = "ring", executor=None, layers=None,
-                 ckpt_seed: int = 0):
-        extra = dict(layers or {})
-        if num_layers < 0 or gdn_layers < 0 or any(spec[0] < 0 for spec in extra.values()) \
-                or num_layers + gdn_layers + sum(spec[0] for spec in extra.values()) < 1:
-            raise ValueError(f"num_layers, gdn_layers: expected >= 0 with at least one layer, got {num_layers}, "
-                             f"{gdn_layers}" + (f", layers={extra}" if extra else ""))
+                 device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, cursor: str = "ring",
+                 executor=None, layers=None, ckpt_seed: int = 0):
+        positional = dict(num_layers=num_layers, nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups)
+        if layers is None:  # the positional form: one family's geometry (POSITIONAL_FAMILY)
+            missing = [k for k, v in positional.items() if v is None]
+            if missing:
+                raise TypeError(f"{', '.join(missing)}: expected the positional form's sizes (num_layers, num_slots, "
+                                f"nheads, headdim, dstate, ngroups, buffer_len) or layers={{family: (n, geometry)}}")
+            layers = {POSITIONAL_FAMILY: (num_layers, (nheads, headdim, dstate, ngroups), conv_dim)}
+        else:
+            given = [k for k, v in (*positional.items(), ("conv_dim", conv_dim)) if v is not None]
+            if given:
+                raise TypeError(f"{', '.join(given)}: the positional form's sizes; with layers= each family's layers, "
+                                f"geometry and conv_dim go there, (n, geometry[, conv_dim])")
+        for name, v in (("num_slots", num_slots), ("buffer_len", buffer_len)):
+            if v is None:
+                raise TypeError(f"{name}: expected an int, got None")
+        specs = []  # (family, layers, geometry, conv_dim) in the cache's layer order
+        for fam, spec in dict(layers).items():
+            if fam not in families.names():
+                raise ValueError(f"layers: expected families among {families.names()}, got {fam!r}")
+            try:
+                n, geometry, *cd = spec
+            except (TypeError, ValueError):
+                raise ValueError(f"layers[{fam!r}]: expected (layers, geometry) or (layers, geometry, conv_dim), got "
+                                 f"{spec!r}") from None
+            if len(cd) > 1 or not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"layers[{fam!r}]: expected (layers >= 0, geometry[, conv_dim]), got {spec!r}")
+            if n:
+                specs.append((fam, n, tuple(geometry), cd[0] if cd else None))
+        if not specs:
+            raise ValueError(f"layers: expected at least one layer, got {dict(layers)!r}")
         for name, v in (("num_slots", num_slots), ("conv_kernel", conv_kernel)):
             if v < 1:
                 raise ValueError(f"{name}: expected >= 1, got {v}")
@@ -381,10 +395,14 @@ class ReplayStateCache:
         if cursor == "standard" and num_draft:
             raise ValueError(f"cursor: 'standard' (the (slots,) cursor of the standard decode kernels) needs num_draft "
                              f"= 0, got num_draft={num_draft}")
-        if cursor == "standard" and (gdn_layers or extra) and shadow_dtype is not None and not read_shadow \
-                and torch.device(device).type != "cuda":
-            raise ValueError("read_shadow: a standard-cursor GDN cache reads the shadow it keeps (as the kernel "
-                             "does); pass read_shadow=True or no shadow_dtype")
+        cuda = torch.device(device).type == "cuda"
+        classes = [group_class(fam) for fam, *_ in specs]
+        if cursor == "standard" and shadow_dtype is not None and not read_shadow and not cuda:
+            for cls in classes:
+                if cls.standard_reads_shadow:
+                    raise ValueError(f"read_shadow: a standard-cursor {families.get(cls.family).label} cache reads "
+                                     "the shadow it keeps (as the kernel does); pass read_shadow=True or no "
+                                     "shadow_dtype")
         if cursor == "standard" and buffer_len < 1:
             raise ValueError(f"buffer_len: expected >= 1, got {buffer_len}")
         if cursor == "ring" and buffer_len < 2 * (num_draft + 1):
@@ -392,31 +410,20 @@ class ReplayStateCache:
                              f"early), got {buffer_len}")
         if shadow_dtype not in (None, torch.bfloat16, torch.float8_e4m3fn):  # the shadows a kernel reads
             raise ValueError(f"shadow_dtype: expected None, bfloat16 or float8_e4m3fn, got {shadow_dtype}")
-        cuda = torch.device(device).type == "cuda"
-        unknown = sorted(set(extra) - set(families.names()) | set(extra) & {"mamba2", "gdn"})
-        if unknown:
-            raise ValueError(f"layers: expected families among {sorted(set(families.names()) - {'mamba2', 'gdn'})} "
-                             f"(Mamba-2 and GDN layers: num_layers / gdn_layers), got {unknown}")
-        # The layer groups, in the cache's layer order: Mamba-2 (always present, possibly without layers), GDN
-        # (likewise), then the other families asked for. Each checks its geometry, then allocates from its table.
-        specs = [("mamba2", num_layers, (nheads, headdim, dstate, ngroups), conv_dim),
-                 ("gdn", gdn_layers, (gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim), gdn_conv_dim)]
-        for fam, spec in extra.items():
-            n, geometry, *cd = spec
-            specs.append((fam, int(n), tuple(geometry), cd[0] if cd else None))
-        if num_layers or not gdn_layers and not extra:
-            group_class("mamba2").check_geometry(specs[0][2], cuda, shadow_dtype, state_dtype)
-        for fam, n, geometry, _ in specs[1:]:
-            if n:
-                group_class(fam).check_geometry(geometry, cuda, shadow_dtype, state_dtype)
+        # Each group checks its geometry, then allocates from its family's table.
+        for cls, (_, _, geometry, _) in zip(classes, specs):
+            cls.check_geometry(geometry, cuda, shadow_dtype, state_dtype)
         if cuda and buffer_len > 32:
             raise ValueError(f"buffer_len: expected <= 32 on CUDA (the kernels' rings), got {buffer_len}")
         ckpt8 = state_dtype == torch.float8_e4m3fn
-        if ckpt8 and (cursor != "standard" or gdn_layers or extra):
-            raise ValueError("state_dtype: an 8-bit checkpoint (float8_e4m3fn) is for Mamba-2 layers on the standard "
-                             f"cursor (its kernel is the standard decode step); got cursor={cursor!r}, gdn_layers="
-                             f"{gdn_layers}" + (f", layers={sorted(extra)}" if extra else ""))
-        if isinstance(ckpt_seed, bool) or not isinstance(ckpt_seed, int) or not 0 <= ckpt_seed < 2 ** 31 - num_layers:
+        if ckpt8 and (cursor != "standard" or not all(cls.ckpt8 for cls in classes)):
+            keep = " and ".join(families.get(f).label for f in families.names()
+                                if families.get(f).layer_group and group_class(f).ckpt8)
+            raise ValueError(f"state_dtype: an 8-bit checkpoint (float8_e4m3fn) is for {keep} layers on the standard "
+                             f"cursor (its kernel is the standard decode step); got cursor={cursor!r}, layers="
+                             f"{[fam for fam, *_ in specs]}")
+        total = sum(n for _, n, _, _ in specs)
+        if isinstance(ckpt_seed, bool) or not isinstance(ckpt_seed, int) or not 0 <= ckpt_seed < 2 ** 31 - total:
             raise TypeError(f"ckpt_seed: expected an int in [0, 2^31 - num_layers) (layer l draws with seed + l), got "
                             f"{ckpt_seed!r}")
         self.num_slots, self.buffer_len, self.num_draft, self.conv_kernel = num_slots, buffer_len, num_draft, conv_kernel
@@ -426,36 +433,25 @@ class ReplayStateCache:
         # kernels for CUDA ones. ``executor`` overrides it (tests run the kernel backend on CPU tensors with
         # emulated launchers).
         self.x = backend.for_device(device) if executor is None else executor
-        self.groups: list[LayerGroup] = []
-        for fam, n, geometry, cd in specs:
-            cls = group_class(fam)
-            dts, optional = cls.roles(state_dtype, act_dtype, dt_dtype, shadow_dtype if n else None)
-            g = cls(n, num_slots, geometry, buffer_len, self.conv_width, cd, dts, optional, device, act_dtype)
-            self.groups.append(g)
-        self._by_family = {g.family: g for g in self.groups}
         # An 8-bit checkpoint's flush counts, one per slot for every layer (the rounding stream's counter), and seed.
         self.ckpt_seed = ckpt_seed
         self.ckpt_flushes = torch.zeros(num_slots, dtype=torch.int32, device=device) if ckpt8 else None
-        self._by_family["mamba2"].ckpt_flushes, self._by_family["mamba2"].ckpt_seed = self.ckpt_flushes, ckpt_seed
+        self.groups: list[LayerGroup] = []
+        for cls, (_, n, geometry, cd) in zip(classes, specs):
+            dts, optional = cls.roles(state_dtype, act_dtype, dt_dtype, shadow_dtype)
+            g = cls(n, num_slots, geometry, buffer_len, self.conv_width, cd, dts, optional, device, act_dtype)
+            g.ckpt_flushes, g.ckpt_seed = self.ckpt_flushes, ckpt_seed
+            self.groups.append(g)
+        self._by_family = {g.family: g for g in self.groups}
         # global layer index -> (group, layer within the group): the groups' layers in order
         self._where = [(g, l) for g in self.groups for l in range(g.num_layers)]
         self.standard = cursor == "standard"
         self.cursor = torch.zeros((num_slots,) if self.standard else (num_slots, 2), dtype=torch.int32, device=device)
-        # The first two families' tensors under the names callers use (views of the groups' tensors).
-        m, g = self._by_family["mamba2"], self._by_family["gdn"]
-        self.num_layers, self.gdn_layers = num_layers, gdn_layers
-        self.nheads, self.headdim, self.dstate, self.ngroups = nheads, headdim, dstate, ngroups
-        self.conv_dim, self.gdn_conv_dim = m.conv_dim, g.conv_dim
-        self.state, self.x_cache, self.B_cache, self.dt_cache = (m.t[n] for n in ("state", "x_cache", "B_cache",
-                                                                                  "dt_cache"))
-        self.shadow, self.shadow_scale = m.t.get("shadow"), m.t.get("shadow_scale")
-        self._conv, self.conv = m._conv, m.conv
-        self.gdn_value_heads, self.gdn_key_heads = gdn_value_heads, gdn_key_heads
-        self.gdn_value_dim, self.gdn_key_dim = gdn_value_dim, gdn_key_dim
-        self.gdn_state, self.gdn_shadow, self.gdn_shadow_scale = g.t["state"], g.t.get("shadow"), None
-        self.gdn_u, self.gdn_v, self.gdn_k = g.t["u_cache"], g.t["v_cache"], g.t["k_cache"]
-        self.gdn_g, self.gdn_beta = g.t["g_cache"], g.t["beta_cache"]
-        self._gdn_conv, self.gdn_conv = g._conv, g.conv
+        for g in self.groups:  # the names callers read from the cache (LayerGroup.cache_attributes)
+            for name, value in g.cache_attributes().items():
+                if hasattr(self, name):
+                    raise AssertionError(f"cache attribute {name!r} offered twice")  # pragma: no cover - a family bug
+                setattr(self, name, value)
         self._free = list(range(num_slots))
         self._live: set[int] = set()
         self._step: tuple[int, set] | None = None  # (T, layers verified) since flush()
@@ -465,11 +461,8 @@ class ReplayStateCache:
                    conv_dim: int | None = None, **kw) -> ReplayStateCache:
         """A cache of ``num_layers`` layers of one family (``families.names()``; ``geometry`` in the order of the
         family's ``Family.geometry``), e.g. ``for_family("kda", 21, 8, (32, 128, 128), 16, cursor="standard")``."""
-        if family == "mamba2":
-            return cls(num_layers, num_slots, *geometry, buffer_len, conv_dim=conv_dim, **kw)
-        if family == "gdn":
-            return cls.for_gdn(num_layers, num_slots, *geometry, buffer_len, gdn_conv_dim=conv_dim, **kw)
-        return cls(0, num_slots, 1, 1, 1, 1, buffer_len, layers={family: (num_layers, tuple(geometry), conv_dim)}, **kw)
+        return cls(num_slots=num_slots, buffer_len=buffer_len, layers={family: (num_layers, tuple(geometry), conv_dim)},
+                   **kw)
 
     @classmethod
     def for_rank(cls, rank: int, tp: int, num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int,
@@ -498,7 +491,7 @@ class ReplayStateCache:
     # ---- views ----------------------------------------------------------------------------------------
     @property
     def total_layers(self) -> int:
-        """Layers of every family; the cache numbers them group by group (Mamba-2, GDN, then the others)."""
+        """Layers of every family; the cache numbers them group by group (in the order of ``layers=``)."""
         return len(self._where)
 
     def _locate(self, l: int) -> tuple[LayerGroup, int]:
@@ -507,8 +500,8 @@ class ReplayStateCache:
         return self._where[l]
 
     def layer(self, l: int):
-        """Views of layer ``l``'s tensors (no copies) in its family's per-layer form (Mamba-2: :class:`LayerState`,
-        GDN: :class:`GDNLayerState` with the :mod:`.gdn_reference` buffers, ...)."""
+        """Views of layer ``l``'s tensors (no copies) in its family's per-layer form (its group's ``view``, e.g.
+        ``families/mamba2/layers.py``'s ``LayerState``)."""
         g, i = self._locate(l)
         return g.view(i)
 
@@ -523,15 +516,16 @@ class ReplayStateCache:
         raise ValueError(f"family: the cache holds no {family!r} layers (it holds "
                          f"{sorted({g.family for g, _ in self._where})})")
 
+    def group(self, family: str) -> LayerGroup:
+        """The :class:`~.layer_group.LayerGroup` of ``family``'s layers: its tensors by state-table name (``t``),
+        its conv windows (``conv``), geometry and layer count."""
+        g = self._by_family.get(family)
+        if g is None:
+            raise ValueError(f"family: the cache holds no {family!r} layers (it holds {sorted(self._by_family)})")
+        return g
+
     def _tensors(self):
         return [t for g in self.groups for _, t in g.tensors()]
-
-    @classmethod
-    def for_gdn(cls, gdn_layers: int, num_slots: int, value_heads: int, key_heads: int, value_dim: int, key_dim: int,
-                buffer_len: int, **kw) -> ReplayStateCache:
-        """A cache of Gated DeltaNet layers only (Qwen3-Next / Qwen3.5): no Mamba-2 layer."""
-        return cls(0, num_slots, 1, 1, 1, 1, buffer_len, gdn_layers=gdn_layers, gdn_value_heads=value_heads,
-                   gdn_key_heads=key_heads, gdn_value_dim=value_dim, gdn_key_dim=key_dim, **kw)
 
     # ---- slot lifecycle ----------------------------------------------------------------------------------
     @property
@@ -604,7 +598,7 @@ class ReplayStateCache:
         for name, t in self._snapshot_tensors():
             shape = [num_slots, *t.shape[1:]] if name in _PER_SLOT else [t.shape[0], num_slots, *t.shape[2:]]
             tensors[name] = dict(dtype=_dtype_name(t.dtype), shape=shape)
-        layers = {g.family: g.num_layers for g in self.groups if g.num_layers or g.family in ("mamba2", "gdn")}
+        layers = {g.family: g.num_layers for g in self.groups}
         return dict(format=SNAPSHOT_FORMAT, version=SNAPSHOT_VERSION, num_slots=num_slots,
                     cursor="standard" if self.standard else "ring", layers=layers, geometry=geometry,
                     shard=None if shard is None else dataclasses.asdict(shard), tensors=tensors)
@@ -644,7 +638,7 @@ class ReplayStateCache:
         """The state of ``slots`` (live, between steps) after their last committed token, copied to ``device``.
 
         What is copied: the checkpoint, its shadow (and fp8 scales), every ring, the conv window and the cursor,
-        exactly as stored (bits), for every Mamba-2 and GDN layer; row i of the snapshot is ``slots[i]``. A
+        exactly as stored (bits), for every layer of every family; row i of the snapshot is ``slots[i]``. A
         slot restored from it (:meth:`restore`, any slot, any cache of the same configuration, this process or
         another through :meth:`Snapshot.to_bytes`) then runs the same arithmetic on the same bits as the slot
         that never stopped: its outputs and states continue bit-identically (same executor; fp32 checkpoint).
@@ -700,10 +694,9 @@ class ReplayStateCache:
         g_layers = {f: n for f, n in got["layers"].items() if n}
         w_layers = {f: n for f, n in want["layers"].items() if n}
         if g_layers != w_layers:
-            order = [f for f in families.names() if f in ("mamba2", "gdn") or f in g_layers or f in w_layers]
-            order.sort(key=lambda f: ("mamba2", "gdn").index(f) if f in ("mamba2", "gdn") else 2)
-            held = " and ".join(f"{got['layers'].get(f, 0)} {_FAMILY_WORDS.get(f, f)}" for f in order)
-            kept = " and ".join(str(want["layers"].get(f, 0)) for f in order)
+            order = list(dict.fromkeys([*g_layers, *w_layers]))
+            held = " and ".join(f"{g_layers.get(f, 0)} {families.get(f).label}" for f in order)
+            kept = " and ".join(str(w_layers.get(f, 0)) for f in order)
             diffs.append(f"layers: the snapshot holds {held} layers, the cache {kept}")
         if got["cursor"] != want["cursor"]:
             diffs.append(f"cursor form: {got['cursor']!r} in the snapshot, {want['cursor']!r} in the cache")
@@ -833,16 +826,19 @@ class ReplayStateCache:
     # ---- speculative step ----------------------------------------------------------------------------------------
     def flush(self, state_batch_indices, num_tokens: int, A_by_layer=None) -> list[int] | None:
         """Open a step of T tokens: checks T, the rows' slots (unless check_values is off) and, if given, that
-        ``A_by_layer`` has one tensor per Mamba-2 layer (kept for the callers that pass it; each verify takes
-        its layer's A). Nothing is written: each layer's verify folds its own checkpoint on the pre-step cursor
+        ``A_by_layer`` has one tensor per layer whose step takes an ``A`` (kept for the callers that pass it; each
+        verify takes its layer's A). Nothing is written: each layer's verify folds its own checkpoint on the pre-step cursor
         (module docstring) and commit moves the cursor once.
 
         Returns the slots whose checkpoints this step folds (count + 2T > L) when the executor is the float64
         reference, which reads the host anyway; None on the kernels (nothing is read back from the device).
         """
         self._check_T(num_tokens)
-        if A_by_layer is not None and len(A_by_layer) != self.num_layers:
-            raise ValueError(f"A_by_layer: expected {self.num_layers} tensors, got {len(A_by_layer)}")
+        if A_by_layer is not None:
+            n = sum(g.num_layers for g in self.groups if "A" in g.input_names())
+            if len(A_by_layer) != n:
+                raise ValueError(f"A_by_layer: expected {n} tensors (one per layer whose step takes A), got "
+                                 f"{len(A_by_layer)}")
         if self._step is not None and self._step[1]:
             # Those layers already folded their checkpoints and appended the window on the pre-step cursor (or
             # shifted their conv windows): a new step would do it again. Finish the step (commit) or reset the
@@ -861,7 +857,7 @@ class ReplayStateCache:
 
     def abort_step(self) -> list:
         """Close an open step without committing it (a layer's verify raised). Returns the layers it verified
-        (and ``("conv", l)`` / ``("gdn_conv", l)`` for the conv windows it shifted): their checkpoints may hold the
+        (and ``("conv", l)`` for the conv windows it shifted): their checkpoints may hold the
         step's fold, their rings and windows its inputs while the cursor does not count them, so the step's slots
         must be reset (or prefilled again) before they decode."""
         verified = [] if self._step is None else sorted(self._step[1], key=str)

@@ -57,7 +57,7 @@ class Layout:
       batch row) of x, B, C, dt, z, the output and the slot indices (views into a projection's output);
     - the cursor is read per batch row (vLLM's ``write_pos``), not per slot; ``null_slot`` is a padding slot
       (vLLM's null block 0) besides the negative ones.
-    The layout has no shadow (vLLM keeps none). ``trtllm_replayssm.vllm`` builds it from the tensors.
+    The layout has no shadow (vLLM keeps none). the vLLM adapter (``trtllm_replayssm_vllm``, serve/) builds it from the tensors.
     """
 
     slot_state: int

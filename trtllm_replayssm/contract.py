@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The state contract: every tensor that persists between decode steps, its layout, and who writes it.
 
-This docstring is the one home of the contract. The launchers (:mod:`.ops`, :mod:`.gdn_ops`) list the
+This docstring is the one home of the contract. The launchers (:mod:`.ops`, :mod:`.families.gdn.ops`) list the
 per-step inputs next to the checks that enforce them, :class:`~.cache.ReplayStateCache` allocates
 these tensors for every layer of a model (a leading ``layers`` dim), the builders export them as engine
 I/O (``builders/decode_step.py``, ``gdn_step.py``, and ``spec_step.py``'s commit graph: ``<name>_<layer>`` in,
 ``<name>_<layer>_out`` out, aliased in TensorRT), and the float64 specs (:mod:`.reference`,
-:mod:`.spec_reference`, :mod:`.gdn_reference`) define what each step computes. The layouts are
+:mod:`.spec_reference`, :mod:`.families.gdn.reference`) define what each step computes. The layouts are
 vLLM's (>= PR #48018) and FlashInfer's (>= 0.7.0 ring API), so users can swap kernels.
 
 Sizes: S slots (one per live request, plus padding), H heads, P headdim, N dstate, G groups (Mamba-2);
@@ -38,7 +38,7 @@ conv           (S, conv_dim, W)      act                 conv1d inputs, newest i
                                                          (speculative: rejected inputs drop by a shift)
 =============  ====================  ==================  ===================================================
 
-Gated DeltaNet layer (Qwen3-Next / Qwen3.5; ``gdn_reference.py``): the ring holds the corrected update
+Gated DeltaNet layer (Qwen3-Next / Qwen3.5; ``families/gdn/reference.py``): the ring holds the corrected update
 u_j = beta_j (v_j - S_{j-1} k_j), not v_j, so the state is linear in the ring.
 
 =============  ====================  ==================  ===================================================

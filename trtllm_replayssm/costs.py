@@ -4,7 +4,7 @@ memory table, batch budget and run plan adds up (issue 15). Nothing here runs a 
 integer (or float, where a mean or an acceptance enters) arithmetic on the geometry.
 
 Symbols. Mamba-2 layer: H heads, P headdim, N dstate, G groups; Gated DeltaNet (GDN) layer: HV value heads,
-Hk key heads (``H`` in the GDN functions, as :mod:`.gdn_reference` names them), V value dim, Kd key dim.
+Hk key heads (``H`` in the GDN functions, as :mod:`.families.gdn.reference` names them), V value dim, Kd key dim.
 L ring (buffer) length, T = 1 + num_draft tokens of a step, m entries committed before a step (the
 cursor's count), k = m + 1 the buffer position of a standard decode step, K conv kernel, W conv window
 columns. Bytes per element: s state (fp32 4), a activations (bf16 2), f ring floats (fp32 4; 8 in the
@@ -29,7 +29,7 @@ Per (batch row, Mamba-2 layer), one launch (:func:`mamba2_bytes_per_position`, :
                             and writes no entry (the ring restarts empty): 2 S + R_w + io + (L - 1) E
     native verify           S + T io + T S  (T snapshots written);   native commit 2 S
 Per (batch row, GDN layer), the same forms (:func:`gdn_bytes_per_position`, :func:`gdn_verify_bytes`,
-:func:`gdn_native_spec_bytes`; :mod:`.gdn_reference` re-exports the first two under its old names):
+:func:`gdn_native_spec_bytes`; :mod:`.families.gdn.reference` re-exports the first two under its old names):
     S   = HV V Kd s,  R = HV V (Kd q + r)
     io  = q, k 2 Hk Kd a + v HV V a + a, b 2 HV a + y HV V a
     E_r = u HV V 4 + k Hk Kd 4 + g HV 4           entry read by the output path
@@ -449,24 +449,45 @@ def kda_layer_memory(H: int, K: int, V: int, L: int, conv_width: int = 0, state_
             "conv": (2 * H * K + H * V) * conv_width * act_bytes}
 
 
-def cache_bytes(num_layers: int, num_slots: int, nheads: int, headdim: int, dstate: int, ngroups: int,
-                buffer_len: int, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
-                state_dtype=4, act_dtype=2, shadow_dtype=None, dt_dtype=4, *, gdn_layers: int = 0,
-                gdn_value_heads: int = 0, gdn_key_heads: int = 0, gdn_value_dim: int = 0, gdn_key_dim: int = 0,
-                gdn_conv_dim: int | None = None, cursor: str = "ring", **_) -> dict:
-    """What :class:`.cache.ReplayStateCache` of these arguments allocates (its constructor's signature; dtypes or
-    bytes per element; other keywords ignored): {"slot": bytes per slot, cursor included, "total": all tensors,
-    the scratch conv slot included, "mamba2_layer", "gdn_layer": per-layer dicts of one slot}."""
+def _kda_cache_layer(H, K, V, L, W, s, a, shadow, conv_dim, dt):
+    if conv_dim is not None or s == 8:
+        raise ValueError("layers: the KDA memory model keeps the default conv (q | k | v) and an fp32 beta ring")
+    return kda_layer_memory(H, K, V, L, W, s, a, shadow, u_bytes=2, g_bytes=4)
+
+
+# Bytes one slot holds in one layer of a family, from the cache's arguments (geometry, L, conv width W, state /
+# activation / dt bytes, shadow, conv_dim); the fp32 rings follow a float64 test state, as LayerGroup.roles
+# allocates them.
+CACHE_LAYER_MEMORY = {
+    "mamba2": lambda g, L, W, s, a, sh, cd, dt: mamba2_layer_memory(*g, L, W, s, a, sh, cd, dt),
+    "gdn": lambda g, L, W, s, a, sh, cd, dt: gdn_layer_memory(*g, L, W, s, a, sh, cd, 8 if s == 8 else 4),
+    "kda": lambda g, L, W, s, a, sh, cd, dt: _kda_cache_layer(*g, L, W, s, a, sh, cd, dt),
+}
+
+
+def cache_bytes(num_layers: int | None = None, num_slots: int | None = None, nheads: int | None = None,
+                headdim: int | None = None, dstate: int | None = None, ngroups: int | None = None,
+                buffer_len: int | None = None, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
+                state_dtype=4, act_dtype=2, shadow_dtype=None, dt_dtype=4, *, cursor: str = "ring", layers=None,
+                **_) -> dict:
+    """What :class:`.cache.ReplayStateCache` of these arguments allocates (its constructor's signature: the
+    positional Mamba-2 form or ``layers={family: (n, geometry[, conv_dim])}``; dtypes or bytes per element; other
+    keywords ignored): {"slot": bytes per slot, cursor included, "total": all tensors, the scratch conv slot
+    included, "layer": {family: the per-layer dict of one slot}}."""
+    if layers is None:
+        layers = {"mamba2": (num_layers, (nheads, headdim, dstate, ngroups), conv_dim)}
     s, a, dt = _itemsize(state_dtype), _itemsize(act_dtype), _itemsize(dt_dtype)
     shadow = None if shadow_dtype is None else _itemsize(shadow_dtype)
     W = conv_kernel - 1 + num_draft
-    m2 = mamba2_layer_memory(nheads, headdim, dstate, ngroups, buffer_len, W, s, a, shadow, conv_dim, dt)
-    gdn = gdn_layer_memory(gdn_value_heads, gdn_key_heads, gdn_value_dim, gdn_key_dim, buffer_len, W, s, a, shadow,
-                           gdn_conv_dim, 8 if s == 8 else 4)  # the GDN rings follow a float64 test state
     cur = 4 if cursor == "standard" else 2 * 4  # cursor: (slots,) or (start, count)
-    slot = num_layers * sum(m2.values()) + gdn_layers * sum(gdn.values()) + cur
-    return {"slot": slot, "total": num_slots * slot + num_layers * m2["conv"] + gdn_layers * gdn["conv"],
-            "mamba2_layer": m2, "gdn_layer": gdn}
+    per, slot, scratch = {}, cur, 0
+    for fam, (n, geometry, *cd) in layers.items():
+        if fam not in CACHE_LAYER_MEMORY:
+            raise ValueError(f"layers: expected families among {sorted(CACHE_LAYER_MEMORY)}, got {fam!r}")
+        per[fam] = m = CACHE_LAYER_MEMORY[fam](tuple(geometry), buffer_len, W, s, a, shadow, cd[0] if cd else None, dt)
+        slot += n * sum(m.values())
+        scratch += n * m["conv"]  # the conv windows' scratch slot (padding rows)
+    return {"slot": slot, "total": num_slots * slot + scratch, "layer": per}
 
 
 def memory_per_request(nheads: int, headdim: int, dstate: int, ngroups: int, num_layers: int, buffer_len: int,

@@ -19,11 +19,11 @@ Nano", 23 Mamba-2 + 23 MoE + 6 attention layers, 128 experts + 1 shared, 6 activ
 layers, 40 M + 40 E + 8 *). The Super checkpoint also carries one MTP block (pattern ``*E``,
 ``num_nextn_predict_layers: 1``) that is not part of the decode stack.
 
-Gated DeltaNet models (Qwen3-Next, Qwen3.5; :mod:`.gdn_reference`): ``GDN_MODELS[name]`` is a
+Gated DeltaNet models (Qwen3-Next, Qwen3.5; :mod:`.families.gdn.reference`): ``GDN_MODELS[name]`` is a
 :class:`GDNModel`, the linear-attention (GDN) layer shape and the layer stack of ``config.json``
 (``linear_*`` keys; every ``full_attention_interval``-th layer is gated softmax attention, the others
 GDN); ``GDN_GEOMETRIES[name] = (HV, H, V, K)`` = (linear_num_value_heads, linear_num_key_heads,
-linear_value_head_dim, linear_key_head_dim), the order of :meth:`.gdn_reference.GDNBuffers.alloc`.
+linear_value_head_dim, linear_key_head_dim), the order of :meth:`.families.gdn.reference.GDNBuffers.alloc`.
 Sources, the published ``config.json`` files (for the Qwen3.5 ones, their ``text_config``):
 
 * https://huggingface.co/Qwen/Qwen3-Next-80B-A3B-Instruct/blob/main/config.json

@@ -51,6 +51,12 @@ class LayerGroup:
     family = ""
     snapshot_prefix = ""  # snapshot tensor name = prefix + state-table name (conv: prefix + "conv")
     snapshot_aliases: dict = {}  # table name -> snapshot name where it is not prefix + name (older formats)
+    standard_reads_shadow = False  # the standard step reads the shadow it keeps (the CPU cache needs read_shadow)
+    ckpt8 = False  # the family keeps an 8-bit checkpoint (state float8_e4m3fn) on the standard cursor
+    # An 8-bit checkpoint's (slots,) flush counts, shared by every layer of the cache, and its seed (layer l of the
+    # group draws with seed + l): set by the cache on every group, read by the families that keep one.
+    ckpt_flushes = None
+    ckpt_seed = 0
 
     def __init__(self, num_layers: int, num_slots: int, geometry, buffer_len: int, conv_width: int, conv_dim,
                  dtypes: dict, optional, device, act_dtype):
@@ -105,6 +111,11 @@ class LayerGroup:
 
     def committed_state(self, view, cursor, slot: int, standard: bool, *args, **kw) -> torch.Tensor:
         raise NotImplementedError
+
+    def cache_attributes(self) -> dict:
+        """{name: tensor or size} the cache offers as its own attributes (names callers have read from it, e.g. the
+        Mamba-2 group's ``cache.state``); none by default: a family's tensors are ``cache.group(family).t``."""
+        return {}
 
     def geometry_header(self) -> dict:
         """The geometry a snapshot header records for this group."""

@@ -76,6 +76,7 @@ import torch
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm import reference
 from trtllm_replayssm.config import SHADOW_DTYPES
+from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
 
 log = logging.getLogger("trtllm_replayssm_module")
 
@@ -108,7 +109,7 @@ def _shape(t) -> tuple:
 
 # The float64 reference executor in the launchers' keyword form (trtllm_replayssm.backend): widened to float64,
 # caches stored back in their dtypes, y in x's dtype, rows with a slot written into ``out`` when given.
-reference_backend = executors.replay_decode_kw(executors.REFERENCE)
+reference_backend = mamba2_steps.replay_decode_kw(executors.REFERENCE)
 
 
 @functools.cache
@@ -116,7 +117,7 @@ def default_backend(device: torch.device):
     """(decode step, cursor advance) of the executor for ``device`` (backend.for_device: the kernels on CUDA),
     made once per device."""
     x = executors.for_device(device)
-    return executors.replay_decode_kw(x), x.advance_cursor
+    return mamba2_steps.replay_decode_kw(x), x.advance_cursor
 
 
 def per_head(name: str, t, H: int, tail: tuple, check: bool) -> torch.Tensor | None:

@@ -9,16 +9,19 @@ adds a folder and touches no registry. What a family declares today:
   from which :meth:`Family.shapes` and :meth:`Family.allocate` give the tensors of one layer;
 - its float64 executable spec (:attr:`Family.reference`, a module imported on demand);
 - its bytes model (:attr:`Family.bytes_per_step`, a function of :mod:`trtllm_replayssm.costs`: one bytes
-  model for every family).
-
+  model for every family);
 - its kernel spec types (:attr:`Family.spec_types`: each names its entry file under ``plugins/``, its kernel
-  names and its generated prelude, which is all :mod:`..compile` needs).
+  names and its generated prelude, which is all :mod:`..compile` needs);
+- its cache layer group (:attr:`Family.layer_group`, ``layers.py``), its steps on each executor
+  (:attr:`Family.steps`, ``steps.py``: what :mod:`..backend`'s executors run for it) and its TensorRT plugins
+  (:attr:`Family.trt_plugin`).
 
-The three families: ``mamba2/``, ``gdn/`` and ``kda/``. Mamba-2's and Gated DeltaNet's code still lives in the layer
-modules (``reference.py``, ``gdn_reference.py``, ``ops.py``, ``gdn_ops.py``, ...), which their declarations point
-at; the launchers, the cache, ONNX / onnxruntime ops, TensorRT plugin registration and the builders' mixer patch
-join the interface as the families move into their folders (issue 36). Every family's state table is checked
-against the one home of the state shapes, :mod:`..contract` (tests/test_families.py).
+The three families: ``mamba2/``, ``gdn/`` and ``kda/``, each folder holding its declaration, cache layer group,
+executor steps and TensorRT plugins; Gated DeltaNet's and KDA's float64 spec (``reference.py``) and launchers
+(``ops.py``) too. Mamba-2's spec and launchers are still the top-level ``reference.py`` / ``spec_reference.py`` /
+``ops.py``, which also hold pieces every family shares (the shadow quantizer, the cursor rules, the cursor
+kernels' launchers); the ONNX / onnxruntime ops and the builders' mixer patch join the interface next (issue 36).
+Every family's state table is checked against the one home of the state shapes, :mod:`..contract` (tests/test_families.py).
 
 Shared ring-cursor rules and validation: the cursor forms and their moves are the ones :mod:`..contract`
 describes and :mod:`..reference` / :mod:`..spec_reference` implement (``advance_cursor``, ``flush_cursor``,
@@ -74,6 +77,12 @@ class Family:
     spec_types: tuple[type, ...] = ()  # its kernel spec classes (entry_file, kernel_names, prelude(): compile.py)
     layer_group: str = ""  # "module:Class" of its layers in a ReplayStateCache (layer_group.LayerGroup)
     trt_plugin: str = ""  # module of its TensorRT plugins (PLUGINS, aot_kernel, register(ctx)), registered by trt_plugin
+    title: str = ""  # its name in messages ("Mamba-2", "GDN", ...); the folder name where empty
+    steps: str = ""  # module of its steps on each executor (STEPS: executor name -> backend.Steps class; Injected)
+
+    @property
+    def label(self) -> str:
+        return self.title or self.name
 
     def sizes(self, slots: int, L: int, geometry) -> dict[str, int]:
         if len(geometry) != len(self.geometry):

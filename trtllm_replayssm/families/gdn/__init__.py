@@ -4,10 +4,10 @@
 State of one layer (:data:`STATE_TABLE`; the contract's table, :mod:`trtllm_replayssm.contract`, checked against
 this one by tests/test_families.py): the checkpoint S0 (S, HV, V, K) with an optional bf16 shadow, and the rings
 the exact fold and the output path read: the corrected updates u_j and v_j per value head, the l2-normalised k_j
-per key head, the log decays g_j and beta_j. The float64 spec is :mod:`trtllm_replayssm.gdn_reference`; kernels
-``plugins/gdn/``, spec :class:`~trtllm_replayssm.config.GDNSpec`, launchers :mod:`trtllm_replayssm.gdn_ops`, bytes
-model ``costs.gdn_*``. The code of the family still lives in those modules; the declaration is its one entry
-point for code that must not branch on a family's name.
+per key head, the log decays g_j and beta_j. The float64 spec is :mod:`.reference`; kernels ``plugins/gdn/``, spec
+:class:`~trtllm_replayssm.config.GDNSpec`, launchers :mod:`.ops`, executor steps :mod:`.steps`, cache layers
+:mod:`.layers`, TensorRT plugins :mod:`.trt_plugin`, bytes model ``costs.gdn_*``. The declaration is the family's one
+entry point for code that must not branch on a family's name.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ DTYPES = {"state": torch.float32, "shadow": torch.bfloat16, "act": torch.bfloat1
 
 FAMILY = Family(
     name="gdn",
+    title="GDN",
     geometry=GEOMETRY,
     state_table=STATE_TABLE,
     dtypes=DTYPES,
-    reference="trtllm_replayssm.gdn_reference",
+    reference="trtllm_replayssm.families.gdn.reference",
     bytes_per_step=costs.gdn_bytes_per_step,
     geometries=GDN_GEOMETRIES,
+    steps="trtllm_replayssm.families.gdn.steps",
     layer_group="trtllm_replayssm.families.gdn.layers:GDNLayers",
     trt_plugin="trtllm_replayssm.families.gdn.trt_plugin",
     spec_types=(GDNSpec,),

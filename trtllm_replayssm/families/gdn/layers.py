@@ -2,9 +2,10 @@
 """Gated DeltaNet layers in a :class:`~trtllm_replayssm.cache.ReplayStateCache` (:mod:`trtllm_replayssm.layer_group`).
 
 Step inputs per layer: q, k (batch, T, Hk, K), v (batch, T, HV, V), a, b (batch, T, HV) raw, A_log, dt_bias (HV,);
-options ``use_qk_l2norm``, ``scale``; outputs (batch, T, HV, V). The executor's ``gdn_replay_decode`` (standard
-cursor, T = 1; a shadow is always read) or ``gdn_replay_verify`` (ring cursor). A prefill hands over the final
-recurrent state in our (HV, V, K) layout (transformers keeps (HV, K, V): transpose it)."""
+options ``use_qk_l2norm``, ``scale``; outputs (batch, T, HV, V). The family's steps (:mod:`.steps`) on the cache's
+executor: ``replay_decode`` (standard cursor, T = 1; a shadow is always read) or ``replay_verify`` (ring cursor).
+A prefill hands over the final recurrent state in our (HV, V, K) layout (transformers keeps (HV, K, V): transpose
+it)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import dataclasses
 
 import torch
 
-from ... import gdn_reference as gref
-from ...gdn_reference import GDNBuffers
 from ...layer_group import Bound, LayerGroup
+from . import reference as gref
+from .reference import GDNBuffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,7 @@ class GDNLayerState:
 class GDNLayers(LayerGroup):
     family = "gdn"
     snapshot_prefix = "gdn_"
+    standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
     # the names of snapshot format version 1 (rings without the _cache suffix)
     snapshot_aliases = {"u_cache": "gdn_u", "v_cache": "gdn_v", "k_cache": "gdn_k", "g_cache": "gdn_g",
                         "beta_cache": "gdn_beta"}
@@ -46,11 +48,11 @@ class GDNLayers(LayerGroup):
     @staticmethod
     def check_geometry(geometry, cuda: bool, shadow_dtype, state_dtype) -> None:
         HV, Hk, V, K = geometry
-        for name, v in (("gdn_value_heads", HV), ("gdn_key_heads", Hk), ("gdn_value_dim", V), ("gdn_key_dim", K)):
+        for name, v in (("value_heads", HV), ("key_heads", Hk), ("value_dim", V), ("key_dim", K)):
             if v < 1:
-                raise ValueError(f"{name}: expected >= 1 with gdn_layers > 0, got {v}")
+                raise ValueError(f"geometry: gdn {name}: expected >= 1, got {v}")
         if HV % Hk:
-            raise ValueError(f"gdn_key_heads: expected a divisor of gdn_value_heads={HV}, got {Hk}")
+            raise ValueError(f"geometry: gdn key_heads: expected a divisor of value_heads={HV}, got {Hk}")
         if shadow_dtype not in (None, torch.bfloat16):  # every device: the GDN reference keeps no fp8 row scales either
             raise ValueError(f"shadow_dtype: a model with GDN layers keeps a bfloat16 shadow only (the GDN kernels read "
                              f"no other), got {shadow_dtype}")
@@ -58,9 +60,9 @@ class GDNLayers(LayerGroup):
             return
         from ...config import GDN_SUPPORTED_DIMS
 
-        for name, v in (("gdn_value_dim", V), ("gdn_key_dim", K)):
+        for name, v in (("value_dim", V), ("key_dim", K)):
             if v not in GDN_SUPPORTED_DIMS:
-                raise ValueError(f"{name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
+                raise ValueError(f"geometry: gdn {name}: expected one of {GDN_SUPPORTED_DIMS} on CUDA (the GDN kernels), got {v}")
         if state_dtype != torch.float32:
             raise ValueError(f"state_dtype: the GDN kernels keep an fp32 checkpoint, got {state_dtype}")
 
@@ -81,13 +83,13 @@ class GDNLayers(LayerGroup):
              read_shadow: bool):
         q, k, v, a, b, A_log, dt_bias = bound.inputs
         sbi, out, opt = bound.state_batch_indices, bound.out, bound.options
+        steps = executor.steps(self.family)
         if standard:  # T = 1 on the (slots,) cursor: the standard GDN decode kernel
-            y = executor.gdn_replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log,
-                                           dt_bias, sbi, view.shadow, out=None if out is None else out[:, 0],
-                                           check_values=check, **opt)
+            y = steps.replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, sbi,
+                                    view.shadow, out=None if out is None else out[:, 0], check_values=check, **opt)
             return y[:, None] if out is None else out
-        return executor.gdn_replay_verify(view.buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, view.shadow, out=out,
-                                          check_values=check, read_shadow=read_shadow, **opt)
+        return steps.replay_verify(view.buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, view.shadow, out=out,
+                                   check_values=check, read_shadow=read_shadow, **opt)
 
     def committed_state(self, view: GDNLayerState, cursor, slot: int, standard: bool) -> torch.Tensor:
         """S after the committed tokens, float64 (HV, V, K)."""

@@ -7,7 +7,7 @@ the family interface (:attr:`~trtllm_replayssm.families.Family.trt_plugin`); the
 ``replayssm::gdn_decode`` (+ ``gdn_decode_shadow``): one launch of ``gdn_replay_decode``
 (plugins/gdn/gdn_decode.cu) per Gated DeltaNet layer (Qwen3-Next / Qwen3.5): the fused ReplaySSM GDN step
 (output from the checkpoint and the buffered corrected updates, append, exact fold when the buffer
-fills; trtllm_replayssm/gdn_reference.py). Inputs (H key heads, HV value heads, Kd key dim, V value dim):
+fills; trtllm_replayssm/families/gdn/reference.py). Inputs (H key heads, HV value heads, Kd key dim, V value dim):
   0  q                    (b, H, Kd)    act, raw (l2 norm and Kd^-1/2 inside)
   1  k                    (b, H, Kd)    act, raw
   2  v                    (b, HV, V)    act

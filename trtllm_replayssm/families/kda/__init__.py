@@ -28,12 +28,14 @@ GEOMETRIES = {f"{name}_tp{tp}": (H // tp, K, V) for name, (H, K, V, *_) in MODEL
 
 FAMILY = Family(
     name="kda",
+    title="KDA",
     geometry=reference.GEOMETRY,
     state_table=reference.STATE_TABLE,
     dtypes=reference.DTYPES,
     reference=reference.__name__,
     bytes_per_step=costs.kda_bytes_per_step,
     geometries=GEOMETRIES,
+    steps="trtllm_replayssm.families.kda.steps",
     layer_group="trtllm_replayssm.families.kda.layers:KDALayers",
     trt_plugin="trtllm_replayssm.families.kda.trt_plugin",
     spec_types=(KDASpec,),

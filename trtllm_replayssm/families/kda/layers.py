@@ -4,9 +4,9 @@
 Step inputs per layer (:mod:`.reference`): q, k, f (batch, T, H, K), v (batch, T, H, V), b (batch, T, H) raw,
 A_log (H,), dt_bias (H, K); options ``use_qk_l2norm``, ``scale``, ``lower_bound`` (GLM-5 Next's bounded gate);
 outputs (batch, T, H, V). A prefill hands over the final recurrent state in the (H, K, V) layout (transformers'
-and fla's). The float64 spec runs the steps on CPU tensors; on CUDA the family's launchers (``families/kda/ops.py``:
-the fused standard decode step on the standard cursor, the verify kernel (fold where count + 2T > L, window
-appended) on the ring cursor; the cache's commit moves the shared cursor).
+and fla's). The family's steps (:mod:`.steps`) on the cache's executor: the float64 spec on CPU tensors, on CUDA the
+family's launchers (``families/kda/ops.py``: the fused standard decode step on the standard cursor, the verify kernel
+(fold where count + 2T > L, window appended) on the ring cursor; the cache's commit moves the shared cursor).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 
 from ... import spec_reference as sr
 from ...layer_group import Bound, LayerGroup
-from ...reference import Shadow
 from . import reference as kref
 from .reference import KDABuffers
 
@@ -31,17 +30,10 @@ class KDALayerState:
     shadow: torch.Tensor | None
 
 
-def _into(y, dtype, out, sbi):
-    if out is None:
-        return y.to(dtype)
-    rows = sbi >= 0
-    out[rows] = y[rows].to(out.dtype)
-    return out
-
-
 class KDALayers(LayerGroup):
     family = "kda"
     snapshot_prefix = "kda_"
+    standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
 
     @staticmethod
     def signature(q, k, v, f, b, A_log, dt_bias, state_batch_indices=None, out=None, use_qk_l2norm: bool = True,
@@ -80,35 +72,15 @@ class KDALayers(LayerGroup):
              read_shadow: bool):
         q, k, v, f, b, A_log, dt_bias = bound.inputs
         sbi, out, opt = bound.state_batch_indices, bound.out, bound.options
-        if executor.name == "kernels":  # the family's launchers (families/kda/ops.py)
-            from . import ops as kops
-
-            if not standard:  # the kernel folds where count + 2T > L; it reads the shadow it is given
-                return kops.kda_replay_verify(q, k, v, f, b, A_log, dt_bias, view.buf.state, view.buf.k_cache,
-                                              view.buf.u_cache, view.buf.g_cache, view.buf.v_cache,
-                                              view.buf.beta_cache, cursor, sbi, out=out, shadow=view.shadow,
-                                              check_values=check, **opt)
-            y = kops.kda_replay_decode(q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias, view.buf.state,
-                                       view.buf.k_cache, view.buf.u_cache, view.buf.g_cache, view.buf.v_cache,
-                                       view.buf.beta_cache, cursor, sbi, out=None if out is None else out[:, 0],
-                                       shadow=view.shadow, check_values=check, **opt)
+        steps = executor.steps(self.family)
+        if standard:  # T = 1 on the (slots,) cursor: the step that fills the ring folds it; the shadow is always read
+            if out is not None:
+                sr._check_shape(out, "out", tuple(v.shape))
+            y = steps.replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias, sbi,
+                                    view.shadow, out=None if out is None else out[:, 0], check_values=check, **opt)
             return y[:, None] if out is None else out
-        sh = None if view.shadow is None else Shadow.wrap(view.shadow, None)
-        if out is not None:
-            sr._check_shape(out, "out", tuple(v.shape))
-        if standard:  # the step that fills the ring folds it (and rewrites the shadow); the shadow is always read
-            y = kref.replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias, sbi,
-                                   shadow=sh, **opt)
-            return _into(y[:, None], v.dtype, out, sbi)
-        T, L = v.shape[1], view.buf.u_cache.shape[2]
-        # every input checked before the fold writes the checkpoint
-        kref.check_inputs(*view.buf.geometry[1:4], q, k, v, f, b, A_log, dt_bias, tuple(v.shape[:2]))
-        flushed = kref.flush_checkpoint(view.buf, cursor, T, sbi, sh, opt["use_qk_l2norm"])
-        after = cursor.clone()  # the fold's cursor; the shared cursor moves once, in commit
-        sr.flush_cursor(after, T, L, sbi)
-        y = kref.verify(view.buf, after, q, k, v, f, b, A_log, dt_bias, sbi, shadow=sh if read_shadow else None,
-                        flushed=flushed, **opt)
-        return _into(y, v.dtype, out, sbi)
+        return steps.replay_verify(view.buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, view.shadow, out=out,
+                                   check_values=check, read_shadow=read_shadow, **opt)
 
     def committed_state(self, view: KDALayerState, cursor, slot: int, standard: bool,
                         use_qk_l2norm: bool = True) -> torch.Tensor:

@@ -35,13 +35,16 @@ DTYPES = {"state": torch.float32, "shadow": torch.bfloat16, "act": torch.bfloat1
 
 FAMILY = Family(
     name="mamba2",
+    title="Mamba-2",
     geometry=GEOMETRY,
     state_table=STATE_TABLE,
     dtypes=DTYPES,
     reference="trtllm_replayssm.reference",
     bytes_per_step=costs.mamba2_bytes_per_step,
     geometries=GEOMETRIES,
+    steps="trtllm_replayssm.families.mamba2.steps",
     layer_group="trtllm_replayssm.families.mamba2.layers:Mamba2Layers",
+    trt_plugin="trtllm_replayssm.families.mamba2.trt_plugin",
     spec_types=(KernelSpec,),
 )
 

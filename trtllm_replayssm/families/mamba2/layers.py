@@ -2,8 +2,9 @@
 """Mamba-2 layers in a :class:`~trtllm_replayssm.cache.ReplayStateCache` (:mod:`trtllm_replayssm.layer_group`).
 
 Step inputs per layer: x (batch, T, H, P), B, C (batch, T, G, N), dt (batch, T, H) raw, dt_bias, A, D (H,), z
-(batch, T, H, P) or None; outputs (batch, T, H, P). The executor's ``replay_decode`` (standard cursor, T = 1) or
-``replay_verify`` (ring cursor) with the layer's shadow (bf16, or fp8 with row scales)."""
+(batch, T, H, P) or None; outputs (batch, T, H, P). The family's steps (:mod:`.steps`) on the cache's executor:
+``replay_decode`` (standard cursor, T = 1) or ``replay_verify`` (ring cursor) with the layer's shadow (bf16, or fp8
+with row scales)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class LayerState:
 class Mamba2Layers(LayerGroup):
     family = "mamba2"
     snapshot_prefix = ""  # the first family's names are the plain table names (format version 1)
+    ckpt8 = True  # an 8-bit checkpoint on the standard cursor (cache.ckpt_flushes / ckpt_seed: LayerGroup)
 
     @staticmethod
     def signature(x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None):  # noqa: D401
@@ -70,6 +72,14 @@ class Mamba2Layers(LayerGroup):
         return d | {"shadow": shadow_dtype}, ("shadow", "shadow_scale") if shadow_dtype == torch.float8_e4m3fn \
             else ("shadow",)
 
+    def cache_attributes(self) -> dict:
+        """The cache's attributes of its Mamba-2 layers (the names callers have read since the first models)."""
+        t = self.t
+        H, P, N, G = self.geometry
+        return dict(num_layers=self.num_layers, nheads=H, headdim=P, dstate=N, ngroups=G, conv_dim=self.conv_dim,
+                    state=t["state"], x_cache=t["x_cache"], B_cache=t["B_cache"], dt_cache=t["dt_cache"],
+                    shadow=t.get("shadow"), shadow_scale=t.get("shadow_scale"), _conv=self._conv, conv=self.conv)
+
     def geometry_header(self) -> dict:
         H, P, N, G = self.geometry
         return dict(nheads=H, headdim=P, dstate=N, ngroups=G, conv_dim=self.conv_dim)
@@ -85,9 +95,6 @@ class Mamba2Layers(LayerGroup):
 
     # An 8-bit checkpoint (state float8_e4m3fn, ``ckpt_scale``): the cache sets ``ckpt_flushes`` (its (slots,) flush
     # counts, shared by the layers) and ``ckpt_seed`` (layer l draws with seed + l: the hash has no layer coordinate).
-    ckpt_flushes = None
-    ckpt_seed = 0
-
     def _ckpt8(self, l: int) -> dict:
         if "ckpt_scale" not in self.t:
             return {}
@@ -97,15 +104,16 @@ class Mamba2Layers(LayerGroup):
              read_shadow: bool):
         x, B, C, dt, dt_bias, A, D, z = bound.inputs
         sbi, out = bound.state_batch_indices, bound.out
+        steps = executor.steps(self.family)
         if standard:  # T = 1 on the (slots,) cursor: the standard decode kernel
-            y = executor.replay_decode(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x[:, 0], B[:, 0],
-                                       C[:, 0], dt[:, 0], dt_bias, A, D, sbi, view.shadow, view.shadow_scale,
-                                       z=None if z is None else z[:, 0], out=None if out is None else out[:, 0],
-                                       check_values=check, read_shadow=read_shadow, **self._ckpt8(self._layer_of(view)))
+            y = steps.replay_decode(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x[:, 0], B[:, 0],
+                                    C[:, 0], dt[:, 0], dt_bias, A, D, sbi, view.shadow, view.shadow_scale,
+                                    z=None if z is None else z[:, 0], out=None if out is None else out[:, 0],
+                                    check_values=check, read_shadow=read_shadow, **self._ckpt8(self._layer_of(view)))
             return y[:, None] if out is None else out
-        return executor.replay_verify(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x, B, C, dt,
-                                      dt_bias, A, D, sbi, view.shadow, view.shadow_scale, z=z, out=out,
-                                      check_values=check, read_shadow=read_shadow)
+        return steps.replay_verify(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x, B, C, dt, dt_bias,
+                                   A, D, sbi, view.shadow, view.shadow_scale, z=z, out=out, check_values=check,
+                                   read_shadow=read_shadow)
 
     def _layer_of(self, view: LayerState) -> int:
         """The group's index of the layer ``view`` looks at (views share storage with the group's tensors)."""

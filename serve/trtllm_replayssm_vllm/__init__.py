@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM adapter: ReplaySSM Mamba-2 standard decode on vLLM's own state tensors, with no copies.
 
+A serving integration (issue 36: they sit together under ``serve/``, beside the trtllm-serve module), installed as
+the top-level package ``trtllm_replayssm_vllm`` (pyproject.toml; from a checkout that is not installed,
+``PYTHONPATH=$PWD:$PWD/serve``). It imports the library by name and the library imports nothing of it.
+
 vLLM (v1, ``--use-replayssm``, PR #48018 and later) keeps five tensors per Mamba-2 layer and KV-cache
 block: conv state, ssm state (the checkpoint), x_cache, dt_cache and B_cache. They are not separate
 allocations: every block is one page of raw bytes, and each tensor is a ``torch.as_strided`` view
@@ -22,7 +26,7 @@ null_block_id (0)            padding slot compiled into the kernel           -1 
 causal_conv1d_update         vLLM's, unchanged (not here)                    ReplayStateCache.conv_update
 ===========================  ==============================================  ===============================
 
-The strides are constants of the compiled module (:class:`~.config.Layout`): a serving engine's page
+The strides are constants of the compiled module (:class:`trtllm_replayssm.config.Layout`): a serving engine's page
 size and projection widths are fixed per model, so one module serves every step and every layer of a
 geometry, with the memory traffic of the contiguous kernel. Measured on the H200 (bench/NOTES.md "vLLM
 layout"): 2-4% slower than the contiguous module at bs 64-256 and 9% at bs 8 (address arithmetic of the
@@ -43,7 +47,7 @@ is_flush[b]``, the fold over the k entries there are; it needs a GPU session to 
 On CUDA tensors the kernel runs; on CPU tensors the float64-checked reference (``reference.py``) runs
 on the same views, so the translation itself is tested in CI. Not covered: the speculative path
 (vLLM's open PR #49847 keeps a post-conv ring with a rotating origin, another layout) and shadows
-(vLLM keeps none); both stay on :mod:`.ops` / :class:`~.cache.ReplayStateCache`.
+(vLLM keeps none); both stay on :mod:`trtllm_replayssm.ops` / :class:`trtllm_replayssm.cache.ReplayStateCache`.
 """
 
 from __future__ import annotations
@@ -53,10 +57,10 @@ import dataclasses
 import numpy as np
 import torch
 
-from . import launch as _launch
-from . import ops as _ops
-from . import reference as _ref
-from .config import Layout
+from trtllm_replayssm import launch as _launch
+from trtllm_replayssm import ops as _ops
+from trtllm_replayssm import reference as _ref
+from trtllm_replayssm.config import Layout
 
 NULL_BLOCK_ID = 0  # vLLM v1 reserves KV-cache block 0 as the null block of padding rows
 _ACT = (torch.bfloat16, torch.float16, torch.float32)

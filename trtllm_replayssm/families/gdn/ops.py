@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Validated launchers of the Gated DeltaNet decode kernels (``plugins/gdn/gdn_decode.cu``) on torch tensors.
 
-The math and the state contract are :mod:`.gdn_reference`'s (the float64 spec); validation reuses
-:mod:`.ops`' helpers, so errors read the same: the tensor named, got and expected, before any launch.
+The math and the state contract are :mod:`.reference`'s (the float64 spec); validation is
+:mod:`trtllm_replayssm.launch`'s (the one host boundary), so errors read the same: the tensor named, got and expected,
+before any launch.
 
 Shapes (batch rows, H key heads, HV value heads, K key dim, V value dim, L buffer length, S slots):
 
@@ -59,7 +60,7 @@ y (output)             (batch, T, HV, V)     act                padding rows lef
 =====================  ====================  =================  ==========================================
 T in SUPPORTED_NUM_TOKENS, 2T <= L <= 32. Per model step: :func:`gdn_replay_verify` for every GDN layer,
 then one :func:`gdn_spec_commit` (the Mamba-2 ``replayssm_spec_commit`` kernel through
-:func:`.ops.spec_commit`, shared with the Mamba-2 layers: the flush the verify kernels did, start +=
+:func:`trtllm_replayssm.ops.spec_commit`, shared with the Mamba-2 layers: the flush the verify kernels did, start +=
 count and count = 0 where count + 2T > L, then count += n_accepted). Values checked unless capturing:
 slots as above, the rows' cursors start in [0, L) and count in [0, L - T], n_accepted in [0, T];
 unchecked, a row with an out-of-range cursor gets NaN outputs and nothing else is written.
@@ -70,9 +71,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import ops
-from .config import DTYPE_CODES, GDN_SUPPORTED_DIMS, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS, gdn_spec
-from .launch import (
+from ... import ops
+from ...config import DTYPE_CODES, GDN_SUPPORTED_DIMS, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS, gdn_spec
+from ...launch import (
     F32,
     I32,
     VECTOR_BYTES,
@@ -155,7 +156,7 @@ def gdn_conventional_step(q, k, v, a, b, A_log, dt_bias, state, state_batch_indi
                           scale=None, check_values: bool | None = None):
     """One conventional GDN decode step (reads and writes the whole state); returns y (batch, HV, V).
 
-    :func:`.gdn_reference.conventional_step` is the spec: S <- exp(g) S; u = beta (v - S k);
+    :func:`.reference.conventional_step` is the spec: S <- exp(g) S; u = beta (v - S k);
     S <- S + u k^T; y = S q, with q, k l2-normalised (``use_qk_l2norm``) and q scaled by ``scale``."""
     _check_options(use_qk_l2norm, scale)
     batch, H, HV, V, K, S, _ = _geometry(q, v, state)
@@ -179,7 +180,7 @@ def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
                       check_values: bool | None = None):
     """One fused ReplaySSM GDN decode step for one layer; returns y (batch, HV, V).
 
-    :func:`.gdn_reference.replay_decode` is the spec. Non-flush step (cursor + 1 < L): y from the
+    :func:`.reference.replay_decode` is the spec. Non-flush step (cursor + 1 < L): y from the
     checkpoint (or its bf16 ``shadow``) and the buffered u_j, the entry (u, v, k, g, beta) appended at
     index cursor. Flush step (cursor + 1 == L): the fp32 checkpoint becomes the exact fold of the L - 1
     buffered (v_j, k_j, g_j, beta_j) and this token, the shadow is rewritten from it, the buffers are
@@ -246,13 +247,13 @@ def gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
                       check_values: bool | None = None):
     """Verify the T tokens of a speculative window for one GDN layer; returns y (batch, T, HV, V).
 
-    :func:`.gdn_reference.verify` after :func:`.gdn_reference.flush_checkpoint` and
+    :func:`.reference.verify` after :func:`.reference.flush_checkpoint` and
     :func:`.spec_reference.flush_cursor` is the spec. Where count + 2T > L (on the cursor as given) the
     committed entries are first folded exactly (from v_j, k_j, g_j, beta_j and the fp32 checkpoint) into
     ``state`` (and the bf16 ``shadow`` rewritten from it), and the window is computed from the folded
     checkpoint; elsewhere from the checkpoint (or the shadow) and the committed u_j. The window entries
     (u_t, v_t, k_t, g_t, beta_t) are appended at ring index (start + count + t) % L. The cursor is read,
-    not moved: call :func:`gdn_spec_commit` (or :func:`.ops.spec_commit`) once per model step."""
+    not moved: call :func:`gdn_spec_commit` (or :func:`trtllm_replayssm.ops.spec_commit`) once per model step."""
     _check_options(use_qk_l2norm, scale)
     batch, T, H, HV, V, K, S, L = _spec_geometry(q, v, state, u_cache)
     sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
@@ -277,7 +278,7 @@ def gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
 def gdn_spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, u_cache,
                     check_values: bool | None = None) -> None:
     """Commit n_accepted[row] window tokens (in place, once per model step for all layers): the Mamba-2
-    ``replayssm_spec_commit`` kernel through :func:`.ops.spec_commit`, L from u_cache (dim 2)."""
+    ``replayssm_spec_commit`` kernel through :func:`trtllm_replayssm.ops.spec_commit`, L from u_cache (dim 2)."""
     check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
     ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
                     check_values=check_values)
@@ -290,7 +291,7 @@ def gdn_native_spec_verify(q, k, v, a, b, A_log, dt_bias, state, snapshots, stat
                            use_qk_l2norm=True, scale=None, check_values: bool | None = None):
     """Native-spec baseline: the conventional recurrence over the T window tokens from state[slot] (read
     only); snapshots[slot, t] = state after token t; returns y (batch, T, HV, V).
-    :func:`.gdn_reference.native_spec_verify` is the spec (with T_max = T)."""
+    :func:`.reference.native_spec_verify` is the spec (with T_max = T)."""
     _check_options(use_qk_l2norm, scale)
     batch, T, H, HV, V, K, S, _ = _spec_geometry(q, v, state)
     check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
@@ -313,7 +314,7 @@ def gdn_native_spec_verify(q, k, v, a, b, A_log, dt_bias, state, snapshots, stat
 
 def gdn_native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values: bool | None = None) -> None:
     """Native-spec baseline commit: state[slot] = snapshots[slot, n - 1] for rows with n >= 1 (a state copy).
-    The Mamba-2 ``replayssm_native_commit`` kernel through :func:`.ops.native_spec_commit`: it copies whole
+    The Mamba-2 ``replayssm_native_commit`` kernel through :func:`trtllm_replayssm.ops.native_spec_commit`: it copies whole
     (HV, V, K) f32 states in 16-byte vectors, whatever the trailing dims mean."""
     check_rank(state, "state", 4, "(slots, HV, V, K)")
     check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")

@@ -59,10 +59,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .costs import gdn_bytes_per_position as bytes_per_position  # the bytes model's home is .costs (re-exported)
-from .costs import gdn_bytes_per_step as bytes_per_step
-from .reference import Shadow, softplus
-from .spec_reference import COUNT, START, _check_cursor, _check_window, _slots, needs_flush, ring_indices
+from ...costs import gdn_bytes_per_position as bytes_per_position  # the bytes model's home is costs (re-exported)
+from ...costs import gdn_bytes_per_step as bytes_per_step
+from ...reference import Shadow, softplus
+from .. import COUNT, START, flush_cursor, needs_flush, ring_indices
+from .. import check_ring_cursor as _check_cursor
+from .. import check_window as _check_window
+from .. import rows as _slots
 
 F64 = torch.float64
 L2NORM_EPS = 1e-6  # transformers' Qwen3-Next l2norm eps
@@ -366,8 +369,6 @@ def verify_triangular(buf: GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, st
 def spec_step(buf: GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices=None,
               shadow: Shadow | None = None, use_qk_l2norm=True, scale=None):
     """Single-layer convenience: flush (checkpoint + cursor) then :func:`verify`, what a fused kernel does."""
-    from .spec_reference import flush_cursor
-
     T = v.shape[1]
     sbi = state_batch_indices
     if sbi is None:
