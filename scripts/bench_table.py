@@ -13,6 +13,7 @@ Each result file is classified by its rows (not its name) into one kind:
   tp-check     scripts/bench_e2e.py standard --tp N: TP=N logits vs TP=1
   profile      per-category kernel time of a model step (torch profiler)
   vllm-layout  scripts/bench_vllm_layout.py: the decode kernel on vLLM's paged layout
+  shape-sweep  scripts/bench_kda.py --sweep(-only): launch shapes (col_lanes, warps) of the KDA modules, us at k = 1 / 8 / L
   other        a format without rows of a known kind or without device and commit (listed, never tabled)
 
 One table per (kind, card, commit): files of one kind measured on the same card at the same commit share a table
@@ -47,7 +48,8 @@ from collections.abc import Callable, Iterable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
-KINDS = ("kernels", "gdn", "gdn-spec", "spec", "decode", "spec-decode", "tp-check", "profile", "vllm-layout", "serve")
+KINDS = ("kernels", "gdn", "gdn-spec", "spec", "decode", "spec-decode", "tp-check", "profile", "vllm-layout", "serve",
+         "shape-sweep")
 BEGIN = re.compile(r"^<!-- bench_table: (?P<args>.+?) -->$")
 END = "<!-- /bench_table -->"
 
@@ -100,6 +102,8 @@ def classify_rows(rows: list) -> str | None:
         return "kernels"
     if {"dense_us_amortized", "vllm_us_amortized"} <= k:
         return "vllm-layout"
+    if {"shape", "conv_us", "f32_us_at"} <= k:
+        return "shape-sweep"
     return None
 
 
@@ -117,6 +121,8 @@ def parse(path: str | pathlib.Path) -> Result:
         raise ValueError(f"{path}: top level is a {type(data).__name__}")
     if isinstance(data.get("meta"), dict) and isinstance(data.get("rows"), list):
         meta, rows = data["meta"], data["rows"]
+        if not rows and isinstance(data.get("sweep"), list):  # a sweep-only run (bench_kda.py --sweep-only)
+            rows = data["sweep"]
     elif isinstance(data.get("rows"), list) and "device" in data:  # results whose meta sits at the top level
         meta, rows = {k: v for k, v in data.items() if k != "rows"}, data["rows"]
     else:
@@ -465,7 +471,26 @@ def serve_table(rows: list[dict]) -> list[str]:
     return render(cols, rows)
 
 
-ROW_TABLES = {"serve": serve_table, "kernels": kernels_table, "gdn": gdn_table, "gdn-spec": gdn_spec_table, "spec": spec_table,
+def shape_sweep_table(rows: list[dict]) -> list[str]:
+    def at(key, k):
+        return lambda r: num((r.get(key) or {}).get(k))
+
+    ks = sorted({k for r in rows for k in (r.get("f32_us_at") or {})}, key=int)
+    cols: list[Column] = [
+        FILE_COLUMN,
+        ("geometry", lambda r: text(r.get("geom"))),
+        ("batch", lambda r: text(r.get("batch"))),
+        ("(col_lanes, warps)", lambda r: "(" + ", ".join(map(str, r["shape"])) + ")"
+         if isinstance(r.get("shape"), list) else text(r.get("shape"))),
+        ("conventional µs", lambda r: num(r.get("conv_us"))),
+    ]
+    cols += [(f"fp32 k={k} µs", at("f32_us_at", k)) for k in ks]
+    cols += [(f"bf16 shadow k={k} µs", at("bf16shadow_us_at", k)) for k in ks]
+    return render(cols, rows)
+
+
+ROW_TABLES = {"serve": serve_table, "shape-sweep": shape_sweep_table, "kernels": kernels_table,
+              "gdn": gdn_table, "gdn-spec": gdn_spec_table, "spec": spec_table,
               "tp-check": tp_check_table, "profile": profile_table, "vllm-layout": vllm_layout_table}
 PIVOT_TABLES = {"decode": decode_table, "spec-decode": spec_decode_table}
 
