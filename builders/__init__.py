@@ -4,8 +4,8 @@
 * :mod:`.nemotron_h` loads transformers' Nemotron-H (an HF directory or an embedded tiny config)
   and patches its Mamba-2 mixers so single-token decode runs through ReplaySSM.
 * :mod:`.decode_step` is the export form: one step of T = 1 + num_draft tokens per row as a module with
-  explicit state I/O (:class:`~.decode_step.NemotronHDecodeStep`; :mod:`.gdn_step`'s
-  :class:`~.gdn_step.QwenGDNDecodeStep` for Qwen3-Next / Qwen3.5). num_draft = 0 (T = 1) is the standard
+  explicit state I/O (:class:`~.decode_step.NemotronHDecodeStep`; :mod:`.qwen_export`'s
+  :class:`~.qwen_export.QwenGDNDecodeStep` for Qwen3-Next / Qwen3.5). num_draft = 0 (T = 1) is the standard
   decode step, one ``replayssm::mamba2_decode`` node per Mamba layer; num_draft > 0 is the speculative verify
   graph, one ``replayssm::mamba2_verify`` node per Mamba layer. Its :func:`~.decode_step.export_onnx`
   (``export_onnx(step, path, commit_path=None)``) is the one ONNX export of every step: model.onnx, or

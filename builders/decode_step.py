@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """One Nemotron-H / Nemotron 3 step of T = 1 + num_draft tokens per row as a module with explicit state I/O, and
-the one ONNX export of every step (this family's and builders/gdn_step.py's).
+the one ONNX export of every step (this family's and builders/qwen_export.py's).
 
 :class:`NemotronHDecodeStep` with ``num_draft = 0`` (T = 1) is the standard decode step; with ``num_draft`` > 0
 it is the verify graph of speculative decoding, whose commit graph (run after sampling) is
@@ -149,7 +149,7 @@ def mamba2_node(ins, caches, op_type: str, attrs: dict, backend, fp8: bool = Fal
     return PluginOp.apply(node, *ins, *caches)
 
 
-# ---- the T-general layer pieces (this module's step and builders/gdn_step.py's) -------------------------
+# ---- the T-general layer pieces (this module's step and builders/qwen_export.py's) -------------------------
 def window_conv(window, inputs, conv1d, K: int, T: int):
     """Causal depthwise conv of the T window inputs ``inputs`` (batch, T, C) over [the last K - 1 committed
     inputs (the window's last K - 1 columns), the T inputs]: (conv (batch, T, C) before the activation,
@@ -597,7 +597,7 @@ def export_graph(module, args, path, opset: int = 17) -> None:
 
 
 def export_onnx(step, path, commit_path=None, batch: int = 2, opset: int = 17) -> None:
-    """The one export of every step with explicit state I/O (this module's or builders/gdn_step.py's, any T):
+    """The one export of every step with explicit state I/O (this module's or builders/qwen_export.py's, any T):
     trace ``step`` on zero states of ``batch`` rows and write its graph to ``path`` (an engine's model.onnx at
     T = 1, verify.onnx at T > 1) and, for a speculative step, its commit graph (builders/spec_step.py) to
     ``commit_path``; ONNX with a dynamic batch dimension (:func:`export_graph`)."""

@@ -9,8 +9,8 @@ their version in ``config.json``'s ``format``:
   model.onnx        the decode step, batch dimension dynamic (1..max_batch): one ``replayssm::mamba2_decode``
                     node per Mamba-2 layer (Nemotron-H / Nemotron 3, builders/decode_step.py), one
                     ``replayssm::gdn_decode`` node per Gated DeltaNet layer (Qwen3-Next / Qwen3.5,
-                    builders/gdn_step.py) or one ``replayssm::kda_decode`` node per Kimi Delta Attention layer
-                    (Kimi-Linear, builders/kda_step.py; GLM-5 Next, builders/glm5_export.py)
+                    builders/qwen_export.py) or one ``replayssm::kda_decode`` node per Kimi Delta Attention layer
+                    (Kimi-Linear, builders/kimi_step.py; GLM-5 Next, builders/glm5_export.py)
   <spec key>.ptx    the plugin kernel shared by all those layers, one per plugin tactic (large / small
                     batch), the PTX and launch parameters ``trt_plugin``'s ``aot_impl`` hands TensorRT
   config.json       below

@@ -20,7 +20,7 @@ Route (one engine thread owns the model, the step and every slot; clients only q
   decode step          the model kind's step (:data:`STEPS`, by ``config.model_type``, from the registry of
                        builders/models.py; rows = slots): Nemotron-H / Nemotron 3
                        :class:`~builders.model_step.DecodeStep`, the step every benchmark times; Qwen3-Next / Qwen3.5
-                       :class:`~builders.qwen_step.QwenStep`; Kimi-Linear :class:`~builders.kda_step.KimiStep`. The
+                       :class:`~builders.qwen_step.QwenStep`; Kimi-Linear :class:`~builders.kimi_step.KimiStep`. The
                        smallest prefix of rows
                        that holds every live slot (``step.rows``; one CUDA graph per prefix of 1, 2, 4, ... rows,
                        captured at start, where the step is ``capturable``; else eager) runs one token for all of
@@ -155,7 +155,7 @@ class NemotronStep(DecodeStep):
 
 
 # config.model_type -> the step factory (model, batch, kv_len, mode, buffer_len, fuse) of its kind: the registry's
-# streaming steps (builders/models.py; this module's NemotronStep, builders/qwen_step.py, builders/kda_step.py)
+# streaming steps (builders/models.py; this module's NemotronStep, builders/qwen_step.py, builders/kimi_step.py)
 STEPS = {t: kind.streaming for kind in models.kinds(streaming=True) for t in kind.model_types}
 
 

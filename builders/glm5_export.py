@@ -5,7 +5,7 @@ GLM-5.3-Flash): :class:`Glm5KDADecodeStep`, the export step of its entry in buil
 which runs transformers' own modules over a per-row cache; this one is the same decode written in standard
 ONNX-exportable torch ops over explicit state inputs and outputs, for TensorRT.
 
-It is :class:`builders.kda_step.KimiKDADecodeStep` (the KDA layers: one ``replayssm::kda_decode`` node each, GLM-5
+It is :class:`builders.kimi_step.KimiKDADecodeStep` (the KDA layers: one ``replayssm::kda_decode`` node each, GLM-5
 Next's bounded gate as the node's ``lower_bound_bits``; the conv windows; the plugin PTX, attributes, MoE and
 the export protocol) with GLM-5 Next's layer loop: hyper-connection streams around every block and DSA
 ("indexed") attention instead of Kimi's MLA.
@@ -62,7 +62,7 @@ import torch.nn.functional as F
 from .decode_step import StateSpec, layer_state_specs
 from .glm5_step import MODEL_TYPES, _mix
 from .kda import text_model
-from .kda_step import KimiKDADecodeStep
+from .kimi_step import KimiKDADecodeStep
 
 # config.json's ``model.moe`` of a GLM-5 Next engine: the MoE keys of its text config (and the graph formulation)
 MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group",

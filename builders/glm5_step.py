@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The generation engine's decode step for GLM-5 Next (transformers' ``Glm5NextForConditionalGeneration``, text
-path; GLM-5.3-Flash): :class:`builders.kda_step.KimiStep` (rows = slots, its KDA layers, SSM modes, conv windows,
+path; GLM-5.3-Flash): :class:`builders.kimi_step.KimiStep` (rows = slots, its KDA layers, SSM modes, conv windows,
 slot hand-off and host save / load) with GLM-5 Next's DSA attention and hyper-connection streams.
 
 State beyond KimiStep's: per DSA (``indexed_attention``) layer, ``k[i]`` the kv_a_layernorm'd latent (batch, 1,
@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from .kda import text_model
-from .kda_step import KimiStep
+from .kimi_step import KimiStep
 
 MODEL_TYPES = ("glm5_next",)
 

@@ -21,8 +21,8 @@ A :class:`ModelKind` is one kind of checkpoint that one pair of steps serves:
 Steps are named ``"module:attribute"`` and imported on first use, as :class:`~trtllm_replayssm.families.Family`
 names its layer group: a step module imports the engine modules that import this registry.
 
-The export step protocol (builders/decode_step.py ``NemotronHDecodeStep``, builders/gdn_step.py
-``QwenGDNDecodeStep``, builders/kda_step.py ``KimiKDADecodeStep``, builders/glm5_export.py ``Glm5KDADecodeStep``),
+The export step protocol (builders/decode_step.py ``NemotronHDecodeStep``, builders/qwen_export.py
+``QwenGDNDecodeStep``, builders/kimi_step.py ``KimiKDADecodeStep``, builders/glm5_export.py ``Glm5KDADecodeStep``),
 besides ``decode_step.StepIO``'s state I/O
 (``state_specs``, ``input_names``, ``output_names``, ``speculative``, ``num_tokens``, ``window``) and the SSM node's
 ``op_type`` / ``plugin_attributes``:
@@ -44,7 +44,7 @@ import json
 import pathlib
 from collections.abc import Callable, Mapping
 
-from . import glm5_step, kda, kda_step, nemotron_h, qwen3_next
+from . import glm5_step, kda, kimi_step, nemotron_h, qwen3_next
 
 MODES = ("conventional", "replay", "replay_bf16", "replay_fp8", "replay_ckpt8")  # the generation engine's SSM modes
 SHADOW_NAMES = {"bfloat16": "bf16", "float8_e4m3fn": "fp8"}  # a shadow dtype's flag spelling (--shadow, replay_<x>)
@@ -145,12 +145,12 @@ KINDS = (
               streaming_step="builders.generation:NemotronStep", state_dtypes=("fp32", "bf16", "fp16"),
               speculative=True, tests=("tests/test_builder.py tests/test_triton_repo.py", "tests/test_spec_builder.py")),
     ModelKind("qwen3_next", "Qwen3-Next / Qwen3.5", "Gated DeltaNet", "gdn", qwen3_next.FAMILIES,
-              qwen3_next.MODEL_TYPES, qwen3_next.load_gdn_model, export_step="builders.gdn_step:QwenGDNDecodeStep",
+              qwen3_next.MODEL_TYPES, qwen3_next.load_gdn_model, export_step="builders.qwen_export:QwenGDNDecodeStep",
               streaming_step="builders.qwen_step:QwenStep", speculative=True,
               tests=("tests/test_gdn_builder.py tests/test_triton_repo.py", "tests/test_gdn_spec_builder.py")),
     ModelKind("kimi_linear", "Kimi-Linear", "Kimi Delta Attention", "kda",
-              {n: kda.FAMILIES[n] for n in kda_step.MODEL_TYPES}, kda_step.MODEL_TYPES, kda.load_kda_model,
-              export_step="builders.kda_step:KimiKDADecodeStep", streaming_step="builders.kda_step:KimiStep",
+              {n: kda.FAMILIES[n] for n in kimi_step.MODEL_TYPES}, kimi_step.MODEL_TYPES, kda.load_kda_model,
+              export_step="builders.kimi_step:KimiKDADecodeStep", streaming_step="builders.kimi_step:KimiStep",
               speculative=True, tests=("tests/test_kda_export.py", "tests/test_kda_spec_export.py")),
     ModelKind("glm5_next", "GLM-5 Next", "Kimi Delta Attention", "kda",
               {n: kda.FAMILIES[n] for n in glm5_step.MODEL_TYPES}, glm5_step.MODEL_TYPES, kda.load_kda_model,

@@ -14,7 +14,7 @@
 * ``gdn_decode``: :func:`builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
   copies of the six GDN state inputs, which become the outputs after y.
 * ``gdn_decode_shadow``, ``gdn_verify_shadow``: the same with a bf16 shadow of the checkpoint last in and out.
-* ``gdn_verify``: :func:`builders.gdn_step.verify_reference_backend` (``gdn_reference`` flush + verify),
+* ``gdn_verify``: :func:`builders.qwen_export.verify_reference_backend` (``gdn_reference`` flush + verify),
   same outputs; the cursor is read only.
 * the ops a family folder declares (:func:`family_ops`: ``trtllm_replayssm/families/<name>/onnx_ops.py``'s
   ``ORT_OPS``, e.g. Kimi Delta Attention's ``kda_decode``), registered as they are declared (below).
@@ -41,9 +41,9 @@ from .decode_step import (
     VERIFY_SHADOW_OP_TYPE,
     verify_reference_backend,
 )
-from .gdn_step import GDN_OP_TYPE, GDN_SHADOW_OP_TYPE, GDN_VERIFY_OP_TYPE, GDN_VERIFY_SHADOW_OP_TYPE
-from .gdn_step import verify_reference_backend as gdn_verify_backend
 from .nemotron_h import reference_backend
+from .qwen_export import GDN_OP_TYPE, GDN_SHADOW_OP_TYPE, GDN_VERIFY_OP_TYPE, GDN_VERIFY_SHADOW_OP_TYPE
+from .qwen_export import verify_reference_backend as gdn_verify_backend
 from .spec_step import COMMIT_OP_TYPE, commit_reference_backend
 
 _registered = False

@@ -16,7 +16,7 @@ Per call (pre-norm blocks with residuals, as the model runs them):
   G       the layer's projections -> q | k | v, z, b, a (``qwen3_next._projections``); the causal conv of the new
           input over the slot's window (``cache.conv_update_rows``, silu); the GDN step of the SSM mode (raw a, b in,
           g and beta inside, q and k l2-normalised inside); the layer's gated RMSNorm with z; out_proj
-  *       the gated attention of builders/gdn_step.py (``QwenGDNDecodeStep._attention``: q / k RMSNorm, RoPE at the
+  *       the gated attention of builders/qwen_export.py (``QwenGDNDecodeStep._attention``: q / k RMSNorm, RoPE at the
           row's position from the rotary table of ``QwenGDNDecodeStep._rope``, the sigmoid output gate) over the
           row's K/V; only the new position is written back
   then    post-attention norm and transformers' MLP / MoE module, as the model calls it in decode; norm, lm_head
@@ -206,7 +206,7 @@ class QwenStep:
         return cfg
 
     def __init__(self, model, batch: int, kv_len: int, mode: str = "replay", buffer_len: int = 16):
-        from .gdn_step import QwenGDNDecodeStep
+        from .qwen_export import QwenGDNDecodeStep
 
         cfg = self._checked_config(model, batch, kv_len)
         self.model, self.cfg, self.batch, self.kv_len = model, cfg, batch, kv_len
@@ -220,7 +220,7 @@ class QwenStep:
         self.K = cfg.linear_conv_kernel_dim
         H, HV = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.H, self.HV, self.Kd, self.V = H, HV, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        # the attention and rotary table of the exported step (builders/gdn_step.py): one layer code for both routes
+        # the attention and rotary table of the exported step (builders/qwen_export.py): one layer code for both routes
         self.layer_code = QwenGDNDecodeStep(model, buffer_len, kv_len)
         dev, i64 = self.device, dict(dtype=torch.int64, device=self.device)
         self.ids = torch.zeros(batch, **i64)

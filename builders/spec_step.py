@@ -9,8 +9,8 @@ arange(batch) inside both graphs) is
     cursor, lengths, conv windows = commit(n, cursor, lengths, conv windows)
 
 The verify graph is the family's step with ``num_draft`` > 0 (builders/decode_step.py's
-:class:`~builders.decode_step.NemotronHDecodeStep`, builders/gdn_step.py's
-:class:`~builders.gdn_step.QwenGDNDecodeStep`: the standard decode step's layers at T > 1, its I/O in
+:class:`~builders.decode_step.NemotronHDecodeStep`, builders/qwen_export.py's
+:class:`~builders.qwen_export.QwenGDNDecodeStep`: the standard decode step's layers at T > 1, its I/O in
 decode_step's docstring); ``decode_step.export_onnx(step, verify_path, commit_path)`` writes both graphs.
 
 Commit graph (:class:`NemotronHSpecCommit`). Inputs: n_accepted (batch,) int32 (accepted tokens of

@@ -19,7 +19,7 @@ Layers (``model.pattern`` in config.json, Nemotron-H / Nemotron 3 letters): ever
 ``M`` i has the five states conv_state_i, ssm_state_i, x_cache_i, B_cache_i, dt_cache_i, every
 attention layer ``*`` i has k_cache_i and v_cache_i, MoE ``E`` and MLP ``-`` layers have none
 (their weights are in the plan), every Gated DeltaNet layer ``G`` i (Qwen3-Next / Qwen3.5 engines,
-builders/gdn_step.py) has conv_state_i, gdn_state_i, gdn_u_i, gdn_v_i, gdn_k_i, gdn_g_i, gdn_beta_i;
+builders/qwen_export.py) has conv_state_i, gdn_state_i, gdn_u_i, gdn_v_i, gdn_k_i, gdn_g_i, gdn_beta_i;
 anything else is refused before a file is written, naming the layer and the state.
 
 Usage: python scripts/make_triton_repo.py --engine-dir build/tiny --repo build/triton [--name NAME]

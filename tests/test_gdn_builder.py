@@ -142,7 +142,7 @@ MAX_SEQ, STEPS = 64, 3 * L + 1
 
 @pytest.fixture(scope="module")
 def exported(model, tmp_path_factory):
-    from builders.gdn_step import QwenGDNDecodeStep, export_onnx
+    from builders.qwen_export import QwenGDNDecodeStep, export_onnx
 
     pytest.importorskip("onnx", reason="onnx is not installed")
     step = QwenGDNDecodeStep(model, L, MAX_SEQ)
@@ -177,7 +177,7 @@ def _against_patched(model, step, run):
 
 
 def test_decode_step_matches_patched_model(model):
-    from builders.gdn_step import QwenGDNDecodeStep
+    from builders.qwen_export import QwenGDNDecodeStep
 
     step = QwenGDNDecodeStep(model, L, MAX_SEQ)
     _against_patched(model, step, lambda tok, n, c, st: step(tok, n, c, *st))
@@ -187,7 +187,7 @@ def test_onnx_graph_has_one_plugin_node_per_gdn_layer(model, exported):
     import onnx
 
     from builders.decode_step import DOMAIN
-    from builders.gdn_step import GDN_OP_TYPE
+    from builders.qwen_export import GDN_OP_TYPE
 
     step, path = exported
     g = onnx.load(str(path))
@@ -231,8 +231,8 @@ def test_onnx_reproduces_the_patched_model(model, exported):
 @torch.no_grad()
 @pytest.mark.parametrize("formulation", ["dense", "gather"])
 def test_qwen_moe_formulations_match_transformers(formulation):
-    """builders/gdn_step.moe_qwen, both formulations, against transformers' Qwen3NextSparseMoeBlock (fp32)."""
-    from builders.gdn_step import moe_qwen
+    """builders/qwen_export.moe_qwen, both formulations, against transformers' Qwen3NextSparseMoeBlock (fp32)."""
+    from builders.qwen_export import moe_qwen
 
     model = tiny_model("qwen3_next")
     gen = torch.Generator().manual_seed(3)
@@ -253,8 +253,8 @@ def test_onnx_gather_formulation_reproduces_the_patched_model(tmp_path):
     pytest.importorskip("onnxruntime_extensions", reason="onnxruntime-extensions is not installed")
     import numpy as np
 
-    from builders.gdn_step import QwenGDNDecodeStep, export_onnx
     from builders.ort_reference import session
+    from builders.qwen_export import QwenGDNDecodeStep, export_onnx
 
     model = tiny_model("qwen3_next")
     graphs = {}

@@ -24,8 +24,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from builders.gdn_step import QwenGDNDecodeStep, verify_kernel_backend  # noqa: E402
 from builders.qwen3_next import FAMILIES, kernel_backend, patch_gdn_replayssm, tiny_model  # noqa: E402
+from builders.qwen_export import QwenGDNDecodeStep, verify_kernel_backend  # noqa: E402
 from builders.spec_step import NemotronHSpecCommit  # noqa: E402
 
 from .spec_driver import ModuleRunner, SpecDecode, random_accept  # noqa: E402

@@ -2,7 +2,7 @@
 """Speculative export of Qwen3-Next / Qwen3.5 on the CPU: the verify + commit graphs in onnxruntime
 against sequential decoding.
 
-Graphs: builders/gdn_step.py's :class:`QwenGDNDecodeStep` with num_draft > 0 (one ``replayssm::gdn_verify``
+Graphs: builders/qwen_export.py's :class:`QwenGDNDecodeStep` with num_draft > 0 (one ``replayssm::gdn_verify``
 node per GDN layer) and builders/spec_step.py's commit graph (one ``replayssm::spec_commit`` node), the plugin ops
 supplied in Python (builders/ort_reference.py: gdn_reference flush + verify in float64, and commit).
 Rows have different prompt lengths and are handed off after prefill + 2 standard ReplaySSM GDN decode
@@ -34,8 +34,8 @@ import torch
 pytest.importorskip("transformers")
 
 from builders.decode_step import DOMAIN, export_onnx  # noqa: E402
-from builders.gdn_step import GDN_OP_TYPE, GDN_VERIFY_OP_TYPE, QwenGDNDecodeStep  # noqa: E402
 from builders.qwen3_next import FAMILIES, gdn_layers, patch_gdn_replayssm, tiny_model  # noqa: E402
+from builders.qwen_export import GDN_OP_TYPE, GDN_VERIFY_OP_TYPE, QwenGDNDecodeStep  # noqa: E402
 from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit  # noqa: E402
 from trtllm_replayssm.families.gdn import reference as gref  # noqa: E402
 

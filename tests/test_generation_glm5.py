@@ -27,7 +27,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 from builders.generation import STEPS, Engine, Request, RequestError, make_step  # noqa: E402
 from builders.glm5_step import Glm5Step  # noqa: E402
 from builders.kda import text_model, tiny_model  # noqa: E402
-from builders.kda_step import MODES  # noqa: E402
+from builders.kimi_step import MODES  # noqa: E402
 
 from .test_generation import MAX_TOKENS, PROMPTS, Collect, assert_idle, reference  # noqa: E402
 from .test_preemption import MAX_TOKENS as PRE_MAX_TOKENS  # noqa: E402

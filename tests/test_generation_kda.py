@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The generation engine (builders/generation.py) serving Kimi-Linear through its decode step (builders/kda_step.py
+"""The generation engine (builders/generation.py) serving Kimi-Linear through its decode step (builders/kimi_step.py
 ``KimiStep``) on the CPU: in-flight batching, batched prefill, the SSM modes, sampling, cancel, preemption and the
 prefill/decode hand-off.
 
@@ -21,7 +21,7 @@ pytest.importorskip("transformers", reason="transformers is not installed")
 
 from builders.generation import STEPS, Engine, Request, RequestError, make_step  # noqa: E402
 from builders.kda import tiny_model  # noqa: E402
-from builders.kda_step import MODES, KimiStep  # noqa: E402
+from builders.kimi_step import MODES, KimiStep  # noqa: E402
 
 from .test_generation import (  # noqa: E402  (the engine tests' prompts, oracle and bookkeeping)
     MAX_TOKENS,

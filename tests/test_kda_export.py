@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The Kimi-Linear engine directory (``scripts/build_engine.py --tiny kimi_linear``) on the CPU: the exported decode
-step (builders/kda_step.py) with one ``replayssm::kda_decode`` node per Kimi Delta Attention layer, run under
+step (builders/kimi_step.py) with one ``replayssm::kda_decode`` node per Kimi Delta Attention layer, run under
 onnxruntime with the family's reference op (trtllm_replayssm/families/kda/onnx_ops.py, registered by
 builders/ort_reference.py), against the eager steps.
 
-Oracles: (1) the generation engine's eager step, builders/kda_step.py's ``KimiStep`` in the same SSM mode (replay /
+Oracles: (1) the generation engine's eager step, builders/kimi_step.py's ``KimiStep`` in the same SSM mode (replay /
 replay_bf16), over a prompt fed token by token and its greedy continuation, crossing several ring folds (L = 4): the
 KDA node and the cache's KDA layers run the same float64 spec (``families/kda/reference.replay_decode``) on inputs
 that the two runtimes round differently in fp32, so the logits agree to fp32 rounding and the greedy tokens exactly;
@@ -157,7 +157,7 @@ def _against_kimi_step(model, path, shadow: str, corrupt_at: int | None = None):
     a step, then each follows the graph's greedy token, 14 steps (3 ring folds at L = 4). Returns the first step whose
     logits differ beyond ATOL (None: none did); ``corrupt_at``: before that step one live u-ring entry of layer 0 is
     changed in the graph's states."""
-    from builders.kda_step import KimiKDADecodeStep, KimiStep
+    from builders.kimi_step import KimiKDADecodeStep, KimiStep
 
     step = KimiKDADecodeStep(model, L, MAX_SEQ, shadow=shadow)
     eager = KimiStep(model, BATCH, MAX_SEQ, "replay" if shadow == "none" else f"replay_{shadow}", L)
@@ -206,7 +206,7 @@ def test_graph_continues_a_patched_prefill(engine, model):
     from transformers import DynamicCache
 
     from builders.kda import patch_kda_replayssm
-    from builders.kda_step import KimiKDADecodeStep
+    from builders.kimi_step import KimiKDADecodeStep
 
     out, _ = engine
     step, run = KimiKDADecodeStep(model, L, MAX_SEQ), _ort(out / "model.onnx")
@@ -269,7 +269,7 @@ def test_refused_by_name_before_anything_is_written(tmp_path, kw, match):
 def test_moe_matches_transformers(model, formulation):
     """The step's static-shape MoE (builders/moe.py's route + gated_experts, the shared experts MLP) against
     transformers' KimiLinearMoE, fp32: the same products summed in another order."""
-    from builders.kda_step import KimiKDADecodeStep
+    from builders.kimi_step import KimiKDADecodeStep
 
     step = KimiKDADecodeStep(model, L, MAX_SEQ, moe_formulation=formulation)
     gen = torch.Generator().manual_seed(3)

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The speculative Kimi-Linear engine directory (``scripts/build_engine.py --tiny kimi_linear --num-draft 3``) on the
-CPU: the verify graph (builders/kda_step.py's ``KimiKDADecodeStep`` at T = 1 + num_draft, one
+CPU: the verify graph (builders/kimi_step.py's ``KimiKDADecodeStep`` at T = 1 + num_draft, one
 ``replayssm::kda_verify[_shadow]`` node per Kimi Delta Attention layer) and the shared commit graph
 (builders/spec_step.py, one ``replayssm::spec_commit`` node: the commit is a cursor move), run under onnxruntime with
 the family's reference ops (trtllm_replayssm/families/kda/onnx_ops.py ``verify_node``: families/kda/reference.py's
@@ -44,7 +44,7 @@ pytest.importorskip("transformers")
 from builders import engine_format as ef  # noqa: E402
 from builders.decode_step import DOMAIN  # noqa: E402
 from builders.kda import kda_layers, patch_kda_replayssm, text_model, tiny_model  # noqa: E402
-from builders.kda_step import KimiKDADecodeStep  # noqa: E402
+from builders.kimi_step import KimiKDADecodeStep  # noqa: E402
 from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit  # noqa: E402
 from trtllm_replayssm import trt_plugin  # noqa: E402
 from trtllm_replayssm.families.kda import reference as kref  # noqa: E402

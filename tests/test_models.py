@@ -44,12 +44,12 @@ def test_shadows_and_modes_come_from_the_family_declaration():
     """Mamba-2 keeps a bf16 and a scaled fp8 shadow and an 8-bit checkpoint (its table's shadow_scale and ckpt_scale
     rows); Gated DeltaNet and Kimi Delta Attention a bf16 shadow only; each streaming step runs exactly its kind's
     modes (the modes its own module lists where it lists them)."""
-    from builders import kda_step, qwen_step
+    from builders import kimi_step, qwen_step
 
     by = {k.family: k for k in models.KINDS}
     assert by["mamba2"].shadows == ("bf16", "fp8") and by["mamba2"].modes == models.MODES
     assert by["gdn"].shadows == by["kda"].shadows == ("bf16",)
-    assert by["gdn"].modes == qwen_step.MODES and by["kda"].modes == kda_step.MODES
+    assert by["gdn"].modes == qwen_step.MODES and by["kda"].modes == kimi_step.MODES
     for k in models.KINDS:
         assert set(k.modes) <= set(models.MODES)
 

@@ -56,8 +56,8 @@ def _steps(family, kind):
 
         model = load_nemotron_h(None, dtype=torch.float32, seed=0, tiny="nemotron_h")
         return NemotronHDecodeStep(model, L, 48, shadow=kind), NemotronHDecodeStep(model, L, 48)
-    from builders.gdn_step import QwenGDNDecodeStep
     from builders.qwen3_next import load_gdn_model
+    from builders.qwen_export import QwenGDNDecodeStep
 
     model = load_gdn_model(None, tiny=family, dtype=torch.float32, seed=0)
     return QwenGDNDecodeStep(model, L, 48, shadow=kind), QwenGDNDecodeStep(model, L, 48)

@@ -732,7 +732,7 @@ def test_qwen_model_in_process(tmp_path):
 
 def test_kimi_linear_model_in_process():
     """GenerateModel over the tiny Kimi-Linear (builders/kda.py; handed in as a loaded model) under the stand-in stub:
-    the engine's KDA step (builders/kda_step.py ``KimiStep``), two
+    the engine's KDA step (builders/kimi_step.py ``KimiStep``), two
     requests on one slot (one waits) stream transformers' greedy tokens in the replay and conventional modes, L = 4
     (the 9-token request folds its rings twice); the fp8 shadow is refused, naming KDA."""
     from builders.kda import tiny_model

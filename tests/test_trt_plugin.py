@@ -673,11 +673,11 @@ def test_gdn_io_contract_attributes_and_rejects():
 
 
 def test_gdn_onnx_node_matches_the_plugin_contract(tmp_path):
-    """The ONNX node builders/gdn_step.py exports carries exactly the plugin's inputs and attributes."""
+    """The ONNX node builders/qwen_export.py exports carries exactly the plugin's inputs and attributes."""
     onnx = pytest.importorskip("onnx", reason="onnx is not installed")
     pytest.importorskip("transformers")
-    from builders.gdn_step import QwenGDNDecodeStep, export_onnx
     from builders.qwen3_next import tiny_model
+    from builders.qwen_export import QwenGDNDecodeStep, export_onnx
 
     step = QwenGDNDecodeStep(tiny_model("qwen3_5"), 8, 32)
     export_onnx(step, tmp_path / "m.onnx")

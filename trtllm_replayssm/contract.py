@@ -4,7 +4,7 @@
 This docstring is the one home of the contract. The launchers (:mod:`.ops`, :mod:`.families.gdn.ops`) list the
 per-step inputs next to the checks that enforce them, :class:`~.cache.ReplayStateCache` allocates
 these tensors for every layer of a model (a leading ``layers`` dim), the builders export them as engine
-I/O (``builders/decode_step.py``, ``gdn_step.py``, and ``spec_step.py``'s commit graph: ``<name>_<layer>`` in,
+I/O (``builders/decode_step.py``, ``qwen_export.py``, and ``spec_step.py``'s commit graph: ``<name>_<layer>`` in,
 ``<name>_<layer>_out`` out, aliased in TensorRT), and the float64 specs (:mod:`.reference`,
 :mod:`.spec_reference`, :mod:`.families.gdn.reference`) define what each step computes. The layouts are
 vLLM's (>= PR #48018) and FlashInfer's (>= 0.7.0 ring API), so users can swap kernels.

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """The ``replayssm::kda_decode`` / ``kda_verify`` nodes' reference (and their ``_shadow`` twins): what the exported
-engine step's KDA node computes eagerly (builders/kda_step.py, while tracing too) and what onnxruntime runs for it on
+engine step's KDA node computes eagerly (builders/kimi_step.py, while tracing too) and what onnxruntime runs for it on
 the CPU (builders/ort_reference.py registers :data:`ORT_OPS`, the family's onnxruntime ops).
 
 Both nodes take the inputs, outputs and integer attributes of :mod:`.trt_plugin` (in that order; ``_shadow``: the bf16

@@ -202,7 +202,7 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
                  f"value dim={V}"]
         if self._moe_layers():
             lines.append(f"sparse MoE layers: {cfg.num_experts} experts, top-{cfg.num_experts_per_tok}, as "
-                         f"{self.moe_formulation} standard ONNX ops (builders/gdn_step.moe_qwen)")
+                         f"{self.moe_formulation} standard ONNX ops (builders/qwen_export.moe_qwen)")
         return lines
 
     def model_entry(self) -> dict:
