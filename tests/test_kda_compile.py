@@ -104,7 +104,7 @@ def test_key_and_prelude():
     assert cc.spec_from_json(cc.spec_to_json(v, "ptx")) == (v, "ptx")
     # L = 16, T = 4: 2 (L - 2T) T history x window products, L - 2T history norms, T^2 window pairs, 2T window norms
     assert v.window_products == 64 + 8 + 16 + 8
-    assert v.min_blocks == 2 and KDASpec(**BASE).min_blocks == 3  # verify: ~255 registers a thread (config)
+    assert v.min_blocks == 3 and KDASpec(**BASE).min_blocks == 3  # verify: 168 registers (config: spills, faster)
     with override(resident=384):  # the register budget of a sweep: in the key, so modules never collide
         r = kda_spec("bf16", 12, 128, 128, 16, 256, num_tokens=4)
     assert r.min_blocks == 3 and r.key.endswith("_r384_sm90") and "_r" not in kda_spec("bf16", 12, 128, 128, 16, 256).key

@@ -27,10 +27,13 @@ SHADOW_KINDS = ("none", "bf16")
 MAX_WARPS = 8
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 RESIDENT_THREADS = 384  # __launch_bounds__ min blocks = this / threads: ~170 registers a thread
-# The verify module: 256 / threads (~255 registers). Its channel stage holds the window's and the history's
-# per-channel values beside the 64 state registers: 201-218 registers at (4 lanes, 4 warps), T = 1..4 (ptxas); capped
-# at 168 it spilled 48-76 bytes a thread. Two blocks of 4 warps still keep 64 KiB of state loads in flight an SM.
-VERIFY_RESIDENT_THREADS = 256
+# The verify module: 384 / threads (168 registers). Its channel stage holds the window's and the history's
+# per-channel values beside the 64 state registers: 201-218 registers at (4 lanes, 4 warps), T = 1..4 (ptxas) when
+# planned for 256; capped at 168 it spills 48-76 bytes a thread, and is still faster: three blocks an SM hide the
+# latency the spills add (H100, 91ae8da28d, T = 4, Kimi-K3 TP8, fp32 / bf16 shadow, committed count 0 / 8 / 12:
+# bs256 176 / 201 / 406 -> 148 / 164 / 350 us and 178 / 200 / 437 -> 144 / 158 / 375 us; bs8 14.3 -> 10.2 us;
+# bench/results/2026-12-06_kda-verify-resident_91ae8da28d.json).
+VERIFY_RESIDENT_THREADS = 384
 STATE_REGS = 64  # fp32 state values one lane may hold (4 K col_lanes / 32)
 FULL_WAVE_BLOCKS = 2 * 132  # two blocks per SM of an H100 (132 SMs; an H200 the same)
 
