@@ -47,9 +47,10 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm.config import DTYPE_CODES, GDN_SUPPORTED_DIMS
+from trtllm_replayssm.config import DTYPE_CODES
 from trtllm_replayssm.families.gdn import steps as gdn_steps
 from trtllm_replayssm.families.gdn import trt_plugin as gdn_plugin
+from trtllm_replayssm.families.gdn.config import GDN_SUPPORTED_DIMS
 
 from .decode_step import (  # noqa: F401  (export_onnx: the one export of every step)
     DOMAIN,

@@ -56,11 +56,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 from trtllm_replayssm import (  # noqa: E402
-    config,
     costs,
     timing,  # noqa: E402
 )
 from trtllm_replayssm.config import SUPPORTED_NUM_TOKENS  # noqa: E402
+from trtllm_replayssm.families.gdn import config  # noqa: E402  (the GDN planner: monkeypatched by the sweeps)
 from trtllm_replayssm.families.gdn import ops as gdn_ops  # noqa: E402
 from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402

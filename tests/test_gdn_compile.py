@@ -12,8 +12,8 @@ import re
 import pytest
 
 from trtllm_replayssm import compile as cc
-from trtllm_replayssm import config
-from trtllm_replayssm.config import GDN_SUPPORTED_DIMS, GDNSpec, gdn_geometry, gdn_spec
+from trtllm_replayssm.families.gdn import config
+from trtllm_replayssm.families.gdn.config import GDN_SUPPORTED_DIMS, GDNSpec, gdn_geometry, gdn_spec
 
 ARCHS = (90, 100)
 

@@ -210,7 +210,7 @@ def test_replay_two_pass_shadow_geometry(act):
     """A bf16-shadow module at a batch where blocks cover a whole head in two passes (GDNSpec.passes = 2:
     one prologue, rows rb and rb + 64 per thread; bench/NOTES.md), from random cursors through flushes:
     y, checkpoint, buffers, the shadow bit for bit after each flush, padding rows and unused slots."""
-    from trtllm_replayssm.config import gdn_spec
+    from trtllm_replayssm.families.gdn.config import gdn_spec
 
     HV, H, V, K = QWEN3_NEXT
     batch, L = 40, 4

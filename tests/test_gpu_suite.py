@@ -7,7 +7,8 @@ import pytest
 
 from scripts import gpu_suite, warm_kernels
 from trtllm_replayssm import compile as _compile
-from trtllm_replayssm.config import GDNSpec, KernelSpec, Layout, Variant
+from trtllm_replayssm.config import KernelSpec, Layout, Variant
+from trtllm_replayssm.families.gdn.config import GDNSpec
 
 SPECS = [
     KernelSpec("f32", "bf16", 8, 64, 128, 2, 16, 8, 1, True, 90),

@@ -604,7 +604,7 @@ def test_verify_kernel_parameters_are_in_tensorrt_order(shadow):
 def test_gdn_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, shadow):
     """Qwen3-Next geometry (16 key heads, 32 value heads, 128 / 128): the entry's parameters are the
     inputs, two int32 scalars, the outputs; the module is gdn_ops' for the tactic's batch."""
-    from trtllm_replayssm.config import gdn_spec
+    from trtllm_replayssm.families.gdn.config import gdn_spec
 
     k = gp.aot_kernel(16, 32, 128, 128, 16, 1, "bf16", 90, tactic, shadow)
     params = re.search(rf"\.entry {k.kernel_name}\((.*?)\)", k.ptx.decode(), re.S).group(1)
@@ -620,7 +620,7 @@ def test_gdn_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, shadow):
 def test_gdn_verify_kernel_is_what_gdn_ops_launches_in_tensorrt_order(tactic, shadow):
     """gdn_verify at the Qwen3-Next geometry, T = 4, L = 16: the entry ``gdn_verify`` of the speculative
     module gdn_ops.gdn_replay_verify compiles, parameters in TensorRT's order."""
-    from trtllm_replayssm.config import gdn_spec
+    from trtllm_replayssm.families.gdn.config import gdn_spec
 
     k = gp.aot_verify_kernel(16, 32, 128, 128, 16, 1, 4, "bf16", 90, tactic, shadow)
     assert k.kernel_name == "gdn_verify"

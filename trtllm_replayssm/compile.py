@@ -12,7 +12,7 @@ Kernel sources: ``plugins/common/`` (conversions, warp scans: every family) and 
 ``"common/scan.cuh"`` and its own files by their plain names. A spec names its module through three members:
 ``entry_file`` (path under ``plugins/``), ``kernel_names`` (the module's entry points) and ``prelude()`` (the
 generated lines). :class:`~.config.KernelSpec` (Mamba-2: ``mamba2/replayssm_decode.cu``, speculative specs
-``mamba2/replayssm_spec.cu`` with ``constexpr int kT``) and :class:`~.config.GDNSpec` (Gated DeltaNet:
+``mamba2/replayssm_spec.cu`` with ``constexpr int kT``) and :class:`~.families.gdn.config.GDNSpec` (Gated DeltaNet:
 ``gdn/gdn_decode.cu``, ``gdn/gdn_spec.cu``) get theirs below; a family folder's spec type declares its own and is
 listed in its :class:`~.families.Family` (``spec_types``), which is also how :func:`spec_from_json` finds it.
 """

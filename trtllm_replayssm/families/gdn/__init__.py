@@ -5,7 +5,7 @@ State of one layer (:data:`STATE_TABLE`; the contract's table, :mod:`trtllm_repl
 this one by tests/test_families.py): the checkpoint S0 (S, HV, V, K) with an optional bf16 shadow, and the rings
 the exact fold and the output path read: the corrected updates u_j and v_j per value head, the l2-normalised k_j
 per key head, the log decays g_j and beta_j. The float64 spec is :mod:`.reference`; kernels ``plugins/gdn/``, spec
-:class:`~trtllm_replayssm.config.GDNSpec`, launchers :mod:`.ops`, executor steps :mod:`.steps`, cache layers
+:class:`.config.GDNSpec`, launchers :mod:`.ops`, executor steps :mod:`.steps`, cache layers
 :mod:`.layers`, TensorRT plugins :mod:`.trt_plugin`, bytes model ``costs.gdn_*``. The declaration is the family's one
 entry point for code that must not branch on a family's name.
 """
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from ... import costs
-from ...config import GDNSpec
 from ...geometries import GDN_GEOMETRIES
 from .. import Family, StateTensor
+from .config import GDNSpec
 
 GEOMETRY = ("HV", "Hk", "V", "K")  # value heads, key heads, value dim, key dim
 STATE_TABLE = (

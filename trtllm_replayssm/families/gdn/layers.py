@@ -58,7 +58,7 @@ class GDNLayers(LayerGroup):
                              f"no other), got {shadow_dtype}")
         if not cuda:
             return
-        from ...config import GDN_SUPPORTED_DIMS
+        from .config import GDN_SUPPORTED_DIMS
 
         for name, v in (("value_dim", V), ("key_dim", K)):
             if v not in GDN_SUPPORTED_DIMS:

@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 from ... import ops
-from ...config import DTYPE_CODES, GDN_SUPPORTED_DIMS, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS, gdn_spec
+from ...config import DTYPE_CODES, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS
 from ...launch import (
     F32,
     I32,
@@ -90,6 +90,7 @@ from ...launch import (
     require_cuda,
     values_checked,
 )
+from .config import GDN_SUPPORTED_DIMS, gdn_spec
 
 _BF16 = (torch.bfloat16,)
 

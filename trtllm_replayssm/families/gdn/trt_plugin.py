@@ -41,7 +41,6 @@ cursor for every layer, Mamba-2 or GDN).
 # decorates with issubclass(), so they must be classes, not strings.
 
 from ...compile import compile_spec
-from ...config import gdn_spec
 from ...trt_plugin import (
     ACT_DTYPES,
     TACTICS,
@@ -52,6 +51,7 @@ from ...trt_plugin import (
     check_dtypes,
     check_spec_attributes,
 )
+from .config import gdn_spec
 
 KERNEL_NAME = "gdn_replay_decode"
 VERIFY_KERNEL_NAME = "gdn_verify"
