@@ -93,8 +93,8 @@ bfloat16 (``replayssm::gdn_decode_shadow``), and per K layer, after kda_state_i:
 bfloat16 (``replayssm::kda_decode_shadow``); non-flush steps read it, flush steps rewrite it. With "fp8"
 (Mamba-2 layers) the M layer's shadow is ssm_shadow_i (nheads, headdim, dstate) float8_e4m3fn (ONNX
 FLOAT8E4M3FN) followed by ssm_shadow_scale_i (nheads, headdim) float32, its per-row scales. Speculative
-engines carry the same shadow states (``mamba2_verify_shadow`` / ``gdn_verify_shadow``: the verify graph updates
-them, the commit graph does not touch them).
+engines carry the same shadow states (``mamba2_verify_shadow`` / ``gdn_verify_shadow`` / ``kda_verify_shadow``: the
+verify graph updates them, the commit graph does not touch them).
 
 Speculative engines name the conv state ``conv_window_i`` (width K - 1 + num_draft instead of K). Each
 state's output is ``<name>_out``, same shape and dtype (in place in TensorRT: aliased plugin outputs).
