@@ -31,9 +31,7 @@ from .test_generation import (  # noqa: E402  (the engine tests' prompts, oracle
     check_seeded_sampling,
     reference,
 )
-from .test_preemption import MAX_TOKENS as PRE_MAX_TOKENS  # noqa: E402
-from .test_preemption import PROMPTS as PRE_PROMPTS  # noqa: E402
-from .test_preemption import assert_no_leak, requests, serve, slot_bits  # noqa: E402
+from .test_preemption import assert_no_leak, check_preemption, check_swap_round_trip  # noqa: E402,E501
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = 1e-5  # module docstring
@@ -221,50 +219,15 @@ def test_preempted_requests_equal_a_run_with_enough_slots(kimi, mode):
     """6 requests (greedy and seeded sampled) on 2 slots, quantum 2: every request is swapped out and back in several
     times, into other slots; its tokens equal the 6-slot run's (and generate's for the greedy ones); swap sizes are
     ``saved_nbytes``."""
-    model, _ = kimi
-    full, _ = serve(Engine(model, max_slots=6, max_seq_len=40, mode=mode, buffer_len=L), requests)
-    eng = Engine(model, max_slots=2, max_seq_len=40, mode=mode, buffer_len=L, preempt=True, preempt_quantum=2)
-    sizes = []
-    real = eng._swap_out
-
-    def spy(live):
-        want = eng.saved_nbytes(live.length)
-        real(live)
-        sizes.append(live.saved.nbytes == want)
-
-    eng._swap_out = spy
-    got, col = serve(eng, requests)
-    assert got == full
-    for k in (0, 2, 5):  # the greedy ones
-        assert got[k] == reference(model, PRE_PROMPTS[k], PRE_MAX_TOKENS[k])
-    st = eng.stats
-    assert st["preemptions"] >= 10 and st["resumes"] == st["preemptions"] and all(sizes), st
-    assert_no_leak(eng)
+    check_preemption(kimi[0], mode, L)
 
 
 def test_swap_round_trip_is_bit_exact_per_slot(kimi):
-    """save_slot of a decoding slot, load_saved into another row: that row holds the same bits in every per-slot
-    tensor (next input, length, conv windows, MLA latents, the cache slot); the saved tensors are those of
-    ``saved_spec``; corrupting one saved latent shows up (teeth)."""
-    model, _ = kimi
-    eng = Engine(model, max_slots=3, max_seq_len=40, mode="replay", buffer_len=L)
-    eng.submit(Request(PROMPTS[2], 20))
-    for _ in range(7):  # a prefill and 6 decode steps: the ring holds entries, the cursor is not 0
-        eng.step_once()
-    step, n = eng.step, eng.live[0].length
-    assert int(step.ssm.cache.cursor[0]) != 0
-    before = slot_bits(step, 0, n)
-    tensors, snap = step.save_slot(0, n)
-    spec = step.saved_spec(n)
-    assert {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()} == {k: (d, tuple(s)) for k, (d, s) in spec.items()}
-    step.load_saved(2, n, tensors, snap)
-    after = slot_bits(step, 2, n)
-    assert before.keys() == after.keys()
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
-    tensors["v.3"].view(-1)[3] += 1.0
-    step.load_saved(1, n, tensors, snap)
-    assert not torch.equal(slot_bits(step, 1, n)["v.3"], before["v.3"])
+    """save_slot / load_saved into another row: the same bits in every per-slot tensor
+    (next input, length, conv windows, MLA latents, the cache slot);
+    the saved tensors are ``saved_spec``'s; a corrupted saved state
+    shows up (teeth). tests/test_preemption.py's check."""
+    check_swap_round_trip(kimi[0], L, next_name=lambda tensors: "v.3")
 
 
 JOBS = [dict(prompt=[5, 9, 13, 200, 7, 1, 2, 3, 4], max_tokens=10),  # greedy

@@ -60,15 +60,33 @@ def assert_no_leak(eng):
 def test_preempted_requests_equal_a_run_with_enough_slots(model, mode):
     """6 requests on 2 slots, quantum 2: every request is swapped out and back in several times, into other slots;
     its tokens equal the 6-slot run's (and generate's for the greedy ones)."""
-    full, _ = serve(Engine(model, max_slots=6, max_seq_len=40, mode=mode, buffer_len=4), requests)
-    eng = Engine(model, max_slots=2, max_seq_len=40, mode=mode, buffer_len=4, preempt=True, preempt_quantum=2)
+    check_preemption(model, mode, 4)
+
+
+def check_preemption(model, mode: str, buffer_len: int) -> None:
+    """The preemption check of every model kind's engine (Nemotron-H here; Kimi-Linear, GLM-5 Next beside their
+    steps' tests): 6 requests (greedy and seeded sampled) on 2 slots, quantum 2, each swapped out and back in, into
+    other slots; tokens equal the 6-slot run's (and generate's for the greedy ones), every swap holds
+    ``saved_nbytes``, no slot leaks."""
+    full, _ = serve(Engine(model, max_slots=6, max_seq_len=40, mode=mode, buffer_len=buffer_len), requests)
+    eng = Engine(model, max_slots=2, max_seq_len=40, mode=mode, buffer_len=buffer_len, preempt=True,
+                 preempt_quantum=2)
+    sizes = []
+    real = eng._swap_out
+
+    def spy(live):
+        want = eng.saved_nbytes(live.length)
+        real(live)
+        sizes.append(live.saved.nbytes == want)
+
+    eng._swap_out = spy
     got, col = serve(eng, requests)
     assert got == full
     for k in (0, 2, 5):  # the greedy ones
         assert got[k] == reference(model, PROMPTS[k], MAX_TOKENS[k])
     assert [col.final[i].finish_reason for i in col.final] == ["length"] * 6
     st = eng.stats
-    assert st["preemptions"] >= 10 and st["resumes"] == st["preemptions"], st
+    assert st["preemptions"] >= 10 and st["resumes"] == st["preemptions"] and all(sizes), st
     assert 0 < st["swapped_bytes_peak"] <= st["swap_out_bytes"]
     assert_no_leak(eng)
 
@@ -86,23 +104,35 @@ def test_swap_round_trip_is_bit_exact_per_slot(model):
     """save_slot of a decoding slot, load_saved into another row: that row holds the same bits in every per-slot
     tensor (the next input, length, conv windows, K/V, SSM state / cache slot), K/V past the length zero; corrupting
     one saved value shows up (teeth)."""
-    eng = Engine(model, max_slots=3, max_seq_len=40, mode="replay", buffer_len=4)
+    check_swap_round_trip(model, 4, next_name=lambda tensors: next(n for n in tensors if n.startswith("k.")))
+
+
+def check_swap_round_trip(model, buffer_len: int, next_name) -> None:
+    """The swap check of every model kind's step: a decoding slot (a prefill and 6 decode steps: the ring holds
+    entries) saved and loaded into another row holds the same bits in every per-slot tensor; the saved tensors are
+    ``saved_spec``'s where the step declares one; the tensor ``next_name(tensors)`` corrupted shows up (teeth)."""
+    eng = Engine(model, max_slots=3, max_seq_len=40, mode="replay", buffer_len=buffer_len)
     eng.submit(Request(PROMPTS[2], 20))
-    for _ in range(7):  # a prefill and 6 decode steps: the ring holds entries, the cursor is not 0
+    for _ in range(7):
         eng.step_once()
-    live = eng.live[0]
-    step, L = eng.step, live.length
-    before = slot_bits(step, 0, L)
-    tensors, snap = step.save_slot(0, L)
-    step.load_saved(2, L, tensors, snap)
-    after = slot_bits(step, 2, L)
+    step, n = eng.step, eng.live[0].length
+    cache = getattr(getattr(step, "ssm", None), "cache", None)
+    assert cache is None or int(cache.cursor[0]) != 0  # the ring holds entries: the swap must carry them
+    before = slot_bits(step, 0, n)
+    tensors, snap = step.save_slot(0, n)
+    if hasattr(step, "saved_spec"):
+        spec = step.saved_spec(n)
+        assert {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()} == \
+            {k: (d, tuple(s)) for k, (d, s) in spec.items()}
+    step.load_saved(2, n, tensors, snap)
+    after = slot_bits(step, 2, n)
     assert before.keys() == after.keys()
     for k in before:
         assert torch.equal(before[k], after[k]), k
-    name = next(n for n in tensors if n.startswith("k."))
+    name = next_name(tensors)
     tensors[name].view(-1)[3] += 1.0
-    step.load_saved(1, L, tensors, snap)
-    assert not torch.equal(slot_bits(step, 1, L)[name], before[name])
+    step.load_saved(1, n, tensors, snap)
+    assert not torch.equal(slot_bits(step, 1, n)[name], before[name])
 
 
 def slot_bits(step, row, length):
