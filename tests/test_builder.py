@@ -25,10 +25,7 @@ All runs use L = 4 and 3L+1 steps, so every row crosses at least three flushes.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -46,6 +43,8 @@ if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H
 
 from builders.decode_step import DOMAIN, OP_TYPE, NemotronHDecodeStep, export_onnx
 from builders.nemotron_h import TINY3_CONFIG, TINY_CONFIGS, CheckpointError, load_nemotron_h, mamba_layers, patch_replayssm
+
+from .build_cli import build_engine  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 L = 4
@@ -497,9 +496,7 @@ def test_moe_checkpoint_errors_name_the_key(model3, tmp_path, change, match):
 
 # ---- scripts/build_engine.py ----------------------------------------------------------------------
 def _build(*args):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=170, check=False)
+    return build_engine(*args, timeout=170)
 
 
 @pytest.mark.parametrize("tiny", TINIES)

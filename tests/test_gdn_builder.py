@@ -280,15 +280,9 @@ def test_onnx_gather_formulation_reproduces_the_patched_model(tmp_path):
 
 # ---- scripts/build_engine.py for the GDN families -------------------------------------------------------
 def _build(*args):
-    import os
-    import pathlib
-    import subprocess
-    import sys
+    from .build_cli import build_engine
 
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(root / "scripts" / "build_engine.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=170, check=False)
+    return build_engine(*args, timeout=170)
 
 
 @pytest.mark.parametrize("tiny", sorted(FAMILIES))

@@ -28,10 +28,7 @@ TensorRT cannot be installed here: the plan build is a GPU test that skips witho
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -44,6 +41,7 @@ from builders.decode_step import DOMAIN  # noqa: E402
 from builders.kda import text_model, tiny_model  # noqa: E402
 from trtllm_replayssm.families.kda import trt_plugin as kp  # noqa: E402
 
+from .build_cli import build_engine  # noqa: E402
 from .test_generation import MAX_TOKENS, PROMPTS  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,10 +89,7 @@ def stable_topk(monkeypatch):
     return _stable_topk(monkeypatch)
 
 
-def _build(*args):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
+_build = build_engine
 
 
 @pytest.fixture(scope="module")

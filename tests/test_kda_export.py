@@ -15,10 +15,7 @@ build is a GPU test that skips without it."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,6 +27,8 @@ from builders import engine_format as ef  # noqa: E402
 from builders.decode_step import DOMAIN  # noqa: E402
 from builders.kda import tiny_model  # noqa: E402
 from trtllm_replayssm.families.kda import trt_plugin as kp  # noqa: E402
+
+from .build_cli import build_engine  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 L, MAX_SEQ, BATCH = 4, 32, 2  # a small ring: the 14 steps below fold it 3 times
@@ -43,10 +42,7 @@ needs_ort = pytest.mark.skipif(
     reason="onnxruntime and onnxruntime-extensions are needed to run the graph on the CPU")
 
 
-def _build(*args):
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "build_engine.py"), *map(str, args)],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)
+_build = build_engine
 
 
 @pytest.fixture(scope="module")
