@@ -100,6 +100,27 @@ class PluginInfo:
                     aliased_outputs={self.outputs[o]: self.inputs[i] for o, i in self.aliases.items()})
 
 
+def with_shadow(inputs: tuple, outputs: tuple, aliases: dict, shadow: tuple = ("shadow",)) -> tuple:
+    """A plugin's tensors with its shadow state appended: (inputs + shadow, outputs + <shadow>_out, aliases + each
+    shadow output aliased to its input)."""
+    outs = tuple(f"{n}_out" for n in shadow)
+    return (inputs + shadow, outputs + outs,
+            {**aliases, **{len(outputs) + j: len(inputs) + j for j in range(len(shadow))}})
+
+
+def decode_verify_plugins(names: tuple, kernel: str, verify_kernel: str, tensors: tuple, shadow_tensors: tuple,
+                          attributes: tuple) -> dict:
+    """The four plugins of a family's ring step: ``names`` = (decode, decode_shadow, verify, verify_shadow);
+    ``tensors`` / ``shadow_tensors`` = (inputs, outputs, aliases) without / with the shadow. The verify plugins take
+    the same tensor names (their step inputs carry a window axis, the cursor is (slots, 2)) and the attributes plus
+    ``num_tokens``."""
+    verify_attributes = attributes + ("num_tokens",)
+    return {names[0]: PluginInfo(names[0], kernel, *tensors, attributes),
+            names[1]: PluginInfo(names[1], kernel, *shadow_tensors, attributes),
+            names[2]: PluginInfo(names[2], verify_kernel, *tensors, verify_attributes),
+            names[3]: PluginInfo(names[3], verify_kernel, *shadow_tensors, verify_attributes)}
+
+
 PLUGINS = {  # the shared plugins; each family's are in its module (family_plugins)
     COMMIT_PLUGIN_NAME: PluginInfo(COMMIT_PLUGIN_NAME, COMMIT_KERNEL_NAME, COMMIT_INPUT_NAMES, COMMIT_OUTPUT_NAMES,
                                    COMMIT_ALIASES, COMMIT_ATTRIBUTES),

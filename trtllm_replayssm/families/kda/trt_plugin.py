@@ -48,10 +48,11 @@ from ...trt_plugin import (
     TACTICS,
     TRT_TYPE_NAMES,
     AotKernel,
-    PluginInfo,
     as_int,
     check_dtypes,
     check_spec_attributes,
+    decode_verify_plugins,
+    with_shadow,
 )
 from .config import kda_spec
 
@@ -63,22 +64,14 @@ INPUT_NAMES = ("q", "k", "v", "f", "b", "A_log", "dt_bias", "state_batch_indices
                "u_cache", "g_cache", "v_cache", "beta_cache")
 OUTPUT_NAMES = ("y", "state_out", "k_cache_out", "u_cache_out", "g_cache_out", "v_cache_out", "beta_cache_out")
 ALIASES = {1: 9, 2: 10, 3: 11, 4: 12, 5: 13, 6: 14}
-SHADOW_INPUT_NAMES = INPUT_NAMES + ("shadow",)
-SHADOW_OUTPUT_NAMES = OUTPUT_NAMES + ("shadow_out",)
-SHADOW_ALIASES = {**ALIASES, 7: 15}
+SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES, SHADOW_ALIASES = with_shadow(INPUT_NAMES, OUTPUT_NAMES, ALIASES)
 DECODE, DECODE_SHADOW, VERIFY, VERIFY_SHADOW = "kda_decode", "kda_decode_shadow", "kda_verify", "kda_verify_shadow"
 DECODE_PLUGINS = (DECODE, DECODE_SHADOW)
 VERIFY_PLUGINS = (VERIFY, VERIFY_SHADOW)
 SHADOW_PLUGINS = (DECODE_SHADOW, VERIFY_SHADOW)
-PLUGINS = {
-    DECODE: PluginInfo(DECODE, KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES, ALIASES, ATTRIBUTES),
-    DECODE_SHADOW: PluginInfo(DECODE_SHADOW, KERNEL_NAME, SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES, SHADOW_ALIASES,
-                              ATTRIBUTES),
-    # same tensor names as kda_decode[_shadow]: q, k, v, f, b carry a window axis, cursor is (S, 2)
-    VERIFY: PluginInfo(VERIFY, VERIFY_KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES, ALIASES, VERIFY_ATTRIBUTES),
-    VERIFY_SHADOW: PluginInfo(VERIFY_SHADOW, VERIFY_KERNEL_NAME, SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES,
-                              SHADOW_ALIASES, VERIFY_ATTRIBUTES),
-}
+PLUGINS = decode_verify_plugins((DECODE, DECODE_SHADOW, VERIFY, VERIFY_SHADOW), KERNEL_NAME, VERIFY_KERNEL_NAME,
+                                (INPUT_NAMES, OUTPUT_NAMES, ALIASES),
+                                (SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES, SHADOW_ALIASES), ATTRIBUTES)
 
 
 def lower_bound_bits(lower_bound: float | None) -> int:

@@ -96,10 +96,11 @@ from ...trt_plugin import (
     TACTICS,
     TRT_TYPE_NAMES,
     AotKernel,
-    PluginInfo,
     as_int,
     check_dtypes,
     check_spec_attributes,
+    decode_verify_plugins,
+    with_shadow,
 )
 
 PLUGIN_NAME = "mamba2_decode"
@@ -113,9 +114,8 @@ ALIASES = {1: 9, 2: 10, 3: 11, 4: 12}  # output index -> input index
 
 SHADOW_PLUGIN_NAME = "mamba2_decode_shadow"
 SHADOW_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{SHADOW_PLUGIN_NAME}"
-SHADOW_INPUT_NAMES = INPUT_NAMES + ("shadow", "shadow_scale")
-SHADOW_OUTPUT_NAMES = OUTPUT_NAMES + ("shadow_out", "shadow_scale_out")
-SHADOW_ALIASES = {**ALIASES, 5: 13, 6: 14}
+SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES, SHADOW_ALIASES = with_shadow(INPUT_NAMES, OUTPUT_NAMES, ALIASES,
+                                                                    ("shadow", "shadow_scale"))
 SHADOW_KINDS = ("bf16", "fp8")
 
 VERIFY_PLUGIN_NAME = "mamba2_verify"
@@ -130,15 +130,9 @@ VERIFY_SHADOW_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{VERIFY_SHADOW_PLUGIN_NAME}"
 DECODE_PLUGINS = (PLUGIN_NAME, SHADOW_PLUGIN_NAME)
 VERIFY_PLUGINS = (VERIFY_PLUGIN_NAME, VERIFY_SHADOW_PLUGIN_NAME)
 
-PLUGINS = {
-    PLUGIN_NAME: PluginInfo(PLUGIN_NAME, KERNEL_NAME, INPUT_NAMES, OUTPUT_NAMES, ALIASES, ATTRIBUTES),
-    SHADOW_PLUGIN_NAME: PluginInfo(SHADOW_PLUGIN_NAME, KERNEL_NAME, SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES,
-                                   SHADOW_ALIASES, ATTRIBUTES),
-    VERIFY_PLUGIN_NAME: PluginInfo(VERIFY_PLUGIN_NAME, VERIFY_KERNEL_NAME, VERIFY_INPUT_NAMES, VERIFY_OUTPUT_NAMES,
-                                   VERIFY_ALIASES, VERIFY_ATTRIBUTES),
-    VERIFY_SHADOW_PLUGIN_NAME: PluginInfo(VERIFY_SHADOW_PLUGIN_NAME, VERIFY_KERNEL_NAME, SHADOW_INPUT_NAMES,
-                                          SHADOW_OUTPUT_NAMES, SHADOW_ALIASES, VERIFY_ATTRIBUTES),
-}
+PLUGINS = decode_verify_plugins((PLUGIN_NAME, SHADOW_PLUGIN_NAME, VERIFY_PLUGIN_NAME, VERIFY_SHADOW_PLUGIN_NAME),
+                                KERNEL_NAME, VERIFY_KERNEL_NAME, (INPUT_NAMES, OUTPUT_NAMES, ALIASES),
+                                (SHADOW_INPUT_NAMES, SHADOW_OUTPUT_NAMES, SHADOW_ALIASES), ATTRIBUTES)
 
 
 def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int, state: str, act: str,
