@@ -261,6 +261,23 @@ def check_seeded_sampling(model):
     assert a == b and a != reference(model, PROMPTS[0], 12)
 
 
+def check_prefix_cache(model, L: int) -> None:
+    """The engine's prefix cache on a model kind's step (the Kimi-Linear and GLM-5 Next tests): a shared 8-token
+    prefix, blocks of 4; the later prompts compute only their suffix and every request's tokens equal generate."""
+    eng = Engine(model, max_slots=2, max_seq_len=64, mode="replay", buffer_len=L, prefix_cache_tokens=64,
+                 prefix_block=4)
+    shared = [7, 3, 11, 19, 2, 5, 8, 1]
+    prompts = [shared + [4, 60], shared + [33, 9, 12], shared]
+    got = Collect()
+    ids = [eng.submit(Request(p, 6, on_output=got)) for p in prompts]
+    eng.run_until_idle()
+    for p, i in zip(prompts, ids):
+        assert got.tokens[i] == reference(model, p, 6)
+    st = eng.stats
+    assert (st["prefix_hits"], st["prefill_tokens_reused"], st["prefill_tokens_computed"]) == (2, 16, 13), st
+    assert_idle(eng)
+
+
 def test_256_concurrent_streams_on_16_slots(tiny):
     """256 streams at once from 8 client threads onto 16 slots: every one served to its length in order of its own
     tokens, the queue drained, every slot free again (nothing leaks); a sample checked against generate."""

@@ -29,7 +29,7 @@ from builders.glm5_step import Glm5Step  # noqa: E402
 from builders.kda import text_model, tiny_model  # noqa: E402
 from builders.kimi_step import MODES  # noqa: E402
 
-from .test_generation import MAX_TOKENS, PROMPTS, Collect, assert_idle, reference  # noqa: E402
+from .test_generation import MAX_TOKENS, PROMPTS, Collect, assert_idle, check_prefix_cache, reference  # noqa: E402
 from .test_preemption import assert_no_leak, check_preemption, check_swap_round_trip  # noqa: E402,E501
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -239,19 +239,7 @@ def test_prefix_cache_reuses_a_shared_prompt_prefix(glm):
     """The engine's prefix cache (deep copies of transformers' cache: the KDA layers' conv and recurrent states, the
     DSA layers' latents and indexer keys) with a shared 8-token prefix: later prompts compute only their suffix, and
     every request's tokens still equal generate."""
-    model, _ = glm
-    eng = Engine(model, max_slots=2, max_seq_len=64, mode="replay", buffer_len=L, prefix_cache_tokens=64,
-                 prefix_block=4)
-    shared = [7, 3, 11, 19, 2, 5, 8, 1]
-    prompts = [shared + [4, 60], shared + [33, 9, 12], shared]
-    got = Collect()
-    ids = [eng.submit(Request(p, 6, on_output=got)) for p in prompts]
-    eng.run_until_idle()
-    for p, i in zip(prompts, ids):
-        assert got.tokens[i] == reference(model, p, 6)
-    st = eng.stats
-    assert (st["prefix_hits"], st["prefill_tokens_reused"], st["prefill_tokens_computed"]) == (2, 16, 13), st
-    assert_idle(eng)
+    check_prefix_cache(glm[0], L)
 
 
 # ---- CUDA: the KDA kernels behind the same step -------------------------------------------------------------------

@@ -28,6 +28,7 @@ from .test_generation import (  # noqa: E402  (the engine tests' prompts, oracle
     PROMPTS,
     Collect,
     assert_idle,
+    check_prefix_cache,
     check_seeded_sampling,
     reference,
 )
@@ -275,19 +276,7 @@ def test_prefix_cache_reuses_a_shared_prompt_prefix(kimi):
     """The engine's prefix cache (snapshots of transformers' cache: the KDA layers' conv and recurrent states, the MLA
     latents) with a shared 8-token prefix: the later prompts start from it (only their suffix is computed), and every
     request's tokens still equal generate."""
-    model, _ = kimi
-    eng = Engine(model, max_slots=2, max_seq_len=64, mode="replay", buffer_len=L, prefix_cache_tokens=64,
-                 prefix_block=4)
-    shared = [7, 3, 11, 19, 2, 5, 8, 1]
-    prompts = [shared + [4, 60], shared + [33, 9, 12], shared]
-    got = Collect()
-    ids = [eng.submit(Request(p, 6, on_output=got)) for p in prompts]
-    eng.run_until_idle()
-    for p, i in zip(prompts, ids):
-        assert got.tokens[i] == reference(model, p, 6)
-    st = eng.stats
-    assert (st["prefix_hits"], st["prefill_tokens_reused"], st["prefill_tokens_computed"]) == (2, 16, 13), st
-    assert_idle(eng)
+    check_prefix_cache(kimi[0], L)
 
 
 # ---- CUDA: the KDA kernels behind the same engine ----------------------------------------------------------------
