@@ -343,8 +343,14 @@ class StepIO:
         return out if cursor is None else (cursor, out)
 
     def _shadow_of(self, state) -> list[torch.Tensor]:
-        """The checkpoint shadow state of a layer whose checkpoint is ``state`` ([] without a shadow)."""
-        return []
+        """The checkpoint shadow state(s) of a layer whose checkpoint is ``state``: [] without a shadow, [q] for bf16,
+        [q, per-row scale] for fp8 (the one quantizer, as the kernels store it)."""
+        if self.shadow == "none":
+            return []
+        from trtllm_replayssm.reference import Shadow
+
+        sh = Shadow.of(state, self.shadow)
+        return [sh.q] if sh.scale is None else [sh.q, sh.scale]
 
     def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
         """Layer i's K and V from a transformers cache holding ``lengths`` tokens, padded to max_seq_len."""
@@ -466,14 +472,6 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
             if kind in letters:
                 specs += layer_state_specs(letters[kind], i, sizes, dtypes, self.speculative, self.shadow)
         return specs
-
-    def _shadow_of(self, state) -> list[torch.Tensor]:
-        if self.shadow == "none":
-            return []
-        from trtllm_replayssm.reference import Shadow
-
-        sh = Shadow.of(state, self.shadow)  # the one quantizer, as the kernels store
-        return [sh.q] if sh.scale is None else [sh.q, sh.scale]
 
     def _patched_ssm(self, decoder, i: int):
         """Mamba layer i of a patched model (ReplaySSMDecoder): (checkpoint, standard buffers x, B, dt)."""

@@ -462,11 +462,6 @@ class KimiKDADecodeStep(StepIO, torch.nn.Module):
                                        self.speculative, self.shadow)
         return specs
 
-    def _shadow_of(self, state) -> list[torch.Tensor]:
-        from trtllm_replayssm.reference import Shadow
-
-        return [] if self.shadow == "none" else [Shadow.of(state, self.shadow).q]
-
     def _patched_ssm(self, decoder, i: int):
         """KDA layer i of a patched model (builders/kda.py's KDAReplayDecoder): (checkpoint, rings k, u, g, v, beta)."""
         b = decoder.bufs[i]

@@ -234,12 +234,6 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
                                        self.speculative, self.shadow)
         return specs
 
-    def _shadow_of(self, state) -> list[torch.Tensor]:
-        """[the bf16 shadow of a GDN checkpoint] with a shadow, else []."""
-        from trtllm_replayssm.reference import Shadow
-
-        return [] if self.shadow == "none" else [Shadow.of(state, self.shadow).q]
-
     def _patched_ssm(self, decoder, i: int):
         """GDN layer i of a patched model (GDNReplayDecoder): (checkpoint, standard buffers u, v, k, g, beta)."""
         b = decoder.bufs[i]
