@@ -62,12 +62,19 @@ def test_io_contract_types_and_attributes():
 
 @pytest.mark.parametrize("name, shadow", [(kp.DECODE, "none"), (kp.DECODE_SHADOW, "bf16")])
 def test_register_through_a_tensorrt_stand_in(fake_trt, name, shadow):  # noqa: F811
-    trt, trtp, registry = fake_trt
+    attrs = {**ATTRS, "lower_bound_bits": kp.lower_bound_bits(-5.0)}
+    _check_registered(fake_trt, name, shadow, attrs, kp.io_shapes("b", "s", *list(attrs.values())[:4], shadow),
+                      ("num_heads", 6, "num_heads=6 but the inputs have 4"), kp.aot_kernel)
+
+
+def _check_registered(trt_stand_in, name, shadow, attrs, shapes, bad, aot):
+    """A plugin registered through the TensorRT stand-in: its tensors and attributes, the aliased outputs, a wrong
+    attribute (``bad`` = (name, value, message)) refused by desc, the tune's type combination, and per tactic the
+    AOT kernel, grid and extra arguments equal to ``aot(*attrs, "bf16", 90, tactic, shadow)``'s."""
+    trt, trtp, registry = trt_stand_in
     info = tp.all_plugins()[name]
     reg = registry[info.id]
     assert reg["tensors"] == list(info.inputs) and reg["attrs"] == list(info.attributes)
-    attrs = {**ATTRS, "lower_bound_bits": kp.lower_bound_bits(-5.0)}
-    shapes = kp.io_shapes("b", "s", *list(attrs.values())[:4], shadow)
     back = {"FP32": "f32", "BF16": "bf16", "FP16": "f16", "INT32": "i32"}
     dtypes = {n: back[t] for n, t in zip(info.inputs, kp.type_combination("bf16", shadow))}
     fields = {k: np.array([v], dtype=np.int32) for k, v in attrs.items()}
@@ -75,14 +82,14 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, name, shadow):  # noqa: 
     outs = reg["desc"](*ins, **fields)
     for o, desc in enumerate(outs):
         assert (desc.aliased_to is ins[info.aliases[o]]) if o in info.aliases else desc.aliased_to is None
-    with pytest.raises(ValueError, match="num_heads=6 but the inputs have 4"):
-        reg["desc"](*ins, **{**attrs, "num_heads": 6})
+    with pytest.raises(ValueError, match=bad[2]):
+        reg["desc"](*ins, **{**attrs, bad[0]: bad[1]})
     combos = reg["tune"](*ins, outs)
     assert ", ".join(kp.type_combination("bf16", shadow)) in [c.io_types for c in combos]
     env = dict(batch=5, slots=7)
     for tactic in sorted(tp.TACTICS):
         kname, ptx, launch, extra = reg["aot"](*ins, *fields.values(), outs, tactic)
-        want = kp.aot_kernel(*attrs.values(), "bf16", 90, tactic, shadow)
+        want = aot(*attrs.values(), "bf16", 90, tactic, shadow)
         assert (kname, ptx) == (want.kernel_name, want.ptx)
         assert tuple(_ev(getattr(launch, f"grid_{a}"), env) for a in "xyz") == want.grid(5)
         assert [_ev(e, env) for e in extra] == [5, 7]
@@ -131,27 +138,6 @@ def test_verify_io_contract_types_and_attributes():
 
 @pytest.mark.parametrize("name, shadow", [(kp.VERIFY, "none"), (kp.VERIFY_SHADOW, "bf16")])
 def test_register_verify_through_a_tensorrt_stand_in(fake_trt, name, shadow):  # noqa: F811
-    trt, trtp, registry = fake_trt
-    info = tp.all_plugins()[name]
-    reg = registry[info.id]
-    assert reg["tensors"] == list(info.inputs) and reg["attrs"] == list(info.attributes)
-    attrs = {**VATTRS, "lower_bound_bits": kp.lower_bound_bits(-5.0)}
-    shapes = kp.io_shapes("b", "s", 4, 64, 128, 8, shadow, 4)
-    back = {"FP32": "f32", "BF16": "bf16", "FP16": "f16", "INT32": "i32"}
-    dtypes = {n: back[t] for n, t in zip(info.inputs, kp.type_combination("bf16", shadow))}
-    fields = {k: np.array([v], dtype=np.int32) for k, v in attrs.items()}
-    ins = _descs(trtp, name, shapes, dtypes)
-    outs = reg["desc"](*ins, **fields)
-    for o, desc in enumerate(outs):
-        assert (desc.aliased_to is ins[info.aliases[o]]) if o in info.aliases else desc.aliased_to is None
-    with pytest.raises(ValueError, match="num_tokens=2 but the inputs have 4"):
-        reg["desc"](*ins, **{**attrs, "num_tokens": 2})
-    combos = reg["tune"](*ins, outs)
-    assert ", ".join(kp.type_combination("bf16", shadow)) in [c.io_types for c in combos]
-    env = dict(batch=5, slots=7)
-    for tactic in sorted(tp.TACTICS):
-        kname, ptx, launch, extra = reg["aot"](*ins, *fields.values(), outs, tactic)
-        want = kp.aot_verify_kernel(*attrs.values(), "bf16", 90, tactic, shadow)
-        assert (kname, ptx) == (want.kernel_name, want.ptx)
-        assert tuple(_ev(getattr(launch, f"grid_{a}"), env) for a in "xyz") == want.grid(5)
-        assert [_ev(e, env) for e in extra] == [5, 7]
+    _check_registered(fake_trt, name, shadow, {**VATTRS, "lower_bound_bits": kp.lower_bound_bits(-5.0)},
+                      kp.io_shapes("b", "s", 4, 64, 128, 8, shadow, 4),
+                      ("num_tokens", 2, "num_tokens=2 but the inputs have 4"), kp.aot_verify_kernel)
