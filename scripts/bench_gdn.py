@@ -134,7 +134,7 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
     conv_b, _ = costs.gdn_bytes_per_position(HV, H, V, K, L)
     row = dict(geom="qwen3_next", **geom, L=L, batch=batch, rotations=R, act="bf16",
                conv_geometry=config.gdn_geometry(V, K, HV, batch, False),
-               replay_geometry=config.gdn_geometry(V, K, HV, batch, True),
+               replay_geometry=config.gdn_plan(V, K, HV, batch, True),
                shadow_passes=config.gdn_passes(V, K, HV, batch, True, "bf16"))
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
@@ -166,20 +166,18 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
     return row
 
 
-def pin_replay_rt(rt: int) -> None:
-    """Replace the planner's replay geometry by ``rt`` state rows per thread (8-warp blocks of the planner's lanes
-    per row; capped at V rows): gdn_spec and gdn_passes read config.gdn_geometry at every call."""
-    planned = config.gdn_geometry
+def pin_replay(**shape) -> None:
+    """Pin the replay modules' launch shape for the rest of the process (config.override: lanes, rt, warps,
+    resident; the sweep of the small-batch plan, issue 40)."""
+    config.override(**shape).__enter__()
 
-    def geometry(V, K, HV, batch, replay, num_tokens=0):
-        rows, warps, lanes = planned(V, K, HV, batch, replay, num_tokens)
-        if not replay:
-            return rows, warps, lanes
-        _, rpw, _ = config.gdn_layout(K, lanes)
-        rows = min(V, rpw * rt * config.GDN_REPLAY_WARPS)
-        return rows, rows // (rpw * rt), lanes
 
-    config.gdn_geometry = geometry
+def parse_replay_shape(text: str) -> dict:
+    """``LANES:RT:WARPS[:RESIDENT]`` (each an integer or ``-`` for the planner's) -> pin_replay's keywords."""
+    parts = text.split(":")
+    if len(parts) not in (3, 4) or not all(x == "-" or x.isdigit() for x in parts):
+        raise ValueError(f"--replay-shape: expected LANES:RT:WARPS[:RESIDENT] (integers or -), got {text!r}")
+    return {k: None if x == "-" else int(x) for k, x in zip(("lanes", "rt", "warps", "resident"), parts)}
 
 
 FLA = None  # fla's fused_recurrent_gated_delta_rule when --fla-path has it (main)
@@ -230,7 +228,7 @@ def bench_spec_point(batch, L=16, T=4, seed=0, geom=QWEN3_NEXT, p_accept=0.8):
         return fn
 
     row = dict(geom="qwen3_next", **geom, L=L, T=T, batch=batch, rotations=R, act="bf16", p_accept=p_accept,
-               verify_geometry=config.gdn_geometry(V, K, HV, batch, True, T),
+               verify_geometry=config.gdn_plan(V, K, HV, batch, True, T),
                native_geometry=config.gdn_geometry(V, K, HV, batch, False))
     weights, tokens_per_step = timing.spec_count_weights(T, L, p_accept)
     row["tokens_per_step"] = tokens_per_step
@@ -318,6 +316,9 @@ def main():
                     help="1: pin every shadow module to one pass per block (the A/B baseline of GDNSpec.passes)")
     ap.add_argument("--replay-rt", choices=("auto", "1", "2", "4"), default="auto",
                     help="pin the replay modules' state rows per thread (a sweep of the planner's small-batch rule)")
+    ap.add_argument("--replay-shape", default="",
+                    help="LANES:RT:WARPS[:RESIDENT] (- keeps the planner's): pin the replay modules' lanes per row, "
+                         "rows per thread, warps per block and resident threads per SM")
     args = ap.parse_args()
     try:  # every flag before any GPU work
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
@@ -331,13 +332,20 @@ def main():
         ap.error(f"--T {args.T}, --L {args.L}: expected T in {SUPPORTED_NUM_TOKENS} and L >= 2T (flush one window early)")
     if args.shadow_passes == "1":  # gdn_spec reads config.gdn_passes at every call; the key says _x2 or not
         config.gdn_passes = lambda *a, **k: 1
+    try:
+        shape = parse_replay_shape(args.replay_shape) if args.replay_shape else {}
+    except ValueError as e:
+        ap.error(str(e))
     if args.replay_rt != "auto":
-        pin_replay_rt(int(args.replay_rt))
+        shape["rt"] = int(args.replay_rt)
+    if shape:
+        pin_replay(**shape)
     if not torch.cuda.is_available():
         sys.exit("bench_gdn.py needs a CUDA GPU")
     ceiling = copy_ceiling_tbps()
     meta = dict(**timing.run_meta(commit=args.commit),
-                copy_ceiling_tbps=ceiling, replay_rt=args.replay_rt)
+                copy_ceiling_tbps=ceiling, replay_rt=args.replay_rt,
+                replay_shape=args.replay_shape or "planned")
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     if args.spec:
         return main_spec(args, meta, ceiling)

@@ -33,13 +33,16 @@ def main():
     ap.add_argument("--k", type=int, default=1, help="buffer position 1..L (L: the flush step)")
     ap.add_argument("--shadow", choices=("none", "bf16"), default="none")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--replay-rt", choices=("auto", "1", "2", "4"), default="auto",
-                    help="pin the replay module's state rows per thread (bench_gdn.py --replay-rt)")
+    ap.add_argument("--replay-shape", default="",
+                    help="LANES:RT:WARPS[:RESIDENT]: pin the replay module's launch shape (bench_gdn.py --replay-shape)")
     args = ap.parse_args()
-    if args.replay_rt != "auto":
-        from bench_gdn import pin_replay_rt
+    if args.replay_shape:
+        from bench_gdn import parse_replay_shape, pin_replay
 
-        pin_replay_rt(int(args.replay_rt))
+        try:
+            pin_replay(**parse_replay_shape(args.replay_shape))
+        except ValueError as e:
+            ap.error(str(e))
     if not 1 <= args.k <= args.L:
         ap.error(f"--k: expected 1..{args.L}, got {args.k}")
     HV, H, V, K = GDN_GEOMETRIES["qwen3_next_80b"]

@@ -108,6 +108,7 @@ constexpr int kChunks = kV / kRows;
 constexpr int kHPK = kHV / kHK;                  // value heads per key head
 constexpr int kShadow = GDN_SHADOW;
 static_assert(kK % (4 * kLPR) == 0 && 32 % kLPR == 0 && kLPR >= 4, "K must fill whole 16-byte vectors per lane");
+static_assert((kVPL & (kVPL - 1)) == 0, "16-byte vectors per lane: a power of two (dot_cols sums them pairwise)");
 static_assert((kPasses == 1 || kPasses == 2) && kRows % kPasses == 0, "GDN_PASSES: 1 or 2");
 static_assert(kRowsPass % (kRPW * kWarps) == 0 && kRT >= 1, "rows per pass must split evenly over warps");
 static_assert((kRT & (kRT - 1)) == 0 && 2 * kRT <= kLPR, "rows per thread: a power of two, 2 kRT <= lanes per row");
@@ -173,13 +174,22 @@ __device__ __forceinline__ float from_group_lane(float v, int src) {  // lane sr
 using Cols = float[kVPL][4];  // one row's K columns held by this lane
 using Rows = float[kRT][kVPL][4];
 
+// One partial sum per 16-byte vector, then summed pairwise: a dependent chain of 4 FMAs + log2(kVPL) adds
+// instead of 4 kVPL FMAs (the fold's per-entry dot is on its serial chain; issue 40). kVPL = 1 (the conventional
+// modules' 32 lanes a row) is the single chain it always was.
 __device__ __forceinline__ float dot_cols(const float (&s)[kVPL][4], const Cols& c) {
-  float acc = 0.f;
+  float part[kVPL];
 #pragma unroll
-  for (int v = 0; v < kVPL; ++v)
+  for (int v = 0; v < kVPL; ++v) {
+    part[v] = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc = fmaf(s[v][e], c[v][e], acc);
-  return acc;
+    for (int e = 0; e < 4; ++e) part[v] = fmaf(s[v][e], c[v][e], part[v]);
+  }
+#pragma unroll
+  for (int w = kVPL / 2; w >= 1; w /= 2)
+#pragma unroll
+    for (int v = 0; v < w; ++v) part[v] += part[v + w];
+  return part[0];
 }
 
 // ---- per-step inputs ---------------------------------------------------------------------------
@@ -236,11 +246,19 @@ __device__ __forceinline__ float output_step(float mine, const StepIn& in, float
   return u;
 }
 
+// u of this thread's row r, which lane r of the row group holds. One row per thread: every lane of the group
+// already holds it, bit for bit (an xor butterfly adds the same two partial sums on both lanes of each pair, and
+// a + b == b + a in IEEE arithmetic), so no shuffle.
+__device__ __forceinline__ float row_u(float u_mine, int r) {
+  if constexpr (kRT == 1) return u_mine;
+  else return from_group_lane(u_mine, r);
+}
+
 // S <- exp(g) S + u k^T for this thread's rows; u of row r sits on lane r of the row group.
 __device__ __forceinline__ void rank1_update(Rows& st, float u_mine, float eg, const Cols& k) {
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    const float u = from_group_lane(u_mine, r);
+    const float u = row_u(u_mine, r);
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
@@ -251,7 +269,7 @@ __device__ __forceinline__ void rank1_update(Rows& st, float u_mine, float eg, c
 __device__ __forceinline__ void rank1_add(Rows& st, float u_mine, const Cols& k) {
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    const float u = from_group_lane(u_mine, r);
+    const float u = row_u(u_mine, r);
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
@@ -510,7 +528,7 @@ __device__ __forceinline__ void smem_cols(Cols& out, const float* row, const Lan
 // Exact fold of m staged entries (fs.k[j], fs.v[j][row], fs.g[j], fs.beta[j]; FlushSmem here, the
 // speculative module's FoldSmem) into this thread's rows: S <- exp(g_j) S + u_j k_j^T with
 // u_j = beta_j (v_j - exp(g_j) S k_j). Lazy decay: the rows hold T with S_j = D_j T, so each entry costs
-// one FMA per element for the dot and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset)
+// one FMA per element for the dot and one for the update (T += u (1 / D_j) k_j); T is rescaled (and D reset)
 // when D_j falls below kRenorm. D_j is per (slot, head), so the branch is block-uniform.
 template <typename Smem>
 __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& c, int m) {
@@ -525,8 +543,12 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
 #pragma unroll
     for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
     const float Dj = D * expf(fs.g[j]);
+    const bool rescale = Dj < kRenorm;
+    // 1 / D_j depends on the gates only, so it issues while the dot reduces: the update multiplies by it
+    // instead of dividing u by D_j at the end of the entry's dependent chain (within an ulp of u / D_j).
+    const float inv = rescale ? 1.f : __frcp_rn(Dj);
     const float u = fs.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
-    if (Dj < kRenorm) {
+    if (rescale) {
 #pragma unroll
       for (int r = 0; r < kRT; ++r)
 #pragma unroll
@@ -537,7 +559,7 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
     } else {
       D = Dj;
     }
-    rank1_add(st, u / D, kj);
+    rank1_add(st, u * inv, kj);
   }
   if (D != 1.f) {
 #pragma unroll

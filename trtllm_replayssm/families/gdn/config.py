@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Gated DeltaNet kernel specializations and launch geometry (plugins/gdn/): :class:`GDNSpec` names everything
-compiled into one module, :func:`gdn_geometry` / :func:`gdn_passes` the planner, :func:`gdn_spec` the spec of a call.
+compiled into one module, :func:`gdn_plan` (:func:`gdn_geometry`, :func:`override`) / :func:`gdn_passes` the
+planner, :func:`gdn_spec` the spec of a call.
 The dtype tables and the limits every family shares stay in :mod:`trtllm_replayssm.config`."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -68,6 +70,9 @@ class GDNSpec:
     num_tokens: int = 0
     # standard decode only: the block's rows in ``passes`` passes under one prologue (gdn.cuh, GDN_PASSES)
     passes: int = 1
+    # threads per SM the kernels are built for (``__launch_bounds__`` min blocks = resident / threads: caps the
+    # registers); grids under one block per SM can afford fewer resident threads and more registers (gdn_plan)
+    resident: int = GDN_RESIDENT_THREADS
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -93,6 +98,9 @@ class GDNSpec:
             raise ValueError(f"GDNSpec rows={self.rows}, warps={self.warps}, passes={self.passes}: rows must divide "
                              f"V={self.V}, be passes*warps*{rpw}*rt with rt a power of two <= {lpr // 2}, warps in "
                              f"1..{GDN_MAX_WARPS}")
+        if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < self.threads:
+            raise ValueError(f"GDNSpec.resident: expected an int >= threads per block ({self.threads}), "
+                             f"got {self.resident!r}")
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int):
             raise TypeError(f"GDNSpec.num_tokens: expected an int, got {type(self.num_tokens).__name__}")
         if self.num_tokens:
@@ -119,7 +127,8 @@ class GDNSpec:
                 f"_R{self.rows}_W{self.warps}_P{gdn_layout(self.K, self.lanes)[0]}_n{int(self.l2norm)}"
                 + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}"
-                + (f"_T{self.num_tokens}" if self.num_tokens else "") + (f"_x{self.passes}" if self.passes > 1 else ""))
+                + (f"_T{self.num_tokens}" if self.num_tokens else "") + (f"_x{self.passes}" if self.passes > 1 else "")
+                + (f"_r{self.resident}" if self.resident != GDN_RESIDENT_THREADS else ""))
 
     @property
     def threads(self) -> int:
@@ -128,7 +137,7 @@ class GDNSpec:
     @property
     def min_blocks(self) -> int:
         """Resident blocks per SM the kernels are built for (``__launch_bounds__``; caps registers)."""
-        return max(1, GDN_RESIDENT_THREADS // self.threads)
+        return max(1, self.resident // self.threads)
 
     @property
     def entry_file(self) -> str:
@@ -212,6 +221,39 @@ def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: 
     return rows, rows // (rpw * rt), lpr
 
 
+_OVERRIDE: dict = {}
+
+
+@contextlib.contextmanager
+def override(lanes: int | None = None, rt: int | None = None, warps: int | None = None, resident: int | None = None):
+    """Pin the replay modules' launch shape inside the block (benchmark sweeps; tests of shapes the planner does not
+    pick for their batch): ``lanes`` per row, ``rt`` state rows per thread, ``warps`` per block (rows per block =
+    rows one warp load covers x rt x warps, capped at V) and ``resident`` threads per SM (GDNSpec.resident); None
+    keeps the planner's. Conventional modules are not affected."""
+    old = dict(_OVERRIDE)
+    _OVERRIDE.update({k: v for k, v in (("lanes", lanes), ("rt", rt), ("warps", warps), ("resident", resident))
+                      if v is not None})
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
+        _OVERRIDE.update(old)
+
+
+def gdn_plan(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: int = 0) -> tuple[int, int, int, int]:
+    """(rows per block, warps, lanes per row, resident threads per SM): :func:`gdn_geometry` and the register
+    budget, with :func:`override`'s pins applied to replay modules."""
+    rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay, num_tokens)
+    resident = GDN_RESIDENT_THREADS
+    if replay and _OVERRIDE:
+        lanes, rpw, _ = gdn_layout(K, _OVERRIDE.get("lanes", lanes))
+        rt = _OVERRIDE.get("rt") or max(1, rows // (rpw * warps))
+        rows = min(V, rpw * rt * _OVERRIDE.get("warps", GDN_REPLAY_WARPS))
+        warps = rows // (rpw * rt)
+        resident = _OVERRIDE.get("resident", resident)
+    return rows, warps, lanes, resident
+
+
 def gdn_passes(V: int, K: int, HV: int, batch: int, replay: bool, shadow: str, num_tokens: int = 0) -> int:
     """Passes per block of the standard decode module: 2 for a replay module with a shadow where the grid
     keeps a full wave of warps with blocks of twice the rows (bench/NOTES.md, "Shadow modules in two passes
@@ -219,7 +261,7 @@ def gdn_passes(V: int, K: int, HV: int, batch: int, replay: bool, shadow: str, n
     share); 1 otherwise (fp32 modules are bound by their DRAM stream; small batches by latency)."""
     if not replay or shadow == "none" or num_tokens:
         return 1
-    rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay)
+    rows, warps, lanes, _ = gdn_plan(V, K, HV, batch, replay)
     _, rpw, _ = gdn_layout(K, lanes)
     rt = rows // (rpw * warps)
     if V % (2 * rows) or batch * HV * V // (rpw * rt * 2) < GDN_FULL_WAVE_WARPS:
@@ -231,6 +273,7 @@ def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, repl
              l2norm: bool = True, scale: float | None = None, arch: int = 90, num_tokens: int = 0) -> GDNSpec:
     """The module for this geometry and batch. ``num_tokens`` = T >= 1: the speculative module, with the
     replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``."""
-    rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay, num_tokens)
+    rows, warps, lanes, resident = gdn_plan(V, K, HV, batch, replay, num_tokens)
     passes = gdn_passes(V, K, HV, batch, replay, shadow, num_tokens)
-    return GDNSpec(act, HV, H, V, K, L, rows * passes, warps, lanes, shadow, l2norm, scale, arch, num_tokens, passes)
+    return GDNSpec(act, HV, H, V, K, L, rows * passes, warps, lanes, shadow, l2norm, scale, arch, num_tokens, passes,
+                   resident)
