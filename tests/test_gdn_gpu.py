@@ -199,6 +199,25 @@ def test_replay_strong_decay_rescales_in_the_fold():
     run(pb, 2 * 8 + 1)
 
 
+# Replay launch shapes the planner may pick for small grids (config.override: lanes per row, rows per thread,
+# warps, resident threads per SM), each from random cursors through flushes, with and without the bf16 shadow.
+PINNED_SHAPES = [(8, 1, 8, 768), (8, 2, 4, 512), (8, 2, 8, 512), (4, 1, 4, 256), (16, 2, 8, 768)]
+
+
+@pytest.mark.parametrize("shape", PINNED_SHAPES, ids=lambda s: "l%d_rt%d_w%d_r%d" % s)
+@pytest.mark.parametrize("shadow", [False, True], ids=["f32", "shadow"])
+def test_replay_pinned_shapes(shape, shadow):
+    from trtllm_replayssm.families.gdn import config
+
+    lanes, rt, warps, resident = shape
+    with config.override(lanes=lanes, rt=rt, warps=warps, resident=resident):
+        HV, H, V, K = QWEN3_NEXT
+        spec = config.gdn_spec("bf16", HV, H, V, K, 8, 2, True, "bf16" if shadow else "none")
+        assert (spec.lanes, spec.warps, spec.resident) == (lanes, warps, resident)
+        pb = Problem(QWEN3_NEXT, torch.bfloat16, 8, 2, 5, (1,) if shadow else (), seed=17 + rt, shadow=shadow)
+        run(pb, 3 * 8 + 1)
+
+
 def test_replay_large_batch_geometry():
     """A batch large enough for the full 8-rows-per-thread geometry (grid of > 1 wave)."""
     pb = Problem((32, 16, 128, 128), torch.bfloat16, 4, 40, 44, (3,), seed=11)
