@@ -55,10 +55,15 @@ has a slot (TensorRT-LLM's CUDA-graph padding rows are dummy requests with real 
 
 Refused, by name: a speculative config (verify is TensorRT-LLM's and would read its pool, which decode no longer
 updates), a bf16 state pool or a batch-dense state (``ssm_state_indices`` None: no slots to find our rings by;
-``TLLM_KDA_ENABLE_INDEXED_STATE_POOL=1`` and ``mamba_ssm_cache_dtype: float32``), multi-token decode, a cache manager
-that moves live requests between slots (``relocate_slots``: the V2 managers, which GLM-5 Next's TensorRT-LLM class
-prefers, so GLM-5 Next routes only on a V1 manager until relocation is wired) or reuses blocks
+``TLLM_KDA_ENABLE_INDEXED_STATE_POOL=1`` and ``mamba_ssm_cache_dtype: float32``), multi-token decode, block reuse, a
+cache manager that moves live requests between slots but exposes no relocation hook we follow
 (:func:`.install.check_cache_manager`), a fp8 shadow (no fp8 KDA shadow).
+
+Relocation (the V2 managers, which GLM-5 Next's TensorRT-LLM class prefers): :func:`.install.follow_relocation` wraps
+the manager's hook (its strategy's ``relocate_slots``, 28295084) so that :meth:`KDAReplayAdapter.relocate` moves the
+moved slots' checkpoint, shadow, rings and cursor (``ReplayStateCache.move_slots``) right after TensorRT-LLM moved the
+request's pages, between steps. The V2 per-layer views are strided (a slot stride of several states); nothing here
+assumes otherwise (the pool is read per slot, the conv windows through index_select / index_copy_).
 
 Load-time check (:func:`check_kda_mixer_class`): the mixer's source must call ``self._dispatch.decode_kda(...)`` and
 no KDA decode kernel directly (``torch.ops.trtllm.kda_decode``); ``fused_recurrent_kda`` is allowed (the branch our
