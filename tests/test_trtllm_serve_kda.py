@@ -358,7 +358,9 @@ def test_state_pool_dtype_activations_and_layers_are_checked(monkeypatch):
         kda.KDAReplayAdapter(buffer_len=0)
 
 
-def test_cache_managers_that_move_or_reuse_slots_are_refused(monkeypatch):
+def test_cache_managers_that_move_slots_without_a_hook_or_reuse_blocks_are_refused(monkeypatch):
+    """A manager that can move slots but has none of the relocation hooks we follow (here a relocate_slots of its
+    own, which no TensorRT-LLM manager has), block reuse, and a speculative config are refused by name."""
     routed, _, mine, _, _, gen = _pair(monkeypatch)
     md = metadata(gen, [], [3], mine)
 
@@ -367,7 +369,7 @@ def test_cache_managers_that_move_or_reuse_slots_are_refused(monkeypatch):
             pass
 
     md.kv_cache_manager = V2Like(mine.pools, mine.convs)
-    with pytest.raises(RuntimeError, match="relocate_slots.* use_kv_cache_manager_v2=False"):
+    with pytest.raises(RuntimeError, match="exposes no relocation hook.*relocate_slots.* use_kv_cache_manager_v2=False"):
         routed.forward(md)
     md.kv_cache_manager = Manager(mine.pools, mine.convs)
     md.kv_cache_manager.enable_block_reuse = True
@@ -375,6 +377,166 @@ def test_cache_managers_that_move_or_reuse_slots_are_refused(monkeypatch):
         routed.forward(md)
     with pytest.raises(RuntimeError, match="a speculative_config is set"):
         type(routed)(types.SimpleNamespace(**{**vars(routed.model_config), "spec_config": object()}))
+
+
+# ---- V2 managers: live requests relocated between slots -------------------------------------------------------------
+class Strategy:
+    """The state-update strategy of a non-speculative V2 manager (common.py 28295084, ``MambaStateUpdateStrategy``):
+    ``relocate_slots`` / ``reset_slots`` own nothing to move. Records its calls (TensorRT-LLM's own runs first)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def relocate_slots(self, old_slots, new_slots):
+        self.calls.append((list(old_slots), list(new_slots)))
+
+    def reset_slots(self, slots, host_slots):
+        pass
+
+
+def _strided_pools(pools, convs):
+    """V2's state views (mamba_cache_manager_v2.py 28295084, ``_get_state_buffer``): the KDA layers' same-size states
+    share one page per slot, so each layer's view is ``as_strided`` with slot stride 2 x one state (here KDA_LAYERS
+    interleaved in one buffer, ssm and conv alike); values copied from ``pools`` / ``convs``."""
+    out = []
+    for src in (pools, convs):
+        raw = torch.empty(2 * S, *src[KDA_LAYERS[0]].shape[1:], dtype=F64)
+        views = {i: raw[j::2] for j, i in enumerate(KDA_LAYERS)}
+        for i, v in views.items():
+            assert not v.is_contiguous()
+            v.copy_(src[i])
+        out.append(views)
+    return out
+
+
+class V2Manager(Manager):
+    """MambaHybridCacheManagerV2 as far as relocation goes (mamba_cache_manager_v2.py 28295084,
+    ``_setup_state_indices`` from ``prepare_resources``, before the step's forward): the generation requests' slots
+    change; V2 has moved their pages (ssm and conv states: the request's pool rows are at its new slot); then the hook
+    gets (old slots, new slots) of the generation requests, -1 for a request it has not seen. ``hook``: "strategy"
+    (``get_state_update_strategy().relocate_slots``, 28295084) or "method" (``self._on_state_slots_relocated``, the
+    earlier V2 manager)."""
+
+    def __init__(self, pools, convs, hook="strategy"):
+        super().__init__(*_strided_pools(pools, convs))
+        self.hook, self.strategy, self.slot_of, self.method_calls = hook, Strategy(), {}, []
+        if hook == "strategy":
+            self.get_state_update_strategy = lambda: self.strategy
+
+    def _on_state_slots_relocated(self, old_slots, new_slots):
+        if self.hook != "method":
+            raise AssertionError("the strategy's hook is the one called")
+        self.method_calls.append((list(old_slots), list(new_slots)))
+
+    def prepare(self, generation: dict, finished=()):
+        """Slots of this step's generation requests ({request: slot}); ``finished`` requests are freed first."""
+        for r in finished:
+            self.slot_of.pop(r)
+        old = [self.slot_of.get(r, -1) for r in generation]
+        new = list(generation.values())
+        moves = [(o, n) for o, n in zip(old, new) if o >= 0 and o != n]
+        if moves:  # the pages move with the requests: gathered before any is written
+            src, dst = (torch.tensor(v) for v in zip(*moves))
+            for t in (*self.pools.values(), *self.convs.values()):
+                t[dst] = t[src].clone()
+        self.slot_of.update(generation)
+        if self.hook == "strategy":
+            self.get_state_update_strategy().relocate_slots(old, new)
+        else:
+            self._on_state_slots_relocated(old, new)
+
+
+def _retarget(md, manager, prefill_slots, decode_slots):
+    """md's inputs (row by row) over another manager and other slots; fresh outputs."""
+    return types.SimpleNamespace(**{**vars(md), "kv_cache_manager": manager,
+                                    "mamba_metadata": types.SimpleNamespace(state_indices=torch.tensor(
+                                        prefill_slots + decode_slots, dtype=torch.int32)),
+                                    "out": {i: torch.full_like(t, SENTINEL) for i, t in md.out.items()}})
+
+
+# Requests A, B, C; their slots without relocation (the oracle's and the twin's) and, per step, the relocated run's.
+HOME = {"A": 3, "B": 1, "C": 4}
+# (prefill, decode, finished before the step, relocated slots {request: slot} of the step)
+RELOCATIONS = (
+    [(["A"], [], (), {"A": 3}),
+     (["B", "C"], ["A"], (), {"A": 3, "B": 1, "C": 4}),
+     ([], ["A", "B", "C"], (), {"A": 3, "B": 1, "C": 4}),
+     ([], ["A", "B", "C"], (), {"A": 3, "B": 1, "C": 4}),
+     # C done; A (cursor 3: mid-ring) moves onto C's freed slot 4, which still holds C's rings and cursor 2
+     ([], ["A", "B"], ("C",), {"A": 4, "B": 1}),
+     # a swap: A (cursor 0, just flushed) and B (cursor 3)
+     ([], ["A", "B"], (), {"A": 1, "B": 4})]
+    + [([], ["A", "B"], (), {"A": 1, "B": 4})] * (L + 1)
+    # a chain: A leaves slot 1 for 0 while B takes slot 1 (a destination that is another move's source)
+    + [([], ["A", "B"], (), {"A": 0, "B": 1})] * (2 * L + 2))
+
+
+@pytest.mark.parametrize("hook", ["strategy", "method"])
+@pytest.mark.parametrize("shadow", [None, "bf16"])
+def test_relocated_requests_continue_as_if_never_moved(monkeypatch, hook, shadow):
+    """A V2 manager (stand-in above, strided pools) relocating live requests between steps (RELOCATIONS: mid-ring,
+    onto a slot freed earlier, a swap, a chain) against the same requests never moved: outputs, every layer's state
+    and the cursors of the relocated run equal a routed twin's (V1 manager, slots HOME) bit for bit, and the unrouted
+    oracle's outputs to 1e-10 (fp32 checkpoint; with the bf16 shadow the twin comparison alone)."""
+    routed, oracle, mine, ref, (pools, convs), gen = _pair(monkeypatch, shadow=shadow)
+    twin_model = kda.make_kda_model_class(FakeKDAModel, KimiKDALinearAttention)(routed.model_config)
+    v2 = V2Manager(pools, convs, hook)
+    ad, tw = routed.replayssm, twin_model.replayssm
+    moved = 0
+    for prefill, decode, finished, where in RELOCATIONS:
+        v2.prepare({r: where[r] for r in decode}, finished)
+        for r in prefill:
+            v2.slot_of[r] = where[r]
+        md = metadata(gen, [HOME[r] for r in prefill], [HOME[r] for r in decode], mine)
+        md_v2 = _retarget(md, v2, [where[r] for r in prefill], [where[r] for r in decode])
+        md_ref = _retarget(md, ref, [HOME[r] for r in prefill], [HOME[r] for r in decode])
+        twin_model.forward(attn_metadata=md)
+        routed.forward(attn_metadata=md_v2)
+        oracle.forward(md_ref)
+        moved += sum(where[r] != HOME[r] for r in decode)
+        for i in KDA_LAYERS:
+            assert torch.equal(md_v2.out[i], md.out[i]), i
+            if shadow is None:
+                torch.testing.assert_close(md_v2.out[i], md_ref.out[i], rtol=TOL, atol=TOL)
+            for r in decode:
+                assert torch.equal(ad.current_state(i, where[r]), tw.current_state(i, HOME[r])), (i, r)
+                assert torch.equal(v2.convs[i][where[r]], mine.convs[i][HOME[r]]), (i, r)
+        for r in decode:
+            assert int(ad.cache.cursor[where[r]]) == int(tw.cache.cursor[HOME[r]]), r
+    assert moved > 0
+    calls = v2.strategy.calls if hook == "strategy" else v2.method_calls
+    assert ([4, 1], [1, 4]) in calls and ([1, 4], [0, 1]) in calls  # the swap and the chain reached the hook
+    if hook == "strategy":  # our follower wraps TensorRT-LLM's own hook on the instance, which still runs
+        assert type(v2.strategy).relocate_slots is Strategy.relocate_slots
+        assert len(v2.strategy.relocate_slots.replayssm_followers) == 1
+
+
+def test_a_relocation_moves_only_the_moved_slots(monkeypatch):
+    """The follower alone (no model step): slots that are no destination keep everything, sources included; a move
+    before the cache exists is a no-op; a relocation inside an open step is refused; bad destinations are named."""
+    routed, _, mine, _, (pools, convs), gen = _pair(monkeypatch)
+    ad = routed.replayssm
+    ad.relocate([3], [1])  # nothing allocated yet
+    for prefill, decode in SCHEDULE[:4]:
+        routed.forward(attn_metadata=metadata(gen, prefill, decode, mine))
+    c = ad.cache
+    before = c.snapshot(range(S))
+    install = sys.modules["trtllm_replayssm_module.install"]
+    src, dst = install.relocation_moves([3, 1, 2, -1], [1, 3, 2, 0])  # a swap; 2 stays; -1 is a fresh request
+    assert (src, dst) == ([3, 1], [1, 3])
+    ad.relocate(src, dst)
+    after = c.snapshot(range(S))
+    for name, t in before.tensors.items():
+        dim = 0 if name == "cursor" else 1
+        for s_old, s_new in ((3, 1), (1, 3), (0, 0), (2, 2), (4, 4)):
+            assert torch.equal(after.tensors[name].select(dim, s_new), t.select(dim, s_old)), (name, s_old)
+    with pytest.raises(ValueError, match="distinct destination slots"):
+        install.relocation_moves([3, 1], [0, 0])
+    with pytest.raises(IndexError, match="expected slots in 0..4"):
+        ad.relocate([3], [S])
+    ad._sbi = torch.tensor([1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="relocate: a model step is open"):
+        ad.relocate([3], [0])
 
 
 def test_a_decode_step_that_never_reaches_the_adapter_raises(monkeypatch):

@@ -229,6 +229,127 @@ def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, 
             assert int(adapter.cursor[s]) == 0
 
 
+class V2Relocating:
+    """MambaHybridCacheManagerV2 as far as relocation goes (mamba_cache_manager_v2.py 28295084,
+    ``_setup_state_indices`` from ``prepare_resources``, before the step's forward): the generation requests' slots
+    change; V2 has moved their pages (the ssm state rows are at the new slot); then
+    ``get_state_update_strategy().relocate_slots(old, new)`` (common.py 28295084) with -1 for a request it has not
+    seen. The default (non-speculative) strategy owns nothing to move: it records the call."""
+
+    def __init__(self, ssm_states):
+        self.ssm_states, self.slot_of, self.calls = ssm_states, {}, []
+        self.strategy = types.SimpleNamespace(relocate_slots=lambda old, new: self.calls.append((old, new)))
+
+    def get_state_update_strategy(self):
+        return self.strategy
+
+    def prepare(self, generation: dict, finished=()):
+        for r in finished:
+            self.slot_of.pop(r)
+        old, new = [self.slot_of.get(r, -1) for r in generation], list(generation.values())
+        moves = [(o, n) for o, n in zip(old, new) if o >= 0 and o != n]
+        if moves:  # the pages move with the requests, gathered before any is written
+            src, dst = (torch.tensor(v) for v in zip(*moves))
+            for t in self.ssm_states.values():
+                t[dst] = t[src].clone()
+        self.slot_of.update(generation)
+        self.get_state_update_strategy().relocate_slots(old, new)
+
+
+# Requests A, B, C: their slots never moved, and (prefill, decode, finished before the step, the relocated run's
+# slots) per step: A mid-ring onto C's freed slot, a swap of A and B, a chain (B takes the slot A leaves).
+HOME = {"A": 3, "B": 5, "C": 0}
+RELOCATIONS = (
+    [(["A"], [], (), {"A": 3}),
+     (["B", "C"], ["A"], (), {"A": 3, "B": 5, "C": 0}),
+     ([], ["A", "B", "C"], (), {"A": 3, "B": 5, "C": 0}),
+     ([], ["A", "B", "C"], (), {"A": 3, "B": 5, "C": 0}),
+     ([], ["A", "B"], ("C",), {"A": 0, "B": 5}),
+     ([], ["A", "B"], (), {"A": 5, "B": 0})]
+    + [([], ["A", "B"], (), {"A": 5, "B": 0})] * (L + 1)
+    + [([], ["A", "B"], (), {"A": 6, "B": 5})] * (2 * L + 2))
+
+
+@pytest.mark.parametrize("shadow", ["none", "bf16", "fp8"])
+def test_relocated_requests_continue_as_if_never_moved(fake_trtllm, shadow):
+    """A relocating V2 manager (stand-in above) between steps (RELOCATIONS): the routed model's outputs, states
+    (checkpoint + rings) and cursors equal a routed twin's whose requests never move (slots HOME), bit for bit, and
+    the conventional oracle's to 1e-10 (fp32 checkpoint; the shadows' rounding is compared through the twin alone)."""
+    import functools
+
+    mixer_cls, model_cls = fake_trtllm
+    H, P, N, G, S, pattern = 4, 8, 16, 2, 7, "M*M"
+    layers = tuple(mod.mamba_layer_indices(pattern))
+    gen = torch.Generator().manual_seed(11)
+    prm = {i: fp32_params(H, gen) for i in layers}
+    oracle = [mixer_cls(layer_idx=i, head_dim=P, d_state=N, **prm[i]) for i in layers]
+    twin = build_model(mixer_cls, model_cls, pattern, prm, P, N)  # built before patching: routed by hand
+    tw = ReplaySSMAdapter(buffer_len=L, shadow=shadow)
+    for m in twin.mixers:
+        if isinstance(m, mixer_cls):
+            m.selective_state_update_func = functools.partial(mod.replay_selective_state_update, adapter=tw,
+                                                              layer_idx=m.layer_idx)
+    adapter = patch_classes(mixer_cls, model_cls, ReplaySSMAdapter(buffer_len=L, shadow=shadow))
+    model = build_model(mixer_cls, model_cls, pattern, prm, P, N)
+    replay_step = sys.modules["trtllm_replayssm_module.install"].replay_step
+
+    init = {i: torch.randn(S, H, P, N, generator=gen, dtype=F64) for i in layers}
+    ssm = {k: {i: init[i].clone() for i in layers} for k in ("v2", "twin", "conv")}
+    v2 = V2Relocating(ssm["v2"])
+    moved = 0
+    for pre, dec, finished, where in RELOCATIONS:
+        v2.prepare({r: where[r] for r in dec}, finished)
+        v2.slot_of.update({r: where[r] for r in pre})
+        nd = len(dec)
+        inputs = {i: dict(prefill_state=torch.randn(len(pre), H, P, N, generator=gen, dtype=F64),
+                          x=torch.randn(nd, H, P, generator=gen, dtype=F64),
+                          B=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                          C=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                          dt=torch.randn(nd, H, generator=gen, dtype=F64) - 2.0) for i in layers}
+        home = [HOME[r] for r in pre + dec]
+        md_v2 = metadata([where[r] for r in pre + dec], len(pre), ssm["v2"], inputs, H, P)
+        md_v2.kv_cache_manager = v2
+        md_tw = metadata(home, len(pre), ssm["twin"], inputs, H, P)
+        md_conv = metadata(home, len(pre), ssm["conv"], inputs, H, P)
+        model.forward(md_v2)
+        replay_step(tw, twin, mixer_cls, md_tw, lambda md=md_tw: [m.forward(md) for m in twin.mixers])  # unpatched
+        for m in oracle:
+            m.forward(md_conv)
+        moved += sum(where[r] != HOME[r] for r in dec)
+        for i in layers:
+            if not dec:
+                continue
+            assert torch.equal(md_v2.out[i], md_tw.out[i]), i
+            if shadow == "none":
+                err = (md_v2.out[i] - md_conv.out[i]).norm() / md_conv.out[i].norm()
+                assert err < 1e-10, (i, float(err))
+            for r in dec:
+                a, b = where[r], HOME[r]
+                assert int(adapter.cursor[a]) == int(tw.cursor[b]), r
+                assert torch.equal(ssm["v2"][i][a], ssm["twin"][i][b]), (i, r)  # the checkpoint (TensorRT-LLM's)
+                for name in ("x_cache", "B_cache", "dt_cache", "shadow_storage", "scale_storage"):
+                    if adapter.layers[i].get(name) is not None:
+                        assert torch.equal(adapter.layers[i][name][a], tw.layers[i][name][b]), (i, r, name)
+                if shadow == "none":
+                    torch.testing.assert_close(adapter.current_state(i, a), ssm["conv"][i][b], rtol=1e-10,
+                                               atol=1e-10)
+    assert moved > 0 and ([0, 5], [5, 0]) in v2.calls and ([5, 0], [6, 5]) in v2.calls
+    assert len(v2.strategy.relocate_slots.replayssm_followers) == 1  # one follower, however many steps
+
+
+def test_a_strided_state_pool_is_refused_by_name():
+    """TensorRT-LLM's V2 per-layer state views (mamba_cache_manager_v2.py 28295084, ``_get_state_buffer``: slot
+    stride page_index_scale x one state) are not what the Mamba-2 kernels address: refused before anything is
+    allocated or written, naming the expected strides."""
+    kw, adapter = _call_args(), ReplaySSMAdapter(buffer_len=L)
+    raw = torch.randn(2 * kw["state"].shape[0], *kw["state"].shape[1:], dtype=kw["state"].dtype)
+    kw["state"] = raw[::2]
+    before = raw.clone()
+    with pytest.raises(NotImplementedError, match=r"strides \(.*expect a contiguous \(slots, 4, 8, 16\) pool"):
+        _step(adapter, kw)
+    assert torch.equal(raw, before) and adapter.cursor is None and not adapter.layers
+
+
 @pytest.mark.parametrize("shadow, tol", [("bf16", 1e-2), ("fp8", 1.5e-1)])
 def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, shadow, tol, monkeypatch):
     """With a checkpoint shadow (TRTLLM_REPLAYSSM_SHADOW) on the Nemotron 3 pattern, through the schedule above:
@@ -570,8 +691,9 @@ def test_slot_tensor_given_as_none_or_int64_serves_every_layer(form):
 
 
 def test_cache_configurations_replayssm_cannot_follow_are_refused_before_a_step():
-    """The V2 hybrid cache manager (moves live requests between slots) and block reuse (commits ssm_states
-    without our buffered tokens) are refused by name before anything runs; the V1 manager is accepted once."""
+    """A V2 hybrid cache manager (moves live requests between slots) with no relocation hook we can follow and block
+    reuse (commits ssm_states without our buffered tokens) are refused by name before anything runs; the V1 manager is
+    accepted once. (A V2 manager with its hook is followed: test_relocated_requests_continue_as_if_never_moved.)"""
     import importlib
 
     replay_step = importlib.import_module("trtllm_replayssm_module.install").replay_step

@@ -96,6 +96,8 @@ another cache of the same configuration, another process through :meth:`Snapshot
 not the checkpoint folded with the ring). Preemption: :meth:`~ReplayStateCache.swap_out` (snapshot to pinned host
 memory, asynchronous on CUDA, then free) and :meth:`~ReplayStateCache.swap_in` (take free slots, restore).
 ``tests/test_state_lifecycle.py`` checks it under random schedules against a twin that never stopped.
+Moving live slots in place (a serving cache manager that relocates requests, a beam reorder):
+:meth:`~ReplayStateCache.move_slots` (every tensor a slot owns, sources read before destinations are written).
 
 ``conv_dim=0`` holds no conv windows (a caller that keeps its own, e.g. builders/model_step.py's
 channels-innermost ones, skips conv_update).
@@ -150,6 +152,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _raw(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as uint8 (same bytes): index_copy_ has no fp8 kernel on the CPU."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def move_rows(t: torch.Tensor, dim: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Rows ``dst[i]`` of ``t`` along ``dim`` take rows ``src[i]``, bits as stored (fp8 as bytes): the gather is
+    materialized before the scatter, so overlapping moves (a swap, a cycle) read every source before any is
+    overwritten; rows that are no destination keep their values. ``src``, ``dst``: int64 on ``t``'s device, ``dst``
+    distinct. The slot move of :meth:`ReplayStateCache.move_slots` and of caches kept outside one (the
+    trtllm-serve module's Mamba-2 rings)."""
+    r = _raw(t)
+    r.index_copy_(dim, dst, r.index_select(dim, src))
 
 
 def _safetensors():
@@ -564,17 +576,40 @@ class ReplayStateCache:
     def gather_slots(self, src: torch.Tensor) -> None:
         """Slot s takes what slot ``src[s]`` held, in every layer and its cursor (src (num_slots,) int, repeats
         allowed): the reorder a beam search applies to its cache (every beam continues one parent). Between
-        steps only; no host read of ``src``'s values (a graph-safe gather)."""
+        steps only; no host read of ``src``'s values (a graph-safe gather). :meth:`move_slots` onto every slot."""
         if not isinstance(src, torch.Tensor) or src.dtype not in (torch.int32, torch.int64) \
                 or tuple(src.shape) != (self.num_slots,):
             raise ValueError(f"src: expected a ({self.num_slots},) integer tensor, got "
                              f"{tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__}")
+        self.move_slots(src, torch.arange(self.num_slots, device=src.device), "gather_slots")
+
+    def move_slots(self, src, dst, what: str = "move_slots") -> None:
+        """Slot ``dst[i]`` takes what slot ``src[i]`` held: every tensor a slot owns (checkpoint, shadow and
+        scales, rings, conv window, cursor; :meth:`snapshot`'s list), copied as stored, so a moved slot continues
+        bit-identically. All sources are read before any destination is written (a swap or a cycle moves whole
+        slots); slots that are no destination keep what they held, a source included. ``src``, ``dst``: equal-length
+        1-D integer tensors (not read on the host) or host lists of ints (range-checked; through pinned memory on
+        CUDA), ``dst`` distinct. Between steps only; slot lifecycle (live / free) is the caller's. The one slot move
+        (:func:`move_rows` per tensor): :meth:`gather_slots` (beam reorder) and the trtllm-serve module's relocation
+        (serve/trtllm_replayssm_module/install.py) use it."""
         if self._step is not None:
-            raise RuntimeError("gather_slots: a step is open (flush() without commit())")
-        idx = src.to(device=self.cursor.device, dtype=torch.long)
-        per_slot = [t for t in (self.cursor, self.ckpt_flushes) if t is not None]
-        for t in (*self._tensors(), *per_slot):
-            t.copy_(t[idx] if any(t is u for u in per_slot) else t[:, idx])
+            raise RuntimeError(f"{what}: a step is open (flush() without commit())")
+        idx = []
+        for name, t in (("src", src), ("dst", dst)):
+            if isinstance(t, (list, tuple)) and all(isinstance(v, int) for v in t):
+                bad = [v for v in t if not 0 <= v < self.num_slots]
+                if bad:
+                    raise IndexError(f"{what}: {name}: expected slots in 0..{self.num_slots - 1}, got {bad}")
+                t = self._slot_index(list(t))
+            if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or t.dim() != 1:
+                raise ValueError(f"{what}: {name}: expected a 1-D integer tensor or a list of ints, got "
+                                 f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+            idx.append(t.to(device=self.cursor.device, dtype=torch.long))
+        s, d = idx
+        if s.shape != d.shape:
+            raise ValueError(f"{what}: src and dst: expected equal lengths, got {s.shape[0]} and {d.shape[0]}")
+        for name, t in self._snapshot_tensors():
+            move_rows(t, 0 if name in _PER_SLOT else 1, s, d)
 
     # ---- snapshot / restore / preemption -------------------------------------------------------------------------
     def _snapshot_tensors(self) -> list[tuple[str, torch.Tensor]]:

@@ -59,6 +59,10 @@ TensorRT-LLM facts this relies on (read from source, commits are of the files na
   hooks run at capture time while the cursor-advance kernel they launch is replayed with the graph.
 * llmapi/utils.py + executor/executor.py: a TP1 model runs in a spawned worker unless
   ``TLLM_WORKER_USE_SINGLE_PROCESS=1``.
+* kv_cache/mamba_cache_manager/mamba_cache_manager_v2.py + common.py (28295084): the V2 hybrid manager moves live
+  requests between slots between steps and announces it through ``get_state_update_strategy().relocate_slots(old,
+  new)``; both routes follow it (:func:`.install.follow_relocation`; the contract is written out there). Its per-layer
+  state views are strided, which the Mamba-2 kernels refuse by name (:class:`.adapter.ReplaySSMAdapter`).
 """
 
 from __future__ import annotations

@@ -75,6 +75,7 @@ import torch
 
 from trtllm_replayssm import backend as executors
 from trtllm_replayssm import reference
+from trtllm_replayssm.cache import move_rows
 from trtllm_replayssm.config import SHADOW_DTYPES
 from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
 
@@ -207,6 +208,16 @@ class ReplaySSMAdapter:
             if _capturing():
                 raise RuntimeError(f"layer {layer_idx}: ReplaySSM buffers would be allocated (and zeroed) inside a "
                                    "CUDA-graph capture; run one eager decode step first, or disable CUDA graphs")
+            if not state.is_contiguous():
+                # TensorRT-LLM's V2 manager (mamba_cache_manager_v2.py 28295084, _get_state_buffer) views each
+                # layer's states as_strided with slot stride page_index_scale * H*P*N (several layers' same-size
+                # states share one page per slot); the kernels address slot s at s * H*P*N.
+                raise NotImplementedError(
+                    f"state: layer {layer_idx}'s SSM state pool has strides {tuple(state.stride())}; the ReplaySSM "
+                    f"Mamba-2 kernels expect a contiguous (slots, {H}, {P}, {N}) pool (strides "
+                    f"{(H * P * N, P * N, N, 1)}). TensorRT-LLM's V2 hybrid cache manager interleaves the Mamba layers' "
+                    "states per slot: use the V1 manager (TRTLLM_USE_PY_MAMBA=1, kv_cache_config "
+                    "use_kv_cache_manager_v2=False)")
             if self.cursor is None:
                 self.cursor = torch.zeros(S, dtype=torch.int32, device=state.device)
             elif self.cursor.shape[0] != S or self.cursor.device != state.device:
@@ -317,6 +328,27 @@ class ReplaySSMAdapter:
             advance = self.advance or default_backend(self.cursor.device)[1]
             advance(self.cursor, slots, self.buffer_len)
         return frozenset(decoded)
+
+    def relocate(self, src: list[int], dst: list[int]) -> None:
+        """Slot ``dst[i]`` takes slot ``src[i]``'s rings, shadow and cursor, every layer (TensorRT-LLM moved the
+        request and its checkpoint, the pool row; :func:`.install.follow_relocation` calls this between steps, host
+        lists of distinct destinations). Sources are read before destinations are written (``cache.move_rows``)."""
+        if self._step_layers or self._step_slots is not None:
+            raise RuntimeError("relocate: a model step is open (begin_step() without end_step()); TensorRT-LLM "
+                               "relocates slots between steps")
+        if self.cursor is None or not src:  # nothing allocated yet: no ring to carry
+            return
+        S = self.cursor.shape[0]
+        bad = [s for s in (*src, *dst) if not 0 <= s < S]
+        if bad:
+            raise IndexError(f"relocate: expected slots in 0..{S - 1} (the state pool's), got {bad}")
+        dev = self.cursor.device
+        s_idx, d_idx = (torch.tensor(v, dtype=torch.long, device=dev) for v in (src, dst))
+        for lay in self.layers.values():
+            for name in ("x_cache", "B_cache", "dt_cache", "shadow_storage", "scale_storage"):
+                if lay.get(name) is not None:
+                    move_rows(lay[name], 0, s_idx, d_idx)
+        move_rows(self.cursor, 0, s_idx, d_idx)
 
     def abort_step(self) -> None:
         """Drop the step's bookkeeping without moving the cursor (the forward raised)."""

@@ -54,7 +54,8 @@ from .check import HOOK_ATTR, VERIFIED_AGAINST, bypass_message, check_mixer_clas
 
 log = logging.getLogger("trtllm_replayssm_module")
 
-__all__ = ["VERIFIED_AGAINST", "install", "uninstall", "patch_classes", "replay_step", "new_adapter"]
+__all__ = ["VERIFIED_AGAINST", "install", "uninstall", "patch_classes", "replay_step", "new_adapter",
+           "check_cache_manager", "follow_relocation", "relocation_moves", "relocation_hook"]
 
 _installed: dict = {}
 
@@ -110,29 +111,113 @@ def new_adapter() -> ReplaySSMAdapter:
                             shadow=_env_choice("TRTLLM_REPLAYSSM_SHADOW", SHADOWS, "none"))
 
 
-def check_cache_manager(manager) -> None:
-    """Refuse the Mamba cache configurations ReplaySSM cannot follow, before a step runs (attribute reads only).
+# ---- cache managers that relocate live requests (TensorRT-LLM's V2 hybrid Mamba manager) -------------------------
+# Read at mamba_cache_manager_v2.py / common.py 28295084 (tensorrt_llm/_torch/pyexecutor/kv_cache/mamba_cache_manager/):
+# a V2 request's state slot is its SSM page (``kv_cache.get_ssm_block_base_index``), which can change between steps
+# while the request lives; V2 moves the pool pages itself (ssm and conv states), so the request's TensorRT-LLM state is
+# at its new slot. ``MambaHybridCacheManagerV2._setup_state_indices`` (run by ``prepare_resources`` before each step's
+# forward, and by ``add_dummy_requests``) records each generation request's previous slot (-1: none yet), sets the new
+# ones, then calls ``self._cache_features.state_update.relocate_slots(old_slots, new_slots)`` (host int lists, one
+# entry per generation request) and ``reset_slots`` for entries with old < 0; ``get_state_update_strategy()`` (common.py)
+# returns that strategy. Its contract, as TensorRT-LLM's own strategies implement it (kimi_kda/cache_manager.py
+# 28295084, ``KDAReplayStateUpdateStrategy.relocate_slots``): the moves are the pairs with ``old >= 0 and old != new``;
+# every source row is gathered (``index_select``) before the destinations are written (``index_copy_``), so swaps and
+# cycles move whole slots and slots that are no destination keep their rows. An earlier V2 manager (same
+# ``_setup_state_indices``) called the instance method ``self._on_state_slots_relocated(old_slots, new_slots)`` instead.
+RELOCATION_HOOKS = ("get_state_update_strategy().relocate_slots", "_on_state_slots_relocated")
+_FOLLOWERS = "replayssm_followers"  # attribute of our wrapper: the callbacks it runs after TensorRT-LLM's hook
 
-    Its rings and cursor are per slot and live beside TensorRT-LLM's state pool, so a request must keep its slot
-    for its whole life and its state must be TensorRT-LLM's ``ssm_states`` plus our buffers:
-    - the V2 hybrid cache manager (mamba_cache_manager_v2) moves live requests between slots
-      (``relocate_slots``) and hands out strided state views: use the V1 Python manager
-      (``TRTLLM_USE_PY_MAMBA=1``, ``use_kv_cache_manager_v2=False``);
-    - block reuse commits ``ssm_states`` for later requests, which without our buffered tokens is stale.
+
+def relocation_moves(old_slots, new_slots) -> tuple[list[int], list[int]]:
+    """(sources, destinations) of one ``relocate_slots(old_slots, new_slots)`` call, by TensorRT-LLM's contract (the
+    comment above): pairs with old >= 0 and old != new. ValueError when the lists differ in length or two moves
+    share a destination (no gather-then-scatter order could honour both)."""
+    old, new = [int(s) for s in old_slots], [int(s) for s in new_slots]
+    if len(old) != len(new):
+        raise ValueError(f"relocate_slots: expected one new slot per old slot, got {len(old)} old and {len(new)} new")
+    moves = [(o, n) for o, n in zip(old, new) if o >= 0 and o != n]
+    dst = [n for _, n in moves]
+    if any(n < 0 for n in dst) or len(set(dst)) != len(dst):
+        raise ValueError(f"relocate_slots: expected distinct destination slots >= 0, got moves {moves}")
+    return [o for o, _ in moves], dst
+
+
+def relocation_hook(manager) -> tuple[object, str] | None:
+    """(object, method name) of the call through which ``manager`` announces relocated slots (``RELOCATION_HOOKS``:
+    its state-update strategy's ``relocate_slots``, else its own ``_on_state_slots_relocated``), or None."""
+    get = getattr(manager, "get_state_update_strategy", None)
+    strategy = get() if callable(get) else None
+    if strategy is not None and callable(getattr(strategy, "relocate_slots", None)):
+        return strategy, "relocate_slots"
+    if callable(getattr(manager, "_on_state_slots_relocated", None)):
+        return manager, "_on_state_slots_relocated"
+    return None
+
+
+def follow_relocation(manager, move) -> str | None:
+    """Run ``move(src, dst)`` (host int lists of :func:`relocation_moves`, only when something moves) right after
+    ``manager``'s relocation hook, on every call; returns the hook's name, None when ``manager`` has none. The hook is
+    wrapped on the instance (TensorRT-LLM's classes are not touched); wrapping twice adds a follower, never a second
+    wrapper, and the same ``move`` is added once."""
+    found = relocation_hook(manager)
+    if found is None:
+        return None
+    target, name = found
+    current = getattr(target, name)
+    followers = getattr(current, _FOLLOWERS, None)
+    if followers is None:
+        original, followers = current, []
+
+        @functools.wraps(original)
+        def relocate(old_slots, new_slots, *args, **kwargs):
+            out = original(old_slots, new_slots, *args, **kwargs)
+            src, dst = relocation_moves(old_slots, new_slots)
+            if src:
+                for follower in followers:
+                    follower(src, dst)
+            return out
+
+        setattr(relocate, _FOLLOWERS, followers)
+        setattr(target, name, relocate)
+    if move not in followers:
+        followers.append(move)
+    return f"{type(target).__qualname__}.{name}"
+
+
+def _moves_slots(manager) -> bool:
+    """A manager that can move live requests between slots: a V2 hybrid manager (by module) or one with a
+    ``relocate_slots`` of its own."""
+    return (any("mamba_cache_manager_v2" in k.__module__ for k in type(manager).__mro__)
+            or callable(getattr(manager, "relocate_slots", None)))
+
+
+def check_cache_manager(manager, follow=None) -> str | None:
+    """Refuse the cache configurations ReplaySSM cannot follow, before a step runs; follow the relocations it can.
+
+    Its rings and cursor are per slot and live beside TensorRT-LLM's state pool. A manager that moves live requests
+    between slots (the V2 hybrid manager) is followed through its relocation hook (:func:`follow_relocation` with
+    ``follow``, the adapter's slot move); returns the hook's name (None: nothing to follow). Refused:
+    - a manager that moves slots but exposes none of ``RELOCATION_HOOKS`` (or ``follow`` is None): our rings would
+      stay behind;
+    - block reuse: it commits ``ssm_states`` for later requests, which without our buffered tokens is stale.
     Not detectable here, also unsupported: disaggregated generation servers (state transferred into a slot
     whose cursor we would not reset) and breakable / piecewise CUDA graphs (the step hooks would be frozen
     into the graph while the mixers run eagerly)."""
     if manager is None:
-        return
-    kind = type(manager)
-    if "mamba_cache_manager_v2" in kind.__module__:
-        raise RuntimeError(f"trtllm_replayssm_module: the Mamba cache manager is {kind.__module__}.{kind.__name__}, "
-                           "which moves live requests between state slots; ReplaySSM's per-slot buffers need the V1 "
-                           "manager (TRTLLM_USE_PY_MAMBA=1, kv_cache_config use_kv_cache_manager_v2=False)")
+        return None
     if getattr(manager, "enable_block_reuse", False) is True:
         raise RuntimeError("trtllm_replayssm_module: kv_cache_config.enable_block_reuse is on; reused SSM states "
                            "would miss the tokens ReplaySSM buffers (set enable_block_reuse=False, the Nemotron-H "
                            "default)")
+    hook = None if follow is None else follow_relocation(manager, follow)
+    if hook is None and _moves_slots(manager):
+        kind = type(manager)
+        raise RuntimeError(f"trtllm_replayssm_module: the cache manager {kind.__module__}.{kind.__qualname__} moves "
+                           "live requests between state slots, but exposes no relocation hook ReplaySSM can follow "
+                           f"(expected one of {', '.join(RELOCATION_HOOKS)}; read at TensorRT-LLM 28295084), so its "
+                           "per-slot rings would stay behind: use a V1 manager (TRTLLM_USE_PY_MAMBA=1, kv_cache_config "
+                           "use_kv_cache_manager_v2=False)")
+    return hook
 
 
 def replay_step(adapter: ReplaySSMAdapter, model, mixer_cls, attn_metadata, run):
@@ -143,7 +228,7 @@ def replay_step(adapter: ReplaySSMAdapter, model, mixer_cls, attn_metadata, run)
     TensorRT-LLM's warm-up (and CUDA-graph capture's eager passes) run such steps before serving."""
     manager = getattr(attn_metadata, "kv_cache_manager", None)
     if manager is not None and adapter.checked_manager is not manager:
-        check_cache_manager(manager)
+        check_cache_manager(manager, adapter.relocate)
         adapter.checked_manager = manager
     adapter.expect_pattern(model_pattern(model))
     n_decode = decode_rows(attn_metadata)

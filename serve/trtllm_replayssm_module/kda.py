@@ -55,10 +55,15 @@ has a slot (TensorRT-LLM's CUDA-graph padding rows are dummy requests with real 
 
 Refused, by name: a speculative config (verify is TensorRT-LLM's and would read its pool, which decode no longer
 updates), a bf16 state pool or a batch-dense state (``ssm_state_indices`` None: no slots to find our rings by;
-``TLLM_KDA_ENABLE_INDEXED_STATE_POOL=1`` and ``mamba_ssm_cache_dtype: float32``), multi-token decode, a cache manager
-that moves live requests between slots (``relocate_slots``: the V2 managers, which GLM-5 Next's TensorRT-LLM class
-prefers, so GLM-5 Next routes only on a V1 manager until relocation is wired) or reuses blocks
+``TLLM_KDA_ENABLE_INDEXED_STATE_POOL=1`` and ``mamba_ssm_cache_dtype: float32``), multi-token decode, block reuse, a
+cache manager that moves live requests between slots but exposes no relocation hook we follow
 (:func:`.install.check_cache_manager`), a fp8 shadow (no fp8 KDA shadow).
+
+Relocation (the V2 managers, which GLM-5 Next's TensorRT-LLM class prefers): :func:`.install.follow_relocation` wraps
+the manager's hook (its strategy's ``relocate_slots``, 28295084) so that :meth:`KDAReplayAdapter.relocate` moves the
+moved slots' checkpoint, shadow, rings and cursor (``ReplayStateCache.move_slots``) right after TensorRT-LLM moved the
+request's pages, between steps. The V2 per-layer views are strided (a slot stride of several states); nothing here
+assumes otherwise (the pool is read per slot, the conv windows through index_select / index_copy_).
 
 Load-time check (:func:`check_kda_mixer_class`): the mixer's source must call ``self._dispatch.decode_kda(...)`` and
 no KDA decode kernel directly (``torch.ops.trtllm.kda_decode``); ``fused_recurrent_kda`` is allowed (the branch our
@@ -181,6 +186,18 @@ class KDAReplayAdapter:
                              f"{tuple(self.cache.layer(0).buf.state.shape[2:])}")
         self._pools[layer_idx] = key
         return self.cache
+
+    def relocate(self, src: list[int], dst: list[int]) -> None:
+        """Slot ``dst[i]`` takes slot ``src[i]``'s checkpoint, shadow, rings and cursor in every KDA layer
+        (``ReplayStateCache.move_slots``: sources read before destinations are written). Called by
+        :func:`.install.follow_relocation` between steps, after TensorRT-LLM moved the request (its conv windows and
+        pool rows are TensorRT-LLM's); nothing to do before the cache exists."""
+        if self._decoded or self._sbi is not None:
+            raise RuntimeError("relocate: a model step is open (a decode_kda call without end_step()); TensorRT-LLM "
+                               "relocates slots between steps")
+        if self.cache is None or not src:
+            return
+        self.cache.move_slots(list(src), list(dst), "relocate")
 
     # ---- one model step -------------------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -362,15 +379,11 @@ def route_kda_mixers(model, mixer_cls, adapter: KDAReplayAdapter) -> list[int]:
     return sorted(routed)
 
 
-def check_kda_cache_manager(manager) -> None:
-    """:func:`.install.check_cache_manager`'s refusals, and a manager that can move live requests between slots
-    (``relocate_slots``, the V2 managers'): our per-slot rings would stay behind."""
-    check_cache_manager(manager)
-    if manager is not None and callable(getattr(manager, "relocate_slots", None)):
-        kind = type(manager)
-        raise RuntimeError(f"trtllm_replayssm_module: the cache manager {kind.__module__}.{kind.__qualname__} moves "
-                           "live requests between state slots (relocate_slots); ReplaySSM's per-slot KDA rings do not "
-                           "follow yet: use a V1 manager (kv_cache_config use_kv_cache_manager_v2=False)")
+def check_kda_cache_manager(manager, follow=None) -> str | None:
+    """:func:`.install.check_cache_manager` for the KDA route: block reuse refused; a manager that relocates live
+    requests (the V2 managers, which GLM-5 Next's TensorRT-LLM class prefers) followed through its relocation hook with
+    ``follow`` (:meth:`KDAReplayAdapter.relocate`), refused when it has none; returns the hook followed."""
+    return check_cache_manager(manager, follow)
 
 
 def kda_replay_step(adapter: KDAReplayAdapter, model, mixer_cls, attn_metadata, run):
@@ -378,7 +391,7 @@ def kda_replay_step(adapter: KDAReplayAdapter, model, mixer_cls, attn_metadata, 
     rows reached the adapter."""
     manager = getattr(attn_metadata, "kv_cache_manager", None)
     if manager is not None and adapter.checked_manager is not manager:
-        check_kda_cache_manager(manager)
+        check_kda_cache_manager(manager, adapter.relocate)
         adapter.checked_manager = manager
     n_decode = decode_rows(attn_metadata)
     prefill = prefill_slots(attn_metadata)
