@@ -667,3 +667,36 @@ def test_tensor_parallel_caches_are_slices_of_the_tp1_cache(G, tp):
     assert full.cursor[:, 0].any()  # some slot folded its ring at least once
     with pytest.raises(ValueError, match="rank: expected 0 <= rank < tp=2, got 2"):
         ReplayStateCache.for_rank(2, 2, 1, 1, H, P, N, G, **kw)
+
+
+@pytest.mark.parametrize("shadow", [None, torch.bfloat16, torch.float8_e4m3fn], ids=["none", "bf16", "fp8"])
+def test_move_slots_and_gather_slots_move_whole_slots(shadow):
+    """move_slots: a cycle and a swap move every tensor a slot owns bit for bit (sources read before destinations are
+    written), slots that are no destination keep theirs; gather_slots with repeats (a beam reorder) is the same move
+    onto every slot. Bad input names the argument."""
+    c = ReplayStateCache(2, 5, 8, 16, 32, 2, 4, act_dtype=torch.bfloat16, shadow_dtype=shadow)
+    gen = torch.Generator().manual_seed(3)
+    for _, t in c._snapshot_tensors():
+        raw = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        raw.copy_(torch.randint(0, 100, raw.shape, generator=gen).to(raw.dtype))
+    before = {n: t.clone() for n, t in c._snapshot_tensors()}
+
+    def slot(name, t, s):
+        return t[s] if name in ("cursor", "ckpt_flushes") else t[:, s]
+
+    c.move_slots([0, 1, 2, 4], [1, 2, 0, 3])  # cycle 0 -> 1 -> 2 -> 0, and 4 -> 3 (4 keeps its own)
+    for name, t in c._snapshot_tensors():
+        for s, d in ((0, 1), (1, 2), (2, 0), (4, 3), (4, 4)):
+            got, want = slot(name, t, d), slot(name, before[name], s)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{name}: slot {d} from {s}"
+    moved = {n: t.clone() for n, t in c._snapshot_tensors()}
+    src = torch.tensor([3, 3, 0, 1, 1])
+    c.gather_slots(src)
+    for name, t in c._snapshot_tensors():
+        for d in range(5):
+            got, want = slot(name, t, d), slot(name, moved[name], int(src[d]))
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"{name}: gathered slot {d}"
+    with pytest.raises(IndexError, match="dst: expected slots in 0..4"):
+        c.move_slots([0], [5])
+    with pytest.raises(ValueError, match="equal lengths"):
+        c.move_slots(torch.tensor([0, 1]), torch.tensor([2]))
