@@ -933,9 +933,11 @@ __device__ __forceinline__ Item item_coords(int i) {
 }
 
 // Issue every copy item `it` (slot, pos already known and valid) needs into stage `sg`.
-__device__ __forceinline__ void issue_item(Stage& sg, const ReplayArgs& a, const Item& it, int slot, int pos) {
+// ``rows``: false where the caller issued the checkpoint rows already (replay_decode_staged, kRowsBeforeCursor).
+__device__ __forceinline__ void issue_item(Stage& sg, const ReplayArgs& a, const Item& it, int slot, int pos,
+                                           bool rows = true) {
   const int t = threadIdx.x, k = pos + 1;
-  issue_rows(sg.S, a, slot, it.h, it.row0, k == kL);
+  if (rows) issue_rows(sg.S, a, slot, it.h, it.row0, k == kL);
   const act_t* Bc = a.Bc_in + bc_off(slot, it.g);
   const act_t* Bnow = a.B + bn_off(it.b, it.g);
   constexpr int kBVecs = kL * kBVecRow;
@@ -1208,14 +1210,22 @@ __device__ __forceinline__ void issue_item_bulk(Stage& sg, unsigned bar, const R
 }
 #endif
 
+// Where the staged rows do not depend on the buffer position (an fp32 checkpoint: the flush folds the rows the
+// other steps dot; an 8-bit checkpoint: staged at every position), they are issued before the cursor is read, so
+// the cursor's dependent load overlaps their DRAM trip instead of preceding it (issue 40: at batch 1 a step is a
+// few such trips). A shadow's flush reads the fp32 rows from global memory instead: its rows wait for the cursor.
+constexpr bool kRowsBeforeCursor = (kShadow == 0 || RSSM_CKPT8) && !RSSM_BULK;
+
 __device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a) {
   __shared__ StagedSmem sm;
   const Coords c = block_coords();
   const int slot = slot_of_row(a.sbi, c.b);
   if (RSSM_SLOT_BAD(slot, a.nslots)) return;  // padding row (or out of range): touch nothing
+  if constexpr (kRowsBeforeCursor) issue_rows(sm.st.S, a, slot, c.h, c.row0, false);
   const int pos = cursor_at(a.cursor, c.b, slot);
   const Item it{c.b, c.h, c.g, c.chunk, c.row0};
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
+    if constexpr (kRowsBeforeCursor) cp_async_wait_all();  // no copy in flight into a finished block's smem
     const int l = threadIdx.x % kLPR;
     if (l < kRT) a.y[y_off(c.b, c.h) + c.row0 + row_base() + l] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
@@ -1229,7 +1239,7 @@ __device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a) {
   __syncthreads();    // the mbarrier's initialisation is visible to every thread from here on
   mbar_wait(bar, 0);  // and each thread acquires the bulk copies' writes by its own wait
 #else
-  issue_item(sm.st, a, it, slot, pos);
+  issue_item(sm.st, a, it, slot, pos, !kRowsBeforeCursor);
   cp_async_commit();
   const ItemScalars sc = load_scalars(a, it);
   cp_async_wait_all();
