@@ -204,7 +204,7 @@ def test_replay_strong_decay_rescales_in_the_fold():
 PINNED_SHAPES = [(8, 1, 8, 768), (8, 2, 4, 512), (8, 2, 8, 512), (4, 1, 4, 256), (16, 2, 8, 768)]
 
 
-@pytest.mark.parametrize("shape", PINNED_SHAPES, ids=lambda s: "l%d_rt%d_w%d_r%d" % s)
+@pytest.mark.parametrize("shape", PINNED_SHAPES, ids=lambda s: "l{}_rt{}_w{}_r{}".format(*s))
 @pytest.mark.parametrize("shadow", [False, True], ids=["f32", "shadow"])
 def test_replay_pinned_shapes(shape, shadow):
     from trtllm_replayssm.families.gdn import config
