@@ -109,6 +109,26 @@ def test_geometry_table():
             gdn_spec("bf16", HV, 1, V, K, 16, batch, replay, shadow)  # every pass choice is a valid spec
 
 
+def test_override_pins_the_replay_shape_and_register_budget():
+    """config.override pins lanes, rows per thread, warps and resident threads of replay modules inside the block
+    only (conventional modules keep the planner's); a non-default ``resident`` shows in the key and in
+    ``__launch_bounds__``'s min blocks; the planner's modules keep their keys (no ``_r`` suffix)."""
+    from trtllm_replayssm.families.gdn import config
+
+    planned = gdn_spec("bf16", 32, 16, 128, 128, 16, 1, True)
+    conv = gdn_spec("bf16", 32, 16, 128, 128, 1, 1, False)
+    assert "_r" not in planned.key.split("_sm")[-1] and planned.resident == config.GDN_RESIDENT_THREADS
+    with config.override(lanes=8, rt=2, warps=4, resident=512):
+        s = gdn_spec("bf16", 32, 16, 128, 128, 16, 1, True)
+        assert (s.lanes, s.rows, s.warps, s.resident, s.min_blocks) == (8, 32, 4, 512, 4)
+        assert s.key.endswith("_r512") and gdn_spec("bf16", 32, 16, 128, 128, 1, 1, False) == conv
+        with config.override(rt=1):  # nested: the other pins stay
+            assert (gdn_spec("bf16", 32, 16, 128, 128, 16, 1, True).rows, s.lanes) == (16, 8)
+    assert gdn_spec("bf16", 32, 16, 128, 128, 16, 1, True) == planned
+    with pytest.raises(ValueError, match="GDNSpec.resident"):
+        GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, 16, resident=128)
+
+
 def test_shadow_modules_take_two_passes_at_large_batches():
     """bench/NOTES.md, "Shadow modules in two passes per block": a shadow replay module covers a whole
     128-row head in two passes of 64 rows from bs64 (Qwen3-Next geometry); fp32, conventional, verify and
