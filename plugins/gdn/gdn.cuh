@@ -414,7 +414,7 @@ constexpr size_t kSmemBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(Re
 
 // Non-flush step at buffer position m = cursor (entries j < m buffered).
 __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
-                                                int m, ReplaySmem& sm) {
+                                                int m, ReplaySmem& sm, Rows& st) {
   // The u tile first (cp.async holds no registers), then the checkpoint rows: both stream while the
   // inputs are prepared and the buffer scalars computed.
   const float* uh = a.uc_in + ((size_t)slot * kHV + p.hv) * kL * kV + p.row0;
@@ -424,9 +424,7 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
     cp_async16(&sm.u[j * kRows + r4 * 4], uh + (size_t)j * kV + r4 * 4);
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
-  Rows st;
-  if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, c);
-  else load_rows(st, a.state_in + sh * kK, c);
+  if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, c);  // fp32 rows: loaded by replay_decode
   // k_j of the entries this row group dots (all loads issued before the first use).
   constexpr int kGroups = kWarps * kRPW;
   constexpr int kIters = (kL - 1 + kGroups - 1) / kGroups;
@@ -573,7 +571,7 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
 
 // Flush step (m = L - 1 entries buffered): exact fold from the fp32 checkpoint, then this token.
 __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
-                                             FlushSmem& sm) {
+                                             FlushSmem& sm, Rows& st) {
   const size_t eh = ((size_t)slot * kHV + p.hv) * kL;
   const float* kch = a.kc_in + ((size_t)slot * kHK + p.h) * kL * kK;
   constexpr int kKVec = kK / 4, kVVec = kRows * (int)sizeof(act_t) / 16;
@@ -593,8 +591,7 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
     else if (threadIdx.x >= 32 && threadIdx.x < 32 + kL - 1) sm.beta[threadIdx.x - 32] = __ldg(a.bc_in + eh + threadIdx.x - 32);
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
-  Rows st;
-  load_rows(st, a.state_in + sh * kK, c);
+  if constexpr (kShadow) load_rows(st, a.state_in + sh * kK, c);  // no shadow: loaded by replay_decode
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();
@@ -622,14 +619,22 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const Lane c = lane_coords();
   const int slot = a.sbi[p.b];
   if (slot < 0 || slot >= a.nslots) return;
+  // Without a shadow every position reads the same fp32 rows (the flush folds them, the other steps dot them):
+  // issued before the cursor is read, so its dependent load overlaps their DRAM trip (issue 40: at small batch a
+  // step is a few such trips). A shadow module's rows depend on the position (shadow, or fp32 at the flush).
+  Rows st;
+  if constexpr (!kShadow) {
+    const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
+    load_rows(st, a.state_in + sh * kK, c);
+  }
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int r = threadIdx.x; r < kRows; r += kThreads)
       a.y[((size_t)p.b * kHV + p.hv) * kV + p.row0 + r] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
-  if (pos + 1 == kL) replay_flush(a, p, c, slot, *reinterpret_cast<FlushSmem*>(smem));
-  else replay_nonflush(a, p, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
+  if (pos + 1 == kL) replay_flush(a, p, c, slot, *reinterpret_cast<FlushSmem*>(smem), st);
+  else replay_nonflush(a, p, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem), st);
 }
 
 }  // namespace gdn
