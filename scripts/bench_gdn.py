@@ -166,10 +166,15 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
     return row
 
 
+_PINNED = []  # the entered overrides: a context manager dropped unreferenced would run its exit at collection
+
+
 def pin_replay(**shape) -> None:
     """Pin the replay modules' launch shape for the rest of the process (config.override: lanes, rt, warps,
     resident; the sweep of the small-batch plan, issue 40)."""
-    config.override(**shape).__enter__()
+    pin = config.override(**shape)
+    pin.__enter__()
+    _PINNED.append(pin)
 
 
 def parse_replay_shape(text: str) -> dict:
