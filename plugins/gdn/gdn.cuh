@@ -108,7 +108,6 @@ constexpr int kChunks = kV / kRows;
 constexpr int kHPK = kHV / kHK;                  // value heads per key head
 constexpr int kShadow = GDN_SHADOW;
 static_assert(kK % (4 * kLPR) == 0 && 32 % kLPR == 0 && kLPR >= 4, "K must fill whole 16-byte vectors per lane");
-static_assert((kVPL & (kVPL - 1)) == 0, "16-byte vectors per lane: a power of two (dot_cols sums them pairwise)");
 static_assert((kPasses == 1 || kPasses == 2) && kRows % kPasses == 0, "GDN_PASSES: 1 or 2");
 static_assert(kRowsPass % (kRPW * kWarps) == 0 && kRT >= 1, "rows per pass must split evenly over warps");
 static_assert((kRT & (kRT - 1)) == 0 && 2 * kRT <= kLPR, "rows per thread: a power of two, 2 kRT <= lanes per row");
@@ -174,22 +173,13 @@ __device__ __forceinline__ float from_group_lane(float v, int src) {  // lane sr
 using Cols = float[kVPL][4];  // one row's K columns held by this lane
 using Rows = float[kRT][kVPL][4];
 
-// One partial sum per 16-byte vector, then summed pairwise: a dependent chain of 4 FMAs + log2(kVPL) adds
-// instead of 4 kVPL FMAs (the fold's per-entry dot is on its serial chain; issue 40). kVPL = 1 (the conventional
-// modules' 32 lanes a row) is the single chain it always was.
 __device__ __forceinline__ float dot_cols(const float (&s)[kVPL][4], const Cols& c) {
-  float part[kVPL];
+  float acc = 0.f;
 #pragma unroll
-  for (int v = 0; v < kVPL; ++v) {
-    part[v] = 0.f;
+  for (int v = 0; v < kVPL; ++v)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) part[v] = fmaf(s[v][e], c[v][e], part[v]);
-  }
-#pragma unroll
-  for (int w = kVPL / 2; w >= 1; w /= 2)
-#pragma unroll
-    for (int v = 0; v < w; ++v) part[v] += part[v + w];
-  return part[0];
+    for (int e = 0; e < 4; ++e) acc = fmaf(s[v][e], c[v][e], acc);
+  return acc;
 }
 
 // ---- per-step inputs ---------------------------------------------------------------------------
@@ -246,19 +236,11 @@ __device__ __forceinline__ float output_step(float mine, const StepIn& in, float
   return u;
 }
 
-// u of this thread's row r, which lane r of the row group holds. One row per thread: every lane of the group
-// already holds it, bit for bit (an xor butterfly adds the same two partial sums on both lanes of each pair, and
-// a + b == b + a in IEEE arithmetic), so no shuffle.
-__device__ __forceinline__ float row_u(float u_mine, int r) {
-  if constexpr (kRT == 1) return u_mine;
-  else return from_group_lane(u_mine, r);
-}
-
 // S <- exp(g) S + u k^T for this thread's rows; u of row r sits on lane r of the row group.
 __device__ __forceinline__ void rank1_update(Rows& st, float u_mine, float eg, const Cols& k) {
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    const float u = row_u(u_mine, r);
+    const float u = from_group_lane(u_mine, r);
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
@@ -269,7 +251,7 @@ __device__ __forceinline__ void rank1_update(Rows& st, float u_mine, float eg, c
 __device__ __forceinline__ void rank1_add(Rows& st, float u_mine, const Cols& k) {
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
-    const float u = row_u(u_mine, r);
+    const float u = from_group_lane(u_mine, r);
 #pragma unroll
     for (int v = 0; v < kVPL; ++v)
 #pragma unroll
@@ -414,7 +396,7 @@ constexpr size_t kSmemBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(Re
 
 // Non-flush step at buffer position m = cursor (entries j < m buffered).
 __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
-                                                int m, ReplaySmem& sm, Rows& st) {
+                                                int m, ReplaySmem& sm) {
   // The u tile first (cp.async holds no registers), then the checkpoint rows: both stream while the
   // inputs are prepared and the buffer scalars computed.
   const float* uh = a.uc_in + ((size_t)slot * kHV + p.hv) * kL * kV + p.row0;
@@ -424,7 +406,9 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
     cp_async16(&sm.u[j * kRows + r4 * 4], uh + (size_t)j * kV + r4 * 4);
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
-  if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, c);  // fp32 rows: loaded by replay_decode
+  Rows st;
+  if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, c);
+  else load_rows(st, a.state_in + sh * kK, c);
   // k_j of the entries this row group dots (all loads issued before the first use).
   constexpr int kGroups = kWarps * kRPW;
   constexpr int kIters = (kL - 1 + kGroups - 1) / kGroups;
@@ -526,7 +510,7 @@ __device__ __forceinline__ void smem_cols(Cols& out, const float* row, const Lan
 // Exact fold of m staged entries (fs.k[j], fs.v[j][row], fs.g[j], fs.beta[j]; FlushSmem here, the
 // speculative module's FoldSmem) into this thread's rows: S <- exp(g_j) S + u_j k_j^T with
 // u_j = beta_j (v_j - exp(g_j) S k_j). Lazy decay: the rows hold T with S_j = D_j T, so each entry costs
-// one FMA per element for the dot and one for the update (T += u (1 / D_j) k_j); T is rescaled (and D reset)
+// one FMA per element for the dot and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset)
 // when D_j falls below kRenorm. D_j is per (slot, head), so the branch is block-uniform.
 template <typename Smem>
 __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& c, int m) {
@@ -541,12 +525,8 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
 #pragma unroll
     for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
     const float Dj = D * expf(fs.g[j]);
-    const bool rescale = Dj < kRenorm;
-    // 1 / D_j depends on the gates only, so it issues while the dot reduces: the update multiplies by it
-    // instead of dividing u by D_j at the end of the entry's dependent chain (within an ulp of u / D_j).
-    const float inv = rescale ? 1.f : __frcp_rn(Dj);
     const float u = fs.beta[j] * (vj - Dj * group_reduce<kRT>(acc));
-    if (rescale) {
+    if (Dj < kRenorm) {
 #pragma unroll
       for (int r = 0; r < kRT; ++r)
 #pragma unroll
@@ -557,7 +537,7 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
     } else {
       D = Dj;
     }
-    rank1_add(st, u * inv, kj);
+    rank1_add(st, u / D, kj);
   }
   if (D != 1.f) {
 #pragma unroll
@@ -571,7 +551,7 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
 
 // Flush step (m = L - 1 entries buffered): exact fold from the fp32 checkpoint, then this token.
 __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
-                                             FlushSmem& sm, Rows& st) {
+                                             FlushSmem& sm) {
   const size_t eh = ((size_t)slot * kHV + p.hv) * kL;
   const float* kch = a.kc_in + ((size_t)slot * kHK + p.h) * kL * kK;
   constexpr int kKVec = kK / 4, kVVec = kRows * (int)sizeof(act_t) / 16;
@@ -591,7 +571,8 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
     else if (threadIdx.x >= 32 && threadIdx.x < 32 + kL - 1) sm.beta[threadIdx.x - 32] = __ldg(a.bc_in + eh + threadIdx.x - 32);
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
-  if constexpr (kShadow) load_rows(st, a.state_in + sh * kK, c);  // no shadow: loaded by replay_decode
+  Rows st;
+  load_rows(st, a.state_in + sh * kK, c);
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();
@@ -619,22 +600,14 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   const Lane c = lane_coords();
   const int slot = a.sbi[p.b];
   if (slot < 0 || slot >= a.nslots) return;
-  // Without a shadow every position reads the same fp32 rows (the flush folds them, the other steps dot them):
-  // issued before the cursor is read, so its dependent load overlaps their DRAM trip (issue 40: at small batch a
-  // step is a few such trips). A shadow module's rows depend on the position (shadow, or fp32 at the flush).
-  Rows st;
-  if constexpr (!kShadow) {
-    const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
-    load_rows(st, a.state_in + sh * kK, c);
-  }
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int r = threadIdx.x; r < kRows; r += kThreads)
       a.y[((size_t)p.b * kHV + p.hv) * kV + p.row0 + r] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
-  if (pos + 1 == kL) replay_flush(a, p, c, slot, *reinterpret_cast<FlushSmem*>(smem), st);
-  else replay_nonflush(a, p, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem), st);
+  if (pos + 1 == kL) replay_flush(a, p, c, slot, *reinterpret_cast<FlushSmem*>(smem));
+  else replay_nonflush(a, p, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
 }
 
 }  // namespace gdn
