@@ -404,6 +404,13 @@ SMALL_BATCH = 4
 # same-run A/B at bs256 (bench/NOTES.md "Fewer warps per item: outcome"): fp8 k1 142.8 -> 119.1 us, amortized
 # 3.54x -> 4.10x the conventional step; bf16 (with 8 resident blocks) 258.8 -> 254.0 us.
 SHADOW_REGS_PER_THREAD = 2 * STATE_REGS_PER_THREAD
+# The staged fp32 step at batch <= STAGED_SMALL_BATCH: twice the rows a thread of the other small-batch plans
+# (R16 W4 at bs1, R32 W8 at bs2 on the main geometry instead of R16 W8 / R32 W16): half the warps pay each item's
+# fixed part (prologue, scalars, B.C). H100, same run (bench/NOTES.md "Issue 40, third pass"): amortized x
+# conventional bs1 0.97 -> 1.04, bs2 1.01 -> 1.13. At bs4 the same rule gives R64 W16 (the grid keeps its blocks),
+# not the R32 W8 measured there (1.12 -> 1.19): bs3-4 keep the old plan until that shape is measured.
+STAGED_SMALL_BATCH = 2
+STAGED_SMALL_REGS_PER_THREAD = STATE_REGS_PER_THREAD // 2
 
 
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
@@ -456,6 +463,8 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     regs = STATE_REGS_PER_THREAD if batch > SMALL_BATCH else STATE_REGS_PER_THREAD // 4
     if shadow != "none" and staged and batch > SMALL_BATCH:
         regs = SHADOW_REGS_PER_THREAD
+    if shadow == "none" and staged and batch <= STAGED_SMALL_BATCH:
+        regs = STAGED_SMALL_REGS_PER_THREAD
     rows_per_thread = max(1, regs // per_row)
     def warps_for(rows: int) -> int:
         w = max(1, rows // (lay.rows_per_warp_load * rows_per_thread))
