@@ -176,6 +176,9 @@ CASES = [
     {**BASE, "geom": "nemotron_h_8b", "state": "bf16", "act": "bf16", "L": 8, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
     {**BASE, "geom": "nemotron3_nano", "L": 16},  # Nemotron 3 Nano 30B-A3B Mamba layer: 64 heads, 8 per group
     {**BASE, "geom": "nemotron3_super", "L": 16, "batch": 20, "slots": 24, "pad_rows": (0, 7)},
+    # the staged fp32 plan at batch <= 2 (config.STAGED_SMALL_BATCH: R16 W4 at bs1, R32 W8 at bs2 on this geometry)
+    {**BASE, "geom": "nemotron_h_8b", "L": 16, "batch": 1, "slots": 2, "pad_rows": ()},
+    {**BASE, "geom": "nemotron_h_8b", "L": 16, "batch": 2, "slots": 4, "pad_rows": ()},
     # headdim 80 in 20-row items at odd L: the x tile is not a multiple of 16 bytes, the stage's C must stay aligned
     {**BASE, "geom": (4, 80, 128, 2), "L": 5, "batch": 1, "slots": 2, "pad_rows": ()},
 ]
