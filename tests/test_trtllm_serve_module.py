@@ -143,6 +143,15 @@ def fp32_params(H, gen):
     return {k: v.float().double() for k, v in dict(A=A, D=D, dt_bias=dt_bias).items()}
 
 
+
+def step_inputs(gen, layers, n_prefill: int, n_decode: int, H: int, P: int, N: int, G: int) -> dict:
+    """Fresh float64 inputs of one step per layer: prefill states, and x, B, C, dt of the decode rows."""
+    return {i: dict(prefill_state=torch.randn(n_prefill, H, P, N, generator=gen, dtype=F64),
+                    x=torch.randn(n_decode, H, P, generator=gen, dtype=F64),
+                    B=torch.randn(n_decode, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                    C=torch.randn(n_decode, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
+                    dt=torch.randn(n_decode, H, generator=gen, dtype=F64) - 2.0) for i in layers}
+
 def metadata(state_indices, num_contexts, ssm_states, inputs, H, P):
     n_d = len(state_indices) - num_contexts
     out = {i: torch.full((n_d, H * P), SENTINEL, dtype=F64) for i in inputs}
@@ -191,11 +200,7 @@ def test_adapter_equals_conventional_through_the_trtllm_call_sites(fake_trtllm, 
         if rows:
             rows.insert(int(torch.randint(len(rows) + 1, (1,), generator=gen)), -1)  # padding row
         nd = len(rows)
-        inputs = {i: dict(prefill_state=torch.randn(len(pre), H, P, N, generator=gen, dtype=F64),
-                          x=torch.randn(nd, H, P, generator=gen, dtype=F64),
-                          B=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
-                          C=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
-                          dt=torch.randn(nd, H, generator=gen, dtype=F64) - 2.0) for i in layers}
+        inputs = step_inputs(gen, layers, len(pre), nd, H, P, N, G)
         md_rep = metadata(pre + rows, len(pre), ssm_rep, inputs, H, P)
         md_conv = metadata(pre + rows, len(pre), ssm_conv, inputs, H, P)
         model.forward(md_rep)
@@ -301,11 +306,7 @@ def test_relocated_requests_continue_as_if_never_moved(fake_trtllm, shadow):
         v2.prepare({r: where[r] for r in dec}, finished)
         v2.slot_of.update({r: where[r] for r in pre})
         nd = len(dec)
-        inputs = {i: dict(prefill_state=torch.randn(len(pre), H, P, N, generator=gen, dtype=F64),
-                          x=torch.randn(nd, H, P, generator=gen, dtype=F64),
-                          B=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
-                          C=torch.randn(nd, G, N, generator=gen, dtype=F64) * N ** -0.5 * 4,
-                          dt=torch.randn(nd, H, generator=gen, dtype=F64) - 2.0) for i in layers}
+        inputs = step_inputs(gen, layers, len(pre), nd, H, P, N, G)
         home = [HOME[r] for r in pre + dec]
         md_v2 = metadata([where[r] for r in pre + dec], len(pre), ssm["v2"], inputs, H, P)
         md_v2.kv_cache_manager = v2

@@ -395,6 +395,19 @@ def vector_layout(state: str, dstate: int) -> VectorLayout:
 
 _local = threading.local()
 
+
+@contextlib.contextmanager
+def pinned(table: dict, **pins):
+    """Inside the block ``table`` (a family planner's launch-shape pins, read by its planner) also holds the ``pins``
+    that are not None; what it held before is restored after (the GDN and KDA ``override``)."""
+    old = dict(table)
+    table.update({k: v for k, v in pins.items() if v is not None})
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(old)
+
 # State elements each thread keeps in registers: 32 fp32 values keeps ~4 blocks of 256 threads
 # resident per SM with enough bytes in flight (docs/DESIGN.md §3: 32 KB/SM covers the latency).
 STATE_REGS_PER_THREAD = 32

@@ -6,11 +6,10 @@ The dtype tables and the limits every family shares stay in :mod:`trtllm_replays
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
-from ...config import CUDA_TYPES, ITEMSIZE, SHADOW_CUDA_TYPES, SMEM_LIMIT, SUPPORTED_NUM_TOKENS
+from ...config import CUDA_TYPES, ITEMSIZE, SHADOW_CUDA_TYPES, SMEM_LIMIT, SUPPORTED_NUM_TOKENS, pinned
 
 GDN_ENTRY_FILE = "gdn/gdn_decode.cu"
 GDN_KERNEL_NAMES = ("gdn_replay_decode", "gdn_conventional")
@@ -224,20 +223,12 @@ def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: 
 _OVERRIDE: dict = {}
 
 
-@contextlib.contextmanager
 def override(lanes: int | None = None, rt: int | None = None, warps: int | None = None, resident: int | None = None):
     """Pin the replay modules' launch shape inside the block (benchmark sweeps; tests of shapes the planner does not
     pick for their batch): ``lanes`` per row, ``rt`` state rows per thread, ``warps`` per block (rows per block =
     rows one warp load covers x rt x warps, capped at V) and ``resident`` threads per SM (GDNSpec.resident); None
     keeps the planner's. Conventional modules are not affected."""
-    old = dict(_OVERRIDE)
-    _OVERRIDE.update({k: v for k, v in (("lanes", lanes), ("rt", rt), ("warps", warps), ("resident", resident))
-                      if v is not None})
-    try:
-        yield
-    finally:
-        _OVERRIDE.clear()
-        _OVERRIDE.update(old)
+    return pinned(_OVERRIDE, lanes=lanes, rt=rt, warps=warps, resident=resident)
 
 
 def gdn_plan(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: int = 0) -> tuple[int, int, int, int]:

@@ -12,12 +12,11 @@ them per batch; :func:`override` pins them for a sweep.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
 
-from ...config import CUDA_TYPES, SUPPORTED_NUM_TOKENS
+from ...config import CUDA_TYPES, SUPPORTED_NUM_TOKENS, pinned
 
 ENTRY_FILE = "kda/kda_decode.cu"
 KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
@@ -201,18 +200,10 @@ class KDASpec:
 _OVERRIDE: dict = {}
 
 
-@contextlib.contextmanager
 def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None):
     """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
     register budget of the planned modules is set for (KDASpec.resident)."""
-    old = dict(_OVERRIDE)
-    _OVERRIDE.update({k: v for k, v in (("col_lanes", col_lanes), ("warps", warps), ("resident", resident))
-                      if v is not None})
-    try:
-        yield
-    finally:
-        _OVERRIDE.clear()
-        _OVERRIDE.update(old)
+    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident)
 
 
 def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
