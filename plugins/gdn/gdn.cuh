@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) decode: device math of the conventional
-// step and of the ReplaySSM step. The spec is trtllm_replayssm/gdn_reference.py (float64).
+// step and of the ReplaySSM step. The spec is trtllm_replayssm/families/gdn/reference.py (float64).
 //
 // The generated prelude (trtllm_replayssm/compile.py, GDNSpec) defines, before this header:
 //   act_t                      activations: q, k, v, a, b, y and v_cache
@@ -83,7 +83,7 @@ __device__ __forceinline__ void store_shadow4(__nv_bfloat16* p, const float (&in
 }
 
 __device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }  // torch's threshold
-constexpr float kL2Eps = 1e-6f;
+constexpr float kL2Eps = 1e-6f;  // reference.L2NORM_EPS (transformers' Qwen3-Next l2norm)
 // Below this the fold's lazy decay is applied to the rows (fp32 keeps ~2^-126; 2^-30 leaves room for u / D).
 constexpr float kRenorm = 9.3132257e-10f;  // 2^-30
 
@@ -94,7 +94,7 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }  // gdn_reference.L2NORM_EPS (transformers' Qwen3-Next l2norm)
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // ---- geometry ---------------------------------------------------------------------------------
 constexpr int kThreads = kWarps * 32;

@@ -3,18 +3,18 @@
 // checkpoint (or its bf16 shadow) and the committed ring history, commit by cursor move (the Mamba-2
 // replayssm_spec_commit kernel, shared by all layers); plus the native-spec baseline (conventional
 // recurrence over the window, one state snapshot per position). The spec, in float64, is
-// trtllm_replayssm/gdn_reference.py (flush_checkpoint + spec_reference.flush_cursor + verify, then
+// trtllm_replayssm/families/gdn/reference.py (flush_checkpoint + spec_reference.flush_cursor + verify, then
 // spec_reference.commit; native_spec_verify + spec_reference.native_spec_commit).
 //
 // The prelude adds kT to the constants of gdn.cuh. Per (slot, value head hv), cursor (start, m = count),
 // committed entry j < m at ring index (start + j) % L, window token t at (start + m + t) % L:
 //   flush (m + 2T > L, decided on the cursor before the step, as replayssm_spec_commit repeats it):
 //     S0 <- the exact fold of the m committed (v_j, k_j, g_j, beta_j) from the fp32 checkpoint
-//     (gdn_reference._fold, lazy decay as in gdn.cuh's replay_flush), stored (+ shadow rewritten);
+//     (reference._fold, lazy decay as in gdn.cuh's replay_flush), stored (+ shadow rewritten);
 //     the window then sees S_m = that fold and no history (cursor (start + m, 0) for the rest).
 //   no flush: S_m = exp(G_m) S0 + sum_j exp(G_m - G_j) u_j k_j^T, never formed: only its products
 //     S_m x = exp(G_m) (S0 x) + sum_j exp(G_m - G_j) (k_j . x) u_j with the window's x = k_t, q_t.
-//   Window (triangular form, gdn_reference.verify_triangular), Γ_t = sum_{i<=t} g_i (in fp32 every exponent
+//   Window (triangular form, reference.verify_triangular), Γ_t = sum_{i<=t} g_i (in fp32 every exponent
 //   Γ_t - Γ_s and G_m - G_j is summed over its own range, never a difference of two prefix sums):
 //     u_t = beta_t (v_t - exp(Γ_t) S_m k_t - sum_{s<t} exp(Γ_t - Γ_s) (k_s . k_t) u_s)
 //     y_t = exp(Γ_t) S_m q_t + sum_{s<=t} exp(Γ_t - Γ_s) (k_s . q_t) u_s

@@ -639,7 +639,7 @@ struct ReplayArgs {
 
 // ---- layout of the decode tensors: element offsets -------------------------------------------------
 // RSSM_LAYOUT 0 (default): the contiguous shapes above. RSSM_LAYOUT 1 (vLLM's paged Mamba state,
-// trtllm_replayssm/vllm.py): the checkpoint and the rings are (slots, ...) views whose slot stride is a
+// serve/trtllm_replayssm_vllm/): the checkpoint and the rings are (slots, ...) views whose slot stride is a
 // page (kSlot*), the activations, y and the slot indices are row-strided views (kRow*), the cursor is
 // one entry per batch row (vLLM's write_pos) instead of per slot, and slot kNullSlot is padding (vLLM's
 // null block 0). Only leading strides change; every row of P or N elements stays contiguous. The
