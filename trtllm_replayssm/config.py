@@ -417,13 +417,11 @@ SMALL_BATCH = 4
 # same-run A/B at bs256 (bench/NOTES.md "Fewer warps per item: outcome"): fp8 k1 142.8 -> 119.1 us, amortized
 # 3.54x -> 4.10x the conventional step; bf16 (with 8 resident blocks) 258.8 -> 254.0 us.
 SHADOW_REGS_PER_THREAD = 2 * STATE_REGS_PER_THREAD
-# The staged fp32 step at batch <= STAGED_SMALL_BATCH: twice the rows a thread of the other small-batch plans
-# (R16 W4 at bs1, R32 W8 at bs2 on the main geometry instead of R16 W8 / R32 W16): half the warps pay each item's
-# fixed part (prologue, scalars, B.C). H100, same run (bench/NOTES.md "Issue 40, third pass"): amortized x
-# conventional bs1 0.97 -> 1.04, bs2 1.01 -> 1.13. At bs4 the same rule gives R64 W16 (the grid keeps its blocks),
-# not the R32 W8 measured there (1.12 -> 1.19): bs3-4 keep the old plan until that shape is measured.
-STAGED_SMALL_BATCH = 2
-STAGED_SMALL_REGS_PER_THREAD = STATE_REGS_PER_THREAD // 2
+# The staged fp32 step at batch <= SMALL_BATCH: the small-batch plan's rows a block in half its warps (twice the rows
+# a thread: R16 W4 at bs1, R32 W8 at bs2-4 on the main geometry instead of R16 W8 / R32 W16), so half the warps pay
+# each item's fixed part (prologue, scalars, B.C). H100, same run (bench/NOTES.md "Issue 40, third pass"): amortized
+# x conventional bs1 0.97 -> 1.04, bs2 1.01 -> 1.13, bs4 1.12 -> 1.19 (fewer rows a block instead, R8 W4: 0.70-0.76).
+STAGED_SMALL_ROWS_FACTOR = 2
 
 
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
@@ -476,10 +474,8 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     regs = STATE_REGS_PER_THREAD if batch > SMALL_BATCH else STATE_REGS_PER_THREAD // 4
     if shadow != "none" and staged and batch > SMALL_BATCH:
         regs = SHADOW_REGS_PER_THREAD
-    if shadow == "none" and staged and batch <= STAGED_SMALL_BATCH:
-        regs = STAGED_SMALL_REGS_PER_THREAD
     rows_per_thread = max(1, regs // per_row)
-    def warps_for(rows: int) -> int:
+    def warps_for(rows: int, rows_per_thread: int = rows_per_thread) -> int:
         w = max(1, rows // (lay.rows_per_warp_load * rows_per_thread))
         while rows % (lay.rows_per_warp_load * w):
             w -= 1
@@ -504,6 +500,8 @@ def choose_geometry(state: str, headdim: int, dstate: int, nheads: int, batch: i
     ):
         rows //= 2
     warps = warps_for(rows)
+    if shadow == "none" and staged and batch <= SMALL_BATCH:  # the same rows in half the warps
+        warps = warps_for(rows, STAGED_SMALL_ROWS_FACTOR * rows_per_thread)
     if warps * 32 > MAX_THREADS:  # rows could not be split further (fp8 scales): more rows per thread
         warps = MAX_THREADS // 32
         while rows % (lay.rows_per_warp_load * warps):
