@@ -181,6 +181,23 @@ def test_ptx_newer_than_the_driver_is_refused(monkeypatch):
     cc.check_ptx_loadable()
 
 
+def test_small_batch_staged_fp32_plan_halves_the_warps():
+    """bench/NOTES.md "Issue 40, third pass": at batch <= SMALL_BATCH the staged fp32 step keeps the small-batch
+    plan's rows a block (those the shadow plans use) in half its warps; Nemotron-H 8B: R16 W4 at bs1, R32 W8 at
+    bs2-4 (the measured shapes); above SMALL_BATCH and with a shadow nothing changes."""
+    from trtllm_replayssm.config import SMALL_BATCH, SMALL_BATCH_VARIANT, plan
+    from trtllm_replayssm.geometries import GEOMETRIES
+
+    H, P, N, _ = GEOMETRIES["nemotron_h_8b"]
+    assert [plan("f32", "bf16", H, P, N, 16, b)[:2] for b in (1, 2, 3, 4)] == [(16, 4), (32, 8), (32, 8), (32, 8)]
+    for name, (H, P, N, _) in GEOMETRIES.items():
+        for b in range(1, SMALL_BATCH + 1):
+            rows, warps, variant = plan("f32", "bf16", H, P, N, 16, b)
+            s_rows, s_warps, _ = plan("f32", "bf16", H, P, N, 16, b, shadow="bf16")
+            assert variant == SMALL_BATCH_VARIANT and (rows, 2 * warps) == (s_rows, s_warps), (name, b)
+    assert plan("f32", "bf16", 128, 64, 128, 16, SMALL_BATCH + 1)[2] != SMALL_BATCH_VARIANT
+
+
 def test_shadow_variant_choice():
     """A shadow runs the staged one-shot kernel by default (measured fastest); a pinned variant is used as given."""
     from trtllm_replayssm.config import override_variant, plan
