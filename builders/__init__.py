@@ -18,5 +18,5 @@
   Python-backend model). scripts/build_engine.py and scripts/make_triton_repo.py are their command lines.
 
 Builders contain no kernel code (STYLE.md): the SSM step is a pluggable backend with the signature
-of :func:`trtllm_replayssm.reference.replay_decode`, called with keyword arguments.
+of :func:`trtllm_replayssm.families.mamba2.reference.replay_decode`, called with keyword arguments.
 """

@@ -347,7 +347,7 @@ class StepIO:
         [q, per-row scale] for fp8 (the one quantizer, as the kernels store it)."""
         if self.shadow == "none":
             return []
-        from trtllm_replayssm.reference import Shadow
+        from trtllm_replayssm.shadow import Shadow
 
         sh = Shadow.of(state, self.shadow)
         return [sh.q] if sh.scale is None else [sh.q, sh.scale]

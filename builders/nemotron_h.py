@@ -24,11 +24,11 @@ Patching (:func:`patch_replayssm`), per Mamba-2 mixer, mirroring the mixer's own
     x, B, C = split(xBC);  y = backend(x, B, C, dt raw, dt_bias, A = -exp(A_log), D, z=None)
     out    = out_proj(norm(y, z))                            (gated RMSNorm: y * silu(z), grouped)
 
-``backend`` is the SSM step with the signature of :func:`trtllm_replayssm.reference.replay_decode`
-(called with keywords): the float64 reference on the CPU, :func:`trtllm_replayssm.ops.replay_decode`
+``backend`` is the SSM step with the signature of :func:`trtllm_replayssm.families.mamba2.reference.replay_decode`
+(called with keywords): the float64 reference on the CPU, :func:`trtllm_replayssm.families.mamba2.ops.replay_decode`
 on CUDA. Prefill (more than one token) is the model's own chunked path; its final SSM state becomes
 the checkpoint with an empty buffer (cursor 0). A continuation prefill after decode steps first folds
-the buffer into the model's recurrent state (:func:`~trtllm_replayssm.reference.replay_state`).
+the buffer into the model's recurrent state (:func:`~trtllm_replayssm.families.mamba2.reference.replay_state`).
 The cursor is shared by all Mamba layers and advanced once per model step (``advance_cursor``).
 Beam search reorders our slots with the cache's (``reorder_cache``); switching between transformers caches
 (several conversations) folds the buffers back into the cache held until then (``MixerPatch``). Not covered:

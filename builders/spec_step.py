@@ -25,7 +25,7 @@ sampling against a draft model, ...), which belongs to the serving layer, not to
 commit is a handful of tiny ops, so a second small engine costs one launch per step. The cursor move
 must follow every layer's verify (they all read the same cursor), which a separate graph guarantees.
 
-Math and state layouts: :mod:`trtllm_replayssm.spec_reference`. Export route: as
+Math and state layouts: :mod:`trtllm_replayssm.families.mamba2.spec_reference`. Export route: as
 :mod:`.decode_step` (TorchScript exporter, :class:`~builders.decode_step.PluginOp`).
 """
 

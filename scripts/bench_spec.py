@@ -41,7 +41,12 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from trtllm_replayssm import costs, ops, timing  # noqa: E402
+from trtllm_replayssm import (  # noqa: E402
+    costs,
+    cursor_ops,  # noqa: E402
+    timing,
+)
+from trtllm_replayssm.families.mamba2 import ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 
 
@@ -102,7 +107,7 @@ def bench_spec_point(geom, T, L, batch, seed=0):
 
     def native_commit():
         for r in range(R):
-            ops.native_spec_commit(state, snaps, n_acc, sbis[r], check_values=False)
+            cursor_ops.native_spec_commit(state, snaps, n_acc, sbis[r], check_values=False)
 
     row["native_verify_us"] = timing.graph_time_us(native_verify, R)[0]
     row["native_commit_us"] = timing.graph_time_us(native_commit, R)[0]

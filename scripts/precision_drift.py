@@ -49,8 +49,10 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtllm_replayssm import reference as ref  # noqa: E402
+from trtllm_replayssm import cursor as cursors  # noqa: E402
+from trtllm_replayssm import shadow as shadowq  # noqa: E402
 from trtllm_replayssm.families.kda import reference as kref  # noqa: E402
+from trtllm_replayssm.families.mamba2 import reference as ref  # noqa: E402
 
 F64 = torch.float64
 VARIANTS = ("conv_fp32", "conv_bf16", "replay_fp32", "replay_bf16_shadow", "replay_fp8_shadow", "replay_bf16",
@@ -68,7 +70,7 @@ def granularity_error(S: torch.Tensor) -> dict[str, float]:
     for name, T in (("per_row", S), ("per_col", S.transpose(1, 2))):
         q = torch.empty(T.shape, dtype=torch.float8_e4m3fn)
         sc = torch.empty(T.shape[:-1])
-        ref.quantize_shadow(T, q, sc)
+        shadowq.quantize_shadow(T, q, sc)
         back = q.double() * sc.double()[..., None]
         out[name] = float((back - T).norm() / T.norm())
     return out
@@ -91,8 +93,8 @@ def drift(steps=4096, H=8, P=64, N=128, G=2, L=16, seed=0, granularity=False,
     for name, (store, kind, rounding) in REPLAY.items():
         caches = (None if store is None else S0.clone(), torch.zeros(1, H, L, P, dtype=F64),
                   torch.zeros(1, G, L, N, dtype=F64), torch.zeros(1, H, L, dtype=F64), torch.zeros(1, dtype=torch.int32))
-        ck = None if rounding is None else ref.Checkpoint8.of(S0, rounding, seed=seed)
-        replay[name] = (caches, None if kind is None else ref.Shadow.of(caches[0], kind), ck, store)
+        ck = None if rounding is None else shadowq.Checkpoint8.of(S0, rounding, seed=seed)
+        replay[name] = (caches, None if kind is None else shadowq.Shadow.of(caches[0], kind), ck, store)
     errs = {v: [] for v in VARIANTS}
     gran = {"per_row": [], "per_col": []}
 
@@ -115,7 +117,7 @@ def drift(steps=4096, H=8, P=64, N=128, G=2, L=16, seed=0, granularity=False,
                 S.copy_(S.to(store).to(F64))
                 if shadow is not None:
                     shadow.write(0, S[0])
-            ref.advance_cursor(cur, sbi, L, None if ck is None else ck.flushes)
+            cursors.advance_cursor(cur, sbi, L, None if ck is None else ck.flushes)
             errs[name].append(float((y - y64).norm()) / norm)
         if granularity and int(replay["replay_fp32"][0][4][0]) == 0 and float(exact.abs().max()) > 0:
             for k, v in granularity_error(exact[0]).items():
@@ -149,7 +151,7 @@ def drift_kda(steps=4096, H=2, K=128, V=128, L=16, seed=0, gate="glm") -> dict[s
     replay = {}
     for name in ("replay_fp32", "replay_bf16_shadow"):
         buf = kref.KDABuffers.alloc(1, H, K, V, L)  # fp32 checkpoint, bf16 k / u / v rings, fp32 g / beta (the table)
-        shadow = ref.Shadow.of(buf.state, "bf16") if name.endswith("shadow") else None
+        shadow = shadowq.Shadow.of(buf.state, "bf16") if name.endswith("shadow") else None
         replay[name] = (buf, shadow, torch.zeros(1, dtype=torch.int32))
     errs = {v: [] for v in KDA_VARIANTS}
 
@@ -166,7 +168,7 @@ def drift_kda(steps=4096, H=2, K=128, V=128, L=16, seed=0, gate="glm") -> dict[s
             errs[name].append(float((y - y64).norm()) / norm)
         for name, (buf, shadow, cur) in replay.items():
             y = kref.replay_decode(buf, cur, *args, shadow=shadow, lower_bound=lower)
-            ref.advance_cursor(cur, sbi, L)
+            cursors.advance_cursor(cur, sbi, L)
             errs[name].append(float((y - y64).norm()) / norm)
     return errs
 

@@ -16,7 +16,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtllm_replayssm import config, ops  # noqa: E402
+from trtllm_replayssm import config  # noqa: E402
+from trtllm_replayssm.families.mamba2 import ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.problems import make_inputs, make_params  # noqa: E402
 

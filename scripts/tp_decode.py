@@ -29,8 +29,9 @@ import torch.distributed as dist  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtllm_replayssm import reference as ref  # noqa: E402
+from trtllm_replayssm import cursor as cursors  # noqa: E402
 from trtllm_replayssm import tp  # noqa: E402
+from trtllm_replayssm.families.mamba2 import reference as ref  # noqa: E402
 
 
 def run(nheads=256, headdim=64, dstate=128, ngroups=8, buffer_len=4, batch=2, hidden=64, device="cpu",
@@ -57,7 +58,8 @@ def run(nheads=256, headdim=64, dstate=128, ngroups=8, buffer_len=4, batch=2, hi
     bias, a, d = (t.to(dev, torch.float32 if gpu else dtype) for t in tp.shard_params(shard, dt_bias, A, D))
     w_local = W[:, shard.head0 * P:(shard.head0 + shard.nheads) * P].to(dev, dtype)
     if gpu:
-        from trtllm_replayssm import ops
+        from trtllm_replayssm import cursor_ops
+        from trtllm_replayssm.families.mamba2 import ops
     worst = 0.0
     for _ in range(3 * L + 2):
         x = torch.randn(batch, H, P, generator=gen, dtype=torch.float64)
@@ -65,14 +67,14 @@ def run(nheads=256, headdim=64, dstate=128, ngroups=8, buffer_len=4, batch=2, hi
         C = torch.randn(batch, G, N, generator=gen, dtype=torch.float64) * 4 / N**0.5
         dt = torch.randn(batch, H, generator=gen, dtype=torch.float64)
         y_full = ref.replay_decode(*full, full_cursor, x, B, C, dt, dt_bias, A, D, None, sbi)
-        ref.advance_cursor(full_cursor, sbi, L)
+        cursors.advance_cursor(full_cursor, sbi, L)
         xs, Bs, Cs, dts, _ = (None if t is None else t.to(dev, dtype) for t in tp.shard_step(shard, x, B, C, dt))
         if gpu:
             y = ops.replay_decode(xs, Bs, Cs, dts, bias, a, d, *local, cursor, sbi.to(dev))
-            ops.advance_cursor(cursor, sbi.to(dev), L)
+            cursor_ops.advance_cursor(cursor, sbi.to(dev), L)
         else:
             y = ref.replay_decode(*local, cursor, xs, Bs, Cs, dts, bias, a, d, None, sbi)
-            ref.advance_cursor(cursor, sbi, L)
+            cursors.advance_cursor(cursor, sbi, L)
         out = y.flatten(1) @ w_local.T
         dist.all_reduce(out)
         expect = (y_full.flatten(1) @ W.T).to(out)

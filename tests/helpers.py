@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import shadow as shadowq
 
 
 def check_shadow(pb, s: int) -> None:
@@ -14,7 +14,7 @@ def check_shadow(pb, s: int) -> None:
 
     ``pb``: a GPU test problem with H, P, N, shadow_kind, state, shadow, scale (kernel side) and
     ref_shadow (the float64 mirror's), which is then set to what the kernel will read."""
-    want = ref.Shadow(1, pb.H, pb.P, pb.N, pb.shadow_kind)
+    want = shadowq.Shadow(1, pb.H, pb.P, pb.N, pb.shadow_kind)
     want.write(0, pb.state[s].cpu())
     got = pb.shadow[s].cpu()
     bad = (got.view(torch.uint8) != want.q[0].view(torch.uint8)).sum()

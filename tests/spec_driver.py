@@ -100,7 +100,7 @@ def check_shadow_spec(run: SpecDecode, ort: OrtRunner, mod: ModuleRunner, drafts
     the same inputs (logits, every state but the commit-rolled conv windows; the shadow within one ulp of its
     format, its flushed checkpoints differing in the last bits), and the shadow states = quantize_shadow of the
     stored checkpoint after every fold, untouched without one (``drafts(gen) -> (batch, T - 1)``)."""
-    from trtllm_replayssm.reference import Shadow
+    from trtllm_replayssm.shadow import Shadow
 
     names = [s.name for s in run.step.state_specs()]
     shadows = [j for j, n in enumerate(names) if n.startswith(shadow_prefix + "_") and "_scale_" not in n]

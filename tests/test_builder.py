@@ -633,7 +633,7 @@ def test_build_engine_nvidia_moe_checkpoint(model3, tmp_path):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_greedy_tokens_match_unpatched_model_cuda():
-    """Same as the CPU test with the CUDA kernel (trtllm_replayssm.ops.replay_decode) as the backend."""
+    """Same as the CPU test with the CUDA kernel (trtllm_replayssm.families.mamba2.ops.replay_decode) as the backend."""
     model = load_nemotron_h(seed=0, device="cuda")
     ids = _prompt(2, 7).cuda()
     kw = dict(max_new_tokens=64, do_sample=False, output_scores=True, return_dict_in_generate=True)

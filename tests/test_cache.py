@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.cache import ReplayStateCache, memory_per_request
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 from .problems import GEOMETRIES, make_params
 
@@ -463,21 +464,22 @@ class _HostReadGuard:
 
 
 def _emulated_kernels(monkeypatch, guard):
-    """ops.replay_verify / ops.spec_commit as their contracts say (ops.py docstrings), in float64 on the CPU:
+    """ops.replay_verify / cursor_ops.spec_commit as their contracts say (ops.py docstrings), in float64 on the CPU:
     verify folds the checkpoint (+ shadow) of slots with count + 2T > L on the pre-step cursor, computes the
     window from the flushed cursor and leaves the cursor alone; spec_commit repeats the flush decision, then
     count += n (clamped to [0, T])."""
-    from trtllm_replayssm import ops
-    from trtllm_replayssm import spec_reference as sr
+    from trtllm_replayssm import cursor as cursors
+    from trtllm_replayssm.families.mamba2 import ops
+    from trtllm_replayssm.families.mamba2 import spec_reference as sr
 
     def replay_verify(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi, z=None, out=None,
                       check_values=None, shadow=None, shadow_scale=None):
         with guard.off():
             T, L = x.shape[1], x_cache.shape[2]
-            sh = None if shadow is None else ref.Shadow.wrap(shadow, shadow_scale)
+            sh = None if shadow is None else shadowq.Shadow.wrap(shadow, shadow_scale)
             after = cursor.clone()
             flushed = sr.flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi, shadow=sh)
-            sr.flush_cursor(after, T, L, sbi)
+            cursors.flush_cursor(after, T, L, sbi)
             y = sr.verify(state, x_cache, B_cache, dt_cache, after, x, B, C, dt, dt_bias, A, D, z, sbi, shadow=sh,
                           flushed=flushed)
             out = torch.full_like(x, float("nan")) if out is None else out
@@ -486,8 +488,8 @@ def _emulated_kernels(monkeypatch, guard):
 
     def spec_commit(cursor, n_accepted, sbi, num_tokens, buffer_len, check_values=None):
         with guard.off():
-            sr.flush_cursor(cursor, num_tokens, buffer_len, sbi)
-            sr.commit(cursor, n_accepted.clamp(0, num_tokens), num_tokens, buffer_len, sbi)
+            cursors.flush_cursor(cursor, num_tokens, buffer_len, sbi)
+            cursors.commit(cursor, n_accepted.clamp(0, num_tokens), num_tokens, buffer_len, sbi)
 
     monkeypatch.setattr(ops, "replay_verify", replay_verify)
     monkeypatch.setattr(ops, "spec_commit", spec_commit)
@@ -596,7 +598,7 @@ def test_gathered_conv_updates_equal_the_spec_in_bf16():
     """conv_update_rows / conv_rollback_rows against spec_reference's per-row loops on bf16 windows: windows
     bit-identical (copies of inputs and zeros), outputs within one bf16 rounding (2^-8 relative per element:
     fp32 vs float64 math, rounded to bf16), padding rows write only the scratch slot."""
-    from trtllm_replayssm import spec_reference as sr
+    from trtllm_replayssm import conv_window as convw
     from trtllm_replayssm.cache import conv_rollback_rows, conv_update_rows
 
     gen = torch.Generator().manual_seed(8)
@@ -610,12 +612,12 @@ def test_gathered_conv_updates_equal_the_spec_in_bf16():
     for _ in range(5):
         u = torch.randn(4, T, Dc, generator=gen).to(torch.bfloat16)
         o = conv_update_rows(full, u, weight, bias, dst, K, "silu")
-        o_ref = sr.conv_window_update(spec, u, weight, bias, sbi, "silu")
+        o_ref = convw.conv_window_update(spec, u, weight, bias, sbi, "silu")
         v = sbi >= 0
         assert ((o[v].double() - o_ref[v]).abs() <= 2 ** -8 * o_ref[v].abs() + 1e-6).all()
         n = torch.randint(1, T + 1, (4,), generator=gen, dtype=torch.int32)
         conv_rollback_rows(full, n, T, dst)
-        sr.conv_window_rollback(spec, n, T, K, sbi)
+        convw.conv_window_rollback(spec, n, T, K, sbi)
         assert torch.equal(full[:S], spec)
 
 

@@ -31,7 +31,7 @@ import zlib
 import pytest
 import torch
 
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.cache import ReplayStateCache
 
 from .problems import GEOMETRIES, make_params
@@ -186,7 +186,7 @@ class CacheProblem:
         for l in range(self.layers):
             got = dev.shadow[l, s].cpu()
             if flushed:
-                want = ref.Shadow(1, self.H, self.P, self.N, self.shadow_kind)
+                want = shadowq.Shadow(1, self.H, self.P, self.N, self.shadow_kind)
                 want.write(0, dev.state[l, s].cpu())
                 bad = int((bits(got) != bits(want.q[0])).sum())
                 assert bad == 0, f"shadow of layer {l}, slot {s}: {bad} elements differ from Shadow.write"

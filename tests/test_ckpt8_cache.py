@@ -13,8 +13,10 @@ folds land on either side of a rounding boundary; the random words are the same)
 import pytest
 import torch
 
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.cache import ReplayStateCache, Snapshot
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 F64, FP8 = torch.float64, torch.float8_e4m3fn
 H, P, N, G, L = 4, 64, 64, 2, 4
@@ -40,7 +42,7 @@ def test_cpu_cache_runs_the_spec_bit_for_bit():
     assert cache.state.dtype == FP8 and cache.layer(0).shadow is None and cache.ckpt_flushes.dtype == torch.int32
     live = [cache.allocate() for _ in range(3)]
     # the spec, driven directly on its own tensors
-    spec = [ref.Checkpoint8(slots, H, P, N, "sr", seed + l) for l in range(layers)]
+    spec = [shadowq.Checkpoint8(slots, H, P, N, "sr", seed + l) for l in range(layers)]
     rings = [[torch.zeros(slots, H, L, P, dtype=F64), torch.zeros(slots, G, L, N, dtype=F64),
               torch.zeros(slots, H, L, dtype=F64)] for _ in range(layers)]
     cursor, flushes = torch.zeros(slots, dtype=torch.int32), torch.zeros(slots, dtype=torch.int32)
@@ -62,7 +64,7 @@ def test_cpu_cache_runs_the_spec_bit_for_bit():
                                      state_batch_indices=sbi, ckpt8=spec[l])
             assert torch.equal(y[:, 0].nan_to_num(7.0), want.nan_to_num(7.0)), (step, l)
         cache.commit(sbi, None, 1)
-        ref.advance_cursor(cursor, sbi, L, flushes)
+        cursors.advance_cursor(cursor, sbi, L, flushes)
         assert torch.equal(cache.cursor, cursor) and torch.equal(cache.ckpt_flushes, flushes), step
         for l in range(layers):
             assert torch.equal(cache.state[l].view(torch.uint8), spec[l].q.view(torch.uint8)), (step, l)

@@ -20,8 +20,11 @@ Oracles:
 import pytest
 import torch
 
-from trtllm_replayssm import ops
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import cursor_ops
+from trtllm_replayssm import shadow as shadowq
+from trtllm_replayssm.families.mamba2 import ops
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 from .problems import make_inputs, make_params
 
@@ -68,7 +71,7 @@ def test_flush_bytes_bit_exact(geom, L, act):
             b = Bc[s, :, j].float().repeat_interleave(hpg, 0)  # (H, N)
             st = (sc.double()[..., None] * b.double()[:, None, :] + st.double()).float()
         q, scale = torch.empty_like(q0[s]), torch.empty_like(sc0[s])
-        ref.quantize_ckpt8(st, q, scale, "sr", seed, s, int(flushes0[s]))
+        shadowq.quantize_ckpt8(st, q, scale, "sr", seed, s, int(flushes0[s]))
         assert torch.equal(dq[s].cpu().view(U8), q.view(U8)), f"slot {s}: stored e4m3 bytes"
         assert torch.equal(dsc[s].cpu(), scale), f"slot {s}: stored scales"
         # the flush's y = S_k C_k (+ D x_k = 0): fp32 dots of N terms, one rounding to the activation dtype
@@ -83,7 +86,7 @@ def test_flush_bytes_bit_exact(geom, L, act):
     assert torch.equal(dfl.cpu(), flushes0) and torch.equal(dcur.cpu(), cursor)
     # Teeth: another seed stores other bytes.
     q2, s2 = torch.empty_like(q0[0]), torch.empty_like(sc0[0])
-    ref.quantize_ckpt8(st, q2, s2, "sr", seed + 1, 0, int(flushes0[0]))
+    shadowq.quantize_ckpt8(st, q2, s2, "sr", seed + 1, 0, int(flushes0[0]))
     assert not torch.equal(dq[0].cpu().view(U8), q2.view(U8))
 
 
@@ -103,7 +106,7 @@ def test_steps_against_float64(geom, L, act, batch, has_z):
     slots = batch + 3
     gen = torch.Generator().manual_seed(11)
     prm = make_params(H, gen, "cuda")
-    ck = ref.Checkpoint8.of(torch.randn(slots, H, P, N, generator=gen, dtype=F64), "sr", seed=5)
+    ck = shadowq.Checkpoint8.of(torch.randn(slots, H, P, N, generator=gen, dtype=F64), "sr", seed=5)
     dq, dsc, dfl = ck.q.cuda(), ck.scale.cuda(), ck.flushes.cuda()
     # Slots at every buffer position; ring entries before the cursor hold history, the others NaN (never read).
     cur0 = torch.arange(slots, dtype=torch.int32) % L
@@ -123,7 +126,7 @@ def test_steps_against_float64(geom, L, act, batch, has_z):
     flushed = 0
     for _ in range(2 * L + 1):
         x, B, C, dt, z = make_inputs(batch, H, P, N, G, act, gen, "cuda", has_z)
-        rck = ref.Checkpoint8.wrap(dq.cpu(), dsc.cpu(), dfl.cpu(), "sr", 5)  # the checkpoint the kernel stored
+        rck = shadowq.Checkpoint8.wrap(dq.cpu(), dsc.cpu(), dfl.cpu(), "sr", 5)  # the checkpoint the kernel stored
         q_before = rck.q.clone()
         rcur = dcur.cpu()
         y_ref = ref.replay_decode(None, rxc, rBc, rdtc, rcur, x.cpu(), B.cpu(), C.cpu(), dt.cpu(), prm.dt_bias.cpu(),
@@ -164,8 +167,8 @@ def test_steps_against_float64(geom, L, act, batch, has_z):
         assert torch.equal(torch.isfinite(ddtc.cpu()), fin)
         torch.testing.assert_close(ddtc.cpu().double()[fin], rdtc[fin], rtol=1e-5, atol=0)  # fp32 softplus
         rdtc[fin] = ddtc.cpu().double()[fin]  # continue from the kernel's values (the rings are its state)
-        ops.advance_cursor(dcur, sbi.cuda(), L, flushes=dfl)
-        ref.advance_cursor(rcur, sbi, L, rck.flushes)
+        cursor_ops.advance_cursor(dcur, sbi.cuda(), L, flushes=dfl)
+        cursors.advance_cursor(rcur, sbi, L, rck.flushes)
         assert torch.equal(dcur.cpu(), rcur) and torch.equal(dfl.cpu(), rck.flushes)
     assert flushed >= len(valid)  # every valid row flushed at least once (teeth of the neighbour check)
     for s in unused:

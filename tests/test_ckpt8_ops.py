@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from trtllm_replayssm import compile as cc
-from trtllm_replayssm import config, costs, ops
+from trtllm_replayssm import config, costs
 from trtllm_replayssm.config import KernelSpec, Variant
+from trtllm_replayssm.families.mamba2 import ops
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,9 @@ Oracles:
 import pytest
 import torch
 
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 F64 = torch.float64
 
@@ -39,7 +41,7 @@ def test_sr_picks_a_neighbour_and_exact_values_stay():
     v = v.clamp(-448, 448)
     v[:5] = torch.tensor([0.0, 448.0, -448.0, 2.0 ** -9, 3 * 2.0 ** -10])
     r = torch.randint(0, 2 ** 32, v.shape, generator=gen, dtype=torch.int64)
-    out = ref.stochastic_round_e4m3(v, r).double()
+    out = shadowq.stochastic_round_e4m3(v, r).double()
     lo, hi = e4m3_neighbours(v)
     mag = out.abs()
     assert bool(((mag == lo) | (mag == hi)).all())
@@ -59,8 +61,8 @@ def test_sr_probability_is_exact():
     frac = torch.where(hi > lo, (v.double() - lo) / (hi - lo), torch.zeros_like(lo))
     t = torch.round(frac * 2.0 ** 32).to(torch.int64)  # exact: |v| >= 2^-18 keeps frac * 2^32 an integer
     assert torch.equal(frac * 2.0 ** 32, t.double())
-    below = ref.stochastic_round_e4m3(v, (t - 1).clamp_min(0)).double()
-    at = ref.stochastic_round_e4m3(v, t.clamp(max=2 ** 32 - 1)).double()
+    below = shadowq.stochastic_round_e4m3(v, (t - 1).clamp_min(0)).double()
+    at = shadowq.stochastic_round_e4m3(v, t.clamp(max=2 ** 32 - 1)).double()
     has = t > 0
     assert torch.equal(below[has], hi[has])  # r < t rounds up ...
     full = t < 2 ** 32
@@ -69,20 +71,20 @@ def test_sr_probability_is_exact():
 
 def test_sr_nan_and_saturation():
     v = torch.tensor([float("nan"), float("inf"), -1000.0, 449.0])
-    out = ref.stochastic_round_e4m3(v, torch.zeros(4, dtype=torch.int64))
+    out = shadowq.stochastic_round_e4m3(v, torch.zeros(4, dtype=torch.int64))
     assert torch.isnan(out[0]) and out[1:].tolist() == [448.0, -448.0, 448.0]
 
 
 def test_random_bits_deterministic_and_keyed():
-    a = ref.ckpt8_random_bits(7, 3, 5, 4, 16, 64)
-    assert torch.equal(a, ref.ckpt8_random_bits(7, 3, 5, 4, 16, 64))
+    a = shadowq.ckpt8_random_bits(7, 3, 5, 4, 16, 64)
+    assert torch.equal(a, shadowq.ckpt8_random_bits(7, 3, 5, 4, 16, 64))
     assert bool((a >= 0).all()) and bool((a < 2 ** 32).all())
     for other in ((8, 3, 5), (7, 4, 5), (7, 3, 6)):
-        assert float((ref.ckpt8_random_bits(*other, 4, 16, 64) == a).double().mean()) < 0.01
+        assert float((shadowq.ckpt8_random_bits(*other, 4, 16, 64) == a).double().mean()) < 0.01
     assert len(set(a.flatten().tolist())) == a.numel()  # heads, rows and n all enter the key
     # The scalar hash the kernel computes per element, for one coordinate (head 1, row 2, n 9).
-    k = ref.mix32(ref.mix32(ref.mix32(ref.mix32(ref.mix32(7) + 3) + 5) + 1) + 2)
-    assert int(a[1, 2, 9]) == ref.mix32(k + ((9 * 0x9E3779B9) & 0xFFFFFFFF))
+    k = shadowq.mix32(shadowq.mix32(shadowq.mix32(shadowq.mix32(shadowq.mix32(7) + 3) + 5) + 1) + 2)
+    assert int(a[1, 2, 9]) == shadowq.mix32(k + ((9 * 0x9E3779B9) & 0xFFFFFFFF))
     # Uniform enough: each of the 32 bits is set about half the time (4096 words: sigma 0.008).
     bits = torch.stack([(a >> b) & 1 for b in range(32)]).double().mean(dim=(1, 2, 3))
     assert float((bits - 0.5).abs().max()) < 0.04
@@ -90,10 +92,10 @@ def test_random_bits_deterministic_and_keyed():
 
 def test_mix32_known_values():
     # lowbias32 is a bijection with mix32(0) = 0; fixed values guard the kernel mirror against edits.
-    assert ref.mix32(0) == 0
-    assert ref.mix32(1) == int(ref.mix32(torch.tensor([1]))[0])
+    assert shadowq.mix32(0) == 0
+    assert shadowq.mix32(1) == int(shadowq.mix32(torch.tensor([1]))[0])
     xs = torch.arange(1 << 12, dtype=torch.int64) * 977
-    assert len(set(ref.mix32(xs).tolist())) == xs.numel()
+    assert len(set(shadowq.mix32(xs).tolist())) == xs.numel()
 
 
 def test_stochastic_quantisation_is_unbiased():
@@ -105,7 +107,7 @@ def test_stochastic_quantisation_is_unbiased():
     n = 2000
     acc = torch.zeros(H, P, N, dtype=F64)
     for seed in range(n):
-        ref.quantize_ckpt8(S, q, sc, "sr", seed=seed, slot=0, flush=0)
+        shadowq.quantize_ckpt8(S, q, sc, "sr", seed=seed, slot=0, flush=0)
         acc += q.double() * sc.double()[..., None] - S
     mean = acc / n
     # The standard error of the mean of n independent roundings: sqrt(p (1 - p) / n) quanta, p the round-up
@@ -119,7 +121,7 @@ def test_stochastic_quantisation_is_unbiased():
     # v itself is S rounded to fp32 through a rounded reciprocal: a bias of a few 2^-24 of |S|.
     assert float((mean.abs() - 5 * sem - 2e-7 * S.abs()).max()) <= 0
     # Round to nearest is biased where the fraction is not 1/2 (teeth: the same test fails for it).
-    ref.quantize_ckpt8(S, q, sc, "rne")
+    shadowq.quantize_ckpt8(S, q, sc, "rne")
     d_rne = q.double() * sc.double()[..., None] - S
     assert float((d_rne.abs() > 5 * sem + 2e-7 * S.abs()).double().mean()) > 0.5
 
@@ -130,8 +132,8 @@ def test_checkpoint8_decode_spec():
     gen = torch.Generator().manual_seed(3)
     slots, H, P, N, G, L = 3, 4, 8, 16, 2, 4
     S = torch.randn(slots, H, P, N, generator=gen, dtype=F64)
-    ck = ref.Checkpoint8.of(S, "sr", seed=11)
-    rne = ref.Checkpoint8.of(S, "rne")
+    ck = shadowq.Checkpoint8.of(S, "sr", seed=11)
+    rne = shadowq.Checkpoint8.of(S, "rne")
     caches = [(torch.zeros(slots, H, L, P, dtype=F64), torch.zeros(slots, G, L, N, dtype=F64),
                torch.zeros(slots, H, L, dtype=F64), torch.zeros(slots, dtype=torch.int32)) for _ in range(2)]
     A = -torch.rand(H, generator=gen, dtype=F64) - 0.5
@@ -155,21 +157,21 @@ def test_checkpoint8_decode_spec():
         if flushing:  # the stored checkpoint is the SR quantisation of the folded state at the old count
             q, sc = torch.empty_like(ck.q[0]), torch.empty_like(ck.scale[0])
             for s in (0, 2):
-                ref.quantize_ckpt8(st[s], q, sc, "sr", 11, s, int(before[s]))  # st[s]: the folded state
+                shadowq.quantize_ckpt8(st[s], q, sc, "sr", 11, s, int(before[s]))  # st[s]: the folded state
                 assert torch.equal(q.view(torch.uint8), ck.q[s].view(torch.uint8)) and torch.equal(sc, ck.scale[s])
         ref.replay_decode(None, *caches[1], x, B, C, dt, dt_bias, A, D, None, sbi, ckpt8=rne)
-        ref.advance_cursor(caches[0][3], sbi, L, ck.flushes)
-        ref.advance_cursor(caches[1][3], sbi, L, rne.flushes)
+        cursors.advance_cursor(caches[0][3], sbi, L, ck.flushes)
+        cursors.advance_cursor(caches[1][3], sbi, L, rne.flushes)
     assert ck.flushes.tolist() == [2, 0, 2]
     assert torch.equal(ck.q[1].view(torch.uint8), untouched.view(torch.uint8))  # unused slot
     assert not torch.equal(ck.q.view(torch.uint8), rne.q.view(torch.uint8))  # SR and RNE differ (teeth)
 
 
 def test_checkpoint8_refuses_a_second_checkpoint():
-    ck = ref.Checkpoint8(1, 1, 8, 16)
+    ck = shadowq.Checkpoint8(1, 1, 8, 16)
     z = torch.zeros
     with pytest.raises(ValueError, match="ckpt8"):
         ref.replay_decode(z(1, 1, 8, 16), z(1, 1, 4, 8), z(1, 1, 4, 16), z(1, 1, 4), z(1, dtype=torch.int32),
                           z(1, 1, 8), z(1, 1, 16), z(1, 1, 16), z(1, 1), z(1), z(1), z(1), ckpt8=ck)
     with pytest.raises(ValueError, match="rounding"):
-        ref.Checkpoint8(1, 1, 8, 16, rounding="nearest")
+        shadowq.Checkpoint8(1, 1, 8, 16, rounding="nearest")

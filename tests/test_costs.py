@@ -136,7 +136,7 @@ def test_spec_count_distribution_follows_the_cursor():
     import random
 
     from builders.model_step import designed_accepted_per_step
-    from trtllm_replayssm import spec_reference as sr
+    from trtllm_replayssm import cursor as cursors
 
     assert costs.spec_count_distribution(4, 16) == pytest.approx({4: 1 / 3, 8: 1 / 3, 12: 1 / 3})
     T, L, alpha = 4, 16, 0.8
@@ -146,11 +146,11 @@ def test_spec_count_distribution_follows_the_cursor():
     rng, cursor, sbi, seen = random.Random(3), torch.zeros(1, 2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), []
     for _ in range(6000):
         seen.append(int(cursor[0, 1]))
-        sr.flush_cursor(cursor, T, L, sbi)
+        cursors.flush_cursor(cursor, T, L, sbi)
         n = 1
         while n < T and rng.random() < alpha:
             n += 1
-        sr.commit(cursor, torch.tensor([n], dtype=torch.int32), T, L, sbi)
+        cursors.commit(cursor, torch.tensor([n], dtype=torch.int32), T, L, sbi)
     fold = sum(m + 2 * T > L for m in seen) / len(seen)
     assert fold == pytest.approx(sum(p for m, p in d.items() if m + 2 * T > L), abs=0.02)
     assert sum(seen) / len(seen) == pytest.approx(sum(m * p for m, p in d.items()), abs=0.2)

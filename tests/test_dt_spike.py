@@ -15,7 +15,7 @@ the exact per-entry recurrence, so there the spike reached y and the cached u_j,
 CPU (always): an fp32 emulation of both exponent forms, written after the kernels' arithmetic (the Hillis-Steele
 shuffle scans, the order of the sums, fp32 exp), feeds dt spikes through the Mamba-2 flush / output form, the
 speculative fold and window, and the GDN history weights and window decays, against the float64 references
-(:func:`trtllm_replayssm.reference.buffer_weights`, the spec) fed the same fp32 dt. Bound: the no-spike level of
+(:func:`trtllm_replayssm.families.mamba2.reference.buffer_weights`, the spec) fed the same fp32 dt. Bound: the no-spike level of
 fp32 (:data:`FP32_LEVEL`, relative Frobenius error per head); teeth: the old prefix-difference form exceeds it
 several times over on the same inputs.
 
@@ -42,8 +42,8 @@ import pytest
 import torch
 
 from trtllm_replayssm import config
-from trtllm_replayssm import reference as ref
-from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 from .test_gdn_gpu import Problem as GDNProblem
 from .test_gdn_spec_gpu import SpecProblem as GDNSpecProblem
@@ -510,7 +510,7 @@ def run_spec(pb: SpikedSpec, steps: int, emulate: bool = False) -> dict[str, flo
     full = torch.full((pb.batch,), pb.T, dtype=torch.int32)
     A, hpg = pb.prm.A.cpu(), pb.H // pb.G
     for _ in range(steps):
-        folding = [s for s in pb.used if sr.needs_flush(pb.ref_cursor, s, pb.T, pb.L)]
+        folding = [s for s in pb.used if cursors.needs_flush(pb.ref_cursor, s, pb.T, pb.L)]
         before = {}
         for s in folding if emulate else ():
             start, m = (int(c) for c in pb.ref_cursor[s])

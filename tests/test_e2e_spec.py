@@ -7,7 +7,7 @@ Oracles:
   emitted tokens: equal exactly on the tiny config in fp32 (the spec step's other arithmetic differs
   from the standard step's only in GEMM shapes, ~1e-7, far from any near tie of a 256-token vocab).
 * hand-built token rows for the acceptance rule (longest matching prefix + bonus token).
-* :mod:`trtllm_replayssm.spec_reference` for the conv window kept with a per-row offset (update +
+* :mod:`trtllm_replayssm.families.mamba2.spec_reference` for the conv window kept with a per-row offset (update +
   rollback over random acceptances: outputs within one fp32 product-sum, committed inputs exact).
 * a host-side replay of the tables for the on-device acceptance bookkeeping of the timed (reference
   target) path: accepted counts equal exactly.
@@ -32,8 +32,8 @@ from builders import model_step as ss  # noqa: E402
 from builders.random_model import build_model, model_config  # noqa: E402
 from scripts import bench_e2e  # noqa: E402
 from scripts import e2e_spec as bs  # noqa: E402
+from trtllm_replayssm import conv_window as convw  # noqa: E402
 from trtllm_replayssm import costs  # noqa: E402
-from trtllm_replayssm import spec_reference as sr  # noqa: E402
 from trtllm_replayssm.costs import memory_per_request  # noqa: E402
 
 T, L = 4, 8
@@ -108,11 +108,11 @@ def test_conv_window_offset_matches_reference_rollback():
     sbi = torch.arange(b, dtype=torch.int32)
     for step in range(6):
         u = torch.randn(b, T, C, generator=gen)
-        want = sr.conv_window_update(ref_win, u.double(), w.double(), bias.double(), sbi, activation="silu")
+        want = convw.conv_window_update(ref_win, u.double(), w.double(), bias.double(), sbi, activation="silu")
         got = ss.conv_update(win, shift if step else None, u, w, bias)
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5), step  # fp32 sums of K products
         n = torch.randint(1, T + 1, (b,), generator=gen, dtype=torch.int32)
-        sr.conv_window_rollback(ref_win, n, T, K, sbi)
+        convw.conv_window_rollback(ref_win, n, T, K, sbi)
         shift = T - n.long()
         cols = (W - (K - 1)) - shift[:, None] + torch.arange(K - 1)[None, :]
         committed = win.gather(1, cols[:, :, None].expand(b, K - 1, C))

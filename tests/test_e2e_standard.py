@@ -34,7 +34,7 @@ from scripts import bench_e2e  # noqa: E402
 from scripts import e2e_standard as bd  # noqa: E402
 from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm.backend import write_shadow  # noqa: E402
-from trtllm_replayssm.reference import Shadow  # noqa: E402
+from trtllm_replayssm.shadow import Shadow  # noqa: E402
 
 L = 4
 RUN = dict(L=L, prompt_len=5, gate_tokens=2 * L + 1, warmup=0, reps=1, context=16)

@@ -9,9 +9,9 @@ conv of the accepted inputs. Both kinds share one cursor, one flush decision and
 import pytest
 import torch
 
-from trtllm_replayssm import reference as mref
 from trtllm_replayssm.cache import ReplayStateCache
 from trtllm_replayssm.families.gdn import reference as gref
+from trtllm_replayssm.families.mamba2 import reference as mref
 
 F64 = torch.float64
 HV, HK, V, KD, L, T = 4, 2, 8, 6, 8, 3

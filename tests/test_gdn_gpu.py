@@ -30,7 +30,8 @@ import math
 import pytest
 import torch
 
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.families.gdn import ops as gdn_ops
 from trtllm_replayssm.families.gdn import reference as gref
 from trtllm_replayssm.geometries import GDN_GEOMETRIES
@@ -90,7 +91,7 @@ class Problem:
                                                           self.rbuf.k_cache, self.rbuf.g_cache, self.rbuf.beta_cache)))
         self.rshadow = self.shadow = None
         if shadow:  # written at the hand-off, from the stored checkpoint
-            self.rshadow = ref.Shadow.of(self.rbuf.state, "bf16")
+            self.rshadow = shadowq.Shadow.of(self.rbuf.state, "bf16")
             self.shadow = self.rshadow.q.cuda()
         self.used = sorted(int(s) for s in perm if s >= 0)
         self.unused = [s for s in range(slots) if s not in self.used]
@@ -126,7 +127,7 @@ class Problem:
                                    self.sbi_cpu, shadow=self.rshadow)
         flushed = [s for s in self.used if int(self.rcursor[s]) + 1 == self.L]
         gdn_ops.advance_cursor(self.cursor, self.sbi, self.buf.u_cache)
-        ref.advance_cursor(self.rcursor, self.sbi_cpu, self.L)
+        cursors.advance_cursor(self.rcursor, self.sbi_cpu, self.L)
         y = y.cpu()
         if check:
             self.check(y, y_ref, flushed)

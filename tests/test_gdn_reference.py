@@ -33,8 +33,8 @@ import math
 import pytest
 import torch
 
-from trtllm_replayssm import reference as ref
-from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.families.gdn import reference as gdn
 from trtllm_replayssm.geometries import GDN_GEOMETRIES, GDN_MODELS
 
@@ -106,7 +106,7 @@ def _run_standard(HV, H, V, K, L, slots, active, pad, steps=None, seed=0, l2norm
         for s in sbi.tolist():
             if s >= 0 and int(cursor[s]) == L - 1:
                 flushes[s] += 1
-        ref.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         valid = sbi >= 0
         assert torch.isnan(y[~valid]).all() and torch.isnan(y_conv[~valid]).all()
         assert not torch.isnan(y[valid]).any()
@@ -170,7 +170,7 @@ def test_default_fp32_caches_track_float64_oracle():
         q, k, v, a, b = _tokens((sbi.shape[0],), H, HV, V, K, gen, dtype=torch.bfloat16)
         y_conv = gdn.conventional_step(S_conv, q, k, v, a, b, A_log, dt_bias, sbi)
         y = gdn.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi)
-        ref.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         valid = sbi >= 0
         worst = max(worst, _rel(y[valid], y_conv[valid]))
         for s in sbi[valid].tolist():
@@ -195,7 +195,7 @@ def test_L1_is_the_conventional_step_bit_for_bit():
             q, k, v, a, b = _tokens((sbi.shape[0],), H, HV, V, K, gen, dtype=dtype)
             y_conv = gdn.conventional_step(S_conv, q, k, v, a, b, A_log, dt_bias, sbi)
             y = gdn.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi)
-            ref.advance_cursor(cursor, sbi, 1)
+            cursors.advance_cursor(cursor, sbi, 1)
             valid = sbi >= 0
             assert torch.equal(y[valid], y_conv[valid])
             assert torch.equal(buf.state, S_conv)
@@ -234,7 +234,7 @@ def test_flush_writes_the_checkpoint_and_only_it():
             assert _rel(buf.state, S_conv) < RTOL
             for t, t0 in zip(_tensors(buf)[1:], caches):
                 assert torch.equal(t, t0)
-        ref.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
     assert int(cursor[0]) == 0
 
 
@@ -258,7 +258,7 @@ def test_teeth_corrupted_entry_is_detected(which):
             (buf.u_cache[0, 1, 0] if which == "u" else buf.k_cache[0, 0, 0]).add_(0.5)
         y_conv = gdn.conventional_step(S_conv, q, k, v, a, b, A_log, dt_bias, sbi)
         y = gdn.replay_decode(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi)
-        ref.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         errs.append(_rel(y, y_conv))
     assert max(errs[:3]) < RTOL and errs[3] > 1e-4, errs
     S_err = _rel(gdn.replay_state(buf, cursor, 0), S_conv[0])
@@ -278,7 +278,7 @@ def test_teeth_spec_poison_reaches_outputs_only_through_committed_entries():
     sbi = torch.tensor([0], dtype=torch.int32)
     q, k, v, a, b = _tokens((1, T), H, HV, V, K, gen)
     gdn.spec_step(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi)
-    sr.commit(cursor, torch.tensor([3]), T, L, sbi)  # committed at ring 13, 14, 15; rejected at 0
+    cursors.commit(cursor, torch.tensor([3]), T, L, sbi)  # committed at ring 13, 14, 15; rejected at 0
     q, k, v, a, b = _tokens((1, T), H, HV, V, K, gen)
     y_good = gdn.spec_step(buf.clone(), cursor.clone(), q, k, v, a, b, A_log, dt_bias, sbi)
     S_good = gdn.committed_state(buf, cursor, 0)
@@ -342,11 +342,11 @@ def _run_spec(HV, H, V, K, L, T, slots, active, pad, steps=40, accept="random", 
         ys = []
         for bf, cur in ((buf, cursor), (twin, cur_twin)):
             flushed = gdn.flush_checkpoint(bf, cur, T, sbi)
-            assert sr.flush_cursor(cur, T, L, sbi) == flushed
+            assert cursors.flush_cursor(cur, T, L, sbi) == flushed
             if bf is buf:
                 y_tri = gdn.verify_triangular(bf, cur, q, k, v, a, b, A_log, dt_bias, sbi)
             ys.append(gdn.verify(bf, cur, q, k, v, a, b, A_log, dt_bias, sbi, flushed=flushed))
-            sr.commit(cur, nacc, T, L, sbi)
+            cursors.commit(cur, nacc, T, L, sbi)
         y = ys[0]
         valid = sbi >= 0
         assert torch.isnan(y[~valid]).all() and not torch.isnan(y[valid]).any()
@@ -420,11 +420,11 @@ def test_spec_step_is_flush_then_verify():
         q, k, v, a, b = _tokens((3, T), H, HV, V, K, gen)
         y = gdn.spec_step(a_buf, ca, q, k, v, a, b, A_log, dt_bias, sbi)
         fl = gdn.flush_checkpoint(b_buf, cb, T, sbi)
-        sr.flush_cursor(cb, T, L, sbi)
+        cursors.flush_cursor(cb, T, L, sbi)
         assert torch.equal(y, gdn.verify(b_buf, cb, q, k, v, a, b, A_log, dt_bias, sbi, flushed=fl))
         n = torch.randint(1, T + 1, (3,), generator=gen, dtype=torch.int32)
-        sr.commit(ca, n, T, L, sbi)
-        sr.commit(cb, n, T, L, sbi)
+        cursors.commit(ca, n, T, L, sbi)
+        cursors.commit(cb, n, T, L, sbi)
         for x, z in zip(_tensors(a_buf) + (ca,), _tensors(b_buf) + (cb,)):
             assert torch.equal(x, z)
 
@@ -452,7 +452,7 @@ def test_native_spec_baseline_equals_conventional():
                 assert _rel(y[r, t], y_t[0]) < RTOL  # the same recurrence (batched reductions: last-bit noise)
                 if t + 1 == int(n[r]):
                     S_conv[s] = S_try[0]
-        sr.native_spec_commit(state, snaps, n, sbi)
+        cursors.native_spec_commit(state, snaps, n, sbi)
         assert _rel(state, S_conv) < RTOL
     assert torch.equal(state[2], S_conv[2])  # never in the batch
 
@@ -507,7 +507,7 @@ def test_shadow_errors_do_not_accumulate(kind, tol):
     A_log, dt_bias = _params(HV, gen)
     exact = _buffers(slots, HV, H, V, K, L, gen)
     shad = exact.clone()
-    sh = ref.Shadow.of(shad.state, kind)
+    sh = shadowq.Shadow.of(shad.state, kind)
     assert tuple(sh.q.shape) == (slots, HV, V, K)
     S_conv = exact.state.clone()
     cur_e, cur_s = torch.zeros(slots, dtype=torch.int32), torch.zeros(slots, dtype=torch.int32)
@@ -528,14 +528,14 @@ def test_shadow_errors_do_not_accumulate(kind, tol):
         gdn.conventional_step(S_conv, q, k, v, a, b, A_log, dt_bias, sbi)
         y_e = gdn.replay_decode(exact, cur_e, q, k, v, a, b, A_log, dt_bias, sbi)
         y_s = gdn.replay_decode(shad, cur_s, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh)
-        ref.advance_cursor(cur_e, sbi, L)
-        ref.advance_cursor(cur_s, sbi, L)
+        cursors.advance_cursor(cur_e, sbi, L)
+        cursors.advance_cursor(cur_s, sbi, L)
         if pos == L - 1:
             flushes += 1
             assert torch.equal(y_s, y_e) and torch.equal(shad.state, exact.state)
             assert _rel(shad.state, S_conv) < RTOL
             for s in range(slots):
-                want = ref.Shadow(1, HV, V, K, kind)
+                want = shadowq.Shadow(1, HV, V, K, kind)
                 want.write(0, shad.state[s])
                 assert torch.equal(sh.q[s].view(torch.uint8), want.q[0].view(torch.uint8))
         else:
@@ -560,7 +560,7 @@ def test_spec_shadow_flush_is_exact(kind):
     A_log, dt_bias = _params(HV, gen)
     exact = _buffers(2, HV, H, V, K, L, gen)
     shad = exact.clone()
-    sh = ref.Shadow.of(shad.state, kind)
+    sh = shadowq.Shadow.of(shad.state, kind)
     ce, cs = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)
     sbi = torch.tensor([0, 1], dtype=torch.int32)
     flushes, errs = 0, []
@@ -568,7 +568,7 @@ def test_spec_shadow_flush_is_exact(kind):
         q, k, v, a, b = _tokens((2, T), H, HV, V, K, gen)
         y_e = gdn.spec_step(exact, ce, q, k, v, a, b, A_log, dt_bias, sbi)
         fl = gdn.flush_checkpoint(shad, cs, T, sbi, shadow=sh)
-        sr.flush_cursor(cs, T, L, sbi)
+        cursors.flush_cursor(cs, T, L, sbi)
         y_s = gdn.verify(shad, cs, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh, flushed=fl)
         flushes += len(fl)
         for r, s in enumerate(sbi.tolist()):
@@ -577,8 +577,8 @@ def test_spec_shadow_flush_is_exact(kind):
             else:
                 errs.append(_rel(y_s[r], y_e[r]))
         n = torch.randint(1, T + 1, (2,), generator=gen, dtype=torch.int32)
-        sr.commit(ce, n, T, L, sbi)
-        sr.commit(cs, n, T, L, sbi)
+        cursors.commit(ce, n, T, L, sbi)
+        cursors.commit(cs, n, T, L, sbi)
         assert torch.equal(shad.state, exact.state) and torch.equal(ce, cs)
         for s in range(2):
             assert torch.equal(gdn.committed_state(shad, cs, s), gdn.committed_state(exact, ce, s))
@@ -614,7 +614,7 @@ def test_padding_rows_and_unused_slots_untouched():
     sbi = torch.tensor([-1, 2, -1], dtype=torch.int32)
     q, k, v, a, b = _tokens((3, T), H, HV, V, K, gen)
     y = gdn.spec_step(buf, ring, q, k, v, a, b, A_log, dt_bias, sbi)
-    sr.commit(ring, torch.tensor([T, 1, T], dtype=torch.int32), T, L2, sbi)
+    cursors.commit(ring, torch.tensor([T, 1, T], dtype=torch.int32), T, L2, sbi)
     assert torch.isnan(y[[0, 2]]).all() and not torch.isnan(y[1]).any()
     for now, then in zip(_tensors(buf) + (ring,), before):
         for s in (0, 1, 3):

@@ -31,8 +31,8 @@ Tolerances (relative Frobenius norm over the valid rows), as tests/test_gdn_gpu.
 import pytest
 import torch
 
-from trtllm_replayssm import reference as ref
-from trtllm_replayssm import spec_reference as sref
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.families.gdn import ops as gdn_ops
 from trtllm_replayssm.families.gdn import reference as gref
 from trtllm_replayssm.geometries import GDN_GEOMETRIES
@@ -74,7 +74,7 @@ class SpecProblem:
                                                           self.rbuf.k_cache, self.rbuf.g_cache, self.rbuf.beta_cache)))
         self.rshadow = self.shadow = None
         if shadow:
-            self.rshadow = ref.Shadow.of(self.rbuf.state, "bf16")
+            self.rshadow = shadowq.Shadow.of(self.rbuf.state, "bf16")
             self.shadow = self.rshadow.q.cuda()
         self.used = sorted(int(s) for s in perm if s >= 0)
         self.unused = [s for s in range(slots) if s not in self.used]
@@ -111,10 +111,10 @@ class SpecProblem:
                                   self.buf.beta_cache, self.cursor, self.sbi, out=y, shadow=self.shadow)
         gdn_ops.gdn_spec_commit(self.cursor, n.cuda(), self.sbi, self.T, self.buf.u_cache)
         flushed = gref.flush_checkpoint(self.rbuf, self.rcursor, self.T, self.sbi_cpu, self.rshadow)
-        sref.flush_cursor(self.rcursor, self.T, self.L, self.sbi_cpu)
+        cursors.flush_cursor(self.rcursor, self.T, self.L, self.sbi_cpu)
         y_ref = gref.verify(self.rbuf, self.rcursor, q, k, v, a, b, self.prm.A_log, self.prm.dt_bias, self.sbi_cpu,
                             shadow=self.rshadow, flushed=flushed)
-        sref.commit(self.rcursor, n, self.T, self.L, self.sbi_cpu)
+        cursors.commit(self.rcursor, n, self.T, self.L, self.sbi_cpu)
         self.flushes += len(flushed)
         y = y.cpu()
         if check:
@@ -271,7 +271,7 @@ def test_native_verify_commit_matches_reference(geom, act, T, batch, slots, pad)
         assert e < F32_TOL, f"snapshots: rel err {e:.2e}"
         n = pb.acceptance()
         gdn_ops.gdn_native_spec_commit(state, snaps, n.cuda(), pb.sbi)
-        sref.native_spec_commit(rstate, rsnaps, n, pb.sbi_cpu)
+        cursors.native_spec_commit(rstate, rsnaps, n, pb.sbi_cpu)
         e = rel(state.cpu()[u], rstate[u])
         assert e < F32_TOL, f"committed state: rel err {e:.2e}"
     for before, after in zip(pb.initial_unused[:1], pb.snapshot(pb.unused)[:1]):

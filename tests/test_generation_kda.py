@@ -129,7 +129,7 @@ def test_replay_folds_and_bf16_shadow_is_read(kimi):
     """ReplaySSM: after n decode steps the cursor is n mod L (the rings fold every L steps); replay_bf16 keeps a bf16
     shadow equal to the rounded fp32 checkpoint, and its logits stay within the shadow's rounding of the fp32
     ReplaySSM step's without being equal to them."""
-    from trtllm_replayssm.reference import quantize_shadow
+    from trtllm_replayssm.shadow import quantize_shadow
 
     model, _ = kimi
     logits = {}

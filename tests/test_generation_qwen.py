@@ -116,7 +116,7 @@ def test_bf16_shadow_is_read_and_rewritten(qwen):
     """replay_bf16: the cache keeps a bf16 shadow of each fp32 checkpoint, rewritten at the prefill hand-off and by
     every fold, and non-flush steps read it: the logits stay within the shadow's rounding of the fp32 ReplaySSM
     step's and are not equal to them."""
-    from trtllm_replayssm.reference import quantize_shadow
+    from trtllm_replayssm.shadow import quantize_shadow
 
     logits = {}
     for mode in ("replay", "replay_bf16"):

@@ -24,13 +24,13 @@ import math
 import pytest
 import torch
 
-from trtllm_replayssm import ops
-from trtllm_replayssm.families import advance_cursor as ref_advance
+from trtllm_replayssm import cursor_ops
+from trtllm_replayssm.cursor import advance_cursor as ref_advance
 from trtllm_replayssm.families.kda import GEOMETRIES
 from trtllm_replayssm.families.kda import ops as kops
 from trtllm_replayssm.families.kda import reference as kref
 from trtllm_replayssm.families.kda.config import override
-from trtllm_replayssm.reference import Shadow
+from trtllm_replayssm.shadow import Shadow
 
 pytestmark = pytest.mark.gpu
 F64 = torch.float64
@@ -233,5 +233,5 @@ def test_bad_cursor_gives_nan_and_writes_nothing():
 def test_shared_cursor_kernel():
     dev = cuda()
     cur = torch.tensor([0, 3, 2], dtype=torch.int32, device=dev)
-    ops.advance_cursor(cur, torch.tensor([1, -1, 2], dtype=torch.int32, device=dev), buffer_len=4)
+    cursor_ops.advance_cursor(cur, torch.tensor([1, -1, 2], dtype=torch.int32, device=dev), buffer_len=4)
     assert cur.cpu().tolist() == [0, 0, 3]

@@ -43,8 +43,8 @@ import pytest
 import torch
 
 from trtllm_replayssm import costs, families
-from trtllm_replayssm import reference as mamba2_ref
-from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.families import kda as kda_family
 from trtllm_replayssm.families.kda import reference as kda
 
@@ -253,7 +253,7 @@ def _run_standard(H, K, V, L, slots, active, pad, seed=0, l2norm=True, lower_bou
                 flush_steps[s].append(step)
         y = kda.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, **kw)
         y_twin = kda.replay_decode(twin, cursor, q, k, v, f, b, A_log, dt_bias, sbi, **kw)
-        families.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         valid = sbi >= 0
         assert torch.isnan(y[~valid]).all() and torch.isnan(y_conv[~valid]).all()
         assert not torch.isnan(y[valid]).any()
@@ -328,7 +328,7 @@ def test_default_caches_track_float64_oracle():
         q, k, v, f, b = _tokens((sbi.shape[0],), H, K, V, gen, dtype=torch.bfloat16)
         y_conv = kda.conventional_step(S_conv, q, k, v, f, b, A_log, dt_bias, sbi)
         y = kda.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi)
-        families.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         valid = sbi >= 0
         worst_y = max(worst_y, _rel(y[valid], y_conv[valid]))
         for s in range(slots):
@@ -357,7 +357,7 @@ def test_L1_is_the_conventional_step_bit_for_bit():
             q, k, v, f, b = _tokens((sbi.shape[0],), H, K, V, gen, dtype=dtype)
             y_conv = kda.conventional_step(S_conv, q, k, v, f, b, A_log, dt_bias, sbi)
             y = kda.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi)
-            families.advance_cursor(cursor, sbi, 1)
+            cursors.advance_cursor(cursor, sbi, 1)
             valid = sbi >= 0
             assert torch.equal(y[valid], y_conv[valid])
             assert torch.equal(buf.state, S_conv)
@@ -395,7 +395,7 @@ def test_flush_writes_the_checkpoint_and_only_it():
             assert _rel(buf.state, S_conv) < RTOL
             for t, t0 in zip(_tensors(buf)[1:], caches):
                 assert torch.equal(t, t0)
-        families.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
     assert int(cursor[0]) == 0
 
 
@@ -416,7 +416,7 @@ def test_fully_forgotten_channel_is_exact():
             f[0, 0, :3] = float("inf")
         y_conv = kda.conventional_step(S_conv, q, k, v, f, b, A_log, dt_bias, sbi)
         y = kda.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi)
-        families.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         assert torch.isfinite(y).all() and _rel(y, y_conv) < RTOL
         assert _rel(kda.replay_state(buf, cursor, 0), S_conv[0]) < RTOL
     gs = torch.zeros(1, 3, 1, dtype=F64)
@@ -447,7 +447,7 @@ def test_teeth_corrupted_entry_is_detected(which):
             {"u": buf.u_cache[0, 1, 0], "g": buf.g_cache[0, 1, 0, 5:6], "k": buf.k_cache[0, 1, 0]}[which].add_(-0.5)
         y_conv = kda.conventional_step(S_conv, q, k, v, f, b, A_log, dt_bias, sbi)
         y = kda.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi)
-        families.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         errs.append(_rel(y, y_conv))
     assert max(errs[:3]) < RTOL and errs[3] > 1e-5, errs
     S_err = _rel(kda.replay_state(buf, cursor, 0), S_conv[0])
@@ -467,7 +467,7 @@ def test_teeth_spec_poison_reaches_outputs_only_through_committed_entries():
     sbi = torch.tensor([0], dtype=torch.int32)
     q, k, v, f, b = _tokens((1, T), H, K, V, gen)
     kda.spec_step(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi)
-    sr.commit(cursor, torch.tensor([3]), T, L, sbi)  # committed at ring 13, 14, 15; rejected at 0
+    cursors.commit(cursor, torch.tensor([3]), T, L, sbi)  # committed at ring 13, 14, 15; rejected at 0
     q, k, v, f, b = _tokens((1, T), H, K, V, gen)
 
     def run(bf):
@@ -540,12 +540,12 @@ def _run_spec(H, K, V, L, T, slots, active, pad, steps=36, accept="random", seed
         ys = []
         for bf, cur in ((buf, cursor), (twin, cur_twin)):
             flushed = kda.flush_checkpoint(bf, cur, T, sbi)
-            assert families.flush_cursor(cur, T, L, sbi) == flushed
+            assert cursors.flush_cursor(cur, T, L, sbi) == flushed
             if bf is buf:
                 flushes += len(flushed)
                 y_tri = kda.verify_triangular(bf, cur, q, k, v, f, b, A_log, dt_bias, sbi, **lb)
             ys.append(kda.verify(bf, cur, q, k, v, f, b, A_log, dt_bias, sbi, flushed=flushed, **lb))
-            families.commit(cur, nacc, T, L, sbi)
+            cursors.commit(cur, nacc, T, L, sbi)
         y = ys[0]
         valid = sbi >= 0
         assert torch.isnan(y[~valid]).all() and not torch.isnan(y[valid]).any()
@@ -617,11 +617,11 @@ def test_spec_step_is_flush_then_verify():
         q, k, v, f, b = _tokens((3, T), H, K, V, gen)
         y = kda.spec_step(a_buf, ca, q, k, v, f, b, A_log, dt_bias, sbi)
         fl = kda.flush_checkpoint(b_buf, cb, T, sbi)
-        families.flush_cursor(cb, T, L, sbi)
+        cursors.flush_cursor(cb, T, L, sbi)
         assert torch.equal(y, kda.verify(b_buf, cb, q, k, v, f, b, A_log, dt_bias, sbi, flushed=fl))
         n = torch.randint(1, T + 1, (3,), generator=gen, dtype=torch.int32)
-        families.commit(ca, n, T, L, sbi)
-        families.commit(cb, n, T, L, sbi)
+        cursors.commit(ca, n, T, L, sbi)
+        cursors.commit(cb, n, T, L, sbi)
         for x, z in zip(_tensors(a_buf) + (ca,), _tensors(b_buf) + (cb,)):
             assert torch.equal(x, z)
 
@@ -649,7 +649,7 @@ def test_native_spec_baseline_equals_conventional():
                 assert _rel(y[r, t], y_t[0]) < RTOL
                 if t + 1 == int(n[r]):
                     S_conv[s] = S_try[0]
-        sr.native_spec_commit(state, snaps, n, sbi)
+        cursors.native_spec_commit(state, snaps, n, sbi)
         assert _rel(state, S_conv) < RTOL
     assert torch.equal(state[2], S_conv[2])  # never in the batch
 
@@ -681,7 +681,7 @@ def test_later_window_token_never_reaches_earlier_outputs(poison):
         buf, cur = base.clone(), cursor0.clone()
         y_tri = kda.verify_triangular(buf, cur, *toks, A_log, dt_bias, sbi)
         y = kda.spec_step(buf, cur, *toks, A_log, dt_bias, sbi)
-        families.commit(cur, torch.tensor([2], dtype=torch.int32), T, L, sbi)
+        cursors.commit(cur, torch.tensor([2], dtype=torch.int32), T, L, sbi)
         y_next = kda.spec_step(buf, cur, *nxt, A_log, dt_bias, sbi)
         outs.append((y, y_tri, y_next, buf, cur))
     (y0, t0, n0, b0, c0), (y1, t1, n1, b1, c1) = outs
@@ -710,7 +710,7 @@ def test_shadow_errors_do_not_accumulate(kind, tol):
     A_log, dt_bias = _params(H, K, gen)
     exact = _buffers(slots, H, K, V, L, gen)
     shad = exact.clone()
-    sh = mamba2_ref.Shadow.of(shad.state, kind)
+    sh = shadowq.Shadow.of(shad.state, kind)
     assert tuple(sh.q.shape) == (slots, H, K, V)
     S_conv = exact.state.clone()
     cur_e, cur_s = torch.zeros(slots, dtype=torch.int32), torch.zeros(slots, dtype=torch.int32)
@@ -731,14 +731,14 @@ def test_shadow_errors_do_not_accumulate(kind, tol):
         kda.conventional_step(S_conv, q, k, v, f, b, A_log, dt_bias, sbi)
         y_e = kda.replay_decode(exact, cur_e, q, k, v, f, b, A_log, dt_bias, sbi)
         y_s = kda.replay_decode(shad, cur_s, q, k, v, f, b, A_log, dt_bias, sbi, shadow=sh)
-        families.advance_cursor(cur_e, sbi, L)
-        families.advance_cursor(cur_s, sbi, L)
+        cursors.advance_cursor(cur_e, sbi, L)
+        cursors.advance_cursor(cur_s, sbi, L)
         if pos == L - 1:
             flushes += 1
             assert torch.equal(y_s, y_e) and torch.equal(shad.state, exact.state)
             assert _rel(shad.state, S_conv) < RTOL
             for s in range(slots):
-                want = mamba2_ref.Shadow(1, H, K, V, kind)
+                want = shadowq.Shadow(1, H, K, V, kind)
                 want.write(0, shad.state[s])
                 assert torch.equal(sh.q[s].view(torch.uint8), want.q[0].view(torch.uint8))
         else:
@@ -762,7 +762,7 @@ def test_spec_shadow_flush_is_exact(kind):
     A_log, dt_bias = _params(H, K, gen)
     exact = _buffers(2, H, K, V, L, gen)
     shad = exact.clone()
-    sh = mamba2_ref.Shadow.of(shad.state, kind)
+    sh = shadowq.Shadow.of(shad.state, kind)
     ce, cs = torch.zeros(2, 2, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)
     sbi = torch.tensor([0, 1], dtype=torch.int32)
     flushes, errs = 0, []
@@ -770,7 +770,7 @@ def test_spec_shadow_flush_is_exact(kind):
         q, k, v, f, b = _tokens((2, T), H, K, V, gen)
         y_e = kda.spec_step(exact, ce, q, k, v, f, b, A_log, dt_bias, sbi)
         fl = kda.flush_checkpoint(shad, cs, T, sbi, shadow=sh)
-        families.flush_cursor(cs, T, L, sbi)
+        cursors.flush_cursor(cs, T, L, sbi)
         y_t = kda.verify_triangular(shad, cs, q, k, v, f, b, A_log, dt_bias, sbi, shadow=sh, flushed=fl)
         y_s = kda.verify(shad, cs, q, k, v, f, b, A_log, dt_bias, sbi, shadow=sh, flushed=fl)
         assert _rel(y_t, y_s) < RTOL  # both read the same S0 (shadow or checkpoint)
@@ -781,8 +781,8 @@ def test_spec_shadow_flush_is_exact(kind):
             else:
                 errs.append(_rel(y_s[r], y_e[r]))
         n = torch.randint(1, T + 1, (2,), generator=gen, dtype=torch.int32)
-        families.commit(ce, n, T, L, sbi)
-        families.commit(cs, n, T, L, sbi)
+        cursors.commit(ce, n, T, L, sbi)
+        cursors.commit(cs, n, T, L, sbi)
         assert torch.equal(shad.state, exact.state) and torch.equal(ce, cs)
         for s in range(2):
             assert torch.equal(kda.committed_state(shad, cs, s), kda.committed_state(exact, ce, s))
@@ -818,7 +818,7 @@ def test_padding_rows_and_unused_slots_untouched():
     sbi = torch.tensor([-1, 2, -1], dtype=torch.int32)
     q, k, v, f, b = _tokens((3, T), H, K, V, gen)
     y = kda.spec_step(buf, ring, q, k, v, f, b, A_log, dt_bias, sbi)
-    families.commit(ring, torch.tensor([T, 1, T], dtype=torch.int32), T, L2, sbi)
+    cursors.commit(ring, torch.tensor([T, 1, T], dtype=torch.int32), T, L2, sbi)
     assert torch.isnan(y[[0, 2]]).all() and not torch.isnan(y[1]).any()
     for now, then in zip(_tensors(buf) + (ring,), before):
         for s in (0, 1, 3):
@@ -861,7 +861,7 @@ def test_shape_errors_name_the_argument():
         kda.replay_decode(bad, cur, **args, state_batch_indices=sbi)
     with pytest.raises(ValueError, match=r"shadow: expected shape \(2, 2, 16, 8\)"):
         kda.replay_decode(buf, cur, **args, state_batch_indices=sbi,
-                          shadow=mamba2_ref.Shadow(2, 2, 8, 16, "bf16"))
+                          shadow=shadowq.Shadow(2, 2, 8, 16, "bf16"))
     _, sbuf, (q, k, v, f, b), A_log, dt_bias = _problem(lead=(2, 2), L=4)
     with pytest.raises(ValueError, match=r"v: expected at most L=4 tokens per window, got T=5"):
         q5, k5, v5, f5, b5 = _tokens((2, 5), 2, 16, 8, torch.Generator().manual_seed(0))
@@ -941,7 +941,7 @@ def test_family_interface_allocates_the_state_table():
     assert [t.dtype for t in buf.tensors()] == [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32,
                                                 torch.bfloat16, torch.float32]
     mem = costs.kda_layer_memory(*geo, L, shadow="bf16")
-    sh = mamba2_ref.Shadow.of(buf.state, "bf16")
+    sh = shadowq.Shadow.of(buf.state, "bf16")
     assert mem["state"] + mem["ring"] == sum(t.numel() * t.element_size() for t in buf.tensors()) // slots
     assert mem["shadow"] == sh.q.numel() * sh.q.element_size() // slots
     with pytest.raises(ValueError, match=r"family: expected one of \['gdn', 'kda', 'mamba2'\]"):

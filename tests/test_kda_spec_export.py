@@ -429,9 +429,9 @@ def test_verify_node_is_the_family_spec():
     after = cursor.clone()
     flushed = kref.flush_checkpoint(want, after, Tn, sbi)
     assert sorted(flushed) == [1, 3]
-    from trtllm_replayssm import spec_reference as sr
+    from trtllm_replayssm import cursor as cursors
 
-    sr.flush_cursor(after, Tn, L, sbi)
+    cursors.flush_cursor(after, Tn, L, sbi)
     tri = kref.verify_triangular(want, after, *ins[:7], sbi, flushed=flushed)
     y_ref = kref.verify(want, after, *ins[:7], sbi, flushed=flushed)
     for got, w in zip(states, want.tensors()):

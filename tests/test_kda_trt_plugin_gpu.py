@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_replayssm import ops
+from trtllm_replayssm import cursor_ops
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.families.kda import ops as kops
 from trtllm_replayssm.families.kda import trt_plugin as kp
@@ -79,7 +79,7 @@ def test_plugin_launch_equals_the_launcher(tactic, shadow, lower_bound):
         launch(stream, LaunchConfig(grid=k_aot.grid(batch), block=(k_aot.block_x, 1, 1), shmem_size=k_aot.shared_mem),
                kern, *args)
         for d in (A, B):
-            ops.advance_cursor(d["cursor"], sbi, buffer_len=L)
+            cursor_ops.advance_cursor(d["cursor"], sbi, buffer_len=L)
         live = sbi.cpu() >= 0
         assert rel(yb[live.cuda()], ya[live.cuda()]) < 2e-3, step
         assert torch.isnan(yb[~live.cuda()]).all(), "the padding row's output stays untouched"

@@ -28,12 +28,12 @@ import zlib
 import pytest
 import torch
 
-from trtllm_replayssm import spec_reference as sref
+from trtllm_replayssm import cursor as cursors
 from trtllm_replayssm.families.kda import GEOMETRIES
 from trtllm_replayssm.families.kda import ops as kops
 from trtllm_replayssm.families.kda import reference as kref
 from trtllm_replayssm.families.kda.config import override
-from trtllm_replayssm.reference import Shadow
+from trtllm_replayssm.shadow import Shadow
 
 from .test_kda_gpu import F32_TOL, SHADOW_Y_TOL, Y_TOL, make_buffers, make_params, rel
 
@@ -104,7 +104,7 @@ class SpecProblem:
 
     def ref_verify(self, inp):
         flushed = kref.flush_checkpoint(self.ref, self.rcursor, self.T, self.sbi_cpu, self.rshadow, self.l2)
-        sref.flush_cursor(self.rcursor, self.T, self.L, self.sbi_cpu)
+        cursors.flush_cursor(self.rcursor, self.T, self.L, self.sbi_cpu)
         y = kref.verify(self.ref, self.rcursor, *inp, self.A_log, self.dt_bias, self.sbi_cpu, shadow=self.rshadow,
                         flushed=flushed, use_qk_l2norm=self.l2, lower_bound=self.lb)
         return y, flushed
@@ -116,7 +116,7 @@ class SpecProblem:
         y = self.verify(inp)
         kops.kda_spec_commit(self.cursor, n.cuda(), self.sbi, self.T, self.buf.u_cache)
         y_ref, flushed = self.ref_verify(inp)
-        sref.commit(self.rcursor, n, self.T, self.L, self.sbi_cpu)
+        cursors.commit(self.rcursor, n, self.T, self.L, self.sbi_cpu)
         self.flushes += len(flushed)
         if check:
             self.check(y, y_ref, flushed)

@@ -2,7 +2,7 @@
 """GPU kernels against the references, step by step across several flushes.
 
 Oracles:
-- float64 reference (:mod:`trtllm_replayssm.reference`) fed the very activation values the
+- float64 reference (:mod:`trtllm_replayssm.families.mamba2.reference`) fed the very activation values the
   kernel sees, with its checkpoint rounded to the kernel's state dtype wherever the kernel stores
   one (after each flush for ReplaySSM, every step for the conventional kernel). This "mirror"
   leaves only the kernel's fp32 arithmetic and the rounding of y to the activation dtype.
@@ -24,8 +24,11 @@ import zlib
 import pytest
 import torch
 
-from trtllm_replayssm import config, ops
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import config, cursor_ops
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
+from trtllm_replayssm.families.mamba2 import ops
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 from .helpers import check_shadow
 from .problems import GEOMETRIES, make_inputs, make_params
@@ -56,7 +59,7 @@ class Problem:
         self.shadow_kind = shadow
         self.ref_shadow = self.shadow = self.scale = None
         if shadow != "none":  # written at the hand-off, from the stored checkpoint
-            self.ref_shadow = ref.Shadow.of(S0, shadow)
+            self.ref_shadow = shadowq.Shadow.of(S0, shadow)
             self.shadow = self.ref_shadow.q.cuda()
             self.scale = None if self.ref_shadow.scale is None else self.ref_shadow.scale.cuda()
         # Buffers start poisoned: entries beyond the cursor must never be read.
@@ -91,12 +94,12 @@ class Problem:
         y = torch.full_like(x, float("nan"))
         ops.replay_decode(x, B, C, dt, *self.prm_args(), self.state, self.xc, self.Bc, self.dtc, self.cursor,
                           self.sbi, z=z, out=y, shadow=self.shadow, shadow_scale=self.scale)
-        ops.advance_cursor(self.cursor, self.sbi, self.L)
+        cursor_ops.advance_cursor(self.cursor, self.sbi, self.L)
         cpu = [None if t is None else t.cpu().to(F64) for t in (x, B, C, dt, z)]
         y_ref = ref.replay_decode(self.ref_state, self.ref_xc, self.ref_Bc, self.ref_dtc, self.ref_cursor,
                                   *cpu[:4], *(t.cpu().double() for t in self.prm_args()), cpu[4], self.sbi.cpu(),
                                   shadow=self.ref_shadow)
-        ref.advance_cursor(self.ref_cursor, self.sbi.cpu(), self.L)
+        cursors.advance_cursor(self.ref_cursor, self.sbi.cpu(), self.L)
         for s in flushing:  # the kernel stores the new checkpoint in its state dtype
             self.ref_state[s] = self.ref_state[s].to(self.sdt).to(F64)
             if self.shadow is not None:

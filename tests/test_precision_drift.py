@@ -34,7 +34,7 @@ def test_shadow_error_does_not_grow_with_steps():
 
 
 def test_fp8_shadow_scales_per_row():
-    from trtllm_replayssm.reference import Shadow
+    from trtllm_replayssm.shadow import Shadow
 
     S = torch.randn(2, 3, 64, 16, dtype=torch.float64) * torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None]
     S[1, 0, 5] = 0  # an all-zero row keeps scale 1 and reads back as zeros

@@ -9,7 +9,9 @@ summation order (exp(c_k - c_j) products vs repeated multiplication) over 3L+ st
 import pytest
 import torch
 
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 from .problems import make_inputs, make_params
 
@@ -32,7 +34,7 @@ def _run(H, P, N, G, L, batch, slots, steps, has_z, pad_rows, seed=0):
         x, B, C, dt, z = (None if t is None else t.to(F64) for t in make_inputs(batch, H, P, N, G, F64, gen, has_z=has_z))
         y_conv = ref.conventional_step(S_conv, x, B, C, dt, prm.dt_bias, prm.A, prm.D, z, sbi)
         y_rep = ref.replay_decode(S_rep, xc, Bc, dtc, cursor, x, B, C, dt, prm.dt_bias, prm.A, prm.D, z, sbi)
-        ref.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
         valid = sbi >= 0
         assert torch.isnan(y_rep[~valid]).all() and torch.isnan(y_conv[~valid]).all()
         err = (y_rep[valid] - y_conv[valid]).norm() / y_conv[valid].norm()
@@ -117,7 +119,7 @@ def test_teeth_corrupted_buffer_is_detected():
         if step == 2:
             Bc[0, 0, 0, 5] += 0.5
         y_rep = ref.replay_decode(S_rep, xc, Bc, dtc, cursor, x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi)
-        ref.advance_cursor(cursor, sbi, L)
+        cursors.advance_cursor(cursor, sbi, L)
     assert (y_rep - y_conv).norm() / y_conv.norm() > 1e-6
 
 
@@ -142,7 +144,7 @@ def test_shadow_quantizer_contract(kind):
     mag = torch.logspace(-6, 6, 24, dtype=torch.float64)  # rows of every magnitude
     S = (torch.randn(2, 3, 24, 40, generator=gen, dtype=torch.float64) * mag[None, None, :, None]).float()
     S[1, 2, 5] = 0.0  # an all-zero row
-    sh = ref.Shadow.of(S, kind)
+    sh = shadowq.Shadow.of(S, kind)
     back = torch.stack([sh.read(s) for s in range(2)])
     if kind == "bf16":
         assert torch.equal(sh.q, S.to(torch.bfloat16))

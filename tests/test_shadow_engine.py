@@ -65,7 +65,7 @@ def _steps(family, kind):
 
 def _quantize(state, kind):
     """The shadow states of a checkpoint: [bf16] or [fp8 values, row scales] (reference.quantize_shadow)."""
-    from trtllm_replayssm.reference import quantize_shadow
+    from trtllm_replayssm.shadow import quantize_shadow
 
     if kind == "bf16":
         return [state.to(torch.bfloat16)]

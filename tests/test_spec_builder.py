@@ -51,8 +51,10 @@ if not hasattr(DynamicCache, "get_conv_state"):  # pragma: no cover - e.g. the H
 from builders.decode_step import DOMAIN, VERIFY_OP_TYPE, NemotronHDecodeStep, export_onnx
 from builders.nemotron_h import load_nemotron_h, mamba_layers, patch_replayssm
 from builders.spec_step import COMMIT_OP_TYPE, NemotronHSpecCommit
-from trtllm_replayssm import reference
-from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm import conv_window as convw
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm.families.mamba2 import reference
+from trtllm_replayssm.families.mamba2 import spec_reference as sr
 
 from .spec_driver import (
     ModuleRunner,
@@ -228,8 +230,8 @@ def test_commit_graph_bookkeeping_is_exact(graphs):
     n_c = n.clamp(0, T)
     sbi = torch.arange(batch, dtype=torch.int32)
     want_cursor = cursor.clone()
-    sr.flush_cursor(want_cursor, T, L_SPEC, sbi)
-    sr.commit(want_cursor, n_c, T, L_SPEC, sbi)
+    cursors.flush_cursor(want_cursor, T, L_SPEC, sbi)
+    cursors.commit(want_cursor, n_c, T, L_SPEC, sbi)
     K = step.config.conv_kernel
     for runner in (ort, mod):
         cur, lens, wins = runner.commit(n, cursor, lengths, windows)
@@ -238,7 +240,7 @@ def test_commit_graph_bookkeeping_is_exact(graphs):
             want = w.clone()
             live = n_c >= 1  # spec_reference refuses n = 0 with this window width (it would drop a kept input)
             rows = sbi[live]
-            sr.conv_window_rollback(want, n_c[live], T, K, rows)
+            convw.conv_window_rollback(want, n_c[live], T, K, rows)
             assert torch.equal(got[live], want[live])
             r = T  # n = 0: shifted right by T, zero-filled
             assert torch.equal(got[~live], torch.cat([torch.zeros_like(w[~live][..., :r]), w[~live][..., :-r]], -1))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trtllm_replayssm import compile as cc
-from trtllm_replayssm import ops
+from trtllm_replayssm import cursor_ops
 from trtllm_replayssm.config import (
     SMEM_LIMIT,
     SUPPORTED_DSTATE,
@@ -25,6 +25,7 @@ from trtllm_replayssm.config import (
     plan_spec,
     spec_smem_bytes,
 )
+from trtllm_replayssm.families.mamba2 import ops
 
 ARCHS = (90, 100)
 MAIN = (128, 64, 128, 8)
@@ -44,7 +45,7 @@ MATRIX = (
     + [_spec(T=T, L=L, has_z=True, arch=a) for (T, L), a in itertools.product(((2, 8), (8, 32)), ARCHS)]
     + [_spec(geom=g, batch=1, arch=a) for g, a in itertools.product(GEOMS[:3], ARCHS)]
     + [_spec(geom=GEOMS[3], T=1, L=4, arch=a) for a in ARCHS]
-    # the module ops.spec_commit loads (any spec with this (T, L) carries the commit kernel)
+    # the module cursor_ops.spec_commit loads (any spec with this (T, L) carries the commit kernel)
     + [KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, a, num_tokens=T)
        for (T, L), a in itertools.product(((1, 2), (8, 16)), ARCHS)]
 )
@@ -210,7 +211,7 @@ def test_spec_commit_rejects():
     for over, match in cases:
         kw = {**dict(cursor=cursor, n_accepted=n, state_batch_indices=sbi, num_tokens=T, buffer_len=L), **over}
         with pytest.raises((ValueError, TypeError), match=match):
-            ops.spec_commit(**kw)
+            cursor_ops.spec_commit(**kw)
 
 
 def test_native_spec_rejects():
@@ -226,11 +227,11 @@ def test_native_spec_rejects():
         ops.native_spec_verify(**t, snapshots=snaps)
     sbi, n = torch.arange(BATCH, dtype=torch.int32), torch.ones(BATCH, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"snapshots: expected a \(slots, T, nheads, headdim, dstate\) tensor"):
-        ops.native_spec_commit(t["state"], snaps[:, 0], n, sbi)
+        cursor_ops.native_spec_commit(t["state"], snaps[:, 0], n, sbi)
     with pytest.raises(ValueError, match=r"n_accepted: expected shape \(3,\)"):
-        ops.native_spec_commit(t["state"], snaps, n[:2], sbi)
+        cursor_ops.native_spec_commit(t["state"], snaps, n[:2], sbi)
     with pytest.raises(ValueError, match="state: expected CUDA tensors"):
-        ops.native_spec_commit(t["state"], snaps, n, sbi)
+        cursor_ops.native_spec_commit(t["state"], snaps, n, sbi)
 
 
 def test_host_value_checks():

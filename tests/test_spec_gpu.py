@@ -2,7 +2,7 @@
 """Speculative-decoding kernels (plugins/mamba2/replayssm_spec.cu) against spec_reference, step by step.
 
 Oracles:
-- "mirror": :mod:`trtllm_replayssm.spec_reference` in float64 on CPU copies of every cache, fed the
+- "mirror": :mod:`trtllm_replayssm.families.mamba2.spec_reference` in float64 on CPU copies of every cache, fed the
   very activation values the kernel sees: ``maybe_flush`` (with the new checkpoint rounded to the
   kernel's state dtype, which the kernel stores and computes the window from) then ``verify``, then
   ``commit``. This leaves only the kernel's fp32 arithmetic and the rounding of y to the activation
@@ -32,9 +32,11 @@ import zlib
 import pytest
 import torch
 
-from trtllm_replayssm import ops
-from trtllm_replayssm import reference as ref
-from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import cursor_ops
+from trtllm_replayssm import shadow as shadowq
+from trtllm_replayssm.families.mamba2 import ops
+from trtllm_replayssm.families.mamba2 import spec_reference as sr
 
 from .helpers import check_shadow
 from .problems import GEOMETRIES, make_params
@@ -72,7 +74,7 @@ class SpecProblem:
         self.shadow_kind = shadow
         self.ref_shadow = self.shadow = self.scale = None
         if shadow != "none":  # written at the hand-off, from the stored checkpoint
-            self.ref_shadow = ref.Shadow.of(S0, shadow)
+            self.ref_shadow = shadowq.Shadow.of(S0, shadow)
             self.shadow = self.ref_shadow.q.to(DEV, copy=True)
             self.scale = None if self.ref_shadow.scale is None else self.ref_shadow.scale.to(DEV, copy=True)
         # Rings start poisoned: entries outside the committed range must never be read.
@@ -140,8 +142,8 @@ class SpecProblem:
     check_shadow = check_shadow  # tests/helpers.py
 
     def commit(self, n):
-        ops.spec_commit(self.cursor, n.to(DEV), self.sbi, self.T, self.L)
-        sr.commit(self.ref_cursor, n, self.T, self.L, self.sbi_cpu)
+        cursor_ops.spec_commit(self.cursor, n.to(DEV), self.sbi, self.T, self.L)
+        cursors.commit(self.ref_cursor, n, self.T, self.L, self.sbi_cpu)
 
     def prm_args(self):
         return self.prm.dt_bias, self.prm.A, self.prm.D
@@ -260,7 +262,7 @@ def test_equivalent_to_sequential_decoding_of_the_accepted_prefix():
             xt, Bt, Ct, dtt = (v[:, t].contiguous() for v in (x, B, C, dt))
             y_r = torch.full_like(xt, NAN)
             ops.replay_decode(xt, Bt, Ct, dtt, *pb.prm_args(), st_r, xc_r, Bc_r, dtc_r, cur_r, sbi_t, out=y_r)
-            ops.advance_cursor(cur_r, sbi_t, L_std)
+            cursor_ops.advance_cursor(cur_r, sbi_t, L_std)
             y_c = torch.full_like(xt, NAN)
             ops.conventional_step(xt, Bt, Ct, dtt, *pb.prm_args(), st_c, sbi_t, out=y_c)
             if take.any():
@@ -345,8 +347,8 @@ class NativeProblem(SpecProblem):
                 err = rel(self.snaps[s, t].cpu(), self.ref_snaps[s, t])
                 assert err < S_TOL[self.sdt], f"snapshot {t} of slot {s}: relative error {err:.3e}"
         state_before = self.state.clone()
-        ops.native_spec_commit(self.state, self.snaps, n.to(DEV), self.sbi)
-        sr.native_spec_commit(self.ref_state, self.ref_snaps, n, self.sbi_cpu)
+        cursor_ops.native_spec_commit(self.state, self.snaps, n.to(DEV), self.sbi)
+        cursors.native_spec_commit(self.ref_state, self.ref_snaps, n, self.sbi_cpu)
         for b, s in enumerate(self.sbi_cpu.tolist()):
             if s < 0:
                 continue
@@ -386,7 +388,7 @@ def test_graph_replay_equals_eager():
     def step():
         ops.replay_verify(*static, *graphed.prm_args(), graphed.state, graphed.xc, graphed.Bc, graphed.dtc,
                           graphed.cursor, graphed.sbi, out=y_static)
-        ops.spec_commit(graphed.cursor, n_static, graphed.sbi, graphed.T, graphed.L)
+        cursor_ops.spec_commit(graphed.cursor, n_static, graphed.sbi, graphed.T, graphed.L)
 
     # Warm-up on scratch copies (compiles and loads the module), then capture.
     saved = [t.clone() for t in (graphed.state, graphed.xc, graphed.Bc, graphed.dtc, graphed.cursor)]
@@ -429,13 +431,13 @@ def test_values_rejected_on_the_host_and_clamped_on_the_device():
     bad = pb.cursor.clone()
     bad[s, 0] = pb.L
     with pytest.raises(ValueError, match=r"cursor: expected start \(column 0\)"):
-        ops.spec_commit(bad, torch.ones(pb.batch, dtype=torch.int32, device=DEV), pb.sbi, pb.T, pb.L)
+        cursor_ops.spec_commit(bad, torch.ones(pb.batch, dtype=torch.int32, device=DEV), pb.sbi, pb.T, pb.L)
     with pytest.raises(ValueError, match=r"n_accepted: expected values in \[0, T\] = \[0, 4\]"):
-        ops.spec_commit(pb.cursor, torch.full((pb.batch,), pb.T + 1, dtype=torch.int32, device=DEV), pb.sbi, pb.T, pb.L)
+        cursor_ops.spec_commit(pb.cursor, torch.full((pb.batch,), pb.T + 1, dtype=torch.int32, device=DEV), pb.sbi, pb.T, pb.L)
     # Unchecked (as under graph capture): n is clamped to [0, T] on the device.
     cur = pb.cursor.clone()
     n = torch.tensor([pb.T + 3, 2, -2], dtype=torch.int32, device=DEV)
-    ops.spec_commit(cur, n, pb.sbi, pb.T, pb.L, check_values=False)
+    cursor_ops.spec_commit(cur, n, pb.sbi, pb.T, pb.L, check_values=False)
     want = pb.cursor.clone()
     for b, sl in enumerate(pb.sbi_cpu.tolist()):
         if sl >= 0:

@@ -20,8 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trtllm_replayssm import reference as ref
-from trtllm_replayssm import spec_reference as sr
+from trtllm_replayssm import conv_window as convw
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import shadow as shadowq
+from trtllm_replayssm.families.mamba2 import reference as ref
+from trtllm_replayssm.families.mamba2 import spec_reference as sr
 
 from .problems import make_params
 
@@ -101,10 +104,10 @@ def _run(H=4, P=16, N=16, G=2, L=16, T=4, batch=3, slots=5, steps=40, has_z=Fals
                     S_next[s] = S_try[0]
         if native:
             y = sr.native_spec_verify(state, snaps, x, B, C, dt, dt_bias, A, D, z, sbi)
-            sr.native_spec_commit(state, snaps, nacc, sbi)
+            cursors.native_spec_commit(state, snaps, nacc, sbi)
         else:
             y = sr.spec_step(state, xc, Bc, dtc, cursor, x, B, C, dt, dt_bias, A, D, z, sbi)
-            sr.commit(cursor, nacc, T, L, sbi)
+            cursors.commit(cursor, nacc, T, L, sbi)
         S_conv = S_next
         valid = sbi >= 0
         assert torch.isnan(y[~valid]).all()
@@ -170,11 +173,11 @@ def test_flush_rule_property(T, L):
     cursor = torch.zeros(1, 2, dtype=torch.int32)
     sbi = torch.tensor([0], dtype=torch.int32)
     for step in range(300):
-        sr.flush_cursor(cursor, T, L, sbi)
+        cursors.flush_cursor(cursor, T, L, sbi)
         start, count = int(cursor[0, 0]), int(cursor[0, 1])
         assert 0 <= start < L and count + 2 * T <= L
         n = T if step % 3 == 0 else int(torch.randint(0, T + 1, (1,), generator=gen))
-        sr.commit(cursor, torch.tensor([n]), T, L, sbi)
+        cursors.commit(cursor, torch.tensor([n]), T, L, sbi)
         assert int(cursor[0, 1]) <= L - T  # after a fully accepted step the next window still fits
 
 
@@ -183,10 +186,10 @@ def test_fully_accepted_never_truncates_next_window():
     L, T = 12, 3
     cursor = torch.tensor([[5, L - 2 * T]], dtype=torch.int32)
     sbi = torch.tensor([0], dtype=torch.int32)
-    assert sr.flush_cursor(cursor, T, L, sbi) == []
-    sr.commit(cursor, torch.tensor([T]), T, L, sbi)
+    assert cursors.flush_cursor(cursor, T, L, sbi) == []
+    cursors.commit(cursor, torch.tensor([T]), T, L, sbi)
     assert cursor.tolist() == [[5, L - T]]
-    assert sr.flush_cursor(cursor, T, L, sbi) == [0]
+    assert cursors.flush_cursor(cursor, T, L, sbi) == [0]
     assert cursor.tolist() == [[(5 + L - T) % L, 0]]
 
 
@@ -203,7 +206,7 @@ def test_flush_folds_committed_history_only():
     sbi = torch.tensor([0], dtype=torch.int32)
     x, B, C, dt, _ = _window(1, T, H, P, N, G, gen)
     sr.spec_step(state, xc, Bc, dtc, cursor, x, B, C, dt, dt_bias, A, D, None, sbi)
-    sr.commit(cursor, torch.tensor([1]), T, L, sbi)
+    cursors.commit(cursor, torch.tensor([1]), T, L, sbi)
     ref.conventional_step(S_conv, x[:, 0], B[:, 0], C[:, 0], dt[:, 0], dt_bias, A, D, None, sbi)
     rings = [t.clone() for t in (xc, Bc, dtc)]
     assert sr.maybe_flush(state, xc, Bc, dtc, cursor, A, T, sbi) == [0]  # 1 + 2*4 > 8
@@ -285,7 +288,7 @@ def test_low_precision_caches_track_float64_oracle():
             assert _rel(y[:, t], y_or) < 1e-5
             if t + 1 == n:
                 S_conv = S_try.clone()
-        sr.commit(cursor, torch.tensor([n]), T, L, sbi)
+        cursors.commit(cursor, torch.tensor([n]), T, L, sbi)
         assert _rel(sr.committed_state(state, xc, Bc, dtc, cursor, prm.A, 0), S_conv[0]) < 1e-5
 
 
@@ -301,7 +304,7 @@ def test_padding_rows_and_unused_slots_untouched():
     sbi = torch.tensor([-1, 2, -1], dtype=torch.int32)
     x, B, C, dt, _ = _window(3, T, H, P, N, G, gen)
     y = sr.spec_step(state, xc, Bc, dtc, cursor, x, B, C, dt, dt_bias, A, D, None, sbi)
-    sr.commit(cursor, torch.tensor([T, 2, T], dtype=torch.int32), T, L, sbi)
+    cursors.commit(cursor, torch.tensor([T, 2, T], dtype=torch.int32), T, L, sbi)
     assert torch.isnan(y[0]).all() and torch.isnan(y[2]).all() and not torch.isnan(y[1]).any()
     for now, then in zip((state, xc, Bc, dtc, cursor), before):
         for s in (0, 1, 3):
@@ -324,7 +327,7 @@ def test_teeth_corrupted_committed_entry_is_detected():
     sbi = torch.tensor([0], dtype=torch.int32)
     x, B, C, dt, _ = _window(1, T, H, P, N, G, gen)
     sr.spec_step(state, xc, Bc, dtc, cursor, x, B, C, dt, dt_bias, A, D, None, sbi)
-    sr.commit(cursor, torch.tensor([2]), T, L, sbi)  # committed at ring 13, 14; rejected at 15, 0
+    cursors.commit(cursor, torch.tensor([2]), T, L, sbi)  # committed at ring 13, 14; rejected at 15, 0
     x2, B2, C2, dt2, _ = _window(1, T, H, P, N, G, gen)
     caches = [t.clone() for t in (state, xc, Bc, dtc, cursor)]
     y_good = sr.spec_step(*[t.clone() for t in caches], x2, B2, C2, dt2, dt_bias, A, D, None, sbi)
@@ -352,8 +355,8 @@ def test_conv_window_random_rollback(T, K):
     for _ in range(25):
         u = torch.randn(3, T, Dc, generator=gen, dtype=F64)
         nacc = torch.randint(1, T + 1, (3,), generator=gen, dtype=torch.int32)
-        out = sr.conv_window_update(win, u, weight, bias, sbi)
-        sr.conv_window_rollback(win, nacc, T, K, sbi)
+        out = convw.conv_window_update(win, u, weight, bias, sbi)
+        convw.conv_window_rollback(win, nacc, T, K, sbi)
         assert torch.isnan(out[1]).all()
         for b, s in ((0, 2), (2, 0)):
             seq = torch.cat([hist[s][:, -(K - 1):] if K > 1 else hist[s][:, :0], u[b].T], dim=1)
@@ -368,10 +371,10 @@ def test_conv_window_too_narrow_raises():
     win = torch.zeros(1, 2, 3, dtype=F64)  # K = 4, num_draft = 0
     sbi = torch.tensor([0], dtype=torch.int32)
     with pytest.raises(ValueError, match="u: expected at most"):
-        sr.conv_window_update(win, torch.zeros(1, 2, 2, dtype=F64), torch.zeros(2, 4, dtype=F64), None, sbi)
+        convw.conv_window_update(win, torch.zeros(1, 2, 2, dtype=F64), torch.zeros(2, 4, dtype=F64), None, sbi)
     win = torch.zeros(1, 2, 5, dtype=F64)  # K = 4, num_draft = 2, T = 3
     with pytest.raises(ValueError, match="n_accepted"):
-        sr.conv_window_rollback(win, torch.tensor([0]), 3, 4, sbi)
+        convw.conv_window_rollback(win, torch.tensor([0]), 3, 4, sbi)
 
 
 def test_errors_name_the_argument():
@@ -396,13 +399,13 @@ def test_errors_name_the_argument():
     with pytest.raises(ValueError, match="buffer_len: expected >= 2"):
         sr.maybe_flush(state, xc[:, :, :6], Bc[:, :, :6], dtc[:, :, :6], torch.zeros(1, 2, dtype=torch.int32), p, T, sbi)
     with pytest.raises(ValueError, match=r"n_accepted\[0\]"):
-        sr.commit(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([T + 1]), T, L, sbi)
+        cursors.commit(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([T + 1]), T, L, sbi)
     cur = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"n_accepted\[1\]: expected 0 <= n <= T=4, got 9"):
-        sr.commit(cur, torch.tensor([1, 9]), T, L, torch.tensor([0, 1], dtype=torch.int32))
+        cursors.commit(cur, torch.tensor([1, 9]), T, L, torch.tensor([0, 1], dtype=torch.int32))
     assert cur.tolist() == [[0, 1], [3, 2]]  # validated before any cursor moved
     with pytest.raises(ValueError, match="more than one row"):
-        sr.commit(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([1, 1]), T, L, torch.tensor([0, 0], dtype=torch.int32))
+        cursors.commit(torch.zeros(1, 2, dtype=torch.int32), torch.tensor([1, 1]), T, L, torch.tensor([0, 0], dtype=torch.int32))
 
 
 def test_native_snapshots_beyond_T_and_zero_accept_untouched():
@@ -419,9 +422,9 @@ def test_native_snapshots_beyond_T_and_zero_accept_untouched():
     sr.native_spec_verify(state, snaps, x, B, C, dt, dt_bias, A, D, None, sbi)
     assert torch.equal(state, st0) and torch.equal(snaps[0], s0[0]) and torch.equal(snaps[1, T:], s0[1, T:])
     assert not torch.equal(snaps[1, :T], s0[1, :T])
-    sr.native_spec_commit(state, snaps, torch.tensor([0]), sbi)
+    cursors.native_spec_commit(state, snaps, torch.tensor([0]), sbi)
     assert torch.equal(state, st0)
-    sr.native_spec_commit(state, snaps, torch.tensor([T]), sbi)
+    cursors.native_spec_commit(state, snaps, torch.tensor([T]), sbi)
     assert torch.equal(state[1], snaps[1, T - 1]) and torch.equal(state[0], st0[0])
 
 
@@ -433,7 +436,7 @@ def _shadow_setup(kind, seed, slots=3, H=4, P=8, N=16, G=2, L=8):
     xc, Bc = torch.zeros(slots, H, L, P, dtype=torch.bfloat16), torch.zeros(slots, G, L, N, dtype=torch.bfloat16)
     dtc = torch.zeros(slots, H, L)
     cursor = torch.zeros(slots, 2, dtype=torch.int32)
-    return gen, prm, [state, xc, Bc, dtc, cursor], ref.Shadow.of(state, kind)
+    return gen, prm, [state, xc, Bc, dtc, cursor], shadowq.Shadow.of(state, kind)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
@@ -456,7 +459,7 @@ def test_shadow_verify_reads_the_shadow_and_flush_rewrites_it(kind):
         assert torch.equal(state, twin[0]) and torch.equal(cursor, twin[4])
         for s in range(3):
             if s in flushed:
-                want = ref.Shadow(1, H, P, N, kind)
+                want = shadowq.Shadow(1, H, P, N, kind)
                 want.write(0, state[s])
                 assert torch.equal(sh.q[s].view(torch.uint8), want.q[0].view(torch.uint8))
             else:
@@ -477,8 +480,8 @@ def test_shadow_verify_reads_the_shadow_and_flush_rewrites_it(kind):
             else:  # a shadow that is read changes y (bf16: ~1e-3, fp8: ~1e-2 relative)
                 assert 0 < _rel(y[b], y_plain[b]) < (4e-3 if kind == "bf16" else 6e-2)
         n = torch.randint(1, T + 1, (3,), generator=gen, dtype=torch.int32)
-        sr.commit(cursor, n, T, L, sbi)
-        sr.commit(twin[4], n, T, L, sbi)
+        cursors.commit(cursor, n, T, L, sbi)
+        cursors.commit(twin[4], n, T, L, sbi)
     assert flushes >= 4
 
 
@@ -491,10 +494,10 @@ def test_spec_step_with_shadow_and_teeth():
     caches[4][1] = torch.tensor([3, 5], dtype=torch.int32)  # slot 1 flushes at the next step (5 + 4 > 8), slot 0 does not
     x, B, C, dt = (t.to(torch.bfloat16) for t in _window(2, T, H, P, N, G, gen)[:4])
     a = [t.clone() for t in caches]
-    sh_a = ref.Shadow.wrap(sh.q.clone())
+    sh_a = shadowq.Shadow.wrap(sh.q.clone())
     y = sr.spec_step(*a, x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi, shadow=sh_a)
     b = [t.clone() for t in caches]
-    sh_b = ref.Shadow.wrap(sh.q.clone())
+    sh_b = shadowq.Shadow.wrap(sh.q.clone())
     sh_b.q[0] *= 2
     sh_b.q[1] *= 2
     y_b = sr.spec_step(*b, x, B, C, dt, prm.dt_bias, prm.A, prm.D, None, sbi, shadow=sh_b)
@@ -502,7 +505,7 @@ def test_spec_step_with_shadow_and_teeth():
     assert torch.equal(y_b[1], y[1])
     assert torch.equal(sh_b.q[1], sh_a.q[1])  # the flush rewrote slot 1's shadow from the checkpoint
     with pytest.raises(ValueError, match="scale: an fp8 shadow needs row scales"):
-        ref.Shadow.wrap(sh.q.to(torch.float8_e4m3fn))
+        shadowq.Shadow.wrap(sh.q.to(torch.float8_e4m3fn))
 
 
 @pytest.mark.parametrize("what", ["x", "B", "dt_nan", "dt_inf"])

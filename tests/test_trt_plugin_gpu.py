@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L, shadow):
     from cuda.core import Device, LaunchConfig, ObjectCode, Stream, launch
 
-    from trtllm_replayssm import ops
+    from trtllm_replayssm.families.mamba2 import ops
 
     pb = Problem(geom="nemotron_h_8b", state=state, act=act, L=L, batch=3, slots=3, seed=5 + tactic, shadow=shadow)
     pb.sbi = torch.arange(3, dtype=torch.int32, device="cuda")  # per-row state, as in an engine

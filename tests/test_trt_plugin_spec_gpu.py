@@ -5,7 +5,7 @@
 TensorRT does), grid, block, shared memory and int32 extra args come from
 :func:`families.mamba2.trt_plugin.aot_verify_kernel` / :func:`trt_plugin.aot_commit_kernel`; pointers are passed in
 TensorRT's order, built from the plugins' input names (inputs, extra args, outputs; aliased outputs get
-their inputs' pointers). The launches stand in for ``ops.replay_verify`` / ``ops.spec_commit`` inside
+their inputs' pointers). The launches stand in for ``ops.replay_verify`` / ``cursor_ops.spec_commit`` inside
 :class:`tests.test_spec_gpu.SpecProblem`, which mirrors every step with :mod:`spec_reference` in
 float64 and compares y, the flushed checkpoints and the ring bookkeeping (cursor and committed
 entries exactly) over 40 steps of random acceptance (some rows 0 every 5th step, all T every 7th)
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import torch
 
-from trtllm_replayssm import ops
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.config import DTYPE_CODES
+from trtllm_replayssm.families.mamba2 import ops
 from trtllm_replayssm.families.mamba2 import trt_plugin as mp
 
 from .test_spec_gpu import STEPS, SpecProblem, run_and_check
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.gpu
 
 
 class PluginLaunches:
-    """``ops.replay_verify`` / ``ops.spec_commit`` replaced by launches of the plugins' AOT kernels."""
+    """``ops.replay_verify`` / ``cursor_ops.spec_commit`` replaced by launches of the plugins' AOT kernels."""
 
     def __init__(self, pb, tactic):
         from cuda.core import Device, ObjectCode

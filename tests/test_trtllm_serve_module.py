@@ -359,7 +359,7 @@ def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, 
     after the shadows exist: requantized at end_step, after the prefill wrote them); every non-flush row's output is
     within the shadow's rounding of the conventional one and not equal to it (the shadow is what it reads), every
     flush row's equals it (the flush reads the full-precision checkpoint)."""
-    from trtllm_replayssm import reference
+    from trtllm_replayssm import shadow as shadowq
 
     mixer_cls, model_cls = fake_trtllm
     monkeypatch.setattr(sys.modules[ReplaySSMAdapter.__module__], "_QUANT_SLOTS", 3)  # the pool in chunks 3, 3, 1
@@ -399,7 +399,7 @@ def test_shadow_is_read_between_flushes_and_never_enters_the_state(fake_trtllm, 
             for s in range(S):  # every slot: quantized from the pool at allocation, kept since
                 q = torch.empty(H, P, N, dtype=lay["shadow"].dtype)
                 sc = None if shadow == "bf16" else torch.empty(H, P, dtype=torch.float32)
-                reference.quantize_shadow(ssm_rep[i][s], q, sc)
+                shadowq.quantize_shadow(ssm_rep[i][s], q, sc)
                 assert torch.equal(lay["shadow"][s].float(), q.float()), (t, i, s)
                 if sc is not None:
                     assert torch.equal(lay["shadow_scale"][s], sc), (t, i, s)
@@ -563,7 +563,7 @@ def test_buffer_len_is_checked():
 def test_shadow_requantize_padding_rows_and_a_new_pool(monkeypatch):
     """end_step rewrites the shadows of exactly the prefilled slots (chunked; a -1 row goes to the scratch slot, no
     real slot); a re-created state pool is quantized whole."""
-    from trtllm_replayssm import reference
+    from trtllm_replayssm import shadow as shadowq
     from trtllm_replayssm.config import SHADOW_DTYPES
 
     monkeypatch.setattr(sys.modules[ReplaySSMAdapter.__module__], "_QUANT_SLOTS", 2)
@@ -580,7 +580,7 @@ def test_shadow_requantize_padding_rows_and_a_new_pool(monkeypatch):
         def quantized(st, kind=kind):
             q = torch.empty(st.shape, dtype=SHADOW_DTYPES[kind])
             sc = None if kind == "bf16" else torch.empty(st.shape[:-1], dtype=torch.float32)
-            reference.quantize_shadow(st, q, sc)
+            shadowq.quantize_shadow(st, q, sc)
             return q.float(), sc
 
         for s in range(5):
@@ -806,7 +806,7 @@ def test_ops_backend_matches_reference_backend_on_cuda(shadow):
 
 def test_the_oracle_is_the_reference_conventional_step():
     """conventional_ssu (per (head, dim), TRT-LLM's layout) equals reference.conventional_step (per head)."""
-    from trtllm_replayssm import reference
+    from trtllm_replayssm.families.mamba2 import reference
 
     kw = _call_args(seed=5)
     kw["state_batch_indices"] = torch.tensor([2, -1], dtype=torch.int32)

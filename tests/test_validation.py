@@ -18,9 +18,10 @@ import itertools
 import pytest
 import torch
 
-from trtllm_replayssm import ops
+from trtllm_replayssm import cursor_ops
 from trtllm_replayssm.cache import ReplayStateCache
 from trtllm_replayssm.config import SUPPORTED_DSTATE, SUPPORTED_HEADDIM
+from trtllm_replayssm.families.mamba2 import ops
 
 H, P, N, G, L, S, BATCH = 4, 64, 64, 2, 4, 5, 3
 
@@ -196,7 +197,7 @@ ADVANCE_CASES = [
 def test_advance_cursor_rejects(over, exc, match):
     kw = {"cursor": CUR.clone(), "state_batch_indices": torch.tensor([1, -1, 0], dtype=I32), "buffer_len": L, **over}
     with pytest.raises(exc, match=match):
-        ops.advance_cursor(**kw)
+        cursor_ops.advance_cursor(**kw)
 
 
 def test_advance_cursor_unchecked_values_reach_the_device():
@@ -205,13 +206,13 @@ def test_advance_cursor_unchecked_values_reach_the_device():
     cur = torch.tensor([0, 9, -3, 0, 0], dtype=I32)
     sbi = torch.tensor([1, 7, 2, 2, -9], dtype=I32)
     with pytest.raises(ValueError, match=r"cursor: expected CUDA tensors"):
-        ops.advance_cursor(cur, sbi, L, check_values=False)
+        cursor_ops.advance_cursor(cur, sbi, L, check_values=False)
     with pytest.raises(ValueError, match=r"state_batch_indices: expected values in \[-1, 5\), got \[7, -9\]"):
-        ops.advance_cursor(cur, sbi, L, check_values=True)
+        cursor_ops.advance_cursor(cur, sbi, L, check_values=True)
     assert cur.tolist() == [0, 9, -3, 0, 0]
     cur2, n = torch.tensor([[9, 0]] * S, dtype=I32), torch.tensor([9, -1, 1, 1, 1], dtype=I32)
     with pytest.raises(ValueError, match=r"cursor: expected CUDA tensors"):
-        ops.spec_commit(cur2, n, sbi, T2, L2, check_values=False)
+        cursor_ops.spec_commit(cur2, n, sbi, T2, L2, check_values=False)
     with pytest.raises(ValueError, match=r"x: expected CUDA tensors"):
         ops.replay_decode(**good(cursor=cur, state_batch_indices=torch.tensor([1, 1, 9], dtype=I32)), check_values=False)
 
@@ -239,7 +240,7 @@ def test_unsupported_headdim_dstate_rejected(Pq, Nq):
         ops.native_spec_verify(**good_native(Pq, Nq))
     what = rf"state: headdim \(dim 2\) expected one of \(64, 80, 128\), got {Pq}" if Pq != P else _geom_match(Pq, Nq, 2)
     with pytest.raises(ValueError, match=what):
-        ops.native_spec_commit(**native_commit_args(Pq, Nq))
+        cursor_ops.native_spec_commit(**native_commit_args(Pq, Nq))
     # The float64 CPU cache (the spec) takes any geometry; a CUDA one refuses these (test_validation_gpu.py).
     ReplayStateCache(1, 2, H, Pq, Nq, G, L2, num_draft=1)
 
@@ -287,7 +288,7 @@ def test_misaligned_native_tensors_rejected():
     for name in ("state", "snapshots"):
         t = native_commit_args()
         with pytest.raises(ValueError, match=_misaligned(name)):
-            ops.native_spec_commit(**{**t, name: offset(t[name])})
+            cursor_ops.native_spec_commit(**{**t, name: offset(t[name])})
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
@@ -301,7 +302,7 @@ def test_offset_views_of_scalar_tensors_accepted(launcher):
     with pytest.raises(ValueError, match=r"x: expected CUDA tensors"):
         fn(**{**t, "state": offset(t["state"], 4), "x": offset(t["x"], 8), "shadow": offset(t["shadow"], 16)})
     with pytest.raises(ValueError, match=r"cursor: expected CUDA tensors"):
-        ops.advance_cursor(offset(CUR), offset(torch.tensor([1, -1, 0], dtype=I32)), L)
+        cursor_ops.advance_cursor(offset(CUR), offset(torch.tensor([1, -1, 0], dtype=I32)), L)
 
 
 # Hole 4: the buffer length of the cursor ops is the rings' (x_cache dim 2), not a second number.
@@ -309,37 +310,37 @@ def test_buffer_len_taken_from_x_cache():
     sbi = torch.tensor([1, -1, 0], dtype=I32)
     xc = torch.zeros(S, H, L, P, dtype=BF)
     with pytest.raises(ValueError, match=r"^buffer_len: expected 4 \(the buffer length of x_cache, dim 2\), got 8$"):
-        ops.advance_cursor(CUR.clone(), sbi, 8, x_cache=xc)
+        cursor_ops.advance_cursor(CUR.clone(), sbi, 8, x_cache=xc)
     with pytest.raises(ValueError, match=r"^buffer_len: expected 4 \(the buffer length of x_cache, dim 2\), got 8$"):
         torch.ops.trtllm_replayssm.advance_cursor(CUR.clone(), sbi, 8, xc)
     cur = CUR.clone()
     cur[1] = L  # in range for a buffer_len of 8, not for the ring
     with pytest.raises(ValueError, match=r"cursor: expected values in \[0, 4\) for the rows' slots, got \[4\] \(slots \[1\]\)"):
-        ops.advance_cursor(cur, sbi, x_cache=xc)
+        cursor_ops.advance_cursor(cur, sbi, x_cache=xc)
     with pytest.raises(ValueError, match=r"cursor: expected CUDA tensors"):  # given once, or twice and equal
-        ops.advance_cursor(CUR.clone(), sbi, L, x_cache=xc)
+        cursor_ops.advance_cursor(CUR.clone(), sbi, L, x_cache=xc)
     with pytest.raises(ValueError, match=r"x_cache: expected a \(slots, nheads, buffer_len, headdim\) tensor, got shape"):
-        ops.advance_cursor(CUR.clone(), sbi, x_cache=xc[0])
+        cursor_ops.advance_cursor(CUR.clone(), sbi, x_cache=xc[0])
     with pytest.raises(ValueError, match=r"^x_cache: buffer_len \(dim 2\): expected in 1..32, got 40$"):
-        ops.advance_cursor(CUR.clone(), sbi, x_cache=torch.zeros(S, H, 40, P, dtype=BF))
+        cursor_ops.advance_cursor(CUR.clone(), sbi, x_cache=torch.zeros(S, H, 40, P, dtype=BF))
     with pytest.raises(ValueError, match=r"^x_cache: expected shape \(5, 4, 4, 64\), got \(6, 4, 4, 64\)$"):
-        ops.advance_cursor(CUR.clone(), sbi, x_cache=torch.zeros(S + 1, H, L, P, dtype=BF))
+        cursor_ops.advance_cursor(CUR.clone(), sbi, x_cache=torch.zeros(S + 1, H, L, P, dtype=BF))
 
     cur2, n, xc8 = torch.zeros(S, 2, dtype=I32), torch.ones(BATCH, dtype=I32), torch.zeros(S, H, L2, P, dtype=BF)
     with pytest.raises(ValueError, match=r"^buffer_len: expected 8 \(the buffer length of x_cache, dim 2\), got 16$"):
-        ops.spec_commit(cur2, n, sbi, T2, 16, x_cache=xc8)
+        cursor_ops.spec_commit(cur2, n, sbi, T2, 16, x_cache=xc8)
     with pytest.raises(ValueError, match=r"^buffer_len: expected 8 \(the buffer length of x_cache, dim 2\), got 16$"):
         torch.ops.trtllm_replayssm.spec_commit(cur2, n, sbi, T2, 16, xc8)
     with pytest.raises(ValueError, match=r"^x_cache: buffer_len \(dim 2\): expected in \[2T, 32\] = \[8, 32\] \(flush one "
                                          r"window early, T=4\), got 6$"):
-        ops.spec_commit(cur2, n, sbi, 4, x_cache=torch.zeros(S, H, 6, P, dtype=BF))
+        cursor_ops.spec_commit(cur2, n, sbi, 4, x_cache=torch.zeros(S, H, 6, P, dtype=BF))
     cur2[1, 1] = L2 - T2 + 1  # in range for a buffer_len of 16, not for the ring
     with pytest.raises(ValueError, match=r"cursor: expected count \(column 1\) in \[0, L - T\] = \[0, 6\] for the rows' "
                                          r"slots, got \[7\] \(slots \[1\]\)"):
-        ops.spec_commit(cur2, n, sbi, T2, x_cache=xc8)
+        cursor_ops.spec_commit(cur2, n, sbi, T2, x_cache=xc8)
     cur2[1, 1] = 0
     with pytest.raises(ValueError, match=r"cursor: expected CUDA tensors"):
-        ops.spec_commit(cur2, n, sbi, T2, x_cache=xc8)
+        cursor_ops.spec_commit(cur2, n, sbi, T2, x_cache=xc8)
 
 
 # Hole 5: a size / dtype / device mismatch names the tensor that differs, not the one it was compared with.
@@ -379,19 +380,19 @@ def test_device_mismatch_names_the_odd_tensor_cursor_ops():
         t = _meta(adv)
         t[name] = adv[name]
         with pytest.raises(ValueError, match=rf"^{name}: expected device meta, got cpu$"):
-            ops.advance_cursor(**t, check_values=False)
+            cursor_ops.advance_cursor(**t, check_values=False)
     com = dict(cursor=torch.zeros(S, 2, dtype=I32), n_accepted=torch.ones(BATCH, dtype=I32), state_batch_indices=sbi,
                x_cache=torch.zeros(S, H, L2, P, dtype=BF))
     for name in com:
         t = _meta(com)
         t[name] = com[name]
         with pytest.raises(ValueError, match=rf"^{name}: expected device meta, got cpu$"):
-            ops.spec_commit(**t, num_tokens=T2, check_values=False)
+            cursor_ops.spec_commit(**t, num_tokens=T2, check_values=False)
     for name in native_commit_args():
         t = _meta(native_commit_args())
         t[name] = native_commit_args()[name]
         with pytest.raises(ValueError, match=rf"^{name}: expected device meta, got cpu$"):
-            ops.native_spec_commit(**t, check_values=False)
+            cursor_ops.native_spec_commit(**t, check_values=False)
 
 
 NAMING_CASES = [

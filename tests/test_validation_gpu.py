@@ -28,9 +28,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trtllm_replayssm import config, ops
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import config, cursor_ops
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.cache import ReplayStateCache
+from trtllm_replayssm.families.mamba2 import ops
 
 from .problems import make_params
 
@@ -140,7 +141,7 @@ def _rnd(gen, *shape, dtype=BF, scale=1.0, shift=0.0):
 def _shadow(t: dict, kind: str):
     t["shadow"] = t["shadow_scale"] = None
     if kind != "none":
-        sh = ref.Shadow.of(t["state"], kind)
+        sh = shadowq.Shadow.of(t["state"], kind)
         t["shadow"], t["shadow_scale"] = sh.q, sh.scale
 
 
@@ -224,7 +225,7 @@ def test_replay_decode_unchecked_values_touch_only_their_slots(variant, shadow):
         want_dt = F.softplus(cpu["dt"][r].float() + cpu["dt_bias"])  # fp32 softplus on both sides
         assert torch.allclose(t["dt_cache"][s, :, c].cpu(), want_dt, rtol=1e-5, atol=0), f"slot {s}: dt not appended"
     # Then the cursor advance (unchecked, L from the rings): good rows' slots move, corrupt cursors stay.
-    ops.advance_cursor(t["cursor"], t["state_batch_indices"], check_values=False, x_cache=t["x_cache"])
+    cursor_ops.advance_cursor(t["cursor"], t["state_batch_indices"], check_values=False, x_cache=t["x_cache"])
     g.check()
     want = list(DCURSOR)
     for s in DGOOD.values():
@@ -254,7 +255,7 @@ def test_advance_cursor_unchecked():
     cur = g.put("cursor", torch.tensor(cursor, dtype=I32))
     idx = g.put("state_batch_indices", torch.tensor(sbi, dtype=I32))
     xc = g.put("x_cache", torch.zeros(S, 1, L, P, dtype=BF))
-    ops.advance_cursor(cur, idx, check_values=False, x_cache=xc)
+    cursor_ops.advance_cursor(cur, idx, check_values=False, x_cache=xc)
     g.check()
     want = list(cursor)
     want[0], want[1], want[4] = 3, 0, 6
@@ -267,7 +268,7 @@ def test_advance_cursor_duplicate_slots_race_only_on_their_slot():
     g = Guarded()
     cur = g.put("cursor", torch.tensor([1, 4, 0, 7], dtype=I32))
     idx = g.put("state_batch_indices", torch.tensor([0, 0, 1, -1], dtype=I32))
-    ops.advance_cursor(cur, idx, 8, check_values=False)
+    cursor_ops.advance_cursor(cur, idx, 8, check_values=False)
     g.check()
     got = cur.cpu().tolist()
     assert got[0] in (2, 3) and got[1:] == [5, 0, 7], got
@@ -304,7 +305,7 @@ def test_replay_verify_unchecked_values_touch_only_their_slots(shadow):
     # Then the commit (unchecked, L from the rings): flush as the kernels did, count += clamp(n, 0, T).
     n = [NACC.get(r, (r % 13) - 4) for r in range(SBATCH)]  # other rows: any value, never used
     n_acc = g.put("n_accepted", torch.tensor(n, dtype=I32))
-    ops.spec_commit(t["cursor"], n_acc, t["state_batch_indices"], T, check_values=False, x_cache=t["x_cache"])
+    cursor_ops.spec_commit(t["cursor"], n_acc, t["state_batch_indices"], T, check_values=False, x_cache=t["x_cache"])
     g.check()
     want = [list(c) for c in SCURSOR]
     for r, s in SGOOD.items():
@@ -328,7 +329,7 @@ def test_replay_verify_duplicate_slots_race_only_on_their_slot():
 def test_spec_commit_duplicate_slots_race_only_on_their_slot():
     g = Guarded()
     cur = g.put("cursor", torch.tensor([[0, 0], [1, 2], [3, 3]], dtype=I32))
-    ops.spec_commit(cur, g.put("n_accepted", torch.tensor([1, 1, 2], dtype=I32)),
+    cursor_ops.spec_commit(cur, g.put("n_accepted", torch.tensor([1, 1, 2], dtype=I32)),
                     g.put("state_batch_indices", torch.tensor([0, 0, 1], dtype=I32)), T, SL, check_values=False)
     g.check()
     got = cur.cpu().tolist()
@@ -365,7 +366,7 @@ def test_native_spec_unchecked_slots_and_n_accepted():
     snaps, before = t["snapshots"].cpu(), t["state"].cpu()
     n = [T + 5, -3, 0, 1] + [1] * 6
     rows = [0, 1, 2, 3, S, -1, BIG, INT_MIN, -3, S + 5]  # slots 4 and 5: no row
-    ops.native_spec_commit(t["state"], t["snapshots"], g.put("n_accepted", torch.tensor(n, dtype=I32)),
+    cursor_ops.native_spec_commit(t["state"], t["snapshots"], g.put("n_accepted", torch.tensor(n, dtype=I32)),
                            g.put("commit_rows", torch.tensor(rows, dtype=I32)), check_values=False)
     g.check()
     want = before.clone()
@@ -452,12 +453,12 @@ def test_host_tensor_among_cuda_tensors_is_named_cursor_ops():
     adv = dict(cursor=cur, state_batch_indices=sbi, x_cache=xc)
     for name in adv:
         with pytest.raises(ValueError, match=rf"^{name}: expected device {cur.device}, got {HOST}$"):
-            ops.advance_cursor(**{**adv, name: adv[name].to(HOST)})
+            cursor_ops.advance_cursor(**{**adv, name: adv[name].to(HOST)})
     com = dict(cursor=torch.zeros(4, 2, dtype=I32, device=DEV), n_accepted=torch.ones(3, dtype=I32, device=DEV),
                state_batch_indices=sbi, x_cache=xc)
     for name in com:
         with pytest.raises(ValueError, match=rf"^{name}: expected device {cur.device}, got {HOST}$"):
-            ops.spec_commit(**{**com, name: com[name].to(HOST)}, num_tokens=T)
+            cursor_ops.spec_commit(**{**com, name: com[name].to(HOST)}, num_tokens=T)
 
 
 def test_unsupported_geometry_rejected_on_cuda():

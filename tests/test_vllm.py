@@ -21,10 +21,12 @@ import sys
 import pytest
 import torch
 
-from trtllm_replayssm import config, ops
-from trtllm_replayssm import reference as ref
+from trtllm_replayssm import config
+from trtllm_replayssm import cursor as cursors
 from trtllm_replayssm.compile import compile_spec
 from trtllm_replayssm.config import KernelSpec, Layout
+from trtllm_replayssm.families.mamba2 import ops
+from trtllm_replayssm.families.mamba2 import reference as ref
 
 from .problems import make_params
 
@@ -161,7 +163,7 @@ def test_write_pos_is_the_advanced_cursor():
     for step in range(3 * L):
         wp = vllm.write_pos_from_positions(prompt + step, prompt, L)
         assert torch.equal(wp, cursor), step
-        ref.advance_cursor(cursor, torch.arange(3, dtype=torch.int32), L)
+        cursors.advance_cursor(cursor, torch.arange(3, dtype=torch.int32), L)
 
 
 def _args(device="cpu", batch=3, H=4, P=64, N=64, G=2, L=4, act=torch.bfloat16, blocks=5):

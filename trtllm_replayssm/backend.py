@@ -41,9 +41,11 @@ import importlib
 
 import torch
 
-from . import families, reference, spec_reference
+from . import cursor as cursors
+from . import families
+from . import shadow as shadowq
 
-write_shadow = reference.quantize_shadow  # every slot at once: write_shadow(state, shadow, shadow_scale)
+write_shadow = shadowq.quantize_shadow  # every slot at once: write_shadow(state, shadow, shadow_scale)
 
 
 # ---- helpers the families' reference steps share ------------------------------------------------------------------
@@ -79,9 +81,9 @@ def check_rows_out(sbi, out, shape) -> None:
     """The rows' slots (batch,) and ``out`` (the outputs' shape), checked before a step writes anything (as the
     kernel launchers do): the reference folds checkpoints before it computes the outputs."""
     if sbi is not None:
-        spec_reference._check_shape(sbi, "state_batch_indices", tuple(shape[:1]))
+        cursors.check_shape(sbi, "state_batch_indices", tuple(shape[:1]))
     if out is not None:
-        spec_reference._check_shape(out, "out", tuple(shape))
+        cursors.check_shape(out, "out", tuple(shape))
 
 
 def check_decode_rows(cursor, L: int, nslots: int, batch: int, sbi) -> None:
@@ -159,23 +161,23 @@ class ReferenceBackend(Executor):
     name = "reference"
 
     def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
-        reference.advance_cursor(cursor, sbi, L, flushes)
+        cursors.advance_cursor(cursor, sbi, L, flushes)
 
     def spec_commit(self, cursor, n_accepted, sbi, T, L, *, check_values=None):
-        spec_reference.flush_cursor(cursor, T, L, sbi)
-        spec_reference.commit(cursor, n_accepted, T, L, sbi)
+        cursors.flush_cursor(cursor, T, L, sbi)
+        cursors.commit(cursor, n_accepted, T, L, sbi)
 
 
 class KernelBackend(Executor):
-    """The CUDA kernels through the validated launchers (graph-safe); the shared cursor kernels of :mod:`.ops`."""
+    """The CUDA kernels through the validated launchers (graph-safe); the shared cursor kernels of :mod:`.cursor_ops`."""
 
     name = "kernels"
 
     def __init__(self):
         super().__init__()
-        from . import ops  # cuda.core is imported only where the kernels run
+        from . import cursor_ops  # cuda.core is imported only where the kernels run
 
-        self.ops = ops
+        self.ops = cursor_ops
 
     def advance_cursor(self, cursor, sbi, L, *, check_values=None, flushes=None):
         self.ops.advance_cursor(cursor, sbi, L, check_values=check_values, flushes=flushes)

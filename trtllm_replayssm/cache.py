@@ -30,8 +30,8 @@ x_cache        (layers, slots, H, L, P)       act_dtype          ring of x_j
 B_cache        (layers, slots, G, L, N)       act_dtype          ring of B_j
 dt_cache       (layers, slots, H, L)          dt_dtype (f32)     ring of processed dt_j (f64 only in tests)
 cursor         (slots, 2)                     int32              [s, 0] = ring start, [s, 1] = committed count;
-                                                                 shared by all layers (spec_reference docstring);
-               (slots,) with cursor="standard"                   entries since the checkpoint (reference.py)
+                                                                 shared by all layers (cursor.py docstring);
+               (slots,) with cursor="standard"                   entries since the checkpoint (cursor.py)
 conv           (layers, slots, conv_dim, W)   act_dtype          conv1d window, newest input in column W-1 (a view
                                                                  of (layers, slots + 1, ...): one scratch slot)
 =============  =============================  =================  ===============================================
@@ -118,11 +118,11 @@ import zlib
 import torch
 
 from . import backend, families
+from . import cursor as cursors
 from . import launch as _launch
-from . import spec_reference as sr
 from .costs import memory_per_request  # noqa: F401  (re-exported: the memory model's home is .costs)
 from .layer_group import LayerGroup, group_class
-from .reference import Shadow
+from .shadow import Shadow
 
 # The family of the positional form ReplayStateCache(num_layers, num_slots, nheads, headdim, dstate, ngroups,
 # buffer_len, ...): its geometry is that family's (H, P, N, G). Every other cache names its families in ``layers=``.
@@ -815,7 +815,7 @@ class ReplayStateCache:
     def _rows(self, state_batch_indices, what: str) -> list[int]:
         if not isinstance(state_batch_indices, torch.Tensor) or state_batch_indices.dtype != torch.int32:
             raise TypeError(f"state_batch_indices: expected an int32 tensor, got {state_batch_indices!r}")
-        sbi = sr._slots(state_batch_indices, state_batch_indices.shape[0], self.num_slots)
+        sbi = cursors.rows(state_batch_indices, state_batch_indices.shape[0], self.num_slots)
         for s in sbi:
             if s >= 0:
                 self._check_live(s, what)
@@ -888,7 +888,7 @@ class ReplayStateCache:
         rows = self._rows(state_batch_indices, "flush") if rows is None else rows
         if self.standard:  # the step that fills the ring folds it
             return [s for s in rows if s >= 0 and int(self.cursor[s]) == self.buffer_len - 1]
-        return [s for s in rows if s >= 0 and sr.needs_flush(self.cursor, s, num_tokens, self.buffer_len)]
+        return [s for s in rows if s >= 0 and cursors.needs_flush(self.cursor, s, num_tokens, self.buffer_len)]
 
     def abort_step(self) -> list:
         """Close an open step without committing it (a layer's verify raised). Returns the layers it verified
@@ -942,7 +942,7 @@ class ReplayStateCache:
         into its window.
 
         Gathered rows (:func:`conv_update_rows`), math in fp32 (float64 for float64 tensors), outputs in u's
-        dtype; padding rows NaN and no slot touched. ``spec_reference.conv_window_update`` is its spec.
+        dtype; padding rows NaN and no slot touched. ``conv_window.conv_window_update`` is its spec.
         """
         g, i = self._locate(layer)  # the index checked (a negative one would wrap to another layer's window)
         return self._conv_update(g._conv[i], g.conv_dim, u, weight, bias, state_batch_indices, activation,
@@ -958,10 +958,10 @@ class ReplayStateCache:
         if self._checking():
             self._rows(state_batch_indices, "conv_update")
         batch, K = state_batch_indices.shape[0], self.conv_kernel
-        sr._check_shape(u, "u", (batch, T, conv_dim))
-        sr._check_shape(weight, "weight", (conv_dim, K))
+        cursors.check_shape(u, "u", (batch, T, conv_dim))
+        cursors.check_shape(weight, "weight", (conv_dim, K))
         if bias is not None:
-            sr._check_shape(bias, "bias", (conv_dim,))
+            cursors.check_shape(bias, "bias", (conv_dim,))
         if activation not in (None, "silu"):
             raise ValueError(f"activation: expected None or 'silu', got {activation!r}")
         out = conv_update_rows(conv_scratch, u, weight, bias, self._dst(state_batch_indices), K, activation)
@@ -1026,7 +1026,7 @@ class ReplayStateCache:
 
 # ---- gathered conv window updates (both executors; device-agnostic torch, no host reads) -----------------------------
 def conv_update_rows(conv, u, weight, bias, dst, conv_kernel: int, activation) -> torch.Tensor:
-    """``spec_reference.conv_window_update`` for all rows at once: gather the rows' windows, compute, scatter.
+    """``conv_window.conv_window_update`` for all rows at once: gather the rows' windows, compute, scatter.
 
     conv (slots + 1, conv_dim, W) of one layer, mutated; dst (batch,) int64 slot per row (the scratch
     slot for padding rows); u (batch, T, conv_dim). Returns a contiguous (batch, T, conv_dim) in u's dtype, math in
@@ -1048,7 +1048,7 @@ def conv_update_rows(conv, u, weight, bias, dst, conv_kernel: int, activation) -
 
 
 def conv_rollback_rows(conv, n_accepted, num_tokens: int, dst) -> None:
-    """``spec_reference.conv_window_rollback`` for all rows at once: shift each row's window right by T - n
+    """``conv_window.conv_window_rollback`` for all rows at once: shift each row's window right by T - n
     (n clamped to [0, T]), zero-fill the front. conv (slots + 1, conv_dim, W) of one layer, mutated."""
     W = conv.shape[2]
     r = (num_tokens - n_accepted.clamp(0, num_tokens)).long()  # (batch,)

@@ -25,9 +25,9 @@ import inspect
 
 import torch
 
+from . import cursor as cursors
 from . import families
-from . import spec_reference as sr
-from .reference import Shadow
+from .shadow import Shadow
 
 SCALES = ("shadow_scale", "ckpt_scale")  # row-scale tensors: a fresh slot's scale is 1, not 0
 
@@ -184,9 +184,9 @@ class LayerGroup:
     def load_state(self, l: int, slot: int, state: torch.Tensor, conv_state, conv_kernel: int, conv_width: int):
         """Prefill hand-off: ``state`` becomes the checkpoint (and its shadow), the rings and the conv window are
         emptied, ``conv_state`` (conv_dim, K - 1) fills the window's last columns. Everything checked first."""
-        sr._check_shape(state, "state", self.prefill_shape())
+        cursors.check_shape(state, "state", self.prefill_shape())
         if conv_state is not None:
-            sr._check_shape(conv_state, "conv_state", (self.conv_dim, conv_kernel - 1))
+            cursors.check_shape(conv_state, "conv_state", (self.conv_dim, conv_kernel - 1))
         self.t["state"][l, slot] = state.to(self.t["state"].dtype)
         self.refresh_shadow(l, slot)
         for n, t in self.t.items():

@@ -5,8 +5,8 @@ Route: TRT-LLM's Mamba2Mixer decode calls ``selective_state_update(state, x, dt,
 dt_bias=..., dt_softplus=..., state_batch_indices=..., out=...)`` once per Mamba layer per step
 (tensorrt_llm/_torch/modules/mamba/mamba2_mixer.py, non-MTP branch). The installer
 (:mod:`.install`) replaces that call with :func:`replay_selective_state_update`, which converts the
-arguments to our state contract and calls ``trtllm_replayssm.ops.replay_decode`` (CUDA) or
-``trtllm_replayssm.reference.replay_decode`` (CPU, float64 tests).
+arguments to our state contract and calls ``trtllm_replayssm.families.mamba2.ops.replay_decode`` (CUDA) or
+``trtllm_replayssm.families.mamba2.reference.replay_decode`` (CPU, float64 tests).
 
 Argument conversion (TRT-LLM layout -> ours, the state contract of trtllm_replayssm/contract.py):
 
@@ -40,7 +40,7 @@ shared by all layers. TRT-LLM's ``state`` tensor stays the checkpoint: written o
 Checkpoint shadow (``shadow="bf16"`` or ``"fp8"``, ``TRTLLM_REPLAYSSM_SHADOW``; needs an fp32 state pool,
 ``mamba_ssm_cache_dtype: float32``): the adapter also owns, per Mamba layer, a low-precision copy of the
 checkpoint, (slots, H, P, N) bfloat16, or float8_e4m3fn with (slots, H, P) fp32 row scales
-(``reference.quantize_shadow``). Non-flush steps read it instead of the fp32 checkpoint (the step's state
+(``shadowq.quantize_shadow``). Non-flush steps read it instead of the fp32 checkpoint (the step's state
 traffic drops to half or a quarter); flushes update the fp32 checkpoint and rewrite the shadow from it, so
 the shadow's rounding never enters the state. It is quantized from the whole pool when the layer's buffers
 are allocated and, for the slots of each step's prefill rows, at :meth:`ReplaySSMAdapter.end_step` (after
@@ -74,9 +74,10 @@ import logging
 import torch
 
 from trtllm_replayssm import backend as executors
-from trtllm_replayssm import reference
+from trtllm_replayssm import shadow as shadowq
 from trtllm_replayssm.cache import move_rows
 from trtllm_replayssm.config import SHADOW_DTYPES
+from trtllm_replayssm.families.mamba2 import reference
 from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
 
 log = logging.getLogger("trtllm_replayssm_module")
@@ -376,7 +377,7 @@ class ReplaySSMAdapter:
             src = state.index_select(0, torch.where(valid, idx, torch.zeros_like(idx)))
             q = torch.empty(src.shape, dtype=sh.dtype, device=sh.device)
             scale = None if sc is None else torch.empty(src.shape[:-1], dtype=torch.float32, device=sh.device)
-            reference.quantize_shadow(src, q, scale)
+            shadowq.quantize_shadow(src, q, scale)
             dst = torch.where(valid, idx, torch.full_like(idx, S))
             if sh.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernels: move the bytes
                 sh.view(torch.uint8).index_copy_(0, dst, q.view(torch.uint8))

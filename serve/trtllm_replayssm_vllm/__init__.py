@@ -47,7 +47,7 @@ is_flush[b]``, the fold over the k entries there are; it needs a GPU session to 
 On CUDA tensors the kernel runs; on CPU tensors the float64-checked reference (``reference.py``) runs
 on the same views, so the translation itself is tested in CI. Not covered: the speculative path
 (vLLM's open PR #49847 keeps a post-conv ring with a rotating origin, another layout) and shadows
-(vLLM keeps none); both stay on :mod:`trtllm_replayssm.ops` / :class:`trtllm_replayssm.cache.ReplayStateCache`.
+(vLLM keeps none); both stay on :mod:`trtllm_replayssm.families.mamba2.ops` / :class:`trtllm_replayssm.cache.ReplayStateCache`.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ import numpy as np
 import torch
 
 from trtllm_replayssm import launch as _launch
-from trtllm_replayssm import ops as _ops
-from trtllm_replayssm import reference as _ref
 from trtllm_replayssm.config import Layout
+from trtllm_replayssm.families.mamba2 import ops as _ops
+from trtllm_replayssm.families.mamba2 import reference as _ref
 
 NULL_BLOCK_ID = 0  # vLLM v1 reserves KV-cache block 0 as the null block of padding rows
 _ACT = (torch.bfloat16, torch.float16, torch.float32)

@@ -17,16 +17,14 @@ adds a folder and touches no registry. What a family declares today:
   (:attr:`Family.trt_plugin`).
 
 The three families: ``mamba2/``, ``gdn/`` and ``kda/``, each folder holding its declaration, cache layer group,
-executor steps and TensorRT plugins; Gated DeltaNet's and KDA's float64 spec (``reference.py``) and launchers
-(``ops.py``) too. Mamba-2's spec and launchers are still the top-level ``reference.py`` / ``spec_reference.py`` /
-``ops.py``, which also hold pieces every family shares (the shadow quantizer, the cursor rules, the cursor
-kernels' launchers); the ONNX / onnxruntime ops and the builders' mixer patch join the interface next (issue 36).
+executor steps and TensorRT plugins, its float64 spec (``reference.py``; Mamba-2's speculative one in
+``spec_reference.py``) and its launchers (``ops.py``); the ONNX / onnxruntime ops and the builders' mixer patch join
+the interface next (issue 36).
 Every family's state table is checked against the one home of the state shapes, :mod:`..contract` (tests/test_families.py).
 
-Shared ring-cursor rules and validation: the cursor forms and their moves are the ones :mod:`..contract`
-describes and :mod:`..reference` / :mod:`..spec_reference` implement (``advance_cursor``, ``flush_cursor``,
-``commit``); the helpers below re-export what a family's reference needs from them under public names, so a
-family imports nothing private of another family's modules and the move to a shared module is one place.
+Shared rules live once in the library root, and every family imports them from there: the cursor rules and row
+checks (:mod:`..cursor`), the cursor kernels' launchers (:mod:`..cursor_ops`), the shadow and 8-bit checkpoint
+quantizers (:mod:`..shadow`) and the conv window (:mod:`..conv_window`).
 """
 
 from __future__ import annotations
@@ -37,11 +35,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
-
-from .. import reference as _reference
-from .. import spec_reference as _spec
-
-START, COUNT = _spec.START, _spec.COUNT
 
 
 @dataclass(frozen=True)
@@ -128,41 +121,4 @@ def get(name: str) -> Family:
     return importlib.import_module(f"{__name__}.{name}").FAMILY
 
 
-# ---- shared row / cursor rules (one implementation: spec_reference) ------------------------------------------
-def rows(state_batch_indices, batch: int, nslots: int) -> list[int]:
-    """The slot of each batch row (-1 padding) after the shared checks: int32 (batch,), values in [-1, nslots),
-    no slot twice; None means rows 0..batch-1 (batch <= nslots)."""
-    return _spec._slots(state_batch_indices, batch, nslots)
-
-
-def check_ring_cursor(cursor, nslots: int) -> None:
-    """The speculative cursor: (nslots, 2) int32 (start, count)."""
-    _spec._check_cursor(cursor, nslots)
-
-
-def check_window(num_tokens: int, L: int) -> None:
-    """A window of T = num_tokens tokens on a ring of L: T >= 1 and L >= 2T (flush one window early)."""
-    _spec._check_window(num_tokens, L)
-
-
-def check_standard_cursor(cursor, nslots: int, slots: list[int], L: int) -> None:
-    """The standard cursor: (nslots,) with every used slot's entry count in [0, L)."""
-    if tuple(cursor.shape) != (nslots,):
-        raise ValueError(f"cursor: expected shape ({nslots},), got {tuple(cursor.shape)}")
-    for s in slots:
-        if s >= 0 and not 0 <= int(cursor[s]) < L:
-            raise ValueError(f"cursor[{s}] = {int(cursor[s])} is outside [0, {L})")
-
-
-ring_indices = _spec.ring_indices
-needs_flush = _spec.needs_flush
-flush_cursor = _spec.flush_cursor
-commit = _spec.commit
-
-
-advance_cursor = _reference.advance_cursor  # the standard cursor's move: (c + 1) % L, once per model step
-
-
-__all__ = ["StateTensor", "Family", "names", "get", "rows", "check_ring_cursor", "check_window",
-           "check_standard_cursor", "ring_indices", "needs_flush", "flush_cursor", "commit", "advance_cursor",
-           "START", "COUNT"]
+__all__ = ["StateTensor", "Family", "names", "get"]

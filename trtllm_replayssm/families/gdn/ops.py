@@ -60,7 +60,7 @@ y (output)             (batch, T, HV, V)     act                padding rows lef
 =====================  ====================  =================  ==========================================
 T in SUPPORTED_NUM_TOKENS, 2T <= L <= 32. Per model step: :func:`gdn_replay_verify` for every GDN layer,
 then one :func:`gdn_spec_commit` (the Mamba-2 ``replayssm_spec_commit`` kernel through
-:func:`trtllm_replayssm.ops.spec_commit`, shared with the Mamba-2 layers: the flush the verify kernels did, start +=
+:func:`trtllm_replayssm.cursor_ops.spec_commit`, shared with the Mamba-2 layers: the flush the verify kernels did, start +=
 count and count = 0 where count + 2T > L, then count += n_accepted). Values checked unless capturing:
 slots as above, the rows' cursors start in [0, L) and count in [0, L - T], n_accepted in [0, T];
 unchecked, a row with an out-of-range cursor gets NaN outputs and nothing else is written.
@@ -71,7 +71,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ... import ops
+from ... import cursor_ops
 from ...config import DTYPE_CODES, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS
 from ...launch import (
     F32,
@@ -212,7 +212,7 @@ def advance_cursor(cursor, state_batch_indices, u_cache, check_values: bool | No
     """cursor[slot] = (cursor[slot] + 1) % L for every row with a slot (the Mamba-2 cursor kernel);
     L is u_cache's buffer length (dim 2)."""
     check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
-    ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
+    cursor_ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
 
 
 # ---- speculative decoding -------------------------------------------------------------------------------
@@ -254,7 +254,7 @@ def gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
     ``state`` (and the bf16 ``shadow`` rewritten from it), and the window is computed from the folded
     checkpoint; elsewhere from the checkpoint (or the shadow) and the committed u_j. The window entries
     (u_t, v_t, k_t, g_t, beta_t) are appended at ring index (start + count + t) % L. The cursor is read,
-    not moved: call :func:`gdn_spec_commit` (or :func:`trtllm_replayssm.ops.spec_commit`) once per model step."""
+    not moved: call :func:`gdn_spec_commit` (or :func:`trtllm_replayssm.cursor_ops.spec_commit`) once per model step."""
     _check_options(use_qk_l2norm, scale)
     batch, T, H, HV, V, K, S, L = _spec_geometry(q, v, state, u_cache)
     sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out, ("batch", "T"))
@@ -279,9 +279,9 @@ def gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
 def gdn_spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, u_cache,
                     check_values: bool | None = None) -> None:
     """Commit n_accepted[row] window tokens (in place, once per model step for all layers): the Mamba-2
-    ``replayssm_spec_commit`` kernel through :func:`trtllm_replayssm.ops.spec_commit`, L from u_cache (dim 2)."""
+    ``replayssm_spec_commit`` kernel through :func:`trtllm_replayssm.cursor_ops.spec_commit`, L from u_cache (dim 2)."""
     check_rank(u_cache, "u_cache", 4, "(slots, HV, L, V)")
-    ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
+    cursor_ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
                     check_values=check_values)
 
 
@@ -315,7 +315,7 @@ def gdn_native_spec_verify(q, k, v, a, b, A_log, dt_bias, state, snapshots, stat
 
 def gdn_native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values: bool | None = None) -> None:
     """Native-spec baseline commit: state[slot] = snapshots[slot, n - 1] for rows with n >= 1 (a state copy).
-    The Mamba-2 ``replayssm_native_commit`` kernel through :func:`trtllm_replayssm.ops.native_spec_commit`: it copies whole
+    The Mamba-2 ``replayssm_native_commit`` kernel through :func:`trtllm_replayssm.cursor_ops.native_spec_commit`: it copies whole
     (HV, V, K) f32 states in 16-byte vectors, whatever the trailing dims mean."""
     check_rank(state, "state", 4, "(slots, HV, V, K)")
     check_rank(snapshots, "snapshots", 5, "(slots, T, HV, V, K)")
@@ -337,7 +337,7 @@ def gdn_native_spec_commit(state, snapshots, n_accepted, state_batch_indices, ch
         # f32 (checked above), a multiple of 64 x 64 for every GDN dim, so copy it as (HV*V*K / 4096, 64, 64) rows.
         state = state.view(S, HV * V * K // 4096, 64, 64)
         snapshots = snapshots.view(*snapshots.shape[:2], HV * V * K // 4096, 64, 64)
-    ops.native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values=check_values)
+    cursor_ops.native_spec_commit(state, snapshots, n_accepted, state_batch_indices, check_values=check_values)
 
 
 __all__ = ["gdn_conventional_step", "gdn_replay_decode", "advance_cursor", "gdn_replay_verify", "gdn_spec_commit",

@@ -61,11 +61,12 @@ import torch
 
 from ...costs import gdn_bytes_per_position as bytes_per_position  # the bytes model's home is costs (re-exported)
 from ...costs import gdn_bytes_per_step as bytes_per_step
-from ...reference import Shadow, softplus
-from .. import COUNT, START, flush_cursor, needs_flush, ring_indices
-from .. import check_ring_cursor as _check_cursor
-from .. import check_window as _check_window
-from .. import rows as _slots
+from ...cursor import COUNT, START, flush_cursor, needs_flush, ring_indices
+from ...cursor import check_ring_cursor as _check_cursor
+from ...cursor import check_window as _check_window
+from ...cursor import rows as _slots
+from ...shadow import Shadow
+from ..mamba2.reference import softplus
 
 F64 = torch.float64
 L2NORM_EPS = 1e-6  # transformers' Qwen3-Next l2norm eps

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ... import spec_reference
+from ... import cursor as cursors
 from ...backend import Steps, check_rows_out, into, reads_its_shadow, run_into
-from ...reference import Shadow
+from ...shadow import Shadow
 from . import reference as gdn_reference
 
 
@@ -49,7 +49,7 @@ class Reference(Steps):
         T, L = v.shape[1], buf.u_cache.shape[2]
         flushed = gdn_reference.flush_checkpoint(buf, cursor, T, sbi, sh)  # the shadow rewritten from what it stored
         after = cursor.clone()
-        spec_reference.flush_cursor(after, T, L, sbi)
+        cursors.flush_cursor(after, T, L, sbi)
         y = gdn_reference.verify(buf, after, q, k, v, a, b, A_log, dt_bias, sbi, shadow=sh if read_shadow else None,
                                  flushed=set(flushed), use_qk_l2norm=use_qk_l2norm, scale=scale)
         return into(y, v.dtype, out, sbi)

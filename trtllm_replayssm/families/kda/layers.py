@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from ... import spec_reference as sr
+from ... import cursor as cursors
 from ...layer_group import Bound, LayerGroup
 from . import reference as kref
 from .reference import KDABuffers
@@ -75,7 +75,7 @@ class KDALayers(LayerGroup):
         steps = executor.steps(self.family)
         if standard:  # T = 1 on the (slots,) cursor: the step that fills the ring folds it; the shadow is always read
             if out is not None:
-                sr._check_shape(out, "out", tuple(v.shape))
+                cursors.check_shape(out, "out", tuple(v.shape))
             y = steps.replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias, sbi,
                                     view.shadow, out=None if out is None else out[:, 0], check_values=check, **opt)
             return y[:, None] if out is None else out

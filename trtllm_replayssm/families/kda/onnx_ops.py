@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...reference import Shadow
+from ...shadow import Shadow
 from . import reference
 from .trt_plugin import (
     ATTRIBUTES,

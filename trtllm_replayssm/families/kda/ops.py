@@ -36,10 +36,10 @@ cursors in [0, L). Unchecked, the kernels write nothing outside a row's own slot
 is skipped, one with an out-of-range cursor gets NaN outputs and leaves state and rings as they are.
 
 Per model step: :func:`kda_replay_decode` for every KDA layer, then one :func:`advance_cursor` (the shared cursor
-kernel, :func:`trtllm_replayssm.ops.advance_cursor`).
+kernel, :func:`trtllm_replayssm.cursor_ops.advance_cursor`).
 
 Speculative decoding (T = 1 + num_draft tokens a window, ``plugins/kda/kda_spec.cu``; the ring cursor and "flush
-one window early" of every family, :mod:`trtllm_replayssm.spec_reference`): q, k, f (batch, T, H, K), v (batch, T,
+one window early" of every family, :mod:`trtllm_replayssm.families.mamba2.spec_reference`): q, k, f (batch, T, H, K), v (batch, T,
 H, V), b (batch, T, H), y (batch, T, H, V); cursor (S, 2) int32 (ring start, committed count), read by
 :func:`kda_replay_verify`, moved by :func:`kda_spec_commit`; T in ``SUPPORTED_NUM_TOKENS`` with 2 T <= L <= 16.
 Values (``check_values``): start in [0, L) and count in [0, L - T] for the rows' slots. Per model step:
@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ... import ops as _ops
+from ... import cursor_ops
 from ...config import DTYPE_CODES, SUPPORTED_NUM_TOKENS
 from ...launch import (
     F32,
@@ -186,9 +186,9 @@ def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
 
 def advance_cursor(cursor, state_batch_indices, u_cache, check_values: bool | None = None) -> None:
     """cursor[slot] = (cursor[slot] + 1) % L for every row with a slot (the shared cursor kernel,
-    :func:`trtllm_replayssm.ops.advance_cursor`); L is u_cache's ring length (dim 2)."""
+    :func:`trtllm_replayssm.cursor_ops.advance_cursor`); L is u_cache's ring length (dim 2)."""
     check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
-    _ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
+    cursor_ops.advance_cursor(cursor, state_batch_indices, buffer_len=u_cache.shape[2], check_values=check_values)
 
 
 # ---- speculative decoding -------------------------------------------------------------------------------------
@@ -244,9 +244,9 @@ def kda_replay_verify(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
 def kda_spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, u_cache,
                     check_values: bool | None = None) -> None:
     """Commit n_accepted[row] window tokens (in place, once per model step for every layer): the shared
-    ``replayssm_spec_commit`` kernel through :func:`trtllm_replayssm.ops.spec_commit`, L from u_cache (dim 2)."""
+    ``replayssm_spec_commit`` kernel through :func:`trtllm_replayssm.cursor_ops.spec_commit`, L from u_cache (dim 2)."""
     check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
-    _ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
+    cursor_ops.spec_commit(cursor, n_accepted, state_batch_indices, num_tokens, buffer_len=u_cache.shape[2],
                      check_values=check_values)
 
 

@@ -72,11 +72,9 @@ import torch
 
 from ...costs import kda_bytes_per_position as bytes_per_position  # the bytes model's home is costs (re-exported)
 from ...costs import kda_bytes_per_step as bytes_per_step
-from ...reference import Shadow
-from .. import (
+from ...cursor import (
     COUNT,
     START,
-    StateTensor,
     check_ring_cursor,
     check_standard_cursor,
     check_window,
@@ -85,6 +83,8 @@ from .. import (
     ring_indices,
     rows,
 )
+from ...shadow import Shadow
+from .. import StateTensor
 
 F64 = torch.float64
 L2NORM_EPS = 1e-6  # transformers' kimi_linear / glm5_next l2norm eps
@@ -474,7 +474,7 @@ def native_spec_verify(state, snapshots, q, k, v, f, b, A_log, dt_bias, state_ba
     """Conventional verify: snapshots[s, t] <- state after window token t; y (batch, T, H, V) float64.
 
     state (S, H, K, V) read only; snapshots (S, T_max, H, K, V), T_max >= T. Commit with
-    :func:`trtllm_replayssm.spec_reference.native_spec_commit` (a state copy per accepted row, any state shape)."""
+    :func:`trtllm_replayssm.cursor.native_spec_commit` (a state copy per accepted row, any state shape)."""
     nslots, H, K, V = state.shape
     batch, T = v.shape[:2]
     check_inputs(H, K, V, q, k, v, f, b, A_log, dt_bias, (batch, T))

@@ -16,9 +16,9 @@ folds where count + 2T > L and reads the shadow it is given).
 
 from __future__ import annotations
 
-from ... import spec_reference as sr
+from ... import cursor as cursors
 from ...backend import Steps, into, reads_its_shadow
-from ...reference import Shadow
+from ...shadow import Shadow
 from . import reference as kref
 
 
@@ -29,7 +29,7 @@ class Reference(Steps):
                       check_values=None, use_qk_l2norm=True, scale=None, lower_bound=None):
         sh = None if shadow is None else Shadow.wrap(shadow, None)
         if out is not None:
-            sr._check_shape(out, "out", tuple(v.shape))
+            cursors.check_shape(out, "out", tuple(v.shape))
         # the step that fills the ring folds it (and rewrites the shadow); the shadow is always read
         y = kref.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=sh,
                                use_qk_l2norm=use_qk_l2norm, scale=scale, lower_bound=lower_bound)
@@ -39,13 +39,13 @@ class Reference(Steps):
                       check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None, lower_bound=None):
         sh = None if shadow is None else Shadow.wrap(shadow, None)
         if out is not None:
-            sr._check_shape(out, "out", tuple(v.shape))
+            cursors.check_shape(out, "out", tuple(v.shape))
         T, L = v.shape[1], buf.u_cache.shape[2]
         # every input checked before the fold writes the checkpoint
         kref.check_inputs(*buf.geometry[1:4], q, k, v, f, b, A_log, dt_bias, tuple(v.shape[:2]))
         flushed = kref.flush_checkpoint(buf, cursor, T, sbi, sh, use_qk_l2norm)
         after = cursor.clone()  # the fold's cursor; the shared cursor moves once, in commit
-        sr.flush_cursor(after, T, L, sbi)
+        cursors.flush_cursor(after, T, L, sbi)
         y = kref.verify(buf, after, q, k, v, f, b, A_log, dt_bias, sbi, shadow=sh if read_shadow else None,
                         flushed=flushed, use_qk_l2norm=use_qk_l2norm, scale=scale, lower_bound=lower_bound)
         return into(y, v.dtype, out, sbi)

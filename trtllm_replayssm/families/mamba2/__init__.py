@@ -4,10 +4,11 @@
 State of one layer (:data:`STATE_TABLE`; the contract's table, :mod:`trtllm_replayssm.contract`, checked against
 this one by tests/test_families.py): the checkpoint S0 (S, H, P, N), its optional bf16 / fp8 shadow (fp8 with one
 fp32 scale per (slot, head, row)), and the rings of x_j, B_j (C is never cached) and the processed dt_j. The
-float64 spec is :mod:`trtllm_replayssm.reference` (standard decode) with :mod:`trtllm_replayssm.spec_reference`
-(speculative verify / commit); kernels ``plugins/mamba2/``, spec :class:`~trtllm_replayssm.config.KernelSpec`,
-launchers :mod:`trtllm_replayssm.ops`, bytes model ``costs.mamba2_*``. The code of the family still lives in those
-layer modules; the declaration is its one entry point for code that must not branch on a family's name.
+float64 spec is :mod:`.reference` (standard decode) with :mod:`.spec_reference` (speculative verify); kernels
+``plugins/mamba2/``, spec :class:`~trtllm_replayssm.config.KernelSpec`, launchers :mod:`.ops`, bytes model
+``costs.mamba2_*``. The rules every family shares (cursor, shadow, conv window, the cursor kernels' launchers)
+are the root modules :mod:`trtllm_replayssm.cursor`, :mod:`~trtllm_replayssm.shadow`,
+:mod:`~trtllm_replayssm.conv_window`, :mod:`~trtllm_replayssm.cursor_ops`.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ FAMILY = Family(
     geometry=GEOMETRY,
     state_table=STATE_TABLE,
     dtypes=DTYPES,
-    reference="trtllm_replayssm.reference",
+    reference="trtllm_replayssm.families.mamba2.reference",
     bytes_per_step=costs.mamba2_bytes_per_step,
     geometries=GEOMETRIES,
     steps="trtllm_replayssm.families.mamba2.steps",

@@ -12,10 +12,12 @@ import dataclasses
 
 import torch
 
-from ... import reference
-from ... import spec_reference as sr
+from ... import cursor as cursors
+from ... import shadow as shadowq
 from ...config import CKPT8_DTYPE
 from ...layer_group import Bound, LayerGroup
+from . import reference
+from . import spec_reference as sr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +133,11 @@ class Mamba2Layers(LayerGroup):
     def load_state(self, l: int, slot: int, state: torch.Tensor, conv_state, conv_kernel: int, conv_width: int):
         if "ckpt_scale" not in self.t:
             return super().load_state(l, slot, state, conv_state, conv_kernel, conv_width)
-        sr._check_shape(state, "state", self.prefill_shape())
+        cursors.check_shape(state, "state", self.prefill_shape())
         super().load_state(l, slot, torch.zeros(self.prefill_shape(), dtype=state.dtype, device=state.device),
                            conv_state, conv_kernel, conv_width)  # rings and conv window as every family's
         self.ckpt_flushes[slot] = 0  # a new sequence's rounding stream (the cursor is zeroed with it)
-        ck = reference.Checkpoint8.wrap(self.t["state"][l], self.t["ckpt_scale"][l], self.ckpt_flushes, "sr",
+        ck = shadowq.Checkpoint8.wrap(self.t["state"][l], self.t["ckpt_scale"][l], self.ckpt_flushes, "sr",
                                         self.ckpt_seed + l)
         ck.write(slot, state)
 

@@ -2,7 +2,7 @@
 """Mamba-2's steps on each executor (:mod:`trtllm_replayssm.backend`): the float64 spec and the CUDA kernels.
 
 Tensors in the layouts of the state contract (:mod:`trtllm_replayssm.contract`; the launchers' table in
-:mod:`trtllm_replayssm.ops`), the same arguments on both executors:
+:mod:`trtllm_replayssm.families.mamba2.ops`), the same arguments on both executors:
 
   conventional_step(state, x, B, C, dt, dt_bias, A, D, sbi) -> y          S read and written
   replay_decode(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
@@ -20,7 +20,8 @@ builders' graph nodes, the trtllm-serve adapter); :class:`Injected`: that keywor
 
 from __future__ import annotations
 
-from ... import reference, spec_reference
+from ... import cursor as cursors
+from ... import shadow as shadowq
 from ...backend import (
     Steps,
     check_decode_rows,
@@ -32,11 +33,12 @@ from ...backend import (
     wide,
 )
 from ...config import CKPT8_DTYPE
-from ...reference import Shadow
+from ...shadow import Shadow
+from . import reference, spec_reference
 
 
 class Reference(Steps):
-    """The float64 specs of :mod:`trtllm_replayssm.reference` and :mod:`trtllm_replayssm.spec_reference`."""
+    """The float64 specs of :mod:`.reference` and :mod:`.spec_reference` (this folder), and :mod:`trtllm_replayssm.cursor`."""
 
     def conventional_step(self, state, x, B, C, dt, dt_bias, A, D, sbi):
         w = state.double()
@@ -50,7 +52,7 @@ class Reference(Steps):
         if state.dtype == CKPT8_DTYPE:  # an 8-bit checkpoint: the spec reads and writes it in place
             check_rows_out(sbi, out, x.shape)
             check_decode_rows(cursor, x_cache.shape[2], state.shape[0], x.shape[0], sbi)
-            ck = reference.Checkpoint8.wrap(state, ckpt_scale, ckpt_flushes, "sr", ckpt_seed)
+            ck = shadowq.Checkpoint8.wrap(state, ckpt_scale, ckpt_flushes, "sr", ckpt_seed)
             rings = [x_cache, B_cache, dt_cache]
             wides = [c.double() for c in rings]
             y = reference.replay_decode(None, *wides, cursor, *map(wide, (x, B, C, dt, dt_bias, A, D, z)),
@@ -63,7 +65,7 @@ class Reference(Steps):
         spec_reference.check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z,
                                            standard=True)
         if shadow is not None:  # also when it is not read: a fold rewrites it
-            spec_reference._check_shape(shadow, "shadow", tuple(state.shape))
+            cursors.check_shape(shadow, "shadow", tuple(state.shape))
         check_rows_out(sbi, out, x.shape)
         L = x_cache.shape[2]
         check_decode_rows(cursor, L, state.shape[0], x.shape[0], sbi)
@@ -88,7 +90,7 @@ class Reference(Steps):
         flushed = spec_reference.flush_checkpoint(state, x_cache, B_cache, dt_cache, cursor, A, T, sbi)
         rewrite_shadows(state, shadow, shadow_scale, flushed)
         after = cursor.clone()  # the fold's cursor; the shared cursor itself moves once, in spec_commit
-        spec_reference.flush_cursor(after, T, L, sbi)
+        cursors.flush_cursor(after, T, L, sbi)
         y = spec_reference.verify(state, x_cache, B_cache, dt_cache, after, x, B, C, dt, dt_bias, A, D, z,
                                   state_batch_indices=sbi, shadow=sh, flushed=flushed)
         return into(y, x.dtype, out, sbi)
@@ -98,17 +100,18 @@ class Reference(Steps):
                                                  state_batch_indices=sbi).to(x.dtype)
 
     def native_spec_commit(self, state, snapshots, n_accepted, sbi):
-        spec_reference.native_spec_commit(state, snapshots, n_accepted, sbi)
+        cursors.native_spec_commit(state, snapshots, n_accepted, sbi)
 
 
 class Kernels(Steps):
-    """The CUDA kernels through the validated launchers of :mod:`trtllm_replayssm.ops` (graph-safe)."""
+    """The CUDA kernels through the validated launchers of :mod:`.ops` and :mod:`trtllm_replayssm.cursor_ops` (graph-safe)."""
 
     def __init__(self, executor):
         super().__init__(executor)
-        from ... import ops  # cuda.core is imported only where the kernels run
+        from ... import cursor_ops  # cuda.core is imported only where the kernels run
+        from . import ops
 
-        self.ops = ops
+        self.ops, self.cursor_ops = ops, cursor_ops
 
     def conventional_step(self, state, x, B, C, dt, dt_bias, A, D, sbi):
         return self.ops.conventional_step(x, B, C, dt, dt_bias, A, D, state, sbi)
@@ -133,7 +136,7 @@ class Kernels(Steps):
         return self.ops.native_spec_verify(x, B, C, dt, dt_bias, A, D, state, snapshots, sbi)
 
     def native_spec_commit(self, state, snapshots, n_accepted, sbi):
-        self.ops.native_spec_commit(state, snapshots, n_accepted, sbi)
+        self.cursor_ops.native_spec_commit(state, snapshots, n_accepted, sbi)
 
 
 class Injected(Steps):
