@@ -33,7 +33,7 @@ new ones] (the new conv state / window), silu, then ONE plugin node, then the mo
 out_proj. The node: T = 1, ``replayssm::mamba2_decode`` on the squeezed token (``reference.replay_decode``);
 T > 1, ``replayssm::mamba2_verify`` (window outputs from checkpoint + committed ring history + the causal part
 of the window; the window appended to the rings; the committed history folded into the checkpoint first when
-count + 2T > L: trtllm_replayssm/spec_reference.py); with a checkpoint shadow the ``_shadow`` twin of either
+count + 2T > L: trtllm_replayssm/cursor.py); with a checkpoint shadow the ``_shadow`` twin of either
 (inputs and outputs then (shadow, shadow_scale)). Attention (Nemotron-H uses no positional encoding): the T new
 K/V written at lengths + t with one-hot selects, query t attends keys j <= lengths + t; rejected speculative
 positions leave K/V and ring entries beyond the committed range, never read and overwritten by later windows.

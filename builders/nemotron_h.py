@@ -581,7 +581,7 @@ class ReplaySSMDecoder(MixerPatch):
     in the activation dtype, dt_cache fp32 (processed dt), cursor int32; the conv windows stay in the
     transformers cache (``conv_dim=0``). The cache's executor is the one for the model's device
     (backend.for_device), or wraps ``backend`` (the keyword signature of ``ops.replay_decode``) and ``advance``
-    (``ops.advance_cursor``'s) when given. ``caches[layer_idx]`` and ``cursor`` are views of the cache.
+    (``cursor_ops.advance_cursor``'s) when given. ``caches[layer_idx]`` and ``cursor`` are views of the cache.
     """
 
     def __init__(self, model, buffer_len: int, backend=None, advance=None, state_dtype=torch.float32,

@@ -17,7 +17,7 @@ Commit graph (:class:`NemotronHSpecCommit`). Inputs: n_accepted (batch,) int32 (
 the window including the first one, 1..T for live rows; clamped to [0, T]), cursor (batch, 2),
 lengths (batch,), conv_window_i per SSM layer. Outputs: cursor_out (ONE ``replayssm::spec_commit``
 node: the flush the verify layers did, then count += n), lengths_out = lengths + n, conv_window_i_out
-(shifted right by T - n, zero-filled: spec_reference.conv_window_rollback; n = 0 drops the oldest
+(shifted right by T - n, zero-filled: conv_window.conv_window_rollback; n = 0 drops the oldest
 committed conv input, so use it for padding rows only).
 
 Why two graphs: the accepted count depends on sampling the verify logits (greedy, rejection

@@ -13,8 +13,8 @@ verify per Mamba layer), then accepts, commits and gathers the next drafts on th
 step is one CUDA graph. Modes, everything but the SSM identical:
 
   standard      one-token ReplaySSM decode (the standard step's ``replay`` mode): the baseline
-  replay_spec   ReplaySSM spec: ``ops.replay_verify`` per layer + one ``ops.spec_commit`` per step
-  native_spec   ``ops.native_spec_verify`` per layer (T state snapshots) + ``ops.native_spec_commit``
+  replay_spec   ReplaySSM spec: ``ops.replay_verify`` per layer + one ``cursor_ops.spec_commit`` per step
+  native_spec   ``ops.native_spec_verify`` per layer (T state snapshots) + ``cursor_ops.native_spec_commit``
   spec_noop     the spec step without SSM work (timed once, at the acceptance closest to 0.8): the
                 SSM share of a spec step = 1 - t(spec_noop) / t(mode)
 

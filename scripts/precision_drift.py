@@ -9,7 +9,7 @@ Variants (all computed in float64; only what is *stored* is rounded, as the kern
   replay_bf16_shadow  ReplaySSM, fp32 checkpoint + bf16 shadow read by the output form
   replay_fp8_shadow   ReplaySSM, fp32 checkpoint + fp8-e4m3 shadow, fp32 scale per (head, row)
   replay_bf16         ReplaySSM, the checkpoint itself stored in bf16 at each flush
-  replay_fp8_ckpt_rne ReplaySSM, 8-bit checkpoint (reference.Checkpoint8: fp8-e4m3, fp32 scale per (head, row),
+  replay_fp8_ckpt_rne ReplaySSM, 8-bit checkpoint (shadow.Checkpoint8: fp8-e4m3, fp32 scale per (head, row),
                       no fp32 copy), round to nearest even at each flush
   replay_fp8_ckpt_sr  the same with stochastic rounding (seeded counter-based hash)
 The shadow is rewritten from the fp32 checkpoint at every flush, so its error should not grow

@@ -17,7 +17,7 @@ Oracles:
   the inputs, written at the same ring indices by both paths, rejected entries included); conv windows
   (copies of inputs and zeros); a recycled slot reads zeros (fp8 scales 1) before its hand-off; free
   slots bit-identical across a step; padding rows' outputs untouched (NaN-poisoned y stays NaN, conv
-  outputs NaN). Shadow: after a flush bit-identical to ``reference.Shadow.write`` of the f32 checkpoint
+  outputs NaN). Shadow: after a flush bit-identical to ``shadow.Shadow.write`` of the f32 checkpoint
   the kernel stored; slots that did not flush keep theirs bit for bit.
 Tolerances (relative Frobenius norm over the rows with a slot):
 - y: bf16 5e-3 (one rounding of 2^-9 per element), f32 2e-5 (fp32 sums of <= dstate + L terms).

@@ -141,5 +141,5 @@ def test_readme_says_what_runs_where_and_how_long_the_tests_take():
     assert re.search(timed, md), timed
     for needed in ("81 s", "## What runs where", "## Serving (Triton)",
                    "## GPU tests", "python -m pytest -m gpu", "docs/triton.md", "docs/testing.md",
-                   "Nemotron-H", "Nemotron 3", "Qwen3.5", "from trtllm_replayssm import ops"):
+                   "Nemotron-H", "Nemotron 3", "Qwen3.5", "from trtllm_replayssm.families.mamba2 import ops"):
         assert needed in md, needed

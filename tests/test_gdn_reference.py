@@ -430,7 +430,7 @@ def test_spec_step_is_flush_then_verify():
 
 
 def test_native_spec_baseline_equals_conventional():
-    """native_spec_verify + spec_reference.native_spec_commit (a state copy per row) == the conventional oracle."""
+    """native_spec_verify + cursor.native_spec_commit (a state copy per row) == the conventional oracle."""
     gen = torch.Generator().manual_seed(19)
     HV, H, V, K, T, slots = 4, 2, 8, 16, 3, 3
     A_log, dt_bias = _params(HV, gen)

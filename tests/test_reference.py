@@ -136,7 +136,7 @@ def test_bad_cursor_raises():
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 def test_shadow_quantizer_contract(kind):
-    """reference.quantize_shadow, the one quantizer every path (kernels' flush, cache hand-off) matches bit for bit:
+    """shadow.quantize_shadow, the one quantizer every path (kernels' flush, cache hand-off) matches bit for bit:
     bf16 = round to nearest; fp8 = e4m3 of S * (1 / scale) with scale = max |S[row]| / 448 exactly (1 for an
     all-zero row), so every row's largest value lands on +-448 (nothing saturates beyond) and the read-back
     error is an e4m3 rounding: relative <= 2^-4 of the value, or the subnormal step of the row."""

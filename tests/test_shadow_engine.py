@@ -64,7 +64,7 @@ def _steps(family, kind):
 
 
 def _quantize(state, kind):
-    """The shadow states of a checkpoint: [bf16] or [fp8 values, row scales] (reference.quantize_shadow)."""
+    """The shadow states of a checkpoint: [bf16] or [fp8 values, row scales] (shadow.quantize_shadow)."""
     from trtllm_replayssm.shadow import quantize_shadow
 
     if kind == "bf16":

@@ -217,7 +217,7 @@ def test_greedy_acceptance_reproduces_greedy_decoding(model, graphs):
 
 def test_commit_graph_bookkeeping_is_exact(graphs):
     """Every n in 0..T (and out-of-range n, clamped as the kernel clamps): cursor = spec_reference flush +
-    commit, lengths += n, conv windows = spec_reference.conv_window_rollback, all bit-exact, module and ORT."""
+    commit, lengths += n, conv windows = conv_window.conv_window_rollback, all bit-exact, module and ORT."""
     step, commit, _, sv, sc = graphs
     gen = torch.Generator().manual_seed(8)
     batch = T + 3

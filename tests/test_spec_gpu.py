@@ -19,7 +19,7 @@ Tolerances (relative Frobenius norm over the valid rows), as tests/test_kernels_
 - checkpoint after a flush, snapshots, native state: f32 -> 2e-5; bf16/f16 -> one storage rounding.
 - dt_cache: fp32 softplus vs float64 on the same inputs -> 1e-5 relative per element.
 - Shadow (bf16 / fp8-e4m3 copy of the f32 checkpoint, RSSM_SHADOW): after every flush the kernel's
-  shadow must be bit-identical to ``reference.Shadow.write`` of the f32 checkpoint it stored (bf16:
+  shadow must be bit-identical to ``shadow.Shadow.write`` of the f32 checkpoint it stored (bf16:
   one round-to-nearest-even; fp8: scale = max|row| / 448, q = S / scale, IEEE fp32 division and RNE),
   and slots that did not flush keep their shadow bit for bit. The mirror then reads that very shadow
   (spec_reference.verify(shadow=, flushed=)), so y keeps the tolerances above.

@@ -2,7 +2,7 @@
 """Unchecked values on the device (issue 17): nothing outside a row's own slot is ever written.
 
 With ``check_values=False`` (what graph capture does) the host reads no values, so the kernels handle
-them as the ops.py module docstring promises: a row whose slot is out of range is skipped, a row whose
+them as the families/mamba2/ops.py module docstring promises: a row whose slot is out of range is skipped, a row whose
 cursor is out of range gets NaN outputs and leaves every state, ring and cursor as it is (advance_cursor
 and spec_commit do not move it), n_accepted is clamped to [0, T], rows sharing a slot race on that slot
 only. Every tensor of a launch lives in the middle of a larger buffer whose GUARD bytes on each side

@@ -25,8 +25,8 @@ The reference computes in float64 and stores every cache back in its own dtype; 
 dtype. Where the kernels fold the checkpoint inside the verify launch (flush one window early), the reference
 does the same fold inside ``replay_verify`` and moves the ring cursor only in ``spec_commit``, so between two
 model steps both leave identical bookkeeping. Shadows (bf16, or fp8 with per-row scales) are rewritten from the
-fp32 checkpoint as stored, by :func:`write_shadow` (:func:`.reference.quantize_shadow`, the one quantizer that
-:class:`.reference.Shadow` and the cache use). The kernels' arguments are validated once, at the launchers (the
+fp32 checkpoint as stored, by :func:`write_shadow` (:func:`.shadow.quantize_shadow`, the one quantizer that
+:class:`.shadow.Shadow` and the cache use). The kernels' arguments are validated once, at the launchers (the
 one host boundary, :mod:`.launch`), whose errors name the tensor.
 
 :class:`InjectedExecutor`: a family step given as a callable in the family's keyword form (its steps module's
@@ -155,8 +155,7 @@ class Executor:
 
 
 class ReferenceBackend(Executor):
-    """The float64 specs of every family (any device; CPU in practice); the cursor moves of :mod:`.reference` /
-    :mod:`.spec_reference`."""
+    """The float64 specs of every family (any device; CPU in practice); the cursor moves of :mod:`.cursor`."""
 
     name = "reference"
 

@@ -850,7 +850,7 @@ class ReplayStateCache:
         self.cursor[slot].zero_()
 
     def _refresh_shadow(self, layer: int, slot: int) -> None:
-        """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (reference.quantize_shadow)."""
+        """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (shadow.quantize_shadow)."""
         g, i = self._locate(layer)
         g.refresh_shadow(i, slot)
 

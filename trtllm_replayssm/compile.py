@@ -5,7 +5,7 @@ Route: a generated prelude (``using`` dtypes, sizes as ``constexpr``) is prepend
 compiled by NVRTC through ``cuda.bindings.nvrtc``. That needs no GPU and no driver, so CI compiles every variant
 for sm_90 and sm_100. Headers come from the ``nvidia-cuda-runtime`` wheel (``cuda_bf16.h`` is not built into
 NVRTC). Results are cached on disk under the spec's readable key plus a hash of source, options and NVRTC version.
-Loading and launching (``cuda.core``) live in the launchers (:mod:`.ops` and the families' ``ops``).
+Loading and launching (``cuda.core``) live in the launchers (every family's ``ops``, and :mod:`.cursor_ops`).
 
 Kernel sources: ``plugins/common/`` (conversions, warp scans: every family) and ``plugins/<family>/``
 (``mamba2/``, ``gdn/``, ...); the include path is ``plugins/``, so a family header includes

@@ -48,7 +48,7 @@ MIN_BLOCKS = 2 * 132
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """Strided layout of the standard decode kernel's tensors (RSSM_LAYOUT 1; None on a KernelSpec is the
-    contiguous one of ops.py). Strides are in elements of each tensor's own dtype, compile-time constants
+    contiguous one of families/mamba2/ops.py). Strides are in elements of each tensor's own dtype, compile-time constants
     of the module (a serving engine's strides are fixed per model, so one module serves every step):
 
     - ``slot_state``, ``slot_x``, ``slot_B``, ``slot_dt``: stride of dim 0 (the slot) of the checkpoint and
@@ -213,7 +213,7 @@ class KernelSpec:
     shadow: str = "none"  # "none" | "bf16" | "fp8" (needs an f32 checkpoint)
     # 0: the standard decode module; T >= 1: the speculative module (verify T tokens per step).
     num_tokens: int = 0
-    # Strided tensors of the standard decode kernel (vLLM's paged state); None: contiguous (ops.py).
+    # Strided tensors of the standard decode kernel (vLLM's paged state); None: contiguous (families/mamba2/ops.py).
     layout: Layout | None = None
 
     def __post_init__(self):

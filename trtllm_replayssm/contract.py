@@ -1,19 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 """The state contract: every tensor that persists between decode steps, its layout, and who writes it.
 
-This docstring is the one home of the contract. The launchers (:mod:`.ops`, :mod:`.families.gdn.ops`) list the
-per-step inputs next to the checks that enforce them, :class:`~.cache.ReplayStateCache` allocates
+This docstring is the one home of the contract. The launchers (:mod:`.families.mamba2.ops`, :mod:`.families.gdn.ops`,
+...) list the per-step inputs next to the checks that enforce them, :class:`~.cache.ReplayStateCache` allocates
 these tensors for every layer of a model (a leading ``layers`` dim), the builders export them as engine
 I/O (``builders/decode_step.py``, ``qwen_export.py``, and ``spec_step.py``'s commit graph: ``<name>_<layer>`` in,
-``<name>_<layer>_out`` out, aliased in TensorRT), and the float64 specs (:mod:`.reference`,
-:mod:`.spec_reference`, :mod:`.families.gdn.reference`) define what each step computes. The layouts are
+``<name>_<layer>_out`` out, aliased in TensorRT), and the float64 specs (:mod:`.families.mamba2.reference`,
+:mod:`.families.mamba2.spec_reference`, :mod:`.families.gdn.reference`, ...; the cursor rules all share: :mod:`.cursor`)
+define what each step computes. The layouts are
 vLLM's (>= PR #48018) and FlashInfer's (>= 0.7.0 ring API), so users can swap kernels.
 
 Sizes: S slots (one per live request, plus padding), H heads, P headdim, N dstate, G groups (Mamba-2);
 HV value heads, Hk key heads, V value dim, K key dim (Gated DeltaNet; Kimi Delta Attention: H heads, K, V);
 L ring capacity (buffer length, 1..32); T = 1 + num_draft tokens per step; W conv window; act = the activation dtype.
 
-Mamba-2 layer (``reference.py`` math; DESIGN.md §1):
+Mamba-2 layer (``families/mamba2/reference.py`` math; DESIGN.md §1):
 
 =============  ====================  ==================  ===================================================
 tensor         shape                 dtype               written by
@@ -24,11 +25,11 @@ state          (S, H, P, N)          f32 (bf16/f16/fp8)  the checkpoint S0: pref
                                                          of the conventional baseline
 shadow         (S, H, P, N)          bf16 / fp8-e4m3fn   optional, with an f32 state: rewritten from the
 shadow_scale   (S, H, P)             f32 (fp8 only)      f32 checkpoint whenever it is written
-                                                         (:func:`.reference.quantize_shadow`); read
+                                                         (:func:`.shadow.quantize_shadow`); read
                                                          instead of state by the steps that do not flush
 ckpt_scale     (S, H, P)             f32 (8-bit state)   with an 8-bit checkpoint (state fp8-e4m3, no shadow;
                                                          standard decode): its row scales, rewritten with it at
-                                                         each flush (stochastic rounding, :class:`.reference.
+                                                         each flush (stochastic rounding, :class:`.shadow.
                                                          Checkpoint8`; the cache's (S,) flush counts seed it)
 x_cache        (S, H, L, P)          act                 ring of x_j, one entry appended per token
 B_cache        (S, G, L, N)          act                 ring of B_j (C is never cached)

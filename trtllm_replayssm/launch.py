@@ -4,7 +4,7 @@
 A launcher lists the tensors of one launch as :class:`Arg` rows (a label per dimension: a size shared with other
 tensors, or a fixed int; a dtype set or a group name of :data:`GROUPS`) and calls :func:`check_args`, which takes
 each shared size, dtype group and device from what most tensors agree on, so an error names the tensor that
-differs, with got and expected (the rules: :mod:`.ops`' docstring). A family adds its own supported-size rule
+differs, with got and expected (the rules: :mod:`.families.mamba2.ops`' docstring). A family adds its own supported-size rule
 through ``check_sizes`` (Mamba-2: headdim, dstate, ngroups | nheads). Value checks (:func:`check_indices`,
 :func:`check_spec_values`; a device->host copy) run unless a CUDA graph is being captured (:func:`values_checked`).
 Kernels are compiled by :mod:`.compile` for the device's arch, loaded once per (spec, device) and launched with

@@ -176,7 +176,7 @@ class LayerGroup:
         return Shadow.wrap(sh[l], None if scale is None else scale[l])
 
     def refresh_shadow(self, l: int, slot: int) -> None:
-        """The shadow of the stored checkpoint, rounded as the kernels store it (reference.quantize_shadow)."""
+        """The shadow of the stored checkpoint, rounded as the kernels store it (shadow.quantize_shadow)."""
         sh = self.shadow(l)
         if sh is not None:
             sh.write(slot, self.t["state"][l, slot])

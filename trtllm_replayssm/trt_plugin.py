@@ -196,7 +196,7 @@ def check_spec_attributes(num_tokens: int, buffer_len: int) -> None:
 
 
 def aot_commit_kernel(num_tokens: int, buffer_len: int, arch: int) -> AotKernel:
-    """PTX and launch parameters of the ``spec_commit`` layer (what ``ops.spec_commit`` launches)."""
+    """PTX and launch parameters of the ``spec_commit`` layer (what ``cursor_ops.spec_commit`` launches)."""
     check_spec_attributes(num_tokens, buffer_len)
     spec = commit_spec(num_tokens, buffer_len, arch)
     return AotKernel(COMMIT_KERNEL_NAME, compile_spec(spec, "ptx"), 0, False, COMMIT_THREADS, 0, ("batch", "slots"),

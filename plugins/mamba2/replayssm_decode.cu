@@ -68,7 +68,7 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kConvMinBlock
 
 // Advance every valid row's cursor by one entry, wrapping at the buffer length (a flush empties
 // the buffer). One launch per decode step for all layers, which share the cursor. Unchecked values
-// (ops.py check_values=False, graph capture) write nothing but the row's own cursor: an out-of-range
+// (cursor_ops.py check_values=False, graph capture) write nothing but the row's own cursor: an out-of-range
 // slot is skipped, and a cursor outside [0, L) is left as it is, so the decode kernels keep writing
 // NaN for that row instead of a silent wrap making it look valid. In an 8-bit checkpoint module it also
 // counts the flush of every slot whose cursor wraps (flushes, (slots,) int32, aliased in and out).

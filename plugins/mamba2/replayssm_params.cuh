@@ -15,7 +15,7 @@
 
 // The shadow (RSSM_SHADOW 1: bf16, 2: fp8-e4m3) and its fp32 row scales come after the buffers, in
 // both the inputs and the aliased outputs. A bf16 shadow has no scales: the two scale pointers are
-// never read or written (null from ops.py, a 1-element placeholder in a TensorRT engine), so both
+// never read or written (null from families/mamba2/ops.py, a 1-element placeholder in a TensorRT engine), so both
 // kinds share one parameter list and one plugin.
 #if RSSM_SHADOW
 #define RSSM_SHADOW_IN , const shadow_t* shadow_in, const float* scale_in

@@ -3,7 +3,8 @@
 // and the committed ring history, commit by cursor move; plus the native-spec baseline.
 //
 // The prelude adds kT (tokens per window) to the constants of replayssm.cuh. The spec, in float64,
-// is trtllm_replayssm/spec_reference.py (spec_step = maybe_flush + verify, commit, native_spec_*).
+// is trtllm_replayssm/families/mamba2/spec_reference.py (spec_step = maybe_flush + verify, native_spec_*;
+// commit: trtllm_replayssm/cursor.py).
 //
 // Math, per (slot, head). Checkpoint S0, committed entries e = 0..m-1 (m = count, ring index
 // (start + e) % L), window entries e = m..m+T-1 (inputs, written to ring index (start + e) % L).

@@ -161,7 +161,7 @@ class ReplaySSMAdapter:
     ``backend(x=, B=, C=, dt=, dt_bias=, A=, D=, z=, state=, x_cache=, B_cache=, dt_cache=, cursor=,
     state_batch_indices=, out=, check_values=)`` returns y (batch, H, P) and leaves padding rows of
     ``out`` untouched; ``advance(cursor, state_batch_indices, buffer_len)`` moves the cursor. Defaults:
-    ``ops.replay_decode`` / ``ops.advance_cursor`` on CUDA, the reference elsewhere.
+    ``ops.replay_decode`` / ``cursor_ops.advance_cursor`` on CUDA, the reference elsewhere.
     ``check_values``: host-side slot/cursor and tie_hdim value checks (each synchronizes; off in serving).
     ``shadow`` "bf16" / "fp8": the backend is also handed ``shadow=`` and ``shadow_scale=`` (the layer's shadow and
     its fp8 row scales, None for bf16); with "none" it is called without them.

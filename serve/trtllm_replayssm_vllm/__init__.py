@@ -44,7 +44,7 @@ would be appended and later overwritten: serve with chunked prefill and prefix c
 adapter, until the kernel takes a per-row flush flag (planned for the strided layout: ``flush = k == L ||
 is_flush[b]``, the fold over the k entries there are; it needs a GPU session to validate).
 
-On CUDA tensors the kernel runs; on CPU tensors the float64-checked reference (``reference.py``) runs
+On CUDA tensors the kernel runs; on CPU tensors the float64-checked reference (``families/mamba2/reference.py``) runs
 on the same views, so the translation itself is tested in CI. Not covered: the speculative path
 (vLLM's open PR #49847 keeps a post-conv ring with a rotating origin, another layout) and shadows
 (vLLM keeps none); both stay on :mod:`trtllm_replayssm.families.mamba2.ops` / :class:`trtllm_replayssm.cache.ReplayStateCache`.

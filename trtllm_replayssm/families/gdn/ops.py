@@ -249,7 +249,7 @@ def gdn_replay_verify(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
     """Verify the T tokens of a speculative window for one GDN layer; returns y (batch, T, HV, V).
 
     :func:`.reference.verify` after :func:`.reference.flush_checkpoint` and
-    :func:`.spec_reference.flush_cursor` is the spec. Where count + 2T > L (on the cursor as given) the
+    :func:`trtllm_replayssm.cursor.flush_cursor` is the spec. Where count + 2T > L (on the cursor as given) the
     committed entries are first folded exactly (from v_j, k_j, g_j, beta_j and the fp32 checkpoint) into
     ``state`` (and the bf16 ``shadow`` rewritten from it), and the window is computed from the folded
     checkpoint; elsewhere from the checkpoint (or the shadow) and the committed u_j. The window entries

@@ -42,13 +42,13 @@ beta_cache     (S, HV, L)          f32          beta_j
 cursor         (S,) or (S, 2)      int32        standard: entries since S0; spec: (start, count)
 =============  ==================  ===========  ====================================================
 Entry j of the standard form lives at index j - 1; of the ring form at (start + j - 1) % L, exactly
-as the Mamba-2 caches (:mod:`.reference`, :mod:`.spec_reference`, whose cursor helpers
-:func:`.reference.advance_cursor`, :func:`.spec_reference.flush_cursor` and
-:func:`.spec_reference.commit` apply unchanged). Step inputs: q, k (batch, [T,] H, K); v (batch,
+as the Mamba-2 caches (:mod:`..mamba2.reference`, :mod:`..mamba2.spec_reference`; the cursor helpers
+:func:`trtllm_replayssm.cursor.advance_cursor`, :func:`~trtllm_replayssm.cursor.flush_cursor` and
+:func:`~trtllm_replayssm.cursor.commit` apply unchanged). Step inputs: q, k (batch, [T,] H, K); v (batch,
 [T,] HV, V); a, b (batch, [T,] HV) raw; A_log, dt_bias (HV,). Output y (batch, [T,] HV, V), before the
 layer's gated RMSNorm. Padding rows (slot -1) touch nothing; their y is NaN here (kernels leave it).
 
-Shadow: a :class:`.reference.Shadow` of ``state`` ((S, HV, V, K); fp8 row scales per (slot, hv, v)).
+Shadow: a :class:`trtllm_replayssm.shadow.Shadow` of ``state`` ((S, HV, V, K); fp8 row scales per (slot, hv, v)).
 Non-flush steps read S0 through it; flushes read the full-precision checkpoint, then rewrite the
 shadow from what they stored.
 """
@@ -223,7 +223,7 @@ def replay_decode(buf: GDNBuffers, cursor, q, k, v, a, b, A_log, dt_bias, state_
     Non-flush step (cursor + 1 < L): entry cursor + 1 is appended at index cursor; nothing else is
     written. Flush step (cursor + 1 == L): the checkpoint becomes the exact fold of the L-1 buffered
     entries and this token (shadow rewritten); the buffers are not written. Move the cursor with
-    :func:`.reference.advance_cursor` once per model step.
+    :func:`trtllm_replayssm.cursor.advance_cursor` once per model step.
     """
     batch, HV, V = v.shape
     nslots, _, _, _, _, L = buf.geometry
@@ -274,7 +274,7 @@ def flush_checkpoint(buf: GDNBuffers, cursor, num_tokens: int, state_batch_indic
                      shadow: Shadow | None = None) -> list[int]:
     """One layer's part of the flush: S0 <- S_count where count + 2T > L. Cursor read only; returns the slots.
 
-    Then run :func:`.spec_reference.flush_cursor` once per model step (shared by all layers)."""
+    Then run :func:`trtllm_replayssm.cursor.flush_cursor` once per model step (shared by all layers)."""
     nslots, _, _, _, _, L = buf.geometry
     _check_cursor(cursor, nslots)
     _check_window(num_tokens, L)
@@ -385,7 +385,7 @@ def native_spec_verify(state, snapshots, q, k, v, a, b, A_log, dt_bias, state_ba
     """Conventional verify: snapshots[s, t] <- state after window token t; y (batch, T, HV, V) float64.
 
     state (S, HV, V, K) read only; snapshots (S, T_max, HV, V, K), T_max >= T. Commit with
-    :func:`.spec_reference.native_spec_commit` (a state copy per accepted row, what native spec pays)."""
+    :func:`trtllm_replayssm.cursor.native_spec_commit` (a state copy per accepted row, what native spec pays)."""
     batch, T, HV, V = v.shape
     nslots = state.shape[0]
     if snapshots.dim() != 5 or snapshots.shape[0] != nslots or snapshots.shape[1] < T \

@@ -60,7 +60,7 @@ standard form lives at index j - 1; of the ring form at (start + j - 1) % L, wit
 [T,] H, V) float64, before the layer's gated RMSNorm. Padding rows (slot -1) touch nothing; their y is NaN here
 (kernels leave it).
 
-Shadow: a :class:`..reference.Shadow` of ``state`` ((S, H, K, V); bf16, or fp8 with a scale per (slot, h, k)
+Shadow: a :class:`~trtllm_replayssm.shadow.Shadow` of ``state`` ((S, H, K, V); bf16, or fp8 with a scale per (slot, h, k)
 row). Non-flush steps read S0 through it; flushes read the full-precision checkpoint and rewrite it.
 """
 

@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Validated launchers on torch tensors, and the torch.library custom ops that wrap them.
+"""Mamba-2's validated launchers on torch tensors, and the torch.library custom ops that wrap them.
 
 Every tensor is checked once, here, before launch (shape, dtype, device, contiguity; slot and
 cursor ranges when not capturing a CUDA graph); errors name the tensor with what was expected and
 what was given. Kernels are compiled by :mod:`.compile` (NVRTC) for the device's arch, loaded and
 launched with ``cuda.core`` on torch's current stream, so the launches are CUDA-graph safe.
+The cursor kernels every family shares (``advance_cursor``, ``spec_commit``, ``native_spec_commit``) are
+launched by :mod:`trtllm_replayssm.cursor_ops`, with the rules below; the tables describe their tensors too.
 
 Shapes (batch rows, H heads, P headdim, N dstate, G groups, L buffer length, S slots):
 
@@ -26,7 +28,7 @@ state_batch_indices    (batch,)            int32              slot per row, -1 =
 y (output)             (batch, H, P)       act                padding rows left untouched
 =====================  ==================  =================  ==========================
 
-8-bit checkpoint (``state`` float8_e4m3fn; reference.Checkpoint8; replay_decode only, staged kernel, no shadow):
+8-bit checkpoint (``state`` float8_e4m3fn; shadow.Checkpoint8; replay_decode only, staged kernel, no shadow):
 
 =====================  ==================  =================  ==========================================
 state                  (S, H, P, N)        float8_e4m3fn      on flush: q = SR(S / scale), seeded
@@ -237,11 +239,11 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     on the host, which synchronizes. With ``shadow`` (bf16, or fp8-e4m3fn with ``shadow_scale``),
     non-flush steps read the shadow instead of the f32 checkpoint and a flush rewrites both; the
     shadow must hold the checkpoint's current values when the call starts (see
-    :class:`~.reference.Shadow`: written at prefill hand-off and by every flush).
+    :class:`~trtllm_replayssm.shadow.Shadow`: written at prefill hand-off and by every flush).
     With an 8-bit checkpoint (``state`` float8_e4m3fn, ``ckpt_scale`` its (slots, H, P) fp32 row scales,
     ``ckpt_flushes`` the (slots,) int32 flush counts, ``ckpt_seed`` the layer's seed; no shadow): every step
     reads q * scale, the flush folds from it and stores it requantised with stochastic rounding
-    (:class:`~.reference.Checkpoint8` is the spec, bit for bit); call :func:`advance_cursor` with
+    (:class:`~trtllm_replayssm.shadow.Checkpoint8` is the spec, bit for bit); call :func:`..cursor_ops.advance_cursor` with
     ``flushes=ckpt_flushes`` so that each flush draws fresh random words.
     """
     batch, H, P, N, G, S, L = _geometry(x, B, state, x_cache)

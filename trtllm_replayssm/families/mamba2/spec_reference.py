@@ -183,7 +183,7 @@ def verify(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D
     Window entry t is stored at ring index (start + count + t) % L (x, B in the cache dtypes, processed
     dt in the dt_cache dtype) and the outputs are computed from the ring as stored, so later steps
     replay exactly the values this step used. Needs count + T <= L (run :func:`maybe_flush` first).
-    With ``shadow`` the S0 C_t term reads the shadow (:meth:`.reference.Shadow.read`, float64), except
+    With ``shadow`` the S0 C_t term reads the shadow (:meth:`trtllm_replayssm.shadow.Shadow.read`, float64), except
     for the slots in ``flushed`` (those :func:`maybe_flush` folded this step), which read ``state``.
     """
     check_verify_inputs(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, z, shadow)
