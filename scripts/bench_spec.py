@@ -41,11 +41,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_kernels as bk  # noqa: E402
 
-from trtllm_replayssm import (  # noqa: E402
-    costs,
-    cursor_ops,  # noqa: E402
-    timing,
-)
+from trtllm_replayssm import costs, cursor_ops, timing  # noqa: E402
 from trtllm_replayssm.families.mamba2 import ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 

@@ -469,6 +469,7 @@ def _emulated_kernels(monkeypatch, guard):
     window from the flushed cursor and leaves the cursor alone; spec_commit repeats the flush decision, then
     count += n (clamped to [0, T])."""
     from trtllm_replayssm import cursor as cursors
+    from trtllm_replayssm import cursor_ops
     from trtllm_replayssm.families.mamba2 import ops
     from trtllm_replayssm.families.mamba2 import spec_reference as sr
 
@@ -492,7 +493,7 @@ def _emulated_kernels(monkeypatch, guard):
             cursors.commit(cursor, n_accepted.clamp(0, num_tokens), num_tokens, buffer_len, sbi)
 
     monkeypatch.setattr(ops, "replay_verify", replay_verify)
-    monkeypatch.setattr(ops, "spec_commit", spec_commit)
+    monkeypatch.setattr(cursor_ops, "spec_commit", spec_commit)
 
 
 class _KernelPathCache(ReplayStateCache):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from trtllm_replayssm import tp
+from trtllm_replayssm.cursor import advance_cursor
 from trtllm_replayssm.families.mamba2 import reference as ref
 
 from .helpers import end_rank, spawn_ranks
@@ -47,12 +48,12 @@ def test_tp_shards_equal_tp1(H, P, N, G, tp_size):
     for _ in range(3 * L + 2):
         x, B, C, dt, z = (None if t is None else t.to(F64) for t in make_inputs(batch, H, P, N, G, F64, gen, has_z=True))
         y = ref.replay_decode(*caches, cursor, x, B, C, dt, dt_bias, A, D, z, sbi)
-        cursors.advance_cursor(cursor, sbi, L)
+        advance_cursor(cursor, sbi, L)
         ys, partials = [], []
         for s, lc, cur in zip(shards, local, cursors):
             xs, Bs, Cs, dts, zs = tp.shard_step(s, x, B, C, dt, z)
             yr = ref.replay_decode(*lc, cur, xs, Bs, Cs, dts, *tp.shard_params(s, dt_bias, A, D), zs, sbi)
-            cursors.advance_cursor(cur, sbi, L)
+            advance_cursor(cur, sbi, L)
             ys.append(yr)
             partials.append(yr.flatten(1) @ W[:, s.head0 * P:(s.head0 + s.nheads) * P].T)
         assert torch.equal(torch.cat(ys, dim=1), y)  # identical per-head arithmetic: bit-exact

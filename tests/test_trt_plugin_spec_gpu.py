@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 
+from trtllm_replayssm import cursor_ops
 from trtllm_replayssm import trt_plugin as tp
 from trtllm_replayssm.config import DTYPE_CODES
 from trtllm_replayssm.families.mamba2 import ops
@@ -119,6 +120,6 @@ def test_spec_plugins_launched_as_tensorrt_would(case, tactic, monkeypatch):
         _engine_rows(pb)
     plugin = PluginLaunches(pb, tactic)
     monkeypatch.setattr(ops, "replay_verify", plugin.replay_verify)
-    monkeypatch.setattr(ops, "spec_commit", plugin.spec_commit)
+    monkeypatch.setattr(cursor_ops, "spec_commit", plugin.spec_commit)
     run_and_check(pb)
     assert plugin.count == {"replayssm_verify": STEPS, "replayssm_spec_commit": STEPS}
