@@ -2,8 +2,8 @@
 """GDN speculative kernels (plugins/gdn/gdn_spec.cu) against trtllm_replayssm/families/gdn/reference.py, step by step.
 
 Each step: the kernel's ``gdn_replay_verify`` (flush decided on the pre-step cursor, folded inside the
-launch) then ``gdn_spec_commit`` (the Mamba-2 ``replayssm_spec_commit`` kernel through ops.spec_commit),
-against the reference's flush_checkpoint + spec_reference.flush_cursor + verify + spec_reference.commit,
+launch) then ``gdn_spec_commit`` (the Mamba-2 ``replayssm_spec_commit`` kernel through cursor_ops.spec_commit),
+against the reference's flush_checkpoint + cursor.flush_cursor + verify + cursor.commit,
 with random acceptance (n in 1..T, some rows n = 0) over 40 steps, so the rings wrap and flushes happen
 at every count in (L - 2T, L - T].
 

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """The cursor rules every family shares: row checks, the standard cursor's move, the ring cursor's flush and commit.
 
-float64-free bookkeeping in plain torch (host ints), the spec the cursor kernels (:mod:`.cursor_ops`) and every
+Host-side bookkeeping in plain torch (ints, any device), the spec the cursor kernels (:mod:`.cursor_ops`) and every
 family's reference (``families/<name>/reference.py``, ``spec_reference.py``) follow; the forms themselves are
 described once in :mod:`.contract`.
 
