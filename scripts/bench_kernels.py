@@ -38,11 +38,8 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtllm_replayssm import (  # noqa: E402
-    costs,
-    ops,
-    timing,  # noqa: E402
-)
+from trtllm_replayssm import costs, timing  # noqa: E402
+from trtllm_replayssm.families.mamba2 import ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.problems import make_inputs, make_params  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402

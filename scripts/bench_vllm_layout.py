@@ -30,11 +30,8 @@ sys.path.insert(0, str(ROOT / "serve"))  # the vLLM adapter, trtllm_replayssm_vl
 import trtllm_replayssm_vllm as vllm  # noqa: E402
 
 from scripts import bench_kernels as bk  # noqa: E402
-from trtllm_replayssm import (  # noqa: E402
-    costs,
-    ops,
-    timing,  # noqa: E402
-)
+from trtllm_replayssm import costs, timing  # noqa: E402
+from trtllm_replayssm.families.mamba2 import ops  # noqa: E402
 from trtllm_replayssm.problems import make_inputs  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
