@@ -94,11 +94,9 @@ def _call_name(node: ast.Call) -> str | None:
     return None
 
 
-def decode_call_sites(mixer_cls) -> tuple[list[str], list[str]]:
-    """(hook calls, bypass calls) in the methods of ``mixer_cls``, as ``method:line`` strings.
-
-    Raises OSError / TypeError when the source cannot be read."""
-    hooks, bypass = [], []
+def method_calls(mixer_cls):
+    """(``Class.method:line``, call node) of every call in the methods ``mixer_cls`` defines or inherits (not
+    ``nn.Module``'s). Raises OSError / TypeError / SyntaxError when a method's source cannot be read."""
     for klass in mixer_cls.__mro__:
         if klass is object or klass.__module__ in ("torch.nn.modules.module", "builtins"):
             continue
@@ -109,15 +107,22 @@ def decode_call_sites(mixer_cls) -> tuple[list[str], list[str]]:
             src = textwrap.dedent(inspect.getsource(fn))
             first = fn.__code__.co_firstlineno
             for node in ast.walk(ast.parse(src)):
-                if not isinstance(node, ast.Call):
-                    continue
-                where = f"{klass.__name__}.{name}:{first + node.lineno - 1}"
-                f = node.func
-                if (isinstance(f, ast.Attribute) and f.attr == HOOK_ATTR and isinstance(f.value, ast.Name)
-                        and f.value.id == "self"):
-                    hooks.append(where)
-                elif _call_name(node) in BYPASS_CALLS:
-                    bypass.append(f"{where} {_call_name(node)}(...)")
+                if isinstance(node, ast.Call):
+                    yield f"{klass.__name__}.{name}:{first + node.lineno - 1}", node
+
+
+def decode_call_sites(mixer_cls) -> tuple[list[str], list[str]]:
+    """(hook calls, bypass calls) in the methods of ``mixer_cls``, as ``method:line`` strings.
+
+    Raises OSError / TypeError when the source cannot be read."""
+    hooks, bypass = [], []
+    for where, node in method_calls(mixer_cls):
+        f = node.func
+        if (isinstance(f, ast.Attribute) and f.attr == HOOK_ATTR and isinstance(f.value, ast.Name)
+                and f.value.id == "self"):
+            hooks.append(where)
+        elif _call_name(node) in BYPASS_CALLS:
+            bypass.append(f"{where} {_call_name(node)}(...)")
     return hooks, bypass
 
 

@@ -73,16 +73,14 @@ no KDA decode kernel directly (``torch.ops.trtllm.kda_decode``); ``fused_recurre
 from __future__ import annotations
 
 import ast
-import inspect
 import logging
 import os
-import textwrap
 
 import torch
 
 from trtllm_replayssm.cache import ReplayStateCache, conv_update_rows
 
-from .check import tensorrt_llm_version
+from .check import method_calls, tensorrt_llm_version
 from .install import _env_choice, _env_int, check_cache_manager, decode_rows, prefill_slots
 
 log = logging.getLogger("trtllm_replayssm_module")
@@ -419,23 +417,15 @@ def _bypass_message(mixer_cls, what: str) -> str:
 def kda_call_sites(mixer_cls) -> tuple[list[str], list[str]]:
     """(``self._dispatch.decode_kda`` calls, direct KDA decode kernel calls) in ``mixer_cls``'s methods."""
     hooks, bypass = [], []
-    for klass in mixer_cls.__mro__:
-        if klass is object or klass.__module__ in ("torch.nn.modules.module", "builtins"):
+    for where, node in method_calls(mixer_cls):
+        f = node.func
+        if not isinstance(f, ast.Attribute):
             continue
-        for name, fn in vars(klass).items():
-            fn = getattr(fn, "__func__", fn)
-            if not inspect.isfunction(fn):
-                continue
-            first = fn.__code__.co_firstlineno
-            for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(fn)))):
-                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
-                    continue
-                f, where = node.func, f"{klass.__name__}.{name}:{first + node.lineno - 1}"
-                if (f.attr == HOOK_CALL and isinstance(f.value, ast.Attribute) and f.value.attr == HOOK_ATTR
-                        and isinstance(f.value.value, ast.Name) and f.value.value.id == "self"):
-                    hooks.append(where)
-                elif f.attr in BYPASS_CALLS:
-                    bypass.append(f"{where} {f.attr}(...)")
+        if (f.attr == HOOK_CALL and isinstance(f.value, ast.Attribute) and f.value.attr == HOOK_ATTR
+                and isinstance(f.value.value, ast.Name) and f.value.value.id == "self"):
+            hooks.append(where)
+        elif f.attr in BYPASS_CALLS:
+            bypass.append(f"{where} {f.attr}(...)")
     return hooks, bypass
 
 
