@@ -198,16 +198,9 @@ def _model_type(model_dir: pathlib.Path):
 def for_checkpoint(model_dir, **which) -> ModelKind:
     """The kind of the checkpoint directory ``model_dir`` by its config.json ``model_type``; ``CheckpointError``
     (builders/nemotron_h.py) naming the file and the model types there are where it has none or another."""
-    from .nemotron_h import CheckpointError
+    from .nemotron_h import CheckpointError, read_config
 
-    root = pathlib.Path(model_dir)
-    cfg_path = root / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"model: expected a directory with config.json, got {str(root)!r} without one")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    _, cfg_path, raw = read_config(model_dir)
     got = raw.get("model_type") if isinstance(raw, dict) else None
     kind = next((k for k in kinds(**which) if got in k.model_types), None)
     if kind is None:

@@ -101,6 +101,19 @@ class CheckpointError(ValueError):
     """A model directory that is not a loadable Nemotron-H checkpoint; the message says what is wrong."""
 
 
+def read_config(model_dir) -> tuple[pathlib.Path, pathlib.Path, object]:
+    """(directory, its config.json, the parsed JSON) of a checkpoint directory; CheckpointError naming the file when
+    there is none or it is not JSON (the Nemotron-H loader's first read, and builders.models.for_checkpoint's)."""
+    root = pathlib.Path(model_dir)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"model: expected a directory with config.json, got {str(root)!r} without one")
+    try:
+        return root, cfg_path, json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+
+
 def from_pretrained_checked(cls, model_dir, **kw):
     """``cls.from_pretrained(model_dir, **kw)`` in eval mode, with every missing or mis-shaped tensor refused by name
     (:class:`CheckpointError`): transformers' loader only warns about missing tensors and initialises them at random,
@@ -260,14 +273,7 @@ def load_nemotron_h(model_dir=None, dtype: torch.dtype = torch.float32, seed: in
         model = randomize_(NemotronHForCausalLM(tiny_config(tiny)), seed)
         sd = model.state_dict()
         return _to(model, dtype, device, {n: sd[n].clone() for n in _fp32_names(model)}).eval()
-    root = pathlib.Path(model_dir)
-    cfg_path = root / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"model: expected a directory with config.json, got {str(root)!r} without one")
-    try:
-        raw = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from e
+    root, cfg_path, raw = read_config(model_dir)
     if raw.get("model_type") != "nemotron_h":
         from .qwen3_next import ACCEPTED_MODEL_TYPES, MODEL_TYPES
 
