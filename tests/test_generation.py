@@ -261,6 +261,25 @@ def check_seeded_sampling(model):
     assert a == b and a != reference(model, PROMPTS[0], 12)
 
 
+def check_cuda_engine(cpu_model, cuda_model, L: int, modes) -> None:
+    """The engine on CUDA (eager) against transformers' greedy tokens of the same weights on the CPU, in every mode of
+    ``modes``; the bf16 shadow mode only completes (its rounding may move a token). The Kimi-Linear and GLM-5 Next
+    CUDA tests."""
+    refs = [reference(cpu_model, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
+    for mode in modes:
+        eng = Engine(cuda_model, max_slots=3, max_seq_len=40, mode=mode, buffer_len=L)
+        assert not eng.cuda_graphs and eng.step.device.type == "cuda"
+        got = Collect()
+        ids = [eng.submit(Request(p, m, on_output=got)) for p, m in zip(PROMPTS, MAX_TOKENS)]
+        eng.run_until_idle()
+        for m, i, want in zip(MAX_TOKENS, ids, refs):
+            if mode == "replay_bf16":
+                assert len(got.tokens[i]) == m and got.final[i].finish_reason == "length"
+            else:
+                assert got.tokens[i] == want, (mode, i)
+        assert_idle(eng)
+
+
 def check_prefix_cache(model, L: int) -> None:
     """The engine's prefix cache on a model kind's step (the Kimi-Linear and GLM-5 Next tests): a shared 8-token
     prefix, blocks of 4; the later prompts compute only their suffix and every request's tokens equal generate."""

@@ -29,7 +29,15 @@ from builders.glm5_step import Glm5Step  # noqa: E402
 from builders.kda import text_model, tiny_model  # noqa: E402
 from builders.kimi_step import MODES  # noqa: E402
 
-from .test_generation import MAX_TOKENS, PROMPTS, Collect, assert_idle, check_prefix_cache, reference  # noqa: E402
+from .test_generation import (  # noqa: E402
+    MAX_TOKENS,
+    PROMPTS,
+    Collect,
+    assert_idle,
+    check_cuda_engine,
+    check_prefix_cache,
+    reference,
+)
 from .test_preemption import assert_no_leak, check_preemption, check_swap_round_trip  # noqa: E402,E501
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -250,18 +258,4 @@ def test_cuda_engine_matches_generate():
     and ReplaySSM modes, and completes in the bf16 shadow mode (whose rounding may move a token)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    cpu = tiny_model("glm5_next", seed=0)
-    refs = [reference(cpu, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
-    model = tiny_model("glm5_next", seed=0, device="cuda")
-    for mode in MODES:
-        eng = Engine(model, max_slots=3, max_seq_len=40, mode=mode, buffer_len=L)
-        assert not eng.cuda_graphs and eng.step.device.type == "cuda"
-        got = Collect()
-        ids = [eng.submit(Request(p, m, on_output=got)) for p, m in zip(PROMPTS, MAX_TOKENS)]
-        eng.run_until_idle()
-        for m, i, want in zip(MAX_TOKENS, ids, refs):
-            if mode == "replay_bf16":
-                assert len(got.tokens[i]) == m and got.final[i].finish_reason == "length"
-            else:
-                assert got.tokens[i] == want, (mode, i)
-        assert_idle(eng)
+    check_cuda_engine(tiny_model("glm5_next", seed=0), tiny_model("glm5_next", seed=0, device="cuda"), L, MODES)

@@ -28,6 +28,7 @@ from .test_generation import (  # noqa: E402  (the engine tests' prompts, oracle
     PROMPTS,
     Collect,
     assert_idle,
+    check_cuda_engine,
     check_prefix_cache,
     check_seeded_sampling,
     reference,
@@ -288,19 +289,5 @@ def test_cuda_engine_matches_generate():
     token)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    cpu = tiny_model("kimi_linear", seed=0)
-    refs = [reference(cpu, p, n) for p, n in zip(PROMPTS, MAX_TOKENS)]
-    model = tiny_model("kimi_linear", seed=0, device="cuda")
-    for mode in MODES:
-        eng = Engine(model, max_slots=3, max_seq_len=40, mode=mode, buffer_len=L)
-        assert not eng.cuda_graphs and eng.step.device.type == "cuda"
-        got = Collect()
-        ids = [eng.submit(Request(p, m, on_output=got)) for p, m in zip(PROMPTS, MAX_TOKENS)]
-        eng.run_until_idle()
-        for m, i, want in zip(MAX_TOKENS, ids, refs):
-            if mode == "replay_bf16":
-                assert len(got.tokens[i]) == m and got.final[i].finish_reason == "length"
-            else:
-                assert got.tokens[i] == want, (mode, i)
-        assert_idle(eng)
+    check_cuda_engine(tiny_model("kimi_linear", seed=0), tiny_model("kimi_linear", seed=0, device="cuda"), L, MODES)
 
