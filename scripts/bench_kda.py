@@ -231,8 +231,10 @@ def main():
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--tag", default="kda-kernels")
     ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer")
-    ap.add_argument("--sweep", default="", help="launch shapes col_lanes:warps,... timed at positions 1, L/2, L "
-                    "for the first geometry at the smallest and largest batch (rows of kind 'sweep')")
+    ap.add_argument("--sweep", default="", help="launch shapes col_lanes:warps[:resident],... timed at positions 1, "
+                    "L/2, L for the first geometry at the smallest and largest batch (rows of kind 'sweep'); resident: "
+                    "KDASpec.resident (threads an SM the register budget is set for), default the module's")
+    ap.add_argument("--sweep-batches", default="", help="the sweep's batches (default: the smallest and largest)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep rows (an A/B over another kernel tree)")
     ap.add_argument("--verify", type=int, default=0, help="T: verify rows (kind 'verify') at every geometry and batch")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
@@ -280,15 +282,17 @@ def main():
                     verify.append(vrow)
                     print("RESULT_JSON " + json.dumps({"kind": "verify", **vrow}), flush=True)
     sweep = []
+    sweep_batches = ([int(x) for x in args.sweep_batches.split(",") if x] if args.sweep_batches
+                     else sorted({min(batches), max(batches)}))
     for item in [x for x in args.sweep.split(",") if x]:
-        cl, w = (int(t) for t in item.split(":"))
-        for b in sorted({min(batches), max(batches)}):
+        cl, w, *res = (int(t) for t in item.split(":"))
+        for b in sweep_batches:
             try:
-                with override(col_lanes=cl, warps=w):
+                with override(col_lanes=cl, warps=w, resident=res[0] if res else None):
                     row = bench_point(geoms[0], b, args.L, ks=[1, args.L // 2, args.L], peer=False)
             except ValueError as e:  # a shape this geometry cannot take
                 row = dict(geom=geoms[0], batch=b, error=str(e)[:200])
-            row["shape"] = [cl, w]
+            row["shape"] = [cl, w, *res]
             sweep.append(row)
             print("RESULT_JSON " + json.dumps({"kind": "sweep", **row}), flush=True)
     out = pathlib.Path(args.out)
