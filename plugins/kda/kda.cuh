@@ -370,11 +370,11 @@ __device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, Fol
 // ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
 // S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
 // (and the shadow).
+// st: the fp32 checkpoint's rows, loads issued by the caller (the stream flies while the channels are prepared).
 template <bool kFlush>
-__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
+__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm,
+                                          Rows& st) {
   const size_t hs = (size_t)slot * kH + c.h;
-  Rows st;
-  load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
   float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
@@ -440,14 +440,10 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
-__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm) {
+// st: the rows of the checkpoint (or of its shadow), loads issued by the caller.
+__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm,
+                                                const Rows& st) {
   const size_t hs = (size_t)slot * kH + c.h;
-  Rows st;
-#if KDA_SHADOW
-  load_rows(st, a.sh_in + hs * kK * kV, c);
-#else
-  load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
   const int ocol = out_col(c), kind = out_kind(c);
   float uh[kEA];  // u_j of this lane's output column
 #pragma unroll
@@ -543,7 +539,9 @@ __device__ __forceinline__ void conventional(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
-  fold_step<false>(a, c, slot, false, sm);
+  Rows st;
+  load_rows(st, a.state_in + ((size_t)slot * kH + c.h) * kK * kV, c);
+  fold_step<false>(a, c, slot, false, sm, st);
 }
 
 __device__ __forceinline__ void replay_decode(const Args& a) {
@@ -551,14 +549,30 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;
+  // The rows the step reads do not depend on the buffer position, so their loads are issued before the cursor's
+  // (which would otherwise add one dependent global load to every block's latency): the checkpoint, or with a
+  // shadow the shadow, which only the flush (1 step in L) drops for the fp32 rows.
+  const size_t hs = (size_t)slot * kH + c.h;
+  Rows st;
+#if KDA_SHADOW
+  load_rows(st, a.sh_in + hs * kK * kV, c);
+#else
+  load_rows(st, a.state_in + hs * kK * kV, c);
+#endif
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int i = threadIdx.x; i < kCols; i += kThreads)
       a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
-  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
-  else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
+  if (pos + 1 == kL) {
+#if KDA_SHADOW
+    load_rows(st, a.state_in + hs * kK * kV, c);  // the fold starts from the fp32 checkpoint
+#endif
+    fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem), st);
+  } else {
+    replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem), st);
+  }
 }
 
 }  // namespace kda
