@@ -182,6 +182,17 @@ struct Args {
   __nv_bfloat16* sh_out;
 };
 
+// The rows a replay step reads, issued as soon as the slot is known (before the cursor: they do not depend on the
+// buffer position): the fp32 checkpoint, or with a shadow the shadow, which a fold (1 step in L) drops for the fp32
+// rows.
+__device__ __forceinline__ void load_step_rows(Rows& st, const Args& a, size_t hs, const Coords& c) {
+#if KDA_SHADOW
+  load_rows(st, a.sh_in + hs * kK * kV, c);
+#else
+  load_rows(st, a.state_in + hs * kK * kV, c);
+#endif
+}
+
 // Shared memory. The token tile: per channel exp(g) k, exp(g) q (raw, the norms enter after the reduce), exp(g),
 // k raw. The fold tile (flush) adds, per channel and chunk of kC entries, the decayed keys of the chunk's dots and of
 // its rank-kC update (float4: one load a row for the chunk), the chunk's decay, the block's v_j columns, beta_j, the
@@ -549,16 +560,11 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;
-  // The rows the step reads do not depend on the buffer position, so their loads are issued before the cursor's
-  // (which would otherwise add one dependent global load to every block's latency): the checkpoint, or with a
-  // shadow the shadow, which only the flush (1 step in L) drops for the fp32 rows.
+  // The rows' loads go out before the cursor's, which would otherwise add one dependent global load to every
+  // block's latency (load_step_rows).
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
-#if KDA_SHADOW
-  load_rows(st, a.sh_in + hs * kK * kV, c);
-#else
-  load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
+  load_step_rows(st, a, hs, c);
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int i = threadIdx.x; i < kCols; i += kThreads)
@@ -566,9 +572,7 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
     return;
   }
   if (pos + 1 == kL) {
-#if KDA_SHADOW
-    load_rows(st, a.state_in + hs * kK * kV, c);  // the fold starts from the fp32 checkpoint
-#endif
+    if (KDA_SHADOW) load_rows(st, a.state_in + hs * kK * kV, c);  // the fold starts from the fp32 checkpoint
     fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem), st);
   } else {
     replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem), st);

@@ -166,15 +166,9 @@ __device__ __forceinline__ void spec_verify(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
-  // The rows' loads go out before the cursor's (kda.cuh replay_decode): the checkpoint, or the shadow, which a fold
-  // drops for the fp32 rows.
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
-#if KDA_SHADOW
-  load_rows(st, a.sh_in + hs * kK * kV, c);
-#else
-  load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
+  load_step_rows(st, a, hs, c);  // before the cursor's load (kda.cuh replay_decode)
   const int start = a.cursor[2 * slot], m = a.cursor[2 * slot + 1];
   const int ocol = out_col(c), kind = out_kind(c);
   if (start < 0 || start >= kL || m < 0 || m > kL - kT) {  // corrupt cursor: NaN outputs, nothing else written
@@ -187,9 +181,7 @@ __device__ __forceinline__ void spec_verify(const Args& a) {
   const bool flush = m + 2 * kT > kL;  // block-uniform
   const int mh = flush ? 0 : m;
   const bool writer = blockIdx.x % kChunks == 0;  // the head's first chunk appends the per-channel entries
-#if KDA_SHADOW
-  if (flush) load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
+  if (KDA_SHADOW && flush) load_rows(st, a.state_in + hs * kK * kV, c);  // a fold starts from the fp32 rows
   if (flush) {
 #pragma unroll
     for (int n = 0; n < kCPT; ++n) {
