@@ -182,17 +182,6 @@ struct Args {
   __nv_bfloat16* sh_out;
 };
 
-// The rows a replay step reads, issued as soon as the slot is known (before the cursor: they do not depend on the
-// buffer position): the fp32 checkpoint, or with a shadow the shadow, which a fold (1 step in L) drops for the fp32
-// rows.
-__device__ __forceinline__ void load_step_rows(Rows& st, const Args& a, size_t hs, const Coords& c) {
-#if KDA_SHADOW
-  load_rows(st, a.sh_in + hs * kK * kV, c);
-#else
-  load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
-}
-
 // Shared memory. The token tile: per channel exp(g) k, exp(g) q (raw, the norms enter after the reduce), exp(g),
 // k raw. The fold tile (flush) adds, per channel and chunk of kC entries, the decayed keys of the chunk's dots and of
 // its rank-kC update (float4: one load a row for the chunk), the chunk's decay, the block's v_j columns, beta_j, the
@@ -381,11 +370,11 @@ __device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, Fol
 // ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
 // S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
 // (and the shadow).
-// st: the fp32 checkpoint's rows, loads issued by the caller (the stream flies while the channels are prepared).
 template <bool kFlush>
-__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm,
-                                          Rows& st) {
+__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
+  Rows st;
+  load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
   float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
@@ -451,10 +440,14 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
-// st: the rows of the checkpoint (or of its shadow), loads issued by the caller.
-__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm,
-                                                const Rows& st) {
+__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
+  Rows st;
+#if KDA_SHADOW
+  load_rows(st, a.sh_in + hs * kK * kV, c);
+#else
+  load_rows(st, a.state_in + hs * kK * kV, c);
+#endif
   const int ocol = out_col(c), kind = out_kind(c);
   float uh[kEA];  // u_j of this lane's output column
 #pragma unroll
@@ -550,9 +543,7 @@ __device__ __forceinline__ void conventional(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
-  Rows st;
-  load_rows(st, a.state_in + ((size_t)slot * kH + c.h) * kK * kV, c);
-  fold_step<false>(a, c, slot, false, sm, st);
+  fold_step<false>(a, c, slot, false, sm);
 }
 
 __device__ __forceinline__ void replay_decode(const Args& a) {
@@ -560,23 +551,14 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;
-  // The rows' loads go out before the cursor's, which would otherwise add one dependent global load to every
-  // block's latency (load_step_rows).
-  const size_t hs = (size_t)slot * kH + c.h;
-  Rows st;
-  load_step_rows(st, a, hs, c);
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int i = threadIdx.x; i < kCols; i += kThreads)
       a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
-  if (pos + 1 == kL) {
-    if (KDA_SHADOW) load_rows(st, a.state_in + hs * kK * kV, c);  // the fold starts from the fp32 checkpoint
-    fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem), st);
-  } else {
-    replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem), st);
-  }
+  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
+  else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
 }
 
 }  // namespace kda
