@@ -38,6 +38,7 @@
 #include <cuda_fp16.h>
 
 #include "common/convert.cuh"
+#include "common/cp_async.cuh"
 #include "common/scan.cuh"
 #include "common/warp.cuh"
 
@@ -53,6 +54,9 @@
 
 namespace kda {
 
+using rssm_common::cp_async16;
+using rssm_common::cp_async_commit;
+using rssm_common::cp_async_wait_all;
 using rssm_common::from_f;
 using rssm_common::to_f;
 using rssm_common::transpose_reduce;
@@ -204,7 +208,23 @@ struct alignas(16) ReplaySmem {
   float e0k[kK], e0q[kK];   // D_{t,0} k, D_{t,0} q (raw)
   float red1[kWarps][kN1], red2[kWarps][kN2];
 };
-constexpr size_t kSmemBytes = sizeof(FoldSmem) > sizeof(ReplaySmem) ? sizeof(FoldSmem) : sizeof(ReplaySmem);
+// The non-flush step's rows staged in shared memory (decode modules whose tile fits the 48 KiB of static shared
+// memory): cp.async copies issued as soon as the slot is known, before the cursor is read and before the channel
+// stage, holding no registers while they fly; the dots read them after the channel stage's barrier. Rows padded by
+// 4 kCVL values so that each load phase of the dots (8 lanes of 16 B, or 16 of 8 B) hits distinct banks.
+#if KDA_SHADOW
+using stage_t = __nv_bfloat16;
+#else
+using stage_t = float;
+#endif
+constexpr int kSRow = kCols + 4 * kCVL;
+struct alignas(16) StagedSmem {
+  stage_t rows[kK][kSRow];
+  ReplaySmem rep;
+};
+constexpr bool kStage = KDA_TOKENS == 0 && sizeof(StagedSmem) <= 48 * 1024;
+constexpr size_t kReplayBytes = kStage ? sizeof(StagedSmem) : sizeof(ReplaySmem);
+constexpr size_t kSmemBytes = sizeof(FoldSmem) > kReplayBytes ? sizeof(FoldSmem) : kReplayBytes;
 
 __device__ __forceinline__ float comp(const float4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
 
@@ -370,11 +390,11 @@ __device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, Fol
 // ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
 // S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
 // (and the shadow).
+// st: the fp32 checkpoint's rows, their loads issued by the caller (they fly while the channels are prepared).
 template <bool kFlush>
-__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
+__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm,
+                                          Rows& st) {
   const size_t hs = (size_t)slot * kH + c.h;
-  Rows st;
-  load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
   float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
@@ -440,14 +460,42 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
-__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm) {
+// The checkpoint's (or the shadow's) rows of this block: cp.async into the stage (kStage), else into registers.
+__device__ __forceinline__ const stage_t* step_rows_src(const Args& a, size_t hs) {
+#if KDA_SHADOW
+  return a.sh_in + hs * kK * kV;
+#else
+  return a.state_in + hs * kK * kV;
+#endif
+}
+__device__ __forceinline__ void stage_rows(StagedSmem& sm, const Args& a, size_t hs) {
+  constexpr int kVec = 16 / sizeof(stage_t);  // values a copy
+  constexpr int kVecRow = kCols / kVec;
+  const stage_t* src = step_rows_src(a, hs) + (blockIdx.x % kChunks) * kCols;
+  for (int i = threadIdx.x; i < kK * kVecRow; i += kThreads) {
+    const int r = i / kVecRow, v = i % kVecRow;
+    cp_async16(&sm.rows[r][v * kVec], src + (size_t)r * kV + v * kVec);
+  }
+  cp_async_commit();
+}
+__device__ __forceinline__ void lds4(const float* p, float (&o)[4]) {
+  const float4 t = *reinterpret_cast<const float4*>(p);
+  o[0] = t.x, o[1] = t.y, o[2] = t.z, o[3] = t.w;
+}
+__device__ __forceinline__ void lds4(const __nv_bfloat16* p, float (&o)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+  o[0] = __low2float(lo), o[1] = __high2float(lo), o[2] = __low2float(hi), o[3] = __high2float(hi);
+}
+
+// rows: the staged rows (kStage; waited for at the barrier after the channel stage), else null and the rows are
+// loaded into registers here, first.
+__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm,
+                                                const stage_t (*rows)[kSRow]) {
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
-#if KDA_SHADOW
-  load_rows(st, a.sh_in + hs * kK * kV, c);
-#else
-  load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
+  if constexpr (!kStage) load_rows(st, step_rows_src(a, hs), c);
   const int ocol = out_col(c), kind = out_kind(c);
   float uh[kEA];  // u_j of this lane's output column
 #pragma unroll
@@ -500,7 +548,13 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
   }
   const act_t v_raw = a.v[in * kV + ocol];
   const float beta = sigmoid(to_f(a.b[in]));
+  if constexpr (kStage) cp_async_wait_all();
   __syncthreads();
+  if constexpr (kStage) {
+    const int bcol = c.col - (blockIdx.x % kChunks) * kCols;
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) lds4(&rows[c.row(r)][bcol], st[r]);
+  }
   float t1 = 0.f, t2 = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) t1 += sm.red1[w][c.lane % kN1], t2 += sm.red2[w][c.lane % kN2];
@@ -543,7 +597,9 @@ __device__ __forceinline__ void conventional(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
-  fold_step<false>(a, c, slot, false, sm);
+  Rows st;
+  load_rows(st, a.state_in + ((size_t)slot * kH + c.h) * kK * kV, c);
+  fold_step<false>(a, c, slot, false, sm, st);
 }
 
 __device__ __forceinline__ void replay_decode(const Args& a) {
@@ -551,14 +607,35 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;
+  const size_t hs = (size_t)slot * kH + c.h;
+  StagedSmem& stg = *reinterpret_cast<StagedSmem*>(smem);
+  if constexpr (kStage) stage_rows(stg, a, hs);  // before the cursor's load: the rows do not depend on it
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int i = threadIdx.x; i < kCols; i += kThreads)
       a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
+    if constexpr (kStage) cp_async_wait_all();  // no copy outlives the block
     return;
   }
-  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
-  else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
+  if (pos + 1 == kL) {
+    Rows st;
+    if constexpr (kStage && !KDA_SHADOW) {  // the staged rows are the fp32 checkpoint's: into registers
+      cp_async_wait_all();
+      __syncthreads();
+      const int bcol = c.col - (blockIdx.x % kChunks) * kCols;
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) lds4(&stg.rows[c.row(r)][bcol], st[r]);
+    } else {
+      load_rows(st, a.state_in + hs * kK * kV, c);  // (a staged shadow is dropped: the fold starts from fp32)
+      if constexpr (kStage) cp_async_wait_all();
+    }
+    if constexpr (kStage) __syncthreads();  // the fold tile overlays the stage
+    fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem), st);
+  } else if constexpr (kStage) {
+    replay_nonflush(a, c, slot, pos, stg.rep, stg.rows);
+  } else {
+    replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem), nullptr);
+  }
 }
 
 }  // namespace kda
