@@ -32,6 +32,7 @@
 #include <cuda_fp16.h>
 
 #include "common/convert.cuh"
+#include "common/cp_async.cuh"
 #include "common/scan.cuh"
 
 #ifndef GDN_SHADOW
@@ -89,12 +90,8 @@ constexpr float kRenorm = 9.3132257e-10f;  // 2^-30
 
 using rssm_common::suffix_after;  // common/scan.cuh
 
-// cp.async (sm_80+): 16-byte global->shared copies that hold no registers while in flight.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+using rssm_common::cp_async16;  // common/cp_async.cuh
+using rssm_common::cp_async_wait_all;
 
 // ---- geometry ---------------------------------------------------------------------------------
 constexpr int kThreads = kWarps * 32;

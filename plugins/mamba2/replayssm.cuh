@@ -57,6 +57,7 @@
 #endif
 
 #include "common/convert.cuh"
+#include "common/cp_async.cuh"
 #include "common/scan.cuh"
 
 namespace rssm {
@@ -481,14 +482,9 @@ constexpr int kXV = (kRows % kXV0 == 0) ? kXV0 : (kRows % (kXV0 / 2) == 0) ? kXV
 constexpr int kXVecRow = kRows / kXV;
 constexpr int kXPasses = (kL * kXVecRow + kThreads - 1) / kThreads;
 
-// cp.async (sm_80+): 16-byte global->shared copies that hold no registers while in flight, so
-// occupancy is bounded by shared memory, not by the state held in registers.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+using rssm_common::cp_async16;  // common/cp_async.cuh
+using rssm_common::cp_async_commit;
+using rssm_common::cp_async_wait_all;
 
 // Resident blocks asked of the register allocator: 64 registers a thread for blocks of >= 256
 // threads (state lives in shared memory, so that is enough); small blocks are left free.
