@@ -360,12 +360,7 @@ def main():
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
         row = bench_point(b, args.L)
-        row["pct_ceiling_conv"] = 100 * row["tbps_conv"] / ceiling
-        for name in ("f32", "bf16shadow"):
-            row[f"{name}_pct_ceiling"] = 100 * row[f"{name}_tbps"] / ceiling
-            row[f"{name}_pct_ceiling_k1"] = 100 * row[f"{name}_tbps_k1"] / ceiling
-        if "fla_us" in row:
-            row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
+        timing.add_ceiling_pcts(row, ceiling)
         rows.append(row)
         print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
     out = pathlib.Path(args.out)

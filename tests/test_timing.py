@@ -64,3 +64,12 @@ def test_source_hash_names_the_tree_that_ran(tmp_path):
         assert timing.source_hash(tmp_path) != before, rel
     m = timing.run_meta("cpu", "abc", seed=7)
     assert m["source_hash"] == timing.source_hash(root) and m["seed"] == 7
+
+
+def test_add_ceiling_pcts():
+    row = dict(tbps_conv=1.5, f32_tbps=2.4, f32_tbps_k1=3.0, bf16shadow_tbps=0.6, bf16shadow_tbps_k1=0.3)
+    assert timing.add_ceiling_pcts(row, 3.0) is row
+    assert (row["pct_ceiling_conv"], row["f32_pct_ceiling"], row["f32_pct_ceiling_k1"]) == (50.0, 80.0, 100.0)
+    assert (row["bf16shadow_pct_ceiling"], row["bf16shadow_pct_ceiling_k1"]) == (20.0, 10.0)
+    assert "pct_ceiling_fla" not in row
+    assert timing.add_ceiling_pcts(dict(tbps_conv=3.0, fla_us=1.0, tbps_fla=1.5), 3.0, names=())["pct_ceiling_fla"] == 50.0

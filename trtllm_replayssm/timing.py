@@ -59,6 +59,18 @@ def graph_time_us(fn, launches: int, reps: int = 20) -> tuple[float, float]:
     return statistics.median(times), spread(times)
 
 
+def add_ceiling_pcts(row: dict, ceiling: float, names=("f32", "bf16shadow")) -> dict:
+    """A delta-rule kernel benchmark row (bench_gdn / bench_kda) with the % of the copy ceiling ``ceiling`` (TB/s)
+    beside its TB/s fields: the conventional step, each replay variant's amortized and k = 1 step, the peer's."""
+    row["pct_ceiling_conv"] = 100 * row["tbps_conv"] / ceiling
+    for name in names:
+        row[f"{name}_pct_ceiling"] = 100 * row[f"{name}_tbps"] / ceiling
+        row[f"{name}_pct_ceiling_k1"] = 100 * row[f"{name}_tbps_k1"] / ceiling
+    if "fla_us" in row:
+        row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
+    return row
+
+
 def copy_ceiling_tbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy through a kernel (not a graph memcpy node, which runs on a copy
     engine and is slower), bytes read + written, median of 30 after warm-up."""
