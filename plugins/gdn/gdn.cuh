@@ -415,22 +415,12 @@ __device__ __forceinline__ void stage_rows(stage_t* stage, const ReplayArgs& a, 
   constexpr int kVec = 16 / sizeof(stage_t), kVecs = kRows * kK / kVec;
   for (int i = threadIdx.x; i < kVecs; i += kThreads) cp_async16(stage + i * kVec, src + i * kVec);
 }
-__device__ __forceinline__ void smem4(const float* p, float (&out)[4]) {
-  const float4 t = *reinterpret_cast<const float4*>(p);
-  out[0] = t.x, out[1] = t.y, out[2] = t.z, out[3] = t.w;
-}
-__device__ __forceinline__ void smem4(const __nv_bfloat16* p, float (&out)[4]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-  out[0] = __low2float(lo), out[1] = __high2float(lo), out[2] = __low2float(hi), out[3] = __high2float(hi);
-}
 // This lane's rows from the stage (after the copies were waited for and a barrier).
 __device__ __forceinline__ void unstage_rows(Rows& st, const stage_t* stage, const Lane& c) {
 #pragma unroll
   for (int r = 0; r < kRT; ++r)
 #pragma unroll
-    for (int v = 0; v < kVPL; ++v) smem4(stage + (c.rb + r) * kK + c.col(v), st[r][v]);
+    for (int v = 0; v < kVPL; ++v) rssm_common::lds4(stage + (c.rb + r) * kK + c.col(v), st[r][v]);
 }
 
 

@@ -59,6 +59,7 @@ using rssm_common::cp_async16;
 using rssm_common::cp_async_commit;
 using rssm_common::cp_async_wait_all;
 using rssm_common::from_f;
+using rssm_common::lds4;
 using rssm_common::to_f;
 using rssm_common::transpose_reduce;
 
@@ -242,16 +243,6 @@ __device__ __forceinline__ void stage_rows(StagedSmem& sm, const Args& a, size_t
     cp_async16(&sm.rows[r][v * kVec], src + (size_t)r * kV + v * kVec);
   }
   cp_async_commit();
-}
-__device__ __forceinline__ void lds4(const float* p, float (&o)[4]) {
-  const float4 t = *reinterpret_cast<const float4*>(p);
-  o[0] = t.x, o[1] = t.y, o[2] = t.z, o[3] = t.w;
-}
-__device__ __forceinline__ void lds4(const __nv_bfloat16* p, float (&o)[4]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-  o[0] = __low2float(lo), o[1] = __high2float(lo), o[2] = __low2float(hi), o[3] = __high2float(hi);
 }
 // The staged rows of this lane into registers (after the copies were waited for and a barrier).
 __device__ __forceinline__ void unstage_rows(Rows& st, const StagedSmem& sm, const Coords& c) {
