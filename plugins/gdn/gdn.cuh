@@ -396,11 +396,7 @@ constexpr size_t kStepBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(Re
 // bf16 shadow) issued as soon as the slot is known, before the cursor is read, holding no registers while they fly;
 // the non-flush step reads them after the barrier it already has (the same wait as its u tile). The flush leaves
 // them (it loads its fp32 rows itself: L2 hits for an fp32 stage) and waits for them with its own copies.
-#if GDN_SHADOW
-using stage_t = shadow_t;
-#else
-using stage_t = float;
-#endif
+using stage_t = shadow_t;  // the rows a non-flush step reads: the shadow's type, float without one (the prelude)
 constexpr bool kStage = kStageRows && kPasses == 1 && kStepBytes + sizeof(stage_t) * kRows * kK <= 48 * 1024;
 constexpr size_t kSmemBytes = kStepBytes + (kStage ? sizeof(stage_t) * kRows * kK : 0);
 

@@ -188,6 +188,16 @@ struct Args {
   __nv_bfloat16* sh_out;
 };
 
+// The rows a replay step reads (the non-flush step, a verify window without a fold, the stage): the fp32
+// checkpoint's, or with a shadow the shadow's.
+#if KDA_SHADOW
+using stage_t = __nv_bfloat16;
+__device__ __forceinline__ const stage_t* step_rows(const Args& a, size_t hs) { return a.sh_in + hs * kK * kV; }
+#else
+using stage_t = float;
+__device__ __forceinline__ const stage_t* step_rows(const Args& a, size_t hs) { return a.state_in + hs * kK * kV; }
+#endif
+
 // Shared memory. The token tile: per channel exp(g) k, exp(g) q (raw, the norms enter after the reduce), exp(g),
 // k raw. The fold tile (flush) adds, per channel and chunk of kC entries, the decayed keys of the chunk's dots and of
 // its rank-kC update (float4: one load a row for the chunk), the chunk's decay, the block's v_j columns, beta_j, the
@@ -216,11 +226,6 @@ struct alignas(16) ReplaySmem {
 // state registers live and reads the rows after the barrier it already had; the flush takes the staged fp32 rows
 // into registers (a staged shadow is dropped for the fp32 rows) and overlays its fold tile on the stage. Rows padded
 // by 4 kCVL values: each load phase of the dots (8 lanes of 16 B, or 16 of 8 B) hits distinct banks.
-#if KDA_SHADOW
-using stage_t = __nv_bfloat16;
-#else
-using stage_t = float;
-#endif
 constexpr int kSRow = kCols + 4 * kCVL;
 struct alignas(16) StagedSmem {
   stage_t rows[kK][kSRow];
@@ -231,11 +236,7 @@ constexpr size_t kReplayBytes = kStage ? sizeof(StagedSmem) : sizeof(ReplaySmem)
 constexpr size_t kSmemBytes = sizeof(FoldSmem) > kReplayBytes ? sizeof(FoldSmem) : kReplayBytes;
 
 __device__ __forceinline__ void stage_rows(StagedSmem& sm, const Args& a, size_t hs) {
-#if KDA_SHADOW
-  const stage_t* src = a.sh_in + hs * kK * kV + (blockIdx.x % kChunks) * kCols;
-#else
-  const stage_t* src = a.state_in + hs * kK * kV + (blockIdx.x % kChunks) * kCols;
-#endif
+  const stage_t* src = step_rows(a, hs) + (blockIdx.x % kChunks) * kCols;
   constexpr int kVec = 16 / sizeof(stage_t);  // values a copy
   constexpr int kVecRow = kCols / kVec;
   for (int i = threadIdx.x; i < kK * kVecRow; i += kThreads) {
@@ -504,13 +505,7 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
                                                 const StagedSmem* stg = nullptr) {
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
-  if constexpr (!kStaged) {
-#if KDA_SHADOW
-    load_rows(st, a.sh_in + hs * kK * kV, c);
-#else
-    load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
-  }
+  if constexpr (!kStaged) load_rows(st, step_rows(a, hs), c);
   const int ocol = out_col(c), kind = out_kind(c);
   float uh[kEA];  // u_j of this lane's output column
 #pragma unroll

@@ -171,11 +171,7 @@ __device__ __forceinline__ void spec_verify(const Args& a) {
   // The rows' loads go out before the cursor's, which would otherwise add a dependent global load to every block's
   // latency: the checkpoint, or with a shadow the shadow, which a fold drops for the fp32 rows. (H100, cafd1c0a90:
   // verify -2-7%; the same order in kda.cuh's decode step lost 0-25%, bench/NOTES.md "rows before the cursor".)
-#if KDA_SHADOW
-  load_rows(st, a.sh_in + hs * kK * kV, c);
-#else
-  load_rows(st, a.state_in + hs * kK * kV, c);
-#endif
+  load_rows(st, step_rows(a, hs), c);
   const int start = a.cursor[2 * slot], m = a.cursor[2 * slot + 1];
   const int ocol = out_col(c), kind = out_kind(c);
   if (start < 0 || start >= kL || m < 0 || m > kL - kT) {  // corrupt cursor: NaN outputs, nothing else written
