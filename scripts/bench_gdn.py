@@ -324,8 +324,6 @@ def main():
     ap.add_argument("--replay-shape", default="",
                     help="LANES:RT:WARPS[:RESIDENT] (- keeps the planner's): pin the replay modules' lanes per row, "
                          "rows per thread, warps per block and resident threads per SM")
-    ap.add_argument("--stage", action="store_true", help="every one-pass replay module with its rows staged in "
-                    "shared memory (GDNSpec.stage; the A/B against the planned modules in a second process)")
     args = ap.parse_args()
     try:  # every flag before any GPU work
         batches = [int(x) for x in args.batches.split(",") if x.strip()]
@@ -345,8 +343,6 @@ def main():
         ap.error(str(e))
     if args.replay_rt != "auto":
         shape["rt"] = int(args.replay_rt)
-    if args.stage:
-        shape["stage"] = True
     if shape:
         pin_replay(**shape)
     if not torch.cuda.is_available():
@@ -354,7 +350,7 @@ def main():
     ceiling = copy_ceiling_tbps()
     meta = dict(**timing.run_meta(commit=args.commit),
                 copy_ceiling_tbps=ceiling, replay_rt=args.replay_rt,
-                replay_shape=args.replay_shape or "planned", stage=args.stage)
+                replay_shape=args.replay_shape or "planned")
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     if args.spec:
         return main_spec(args, meta, ceiling)
@@ -369,7 +365,7 @@ def main():
         print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date'][:10]}_{args.tag}{'-staged' if args.stage else ''}_{meta['commit'][:10]}.json"
+    path = out / f"{meta['date'][:10]}_{args.tag}_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} {'x conv':>6s} | "

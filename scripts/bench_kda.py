@@ -236,8 +236,6 @@ def main():
                     "KDASpec.resident (threads an SM the register budget is set for), default the module's")
     ap.add_argument("--sweep-batches", default="", help="the sweep's batches (default: the smallest and largest)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep rows (an A/B over another kernel tree)")
-    ap.add_argument("--stage", action="store_true", help="every decode module with its rows staged in shared memory "
-                    "(KDASpec.stage; the A/B against the planned modules in a second process)")
     ap.add_argument("--verify", type=int, default=0, help="T: verify rows (kind 'verify') at every geometry and batch")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
                     "(threads an SM the register budget is set for), comma-separated")
@@ -259,43 +257,42 @@ def main():
     global FLA
     FLA = load_fla(args.fla_path)
     ceiling = copy_ceiling_tbps()
-    meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling, stage=args.stage,
+    meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling,
                 fla=None if FLA is None else json.loads((args.fla_path / "PEER.json").read_text()))
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
-    with override(stage=True if args.stage else None):  # --stage: every decode module staged
-        rows, verify = [], []
-        for geom in geoms:
-            for b in ([] if args.sweep_only else batches):
-                row = bench_point(geom, b, args.L)
-                timing.add_ceiling_pcts(row, ceiling)
-                rows.append(row)
-                print("RESULT_JSON " + json.dumps({"kind": "row", **row}), flush=True)
-                if args.verify:
-                    for res in [0] + [int(x) for x in args.verify_resident.split(",") if x]:
-                        with override(resident=res or None):
-                            vrow = bench_verify(geom, b, args.verify, args.L, conv_us=row["conv_us"])
-                        vrow["resident"] = res
-                        for key in [k for k in vrow if k.startswith(("f32_tbps", "bf16shadow_tbps"))]:
-                            vrow[key.replace("tbps", "pct_ceiling")] = 100 * vrow[key] / ceiling
-                        verify.append(vrow)
-                        print("RESULT_JSON " + json.dumps({"kind": "verify", **vrow}), flush=True)
-        sweep = []
-        sweep_batches = ([int(x) for x in args.sweep_batches.split(",") if x] if args.sweep_batches
-                         else sorted({min(batches), max(batches)}))
-        for item in [x for x in args.sweep.split(",") if x]:
-            cl, w, *res = (int(t) for t in item.split(":"))
-            for b in sweep_batches:
-                try:
-                    with override(col_lanes=cl, warps=w, resident=res[0] if res else None):
-                        row = bench_point(geoms[0], b, args.L, ks=[1, args.L // 2, args.L], peer=False)
-                except ValueError as e:  # a shape this geometry cannot take
-                    row = dict(geom=geoms[0], batch=b, error=str(e)[:200])
-                row["shape"] = [cl, w, *res]
-                sweep.append(row)
-                print("RESULT_JSON " + json.dumps({"kind": "sweep", **row}), flush=True)
+    rows, verify = [], []
+    for geom in geoms:
+        for b in ([] if args.sweep_only else batches):
+            row = bench_point(geom, b, args.L)
+            timing.add_ceiling_pcts(row, ceiling)
+            rows.append(row)
+            print("RESULT_JSON " + json.dumps({"kind": "row", **row}), flush=True)
+            if args.verify:
+                for res in [0] + [int(x) for x in args.verify_resident.split(",") if x]:
+                    with override(resident=res or None):
+                        vrow = bench_verify(geom, b, args.verify, args.L, conv_us=row["conv_us"])
+                    vrow["resident"] = res
+                    for key in [k for k in vrow if k.startswith(("f32_tbps", "bf16shadow_tbps"))]:
+                        vrow[key.replace("tbps", "pct_ceiling")] = 100 * vrow[key] / ceiling
+                    verify.append(vrow)
+                    print("RESULT_JSON " + json.dumps({"kind": "verify", **vrow}), flush=True)
+    sweep = []
+    sweep_batches = ([int(x) for x in args.sweep_batches.split(",") if x] if args.sweep_batches
+                     else sorted({min(batches), max(batches)}))
+    for item in [x for x in args.sweep.split(",") if x]:
+        cl, w, *res = (int(t) for t in item.split(":"))
+        for b in sweep_batches:
+            try:
+                with override(col_lanes=cl, warps=w, resident=res[0] if res else None):
+                    row = bench_point(geoms[0], b, args.L, ks=[1, args.L // 2, args.L], peer=False)
+            except ValueError as e:  # a shape this geometry cannot take
+                row = dict(geom=geoms[0], batch=b, error=str(e)[:200])
+            row["shape"] = [cl, w, *res]
+            sweep.append(row)
+            print("RESULT_JSON " + json.dumps({"kind": "sweep", **row}), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{meta['date'][:10]}_{args.tag}{'-staged' if args.stage else ''}_{meta['commit'][:10]}.json"
+    path = out / f"{meta['date'][:10]}_{args.tag}_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows, "sweep": sweep, "verify": verify}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'geom':>16s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} "

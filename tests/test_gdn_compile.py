@@ -31,13 +31,7 @@ EDGES = [
 ]
 
 
-with config.override(stage=True):  # staged rows (GDNSpec.stage): fp32 and shadow, small and large rows, K = 256
-    STAGED = [gdn_spec("bf16", 32, 16, V, K, L, batch, True, sh, arch=arch)
-              for (V, K), L, batch, sh, arch in itertools.product(((128, 128), (128, 256), (64, 64)), (2, 16), (1, 32),
-                                                                 ("none", "bf16"), ARCHS)]
-
-
-@pytest.mark.parametrize("spec", FULL + EDGES + STAGED, ids=lambda s: s.key)
+@pytest.mark.parametrize("spec", FULL + EDGES, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
@@ -133,19 +127,6 @@ def test_override_pins_the_replay_shape_and_register_budget():
     assert gdn_spec("bf16", 32, 16, 128, 128, 16, 1, True) == planned
     with pytest.raises(ValueError, match="GDNSpec.resident"):
         GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, 16, resident=128)
-    # staged rows: off unless pinned, keeps the planned shape, in the key and the prelude; one-pass decode only
-    assert not planned.stage and "constexpr bool kStageRows = false;" in planned.prelude()
-    with config.override(stage=True):
-        st = gdn_spec("bf16", 32, 16, 128, 128, 16, 1, True)
-        two_pass = gdn_spec("bf16", 32, 16, 128, 128, 16, 256, True, "bf16")
-        spec_module = gdn_spec("bf16", 32, 16, 128, 128, 16, 1, True, num_tokens=4)
-    assert st.stage and st.key == planned.key + "_stg" and "constexpr bool kStageRows = true;" in st.prelude()
-    assert (st.rows, st.warps, st.lanes) == (planned.rows, planned.warps, planned.lanes)
-    assert two_pass.passes == 2 and not two_pass.stage and not spec_module.stage
-    for bad in (dict(stage=1), dict(stage=True, passes=2, rows=128), dict(stage=True, num_tokens=4)):
-        with pytest.raises(ValueError, match="GDNSpec.stage"):
-            GDNSpec(**{**dict(act="bf16", heads_v=32, heads_k=16, V=128, K=128, buffer_len=16, rows=64, warps=8,
-                              lanes=16), **bad})
 
 
 def test_shadow_modules_take_two_passes_at_large_batches():

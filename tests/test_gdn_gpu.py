@@ -219,25 +219,6 @@ def test_replay_pinned_shapes(shape, shadow):
         run(pb, 3 * 8 + 1)
 
 
-# Rows staged in shared memory by cp.async (GDNSpec.stage, not planned yet): the base cases, the Qwen3-Next shapes at
-# the planner's small- and large-batch rows (R16 / R64), with and without the bf16 shadow.
-STAGED = [CASES[0], CASES[1], CASES[4], CASES[6], CASES[7], (QWEN3_NEXT, torch.bfloat16, 16, 3, 6, (1,)),
-          (QWEN3_NEXT, torch.bfloat16, 8, 40, 44, (3,))]
-
-
-@pytest.mark.parametrize("shadow", [False, True], ids=["f32", "shadow"])
-@pytest.mark.parametrize("geom, act, L, batch, slots, pad", STAGED,
-                         ids=[f"{g}-{str(a)[6:]}-L{L}-b{b}-pad{len(p)}" for g, a, L, b, _, p in STAGED])
-def test_replay_staged_rows(geom, act, L, batch, slots, pad, shadow):
-    from trtllm_replayssm.families.gdn import config
-
-    with config.override(stage=True):
-        spec = config.gdn_spec("bf16", *geom, L, batch, True, "bf16" if shadow else "none")
-        assert spec.stage == (spec.passes == 1)
-        pb = Problem(geom, act, L, batch, slots, pad, seed=23 + L, shadow=shadow)
-        run(pb, 3 * L + 1)
-
-
 def test_replay_large_batch_geometry():
     """A batch large enough for the full 8-rows-per-thread geometry (grid of > 1 wave)."""
     pb = Problem((32, 16, 128, 128), torch.bfloat16, 4, 40, 44, (3,), seed=11)

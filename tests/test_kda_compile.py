@@ -39,10 +39,7 @@ ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffe
         dict(H=3, K=48, V=40, warps=1), dict(H=5, K=64, V=24, warps=1), dict(K=256, V=64, warps=2),
         dict(l2norm=False), dict(scale=0.125), dict(col_lanes=4), dict(col_lanes=4, warps=2, shadow="bf16"),
         dict(lower_bound=-3.0, shadow="bf16"), dict(warps=8), dict(col_lanes=4, warps=8, shadow="bf16"),
-        dict(col_lanes=4, buffer_len=5), dict(col_lanes=4, buffer_len=2, act="f32"),
-        # staged rows (KDASpec.stage): fp32 and shadow tiles at 2 and 4 lanes, and K = 256 (42+ KiB: the register path)
-        dict(stage=True), dict(col_lanes=4, stage=True), dict(col_lanes=4, shadow="bf16", stage=True),
-        dict(K=256, V=64, stage=True, shadow="bf16"), dict(col_lanes=4, buffer_len=2, act="f32", stage=True)]
+        dict(col_lanes=4, buffer_len=5), dict(col_lanes=4, buffer_len=2, act="f32")]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
 VERIFY_PUBLISHED = [
     kda_spec("bf16", *GEOMETRIES[g], 16, batch, sh, lower_bound=lb, arch=arch, num_tokens=T)
@@ -111,12 +108,6 @@ def test_key_and_prelude():
     with override(resident=384):  # the register budget of a sweep: in the key, so modules never collide
         r = kda_spec("bf16", 12, 128, 128, 16, 256, num_tokens=4)
     assert r.min_blocks == 3 and r.key.endswith("_r384_sm90") and "_r" not in kda_spec("bf16", 12, 128, 128, 16, 256).key
-    # staged rows: decode modules only, in the key and the prelude; off unless pinned
-    assert "constexpr bool kStageRows = false;" in s.prelude() and not kda_spec("bf16", 12, 128, 128, 16, 256).stage
-    with override(stage=True):
-        st, sv = kda_spec("bf16", 12, 128, 128, 16, 256), kda_spec("bf16", 12, 128, 128, 16, 256, num_tokens=4)
-    assert st.stage and st.key.endswith("_stg_sm90") and "constexpr bool kStageRows = true;" in st.prelude()
-    assert not sv.stage and "_stg" not in sv.key
 
 
 @pytest.mark.parametrize("bad, match", [
@@ -126,7 +117,7 @@ def test_key_and_prelude():
     (dict(K=256, col_lanes=4), "state values"),
     (dict(num_tokens=3), "num_tokens"), (dict(num_tokens=4, buffer_len=7), "num_tokens"),
     (dict(num_tokens=-1), "num_tokens"), (dict(num_tokens=2, K=256, V=64, warps=1), "2 key channels a thread"),
-    (dict(resident=-1), "resident"), (dict(stage=1), "stage"), (dict(stage=True, num_tokens=4), "stage"),
+    (dict(resident=-1), "resident"),
 ])
 def test_spec_rejects(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -114,14 +114,6 @@ def test_replay_decode_launch_shapes(case, shape):
         _replay_against_reference(case)
 
 
-# Rows staged in shared memory by cp.async (KDASpec.stage, not planned yet): the planner's small-batch shape and (4, 4).
-@pytest.mark.parametrize("case, shape", [(c, None) for c in CASES] + SHAPED[:4],
-                         ids=[c[0] for c in CASES] + [f"{c[0]}-C{s[0]}W{s[1]}" for c, s in SHAPED[:4]])
-def test_replay_decode_staged_rows(case, shape):
-    with override(stage=True, **({} if shape is None else dict(col_lanes=shape[0], warps=shape[1]))):
-        _replay_against_reference(case)
-
-
 def _replay_against_reference(case):
     dev = cuda()
     _, (H, K, V), act, L, batch, slots, lb, l2, use_shadow = case

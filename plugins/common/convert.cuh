@@ -16,18 +16,6 @@ template <typename T> __device__ __forceinline__ T from_f(float v);
 template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-// Four consecutive values of a shared-memory tile (16 bytes of fp32, 8 of bf16; aligned), widened to fp32: the rows
-// a staged kernel copied in by cp.async (common/cp_async.cuh).
-__device__ __forceinline__ void lds4(const float* p, float (&o)[4]) {
-  const float4 t = *reinterpret_cast<const float4*>(p);
-  o[0] = t.x, o[1] = t.y, o[2] = t.z, o[3] = t.w;
-}
-__device__ __forceinline__ void lds4(const __nv_bfloat16* p, float (&o)[4]) {
-  const uint2 raw = *reinterpret_cast<const uint2*>(p);
-  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-  o[0] = __low2float(lo), o[1] = __high2float(lo), o[2] = __low2float(hi), o[3] = __high2float(hi);
-}
 #ifdef __CUDA_FP8_TYPES_EXIST__
 __device__ __forceinline__ float to_f(__nv_fp8_e4m3 v) { return static_cast<float>(v); }
 template <> __device__ __forceinline__ __nv_fp8_e4m3 from_f<__nv_fp8_e4m3>(float v) { return __nv_fp8_e4m3(v); }

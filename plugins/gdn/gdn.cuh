@@ -11,7 +11,6 @@
 //                              prologue (standard decode modules only; see replay_nonflush)
 //   kLanes                     lanes sharing one state row (4..32; fewer: shorter butterflies)
 //   kL2Norm, kScale            l2-normalise q and k; q scale (K^-1/2 unless given)
-//   kStageRows                 stage the non-flush step's rows in shared memory (kStage below)
 //
 // Math, per (slot, value head hv), key head h = hv / (HV / H), state S (V x K) fp32:
 //   g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b), q, k l2-normalised, q *= scale
@@ -390,41 +389,11 @@ struct alignas(16) FlushSmem {
 };
 // v rows of a block move as 16-byte vectors where they are whole vectors (small blocks: element-wise).
 constexpr bool kVVectors = kRows * sizeof(act_t) % 16 == 0;
-constexpr size_t kStepBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(ReplaySmem) : sizeof(FlushSmem);
-// The rows staged in shared memory (GDNSpec.stage; one-pass standard decode modules whose tile fits the 48 KiB of
-// static shared memory beside the step's own tile): cp.async copies of the block's rows (the fp32 checkpoint, or the
-// bf16 shadow) issued as soon as the slot is known, before the cursor is read, holding no registers while they fly;
-// the non-flush step reads them after the barrier it already has (the same wait as its u tile). The flush leaves
-// them (it loads its fp32 rows itself: L2 hits for an fp32 stage) and waits for them with its own copies.
-using stage_t = shadow_t;  // the rows a non-flush step reads: the shadow's type, float without one (the prelude)
-constexpr bool kStage = kStageRows && kPasses == 1 && kStepBytes + sizeof(stage_t) * kRows * kK <= 48 * 1024;
-constexpr size_t kSmemBytes = kStepBytes + (kStage ? sizeof(stage_t) * kRows * kK : 0);
-
-// The block's kRows x K rows are contiguous in the state (and in its shadow): one run of 16-byte copies.
-__device__ __forceinline__ void stage_rows(stage_t* stage, const ReplayArgs& a, const Coords& p, int slot) {
-  const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
-#if GDN_SHADOW
-  const stage_t* src = a.sh_in + sh * kK;
-#else
-  const stage_t* src = a.state_in + sh * kK;
-#endif
-  constexpr int kVec = 16 / sizeof(stage_t), kVecs = kRows * kK / kVec;
-  for (int i = threadIdx.x; i < kVecs; i += kThreads) cp_async16(stage + i * kVec, src + i * kVec);
-}
-// This lane's rows from the stage (after the copies were waited for and a barrier).
-__device__ __forceinline__ void unstage_rows(Rows& st, const stage_t* stage, const Lane& c) {
-#pragma unroll
-  for (int r = 0; r < kRT; ++r)
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v) rssm_common::lds4(stage + (c.rb + r) * kK + c.col(v), st[r][v]);
-}
-
+constexpr size_t kSmemBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(ReplaySmem) : sizeof(FlushSmem);
 
 // Non-flush step at buffer position m = cursor (entries j < m buffered).
-// stage: the staged rows (kStaged), read after the barrier; otherwise the rows' loads go out before the prologue.
-template <bool kStaged = false>
 __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
-                                                int m, ReplaySmem& sm, const stage_t* stage = nullptr) {
+                                                int m, ReplaySmem& sm) {
   // The u tile first (cp.async holds no registers), then the checkpoint rows: both stream while the
   // inputs are prepared and the buffer scalars computed.
   const float* uh = a.uc_in + ((size_t)slot * kHV + p.hv) * kL * kV + p.row0;
@@ -435,10 +404,8 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
-  if constexpr (!kStaged) {
-    if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, c);
-    else load_rows(st, a.state_in + sh * kK, c);
-  }
+  if constexpr (kShadow) load_rows(st, a.sh_in + sh * kK, c);
+  else load_rows(st, a.state_in + sh * kK, c);
   // k_j of the entries this row group dots (all loads issued before the first use).
   constexpr int kGroups = kWarps * kRPW;
   constexpr int kIters = (kL - 1 + kGroups - 1) / kGroups;
@@ -477,7 +444,6 @@ __device__ __forceinline__ void replay_nonflush(const ReplayArgs& a, const Coord
   }
   cp_async_wait_all();
   __syncthreads();
-  if constexpr (kStaged) unstage_rows(st, stage, c);
   // This lane's dot (row dot_row, k or q): exp(G_m) S0 x + sum_j w_j (k_j . x) u_j[row]. Pass 0 is the
   // one-pass module's code unchanged (its PTX is byte-identical to the GPU-validated one-pass kernel); a
   // second pass loads its checkpoint rows as soon as pass 0's dots have read theirs.
@@ -625,38 +591,16 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   }
 }
 
-__device__ __forceinline__ void nan_outputs(const ReplayArgs& a, const Coords& p) {  // an unchecked bad cursor
-  for (int r = threadIdx.x; r < kRows; r += kThreads)
-    a.y[((size_t)p.b * kHV + p.hv) * kV + p.row0 + r] = from_f<act_t>(__int_as_float(0x7fc00000));
-}
-
-__device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
-                                                     unsigned char* smem) {
-  stage_t* stage = reinterpret_cast<stage_t*>(smem + kStepBytes);
-  stage_rows(stage, a, p, slot);  // before the cursor's load: the rows do not depend on it
-  const int pos = a.cursor[slot];
-  if (pos < 0 || pos >= kL) {  // NaN outputs, nothing else written; no copy outlives the block
-    nan_outputs(a, p);
-    cp_async_wait_all();
-    return;
-  }
-  if (pos + 1 == kL) replay_flush(a, p, c, slot, *reinterpret_cast<FlushSmem*>(smem));  // waits for the copies
-  else replay_nonflush<true>(a, p, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem), stage);
-}
-
 __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   __shared__ alignas(16) unsigned char smem[kSmemBytes];
   const Coords p = block_coords();
   const Lane c = lane_coords();
   const int slot = a.sbi[p.b];
   if (slot < 0 || slot >= a.nslots) return;
-  if constexpr (kStage) {
-    replay_decode_staged(a, p, c, slot, smem);
-    return;
-  }
   const int pos = a.cursor[slot];
-  if (pos < 0 || pos >= kL) {  // NaN outputs, nothing else written
-    nan_outputs(a, p);
+  if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
+    for (int r = threadIdx.x; r < kRows; r += kThreads)
+      a.y[((size_t)p.b * kHV + p.hv) * kV + p.row0 + r] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
   if (pos + 1 == kL) replay_flush(a, p, c, slot, *reinterpret_cast<FlushSmem*>(smem));

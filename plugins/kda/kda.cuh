@@ -9,7 +9,6 @@
 //   KDA_LOWER_BOUND, kLowerBound  0: Kimi's gate; 1: GLM-5 Next's gate bounded below by kLowerBound
 //   kH, kK, kV, kL             heads, key dim, value dim, ring length (2..16)
 //   kCVL, kWarps, kMinBlocks   lanes across a state row's block columns (4 columns each), warps, resident blocks
-//   kStageRows                 decode: stage the non-flush step's rows in shared memory (kStage below)
 //   kL2Norm, kScale            l2-normalise q and k; q scale
 //
 // Math per (slot, head), state S (K x V) fp32, the transformers / fla layout:
@@ -39,7 +38,6 @@
 #include <cuda_fp16.h>
 
 #include "common/convert.cuh"
-#include "common/cp_async.cuh"
 #include "common/scan.cuh"
 #include "common/warp.cuh"
 
@@ -55,11 +53,7 @@
 
 namespace kda {
 
-using rssm_common::cp_async16;
-using rssm_common::cp_async_commit;
-using rssm_common::cp_async_wait_all;
 using rssm_common::from_f;
-using rssm_common::lds4;
 using rssm_common::to_f;
 using rssm_common::transpose_reduce;
 
@@ -188,14 +182,12 @@ struct Args {
   __nv_bfloat16* sh_out;
 };
 
-// The rows a replay step reads (the non-flush step, a verify window without a fold, the stage): the fp32
-// checkpoint's, or with a shadow the shadow's.
+// The rows a replay step reads (the non-flush step, a verify window without a fold): the fp32 checkpoint's, or
+// with a shadow the shadow's.
 #if KDA_SHADOW
-using stage_t = __nv_bfloat16;
-__device__ __forceinline__ const stage_t* step_rows(const Args& a, size_t hs) { return a.sh_in + hs * kK * kV; }
+__device__ __forceinline__ const __nv_bfloat16* step_rows(const Args& a, size_t hs) { return a.sh_in + hs * kK * kV; }
 #else
-using stage_t = float;
-__device__ __forceinline__ const stage_t* step_rows(const Args& a, size_t hs) { return a.state_in + hs * kK * kV; }
+__device__ __forceinline__ const float* step_rows(const Args& a, size_t hs) { return a.state_in + hs * kK * kV; }
 #endif
 
 // Shared memory. The token tile: per channel exp(g) k, exp(g) q (raw, the norms enter after the reduce), exp(g),
@@ -220,37 +212,7 @@ struct alignas(16) ReplaySmem {
   float e0k[kK], e0q[kK];   // D_{t,0} k, D_{t,0} q (raw)
   float red1[kWarps][kN1], red2[kWarps][kN2];
 };
-// The rows staged in shared memory (KDASpec.stage; decode modules whose tile fits the 48 KiB of static shared memory):
-// cp.async copies of the block's rows (the fp32 checkpoint, or the bf16 shadow) issued as soon as the slot is known,
-// before the cursor is read, holding no registers while they fly; the non-flush step runs its channel stage with no
-// state registers live and reads the rows after the barrier it already had; the flush takes the staged fp32 rows
-// into registers (a staged shadow is dropped for the fp32 rows) and overlays its fold tile on the stage. Rows padded
-// by 4 kCVL values: each load phase of the dots (8 lanes of 16 B, or 16 of 8 B) hits distinct banks.
-constexpr int kSRow = kCols + 4 * kCVL;
-struct alignas(16) StagedSmem {
-  stage_t rows[kK][kSRow];
-  ReplaySmem rep;
-};
-constexpr bool kStage = kStageRows && KDA_TOKENS == 0 && sizeof(StagedSmem) <= 48 * 1024;
-constexpr size_t kReplayBytes = kStage ? sizeof(StagedSmem) : sizeof(ReplaySmem);
-constexpr size_t kSmemBytes = sizeof(FoldSmem) > kReplayBytes ? sizeof(FoldSmem) : kReplayBytes;
-
-__device__ __forceinline__ void stage_rows(StagedSmem& sm, const Args& a, size_t hs) {
-  const stage_t* src = step_rows(a, hs) + (blockIdx.x % kChunks) * kCols;
-  constexpr int kVec = 16 / sizeof(stage_t);  // values a copy
-  constexpr int kVecRow = kCols / kVec;
-  for (int i = threadIdx.x; i < kK * kVecRow; i += kThreads) {
-    const int r = i / kVecRow, v = i % kVecRow;
-    cp_async16(&sm.rows[r][v * kVec], src + (size_t)r * kV + v * kVec);
-  }
-  cp_async_commit();
-}
-// The staged rows of this lane into registers (after the copies were waited for and a barrier).
-__device__ __forceinline__ void unstage_rows(Rows& st, const StagedSmem& sm, const Coords& c) {
-  const int bcol = c.col - (blockIdx.x % kChunks) * kCols;
-#pragma unroll
-  for (int r = 0; r < kRT; ++r) lds4(&sm.rows[c.row(r)][bcol], st[r]);
-}
+constexpr size_t kSmemBytes = sizeof(FoldSmem) > sizeof(ReplaySmem) ? sizeof(FoldSmem) : sizeof(ReplaySmem);
 
 __device__ __forceinline__ float comp(const float4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
 
@@ -416,24 +378,11 @@ __device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, Fol
 // ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
 // S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
 // (and the shadow).
-// kStaged: the flush of a staged module (the copies in flight, the stage under the fold tile).
-template <bool kFlush, bool kStaged = false>
+template <bool kFlush>
 __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
-  if constexpr (kStaged) {
-    if constexpr (!KDA_SHADOW) {  // the staged rows are the fp32 checkpoint's
-      cp_async_wait_all();
-      __syncthreads();
-      unstage_rows(st, *reinterpret_cast<const StagedSmem*>(&sm), c);
-    } else {  // the fold starts from the fp32 rows: the staged shadow is dropped
-      load_rows(st, a.state_in + hs * kK * kV, c);
-      cp_async_wait_all();
-    }
-    __syncthreads();  // the fold tile overlays the stage
-  } else {
-    load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
-  }
+  load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
   float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
@@ -499,13 +448,10 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
-// stg: the staged rows (kStaged), read after the channel stage's barrier; otherwise the rows' loads go out first.
-template <bool kStaged = false>
-__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm,
-                                                const StagedSmem* stg = nullptr) {
+__device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
-  if constexpr (!kStaged) load_rows(st, step_rows(a, hs), c);
+  load_rows(st, step_rows(a, hs), c);
   const int ocol = out_col(c), kind = out_kind(c);
   float uh[kEA];  // u_j of this lane's output column
 #pragma unroll
@@ -558,9 +504,7 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
   }
   const act_t v_raw = a.v[in * kV + ocol];
   const float beta = sigmoid(to_f(a.b[in]));
-  if constexpr (kStaged) cp_async_wait_all();
   __syncthreads();
-  if constexpr (kStaged) unstage_rows(st, *stg, c);
   float t1 = 0.f, t2 = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) t1 += sm.red1[w][c.lane % kN1], t2 += sm.red2[w][c.lane % kN2];
@@ -606,36 +550,15 @@ __device__ __forceinline__ void conventional(const Args& a) {
   fold_step<false>(a, c, slot, false, sm);
 }
 
-__device__ __forceinline__ void nan_outputs(const Args& a, const Coords& c) {  // an unchecked bad cursor
-  for (int i = threadIdx.x; i < kCols; i += kThreads)
-    a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
-}
-
-__device__ __forceinline__ void replay_decode_staged(const Args& a, const Coords& c, int slot, unsigned char* smem) {
-  StagedSmem& stg = *reinterpret_cast<StagedSmem*>(smem);
-  stage_rows(stg, a, (size_t)slot * kH + c.h);  // before the cursor's load: the rows do not depend on it
-  const int pos = a.cursor[slot];
-  if (pos < 0 || pos >= kL) {  // NaN outputs, nothing else written; no copy outlives the block
-    nan_outputs(a, c);
-    cp_async_wait_all();
-    return;
-  }
-  if (pos + 1 == kL) fold_step<true, true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
-  else replay_nonflush<true>(a, c, slot, pos, stg.rep, &stg);
-}
-
 __device__ __forceinline__ void replay_decode(const Args& a) {
   __shared__ alignas(16) unsigned char smem[kSmemBytes];
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;
-  if constexpr (kStage) {
-    replay_decode_staged(a, c, slot, smem);
-    return;
-  }
   const int pos = a.cursor[slot];
-  if (pos < 0 || pos >= kL) {  // NaN outputs, nothing else written
-    nan_outputs(a, c);
+  if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
+    for (int i = threadIdx.x; i < kCols; i += kThreads)
+      a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
   if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));

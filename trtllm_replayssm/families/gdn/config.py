@@ -72,9 +72,6 @@ class GDNSpec:
     # threads per SM the kernels are built for (``__launch_bounds__`` min blocks = resident / threads: caps the
     # registers); grids under one block per SM can afford fewer resident threads and more registers (gdn_plan)
     resident: int = GDN_RESIDENT_THREADS
-    # One-pass standard decode modules: stage the non-flush step's rows in shared memory by cp.async before the
-    # cursor is read (gdn.cuh kStage; where the tile fits 48 KiB). Not planned yet: no GPU run has measured it.
-    stage: bool = False
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -103,10 +100,6 @@ class GDNSpec:
         if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < self.threads:
             raise ValueError(f"GDNSpec.resident: expected an int >= threads per block ({self.threads}), "
                              f"got {self.resident!r}")
-        if not isinstance(self.stage, bool):
-            raise ValueError(f"GDNSpec.stage: expected a bool, got {self.stage!r}")
-        if self.stage and (self.num_tokens or self.passes > 1):
-            raise ValueError("GDNSpec.stage: only one-pass standard decode modules stage their rows")
         if isinstance(self.num_tokens, bool) or not isinstance(self.num_tokens, int):
             raise TypeError(f"GDNSpec.num_tokens: expected an int, got {type(self.num_tokens).__name__}")
         if self.num_tokens:
@@ -134,7 +127,7 @@ class GDNSpec:
                 + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}"
                 + (f"_T{self.num_tokens}" if self.num_tokens else "") + (f"_x{self.passes}" if self.passes > 1 else "")
-                + (f"_r{self.resident}" if self.resident != GDN_RESIDENT_THREADS else "") + ("_stg" if self.stage else ""))
+                + (f"_r{self.resident}" if self.resident != GDN_RESIDENT_THREADS else ""))
 
     @property
     def threads(self) -> int:
@@ -172,7 +165,6 @@ class GDNSpec:
                 f"constexpr int kRows = {self.rows};",
                 f"constexpr int kWarps = {self.warps};",
                 f"constexpr int kMinBlocks = {self.min_blocks};",
-                f"constexpr bool kStageRows = {'true' if self.stage else 'false'};",
                 f"constexpr int kLanes = {min(self.lanes, self.K // 4)};",
                 f"constexpr bool kL2Norm = {'true' if self.l2norm else 'false'};",
                 f"constexpr float kScale = {self.scale_f32.hex()}f;  // {self.scale_f32!r}",
@@ -231,14 +223,12 @@ def gdn_geometry(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: 
 _OVERRIDE: dict = {}
 
 
-def override(lanes: int | None = None, rt: int | None = None, warps: int | None = None, resident: int | None = None,
-             stage: bool | None = None):
+def override(lanes: int | None = None, rt: int | None = None, warps: int | None = None, resident: int | None = None):
     """Pin the replay modules' launch shape inside the block (benchmark sweeps; tests of shapes the planner does not
     pick for their batch): ``lanes`` per row, ``rt`` state rows per thread, ``warps`` per block (rows per block =
     rows one warp load covers x rt x warps, capped at V) and ``resident`` threads per SM (GDNSpec.resident); None
-    keeps the planner's; ``stage``: one-pass standard replay modules with staged rows (GDNSpec.stage). Conventional
-    modules are not affected."""
-    return pinned(_OVERRIDE, lanes=lanes, rt=rt, warps=warps, resident=resident, stage=stage)
+    keeps the planner's. Conventional modules are not affected."""
+    return pinned(_OVERRIDE, lanes=lanes, rt=rt, warps=warps, resident=resident)
 
 
 def gdn_plan(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: int = 0) -> tuple[int, int, int, int]:
@@ -246,7 +236,7 @@ def gdn_plan(V: int, K: int, HV: int, batch: int, replay: bool, num_tokens: int 
     budget, with :func:`override`'s pins applied to replay modules."""
     rows, warps, lanes = gdn_geometry(V, K, HV, batch, replay, num_tokens)
     resident = GDN_RESIDENT_THREADS
-    if replay and _OVERRIDE.keys() & {"lanes", "rt", "warps", "resident"}:  # (stage alone keeps the shape)
+    if replay and _OVERRIDE:
         lanes, rpw, _ = gdn_layout(K, _OVERRIDE.get("lanes", lanes))
         rt = _OVERRIDE.get("rt") or max(1, rows // (rpw * warps))
         rows = min(V, rpw * rt * _OVERRIDE.get("warps", GDN_REPLAY_WARPS))
@@ -276,6 +266,5 @@ def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, repl
     replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``."""
     rows, warps, lanes, resident = gdn_plan(V, K, HV, batch, replay, num_tokens)
     passes = gdn_passes(V, K, HV, batch, replay, shadow, num_tokens)
-    stage = bool(_OVERRIDE.get("stage")) and replay and not num_tokens and passes == 1
     return GDNSpec(act, HV, H, V, K, L, rows * passes, warps, lanes, shadow, l2norm, scale, arch, num_tokens, passes,
-                   resident, stage)
+                   resident)

@@ -62,9 +62,6 @@ class KDASpec:
     arch: int = 90
     num_tokens: int = 0  # 0: the decode module; T = 1 + num_draft: the verify module (2 T <= L)
     resident: int = 0  # threads an SM the register budget is planned for (0: the module's default, min_blocks)
-    # Decode modules: stage the non-flush step's rows in shared memory by cp.async before the cursor is read
-    # (kda.cuh kStage; where the tile fits 48 KiB). Not planned yet: no GPU run has measured or tested it.
-    stage: bool = False
 
     @property
     def entry_file(self) -> str:
@@ -93,10 +90,6 @@ class KDASpec:
                              f"2 T <= L = {self.buffer_len} (flush one window early), got {self.num_tokens}")
         if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < 0:
             raise ValueError(f"KDASpec.resident: expected an int >= 0 (0: the default), got {self.resident!r}")
-        if not isinstance(self.stage, bool):
-            raise ValueError(f"KDASpec.stage: expected a bool, got {self.stage!r}")
-        if self.stage and self.num_tokens:
-            raise ValueError("KDASpec.stage: only decode modules (num_tokens 0) stage their rows")
         if self.num_tokens and self.K > 2 * 32 * self.warps:
             raise ValueError(f"KDASpec: the verify module holds at most 2 key channels a thread: K={self.K} needs "
                              f">= {(self.K + 63) // 64} warps, got {self.warps}")
@@ -176,7 +169,7 @@ class KDASpec:
                 f"_n{int(self.l2norm)}" + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
-                + (f"_r{self.resident}" if self.resident else "") + ("_stg" if self.stage else "") + f"_sm{self.arch}")
+                + (f"_r{self.resident}" if self.resident else "") + f"_sm{self.arch}")
 
     def prelude(self) -> str:
         lb = self.lower_bound is not None
@@ -198,7 +191,6 @@ class KDASpec:
             f"constexpr int kCVL = {self.col_lanes};",
             f"constexpr int kWarps = {self.warps};",
             f"constexpr int kMinBlocks = {self.min_blocks};",
-            f"constexpr bool kStageRows = {'true' if self.stage else 'false'};",
             f"constexpr bool kL2Norm = {'true' if self.l2norm else 'false'};",
             f"constexpr float kScale = {self.scale_f32.hex()}f;  // {self.scale_f32!r}",
             "",
@@ -208,12 +200,10 @@ class KDASpec:
 _OVERRIDE: dict = {}
 
 
-def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None,
-             stage: bool | None = None):
+def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None):
     """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
-    register budget of the planned modules is set for (KDASpec.resident); ``stage``: decode modules with staged rows
-    (KDASpec.stage)."""
-    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, stage=stage)
+    register budget of the planned modules is set for (KDASpec.resident)."""
+    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident)
 
 
 def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
@@ -259,7 +249,7 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
     ``conventional``; ``num_tokens`` T >= 1: the verify module, planned as the replay step)."""
     cl, w = kda_geometry(H, K, V, batch, conventional)
     return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
-                   _OVERRIDE.get("resident", 0), bool(_OVERRIDE.get("stage")) and not num_tokens)
+                   _OVERRIDE.get("resident", 0))
 
 
 __all__ = ["KDASpec", "kda_geometry", "kda_spec", "override", "ENTRY_FILE", "KERNEL_NAMES", "SPEC_ENTRY_FILE",
