@@ -7,8 +7,8 @@ from the same checkpoint on the same inputs (tests/test_gdn_gpu.py's Problem: th
 stores into tensors of the kernel's dtypes). After every step: the relative Frobenius error of y, and after every
 flush the relative error of the stored checkpoint (``state``), both over the rows with a slot. What is left between
 the two is the kernel's fp32 arithmetic (and y's rounding to the activation dtype); the reference's flush is the exact
-refold from v_j, the kernel's fp32 flush the u-sum of the stored u_j (bench/NOTES.md, issue 40), so this measures
-whether the cheaper fold costs accuracy, and whether the error grows with the number of flushes.
+refold from v_j. It measures whether a kernel's flush costs accuracy (the u-sum of the stored u_j against the refold:
+bench/NOTES.md, issue 40) and whether the error grows with the number of flushes.
 
 A/B of kernel trees: run it twice, once with ``TRTLLM_REPLAYSSM_PLUGIN_DIR`` at the older tree's plugins.
 

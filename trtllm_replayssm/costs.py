@@ -212,13 +212,10 @@ def gdn_bytes_per_position(HV: int, H: int, V: int, K: int, L: int, act_bytes: i
 
     Conventional: read + write the state. ReplaySSM at k < L: read S0 (or its shadow) once, the k - 1
     buffered entries the output needs (u, k, g), write one entry (u, v, k, g, beta); at k = L (the flush):
-    read S0 and the L - 1 entries the fold needs, write S0 (+ the shadow). The fold's entries: with an fp32
-    checkpoint the u-sum's (u, k, g: the output path's; plugins/gdn/gdn.cuh replay_flush), with a shadow the
-    exact refold's (v, k, g, beta). Inputs q, k, v, a, b and the output y are the same for both and counted in
-    both (what scripts/bench_gdn.py divides its times by)."""
+    read S0 and the L - 1 entries the fold needs (v, k, g, beta), write S0 (+ the shadow). Inputs q, k, v,
+    a, b and the output y are the same for both and counted in both (what scripts/bench_gdn.py divides
+    its times by)."""
     state, read, wsh, io, hist, fold, entry = _gdn_parts(HV, H, V, K, act_bytes, state_bytes, shadow_bytes)
-    if shadow_sizes(shadow_bytes) is None:
-        fold = hist  # the u-sum
     return _per_position(state, read, wsh, io, hist, fold, entry, L)
 
 

@@ -20,11 +20,8 @@
 //   S_m k = exp(G_m) S0 k + sum_j w_j (k_j . k) u_j       (same with q)
 //   u = beta (v - exp(g) S_m k),  y = exp(g) S_m q + (k . q) u
 // so a non-flush step reads S0 once (two dots per row) and appends (u, v, k, g, beta). The flush
-// (the L-th entry) moves the fp32 checkpoint to the state after the buffered entries, then runs the
-// conventional step for the current token and stores the checkpoint: with an fp32 checkpoint by the u-sum
-// S_m = exp(G_m) S0 + sum_j w_j u_j k_j^T of the stored u_j (computed from that checkpoint: the same number
-// as the recurrence), with a bf16 shadow by the exact recurrence over the buffered (v_j, k_j, g_j, beta_j),
-// so the shadow's rounding in the stored u_j never reaches the checkpoint (replay_flush).
+// (the L-th entry) folds the buffered (v_j, k_j, g_j, beta_j) into the fp32 checkpoint by the exact
+// recurrence, then runs the conventional step for the current token and stores the checkpoint.
 //
 // Work split: one block per (batch row, value head, chunk of kRows rows). A row's K columns lie
 // across kLPR lanes (16-byte vectors), kRT consecutive rows per thread, so a warp-wide load covers
@@ -382,29 +379,16 @@ struct alignas(16) ReplaySmem {
   float kd[32][2];  // (k_j . k', k_j . q') interleaved: a lane reads one of the pair, no bank conflict
   float eGm;        // exp(G_m)
 };
-// The flush's entries j < L - 1, staged by cp.async with the checkpoint loads, so the fold reads shared memory
-// instead of waiting on a DRAM round trip per entry. Its per-row values: with an fp32 checkpoint (no shadow) the u_j
-// of the block's rows (the u-sum, kFoldU), with a shadow the v_j (the exact refold; see replay_flush).
-constexpr bool kFoldU = !kShadow;
-#if GDN_SHADOW
-using flush_t = act_t;
-#else
-using flush_t = float;
-#endif
+// The flush's entries j < L - 1, staged by cp.async with the checkpoint loads, so the serial fold reads
+// shared memory instead of waiting on a DRAM round trip per entry.
 constexpr int kFE = kL > 1 ? kL - 1 : 1;
 struct alignas(16) FlushSmem {
-  float k[kFE][kK];        // k_j
-  flush_t x[kFE][kRows];   // u_j (kFoldU) or v_j of the block's rows
-#if GDN_SHADOW
-  float g[32], beta[32];   // g_j, beta_j (the refold)
-#else
-  float w[32], eG;         // w_j = exp(sum_{j<i<L-1} g_i), exp(G_{L-1}) (the u-sum)
-#endif
+  float k[kFE][kK];      // k_j
+  act_t v[kFE][kRows];   // v_j of the block's rows
+  float g[32], beta[32];
 };
-// A block's v rows (the speculative fold's tile) and its flush values move as 16-byte vectors where they are whole
-// vectors (small blocks: element-wise).
+// v rows of a block move as 16-byte vectors where they are whole vectors (small blocks: element-wise).
 constexpr bool kVVectors = kRows * sizeof(act_t) % 16 == 0;
-constexpr bool kXVectors = kRows * sizeof(flush_t) % 16 == 0;
 constexpr size_t kSmemBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(ReplaySmem) : sizeof(FlushSmem);
 
 // Non-flush step at buffer position m = cursor (entries j < m buffered).
@@ -520,7 +504,7 @@ __device__ __forceinline__ void smem_cols(Cols& out, const float* row, const Lan
   }
 }
 
-// Exact fold of m staged entries (fs.k[j], fs.x[j][row] = v_j, fs.g[j], fs.beta[j]; FlushSmem here, the
+// Exact fold of m staged entries (fs.k[j], fs.v[j][row], fs.g[j], fs.beta[j]; FlushSmem here, the
 // speculative module's FoldSmem) into this thread's rows: S <- exp(g_j) S + u_j k_j^T with
 // u_j = beta_j (v_j - exp(g_j) S k_j). Lazy decay: the rows hold T with S_j = D_j T, so each entry costs
 // one FMA per element for the dot and one for the update (T += (u / D_j) k_j); T is rescaled (and D reset)
@@ -533,7 +517,7 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
   for (int j = 0; j < m; ++j) {
     Cols kj;
     smem_cols(kj, fs.k[j], c);
-    const float vj = to_f(fs.x[j][fold_row]);
+    const float vj = to_f(fs.v[j][fold_row]);
     float acc[kRT];
 #pragma unroll
     for (int r = 0; r < kRT; ++r) acc[r] = dot_cols(st[r], kj);
@@ -562,71 +546,26 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
   }
 }
 
-// S <- exp(G) S + sum_j w_j u_j k_j^T (the u-sum over the flush's staged entries; kFoldU): no dependent chain
-// between entries, one FMA per state value and entry.
-template <typename Smem>
-__device__ __forceinline__ void usum_rows(Rows& st, const Smem& fs, const Lane& c) {
-  const float eG = fs.eG;
-#pragma unroll
-  for (int r = 0; r < kRT; ++r)
-#pragma unroll
-    for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st[r][v][e] *= eG;
-#pragma unroll 4
-  for (int j = 0; j < kL - 1; ++j) {
-    Cols kj;
-    smem_cols(kj, fs.k[j], c);
-    const float w = fs.w[j];
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      const float u = w * to_f(fs.x[j][c.rb + r]);
-#pragma unroll
-      for (int v = 0; v < kVPL; ++v)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(u, kj[v][e], st[r][v][e]);
-    }
-  }
-}
-
-// Flush step (m = L - 1 entries buffered): the checkpoint becomes the state after the L - 1 entries, then this
-// token. With an fp32 checkpoint (kFoldU) that state is the u-sum exp(G) S0 + sum_j w_j u_j k_j^T of the stored u_j,
-// which the non-flush steps computed from this fp32 checkpoint: the same number as the exact recurrence (the spec,
-// families/gdn/reference.py, says so) at one FMA per state value and entry with no chain between entries. With a
-// bf16 shadow the stored u_j carry the shadow's rounding, so the fp32 checkpoint is refolded exactly from v_j
-// (fold_rows) and shadow errors never reach it.
-// (A template on the tile type: each module compiles one of the two forms and FlushSmem holds only its fields.)
-template <typename Smem>
-__device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot, Smem& sm) {
+// Flush step (m = L - 1 entries buffered): exact fold from the fp32 checkpoint, then this token.
+__device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
+                                             FlushSmem& sm) {
   const size_t eh = ((size_t)slot * kHV + p.hv) * kL;
   const float* kch = a.kc_in + ((size_t)slot * kHK + p.h) * kL * kK;
-  constexpr int kKVec = kK / 4, kXVec = kRows * (int)sizeof(flush_t) / 16;
+  constexpr int kKVec = kK / 4, kVVec = kRows * (int)sizeof(act_t) / 16;
   if constexpr (kL > 1) {
-    const flush_t* xh = kFoldU ? reinterpret_cast<const flush_t*>(a.uc_in) : reinterpret_cast<const flush_t*>(a.vc_in);
     for (int i = threadIdx.x; i < (kL - 1) * kKVec; i += kThreads) cp_async16(&sm.k[0][0] + i * 4, kch + i * 4);
-    if constexpr (kXVectors) {
-      for (int i = threadIdx.x; i < (kL - 1) * kXVec; i += kThreads) {
-        const int j = i / kXVec, q = i % kXVec;
-        cp_async16(reinterpret_cast<char*>(&sm.x[j][0]) + q * 16,
-                   reinterpret_cast<const char*>(xh + (eh + j) * kV + p.row0) + q * 16);
+    if constexpr (kVVectors) {
+      for (int i = threadIdx.x; i < (kL - 1) * kVVec; i += kThreads) {
+        const int j = i / kVVec, q = i % kVVec;
+        cp_async16(reinterpret_cast<char*>(&sm.v[j][0]) + q * 16,
+                   reinterpret_cast<const char*>(a.vc_in + (eh + j) * kV + p.row0) + q * 16);
       }
     } else {
       for (int i = threadIdx.x; i < (kL - 1) * kRows; i += kThreads)
-        sm.x[i / kRows][i % kRows] = xh[(eh + i / kRows) * kV + p.row0 + i % kRows];
+        sm.v[i / kRows][i % kRows] = a.vc_in[(eh + i / kRows) * kV + p.row0 + i % kRows];
     }
-    if constexpr (kFoldU) {
-      if (threadIdx.x < 32) {  // w_j = exp(sum_{j<i<L-1} g_i) by a suffix scan (never a difference), exp(G)
-        const float gl = threadIdx.x < kL - 1 ? __ldg(a.gc_in + eh + threadIdx.x) : 0.f;
-        const float after = rssm_common::suffix_after(gl);
-        if (threadIdx.x < kL - 1) sm.w[threadIdx.x] = expf(after);
-        if (threadIdx.x == 0) sm.eG = expf(gl + after);
-      }
-    } else {
-      if (threadIdx.x < kL - 1) sm.g[threadIdx.x] = __ldg(a.gc_in + eh + threadIdx.x);
-      else if (threadIdx.x >= 32 && threadIdx.x < 32 + kL - 1) sm.beta[threadIdx.x - 32] = __ldg(a.bc_in + eh + threadIdx.x - 32);
-    }
-  } else if constexpr (kFoldU) {
-    if (threadIdx.x == 0) sm.eG = 1.f;
+    if (threadIdx.x < kL - 1) sm.g[threadIdx.x] = __ldg(a.gc_in + eh + threadIdx.x);
+    else if (threadIdx.x >= 32 && threadIdx.x < 32 + kL - 1) sm.beta[threadIdx.x - 32] = __ldg(a.bc_in + eh + threadIdx.x - 32);
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
@@ -639,8 +578,7 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   for (int ps = 0; ps < kPasses; ++ps) {
     const Lane cp = in_pass(c, ps);
     if (ps > 0) load_rows(st, a.state_in + sh * kK, cp);
-    if constexpr (kFoldU) usum_rows(st, sm, cp);
-    else fold_rows(st, sm, cp, kL - 1);
+    fold_rows(st, sm, cp, kL - 1);
     // This token's inputs after the fold: held across it they cost 40 bytes of spill (ptxas, 80 registers).
     StepIn in;
     load_step(in, cp, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);

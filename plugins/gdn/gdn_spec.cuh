@@ -66,7 +66,7 @@ struct alignas(16) HistSmem {
 };
 struct alignas(16) FoldSmem {
   float k[kFE2][kK];      // k_j of the committed entries, in entry order
-  act_t x[kFE2][kRows];   // v_j of the block's rows (fold_rows reads x)
+  act_t v[kFE2][kRows];   // v_j of the block's rows
   float g[32], beta[32];
 };
 struct alignas(16) VerifySmem {
@@ -181,12 +181,12 @@ __device__ __forceinline__ void spec_verify(const ReplayArgs& a) {
       constexpr int kVVec = kRows * (int)sizeof(act_t) / 16;
       for (int i = tid; i < m * kVVec; i += kThreads) {
         const int j = i / kVVec, q = i % kVVec;
-        cp_async16(reinterpret_cast<char*>(&fs.x[j][0]) + q * 16,
+        cp_async16(reinterpret_cast<char*>(&fs.v[j][0]) + q * 16,
                    reinterpret_cast<const char*>(a.vc_in + (eh + (start + j) % kL) * kV + p.row0) + q * 16);
       }
     } else {
       for (int i = tid; i < m * kRows; i += kThreads)
-        fs.x[i / kRows][i % kRows] = a.vc_in[(eh + (start + i / kRows) % kL) * kV + p.row0 + i % kRows];
+        fs.v[i / kRows][i % kRows] = a.vc_in[(eh + (start + i / kRows) % kL) * kV + p.row0 + i % kRows];
     }
     for (int i = tid; i < 2 * m; i += kThreads) {
       if (i < m) fs.g[i] = __ldg(a.gc_in + eh + (start + i) % kL);
