@@ -13,7 +13,7 @@ Oracles:
   32, so only the summation order differs: state within 1e-6 (fp32 sums of 2K terms), y within one
   bf16 ulp (2^-7 relative) where the fp32 values straddle a rounding boundary.
 - The initial buffers hold random entries whose u_j are those the steps would have written (written_u): a flush
-  that folds the stored u_j (the u-sum, branch gdn-usum-flush) and the reference's exact refold from v_j agree on them.
+  that folds the stored u_j (the u-sum) and the reference's exact refold from v_j agree on them.
 - bf16 shadow: the kernel's shadow after a flush is bit-identical to Shadow.write of the fp32 checkpoint
   it stored; the checkpoint equals the no-shadow run's up to fp32 rounding (the flush refolds from v_j,
   so shadow rounding never reaches the checkpoint).
