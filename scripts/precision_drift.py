@@ -28,6 +28,7 @@ of K = V = 128 (GLM-5.3-Flash's / Kimi's head size), L = 16, variants (float64 m
   replay_fp32         ReplaySSM: fp32 checkpoint (the exact fold at each flush), bf16 u ring, bf16 k / v rings
   replay_bf16_shadow  the same with a bf16 shadow of the checkpoint that the non-flush steps read (rewritten from
                       the fp32 checkpoint at each flush)
+  replay_fp32_uring   replay_fp32 with an fp32 u ring (not built: the KDA u-sum flush's ring, bench/NOTES.md)
 Inputs: q, k, v ~ N(0, 1), f ~ N(0, 1), b ~ N(0, 1), rounded to bf16 once and shared; ``--gate kimi``
 (g = -exp(A_log) softplus(f + dt_bias), A_log = log U[1, 16]) or ``glm`` (g = -5 sigmoid(exp(A_log) (f + dt_bias)),
 A_log ~ U[-1, 1]); dt_bias = inverse softplus of dt ~ logU[1e-3, 1e-1] per channel (fla's KDA init).
@@ -127,7 +128,7 @@ def drift(steps=4096, H=8, P=64, N=128, G=2, L=16, seed=0, granularity=False,
     return errs
 
 
-KDA_VARIANTS = ("conv_fp32", "conv_bf16", "replay_fp32", "replay_bf16_shadow")
+KDA_VARIANTS = ("conv_fp32", "conv_bf16", "replay_fp32", "replay_bf16_shadow", "replay_fp32_uring")
 GATES = {"kimi": None, "glm": -5.0}  # the gate's lower bound (None: Kimi's softplus gate)
 
 
@@ -149,8 +150,9 @@ def drift_kda(steps=4096, H=2, K=128, V=128, L=16, seed=0, gate="glm") -> dict[s
     conv = {"conv_fp32": torch.zeros(1, H, K, V, dtype=torch.float32),
             "conv_bf16": torch.zeros(1, H, K, V, dtype=torch.bfloat16)}
     replay = {}
-    for name in ("replay_fp32", "replay_bf16_shadow"):
-        buf = kref.KDABuffers.alloc(1, H, K, V, L)  # fp32 checkpoint, bf16 k / u / v rings, fp32 g / beta (the table)
+    for name in ("replay_fp32", "replay_bf16_shadow", "replay_fp32_uring"):
+        # fp32 checkpoint, bf16 k / u / v rings, fp32 g / beta (the table); the last with an fp32 u ring
+        buf = kref.KDABuffers.alloc(1, H, K, V, L, ring=torch.float32 if name.endswith("uring") else torch.bfloat16)
         shadow = shadowq.Shadow.of(buf.state, "bf16") if name.endswith("shadow") else None
         replay[name] = (buf, shadow, torch.zeros(1, dtype=torch.int32))
     errs = {v: [] for v in KDA_VARIANTS}
