@@ -36,7 +36,7 @@ beta sigmoid and the q/k l2 norm fused in its kernel (``use_gate_in_kernel``, ``
 (``output_final_state``): the conventional bytes. Its output is first checked against our conventional
 kernel on the same inputs (``fla_check_rel``); rows report ``fla_us`` and ReplaySSM's speedup over it.
 
-Usage: python scripts/bench_gdn.py [--batches 1,8,32,64,128,256] [--out bench/results] [--commit SHA] [--spec]
+Usage: python scripts/bench_gdn.py [--batches 1,8,32,64,128,256] [--geom HV:H:V:K] [--out bench/results] [--commit SHA] [--spec]
        [--fla-path third_party/fla_peer]
 """
 
@@ -132,7 +132,8 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
                 fla_step(r, sts[r])
 
     conv_b, _ = costs.gdn_bytes_per_position(HV, H, V, K, L)
-    row = dict(geom="qwen3_next", **geom, L=L, batch=batch, rotations=R, act="bf16",
+    name = "qwen3_next" if geom == QWEN3_NEXT else f"{HV}:{H}:{V}:{K}"
+    row = dict(geom=name, **geom, L=L, batch=batch, rotations=R, act="bf16",
                conv_geometry=config.gdn_geometry(V, K, HV, batch, False),
                replay_geometry=config.gdn_plan(V, K, HV, batch, True),
                shadow_passes=config.gdn_passes(V, K, HV, batch, True, "bf16"))
@@ -175,6 +176,19 @@ def pin_replay(**shape) -> None:
     pin = config.override(**shape)
     pin.__enter__()
     _PINNED.append(pin)
+
+
+def parse_geom(text: str) -> dict:
+    """A name of GDN_GEOMETRIES or ``HV:H:V:K`` (integers; HV a multiple of H) -> bench_point's geometry. An ad hoc
+    geometry times GDN's kernels at another family's bytes, e.g. 12:12:128:128 is a Kimi-K3 TP8 KDA layer's state
+    (12 heads of K = V = 128): the same rows-first kernels on a (V, K) state, against bench_kda.py's (K, V) ones."""
+    if text in GDN_GEOMETRIES:
+        return dict(zip(("HV", "H", "V", "K"), GDN_GEOMETRIES[text]))
+    parts = text.split(":")
+    if len(parts) != 4 or not all(x.isdigit() and int(x) > 0 for x in parts) or int(parts[0]) % int(parts[1]):
+        raise ValueError(f"--geom: expected one of {sorted(GDN_GEOMETRIES)} or HV:H:V:K (positive integers, H "
+                         f"dividing HV), got {text!r}")
+    return dict(zip(("HV", "H", "V", "K"), (int(x) for x in parts)))
 
 
 def parse_replay_shape(text: str) -> dict:
@@ -315,6 +329,8 @@ def main():
     ap.add_argument("--tag", default="gdn-kernels")
     ap.add_argument("--spec", action="store_true", help="speculative rows: ReplaySSM verify vs native verify + commit")
     ap.add_argument("--T", type=int, default=4)
+    ap.add_argument("--geom", default="qwen3_next_80b", help="standard-decode rows' geometry: a name of "
+                    "GDN_GEOMETRIES or HV:H:V:K (e.g. 12:12:128:128, a Kimi-K3 TP8 KDA layer's bytes)")
     ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer",
                     help="the fla peer (scripts/fetch_peers.py --only fla); missing: no fla column")
     ap.add_argument("--shadow-passes", choices=("auto", "1"), default="auto",
@@ -335,6 +351,12 @@ def main():
         ap.error(f"--L: expected 1..32, got {args.L}")
     if args.spec and (args.T not in SUPPORTED_NUM_TOKENS or args.L < 2 * args.T):
         ap.error(f"--T {args.T}, --L {args.L}: expected T in {SUPPORTED_NUM_TOKENS} and L >= 2T (flush one window early)")
+    try:
+        geom = parse_geom(args.geom)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.spec and geom != QWEN3_NEXT:
+        ap.error("--geom: the --spec rows time Qwen3-Next only")
     if args.shadow_passes == "1":  # gdn_spec reads config.gdn_passes at every call; the key says _x2 or not
         config.gdn_passes = lambda *a, **k: 1
     try:
@@ -350,7 +372,7 @@ def main():
     ceiling = copy_ceiling_tbps()
     meta = dict(**timing.run_meta(commit=args.commit),
                 copy_ceiling_tbps=ceiling, replay_rt=args.replay_rt,
-                replay_shape=args.replay_shape or "planned")
+                replay_shape=args.replay_shape or "planned", geom=geom)
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     if args.spec:
         return main_spec(args, meta, ceiling)
@@ -359,7 +381,7 @@ def main():
     meta["fla"] = None if FLA is None else json.loads((args.fla_path / "PEER.json").read_text())
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        row = bench_point(b, args.L)
+        row = bench_point(b, args.L, geom=geom)
         timing.add_ceiling_pcts(row, ceiling)
         rows.append(row)
         print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)

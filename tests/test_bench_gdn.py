@@ -61,11 +61,20 @@ def test_count_weights_match_a_sampled_run():
         assert seen.count(m) / len(seen) == pytest.approx(weights.get(m, 0.0), abs=0.01), m
 
 
+def test_geom_names_and_ad_hoc_shapes():
+    assert bg.parse_geom("qwen3_next_80b") == bg.QWEN3_NEXT
+    assert bg.parse_geom("12:12:128:128") == dict(HV=12, H=12, V=128, K=128)
+    assert bg.parse_geom("32:16:128:128") == bg.QWEN3_NEXT
+
+
 @pytest.mark.parametrize("args, what", [
     (["--batches", "1,x"], "--batches: expected comma-separated integers >= 1"),
     (["--L", "40"], "--L: expected 1..32"),
     (["--spec", "--T", "4", "--L", "6"], "expected T in (1, 2, 4, 6, 8) and L >= 2T"),
     (["--spec", "--T", "3"], "expected T in"),
+    (["--geom", "12:5:128:128"], "--geom: expected one of"),
+    (["--geom", "12:12:128"], "--geom: expected one of"),
+    (["--geom", "12:12:128:128", "--spec"], "--spec rows time Qwen3-Next only"),
 ])
 def test_bad_flags_stop_before_any_gpu_work(args, what):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_gdn.py"), *args], capture_output=True, text=True,

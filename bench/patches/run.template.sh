@@ -35,6 +35,11 @@ pair kda-uringab1 bench_kda.py 90 --batches 1,32,256
 echo "== 4 memcheck $(left)s left"
 san memcheck 60 70 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush or strong_decay"
 san memcheck 10 70 kda tests/test_kda_gpu.py "kimi_k3_tp8 or glm_shadow or odd_f32 or k256 or fp32_flush"
+echo "== 4b the layout question (issue 37): GDN's (V, K) kernels at a Kimi-K3 TP8 KDA layer's bytes $(left)s left"
+if [ $(left) -gt 150 ]; then
+  new timeout 60 python3 scripts/bench_gdn.py --geom 12:12:128:128 --batches 32,256 --out /tmp/r --tag gdn-at-kimi-bytes > /tmp/r/gdn-kimi.txt 2>&1
+  tail -4 /tmp/r/gdn-kimi.txt; save
+fi
 echo "== 5 gdn state error $(left)s left"
 if [ $(left) -gt 120 ]; then
   for sh in none bf16; do old timeout 45 python3 scripts/gdn_state_error.py --shadow $sh --out /tmp/r --tag gdn-state-error-$sh-old 2>&1 | tail -1
