@@ -40,6 +40,11 @@ if [ $(left) -gt 150 ]; then
   new timeout 60 python3 scripts/bench_gdn.py --geom 12:12:128:128 --batches 32,256 --out /tmp/r --tag gdn-at-kimi-bytes > /tmp/r/gdn-kimi.txt 2>&1
   tail -4 /tmp/r/gdn-kimi.txt; save
 fi
+echo "== 4c the wave tail at small batch (issue 40): GDN replay modules at 4 blocks an SM (resident 1024) $(left)s left"
+if [ $(left) -gt 130 ]; then
+  new timeout 70 python3 scripts/bench_gdn.py --batches 8,16,32,64 --replay-shape -:-:-:1024 --out /tmp/r --tag gdn-r1024 > /tmp/r/gdn-r1024.txt 2>&1
+  tail -6 /tmp/r/gdn-r1024.txt; save
+fi
 echo "== 5 gdn state error $(left)s left"
 if [ $(left) -gt 120 ]; then
   for sh in none bf16; do old timeout 45 python3 scripts/gdn_state_error.py --shadow $sh --out /tmp/r --tag gdn-state-error-$sh-old 2>&1 | tail -1
