@@ -45,6 +45,11 @@ if [ $(left) -gt 130 ]; then
   new timeout 70 python3 scripts/bench_gdn.py --batches 8,16,32,64 --replay-shape -:-:-:1024 --out /tmp/r --tag gdn-r1024 > /tmp/r/gdn-r1024.txt 2>&1
   tail -6 /tmp/r/gdn-r1024.txt; save
 fi
+echo "== 4d the wave tail, KDA (issue 37): GLM-5.3-Flash TP8 replay at 3 and 4 blocks an SM, same process $(left)s left"
+if [ $(left) -gt 130 ]; then
+  new timeout 80 python3 scripts/bench_kda.py --geoms glm5_3_flash_tp8 --sweep 4:4,4:4:512 --sweep-batches 32,64,256 \
+    --sweep-only --out /tmp/r --tag kda-glm-r512 > /tmp/r/kda-glm-r512.txt 2>&1; tail -6 /tmp/r/kda-glm-r512.txt; save
+fi
 echo "== 5 gdn state error $(left)s left"
 if [ $(left) -gt 120 ]; then
   for sh in none bf16; do old timeout 45 python3 scripts/gdn_state_error.py --shadow $sh --out /tmp/r --tag gdn-state-error-$sh-old 2>&1 | tail -1
