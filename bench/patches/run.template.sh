@@ -2,9 +2,13 @@
 # Device call (bench/patches/README.md): this tree (@NEW@) against main (old/, @OLD@, its own Python and kernels), one
 # card. Steps run in the order that decides a landing first, each only if BUDGET (seconds of command time) still holds
 # it, with its timeout cut to what is left; every step saves /tmp/r into $OUT/r.tgz, so a cut call keeps what ran.
-#   BUDGET >= ~560: everything below;  ~360: GDN pair, suite, KDA pair, memcheck;  ~180: GDN pair and the GDN tests.
+#   BUDGET >= ~560: steps 1-5;  ~360: GDN pair, suite, KDA pair, memcheck;  ~180: GDN pair and the GDN tests.
+# Argument: A (default: 1 2 3 4 5, what a landing needs), B (4b 4c 4d 6 7: the open questions, second pairs,
+# racecheck; a second call right after A, within the machine's 30 s idle release, starts no new machine), or all.
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
+case ${1:-A} in A) STEPS="1 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; all) STEPS="1 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B or all"; exit 2;; esac
+want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l=$(( $(left) - $2 )); [ $l -gt $1 ] && l=$1; echo $l; }  # min(want, left - reserve)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../../.whl/*.whl 2>&1 | tail -1
@@ -20,8 +24,11 @@ san() {  # tool, reserve, want, kernel prefix, test file, -k
   local l=$(cap $3 $2); [ $l -lt 30 ] && { echo "skip $1 $4 ($(left)s)"; return; }
   new timeout $l compute-sanitizer --tool $1 --report-api-errors no --kernel-name kns=$4 python3 -m pytest -q -p no:cacheprovider $5 -k "$6" > /tmp/r/san_$1_$4.txt 2>&1
   echo "$1 $4 rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/r/san_$1_$4.txt | tail -3; save; }
+if want 1; then
 echo "== 1 GDN pair $(left)s left"
 pair gdn-usumab1 bench_gdn.py 70 --batches 1,8,32,64,256
+fi
+if want 2; then
 echo "== 2 GPU suite $(left)s left"
 if [ $(left) -gt 250 ]; then
   TL=$(cap 190 60); new timeout $((TL + 25)) python3 scripts/gpu_suite.py --out /tmp/r/suite --time-limit $TL > /tmp/r/suite.txt 2>&1
@@ -30,35 +37,52 @@ else  # too little for the whole suite: the GDN patch's tests
   TL=$(cap 120 40); [ $TL -gt 30 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -n 6 -rfE tests/test_gdn_gpu.py \
     tests/test_trt_plugin_gdn_gpu.py > /tmp/r/gdn_tests.txt 2>&1; tail -4 /tmp/r/gdn_tests.txt; save
 fi
+fi
+if want 3; then
 echo "== 3 KDA pair $(left)s left"
 pair kda-uringab1 bench_kda.py 90 --batches 1,32,256
+fi
+if want 4; then
 echo "== 4 memcheck $(left)s left"
 san memcheck 60 70 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush or strong_decay"
 san memcheck 10 70 kda tests/test_kda_gpu.py "kimi_k3_tp8 or glm_shadow or odd_f32 or k256 or fp32_flush"
+fi
+if want 4b; then
 echo "== 4b the layout question (issue 37): GDN's (V, K) kernels at a Kimi-K3 TP8 KDA layer's bytes $(left)s left"
 if [ $(left) -gt 150 ]; then
   new timeout 60 python3 scripts/bench_gdn.py --geom 12:12:128:128 --batches 32,256 --out /tmp/r --tag gdn-at-kimi-bytes > /tmp/r/gdn-kimi.txt 2>&1
   tail -4 /tmp/r/gdn-kimi.txt; save
 fi
+fi
+if want 4c; then
 echo "== 4c the wave tail at small batch (issue 40): GDN replay modules at 4 blocks an SM (resident 1024) $(left)s left"
 if [ $(left) -gt 130 ]; then
   new timeout 70 python3 scripts/bench_gdn.py --batches 8,16,32,64 --replay-shape -:-:-:1024 --out /tmp/r --tag gdn-r1024 > /tmp/r/gdn-r1024.txt 2>&1
   tail -6 /tmp/r/gdn-r1024.txt; save
 fi
+fi
+if want 4d; then
 echo "== 4d the wave tail, KDA (issue 37): GLM-5.3-Flash TP8 replay at 3 and 4 blocks an SM, same process $(left)s left"
 if [ $(left) -gt 130 ]; then
   new timeout 80 python3 scripts/bench_kda.py --geoms glm5_3_flash_tp8 --sweep 4:4,4:4:512 --sweep-batches 32,64,256 \
     --sweep-only --out /tmp/r --tag kda-glm-r512 > /tmp/r/kda-glm-r512.txt 2>&1; tail -6 /tmp/r/kda-glm-r512.txt; save
 fi
+fi
+if want 5; then
 echo "== 5 gdn state error $(left)s left"
 if [ $(left) -gt 120 ]; then
   for sh in none bf16; do old timeout 45 python3 scripts/gdn_state_error.py --shadow $sh --out /tmp/r --tag gdn-state-error-$sh-old 2>&1 | tail -1
   new timeout 45 python3 scripts/gdn_state_error.py --shadow $sh --out /tmp/r --tag gdn-state-error-$sh-new 2>&1 | tail -1; done; save
 fi
+fi
+if want 6; then
 echo "== 6 second pairs, every batch $(left)s left"
 pair gdn-usumab2 bench_gdn.py 90 --batches 1,2,4,8,16,32,64,128,256
 pair kda-uringab2 bench_kda.py 120 --batches 1,8,32,64,128,256
+fi
+if want 7; then
 echo "== 7 racecheck $(left)s left"
 san racecheck 40 90 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush"
 san racecheck 10 90 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush"
+fi
 echo "== done $(left)s left"; save
