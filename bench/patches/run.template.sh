@@ -57,7 +57,7 @@ fi
 if want 4c; then
 echo "== 4c the wave tail at small batch (issue 40): GDN replay modules at 4 blocks an SM (resident 1024) $(left)s left"
 if [ $(left) -gt 130 ]; then
-  new timeout 70 python3 scripts/bench_gdn.py --batches 8,16,32,64 --replay-shape -:-:-:1024 --out /tmp/r --tag gdn-r1024 > /tmp/r/gdn-r1024.txt 2>&1
+  new timeout 70 python3 scripts/bench_gdn.py --batches 8,16,32,64,128 --replay-shape -:-:-:1024 --out /tmp/r --tag gdn-r1024 > /tmp/r/gdn-r1024.txt 2>&1
   tail -6 /tmp/r/gdn-r1024.txt; save
 fi
 fi
