@@ -11,7 +11,6 @@ GEOMETRIES), bf16 activations, fp32 checkpoint, optional bf16 shadow; ``--k 0`` 
 It launches ``--reps`` identical steps (the cursor is not advanced) after one warm-up that compiles the module, over
 ``--rotations`` disjoint sets of slots (so the state comes from DRAM, as bench_kda.py times it), and prints the mean
 time per step from CUDA events and the bytes the model (costs.kda_bytes_per_position, as bench_kda.py) charges it.
-The u ring takes the cache's dtype for the module (layers.ring_dtype where the tree has it, else bf16).
 """
 
 import argparse
@@ -21,14 +20,14 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from bench_kda import LOWER_BOUND  # noqa: E402
 
 from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
-from trtllm_replayssm.families.kda import layers as klayers  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
 from trtllm_replayssm.families.kda.config import kda_geometry, override  # noqa: E402
-
-LOWER_BOUND = {"glm5_3_flash_tp8": -5.0, "glm5_3_flash_tp1": -5.0}
 
 
 def parse_shape(text: str) -> dict:
@@ -73,9 +72,8 @@ def main():
     slots = b * R
     state = torch.randn(slots, H, K, V, generator=gen, **dev) * 0.05
     shadow = state.to(torch.bfloat16) if args.shadow == "bf16" else None
-    ring = getattr(klayers, "ring_dtype", lambda s, sh: torch.bfloat16)(torch.float32, None if shadow is None else act)
     k_c = torch.randn(slots, H, L, K, generator=gen, **dev).to(act)
-    u_c = (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(ring)
+    u_c = (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(torch.bfloat16)  # the u ring
     g_c = -torch.rand(slots, H, L, K, generator=gen, **dev) * 0.3
     v_c = torch.randn(slots, H, L, V, generator=gen, **dev).to(act)
     beta_c = torch.rand(slots, H, L, generator=gen, **dev)
