@@ -26,12 +26,18 @@ checkpoint and bf16 shadow; bytes costs.kda_verify_bytes (S0 or its shadow, m x 
 the fold: S0 read and written (+ shadow), m x (k, v, g, beta)); ``x_conv_T``: T conventional steps of the same run
 over this one verify (the same tokens stepped one by one without snapshots: a lower bound of the native spec).
 
+Layout experiment (``--vk``, issue 37; bench/NOTES.md "KDA in GDN's row layout"): the conventional step on the
+transposed state (S, H, V, K), GDN's row layout (``families/kda/vk.py``), on the same inputs and slots: first checked
+against our (K, V) conventional kernel (``conv_vk_check_y_rel``, ``conv_vk_check_state_rel``), then timed
+(``conv_vk_us``, ``tbps_conv_vk``, ``pct_ceiling_conv_vk``; ``conv_vk_speedup``: the (K, V) step's time over it). Same
+bytes as the conventional step.
+
 A/B of kernel trees (``TRTLLM_REPLAYSSM_PLUGIN_DIR``, compile.py): ``--sweep-only`` skips the main rows, so a second
 process over an older kernel tree times only the sweep rows for a same-card comparison.
 
 Usage: python scripts/bench_kda.py [--batches 1,8,32,64,128,256] [--geoms kimi_k3_tp8,glm5_3_flash_tp8]
        [--out bench/results] [--commit SHA] [--fla-path third_party/fla_peer] [--sweep 4:4,4:8,2:4] [--sweep-only]
-       [--verify 4]
+       [--verify 4] [--vk] [--conv-only]
 """
 
 from __future__ import annotations
@@ -50,7 +56,12 @@ sys.path.insert(0, str(ROOT))
 from trtllm_replayssm import costs, timing  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
-from trtllm_replayssm.families.kda.config import kda_geometry, override  # noqa: E402
+from trtllm_replayssm.families.kda.config import (  # noqa: E402
+    kda_geometry,
+    kda_vk_spec,  # noqa: E402
+    override,
+)
+from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -116,9 +127,37 @@ def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv
     return row
 
 
+def _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R):
+    """The (V, K) conventional step on the transposed state: checked against the (K, V) kernel on one launch's
+    inputs and slots, then timed like it (fields in the module docstring)."""
+    H, K, V = row["H"], row["K"], row["V"]
+    state_vk = state.transpose(2, 3).contiguous()
+    sl = sbis[0].long()
+    want_st = state.clone()
+    want = kops.kda_conventional_step(*ins[0], A_log, dt_bias, want_st, sbis[0], lower_bound=lb, check_values=False)
+    got_st = state_vk.clone()
+    got = kda_conventional_step_vk(*ins[0], A_log, dt_bias, got_st, sbis[0], lower_bound=lb, check_values=False)
+    row["conv_vk_check_y_rel"] = float((got.float() - want.float()).norm() / want.float().norm())
+    ws, gs = want_st[sl], got_st[sl].transpose(2, 3)
+    row["conv_vk_check_state_rel"] = float((gs - ws).norm() / ws.norm())
+    del want_st, got_st
+
+    def conv_vk():
+        for r in range(R):
+            kda_conventional_step_vk(*ins[r % len(ins)], A_log, dt_bias, state_vk, sbis[r], out=y, lower_bound=lb,
+                                     check_values=False)
+
+    spec = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb)
+    row["conv_vk_geometry"] = [spec.rows, spec.warps, spec.lanes, spec.resident]
+    row["conv_vk_us"], row["conv_vk_spread_us"] = graph_time_us(conv_vk, R)
+    row["tbps_conv_vk"] = row["bytes_conv"] / row["conv_vk_us"] / 1e6
+    row["conv_vk_speedup"] = row["conv_us"] / row["conv_vk_us"]
+
+
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
-                peer: bool = True) -> dict:
-    """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla."""
+                peer: bool = True, vk: bool = False) -> dict:
+    """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla;
+    ``vk``: the (V, K) conventional step's fields (the layout experiment)."""
     H, K, V = GEOMETRIES[geom]
     lb = LOWER_BOUND.get(geom)
     act = torch.bfloat16
@@ -193,6 +232,8 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
+    if vk:
+        _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R)
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         per_k = []
         for k in (range(1, L + 1) if ks is None else ks):
@@ -237,6 +278,10 @@ def main():
     ap.add_argument("--sweep-batches", default="", help="the sweep's batches (default: the smallest and largest)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep rows (an A/B over another kernel tree)")
     ap.add_argument("--verify", type=int, default=0, help="T: verify rows (kind 'verify') at every geometry and batch")
+    ap.add_argument("--vk", action="store_true", help="also the conventional step on a (V, K) state (the layout "
+                    "experiment: fields conv_vk_*)")
+    ap.add_argument("--conv-only", action="store_true", help="main rows of the conventional step(s) only (with --vk: "
+                    "the layout experiment alone), no replay positions")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
                     "(threads an SM the register budget is set for), comma-separated")
     args = ap.parse_args()
@@ -263,8 +308,10 @@ def main():
     rows, verify = [], []
     for geom in geoms:
         for b in ([] if args.sweep_only else batches):
-            row = bench_point(geom, b, args.L)
-            timing.add_ceiling_pcts(row, ceiling)
+            row = bench_point(geom, b, args.L, vk=args.vk, ks=[] if args.conv_only else None)
+            timing.add_ceiling_pcts(row, ceiling, names=() if args.conv_only else ("f32", "bf16shadow"))
+            if args.vk:
+                row["pct_ceiling_conv_vk"] = 100 * row["tbps_conv_vk"] / ceiling
             rows.append(row)
             print("RESULT_JSON " + json.dumps({"kind": "row", **row}), flush=True)
             if args.verify:
@@ -298,13 +345,19 @@ def main():
     print(f"{'geom':>16s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} "
           f"{'%ceil':>5s} {'x conv':>6s} {'%bnd':>5s} | {'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} "
           f"{'x conv':>6s} {'%bnd':>5s}")
-    for r in rows:
+    for r in (r for r in rows if "f32_us_k1" in r):
         print(f"{r['geom']:>16s} {r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} | "
               + " | ".join(f"{r[f'{n}_us_k1']:7.1f} {r[f'{n}_us_flush']:7.1f} {r[f'{n}_us_amortized']:7.1f} "
                            f"{r[f'{n}_pct_ceiling']:5.1f} {r[f'{n}_speedup_vs_conv']:6.2f} {r[f'{n}_pct_of_bound']:5.1f}"
                            for n in ("f32", "bf16shadow"))
               + (f" | fla {r['fla_us']:7.1f} us (check {r['fla_check_rel']:.1e}) x fla {r['f32_speedup_vs_fla']:.2f}"
                  if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else "")))
+    for r in rows:
+        if "conv_vk_us" in r:
+            print(f"vk {r['geom']} bs{r['batch']}: (V, K) conventional {r['conv_vk_us']:.1f} us "
+                  f"({r['pct_ceiling_conv_vk']:.1f}% of the ceiling) vs (K, V) {r['conv_us']:.1f} us "
+                  f"({r['pct_ceiling_conv']:.1f}%): x{r['conv_vk_speedup']:.3f}; check y {r['conv_vk_check_y_rel']:.1e} "
+                  f"state {r['conv_vk_check_state_rel']:.1e}")
     for r in sweep:
         if "error" not in r:
             print(f"sweep {r['geom']} bs{r['batch']} {r['shape']}: conv {r['conv_us']:.1f} us, f32 k {r['f32_us_at']}, "

@@ -7,7 +7,7 @@
 # racecheck; a second call right after A, within the machine's 30 s idle release, starts no new machine), or all.
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; all) STEPS="1 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 2 3 3b 4 5";; B) STEPS="4b 4c 4d 6 7";; all) STEPS="1 2 3 3b 4 4b 4c 4d 5 6 7";; *) echo "part: A, B or all"; exit 2;; esac
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l=$(( $(left) - $2 )); [ $l -gt $1 ] && l=$1; echo $l; }  # min(want, left - reserve)
@@ -42,10 +42,20 @@ if want 3; then
 echo "== 3 KDA pair $(left)s left"
 pair kda-uringab1 bench_kda.py 90 --batches 1,32,256
 fi
+if want 3b; then
+echo "== 3b the layout experiment (issue 37): KDA conventional on a (V, K) state vs (K, V), same inputs $(left)s left"
+if [ $(left) -gt 120 ]; then
+  new timeout 75 python3 scripts/bench_kda.py --vk --conv-only --geoms kimi_k3_tp8,glm5_3_flash_tp8,kimi_k3_tp1 \
+    --batches 1,32,64,256 --out /tmp/r --tag kda-vk > /tmp/r/kda-vk.txt 2>&1; tail -14 /tmp/r/kda-vk.txt
+  TL=$(cap 40 60); [ $TL -gt 20 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kda_vk.py -m gpu \
+    > /tmp/r/kda-vk-tests.txt 2>&1; tail -3 /tmp/r/kda-vk-tests.txt; save
+fi
+fi
 if want 4; then
 echo "== 4 memcheck $(left)s left"
 san memcheck 60 70 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush or strong_decay"
 san memcheck 10 70 kda tests/test_kda_gpu.py "kimi_k3_tp8 or glm_shadow or odd_f32 or k256 or fp32_flush"
+san memcheck 10 40 kda tests/test_kda_vk.py "odd or kimi_k3_tp8_b40"
 fi
 if want 4b; then
 echo "== 4b the layout question (issue 37): GDN's (V, K) kernels at a Kimi-K3 TP8 KDA layer's bytes $(left)s left"

@@ -40,12 +40,10 @@
 #include "common/convert.cuh"
 #include "common/scan.cuh"
 #include "common/warp.cuh"
+#include "kda/gate.cuh"
 
 #ifndef KDA_SHADOW
 #define KDA_SHADOW 0
-#endif
-#ifndef KDA_LOWER_BOUND
-#define KDA_LOWER_BOUND 0
 #endif
 #ifndef KDA_TOKENS
 #define KDA_TOKENS 0  // 0: the decode module; T >= 1: the verify module (kda_spec.cuh), window of T tokens
@@ -87,15 +85,8 @@ static_assert(kN1 <= 32, "reduce width");
 static_assert(gslot(kC - 1, kC - 1) < kTS && kTS + 3 <= kGW, "Gram slots");
 
 constexpr float kL2Eps = 1e-6f;  // families/kda/reference.L2NORM_EPS
-__device__ __forceinline__ float softplus(float v) { return v > 20.f ? v : log1pf(expf(v)); }  // torch's threshold
-__device__ __forceinline__ float sigmoid(float v) { return 1.f / (1.f + expf(-v)); }
-__device__ __forceinline__ float gate(float f, float dtb, float A) {  // A = exp(A_log)
-#if KDA_LOWER_BOUND
-  return kLowerBound * sigmoid(A * (f + dtb));
-#else
-  return -A * softplus(f + dtb);
-#endif
-}
+using kda_gate::gate;  // gate.cuh
+using kda_gate::sigmoid;
 __device__ __forceinline__ float rnorm(float ss) { return kL2Norm ? rsqrtf(ss + kL2Eps) : 1.f; }
 
 // ---- state rows: 4 columns of kRT rows per lane, streamed once (evict-first) ----------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ... import costs
 from .. import Family
 from . import reference
-from .config import KDASpec
+from .config import KDASpec, KDAVKSpec
 
 MODELS = {  # name: (KDA heads, K, V, KDA layers, all layers)
     "kimi_k3": (96, 128, 128, 69, 93),
@@ -38,7 +38,7 @@ FAMILY = Family(
     steps="trtllm_replayssm.families.kda.steps",
     layer_group="trtllm_replayssm.families.kda.layers:KDALayers",
     trt_plugin="trtllm_replayssm.families.kda.trt_plugin",
-    spec_types=(KDASpec,),
+    spec_types=(KDASpec, KDAVKSpec),
 )
 
 __all__ = ["FAMILY", "GEOMETRIES", "MODELS", "KDASpec", "reference"]

@@ -17,11 +17,14 @@ import math
 from dataclasses import dataclass
 
 from ...config import CUDA_TYPES, SUPPORTED_NUM_TOKENS, pinned
+from ..gdn.config import GDN_RESIDENT_THREADS, GDNSpec, gdn_plan
 
 ENTRY_FILE = "kda/kda_decode.cu"
 KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
 SPEC_ENTRY_FILE = "kda/kda_spec.cu"
 SPEC_KERNEL_NAMES = ("kda_verify",)
+VK_ENTRY_FILE = "kda/kda_vk.cu"
+VK_KERNEL_NAMES = ("kda_conventional_vk",)
 SHADOW_KINDS = ("none", "bf16")
 MAX_WARPS = 8
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
@@ -252,5 +255,63 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
                    _OVERRIDE.get("resident", 0))
 
 
-__all__ = ["KDASpec", "kda_geometry", "kda_spec", "override", "ENTRY_FILE", "KERNEL_NAMES", "SPEC_ENTRY_FILE",
-           "SPEC_KERNEL_NAMES"]
+@dataclass(frozen=True)
+class KDAVKSpec:
+    """One module of ``kda_conventional_vk`` (plugins/kda/kda_vk.cu; the (V, K) layout experiment, vk.py): GDN's
+    launch shape (``rows``, ``warps``, ``lanes``, ``resident``) for H heads of a (V, K) state, and KDA's gate
+    (``lower_bound`` None: Kimi's)."""
+
+    act: str
+    H: int
+    K: int
+    V: int
+    rows: int
+    warps: int
+    lanes: int = 32
+    l2norm: bool = True
+    scale: float | None = None
+    lower_bound: float | None = None
+    arch: int = 90
+    resident: int = GDN_RESIDENT_THREADS
+
+    def __post_init__(self):
+        if self.lower_bound is not None and not self.lower_bound < 0:
+            raise ValueError(f"KDAVKSpec.lower_bound: expected a negative float or None, got {self.lower_bound}")
+        _ = self.gdn  # GDNSpec validates the shape and the dtype
+
+    @property
+    def gdn(self) -> GDNSpec:
+        """The GDN module whose prelude (geometry, launch shape) this one extends: one head per key head, no ring."""
+        return GDNSpec(self.act, self.H, self.H, self.V, self.K, 1, self.rows, self.warps, self.lanes, "none",
+                       self.l2norm, self.scale, self.arch, resident=self.resident)
+
+    entry_file = VK_ENTRY_FILE
+    kernel_names = VK_KERNEL_NAMES
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def key(self) -> str:
+        """e.g. ``kda-vk_<the GDN module's key>_lb-5.0``."""
+        return "kda-vk_" + self.gdn.key + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
+
+    def prelude(self) -> str:
+        lb = self.lower_bound is not None
+        return "\n".join([f"// generated for {self.key}", self.gdn.prelude(), f"#define KDA_LOWER_BOUND {int(lb)}",
+                          *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;"] if lb else []), ""])
+
+    def grid(self, batch: int) -> tuple[int, int, int]:
+        return self.gdn.grid(batch)
+
+
+def kda_vk_spec(act: str, H: int, K: int, V: int, batch: int, l2norm: bool = True, scale: float | None = None,
+                lower_bound: float | None = None, arch: int = 90) -> KDAVKSpec:
+    """The module for this geometry and batch: GDN's conventional plan for H value heads."""
+    rows, warps, lanes, resident = gdn_plan(V, K, H, batch, replay=False)
+    return KDAVKSpec(act, H, K, V, rows, warps, lanes, l2norm, scale, lower_bound, arch, resident)
+
+
+__all__ = ["KDASpec", "KDAVKSpec", "kda_geometry", "kda_spec", "kda_vk_spec", "override", "ENTRY_FILE", "KERNEL_NAMES",
+           "SPEC_ENTRY_FILE", "SPEC_KERNEL_NAMES", "VK_ENTRY_FILE", "VK_KERNEL_NAMES"]
