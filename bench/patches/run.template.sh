@@ -2,12 +2,13 @@
 # Device call (bench/patches/README.md): this tree (@NEW@) against main (old/, @OLD@, its own Python and kernels), one
 # card. Steps run in the order that decides a landing first, each only if BUDGET (seconds of command time) still holds
 # it, with its timeout cut to what is left; every step saves /tmp/r into $OUT/r.tgz, so a cut call keeps what ran.
-#   BUDGET >= ~560: steps 1-5;  ~360: GDN pair, suite, KDA pair, memcheck;  ~180: GDN pair and the GDN tests.
-# Argument: A (default: 1 2 3 4 5, what a landing needs), B (4b 4c 4d 6 7: the open questions, second pairs,
+#   BUDGET >= ~560: steps 1, 3b, 2-4;  ~300: GDN pair, the (V, K) experiment, the GDN tests;  ~180: GDN pair, (V, K).
+# Argument: A (default: 1 3b 2 3 4 5: what a landing needs, and the layout experiment second: ~100 s that decide
+# issue 37's plan), B (4b 4c 4d 6 7: the open questions, second pairs,
 # racecheck; a second call right after A, within the machine's 30 s idle release, starts no new machine), or all.
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 2 3 3b 4 5";; B) STEPS="4b 4c 4d 6 7";; all) STEPS="1 2 3 3b 4 4b 4c 4d 5 6 7";; *) echo "part: A, B or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B or all"; exit 2;; esac
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l=$(( $(left) - $2 )); [ $l -gt $1 ] && l=$1; echo $l; }  # min(want, left - reserve)
@@ -28,6 +29,15 @@ if want 1; then
 echo "== 1 GDN pair $(left)s left"
 pair gdn-usumab1 bench_gdn.py 70 --batches 1,8,32,64,256
 fi
+if want 3b; then
+echo "== 3b the layout experiment (issue 37): KDA conventional on a (V, K) state vs (K, V), same inputs $(left)s left"
+if [ $(left) -gt 100 ]; then
+  new timeout 80 python3 scripts/bench_kda.py --vk --conv-only --geoms kimi_k3_tp8,glm5_3_flash_tp8 \
+    --batches 32,256 --out /tmp/r --tag kda-vk > /tmp/r/kda-vk.txt 2>&1; tail -14 /tmp/r/kda-vk.txt
+  TL=$(cap 40 40); [ $TL -gt 20 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kda_vk.py -m gpu \
+    > /tmp/r/kda-vk-tests.txt 2>&1; tail -3 /tmp/r/kda-vk-tests.txt; save
+fi
+fi
 if want 2; then
 echo "== 2 GPU suite $(left)s left"
 if [ $(left) -gt 250 ]; then
@@ -41,15 +51,6 @@ fi
 if want 3; then
 echo "== 3 KDA pair $(left)s left"
 pair kda-uringab1 bench_kda.py 90 --batches 1,32,256
-fi
-if want 3b; then
-echo "== 3b the layout experiment (issue 37): KDA conventional on a (V, K) state vs (K, V), same inputs $(left)s left"
-if [ $(left) -gt 120 ]; then
-  new timeout 75 python3 scripts/bench_kda.py --vk --conv-only --geoms kimi_k3_tp8,glm5_3_flash_tp8,kimi_k3_tp1 \
-    --batches 1,32,64,256 --out /tmp/r --tag kda-vk > /tmp/r/kda-vk.txt 2>&1; tail -14 /tmp/r/kda-vk.txt
-  TL=$(cap 40 60); [ $TL -gt 20 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kda_vk.py -m gpu \
-    > /tmp/r/kda-vk-tests.txt 2>&1; tail -3 /tmp/r/kda-vk-tests.txt; save
-fi
 fi
 if want 4; then
 echo "== 4 memcheck $(left)s left"
