@@ -6,9 +6,10 @@
 # Argument: A (default: 1 3b 2 3 4 5: what a landing needs, and the layout experiment second: ~100 s that decide
 # issue 37's plan), B (4b 4c 4d 6 7: the open questions, second pairs,
 # racecheck; a second call right after A, within the machine's 30 s idle release, starts no new machine), or all.
+# V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone) or all"; exit 2;; esac
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l=$(( $(left) - $2 )); [ $l -gt $1 ] && l=$1; echo $l; }  # min(want, left - reserve)
