@@ -103,7 +103,8 @@ def _check_sizes(given, shapes, sizes) -> None:
         raise ValueError(f"v: V (last dim) expected a multiple of 8, got {V}")
 
 
-def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, lead=("batch",)) -> list:
+def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, lead=("batch",),
+               state_dims=("slots", "H", "K", "V")) -> list:
     return [
         Arg("q", q, (*lead, "H", "K"), "act", None),
         Arg("k", k, (*lead, "H", "K"), "act", None),
@@ -112,7 +113,7 @@ def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, l
         Arg("b", b, (*lead, "H"), "act", None),
         Arg("A_log", A_log, ("H",), F32, None),
         Arg("dt_bias", dt_bias, ("H", "K"), F32, None),
-        Arg("state", state, ("slots", "H", "K", "V"), F32),
+        Arg("state", state, state_dims, F32),
         Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
         Arg("out", out, (*lead, "H", "V"), "act", None, optional=True),
     ]
@@ -138,18 +139,29 @@ def kda_conventional_step(q, k, v, f, b, A_log, dt_bias, state, state_batch_indi
     y = S^T q."""
     _check_options(use_qk_l2norm, scale, lower_bound)
     batch, H, K, V, S, _ = _geometry(q, v, state)
-    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out), _check_sizes)
+    return _launch_conventional(
+        "kda_conventional", lambda act, sm: kda_spec(act, H, K, V, 2, batch, "none", use_qk_l2norm, scale, lower_bound,
+                                                     sm, conventional=True),
+        q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, check_values)
+
+
+def _launch_conventional(kernel, make_spec, q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out,
+                         check_values, state_dims=("slots", "H", "K", "V")):
+    """Check and launch one conventional step's kernel (``kda_conventional`` or the (V, K) experiment's,
+    vk.py): ``make_spec(act, arch)`` gives its module."""
+    batch, S = q.shape[0], state.shape[0]
+    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out,
+                                   state_dims=state_dims), _check_sizes)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, None, 1)
     require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:
         return y
-    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, 2, batch, "none", use_qk_l2norm, scale, lower_bound, arch(dev),
-                    conventional=True)
+    spec = make_spec(DTYPE_CODES[q.dtype], arch(dev))
     args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, state)]
     args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
-    launch(spec, "kda_conventional", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, kernel, dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
 
