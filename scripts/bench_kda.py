@@ -56,11 +56,7 @@ sys.path.insert(0, str(ROOT))
 from trtllm_replayssm import costs, timing  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
-from trtllm_replayssm.families.kda.config import (  # noqa: E402
-    kda_geometry,
-    kda_vk_spec,  # noqa: E402
-    override,
-)
+from trtllm_replayssm.families.kda.config import kda_geometry, kda_vk_spec, override  # noqa: E402
 from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 

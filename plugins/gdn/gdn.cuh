@@ -186,11 +186,9 @@ struct StepIn {
   float g, eg, beta;
 };
 
-// q, k of key head h, batch row bq (normalised), gates of value head hv.
+// q, k of key head h, batch row brow for this lane's columns: l2-normalised, q scaled, k' . q' in in.kq.
 template <typename A>
-__device__ __forceinline__ void load_step(StepIn& in, const Lane& c, const A* q, const A* k, const A* a,
-                                          const A* b, const float* A_log, const float* dt_bias, int brow,
-                                          int h, int hv) {
+__device__ __forceinline__ void load_qk(StepIn& in, const Lane& c, const A* q, const A* k, int brow, int h) {
   const A* qh = q + ((size_t)brow * kHK + h) * kK;
   const A* kh = k + ((size_t)brow * kHK + h) * kK;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // |q|^2, |k|^2, q . k
@@ -214,6 +212,14 @@ __device__ __forceinline__ void load_step(StepIn& in, const Lane& c, const A* q,
 #pragma unroll
     for (int e = 0; e < 4; ++e) in.q[v][e] *= sq, in.k[v][e] *= rk;
   in.kq = qk * sq * rk;
+}
+
+// q, k of key head h, batch row brow (normalised), gates of value head hv.
+template <typename A>
+__device__ __forceinline__ void load_step(StepIn& in, const Lane& c, const A* q, const A* k, const A* a,
+                                          const A* b, const float* A_log, const float* dt_bias, int brow,
+                                          int h, int hv) {
+  load_qk(in, c, q, k, brow, h);
   const size_t bh = (size_t)brow * kHV + hv;
   in.g = -expf(__ldg(A_log + hv)) * softplus(to_f(a[bh]) + __ldg(dt_bias + hv));
   in.eg = expf(in.g);

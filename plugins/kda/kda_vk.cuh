@@ -42,22 +42,11 @@ __device__ __forceinline__ void conventional(const Args& a) {
   Rows st;
   gdn::load_rows(st, a.state_in + sh * kK, c);  // issued first: the loads fly while the inputs are prepared
   const size_t bh = (size_t)p.b * kHV + p.hv;
-  const act_t *qh = a.q + bh * kK, *kh = a.k + bh * kK, *fh = a.f + bh * kK;
-  const float* dtb = a.dt_bias + (size_t)p.hv * kK;
   gdn::StepIn in;  // in.k, in.q: exp(g) . k', exp(g) . q' (the dots); eg 1: the decay is in them
-  Cols kn, eg;     // k' (the update) and exp(g) of this lane's columns
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // |q|^2, |k|^2, q . k
-#pragma unroll
-  for (int v = 0; v < gdn::kVPL; ++v) {
-    gdn::load4(qh + c.col(v), in.q[v]);
-    gdn::load4(kh + c.col(v), kn[v]);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      acc[0] = fmaf(in.q[v][e], in.q[v][e], acc[0]);
-      acc[1] = fmaf(kn[v][e], kn[v][e], acc[1]);
-      acc[2] = fmaf(in.q[v][e], kn[v][e], acc[2]);
-    }
-  }
+  gdn::load_qk(in, c, a.q, a.k, p.b, p.hv);
+  Cols kn, eg;  // k' (the update) and exp(g) of this lane's columns
+  const act_t* fh = a.f + bh * kK;
+  const float* dtb = a.dt_bias + (size_t)p.hv * kK;
   const float A = expf(__ldg(a.A_log + p.hv));
 #pragma unroll
   for (int v = 0; v < gdn::kVPL; ++v) {
@@ -65,21 +54,13 @@ __device__ __forceinline__ void conventional(const Args& a) {
     gdn::load4(fh + c.col(v), fv);
     gdn::load4(dtb + c.col(v), dt);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) eg[v][e] = expf(kda_gate::gate(fv[e], dt[e], A));
-  }
-  const float mine = gdn::group_reduce<4>(acc);
-  const float qq = gdn::from_group_lane(mine, 0), kk = gdn::from_group_lane(mine, 1), qk = gdn::from_group_lane(mine, 2);
-  const float rq = kL2Norm ? rsqrtf(qq + gdn::kL2Eps) : 1.f, rk = kL2Norm ? rsqrtf(kk + gdn::kL2Eps) : 1.f;
-  const float sq = rq * kScale;
-#pragma unroll
-  for (int v = 0; v < gdn::kVPL; ++v)
-#pragma unroll
     for (int e = 0; e < 4; ++e) {
-      kn[v][e] *= rk;
-      in.k[v][e] = eg[v][e] * kn[v][e];
-      in.q[v][e] *= sq * eg[v][e];
+      eg[v][e] = expf(kda_gate::gate(fv[e], dt[e], A));
+      kn[v][e] = in.k[v][e];
+      in.k[v][e] *= eg[v][e];
+      in.q[v][e] *= eg[v][e];
     }
-  in.kq = qk * sq * rk;
+  }
   in.g = 0.f, in.eg = 1.f;
   in.beta = kda_gate::sigmoid(to_f(a.b[bh]));
   const size_t yrow = bh * kV + p.row0;

@@ -290,7 +290,7 @@ class KDAVKSpec:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return self.gdn.threads
 
     @property
     def key(self) -> str:

@@ -12,6 +12,7 @@ does not, the family moves to this layout (the plan in NOTES).
 from __future__ import annotations
 
 from ...launch import check_rank
+from ..gdn.config import GDN_SUPPORTED_DIMS
 from .config import kda_vk_spec
 from .ops import _check_options, _launch_conventional
 
@@ -26,8 +27,9 @@ def kda_conventional_step_vk(q, k, v, f, b, A_log, dt_bias, state, state_batch_i
     check_rank(state, "state", 4, "(slots, H, V, K)")
     batch, H, K = q.shape
     V = v.shape[2]
-    if K not in (64, 128, 256) or V not in (64, 128, 256):
-        raise ValueError(f"q, v: (K, V) expected in 64, 128, 256 (GDN's row layout), got ({K}, {V})")
+    if K not in GDN_SUPPORTED_DIMS or V not in GDN_SUPPORTED_DIMS:
+        raise ValueError(f"q, v: (K, V) expected in {', '.join(map(str, GDN_SUPPORTED_DIMS))} (GDN's row layout), "
+                         f"got ({K}, {V})")
     return _launch_conventional(
         "kda_conventional_vk", lambda act, sm: kda_vk_spec(act, H, K, V, batch, use_qk_l2norm, scale, lower_bound, sm),
         q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, check_values, state_dims=("slots", "H", "V", "K"))
