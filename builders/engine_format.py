@@ -74,7 +74,8 @@ shapes after the batch dimension, in the sizes of :class:`LayerState`):
                       gdn_u_i (HV, L, V) float32, gdn_v_i (HV, L, V) act, gdn_k_i (H, L, K) float32,
                       gdn_g_i (HV, L) float32, gdn_beta_i (HV, L) float32
   K  Kimi Delta       conv_state_i (conv_dim = 3 H K, conv_kernel) act, kda_state_i (H, K, V) float32,
-     Attention        kda_k_i (H, L, K) act, kda_u_i (H, L, V) bfloat16, kda_g_i (H, L, K) float32,
+     Attention        kda_k_i (H, L, K) act, kda_u_i (H, L, V) float32 (bfloat16 in an engine with a shadow),
+                      kda_g_i (H, L, K) float32,
                       kda_v_i (H, L, V) act, kda_beta_i (H, L) float32 (trtllm_replayssm/families/kda's table)
   *  attention        k_cache_i, v_cache_i (kv_heads, max_seq_len, head_dim) act
   A  MLA attention    mla_kv_i (max_seq_len, kv_lora_rank) act (the normed latent), mla_k_rope_i (max_seq_len,
@@ -161,6 +162,9 @@ class LayerState:
 
 
 CONV_STATE = LayerState("conv_state", ("conv_dim", "conv_width"), "act")
+# The KDA u ring: float32 without a shadow, bfloat16 with one (trtllm_replayssm/families/kda/config.RING_TYPES);
+# layer_states resolves it from the engine's shadow.
+RING = "ring"
 CONV_WINDOW = "conv_window"  # the speculative engines' name of the conv state (a wider window)
 MAMBA2_STATES = (
     CONV_STATE,
@@ -179,10 +183,10 @@ GDN_STATES = (  # trtllm_replayssm/families/gdn/reference.py's GDNBuffers, the c
     LayerState("gdn_beta", ("num_v_heads", "buffer_len"), "float32"),
 )
 KDA_STATES = (  # trtllm_replayssm/families/kda's state table (checked against it: tests/test_kda_export.py), the
-    CONV_STATE,  # checkpoint in the (H, K, V) layout, the plugin's input order; the u ring in bf16 (DESIGN §5)
+    CONV_STATE,  # checkpoint in the (H, K, V) layout, the plugin's input order; the u ring's dtype: layer_states
     LayerState("kda_state", ("num_heads", "key_dim", "value_dim"), "float32"),
     LayerState("kda_k", ("num_heads", "buffer_len", "key_dim"), "act"),
-    LayerState("kda_u", ("num_heads", "buffer_len", "value_dim"), "bfloat16"),
+    LayerState("kda_u", ("num_heads", "buffer_len", "value_dim"), RING),
     LayerState("kda_g", ("num_heads", "buffer_len", "key_dim"), "float32"),
     LayerState("kda_v", ("num_heads", "buffer_len", "value_dim"), "act"),
     LayerState("kda_beta", ("num_heads", "buffer_len"), "float32"),
@@ -233,7 +237,8 @@ def layer_states(letter: str, speculative: bool = False, shadow: str = "none") -
             raise FormatError(f"shadow: a {LAYER_NAMES[letter]} layer keeps a {' or '.join(kept)} shadow, got "
                               f"{shadow!r}")
         states = states[:2] + kept[shadow] + states[2:]
-    return states
+    ring = "float32" if shadow == "none" else "bfloat16"
+    return tuple(dataclasses.replace(s, dtype=ring) if s.dtype == RING else s for s in states)
 
 
 def is_speculative(cfg: dict) -> bool:

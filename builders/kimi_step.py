@@ -103,6 +103,7 @@ from trtllm_replayssm.families.kda import onnx_ops
 from trtllm_replayssm.families.kda import reference as kref
 from trtllm_replayssm.families.kda import trt_plugin as kda_plugin
 from trtllm_replayssm.families.kda.config import SHADOW_KINDS, kda_spec
+from trtllm_replayssm.families.kda.layers import ring_dtype
 
 from .decode_step import PluginNode, PluginOp, StateSpec, StepIO, layer_state_specs, window_conv
 from .kda import kda_layers, text_model
@@ -463,9 +464,12 @@ class KimiKDADecodeStep(StepIO, torch.nn.Module):
         return specs
 
     def _patched_ssm(self, decoder, i: int):
-        """KDA layer i of a patched model (builders/kda.py's KDAReplayDecoder): (checkpoint, rings k, u, g, v, beta)."""
+        """KDA layer i of a patched model (builders/kda.py's KDAReplayDecoder): (checkpoint, rings k, u, g, v, beta),
+        the u ring in this engine's dtype (layers.ring_dtype: a patched model without a shadow keeps it in fp32, an
+        engine with a shadow in bf16)."""
         b = decoder.bufs[i]
-        return b.state, (b.k_cache, b.u_cache, b.g_cache, b.v_cache, b.beta_cache)
+        u = b.u_cache.to(ring_dtype(b.state.dtype, None if self.shadow == "none" else torch.bfloat16))
+        return b.state, (b.k_cache, u, b.g_cache, b.v_cache, b.beta_cache)
 
     def _kv_states(self, cache, i: int, lengths: int) -> list[torch.Tensor]:
         """MLA layer i's latent and rope key from a transformers cache holding ``lengths`` tokens ((batch, 1, seq, .)

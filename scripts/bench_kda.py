@@ -6,9 +6,10 @@ step (fp32 checkpoint, bf16 shadow), per batch, at the Kimi-K3 and GLM-5.3-Flash
 
 Bytes model (costs.kda_bytes_per_position, per row and layer; H heads, K = V = 128, a = 2 (bf16), s = 4):
   conventional  2 H K V s + io,  io = (3 H K + H V + H) a + H V a  (q, k, f, v, b in; y out)
-  replay, k < L H K V s (or H K V 2, the shadow) + io + (k - 1) E_r + E_w;  E_r = H (K a + V 2 + K 4) (k, u, g)
-                E_w = H (K a + V 2 + K 4 + V a + 4)
-  flush, k = L  2 H K V s (+ the shadow written) + io + (L - 1) E_f;  E_f = H (K a + V a + K 4 + 4) (k, v, g, beta)
+  replay, k < L H K V s (or H K V 2, the shadow) + io + (k - 1) E_r + E_w;  E_r = H (K a + V u + K 4) (k, u, g)
+                E_w = H (K a + V u + K 4 + V a + 4);  u = 4 (the fp32 u ring), 2 beside a bf16 shadow
+  flush, k = L  2 H K V s (+ the shadow written) + io + (L - 1) E_f;  E_f = E_r (the u-sum of k, u, g); beside a
+                shadow H (K a + V a + K 4 + 4) (the refold's k, v, g, beta)
 The replay time of a cycle is the mean of the L positions, each timed with every row's cursor at k - 1
 (``<name>_us_k``); ratio = conventional / that mean. Rows rotate over enough slots (>= 512 MiB of state, at most 64
 rotations) that the state comes from DRAM: each launch of a captured graph uses a fresh set of slots. Achieved TB/s
@@ -57,6 +58,7 @@ from trtllm_replayssm import costs, timing  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
 from trtllm_replayssm.families.kda.config import kda_geometry, kda_vk_spec, override  # noqa: E402
+from trtllm_replayssm.families.kda.layers import ring_dtype  # noqa: E402
 from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
@@ -91,10 +93,11 @@ def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv
     dev = dict(device="cuda")
     state = torch.randn(slots, H, K, V, generator=gen, **dev) * 0.05
     shadow = state.to(torch.bfloat16)
-    rings = (torch.randn(slots, H, L, K, generator=gen, **dev).to(act),
-             (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(torch.bfloat16),
-             -torch.rand(slots, H, L, K, generator=gen, **dev) * 0.3, torch.randn(slots, H, L, V, generator=gen, **dev).to(act),
-             torch.rand(slots, H, L, generator=gen, **dev))
+    k_ring = torch.randn(slots, H, L, K, generator=gen, **dev).to(act)
+    u_f32 = torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1
+    rest = (-torch.rand(slots, H, L, K, generator=gen, **dev) * 0.3, torch.randn(slots, H, L, V, generator=gen, **dev).to(act),
+            torch.rand(slots, H, L, generator=gen, **dev))
+    rings = {sh: (k_ring, u_f32.to(ring_dtype(torch.float32, sh)), *rest) for sh in (None, torch.bfloat16)}
     cursor = torch.zeros(slots, 2, dtype=torch.int32, **dev)
     A_log = torch.log(torch.rand(H, generator=gen, **dev) * 15 + 1)
     dt_bias = torch.rand(H, K, generator=gen, **dev) * 0.1 - 3.0
@@ -111,7 +114,8 @@ def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv
 
             def fn(sh=sh):
                 for r in range(R):
-                    kops.kda_replay_verify(*ins[r % len(ins)], A_log, dt_bias, state, *rings, cursor, sbis[r], out=y,
+                    kops.kda_replay_verify(*ins[r % len(ins)], A_log, dt_bias, state,
+                                           *rings[None if sh is None else sh.dtype], cursor, sbis[r], out=y,
                                            shadow=sh, lower_bound=lb, check_values=False)
 
             us, spread = graph_time_us(fn, R)
@@ -164,7 +168,8 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     state = torch.randn(slots, H, K, V, generator=gen, **dev) * 0.05
     shadow = state.to(torch.bfloat16)
     k_cache = torch.randn(slots, H, L, K, generator=gen, **dev).to(act)
-    u_cache = (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(torch.bfloat16)
+    u_f32 = torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1
+    u_rings = {sh: u_f32.to(ring_dtype(torch.float32, sh)) for sh in (None, torch.bfloat16)}  # by the shadow's dtype
     g_cache = -torch.rand(slots, H, L, K, generator=gen, **dev) * 0.3
     v_cache = torch.randn(slots, H, L, V, generator=gen, **dev).to(act)
     beta_cache = torch.rand(slots, H, L, generator=gen, **dev)
@@ -189,7 +194,8 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     def replay(sh):
         def fn():
             for r in range(R):
-                kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache,
+                kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache,
+                                       u_rings[None if sh is None else sh.dtype], g_cache, v_cache,
                                        beta_cache, cursor, sbis[r], out=y, shadow=sh, lower_bound=lb,
                                        check_values=False)
         return fn

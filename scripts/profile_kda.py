@@ -28,6 +28,7 @@ from trtllm_replayssm import costs  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
 from trtllm_replayssm.families.kda.config import kda_geometry, override  # noqa: E402
+from trtllm_replayssm.families.kda.layers import ring_dtype  # noqa: E402
 
 
 def parse_shape(text: str) -> dict:
@@ -73,7 +74,8 @@ def main():
     state = torch.randn(slots, H, K, V, generator=gen, **dev) * 0.05
     shadow = state.to(torch.bfloat16) if args.shadow == "bf16" else None
     k_c = torch.randn(slots, H, L, K, generator=gen, **dev).to(act)
-    u_c = (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(torch.bfloat16)  # the u ring
+    u_c = (torch.randn(slots, H, L, V, generator=gen, **dev) * 0.1).to(ring_dtype(torch.float32, None if shadow is None
+                                                                                  else shadow.dtype))
     g_c = -torch.rand(slots, H, L, K, generator=gen, **dev) * 0.3
     v_c = torch.randn(slots, H, L, V, generator=gen, **dev).to(act)
     beta_c = torch.rand(slots, H, L, generator=gen, **dev)

@@ -108,7 +108,9 @@ def test_standard_decode_is_a_one_token_verify(shadow):
         entry = HV * V * 4 + HV * V * 2 + H * K * 4 + 2 * HV * 4
         for k in range(1, L):
             assert per_k[k] == costs.gdn_verify_bytes(HV, H, V, K, L, 1, k - 1, shadow_bytes=q)
-        assert per_k[L] == costs.gdn_verify_bytes(HV, H, V, K, L, 1, L - 1, shadow_bytes=q) - entry
+        # the verify's flush refolds (v, k, g, beta); decode's fp32 flush (no shadow) sums (u, k, g) instead
+        usum = 0 if q else (L - 1) * (HV * V * 4 - HV * V * 2 - HV * 4)
+        assert per_k[L] == costs.gdn_verify_bytes(HV, H, V, K, L, 1, L - 1, shadow_bytes=q) - entry + usum
     assert gref.bytes_per_position is costs.gdn_bytes_per_position  # one home, re-exported
 
 
@@ -188,49 +190,57 @@ def test_weights_read_count_the_embedding_rows_not_the_table():
 
 # ---- Kimi Delta Attention (issue 37) ----------------------------------------------------------------------------
 def test_kda_bytes_per_position_by_hand():
-    """The KDA forms of the module docstring, written out: S = H K V 4; the output path reads k (bf16), u (bf16),
-    g (fp32, per channel) per entry; the fold k, v, g, beta; a step writes all five."""
+    """The KDA forms of the module docstring, written out: S = H K V 4; the output path reads k (bf16), u (fp32
+    without a shadow, bf16 with one: layers.ring_dtype), g (fp32, per channel) per entry; the flush the u-sum's
+    entries (k, u, g) without a shadow, the exact fold's (k, v, g, beta) with one; a step writes all five."""
     H, K, V, L = 12, 128, 64, 16
     conv, per_k = costs.kda_bytes_per_position(H, K, V, L)
     state, io = H * K * V * 4, (3 * H * K + H * V + H) * 2 + H * V * 2
-    e = costs.kda_ring_entry_bytes(H, K, V)
-    assert e == {"read": H * (2 * K + 2 * V + 4 * K), "fold": H * (2 * K + 2 * V + 4 * K + 4),
-                 "write": H * (2 * K + 2 * V + 4 * K + 2 * V + 4), "hold": H * (2 * K + 2 * V + 4 * K + 2 * V + 4)}
+    e = costs.kda_ring_entry_bytes(H, K, V, u_bytes=4)
+    assert e == {"read": H * (2 * K + 4 * V + 4 * K), "fold": H * (2 * K + 2 * V + 4 * K + 4),
+                 "write": H * (2 * K + 4 * V + 4 * K + 2 * V + 4), "hold": H * (2 * K + 4 * V + 4 * K + 2 * V + 4)}
     assert conv == 2 * state + io
     assert per_k[1] == state + io + e["write"]
     assert all(per_k[k + 1] - per_k[k] == e["read"] for k in range(1, L - 1))
-    assert per_k[L] == 2 * state + io + (L - 1) * e["fold"]
+    assert per_k[L] == 2 * state + io + (L - 1) * e["read"]  # the u-sum
     _, sh = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16")
-    assert per_k[1] - sh[1] == H * K * V * 2 and sh[L] - per_k[L] == H * K * V * 2  # shadow read / rewritten
+    e2 = costs.kda_ring_entry_bytes(H, K, V, u_bytes=2)
+    assert sh[1] == H * K * V * 2 + io + e2["write"] and sh[2] - sh[1] == e2["read"]  # the shadow, a bf16 u ring
+    assert sh[L] == 2 * state + H * K * V * 2 + io + (L - 1) * e2["fold"]  # the refold; the shadow rewritten
     _, f8 = costs.kda_bytes_per_position(H, K, V, L, shadow="fp8")
-    assert per_k[1] - f8[1] == H * K * V * 3 - H * K * 4  # fp8: one scale per (head, key row)
+    assert sh[1] - f8[1] == H * K * V - H * K * 4  # fp8: one scale per (head, key row)
     step = costs.kda_bytes_per_step(H, K, V, L)
     assert step["replay"] == sum(per_k.values()) / L and step["flush"] == per_k[L]
     for k in range(1, L):  # standard decode at k < L is the verify of T = 1 at m = k - 1 ...
         assert per_k[k] == costs.kda_verify_bytes(H, K, V, L, 1, k - 1)
-    assert per_k[L] == costs.kda_verify_bytes(H, K, V, L, 1, L - 1) - e["write"]  # ... the flush writes no entry
+        assert sh[k] == costs.kda_verify_bytes(H, K, V, L, 1, k - 1, shadow="bf16")
+    # ... the flush writes no entry (the verify's fold refolds from v_j; decode's fp32 flush sums the u_j)
+    assert sh[L] == costs.kda_verify_bytes(H, K, V, L, 1, L - 1, shadow="bf16") - e2["write"]
+    assert per_k[L] == costs.kda_verify_bytes(H, K, V, L, 1, L - 1) - e["write"] + (L - 1) * (e["read"] - e["fold"])
     assert costs.kda_native_spec_bytes(H, K, V, 4) == (state + 4 * state + 4 * io, 2 * state)
 
 
 def test_kda_predicted_ceilings():
-    """bench/NOTES.md "KDA bytes model (issue 37), CPU": at L = 16 every published geometry (all K = V = 128, so
-    the per-head ratio does not depend on the head count or the batch) has the bytes bound 1.659x with the bf16
-    k / u ring and fp32 per-channel g (issue 37: "about 1.65x"), 2.589x with a bf16 shadow; the best ring is
-    L = 11 (1.674x) and replay moves more bytes than the conventional step from L = 126 on. A 2-byte gate in
-    the ring (the raw bf16 forget-gate input, recomputed in the kernel) would give 1.705x."""
+    """bench/NOTES.md "KDA bytes model (issue 37), CPU" and "The same lever for KDA": at L = 16 every published
+    geometry (all K = V = 128, so the per-head ratio does not depend on the head count or the batch) has the bytes
+    bound 1.615x with the fp32 u ring and its u-sum flush (1.659x with a bf16 u ring, issue 37's "about 1.65x"),
+    2.589x with a bf16 shadow (bf16 u ring, refold); the best ring is L = 10 (1.644x) and replay moves more bytes
+    than the conventional step from L = 100 on. A 2-byte gate in the ring (the raw bf16 forget-gate input,
+    recomputed in the kernel) would give 1.659x."""
     from trtllm_replayssm.families.kda import GEOMETRIES
 
     assert set(GEOMETRIES) == {f"{m}_tp{tp}" for m in ("kimi_k3", "kimi_linear_48b", "glm5_3_flash") for tp in (1, 8)}
     for H, K, V in GEOMETRIES.values():
-        assert round(costs.kda_bytes_per_step(H, K, V, 16)["ratio"], 3) == 1.659
+        assert round(costs.kda_bytes_per_step(H, K, V, 16)["ratio"], 3) == 1.615
+        assert round(costs.kda_bytes_per_step(H, K, V, 16, u_bytes=2)["ratio"], 3) == 1.659
         assert round(costs.kda_bytes_per_step(H, K, V, 16, shadow="bf16")["ratio"], 3) == 2.589
-        assert round(costs.kda_bytes_per_step(H, K, V, 16, g_bytes=2)["ratio"], 3) == 1.705
+        assert round(costs.kda_bytes_per_step(H, K, V, 16, g_bytes=2)["ratio"], 3) == 1.659
     H, K, V = GEOMETRIES["kimi_k3_tp1"]
     sweep = costs.ring_sweep(costs.kda_bytes_per_step, H, K, V)
-    assert (sweep["best_L"], round(sweep["best_ratio"], 3), sweep["break_even_L"]) == (11, 1.674, 126)
+    assert (sweep["best_L"], round(sweep["best_ratio"], 3), sweep["break_even_L"]) == (10, 1.644, 100)
     step = costs.kda_bytes_per_step(H, K, V, 16)
     assert step["flush"] > step["conventional"] > step["nonflush"]  # the flush step alone moves more bytes
-    assert round(step["conventional"] * 256 / 1e9, 3) == 3.253 and round(step["replay"] * 256 / 1e9, 3) == 1.961
+    assert round(step["conventional"] * 256 / 1e9, 3) == 3.253 and round(step["replay"] * 256 / 1e9, 3) == 2.014
     # GDN through the same sweep (Qwen3-Next: 32 value heads, 16 key heads of 128): best L = 13, even at 168
     gdn = costs.ring_sweep(costs.gdn_bytes_per_step, 32, 16, 128, 128)
     assert (gdn["best_L"], gdn["break_even_L"]) == (13, 168)

@@ -81,6 +81,7 @@ def test_scale_is_compiled_exactly():
     (dict(buffer_len=33), "buffer_len"),
     (dict(rows=48), "rows"),
     (dict(rows=128, warps=4), "rows"),  # 32 rows per thread: more than lanes per row / 2
+    (dict(rows=2, warps=1, lanes=32), "multiple of 4"),  # valid geometry, but u rows move as 16-byte vectors
     (dict(lanes=2), "lanes"),
     (dict(passes=3), "passes"),
     (dict(rows=128, passes=2, num_tokens=4), "one pass"),

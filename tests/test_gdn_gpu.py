@@ -209,11 +209,13 @@ def test_replay_qwen3_next_geometry():
     run(pb, 2 * 16 + 2)
 
 
-def test_replay_strong_decay_rescales_in_the_fold():
+@pytest.mark.parametrize("shadow", [False, True], ids=["f32", "shadow"])
+def test_replay_strong_decay_rescales_in_the_fold(shadow):
     """Decays strong enough that the fold's lazy decay falls below 2^-30 within a cycle, on every entry for some
-    heads (g ~ -40 softplus(a + dt_bias)) and now and then for others: fold_rows' rescale branch (kRenorm) and its
-    plain path in one launch."""
-    pb = Problem((4, 2, 128, 128), torch.bfloat16, 8, 3, 6, (), seed=5)
+    heads (g ~ -40 softplus(a + dt_bias)) and now and then for others: with a shadow, fold_rows' rescale branch
+    (kRenorm) and its plain path in one launch; without one, the u-sum's weights exp(G_m - G_j) underflowing to 0
+    for the early entries."""
+    pb = Problem((4, 2, 128, 128), torch.bfloat16, 8, 3, 6, (), seed=5, shadow=shadow)
     pb.prm = Params(torch.log(torch.tensor([40.0, 1.0, 8.0, 16.0])), pb.prm.dt_bias)
     run(pb, 2 * 8 + 1)
 
@@ -327,3 +329,36 @@ def test_teeth_corrupt_one_cached_u():
     pb.buf.u_cache[s, 1, 1, 7] += 3.0  # entry 2 of slot s (cursor 3), value head 1, row 7
     with pytest.raises(AssertionError, match="y: rel err"):
         pb.step()
+
+
+@pytest.mark.parametrize("shadow", [False, True], ids=["f32", "shadow"])
+def test_fp32_flush_folds_the_stored_u(shadow):
+    """Which entries the flush reads: without a shadow it is the u-sum of the stored fp32 u_j (gdn.cuh usum_rows),
+    with a bf16 shadow the exact refold from v_j. One stored u_j changed just before the flush: the fp32 flush's
+    checkpoint is the reference's u-sum over the changed entries followed by this token's step (and not the
+    refold); the shadow flush's is the refold's (the change is not read)."""
+    L, hv, j, row = 4, 1, 1, 7
+    pb = Problem((4, 2, 128, 128), torch.float32, L, 2, 4, seed=23, shadow=shadow, random_cursor=False)
+    for _ in range(L - 1):
+        pb.step()
+    r, s = 0, int(pb.sbi_cpu[0])
+    assert int(pb.rcursor[s]) == L - 1, "the next step flushes"
+    pb.buf.u_cache[s, hv, j, row] += 0.5
+    pb.rbuf.u_cache[s, hv, j, row] += 0.5  # the reference refolds from v_j: its u_cache is not read by the flush
+    inp = pb.inputs()
+    q, k, v, a, b = inp
+    HV = pb.HV
+    gq, kq = gref.prep_qk(q, k)
+    g, beta = gref.gates(a, b, pb.prm.A_log, pb.prm.dt_bias)
+    us, _, ks, gs, _ = gref._entries(pb.rbuf, s, torch.arange(L - 1))
+    S_usum = gref._replay(pb.rbuf.state[s].to(F64), us, ks, gs)
+    S_usum, _, y_usum = gref._step(S_usum, gref._expand(gq[r], HV), gref._expand(kq[r], HV), v[r].to(F64), g[r], beta[r])
+    y, y_ref = pb.step(inp, check=False)  # the reference: the refold
+    got, refold = pb.buf.state[s].cpu().double(), pb.rbuf.state[s].double()
+    usum_vs_refold = rel(S_usum[hv, row], refold[hv, row])
+    assert usum_vs_refold > 100 * F32_TOL, f"the change must be visible: {usum_vs_refold:.2e}"
+    want = refold if shadow else S_usum
+    e = rel(got, want)
+    assert e < F32_TOL, f"{'shadow' if shadow else 'fp32'} flush: checkpoint rel err {e:.2e} vs the expected fold"
+    e = rel(y[r], y_ref[r] if shadow else y_usum)
+    assert e < Y_TOL[torch.float32], f"flush y rel err {e:.2e}"

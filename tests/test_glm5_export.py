@@ -167,7 +167,7 @@ def test_build_engine_tiny_glm5_next(engine):
         assert "lb-5.0" in k["spec"] and k["grid"] == [want.grid_x, "batch", 1]
     states = {s["name"]: s for s in cfg["states"]}
     assert states["dsa_kv_3"]["shape"] == [-1, MAX_SEQ, 32] and states["dsa_index_k_3"]["shape"] == [-1, MAX_SEQ, 32]
-    assert states["dsa_index_gate_3"]["dtype"] == "float32" and states["kda_u_0"]["dtype"] == "bfloat16"
+    assert states["dsa_index_gate_3"]["dtype"] == "float32" and states["kda_u_0"]["dtype"] == "float32"
     assert states["kda_state_2"]["shape"] == [-1, 2, 64, 64] and states["conv_state_1"]["shape"] == [-1, 384, 4]
 
     g = onnx.load(str(out / "model.onnx"))

@@ -150,7 +150,7 @@ def _args(**kw):
     a = dict(q=torch.zeros(B, H, K, dtype=bf), k=torch.zeros(B, H, K, dtype=bf), v=torch.zeros(B, H, V, dtype=bf),
              f=torch.zeros(B, H, K, dtype=bf), b=torch.zeros(B, H, dtype=bf), A_log=torch.zeros(H),
              dt_bias=torch.zeros(H, K), state=torch.zeros(S, H, K, V), k_cache=torch.zeros(S, H, L, K, dtype=bf),
-             u_cache=torch.zeros(S, H, L, V, dtype=bf), g_cache=torch.zeros(S, H, L, K),
+             u_cache=torch.zeros(S, H, L, V), g_cache=torch.zeros(S, H, L, K),  # no shadow: an fp32 u ring
              v_cache=torch.zeros(S, H, L, V, dtype=bf), beta_cache=torch.zeros(S, H, L),
              cursor=torch.zeros(S, dtype=torch.int32), state_batch_indices=torch.arange(B, dtype=torch.int32))
     a.update(kw)
@@ -160,7 +160,8 @@ def _args(**kw):
 @pytest.mark.parametrize("kw, err, match", [
     (dict(dt_bias=torch.zeros(H)), ValueError, "dt_bias"),
     (dict(g_cache=torch.zeros(S, H, L, K, dtype=torch.bfloat16)), TypeError, "g_cache"),
-    (dict(u_cache=torch.zeros(S, H, L, V)), TypeError, "u_cache"),
+    (dict(u_cache=torch.zeros(S, H, L, V, dtype=torch.bfloat16)), TypeError, "u_cache"),  # bf16 beside a shadow only
+    (dict(shadow=torch.zeros(S, H, K, V, dtype=torch.bfloat16)), TypeError, "u_cache"),  # the shadow's ring is bf16
     (dict(beta_cache=torch.zeros(S, H, L + 1)), ValueError, "beta_cache"),
     (dict(k_cache=torch.zeros(S, H, L, K + 1, dtype=torch.bfloat16)), ValueError, "k_cache"),
     (dict(f=torch.zeros(B, H, K + 16, dtype=torch.bfloat16)), ValueError, "f"),
@@ -169,7 +170,7 @@ def _args(**kw):
     (dict(cursor=torch.full((S,), L, dtype=torch.int32)), ValueError, "cursor"),
     (dict(state_batch_indices=torch.tensor([0, 0, 1], dtype=torch.int32)), ValueError, "state_batch_indices"),
     (dict(state_batch_indices=torch.tensor([0, S, 1], dtype=torch.int32)), ValueError, "state_batch_indices"),
-    (dict(u_cache=torch.zeros(S, H, 17, V, dtype=torch.bfloat16)), ValueError, "u_cache"),
+    (dict(u_cache=torch.zeros(S, H, 17, V)), ValueError, "u_cache"),
     (dict(state=torch.zeros(S, H, K, V)[..., ::2]), ValueError, "state"),
     (dict(q=torch.zeros(B, H, 40, dtype=torch.bfloat16), k=torch.zeros(B, H, 40, dtype=torch.bfloat16),
           f=torch.zeros(B, H, 40, dtype=torch.bfloat16), dt_bias=torch.zeros(H, 40)), ValueError, "K"),
@@ -188,7 +189,8 @@ def test_options_and_cuda_last():
     with pytest.raises(ValueError, match="CUDA"):  # everything else was valid: only the device is left
         kops.kda_replay_decode(**_args())
     with pytest.raises(ValueError, match="shadow"):
-        kops.kda_replay_decode(**_args(), shadow=torch.zeros(S, H, K, V + 8, dtype=torch.bfloat16))
+        kops.kda_replay_decode(**_args(u_cache=torch.zeros(S, H, L, V, dtype=torch.bfloat16)),
+                               shadow=torch.zeros(S, H, K, V + 8, dtype=torch.bfloat16))
 
 
 # ---- verify launcher validation --------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def _vargs(**kw):
     (dict(f=torch.zeros(B, T, H, K), ), TypeError, "f"),
     (dict(out=torch.zeros(B, H, V, dtype=torch.bfloat16)), ValueError, "out"),
     (dict(state_batch_indices=torch.tensor([1, 1, -1], dtype=torch.int32)), ValueError, "state_batch_indices"),
-    (dict(shadow=torch.zeros(S, H, K, V)), TypeError, "shadow"),
+    (dict(shadow=torch.zeros(S, H, K, V), u_cache=torch.zeros(S, H, L, V, dtype=torch.bfloat16)), TypeError, "shadow"),
 ])
 def test_verify_validation_names_the_tensor(kw, err, match):
     with pytest.raises(err, match=match):
@@ -224,7 +226,7 @@ def test_verify_validation_names_the_tensor(kw, err, match):
 
 
 def test_verify_window_and_cuda_last():
-    small = dict(k_cache=torch.zeros(S, H, 3, K, dtype=torch.bfloat16), u_cache=torch.zeros(S, H, 3, V, dtype=torch.bfloat16),
+    small = dict(k_cache=torch.zeros(S, H, 3, K, dtype=torch.bfloat16), u_cache=torch.zeros(S, H, 3, V),
                  g_cache=torch.zeros(S, H, 3, K), v_cache=torch.zeros(S, H, 3, V, dtype=torch.bfloat16),
                  beta_cache=torch.zeros(S, H, 3))
     with pytest.raises(ValueError, match=r"u_cache: ring length L \(dim 2\) expected in \[2T, 16\]"):

@@ -68,8 +68,15 @@ def test_format_states_follow_the_family_table_and_the_plugin():
     sym = {"H": "num_heads", "K": "key_dim", "V": "value_dim", "L": "buffer_len"}
     rows = [t for t in fam.state_table if not t.optional]
     want = [(f"kda_{t.name.removesuffix('_cache')}", tuple(sym[d] for d in t.dims[1:]),
-             "act" if t.dtype == "act" else str(fam.dtypes[t.dtype]).removeprefix("torch.")) for t in rows]
+             t.dtype if t.dtype in ("act", "ring") else str(fam.dtypes[t.dtype]).removeprefix("torch."))
+            for t in rows]
     assert [(s.prefix, s.dims, s.dtype) for s in ef.KDA_STATES[1:]] == want
+    # the u ring's role resolves with the engine's shadow as the cache's does (layers.ring_dtype)
+    from trtllm_replayssm.families.kda.layers import ring_dtype
+
+    for shadow, shadow_dtype in (("none", None), ("bf16", torch.bfloat16)):
+        u = next(s for s in ef.layer_states("K", shadow=shadow) if s.prefix == "kda_u")
+        assert u.dtype == str(ring_dtype(torch.float32, shadow_dtype)).removeprefix("torch.")
     assert [t.name for t in rows] == list(kp.INPUT_NAMES[9:])
     shadow = next(t for t in fam.state_table if t.name == "shadow")
     sh = ef.SHADOW_STATES["K"]["bf16"][0]
@@ -103,7 +110,7 @@ def test_build_engine_tiny_kimi_linear(engine):
         assert (out / k["ptx"]).read_bytes() == want.ptx and k["kernel"] == "kda_replay_decode"
         assert k["grid"] == [want.grid_x, "batch", 1] and k["extra_int32_args"] == ["batch", "slots"]
     states = {s["name"]: s for s in cfg["states"]}
-    assert states["kda_u_0"]["dtype"] == "bfloat16" and states["kda_u_0"]["shape"] == [-1, 2, L, 64]
+    assert states["kda_u_0"]["dtype"] == "float32" and states["kda_u_0"]["shape"] == [-1, 2, L, 64]
     assert states["kda_state_2"]["shape"] == [-1, 2, 64, 64] and states["conv_state_1"]["shape"] == [-1, 384, 4]
     assert states["mla_kv_3"]["shape"] == [-1, MAX_SEQ, 32] and states["mla_k_rope_3"]["shape"] == [-1, MAX_SEQ, 16]
     assert "replayssm::kda_decode" in (out / "trtexec.sh").read_text()
@@ -122,7 +129,7 @@ def test_build_engine_tiny_kimi_linear(engine):
 
 def test_triton_plan_repository_pairs_every_state(engine, tmp_path):
     """The tensorrt_plan Triton model of the engine (builders/triton_repo.py, format-driven): every state an implicit
-    sequence state, the bf16 u ring a TYPE_BF16 one."""
+    sequence state, the u ring (fp32 without a shadow) a TYPE_FP32 one."""
     pytest.importorskip("tritonclient")
     from builders import triton_repo as tr
 
@@ -130,7 +137,9 @@ def test_triton_plan_repository_pairs_every_state(engine, tmp_path):
     target = tr.make_repo(out, tmp_path / "repo")
     text = (target / "config.pbtxt").read_text()
     assert target.name == "kimi_linear_replayssm" and (target / "1" / "MISSING_PLAN.txt").is_file()
-    assert text.count("input_name: \"kda_u_") == 3 and "TYPE_BF16" in text and "mla_k_rope_3" in text
+    assert text.count("input_name: \"kda_u_") == 3 and "mla_k_rope_3" in text
+    u = text[text.index('input_name: "kda_u_0"'):]
+    assert u[:u.index("dims")].count("data_type: TYPE_FP32") == 1, "the fp32 u ring"
 
 
 # ---- the graph under onnxruntime --------------------------------------------------------------------------------

@@ -2,20 +2,22 @@
 """KDA kernels (plugins/kda/kda_decode.cu) against trtllm_replayssm/families/kda/reference.py, step by step.
 
 Oracles:
-- float64 reference evolving on its own from the same initial checkpoint and rings (random contents: the replay
-  step is a function of whatever the ring holds, so any contents are a valid state), fed the very activation
-  values the kernel sees and storing into tensors of the kernel's dtypes (f32 state, g, beta; act k, v; bf16 u).
-  What is left between the two is the kernel's fp32 arithmetic and the roundings to bf16 / the act dtype.
+- float64 reference evolving on its own from the same initial checkpoint and rings (random k, v, g, beta; the u_j
+  those the non-flush steps would have written, written_u: without a shadow the flush sums the stored u_j, the
+  reference refolds from v_j, and the two agree only on such rings), fed the very activation values the kernel
+  sees and storing into tensors of the kernel's dtypes (f32 state, g, beta; act k, v; the u ring fp32, bf16
+  beside a shadow). What is left between the two is the kernel's fp32 arithmetic and the roundings to bf16 / the
+  act dtype.
 - Bookkeeping exactly (rtol = atol = 0): the k and v rings (copies of the inputs), cursors, padding rows' y still
   NaN, unused slots of every tensor as they were, the shadow equal to the bf16 rounding of the fp32 checkpoint.
 Tolerances (relative Frobenius norm over the compared values):
-- y: bf16 output rounding 2^-9 relative per element, plus the u ring's bf16 rounding (2^-9) of fp32 vs float64
-  values that can fall on either side of a rounding boundary and then feed up to L - 1 later outputs -> 1e-2;
-  f16 -> 4e-3 (its own 2^-11, the u ring stays bf16); f32 act -> 4e-3 (the bf16 u ring dominates).
-- state (the exact fold from k, v, g, beta; no bf16 u enters it) and the g / beta rings (expf, log1pf in fp32 of
-  a few ulp each): 1e-4, compounded over 3L + 2 steps of a contractive recurrence (|exp g| <= 1, the delta
-  rule's I - beta k k^T of norm <= 1).
-- u ring: 1e-2 (bf16 rounding as for y).
+- y: bf16 output rounding 2^-9 relative per element (with a shadow also the bf16 u ring's rounding, which can fall
+  on either side of a rounding boundary and then feed up to L - 1 later outputs) -> 1e-2; f16 -> 4e-3 (its own
+  2^-11); f32 act -> 4e-3.
+- state (fp32 arithmetic: the u-sum of fp32 u_j, or with a shadow the exact refold from k, v, g, beta, where no
+  bf16 u enters) and the g / beta rings (expf, log1pf in fp32 of a few ulp each): 1e-4, compounded over 3L + 2
+  steps of a contractive recurrence (|exp g| <= 1, the delta rule's I - beta k k^T of norm <= 1).
+- u ring: fp32 1e-4; bf16 (with a shadow) 1e-2 (its rounding as for y).
 - y with a bf16 shadow: 2e-2 (S0 read through one bf16 rounding, 2^-9 relative per element, averaged over K terms).
 """
 
@@ -66,8 +68,9 @@ def make_inputs(batch, H, K, V, act, gen, l2norm=True):
     return q, k, v, f, b
 
 
-def make_buffers(slots, H, K, V, L, act, gen, l2norm=True):
-    buf = kref.KDABuffers.alloc(slots, H, K, V, L, act=act)
+def make_buffers(slots, H, K, V, L, act, gen, l2norm=True, shadow=False):
+    """Random rings; the u ring in the cache's dtype (layers.ring_dtype: bf16 beside a shadow, else fp32)."""
+    buf = kref.KDABuffers.alloc(slots, H, K, V, L, act=act, ring=torch.bfloat16 if shadow else torch.float32)
     buf.state.copy_(torch.randn(slots, H, K, V, generator=gen) * 0.1)
     buf.k_cache.copy_(torch.randn(slots, H, L, K, generator=gen) * (1.0 if l2norm else K ** -0.5))
     buf.u_cache.copy_(torch.randn(slots, H, L, V, generator=gen) * 0.1)
@@ -75,6 +78,20 @@ def make_buffers(slots, H, K, V, L, act, gen, l2norm=True):
     buf.v_cache.copy_(torch.randn(slots, H, L, V, generator=gen))
     buf.beta_cache.copy_(torch.rand(slots, H, L, generator=gen))
     return buf
+
+
+def written_u(buf, cursor, l2norm=True):
+    """The u_j of every buffered entry j < cursor[s] as the non-flush steps wrote them without a shadow: from the
+    checkpoint and the entries before it by the exact recurrence (float64, stored in the ring's dtype). Random rings
+    become ones the state contract allows: the fp32 flush sums the stored u_j (plugins/kda/kda.cuh usum_apply), which
+    agrees with the reference's exact refold from v_j on them."""
+    for s in range(buf.state.shape[0]):
+        S = buf.state[s].to(F64)
+        for j in range(int(cursor[s])):
+            k = kref.prep_k(buf.k_cache[s][:, j], l2norm)
+            S, u, _ = kref._step(S, k, k, buf.v_cache[s][:, j].to(F64), buf.g_cache[s][:, j].to(F64),
+                                 buf.beta_cache[s][:, j].to(F64))
+            buf.u_cache[s][:, j] = u.to(buf.u_cache.dtype)
 
 
 def to_dev(buf, dev):
@@ -122,8 +139,9 @@ def _replay_against_reference(case):
     _, (H, K, V), act, L, batch, slots, lb, l2, use_shadow = case
     gen = torch.Generator().manual_seed(37)
     A_log, dt_bias = make_params(H, K, gen)
-    ref = make_buffers(slots, H, K, V, L, act, gen, l2)
+    ref = make_buffers(slots, H, K, V, L, act, gen, l2, use_shadow)
     cursor = torch.randint(0, L, (slots,), generator=gen, dtype=torch.int32)  # rows flush at different steps
+    written_u(ref, cursor, l2)
     sbi = _sbi(batch, slots, gen)
     gpu = to_dev(ref, dev)
     ref_sh = Shadow.of(ref.state, "bf16") if use_shadow else None
@@ -153,7 +171,7 @@ def _replay_against_reference(case):
         assert torch.equal(gpu.v_cache.cpu(), ref.v_cache), f"step {step}: v ring must be the inputs, exactly"
         assert rel(gpu.g_cache.cpu(), ref.g_cache) < F32_TOL
         assert rel(gpu.beta_cache.cpu(), ref.beta_cache) < F32_TOL
-        assert rel(gpu.u_cache.cpu(), ref.u_cache) < 1e-2
+        assert rel(gpu.u_cache.cpu(), ref.u_cache) < (1e-2 if use_shadow else F32_TOL)  # bf16 / fp32 u ring
         assert rel(gpu.state.cpu(), ref.state) < F32_TOL, f"step {step}: state rel {rel(gpu.state.cpu(), ref.state)}"
         if use_shadow:  # rewritten from the fp32 checkpoint at each flush: its bf16 rounding, bit for bit
             assert torch.equal(sh.cpu(), gpu.state.cpu().to(torch.bfloat16))
@@ -206,6 +224,7 @@ def test_teeth():
     A_log, dt_bias = make_params(H, K, gen)
     ref = make_buffers(slots, H, K, V, L, torch.bfloat16, gen)
     cursor = torch.full((slots,), 5, dtype=torch.int32)
+    written_u(ref, cursor)
     sbi = torch.tensor([0, 2], dtype=torch.int32)
     gpu = to_dev(ref, dev)
     gpu.g_cache[2, 3, 4] = -20.0  # entry 4 < cursor 5: the output path reads it
@@ -215,6 +234,41 @@ def test_teeth():
                                cursor.to(dev), sbi.to(dev)).cpu()
     assert rel(y[0], y_ref[0]) < Y_TOL[torch.bfloat16]  # the untouched row still agrees
     assert rel(y[1, 3], y_ref[1, 3]) > 3 * Y_TOL[torch.bfloat16], "the oracle must see a corrupted ring entry"
+
+
+@pytest.mark.parametrize("use_shadow", [False, True], ids=["f32", "shadow"])
+def test_fp32_flush_folds_the_stored_u(use_shadow):
+    """Which entries the flush reads: without a shadow the u-sum of the stored fp32 u_j (kda.cuh usum_apply), with a
+    bf16 shadow the exact refold from v_j. One stored u_j changed before a flush: the fp32 flush's checkpoint is the
+    reference's u-sum over the changed ring followed by this token's step (not the refold); the shadow flush's is the
+    refold's (the change is not read)."""
+    dev = cuda()
+    H, K, V = GEOMETRIES["kimi_k3_tp8"]
+    L, slots, s, r, h, j, col = 4, 3, 2, 1, 3, 1, 7
+    gen = torch.Generator().manual_seed(29)
+    A_log, dt_bias = make_params(H, K, gen)
+    ref = make_buffers(slots, H, K, V, L, torch.bfloat16, gen, True, use_shadow)
+    cursor = torch.full((slots,), L - 1, dtype=torch.int32)  # every row flushes
+    written_u(ref, cursor)
+    ref.u_cache[s, h, j, col] += 0.5
+    sbi = torch.tensor([0, s], dtype=torch.int32)
+    gpu = to_dev(ref, dev)
+    ref_sh = Shadow.of(ref.state, "bf16") if use_shadow else None
+    sh = ref_sh.q.to(dev) if use_shadow else None
+    q, k, v, f, b = make_inputs(2, H, K, V, torch.bfloat16, gen)
+    ks, us, gs, _, _ = kref._entries(ref, s, torch.arange(L - 1), True)
+    qn, kn = kref.prep_qk(q, k)
+    g, beta = kref.gates(f, b, A_log, dt_bias)
+    S_usum, _, y_usum = kref._step(kref._replay(ref.state[s].to(F64), ks, us, gs), qn[r], kn[r], v[r].to(F64), g[r],
+                                   beta[r])
+    y_ref = kref.replay_decode(ref, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=ref_sh)  # the refold
+    y = kops.kda_replay_decode(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), *gpu.tensors(),
+                               cursor.to(dev), sbi.to(dev), shadow=sh).cpu()
+    got, refold = gpu.state[s].cpu().to(F64), ref.state[s].to(F64)
+    assert rel(S_usum[h], refold[h]) > 100 * F32_TOL, "the change must be visible"
+    e = rel(got, refold if use_shadow else S_usum)
+    assert e < F32_TOL, f"{'shadow' if use_shadow else 'fp32'} flush: checkpoint rel err {e:.2e} vs the expected fold"
+    assert rel(y[r], y_ref[r] if use_shadow else y_usum) < Y_TOL[torch.bfloat16]
 
 
 def test_bad_cursor_gives_nan_and_writes_nothing():

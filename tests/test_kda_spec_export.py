@@ -257,7 +257,7 @@ def test_build_engine_writes_the_speculative_directory(tmp_path):
     assert states["cursor"]["shape"] == [-1, 2] and states["cursor"]["updated_by"] == {"commit": "cursor_out"}
     assert states["conv_window_0"]["shape"] == [-1, 3 * 2 * 64, 3 + 3]
     assert states["conv_window_0"]["updated_by"] == {"verify": "conv_window_0_out", "commit": "conv_window_0_out"}
-    assert states["kda_u_1"]["updated_by"] == {"verify": "kda_u_1_out"} and states["kda_u_1"]["dtype"] == "bfloat16"
+    assert states["kda_u_1"]["updated_by"] == {"verify": "kda_u_1_out"} and states["kda_u_1"]["dtype"] == "float32"
     assert states["mla_kv_3"]["shape"] == [-1, 4096, 32] and states["mla_kv_3"]["updated_by"] == {
         "verify": "mla_kv_3_out"}
 
@@ -410,7 +410,7 @@ def test_verify_node_is_the_family_spec():
     S, H, K, V, L, Tn = 4, 2, 8, 8, 8, 3
     gen = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
-    buf = kref.KDABuffers.alloc(S, H, K, V, L, act=torch.float64, ring=torch.bfloat16, f32=torch.float32)
+    buf = kref.KDABuffers.alloc(S, H, K, V, L, act=torch.float64, ring=torch.float32, f32=torch.float32)
     buf.state.copy_(rnd(S, H, K, V))
     for t in (buf.k_cache, buf.u_cache, buf.v_cache):
         t.copy_(rnd(*t.shape))

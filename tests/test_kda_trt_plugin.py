@@ -43,7 +43,8 @@ def test_io_contract_types_and_attributes():
         assert all(shapes[o] == shapes[info.inputs[i]] for o, i in ((info.outputs[o], i) for o, i in info.aliases.items()))
         types = kp.type_combination("bf16", shadow)
         assert len(types) == len(info.inputs) + len(info.outputs)
-        assert types[info.inputs.index("u_cache")] == "BF16" and types[info.inputs.index("g_cache")] == "FP32"
+        ring = "FP32" if shadow == "none" else "BF16"  # layers.ring_dtype
+        assert types[info.inputs.index("u_cache")] == ring and types[info.inputs.index("g_cache")] == "FP32"
         tp.check_attributes(name, ATTRS, shapes)
     shapes = kp.io_shapes(3, 5, *list(ATTRS.values())[:4])
     with pytest.raises(ValueError, match="key_dim=66 but the inputs have 64"):

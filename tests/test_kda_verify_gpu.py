@@ -59,7 +59,7 @@ class SpecProblem:
         self.lb, self.l2, self.p_zero = lb, l2, p_zero
         self.gen = g = torch.Generator().manual_seed(seed)
         self.A_log, self.dt_bias = make_params(H, K, g)
-        self.ref = make_buffers(slots, H, K, V, L, act, g, l2)
+        self.ref = make_buffers(slots, H, K, V, L, act, g, l2, shadow)
         self.rcursor = torch.stack([torch.randint(0, L, (slots,), generator=g),
                                     torch.randint(0, L - T + 1, (slots,), generator=g)], 1).to(torch.int32)
         perm = torch.randperm(slots, generator=g)[:batch].to(torch.int32)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import threading
 
@@ -41,8 +42,9 @@ SUPPORTED_DSTATE = (64, 128, 256)
 SUPPORTED_BUFFER_LEN = (4, 8, 16, 32)
 SUPPORTED_NUM_TOKENS = (1, 2, 4, 6, 8)  # T = 1 + num_draft; T = 1 (standard decode on the ring) for tests
 MAX_THREADS = 512
+SMS = 132  # multiprocessors of an H100 SXM and of an H200 (the cards the planners are measured on)
 # Waves worth of blocks below which a head is split into row chunks (small batches).
-MIN_BLOCKS = 2 * 132
+MIN_BLOCKS = 2 * SMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -365,7 +367,7 @@ class KernelSpec:
             ]
         )
 
-    def grid(self, batch: int, sm_count: int = 132, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
+    def grid(self, batch: int, sm_count: int = SMS, kernel: str = "replayssm_decode") -> tuple[int, int, int]:
         items_per_row = self.nheads * (self.headdim // self.rows)
         # Persistent replay blocks walk the items (batch is a kernel arg); the conventional kernel is one-shot.
         if self.persistent and kernel != "replayssm_conventional":
@@ -394,6 +396,28 @@ def vector_layout(state: str, dstate: int) -> VectorLayout:
 
 
 _local = threading.local()
+
+
+def wave_tail_bound(blocks: int, slots: int) -> float:
+    """waves / ceil(waves) for a grid of ``blocks`` equal blocks over ``slots`` resident blocks (SMs x blocks an SM):
+    how full the grid keeps the machine when its last round is partial (bench/NOTES.md "Issue 40: the wave tail":
+    the GDN and KDA steps' share of the copy ceiling at bs 8-256 follows it). Below one wave it is the share of
+    slots used."""
+    w = blocks / slots
+    return w / math.ceil(w) if w >= 1 else w
+
+
+def tail_resident(blocks: int, threads: int, options: tuple[int, ...], sms: int = SMS, margin: float = 0.02) -> int:
+    """The resident threads an SM (a module's register budget: ``__launch_bounds__`` min blocks = resident / threads)
+    among ``options``, the first the default, whose grid ends with the fullest last wave; another option only where
+    its bound beats the best so far by more than ``margin`` (more blocks an SM cost registers, and spills)."""
+    best = options[0]
+    bound = wave_tail_bound(blocks, sms * max(1, best // threads))
+    for o in options[1:]:
+        b = wave_tail_bound(blocks, sms * max(1, o // threads))
+        if b > bound + margin:
+            best, bound = o, b
+    return best
 
 
 @contextlib.contextmanager

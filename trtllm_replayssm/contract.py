@@ -67,7 +67,8 @@ state          (S, H, K, V)          f32                 checkpoint S0: prefill 
                                                          of the ring at a flush
 shadow         (S, H, K, V)          bf16                optional; rewritten with the checkpoint
 k_cache        (S, H, L, K)          act                 ring of raw k_j (before the l2 norm)
-u_cache        (S, H, L, V)          bf16 (ring)         ring of corrected updates u_j (output path only)
+u_cache        (S, H, L, V)          f32 / bf16 (ring)   ring of corrected updates u_j (the output path; the
+                                                         fp32 flush's u-sum); bf16 beside a shadow
 g_cache        (S, H, L, K)          f32                 ring of per-channel log decays g_j
 v_cache        (S, H, L, V)          act                 ring of v_j (the exact fold only)
 beta_cache     (S, H, L)             f32                 ring of beta_j (the exact fold only)

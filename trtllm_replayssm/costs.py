@@ -212,11 +212,11 @@ def gdn_bytes_per_position(HV: int, H: int, V: int, K: int, L: int, act_bytes: i
 
     Conventional: read + write the state. ReplaySSM at k < L: read S0 (or its shadow) once, the k - 1
     buffered entries the output needs (u, k, g), write one entry (u, v, k, g, beta); at k = L (the flush):
-    read S0 and the L - 1 entries the fold needs (v, k, g, beta), write S0 (+ the shadow). Inputs q, k, v,
-    a, b and the output y are the same for both and counted in both (what scripts/bench_gdn.py divides
-    its times by)."""
+    read S0 and the L - 1 entries, write S0 (+ the shadow): without a shadow the u-sum's (u, k, g), with one the
+    exact refold's (v, k, g, beta) (plugins/gdn/gdn.cuh ``replay_flush``). Inputs q, k, v, a, b and the output y
+    are the same for both and counted in both (what scripts/bench_gdn.py divides its times by)."""
     state, read, wsh, io, hist, fold, entry = _gdn_parts(HV, H, V, K, act_bytes, state_bytes, shadow_bytes)
-    return _per_position(state, read, wsh, io, hist, fold, entry, L)
+    return _per_position(state, read, wsh, io, hist, fold if wsh else hist, entry, L)
 
 
 def gdn_bytes_per_step(HV: int, H: int, V: int, K: int, L: int, act_bytes: int = 2, state_bytes: int = 4,
@@ -257,10 +257,19 @@ def kda_ring_entry_bytes(H: int, K: int, V: int, act_bytes: int = 2, u_bytes: in
             "write": write, "hold": write}
 
 
+def kda_u_bytes(shadow) -> int:
+    """Bytes of one u ring value: families/kda/config.RING_TYPES (fp32 without a shadow, the shadow's ring with one)."""
+    from .config import ITEMSIZE  # here: the family package imports this module
+    from .families.kda.config import RING_TYPES
+
+    return ITEMSIZE[RING_TYPES["none" if shadow_sizes(shadow) is None else "bf16"]]
+
+
 def _kda_parts(H, K, V, act_bytes, state_bytes, shadow, u_bytes, g_bytes):
     a = act_bytes
     state = kda_state_bytes(H, K, V, state_bytes)
     sh = shadow_sizes(shadow)
+    u_bytes = kda_u_bytes(shadow) if u_bytes is None else u_bytes
     read = state if sh is None else H * K * V * sh[0] + H * K * sh[1]  # fp8 scales: one per (head, key row)
     io = (3 * H * K + H * V + H) * a + H * V * a  # q, k, raw forget gate f, v, raw beta b in; y out
     e = kda_ring_entry_bytes(H, K, V, act_bytes, u_bytes, g_bytes)
@@ -268,24 +277,25 @@ def _kda_parts(H, K, V, act_bytes, state_bytes, shadow, u_bytes, g_bytes):
 
 
 def kda_bytes_per_position(H: int, K: int, V: int, L: int, act_bytes: int = 2, state_bytes: int = 4, shadow=None,
-                           u_bytes: int = 2, g_bytes: int = 4) -> tuple[int, dict[int, int]]:
+                           u_bytes: int | None = None, g_bytes: int = 4) -> tuple[int, dict[int, int]]:
     """The KDA bytes model per (row, layer): (conventional step, {k: ReplaySSM standard decode step at buffer
     position k = 1..L}). Conventional: read + write S. ReplaySSM at k < L: S0 (or its shadow) once, the k - 1
-    entries the output needs (k, u, g), one entry written; k = L (the flush): S0 and the L - 1 entries the
-    exact fold needs (k, v, g, beta) read, S0 (+ the shadow) written, no entry. io is counted in both."""
+    entries the output needs (k, u, g), one entry written; k = L (the flush): S0 and the L - 1 entries read, S0
+    (+ the shadow) written, no entry: without a shadow the u-sum's (k, u, g), with one the exact refold's (k, v,
+    g, beta) (plugins/kda/kda.cuh). io is counted in both. ``u_bytes`` None: the u ring's (:func:`kda_u_bytes`)."""
     state, read, wsh, io, hist, fold, entry = _kda_parts(H, K, V, act_bytes, state_bytes, shadow, u_bytes, g_bytes)
-    return _per_position(state, read, wsh, io, hist, fold, entry, L)
+    return _per_position(state, read, wsh, io, hist, fold if wsh else hist, entry, L)
 
 
 def kda_bytes_per_step(H: int, K: int, V: int, L: int, act_bytes: int = 2, state_bytes: int = 4, shadow=None,
-                       u_bytes: int = 2, g_bytes: int = 4) -> dict:
+                       u_bytes: int | None = None, g_bytes: int = 4) -> dict:
     """:func:`kda_bytes_per_position` over a flush cycle: conventional, replay (mean over k), ratio, nonflush, flush."""
     conv, per_k = kda_bytes_per_position(H, K, V, L, act_bytes, state_bytes, shadow, u_bytes, g_bytes)
     return _per_step(conv, per_k, L)
 
 
 def kda_verify_bytes(H: int, K: int, V: int, L: int, T: int, m: int, act_bytes: int = 2, state_bytes: int = 4,
-                     shadow=None, u_bytes: int = 2, g_bytes: int = 4) -> int:
+                     shadow=None, u_bytes: int | None = None, g_bytes: int = 4) -> int:
     """One KDA ReplaySSM verify of T tokens at committed count m (the exact fold of the m entries where m + 2T > L)."""
     state, read, wsh, io, hist, fold, entry = _kda_parts(H, K, V, act_bytes, state_bytes, shadow, u_bytes, g_bytes)
     return _window(state, read, wsh, io, hist, fold, entry, L, T, m)
@@ -439,20 +449,21 @@ def gdn_layer_memory(HV: int, Hk: int, V: int, Kd: int, L: int, conv_width: int,
 
 
 def kda_layer_memory(H: int, K: int, V: int, L: int, conv_width: int = 0, state_bytes: int = 4, act_bytes: int = 2,
-                     shadow=None, u_bytes: int = 2, g_bytes: int = 4) -> dict:
+                     shadow=None, u_bytes: int | None = None, g_bytes: int = 4) -> dict:
     """Bytes one slot holds in one KDA layer: {state, shadow, ring (k, u, g, v, beta), conv} (conv over q | k | v,
     3 H K channels with K = V as Kimi / GLM; ``conv_width`` 0 leaves it to the cache)."""
     sh = shadow_sizes(shadow)
     return {"state": kda_state_bytes(H, K, V, state_bytes),
             "shadow": 0 if sh is None else H * K * V * sh[0] + H * K * sh[1],
-            "ring": L * kda_ring_entry_bytes(H, K, V, act_bytes, u_bytes, g_bytes)["hold"],
+            "ring": L * kda_ring_entry_bytes(H, K, V, act_bytes, kda_u_bytes(shadow) if u_bytes is None else u_bytes,
+                                             g_bytes)["hold"],
             "conv": (2 * H * K + H * V) * conv_width * act_bytes}
 
 
 def _kda_cache_layer(H, K, V, L, W, s, a, shadow, conv_dim, dt):
     if conv_dim is not None or s == 8:
         raise ValueError("layers: the KDA memory model keeps the default conv (q | k | v) and an fp32 beta ring")
-    return kda_layer_memory(H, K, V, L, W, s, a, shadow, u_bytes=2, g_bytes=4)
+    return kda_layer_memory(H, K, V, L, W, s, a, shadow, g_bytes=4)
 
 
 # Bytes one slot holds in one layer of a family, from the cache's arguments (geometry, L, conv width W, state /

@@ -24,8 +24,8 @@ pair() {  # tag, script, want seconds each, args: old then new, same card, same 
   new timeout $t python3 scripts/$2 "${@:4}" --out /tmp/r --tag $1-new > /tmp/r/$1-new.txt 2>&1; tail -8 /tmp/r/$1-new.txt; save; }
 san() {  # tool, reserve, want, kernel prefix, test file, -k
   local l=$(cap $3 $2); [ $l -lt 30 ] && { echo "skip $1 $4 ($(left)s)"; return; }
-  new timeout $l compute-sanitizer --tool $1 --report-api-errors no --kernel-name kns=$4 python3 -m pytest -q -p no:cacheprovider $5 -k "$6" > /tmp/r/san_$1_$4.txt 2>&1
-  echo "$1 $4 rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/r/san_$1_$4.txt | tail -3; save; }
+  new timeout $l compute-sanitizer --tool $1 --report-api-errors no --kernel-name kns=$4 python3 -m pytest -q -p no:cacheprovider $5 -k "$6" > /tmp/r/san_$1_$4_$(basename $5 .py).txt 2>&1
+  echo "$1 $4 rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/r/san_$1_$4_$(basename $5 .py).txt | tail -3; save; }
 if want 1; then
 echo "== 1 GDN pair $(left)s left"
 pair gdn-usumab1 bench_gdn.py 70 --batches 1,8,32,64,256
@@ -69,7 +69,7 @@ fi
 if want 4c; then
 echo "== 4c the wave tail at small batch (issue 40): GDN replay modules at 4 blocks an SM (resident 1024) $(left)s left"
 if [ $(left) -gt 130 ]; then
-  new timeout 70 python3 scripts/bench_gdn.py --batches 8,16,32,64,128 --replay-shape -:-:-:1024 --out /tmp/r --tag gdn-r1024 > /tmp/r/gdn-r1024.txt 2>&1
+  new timeout 70 python3 scripts/bench_gdn.py --batches 8,16,32,64,128 --replay-shape=-:-:-:1024 --out /tmp/r --tag gdn-r1024 > /tmp/r/gdn-r1024.txt 2>&1
   tail -6 /tmp/r/gdn-r1024.txt; save
 fi
 fi

@@ -20,8 +20,12 @@
 //   S_m k = exp(G_m) S0 k + sum_j w_j (k_j . k) u_j       (same with q)
 //   u = beta (v - exp(g) S_m k),  y = exp(g) S_m q + (k . q) u
 // so a non-flush step reads S0 once (two dots per row) and appends (u, v, k, g, beta). The flush
-// (the L-th entry) folds the buffered (v_j, k_j, g_j, beta_j) into the fp32 checkpoint by the exact
-// recurrence, then runs the conventional step for the current token and stores the checkpoint.
+// (the L-th entry) brings the fp32 checkpoint to S_m, then runs the conventional step for the current
+// token and stores the checkpoint. Without a shadow, S_m = exp(G_m) S0 + sum_j w_j u_j k_j^T from the
+// stored fp32 u_j (the u-sum): the non-flush steps computed those u_j from this same checkpoint, so this
+// is the recurrence's S_m (reference.py says so), one FMA per state value and entry and no chain between
+// entries. With a bf16 shadow the stored u_j carry the shadow's rounding, so the flush refolds the
+// buffered (v_j, k_j, g_j, beta_j) by the exact recurrence from the fp32 checkpoint.
 //
 // Work split: one block per (batch row, value head, chunk of kRows rows). A row's K columns lie
 // across kLPR lanes (16-byte vectors), kRT consecutive rows per thread, so a warp-wide load covers
@@ -112,6 +116,7 @@ static_assert(kV % kRows == 0, "rows per block must divide V");
 static_assert(kHV % kHK == 0, "key heads must divide value heads");
 static_assert(kL >= 1 && kL <= 32, "buffer length is 1..32 (one warp scans it)");
 static_assert(kShadow == 0 || kShadow == 1, "GDN shadow: none or bf16");
+static_assert(kRows % 4 == 0, "rows per block: a multiple of 4 (u rows move as 16-byte vectors)");
 
 struct Lane {
   int lane, l;   // lane in the warp, lane in its row group
@@ -385,14 +390,23 @@ struct alignas(16) ReplaySmem {
   float kd[32][2];  // (k_j . k', k_j . q') interleaved: a lane reads one of the pair, no bank conflict
   float eGm;        // exp(G_m)
 };
-// The flush's entries j < L - 1, staged by cp.async with the checkpoint loads, so the serial fold reads
-// shared memory instead of waiting on a DRAM round trip per entry.
+// The flush's entries j < L - 1, staged by cp.async with the checkpoint loads, so the fold reads shared
+// memory instead of waiting on a DRAM round trip per entry.
 constexpr int kFE = kL > 1 ? kL - 1 : 1;
-struct alignas(16) FlushSmem {
+#if GDN_SHADOW
+struct alignas(16) FlushSmem {  // the exact refold (fold_rows)
   float k[kFE][kK];      // k_j
   act_t v[kFE][kRows];   // v_j of the block's rows
   float g[32], beta[32];
 };
+#else
+struct alignas(16) FlushSmem {  // the u-sum (usum_rows)
+  float k[kFE][kK];      // k_j
+  float u[kFE][kRows];   // u_j of the block's rows
+  float w[32];           // exp(G_m - G_j)
+  float eGm;             // exp(G_m)
+};
+#endif
 // v rows of a block move as 16-byte vectors where they are whole vectors (small blocks: element-wise).
 constexpr bool kVVectors = kRows * sizeof(act_t) % 16 == 0;
 constexpr size_t kSmemBytes = sizeof(ReplaySmem) > sizeof(FlushSmem) ? sizeof(ReplaySmem) : sizeof(FlushSmem);
@@ -552,7 +566,34 @@ __device__ __forceinline__ void fold_rows(Rows& st, const Smem& fs, const Lane& 
   }
 }
 
-// Flush step (m = L - 1 entries buffered): exact fold from the fp32 checkpoint, then this token.
+// S_m = exp(G_m) S0 + sum_j w_j u_j k_j^T for this thread's rows from the staged u_j (FlushSmem without a
+// shadow): every entry is one FMA per element, and no entry waits on another.
+template <typename Smem>
+__device__ __forceinline__ void usum_rows(Rows& st, const Smem& fs, const Lane& c, int m) {
+#pragma unroll
+  for (int r = 0; r < kRT; ++r)
+#pragma unroll
+    for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[r][v][e] *= fs.eGm;
+#pragma unroll 2
+  for (int j = 0; j < m; ++j) {
+    Cols kj;
+    smem_cols(kj, fs.k[j], c);
+    const float wj = fs.w[j];
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      const float u = wj * fs.u[j][c.rb + r];
+#pragma unroll
+      for (int v = 0; v < kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(u, kj[v][e], st[r][v][e]);
+    }
+  }
+}
+
+// Flush step (m = L - 1 entries buffered): the u-sum (no shadow) or the exact refold (bf16 shadow) from
+// the fp32 checkpoint, then this token.
 __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& p, const Lane& c, int slot,
                                              FlushSmem& sm) {
   const size_t eh = ((size_t)slot * kHV + p.hv) * kL;
@@ -560,6 +601,14 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   constexpr int kKVec = kK / 4, kVVec = kRows * (int)sizeof(act_t) / 16;
   if constexpr (kL > 1) {
     for (int i = threadIdx.x; i < (kL - 1) * kKVec; i += kThreads) cp_async16(&sm.k[0][0] + i * 4, kch + i * 4);
+#if !GDN_SHADOW
+    const float* uh = a.uc_in + eh * kV + p.row0;
+    constexpr int kUVecRow = kRows / 4;
+    for (int i = threadIdx.x; i < (kL - 1) * kUVecRow; i += kThreads) {
+      const int j = i / kUVecRow, r4 = i % kUVecRow;
+      cp_async16(&sm.u[j][r4 * 4], uh + (size_t)j * kV + r4 * 4);
+    }
+#else
     if constexpr (kVVectors) {
       for (int i = threadIdx.x; i < (kL - 1) * kVVec; i += kThreads) {
         const int j = i / kVVec, q = i % kVVec;
@@ -572,10 +621,19 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
     }
     if (threadIdx.x < kL - 1) sm.g[threadIdx.x] = __ldg(a.gc_in + eh + threadIdx.x);
     else if (threadIdx.x >= 32 && threadIdx.x < 32 + kL - 1) sm.beta[threadIdx.x - 32] = __ldg(a.bc_in + eh + threadIdx.x - 32);
+#endif
   }
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
   load_rows(st, a.state_in + sh * kK, c);
+#if !GDN_SHADOW
+  if (kL > 1 && threadIdx.x < 32) {  // w_j = exp(sum_{j<i<m} g_i) by a suffix scan, exp(G_m), as a non-flush step
+    const float gl = threadIdx.x < kL - 1 ? __ldg(a.gc_in + eh + threadIdx.x) : 0.f;
+    const float after = suffix_after(gl);
+    if (threadIdx.x < kL - 1) sm.w[threadIdx.x] = expf(after);
+    if (threadIdx.x == 0) sm.eGm = expf(gl + after);
+  }
+#endif
   const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();
@@ -584,11 +642,19 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   for (int ps = 0; ps < kPasses; ++ps) {
     const Lane cp = in_pass(c, ps);
     if (ps > 0) load_rows(st, a.state_in + sh * kK, cp);
+#if GDN_SHADOW
     fold_rows(st, sm, cp, kL - 1);
     // This token's inputs after the fold: held across it they cost 40 bytes of spill (ptxas, 80 registers).
     StepIn in;
     load_step(in, cp, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
     const float v_now = to_f(a.v[yrow + dot_row(cp)]);
+#else
+    // The u-sum holds fewer registers than the refold: this token's inputs load before it, their DRAM trip under it.
+    StepIn in;
+    load_step(in, cp, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
+    const float v_now = to_f(a.v[yrow + dot_row(cp)]);
+    if constexpr (kL > 1) usum_rows(st, sm, cp, kL - 1);
+#endif
     float y;
     conventional_rows(st, in, v_now, &y);
     store_rows(st, a.state_out + sh * kK, cp);

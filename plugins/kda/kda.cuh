@@ -4,7 +4,7 @@
 //
 // The generated prelude (trtllm_replayssm/families/kda/config.py, KDASpec) defines, before this header:
 //   act_t                      activations: q, k, v, f, b, y, and the k / v rings
-//   ring_t                     the u ring (bf16)
+//   ring_t                     the u ring: fp32 without a shadow (the flush sums it), bf16 with one
 //   KDA_SHADOW                 0: none; 1: bf16 shadow of the checkpoint (read on non-flush steps, rewritten at the flush)
 //   KDA_LOWER_BOUND, kLowerBound  0: Kimi's gate; 1: GLM-5 Next's gate bounded below by kLowerBound
 //   kH, kK, kV, kL             heads, key dim, value dim, ring length (2..16)
@@ -20,9 +20,13 @@
 //   S_m^T D k = S0^T (D_{t,0} k) + sum_j (k_j . D_{t,j} k) u_j    (same with q)
 //   u = beta (v - that),  y = (that for q) + (k . q) u
 // so a non-flush step reads S0 (or its bf16 shadow) once for two vectors and appends (k raw, u, g, v, beta). The
-// flush (entry L - 1 would be the L-th) refolds the L - 1 buffered (k_j, v_j, g_j, beta_j) into the fp32
-// checkpoint by the exact recurrence (regrouped in chunks of kC entries: fold_step), then steps this token and
-// stores (and rewrites the shadow).
+// flush (entry L - 1 would be the L-th) brings the fp32 checkpoint to S_m, then steps this token and stores (and
+// rewrites the shadow). With a bf16 shadow (bf16 u ring, whose u_j also carry the shadow's rounding) it refolds
+// the L - 1 buffered (k_j, v_j, g_j, beta_j) by the exact recurrence (regrouped in chunks of kC entries:
+// fold_step). Without one the u ring is fp32 and its u_j were computed from this same checkpoint, so S_m is
+// their u-sum, S_m = Diag(P_m) S0 + sum_j n_j Diag(P_m / P_j) k_j u_j^T (P_j the product of exp g over entries
+// <= j, per channel, formed as exp of the suffix sum): one FMA per state value and entry (usum_channel,
+// usum_apply).
 //
 // Work split: one block per (batch row, head, chunk of kCols value columns); a warp owns 4 kCVL columns over all K
 // rows, so every reduction over K stays in the warp (transposing butterflies over the kRG row groups, no block
@@ -38,6 +42,7 @@
 #include <cuda_fp16.h>
 
 #include "common/convert.cuh"
+#include "common/cp_async.cuh"
 #include "common/scan.cuh"
 #include "common/warp.cuh"
 #include "kda/gate.cuh"
@@ -54,6 +59,8 @@ namespace kda {
 using rssm_common::from_f;
 using rssm_common::to_f;
 using rssm_common::transpose_reduce;
+using rssm_common::cp_async16;
+using rssm_common::cp_async_wait_all;
 
 __host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
 
@@ -189,6 +196,7 @@ struct alignas(16) TokenSmem {
   float ak[kK], aq[kK], al[kK], kr[kK];
 };
 struct alignas(16) FoldSmem {
+  static constexpr bool kUsum = false;
   TokenSmem tok;
   float4 wk[kK][kNC];          // pass 1: exp(g_j); then (prod_{s0 <= l <= j} exp g_l) k_j raw, j = s0 + component
   float4 dk[kK][kNC];          // pass 1: k_j raw; then (prod_{j < l < s0 + kC} exp g_l) k_j raw
@@ -203,7 +211,22 @@ struct alignas(16) ReplaySmem {
   float e0k[kK], e0q[kK];   // D_{t,0} k, D_{t,0} q (raw)
   float red1[kWarps][kN1], red2[kWarps][kN2];
 };
-constexpr size_t kSmemBytes = sizeof(FoldSmem) > sizeof(ReplaySmem) ? sizeof(FoldSmem) : sizeof(ReplaySmem);
+// The u-sum flush (no shadow): per channel the coefficient of every entry (raw k_j times its decay to the end, the
+// row stride padded so the 8 rows a warp reads at once hit distinct banks), the whole decay, the block's fp32 u_j
+// columns, the per-entry norms' partials with the token's three sums.
+constexpr int kCS4 = (kEA + 3) / 4 * 4;
+constexpr int kCS = kCS4 % 8 == 0 ? kCS4 + 4 : kCS4;
+constexpr int kNU = pow2_at_least(kH1 + 3);   // [0, kE) entry norms, kH1 .. kH1 + 2 the token's k.k, q.q, k.q
+struct alignas(16) UsumSmem {
+  static constexpr bool kUsum = true;
+  TokenSmem tok;
+  float cf[kK][kCS];
+  float dall[kK];
+  float u[kEA][kCols];
+  float red[kWarps][kNU];
+};
+constexpr size_t kFoldBytes = sizeof(FoldSmem) > sizeof(UsumSmem) ? sizeof(FoldSmem) : sizeof(UsumSmem);
+constexpr size_t kSmemBytes = kFoldBytes > sizeof(ReplaySmem) ? kFoldBytes : sizeof(ReplaySmem);
 
 __device__ __forceinline__ float comp(const float4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
 
@@ -366,17 +389,91 @@ __device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, Fol
   }
 }
 
+// ---- the u-sum of kE entries (the no-shadow decode flush: fp32 u ring) ---------------------------------------
+// Channel i: entry j's coefficient exp(sum_{j<l<kE} g_l[i]) k_j[i] (raw; the norm n_j enters in usum_apply), the whole
+// decay exp(sum_l g_l[i]), and |k_j|^2 partials into r (slots [0, kE)).
+__device__ __forceinline__ void usum_channel(const Args& a, size_t hs, int i, float (&r)[kNU], UsumSmem& sm) {
+  float kr[kEA], g[kEA];
+#pragma unroll
+  for (int j = 0; j < kE; ++j) {
+    const size_t at = (hs * kL + j) * kK + i;
+    kr[j] = to_f(a.kc_in[at]), g[j] = __ldg(a.gc_in + at);
+  }
+  float run = 0.f;
+#pragma unroll
+  for (int j = kE - 1; j >= 0; --j) {
+    sm.cf[i][j] = expf(run) * kr[j];
+    r[j] = fmaf(kr[j], kr[j], r[j]);
+    run += g[j];
+  }
+  sm.dall[i] = expf(run);
+}
+
+// The block's u_j columns (fp32) into shared memory by cp.async (waited for before the barrier).
+__device__ __forceinline__ void usum_stage_u(const Args& a, size_t hs, UsumSmem& sm) {
+  const int chunk0 = (blockIdx.x % kChunks) * kCols;
+  constexpr int kQ = kCols / 4;
+  for (int t = threadIdx.x; t < kE * kQ; t += kThreads) {
+    const int j = t / kQ, q = t % kQ;
+    cp_async16(&sm.u[j][q * 4], a.uc_in + (hs * kL + j) * kV + chunk0 + q * 4);
+  }
+}
+
+// After the barrier: S <- Diag(P) S + sum_j n_j c_j u_j^T on this lane's rows and 4 columns.
+__device__ __forceinline__ void usum_apply(const Coords& c, Rows& st, UsumSmem& sm) {
+  const int bcol = c.col - (blockIdx.x % kChunks) * kCols;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const float p = sm.dall[c.row(r)];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[r][e] *= p;
+  }
+#pragma unroll
+  for (int j0 = 0; j0 < kE; j0 += 4) {
+    float un[4][4];  // n_j u_j of this lane's columns, entries j0 .. j0 + 3
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      if (j0 + jj < kE) {
+        float ss = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) ss += sm.red[w][j0 + jj];
+        const float n = rnorm(ss);
+        const float4 u4 = *reinterpret_cast<const float4*>(&sm.u[j0 + jj][bcol]);
+        un[jj][0] = n * u4.x, un[jj][1] = n * u4.y, un[jj][2] = n * u4.z, un[jj][3] = n * u4.w;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRT; ++r) {
+      const float4 c4 = *reinterpret_cast<const float4*>(&sm.cf[c.row(r)][j0]);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        if (j0 + jj < kE) {
+          const float cj = comp(c4, jj);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st[r][e] = fmaf(cj, un[jj][e], st[r][e]);
+        }
+      }
+    }
+  }
+}
+
 // ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
 // S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
 // (and the shadow).
-template <bool kFlush>
-__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, FoldSmem& sm) {
+// Smem: FoldSmem (the conventional step; the flush by the exact refold) or UsumSmem (the flush by the u-sum).
+template <bool kFlush, typename Smem>
+__device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, Smem& sm) {
+  constexpr bool kUsum = kFlush && Smem::kUsum;
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
   load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
+  if constexpr (kUsum) usum_stage_u(a, hs, sm);
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
   float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
+  float ru[kUsum ? kNU : 1];      // the u-sum's entry norm partials
+#pragma unroll
+  for (int t = 0; t < (kUsum ? kNU : 1); ++t) ru[t] = 0.f;
 #pragma unroll
   for (int n = 0; n < kCPT; ++n) {
     const int i = threadIdx.x + n * kThreads;
@@ -385,10 +482,16 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
       const float al = expf(gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A));
       sm.tok.ak[i] = al * kt, sm.tok.aq[i] = al * qt, sm.tok.al[i] = al, sm.tok.kr[i] = kt;
       tk[0] += kt * kt, tk[1] += qt * qt, tk[2] += kt * qt;
-      if constexpr (kFlush) fold_channel(a, hs, i, kE, 0, sm);
+      if constexpr (kUsum) usum_channel(a, hs, i, ru, sm);
+      else if constexpr (kFlush) fold_channel(a, hs, i, kE, 0, sm);
     }
   }
-  if constexpr (kFlush) {
+  if constexpr (kUsum) {
+    ru[kH1] = tk[0], ru[kH1 + 1] = tk[1], ru[kH1 + 2] = tk[2];
+    const float r = transpose_reduce<kNU, 1>(ru);
+    if (c.lane < kNU) sm.red[c.warp][c.lane] = r;
+    cp_async_wait_all();
+  } else if constexpr (kFlush) {
     fold_gram(a, c, hs, kE, 0, tk, sm);
   } else {
     float t4[4] = {tk[0], tk[1], tk[2], 0.f};
@@ -399,7 +502,11 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
   const float v_now = to_f(a.v[in * kV + out_col(c)]);
   __syncthreads();
   float kk = 0.f, qq = 0.f, kqr = 0.f;
-  if constexpr (kFlush) {
+  if constexpr (kUsum) {
+    usum_apply(c, st, sm);
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) kk += sm.red[w][kH1], qq += sm.red[w][kH1 + 1], kqr += sm.red[w][kH1 + 2];
+  } else if constexpr (kFlush) {
     fold_apply(c, st, kE, sm);
     kk = sm.gram[kTS], qq = sm.gram[kTS + 1], kqr = sm.gram[kTS + 2];
   } else {
@@ -552,7 +659,11 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
       a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
+#if KDA_SHADOW
   if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
+#else
+  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<UsumSmem*>(smem));
+#endif
   else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
 }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ...config import CUDA_TYPES, ITEMSIZE, SHADOW_CUDA_TYPES, SMEM_LIMIT, SUPPORTED_NUM_TOKENS, pinned
+from ...config import CUDA_TYPES, ITEMSIZE, SHADOW_CUDA_TYPES, SMEM_LIMIT, SMS, SUPPORTED_NUM_TOKENS, pinned, tail_resident
 
 GDN_ENTRY_FILE = "gdn/gdn_decode.cu"
 GDN_KERNEL_NAMES = ("gdn_replay_decode", "gdn_conventional")
@@ -25,14 +25,20 @@ GDN_MAX_WARPS = 16
 # the step inputs; 4 blocks would spill). One 16-warp block per SM left no overlap between blocks.
 GDN_REPLAY_WARPS = 8
 GDN_RESIDENT_THREADS = 768
+# The one-pass bf16-shadow standard-decode modules' other register budget (4 blocks of 8 warps, 64 registers: 36
+# bytes of spill at R64, ptxas sm_90), planned where it fills the last wave better (config.tail_resident). Measured
+# (H100, bench/NOTES.md "The wave tail, measured"): shadow bs8 / 16 / 32 1.43x / 1.69x / 1.88x -> 1.64x / 1.81x /
+# 2.00x; the fp32 modules lose at 1024 at every batch (72 bytes of spill: bs8 1.29x -> 1.24x, bs32 1.52x -> 1.47x)
+# and the two-pass shadow modules are level, so both keep GDN_RESIDENT_THREADS.
+GDN_TAIL_RESIDENT = 1024
 # State elements a thread keeps in registers at large batch (8 rows of K=128): enough loads in flight.
 GDN_STATE_REGS = 32
 # Warps below which rows per thread are halved (small batches): one full wave of the H200, 132 SMs x 64.
-GDN_FULL_WAVE_WARPS = 132 * 64
+GDN_FULL_WAVE_WARPS = SMS * 64
 # Standard-decode replay modules halve rows per thread only below one block per SM (issue 40, H100 sweep at bs 1-32:
 # 4 rows per thread won at every batch with >= 2 blocks per SM; the per-thread prologue and the fold's per-entry
 # overhead, not the grid, bound the small batches; bench/NOTES.md "Issue 40").
-GDN_SMS = 132
+GDN_SMS = SMS
 
 
 def gdn_layout(K: int, lanes: int = 32) -> tuple[int, int, int]:
@@ -97,6 +103,9 @@ class GDNSpec:
             raise ValueError(f"GDNSpec rows={self.rows}, warps={self.warps}, passes={self.passes}: rows must divide "
                              f"V={self.V}, be passes*warps*{rpw}*rt with rt a power of two <= {lpr // 2}, warps in "
                              f"1..{GDN_MAX_WARPS}")
+        if self.rows % 4:
+            raise ValueError(f"GDNSpec rows={self.rows}: expected a multiple of 4 (a block's u_j rows move as 16-byte "
+                             f"vectors)")
         if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < self.threads:
             raise ValueError(f"GDNSpec.resident: expected an int >= threads per block ({self.threads}), "
                              f"got {self.resident!r}")
@@ -266,5 +275,8 @@ def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, repl
     replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``."""
     rows, warps, lanes, resident = gdn_plan(V, K, HV, batch, replay, num_tokens)
     passes = gdn_passes(V, K, HV, batch, replay, shadow, num_tokens)
+    if replay and not num_tokens and shadow != "none" and passes == 1 and "resident" not in _OVERRIDE:
+        # one-pass shadow modules: 4 blocks an SM where 3 leave a partial last wave (GDN_TAIL_RESIDENT)
+        resident = tail_resident(batch * HV * (V // rows), 32 * warps, (resident, GDN_TAIL_RESIDENT), GDN_SMS)
     return GDNSpec(act, HV, H, V, K, L, rows * passes, warps, lanes, shadow, l2norm, scale, arch, num_tokens, passes,
                    resident)

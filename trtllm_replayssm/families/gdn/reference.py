@@ -22,11 +22,13 @@ ReplaySSM blog's appendix A describe; S_m is linear in it.
 
 Flush (standard: the step whose entry is the L-th; speculative: one window early) writes the
 checkpoint by the *exact* recurrence over the buffered (v_j, k_j, g_j, beta_j) from the full-precision
-checkpoint, :func:`_fold`, not by the u-sum. Without a shadow both are the same number (u_j were computed
-from S0); with a low-precision shadow the u_j of non-flush steps carry the shadow's rounding (they read
-S0 through it), and refolding from v_j keeps that rounding out of the checkpoint, so, as for Mamba-2,
-shadow errors never accumulate across flushes. This is why the buffer holds v_j and beta_j beside
-u_j, k_j, g_j (vLLM's GDN ReplaySSM buffers d = u, k and g only and folds the u-sum).
+checkpoint, :func:`_fold`, the definition. Without a shadow the u-sum S_m above is the same number (u_j
+were computed from S0), and the standard decode kernel's fp32 flush folds it from the stored fp32 u_j (one
+FMA per state value and entry, no chain between entries; plugins/gdn/gdn.cuh ``usum_rows``); with a
+low-precision shadow the u_j of non-flush steps carry the shadow's rounding (they read S0 through it), and
+refolding from v_j keeps that rounding out of the checkpoint, so, as for Mamba-2, shadow errors never
+accumulate across flushes. This is why the buffer holds v_j and beta_j beside u_j, k_j, g_j (vLLM's GDN
+ReplaySSM buffers d = u, k and g only and folds the u-sum). The speculative verify's flush refolds too.
 
 State of one GDN layer (S slots, HV value heads, H key heads, V value dim, K key dim, L buffer):
 

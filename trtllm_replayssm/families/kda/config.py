@@ -16,7 +16,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ...config import CUDA_TYPES, SUPPORTED_NUM_TOKENS, pinned
+from ...config import CUDA_TYPES, SMS, SUPPORTED_NUM_TOKENS, pinned, tail_resident
 from ..gdn.config import GDN_RESIDENT_THREADS, GDNSpec, gdn_plan
 
 ENTRY_FILE = "kda/kda_decode.cu"
@@ -26,9 +26,22 @@ SPEC_KERNEL_NAMES = ("kda_verify",)
 VK_ENTRY_FILE = "kda/kda_vk.cu"
 VK_KERNEL_NAMES = ("kda_conventional_vk",)
 SHADOW_KINDS = ("none", "bf16")
+# The u ring's dtype by shadow kind, the one rule (the cache's ring role: layers.ring_dtype; the kernels' ring_t; the
+# plugins' IO formats; the bytes model): fp32 beside an fp32 checkpoint without a shadow (its u_j were computed from
+# that checkpoint to fp32, so the flush folds their u-sum, kda.cuh usum_apply); bf16 with a bf16 shadow (its u_j carry
+# the shadow's rounding anyway, and the flush refolds from v_j).
+RING_TYPES = {"none": "f32", "bf16": "bf16"}
 MAX_WARPS = 8
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
 RESIDENT_THREADS = 384  # __launch_bounds__ min blocks = this / threads: ~170 registers a thread
+# The decode module's other budget (4 blocks of 4 warps, 128 registers: 48 bytes of spill at (4, 4) with a shadow, 84
+# for the fp32 ring's u-sum module), planned where it fills the last wave better (config.tail_resident;
+# GLM-5.3-Flash TP8, 16 blocks a row). Measured (H100, bench/NOTES.md "The wave tail, measured"): the shadow modules
+# win wherever the tail gains (bs32 / 64 / 256 1.04x / 1.38x / 1.59x -> 1.24x / 1.52x / 1.76x); the fp32 modules only
+# where it gains much (bs32, 65% -> 97% of a full last wave: 0.99x -> 1.07x; bs64, 86% -> 97%: level; bs256, 94% ->
+# 97%: 1.52x -> 1.50x), so they ask for TAIL_F32_MARGIN.
+TAIL_RESIDENT_THREADS = 512
+TAIL_F32_MARGIN = 0.15
 # The verify module: 384 / threads (168 registers). Its channel stage holds the window's and the history's
 # per-channel values beside the 64 state registers: 201-218 registers at (4 lanes, 4 warps), T = 1..4 (ptxas) when
 # planned for 256; capped at 168 it spills 48-76 bytes a thread, and is still faster: three blocks an SM hide the
@@ -37,7 +50,7 @@ RESIDENT_THREADS = 384  # __launch_bounds__ min blocks = this / threads: ~170 re
 # bench/results/2026-12-06_kda-verify-resident_91ae8da28d.json).
 VERIFY_RESIDENT_THREADS = 384
 STATE_REGS = 64  # fp32 state values one lane may hold (4 K col_lanes / 32)
-FULL_WAVE_BLOCKS = 2 * 132  # two blocks per SM of an H100 (132 SMs; an H200 the same)
+FULL_WAVE_BLOCKS = 2 * SMS  # two blocks per SM of an H100 (132 SMs; an H200 the same)
 
 
 def _f32(x: float) -> float:
@@ -181,7 +194,7 @@ class KDASpec:
             "#include <cuda_bf16.h>",
             "#include <cuda_fp16.h>",
             f"using act_t = {CUDA_TYPES[self.act]};",
-            "using ring_t = __nv_bfloat16;",
+            f"using ring_t = {CUDA_TYPES[RING_TYPES[self.shadow]]};  // the u ring (RING_TYPES)",
             f"#define KDA_SHADOW {SHADOW_KINDS.index(self.shadow)}",
             f"#define KDA_LOWER_BOUND {int(lb)}",
             *([f"#define KDA_TOKENS {self.num_tokens}"] if self.num_tokens else []),
@@ -251,8 +264,14 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
     """The module for this geometry and batch (the conventional kernel comes from a module of L = 2 planned with
     ``conventional``; ``num_tokens`` T >= 1: the verify module, planned as the replay step)."""
     cl, w = kda_geometry(H, K, V, batch, conventional)
+    resident = 0
+    if not conventional and not num_tokens:  # 4 blocks an SM where 3 leave a partial last wave (GLM-5.3-Flash)
+        margin = 0.02 if shadow != "none" else TAIL_F32_MARGIN
+        resident = tail_resident(batch * H * (V // (4 * cl * w)), 32 * w, (RESIDENT_THREADS, TAIL_RESIDENT_THREADS),
+                                 margin=margin)
+        resident = 0 if resident == RESIDENT_THREADS else resident
     return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
-                   _OVERRIDE.get("resident", 0))
+                   _OVERRIDE.get("resident", resident))
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,20 @@ import dataclasses
 import torch
 
 from ... import cursor as cursors
+from ...config import DTYPE_CODES
 from ...layer_group import Bound, LayerGroup
 from . import reference as kref
+from .config import RING_TYPES
 from .reference import KDABuffers
+
+
+def ring_dtype(state_dtype, shadow_dtype) -> torch.dtype:
+    """The u ring's torch dtype for a cache's checkpoint and shadow dtypes (config.RING_TYPES: fp32 without a shadow,
+    bf16 beside a bf16 one); float64 in the float64 tests."""
+    if state_dtype == torch.float64:
+        return torch.float64
+    code = RING_TYPES["none" if shadow_dtype is None else DTYPE_CODES[shadow_dtype]]
+    return next(t for t, c in DTYPE_CODES.items() if c == code)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,7 +68,7 @@ class KDALayers(LayerGroup):
     @staticmethod
     def roles(state_dtype, act_dtype, dt_dtype, shadow_dtype) -> tuple[dict, tuple]:
         d, opt = LayerGroup.roles(state_dtype, act_dtype, dt_dtype, shadow_dtype)
-        return d | {"ring": torch.float64 if state_dtype == torch.float64 else torch.bfloat16}, opt
+        return d | {"ring": ring_dtype(state_dtype, shadow_dtype)}, opt
 
     def view(self, l: int) -> KDALayerState:
         t = self.t
@@ -89,4 +100,4 @@ class KDALayers(LayerGroup):
         return fold(view.buf, cursor, slot, use_qk_l2norm)
 
 
-__all__ = ["KDALayerState", "KDALayers"]
+__all__ = ["KDALayerState", "KDALayers", "ring_dtype"]

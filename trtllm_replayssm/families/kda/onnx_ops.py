@@ -17,8 +17,9 @@ cursor is read only. Attributes are checked against the shapes, as the plugin's 
   window's own tokens, and the window entries are appended at (start + count + t) % L. The commit graph moves the
   shared cursor (builders/spec_step.py's ``spec_commit``: the same fold rule, then count += n accepted).
 
-onnxruntime's CPU session carries the graph's bf16 states (the u ring, the shadow) as float32 (their values exact,
-checked here); :data:`ORT_OPS` says which (``low``: {input index: output index}).
+onnxruntime's CPU session carries the graph's bf16 states (the ``_shadow`` nodes' u ring and shadow; without a shadow
+the u ring is fp32) as float32 (their values exact, checked here); :data:`ORT_OPS` says which (``low``: {input index:
+output index}).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def verify_node(q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor, stat
     return (y.to(v.dtype), *buf.tensors(), *(() if sh is None else (sh.q,)))
 
 
-_LOW = {INPUT_NAMES.index("u_cache"): 3}  # the bf16 u ring (input 11, output 3)
+_LOW = {INPUT_NAMES.index("u_cache"): 3}  # the bf16 u ring of the _shadow nodes (input 11, output 3; config.RING_TYPES)
 _SHADOW = SHADOW_INPUT_NAMES.index("shadow")  # the bf16 shadow (input 15, output 7)
 
 
@@ -91,7 +92,7 @@ def _ort(node, op: str):
 
     def run(*inputs, **attrs):
         t = [torch.from_numpy(np.array(a)) for a in inputs]  # copies: the outputs must not alias the inputs
-        for i in list(_LOW) + ([_SHADOW] if len(t) == len(SHADOW_INPUT_NAMES) else []):
+        for i in (list(_LOW) + [_SHADOW]) if len(t) == len(SHADOW_INPUT_NAMES) else []:
             b16 = t[i].to(torch.bfloat16)
             if not torch.equal(b16.float(), t[i]):
                 raise ValueError(f"replayssm::{op}: {SHADOW_INPUT_NAMES[i]}: expected bfloat16 values")
@@ -106,7 +107,7 @@ _INPUTS = ("float",) * 7 + ("int32",) * 2 + ("float",) * 6
 
 def _decl(node, op: str, attributes, shadow: bool) -> dict:
     return dict(attrs={a: "int" for a in attributes}, run=_ort(node, op), inputs=_INPUTS + ("float",) * shadow,
-                outputs=("float",) * (7 + shadow), low={**_LOW, **({_SHADOW: 7} if shadow else {})})
+                outputs=("float",) * (7 + shadow), low={**_LOW, _SHADOW: 7} if shadow else {})
 
 
 ORT_OPS = {

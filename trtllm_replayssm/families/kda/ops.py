@@ -17,7 +17,7 @@ A_log                  (H,)                  f32
 dt_bias                (H, K)                f32
 state                  (S, H, K, V)          f32                conventional: always; replay: on flush
 k_cache                (S, H, L, K)          act                replay: raw k appended at cursor
-u_cache                (S, H, L, V)          bf16               replay: u appended at cursor
+u_cache                (S, H, L, V)          f32 / bf16         replay: u appended at cursor (bf16 with a shadow)
 g_cache                (S, H, L, K)          f32                replay: per-channel log decay appended
 v_cache                (S, H, L, V)          act                replay: v appended at cursor
 beta_cache             (S, H, L)             f32                replay: beta appended at cursor
@@ -122,7 +122,7 @@ def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, l
 def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, cursor_dims=("slots",)) -> list:
     return [
         Arg("k_cache", k_cache, ("slots", "H", "L", "K"), "act", None),
-        Arg("u_cache", u_cache, ("slots", "H", "L", "V"), _BF16, None),
+        Arg("u_cache", u_cache, ("slots", "H", "L", "V"), F32 if shadow is None else _BF16, None),  # config.RING_TYPES
         Arg("g_cache", g_cache, ("slots", "H", "L", "K"), F32, None),
         Arg("v_cache", v_cache, ("slots", "H", "L", "V"), "act", None),
         Arg("beta_cache", beta_cache, ("slots", "H", "L"), F32, None),

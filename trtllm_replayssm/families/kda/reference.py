@@ -99,7 +99,8 @@ STATE_TABLE = (
     StateTensor("v_cache", ("slots", "H", "L", "V"), "act", "each step: its token's v"),
     StateTensor("beta_cache", ("slots", "H", "L"), "f32", "each step: its token's beta"),
 )
-DTYPES = {"state": torch.float32, "shadow": torch.bfloat16, "act": torch.bfloat16, "ring": torch.bfloat16,
+# "ring": the u ring's dtype without a shadow (layers.ring_dtype: bf16 beside a bf16 shadow)
+DTYPES = {"state": torch.float32, "shadow": torch.bfloat16, "act": torch.bfloat16, "ring": torch.float32,
           "f32": torch.float32}
 _RING = ("k_cache", "u_cache", "g_cache", "v_cache", "beta_cache")
 
@@ -116,7 +117,7 @@ class KDABuffers:
     beta_cache: torch.Tensor
 
     @classmethod
-    def alloc(cls, slots: int, H: int, K: int, V: int, L: int, act=torch.bfloat16, ring=torch.bfloat16,
+    def alloc(cls, slots: int, H: int, K: int, V: int, L: int, act=torch.bfloat16, ring=torch.float32,
               state_dtype=torch.float32, f32=torch.float32, device="cpu") -> KDABuffers:
         """Zeroed buffers from :data:`STATE_TABLE` (``f32``: the g / beta ring dtype, float64 in exact tests)."""
         from . import FAMILY

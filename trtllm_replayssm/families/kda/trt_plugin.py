@@ -17,7 +17,8 @@ Inputs (b = batch, S = slots, H heads, K key dim, V value dim, L ring length):
   7  state_batch_indices  (b,)          int32, -1 = padding row
   8  cursor               (S,)          int32, read only (advanced once per step for every layer)
   9  state                (S, H, K, V)  fp32 checkpoint
-  10 k_cache              (S, H, L, K)  act       11 u_cache (S, H, L, V) bf16     12 g_cache (S, H, L, K) fp32
+  10 k_cache              (S, H, L, K)  act       11 u_cache (S, H, L, V) fp32 (bf16 in kda_decode_shadow)
+  12 g_cache              (S, H, L, K)  fp32
   13 v_cache              (S, H, L, V)  act       14 beta_cache (S, H, L) fp32
   [15 shadow              (S, H, K, V)  bf16, kda_decode_shadow only]
 Outputs: 0 y (b, H, V) act; 1-6 aliased to inputs 9-14 [7 shadow_out -> 15].
@@ -54,7 +55,7 @@ from ...trt_plugin import (
     decode_verify_plugins,
     with_shadow,
 )
-from .config import kda_spec
+from .config import RING_TYPES, kda_spec
 
 KERNEL_NAME = "kda_replay_decode"
 VERIFY_KERNEL_NAME = "kda_verify"
@@ -154,7 +155,8 @@ def type_combination(act: str, shadow: str = "none") -> list[str]:
     """TensorRT type names of the inputs then the outputs of ``kda_decode[_shadow]`` (and ``kda_verify[_shadow]``)
     for one activation type."""
     a = TRT_TYPE_NAMES[act]
-    ins = [a, a, a, a, a, "FP32", "FP32", "INT32", "INT32", "FP32", a, "BF16", "FP32", a, "FP32"]
+    ring = TRT_TYPE_NAMES[RING_TYPES[shadow]]  # the u ring
+    ins = [a, a, a, a, a, "FP32", "FP32", "INT32", "INT32", "FP32", a, ring, "FP32", a, "FP32"]
     aliases = ALIASES
     if shadow != "none":
         ins.append(TRT_TYPE_NAMES[shadow])
