@@ -49,7 +49,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
 KINDS = ("kernels", "gdn", "gdn-spec", "spec", "decode", "spec-decode", "tp-check", "profile", "vllm-layout", "serve",
-         "shape-sweep")
+         "shape-sweep", "state-error", "kda-layout")
 BEGIN = re.compile(r"^<!-- bench_table: (?P<args>.+?) -->$")
 END = "<!-- /bench_table -->"
 
@@ -82,6 +82,8 @@ def _row_keys(rows: list) -> set:
 def classify_rows(rows: list) -> str | None:
     """The kind of a list of result rows, or None when no known kind fits."""
     k = _row_keys(rows)
+    if {"conv_us", "conv_vk_us"} <= k:
+        return "kda-layout"
     if {"err_max", "tol"} <= k:
         return "tp-check"
     if "categories_ms" in k:
@@ -104,6 +106,8 @@ def classify_rows(rows: list) -> str | None:
         return "vllm-layout"
     if {"shape", "conv_us", "f32_us_at"} <= k:
         return "shape-sweep"
+    if {"y_rel_mean", "state_rel_last"} <= k:
+        return "state-error"
     return None
 
 
@@ -489,9 +493,42 @@ def shape_sweep_table(rows: list[dict]) -> list[str]:
     return render(cols, rows)
 
 
+def state_error_table(rows: list[dict]) -> list[str]:
+    """scripts/gdn_state_error.py: the checkpoint's and the outputs' error against float64 over many flushes."""
+    cols: list[Column] = [
+        FILE_COLUMN,
+        ("y rel, mean", lambda r: None if r.get("y_rel_mean") is None else f"{r['y_rel_mean']:.2e}"),
+        ("y rel, max", lambda r: None if r.get("y_rel_max") is None else f"{r['y_rel_max']:.2e}"),
+        ("state rel, first flush", lambda r: None if r.get("state_rel_first") is None else f"{r['state_rel_first']:.2e}"),
+        ("state rel, last", lambda r: None if r.get("state_rel_last") is None else f"{r['state_rel_last']:.2e}"),
+        ("state rel, max", lambda r: None if r.get("state_rel_max") is None else f"{r['state_rel_max']:.2e}"),
+    ]
+    return render(cols, rows)
+
+
+def kda_layout_table(rows: list[dict]) -> list[str]:
+    """bench_kda.py --vk: the KDA steps on a (V, K) state beside the (K, V) ones, same inputs (bench/NOTES.md "KDA in
+    GDN's row layout")."""
+    cols: list[Column] = [
+        FILE_COLUMN,
+        ("geometry", lambda r: text(r.get("geom"))),
+        ("batch", lambda r: text(r.get("batch"))),
+        ("(K, V) conventional µs", lambda r: num(r.get("conv_us"))),
+        ("% ceiling", lambda r: num(r.get("pct_ceiling_conv"))),
+        ("(V, K) conventional µs", lambda r: num(r.get("conv_vk_us"))),
+        ("% ceiling", lambda r: num(r.get("pct_ceiling_conv_vk"))),
+        ("x", lambda r: num(r.get("conv_vk_speedup"), 2, "x")),
+        ("(K, V) fp32 replay µs", lambda r: num(r.get("f32_us_amortized"))),
+        ("(V, K) fp32 replay µs", lambda r: num(r.get("vk_f32_us_amortized"))),
+        ("(V, K) replay x its conventional", lambda r: num(r.get("vk_f32_speedup_vs_conv_vk"), 2, "x")),
+    ]
+    return render(cols, rows)
+
+
 ROW_TABLES = {"serve": serve_table, "shape-sweep": shape_sweep_table, "kernels": kernels_table,
               "gdn": gdn_table, "gdn-spec": gdn_spec_table, "spec": spec_table,
-              "tp-check": tp_check_table, "profile": profile_table, "vllm-layout": vllm_layout_table}
+              "tp-check": tp_check_table, "profile": profile_table, "vllm-layout": vllm_layout_table,
+              "state-error": state_error_table, "kda-layout": kda_layout_table}
 PIVOT_TABLES = {"decode": decode_table, "spec-decode": spec_decode_table}
 
 
