@@ -31,7 +31,11 @@ Layout experiment (``--vk``, issue 37; bench/NOTES.md "KDA in GDN's row layout")
 transposed state (S, H, V, K), GDN's row layout (``families/kda/vk.py``), on the same inputs and slots: first checked
 against our (K, V) conventional kernel (``conv_vk_check_y_rel``, ``conv_vk_check_state_rel``), then timed
 (``conv_vk_us``, ``tbps_conv_vk``, ``pct_ceiling_conv_vk``; ``conv_vk_speedup``: the (K, V) step's time over it). Same
-bytes as the conventional step.
+bytes as the conventional step. Without ``--conv-only`` also the (V, K) standard decode step (fp32 checkpoint, fp32 u
+ring, ``kda_replay_decode_vk``) on the (K, V) rows' rings: checked against the (K, V) kernel at position L / 2 and at
+the flush (``vk_check_{k8,flush}_{y,state,u}_rel``), then timed at every position (``vk_f32_us_k``, ``_amortized``,
+``vk_f32_speedup_vs_conv_vk``: over the (V, K) conventional step, ``vk_f32_speedup_vs_kv_f32``: the (K, V) replay's
+amortized time over it, ``vk_f32_pct_of_bound``) and at GDN's R64 W8 with 2 blocks an SM (``vk_f32_r64_us_at``).
 
 A/B of kernel trees (``TRTLLM_REPLAYSSM_PLUGIN_DIR``, compile.py): ``--sweep-only`` skips the main rows, so a second
 process over an older kernel tree times only the sweep rows for a same-card comparison.
@@ -55,11 +59,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trtllm_replayssm import costs, timing  # noqa: E402
+from trtllm_replayssm.families.gdn.config import override as gdn_override  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
 from trtllm_replayssm.families.kda.config import kda_geometry, kda_vk_spec, override  # noqa: E402
 from trtllm_replayssm.families.kda.layers import ring_dtype  # noqa: E402
-from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk  # noqa: E402
+from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk, kda_replay_decode_vk  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -127,9 +132,62 @@ def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv
     return row
 
 
-def _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R):
+def _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_bias, lb, y, R):
+    """The (V, K) standard decode step (fp32 checkpoint, fp32 u ring) on the transposed state and the (K, V) rows'
+    rings: checked against the (K, V) kernel at one non-flush position and at the flush (same inputs, slots and
+    rings, cloned), then timed at every position, at the planned launch shape and at GDN's R64 W8 with 2 blocks an
+    SM (``vk_f32_r64_us_at``, positions 1, L / 2, L)."""
+    H, K, V, L = row["H"], row["K"], row["V"], row["L"]
+    sl = sbis[0].long()
+    for m in (L // 2 - 1, L - 1):
+        cursor.fill_(m)
+        rk, rv = [t.clone() for t in rings], [t.clone() for t in rings]
+        want_st, got_st = state.clone(), state_vk.clone()
+        want = kops.kda_replay_decode(*ins[0], A_log, dt_bias, want_st, *rk, cursor, sbis[0], lower_bound=lb,
+                                      check_values=False)
+        got = kda_replay_decode_vk(*ins[0], A_log, dt_bias, got_st, *rv, cursor, sbis[0], lower_bound=lb,
+                                   check_values=False)
+        tag = "flush" if m == L - 1 else f"k{m + 1}"
+        row[f"vk_check_{tag}_y_rel"] = float((got.float() - want.float()).norm() / want.float().norm())
+        ws, gs = want_st[sl], got_st[sl].transpose(2, 3)
+        row[f"vk_check_{tag}_state_rel"] = float((gs - ws).norm() / ws.norm())
+        row[f"vk_check_{tag}_u_rel"] = float((rv[1][sl] - rk[1][sl]).norm() / rk[1][sl].norm().clamp_min(1e-30))
+        del want_st, got_st, rk, rv
+
+    def replay_vk():
+        for r in range(R):
+            kda_replay_decode_vk(*ins[r % len(ins)], A_log, dt_bias, state_vk, *rings, cursor, sbis[r], out=y,
+                                 lower_bound=lb, check_values=False)
+
+    spec = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L)
+    row["vk_replay_geometry"] = [spec.rows, spec.warps, spec.lanes, spec.resident]
+    per_k = []
+    for k in range(1, L + 1):
+        cursor.fill_(k - 1)
+        per_k.append(graph_time_us(replay_vk, R)[0])
+    with gdn_override(rt=4, warps=8, resident=512):
+        at = {}
+        for k in (1, L // 2, L):
+            cursor.fill_(k - 1)
+            at[k] = graph_time_us(replay_vk, R)[0]
+    row["vk_f32_r64_us_at"] = at
+    _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow=None)
+    amort = sum(per_k) / L
+    row["vk_f32_us_k"], row["vk_f32_us_k1"], row["vk_f32_us_flush"] = per_k, per_k[0], per_k[-1]
+    row["vk_f32_us_amortized"] = amort
+    row["vk_f32_tbps"] = sum(bk.values()) / L * row["batch"] / amort / 1e6
+    row["vk_f32_speedup_vs_conv_vk"] = row["conv_vk_us"] / amort
+    row["vk_f32_speedup_vs_conv"] = row["conv_us"] / amort
+    row["vk_f32_flush_over_conv_vk"] = per_k[-1] / row["conv_vk_us"]
+    if "f32_us_amortized" in row:
+        row["vk_f32_speedup_vs_kv_f32"] = row["f32_us_amortized"] / amort
+        row["vk_f32_pct_of_bound"] = 100 * row["vk_f32_speedup_vs_conv_vk"] / row["f32_bound_ratio"]
+
+
+def _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R, rings=None, cursor=None):
     """The (V, K) conventional step on the transposed state: checked against the (K, V) kernel on one launch's
-    inputs and slots, then timed like it (fields in the module docstring)."""
+    inputs and slots, then timed like it (fields in the module docstring); with ``rings`` (the (K, V) fp32 rows'
+    ring tensors) also the (V, K) standard decode step (:func:`_bench_vk_replay`)."""
     H, K, V = row["H"], row["K"], row["V"]
     state_vk = state.transpose(2, 3).contiguous()
     sl = sbis[0].long()
@@ -152,6 +210,8 @@ def _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R):
     row["conv_vk_us"], row["conv_vk_spread_us"] = graph_time_us(conv_vk, R)
     row["tbps_conv_vk"] = row["bytes_conv"] / row["conv_vk_us"] / 1e6
     row["conv_vk_speedup"] = row["conv_us"] / row["conv_vk_us"]
+    if rings is not None:
+        _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_bias, lb, y, R)
 
 
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
@@ -234,8 +294,6 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
-    if vk:
-        _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R)
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         per_k = []
         for k in (range(1, L + 1) if ks is None else ks):
@@ -262,6 +320,9 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     if "fla_us" in row:
         row["tbps_fla"] = row["bytes_conv"] / row["fla_us"] / 1e6
         row["conv_speedup_vs_fla"] = row["fla_us"] / row["conv_us"]
+    if vk:  # after the (K, V) rows, so the (V, K) replay's ratio to them is in the row
+        rings = None if ks == [] else (k_cache, u_rings[None], g_cache, v_cache, beta_cache)
+        _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R, rings, cursor)
     return row
 
 
@@ -360,6 +421,15 @@ def main():
                   f"({r['pct_ceiling_conv_vk']:.1f}% of the ceiling) vs (K, V) {r['conv_us']:.1f} us "
                   f"({r['pct_ceiling_conv']:.1f}%): x{r['conv_vk_speedup']:.3f}; check y {r['conv_vk_check_y_rel']:.1e} "
                   f"state {r['conv_vk_check_state_rel']:.1e}")
+        if "vk_f32_us_amortized" in r:
+            mid = r[f"vk_check_k{r['L'] // 2}_y_rel"]
+            print(f"vk {r['geom']} bs{r['batch']}: (V, K) fp32 replay k1 {r['vk_f32_us_k1']:.1f} flush "
+                  f"{r['vk_f32_us_flush']:.1f} amort {r['vk_f32_us_amortized']:.1f} us: x{r['vk_f32_speedup_vs_conv_vk']:.2f} "
+                  f"its conventional, x{r['vk_f32_speedup_vs_conv']:.2f} the (K, V) conventional, "
+                  f"x{r.get('vk_f32_speedup_vs_kv_f32', float('nan')):.2f} the (K, V) fp32 replay; R64 W8 r512 at "
+                  f"1 / L/2 / L {[round(x, 1) for x in r['vk_f32_r64_us_at'].values()]}; check "
+                  f"{r['vk_check_flush_y_rel']:.1e} / {r['vk_check_flush_state_rel']:.1e} (flush), "
+                  f"{mid:.1e} (k{r['L'] // 2})")
     for r in sweep:
         if "error" not in r:
             print(f"sweep {r['geom']} bs{r['batch']} {r['shape']}: conv {r['conv_us']:.1f} us, f32 k {r['f32_us_at']}, "

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from ...config import CUDA_TYPES, SMS, SUPPORTED_NUM_TOKENS, pinned, tail_resident
+from ..gdn.config import _OVERRIDE as _GDN_PINS
 from ..gdn.config import GDN_RESIDENT_THREADS, GDNSpec, gdn_plan
 
 ENTRY_FILE = "kda/kda_decode.cu"
@@ -24,7 +25,10 @@ KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
 SPEC_ENTRY_FILE = "kda/kda_spec.cu"
 SPEC_KERNEL_NAMES = ("kda_verify",)
 VK_ENTRY_FILE = "kda/kda_vk.cu"
-VK_KERNEL_NAMES = ("kda_conventional_vk",)
+VK_KERNEL_NAMES = ("kda_conventional_vk", "kda_replay_decode_vk")
+# The (V, K) replay module's rows a block: the channel stage (ring k_j, g_j and the two reductions' 48 partials a
+# thread) beside 4 rows a thread (GDN's R64 W8) spills 160 bytes at 80 registers (ptxas sm_90); 2 rows (R32) none.
+VK_REPLAY_MAX_ROWS = 32
 SHADOW_KINDS = ("none", "bf16")
 # The u ring's dtype by shadow kind, the one rule (the cache's ring role: layers.ring_dtype; the kernels' ring_t; the
 # plugins' IO formats; the bytes model): fp32 beside an fp32 checkpoint without a shadow (its u_j were computed from
@@ -276,9 +280,10 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
 
 @dataclass(frozen=True)
 class KDAVKSpec:
-    """One module of ``kda_conventional_vk`` (plugins/kda/kda_vk.cu; the (V, K) layout experiment, vk.py): GDN's
-    launch shape (``rows``, ``warps``, ``lanes``, ``resident``) for H heads of a (V, K) state, and KDA's gate
-    (``lower_bound`` None: Kimi's)."""
+    """One module of plugins/kda/kda_vk.cu (the (V, K) layout experiment, vk.py: ``kda_conventional_vk`` and, for a
+    ring of ``L`` >= 2 entries, ``kda_replay_decode_vk``): GDN's launch shape (``rows``, ``warps``, ``lanes``,
+    ``resident``) for H heads of a (V, K) state, and KDA's gate (``lower_bound`` None: Kimi's). ``L`` 1: a
+    conventional-only module."""
 
     act: str
     H: int
@@ -292,16 +297,20 @@ class KDAVKSpec:
     lower_bound: float | None = None
     arch: int = 90
     resident: int = GDN_RESIDENT_THREADS
+    L: int = 1
 
     def __post_init__(self):
         if self.lower_bound is not None and not self.lower_bound < 0:
             raise ValueError(f"KDAVKSpec.lower_bound: expected a negative float or None, got {self.lower_bound}")
+        if isinstance(self.L, bool) or not isinstance(self.L, int) or not 1 <= self.L <= 16:
+            raise ValueError(f"KDAVKSpec.L: expected an int in 1..16 (1: conventional only), got {self.L!r}")
         _ = self.gdn  # GDNSpec validates the shape and the dtype
 
     @property
     def gdn(self) -> GDNSpec:
-        """The GDN module whose prelude (geometry, launch shape) this one extends: one head per key head, no ring."""
-        return GDNSpec(self.act, self.H, self.H, self.V, self.K, 1, self.rows, self.warps, self.lanes, "none",
+        """The GDN module whose prelude (geometry, launch shape, ring length) this one extends: one head per key
+        head."""
+        return GDNSpec(self.act, self.H, self.H, self.V, self.K, self.L, self.rows, self.warps, self.lanes, "none",
                        self.l2norm, self.scale, self.arch, resident=self.resident)
 
     entry_file = VK_ENTRY_FILE
@@ -326,10 +335,13 @@ class KDAVKSpec:
 
 
 def kda_vk_spec(act: str, H: int, K: int, V: int, batch: int, l2norm: bool = True, scale: float | None = None,
-                lower_bound: float | None = None, arch: int = 90) -> KDAVKSpec:
-    """The module for this geometry and batch: GDN's conventional plan for H value heads."""
-    rows, warps, lanes, resident = gdn_plan(V, K, H, batch, replay=False)
-    return KDAVKSpec(act, H, K, V, rows, warps, lanes, l2norm, scale, lower_bound, arch, resident)
+                lower_bound: float | None = None, arch: int = 90, L: int = 1) -> KDAVKSpec:
+    """The module for this geometry and batch: GDN's plan for H value heads, its conventional plan for ``L`` 1, its
+    standard-decode replay plan for a ring of ``L`` >= 2 entries."""
+    rows, warps, lanes, resident = gdn_plan(V, K, H, batch, replay=L > 1)
+    if L > 1 and "rt" not in _GDN_PINS:  # the channel stage's registers beside the rows: 2 rows a thread (R32 W8)
+        rows = min(rows, VK_REPLAY_MAX_ROWS)  # fit 3 blocks an SM (gdn.config.override pins another shape)
+    return KDAVKSpec(act, H, K, V, rows, warps, lanes, l2norm, scale, lower_bound, arch, resident, L)
 
 
 __all__ = ["KDASpec", "KDAVKSpec", "kda_geometry", "kda_spec", "kda_vk_spec", "override", "ENTRY_FILE", "KERNEL_NAMES",

@@ -1,20 +1,36 @@
 # SPDX-License-Identifier: Apache-2.0
-"""KDA's conventional step on a (V, K) state, GDN's row layout (issue 37; bench/NOTES.md "KDA in GDN's row layout").
+"""KDA's conventional and ReplaySSM decode steps on a (V, K) state, GDN's row layout (issue 37; bench/NOTES.md "KDA in
+GDN's row layout").
 
 An experiment, not a supported path: the KDA state contract stays (S, H, K, V) (:mod:`.reference`). The same math as
 :func:`.ops.kda_conventional_step` on the transposed state (S, H, V, K): KDA is Gated DeltaNet with a per-key-channel
 decay, so the kernel (``plugins/kda/kda_vk.cuh``) is GDN's conventional step (``plugins/gdn/gdn.cuh``, its launch
 shape from :func:`..gdn.config.gdn_plan`) with the decay a per-lane vector. ``scripts/bench_kda.py --vk`` times it
 beside the (K, V) kernel on the same inputs; if it reaches GDN's share of the copy ceiling where the (K, V) kernel
-does not, the family moves to this layout (the plan in NOTES).
+does not, the family moves to this layout (the plan in NOTES). It did (H100, 2026-12-07: 94.0% / 90.3% of the copy
+ceiling at bs256 against 85.6% / 84.1%), so :func:`kda_replay_decode_vk` is the standard decode step on the same
+layout (fp32 checkpoint without a shadow, on :func:`.ops.kda_replay_decode`'s fp32 ring; the flush the u-sum of the
+stored u_j with this token folded in), measured the same way before the state contract moves.
 """
 
 from __future__ import annotations
 
-from ...launch import check_rank
+import numpy as np
+import torch
+
+from ...config import DTYPE_CODES
+from ...launch import arch, check_args, check_indices, check_rank, launch, require_cuda, values_checked
 from ..gdn.config import GDN_SUPPORTED_DIMS
 from .config import kda_vk_spec
-from .ops import _check_options, _launch_conventional
+from .ops import _check_options, _check_sizes, _launch_conventional, _ring_args, _step_args
+
+_VK = ("slots", "H", "V", "K")
+
+
+def _check_dims(K: int, V: int) -> None:
+    if K not in GDN_SUPPORTED_DIMS or V not in GDN_SUPPORTED_DIMS:
+        raise ValueError(f"q, v: (K, V) expected in {', '.join(map(str, GDN_SUPPORTED_DIMS))} (GDN's row layout), "
+                         f"got ({K}, {V})")
 
 
 def kda_conventional_step_vk(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out=None,
@@ -27,12 +43,42 @@ def kda_conventional_step_vk(q, k, v, f, b, A_log, dt_bias, state, state_batch_i
     check_rank(state, "state", 4, "(slots, H, V, K)")
     batch, H, K = q.shape
     V = v.shape[2]
-    if K not in GDN_SUPPORTED_DIMS or V not in GDN_SUPPORTED_DIMS:
-        raise ValueError(f"q, v: (K, V) expected in {', '.join(map(str, GDN_SUPPORTED_DIMS))} (GDN's row layout), "
-                         f"got ({K}, {V})")
+    _check_dims(K, V)
     return _launch_conventional(
         "kda_conventional_vk", lambda act, sm: kda_vk_spec(act, H, K, V, batch, use_qk_l2norm, scale, lower_bound, sm),
-        q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, check_values, state_dims=("slots", "H", "V", "K"))
+        q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, check_values, state_dims=_VK)
 
 
-__all__ = ["kda_conventional_step_vk"]
+def kda_replay_decode_vk(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
+                         state_batch_indices, out=None, use_qk_l2norm=True, scale=None, lower_bound=None,
+                         check_values: bool | None = None):
+    """:func:`.ops.kda_replay_decode` without a shadow on a (slots, H, V, K) fp32 checkpoint (the rings as there:
+    u_cache fp32); returns y (batch, H, V). K and V in 64, 128, 256 (GDN's row layout); 2 <= L <= 16. The cursor is
+    read, not moved (:func:`.ops.advance_cursor`)."""
+    _check_options(use_qk_l2norm, scale, lower_bound)
+    check_rank(q, "q", 3, "(batch, H, K)")
+    check_rank(v, "v", 3, "(batch, H, V)")
+    check_rank(state, "state", 4, "(slots, H, V, K)")
+    check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
+    batch, H, K = q.shape
+    V, S, L = v.shape[2], state.shape[0], u_cache.shape[2]
+    if not 2 <= L <= 16:
+        raise ValueError(f"u_cache: ring length L (dim 2) must be in 2..16, got {L}")
+    _check_dims(K, V)
+    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, state_dims=_VK)
+                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, None), _check_sizes)
+    if values_checked(check_values):
+        check_indices(state_batch_indices, S, cursor, L)
+    require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    spec = kda_vk_spec(DTYPE_CODES[q.dtype], H, K, V, batch, use_qk_l2norm, scale, lower_bound, arch(dev), L)
+    bufs = [t.data_ptr() for t in (state, k_cache, u_cache, g_cache, v_cache, beta_cache)]
+    args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor)]
+    args += bufs + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs
+    launch(spec, "kda_replay_decode_vk", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+__all__ = ["kda_conventional_step_vk", "kda_replay_decode_vk"]
