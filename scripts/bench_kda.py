@@ -35,7 +35,8 @@ bytes as the conventional step. Without ``--conv-only`` also the (V, K) standard
 ring, ``kda_replay_decode_vk``) on the (K, V) rows' rings: checked against the (K, V) kernel at position L / 2 and at
 the flush (``vk_check_{k8,flush}_{y,state,u}_rel``), then timed at every position (``vk_f32_us_k``, ``_amortized``,
 ``vk_f32_speedup_vs_conv_vk``: over the (V, K) conventional step, ``vk_f32_speedup_vs_kv_f32``: the (K, V) replay's
-amortized time over it, ``vk_f32_pct_of_bound``) and at GDN's R64 W8 with 2 blocks an SM (``vk_f32_r64_us_at``).
+amortized time over it, ``vk_f32_pct_of_bound``) and at the launch shapes of ``--vk-shapes``
+(``vk_f32_shapes_us_at``; default GDN's R64 W8 at 2 blocks an SM).
 
 A/B of kernel trees (``TRTLLM_REPLAYSSM_PLUGIN_DIR``, compile.py): ``--sweep-only`` skips the main rows, so a second
 process over an older kernel tree times only the sweep rows for a same-card comparison.
@@ -71,6 +72,7 @@ ROTATE_BYTES = 512 << 20
 MAX_ROTATIONS = 64
 LOWER_BOUND = {"glm5_3_flash_tp8": -5.0, "glm5_3_flash_tp1": -5.0}  # GLM-5 Next's bounded gate
 FLA = None
+VK_SHAPES = [(4, 8, 512)]  # --vk-shapes: (rows a thread, warps, resident threads an SM) of the (V, K) replay module
 
 
 def load_fla(path: pathlib.Path):
@@ -135,8 +137,8 @@ def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv
 def _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_bias, lb, y, R):
     """The (V, K) standard decode step (fp32 checkpoint, fp32 u ring) on the transposed state and the (K, V) rows'
     rings: checked against the (K, V) kernel at one non-flush position and at the flush (same inputs, slots and
-    rings, cloned), then timed at every position, at the planned launch shape and at GDN's R64 W8 with 2 blocks an
-    SM (``vk_f32_r64_us_at``, positions 1, L / 2, L)."""
+    rings, cloned), then timed at every position at the planned launch shape, and at positions 1, L / 2, L at each
+    of ``VK_SHAPES`` (``vk_f32_shapes_us_at``: GDN's override pins rt:warps:resident)."""
     H, K, V, L = row["H"], row["K"], row["V"], row["L"]
     sl = sbis[0].long()
     for m in (L // 2 - 1, L - 1):
@@ -165,12 +167,16 @@ def _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_b
     for k in range(1, L + 1):
         cursor.fill_(k - 1)
         per_k.append(graph_time_us(replay_vk, R)[0])
-    with gdn_override(rt=4, warps=8, resident=512):
-        at = {}
-        for k in (1, L // 2, L):
-            cursor.fill_(k - 1)
-            at[k] = graph_time_us(replay_vk, R)[0]
-    row["vk_f32_r64_us_at"] = at
+    sweep = {}
+    for rt, warps, resident in VK_SHAPES:
+        with gdn_override(rt=rt, warps=warps, resident=resident):
+            pinned = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L)
+            at = {}
+            for k in (1, L // 2, L):
+                cursor.fill_(k - 1)
+                at[k] = graph_time_us(replay_vk, R)[0]
+        sweep[f"R{pinned.rows}W{pinned.warps}r{pinned.resident}"] = at
+    row["vk_f32_shapes_us_at"] = sweep
     _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow=None)
     amort = sum(per_k) / L
     row["vk_f32_us_k"], row["vk_f32_us_k1"], row["vk_f32_us_flush"] = per_k, per_k[0], per_k[-1]
@@ -343,6 +349,8 @@ def main():
     ap.add_argument("--verify", type=int, default=0, help="T: verify rows (kind 'verify') at every geometry and batch")
     ap.add_argument("--vk", action="store_true", help="also the conventional step on a (V, K) state (the layout "
                     "experiment: fields conv_vk_*)")
+    ap.add_argument("--vk-shapes", default="4:8:512", help="(V, K) replay launch shapes rt:warps:resident,... "
+                    "(gdn.config.override pins) timed at positions 1, L/2, L beside the planned one")
     ap.add_argument("--conv-only", action="store_true", help="main rows of the conventional step(s) only (with --vk: "
                     "the layout experiment alone), no replay positions")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
@@ -362,7 +370,13 @@ def main():
         ap.error(f"--L: expected 2..16, got {args.L}")
     if not torch.cuda.is_available():
         sys.exit("bench_kda.py needs a CUDA GPU")
-    global FLA
+    global FLA, VK_SHAPES
+    try:
+        VK_SHAPES = [tuple(int(x) for x in t.split(":")) for t in args.vk_shapes.split(",") if t.strip()]
+        if any(len(t) != 3 for t in VK_SHAPES):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--vk-shapes: expected rt:warps:resident,... got {args.vk_shapes!r}")
     FLA = load_fla(args.fla_path)
     ceiling = copy_ceiling_tbps()
     meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling,
@@ -426,8 +440,8 @@ def main():
             print(f"vk {r['geom']} bs{r['batch']}: (V, K) fp32 replay k1 {r['vk_f32_us_k1']:.1f} flush "
                   f"{r['vk_f32_us_flush']:.1f} amort {r['vk_f32_us_amortized']:.1f} us: x{r['vk_f32_speedup_vs_conv_vk']:.2f} "
                   f"its conventional, x{r['vk_f32_speedup_vs_conv']:.2f} the (K, V) conventional, "
-                  f"x{r.get('vk_f32_speedup_vs_kv_f32', float('nan')):.2f} the (K, V) fp32 replay; R64 W8 r512 at "
-                  f"1 / L/2 / L {[round(x, 1) for x in r['vk_f32_r64_us_at'].values()]}; check "
+                  f"x{r.get('vk_f32_speedup_vs_kv_f32', float('nan')):.2f} the (K, V) fp32 replay; at 1 / L/2 / L "
+                  f"{ {n: [round(x, 1) for x in at.values()] for n, at in r['vk_f32_shapes_us_at'].items()} }; check "
                   f"{r['vk_check_flush_y_rel']:.1e} / {r['vk_check_flush_state_rel']:.1e} (flush), "
                   f"{mid:.1e} (k{r['L'] // 2})")
     for r in sweep:
