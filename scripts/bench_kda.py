@@ -32,7 +32,8 @@ transposed state (S, H, V, K), GDN's row layout (``families/kda/vk.py``), on the
 against our (K, V) conventional kernel (``conv_vk_check_y_rel``, ``conv_vk_check_state_rel``), then timed
 (``conv_vk_us``, ``tbps_conv_vk``, ``pct_ceiling_conv_vk``; ``conv_vk_speedup``: the (K, V) step's time over it). Same
 bytes as the conventional step. Without ``--conv-only`` also the (V, K) standard decode step (fp32 checkpoint, fp32 u
-ring, ``kda_replay_decode_vk``) on the (K, V) rows' rings: checked against the (K, V) kernel at position L / 2 and at
+ring; ``kda_replay_decode_vk``, prefix ``vk``, and its two-kernel form ``kda_replay_decode_vk_split``, prefix ``vk2``) on
+the (K, V) rows' rings: checked against the (K, V) kernel at position L / 2 and at
 the flush (``vk_check_{k8,flush}_{y,state,u}_rel``), then timed at every position (``vk_f32_us_k``, ``_amortized``,
 ``vk_f32_speedup_vs_conv_vk``: over the (V, K) conventional step, ``vk_f32_speedup_vs_kv_f32``: the (K, V) replay's
 amortized time over it, ``vk_f32_pct_of_bound``) and at the launch shapes of ``--vk-shapes``
@@ -65,7 +66,11 @@ from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
 from trtllm_replayssm.families.kda.config import kda_geometry, kda_vk_spec, override  # noqa: E402
 from trtllm_replayssm.families.kda.layers import ring_dtype  # noqa: E402
-from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk, kda_replay_decode_vk  # noqa: E402
+from trtllm_replayssm.families.kda.vk import (  # noqa: E402
+    kda_conventional_step_vk,
+    kda_replay_decode_vk,
+    kda_replay_decode_vk_split,
+)
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -134,60 +139,65 @@ def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv
     return row
 
 
+VK_OPS = {"vk": (kda_replay_decode_vk, True), "vk2": (kda_replay_decode_vk_split, False)}  # prefix: (op, fused)
+
+
 def _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_bias, lb, y, R):
     """The (V, K) standard decode step (fp32 checkpoint, fp32 u ring) on the transposed state and the (K, V) rows'
-    rings: checked against the (K, V) kernel at one non-flush position and at the flush (same inputs, slots and
-    rings, cloned), then timed at every position at the planned launch shape, and at positions 1, L / 2, L at each
-    of ``VK_SHAPES`` (``vk_f32_shapes_us_at``: GDN's override pins rt:warps:resident)."""
+    rings, fused (prefix ``vk``) and in two kernels (``vk2``): checked against the (K, V) kernel at one non-flush
+    position and at the flush (same inputs, slots and rings, cloned), then timed at every position at the planned
+    launch shape, and at positions 1, L / 2, L at each of ``VK_SHAPES`` (``<prefix>_f32_shapes_us_at``: GDN's
+    override pins rt:warps:resident)."""
     H, K, V, L = row["H"], row["K"], row["V"], row["L"]
     sl = sbis[0].long()
-    for m in (L // 2 - 1, L - 1):
-        cursor.fill_(m)
-        rk, rv = [t.clone() for t in rings], [t.clone() for t in rings]
-        want_st, got_st = state.clone(), state_vk.clone()
-        want = kops.kda_replay_decode(*ins[0], A_log, dt_bias, want_st, *rk, cursor, sbis[0], lower_bound=lb,
-                                      check_values=False)
-        got = kda_replay_decode_vk(*ins[0], A_log, dt_bias, got_st, *rv, cursor, sbis[0], lower_bound=lb,
-                                   check_values=False)
-        tag = "flush" if m == L - 1 else f"k{m + 1}"
-        row[f"vk_check_{tag}_y_rel"] = float((got.float() - want.float()).norm() / want.float().norm())
-        ws, gs = want_st[sl], got_st[sl].transpose(2, 3)
-        row[f"vk_check_{tag}_state_rel"] = float((gs - ws).norm() / ws.norm())
-        row[f"vk_check_{tag}_u_rel"] = float((rv[1][sl] - rk[1][sl]).norm() / rk[1][sl].norm().clamp_min(1e-30))
-        del want_st, got_st, rk, rv
-
-    def replay_vk():
-        for r in range(R):
-            kda_replay_decode_vk(*ins[r % len(ins)], A_log, dt_bias, state_vk, *rings, cursor, sbis[r], out=y,
-                                 lower_bound=lb, check_values=False)
-
-    spec = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L)
-    row["vk_replay_geometry"] = [spec.rows, spec.warps, spec.lanes, spec.resident]
-    per_k = []
-    for k in range(1, L + 1):
-        cursor.fill_(k - 1)
-        per_k.append(graph_time_us(replay_vk, R)[0])
-    sweep = {}
-    for rt, warps, resident in VK_SHAPES:
-        with gdn_override(rt=rt, warps=warps, resident=resident):
-            pinned = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L)
-            at = {}
-            for k in (1, L // 2, L):
-                cursor.fill_(k - 1)
-                at[k] = graph_time_us(replay_vk, R)[0]
-        sweep[f"R{pinned.rows}W{pinned.warps}r{pinned.resident}"] = at
-    row["vk_f32_shapes_us_at"] = sweep
     _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow=None)
-    amort = sum(per_k) / L
-    row["vk_f32_us_k"], row["vk_f32_us_k1"], row["vk_f32_us_flush"] = per_k, per_k[0], per_k[-1]
-    row["vk_f32_us_amortized"] = amort
-    row["vk_f32_tbps"] = sum(bk.values()) / L * row["batch"] / amort / 1e6
-    row["vk_f32_speedup_vs_conv_vk"] = row["conv_vk_us"] / amort
-    row["vk_f32_speedup_vs_conv"] = row["conv_us"] / amort
-    row["vk_f32_flush_over_conv_vk"] = per_k[-1] / row["conv_vk_us"]
-    if "f32_us_amortized" in row:
-        row["vk_f32_speedup_vs_kv_f32"] = row["f32_us_amortized"] / amort
-        row["vk_f32_pct_of_bound"] = 100 * row["vk_f32_speedup_vs_conv_vk"] / row["f32_bound_ratio"]
+    for pre, (op, fused) in VK_OPS.items():
+        for m in (L // 2 - 1, L - 1):
+            cursor.fill_(m)
+            rk, rv = [t.clone() for t in rings], [t.clone() for t in rings]
+            want_st, got_st = state.clone(), state_vk.clone()
+            want = kops.kda_replay_decode(*ins[0], A_log, dt_bias, want_st, *rk, cursor, sbis[0], lower_bound=lb,
+                                          check_values=False)
+            got = op(*ins[0], A_log, dt_bias, got_st, *rv, cursor, sbis[0], lower_bound=lb, check_values=False)
+            tag = "flush" if m == L - 1 else f"k{m + 1}"
+            row[f"{pre}_check_{tag}_y_rel"] = float((got.float() - want.float()).norm() / want.float().norm())
+            ws, gs = want_st[sl], got_st[sl].transpose(2, 3)
+            row[f"{pre}_check_{tag}_state_rel"] = float((gs - ws).norm() / ws.norm())
+            row[f"{pre}_check_{tag}_u_rel"] = float((rv[1][sl] - rk[1][sl]).norm()
+                                                    / rk[1][sl].norm().clamp_min(1e-30))
+            del want_st, got_st, rk, rv
+
+        def replay_vk(op=op):
+            for r in range(R):
+                op(*ins[r % len(ins)], A_log, dt_bias, state_vk, *rings, cursor, sbis[r], out=y, lower_bound=lb,
+                   check_values=False)
+
+        spec = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L, fused=fused)
+        row[f"{pre}_replay_geometry"] = [spec.rows, spec.warps, spec.lanes, spec.resident]
+        per_k = []
+        for k in range(1, L + 1):
+            cursor.fill_(k - 1)
+            per_k.append(graph_time_us(replay_vk, R)[0])
+        sweep = {}
+        for rt, warps, resident in VK_SHAPES:
+            with gdn_override(rt=rt, warps=warps, resident=resident):
+                pinned = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L, fused=fused)
+                at = {}
+                for k in (1, L // 2, L):
+                    cursor.fill_(k - 1)
+                    at[k] = graph_time_us(replay_vk, R)[0]
+            sweep[f"R{pinned.rows}W{pinned.warps}r{pinned.resident}"] = at
+        row[f"{pre}_f32_shapes_us_at"] = sweep
+        amort = sum(per_k) / L
+        row[f"{pre}_f32_us_k"], row[f"{pre}_f32_us_k1"], row[f"{pre}_f32_us_flush"] = per_k, per_k[0], per_k[-1]
+        row[f"{pre}_f32_us_amortized"] = amort
+        row[f"{pre}_f32_tbps"] = sum(bk.values()) / L * row["batch"] / amort / 1e6
+        row[f"{pre}_f32_speedup_vs_conv_vk"] = row["conv_vk_us"] / amort
+        row[f"{pre}_f32_speedup_vs_conv"] = row["conv_us"] / amort
+        row[f"{pre}_f32_flush_over_conv_vk"] = per_k[-1] / row["conv_vk_us"]
+        if "f32_us_amortized" in row:
+            row[f"{pre}_f32_speedup_vs_kv_f32"] = row["f32_us_amortized"] / amort
+            row[f"{pre}_f32_pct_of_bound"] = 100 * row[f"{pre}_f32_speedup_vs_conv_vk"] / row["f32_bound_ratio"]
 
 
 def _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R, rings=None, cursor=None):
@@ -435,15 +445,18 @@ def main():
                   f"({r['pct_ceiling_conv_vk']:.1f}% of the ceiling) vs (K, V) {r['conv_us']:.1f} us "
                   f"({r['pct_ceiling_conv']:.1f}%): x{r['conv_vk_speedup']:.3f}; check y {r['conv_vk_check_y_rel']:.1e} "
                   f"state {r['conv_vk_check_state_rel']:.1e}")
-        if "vk_f32_us_amortized" in r:
-            mid = r[f"vk_check_k{r['L'] // 2}_y_rel"]
-            print(f"vk {r['geom']} bs{r['batch']}: (V, K) fp32 replay k1 {r['vk_f32_us_k1']:.1f} flush "
-                  f"{r['vk_f32_us_flush']:.1f} amort {r['vk_f32_us_amortized']:.1f} us: x{r['vk_f32_speedup_vs_conv_vk']:.2f} "
-                  f"its conventional, x{r['vk_f32_speedup_vs_conv']:.2f} the (K, V) conventional, "
-                  f"x{r.get('vk_f32_speedup_vs_kv_f32', float('nan')):.2f} the (K, V) fp32 replay; at 1 / L/2 / L "
-                  f"{ {n: [round(x, 1) for x in at.values()] for n, at in r['vk_f32_shapes_us_at'].items()} }; check "
-                  f"{r['vk_check_flush_y_rel']:.1e} / {r['vk_check_flush_state_rel']:.1e} (flush), "
-                  f"{mid:.1e} (k{r['L'] // 2})")
+        for pre in VK_OPS:
+            if f"{pre}_f32_us_amortized" not in r:
+                continue
+            mid = r[f"{pre}_check_k{r['L'] // 2}_y_rel"]
+            shapes = {n: [round(x, 1) for x in at.values()] for n, at in r[f"{pre}_f32_shapes_us_at"].items()}
+            print(f"{pre} {r['geom']} bs{r['batch']}: (V, K) fp32 replay {r[f'{pre}_replay_geometry']} k1 "
+                  f"{r[f'{pre}_f32_us_k1']:.1f} flush {r[f'{pre}_f32_us_flush']:.1f} amort "
+                  f"{r[f'{pre}_f32_us_amortized']:.1f} us: x{r[f'{pre}_f32_speedup_vs_conv_vk']:.2f} its conventional, "
+                  f"x{r[f'{pre}_f32_speedup_vs_conv']:.2f} the (K, V) conventional, "
+                  f"x{r.get(f'{pre}_f32_speedup_vs_kv_f32', float('nan')):.2f} the (K, V) fp32 replay; at 1 / L/2 / L "
+                  f"{shapes}; check {r[f'{pre}_check_flush_y_rel']:.1e} / {r[f'{pre}_check_flush_state_rel']:.1e} "
+                  f"(flush), {mid:.1e} (k{r['L'] // 2})")
     for r in sweep:
         if "error" not in r:
             print(f"sweep {r['geom']} bs{r['batch']} {r['shape']}: conv {r['conv_us']:.1f} us, f32 k {r['f32_us_at']}, "

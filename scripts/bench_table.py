@@ -521,6 +521,8 @@ def kda_layout_table(rows: list[dict]) -> list[str]:
         ("(K, V) fp32 replay µs", lambda r: num(r.get("f32_us_amortized"))),
         ("(V, K) fp32 replay µs", lambda r: num(r.get("vk_f32_us_amortized"))),
         ("(V, K) replay x its conventional", lambda r: num(r.get("vk_f32_speedup_vs_conv_vk"), 2, "x")),
+        ("(V, K) two-kernel replay µs", lambda r: num(r.get("vk2_f32_us_amortized"))),
+        ("x its conventional", lambda r: num(r.get("vk2_f32_speedup_vs_conv_vk"), 2, "x")),
     ]
     return render(cols, rows)
 

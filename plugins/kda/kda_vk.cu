@@ -34,3 +34,24 @@ extern "C" __global__ void __launch_bounds__(gdn::kThreads, kMinBlocks) kda_repl
                                 state_out, kc_out, uc_out, gc_out, vc_out, bc_out};
   kda_vk::replay_decode(args);
 }
+
+// The same step in two launches (kda_vk.cuh "the same step in two kernels"), in this order on one stream:
+// kda_vk_prologue: grid (H, batch), block (kK); kda_replay_rows_vk: grid (H * V / kRows, batch), block (kWarps * 32).
+// scratch: (batch, H, kScr) f32, written by the first, read by the second.
+extern "C" __global__ void __launch_bounds__(kK) kda_vk_prologue(
+    const act_t* __restrict__ q, const act_t* __restrict__ k, const act_t* __restrict__ f,
+    const act_t* __restrict__ b, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
+    const int* __restrict__ sbi, const int* __restrict__ cursor, const act_t* kc_in, const float* gc_in, int batch,
+    int nslots, float* __restrict__ scr, act_t* kc_out, float* gc_out, float* bc_out) {
+  const kda_vk::ProArgs args{q, k, f, b, A_log, dt_bias, sbi, cursor, kc_in, gc_in, batch, nslots, scr, kc_out,
+                             gc_out, bc_out};
+  kda_vk::prologue(args);
+}
+
+extern "C" __global__ void __launch_bounds__(gdn::kThreads, kMinBlocks) kda_replay_rows_vk(
+    const act_t* __restrict__ v, const int* __restrict__ sbi, const int* __restrict__ cursor, const float* state_in,
+    const float* uc_in, const float* __restrict__ scr, int batch, int nslots, act_t* __restrict__ y, float* state_out,
+    float* uc_out, act_t* vc_out) {
+  const kda_vk::RowsArgs args{v, sbi, cursor, state_in, uc_in, scr, batch, nslots, y, state_out, uc_out, vc_out};
+  kda_vk::replay_rows(args);
+}

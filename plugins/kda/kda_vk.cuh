@@ -297,4 +297,218 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   else replay_step<false>(a, p, c, slot, pos, sm);
 }
 
+// ---- the same step in two kernels: the per-head channel stage once, then GDN's row stream -----------------------------
+// The fused step above repeats kda.cuh's channel stage in every block of a head and holds its rows behind it (one
+// barrier after the reductions), which measured 0.61-0.71x the (K, V) replay (H100, e38abc0a01). Here
+// kda_vk_prologue does the per-channel work once per (batch row, head) (block of kK threads, thread i channel i) and
+// writes the products the rows need to a scratch record; kda_replay_rows_vk is GDN's row stream on them: the rows'
+// loads issued first, the record (1 KB) through shared memory behind one barrier, no per-channel work.
+// Record of (batch row, head), floats (kScr = kScrHead + kE kK):
+//   ek[kK] = D . k_t rk, eq[kK] = D . q_t rq, coef[2][16] (k side, q side: n_j (w_j . k_t) rk, n_j (w_j . q_t) rq),
+//   kq, beta, 2 pad; the flush adds dall[kK] = D, kn[kK] = rk k_t, cfn[kE][kK] = n_j w_j.
+constexpr int kCoef = 16;
+constexpr int kScrHead = 2 * kK + 2 * kCoef + 4;  // the non-flush record, a multiple of 4 floats
+constexpr int kScr = kScrHead + 2 * kK + kE * kK;
+static_assert(kE < kCoef, "ring length <= 16");
+
+struct ProArgs {
+  const act_t *q, *k, *f, *b;
+  const float *A_log, *dt_bias;
+  const int *sbi, *cursor;
+  const act_t* kc_in;
+  const float* gc_in;
+  int batch, nslots;
+  float* scr;                      // (batch, H, kScr)
+  act_t* kc_out;
+  float* gc_out;
+  float* bc_out;
+};
+
+// grid (H, batch), block kK threads: the record of (blockIdx.y, blockIdx.x), and the ring entry (k raw, g, beta) of a
+// non-flush step. Padding rows and bad cursors: nothing (the rows kernel skips them too).
+__device__ __forceinline__ void prologue(const ProArgs& a) {
+  constexpr int kPW = kK / 32;  // warps
+  __shared__ float red1[kPW][kN1], red2[kPW][kN2];
+  __shared__ float tot[kN1 + kN2];
+  const int h = blockIdx.x, brow = blockIdx.y, i = threadIdx.x, lane = i % 32, warp = i / 32;
+  const int slot = a.sbi[brow];
+  if (slot < 0 || slot >= a.nslots) return;
+  const int m = a.cursor[slot];
+  if (m < 0 || m >= kL) return;
+  const bool flush = m + 1 == kL;
+  const size_t hs = (size_t)slot * kHV + h, in = (size_t)brow * kHV + h;
+  const float A = expf(__ldg(a.A_log + h));
+  const act_t k_raw = a.k[in * kK + i];
+  const float kt = to_f(k_raw), qt = to_f(a.q[in * kK + i]);
+  const float gt = kda_gate::gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)h * kK + i), A);
+  float kj[kEA], gj[kEA], w[kEA];
+#pragma unroll
+  for (int j = 0; j < kEA; ++j) {
+    kj[j] = j < m ? to_f(a.kc_in[(hs * kL + j) * kK + i]) : 0.f;
+    gj[j] = j < m ? __ldg(a.gc_in + (hs * kL + j) * kK + i) : 0.f;
+  }
+  float r1[kN1], r2[kN2];
+#pragma unroll
+  for (int t = 0; t < kN1; ++t) r1[t] = 0.f;
+#pragma unroll
+  for (int t = 0; t < kN2; ++t) r2[t] = 0.f;
+  float run = gt;
+#pragma unroll
+  for (int j = kE - 1; j >= 0; --j) {
+    w[j] = 0.f;
+    if (j < m) {
+      w[j] = expf(run) * kj[j];
+      r1[j] = w[j] * kt, r1[kH1 + j] = w[j] * qt, r2[j] = kj[j] * kj[j];
+      run += gj[j];
+    }
+  }
+  const float e0 = expf(run);
+  r1[kH1 - 1] = kt * kt, r1[kN1 - 1] = qt * qt, r2[kN2 - 1] = kt * qt;
+  if (!flush && m < kL) {  // the entry (the head's one block: no other block writes it)
+    a.kc_out[(hs * kL + m) * kK + i] = k_raw;
+    a.gc_out[(hs * kL + m) * kK + i] = gt;
+  }
+  {
+    const float t1 = rssm_common::transpose_reduce<kN1, 1>(r1);
+    const float t2 = rssm_common::transpose_reduce<kN2, 1>(r2);
+    if (lane < kN1) red1[warp][lane] = t1;
+    if (lane < kN2) red2[warp][lane] = t2;
+  }
+  __syncthreads();
+  if (i < kN1 + kN2) {
+    float t = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < kPW; ++w2) t += i < kN1 ? red1[w2][i] : red2[w2][i - kN1];
+    tot[i] = t;
+  }
+  __syncthreads();
+  const float rk = rnorm(tot[kH1 - 1]), rq = rnorm(tot[kN1 - 1]) * kScale;
+  float* rec = a.scr + in * kScr;
+  rec[i] = e0 * kt * rk;
+  rec[kK + i] = e0 * qt * rq;
+  if (i < 2 * kCoef) {  // coef[side][j]: n_j (w_j . x) times x's norm
+    const int side = i / kCoef, j = i % kCoef;
+    rec[2 * kK + i] = j < m ? tot[side * kH1 + j] * rnorm(tot[kN1 + j]) * (side ? rq : rk) : 0.f;
+  }
+  const float beta = kda_gate::sigmoid(to_f(a.b[in]));
+  if (i == 0) {
+    rec[2 * kK + 2 * kCoef] = tot[kN1 + kN2 - 1] * rk * rq;
+    rec[2 * kK + 2 * kCoef + 1] = beta;
+    if (!flush) a.bc_out[hs * kL + m] = beta;
+  }
+  if (flush) {
+    rec[kScrHead + i] = e0;
+    rec[kScrHead + kK + i] = kt * rk;
+#pragma unroll
+    for (int j = 0; j < kE; ++j) rec[kScrHead + 2 * kK + j * kK + i] = w[j] * rnorm(tot[kN1 + j]);
+  }
+}
+
+struct RowsArgs {
+  const act_t* v;
+  const int *sbi, *cursor;
+  const float* state_in;  // (slots, H, V, K)
+  const float* uc_in;     // (slots, H, L, V)
+  const float* scr;       // (batch, H, kScr): kda_vk_prologue's records
+  int batch, nslots;
+  act_t* y;
+  float* state_out;
+  float* uc_out;
+  act_t* vc_out;
+};
+
+struct alignas(16) RecSmem {
+  float rec[kScrHead];
+};
+
+__device__ __forceinline__ void global_cols(Cols& out, const float* row, const Lane& c) {
+#pragma unroll
+  for (int v = 0; v < gdn::kVPL; ++v) {
+    const float4 t = __ldg(reinterpret_cast<const float4*>(row + c.col(v)));
+    out[v][0] = t.x, out[v][1] = t.y, out[v][2] = t.z, out[v][3] = t.w;
+  }
+}
+
+// grid (H * V / kRows, batch), block kWarps * 32: GDN's row stream on the record.
+__device__ __forceinline__ void replay_rows(const RowsArgs& a) {
+  __shared__ RecSmem sm;
+  const gdn::Coords p = gdn::block_coords();
+  const Lane c = gdn::lane_coords();
+  const int slot = a.sbi[p.b];
+  if (slot < 0 || slot >= a.nslots) return;
+  const int m = a.cursor[slot];
+  const size_t in = (size_t)p.b * kHV + p.hv;
+  if (m < 0 || m >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
+    for (int r = threadIdx.x; r < kRows; r += gdn::kThreads) a.y[in * kV + p.row0 + r] = from_f<act_t>(__int_as_float(0x7fc00000));
+    return;
+  }
+  const size_t hs = (size_t)slot * kHV + p.hv, sh = hs * kV + p.row0;
+  Rows st;
+  gdn::load_rows(st, a.state_in + sh * kK, c);
+  const float* rec = a.scr + in * kScr;
+  for (int t = threadIdx.x; t < kScrHead / 4; t += gdn::kThreads) rssm_common::cp_async16(&sm.rec[4 * t], rec + 4 * t);
+  const int row = gdn::dot_row(c);
+  float uh[kEA];  // u_j of this lane's dot row
+  const float* ucol = a.uc_in + hs * kL * kV + p.row0 + row;
+#pragma unroll
+  for (int j = 0; j < kEA; ++j) uh[j] = j < m ? __ldg(ucol + (size_t)j * kV) : 0.f;
+  const act_t v_raw = a.v[in * kV + p.row0 + row];
+  rssm_common::cp_async_wait_all();
+  __syncthreads();
+  Cols ek, eq;
+  gdn::smem_cols(ek, sm.rec, c);
+  gdn::smem_cols(eq, sm.rec + kK, c);
+  float acc[2 * gdn::kRT];
+#pragma unroll
+  for (int r = 0; r < gdn::kRT; ++r) acc[r] = gdn::dot_cols(st[r], ek), acc[gdn::kRT + r] = gdn::dot_cols(st[r], eq);
+  const int is_q = c.l % (2 * gdn::kRT) >= gdn::kRT;
+  float mine = gdn::group_reduce<2 * gdn::kRT>(acc);
+  const float* coef = sm.rec + 2 * kK + is_q * kCoef;
+#pragma unroll
+  for (int j = 0; j < kE; ++j)
+    if (j < m) mine = fmaf(coef[j], uh[j], mine);
+  gdn::StepIn in_;
+  in_.kq = sm.rec[2 * kK + 2 * kCoef];
+  in_.beta = sm.rec[2 * kK + 2 * kCoef + 1];
+  in_.eg = 1.f;
+  float y;
+  const float u = gdn::output_step(mine, in_, to_f(v_raw), &y);
+  if (gdn::holds_y(c)) a.y[in * kV + p.row0 + row] = from_f<act_t>(y);
+  if (m + 1 < kL) {
+    const size_t e = hs * kL + m;
+    if (gdn::holds_u(c)) {
+      a.uc_out[e * kV + p.row0 + row] = u;
+      a.vc_out[e * kV + p.row0 + row] = v_raw;
+    }
+    return;
+  }
+  // flush: S <- S0 Diag(D) + sum_j u_j cfn_j^T + u kn^T
+  Cols dc;
+  global_cols(dc, rec + kScrHead, c);
+#pragma unroll
+  for (int r = 0; r < gdn::kRT; ++r)
+#pragma unroll
+    for (int v = 0; v < gdn::kVPL; ++v)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[r][v][e] *= dc[v][e];
+  const float* urow = a.uc_in + hs * kL * kV + p.row0 + c.rb;
+#pragma unroll 3
+  for (int j = 0; j < kE; ++j) {
+    Cols wj;
+    global_cols(wj, rec + kScrHead + 2 * kK + j * kK, c);
+#pragma unroll
+    for (int r = 0; r < gdn::kRT; ++r) {
+      const float uj = __ldg(urow + (size_t)j * kV + r);
+#pragma unroll
+      for (int v = 0; v < gdn::kVPL; ++v)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(wj[v][e], uj, st[r][v][e]);
+    }
+  }
+  Cols kn;
+  global_cols(kn, rec + kScrHead + kK, c);
+  gdn::rank1_add(st, u, kn);
+  gdn::store_rows(st, a.state_out + sh * kK, c);
+}
+
 }  // namespace kda_vk

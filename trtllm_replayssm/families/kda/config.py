@@ -25,7 +25,7 @@ KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
 SPEC_ENTRY_FILE = "kda/kda_spec.cu"
 SPEC_KERNEL_NAMES = ("kda_verify",)
 VK_ENTRY_FILE = "kda/kda_vk.cu"
-VK_KERNEL_NAMES = ("kda_conventional_vk", "kda_replay_decode_vk")
+VK_KERNEL_NAMES = ("kda_conventional_vk", "kda_replay_decode_vk", "kda_vk_prologue", "kda_replay_rows_vk")
 # The (V, K) replay module's rows a block: the channel stage (ring k_j, g_j and the two reductions' 48 partials a
 # thread) beside 4 rows a thread (GDN's R64 W8) spills 160 bytes at 80 registers (ptxas sm_90); 2 rows (R32) none.
 VK_REPLAY_MAX_ROWS = 32
@@ -335,14 +335,34 @@ class KDAVKSpec:
 
 
 def kda_vk_spec(act: str, H: int, K: int, V: int, batch: int, l2norm: bool = True, scale: float | None = None,
-                lower_bound: float | None = None, arch: int = 90, L: int = 1) -> KDAVKSpec:
+                lower_bound: float | None = None, arch: int = 90, L: int = 1, fused: bool = True) -> KDAVKSpec:
     """The module for this geometry and batch: GDN's plan for H value heads, its conventional plan for ``L`` 1, its
-    standard-decode replay plan for a ring of ``L`` >= 2 entries."""
+    standard-decode replay plan for a ring of ``L`` >= 2 entries (``fused``: for ``kda_replay_decode_vk``, whose
+    channel stage caps its rows; else for the two-kernel step, whose rows kernel is GDN's row stream)."""
     rows, warps, lanes, resident = gdn_plan(V, K, H, batch, replay=L > 1)
-    if L > 1 and "rt" not in _GDN_PINS:  # the channel stage's registers beside the rows: 2 rows a thread (R32 W8)
+    if fused and L > 1 and "rt" not in _GDN_PINS:  # the channel stage beside the rows: 2 rows a thread (R32 W8)
         rows = min(rows, VK_REPLAY_MAX_ROWS)  # fit 3 blocks an SM (gdn.config.override pins another shape)
     return KDAVKSpec(act, H, K, V, rows, warps, lanes, l2norm, scale, lower_bound, arch, resident, L)
 
 
-__all__ = ["KDASpec", "KDAVKSpec", "kda_geometry", "kda_spec", "kda_vk_spec", "override", "ENTRY_FILE", "KERNEL_NAMES",
-           "SPEC_ENTRY_FILE", "SPEC_KERNEL_NAMES", "VK_ENTRY_FILE", "VK_KERNEL_NAMES"]
+def kda_vk_scratch_floats(K: int, L: int) -> int:
+    """Floats of one (batch row, head) record of the two-kernel (V, K) step (plugins/kda/kda_vk.cuh kScr): the
+    non-flush products 2 K + 36, the flush's 2 K + (L - 1) K."""
+    return 2 * K + 2 * 16 + 4 + 2 * K + (L - 1) * K
+
+
+__all__ = [
+    "KDASpec",
+    "KDAVKSpec",
+    "kda_geometry",
+    "kda_spec",
+    "kda_vk_spec",
+    "kda_vk_scratch_floats",
+    "override",
+    "ENTRY_FILE",
+    "KERNEL_NAMES",
+    "SPEC_ENTRY_FILE",
+    "SPEC_KERNEL_NAMES",
+    "VK_ENTRY_FILE",
+    "VK_KERNEL_NAMES",
+]

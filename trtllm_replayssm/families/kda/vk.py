@@ -21,7 +21,7 @@ import torch
 from ...config import DTYPE_CODES
 from ...launch import arch, check_args, check_indices, check_rank, launch, require_cuda, values_checked
 from ..gdn.config import GDN_SUPPORTED_DIMS
-from .config import kda_vk_spec
+from .config import kda_vk_scratch_floats, kda_vk_spec
 from .ops import _check_options, _check_sizes, _launch_conventional, _ring_args, _step_args
 
 _VK = ("slots", "H", "V", "K")
@@ -81,4 +81,47 @@ def kda_replay_decode_vk(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache,
     return y
 
 
-__all__ = ["kda_conventional_step_vk", "kda_replay_decode_vk"]
+def kda_replay_decode_vk_split(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache,
+                               cursor, state_batch_indices, out=None, use_qk_l2norm=True, scale=None, lower_bound=None,
+                               check_values: bool | None = None, scratch=None):
+    """:func:`kda_replay_decode_vk` in two launches (``kda_vk_prologue``: the per-channel work once per (batch row,
+    head) into a scratch record; ``kda_replay_rows_vk``: GDN's row stream on it). ``scratch``: (batch, H,
+    :func:`.config.kda_vk_scratch_floats`) float32 on the device, or None (allocated)."""
+    _check_options(use_qk_l2norm, scale, lower_bound)
+    check_rank(q, "q", 3, "(batch, H, K)")
+    check_rank(v, "v", 3, "(batch, H, V)")
+    check_rank(state, "state", 4, "(slots, H, V, K)")
+    check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
+    batch, H, K = q.shape
+    V, S, L = v.shape[2], state.shape[0], u_cache.shape[2]
+    if not 2 <= L <= 16:
+        raise ValueError(f"u_cache: ring length L (dim 2) must be in 2..16, got {L}")
+    _check_dims(K, V)
+    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, state_dims=_VK)
+                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, None), _check_sizes)
+    if values_checked(check_values):
+        check_indices(state_batch_indices, S, cursor, L)
+    require_cuda(q, "q")
+    y = torch.empty_like(v) if out is None else out
+    if batch == 0:
+        return y
+    nscr = kda_vk_scratch_floats(K, L)
+    if scratch is None:
+        scratch = torch.empty(batch, H, nscr, dtype=torch.float32, device=q.device)
+    elif (scratch.dtype != torch.float32 or scratch.device != q.device or not scratch.is_contiguous()
+          or scratch.numel() < batch * H * nscr):
+        raise ValueError(f"scratch: expected a contiguous float32 tensor on {q.device} of >= {batch * H * nscr} "
+                         f"elements (batch, H, {nscr}), got {scratch.dtype} {tuple(scratch.shape)} on {scratch.device}")
+    spec = kda_vk_spec(DTYPE_CODES[q.dtype], H, K, V, batch, use_qk_l2norm, scale, lower_bound, arch(dev), L,
+                       fused=False)
+    args = [t.data_ptr() for t in (q, k, f, b, A_log, dt_bias, state_batch_indices, cursor, k_cache, g_cache)]
+    args += [np.int32(batch), np.int32(S), scratch.data_ptr()]
+    args += [t.data_ptr() for t in (k_cache, g_cache, beta_cache)]
+    launch(spec, "kda_vk_prologue", dev, (H, batch, 1), (K, 1, 1), args)
+    args = [t.data_ptr() for t in (v, state_batch_indices, cursor, state, u_cache, scratch)]
+    args += [np.int32(batch), np.int32(S), y.data_ptr()] + [t.data_ptr() for t in (state, u_cache, v_cache)]
+    launch(spec, "kda_replay_rows_vk", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    return y
+
+
+__all__ = ["kda_conventional_step_vk", "kda_replay_decode_vk", "kda_replay_decode_vk_split"]
