@@ -202,15 +202,19 @@ def get_kernel(spec, name: str, device: torch.device):
     return kern
 
 
-def launch(spec, name: str, device, grid, block, args) -> None:
+def launch(spec, name: str, device, grid, block, args, pdl: bool = False) -> None:
     """Launch kernel ``name`` of ``spec`` on torch's current stream. ``args``: ints for pointers,
-    numpy.int32 for the int32 scalars, in the kernel's parameter order."""
+    numpy.int32 for the int32 scalars, in the kernel's parameter order. ``pdl``: as a programmatic dependent launch
+    (the kernel may start while the previous one in the stream runs, and waits for it with ``griddepcontrol.wait``
+    before reading what it wrote)."""
     from cuda.core import LaunchConfig, Stream
     from cuda.core import launch as _launch
 
     kern = get_kernel(spec, name, device)
     stream = Stream.from_handle(torch.cuda.current_stream(device).cuda_stream)
-    _launch(stream, LaunchConfig(grid=grid, block=block), kern, *args)
+    config = LaunchConfig(grid=grid, block=block, programmatic_stream_serialization=True) if pdl else \
+        LaunchConfig(grid=grid, block=block)
+    _launch(stream, config, kern, *args)
 
 @functools.cache
 def sm_count(index: int) -> int:

@@ -330,6 +330,9 @@ __device__ __forceinline__ void prologue(const ProArgs& a) {
   constexpr int kPW = kK / 32;  // warps
   __shared__ float red1[kPW][kN1], red2[kPW][kN2];
   __shared__ float tot[kN1 + kN2];
+  // kda_replay_rows_vk (launched as a programmatic dependent) may start its loads now; it waits for this grid
+  // before reading the records.
+  asm volatile("griddepcontrol.launch_dependents;");
   const int h = blockIdx.x, brow = blockIdx.y, i = threadIdx.x, lane = i % 32, warp = i / 32;
   const int slot = a.sbi[brow];
   if (slot < 0 || slot >= a.nslots) return;
@@ -419,15 +422,9 @@ struct RowsArgs {
 
 struct alignas(16) RecSmem {
   float rec[kScrHead];
+  float fl[2 * kK + kEA * kK];  // the flush's part of the record: dall, kn, cfn
+  float u[kEA][kRows];          // the flush's u_j of the block's rows
 };
-
-__device__ __forceinline__ void global_cols(Cols& out, const float* row, const Lane& c) {
-#pragma unroll
-  for (int v = 0; v < gdn::kVPL; ++v) {
-    const float4 t = __ldg(reinterpret_cast<const float4*>(row + c.col(v)));
-    out[v][0] = t.x, out[v][1] = t.y, out[v][2] = t.z, out[v][3] = t.w;
-  }
-}
 
 // grid (H * V / kRows, batch), block kWarps * 32: GDN's row stream on the record.
 __device__ __forceinline__ void replay_rows(const RowsArgs& a) {
@@ -443,16 +440,29 @@ __device__ __forceinline__ void replay_rows(const RowsArgs& a) {
     return;
   }
   const size_t hs = (size_t)slot * kHV + p.hv, sh = hs * kV + p.row0;
+  const bool flush = m + 1 == kL;  // block-uniform
+  // What does not depend on kda_vk_prologue first: the rows, this lane's u_j, v (and the flush's u tile).
   Rows st;
   gdn::load_rows(st, a.state_in + sh * kK, c);
-  const float* rec = a.scr + in * kScr;
-  for (int t = threadIdx.x; t < kScrHead / 4; t += gdn::kThreads) rssm_common::cp_async16(&sm.rec[4 * t], rec + 4 * t);
   const int row = gdn::dot_row(c);
   float uh[kEA];  // u_j of this lane's dot row
   const float* ucol = a.uc_in + hs * kL * kV + p.row0 + row;
 #pragma unroll
   for (int j = 0; j < kEA; ++j) uh[j] = j < m ? __ldg(ucol + (size_t)j * kV) : 0.f;
   const act_t v_raw = a.v[in * kV + p.row0 + row];
+  if (flush) {
+    constexpr int kUVecRow = kRows / 4;
+    const float* uh0 = a.uc_in + hs * kL * kV + p.row0;
+    for (int t = threadIdx.x; t < kE * kUVecRow; t += gdn::kThreads)
+      rssm_common::cp_async16(&sm.u[t / kUVecRow][(t % kUVecRow) * 4], uh0 + (size_t)(t / kUVecRow) * kV + (t % kUVecRow) * 4);
+  }
+  // The record: written by kda_vk_prologue, which this kernel may overlap (programmatic dependent launch).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const float* rec = a.scr + in * kScr;
+  for (int t = threadIdx.x; t < kScrHead / 4; t += gdn::kThreads) rssm_common::cp_async16(&sm.rec[4 * t], rec + 4 * t);
+  if (flush)
+    for (int t = threadIdx.x; t < (2 + kE) * kK / 4; t += gdn::kThreads)
+      rssm_common::cp_async16(&sm.fl[4 * t], rec + kScrHead + 4 * t);
   rssm_common::cp_async_wait_all();
   __syncthreads();
   Cols ek, eq;
@@ -474,7 +484,7 @@ __device__ __forceinline__ void replay_rows(const RowsArgs& a) {
   float y;
   const float u = gdn::output_step(mine, in_, to_f(v_raw), &y);
   if (gdn::holds_y(c)) a.y[in * kV + p.row0 + row] = from_f<act_t>(y);
-  if (m + 1 < kL) {
+  if (!flush) {
     const size_t e = hs * kL + m;
     if (gdn::holds_u(c)) {
       a.uc_out[e * kV + p.row0 + row] = u;
@@ -484,21 +494,20 @@ __device__ __forceinline__ void replay_rows(const RowsArgs& a) {
   }
   // flush: S <- S0 Diag(D) + sum_j u_j cfn_j^T + u kn^T
   Cols dc;
-  global_cols(dc, rec + kScrHead, c);
+  gdn::smem_cols(dc, sm.fl, c);
 #pragma unroll
   for (int r = 0; r < gdn::kRT; ++r)
 #pragma unroll
     for (int v = 0; v < gdn::kVPL; ++v)
 #pragma unroll
       for (int e = 0; e < 4; ++e) st[r][v][e] *= dc[v][e];
-  const float* urow = a.uc_in + hs * kL * kV + p.row0 + c.rb;
 #pragma unroll 3
   for (int j = 0; j < kE; ++j) {
     Cols wj;
-    global_cols(wj, rec + kScrHead + 2 * kK + j * kK, c);
+    gdn::smem_cols(wj, sm.fl + 2 * kK + j * kK, c);
 #pragma unroll
     for (int r = 0; r < gdn::kRT; ++r) {
-      const float uj = __ldg(urow + (size_t)j * kV + r);
+      const float uj = sm.u[j][c.rb + r];
 #pragma unroll
       for (int v = 0; v < gdn::kVPL; ++v)
 #pragma unroll
@@ -506,7 +515,7 @@ __device__ __forceinline__ void replay_rows(const RowsArgs& a) {
     }
   }
   Cols kn;
-  global_cols(kn, rec + kScrHead + kK, c);
+  gdn::smem_cols(kn, sm.fl + kK, c);
   gdn::rank1_add(st, u, kn);
   gdn::store_rows(st, a.state_out + sh * kK, c);
 }

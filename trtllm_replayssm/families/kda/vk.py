@@ -120,7 +120,7 @@ def kda_replay_decode_vk_split(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_
     launch(spec, "kda_vk_prologue", dev, (H, batch, 1), (K, 1, 1), args)
     args = [t.data_ptr() for t in (v, state_batch_indices, cursor, state, u_cache, scratch)]
     args += [np.int32(batch), np.int32(S), y.data_ptr()] + [t.data_ptr() for t in (state, u_cache, v_cache)]
-    launch(spec, "kda_replay_rows_vk", dev, spec.grid(batch), (spec.threads, 1, 1), args)
+    launch(spec, "kda_replay_rows_vk", dev, spec.grid(batch), (spec.threads, 1, 1), args, pdl=True)
     return y
 
 
