@@ -49,7 +49,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
 KINDS = ("kernels", "gdn", "gdn-spec", "spec", "decode", "spec-decode", "tp-check", "profile", "vllm-layout", "serve",
-         "shape-sweep", "state-error", "kda-layout")
+         "shape-sweep", "state-error", "kda-layout", "kda-vk-parts")
 BEGIN = re.compile(r"^<!-- bench_table: (?P<args>.+?) -->$")
 END = "<!-- /bench_table -->"
 
@@ -108,6 +108,8 @@ def classify_rows(rows: list) -> str | None:
         return "shape-sweep"
     if {"y_rel_mean", "state_rel_last"} <= k:
         return "state-error"
+    if {"prologue_us", "rows_us"} <= k:
+        return "kda-vk-parts"
     return None
 
 
@@ -527,10 +529,26 @@ def kda_layout_table(rows: list[dict]) -> list[str]:
     return render(cols, rows)
 
 
+def kda_vk_parts_table(rows: list[dict]) -> list[str]:
+    """bench_kda_vk_parts.py: the two-kernel (V, K) KDA step's kernels timed apart."""
+    cols: list[Column] = [
+        FILE_COLUMN,
+        ("geometry", lambda r: text(r.get("geom"))),
+        ("batch", lambda r: text(r.get("batch"))),
+        ("position", lambda r: text(r.get("k"))),
+        ("prologue µs", lambda r: num(r.get("prologue_us"))),
+        ("rows µs", lambda r: num(r.get("rows_us"))),
+        ("both µs", lambda r: num(r.get("both_us"))),
+        ("both, PDL µs", lambda r: num(r.get("both_pdl_us"))),
+    ]
+    return render(cols, rows)
+
+
 ROW_TABLES = {"serve": serve_table, "shape-sweep": shape_sweep_table, "kernels": kernels_table,
               "gdn": gdn_table, "gdn-spec": gdn_spec_table, "spec": spec_table,
               "tp-check": tp_check_table, "profile": profile_table, "vllm-layout": vllm_layout_table,
-              "state-error": state_error_table, "kda-layout": kda_layout_table}
+              "state-error": state_error_table, "kda-layout": kda_layout_table,
+              "kda-vk-parts": kda_vk_parts_table}
 PIVOT_TABLES = {"decode": decode_table, "spec-decode": spec_decode_table}
 
 
