@@ -3,9 +3,9 @@
 """The two-kernel (V, K) KDA step's parts timed apart (issue 37; bench/NOTES.md "KDA (V, K) replay"): at batch 256,
 positions 1 and 8, ``kda_vk_prologue`` alone, ``kda_replay_rows_vk`` alone (records precomputed), and both, with and
 without the programmatic dependent launch; each in a captured graph over 2 rotations of slots. Writes
-``<out>/<date>_kda-vk-parts_<commit>.json`` (meta + one row per geometry and position).
+``<out>/<date>_<tag>_<commit>.json`` (tag default ``kda-vk-parts``) (meta + one row per geometry and position).
 
-Usage: python scripts/bench_kda_vk_parts.py [--geoms kimi_k3_tp8,glm5_3_flash_tp8] [--batch 256] [--out DIR]
+Usage: python scripts/bench_kda_vk_parts.py [--geoms kimi_k3_tp8,glm5_3_flash_tp8] [--batch 256] [--out DIR] [--tag T]
 """
 
 from __future__ import annotations
@@ -85,12 +85,13 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--commit", default=None)
+    ap.add_argument("--tag", default="kda-vk-parts")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kda_vk_parts.py needs a CUDA GPU")
     meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=timing.copy_ceiling_tbps())
     rows = [r for geom in args.geoms.split(",") for r in parts(geom, args.batch)]
-    path = pathlib.Path(args.out) / f"{meta['date'][:10]}_kda-vk-parts_{meta['commit'][:10]}.json"
+    path = pathlib.Path(args.out) / f"{meta['date'][:10]}_{args.tag}_{meta['commit'][:10]}.json"
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"# results in {path}")
 

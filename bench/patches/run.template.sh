@@ -9,7 +9,9 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone) or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";;
+  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch) or all"; exit 2;; esac
+FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l=$(( $(left) - $2 )); [ $l -gt $1 ] && l=$1; echo $l; }  # min(want, left - reserve)
@@ -96,5 +98,29 @@ if want 7; then
 echo "== 7 racecheck $(left)s left"
 san racecheck 40 90 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush"
 san racecheck 10 90 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush"
+fi
+# ---- W: the (V, K) KDA prologue as one warp a head (2026-12-07_kda-vk-warp-prologue.patch), issue 37's fla column,
+# issue 40's bs 16-64 fp32 shapes (bench/NOTES.md "KDA (V, K) replay" and "Issue 40 after the u-sum")
+if want w1; then
+echo "== w1 (V, K) tests, patched $(left)s left"
+TL=$(cap 60 30); [ $TL -gt 20 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/test_kda_vk.py -m gpu \
+  > /tmp/r/vk-tests.txt 2>&1; tail -3 /tmp/r/vk-tests.txt; save
+fi
+if want w2; then
+echo "== w2 the two-kernel step's parts, main / patched $(left)s left"
+pair kda-vk-parts bench_kda_vk_parts.py 40
+fi
+if want w3; then
+echo "== w3 the (V, K) forms beside the (K, V) rows, with fla, main / patched $(left)s left"
+pair kda-vk bench_kda.py 120 --vk --geoms kimi_k3_tp8,glm5_3_flash_tp8 --batches 1,32,256 --fla-path $FLA
+fi
+if want w4; then
+echo "== w4 GDN fp32 at bs 16-64: R32 (rt 2) at 3 and 4 blocks an SM beside the plan $(left)s left"
+for sh in -:2:-:- -:2:-:1024; do [ $(left) -gt 80 ] && new timeout 60 python3 scripts/bench_gdn.py --batches 16,32,64 \
+  --replay-shape=$sh --out /tmp/r --tag gdn-shape-${sh//[:-]/} > /tmp/r/gdn-shape-${sh//[:-]/}.txt 2>&1; tail -4 /tmp/r/gdn-shape-${sh//[:-]/}.txt; done; save
+fi
+if want w5; then
+echo "== w5 memcheck of the two-kernel step $(left)s left"
+san memcheck 10 50 _vk tests/test_kda_vk.py "split and (odd or b40 or bad_cursor or flush)"
 fi
 echo "== done $(left)s left"; save
