@@ -32,12 +32,12 @@ transposed state (S, H, V, K), GDN's row layout (``families/kda/vk.py``), on the
 against our (K, V) conventional kernel (``conv_vk_check_y_rel``, ``conv_vk_check_state_rel``), then timed
 (``conv_vk_us``, ``tbps_conv_vk``, ``pct_ceiling_conv_vk``; ``conv_vk_speedup``: the (K, V) step's time over it). Same
 bytes as the conventional step. Without ``--conv-only`` also the (V, K) standard decode step (fp32 checkpoint, fp32 u
-ring; ``kda_replay_decode_vk``, prefix ``vk``, and its two-kernel form ``kda_replay_decode_vk_split``, prefix ``vk2``) on
-the (K, V) rows' rings: checked against the (K, V) kernel at position L / 2 and at
-the flush (``vk_check_{k8,flush}_{y,state,u}_rel``), then timed at every position (``vk_f32_us_k``, ``_amortized``,
-``vk_f32_speedup_vs_conv_vk``: over the (V, K) conventional step, ``vk_f32_speedup_vs_kv_f32``: the (K, V) replay's
-amortized time over it, ``vk_f32_pct_of_bound``) and at the launch shapes of ``--vk-shapes``
-(``vk_f32_shapes_us_at``; default GDN's R64 W8 at 2 blocks an SM).
+ring; ``kda_replay_decode_vk``: two kernels, prefix ``vk``) on the (K, V) rows' rings: checked against the (K, V)
+kernel at position L / 2 and at the flush (``vk_check_{k8,flush}_{y,state,u}_rel``), then timed at every position
+(``vk_f32_us_k``, ``_amortized``, ``vk_f32_speedup_vs_conv_vk``: over the (V, K) conventional step,
+``vk_f32_speedup_vs_kv_f32``: the (K, V) replay's amortized time over it, ``vk_f32_pct_of_bound``) and at the launch
+shapes of ``--vk-shapes`` (``vk_f32_shapes_us_at``; default GDN's R64 W8 at 2 blocks an SM). At 68ae665b0a and
+aa3ab1f562 the prefix ``vk`` was a fused one-kernel form (removed: 0.61-0.71x the (K, V) replay) and ``vk2`` this one.
 
 A/B of kernel trees (``TRTLLM_REPLAYSSM_PLUGIN_DIR``, compile.py): ``--sweep-only`` skips the main rows, so a second
 process over an older kernel tree times only the sweep rows for a same-card comparison.
@@ -66,11 +66,7 @@ from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
 from trtllm_replayssm.families.kda.config import kda_geometry, kda_vk_spec, override  # noqa: E402
 from trtllm_replayssm.families.kda.layers import ring_dtype  # noqa: E402
-from trtllm_replayssm.families.kda.vk import (  # noqa: E402
-    kda_conventional_step_vk,
-    kda_replay_decode_vk,
-    kda_replay_decode_vk_split,
-)
+from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk, kda_replay_decode_vk  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -139,19 +135,19 @@ def bench_verify(geom: str, batch: int, T: int, L: int = 16, seed: int = 1, conv
     return row
 
 
-VK_OPS = {"vk": (kda_replay_decode_vk, True), "vk2": (kda_replay_decode_vk_split, False)}  # prefix: (op, fused)
+VK_OPS = {"vk": kda_replay_decode_vk}  # prefix: op (at 68ae665b0a / aa3ab1f562 "vk" was a fused form, "vk2" this one)
 
 
 def _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_bias, lb, y, R):
     """The (V, K) standard decode step (fp32 checkpoint, fp32 u ring) on the transposed state and the (K, V) rows'
-    rings, fused (prefix ``vk``) and in two kernels (``vk2``): checked against the (K, V) kernel at one non-flush
+    rings (``kda_replay_decode_vk``, prefix ``vk``): checked against the (K, V) kernel at one non-flush
     position and at the flush (same inputs, slots and rings, cloned), then timed at every position at the planned
     launch shape, and at positions 1, L / 2, L at each of ``VK_SHAPES`` (``<prefix>_f32_shapes_us_at``: GDN's
     override pins rt:warps:resident)."""
     H, K, V, L = row["H"], row["K"], row["V"], row["L"]
     sl = sbis[0].long()
     _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow=None)
-    for pre, (op, _) in VK_OPS.items():  # every check before any timing: the timings move state and rings
+    for pre, op in VK_OPS.items():  # every check before any timing: the timings move state and rings
         for m in (L // 2 - 1, L - 1):
             cursor.fill_(m)
             rk, rv = [t.clone() for t in rings], [t.clone() for t in rings]
@@ -166,14 +162,14 @@ def _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_b
             row[f"{pre}_check_{tag}_u_rel"] = float((rv[1][sl] - rk[1][sl]).norm()
                                                     / rk[1][sl].norm().clamp_min(1e-30))
             del want_st, got_st, rk, rv
-    for pre, (op, fused) in VK_OPS.items():
+    for pre, op in VK_OPS.items():
 
         def replay_vk(op=op):
             for r in range(R):
                 op(*ins[r % len(ins)], A_log, dt_bias, state_vk, *rings, cursor, sbis[r], out=y, lower_bound=lb,
                    check_values=False)
 
-        spec = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L, fused=fused)
+        spec = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L)
         row[f"{pre}_replay_geometry"] = [spec.rows, spec.warps, spec.lanes, spec.resident]
         per_k = []
         for k in range(1, L + 1):
@@ -182,7 +178,7 @@ def _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_b
         sweep = {}
         for rt, warps, resident in VK_SHAPES:
             with gdn_override(rt=rt, warps=warps, resident=resident):
-                pinned = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L, fused=fused)
+                pinned = kda_vk_spec("bf16", H, K, V, row["batch"], lower_bound=lb, L=L)
                 at = {}
                 for k in (1, L // 2, L):
                     cursor.fill_(k - 1)

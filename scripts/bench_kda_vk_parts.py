@@ -50,7 +50,7 @@ def parts(geom: str, batch: int, L: int = 16, R: int = 2) -> list[dict]:
     sbis = [perm[r * batch:(r + 1) * batch].contiguous() for r in range(R)]
     q, k, f = (rnd(batch, H, K, dtype=act) for _ in range(3))
     v, b, y = rnd(batch, H, V, dtype=act), rnd(batch, H, dtype=act), torch.empty(batch, H, V, dtype=act, device=dev)
-    spec = kda_vk_spec(DTYPE_CODES[act], H, K, V, batch, True, None, lb, 90, L, fused=False)
+    spec = kda_vk_spec(DTYPE_CODES[act], H, K, V, batch, True, None, lb, 90, L)
     scr = [torch.zeros(batch, H, kda_vk_scratch_floats(K, L), device=dev) for _ in range(R)]
 
     def pro(r):

@@ -33,7 +33,7 @@ from trtllm_replayssm.families.kda import GEOMETRIES
 from trtllm_replayssm.families.kda import ops as kops
 from trtllm_replayssm.families.kda import reference as kref
 from trtllm_replayssm.families.kda.config import KDAVKSpec, kda_vk_spec
-from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk, kda_replay_decode_vk, kda_replay_decode_vk_split
+from trtllm_replayssm.families.kda.vk import kda_conventional_step_vk, kda_replay_decode_vk
 
 SPECS = [kda_vk_spec(act, H, K, V, batch, lower_bound=lb, arch=arch)
          for (H, K, V), batch, lb, arch, act in itertools.product(
@@ -45,8 +45,6 @@ SPECS += [kda_vk_spec(act, 3, K, V, 5, l2norm=l2, scale=sc, arch=90)
 REPLAY_SPECS = [kda_vk_spec(act, H, K, V, batch, lower_bound=lb, arch=arch, L=L)
                 for (H, K, V), batch, lb, arch, act, L in itertools.product(
                     sorted(set(GEOMETRIES.values())), (1, 32, 256), (None, -5.0), (90, 100), ("bf16",), (16,))]
-REPLAY_SPECS += [kda_vk_spec("bf16", H, K, V, 256, arch=arch, L=16, fused=False)  # the two-kernel step's rows: R64
-                 for (H, K, V), arch in itertools.product(sorted(set(GEOMETRIES.values())), (90, 100))]
 REPLAY_SPECS += [kda_vk_spec(act, 3, K, V, 5, l2norm=l2, scale=sc, arch=90, L=L)
                  for act, (K, V), l2, sc, L in (("f32", (64, 256), True, None, 4), ("f16", (256, 64), False, 0.125, 2))]
 with gdn_override(rt=4, warps=8, resident=512):  # GDN's R64 W8 at 2 blocks an SM (the benchmark's second shape)
@@ -59,25 +57,12 @@ def test_compiles_to_ptx(spec):
     assert f".target sm_{spec.arch}" in ptx
     params = re.search(r"\.entry kda_conventional_vk\((.*?)\)", ptx, re.S).group(1)
     assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2
-    params = re.search(r"\.entry kda_replay_decode_vk\((.*?)\)", ptx, re.S).group(1)  # kda_replay_decode's order
-    assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == ["u64"] * 15 + ["u32"] * 2 + ["u64"] * 7
     params = re.search(r"\.entry kda_vk_prologue\((.*?)\)", ptx, re.S).group(1)  # the two-kernel step
     assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == ["u64"] * 10 + ["u32"] * 2 + ["u64"] * 4
     params = re.search(r"\.entry kda_replay_rows_vk\((.*?)\)", ptx, re.S).group(1)
     assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == ["u64"] * 6 + ["u32"] * 2 + ["u64"] * 4
     assert "__local_depot" not in ptx, "a register array went to local memory"
     assert ("#define KDA_LOWER_BOUND 1" in cc.source(spec)) == (spec.lower_bound is not None)
-
-
-def test_replay_plan_fits_its_registers():
-    """The planner's (V, K) replay modules hold at most 2 state rows a thread (R32 at 8 warps: the channel stage's
-    registers beside 4 rows spill at 3 blocks an SM); a pinned GDN shape wins."""
-    for (H, K, V), batch in itertools.product(sorted(set(GEOMETRIES.values())), (1, 8, 32, 256)):
-        spec = kda_vk_spec("bf16", H, K, V, batch, L=16)
-        assert spec.L == 16 and spec.rows <= 32 and spec.rows // (32 // spec.lanes * spec.warps) <= 2, spec
-    assert kda_vk_spec("bf16", 12, 128, 128, 256).L == 1  # the conventional module
-    with gdn_override(rt=4, warps=8, resident=512):
-        assert kda_vk_spec("bf16", 12, 128, 128, 256, L=16).rows == 64
 
 
 def test_spec_rejects():
@@ -196,14 +181,10 @@ REPLAY_SHAPED = [(REPLAY_CASES[0], None), (REPLAY_CASES[1], None), (REPLAY_CASES
                  (REPLAY_CASES[4], None), (REPLAY_CASES[2], (4, 8, 512))]  # + GDN's R64 W8 at 2 blocks an SM
 
 
-OPS = {"fused": kda_replay_decode_vk, "split": kda_replay_decode_vk_split}
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("case, shape", REPLAY_SHAPED,
                          ids=[c[0] + ("" if s is None else "-rt{}w{}r{}".format(*s)) for c, s in REPLAY_SHAPED])
-def test_replay_against_reference(case, shape, op):
+def test_replay_against_reference(case, shape):
     """3L + 2 steps of the (V, K) standard decode step against the float64 reference on the (K, V) buffers (fp32 u
     ring with the u_j the steps would have written: the flush sums them), rows flushing at different steps."""
     dev = cuda()
@@ -229,8 +210,8 @@ def test_replay_against_reference(case, shape, op):
         ref_advance(cursor, sbi, L)
         out = torch.full((batch, H, V), float("nan"), dtype=act, device=dev)
         with gdn_override(**pins):
-            OPS[op](*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, *rings, cur, sbi.to(dev), out=out,
-                    use_qk_l2norm=l2, lower_bound=lb)
+            kda_replay_decode_vk(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, *rings, cur, sbi.to(dev),
+                                 out=out, use_qk_l2norm=l2, lower_bound=lb)
         kops.advance_cursor(cur, sbi.to(dev), gpu.u_cache)
         live = sbi >= 0
         y = out.cpu()
@@ -250,8 +231,7 @@ def test_replay_against_reference(case, shape, op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
-def test_replay_flush_folds_the_stored_u(op):
+def test_replay_flush_folds_the_stored_u():
     """The (V, K) flush reads the stored fp32 u_j (the u-sum, as the (K, V) fp32 flush): one u_j changed before a
     flush moves the checkpoint to the reference's u-sum over the changed ring followed by this token's step, and
     that head's only."""
@@ -273,8 +253,8 @@ def test_replay_flush_folds_the_stored_u(op):
     g, beta = kref.gates(f, b, A_log, dt_bias)
     S_usum, _, y_usum = kref._step(kref._replay(ref.state[s].to(F64), ks, us, gs), qn[r], kn[r], v[r].to(F64), g[r],
                                    beta[r])
-    y = OPS[op](*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, gpu.k_cache, gpu.u_cache, gpu.g_cache,
-                gpu.v_cache, gpu.beta_cache, cursor.to(dev), sbi.to(dev)).cpu()
+    y = kda_replay_decode_vk(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, gpu.k_cache, gpu.u_cache,
+                             gpu.g_cache, gpu.v_cache, gpu.beta_cache, cursor.to(dev), sbi.to(dev)).cpu()
     kref.replay_decode(ref, cursor, q, k, v, f, b, A_log, dt_bias, sbi)  # the refold: the unchanged ring's state
     got = st.cpu().transpose(2, 3)[s].to(F64)
     assert rel(S_usum[h], ref.state[s, h].to(F64)) > 100 * F32_TOL, "the change must be visible"
@@ -284,8 +264,7 @@ def test_replay_flush_folds_the_stored_u(op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", OPS)
-def test_replay_bad_cursor_gives_nan_and_writes_nothing(op):
+def test_replay_bad_cursor_gives_nan_and_writes_nothing():
     dev = cuda()
     H, K, V, L = 2, 64, 64, 4
     gen = torch.Generator().manual_seed(5)
@@ -296,8 +275,8 @@ def test_replay_bad_cursor_gives_nan_and_writes_nothing(op):
     before = [t.clone() for t in (st, *rings)]
     cursor = torch.tensor([L, 0], dtype=torch.int32, device=dev)
     q, k, v, f, b = make_inputs(1, H, K, V, torch.bfloat16, gen)
-    y = OPS[op](*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, *rings, cursor,
-                torch.tensor([0], dtype=torch.int32, device=dev), check_values=False)
+    y = kda_replay_decode_vk(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, *rings, cursor,
+                             torch.tensor([0], dtype=torch.int32, device=dev), check_values=False)
     assert torch.isnan(y).all()
     for b0, a0 in zip(before, (st, *rings)):
         assert torch.equal(b0, a0)

@@ -19,23 +19,8 @@ extern "C" __global__ void __launch_bounds__(gdn::kThreads, kMinBlocks) kda_conv
   kda_vk::conventional(args);
 }
 
-// kda_replay_decode_vk: the fused ReplaySSM standard decode step on a (V, K) fp32 checkpoint without a shadow,
-// kda_replay_decode's parameter order (kda_decode.cu) with the state (slots, H, V, K) and the u ring fp32.
-//   grid (H * V / kRows, batch), block (kWarps * 32)
-extern "C" __global__ void __launch_bounds__(gdn::kThreads, kMinBlocks) kda_replay_decode_vk(
-    const act_t* __restrict__ q, const act_t* __restrict__ k, const act_t* __restrict__ v,
-    const act_t* __restrict__ f, const act_t* __restrict__ b, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, const int* __restrict__ sbi, const int* __restrict__ cursor,
-    const float* state_in, const act_t* kc_in, const float* uc_in, const float* gc_in, const act_t* vc_in,
-    const float* bc_in, int batch, int nslots, act_t* __restrict__ y, float* state_out, act_t* kc_out,
-    float* uc_out, float* gc_out, act_t* vc_out, float* bc_out) {
-  const kda_vk::ReplayArgs args{q,       k,     v,      f,     b,     A_log,     dt_bias, sbi,    cursor,
-                                state_in, kc_in, uc_in,  gc_in, vc_in, bc_in,     batch,   nslots, y,
-                                state_out, kc_out, uc_out, gc_out, vc_out, bc_out};
-  kda_vk::replay_decode(args);
-}
-
-// The same step in two launches (kda_vk.cuh "the same step in two kernels"), in this order on one stream:
+// The ReplaySSM standard decode step in two launches (kda_vk.cuh "the same step in two kernels"), in this order on
+// one stream:
 // kda_vk_prologue: grid (H, batch), block (kK); kda_replay_rows_vk: grid (H * V / kRows, batch), block (kWarps * 32).
 // scratch: (batch, H, kScr) f32, written by the first, read by the second.
 extern "C" __global__ void __launch_bounds__(kK) kda_vk_prologue(

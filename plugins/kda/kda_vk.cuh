@@ -12,9 +12,9 @@
 // The generated prelude (families/kda/vk.py, KDAVKSpec) is GDNSpec's (kHV = kHK = H, no shadow, one GDN_PASSES)
 // plus KDA_LOWER_BOUND / kLowerBound of the gate.
 //
-// kda_replay_decode_vk (below conventional): the fused ReplaySSM standard decode step on the (V, K) state, fp32
-// checkpoint without a shadow, on kda.cuh's ring (k raw, u fp32, g per channel, v, beta). The per-channel work is
-// kda.cuh's channel stage (thread i of the block owns channel i); the rows are GDN's.
+// Below the conventional step: the ReplaySSM standard decode step on the (V, K) state, fp32 checkpoint without a
+// shadow, on kda.cuh's ring (k raw, u fp32, g per channel, v, beta), in two kernels (kda_vk_prologue, then
+// kda_replay_rows_vk).
 #pragma once
 #include "common/cp_async.cuh"
 #include "common/warp.cuh"
@@ -110,196 +110,14 @@ constexpr int kEA = kE > 0 ? kE : 1;
 constexpr int kH1 = pow2_at_least(kE + 1);        // r1: [0, kH1) the k side (kH1 - 1: k.k), [kH1, 2 kH1) the q side
 constexpr int kN1 = 2 * kH1;
 constexpr int kN2 = kH1;                          // r2: |k_j|^2, kN2 - 1: k.q
-constexpr int kCPT = (kK + gdn::kThreads - 1) / gdn::kThreads;  // channels per thread
 static_assert(kN1 <= 32, "ring length <= 16 (one warp's transposing reduce)");
 static_assert(gdn::kPasses == 1, "the (V, K) replay step runs in one pass");
 
 __device__ __forceinline__ float rnorm(float ss) { return kL2Norm ? rsqrtf(ss + gdn::kL2Eps) : 1.f; }
 
-struct ReplayArgs {
-  const act_t *q, *k, *v, *f, *b;  // (batch, H, K) x2, (batch, H, V), (batch, H, K), (batch, H)
-  const float *A_log, *dt_bias;    // (H,), (H, K)
-  const int* sbi;                  // (batch,) slot per row, -1 = padding
-  const int* cursor;               // (slots,) entries since the checkpoint, 0..L-1
-  const float* state_in;           // (slots, H, V, K) fp32 checkpoint
-  const act_t* kc_in;              // (slots, H, L, K) raw k_j
-  const float* uc_in;              // (slots, H, L, V) u_j
-  const float* gc_in;              // (slots, H, L, K) g_j
-  const act_t* vc_in;              // (slots, H, L, V) v_j (read by verify, not here)
-  const float* bc_in;              // (slots, H, L) beta_j
-  int batch, nslots;
-  act_t* y;                        // (batch, H, V)
-  float* state_out;                // the outputs alias the inputs of the same name
-  act_t* kc_out;
-  float* uc_out;
-  float* gc_out;
-  act_t* vc_out;
-  float* bc_out;
-};
-
-struct alignas(16) ReplaySmem {
-  float cf[kEA][kK];      // flush: w_j
-  float u[kEA][kRows];    // u_j of the block's rows
-  float e0k[kK], e0q[kK];  // D . k_t, D . q_t (raw)
-  float dall[kK], kr[kK];  // flush: D, k_t raw
-  float red1[kWarps][kN1], red2[kWarps][kN2];
-};
-
-template <bool kFlush>
-__device__ __forceinline__ void replay_step(const ReplayArgs& a, const gdn::Coords& p, const Lane& c, int slot, int m,
-                                            ReplaySmem& sm) {
-  const size_t hs = (size_t)slot * kHV + p.hv;
-  // The u tile by cp.async (no registers held), then the checkpoint rows: both stream under the channel stage.
-  const float* uh = a.uc_in + hs * kL * kV + p.row0;
-  constexpr int kUVecRow = kRows / 4;
-  for (int t = threadIdx.x; t < m * kUVecRow; t += gdn::kThreads) {
-    const int j = t / kUVecRow, r4 = t % kUVecRow;
-    rssm_common::cp_async16(&sm.u[j][r4 * 4], uh + (size_t)j * kV + r4 * 4);
-  }
-  const size_t sh = hs * kV + p.row0;
-  Rows st;
-  gdn::load_rows(st, a.state_in + sh * kK, c);
-  const size_t in = (size_t)p.b * kHV + p.hv;
-  const float A = expf(__ldg(a.A_log + p.hv));
-  const bool writer = !kFlush && p.row0 == 0;  // the head's first chunk appends the per-channel entry
-  float r1[kN1], r2[kN2];
-#pragma unroll
-  for (int t = 0; t < kN1; ++t) r1[t] = 0.f;
-#pragma unroll
-  for (int t = 0; t < kN2; ++t) r2[t] = 0.f;
-#pragma unroll
-  for (int n = 0; n < kCPT; ++n) {
-    const int i = threadIdx.x + n * gdn::kThreads;
-    if (kK % gdn::kThreads == 0 || i < kK) {
-      const act_t k_raw = a.k[in * kK + i];
-      const float kt = to_f(k_raw), qt = to_f(a.q[in * kK + i]);
-      const float gt = kda_gate::gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)p.hv * kK + i), A);
-      float kj[kEA], gj[kEA];
-#pragma unroll
-      for (int j = 0; j < kEA; ++j) {
-        kj[j] = j < m ? to_f(a.kc_in[(hs * kL + j) * kK + i]) : 0.f;
-        gj[j] = j < m ? __ldg(a.gc_in + (hs * kL + j) * kK + i) : 0.f;
-      }
-      float run = gt;  // newest first
-#pragma unroll
-      for (int j = kE - 1; j >= 0; --j) {
-        if (j < m) {
-          const float w = expf(run) * kj[j];
-          r1[j] = fmaf(w, kt, r1[j]), r1[kH1 + j] = fmaf(w, qt, r1[kH1 + j]), r2[j] = fmaf(kj[j], kj[j], r2[j]);
-          if constexpr (kFlush) sm.cf[j][i] = w;
-          run += gj[j];
-        }
-      }
-      const float e0 = expf(run);
-      sm.e0k[i] = e0 * kt, sm.e0q[i] = e0 * qt;
-      if constexpr (kFlush) sm.dall[i] = e0, sm.kr[i] = kt;
-      r1[kH1 - 1] = fmaf(kt, kt, r1[kH1 - 1]), r1[kN1 - 1] = fmaf(qt, qt, r1[kN1 - 1]);
-      r2[kN2 - 1] = fmaf(kt, qt, r2[kN2 - 1]);
-      if (writer) {
-        a.kc_out[(hs * kL + m) * kK + i] = k_raw;
-        a.gc_out[(hs * kL + m) * kK + i] = gt;
-      }
-    }
-  }
-  const int warp = threadIdx.x / 32;
-  {
-    const float t1 = rssm_common::transpose_reduce<kN1, 1>(r1);
-    const float t2 = rssm_common::transpose_reduce<kN2, 1>(r2);
-    if (c.lane < kN1) sm.red1[warp][c.lane] = t1;
-    if (c.lane < kN2) sm.red2[warp][c.lane] = t2;
-  }
-  const int row = gdn::dot_row(c);
-  const act_t v_raw = a.v[in * kV + p.row0 + row];
-  gdn::StepIn in_;
-  in_.beta = kda_gate::sigmoid(to_f(a.b[in]));
-  in_.eg = 1.f;  // the decay is in the products
-  rssm_common::cp_async_wait_all();
-  __syncthreads();
-  float t1 = 0.f, t2 = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) t1 += sm.red1[w][c.lane % kN1], t2 += sm.red2[w][c.lane % kN2];
-  const float rk = rnorm(__shfl_sync(0xffffffffu, t1, kH1 - 1));
-  const float rq = rnorm(__shfl_sync(0xffffffffu, t1, kN1 - 1)) * kScale;
-  in_.kq = __shfl_sync(0xffffffffu, t2, kN2 - 1) * rk * rq;
-  // lane l < kN1: the weight of entry l % kH1 on its side, every norm applied
-  const float rj = rnorm(__shfl_sync(0xffffffffu, t2, c.lane % kH1));
-  const float coef = t1 * rj * (c.lane < kH1 ? rk : rq);
-  // This lane's dot (row `row`, the k side or the q side): S0 row . (D . x) + sum_j coef_j u_j[row].
-  Cols ek, eq;
-  gdn::smem_cols(ek, sm.e0k, c);
-  gdn::smem_cols(eq, sm.e0q, c);
-  float acc[2 * gdn::kRT];
-#pragma unroll
-  for (int r = 0; r < gdn::kRT; ++r) acc[r] = gdn::dot_cols(st[r], ek), acc[gdn::kRT + r] = gdn::dot_cols(st[r], eq);
-  const int is_q = c.l % (2 * gdn::kRT) >= gdn::kRT;
-  float mine = gdn::group_reduce<2 * gdn::kRT>(acc) * (is_q ? rq : rk);
-#pragma unroll
-  for (int j = 0; j < kE; ++j)
-    if (j < m) mine = fmaf(__shfl_sync(0xffffffffu, coef, is_q * kH1 + j), sm.u[j][row], mine);
-  float y;
-  const float u = gdn::output_step(mine, in_, to_f(v_raw), &y);
-  if (gdn::holds_y(c)) a.y[in * kV + p.row0 + row] = from_f<act_t>(y);
-  if constexpr (!kFlush) {
-    const size_t e = hs * kL + m;
-    if (gdn::holds_u(c)) {
-      a.uc_out[e * kV + p.row0 + row] = u;
-      a.vc_out[e * kV + p.row0 + row] = v_raw;
-    }
-    if (writer && threadIdx.x == 0) a.bc_out[e] = in_.beta;
-  } else {
-    // S <- S0 Diag(D) + sum_j n_j u_j w_j^T + u (rk k_t)^T on this thread's rows
-    Cols dc;
-    gdn::smem_cols(dc, sm.dall, c);
-#pragma unroll
-    for (int r = 0; r < gdn::kRT; ++r)
-#pragma unroll
-      for (int v = 0; v < gdn::kVPL; ++v)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[r][v][e] *= dc[v][e];
-#pragma unroll 3
-    for (int j = 0; j < kE; ++j) {
-      const float nj = rnorm(__shfl_sync(0xffffffffu, t2, j));
-      Cols wj;
-      gdn::smem_cols(wj, sm.cf[j], c);
-#pragma unroll
-      for (int r = 0; r < gdn::kRT; ++r) {
-        const float uj = nj * sm.u[j][c.rb + r];
-#pragma unroll
-        for (int v = 0; v < gdn::kVPL; ++v)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st[r][v][e] = fmaf(wj[v][e], uj, st[r][v][e]);
-      }
-    }
-    Cols kc;
-    gdn::smem_cols(kc, sm.kr, c);
-#pragma unroll
-    for (int v = 0; v < gdn::kVPL; ++v)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) kc[v][e] *= rk;
-    gdn::rank1_add(st, u, kc);
-    gdn::store_rows(st, a.state_out + sh * kK, c);
-  }
-}
-
-__device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
-  __shared__ ReplaySmem sm;
-  const gdn::Coords p = gdn::block_coords();
-  const Lane c = gdn::lane_coords();
-  const int slot = a.sbi[p.b];
-  if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
-  const int pos = a.cursor[slot];
-  if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
-    for (int r = threadIdx.x; r < kRows; r += gdn::kThreads)
-      a.y[((size_t)p.b * kHV + p.hv) * kV + p.row0 + r] = from_f<act_t>(__int_as_float(0x7fc00000));
-    return;
-  }
-  if (pos + 1 == kL) replay_step<true>(a, p, c, slot, pos, sm);
-  else replay_step<false>(a, p, c, slot, pos, sm);
-}
-
 // ---- the same step in two kernels: the per-head channel stage once, then GDN's row stream -----------------------------
-// The fused step above repeats kda.cuh's channel stage in every block of a head and holds its rows behind it (one
-// barrier after the reductions), which measured 0.61-0.71x the (K, V) replay (H100, e38abc0a01). Here
+// A fused form (kda.cuh's channel stage in every block of a head, its rows behind it; removed) measured 0.61-0.71x
+// the (K, V) replay (H100, e38abc0a01; bench/NOTES.md "KDA (V, K) replay"). Here
 // kda_vk_prologue does the per-channel work once per (batch row, head) (block of kK threads, thread i channel i) and
 // writes the products the rows need to a scratch record; kda_replay_rows_vk is GDN's row stream on them: the rows'
 // loads issued first, the record (1 KB) through shared memory behind one barrier, no per-channel work.

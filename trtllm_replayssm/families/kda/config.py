@@ -17,7 +17,6 @@ import math
 from dataclasses import dataclass
 
 from ...config import CUDA_TYPES, SMS, SUPPORTED_NUM_TOKENS, pinned, tail_resident
-from ..gdn.config import _OVERRIDE as _GDN_PINS
 from ..gdn.config import GDN_RESIDENT_THREADS, GDNSpec, gdn_plan
 
 ENTRY_FILE = "kda/kda_decode.cu"
@@ -25,10 +24,7 @@ KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
 SPEC_ENTRY_FILE = "kda/kda_spec.cu"
 SPEC_KERNEL_NAMES = ("kda_verify",)
 VK_ENTRY_FILE = "kda/kda_vk.cu"
-VK_KERNEL_NAMES = ("kda_conventional_vk", "kda_replay_decode_vk", "kda_vk_prologue", "kda_replay_rows_vk")
-# The (V, K) replay module's rows a block: the channel stage (ring k_j, g_j and the two reductions' 48 partials a
-# thread) beside 4 rows a thread (GDN's R64 W8) spills 160 bytes at 80 registers (ptxas sm_90); 2 rows (R32) none.
-VK_REPLAY_MAX_ROWS = 32
+VK_KERNEL_NAMES = ("kda_conventional_vk", "kda_vk_prologue", "kda_replay_rows_vk")
 SHADOW_KINDS = ("none", "bf16")
 # The u ring's dtype by shadow kind, the one rule (the cache's ring role: layers.ring_dtype; the kernels' ring_t; the
 # plugins' IO formats; the bytes model): fp32 beside an fp32 checkpoint without a shadow (its u_j were computed from
@@ -281,9 +277,9 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
 @dataclass(frozen=True)
 class KDAVKSpec:
     """One module of plugins/kda/kda_vk.cu (the (V, K) layout experiment, vk.py: ``kda_conventional_vk`` and, for a
-    ring of ``L`` >= 2 entries, ``kda_replay_decode_vk``): GDN's launch shape (``rows``, ``warps``, ``lanes``,
-    ``resident``) for H heads of a (V, K) state, and KDA's gate (``lower_bound`` None: Kimi's). ``L`` 1: a
-    conventional-only module."""
+    ring of ``L`` >= 2 entries, the two-kernel replay step ``kda_vk_prologue`` + ``kda_replay_rows_vk``): GDN's
+    launch shape (``rows``, ``warps``, ``lanes``, ``resident``) for H heads of a (V, K) state, and KDA's gate
+    (``lower_bound`` None: Kimi's). ``L`` 1: a conventional-only module."""
 
     act: str
     H: int
@@ -335,13 +331,10 @@ class KDAVKSpec:
 
 
 def kda_vk_spec(act: str, H: int, K: int, V: int, batch: int, l2norm: bool = True, scale: float | None = None,
-                lower_bound: float | None = None, arch: int = 90, L: int = 1, fused: bool = True) -> KDAVKSpec:
+                lower_bound: float | None = None, arch: int = 90, L: int = 1) -> KDAVKSpec:
     """The module for this geometry and batch: GDN's plan for H value heads, its conventional plan for ``L`` 1, its
-    standard-decode replay plan for a ring of ``L`` >= 2 entries (``fused``: for ``kda_replay_decode_vk``, whose
-    channel stage caps its rows; else for the two-kernel step, whose rows kernel is GDN's row stream)."""
+    standard-decode replay plan for a ring of ``L`` >= 2 entries (the rows kernel is GDN's row stream)."""
     rows, warps, lanes, resident = gdn_plan(V, K, H, batch, replay=L > 1)
-    if fused and L > 1 and "rt" not in _GDN_PINS:  # the channel stage beside the rows: 2 rows a thread (R32 W8)
-        rows = min(rows, VK_REPLAY_MAX_ROWS)  # fit 3 blocks an SM (gdn.config.override pins another shape)
     return KDAVKSpec(act, H, K, V, rows, warps, lanes, l2norm, scale, lower_bound, arch, resident, L)
 
 

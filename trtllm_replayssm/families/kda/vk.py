@@ -10,7 +10,8 @@ beside the (K, V) kernel on the same inputs; if it reaches GDN's share of the co
 does not, the family moves to this layout (the plan in NOTES). It did (H100, 2026-12-07: 94.0% / 90.3% of the copy
 ceiling at bs256 against 85.6% / 84.1%), so :func:`kda_replay_decode_vk` is the standard decode step on the same
 layout (fp32 checkpoint without a shadow, on :func:`.ops.kda_replay_decode`'s fp32 ring; the flush the u-sum of the
-stored u_j with this token folded in), measured the same way before the state contract moves.
+stored u_j with this token folded in), measured the same way before the state contract moves (bench/NOTES.md "KDA
+(V, K) replay").
 """
 
 from __future__ import annotations
@@ -51,42 +52,13 @@ def kda_conventional_step_vk(q, k, v, f, b, A_log, dt_bias, state, state_batch_i
 
 def kda_replay_decode_vk(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
                          state_batch_indices, out=None, use_qk_l2norm=True, scale=None, lower_bound=None,
-                         check_values: bool | None = None):
+                         check_values: bool | None = None, scratch=None):
     """:func:`.ops.kda_replay_decode` without a shadow on a (slots, H, V, K) fp32 checkpoint (the rings as there:
-    u_cache fp32); returns y (batch, H, V). K and V in 64, 128, 256 (GDN's row layout); 2 <= L <= 16. The cursor is
-    read, not moved (:func:`.ops.advance_cursor`)."""
-    _check_options(use_qk_l2norm, scale, lower_bound)
-    check_rank(q, "q", 3, "(batch, H, K)")
-    check_rank(v, "v", 3, "(batch, H, V)")
-    check_rank(state, "state", 4, "(slots, H, V, K)")
-    check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
-    batch, H, K = q.shape
-    V, S, L = v.shape[2], state.shape[0], u_cache.shape[2]
-    if not 2 <= L <= 16:
-        raise ValueError(f"u_cache: ring length L (dim 2) must be in 2..16, got {L}")
-    _check_dims(K, V)
-    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, state_dims=_VK)
-                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, None), _check_sizes)
-    if values_checked(check_values):
-        check_indices(state_batch_indices, S, cursor, L)
-    require_cuda(q, "q")
-    y = torch.empty_like(v) if out is None else out
-    if batch == 0:
-        return y
-    spec = kda_vk_spec(DTYPE_CODES[q.dtype], H, K, V, batch, use_qk_l2norm, scale, lower_bound, arch(dev), L)
-    bufs = [t.data_ptr() for t in (state, k_cache, u_cache, g_cache, v_cache, beta_cache)]
-    args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor)]
-    args += bufs + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs
-    launch(spec, "kda_replay_decode_vk", dev, spec.grid(batch), (spec.threads, 1, 1), args)
-    return y
-
-
-def kda_replay_decode_vk_split(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache,
-                               cursor, state_batch_indices, out=None, use_qk_l2norm=True, scale=None, lower_bound=None,
-                               check_values: bool | None = None, scratch=None):
-    """:func:`kda_replay_decode_vk` in two launches (``kda_vk_prologue``: the per-channel work once per (batch row,
-    head) into a scratch record; ``kda_replay_rows_vk``: GDN's row stream on it). ``scratch``: (batch, H,
-    :func:`.config.kda_vk_scratch_floats`) float32 on the device, or None (allocated)."""
+    u_cache fp32); returns y (batch, H, V). Two launches: ``kda_vk_prologue`` (the per-channel work once per (batch
+    row, head) into a scratch record), then ``kda_replay_rows_vk`` (GDN's row stream on it) as its programmatic
+    dependent. K and V in 64, 128, 256 (GDN's row layout); 2 <= L <= 16. ``scratch``: (batch, H,
+    :func:`.config.kda_vk_scratch_floats`) float32 on the device, or None (allocated). The cursor is read, not moved
+    (:func:`.ops.advance_cursor`)."""
     _check_options(use_qk_l2norm, scale, lower_bound)
     check_rank(q, "q", 3, "(batch, H, K)")
     check_rank(v, "v", 3, "(batch, H, V)")
@@ -112,8 +84,7 @@ def kda_replay_decode_vk_split(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_
           or scratch.numel() < batch * H * nscr):
         raise ValueError(f"scratch: expected a contiguous float32 tensor on {q.device} of >= {batch * H * nscr} "
                          f"elements (batch, H, {nscr}), got {scratch.dtype} {tuple(scratch.shape)} on {scratch.device}")
-    spec = kda_vk_spec(DTYPE_CODES[q.dtype], H, K, V, batch, use_qk_l2norm, scale, lower_bound, arch(dev), L,
-                       fused=False)
+    spec = kda_vk_spec(DTYPE_CODES[q.dtype], H, K, V, batch, use_qk_l2norm, scale, lower_bound, arch(dev), L)
     args = [t.data_ptr() for t in (q, k, f, b, A_log, dt_bias, state_batch_indices, cursor, k_cache, g_cache)]
     args += [np.int32(batch), np.int32(S), scratch.data_ptr()]
     args += [t.data_ptr() for t in (k_cache, g_cache, beta_cache)]
@@ -124,4 +95,4 @@ def kda_replay_decode_vk_split(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_
     return y
 
 
-__all__ = ["kda_conventional_step_vk", "kda_replay_decode_vk", "kda_replay_decode_vk_split"]
+__all__ = ["kda_conventional_step_vk", "kda_replay_decode_vk"]
