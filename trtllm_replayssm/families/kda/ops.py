@@ -80,10 +80,10 @@ def _check_options(use_qk_l2norm, scale, lower_bound) -> None:
     check_float(lower_bound, "lower_bound", lambda x: x < 0, "a finite negative float or None (Kimi's gate)")
 
 
-def _geometry(q, v, state, u_cache=None):
+def _geometry(q, v, state, u_cache=None, state_dims=("slots", "H", "K", "V")):
     check_rank(q, "q", 3, "(batch, H, K)")
     check_rank(v, "v", 3, "(batch, H, V)")
-    check_rank(state, "state", 4, "(slots, H, K, V)")
+    check_rank(state, "state", 4, "(" + ", ".join(state_dims) + ")")
     batch, H, K = q.shape
     V, S = v.shape[2], state.shape[0]
     L = None
@@ -119,7 +119,8 @@ def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, l
     ]
 
 
-def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, cursor_dims=("slots",)) -> list:
+def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, cursor_dims=("slots",),
+               shadow_dims=("slots", "H", "K", "V")) -> list:
     return [
         Arg("k_cache", k_cache, ("slots", "H", "L", "K"), "act", None),
         Arg("u_cache", u_cache, ("slots", "H", "L", "V"), F32 if shadow is None else _BF16, None),  # config.RING_TYPES
@@ -127,7 +128,7 @@ def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, c
         Arg("v_cache", v_cache, ("slots", "H", "L", "V"), "act", None),
         Arg("beta_cache", beta_cache, ("slots", "H", "L"), F32, None),
         Arg("cursor", cursor, cursor_dims, I32, None),
-        Arg("shadow", shadow, ("slots", "H", "K", "V"), _BF16, optional=True),
+        Arg("shadow", shadow, shadow_dims, _BF16, optional=True),
     ]
 
 
@@ -165,6 +166,24 @@ def _launch_conventional(kernel, make_spec, q, k, v, f, b, A_log, dt_bias, state
     return y
 
 
+def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
+                  state_batch_indices, out, shadow, use_qk_l2norm, scale, lower_bound, check_values,
+                  state_dims=("slots", "H", "K", "V")):
+    """The checks of one standard decode call, before any launch (the options; shapes and dtypes by name; the rows'
+    slots and cursors unless ``check_values`` is off), shared by :func:`kda_replay_decode` and the (V, K) step
+    (vk.py: ``state_dims`` (slots, H, V, K), the shadow's too). Returns (batch, H, K, V, S, L, device, y)."""
+    _check_options(use_qk_l2norm, scale, lower_bound)
+    batch, H, K, V, S, L = _geometry(q, v, state, u_cache, state_dims)
+    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out,
+                                   state_dims=state_dims)
+                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow,
+                                     shadow_dims=state_dims), _check_sizes)
+    if values_checked(check_values):
+        check_indices(state_batch_indices, S, cursor, L)
+    require_cuda(q, "q")
+    return batch, H, K, V, S, L, dev, torch.empty_like(v) if out is None else out
+
+
 def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
                       state_batch_indices, out=None, shadow=None, use_qk_l2norm=True, scale=None, lower_bound=None,
                       check_values: bool | None = None):
@@ -176,14 +195,9 @@ def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
     shadow is rewritten from it, the rings are not written. The cursor is read, not moved: call
     :func:`advance_cursor` once per model step. The shadow must hold the checkpoint's values (bf16, round to
     nearest even) when the call starts."""
-    _check_options(use_qk_l2norm, scale, lower_bound)
-    batch, H, K, V, S, L = _geometry(q, v, state, u_cache)
-    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out)
-                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow), _check_sizes)
-    if values_checked(check_values):
-        check_indices(state_batch_indices, S, cursor, L)
-    require_cuda(q, "q")
-    y = torch.empty_like(v) if out is None else out
+    batch, H, K, V, S, L, dev, y = _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache,
+                                                 v_cache, beta_cache, cursor, state_batch_indices, out, shadow,
+                                                 use_qk_l2norm, scale, lower_bound, check_values)
     if batch == 0:
         return y
     kind = "none" if shadow is None else "bf16"

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from ...config import DTYPE_CODES
-from ...launch import arch, check_args, check_indices, check_rank, launch, require_cuda, values_checked
+from ...launch import arch, check_rank, launch
 from ..gdn.config import GDN_SUPPORTED_DIMS
 from .config import kda_vk_scratch_floats, kda_vk_spec
-from .ops import _check_options, _check_sizes, _launch_conventional, _ring_args, _step_args
+from .ops import _check_options, _check_replay, _launch_conventional
 
 _VK = ("slots", "H", "V", "K")
 
@@ -59,22 +59,11 @@ def kda_replay_decode_vk(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache,
     dependent. K and V in 64, 128, 256 (GDN's row layout); 2 <= L <= 16. ``scratch``: (batch, H,
     :func:`.config.kda_vk_scratch_floats`) float32 on the device, or None (allocated). The cursor is read, not moved
     (:func:`.ops.advance_cursor`)."""
-    _check_options(use_qk_l2norm, scale, lower_bound)
-    check_rank(q, "q", 3, "(batch, H, K)")
-    check_rank(v, "v", 3, "(batch, H, V)")
-    check_rank(state, "state", 4, "(slots, H, V, K)")
-    check_rank(u_cache, "u_cache", 4, "(slots, H, L, V)")
-    batch, H, K = q.shape
-    V, S, L = v.shape[2], state.shape[0], u_cache.shape[2]
-    if not 2 <= L <= 16:
-        raise ValueError(f"u_cache: ring length L (dim 2) must be in 2..16, got {L}")
-    _check_dims(K, V)
-    _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, state_dims=_VK)
-                        + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, None), _check_sizes)
-    if values_checked(check_values):
-        check_indices(state_batch_indices, S, cursor, L)
-    require_cuda(q, "q")
-    y = torch.empty_like(v) if out is None else out
+    if q.dim() == 3 and v.dim() == 3:  # (ranks: _check_replay's errors)
+        _check_dims(q.shape[2], v.shape[2])
+    batch, H, K, V, S, L, dev, y = _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache,
+                                                 v_cache, beta_cache, cursor, state_batch_indices, out, None,
+                                                 use_qk_l2norm, scale, lower_bound, check_values, state_dims=_VK)
     if batch == 0:
         return y
     nscr = kda_vk_scratch_floats(K, L)
