@@ -94,6 +94,17 @@ def written_u(buf, cursor, l2norm=True):
             buf.u_cache[s][:, j] = u.to(buf.u_cache.dtype)
 
 
+def usum_expected(buf, s, r, q, k, v, f, b, A_log, dt_bias):
+    """The flush of slot s by the fp32 rule (float64): the u-sum of the stored u_j of its L - 1 entries, then row r's
+    token step on it. Returns (state (H, K, V), y of row r)."""
+    L = buf.u_cache.shape[2]
+    ks, us, gs, _, _ = kref._entries(buf, s, torch.arange(L - 1), True)
+    qn, kn = kref.prep_qk(q, k)
+    g, beta = kref.gates(f, b, A_log, dt_bias)
+    S, _, y = kref._step(kref._replay(buf.state[s].to(F64), ks, us, gs), qn[r], kn[r], v[r].to(F64), g[r], beta[r])
+    return S, y
+
+
 def to_dev(buf, dev):
     return kref.KDABuffers(*(t.to(dev) for t in buf.tensors()))
 
@@ -256,11 +267,7 @@ def test_fp32_flush_folds_the_stored_u(use_shadow):
     ref_sh = Shadow.of(ref.state, "bf16") if use_shadow else None
     sh = ref_sh.q.to(dev) if use_shadow else None
     q, k, v, f, b = make_inputs(2, H, K, V, torch.bfloat16, gen)
-    ks, us, gs, _, _ = kref._entries(ref, s, torch.arange(L - 1), True)
-    qn, kn = kref.prep_qk(q, k)
-    g, beta = kref.gates(f, b, A_log, dt_bias)
-    S_usum, _, y_usum = kref._step(kref._replay(ref.state[s].to(F64), ks, us, gs), qn[r], kn[r], v[r].to(F64), g[r],
-                                   beta[r])
+    S_usum, y_usum = usum_expected(ref, s, r, q, k, v, f, b, A_log, dt_bias)
     y_ref = kref.replay_decode(ref, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=ref_sh)  # the refold
     y = kops.kda_replay_decode(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), *gpu.tensors(),
                                cursor.to(dev), sbi.to(dev), shadow=sh).cpu()

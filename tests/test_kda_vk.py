@@ -24,6 +24,7 @@ from tests.test_kda_gpu import (
     make_params,
     rel,
     to_dev,
+    usum_expected,
     written_u,
 )
 from trtllm_replayssm import compile as cc
@@ -248,11 +249,7 @@ def test_replay_flush_folds_the_stored_u():
     gpu = to_dev(ref, dev)
     st = ref.state.transpose(2, 3).contiguous().to(dev)
     q, k, v, f, b = make_inputs(2, H, K, V, torch.bfloat16, gen)
-    ks, us, gs, _, _ = kref._entries(ref, s, torch.arange(L - 1), True)
-    qn, kn = kref.prep_qk(q, k)
-    g, beta = kref.gates(f, b, A_log, dt_bias)
-    S_usum, _, y_usum = kref._step(kref._replay(ref.state[s].to(F64), ks, us, gs), qn[r], kn[r], v[r].to(F64), g[r],
-                                   beta[r])
+    S_usum, y_usum = usum_expected(ref, s, r, q, k, v, f, b, A_log, dt_bias)
     y = kda_replay_decode_vk(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), st, gpu.k_cache, gpu.u_cache,
                              gpu.g_cache, gpu.v_cache, gpu.beta_cache, cursor.to(dev), sbi.to(dev)).cpu()
     kref.replay_decode(ref, cursor, q, k, v, f, b, A_log, dt_bias, sbi)  # the refold: the unchanged ring's state
