@@ -102,9 +102,9 @@ fi
 # ---- W: the (V, K) KDA prologue as one warp a head (2026-12-07_kda-vk-warp-prologue.patch), issue 37's fla column,
 # issue 40's bs 16-64 fp32 shapes (bench/NOTES.md "KDA (V, K) replay" and "Issue 40 after the u-sum")
 if want w1; then
-echo "== w1 (V, K) tests, patched $(left)s left"
-TL=$(cap 60 30); [ $TL -gt 20 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/test_kda_vk.py -m gpu \
-  > /tmp/r/vk-tests.txt 2>&1; tail -3 /tmp/r/vk-tests.txt; save
+echo "== w1 (V, K) tests and GDN's R32 at 1024 pinned, patched $(left)s left"
+TL=$(cap 70 30); [ $TL -gt 20 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/test_kda_vk.py \
+  tests/test_gdn_gpu.py -m gpu -k "test_kda_vk or rt2_w8_r1024" > /tmp/r/vk-tests.txt 2>&1; tail -3 /tmp/r/vk-tests.txt; save
 fi
 if want w2; then
 echo "== w2 the two-kernel step's parts, main / patched $(left)s left"
