@@ -212,9 +212,7 @@ def launch(spec, name: str, device, grid, block, args, pdl: bool = False) -> Non
 
     kern = get_kernel(spec, name, device)
     stream = Stream.from_handle(torch.cuda.current_stream(device).cuda_stream)
-    config = LaunchConfig(grid=grid, block=block, programmatic_stream_serialization=True) if pdl else \
-        LaunchConfig(grid=grid, block=block)
-    _launch(stream, config, kern, *args)
+    _launch(stream, LaunchConfig(grid=grid, block=block, programmatic_stream_serialization=pdl), kern, *args)
 
 @functools.cache
 def sm_count(index: int) -> int:

@@ -5,6 +5,9 @@
 
 namespace rssm_common {
 
+// The smallest power of two >= x (>= 1): the width of a transposing reduce over x values.
+__host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
+
 // One stage of a transposing butterfly (below) at group offset o.
 template <int n, int stride, int o>
 __device__ __forceinline__ void transpose_stage(float (&acc)[n], int gi) {

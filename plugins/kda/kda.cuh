@@ -62,7 +62,7 @@ using rssm_common::transpose_reduce;
 using rssm_common::cp_async16;
 using rssm_common::cp_async_wait_all;
 
-__host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
+using rssm_common::pow2_at_least;
 
 constexpr int kThreads = kWarps * 32;
 constexpr int kRG = 32 / kCVL;               // row groups of a warp
@@ -91,10 +91,9 @@ static_assert(kL >= 2 && kL <= 16, "ring length 2..16 (one warp butterfly holds 
 static_assert(kN1 <= 32, "reduce width");
 static_assert(gslot(kC - 1, kC - 1) < kTS && kTS + 3 <= kGW, "Gram slots");
 
-constexpr float kL2Eps = 1e-6f;  // families/kda/reference.L2NORM_EPS
 using kda_gate::gate;  // gate.cuh
+using kda_gate::rnorm;
 using kda_gate::sigmoid;
-__device__ __forceinline__ float rnorm(float ss) { return kL2Norm ? rsqrtf(ss + kL2Eps) : 1.f; }
 
 // ---- state rows: 4 columns of kRT rows per lane, streamed once (evict-first) ----------------------------
 using Rows = float[kRT][4];

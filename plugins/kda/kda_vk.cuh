@@ -104,7 +104,7 @@ __device__ __forceinline__ void conventional(const Args& a) {
 //   S <- S0 Diag(D) + sum_j n_j u_j w_j^T + u (rk k_t)^T
 // (the stored fp32 u_j were computed from this same checkpoint: the exact recurrence's state, as kda.cuh's u-sum
 // flush); the ring is not written.
-__host__ __device__ constexpr int pow2_at_least(int x) { return x <= 1 ? 1 : 2 * pow2_at_least((x + 1) / 2); }
+using rssm_common::pow2_at_least;
 constexpr int kE = kL > 1 ? kL - 1 : 0;          // entries a flush reads (kL 1: a conventional-only module)
 constexpr int kEA = kE > 0 ? kE : 1;
 constexpr int kH1 = pow2_at_least(kE + 1);        // r1: [0, kH1) the k side (kH1 - 1: k.k), [kH1, 2 kH1) the q side
@@ -113,7 +113,7 @@ constexpr int kN2 = kH1;                          // r2: |k_j|^2, kN2 - 1: k.q
 static_assert(kN1 <= 32, "ring length <= 16 (one warp's transposing reduce)");
 static_assert(gdn::kPasses == 1, "the (V, K) replay step runs in one pass");
 
-__device__ __forceinline__ float rnorm(float ss) { return kL2Norm ? rsqrtf(ss + gdn::kL2Eps) : 1.f; }
+using kda_gate::rnorm;
 
 // ---- the same step in two kernels: the per-head channel stage once, then GDN's row stream -----------------------------
 // A fused form (kda.cuh's channel stage in every block of a head, its rows behind it; removed) measured 0.61-0.71x
@@ -185,7 +185,7 @@ __device__ __forceinline__ void prologue(const ProArgs& a) {
   }
   const float e0 = expf(run);
   r1[kH1 - 1] = kt * kt, r1[kN1 - 1] = qt * qt, r2[kN2 - 1] = kt * qt;
-  if (!flush && m < kL) {  // the entry (the head's one block: no other block writes it)
+  if (!flush) {  // the entry (the head's one block: no other block writes it)
     a.kc_out[(hs * kL + m) * kK + i] = k_raw;
     a.gc_out[(hs * kL + m) * kK + i] = gt;
   }

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from ...config import DTYPE_CODES
-from ...launch import arch, check_rank, launch
+from ...launch import arch, launch
 from ..gdn.config import GDN_SUPPORTED_DIMS
 from .config import kda_vk_scratch_floats, kda_vk_spec
-from .ops import _check_options, _check_replay, _launch_conventional
+from .ops import _check_options, _check_replay, _geometry, _launch_conventional
 
 _VK = ("slots", "H", "V", "K")
 
@@ -39,11 +39,7 @@ def kda_conventional_step_vk(q, k, v, f, b, A_log, dt_bias, state, state_batch_i
     """:func:`.ops.kda_conventional_step` on a (slots, H, V, K) state: returns y (batch, H, V); state updated in
     place. K and V in 64, 128, 256 (GDN's row layout)."""
     _check_options(use_qk_l2norm, scale, lower_bound)
-    check_rank(q, "q", 3, "(batch, H, K)")
-    check_rank(v, "v", 3, "(batch, H, V)")
-    check_rank(state, "state", 4, "(slots, H, V, K)")
-    batch, H, K = q.shape
-    V = v.shape[2]
+    batch, H, K, V, _, _ = _geometry(q, v, state, state_dims=_VK)
     _check_dims(K, V)
     return _launch_conventional(
         "kda_conventional_vk", lambda act, sm: kda_vk_spec(act, H, K, V, batch, use_qk_l2norm, scale, lower_bound, sm),
