@@ -9,8 +9,8 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";;
-  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch) or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";;
+  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -122,5 +122,29 @@ fi
 if want w5; then
 echo "== w5 memcheck of the two-kernel step $(left)s left"
 san memcheck 10 50 _vk tests/test_kda_vk.py "split and (odd or b40 or bad_cursor or flush)"
+fi
+# ---- X: this token's inputs issued before the wait (GDN u-sum flush; KDA non-flush step and u-sum flush), issues
+# 40 / 37 (bench/NOTES.md "Eighteenth session")
+if want x1; then
+echo "== x1 GDN and KDA GPU tests, new $(left)s left"
+TL=$(cap 170 60); [ $TL -gt 30 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/test_gdn_gpu.py \
+  tests/test_kda_gpu.py tests/test_kda_verify_gpu.py > /tmp/r/x-tests.txt 2>&1; tail -3 /tmp/r/x-tests.txt; save
+fi
+if want x2; then
+echo "== x2 GDN pair $(left)s left"
+pair gdn-inputsab1 bench_gdn.py 60 --batches 1,2,8,32,256
+fi
+if want x3; then
+echo "== x3 KDA pair $(left)s left"
+pair kda-inputsab1 bench_kda.py 80 --batches 1,8,32,256
+fi
+if want x4; then
+echo "== x4 second GDN pair, small batch $(left)s left"
+pair gdn-inputsab2 bench_gdn.py 40 --batches 1,4,8,32
+fi
+if want x5; then
+echo "== x5 memcheck $(left)s left"
+san memcheck 40 60 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush or strong_decay"
+san memcheck 10 60 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush"
 fi
 echo "== done $(left)s left"; save

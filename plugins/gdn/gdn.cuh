@@ -626,15 +626,20 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
   const size_t sh = ((size_t)slot * kHV + p.hv) * kV + p.row0;
   Rows st;
   load_rows(st, a.state_in + sh * kK, c);
+  const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
 #if !GDN_SHADOW
+  // This token's inputs (the same for every pass) and pass 0's v go out with the ring and the rows, before any
+  // wait: at small batch their DRAM trip after the barrier was the flush's second serial trip (ncu, bs1).
+  const float gl = kL > 1 && threadIdx.x < kL - 1 ? __ldg(a.gc_in + eh + threadIdx.x) : 0.f;
+  StepIn in;
+  load_step(in, c, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
+  const act_t v_raw0 = a.v[yrow + dot_row(c)];
   if (kL > 1 && threadIdx.x < 32) {  // w_j = exp(sum_{j<i<m} g_i) by a suffix scan, exp(G_m), as a non-flush step
-    const float gl = threadIdx.x < kL - 1 ? __ldg(a.gc_in + eh + threadIdx.x) : 0.f;
     const float after = suffix_after(gl);
     if (threadIdx.x < kL - 1) sm.w[threadIdx.x] = expf(after);
     if (threadIdx.x == 0) sm.eGm = expf(gl + after);
   }
 #endif
-  const size_t yrow = ((size_t)p.b * kHV + p.hv) * kV + p.row0;
   cp_async_wait_all();
   __syncthreads();
   // The staged entries serve every pass; each pass folds, steps and stores its own rows.
@@ -649,10 +654,8 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
     load_step(in, cp, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
     const float v_now = to_f(a.v[yrow + dot_row(cp)]);
 #else
-    // The u-sum holds fewer registers than the refold: this token's inputs load before it, their DRAM trip under it.
-    StepIn in;
-    load_step(in, cp, a.q, a.k, a.a, a.b, a.A_log, a.dt_bias, p.b, p.h, p.hv);
-    const float v_now = to_f(a.v[yrow + dot_row(cp)]);
+    // The u-sum holds fewer registers than the refold: this token's inputs were loaded before the wait.
+    const float v_now = to_f(ps == 0 ? v_raw0 : a.v[yrow + dot_row(cp)]);
     if constexpr (kL > 1) usum_rows(st, sm, cp, kL - 1);
 #endif
     float y;
