@@ -9,8 +9,8 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";;
-  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait) or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";;
+  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -146,5 +146,16 @@ if want x5; then
 echo "== x5 memcheck $(left)s left"
 san memcheck 40 60 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush or strong_decay"
 san memcheck 10 60 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush"
+fi
+if want y2; then
+echo "== y2 GDN pair: the u-sum's unroll at one row a thread $(left)s left"
+pair gdn-unrollab1 bench_gdn.py 40 --batches 1,2,4,8,32
+fi
+if want y3; then
+echo "== y3 KDA pair, twice $(left)s left"
+pair kda-inputsab2 bench_kda.py 75 --batches 1,8,32,256
+fi
+if want y4; then
+pair kda-inputsab3 bench_kda.py 75 --batches 1,8,32,256
 fi
 echo "== done $(left)s left"; save

@@ -469,6 +469,10 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
   if constexpr (kUsum) usum_stage_u(a, hs, sm);
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
+  // The u-sum flush issues v and beta with the rows (they would otherwise go out after its cp.async wait); the
+  // refold and the conventional step keep them after the channel stage (registers across the fold).
+  act_t v_raw, b_raw;
+  if constexpr (kUsum) v_raw = a.v[in * kV + out_col(c)], b_raw = a.b[in];
   float tk[3] = {0.f, 0.f, 0.f};  // k.k, q.q, k.q partials
   float ru[kUsum ? kNU : 1];      // the u-sum's entry norm partials
 #pragma unroll
@@ -497,8 +501,9 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
     const float r = transpose_reduce<4, 1>(t4);
     if (c.lane < 3) sm.red[c.warp][kTS + c.lane] = r;
   }
-  const float beta = sigmoid(to_f(a.b[in]));
-  const float v_now = to_f(a.v[in * kV + out_col(c)]);
+  if constexpr (!kUsum) v_raw = a.v[in * kV + out_col(c)], b_raw = a.b[in];
+  const float beta = sigmoid(to_f(b_raw));
+  const float v_now = to_f(v_raw);
   __syncthreads();
   float kk = 0.f, qq = 0.f, kqr = 0.f;
   if constexpr (kUsum) {
@@ -554,6 +559,11 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
 #pragma unroll
   for (int j = 0; j < kEA; ++j) uh[j] = j < m ? to_f(a.uc_in[(hs * kL + j) * kV + ocol]) : 0.f;
   const size_t in = (size_t)c.b * kH + c.h;
+  // v and beta are first used after the barrier. Without a shadow they are issued now, their DRAM trip with the
+  // rows' (at small batch a load issued after the channel stage was a second serial trip). The shadow step measured
+  // slower with them early (H100, 2026-12-07, bs256 k1 +2-4%), so it issues them after its channel stage.
+  act_t v_raw, b_raw;
+  if constexpr (!KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
   const float A = expf(__ldg(a.A_log + c.h));
   const bool writer = blockIdx.x % kChunks == 0;  // the head's first chunk appends the per-channel entry
   float r1[kN1], r2[kN2];
@@ -599,8 +609,8 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
     if (c.lane < kN1) sm.red1[c.warp][c.lane] = t1;
     if (c.lane < kN2) sm.red2[c.warp][c.lane] = t2;
   }
-  const act_t v_raw = a.v[in * kV + ocol];
-  const float beta = sigmoid(to_f(a.b[in]));
+  if constexpr (KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
+  const float beta = sigmoid(to_f(b_raw));
   __syncthreads();
   float t1 = 0.f, t2 = 0.f;
 #pragma unroll
