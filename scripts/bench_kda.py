@@ -227,8 +227,26 @@ def _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R, rings=None, curso
         _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_bias, lb, y, R)
 
 
+def _bench_conv_resident(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, residents):
+    """The conventional step's module pinned at other register budgets (``KDASpec.resident``: threads an SM): its
+    outputs and state against the planned module's, bit for bit (the same arithmetic; only ptxas' register budget
+    differs), then timed like it: fields ``conv_r<N>_{bitequal,us,spread_us,speedup}``."""
+    want_st = state.clone()
+    want = kops.kda_conventional_step(*ins[0], A_log, dt_bias, want_st, sbis[0], lower_bound=lb, check_values=False)
+    for res in residents:
+        got_st = state.clone()
+        with override(resident=res):
+            got = kops.kda_conventional_step(*ins[0], A_log, dt_bias, got_st, sbis[0], lower_bound=lb,
+                                             check_values=False)
+            row[f"conv_r{res}_us"], row[f"conv_r{res}_spread_us"] = graph_time_us(conv, R)
+        row[f"conv_r{res}_bitequal"] = bool(torch.equal(got, want) and torch.equal(got_st, want_st))
+        row[f"conv_r{res}_speedup"] = row["conv_us"] / row[f"conv_r{res}_us"]
+        del got_st
+    del want_st
+
+
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
-                peer: bool = True, vk: bool = False) -> dict:
+                peer: bool = True, vk: bool = False, conv_resident: tuple[int, ...] = ()) -> dict:
     """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla;
     ``vk``: the (V, K) conventional step's fields (the layout experiment)."""
     H, K, V = GEOMETRIES[geom]
@@ -307,6 +325,7 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
+    _bench_conv_resident(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, conv_resident)
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         per_k = []
         for k in (range(1, L + 1) if ks is None else ks):
@@ -360,6 +379,9 @@ def main():
                     "(gdn.config.override pins) timed at positions 1, L/2, L beside the planned one")
     ap.add_argument("--conv-only", action="store_true", help="main rows of the conventional step(s) only (with --vk: "
                     "the layout experiment alone), no replay positions")
+    ap.add_argument("--conv-resident", default="", help="also the conventional step's module at these "
+                    "KDASpec.resident values (threads an SM its register budget is set for), comma-separated: fields "
+                    "conv_r<N>_*, checked bit for bit against the planned module")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
                     "(threads an SM the register budget is set for), comma-separated")
     args = ap.parse_args()
@@ -384,6 +406,12 @@ def main():
             raise ValueError
     except ValueError:
         ap.error(f"--vk-shapes: expected rt:warps:resident,... got {args.vk_shapes!r}")
+    try:
+        conv_resident = tuple(int(x) for x in args.conv_resident.split(",") if x.strip())
+        if any(r < 32 for r in conv_resident):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--conv-resident: expected comma-separated thread counts >= 32, got {args.conv_resident!r}")
     FLA = load_fla(args.fla_path)
     ceiling = copy_ceiling_tbps()
     meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling,
@@ -392,8 +420,11 @@ def main():
     rows, verify = [], []
     for geom in geoms:
         for b in ([] if args.sweep_only else batches):
-            row = bench_point(geom, b, args.L, vk=args.vk, ks=[] if args.conv_only else None)
+            row = bench_point(geom, b, args.L, vk=args.vk, ks=[] if args.conv_only else None,
+                              conv_resident=conv_resident)
             timing.add_ceiling_pcts(row, ceiling, names=() if args.conv_only else ("f32", "bf16shadow"))
+            for res in conv_resident:
+                row[f"pct_ceiling_conv_r{res}"] = 100 * row["bytes_conv"] / row[f"conv_r{res}_us"] / 1e6 / ceiling
             if args.vk:
                 row["pct_ceiling_conv_vk"] = 100 * row["tbps_conv_vk"] / ceiling
             rows.append(row)
@@ -437,6 +468,11 @@ def main():
               + (f" | fla {r['fla_us']:7.1f} us (check {r['fla_check_rel']:.1e}) x fla {r['f32_speedup_vs_fla']:.2f}"
                  if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else "")))
     for r in rows:
+        for res in conv_resident:
+            print(f"conv r{res} {r['geom']} bs{r['batch']}: {r[f'conv_r{res}_us']:.1f} us "
+                  f"({r[f'pct_ceiling_conv_r{res}']:.1f}% of the ceiling) vs planned {r['conv_us']:.1f} us "
+                  f"({r['pct_ceiling_conv']:.1f}%): x{r[f'conv_r{res}_speedup']:.3f}, bit-equal "
+                  f"{r[f'conv_r{res}_bitequal']}")
         if "conv_vk_us" in r:
             print(f"vk {r['geom']} bs{r['batch']}: (V, K) conventional {r['conv_vk_us']:.1f} us "
                   f"({r['pct_ceiling_conv_vk']:.1f}% of the ceiling) vs (K, V) {r['conv_us']:.1f} us "
