@@ -9,8 +9,8 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";;
-  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll) or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";;
+  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll), Z (KDA entry loops in chunks of 4) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -157,5 +157,19 @@ pair kda-inputsab2 bench_kda.py 75 --batches 1,8,32,256
 fi
 if want y4; then
 pair kda-inputsab3 bench_kda.py 75 --batches 1,8,32,256
+fi
+# ---- Z: the KDA non-flush step's per-entry loops in chunks of 4 (no branch per entry), issue 37
+if want z1; then
+echo "== z1 KDA GPU tests, new $(left)s left"
+TL=$(cap 90 60); [ $TL -gt 30 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/test_kda_gpu.py \
+  tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py > /tmp/r/z-tests.txt 2>&1; tail -3 /tmp/r/z-tests.txt; save
+fi
+if want z2; then
+echo "== z2 KDA pair $(left)s left"
+pair kda-chunkab1 bench_kda.py 70 --batches 1,8,32,256
+fi
+if want z3; then
+echo "== z3 memcheck $(left)s left"
+san memcheck 5 50 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush or glm_shadow"
 fi
 echo "== done $(left)s left"; save
