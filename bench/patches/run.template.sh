@@ -9,8 +9,8 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";;
-  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll), Z (KDA entry loops in chunks of 4) or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";; N) STEPS="n1 n2";;
+  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll), Z (KDA entry loops in chunks of 4), N (the next measurements, no A/B) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -171,5 +171,22 @@ fi
 if want z3; then
 echo "== z3 memcheck $(left)s left"
 san memcheck 5 50 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush or glm_shadow"
+fi
+# ---- N: the next measurements (bench/NOTES.md "Next, after the eighteenth session"): no A/B, main's tree
+if want n1; then
+echo "== n1 KDA replay launch shapes at small batch, both geometries $(left)s left"
+for g in glm5_3_flash_tp8 kimi_k3_tp8; do [ $(left) -gt 60 ] && new timeout 70 python3 scripts/bench_kda.py --geoms $g \
+  --sweep 2:1,2:2,2:4 --sweep-batches 1,2,4,8 --sweep-only --out /tmp/r --tag kda-small-shapes-$g > /tmp/r/n1-$g.txt 2>&1
+  grep -v RESULT_JSON /tmp/r/n1-$g.txt | tail -13; done; save
+fi
+if want n2; then
+echo "== n2 ncu: GDN bs32 at k = 13, KDA GLM bs1 at k = 13 (SASS source pages with stall samples) $(left)s left"
+mkdir -p /tmp/r/ncu
+prof() { [ $(left) -gt 60 ] || return; new timeout 60 ncu --clock-control none --kernel-name regex:$2 --launch-skip 2 \
+  --launch-count 1 --set full -o /tmp/r/ncu/$1 -f python3 scripts/${@:3} > /tmp/r/ncu/$1.log 2>&1
+  new ncu -i /tmp/r/ncu/$1.ncu-rep --page source --csv --print-source sass > /tmp/r/ncu/$1.sass.csv 2>&1
+  new ncu -i /tmp/r/ncu/$1.ncu-rep --page details > /tmp/r/ncu/$1.txt 2>&1; rm -f /tmp/r/ncu/$1.ncu-rep; save; }
+prof gdn-b32-k13 gdn_replay profile_gdn.py --batch 32 --k 13
+prof kda-glm-b1-k13 kda_replay profile_kda.py --geom glm5_3_flash_tp8 --batch 1 --k 13
 fi
 echo "== done $(left)s left"; save
