@@ -182,11 +182,13 @@ fi
 if want n2; then
 echo "== n2 ncu: GDN bs32 at k = 13, KDA GLM bs1 at k = 13 (SASS source pages with stall samples) $(left)s left"
 mkdir -p /tmp/r/ncu
-prof() { [ $(left) -gt 60 ] || return; new timeout 60 ncu --clock-control none --kernel-name regex:$2 --launch-skip 2 \
+prof() { [ $(left) -gt 60 ] || return; new timeout 60 ncu --clock-control none $NCUX --kernel-name regex:$2 --launch-skip 2 \
   --launch-count 1 --set full -o /tmp/r/ncu/$1 -f python3 scripts/${@:3} > /tmp/r/ncu/$1.log 2>&1
   new ncu -i /tmp/r/ncu/$1.ncu-rep --page source --csv --print-source sass > /tmp/r/ncu/$1.sass.csv 2>&1
   new ncu -i /tmp/r/ncu/$1.ncu-rep --page details > /tmp/r/ncu/$1.txt 2>&1; rm -f /tmp/r/ncu/$1.ncu-rep; save; }
 prof gdn-b32-k13 gdn_replay profile_gdn.py --batch 32 --k 13
+NCUX="--cache-control none" prof gdn-b32-k13-warm gdn_replay profile_gdn.py --batch 32 --k 13  # the bench's warm L2
+NCUX="--cache-control none" prof gdn-b32-k1-warm gdn_replay profile_gdn.py --batch 32 --k 1
 prof kda-glm-b1-k13 kda_replay profile_kda.py --geom glm5_3_flash_tp8 --batch 1 --k 13
 fi
 echo "== done $(left)s left"; save
