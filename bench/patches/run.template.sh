@@ -9,8 +9,8 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";; N) STEPS="n1 n2";;
-  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll), Z (KDA entry loops in chunks of 4), N (the next measurements, no A/B) or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";;
+  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll), Z (KDA entry loops in chunks of 4), N (the next measurements, no A/B), S (the KDA staged-ring patch) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -190,5 +190,25 @@ prof gdn-b32-k13 gdn_replay profile_gdn.py --batch 32 --k 13
 NCUX="--cache-control none" prof gdn-b32-k13-warm gdn_replay profile_gdn.py --batch 32 --k 13  # the bench's warm L2
 NCUX="--cache-control none" prof gdn-b32-k1-warm gdn_replay profile_gdn.py --batch 32 --k 1
 prof kda-glm-b1-k13 kda_replay profile_kda.py --geom glm5_3_flash_tp8 --batch 1 --k 13
+fi
+# ---- S: 2026-12-07_kda-staged-ring.patch (the KDA non-flush step's ring staged by cp.async), issue 37
+if want s1; then
+echo "== s1 KDA GPU tests, patched $(left)s left"
+TL=$(cap 100 60); [ $TL -gt 30 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/test_kda_gpu.py \
+  tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py tests/test_kda_trt_plugin_gpu.py > /tmp/r/s-tests.txt 2>&1
+tail -3 /tmp/r/s-tests.txt; save
+fi
+if want s2; then
+echo "== s2 KDA pair $(left)s left"
+pair kda-stageab1 bench_kda.py 70 --batches 1,8,32,256
+fi
+if want s3; then
+echo "== s3 memcheck and racecheck of the patched step $(left)s left"
+san memcheck 60 50 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or glm_shadow or k256"
+san racecheck 10 60 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or glm_shadow"
+fi
+if want s4; then
+echo "== s4 second KDA pair $(left)s left"
+pair kda-stageab2 bench_kda.py 70 --batches 1,32,256
 fi
 echo "== done $(left)s left"; save
