@@ -28,6 +28,9 @@ san() {  # tool, reserve, want, kernel prefix, test file, -k
   local l=$(cap $3 $2); [ $l -lt 30 ] && { echo "skip $1 $4 ($(left)s)"; return; }
   new timeout $l compute-sanitizer --tool $1 --report-api-errors no --kernel-name kns=$4 python3 -m pytest -q -p no:cacheprovider $5 -k "$6" > /tmp/r/san_$1_$4_$(basename $5 .py).txt 2>&1
   echo "$1 $4 rc=$?"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed|failed" /tmp/r/san_$1_$4_$(basename $5 .py).txt | tail -3; save; }
+gputests() {  # tag, want seconds, reserve, test files...: the patched tree's GPU tests in 6 workers
+  local tag=$1 l=$(cap $2 $3); shift 3; [ $l -gt 30 ] || { echo "skip $tag ($(left)s)"; return; }
+  new timeout $l python3 -m pytest -q -p no:cacheprovider -rfE -n 6 "$@" > /tmp/r/$tag.txt 2>&1; tail -3 /tmp/r/$tag.txt; save; }
 if want 1; then
 echo "== 1 GDN pair $(left)s left"
 pair gdn-usumab1 bench_gdn.py 70 --batches 1,8,32,64,256
@@ -127,8 +130,7 @@ fi
 # 40 / 37 (bench/NOTES.md "Eighteenth session")
 if want x1; then
 echo "== x1 GDN and KDA GPU tests, new $(left)s left"
-TL=$(cap 170 60); [ $TL -gt 30 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/test_gdn_gpu.py \
-  tests/test_kda_gpu.py tests/test_kda_verify_gpu.py > /tmp/r/x-tests.txt 2>&1; tail -3 /tmp/r/x-tests.txt; save
+gputests x-tests 170 60 tests/test_gdn_gpu.py tests/test_kda_gpu.py tests/test_kda_verify_gpu.py
 fi
 if want x2; then
 echo "== x2 GDN pair $(left)s left"
@@ -161,8 +163,7 @@ fi
 # ---- Z: the KDA non-flush step's per-entry loops in chunks of 4 (no branch per entry), issue 37
 if want z1; then
 echo "== z1 KDA GPU tests, new $(left)s left"
-TL=$(cap 90 60); [ $TL -gt 30 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/test_kda_gpu.py \
-  tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py > /tmp/r/z-tests.txt 2>&1; tail -3 /tmp/r/z-tests.txt; save
+gputests z-tests 90 60 tests/test_kda_gpu.py tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py
 fi
 if want z2; then
 echo "== z2 KDA pair $(left)s left"
@@ -194,9 +195,8 @@ fi
 # ---- S: 2026-12-07_kda-staged-ring.patch (the KDA non-flush step's ring staged by cp.async), issue 37
 if want s1; then
 echo "== s1 KDA GPU tests, patched $(left)s left"
-TL=$(cap 100 60); [ $TL -gt 30 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 6 tests/test_kda_gpu.py \
-  tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py tests/test_kda_trt_plugin_gpu.py > /tmp/r/s-tests.txt 2>&1
-tail -3 /tmp/r/s-tests.txt; save
+gputests s-tests 100 60 tests/test_kda_gpu.py tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py \
+  tests/test_kda_trt_plugin_gpu.py
 fi
 if want s2; then
 echo "== s2 KDA pair $(left)s left"
