@@ -171,6 +171,9 @@ def _args(**kw):
     (dict(state_batch_indices=torch.tensor([0, 0, 1], dtype=torch.int32)), ValueError, "state_batch_indices"),
     (dict(state_batch_indices=torch.tensor([0, S, 1], dtype=torch.int32)), ValueError, "state_batch_indices"),
     (dict(u_cache=torch.zeros(S, H, 17, V)), ValueError, "u_cache"),
+    # the u-sum flush stages u_j by cp.async: a view one element off a 16-byte boundary is refused by name
+    (dict(u_cache=torch.zeros(S * H * L * V + 1)[1:].view(S, H, L, V)), ValueError,
+     "u_cache: expected a 16-byte aligned data pointer"),
     (dict(state=torch.zeros(S, H, K, V)[..., ::2]), ValueError, "state"),
     (dict(q=torch.zeros(B, H, 40, dtype=torch.bfloat16), k=torch.zeros(B, H, 40, dtype=torch.bfloat16),
           f=torch.zeros(B, H, 40, dtype=torch.bfloat16), dt_bias=torch.zeros(H, 40)), ValueError, "K"),

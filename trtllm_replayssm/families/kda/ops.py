@@ -57,6 +57,7 @@ from ...config import DTYPE_CODES, SUPPORTED_NUM_TOKENS
 from ...launch import (
     F32,
     I32,
+    VECTOR_BYTES,
     Arg,
     arch,
     check_args,
@@ -123,7 +124,8 @@ def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, c
                shadow_dims=("slots", "H", "K", "V")) -> list:
     return [
         Arg("k_cache", k_cache, ("slots", "H", "L", "K"), "act", None),
-        Arg("u_cache", u_cache, ("slots", "H", "L", "V"), F32 if shadow is None else _BF16, None),  # config.RING_TYPES
+        # config.RING_TYPES; 16-byte aligned: the u-sum flush stages its tiles by cp.async
+        Arg("u_cache", u_cache, ("slots", "H", "L", "V"), F32 if shadow is None else _BF16, VECTOR_BYTES),
         Arg("g_cache", g_cache, ("slots", "H", "L", "K"), F32, None),
         Arg("v_cache", v_cache, ("slots", "H", "L", "V"), "act", None),
         Arg("beta_cache", beta_cache, ("slots", "H", "L"), F32, None),
