@@ -231,6 +231,8 @@ def _bench_conv_resident(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, res
     """The conventional step's module pinned at other register budgets (``KDASpec.resident``: threads an SM): its
     outputs and state against the planned module's, bit for bit (the same arithmetic; only ptxas' register budget
     differs), then timed like it: fields ``conv_r<N>_{bitequal,us,spread_us,speedup}``."""
+    if not residents:
+        return
     want_st = state.clone()
     want = kops.kda_conventional_step(*ins[0], A_log, dt_bias, want_st, sbis[0], lower_bound=lb, check_values=False)
     for res in residents:

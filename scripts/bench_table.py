@@ -158,6 +158,10 @@ def ratio(v) -> str | None:
     return num(v, 2, "x")
 
 
+def sci(v) -> str | None:
+    return None if v is None else f"{v:.2e}"
+
+
 def with_pct(v, pct, digits: int = 1) -> str | None:
     s = num(v, digits)
     if s is None:
@@ -499,11 +503,11 @@ def state_error_table(rows: list[dict]) -> list[str]:
     """scripts/gdn_state_error.py: the checkpoint's and the outputs' error against float64 over many flushes."""
     cols: list[Column] = [
         FILE_COLUMN,
-        ("y rel, mean", lambda r: None if r.get("y_rel_mean") is None else f"{r['y_rel_mean']:.2e}"),
-        ("y rel, max", lambda r: None if r.get("y_rel_max") is None else f"{r['y_rel_max']:.2e}"),
-        ("state rel, first flush", lambda r: None if r.get("state_rel_first") is None else f"{r['state_rel_first']:.2e}"),
-        ("state rel, last", lambda r: None if r.get("state_rel_last") is None else f"{r['state_rel_last']:.2e}"),
-        ("state rel, max", lambda r: None if r.get("state_rel_max") is None else f"{r['state_rel_max']:.2e}"),
+        ("y rel, mean", lambda r: sci(r.get("y_rel_mean"))),
+        ("y rel, max", lambda r: sci(r.get("y_rel_max"))),
+        ("state rel, first flush", lambda r: sci(r.get("state_rel_first"))),
+        ("state rel, last", lambda r: sci(r.get("state_rel_last"))),
+        ("state rel, max", lambda r: sci(r.get("state_rel_max"))),
     ]
     return render(cols, rows)
 
@@ -519,12 +523,12 @@ def kda_layout_table(rows: list[dict]) -> list[str]:
         ("% ceiling", lambda r: num(r.get("pct_ceiling_conv"))),
         ("(V, K) conventional µs", lambda r: num(r.get("conv_vk_us"))),
         ("% ceiling", lambda r: num(r.get("pct_ceiling_conv_vk"))),
-        ("x", lambda r: num(r.get("conv_vk_speedup"), 2, "x")),
+        ("x", lambda r: ratio(r.get("conv_vk_speedup"))),
         ("(K, V) fp32 replay µs", lambda r: num(r.get("f32_us_amortized"))),
         ("(V, K) fp32 replay µs", lambda r: num(r.get("vk_f32_us_amortized"))),
-        ("(V, K) replay x its conventional", lambda r: num(r.get("vk_f32_speedup_vs_conv_vk"), 2, "x")),
+        ("(V, K) replay x its conventional", lambda r: ratio(r.get("vk_f32_speedup_vs_conv_vk"))),
         ("(V, K) two-kernel replay µs", lambda r: num(r.get("vk2_f32_us_amortized"))),
-        ("x its conventional", lambda r: num(r.get("vk2_f32_speedup_vs_conv_vk"), 2, "x")),
+        ("x its conventional", lambda r: ratio(r.get("vk2_f32_speedup_vs_conv_vk"))),
     ]
     return render(cols, rows)
 
