@@ -200,7 +200,7 @@ gputests s-tests 100 60 tests/test_kda_gpu.py tests/test_kda_verify_gpu.py tests
 fi
 if want s2; then
 echo "== s2 KDA pair $(left)s left"
-pair kda-stageab1 bench_kda.py 70 --batches 1,8,32,256
+pair ${STAG:-kda-stage}ab1 bench_kda.py 70 --batches 1,8,32,256
 fi
 if want s3; then
 echo "== s3 memcheck and racecheck of the patched step $(left)s left"
@@ -209,6 +209,6 @@ san racecheck 10 60 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or glm_sha
 fi
 if want s4; then
 echo "== s4 second KDA pair $(left)s left"
-pair kda-stageab2 bench_kda.py 70 --batches 1,32,256
+pair ${STAG:-kda-stage}ab2 bench_kda.py 70 --batches 1,32,256
 fi
 echo "== done $(left)s left"; save
