@@ -39,7 +39,11 @@ ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffe
         dict(H=3, K=48, V=40, warps=1), dict(H=5, K=64, V=24, warps=1), dict(K=256, V=64, warps=2),
         dict(l2norm=False), dict(scale=0.125), dict(col_lanes=4), dict(col_lanes=4, warps=2, shadow="bf16"),
         dict(lower_bound=-3.0, shadow="bf16"), dict(warps=8), dict(col_lanes=4, warps=8, shadow="bf16"),
-        dict(col_lanes=4, buffer_len=5), dict(col_lanes=4, buffer_len=2, act="f32")]
+        dict(col_lanes=4, buffer_len=5), dict(col_lanes=4, buffer_len=2, act="f32"),
+        # the staged ring (KDASpec.staged), planned at bs256 (PUBLISHED), here at the odd shapes and both rings
+        dict(staged=True), dict(col_lanes=4, staged=True, shadow="bf16", lower_bound=-5.0),
+        dict(H=3, K=48, V=40, warps=1, act="f32", staged=True), dict(H=5, K=64, V=24, warps=1, act="f16", staged=True),
+        dict(K=256, V=64, warps=2, shadow="bf16", staged=True), dict(buffer_len=2, staged=True)]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
 VERIFY_PUBLISHED = [
     kda_spec("bf16", *GEOMETRIES[g], 16, batch, sh, lower_bound=lb, arch=arch, num_tokens=T)
@@ -118,6 +122,7 @@ def test_key_and_prelude():
     (dict(num_tokens=3), "num_tokens"), (dict(num_tokens=4, buffer_len=7), "num_tokens"),
     (dict(num_tokens=-1), "num_tokens"), (dict(num_tokens=2, K=256, V=64, warps=1), "2 key channels a thread"),
     (dict(resident=-1), "resident"),
+    (dict(staged=True, num_tokens=4), "staged"),
 ])
 def test_spec_rejects(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -133,6 +138,17 @@ def test_planner():
     with override(col_lanes=4, warps=2):
         assert kda_geometry(12, 128, 128, 256) == (4, 2)
     assert kda_geometry(12, 128, 128, 256) == (4, 4)
+    # the staged ring from 4 waves of blocks (STAGED_MIN_WAVES): bs256 at Kimi-K3 / GLM-5.3-Flash TP8, not bs1-64
+    for H, lb in ((12, None), (8, -5.0)):
+        for sh in ("none", "bf16"):
+            assert kda_spec("bf16", H, 128, 128, 16, 256, sh, lower_bound=lb).staged
+            assert not any(kda_spec("bf16", H, 128, 128, 16, b, sh, lower_bound=lb).staged for b in (1, 8, 32, 64))
+    assert not kda_spec("bf16", 12, 128, 128, 16, 256, num_tokens=4).staged  # the verify module keeps its own step
+    assert not kda_spec("bf16", 12, 128, 128, 2, 256, conventional=True).staged
+    with override(staged=True):
+        assert kda_spec("bf16", 12, 128, 128, 16, 1).staged
+    with override(staged=False):
+        assert not kda_spec("bf16", 12, 128, 128, 16, 256).staged
     for (H, K, V), batch in itertools.product(set(GEOMETRIES.values()), (1, 8, 64, 256)):
         kda_spec("bf16", H, K, V, 16, batch)  # every plan is a valid spec
         kda_spec("bf16", H, K, V, 2, batch, conventional=True)
@@ -174,6 +190,10 @@ def _args(**kw):
     # the u-sum flush stages u_j by cp.async: a view one element off a 16-byte boundary is refused by name
     (dict(u_cache=torch.zeros(S * H * L * V + 1)[1:].view(S, H, L, V)), ValueError,
      "u_cache: expected a 16-byte aligned data pointer"),
+    (dict(k_cache=torch.zeros(S * H * L * K + 1, dtype=torch.bfloat16)[1:].view(S, H, L, K)), ValueError,
+     "k_cache: expected a 16-byte aligned data pointer"),
+    (dict(g_cache=torch.zeros(S * H * L * K + 1)[1:].view(S, H, L, K)), ValueError,
+     "g_cache: expected a 16-byte aligned data pointer"),
     (dict(state=torch.zeros(S, H, K, V)[..., ::2]), ValueError, "state"),
     (dict(q=torch.zeros(B, H, 40, dtype=torch.bfloat16), k=torch.zeros(B, H, 40, dtype=torch.bfloat16),
           f=torch.zeros(B, H, 40, dtype=torch.bfloat16), dt_bias=torch.zeros(H, 40)), ValueError, "K"),

@@ -6,6 +6,8 @@
 //   act_t                      activations: q, k, v, f, b, y, and the k / v rings
 //   ring_t                     the u ring: fp32 without a shadow (the flush sums it), bf16 with one
 //   KDA_SHADOW                 0: none; 1: bf16 shadow of the checkpoint (read on non-flush steps, rewritten at the flush)
+//   KDA_STAGED                 0: the non-flush step loads the ring to registers per entry; 1: stages it in shared
+//                              memory by cp.async (stage_ring_kg / stage_ring_u; many-wave grids, KDASpec.staged)
 //   KDA_LOWER_BOUND, kLowerBound  0: Kimi's gate; 1: GLM-5 Next's gate bounded below by kLowerBound
 //   kH, kK, kV, kL             heads, key dim, value dim, ring length (2..16)
 //   kCVL, kWarps, kMinBlocks   lanes across a state row's block columns (4 columns each), warps, resident blocks
@@ -47,6 +49,9 @@
 #include "common/warp.cuh"
 #include "kda/gate.cuh"
 
+#ifndef KDA_STAGED
+#define KDA_STAGED 0
+#endif
 #ifndef KDA_SHADOW
 #define KDA_SHADOW 0
 #endif
@@ -61,10 +66,13 @@ using rssm_common::to_f;
 using rssm_common::transpose_reduce;
 using rssm_common::cp_async16;
 using rssm_common::cp_async_wait_all;
+using rssm_common::cp_async_commit;
+using rssm_common::cp_async_wait_group;
 
 using rssm_common::pow2_at_least;
 
 constexpr int kThreads = kWarps * 32;
+constexpr bool kStaged = KDA_STAGED;  // KDASpec.staged: the non-flush step's ring through shared memory
 constexpr int kRG = 32 / kCVL;               // row groups of a warp
 constexpr int kRT = kK / kRG;                // rows per lane
 constexpr int kWCols = 4 * kCVL;             // columns of a warp
@@ -210,6 +218,14 @@ struct alignas(16) ReplaySmem {
   float e0k[kK], e0q[kK];   // D_{t,0} k, D_{t,0} q (raw)
   float red1[kWarps][kN1], red2[kWarps][kN2];
 };
+// KDA_STAGED: the buffered entries j < m, staged by cp.async: g_j, raw k_j per channel, u_j of the block's columns.
+struct alignas(16) StagedSmem : ReplaySmem {
+  alignas(16) float g[kEA][kK];
+  alignas(16) act_t kr[kEA][kK];
+  alignas(16) ring_t u[kEA][kCols];
+};
+static_assert(!kStaged || (kK * sizeof(act_t) % 16 == 0 && kCols * sizeof(ring_t) % 16 == 0 &&
+                           kV * sizeof(ring_t) % 16 == 0), "the ring's rows must be whole 16-byte vectors (cp.async)");
 // The u-sum flush (no shadow): per channel the coefficient of every entry (raw k_j times its decay to the end, the
 // row stride padded so the 8 rows a warp reads at once hit distinct banks), the whole decay, the block's fp32 u_j
 // columns, the per-entry norms' partials with the token's three sums.
@@ -225,7 +241,8 @@ struct alignas(16) UsumSmem {
   float red[kWarps][kNU];
 };
 constexpr size_t kFoldBytes = sizeof(FoldSmem) > sizeof(UsumSmem) ? sizeof(FoldSmem) : sizeof(UsumSmem);
-constexpr size_t kSmemBytes = kFoldBytes > sizeof(ReplaySmem) ? kFoldBytes : sizeof(ReplaySmem);
+constexpr size_t kReplayBytes = kStaged ? sizeof(StagedSmem) : sizeof(ReplaySmem);
+constexpr size_t kSmemBytes = kFoldBytes > kReplayBytes ? kFoldBytes : kReplayBytes;
 
 __device__ __forceinline__ float comp(const float4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
 
@@ -550,6 +567,48 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
+// The non-flush step after its barrier (both ring paths): the norms and entry weights from the warps' partials, the
+// checkpoint's two dots, the buffered entries' term (uterm: d + sum_{j<m} coef_j u_j on the lane's side), u, y and the
+// appended entry.
+template <typename UTerm>
+__device__ __forceinline__ void nonflush_out(const Args& a, const Coords& c, size_t hs, int m, const Rows& st,
+                                             const ReplaySmem& sm, act_t v_raw, float beta, int ocol, int kind,
+                                             bool writer, UTerm uterm) {
+  const size_t in = (size_t)c.b * kH + c.h;
+  float t1 = 0.f, t2 = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) t1 += sm.red1[w][c.lane % kN1], t2 += sm.red2[w][c.lane % kN2];
+  const float rk = rnorm(__shfl_sync(0xffffffffu, t1, kH1 - 1));
+  const float rq = rnorm(__shfl_sync(0xffffffffu, t1, kN1 - 1)) * kScale;
+  const float kq = __shfl_sync(0xffffffffu, t2, kN2 - 1) * rk * rq;
+  // lane l < kN1: the weight of entry l % kH1 on its side (k . D k_t or k . D q_t, every norm applied)
+  const float rj = rnorm(__shfl_sync(0xffffffffu, t2, c.lane % kH1));
+  const float coef = t1 * rj * (c.lane < kH1 ? rk : rq);
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const int i = c.row(r);
+    const float dk = sm.e0k[i], dq = sm.e0q[i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
+  }
+  float d = transpose_reduce<8, kCVL>(acc) * (kind ? rq : rk);
+  d = uterm(d, coef, kind);
+  const float u0 = beta * (to_f(v_raw) - d);
+  const float u = __shfl_xor_sync(0xffffffffu, u0, kCVL);
+  if (first_copy(c)) {
+    if (kind) {
+      a.y[in * kV + ocol] = from_f<act_t>(d + kq * u);
+    } else {
+      a.uc_out[(hs * kL + m) * kV + ocol] = from_f<ring_t>(u0);
+      a.vc_out[(hs * kL + m) * kV + ocol] = v_raw;
+    }
+  }
+  if (writer && threadIdx.x == 0) a.bc_out[hs * kL + m] = beta;
+}
+
 __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, int slot, int m, ReplaySmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
@@ -612,41 +671,113 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
   if constexpr (KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
   const float beta = sigmoid(to_f(b_raw));
   __syncthreads();
-  float t1 = 0.f, t2 = 0.f;
+  nonflush_out(a, c, hs, m, st, sm, v_raw, beta, ocol, kind, writer, [&](float d, float coef, int kind) {
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) t1 += sm.red1[w][c.lane % kN1], t2 += sm.red2[w][c.lane % kN2];
-  const float rk = rnorm(__shfl_sync(0xffffffffu, t1, kH1 - 1));
-  const float rq = rnorm(__shfl_sync(0xffffffffu, t1, kN1 - 1)) * kScale;
-  const float kq = __shfl_sync(0xffffffffu, t2, kN2 - 1) * rk * rq;
-  // lane l < kN1: the weight of entry l % kH1 on its side (k . D k_t or k . D q_t, every norm applied)
-  const float rj = rnorm(__shfl_sync(0xffffffffu, t2, c.lane % kH1));
-  const float coef = t1 * rj * (c.lane < kH1 ? rk : rq);
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int r = 0; r < kRT; ++r) {
-    const int i = c.row(r);
-    const float dk = sm.e0k[i], dq = sm.e0q[i];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
+    for (int j = 0; j < kE; ++j) {
+      if (j < m) d = fmaf(__shfl_sync(0xffffffffu, coef, kind * kH1 + j), uh[j], d);
+    }
+    return d;
+  });
+}
+
+// The m buffered entries a non-flush step reads into shared memory by cp.async: k_j and g_j of every channel (entries
+// j < m are contiguous: one flat copy each), u_j of the block's columns. One runtime loop a tensor: no per-entry
+// predicate, address or register (as predicated register loads, every entry and tensor cost ~8 SASS instructions
+// and 2 registers of address, issued ahead of the rows, at k = 1 too: ncu SASS, Kimi-K3 TP8 shadow, 7bcd800).
+// Issue order is part of the design: k_j / g_j (the channel stage's inputs) go out before the rows, in their own
+// group, so the channel stage runs while the rows stream; u_j (read last, by the output stage) after the rows. With
+// the whole ring issued after the rows, the channel stage waited for rows + ring and the ring's bytes came at half
+// the rate of main's predicated loads (H100, 8a5e653d7c, Kimi-K3 TP8 bs32 fp32 1.32x -> 1.24x; bench/NOTES.md).
+__device__ __forceinline__ void stage_ring_kg(const Args& a, size_t hs, int m, StagedSmem& sm) {
+  constexpr int kKQ = kK * (int)sizeof(act_t) / 16, kGQ = kK * 4 / 16;
+  const char* kb = reinterpret_cast<const char*>(a.kc_in + hs * kL * kK);
+  const char* gb = reinterpret_cast<const char*>(a.gc_in + hs * kL * kK);
+  for (int t = threadIdx.x; t < m * kKQ; t += kThreads) cp_async16(reinterpret_cast<char*>(&sm.kr[0][0]) + t * 16, kb + t * 16);
+  for (int t = threadIdx.x; t < m * kGQ; t += kThreads) cp_async16(reinterpret_cast<char*>(&sm.g[0][0]) + t * 16, gb + t * 16);
+  cp_async_commit();
+}
+__device__ __forceinline__ void stage_ring_u(const Args& a, size_t hs, int m, StagedSmem& sm) {
+  constexpr int kUQ = kCols * (int)sizeof(ring_t) / 16;
+  const char* ub = reinterpret_cast<const char*>(a.uc_in + hs * kL * kV + (blockIdx.x % kChunks) * kCols);
+  for (int t = threadIdx.x; t < m * kUQ; t += kThreads) {
+    const int j = t / kUQ, q = t % kUQ;
+    cp_async16(reinterpret_cast<char*>(&sm.u[j][0]) + q * 16, ub + (size_t)j * kV * sizeof(ring_t) + q * 16);
   }
-  float d = transpose_reduce<8, kCVL>(acc) * (kind ? rq : rk);
+  cp_async_commit();
+}
+
+// The non-flush step with the ring staged (KDA_STAGED): the same arithmetic in the same order as replay_nonflush.
+__device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coords& c, int slot, int m, StagedSmem& sm) {
+  const size_t hs = (size_t)slot * kH + c.h;
+  stage_ring_kg(a, hs, m, sm);  // first: the channel stage waits for these, the rows are used after it
+  Rows st;
+  load_rows(st, step_rows(a, hs), c);
+  stage_ring_u(a, hs, m, sm);
+  const int ocol = out_col(c), kind = out_kind(c);
+  const size_t in = (size_t)c.b * kH + c.h;
+  act_t v_raw, b_raw;  // as replay_nonflush
+  if constexpr (!KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
+  const float A = expf(__ldg(a.A_log + c.h));
+  const bool writer = blockIdx.x % kChunks == 0;
+  float r1[kN1], r2[kN2];
 #pragma unroll
-  for (int j = 0; j < kE; ++j) {
-    if (j < m) d = fmaf(__shfl_sync(0xffffffffu, coef, kind * kH1 + j), uh[j], d);
-  }
-  const float u0 = beta * (to_f(v_raw) - d);
-  const float u = __shfl_xor_sync(0xffffffffu, u0, kCVL);
-  if (first_copy(c)) {
-    if (kind) {
-      a.y[in * kV + ocol] = from_f<act_t>(d + kq * u);
-    } else {
-      a.uc_out[(hs * kL + m) * kV + ocol] = from_f<ring_t>(u0);
-      a.vc_out[(hs * kL + m) * kV + ocol] = v_raw;
+  for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN2; ++i) r2[i] = 0.f;
+  // This token's per-channel inputs go out with the rows and the staged ring; the channel stage reads the ring
+  // after the barrier.
+  act_t k_raw[kCPT];
+  float kt[kCPT], qt[kCPT], gt[kCPT];
+#pragma unroll
+  for (int n = 0; n < kCPT; ++n) {
+    const int i = threadIdx.x + n * kThreads;
+    if (kK % kThreads == 0 || i < kK) {
+      k_raw[n] = a.k[in * kK + i];
+      kt[n] = to_f(k_raw[n]), qt[n] = to_f(a.q[in * kK + i]);
+      gt[n] = gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A);
     }
   }
-  if (writer && threadIdx.x == 0) a.bc_out[hs * kL + m] = beta;
+  cp_async_wait_group<1>();  // k_j, g_j (u_j may still fly: waited for before the second barrier)
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < kCPT; ++n) {
+    const int i = threadIdx.x + n * kThreads;
+    if (kK % kThreads == 0 || i < kK) {
+      // Suffix over the entries, newest first: the exponent entry j sees is g_t + sum_{j<i<m} g_i.
+      float run = gt[n];
+#pragma unroll
+      for (int j = kE - 1; j >= 0; --j) {
+        if (j < m) {
+          const float kj = to_f(sm.kr[j][i]);
+          const float w = expf(run) * kj;
+          r1[j] = fmaf(w, kt[n], r1[j]), r1[kH1 + j] = fmaf(w, qt[n], r1[kH1 + j]), r2[j] = fmaf(kj, kj, r2[j]);
+          run += sm.g[j][i];
+        }
+      }
+      const float e0 = expf(run);
+      sm.e0k[i] = e0 * kt[n], sm.e0q[i] = e0 * qt[n];
+      r1[kH1 - 1] += kt[n] * kt[n], r1[kN1 - 1] += qt[n] * qt[n], r2[kN2 - 1] += kt[n] * qt[n];
+      if (writer) {
+        a.kc_out[(hs * kL + m) * kK + i] = k_raw[n];
+        a.gc_out[(hs * kL + m) * kK + i] = gt[n];
+      }
+    }
+  }
+  {
+    const float t1 = transpose_reduce<kN1, 1>(r1);
+    const float t2 = transpose_reduce<kN2, 1>(r2);
+    if (c.lane < kN1) sm.red1[c.warp][c.lane] = t1;
+    if (c.lane < kN2) sm.red2[c.warp][c.lane] = t2;
+  }
+  if constexpr (KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
+  const float beta = sigmoid(to_f(b_raw));
+  cp_async_wait_all();  // the u_j columns
+  __syncthreads();
+  nonflush_out(a, c, hs, m, st, sm, v_raw, beta, ocol, kind, writer, [&](float d, float coef, int kind) {
+    const int bcol = ocol - (blockIdx.x % kChunks) * kCols;
+    for (int j = 0; j < m; ++j) d = fmaf(__shfl_sync(0xffffffffu, coef, kind * kH1 + j), to_f(sm.u[j][bcol]), d);
+    return d;
+  });
 }
 
 __device__ __forceinline__ void conventional(const Args& a) {
@@ -673,6 +804,7 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
 #else
   if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<UsumSmem*>(smem));
 #endif
+  else if constexpr (kStaged) replay_nonflush_staged(a, c, slot, pos, *reinterpret_cast<StagedSmem*>(smem));
   else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
 }
 

@@ -16,7 +16,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ...config import CUDA_TYPES, SMS, SUPPORTED_NUM_TOKENS, pinned, tail_resident
+from ...config import CUDA_TYPES, ITEMSIZE, SMS, SUPPORTED_NUM_TOKENS, pinned, tail_resident
 from ..gdn.config import GDN_RESIDENT_THREADS, GDNSpec, gdn_plan
 
 ENTRY_FILE = "kda/kda_decode.cu"
@@ -42,6 +42,12 @@ RESIDENT_THREADS = 384  # __launch_bounds__ min blocks = this / threads: ~170 re
 # 97%: 1.52x -> 1.50x), so they ask for TAIL_F32_MARGIN.
 TAIL_RESIDENT_THREADS = 512
 TAIL_F32_MARGIN = 0.15
+# The non-flush step's ring through shared memory (KDASpec.staged) where the grid runs at least this many waves of
+# blocks. There the step is issue-bound and the staged ring's fewer instructions win; in short grids it is latency,
+# and the staging's barrier and shared-memory hop cost (H100, 42827d5576 vs db72997, one call: bs256 fp32 / shadow
+# Kimi-K3 TP8 1.58 / 1.71x -> 1.64 / 1.74x, GLM-5.3-Flash TP8 1.60 / 1.77x -> 1.65 / 1.87x; Kimi bs1-32 3-7% slower,
+# GLM bs1-32 1-7% faster; bench/NOTES.md "Nineteenth session").
+STAGED_MIN_WAVES = 4
 # The verify module: 384 / threads (168 registers). Its channel stage holds the window's and the history's
 # per-channel values beside the 64 state registers: 201-218 registers at (4 lanes, 4 warps), T = 1..4 (ptxas) when
 # planned for 256; capped at 168 it spills 48-76 bytes a thread, and is still faster: three blocks an SM hide the
@@ -78,6 +84,7 @@ class KDASpec:
     arch: int = 90
     num_tokens: int = 0  # 0: the decode module; T = 1 + num_draft: the verify module (2 T <= L)
     resident: int = 0  # threads an SM the register budget is planned for (0: the module's default, min_blocks)
+    staged: bool = False  # decode module: the non-flush step stages its ring in shared memory (kda.cuh KDA_STAGED)
 
     @property
     def entry_file(self) -> str:
@@ -104,6 +111,11 @@ class KDASpec:
         if self.num_tokens and (self.num_tokens not in SUPPORTED_NUM_TOKENS or 2 * self.num_tokens > self.buffer_len):
             raise ValueError(f"KDASpec.num_tokens: expected 0 (decode) or one of {SUPPORTED_NUM_TOKENS} with "
                              f"2 T <= L = {self.buffer_len} (flush one window early), got {self.num_tokens}")
+        if not isinstance(self.staged, bool):
+            raise TypeError(f"KDASpec.staged: expected a bool, got {type(self.staged).__name__}")
+        if self.staged and self.num_tokens:  # (its 16-byte rows hold for every valid K, V, cols: kda.cuh asserts)
+            raise ValueError(f"KDASpec.staged: the decode module's option (num_tokens 0), got num_tokens="
+                             f"{self.num_tokens}")
         if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < 0:
             raise ValueError(f"KDASpec.resident: expected an int >= 0 (0: the default), got {self.resident!r}")
         if self.num_tokens and self.K > 2 * 32 * self.warps:
@@ -149,6 +161,9 @@ class KDASpec:
         fold = (16 * self.K + 36 * self.K * nc + 4 * e * self.cols + 4 * e + 4 * self.warps * e * 4 * self.col_lanes
                 + 64 * nc * (self.warps + 1) + 64)
         if not T:
+            if self.staged:  # ReplaySmem with the ring tiles (kda.cuh), when it outgrows the fold's
+                ring = e * self.K * (4 + ITEMSIZE[self.act]) + e * self.cols * ITEMSIZE[RING_TYPES[self.shadow]]
+                return max(fold, 8 * self.K + 8 * self.warps * 2 * (e + 1) + ring + 48)
             return fold
         return fold + 8 * T * self.K + 128 * ((self.window_products + 31) // 32) * (self.warps + 1) + 16
 
@@ -185,7 +200,7 @@ class KDASpec:
                 f"_n{int(self.l2norm)}" + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
-                + (f"_r{self.resident}" if self.resident else "") + f"_sm{self.arch}")
+                + (f"_r{self.resident}" if self.resident else "") + ("_st" if self.staged else "") + f"_sm{self.arch}")
 
     def prelude(self) -> str:
         lb = self.lower_bound is not None
@@ -197,6 +212,7 @@ class KDASpec:
             f"using ring_t = {CUDA_TYPES[RING_TYPES[self.shadow]]};  // the u ring (RING_TYPES)",
             f"#define KDA_SHADOW {SHADOW_KINDS.index(self.shadow)}",
             f"#define KDA_LOWER_BOUND {int(lb)}",
+            *(["#define KDA_STAGED 1"] if self.staged else []),
             *([f"#define KDA_TOKENS {self.num_tokens}"] if self.num_tokens else []),
             *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;  // {_f32(self.lower_bound)!r}"]
               if lb else []),
@@ -216,10 +232,12 @@ class KDASpec:
 _OVERRIDE: dict = {}
 
 
-def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None):
+def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None,
+             staged: bool | None = None):
     """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
-    register budget of the planned modules is set for (KDASpec.resident)."""
-    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident)
+    register budget of the planned modules is set for (KDASpec.resident); ``staged``: KDASpec.staged of the decode
+    modules."""
+    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, staged=staged)
 
 
 def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
@@ -270,8 +288,13 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
         resident = tail_resident(batch * H * (V // (4 * cl * w)), 32 * w, (RESIDENT_THREADS, TAIL_RESIDENT_THREADS),
                                  margin=margin)
         resident = 0 if resident == RESIDENT_THREADS else resident
-    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
-                   _OVERRIDE.get("resident", resident))
+    resident = _OVERRIDE.get("resident", resident)
+    staged = False
+    if not conventional and not num_tokens:  # STAGED_MIN_WAVES
+        per_wave = SMS * max(1, (resident or RESIDENT_THREADS) // (32 * w))
+        staged = batch * H * (V // (4 * cl * w)) >= STAGED_MIN_WAVES * per_wave
+        staged = _OVERRIDE.get("staged", staged)
+    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens, resident, staged)
 
 
 @dataclass(frozen=True)

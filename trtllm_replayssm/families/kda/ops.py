@@ -123,10 +123,10 @@ def _step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out, l
 def _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow, cursor_dims=("slots",),
                shadow_dims=("slots", "H", "K", "V")) -> list:
     return [
-        Arg("k_cache", k_cache, ("slots", "H", "L", "K"), "act", None),
+        Arg("k_cache", k_cache, ("slots", "H", "L", "K"), "act", VECTOR_BYTES),  # cp.async (the non-flush step)
         # config.RING_TYPES; 16-byte aligned: the u-sum flush stages its tiles by cp.async
         Arg("u_cache", u_cache, ("slots", "H", "L", "V"), F32 if shadow is None else _BF16, VECTOR_BYTES),
-        Arg("g_cache", g_cache, ("slots", "H", "L", "K"), F32, None),
+        Arg("g_cache", g_cache, ("slots", "H", "L", "K"), F32, VECTOR_BYTES),  # cp.async (the non-flush step)
         Arg("v_cache", v_cache, ("slots", "H", "L", "V"), "act", None),
         Arg("beta_cache", beta_cache, ("slots", "H", "L"), F32, None),
         Arg("cursor", cursor, cursor_dims, I32, None),
