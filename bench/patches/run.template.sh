@@ -9,7 +9,7 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";;
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll), Z (KDA entry loops in chunks of 4), N (the next measurements, no A/B), S (the KDA staged-ring patch) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -200,7 +200,7 @@ gputests s-tests 100 60 tests/test_kda_gpu.py tests/test_kda_verify_gpu.py tests
 fi
 if want s2; then
 echo "== s2 KDA pair $(left)s left"
-pair ${STAG:-kda-stage}ab1 bench_kda.py 70 --batches 1,8,32,256
+pair ${STAG:-kda-stage}ab1 bench_kda.py 70 --batches ${SBATCH:-1,8,32,256}
 fi
 if want s3; then
 echo "== s3 memcheck and racecheck of the patched step $(left)s left"
@@ -210,5 +210,18 @@ fi
 if want s4; then
 echo "== s4 second KDA pair $(left)s left"
 pair ${STAG:-kda-stage}ab2 bench_kda.py 70 --batches 1,32,256
+fi
+# ---- E: the GDN eager step (issue 40; bench/NOTES.md "GDN eager")
+if want e1; then
+echo "== e1 GDN GPU tests, patched $(left)s left"
+gputests e-tests 120 60 tests/test_gdn_gpu.py tests/test_gdn_cache_gpu.py
+fi
+if want e2; then
+echo "== e2 GDN pair $(left)s left"
+pair gdn-eagerab1 bench_gdn.py 60 --batches 1,2,8,32,256
+fi
+if want e3; then
+echo "== e3 memcheck of the eager step $(left)s left"
+san memcheck 10 40 gdn tests/test_gdn_gpu.py "eager or qwen3_next or b1"
 fi
 echo "== done $(left)s left"; save
