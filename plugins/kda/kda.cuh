@@ -567,6 +567,14 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
+// The warp's channel-stage partials (entry dots and norms) into shared memory, one lane a value.
+__device__ __forceinline__ void store_partials(float (&r1)[kN1], float (&r2)[kN2], const Coords& c, ReplaySmem& sm) {
+  const float t1 = transpose_reduce<kN1, 1>(r1);
+  const float t2 = transpose_reduce<kN2, 1>(r2);
+  if (c.lane < kN1) sm.red1[c.warp][c.lane] = t1;
+  if (c.lane < kN2) sm.red2[c.warp][c.lane] = t2;
+}
+
 // The non-flush step after its barrier (both ring paths): the norms and entry weights from the warps' partials, the
 // checkpoint's two dots, the buffered entries' term (uterm: d + sum_{j<m} coef_j u_j on the lane's side), u, y and the
 // appended entry.
@@ -662,12 +670,7 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
       }
     }
   }
-  {
-    const float t1 = transpose_reduce<kN1, 1>(r1);
-    const float t2 = transpose_reduce<kN2, 1>(r2);
-    if (c.lane < kN1) sm.red1[c.warp][c.lane] = t1;
-    if (c.lane < kN2) sm.red2[c.warp][c.lane] = t2;
-  }
+  store_partials(r1, r2, c, sm);
   if constexpr (KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
   const float beta = sigmoid(to_f(b_raw));
   __syncthreads();
@@ -763,12 +766,7 @@ __device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coor
       }
     }
   }
-  {
-    const float t1 = transpose_reduce<kN1, 1>(r1);
-    const float t2 = transpose_reduce<kN2, 1>(r2);
-    if (c.lane < kN1) sm.red1[c.warp][c.lane] = t1;
-    if (c.lane < kN2) sm.red2[c.warp][c.lane] = t2;
-  }
+  store_partials(r1, r2, c, sm);
   if constexpr (KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
   const float beta = sigmoid(to_f(b_raw));
   cp_async_wait_all();  // the u_j columns
