@@ -9,8 +9,8 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; W) STEPS="w1 w2 w3 w4 w5";; X) STEPS="x1 x2 x3 x4 x5";; Y) STEPS="x1 y2 y3 y4 x5";; Z) STEPS="z1 z2 z3";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
-  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), W (the (V, K) prologue patch), X (inputs before the wait), Y (its KDA half, fp32 only; GDN u-sum unroll), Z (KDA entry loops in chunks of 4), N (the next measurements, no A/B), S (the KDA staged-ring patch) or all"; exit 2;; esac
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
+  all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), N (the next measurements, no A/B), S (a KDA A/B: tests, pairs, sanitizers), E (a GDN A/B), SE (both) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -102,77 +102,6 @@ echo "== 7 racecheck $(left)s left"
 san racecheck 40 90 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush"
 san racecheck 10 90 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush"
 fi
-# ---- W: the (V, K) KDA prologue as one warp a head (2026-12-07_kda-vk-warp-prologue.patch), issue 37's fla column,
-# issue 40's bs 16-64 fp32 shapes (bench/NOTES.md "KDA (V, K) replay" and "Issue 40 after the u-sum")
-if want w1; then
-echo "== w1 (V, K) tests and GDN's R32 at 1024 pinned, patched $(left)s left"
-TL=$(cap 70 30); [ $TL -gt 20 ] && new timeout $TL python3 -m pytest -q -p no:cacheprovider -rfE -n 4 tests/test_kda_vk.py \
-  tests/test_gdn_gpu.py -m gpu -k "test_kda_vk or rt2_w8_r1024" > /tmp/r/vk-tests.txt 2>&1; tail -3 /tmp/r/vk-tests.txt; save
-fi
-if want w2; then
-echo "== w2 the two-kernel step's parts, main / patched $(left)s left"
-pair kda-vk-parts bench_kda_vk_parts.py 40
-fi
-if want w3; then
-echo "== w3 the (V, K) forms beside the (K, V) rows, with fla, main / patched $(left)s left"
-pair kda-vk bench_kda.py 120 --vk --geoms kimi_k3_tp8,glm5_3_flash_tp8 --batches 1,32,256 --fla-path $FLA
-fi
-if want w4; then
-echo "== w4 GDN fp32 at bs 16-64: R32 (rt 2) at 3 and 4 blocks an SM beside the plan $(left)s left"
-for sh in -:2:-:- -:2:-:1024; do [ $(left) -gt 80 ] && new timeout 60 python3 scripts/bench_gdn.py --batches 16,32,64 \
-  --replay-shape=$sh --out /tmp/r --tag gdn-shape-${sh//[:-]/} > /tmp/r/gdn-shape-${sh//[:-]/}.txt 2>&1; tail -4 /tmp/r/gdn-shape-${sh//[:-]/}.txt; done; save
-fi
-if want w5; then
-echo "== w5 memcheck of the two-kernel step $(left)s left"
-san memcheck 10 50 _vk tests/test_kda_vk.py "split and (odd or b40 or bad_cursor or flush)"
-fi
-# ---- X: this token's inputs issued before the wait (GDN u-sum flush; KDA non-flush step and u-sum flush), issues
-# 40 / 37 (bench/NOTES.md "Eighteenth session")
-if want x1; then
-echo "== x1 GDN and KDA GPU tests, new $(left)s left"
-gputests x-tests 170 60 tests/test_gdn_gpu.py tests/test_kda_gpu.py tests/test_kda_verify_gpu.py
-fi
-if want x2; then
-echo "== x2 GDN pair $(left)s left"
-pair gdn-inputsab1 bench_gdn.py 60 --batches 1,2,8,32,256
-fi
-if want x3; then
-echo "== x3 KDA pair $(left)s left"
-pair kda-inputsab1 bench_kda.py 80 --batches 1,8,32,256
-fi
-if want x4; then
-echo "== x4 second GDN pair, small batch $(left)s left"
-pair gdn-inputsab2 bench_gdn.py 40 --batches 1,4,8,32
-fi
-if want x5; then
-echo "== x5 memcheck $(left)s left"
-san memcheck 40 60 gdn tests/test_gdn_gpu.py "replay_matches or fp32_flush or strong_decay"
-san memcheck 10 60 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush"
-fi
-if want y2; then
-echo "== y2 GDN pair: the u-sum's unroll at one row a thread $(left)s left"
-pair gdn-unrollab1 bench_gdn.py 40 --batches 1,2,4,8,32
-fi
-if want y3; then
-echo "== y3 KDA pair, twice $(left)s left"
-pair kda-inputsab2 bench_kda.py 75 --batches 1,8,32,256
-fi
-if want y4; then
-pair kda-inputsab3 bench_kda.py 75 --batches 1,8,32,256
-fi
-# ---- Z: the KDA non-flush step's per-entry loops in chunks of 4 (no branch per entry), issue 37
-if want z1; then
-echo "== z1 KDA GPU tests, new $(left)s left"
-gputests z-tests 90 60 tests/test_kda_gpu.py tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py
-fi
-if want z2; then
-echo "== z2 KDA pair $(left)s left"
-pair kda-chunkab1 bench_kda.py 70 --batches 1,8,32,256
-fi
-if want z3; then
-echo "== z3 memcheck $(left)s left"
-san memcheck 5 50 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or fp32_flush or glm_shadow"
-fi
 # ---- N: the next measurements (bench/NOTES.md "Next, after the eighteenth session"): no A/B, main's tree
 if want n1; then
 echo "== n1 KDA replay launch shapes at small batch, both geometries $(left)s left"
@@ -192,7 +121,7 @@ NCUX="--cache-control none" prof gdn-b32-k13-warm gdn_replay profile_gdn.py --ba
 NCUX="--cache-control none" prof gdn-b32-k1-warm gdn_replay profile_gdn.py --batch 32 --k 1
 prof kda-glm-b1-k13 kda_replay profile_kda.py --geom glm5_3_flash_tp8 --batch 1 --k 13
 fi
-# ---- S: 2026-12-07_kda-staged-ring.patch (the KDA non-flush step's ring staged by cp.async), issue 37
+# ---- S: a KDA change against main (first run for the staged ring, 2026-12-07; STAG names the pairs, SBATCH their batches)
 if want s1; then
 echo "== s1 KDA GPU tests, patched $(left)s left"
 gputests s-tests 100 60 tests/test_kda_gpu.py tests/test_kda_verify_gpu.py tests/test_kda_cache_gpu.py \
@@ -211,7 +140,7 @@ if want s4; then
 echo "== s4 second KDA pair $(left)s left"
 pair ${STAG:-kda-stage}ab2 bench_kda.py 70 --batches 1,32,256
 fi
-# ---- E: the GDN eager step (issue 40; bench/NOTES.md "GDN eager")
+# ---- E: a GDN change against main (first run for the GDN eager step, 2026-12-07)
 if want e1; then
 echo "== e1 GDN GPU tests, patched $(left)s left"
 gputests e-tests 120 60 tests/test_gdn_gpu.py tests/test_gdn_cache_gpu.py
