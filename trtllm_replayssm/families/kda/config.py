@@ -12,6 +12,7 @@ them per batch; :func:`override` pins them for a sweep.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -288,13 +289,12 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
         resident = tail_resident(batch * H * (V // (4 * cl * w)), 32 * w, (RESIDENT_THREADS, TAIL_RESIDENT_THREADS),
                                  margin=margin)
         resident = 0 if resident == RESIDENT_THREADS else resident
-    resident = _OVERRIDE.get("resident", resident)
-    staged = False
-    if not conventional and not num_tokens:  # STAGED_MIN_WAVES
-        per_wave = SMS * max(1, (resident or RESIDENT_THREADS) // (32 * w))
-        staged = batch * H * (V // (4 * cl * w)) >= STAGED_MIN_WAVES * per_wave
-        staged = _OVERRIDE.get("staged", staged)
-    return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens, resident, staged)
+    spec = KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
+                   _OVERRIDE.get("resident", resident))
+    if conventional or num_tokens:
+        return spec
+    staged = math.prod(spec.grid(batch)) >= STAGED_MIN_WAVES * SMS * spec.min_blocks  # waves of blocks
+    return dataclasses.replace(spec, staged=True) if _OVERRIDE.get("staged", staged) else spec
 
 
 @dataclass(frozen=True)
