@@ -73,6 +73,7 @@ ROTATE_BYTES = 512 << 20
 MAX_ROTATIONS = 64
 LOWER_BOUND = {"glm5_3_flash_tp8": -5.0, "glm5_3_flash_tp1": -5.0}  # GLM-5 Next's bounded gate
 FLA = None
+SHADOW_PASSES = 1  # --shadow-passes
 VK_SHAPES = [(4, 8, 512)]  # --vk-shapes: (rows a thread, warps, resident threads an SM) of the (V, K) replay module
 
 
@@ -286,6 +287,10 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
 
     def replay(sh):
         def fn():
+            with override(passes=SHADOW_PASSES if sh is not None and SHADOW_PASSES > 1 else None):
+                _replay_all(sh)
+
+        def _replay_all(sh):
             for r in range(R):
                 kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache,
                                        u_rings[None if sh is None else sh.dtype], g_cache, v_cache,
@@ -373,6 +378,8 @@ def main():
                     "L/2, L for the first geometry at the smallest and largest batch (rows of kind 'sweep'); resident: "
                     "KDASpec.resident (threads an SM the register budget is set for), default the module's")
     ap.add_argument("--sweep-batches", default="", help="the sweep's batches (default: the smallest and largest)")
+    ap.add_argument("--shadow-passes", type=int, default=1, help="KDASpec.passes of the bf16-shadow replay modules "
+                    "(2: a block walks two chunks of its head; 1: the planner's)")
     ap.add_argument("--sweep-only", action="store_true", help="only the sweep rows (an A/B over another kernel tree)")
     ap.add_argument("--verify", type=int, default=0, help="T: verify rows (kind 'verify') at every geometry and batch")
     ap.add_argument("--vk", action="store_true", help="also the conventional step on a (V, K) state (the layout "
@@ -401,7 +408,7 @@ def main():
         ap.error(f"--L: expected 2..16, got {args.L}")
     if not torch.cuda.is_available():
         sys.exit("bench_kda.py needs a CUDA GPU")
-    global FLA, VK_SHAPES
+    global FLA, VK_SHAPES, SHADOW_PASSES
     try:
         VK_SHAPES = [tuple(int(x) for x in t.split(":")) for t in args.vk_shapes.split(",") if t.strip()]
         if any(len(t) != 3 for t in VK_SHAPES):
@@ -415,8 +422,11 @@ def main():
     except ValueError:
         ap.error(f"--conv-resident: expected comma-separated thread counts >= 32, got {args.conv_resident!r}")
     FLA = load_fla(args.fla_path)
+    if args.shadow_passes not in (1, 2):
+        ap.error(f"--shadow-passes: expected 1 or 2, got {args.shadow_passes}")
+    SHADOW_PASSES = args.shadow_passes
     ceiling = copy_ceiling_tbps()
-    meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling,
+    meta = dict(**timing.run_meta(commit=args.commit), copy_ceiling_tbps=ceiling, shadow_passes=SHADOW_PASSES,
                 fla=None if FLA is None else json.loads((args.fla_path / "PEER.json").read_text()))
     print("RESULT_JSON " + json.dumps({"kind": "meta", **meta}), flush=True)
     rows, verify = [], []

@@ -43,7 +43,11 @@ ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffe
         # the staged ring (KDASpec.staged), planned at bs256 (PUBLISHED), here at the odd shapes and both rings
         dict(staged=True), dict(col_lanes=4, staged=True, shadow="bf16", lower_bound=-5.0),
         dict(H=3, K=48, V=40, warps=1, act="f32", staged=True), dict(H=5, K=64, V=24, warps=1, act="f16", staged=True),
-        dict(K=256, V=64, warps=2, shadow="bf16", staged=True), dict(buffer_len=2, staged=True)]
+        dict(K=256, V=64, warps=2, shadow="bf16", staged=True), dict(buffer_len=2, staged=True),
+        # two passes a block (KDASpec.passes): the shadow modules at K = 128, fp32 where its rows tile fits
+        dict(col_lanes=4, staged=True, passes=2, shadow="bf16"), dict(staged=True, passes=2, shadow="bf16", warps=2),
+        dict(K=256, V=64, warps=4, shadow="bf16", staged=True, passes=2),
+        dict(H=3, K=64, V=64, warps=2, act="f32", staged=True, passes=2)]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
 VERIFY_PUBLISHED = [
     kda_spec("bf16", *GEOMETRIES[g], 16, batch, sh, lower_bound=lb, arch=arch, num_tokens=T)
@@ -123,6 +127,9 @@ def test_key_and_prelude():
     (dict(num_tokens=-1), "num_tokens"), (dict(num_tokens=2, K=256, V=64, warps=1), "2 key channels a thread"),
     (dict(resident=-1), "resident"),
     (dict(staged=True, num_tokens=4), "staged"),
+    (dict(passes=2), "staged ring"), (dict(passes=3, staged=True), "passes"), (dict(passes=True, staged=True), "passes"),
+    (dict(passes=2, staged=True, V=96, col_lanes=4, warps=2), "divide"),
+    (dict(passes=2, staged=True, col_lanes=4), "static shared memory"),  # fp32 rows of the second pass: 32 KB more
 ])
 def test_spec_rejects(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -149,6 +156,22 @@ def test_planner():
         assert kda_spec("bf16", 12, 128, 128, 16, 1).staged
     with override(staged=False):
         assert not kda_spec("bf16", 12, 128, 128, 16, 256).staged
+    # two passes a block: planned for the staged shadow modules (Kimi-K3 TP8 from bs128, GLM-5.3-Flash TP8 at bs256)
+    for H, lb, first in ((12, None, 128), (8, -5.0, 256)):
+        for b in (1, 8, 32, 64, 128, 256):
+            sp = kda_spec("bf16", H, 128, 128, 16, b, "bf16", lower_bound=lb)
+            assert sp.passes == (2 if b >= first else 1) and (sp.passes == 1 or sp.staged)
+            assert kda_spec("bf16", H, 128, 128, 16, b, lower_bound=lb).passes == 1  # fp32: the rows tile does not fit
+    with override(passes=1):
+        assert kda_spec("bf16", 12, 128, 128, 16, 256, "bf16").passes == 1
+    with override(staged=False):
+        assert kda_spec("bf16", 12, 128, 128, 16, 256, "bf16").passes == 1
+    with override(passes=2):  # two passes imply the staged ring and halve the grid
+        p2 = kda_spec("bf16", 12, 128, 128, 16, 256, "bf16")
+    assert p2.staged and p2.passes == 2 and p2.key.endswith("_st_p2_sm90")
+    with override(passes=1):
+        p1 = kda_spec("bf16", 12, 128, 128, 16, 256, "bf16")
+    assert p2.grid(256) == (12, 256, 1) and p1.grid(256) == (24, 256, 1)
     for (H, K, V), batch in itertools.product(set(GEOMETRIES.values()), (1, 8, 64, 256)):
         kda_spec("bf16", H, K, V, 16, batch)  # every plan is a valid spec
         kda_spec("bf16", H, K, V, 2, batch, conventional=True)

@@ -212,6 +212,23 @@ def test_staged_ring_equals_the_register_ring(case, shape):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i}: staged and register rings differ"
 
 
+# KDASpec.passes 2 (a block walks two chunks of its head under one channel stage, the second chunk's rows staged in
+# shared memory): against the reference, and bit for bit equal to the register ring (each column's arithmetic is the
+# same in the same order). The bf16-shadow modules (where it fits 48 KB at K = 128), and an fp32 one at K = 64.
+PASSES = [(CASES[1], (4, 4)), (CASES[3], (4, 4)), (CASES[3], (4, 4, 512)), (CASES[6], (2, 4)),
+          (("f32_k64_L6", (3, 64, 64), torch.bfloat16, 6, 3, 5, None, True, False), (2, 2))]
+
+
+@pytest.mark.parametrize("case, shape", PASSES, ids=[f"{c[0]}" + "".join(f"-{x}" for x in s) for c, s in PASSES])
+def test_two_passes_equal_the_register_ring(case, shape):
+    runs = []
+    for passes in (2, 1):
+        with override(*shape, staged=passes > 1, passes=passes):
+            runs.append(_replay_against_reference(case))
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i}: two passes and one differ"
+
+
 CONV = [(c, None) for c in CASES[:1] + CASES[2:3] + CASES[4:6]] + [(CASES[0], (4, 4)), (CASES[2], (4, 8))]
 
 

@@ -139,6 +139,8 @@ def options(spec, target: str) -> list[str]:
         raise ValueError(f"target: expected 'ptx' or 'cubin', got {target!r}")
     arch = f"compute_{spec.arch}" if target == "ptx" else f"sm_{spec.arch}"
     opts = [f"--gpu-architecture={arch}", "-std=c++17"]
+    if os.environ.get("TRTLLM_REPLAYSSM_LINEINFO") == "1":  # source lines in the sanitizers' and profilers' reports
+        opts.append("-lineinfo")
     opts += [f"--include-path={d}" for d in _include_dirs()]
     return opts
 

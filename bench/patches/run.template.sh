@@ -9,7 +9,7 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; EG) STEPS="e1 e2 e3 g1";;
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";;
   all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), N (the next measurements, no A/B), S (a KDA A/B: tests, pairs, sanitizers), E (a GDN A/B), SE (both) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -133,12 +133,17 @@ pair ${STAG:-kda-stage}ab1 bench_kda.py 70 --batches ${SBATCH:-1,8,32,256}
 fi
 if want s3; then
 echo "== s3 memcheck and racecheck of the patched step $(left)s left"
-san memcheck 60 50 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or glm_shadow or k256"
-san racecheck 10 60 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or glm_shadow"
+san memcheck 60 50 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or glm_shadow or k256 or passes"
+san racecheck 10 70 kda tests/test_kda_gpu.py "kimi_k3_tp8 or odd_f32 or glm_shadow or passes or k256"
 fi
 if want s4; then
 echo "== s4 second KDA pair $(left)s left"
 pair ${STAG:-kda-stage}ab2 bench_kda.py 70 --batches 1,32,256
+fi
+if want s5; then
+echo "== s5 KDA two passes a block (shadow modules) beside the planned ones, same tree, same call $(left)s left"
+for p in 1 2; do [ $(left) -gt 45 ] && new timeout $(cap 80 10) python3 scripts/bench_kda.py --batches ${SPBATCH:-32,64,128,256} \
+  --shadow-passes $p --fla-path $([ $p = 1 ] && echo $FLA || echo /none) --out /tmp/r --tag kda-passes$p > /tmp/r/s5-$p.txt 2>&1; grep -v RESULT_JSON /tmp/r/s5-$p.txt | tail -9; done; save
 fi
 # ---- E: a GDN change against main (first run for the GDN eager step, 2026-12-07)
 if want e1; then
@@ -147,7 +152,7 @@ gputests e-tests 120 60 tests/test_gdn_gpu.py tests/test_gdn_cache_gpu.py
 fi
 if want e2; then
 echo "== e2 GDN pair $(left)s left"
-pair gdn-eagerab1 bench_gdn.py 60 --batches 1,2,8,32,256
+pair ${ETAG:-gdn-eager}ab1 bench_gdn.py 60 --batches 1,2,8,32,256
 fi
 if want e3; then
 echo "== e3 memcheck of the eager step $(left)s left"
@@ -159,5 +164,26 @@ echo "== g1 GDN replay shapes at bs 16-64 $(left)s left"
 for sh in ${GSHAPES:--:-:-:512 -:-:4:512}; do [ $(left) -gt 50 ] && new timeout 60 python3 scripts/bench_gdn.py \
   --batches 16,32,64 --replay-shape=$sh --out /tmp/r --tag gdn-shape-$(echo $sh | tr -d ':-') > /tmp/r/g1-$(echo $sh | tr -d ':-').txt 2>&1
   grep -v RESULT_JSON /tmp/r/g1-$(echo $sh | tr -d ':-').txt | tail -5; done; save
+fi
+# ---- r1: racecheck of the K = 256 KDA cases, this tree and main's (is a hazard new, or was it there before?)
+if want r1; then
+echo "== r1 racecheck, K = 256 KDA cases, new and old $(left)s left"
+for t in new old; do [ $(left) -gt 60 ] && $t timeout $(cap 70 40) compute-sanitizer --tool racecheck --report-api-errors no \
+  --kernel-name kns=kda --print-limit 20 python3 -m pytest -q -p no:cacheprovider tests/test_kda_gpu.py -k "k256" -v \
+  > /tmp/r/san_racecheck_k256_$t.txt 2>&1; echo "$t rc=$?"; grep -E "RACECHECK SUMMARY|passed|failed|PASSED|Race" /tmp/r/san_racecheck_k256_$t.txt | head -12; done; save
+fi
+# ---- r2: the same racecheck with source lines (TRTLLM_REPLAYSSM_LINEINFO: NVRTC -lineinfo), this tree
+if want r2; then
+echo "== r2 racecheck with line info, K = 256 KDA cases $(left)s left"
+[ $(left) -gt 50 ] && new env TRTLLM_REPLAYSSM_LINEINFO=1 timeout $(cap 70 5) compute-sanitizer --tool racecheck --report-api-errors no \
+  --kernel-name kns=kda --print-limit 12 python3 -m pytest -q -p no:cacheprovider tests/test_kda_gpu.py -k "k256" -v \
+  > /tmp/r/san_racecheck_k256_lines.txt 2>&1; grep -E "RACECHECK SUMMARY|passed|Race|access at|kda.cuh|\.cuh:" /tmp/r/san_racecheck_k256_lines.txt | head -30; save
+fi
+# ---- n3: KDA launch shapes at batch 1-4 with 8 warps (the bs1 flush's u-sum apply is 15 FMAs a state value a lane)
+if want n3; then
+echo "== n3 KDA replay shapes 2:4 / 2:8 / 4:8 at bs 1-4, both geometries $(left)s left"
+for g in glm5_3_flash_tp8 kimi_k3_tp8; do [ $(left) -gt 50 ] && new timeout $(cap 60 5) python3 scripts/bench_kda.py --geoms $g \
+  --sweep 2:4,2:8,4:8 --sweep-batches 1,4 --sweep-only --out /tmp/r --tag kda-small-w8-$g > /tmp/r/n3-$g.txt 2>&1
+  grep -v RESULT_JSON /tmp/r/n3-$g.txt | tail -7; done; save
 fi
 echo "== done $(left)s left"; save

@@ -8,6 +8,9 @@
 //   KDA_SHADOW                 0: none; 1: bf16 shadow of the checkpoint (read on non-flush steps, rewritten at the flush)
 //   KDA_STAGED                 0: the non-flush step loads the ring to registers per entry; 1: stages it in shared
 //                              memory by cp.async (stage_ring_kg / stage_ring_u; many-wave grids, KDASpec.staged)
+//   KDA_PASSES                 1: one block a chunk of kCols value columns; 2 (staged decode modules): a block walks two
+//                              chunks of its head under one channel stage, the second chunk's rows staged in shared
+//                              memory by cp.async while the first is reduced (KDASpec.passes)
 //   KDA_LOWER_BOUND, kLowerBound  0: Kimi's gate; 1: GLM-5 Next's gate bounded below by kLowerBound
 //   kH, kK, kV, kL             heads, key dim, value dim, ring length (2..16)
 //   kCVL, kWarps, kMinBlocks   lanes across a state row's block columns (4 columns each), warps, resident blocks
@@ -55,6 +58,9 @@
 #ifndef KDA_SHADOW
 #define KDA_SHADOW 0
 #endif
+#ifndef KDA_PASSES
+#define KDA_PASSES 1
+#endif
 #ifndef KDA_TOKENS
 #define KDA_TOKENS 0  // 0: the decode module; T >= 1: the verify module (kda_spec.cuh), window of T tokens
 #endif
@@ -65,6 +71,7 @@ using rssm_common::from_f;
 using rssm_common::to_f;
 using rssm_common::transpose_reduce;
 using rssm_common::cp_async16;
+using rssm_common::cp_async8;
 using rssm_common::cp_async_wait_all;
 using rssm_common::cp_async_commit;
 using rssm_common::cp_async_wait_group;
@@ -78,6 +85,7 @@ constexpr int kRT = kK / kRG;                // rows per lane
 constexpr int kWCols = 4 * kCVL;             // columns of a warp
 constexpr int kCols = kWCols * kWarps;       // columns of a block
 constexpr int kChunks = kV / kCols;
+constexpr int kPasses = KDA_PASSES;          // chunks a block walks (its first: Coords::chunk)
 constexpr int kE = kL - 1;                   // buffered entries at most (the flush step has kE)
 constexpr int kEA = kE > 0 ? kE : 1;         // array extent
 constexpr int kH1 = pow2_at_least(kE + 1);   // non-flush reduce: [0, kH1) k-side, [kH1, 2 kH1) q-side
@@ -95,6 +103,8 @@ constexpr int kCPT = (kK + kThreads - 1) / kThreads;  // channels per thread
 static_assert(kCVL == 2 || kCVL == 4, "kCVL: 2 or 4 lanes across a row (8 dot values per row group)");
 static_assert(kK % kRG == 0 && kRT >= 1, "K must be a multiple of the row groups");
 static_assert(kV % kCols == 0, "the block's columns must divide V");
+static_assert(kPasses == 1 || (kPasses == 2 && kChunks % 2 == 0 && kStaged && KDA_TOKENS == 0),
+              "KDA_PASSES 2: staged decode modules with an even number of chunks a head");
 static_assert(kL >= 2 && kL <= 16, "ring length 2..16 (one warp butterfly holds 2 L values)");
 static_assert(kN1 <= 32, "reduce width");
 static_assert(gslot(kC - 1, kC - 1) < kTS && kTS + 3 <= kGW, "Gram slots");
@@ -125,20 +135,29 @@ __device__ __forceinline__ void store4(__nv_bfloat16* p, const float (&i)[4]) {
   __stcs(reinterpret_cast<uint2*>(p), raw);
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 struct Coords {
   int b, h, warp, lane, cv, rg;
-  int col;  // first of this lane's 4 columns
+  int chunk;  // the chunk of kCols value columns this pass covers
+  int col;    // first of this lane's 4 columns
   __device__ int row(int r) const { return r * kRG + rg; }
 };
 __device__ __forceinline__ Coords coords() {
   Coords c;
   c.b = blockIdx.y;
-  c.h = blockIdx.x / kChunks;
+  c.h = blockIdx.x / (kChunks / kPasses);
   c.warp = threadIdx.x / 32;
   c.lane = threadIdx.x % 32;
   c.cv = c.lane % kCVL;
   c.rg = c.lane / kCVL;
-  c.col = (blockIdx.x % kChunks) * kCols + c.warp * kWCols + c.cv * 4;
+  c.chunk = (blockIdx.x % (kChunks / kPasses)) * kPasses;
+  c.col = c.chunk * kCols + c.warp * kWCols + c.cv * 4;
+  return c;
+}
+__device__ __forceinline__ Coords pass_coords(Coords c, int p) {  // the block's pass p (its chunk c.chunk + p)
+  c.chunk += p;
+  c.col += p * kCols;
   return c;
 }
 template <typename T>
@@ -190,8 +209,10 @@ struct Args {
 // The rows a replay step reads (the non-flush step, a verify window without a fold): the fp32 checkpoint's, or
 // with a shadow the shadow's.
 #if KDA_SHADOW
+using step_t = __nv_bfloat16;
 __device__ __forceinline__ const __nv_bfloat16* step_rows(const Args& a, size_t hs) { return a.sh_in + hs * kK * kV; }
 #else
+using step_t = float;
 __device__ __forceinline__ const float* step_rows(const Args& a, size_t hs) { return a.state_in + hs * kK * kV; }
 #endif
 
@@ -218,11 +239,14 @@ struct alignas(16) ReplaySmem {
   float e0k[kK], e0q[kK];   // D_{t,0} k, D_{t,0} q (raw)
   float red1[kWarps][kN1], red2[kWarps][kN2];
 };
-// KDA_STAGED: the buffered entries j < m, staged by cp.async: g_j, raw k_j per channel, u_j of the block's columns.
+// KDA_STAGED: the buffered entries j < m, staged by cp.async: g_j, raw k_j per channel, u_j of the block's columns
+// (every pass's). KDA_PASSES 2: the second pass's rows, each lane's 4 columns of its kRT rows where the lane reads
+// them back (row r of thread t at rows[r][t]: the copies and the reads are the lane's own, no barrier).
 struct alignas(16) StagedSmem : ReplaySmem {
   alignas(16) float g[kEA][kK];
   alignas(16) act_t kr[kEA][kK];
-  alignas(16) ring_t u[kEA][kCols];
+  alignas(16) ring_t u[kEA][kCols * kPasses];
+  alignas(16) step_t rows[kPasses > 1 ? kRT : 1][kPasses > 1 ? kThreads : 1][4];
 };
 static_assert(!kStaged || (kK * sizeof(act_t) % 16 == 0 && kCols * sizeof(ring_t) % 16 == 0 &&
                            kV * sizeof(ring_t) % 16 == 0), "the ring's rows must be whole 16-byte vectors (cp.async)");
@@ -284,7 +308,7 @@ __device__ __forceinline__ void fold_channel(const Args& a, size_t hs, int i, in
 // i <= j), reduced over each warp into sm.red; the caller's token partials (k.k, q.q, k.q) ride in chunk 0's kTS.
 __device__ __forceinline__ void fold_gram(const Args& a, const Coords& c, size_t hs, int m, int start,
                                           const float (&tk)[3], FoldSmem& sm) {
-  const int chunk0 = (blockIdx.x % kChunks) * kCols;
+  const int chunk0 = c.chunk * kCols;
   for (int i = threadIdx.x; i < m * kCols; i += kThreads) {
     const int j = i / kCols, cc = i % kCols;
     sm.v[j][cc] = to_f(a.vc_in[(hs * kL + ring_at(start, j)) * kV + chunk0 + cc]);
@@ -329,6 +353,7 @@ __device__ __forceinline__ void fold_gram(const Args& a, const Coords& c, size_t
 
 // After a barrier: the Gram totals (one more barrier), then per chunk the dots S^T w_j, the forward substitution
 // and the rank-kC update of the state registers. sm.gram[kTS ..] then holds the caller's token sums.
+__device__ __forceinline__ void fold_chunks(const Coords& c, Rows& st, int m, FoldSmem& sm);
 __device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, FoldSmem& sm) {
   for (int t = threadIdx.x; t < kNC * kGW; t += kThreads) {
     float s = 0.f;
@@ -337,7 +362,12 @@ __device__ __forceinline__ void fold_apply(const Coords& c, Rows& st, int m, Fol
     sm.gram[t] = s;
   }
   __syncthreads();
-  const int bcol = c.col - (blockIdx.x % kChunks) * kCols;  // block column of this lane's first column
+  fold_chunks(c, st, m, sm);
+}
+// The fold's chunks on this lane's rows and columns (the Gram totals in sm.gram): per chunk the dots S^T w_j, the
+// forward substitution and the rank-kC update.
+__device__ __forceinline__ void fold_chunks(const Coords& c, Rows& st, int m, FoldSmem& sm) {
+  const int bcol = c.col - c.chunk * kCols;  // block column of this lane's first column
 #pragma unroll
   for (int q = 0; q < kNC; ++q) {
     if (q * kC >= m) break;  // block-uniform
@@ -426,8 +456,8 @@ __device__ __forceinline__ void usum_channel(const Args& a, size_t hs, int i, fl
 }
 
 // The block's u_j columns (fp32) into shared memory by cp.async (waited for before the barrier).
-__device__ __forceinline__ void usum_stage_u(const Args& a, size_t hs, UsumSmem& sm) {
-  const int chunk0 = (blockIdx.x % kChunks) * kCols;
+__device__ __forceinline__ void usum_stage_u(const Args& a, size_t hs, int chunk, UsumSmem& sm) {
+  const int chunk0 = chunk * kCols;
   constexpr int kQ = kCols / 4;
   for (int t = threadIdx.x; t < kE * kQ; t += kThreads) {
     const int j = t / kQ, q = t % kQ;
@@ -437,7 +467,7 @@ __device__ __forceinline__ void usum_stage_u(const Args& a, size_t hs, UsumSmem&
 
 // After the barrier: S <- Diag(P) S + sum_j n_j c_j u_j^T on this lane's rows and 4 columns.
 __device__ __forceinline__ void usum_apply(const Coords& c, Rows& st, UsumSmem& sm) {
-  const int bcol = c.col - (blockIdx.x % kChunks) * kCols;
+  const int bcol = c.col - c.chunk * kCols;
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
     const float p = sm.dall[c.row(r)];
@@ -477,13 +507,16 @@ __device__ __forceinline__ void usum_apply(const Coords& c, Rows& st, UsumSmem& 
 // S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
 // (and the shadow).
 // Smem: FoldSmem (the conventional step; the flush by the exact refold) or UsumSmem (the flush by the u-sum).
+__device__ __forceinline__ void token_tail(const Args& a, const Coords& c, size_t hs, Rows& st, float beta,
+                                           float v_now, float kk, float qq, float kqr, bool write_shadow,
+                                           const TokenSmem& tok);
 template <bool kFlush, typename Smem>
 __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int slot, bool write_shadow, Smem& sm) {
   constexpr bool kUsum = kFlush && Smem::kUsum;
   const size_t hs = (size_t)slot * kH + c.h;
   Rows st;
   load_rows(st, a.state_in + hs * kK * kV, c);  // issued first: the stream flies while the channels are prepared
-  if constexpr (kUsum) usum_stage_u(a, hs, sm);
+  if constexpr (kUsum) usum_stage_u(a, hs, c.chunk, sm);
   const float A = expf(__ldg(a.A_log + c.h));
   const size_t in = (size_t)c.b * kH + c.h;
   // The u-sum flush issues v and beta with the rows (they would otherwise go out after its cp.async wait); the
@@ -534,15 +567,24 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) kk += sm.red[w][kTS], qq += sm.red[w][kTS + 1], kqr += sm.red[w][kTS + 2];
   }
+  token_tail(a, c, hs, st, beta, v_now, kk, qq, kqr, write_shadow, sm.tok);
+}
+
+// This token on the folded rows (the flush) or the checkpoint's (the conventional step): the two dots of
+// Diag(exp g) S, then u, y, the rank-1 update; the rows stored (and the shadow). kk, qq, kqr: the token's k.k, q.q,
+// k.q.
+__device__ __forceinline__ void token_tail(const Args& a, const Coords& c, size_t hs, Rows& st, float beta,
+                                           float v_now, float kk, float qq, float kqr, bool write_shadow,
+                                           const TokenSmem& tok) {
+  const size_t in = (size_t)c.b * kH + c.h;
   const float rk = rnorm(kk), rq = rnorm(qq) * kScale;
-  // This token: the two dots of Diag(exp g) S, then u, y, the rank-1 update.
   float acc[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
     const int i = c.row(r);
-    const float dk = sm.tok.ak[i], dq = sm.tok.aq[i];
+    const float dk = tok.ak[i], dq = tok.aq[i];
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
   }
@@ -556,7 +598,7 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 #pragma unroll
   for (int r = 0; r < kRT; ++r) {
     const int i = c.row(r);
-    const float al = sm.tok.al[i], kn = sm.tok.kr[i] * rk;
+    const float al = tok.al[i], kn = tok.kr[i] * rk;
 #pragma unroll
     for (int e = 0; e < 4; ++e) st[r][e] = fmaf(al, st[r][e], kn * ue[e]);
   }
@@ -564,6 +606,27 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
   if constexpr (KDA_SHADOW) {
     if (write_shadow) store_rows(st, a.sh_out + hs * kK * kV, c);
   }
+}
+
+// KDA_PASSES 2 with a shadow: the flush's second pass. The fold's per-channel tiles (the decayed keys, the chunk
+// decays, the Gram totals, the token's tile and sums) belong to the head and stay from the first pass (fold_step);
+// this pass loads its chunk's fp32 rows and v_j columns, applies the fold and steps the token.
+__device__ __forceinline__ void fold_step_next(const Args& a, const Coords& c, int slot, FoldSmem& sm) {
+  const size_t hs = (size_t)slot * kH + c.h;
+  Rows st;
+  load_rows(st, a.state_in + hs * kK * kV, c);
+  const size_t in = (size_t)c.b * kH + c.h;
+  const act_t v_raw = a.v[in * kV + out_col(c)], b_raw = a.b[in];
+  __syncthreads();  // the first pass has read sm.v and sm.bs
+  const int chunk0 = c.chunk * kCols;
+  for (int i = threadIdx.x; i < kE * kCols; i += kThreads) {
+    const int j = i / kCols, cc = i % kCols;
+    sm.v[j][cc] = to_f(a.vc_in[(hs * kL + j) * kV + chunk0 + cc]);
+  }
+  __syncthreads();
+  fold_chunks(c, st, kE, sm);
+  token_tail(a, c, hs, st, sigmoid(to_f(b_raw)), to_f(v_raw), sm.gram[kTS], sm.gram[kTS + 1], sm.gram[kTS + 2], true,
+             sm.tok);
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
@@ -632,7 +695,7 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
   act_t v_raw, b_raw;
   if constexpr (!KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
   const float A = expf(__ldg(a.A_log + c.h));
-  const bool writer = blockIdx.x % kChunks == 0;  // the head's first chunk appends the per-channel entry
+  const bool writer = c.chunk == 0;  // the head's first chunk appends the per-channel entry
   float r1[kN1], r2[kN2];
 #pragma unroll
   for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
@@ -699,9 +762,9 @@ __device__ __forceinline__ void stage_ring_kg(const Args& a, size_t hs, int m, S
   for (int t = threadIdx.x; t < m * kGQ; t += kThreads) cp_async16(reinterpret_cast<char*>(&sm.g[0][0]) + t * 16, gb + t * 16);
   cp_async_commit();
 }
-__device__ __forceinline__ void stage_ring_u(const Args& a, size_t hs, int m, StagedSmem& sm) {
-  constexpr int kUQ = kCols * (int)sizeof(ring_t) / 16;
-  const char* ub = reinterpret_cast<const char*>(a.uc_in + hs * kL * kV + (blockIdx.x % kChunks) * kCols);
+__device__ __forceinline__ void stage_ring_u(const Args& a, size_t hs, int m, int chunk, StagedSmem& sm) {
+  constexpr int kUQ = kCols * kPasses * (int)sizeof(ring_t) / 16;
+  const char* ub = reinterpret_cast<const char*>(a.uc_in + hs * kL * kV + chunk * kCols);
   for (int t = threadIdx.x; t < m * kUQ; t += kThreads) {
     const int j = t / kUQ, q = t % kUQ;
     cp_async16(reinterpret_cast<char*>(&sm.u[j][0]) + q * 16, ub + (size_t)j * kV * sizeof(ring_t) + q * 16);
@@ -709,19 +772,42 @@ __device__ __forceinline__ void stage_ring_u(const Args& a, size_t hs, int m, St
   cp_async_commit();
 }
 
-// The non-flush step with the ring staged (KDA_STAGED): the same arithmetic in the same order as replay_nonflush.
+// KDA_PASSES 2: pass p's rows into sm.rows (one group, issued last: read after the first pass's output).
+__device__ __forceinline__ void stage_pass_rows(const step_t* base, const Coords& c, StagedSmem& sm) {
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const step_t* src = base + (size_t)c.row(r) * kV + c.col;
+    if constexpr (sizeof(step_t) == 4) cp_async16(&sm.rows[r][threadIdx.x][0], src);
+    else cp_async8(&sm.rows[r][threadIdx.x][0], src);
+  }
+  cp_async_commit();
+}
+__device__ __forceinline__ void load_pass_rows(Rows& st, const StagedSmem& sm) {
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st[r][e] = to_f(sm.rows[r][threadIdx.x][e]);
+  }
+}
+
+// The non-flush step with the ring staged (KDA_STAGED): the same arithmetic in the same order as replay_nonflush;
+// with KDA_PASSES 2 the channel stage serves both of the block's chunks.
 __device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coords& c, int slot, int m, StagedSmem& sm) {
   const size_t hs = (size_t)slot * kH + c.h;
   stage_ring_kg(a, hs, m, sm);  // first: the channel stage waits for these, the rows are used after it
   Rows st;
   load_rows(st, step_rows(a, hs), c);
-  stage_ring_u(a, hs, m, sm);
+  stage_ring_u(a, hs, m, c.chunk, sm);
+  if constexpr (kPasses > 1) stage_pass_rows(step_rows(a, hs), pass_coords(c, 1), sm);
   const int ocol = out_col(c), kind = out_kind(c);
   const size_t in = (size_t)c.b * kH + c.h;
-  act_t v_raw, b_raw;  // as replay_nonflush
-  if constexpr (!KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
+  act_t v_raw, b_raw, v_raw1;  // as replay_nonflush; v_raw1: the second pass's column
+  if constexpr (!KDA_SHADOW) {
+    v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
+    if constexpr (kPasses > 1) v_raw1 = a.v[in * kV + ocol + kCols];
+  }
   const float A = expf(__ldg(a.A_log + c.h));
-  const bool writer = blockIdx.x % kChunks == 0;
+  const bool writer = c.chunk == 0;
   float r1[kN1], r2[kN2];
 #pragma unroll
   for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
@@ -740,7 +826,7 @@ __device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coor
       gt[n] = gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A);
     }
   }
-  cp_async_wait_group<1>();  // k_j, g_j (u_j may still fly: waited for before the second barrier)
+  cp_async_wait_group<kPasses>();  // k_j, g_j (u_j and a second pass's rows may still fly)
   __syncthreads();
 #pragma unroll
   for (int n = 0; n < kCPT; ++n) {
@@ -767,15 +853,26 @@ __device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coor
     }
   }
   store_partials(r1, r2, c, sm);
-  if constexpr (KDA_SHADOW) v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
+  if constexpr (KDA_SHADOW) {
+    v_raw = a.v[in * kV + ocol], b_raw = a.b[in];
+    if constexpr (kPasses > 1) v_raw1 = a.v[in * kV + ocol + kCols];
+  }
   const float beta = sigmoid(to_f(b_raw));
-  cp_async_wait_all();  // the u_j columns
+  if constexpr (kPasses > 1) cp_async_wait_group<1>();  // the u_j columns (the second pass's rows may still fly)
+  else cp_async_wait_all();                             // the u_j columns
   __syncthreads();
-  nonflush_out(a, c, hs, m, st, sm, v_raw, beta, ocol, kind, writer, [&](float d, float coef, int kind) {
-    const int bcol = ocol - (blockIdx.x % kChunks) * kCols;
+  int bcol = ocol - c.chunk * kCols;  // the lane's output column in the u tile (the second pass: kCols further)
+  const auto uterm = [&](float d, float coef, int kind) {
     for (int j = 0; j < m; ++j) d = fmaf(__shfl_sync(0xffffffffu, coef, kind * kH1 + j), to_f(sm.u[j][bcol]), d);
     return d;
-  });
+  };
+  nonflush_out(a, c, hs, m, st, sm, v_raw, beta, ocol, kind, writer, uterm);
+  if constexpr (kPasses > 1) {  // the same coefficients and checkpoint vectors on the block's second chunk
+    cp_async_wait_all();
+    load_pass_rows(st, sm);
+    bcol += kCols;
+    nonflush_out(a, pass_coords(c, 1), hs, m, st, sm, v_raw1, beta, ocol + kCols, kind, false, uterm);
+  }
 }
 
 __device__ __forceinline__ void conventional(const Args& a) {
@@ -783,7 +880,11 @@ __device__ __forceinline__ void conventional(const Args& a) {
   const Coords c = coords();
   const int slot = a.sbi[c.b];
   if (slot < 0 || slot >= a.nslots) return;  // padding (or an unchecked bad slot): nothing touched
-  fold_step<false>(a, c, slot, false, sm);
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {  // (a KDA_PASSES module: its chunks in turn; the shared tiles between them)
+    if (p) __syncthreads();
+    fold_step<false>(a, pass_coords(c, p), slot, false, sm);
+  }
 }
 
 __device__ __forceinline__ void replay_decode(const Args& a) {
@@ -793,16 +894,32 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
   if (slot < 0 || slot >= a.nslots) return;
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
-    for (int i = threadIdx.x; i < kCols; i += kThreads)
-      a.y[((size_t)c.b * kH + c.h) * kV + (blockIdx.x % kChunks) * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
+    for (int i = threadIdx.x; i < kCols * kPasses; i += kThreads)
+      a.y[((size_t)c.b * kH + c.h) * kV + c.chunk * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
     return;
   }
 #if KDA_SHADOW
-  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<FoldSmem*>(smem));
+  using FlushSmem = FoldSmem;
 #else
-  if (pos + 1 == kL) fold_step<true>(a, c, slot, true, *reinterpret_cast<UsumSmem*>(smem));
+  using FlushSmem = UsumSmem;
 #endif
-  else if constexpr (kStaged) replay_nonflush_staged(a, c, slot, pos, *reinterpret_cast<StagedSmem*>(smem));
+  if (pos + 1 == kL) {
+    if constexpr (kPasses > 1) {  // the second chunk's fp32 rows toward L2 while the first is folded
+      const Coords c1 = pass_coords(c, 1);
+      const float* base = a.state_in + ((size_t)slot * kH + c.h) * kK * kV;
+#pragma unroll
+      for (int r = 0; r < kRT; ++r) prefetch_l2(base + (size_t)c1.row(r) * kV + c1.col);
+    }
+    fold_step<true>(a, c, slot, true, *reinterpret_cast<FlushSmem*>(smem));
+    if constexpr (kPasses > 1) {  // the second chunk: with a shadow on the first pass's fold tiles, else its u-sum
+#if KDA_SHADOW
+      fold_step_next(a, pass_coords(c, 1), slot, *reinterpret_cast<FoldSmem*>(smem));
+#else
+      __syncthreads();
+      fold_step<true>(a, pass_coords(c, 1), slot, true, *reinterpret_cast<FlushSmem*>(smem));
+#endif
+    }
+  } else if constexpr (kStaged) replay_nonflush_staged(a, c, slot, pos, *reinterpret_cast<StagedSmem*>(smem));
   else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
 }
 

@@ -175,7 +175,7 @@ __device__ __forceinline__ void spec_verify(const Args& a) {
   const int start = a.cursor[2 * slot], m = a.cursor[2 * slot + 1];
   const int ocol = out_col(c), kind = out_kind(c);
   if (start < 0 || start >= kL || m < 0 || m > kL - kT) {  // corrupt cursor: NaN outputs, nothing else written
-    const int col0 = (blockIdx.x % kChunks) * kCols;
+    const int col0 = c.chunk * kCols;
     for (int i = threadIdx.x; i < kT * kCols; i += kThreads)
       a.y[(((size_t)c.b * kT + i / kCols) * kH + c.h) * kV + col0 + i % kCols] =
           from_f<act_t>(__int_as_float(0x7fc00000));
@@ -183,7 +183,7 @@ __device__ __forceinline__ void spec_verify(const Args& a) {
   }
   const bool flush = m + 2 * kT > kL;  // block-uniform
   const int mh = flush ? 0 : m;
-  const bool writer = blockIdx.x % kChunks == 0;  // the head's first chunk appends the per-channel entries
+  const bool writer = c.chunk == 0;  // the head's first chunk appends the per-channel entries
   if (KDA_SHADOW && flush) load_rows(st, a.state_in + hs * kK * kV, c);  // a fold starts from the fp32 rows
   if (flush) {
 #pragma unroll

@@ -49,6 +49,11 @@ TAIL_F32_MARGIN = 0.15
 # Kimi-K3 TP8 1.58 / 1.71x -> 1.64 / 1.74x, GLM-5.3-Flash TP8 1.60 / 1.77x -> 1.65 / 1.87x; Kimi bs1-32 3-7% slower,
 # GLM bs1-32 1-7% faster; bench/NOTES.md "Nineteenth session").
 STAGED_MIN_WAVES = 4
+# KDASpec.passes 2 (a block walks both chunks of its head under one channel stage) is planned for the staged bf16-shadow
+# modules: the non-flush steps gain more than the flush loses (H100, one call, 784db056a5 / 9b2d79552c, shadow x conv
+# passes 1 -> 2: Kimi-K3 TP8 bs256 1.77 -> 2.02, bs128 1.69 -> 1.84, GLM-5.3-Flash TP8 bs256 1.92 -> 1.99; the flush
+# alone 307 -> 337-344 us at Kimi bs256; at bs32 the halved grid loses, 1.51 -> 1.45). fp32 modules: the second
+# pass's fp32 rows tile does not fit the static shared memory beside the staged ring.
 # The verify module: 384 / threads (168 registers). Its channel stage holds the window's and the history's
 # per-channel values beside the 64 state registers: 201-218 registers at (4 lanes, 4 warps), T = 1..4 (ptxas) when
 # planned for 256; capped at 168 it spills 48-76 bytes a thread, and is still faster: three blocks an SM hide the
@@ -86,6 +91,7 @@ class KDASpec:
     num_tokens: int = 0  # 0: the decode module; T = 1 + num_draft: the verify module (2 T <= L)
     resident: int = 0  # threads an SM the register budget is planned for (0: the module's default, min_blocks)
     staged: bool = False  # decode module: the non-flush step stages its ring in shared memory (kda.cuh KDA_STAGED)
+    passes: int = 1  # staged decode module: chunks of ``cols`` columns a block walks under one channel stage (1, 2)
 
     @property
     def entry_file(self) -> str:
@@ -117,6 +123,11 @@ class KDASpec:
         if self.staged and self.num_tokens:  # (its 16-byte rows hold for every valid K, V, cols: kda.cuh asserts)
             raise ValueError(f"KDASpec.staged: the decode module's option (num_tokens 0), got num_tokens="
                              f"{self.num_tokens}")
+        if isinstance(self.passes, bool) or self.passes not in (1, 2):
+            raise ValueError(f"KDASpec.passes: expected 1 or 2, got {self.passes!r}")
+        if self.passes > 1 and not self.staged:
+            raise ValueError("KDASpec.passes: 2 passes need the staged ring (staged=True: the second pass reads its u "
+                             "columns from the staged tile)")
         if isinstance(self.resident, bool) or not isinstance(self.resident, int) or self.resident < 0:
             raise ValueError(f"KDASpec.resident: expected an int >= 0 (0: the default), got {self.resident!r}")
         if self.num_tokens and self.K > 2 * 32 * self.warps:
@@ -136,6 +147,8 @@ class KDASpec:
         if self.V % self.cols:
             raise ValueError(f"KDASpec.V: expected a multiple of the block's {self.cols} columns "
                              f"(4 col_lanes warps), got {self.V}")
+        if (self.V // self.cols) % self.passes:
+            raise ValueError(f"KDASpec.passes: {self.passes} passes of {self.cols} columns must divide V={self.V}")
         if self.scale is not None and not (math.isfinite(self.scale) and self.scale > 0):
             raise ValueError(f"KDASpec.scale: expected a finite positive float or None, got {self.scale}")
         if self.lower_bound is not None and not (math.isfinite(self.lower_bound) and self.lower_bound < 0):
@@ -163,8 +176,10 @@ class KDASpec:
                 + 64 * nc * (self.warps + 1) + 64)
         if not T:
             if self.staged:  # ReplaySmem with the ring tiles (kda.cuh), when it outgrows the fold's
-                ring = e * self.K * (4 + ITEMSIZE[self.act]) + e * self.cols * ITEMSIZE[RING_TYPES[self.shadow]]
-                return max(fold, 8 * self.K + 8 * self.warps * 2 * (e + 1) + ring + 48)
+                ring = (e * self.K * (4 + ITEMSIZE[self.act])
+                        + e * self.cols * self.passes * ITEMSIZE[RING_TYPES[self.shadow]])
+                rows = (self.passes - 1) * self.K * self.cols * (2 if self.shadow != "none" else 4)  # the next pass's
+                return max(fold, 8 * self.K + 8 * self.warps * 2 * (e + 1) + ring + rows + 64)
             return fold
         return fold + 8 * T * self.K + 128 * ((self.window_products + 31) // 32) * (self.warps + 1) + 16
 
@@ -190,7 +205,7 @@ class KDASpec:
         return max(1, (self.resident or default) // self.threads)
 
     def grid(self, batch: int) -> tuple[int, int, int]:
-        return (self.H * (self.V // self.cols), batch, 1)
+        return (self.H * (self.V // self.cols) // self.passes, batch, 1)
 
     @property
     def key(self) -> str:
@@ -201,7 +216,8 @@ class KDASpec:
                 f"_n{int(self.l2norm)}" + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
-                + (f"_r{self.resident}" if self.resident else "") + ("_st" if self.staged else "") + f"_sm{self.arch}")
+                + (f"_r{self.resident}" if self.resident else "") + ("_st" if self.staged else "")
+                + (f"_p{self.passes}" if self.passes > 1 else "") + f"_sm{self.arch}")
 
     def prelude(self) -> str:
         lb = self.lower_bound is not None
@@ -214,6 +230,7 @@ class KDASpec:
             f"#define KDA_SHADOW {SHADOW_KINDS.index(self.shadow)}",
             f"#define KDA_LOWER_BOUND {int(lb)}",
             *(["#define KDA_STAGED 1"] if self.staged else []),
+            *([f"#define KDA_PASSES {self.passes}"] if self.passes > 1 else []),
             *([f"#define KDA_TOKENS {self.num_tokens}"] if self.num_tokens else []),
             *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;  // {_f32(self.lower_bound)!r}"]
               if lb else []),
@@ -234,11 +251,11 @@ _OVERRIDE: dict = {}
 
 
 def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None,
-             staged: bool | None = None):
+             staged: bool | None = None, passes: int | None = None):
     """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
-    register budget of the planned modules is set for (KDASpec.resident); ``staged``: KDASpec.staged of the decode
-    modules."""
-    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, staged=staged)
+    register budget of the planned modules is set for (KDASpec.resident); ``staged``, ``passes``: KDASpec.staged and
+    KDASpec.passes of the decode modules (passes 2 implies staged)."""
+    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, staged=staged, passes=passes)
 
 
 def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
@@ -293,8 +310,19 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
                    _OVERRIDE.get("resident", resident))
     if conventional or num_tokens:
         return spec
-    staged = math.prod(spec.grid(batch)) >= STAGED_MIN_WAVES * SMS * spec.min_blocks  # waves of blocks
-    return dataclasses.replace(spec, staged=True) if _OVERRIDE.get("staged", staged) else spec
+    staged = _OVERRIDE.get("staged", math.prod(spec.grid(batch)) >= STAGED_MIN_WAVES * SMS * spec.min_blocks)
+    if "passes" in _OVERRIDE:
+        passes = _OVERRIDE["passes"]
+    elif staged and shadow != "none":  # two passes a block for the staged shadow modules, where the spec admits them
+        try:
+            return dataclasses.replace(spec, staged=True, passes=2)
+        except ValueError:  # an odd number of chunks a head, or the second pass's rows tile over the shared memory
+            passes = 1
+    else:
+        passes = 1
+    if passes > 1:
+        return dataclasses.replace(spec, staged=True, passes=passes)
+    return dataclasses.replace(spec, staged=True) if staged else spec
 
 
 @dataclass(frozen=True)
