@@ -171,6 +171,22 @@ __device__ __forceinline__ void store_rows(const Rows& st, T* base, const Coords
   for (int r = 0; r < kRT; ++r) store4(base + (size_t)c.row(r) * kV + c.col, st[r]);
 }
 
+// The lane's two dots of its rows with two per-channel vectors xk, xq (K floats each, shared memory), reduced over the
+// warp's row groups (the checkpoint's dots of every step): lane rg then holds column out_col, side out_kind.
+__device__ __forceinline__ float row_dots(const Rows& st, const Coords& c, const float* xk, const float* xq) {
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const int i = c.row(r);
+    const float dk = xk[i], dq = xq[i];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
+  }
+  return transpose_reduce<8, kCVL>(acc);
+}
+
 // After a transposing reduce of 8 values (column e, kind: 0 the k-side, 1 the q-side, index 2 e + kind) a lane
 // holds index rg % 8; lanes rg < 8 are the first copies and write.
 __device__ __forceinline__ int out_col(const Coords& c) { return c.col + (c.rg % 8) / 2; }
@@ -578,17 +594,7 @@ __device__ __forceinline__ void token_tail(const Args& a, const Coords& c, size_
                                            const TokenSmem& tok) {
   const size_t in = (size_t)c.b * kH + c.h;
   const float rk = rnorm(kk), rq = rnorm(qq) * kScale;
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int r = 0; r < kRT; ++r) {
-    const int i = c.row(r);
-    const float dk = tok.ak[i], dq = tok.aq[i];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
-  }
-  const float d = transpose_reduce<8, kCVL>(acc);
+  const float d = row_dots(st, c, tok.ak, tok.aq);
   const int kind = out_kind(c);
   const float u0 = beta * (v_now - d * rk);  // meaningful on kind 0 lanes
   const float u = __shfl_xor_sync(0xffffffffu, u0, kCVL);  // kind 1 lanes: their column's u
@@ -655,17 +661,7 @@ __device__ __forceinline__ void nonflush_out(const Args& a, const Coords& c, siz
   // lane l < kN1: the weight of entry l % kH1 on its side (k . D k_t or k . D q_t, every norm applied)
   const float rj = rnorm(__shfl_sync(0xffffffffu, t2, c.lane % kH1));
   const float coef = t1 * rj * (c.lane < kH1 ? rk : rq);
-  float acc[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-#pragma unroll
-  for (int r = 0; r < kRT; ++r) {
-    const int i = c.row(r);
-    const float dk = sm.e0k[i], dq = sm.e0q[i];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
-  }
-  float d = transpose_reduce<8, kCVL>(acc) * (kind ? rq : rk);
+  float d = row_dots(st, c, sm.e0k, sm.e0q) * (kind ? rq : rk);
   d = uterm(d, coef, kind);
   const float u0 = beta * (to_f(v_raw) - d);
   const float u = __shfl_xor_sync(0xffffffffu, u0, kCVL);

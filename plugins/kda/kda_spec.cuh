@@ -235,18 +235,7 @@ __device__ __forceinline__ void spec_verify(const Args& a) {
   float pk[kT], pq[kT];
 #pragma unroll
   for (int t = 0; t < kT; ++t) {
-    float acc[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
-#pragma unroll
-    for (int r = 0; r < kRT; ++r) {
-      const int i = c.row(r);
-      const float dk = w.e0k[t][i], dq = w.e0q[t][i];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        acc[2 * e] = fmaf(st[r][e], dk, acc[2 * e]), acc[2 * e + 1] = fmaf(st[r][e], dq, acc[2 * e + 1]);
-    }
-    float d = transpose_reduce<8, kCVL>(acc);
+    float d = row_dots(st, c, w.e0k[t], w.e0q[t]);
 #pragma unroll
     for (int j = 0; j < kHE; ++j)
       if (j < mh) d = fmaf(w.tot[kind ? vHQ(j, t) : vHK(j, t)] * rj[j], uh[j], d);

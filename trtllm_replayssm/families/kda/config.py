@@ -311,17 +311,13 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
     if conventional or num_tokens:
         return spec
     staged = _OVERRIDE.get("staged", math.prod(spec.grid(batch)) >= STAGED_MIN_WAVES * SMS * spec.min_blocks)
-    if "passes" in _OVERRIDE:
-        passes = _OVERRIDE["passes"]
-    elif staged and shadow != "none":  # two passes a block for the staged shadow modules, where the spec admits them
-        try:
-            return dataclasses.replace(spec, staged=True, passes=2)
-        except ValueError:  # an odd number of chunks a head, or the second pass's rows tile over the shared memory
-            passes = 1
-    else:
-        passes = 1
+    passes = _OVERRIDE.get("passes", 2 if staged and shadow != "none" else 1)  # two passes: the staged shadow modules
     if passes > 1:
-        return dataclasses.replace(spec, staged=True, passes=passes)
+        try:
+            return dataclasses.replace(spec, staged=True, passes=passes)
+        except ValueError:  # an odd number of chunks a head, or the second pass's rows tile over the shared memory
+            if "passes" in _OVERRIDE:
+                raise
     return dataclasses.replace(spec, staged=True) if staged else spec
 
 
