@@ -9,14 +9,14 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";;
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";; P) STEPS="s1 p1 p2 r2";;
   all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), N (the next measurements, no A/B), S (a KDA A/B: tests, pairs, sanitizers), E (a GDN A/B), SE (both) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 cap() { local l=$(( $(left) - $2 )); [ $l -gt $1 ] && l=$1; echo $l; }  # min(want, left - reserve)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site ../../.whl/*.whl 2>&1 | tail -1
-mkdir -p /tmp/r; save() { tar -czf $OUT/r.tgz -C /tmp r; }
+rm -rf /tmp/r; mkdir -p /tmp/r; save() { tar -czf $OUT/r.tgz -C /tmp r; }
 nvidia-smi --query-gpu=name,clocks.max.sm,memory.total --format=csv > /tmp/r/gpu.txt; cat /tmp/r/gpu.txt
 new() { (cd $ROOT && env PYTHONPATH=/tmp/site:$ROOT GIT_COMMIT=@NEW@ TRTLLM_REPLAYSSM_CACHE=/tmp/cache_new "$@"); }
 old() { (cd $ROOT/old && env PYTHONPATH=/tmp/site:$ROOT/old GIT_COMMIT=@OLD@ TRTLLM_REPLAYSSM_CACHE=/tmp/cache_old "$@"); }
@@ -185,5 +185,17 @@ echo "== n3 KDA replay shapes 2:4 / 2:8 / 4:8 at bs 1-4, both geometries $(left)
 for g in glm5_3_flash_tp8 kimi_k3_tp8; do [ $(left) -gt 50 ] && new timeout $(cap 60 5) python3 scripts/bench_kda.py --geoms $g \
   --sweep 2:4,2:8,4:8 --sweep-batches 1,4 --sweep-only --out /tmp/r --tag kda-small-w8-$g > /tmp/r/n3-$g.txt 2>&1
   grep -v RESULT_JSON /tmp/r/n3-$g.txt | tail -7; done; save
+fi
+# ---- P: KDASpec.prefetch (a later block's bytes toward L2), main's planned rows and this tree's at prefetch 0 / 3 / 6
+if want p1; then
+echo "== p1 KDA prefetch: main, then this tree at --prefetch ${PFS:-0 3 6}, one process each $(left)s left"
+[ $(left) -gt 60 ] && old timeout $(cap 60 20) python3 scripts/bench_kda.py --batches ${PBATCH:-64,128,256} --fla-path /none \
+  --out /tmp/r --tag kda-pf-main > /tmp/r/p1-main.txt 2>&1; grep -v RESULT_JSON /tmp/r/p1-main.txt | tail -7
+for p in ${PFS:-0 3 6}; do [ $(left) -gt 60 ] && new timeout $(cap 60 20) python3 scripts/bench_kda.py --batches ${PBATCH:-64,128,256} \
+  --prefetch $p --fla-path /none --out /tmp/r --tag kda-pf$p > /tmp/r/p1-$p.txt 2>&1; grep -v RESULT_JSON /tmp/r/p1-$p.txt | tail -7; done; save
+fi
+if want p2; then
+echo "== p2 memcheck of the prefetch test $(left)s left"
+san memcheck 80 40 kda tests/test_kda_gpu.py "prefetch"
 fi
 echo "== done $(left)s left"; save
