@@ -9,7 +9,7 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";; P) STEPS="s1 p1 p2 r2";;
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";; P) STEPS="s1 p1 p2 r2";; RB) STEPS="s1 rb s2 s3";;
   all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), N (the next measurements, no A/B), S (a KDA A/B: tests, pairs, sanitizers), E (a GDN A/B), SE (both) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -185,6 +185,15 @@ echo "== n3 KDA replay shapes 2:4 / 2:8 / 4:8 at bs 1-4, both geometries $(left)
 for g in glm5_3_flash_tp8 kimi_k3_tp8; do [ $(left) -gt 50 ] && new timeout $(cap 60 5) python3 scripts/bench_kda.py --geoms $g \
   --sweep 2:4,2:8,4:8 --sweep-batches 1,4 --sweep-only --out /tmp/r --tag kda-small-w8-$g > /tmp/r/n3-$g.txt 2>&1
   grep -v RESULT_JSON /tmp/r/n3-$g.txt | tail -7; done; save
+fi
+# ---- rb: racecheck's hazard report (thread indices) of one K = 256 case, main's tree and this one, with source lines
+if want rb; then
+echo "== rb racecheck hazard report, k256 reference case, old and new $(left)s left"
+for t in old new; do [ $(left) -gt 60 ] && $t env TRTLLM_REPLAYSSM_LINEINFO=1 timeout $(cap 60 40) compute-sanitizer --tool racecheck \
+  --racecheck-report hazard --report-api-errors no --kernel-name kns=kda --print-limit 40 python3 -m pytest -q -p no:cacheprovider \
+  tests/test_kda_gpu.py -k "against_reference and k256" > /tmp/r/san_racecheck_hazards_$t.txt 2>&1
+  echo "$t rc=$?"; grep -E "RACECHECK SUMMARY|passed|failed" /tmp/r/san_racecheck_hazards_$t.txt | tail -2
+  grep -E "hazard|thread|Write|Read|kda.cuh" /tmp/r/san_racecheck_hazards_$t.txt | head -16; done; save
 fi
 # ---- P: KDASpec.prefetch (a later block's bytes toward L2), main's planned rows and this tree's at prefetch 0 / 3 / 6
 if want p1; then
