@@ -9,7 +9,7 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";; P) STEPS="s1 p1 p2 r2";; RB) STEPS="s1 rb s2 s3";; A16) STEPS="s1 s3 rv s2";;
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";; P) STEPS="s1 p1 p2 r2";; RB) STEPS="s1 rb s2 s3";; A16) STEPS="s1 s3 rv s2 g1";;
   all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), N (the next measurements, no A/B), S (a KDA A/B: tests, pairs, sanitizers), E (a GDN A/B), SE (both) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -160,9 +160,9 @@ san memcheck 10 40 gdn tests/test_gdn_gpu.py "eager or qwen3_next or b1"
 fi
 # ---- G: GDN replay launch shapes at bs 16-64 (issue 40's wave tail; GSHAPES: LANES:RT:WARPS:RESIDENT each)
 if want g1; then
-echo "== g1 GDN replay shapes at bs 16-64 $(left)s left"
+echo "== g1 GDN replay shapes at bs ${GBATCH:-16,32,64} $(left)s left"
 for sh in ${GSHAPES:--:-:-:512 -:-:4:512}; do [ $(left) -gt 50 ] && new timeout 60 python3 scripts/bench_gdn.py \
-  --batches 16,32,64 --replay-shape=$sh --out /tmp/r --tag gdn-shape-$(echo $sh | tr -d ':-') > /tmp/r/g1-$(echo $sh | tr -d ':-').txt 2>&1
+  --batches ${GBATCH:-16,32,64} --replay-shape=$sh --out /tmp/r --tag gdn-shape-$(echo $sh | tr -d ':-') > /tmp/r/g1-$(echo $sh | tr -d ':-').txt 2>&1
   grep -v RESULT_JSON /tmp/r/g1-$(echo $sh | tr -d ':-').txt | tail -5; done; save
 fi
 # ---- r1: racecheck of the K = 256 KDA cases, this tree and main's (is a hazard new, or was it there before?)
