@@ -247,7 +247,11 @@ struct alignas(16) FoldSmem {
   float pc[kNC][kK];           // prod over the chunk of exp g_l
   float v[kFEA][kCols];        // v_j of the block's columns
   float beta[kFEA];
-  float bs[kWarps][kFEA][kWCols];  // S^T w_j of the warp's columns (k_j raw: times 1 / ||k_j|| in the solve)
+  // S^T w_j of the warp's columns (k_j raw: times 1 / ||k_j|| in the solve). 16-byte aligned: a lane reads its 4
+  // columns as one vector; behind beta[kFEA] unaligned (kFEA % 4 != 0), ptxas widened that read to the aligned
+  // vector below plus a word, i.e. the previous warp's last column, which compute-sanitizer's racecheck reported as
+  // a cross-warp hazard (K = 256, L = 2: bench/NOTES.md "The fold tile's alignment"; the extra word was unused).
+  alignas(16) float bs[kWarps][kFEA][kWCols];
   float red[kWarps][kNC * kGW];
   float gram[kNC * kGW];
 };
