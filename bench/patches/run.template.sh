@@ -9,7 +9,7 @@
 # V: step 3b alone (a last, short call).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
-case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";; P) STEPS="s1 p1 p2 r2";; RB) STEPS="s1 rb s2 s3";; A16) STEPS="s1 s3 rv s2 g1";;
+case ${1:-A} in A) STEPS="1 3b 2 3 4 5";; B) STEPS="4b 4c 4d 6 7";; V) STEPS="3b";; N) STEPS="n1 n2";; S) STEPS="s1 s2 s3 s4";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";; S3) STEPS="s1 s2 s3";; SP) STEPS="s1 s2 s3 s5 n3";; R) STEPS="s1 r1 s5";; L) STEPS="s1 s2 s3 r2";; EG) STEPS="e1 e2 e3 g1";; P) STEPS="s1 p1 p2 r2";; RB) STEPS="s1 rb s2 s3";; A16) STEPS="s1 s3 rv s2 g1";; NF) STEPS="nf";;
   all) STEPS="1 3b 2 3 4 4b 4c 4d 5 6 7";; *) echo "part: A, B, V (the layout experiment alone), N (the next measurements, no A/B), S (a KDA A/B: tests, pairs, sanitizers), E (a GDN A/B), SE (both) or all"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -199,6 +199,14 @@ fi
 if want rv; then
 echo "== rv racecheck, KDA verify tests $(left)s left"
 san racecheck 60 80 kda tests/test_kda_verify_gpu.py ""
+fi
+# ---- nf: the non-flush steps without the flush path's registers (experiment), against the full module, same tree
+if want nf; then
+echo "== nf KDA non-flush at the registers it needs alone, bs256 sweeps $(left)s left"
+for x in "" "--no-flush-experiment"; do for g in ${NFGEOMS:-kimi_k3_tp8}; do [ $(left) -gt 25 ] && new timeout $(cap 45 3) python3 scripts/bench_kda.py \
+  --geoms $g --sweep ${NFSHAPES:-4:4,4:4:512,4:4:640} --sweep-batches 256 --sweep-only --fla-path /none $x --out /tmp/r \
+  --tag kda-nf$( [ -n "$x" ] && echo 1 || echo 0)-$g > /tmp/r/nf$( [ -n "$x" ] && echo 1 || echo 0)-$g.txt 2>&1
+  grep -v RESULT_JSON /tmp/r/nf$( [ -n "$x" ] && echo 1 || echo 0)-$g.txt | tail -5; save; done; done
 fi
 # ---- P: KDASpec.prefetch (a later block's bytes toward L2), main's planned rows and this tree's at prefetch 0 / 3 / 6
 if want p1; then
