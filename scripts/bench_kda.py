@@ -288,14 +288,11 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     def replay(sh):
         def fn():
             with override(passes=SHADOW_PASSES if sh is not None and SHADOW_PASSES > 1 else None):
-                _replay_all(sh)
-
-        def _replay_all(sh):
-            for r in range(R):
-                kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache,
-                                       u_rings[None if sh is None else sh.dtype], g_cache, v_cache,
-                                       beta_cache, cursor, sbis[r], out=y, shadow=sh, lower_bound=lb,
-                                       check_values=False)
+                for r in range(R):
+                    kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache,
+                                           u_rings[None if sh is None else sh.dtype], g_cache, v_cache,
+                                           beta_cache, cursor, sbis[r], out=y, shadow=sh, lower_bound=lb,
+                                           check_values=False)
         return fn
 
     row = dict(geom=geom, H=H, K=K, V=V, L=L, batch=batch, rotations=R, act="bf16", lower_bound=lb,

@@ -94,9 +94,9 @@ fi
 # ---- nf: the non-flush steps without the flush path's registers (experiment), against the full module, same tree
 if want nf; then
 echo "== nf KDA non-flush at the registers it needs alone, bs256 sweeps $(left)s left"
-for x in "" "--no-flush-experiment"; do for g in ${NFGEOMS:-kimi_k3_tp8}; do [ $(left) -gt 25 ] && new timeout $(cap 45 3) python3 scripts/bench_kda.py \
-  --geoms $g --sweep ${NFSHAPES:-4:4,4:4:512,4:4:640} --sweep-batches 256 --sweep-only --fla-path /none $x --out /tmp/r \
-  --tag kda-nf$( [ -n "$x" ] && echo 1 || echo 0)-$g > /tmp/r/nf$( [ -n "$x" ] && echo 1 || echo 0)-$g.txt 2>&1
-  grep -v RESULT_JSON /tmp/r/nf$( [ -n "$x" ] && echo 1 || echo 0)-$g.txt | tail -5; save; done; done
+for n in 0 1; do x=$([ $n = 1 ] && echo --no-flush-experiment); for g in ${NFGEOMS:-kimi_k3_tp8}; do
+  [ $(left) -gt 25 ] && new timeout $(cap 45 3) python3 scripts/bench_kda.py --geoms $g --sweep ${NFSHAPES:-4:4,4:4:512} \
+    --sweep-batches 256 --sweep-only --fla-path /none $x --out /tmp/r --tag kda-nf$n-$g > /tmp/r/nf$n-$g.txt 2>&1
+  grep -v RESULT_JSON /tmp/r/nf$n-$g.txt | tail -5; save; done; done
 fi
 echo "== done $(left)s left"; save
