@@ -1,18 +1,18 @@
 #!/bin/bash
 # Device call (bench/patches/README.md): this tree (@NEW@) against main (old/, @OLD@, its own Python and kernels), one
-# card. Steps run in the order the part lists them, each only if BUDGET (seconds of command time) still holds it,
+# card. Steps run in this file's order, each only if BUDGET (seconds of command time) still holds it,
 # with its timeout cut to what is left; every step saves /tmp/r into $OUT/r.tgz, so a cut call keeps what ran.
 # Parts: S (a KDA change: its GPU tests, a pair, memcheck / racecheck, a second pair), S3 (S without the second pair),
 # SP (S3 and the two-pass rows beside the planned ones, s5),
 # E (a GDN change: tests, pair, memcheck), SE (both), A16 (S3 with the verify tests' racecheck and a GDN shape sweep),
-# G (GDN launch shapes alone), NF (the KDA no-flush experiment, bench/patches/2026-12-07_kda-no-flush-experiment.patch).
+# G (GDN launch shapes alone), SW (a KDA launch-shape sweep), SSW (S3 and the sweep).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
-# SPBATCH (s5), NFGEOMS / NFSHAPES (nf), RBK (rb's pytest -k).
+# SPBATCH (s5), SWGEOMS / SWSHAPES / SWBATCH (sw), RBK (rb's pytest -k).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
-  SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; NF) STEPS="nf";; RB) STEPS="rb";;
-  *) echo "part: S, S3, SP, E, SE, A16, G, NF or RB (see the head of this file)"; exit 2;; esac
+  SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; RB) STEPS="rb";;
+  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW or RB (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -91,12 +91,12 @@ if want rv; then
 echo "== rv racecheck, KDA verify tests $(left)s left"
 san racecheck 60 80 kda tests/test_kda_verify_gpu.py ""
 fi
-# ---- nf: the non-flush steps without the flush path's registers (experiment), against the full module, same tree
-if want nf; then
-echo "== nf KDA non-flush at the registers it needs alone, bs256 sweeps $(left)s left"
-for n in 0 1; do x=$([ $n = 1 ] && echo --no-flush-experiment); for g in ${NFGEOMS:-kimi_k3_tp8}; do
-  [ $(left) -gt 25 ] && new timeout $(cap 45 3) python3 scripts/bench_kda.py --geoms $g --sweep ${NFSHAPES:-4:4,4:4:512} \
-    --sweep-batches 256 --sweep-only --fla-path /none $x --out /tmp/r --tag kda-nf$n-$g > /tmp/r/nf$n-$g.txt 2>&1
-  grep -v RESULT_JSON /tmp/r/nf$n-$g.txt | tail -5; save; done; done
+# ---- sw: KDA launch-shape sweep of the patched tree (SWGEOMS, SWSHAPES col_lanes:warps[:resident], SWBATCH)
+if want sw; then
+echo "== sw KDA shape sweep $(left)s left"
+for g in ${SWGEOMS:-kimi_k3_tp8}; do
+  [ $(left) -gt 25 ] && new timeout $(cap 60 3) python3 scripts/bench_kda.py --geoms $g --sweep ${SWSHAPES:-4:4:384,4:4:512,4:4:640} \
+    --sweep-batches ${SWBATCH:-256} --sweep-only --fla-path /none --out /tmp/r --tag kda-sw-$g > /tmp/r/sw-$g.txt 2>&1
+  grep -v RESULT_JSON /tmp/r/sw-$g.txt | tail -5; save; done
 fi
 echo "== done $(left)s left"; save
