@@ -91,12 +91,16 @@ if want rv; then
 echo "== rv racecheck, KDA verify tests $(left)s left"
 san racecheck 60 80 kda tests/test_kda_verify_gpu.py ""
 fi
-# ---- sw: KDA launch-shape sweep of the patched tree (SWGEOMS, SWSHAPES col_lanes:warps[:resident], SWBATCH)
+# ---- sw: KDA launch-shape sweep of the patched tree (SWGEOMS, SWSHAPES col_lanes:warps[:resident], SWBATCH), then
+# the Kimi-K3 TP8 bs256 verify module (T = 4) at its planned 384 and at 512 resident threads
 if want sw; then
 echo "== sw KDA shape sweep $(left)s left"
 for g in ${SWGEOMS:-kimi_k3_tp8}; do
-  [ $(left) -gt 25 ] && new timeout $(cap 60 3) python3 scripts/bench_kda.py --geoms $g --sweep ${SWSHAPES:-4:4:384,4:4:512,4:4:640} \
-    --sweep-batches ${SWBATCH:-256} --sweep-only --fla-path /none --out /tmp/r --tag kda-sw-$g > /tmp/r/sw-$g.txt 2>&1
+  [ $(left) -gt 25 ] && new timeout $(cap 80 3) python3 scripts/bench_kda.py --geoms $g --sweep ${SWSHAPES:-4:4:384,4:4:512,4:4:640} \
+    --sweep-batches ${SWBATCH:-64,256} --sweep-only --fla-path /none --out /tmp/r --tag kda-sw-$g > /tmp/r/sw-$g.txt 2>&1
   grep -v RESULT_JSON /tmp/r/sw-$g.txt | tail -5; save; done
+[ $(left) -gt 40 ] && new timeout $(cap 60 3) python3 scripts/bench_kda.py --geoms kimi_k3_tp8 --batches 256 --verify 4 \
+  --verify-resident 512 --fla-path /none --out /tmp/r --tag kda-sw-verify > /tmp/r/sw-verify.txt 2>&1  # verify at 384 / 512
+grep -v RESULT_JSON /tmp/r/sw-verify.txt | tail -6; save
 fi
 echo "== done $(left)s left"; save
