@@ -5,14 +5,15 @@
 # Parts: S (a KDA change: its GPU tests, a pair, memcheck / racecheck, a second pair), S3 (S without the second pair),
 # SP (S3 and the two-pass rows beside the planned ones, s5),
 # E (a GDN change: tests, pair, memcheck), SE (both), A16 (S3 with the verify tests' racecheck and a GDN shape sweep),
-# G (GDN launch shapes alone), SW (a KDA launch-shape sweep), SSW (S3 and the sweep).
+# G (GDN launch shapes alone), SW (a KDA launch-shape sweep), SSW (S3 and the sweep),
+# PF (ncu of the KDA shadow flush and k = 1 at Kimi-K3 TP8 bs256).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
-# SPBATCH (s5), SWGEOMS / SWSHAPES / SWBATCH (sw), RBK (rb's pytest -k).
+# SPBATCH (s5), SWGEOMS / SWSHAPES / SWBATCH (sw), PFK (pf's positions), RBK (rb's pytest -k).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
-  SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; RB) STEPS="rb";;
-  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW or RB (see the head of this file)"; exit 2;; esac
+  SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
+  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF or RB (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -102,5 +103,17 @@ for g in ${SWGEOMS:-kimi_k3_tp8}; do
 [ $(left) -gt 40 ] && new timeout $(cap 60 3) python3 scripts/bench_kda.py --geoms kimi_k3_tp8 --batches 256 --verify 4 \
   --verify-resident 512 --fla-path /none --out /tmp/r --tag kda-sw-verify > /tmp/r/sw-verify.txt 2>&1  # verify at 384 / 512
 grep -v RESULT_JSON /tmp/r/sw-verify.txt | tail -6; save
+fi
+# ---- pf: ncu of the KDA shadow step at Kimi-K3 TP8 bs256 (patched tree): the flush (k = 16) and k = 1 (full set,
+# SASS source with stall samples; the flush runs at 54% of its bytes, bench/NOTES.md "Twenty-second session")
+if want pf; then
+echo "== pf ncu, KDA shadow flush and k = 1, Kimi bs256 $(left)s left"
+mkdir -p /tmp/r/ncu
+for k in ${PFK:-16 1}; do [ $(left) -gt 70 ] || break
+  new timeout $(cap 90 20) ncu --clock-control none --kernel-name regex:kda_replay --launch-skip 2 --launch-count 1 --set full \
+    -o /tmp/r/ncu/sh-k$k -f python3 scripts/profile_kda.py --geom kimi_k3_tp8 --batch 256 --k $k --shadow bf16 > /tmp/r/ncu/sh-k$k.log 2>&1
+  new ncu -i /tmp/r/ncu/sh-k$k.ncu-rep --page source --csv --print-source sass > /tmp/r/ncu/sh-k$k.sass.csv 2>&1
+  new ncu -i /tmp/r/ncu/sh-k$k.ncu-rep --page details > /tmp/r/ncu/sh-k$k.txt 2>&1; rm -f /tmp/r/ncu/sh-k$k.ncu-rep
+  grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per" /tmp/r/ncu/sh-k$k.txt | head -6; save; done
 fi
 echo "== done $(left)s left"; save
