@@ -11,9 +11,13 @@ Bytes model (costs.kda_bytes_per_position, per row and layer; H heads, K = V = 1
   flush, k = L  2 H K V s (+ the shadow written) + io + (L - 1) E_f;  E_f = E_r (the u-sum of k, u, g); beside a
                 shadow H (K a + V a + K 4 + 4) (the refold's k, v, g, beta)
 The replay time of a cycle is the mean of the L positions, each timed with every row's cursor at k - 1
-(``<name>_us_k``); ratio = conventional / that mean. Rows rotate over enough slots (>= 512 MiB of state, at most 64
-rotations) that the state comes from DRAM: each launch of a captured graph uses a fresh set of slots. Achieved TB/s
-= bytes / time; % of the copy ceiling against a device-to-device copy measured in the same run.
+(``<name>_us_k``); ratio = conventional / that mean. "mixed" (``<name>_us_mixed``, ``timing.spread_cursors``):
+one launch whose row i sits at position i mod L + 1, as a serving batch of sequences that started at different
+tokens, so ~1/L of its rows flush (``<name>_speedup_vs_conv_mixed``; ``<name>_mixed_over_amortized`` below 1: the
+flush's compute overlaps other rows' streams, which the lockstep cycle cannot show).
+Rows rotate over enough slots (>= 512 MiB of state, at most 64 rotations) that the state comes from DRAM: each
+launch of a captured graph uses a fresh set of slots. Achieved TB/s = bytes / time; % of the copy ceiling against a
+device-to-device copy measured in the same run.
 
 Peer column (``fla``): flash-linear-attention's Triton ``fused_recurrent_kda`` (fla-core in the git-ignored
 ``third_party/fla_peer``, ``--fla-path``), one decode token per row from an initial state (N, H, K, V) fp32 with
@@ -338,21 +342,14 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
         if ks is not None:
             row[f"{name}_us_at"] = dict(zip(ks, per_k))
             continue
+        timing.spread_cursors(cursor, sbis, L)  # the serving-like launch: ~1/L of its rows flush
+        mixed_us = graph_time_us(replay(sh), R)[0]
         _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16" if sh is not None else None)
-        amort = sum(per_k) / L
-        bytes_amort = sum(bk.values()) / L * batch
-        row[f"{name}_us_k"] = per_k
-        row[f"{name}_us_k1"], row[f"{name}_us_flush"], row[f"{name}_us_amortized"] = per_k[0], per_k[-1], amort
-        row[f"{name}_bytes_amortized"] = bytes_amort
-        row[f"{name}_bound_ratio"] = conv_b * batch / bytes_amort
-        row[f"{name}_tbps"] = bytes_amort / amort / 1e6
-        row[f"{name}_tbps_k1"] = bk[1] * batch / per_k[0] / 1e6
-        row[f"{name}_tbps_flush"] = bk[L] * batch / per_k[-1] / 1e6
-        row[f"{name}_speedup_vs_conv"] = row["conv_us"] / amort
+        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us)
+        row[f"{name}_bound_ratio"] = conv_b * batch / row[f"{name}_bytes_amortized"]
         row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
-        row[f"{name}_flush_over_conv"] = per_k[-1] / row["conv_us"]
         if "fla_us" in row:
-            row[f"{name}_speedup_vs_fla"] = row["fla_us"] / amort
+            row[f"{name}_speedup_vs_fla"] = row["fla_us"] / row[f"{name}_us_amortized"]
     if "fla_us" in row:
         row["tbps_fla"] = row["bytes_conv"] / row["fla_us"] / 1e6
         row["conv_speedup_vs_fla"] = row["fla_us"] / row["conv_us"]
@@ -468,12 +465,14 @@ def main():
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'geom':>16s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} "
           f"{'%ceil':>5s} {'x conv':>6s} {'%bnd':>5s} | {'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} "
-          f"{'x conv':>6s} {'%bnd':>5s}")
+          f"{'x conv':>6s} {'%bnd':>5s} | mixed us (x conv) f32, shadow")
     for r in (r for r in rows if "f32_us_k1" in r):
         print(f"{r['geom']:>16s} {r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} | "
               + " | ".join(f"{r[f'{n}_us_k1']:7.1f} {r[f'{n}_us_flush']:7.1f} {r[f'{n}_us_amortized']:7.1f} "
                            f"{r[f'{n}_pct_ceiling']:5.1f} {r[f'{n}_speedup_vs_conv']:6.2f} {r[f'{n}_pct_of_bound']:5.1f}"
                            for n in ("f32", "bf16shadow"))
+              + " | " + ", ".join(f"{r[f'{n}_us_mixed']:.1f} ({r[f'{n}_speedup_vs_conv_mixed']:.2f})"
+                                  for n in ("f32", "bf16shadow"))
               + (f" | fla {r['fla_us']:7.1f} us (check {r['fla_check_rel']:.1e}) x fla {r['f32_speedup_vs_fla']:.2f}"
                  if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else "")))
     for r in rows:

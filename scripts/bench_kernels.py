@@ -162,10 +162,9 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
     row["flush_over_conv"] = None if ckpt8 else per_k[-1] / row["conv_us"]
     # Serving-like phases: the rows of one launch spread over the L buffer positions (row i at k = i mod L + 1),
     # as sequences that started at different tokens are; ~1/L of the rows flush in every step.
-    for sbi in sbis:
-        cursor[sbi.long()] = torch.arange(batch, dtype=torch.int32, device="cuda") % L
+    timing.spread_cursors(cursor, sbis, L)
     row["replay_us_mixed"] = graph_time_us(replay, R)[0]
-    mixed_b = sum(rep_b[i % L + 1] for i in range(batch))
+    mixed_b = timing.mixed_bytes(rep_b, batch, L)
     row["bytes_replay_mixed"] = mixed_b
     row["tbps_replay_mixed"] = mixed_b / row["replay_us_mixed"] / 1e6
     row["speedup_vs_conv_mixed"] = None if ckpt8 else row["conv_us"] / row["replay_us_mixed"]

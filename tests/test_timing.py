@@ -5,6 +5,7 @@ the eager fallbacks of capture and time_samples, restore before every sample, wa
 import pathlib
 
 import pytest
+import torch
 
 from trtllm_replayssm import timing
 
@@ -73,3 +74,40 @@ def test_add_ceiling_pcts():
     assert (row["bf16shadow_pct_ceiling"], row["bf16shadow_pct_ceiling_k1"]) == (20.0, 10.0)
     assert "pct_ceiling_fla" not in row
     assert timing.add_ceiling_pcts(dict(tbps_conv=3.0, fla_us=1.0, tbps_fla=1.5), 3.0, names=())["pct_ceiling_fla"] == 50.0
+
+
+def test_spread_cursors_puts_row_i_of_every_launch_at_position_i_mod_L():
+    L, batch = 4, 6
+    cursor = torch.full((20,), -1, dtype=torch.int32)
+    sbis = [torch.tensor([7, 3, 11, 0, 19, 5], dtype=torch.int32), torch.tensor([2, 4, 6, 8, 10, 12], dtype=torch.int32)]
+    timing.spread_cursors(cursor, sbis, L)
+    for sbi in sbis:
+        assert cursor[sbi.long()].tolist() == [i % L for i in range(batch)]
+    untouched = sorted(set(range(20)) - {int(x) for s in sbis for x in s})
+    assert (cursor[untouched] == -1).all()  # slots no launch uses keep their cursor
+
+
+def test_add_replay_cycle_fields_and_the_mixed_launch():
+    L, batch = 4, 6
+    bytes_at = {1: 100, 2: 110, 3: 120, 4: 400}
+    per_k = [1.0, 1.1, 1.2, 4.0]
+    row = timing.add_replay_cycle(dict(conv_us=2.0), "f32", per_k, bytes_at, batch, mixed_us=1.5)
+    amort = sum(per_k) / L
+    assert row["f32_us_k"] == per_k and (row["f32_us_k1"], row["f32_us_flush"]) == (1.0, 4.0)
+    assert row["f32_us_amortized"] == pytest.approx(amort)
+    assert row["f32_bytes_amortized"] == pytest.approx(730 / 4 * batch)
+    assert row["f32_tbps"] == pytest.approx(730 / 4 * batch / amort / 1e6)
+    assert row["f32_tbps_flush"] == pytest.approx(400 * batch / 4.0 / 1e6)
+    assert row["f32_speedup_vs_conv"] == pytest.approx(2.0 / amort)
+    assert row["f32_flush_over_conv"] == pytest.approx(2.0)
+    # rows 0..5 at positions 1, 2, 3, 4, 1, 2 (timing.spread_cursors)
+    assert row["f32_bytes_mixed"] == timing.mixed_bytes(bytes_at, batch, L) == 100 + 110 + 120 + 400 + 100 + 110
+    assert row["f32_speedup_vs_conv_mixed"] == pytest.approx(2.0 / 1.5)
+    assert row["f32_mixed_over_amortized"] == pytest.approx(1.5 / amort)
+    timing.add_ceiling_pcts(dict(row, tbps_conv=1.0), 3.0, names=("f32",))
+    assert "f32_pct_ceiling_mixed" not in timing.add_ceiling_pcts(
+        timing.add_replay_cycle(dict(conv_us=2.0, tbps_conv=1.0), "f32", per_k, bytes_at, batch), 3.0, names=("f32",))
+    pcts = timing.add_ceiling_pcts(dict(row, tbps_conv=1.0), 2.0, names=("f32",))
+    assert pcts["f32_pct_ceiling_mixed"] == pytest.approx(100 * row["f32_tbps_mixed"] / 2.0)
+    with pytest.raises(ValueError, match="bytes_at"):
+        timing.add_replay_cycle(dict(conv_us=2.0), "f32", per_k, {1: 1, 2: 1, 3: 1}, batch)

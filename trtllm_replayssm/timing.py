@@ -59,13 +59,63 @@ def graph_time_us(fn, launches: int, reps: int = 20) -> tuple[float, float]:
     return statistics.median(times), spread(times)
 
 
+def spread_cursors(cursor: torch.Tensor, sbis, L: int) -> None:
+    """Serving-like phases, in place: row i of every launch's slot list ``sbis`` at buffer position k = i mod L + 1
+    (cursor i mod L), as in a batch of sequences that started at different tokens; ~1/L of a launch's rows flush.
+    The kernel benchmarks' "mixed" launch, against the lockstep cycle (every row at one position, all flushing
+    together) whose mean is the amortized step."""
+    for sbi in sbis:
+        n = sbi.numel()
+        cursor[sbi.long()] = torch.arange(n, dtype=cursor.dtype, device=cursor.device) % L
+
+
+def mixed_bytes(bytes_at: dict[int, int | float], batch: int, L: int) -> float:
+    """Bytes of one mixed launch (:func:`spread_cursors`) of ``batch`` rows: row i at position i mod L + 1;
+    ``bytes_at``: a row's bytes at position k = 1..L (costs.*_bytes_per_position)."""
+    return sum(bytes_at[i % L + 1] for i in range(batch))
+
+
+def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, batch: int,
+                     mixed_us: float | None = None) -> dict:
+    """A delta-rule kernel benchmark row (bench_gdn / bench_kda) with one replay variant's flush-cycle fields:
+    ``per_k`` the times (µs) at positions k = 1..L (every row's cursor at k - 1: lockstep), ``bytes_at`` a row's
+    bytes at each position. Fields ``<name>_``: ``us_k``, ``us_k1``, ``us_flush``, ``us_amortized`` (the mean over
+    the cycle), ``bytes_amortized``, ``tbps`` / ``tbps_k1`` / ``tbps_flush``, ``speedup_vs_conv`` (the row's
+    ``conv_us`` over the amortized step), ``flush_over_conv``; with ``mixed_us`` (one launch of spread cursors,
+    :func:`spread_cursors`) also ``us_mixed``, ``bytes_mixed``, ``tbps_mixed``, ``speedup_vs_conv_mixed`` and
+    ``mixed_over_amortized`` (below 1: spreading the flush over the steps saves time)."""
+    L = len(per_k)
+    if sorted(bytes_at) != list(range(1, L + 1)):
+        raise ValueError(f"bytes_at: expected the positions 1..{L} of per_k, got {sorted(bytes_at)}")
+    amort = sum(per_k) / L
+    bytes_amort = sum(bytes_at.values()) / L * batch
+    row[f"{name}_us_k"] = list(per_k)
+    row[f"{name}_us_k1"], row[f"{name}_us_flush"], row[f"{name}_us_amortized"] = per_k[0], per_k[-1], amort
+    row[f"{name}_bytes_amortized"] = bytes_amort
+    row[f"{name}_tbps"] = bytes_amort / amort / 1e6
+    row[f"{name}_tbps_k1"] = bytes_at[1] * batch / per_k[0] / 1e6
+    row[f"{name}_tbps_flush"] = bytes_at[L] * batch / per_k[-1] / 1e6
+    row[f"{name}_speedup_vs_conv"] = row["conv_us"] / amort
+    row[f"{name}_flush_over_conv"] = per_k[-1] / row["conv_us"]
+    if mixed_us is not None:
+        mb = mixed_bytes(bytes_at, batch, L)
+        row[f"{name}_us_mixed"], row[f"{name}_bytes_mixed"] = mixed_us, mb
+        row[f"{name}_tbps_mixed"] = mb / mixed_us / 1e6
+        row[f"{name}_speedup_vs_conv_mixed"] = row["conv_us"] / mixed_us
+        row[f"{name}_mixed_over_amortized"] = mixed_us / amort
+    return row
+
+
 def add_ceiling_pcts(row: dict, ceiling: float, names=("f32", "bf16shadow")) -> dict:
     """A delta-rule kernel benchmark row (bench_gdn / bench_kda) with the % of the copy ceiling ``ceiling`` (TB/s)
-    beside its TB/s fields: the conventional step, each replay variant's amortized and k = 1 step, the peer's."""
+    beside its TB/s fields: the conventional step, each replay variant's amortized, k = 1 and (where timed) mixed
+    step, the peer's."""
     row["pct_ceiling_conv"] = 100 * row["tbps_conv"] / ceiling
     for name in names:
         row[f"{name}_pct_ceiling"] = 100 * row[f"{name}_tbps"] / ceiling
         row[f"{name}_pct_ceiling_k1"] = 100 * row[f"{name}_tbps_k1"] / ceiling
+        if f"{name}_tbps_mixed" in row:
+            row[f"{name}_pct_ceiling_mixed"] = 100 * row[f"{name}_tbps_mixed"] / ceiling
     if "fla_us" in row:
         row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
     return row
