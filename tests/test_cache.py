@@ -155,12 +155,15 @@ def test_shadow_follows_checkpoint_on_flush(shadow):
     assert flushed
 
 
-@pytest.mark.parametrize("T, cursor", [(2, "ring"), (4, "ring"), (1, "ring"), (1, "standard")])
-def test_continuous_batching_against_oracle(T, cursor):
+@pytest.mark.parametrize("T, cursor, phases", [(2, "ring", False), (4, "ring", False), (1, "ring", False),
+                                               (1, "standard", False), (2, "ring", True), (1, "standard", True)])
+def test_continuous_batching_against_oracle(T, cursor, phases):
     """7 requests through 3 slots, 2 layers, a padding row, random acceptance, slots recycled. T = 1: standard
-    decode, on the ring (num_draft = 0) and on the (slots,) cursor of the standard decode kernel."""
+    decode, on the ring (num_draft = 0) and on the (slots,) cursor of the standard decode kernel. ``phases``: the
+    cache's flush phases (each request's count starts over zeroed entries), against the same oracle."""
     gen = torch.Generator().manual_seed(T)
-    c = _cache(layers=2, slots=3, L=9 if T > 1 else 5, num_draft=3 if T > 1 else 0, cursor=cursor)
+    c = _cache(layers=2, slots=3, L=9 if T > 1 else 5, num_draft=3 if T > 1 else 0, cursor=cursor,
+               flush_phases=phases)
     prm, weights = _layer_params(2, c, gen)
     K = c.conv_kernel
     pending = list(range(7))
@@ -176,6 +179,8 @@ def test_continuous_batching_against_oracle(T, cursor):
             for l in range(2):
                 c.load_prefill(s, l, S[l], hist[l])
             live[s] = dict(req=req, left=int(torch.randint(2, 8, (1,), generator=gen)), S=S, hist=hist)
+            count = int(c.cursor[s]) if cursor == "standard" else int(c.cursor[s, 1])
+            assert count == c.phase(s) == ((allocations - 1) % c.phase_span if phases else 0)
         if not live:
             break
         slots = sorted(live)
@@ -703,3 +708,38 @@ def test_move_slots_and_gather_slots_move_whole_slots(shadow):
         c.move_slots([0], [5])
     with pytest.raises(ValueError, match="equal lengths"):
         c.move_slots(torch.tensor([0, 1]), torch.tensor([2]))
+
+
+@pytest.mark.parametrize("cursor", ["standard", "ring"])
+def test_flush_phases_spread_the_flushes_of_requests_admitted_together(cursor):
+    """flush_phases: L requests admitted at once (a lockstep batch) start at counts 0 .. span - 1 over zeroed ring
+    entries (reset and load_prefill keep the phase), so on the standard cursor exactly one of them folds at every
+    step from the first (the kernels' "mixed" launch); without phases all fold at the same step."""
+    L = 6
+    nd = 0 if cursor == "standard" else 1
+    for phases in (False, True):
+        c = _cache(layers=1, slots=L, L=L, num_draft=nd, cursor=cursor, flush_phases=phases)
+        span = L if cursor == "standard" else L - 2 * (nd + 1) + 1
+        assert c.phase_span == span
+        slots = [c.allocate() for _ in range(L)]
+        want = [i % span if phases else 0 for i in range(L)]
+        assert [c.phase(s) for s in slots] == want
+        gen = torch.Generator().manual_seed(0)
+        for s in slots:
+            c.load_prefill(s, 0, torch.randn(4, 8, 8, generator=gen, dtype=F64))
+        count = c.cursor if cursor == "standard" else c.cursor[:, 1]
+        assert count.tolist() == want and (cursor == "standard" or c.cursor[:, 0].eq(0).all())
+        g = c.group("mamba2")
+        assert all(t[:, slots].eq(0).all() for n, t in g.t.items() if n not in ("state", "shadow", "shadow_scale"))
+        if cursor == "standard":  # the standard rule (the step that sees L - 1 folds, then c <- (c + 1) mod L)
+            c_now, folding = count.clone(), []
+            for _ in range(L):
+                folding.append(int((c_now == L - 1).sum()))
+                c_now = (c_now + 1) % L
+            assert folding == ([1] * L if phases else [0] * (L - 1) + [L])  # one a step; lockstep: all at once
+        c.reset(slots[-1])
+        assert int(count[slots[-1]]) == want[-1]  # reset keeps the slot's phase
+        c.free(slots[-1])
+        assert c.allocate() == slots[-1] and c.phase(slots[-1]) == (L % span if phases else 0)  # the next in turn
+    with pytest.raises(TypeError, match="flush_phases"):
+        _cache(flush_phases=1)

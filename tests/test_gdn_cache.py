@@ -23,11 +23,11 @@ def _gdn_inputs(gen, batch, T):
                 b=r(batch, T, HV))
 
 
-def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "ring"):
+def _run(mixed: bool, steps: int = 40, shadow=None, T: int = T, cursor: str = "ring", phases: bool = False):
     gen = torch.Generator().manual_seed(5)
     slots, batch = 5, 3
     kw = dict(num_draft=T - 1, cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64, shadow_dtype=shadow,
-              read_shadow=shadow is not None)
+              read_shadow=shadow is not None, flush_phases=phases)
     H, P, N, G = 4, 4, 6, 2
     layers = ({"mamba2": (1, (H, P, N, G))} if mixed else {}) | {"gdn": (2, (HV, HK, V, KD))}
     cache = ReplayStateCache(num_slots=slots, buffer_len=L, layers=layers, **kw)
@@ -91,6 +91,17 @@ def test_standard_cursor_follows_the_recurrence(mixed):
     cache, worst = _run(mixed, T=1, cursor="standard")
     assert worst < 1e-10, worst
     assert cache.cursor.shape == (5,) and int(cache.cursor.max()) < L
+
+
+@pytest.mark.parametrize("cursor, mixed, shadow", [("standard", True, None), ("ring", False, None),
+                                                   ("ring", True, torch.bfloat16)])
+def test_flush_phases_follow_the_recurrence(cursor, mixed, shadow):
+    """flush_phases: the requests start at counts 0, 1, 2 over zeroed ring entries (identity entries: g = 0,
+    beta = 0) and still follow the conventional recurrence (with a shadow read: to its rounding)."""
+    T_ = 1 if cursor == "standard" else T
+    cache, worst = _run(mixed, steps=2 * L + 3, T=T_, cursor=cursor, phases=True, shadow=shadow)
+    assert [cache.phase(s) for s in range(3)] == [i % cache.phase_span for i in range(3)] and cache.phase_span > 1
+    assert worst < (1e-10 if shadow is None else 5e-2), worst
 
 
 def test_gdn_shadow_read_stays_close_and_flushes_exactly():

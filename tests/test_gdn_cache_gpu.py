@@ -31,18 +31,20 @@ def gdn_tensors(cache) -> dict:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("act, shadow, T, cursor", [(torch.bfloat16, None, 4, "ring"), (torch.float32, None, 2, "ring"),
-                                                    (torch.bfloat16, torch.bfloat16, 4, "ring"),
-                                                    (torch.bfloat16, torch.bfloat16, 1, "standard"),
-                                                    (torch.float32, None, 1, "standard")])
-def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor):
+@pytest.mark.parametrize("act, shadow, T, cursor, phases", [
+    (torch.bfloat16, None, 4, "ring", False), (torch.float32, None, 2, "ring", False),
+    (torch.bfloat16, torch.bfloat16, 4, "ring", False), (torch.bfloat16, torch.bfloat16, 1, "standard", False),
+    (torch.float32, None, 1, "standard", False), (torch.bfloat16, None, 1, "standard", True),
+    (torch.bfloat16, torch.bfloat16, 2, "ring", True)])
+def test_gdn_cache_on_cuda_follows_the_float64_cache(act, shadow, T, cursor, phases):
+    """``phases``: both caches deal flush phases (counts start over zeroed ring entries: the kernels read them)."""
     pytest.importorskip("trtllm_replayssm.families.gdn.ops")
     from trtllm_replayssm.families.gdn import ops as gdn_ops
 
     if not hasattr(gdn_ops, "gdn_replay_verify"):
         pytest.skip("gdn_ops.gdn_replay_verify is not built")
     HV, HK, V, KD, L, layers, slots, batch = 8, 4, 64, 128, 16, 2, 6, 4
-    geo = dict(num_draft=T - 1, cursor=cursor, conv_kernel=K_CONV, shadow_dtype=shadow)
+    geo = dict(num_draft=T - 1, cursor=cursor, conv_kernel=K_CONV, shadow_dtype=shadow, flush_phases=phases)
     dev = ReplayStateCache.for_family("gdn", layers, slots, (HV, HK, V, KD), L, act_dtype=act, device="cuda", **geo)
     cpu = ReplayStateCache.for_family("gdn", layers, slots, (HV, HK, V, KD), L, state_dtype=F64, act_dtype=F64,
                                       dt_dtype=F64, read_shadow=shadow is not None, **geo)

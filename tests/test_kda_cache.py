@@ -35,12 +35,14 @@ def _tokens(gen, batch, T):
     return rnd(H, K), rnd(H, K), rnd(H, V), rnd(H, K), rnd(H, shift=1.0)
 
 
-@pytest.mark.parametrize("cursor,T,mixed,lower_bound", [("standard", 1, False, None), ("ring", 2, False, None),
-                                                        ("ring", 3, True, -5.0), ("standard", 1, True, -5.0)])
-def test_kda_layers_follow_the_recurrence(cursor, T, mixed, lower_bound):
+@pytest.mark.parametrize("cursor,T,mixed,lower_bound,phases", [
+    ("standard", 1, False, None, False), ("ring", 2, False, None, False), ("ring", 3, True, -5.0, False),
+    ("standard", 1, True, -5.0, False), ("standard", 1, False, None, True), ("ring", 2, True, -5.0, True)])
+def test_kda_layers_follow_the_recurrence(cursor, T, mixed, lower_bound, phases):
+    """``phases``: the cache's flush phases (counts start at 0, 1, 2 over zeroed ring entries), same oracle."""
     gen = torch.Generator().manual_seed(11)
     slots, batch, layers = 5, 3, 2
-    kw = dict(num_draft=T - 1, cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64)
+    kw = dict(num_draft=T - 1, cursor=cursor, state_dtype=F64, act_dtype=F64, dt_dtype=F64, flush_phases=phases)
     if mixed:
         cache = ReplayStateCache(num_slots=slots, buffer_len=L, layers={"mamba2": (1, (4, 4, 6, 2)),
                                                                         "kda": (layers, (H, K, V))}, **kw)
@@ -50,6 +52,7 @@ def test_kda_layers_follow_the_recurrence(cursor, T, mixed, lower_bound):
     assert k0 == (1 if mixed else 0) and cache.total_layers == k0 + layers
     assert [cache.layer_family(i) for i in range(cache.total_layers)] == ["mamba2"] * k0 + ["kda"] * layers
     live = [cache.allocate() for _ in range(batch)]
+    assert [cache.phase(s) for s in live] == [i % cache.phase_span if phases else 0 for i in range(batch)]
     prm = [_params(gen) for _ in range(layers)]
     ref = torch.zeros(layers, slots, H, K, V, dtype=F64)
     for l in range(layers):

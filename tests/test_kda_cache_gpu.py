@@ -27,13 +27,16 @@ def rel(a, b):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("shadow, lower_bound, T", [(None, None, 1), (torch.bfloat16, None, 1), (None, -5.0, 1),
-                                                    (None, None, 4), (torch.bfloat16, -5.0, 4)])
-def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound, T):
+@pytest.mark.parametrize("shadow, lower_bound, T, phases", [
+    (None, None, 1, False), (torch.bfloat16, None, 1, False), (None, -5.0, 1, False), (None, None, 4, False),
+    (torch.bfloat16, -5.0, 4, False), (torch.bfloat16, None, 1, True), (None, None, 2, True)])
+def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound, T, phases):
+    """``phases``: both caches deal flush phases (counts start over zeroed ring entries: the kernels read them)."""
     H, K, V, L, layers, slots, batch = 4, 128, 128, 8, 2, 6, 4
     act = torch.bfloat16
     standard = T == 1
-    kw = dict(cursor="standard" if standard else "ring", num_draft=T - 1, conv_kernel=K_CONV, shadow_dtype=shadow)
+    kw = dict(cursor="standard" if standard else "ring", num_draft=T - 1, conv_kernel=K_CONV, shadow_dtype=shadow,
+              flush_phases=phases)
     dev = ReplayStateCache.for_family("kda", layers, slots, (H, K, V), L, act_dtype=act, device="cuda", **kw)
     cpu = ReplayStateCache.for_family("kda", layers, slots, (H, K, V), L, state_dtype=F64, act_dtype=F64, dt_dtype=F64,
                                       read_shadow=shadow is not None, **kw)

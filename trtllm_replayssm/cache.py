@@ -52,6 +52,15 @@ cursor, stale history or a poison value. :meth:`load_prefill` hands off a prefil
 becomes the checkpoint (and its shadow), the ring is empty (start = count = 0), its conv state fills
 the last K-1 columns of the window.
 
+Flush phases (``flush_phases=True``): requests admitted together would otherwise fold their checkpoints at the same
+step, every L tokens, and that step costs a flush for every row (the kernels' lockstep flush). With phases the n-th
+:meth:`allocate` gives its slot the phase c = n mod :attr:`phase_span`: :meth:`reset` and :meth:`load_prefill` start
+its count at c over zeroed ring entries, so its first flush comes after L - c tokens and the batch's flushes spread
+over the steps (the kernel benchmarks' "mixed" launch). A zeroed entry is an exact identity in every family: its
+decay is exp(0) = 1 (Mamba-2's stored dt = 0, GDN's and KDA's log-decay g = 0) and it adds nothing (Mamba-2's x = 0
+and dt = 0; the delta rule's beta = 0, so its u = 0 and k u^T = 0), so outputs are those of the unphased request up
+to the rounding of the shifted fold points. The cost is one earlier flush a request.
+
 One speculative step (T <= T_max tokens, rows ``state_batch_indices``, -1 = padding row), the same
 sequence on every device:
     cache.flush(sbi, T, A_by_layer)          # the flush rule on the pre-step cursors (see below)
@@ -366,7 +375,7 @@ class ReplayStateCache:
                  buffer_len: int | None = None, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, cursor: str = "ring",
-                 executor=None, layers=None, ckpt_seed: int = 0):
+                 executor=None, layers=None, ckpt_seed: int = 0, flush_phases: bool = False):
         positional = dict(num_layers=num_layers, nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups)
         if layers is None:  # the positional form: one family's geometry (POSITIONAL_FAMILY)
             missing = [k for k, v in positional.items() if v is None]
@@ -464,6 +473,13 @@ class ReplayStateCache:
                 if hasattr(self, name):
                     raise AssertionError(f"cache attribute {name!r} offered twice")  # pragma: no cover - a family bug
                 setattr(self, name, value)
+        if not isinstance(flush_phases, bool):
+            raise TypeError(f"flush_phases: expected a bool, got {flush_phases!r}")
+        self.flush_phases = flush_phases
+        # The phase of each slot's first flush (:meth:`allocate`): its cursor starts at this count over zeroed ring
+        # entries, which are exact identity entries in every family (module docstring, "Flush phases").
+        self._phase = [0] * num_slots
+        self._admitted = 0
         self._free = list(range(num_slots))
         self._live: set[int] = set()
         self._step: tuple[int, set] | None = None  # (T, layers verified) since flush()
@@ -548,12 +564,31 @@ class ReplayStateCache:
     def num_free(self) -> int:
         return len(self._free)
 
+    @property
+    def phase_span(self) -> int:
+        """How many flush phases :meth:`allocate` deals out with ``flush_phases``: L on the standard cursor (a slot
+        whose count starts at c flushes after L - c tokens), L - 2 T_max + 1 on the ring cursor (a count above
+        L - 2 T_max folds at the next step, cursor.needs_flush)."""
+        return self.buffer_len if self.standard else self.buffer_len - 2 * (self.num_draft + 1) + 1
+
+    def phase(self, slot: int) -> int:
+        """The committed count ``slot`` starts from after :meth:`reset` and :meth:`load_prefill` (0 without
+        ``flush_phases``)."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot: expected 0 <= slot < {self.num_slots}, got {slot}")
+        return self._phase[slot]
+
     def allocate(self) -> int:
-        """Take the lowest free slot, reset. Raises RuntimeError when every slot is live."""
+        """Take the lowest free slot, reset. With ``flush_phases`` the slot gets the next phase in turn (the n-th
+        allocation n mod :attr:`phase_span`), so requests admitted together flush at different steps. Raises
+        RuntimeError when every slot is live."""
         if not self._free:
             raise RuntimeError(f"allocate: all {self.num_slots} slots are live")
         self._free.sort()
         slot = self._free.pop(0)
+        if self.flush_phases:
+            self._phase[slot] = self._admitted % self.phase_span
+            self._admitted += 1
         self.reset(slot)
         self._live.add(slot)
         return slot
@@ -564,14 +599,24 @@ class ReplayStateCache:
         self._free.append(slot)
 
     def reset(self, slot: int) -> None:
-        """Zero everything ``slot`` owns in every layer and its cursor (start = count = 0)."""
+        """Zero everything ``slot`` owns in every layer and its cursor (start = 0, count = the slot's
+        :meth:`phase`, 0 without ``flush_phases``)."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot: expected 0 <= slot < {self.num_slots}, got {slot}")
         for g in self.groups:
             g.reset_slot(slot)
-        self.cursor[slot].zero_()
+        self._start_cursor(slot)
         if self.ckpt_flushes is not None:
             self.ckpt_flushes[slot] = 0
+
+    def _start_cursor(self, slot: int) -> None:
+        """start = 0, count = the slot's phase: entries 0 .. phase - 1 are the zeroed ring's (identity entries)."""
+        self.cursor[slot].zero_()
+        if self._phase[slot]:
+            if self.standard:
+                self.cursor[slot] = self._phase[slot]
+            else:
+                self.cursor[slot, cursors.COUNT] = self._phase[slot]
 
     def gather_slots(self, src: torch.Tensor) -> None:
         """Slot s takes what slot ``src[s]`` held, in every layer and its cursor (src (num_slots,) int, repeats
@@ -842,12 +887,12 @@ class ReplayStateCache:
     def load_prefill(self, slot: int, layer: int, state: torch.Tensor, conv_state: torch.Tensor | None = None) -> None:
         """Prefill hand-off of layer ``layer``: its final recurrent state (the checkpoint's shape per slot: Mamba-2
         (H, P, N), GDN (HV, V, K), KDA (H, K, V)) becomes the checkpoint (and its shadow), the rings are emptied,
-        ``conv_state`` (conv_dim, K - 1) fills the conv window's last columns, the cursor is zeroed. Everything is
-        checked before anything is written."""
+        ``conv_state`` (conv_dim, K - 1) fills the conv window's last columns, the cursor starts again (start = 0,
+        count = the slot's :meth:`phase`). Everything is checked before anything is written."""
         self._check_live(slot, "load_prefill")
         g, i = self._locate(layer)
         g.load_state(i, slot, state, conv_state, self.conv_kernel, self.conv_width)
-        self.cursor[slot].zero_()
+        self._start_cursor(slot)
 
     def _refresh_shadow(self, layer: int, slot: int) -> None:
         """The shadow of the stored checkpoint, rounded as the kernels' store_shadow (shadow.quantize_shadow)."""
