@@ -132,19 +132,26 @@ KDA_VARIANTS = ("conv_fp32", "conv_bf16", "replay_fp32", "replay_bf16_shadow", "
 GATES = {"kimi": None, "glm": -5.0}  # the gate's lower bound (None: Kimi's softplus gate)
 
 
-def drift_kda(steps=4096, H=2, K=128, V=128, L=16, seed=0, gate="glm") -> dict[str, list[float]]:
-    """Relative output error ||y - y64|| / ||y64|| per step of the KDA variants (module docstring) against the
-    float64 conventional recurrence on the same bf16 inputs."""
+def kda_gate_params(H: int, K: int, gate: str, gen: torch.Generator):
+    """(A_log (H,), dt_bias (H, K), lower bound) of a KDA layer for ``gate`` (module docstring: Kimi's A_log =
+    log U[1, 16] or GLM-5 Next's U[-1, 1]; dt_bias the inverse softplus of dt ~ logU[1e-3, 1e-1], fla's init), fp32
+    as the models keep them; drawn from ``gen`` in that order."""
     if gate not in GATES:
         raise ValueError(f"gate: expected one of {sorted(GATES)}, got {gate!r}")
     lower = GATES[gate]
-    gen = torch.Generator().manual_seed(seed)
     A_log = (torch.rand(H, generator=gen, dtype=F64) * 2 - 1 if lower is not None
              else torch.log(torch.rand(H, generator=gen, dtype=F64) * 15 + 1))
     lo, hi = math.log(1e-3), math.log(1e-1)
     dt = torch.exp(torch.rand(H, K, generator=gen, dtype=F64) * (hi - lo) + lo)
-    dt_bias = (dt + torch.log(-torch.expm1(-dt))).float()  # inverse softplus, stored fp32 as the models keep it
-    A_log = A_log.float()
+    dt_bias = (dt + torch.log(-torch.expm1(-dt))).float()  # inverse softplus
+    return A_log.float(), dt_bias, lower
+
+
+def drift_kda(steps=4096, H=2, K=128, V=128, L=16, seed=0, gate="glm") -> dict[str, list[float]]:
+    """Relative output error ||y - y64|| / ||y64|| per step of the KDA variants (module docstring) against the
+    float64 conventional recurrence on the same bf16 inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    A_log, dt_bias, lower = kda_gate_params(H, K, gate, gen)
     sbi = torch.tensor([0], dtype=torch.int32)
     exact = torch.zeros(1, H, K, V, dtype=F64)
     conv = {"conv_fp32": torch.zeros(1, H, K, V, dtype=torch.float32),

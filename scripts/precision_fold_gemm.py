@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 
@@ -37,11 +36,14 @@ import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+from precision_drift import GATES, kda_gate_params  # noqa: E402  (the KDA layer parameters of the drift runs)
+
+from trtllm_replayssm import timing  # noqa: E402
 from trtllm_replayssm.families.kda import reference as kref  # noqa: E402
 
 F64, F32 = torch.float64, torch.float32
-GATES = {"kimi": None, "glm": -5.0}
 MODES = ("fp64", "fp32", "3xtf32", "tf32")
 
 
@@ -101,15 +103,8 @@ def run(cycles: int = 256, H: int = 2, K: int = 128, V: int = 128, L: int = 16, 
         seed: int = 0, modes=MODES) -> dict[str, dict[str, list[float]]]:
     """Per mode: the relative checkpoint error ("state") and output error ("y") after each of ``cycles`` folds of
     L - 1 entries, against the float64 sequential recurrence."""
-    if gate not in GATES:
-        raise ValueError(f"gate: expected one of {sorted(GATES)}, got {gate!r}")
-    lower = GATES[gate]
     gen = torch.Generator().manual_seed(seed)
-    A_log = (torch.rand(H, generator=gen, dtype=F64) * 2 - 1 if lower is not None
-             else torch.log(torch.rand(H, generator=gen, dtype=F64) * 15 + 1)).float()
-    lo, hi = math.log(1e-3), math.log(1e-1)
-    dt = torch.exp(torch.rand(H, K, generator=gen, dtype=F64) * (hi - lo) + lo)
-    dt_bias = (dt + torch.log(-torch.expm1(-dt))).float()
+    A_log, dt_bias, lower = kda_gate_params(H, K, gate, gen)
     m = L - 1
 
     def rnd(*shape):
@@ -146,22 +141,18 @@ def main():
         ap.error(f"--cycles and --chunk: expected >= 1, got {args.cycles}, {args.chunk}")
     torch.set_num_threads(1)
     res = run(args.cycles, gate=args.gate, chunk=args.chunk)
-    summ = {mode: {k: v for what in ("state", "y") for k, v in {
-        f"{what}_first16_max": max(res[mode][what][:16]), f"{what}_max": max(res[mode][what]),
-        f"{what}_last": res[mode][what][-1]}.items()} for mode in res}
-    import subprocess
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    import datetime
+    summ = {}
+    for mode, r in res.items():
+        summ[mode] = {}
+        for what in ("state", "y"):
+            e = r[what]
+            summ[mode].update({f"{what}_first16_max": max(e[:16]), f"{what}_max": max(e), f"{what}_last": e[-1]})
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"precision_fold_gemm_{args.gate}_c{args.chunk}.json"
-    path.write_text(json.dumps({"date": datetime.date.today().isoformat(), "commit": commit, "device": "cpu",
-                                "gate": args.gate, "chunk": args.chunk, "cycles": args.cycles, "H": 2, "K": 128,
-                                "V": 128, "L": 16, "summary": summ, "errors": res}, indent=1))
+    path.write_text(json.dumps({**timing.run_meta("cpu"), "gate": args.gate, "chunk": args.chunk,
+                                "cycles": args.cycles, "H": 2, "K": 128, "V": 128, "L": 16, "summary": summ,
+                                "errors": res}, indent=1))
     for mode, s in summ.items():
         print(f"{mode:7s} state: first-16 max {s['state_first16_max']:.2e}, max {s['state_max']:.2e}, last "
               f"{s['state_last']:.2e} | y: max {s['y_max']:.2e}, last {s['y_last']:.2e}")
