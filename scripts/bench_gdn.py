@@ -149,8 +149,10 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
             per_k.append(graph_time_us(replay(sh), R)[0])
         timing.spread_cursors(cursor, sbis, L)  # the serving-like launch: ~1/L of its rows flush
         mixed_us = graph_time_us(replay(sh), R)[0]
+        timing.spread_cursors(cursor, sbis, L, flush_first=True)  # the same, flushing rows first (cache.flush_first)
+        mixed_ff_us = graph_time_us(replay(sh), R)[0]
         _, bk = costs.gdn_bytes_per_position(HV, H, V, K, L, 2, 4, 2 if sh is not None else None)
-        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us)
+        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us)
     if FLA is not None and isinstance(fla_check, str):
         row["fla_error"] = fla_check
     elif FLA is not None:
@@ -386,13 +388,13 @@ def main():
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} {'x conv':>6s} | "
-          f"{'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} {'x conv':>6s} | mixed us (x conv) f32, shadow")
+          f"{'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} {'x conv':>6s} | "
+          "mixed us (x conv), ff: flushing rows first; f32, shadow")
     for r in rows:
         print(f"{r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} | "
               + " | ".join(f"{r[f'{n}_us_k1']:7.1f} {r[f'{n}_us_flush']:7.1f} {r[f'{n}_us_amortized']:7.1f} "
                            f"{r[f'{n}_pct_ceiling']:5.1f} {r[f'{n}_speedup_vs_conv']:6.2f}" for n in ("f32", "bf16shadow"))
-              + " | " + ", ".join(f"{r[f'{n}_us_mixed']:.1f} ({r[f'{n}_speedup_vs_conv_mixed']:.2f})"
-                                  for n in ("f32", "bf16shadow"))
+              + " | " + timing.mixed_cells(r)
               + (f" | fla {r['fla_us']:7.1f} us ({r['pct_ceiling_fla']:4.1f}%, check {r['fla_check_rel']:.1e}), "
                  f"replay x fla {r['f32_speedup_vs_fla']:.2f} / {r['bf16shadow_speedup_vs_fla']:.2f}"
                  if "fla_us" in r else ""))

@@ -344,8 +344,10 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
             continue
         timing.spread_cursors(cursor, sbis, L)  # the serving-like launch: ~1/L of its rows flush
         mixed_us = graph_time_us(replay(sh), R)[0]
+        timing.spread_cursors(cursor, sbis, L, flush_first=True)  # the same, flushing rows first (cache.flush_first)
+        mixed_ff_us = graph_time_us(replay(sh), R)[0]
         _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16" if sh is not None else None)
-        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us)
+        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us)
         row[f"{name}_bound_ratio"] = conv_b * batch / row[f"{name}_bytes_amortized"]
         row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
         if "fla_us" in row:
@@ -465,14 +467,13 @@ def main():
     print(f"# copy ceiling {ceiling:.2f} TB/s on {meta['device']}; results in {path}")
     print(f"{'geom':>16s} {'bs':>4s} {'conv us':>8s} {'%ceil':>5s} | {'f32 k1':>7s} {'flush':>7s} {'amort':>7s} "
           f"{'%ceil':>5s} {'x conv':>6s} {'%bnd':>5s} | {'sh k1':>7s} {'flush':>7s} {'amort':>7s} {'%ceil':>5s} "
-          f"{'x conv':>6s} {'%bnd':>5s} | mixed us (x conv) f32, shadow")
+          f"{'x conv':>6s} {'%bnd':>5s} | mixed us (x conv), ff: flushing rows first; f32, shadow")
     for r in (r for r in rows if "f32_us_k1" in r):
         print(f"{r['geom']:>16s} {r['batch']:4d} {r['conv_us']:8.1f} {r['pct_ceiling_conv']:5.1f} | "
               + " | ".join(f"{r[f'{n}_us_k1']:7.1f} {r[f'{n}_us_flush']:7.1f} {r[f'{n}_us_amortized']:7.1f} "
                            f"{r[f'{n}_pct_ceiling']:5.1f} {r[f'{n}_speedup_vs_conv']:6.2f} {r[f'{n}_pct_of_bound']:5.1f}"
                            for n in ("f32", "bf16shadow"))
-              + " | " + ", ".join(f"{r[f'{n}_us_mixed']:.1f} ({r[f'{n}_speedup_vs_conv_mixed']:.2f})"
-                                  for n in ("f32", "bf16shadow"))
+              + " | " + timing.mixed_cells(r)
               + (f" | fla {r['fla_us']:7.1f} us (check {r['fla_check_rel']:.1e}) x fla {r['f32_speedup_vs_fla']:.2f}"
                  if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else "")))
     for r in rows:

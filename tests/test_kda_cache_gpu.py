@@ -50,6 +50,7 @@ def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound, T, pha
     conv_w = [(torch.randn(Dc, K_CONV, generator=gen) * 0.5, torch.randn(Dc, generator=gen) * 0.1) for _ in range(layers)]
     live = [dev.allocate() for _ in range(batch - 1)]
     assert [cpu.allocate() for _ in live] == live
+    assert [dev.phase(s) for s in live] == [cpu.phase(s) for s in live] == ([0, 1, 2] if phases else [0, 0, 0])
     for s in live:
         for l in range(layers):
             S0 = torch.randn(H, K, V, generator=gen) * 0.2
@@ -92,8 +93,9 @@ def test_kda_cache_on_cuda_follows_the_float64_cache(shadow, lower_bound, T, pha
         dev.commit(sbi.cuda(), None if standard else acc.cuda(), T)
         cpu.commit(sbi, acc, T)
         assert torch.equal(dev.cursor.cpu(), cpu.cursor), step
-        assert not standard or sorted(folded) == (sorted(live) if step % L == L - 1 else []), step
-        for l in range(layers):  # the folded slots' checkpoints (standard: every live slot at step L - 1 mod L)
+        # standard: a slot whose count starts at its phase c folds at step L - 1 - c mod L (c = 0 without phases)
+        assert not standard or sorted(folded) == sorted(s for s in live if (step + cpu.phase(s)) % L == L - 1), step
+        for l in range(layers):  # the folded slots' checkpoints
             if folded:
                 assert rel(g_dev.t["state"][l].cpu()[folded], g_cpu.t["state"][l][folded]) < 1e-4, (step, l)
         assert torch.equal(g_dev.conv.cpu().double(), g_cpu.conv.to(act).double()), step

@@ -85,6 +85,10 @@ def test_spread_cursors_puts_row_i_of_every_launch_at_position_i_mod_L():
         assert cursor[sbi.long()].tolist() == [i % L for i in range(batch)]
     untouched = sorted(set(range(20)) - {int(x) for s in sbis for x in s})
     assert (cursor[untouched] == -1).all()  # slots no launch uses keep their cursor
+    timing.spread_cursors(cursor, sbis, L, flush_first=True)  # the same positions, the flushing rows (cursor L - 1) first
+    for sbi in sbis:
+        assert cursor[sbi.long()].tolist() == [3, 2, 1, 1, 0, 0]
+    assert (cursor[untouched] == -1).all()
 
 
 def test_add_replay_cycle_fields_and_the_mixed_launch():
@@ -109,5 +113,14 @@ def test_add_replay_cycle_fields_and_the_mixed_launch():
         timing.add_replay_cycle(dict(conv_us=2.0, tbps_conv=1.0), "f32", per_k, bytes_at, batch), 3.0, names=("f32",))
     pcts = timing.add_ceiling_pcts(dict(row, tbps_conv=1.0), 2.0, names=("f32",))
     assert pcts["f32_pct_ceiling_mixed"] == pytest.approx(100 * row["f32_tbps_mixed"] / 2.0)
+    assert not any(k.endswith("_mixed_ff") for k in row)
+    ff = timing.add_replay_cycle(dict(conv_us=2.0, tbps_conv=1.0), "f32", per_k, bytes_at, batch, mixed_us=1.5,
+                                 mixed_ff_us=1.25)
+    assert ff["f32_us_mixed"] == 1.5 and ff["f32_us_mixed_ff"] == 1.25
+    assert ff["f32_bytes_mixed_ff"] == ff["f32_bytes_mixed"]  # one multiset of positions, two orders
+    assert ff["f32_speedup_vs_conv_mixed_ff"] == pytest.approx(2.0 / 1.25)
+    assert ff["f32_mixed_ff_over_amortized"] == pytest.approx(1.25 / amort)
+    assert timing.add_ceiling_pcts(ff, 2.0, names=("f32",))["f32_pct_ceiling_mixed_ff"] == pytest.approx(
+        100 * ff["f32_tbps_mixed_ff"] / 2.0)
     with pytest.raises(ValueError, match="bytes_at"):
         timing.add_replay_cycle(dict(conv_us=2.0), "f32", per_k, {1: 1, 2: 1, 3: 1}, batch)

@@ -37,17 +37,19 @@ def test_gdn_standard_decode_modules(batch, fp32, shadow):
 
 
 def test_kda_decode_modules():
-    """Kimi-K3 TP8 (24 blocks a row at (4, 4)) keeps 3 blocks an SM at every batch; GLM-5.3-Flash TP8 (16) takes 4
-    from bs32 with a shadow (1.3-10.3 waves at 3, 1.0-7.8 at 4), and without one only at bs32 (65% -> 97% of a
-    full last wave; the fp32 module's spill costs more than the smaller gains); conventional and verify modules
-    keep the default."""
+    """The staged modules (bs128-256 here) run 4 blocks an SM; below them Kimi-K3 TP8 (24 blocks a row at (4, 4))
+    keeps 3 at every batch, GLM-5.3-Flash TP8 (16) takes 4 from bs32 with a shadow (1.3-5.2 waves at 3) and without
+    one only at bs32 (65% -> 97% of a full last wave; the fp32 module's spill costs more than the smaller gains);
+    conventional and verify modules keep the default."""
     kimi, glm = GEOMETRIES["kimi_k3_tp8"], GEOMETRIES["glm5_3_flash_tp8"]
     batches = (1, 8, 32, 64, 128, 256)
     for shadow in ("none", "bf16"):
-        assert [kda_spec("bf16", *kimi, 16, b, shadow=shadow).resident for b in batches] == [0] * 6
+        assert [kda_spec("bf16", *kimi, 16, b, shadow=shadow).resident for b in batches] == [0] * 4 + [512] * 2
     assert [kda_spec("bf16", *glm, 16, b, "bf16", lower_bound=-5.0).resident for b in batches] == [0, 0, 512, 512, 512,
                                                                                                  512]
-    assert [kda_spec("bf16", *glm, 16, b, lower_bound=-5.0).resident for b in batches] == [0, 0, 512, 0, 0, 0]
+    assert [kda_spec("bf16", *glm, 16, b, lower_bound=-5.0).resident for b in batches] == [0, 0, 512, 0, 512, 512]
+    for shadow in ("none", "bf16"):  # the staged modules (>= STAGED_MIN_WAVES waves) at STAGED_RESIDENT_THREADS
+        assert all(kda_spec("bf16", *g, 16, b, shadow=shadow).resident == 512 for g in (kimi, glm) for b in (128, 256))
     assert kda_spec("bf16", *glm, 16, 64, conventional=True).resident == 0
     assert kda_spec("bf16", *glm, 16, 64, num_tokens=4).resident == 0
     with kda_override(resident=384):  # a pin wins

@@ -59,14 +59,17 @@ def graph_time_us(fn, launches: int, reps: int = 20) -> tuple[float, float]:
     return statistics.median(times), spread(times)
 
 
-def spread_cursors(cursor: torch.Tensor, sbis, L: int) -> None:
+def spread_cursors(cursor: torch.Tensor, sbis, L: int, flush_first: bool = False) -> None:
     """Serving-like phases, in place: row i of every launch's slot list ``sbis`` at buffer position k = i mod L + 1
     (cursor i mod L), as in a batch of sequences that started at different tokens; ~1/L of a launch's rows flush.
     The kernel benchmarks' "mixed" launch, against the lockstep cycle (every row at one position, all flushing
-    together) whose mean is the amortized step."""
+    together) whose mean is the amortized step. ``flush_first``: the same positions sorted, longest ring first, so
+    the flushing rows lead the launch (the order :meth:`ReplayStateCache.flush_first` gives a serving batch: the
+    kernels' grids walk the batch rows in order, and a flushing row's blocks are the long ones)."""
     for sbi in sbis:
         n = sbi.numel()
-        cursor[sbi.long()] = torch.arange(n, dtype=cursor.dtype, device=cursor.device) % L
+        pos = torch.arange(n, dtype=cursor.dtype, device=cursor.device) % L
+        cursor[sbi.long()] = pos.sort(descending=True).values if flush_first else pos
 
 
 def mixed_bytes(bytes_at: dict[int, int | float], batch: int, L: int) -> float:
@@ -76,14 +79,16 @@ def mixed_bytes(bytes_at: dict[int, int | float], batch: int, L: int) -> float:
 
 
 def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, batch: int,
-                     mixed_us: float | None = None) -> dict:
+                     mixed_us: float | None = None, mixed_ff_us: float | None = None) -> dict:
     """A delta-rule kernel benchmark row (bench_gdn / bench_kda) with one replay variant's flush-cycle fields:
     ``per_k`` the times (µs) at positions k = 1..L (every row's cursor at k - 1: lockstep), ``bytes_at`` a row's
     bytes at each position. Fields ``<name>_``: ``us_k``, ``us_k1``, ``us_flush``, ``us_amortized`` (the mean over
     the cycle), ``bytes_amortized``, ``tbps`` / ``tbps_k1`` / ``tbps_flush``, ``speedup_vs_conv`` (the row's
     ``conv_us`` over the amortized step), ``flush_over_conv``; with ``mixed_us`` (one launch of spread cursors,
     :func:`spread_cursors`) also ``us_mixed``, ``bytes_mixed``, ``tbps_mixed``, ``speedup_vs_conv_mixed`` and
-    ``mixed_over_amortized`` (below 1: spreading the flush over the steps saves time)."""
+    ``mixed_over_amortized`` (below 1: spreading the flush over the steps saves time); with ``mixed_ff_us`` (the
+    same launch with its flushing rows first, ``spread_cursors(flush_first=True)``) the same fields ending
+    ``_mixed_ff``."""
     L = len(per_k)
     if sorted(bytes_at) != list(range(1, L + 1)):
         raise ValueError(f"bytes_at: expected the positions 1..{L} of per_k, got {sorted(bytes_at)}")
@@ -97,13 +102,22 @@ def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, b
     row[f"{name}_tbps_flush"] = bytes_at[L] * batch / per_k[-1] / 1e6
     row[f"{name}_speedup_vs_conv"] = row["conv_us"] / amort
     row[f"{name}_flush_over_conv"] = per_k[-1] / row["conv_us"]
-    if mixed_us is not None:
-        mb = mixed_bytes(bytes_at, batch, L)
-        row[f"{name}_us_mixed"], row[f"{name}_bytes_mixed"] = mixed_us, mb
-        row[f"{name}_tbps_mixed"] = mb / mixed_us / 1e6
-        row[f"{name}_speedup_vs_conv_mixed"] = row["conv_us"] / mixed_us
-        row[f"{name}_mixed_over_amortized"] = mixed_us / amort
+    for tag, us in (("mixed", mixed_us), ("mixed_ff", mixed_ff_us)):
+        if us is None:
+            continue
+        mb = mixed_bytes(bytes_at, batch, L)  # the same positions in either order
+        row[f"{name}_us_{tag}"], row[f"{name}_bytes_{tag}"] = us, mb
+        row[f"{name}_tbps_{tag}"] = mb / us / 1e6
+        row[f"{name}_speedup_vs_conv_{tag}"] = row["conv_us"] / us
+        row[f"{name}_{tag}_over_amortized"] = us / amort
     return row
+
+
+def mixed_cells(row: dict, names=("f32", "bf16shadow")) -> str:
+    """The benchmark tables' mixed column: each variant's mixed launch, then its flush-first order, "us (x conv)"."""
+    return ", ".join(f"{row[f'{n}_us_mixed']:.1f} ({row[f'{n}_speedup_vs_conv_mixed']:.2f})"
+                     + (f" ff {row[f'{n}_us_mixed_ff']:.1f} ({row[f'{n}_speedup_vs_conv_mixed_ff']:.2f})"
+                        if f"{n}_us_mixed_ff" in row else "") for n in names)
 
 
 def add_ceiling_pcts(row: dict, ceiling: float, names=("f32", "bf16shadow")) -> dict:
@@ -114,8 +128,9 @@ def add_ceiling_pcts(row: dict, ceiling: float, names=("f32", "bf16shadow")) -> 
     for name in names:
         row[f"{name}_pct_ceiling"] = 100 * row[f"{name}_tbps"] / ceiling
         row[f"{name}_pct_ceiling_k1"] = 100 * row[f"{name}_tbps_k1"] / ceiling
-        if f"{name}_tbps_mixed" in row:
-            row[f"{name}_pct_ceiling_mixed"] = 100 * row[f"{name}_tbps_mixed"] / ceiling
+        for tag in ("mixed", "mixed_ff"):
+            if f"{name}_tbps_{tag}" in row:
+                row[f"{name}_pct_ceiling_{tag}"] = 100 * row[f"{name}_tbps_{tag}"] / ceiling
     if "fla_us" in row:
         row["pct_ceiling_fla"] = 100 * row["tbps_fla"] / ceiling
     return row

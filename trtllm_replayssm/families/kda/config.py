@@ -49,6 +49,14 @@ TAIL_F32_MARGIN = 0.15
 # Kimi-K3 TP8 1.58 / 1.71x -> 1.64 / 1.74x, GLM-5.3-Flash TP8 1.60 / 1.77x -> 1.65 / 1.87x; Kimi bs1-32 3-7% slower,
 # GLM bs1-32 1-7% faster; bench/NOTES.md "Nineteenth session").
 STAGED_MIN_WAVES = 4
+# The staged modules' register budget: 4 blocks of 4 warps an SM (128 registers; the fold spills 68 bytes). Their
+# steps are latency-bound (a block's fixed chain: slot, cursor, ring staging, channel stage, reduce), and a fourth
+# block an SM hides more of it than the spill costs (bench/NOTES.md "Twenty-second session"; H200, one call,
+# Kimi-K3 TP8 bs256 at 384 / 512 resident threads: shadow k1 50.4 / 45.1 us, flush 302.6 / 275.5 us; fp32 k1
+# 62.7 / 55.5 us; H100, one call, fc06a74 / ee07fe74a2, x conv fp32 / shadow: Kimi-K3 TP8 bs256 1.64 / 2.00 ->
+# 1.69 / 2.09, bs128 1.58 / 1.81 -> 1.62 / 1.84, GLM-5.3-Flash TP8 bs128-256 level; bench/NOTES.md "Twenty-fourth
+# session").
+STAGED_RESIDENT_THREADS = 512
 # KDASpec.passes 2 (a block walks both chunks of its head under one channel stage) is planned for the staged bf16-shadow
 # modules: the non-flush steps gain more than the flush loses (H100, one call, 784db056a5 / 9b2d79552c, shadow x conv
 # passes 1 -> 2: Kimi-K3 TP8 bs256 1.77 -> 2.02, bs128 1.69 -> 1.84, GLM-5.3-Flash TP8 bs256 1.92 -> 1.99; the flush
@@ -311,6 +319,8 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
     if conventional or num_tokens:
         return spec
     staged = _OVERRIDE.get("staged", math.prod(spec.grid(batch)) >= STAGED_MIN_WAVES * SMS * spec.min_blocks)
+    if staged and "resident" not in _OVERRIDE and spec.warps == 4:  # measured at (4, 4) alone
+        spec = dataclasses.replace(spec, resident=STAGED_RESIDENT_THREADS)
     passes = _OVERRIDE.get("passes", 2 if staged and shadow != "none" else 1)  # two passes: the staged shadow modules
     if passes > 1:
         try:
