@@ -64,7 +64,7 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trtllm_replayssm import costs, timing  # noqa: E402
+from trtllm_replayssm import costs, cursor_ops, timing  # noqa: E402
 from trtllm_replayssm.families.gdn.config import override as gdn_override  # noqa: E402
 from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
@@ -289,14 +289,20 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
             kops.kda_conventional_step(*ins[r % len(ins)], A_log, dt_bias, state, sbis[r], out=y, lower_bound=lb,
                                        check_values=False)
 
-    def replay(sh):
+    orders = [torch.empty((batch, 2), dtype=torch.int32, device="cuda") for _ in range(R)]
+
+    def replay(sh, ordered=False):
+        """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel
+        (cursor_ops.flush_order, once a model step in serving; here once a launch, its cost included)."""
         def fn():
             with override(passes=SHADOW_PASSES if sh is not None and SHADOW_PASSES > 1 else None):
                 for r in range(R):
+                    if ordered:
+                        cursor_ops.flush_order(cursor, sbis[r], L, out=orders[r], check_values=False)
                     kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache,
                                            u_rings[None if sh is None else sh.dtype], g_cache, v_cache,
                                            beta_cache, cursor, sbis[r], out=y, shadow=sh, lower_bound=lb,
-                                           check_values=False)
+                                           check_values=False, row_order=orders[r] if ordered else None)
         return fn
 
     row = dict(geom=geom, H=H, K=K, V=V, L=L, batch=batch, rotations=R, act="bf16", lower_bound=lb,
@@ -344,10 +350,11 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
             continue
         timing.spread_cursors(cursor, sbis, L)  # the serving-like launch: ~1/L of its rows flush
         mixed_us = graph_time_us(replay(sh), R)[0]
-        timing.spread_cursors(cursor, sbis, L, flush_first=True)  # the same, flushing rows first (cache.flush_first)
+        mixed_ord_us = graph_time_us(replay(sh, ordered=True), R)[0]  # the same launch, ordered on the device
+        timing.spread_cursors(cursor, sbis, L, flush_first=True)  # the same positions, flushing rows first
         mixed_ff_us = graph_time_us(replay(sh), R)[0]
         _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16" if sh is not None else None)
-        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us)
+        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us, mixed_ord_us)
         row[f"{name}_bound_ratio"] = conv_b * batch / row[f"{name}_bytes_amortized"]
         row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
         if "fla_us" in row:

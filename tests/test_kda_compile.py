@@ -47,7 +47,10 @@ ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffe
         # two passes a block (KDASpec.passes): the shadow modules at K = 128, fp32 where its rows tile fits
         dict(col_lanes=4, staged=True, passes=2, shadow="bf16"), dict(staged=True, passes=2, shadow="bf16", warps=2),
         dict(K=256, V=64, warps=4, shadow="bf16", staged=True, passes=2),
-        dict(H=3, K=64, V=64, warps=2, act="f32", staged=True, passes=2)]
+        dict(H=3, K=64, V=64, warps=2, act="f32", staged=True, passes=2),
+        # the flush-first row order (KDASpec.row_order): the register ring, the staged one, two passes
+        dict(row_order=True), dict(row_order=True, col_lanes=4, staged=True, shadow="bf16", passes=2),
+        dict(row_order=True, H=3, K=48, V=40, warps=1, act="f32", staged=True)]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
 VERIFY_PUBLISHED = [
     kda_spec("bf16", *GEOMETRIES[g], 16, batch, sh, lower_bound=lb, arch=arch, num_tokens=T)
@@ -88,6 +91,28 @@ def test_parameter_lists_are_tensorrt_order(shadow, n_sh):
     ptx = cc.compile_spec(KDASpec(**BASE, shadow=shadow, num_tokens=4), "ptx").decode()
     params = re.search(r"\.entry kda_verify\((.*?)\)", ptx, re.S).group(1)
     assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == ["u64"] * (15 + n_sh) + ["u32"] * 2 + ["u64"] * (7 + n_sh)
+
+
+def test_row_order_module():
+    """KDASpec.row_order: its own key and macro, the same parameter list (input 8 is read as (row, slot) pairs), the
+    decode module's option only; kda_spec(row_order=True) is the planned module with the flag."""
+    s = KDASpec(**BASE, row_order=True)
+    assert s.key.endswith("_ro_sm90") and "#define KDA_ROW_ORDER 1" in s.prelude()
+    assert "KDA_ROW_ORDER" not in KDASpec(**BASE).prelude()
+    plain = cc.compile_spec(KDASpec(**BASE), "ptx").decode()
+    ptx = cc.compile_spec(s, "ptx").decode()
+    lists = [re.search(r"\.entry kda_replay_decode\((.*?)\)", p, re.S).group(1) for p in (plain, ptx)]
+    assert [re.findall(r"\.param \.(u64|u32|b32|s32)", x) for x in lists] == [
+        ["u64"] * 15 + ["u32"] * 2 + ["u64"] * 7] * 2
+    assert "ld.global.nc.v2.u32" in ptx or "ld.global.nc.v2.b32" in ptx  # the (row, slot) pair: one 8-byte load
+    with pytest.raises(ValueError, match="row_order"):
+        KDASpec(**BASE, row_order=True, num_tokens=4)
+    with pytest.raises(TypeError, match="row_order"):
+        KDASpec(**BASE, row_order=1)
+    for batch, sh in ((1, "none"), (256, "bf16")):
+        planned = kda_spec("bf16", 12, 128, 128, 16, batch, sh)
+        assert kda_spec("bf16", 12, 128, 128, 16, batch, sh, row_order=True) == \
+            KDASpec(**{**planned.__dict__, "row_order": True})
 
 
 def test_key_and_prelude():

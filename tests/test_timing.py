@@ -120,6 +120,11 @@ def test_add_replay_cycle_fields_and_the_mixed_launch():
     assert ff["f32_bytes_mixed_ff"] == ff["f32_bytes_mixed"]  # one multiset of positions, two orders
     assert ff["f32_speedup_vs_conv_mixed_ff"] == pytest.approx(2.0 / 1.25)
     assert ff["f32_mixed_ff_over_amortized"] == pytest.approx(1.25 / amort)
+    assert "f32_us_mixed_ord" not in ff and timing.mixed_cells(ff, ("f32",)) == "1.5 (1.33) ff 1.2 (1.60)"
+    od = timing.add_replay_cycle(dict(conv_us=2.0, tbps_conv=1.0), "f32", per_k, bytes_at, batch, mixed_us=1.5,
+                                 mixed_ord_us=1.0)
+    assert od["f32_speedup_vs_conv_mixed_ord"] == 2.0 and "f32_us_mixed_ff" not in od
+    assert timing.mixed_cells(od, ("f32",)) == "1.5 (1.33) ord 1.0 (2.00)"
     assert timing.add_ceiling_pcts(ff, 2.0, names=("f32",))["f32_pct_ceiling_mixed_ff"] == pytest.approx(
         100 * ff["f32_tbps_mixed_ff"] / 2.0)
     with pytest.raises(ValueError, match="bytes_at"):

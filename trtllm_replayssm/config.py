@@ -192,7 +192,7 @@ def parse_variant(text: str, what: str = VARIANT_ENV) -> Variant | None:
 
 # The modules of plugins/mamba2/ and plugins/gdn/ (entry file under plugins/, kernel names), named by their specs.
 ENTRY_FILE = "mamba2/replayssm_decode.cu"
-KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor")
+KERNEL_NAMES = ("replayssm_decode", "replayssm_conventional", "replayssm_advance_cursor", "replayssm_flush_order")
 SPEC_ENTRY_FILE = "mamba2/replayssm_spec.cu"
 SPEC_KERNEL_NAMES = ("replayssm_verify", "replayssm_spec_commit", "replayssm_native_verify", "replayssm_native_commit")
 

@@ -93,6 +93,39 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, c
            + ([] if flushes is None else [flushes.data_ptr()]))
 
 
+ORDER_THREADS = 1024  # replayssm_flush_order's block (kOrderThreads)
+
+
+def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_values: bool | None = None):
+    """The flush-first row order of one standard decode step, on the GPU: (batch, 2) int32 (row, slot), the
+    rows that flush in this step (cursor L - 1) first, then the other rows with a slot, then padding, each class in
+    row order (:func:`.cursor.flush_order` is the spec, bit for bit). A decode module built with ``row_order``
+    reads it in place of ``state_batch_indices``. Once per model step, after the previous step's cursor move, for
+    all layers (their cursor is shared). ``out`` (batch, 2) int32 to write into (a graph's fixed buffer)."""
+    if isinstance(buffer_len, bool) or not isinstance(buffer_len, numbers.Integral) or not 1 <= buffer_len <= 32:
+        raise ValueError(f"buffer_len: expected an int in 1..32, got {buffer_len!r}")
+    check_rank(cursor, "cursor", 1, "(slots,)")
+    check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
+    batch = state_batch_indices.shape[0]
+    if out is None:
+        out = torch.empty((batch, 2), dtype=torch.int32, device=state_batch_indices.device)
+    _, dev = _checked([
+        Arg("cursor", cursor, ("slots",), I32, None),
+        Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
+        Arg("out", out, ("batch", 2), I32, 8),
+    ])
+    S = cursor.shape[0]
+    if values_checked(check_values):
+        check_indices(state_batch_indices, S, cursor, buffer_len)
+    require_cuda(cursor, "cursor")
+    if batch == 0:
+        return out
+    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, int(buffer_len), 8, 1, False, arch(dev))
+    launch(spec, "replayssm_flush_order", dev, (1, 1, 1), (ORDER_THREADS, 1, 1),
+           [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr(), out.data_ptr()])
+    return out
+
+
 # ---- speculative decoding: the ring cursor's commit, the native-spec baseline's commit copy -----------------
 def spec_commit(cursor, n_accepted, state_batch_indices, num_tokens: int, buffer_len: int | None = None,
                 check_values: bool | None = None, x_cache=None) -> None:

@@ -79,7 +79,8 @@ def mixed_bytes(bytes_at: dict[int, int | float], batch: int, L: int) -> float:
 
 
 def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, batch: int,
-                     mixed_us: float | None = None, mixed_ff_us: float | None = None) -> dict:
+                     mixed_us: float | None = None, mixed_ff_us: float | None = None,
+                     mixed_ord_us: float | None = None) -> dict:
     """A delta-rule kernel benchmark row (bench_gdn / bench_kda) with one replay variant's flush-cycle fields:
     ``per_k`` the times (µs) at positions k = 1..L (every row's cursor at k - 1: lockstep), ``bytes_at`` a row's
     bytes at each position. Fields ``<name>_``: ``us_k``, ``us_k1``, ``us_flush``, ``us_amortized`` (the mean over
@@ -88,7 +89,8 @@ def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, b
     :func:`spread_cursors`) also ``us_mixed``, ``bytes_mixed``, ``tbps_mixed``, ``speedup_vs_conv_mixed`` and
     ``mixed_over_amortized`` (below 1: spreading the flush over the steps saves time); with ``mixed_ff_us`` (the
     same launch with its flushing rows first, ``spread_cursors(flush_first=True)``) the same fields ending
-    ``_mixed_ff``."""
+    ``_mixed_ff``; with ``mixed_ord_us`` (the mixed launch behind the device's flush-first order kernel,
+    ``cursor_ops.flush_order``, and the module that reads it) those ending ``_mixed_ord``."""
     L = len(per_k)
     if sorted(bytes_at) != list(range(1, L + 1)):
         raise ValueError(f"bytes_at: expected the positions 1..{L} of per_k, got {sorted(bytes_at)}")
@@ -102,7 +104,7 @@ def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, b
     row[f"{name}_tbps_flush"] = bytes_at[L] * batch / per_k[-1] / 1e6
     row[f"{name}_speedup_vs_conv"] = row["conv_us"] / amort
     row[f"{name}_flush_over_conv"] = per_k[-1] / row["conv_us"]
-    for tag, us in (("mixed", mixed_us), ("mixed_ff", mixed_ff_us)):
+    for tag, us in (("mixed", mixed_us), ("mixed_ff", mixed_ff_us), ("mixed_ord", mixed_ord_us)):
         if us is None:
             continue
         mb = mixed_bytes(bytes_at, batch, L)  # the same positions in either order
@@ -114,10 +116,11 @@ def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, b
 
 
 def mixed_cells(row: dict, names=("f32", "bf16shadow")) -> str:
-    """The benchmark tables' mixed column: each variant's mixed launch, then its flush-first order, "us (x conv)"."""
+    """The benchmark tables' mixed column: each variant's mixed launch, then (where timed) the same positions with
+    the flushing rows first ("ff") and the launch behind the device's order kernel ("ord"), "us (x conv)"."""
     return ", ".join(f"{row[f'{n}_us_mixed']:.1f} ({row[f'{n}_speedup_vs_conv_mixed']:.2f})"
-                     + (f" ff {row[f'{n}_us_mixed_ff']:.1f} ({row[f'{n}_speedup_vs_conv_mixed_ff']:.2f})"
-                        if f"{n}_us_mixed_ff" in row else "") for n in names)
+                     + "".join(f" {t} {row[f'{n}_us_mixed_{t}']:.1f} ({row[f'{n}_speedup_vs_conv_mixed_{t}']:.2f})"
+                               for t in ("ff", "ord") if f"{n}_us_mixed_{t}" in row) for n in names)
 
 
 def add_ceiling_pcts(row: dict, ceiling: float, names=("f32", "bf16shadow")) -> dict:
@@ -128,7 +131,7 @@ def add_ceiling_pcts(row: dict, ceiling: float, names=("f32", "bf16shadow")) -> 
     for name in names:
         row[f"{name}_pct_ceiling"] = 100 * row[f"{name}_tbps"] / ceiling
         row[f"{name}_pct_ceiling_k1"] = 100 * row[f"{name}_tbps_k1"] / ceiling
-        for tag in ("mixed", "mixed_ff"):
+        for tag in ("mixed", "mixed_ff", "mixed_ord"):
             if f"{name}_tbps_{tag}" in row:
                 row[f"{name}_pct_ceiling_{tag}"] = 100 * row[f"{name}_tbps_{tag}"] / ceiling
     if "fla_us" in row:

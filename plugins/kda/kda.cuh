@@ -11,6 +11,9 @@
 //   KDA_PASSES                 1: one block a chunk of kCols value columns; 2 (staged decode modules): a block walks two
 //                              chunks of its head under one channel stage, the second chunk's rows staged in shared
 //                              memory by cp.async while the first is reduced (KDASpec.passes)
+//   KDA_ROW_ORDER              0: block row blockIdx.y, its slot sbi[row]; 1 (decode module): sbi points to (row, slot)
+//                              int2 pairs in flush-first order (cursor.flush_order), so the flushing rows' long blocks
+//                              run in the first waves (KDASpec.row_order)
 //   KDA_LOWER_BOUND, kLowerBound  0: Kimi's gate; 1: GLM-5 Next's gate bounded below by kLowerBound
 //   kH, kK, kV, kL             heads, key dim, value dim, ring length (2..16)
 //   kCVL, kWarps, kMinBlocks   lanes across a state row's block columns (4 columns each), warps, resident blocks
@@ -60,6 +63,9 @@
 #endif
 #ifndef KDA_PASSES
 #define KDA_PASSES 1
+#endif
+#ifndef KDA_ROW_ORDER
+#define KDA_ROW_ORDER 0
 #endif
 #ifndef KDA_TOKENS
 #define KDA_TOKENS 0  // 0: the decode module; T >= 1: the verify module (kda_spec.cuh), window of T tokens
@@ -889,8 +895,15 @@ __device__ __forceinline__ void conventional(const Args& a) {
 
 __device__ __forceinline__ void replay_decode(const Args& a) {
   __shared__ alignas(16) unsigned char smem[kSmemBytes];
+#if KDA_ROW_ORDER  // a.sbi holds (row, slot) pairs in flush-first order (replayssm_flush_order): one load, as sbi[b]
+  Coords c = coords();
+  const int2 rs = reinterpret_cast<const int2*>(a.sbi)[blockIdx.y];
+  c.b = rs.x;
+  const int slot = rs.y;
+#else
   const Coords c = coords();
   const int slot = a.sbi[c.b];
+#endif
   if (slot < 0 || slot >= a.nslots) return;
   const int pos = a.cursor[slot];
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written

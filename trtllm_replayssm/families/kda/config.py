@@ -100,6 +100,7 @@ class KDASpec:
     resident: int = 0  # threads an SM the register budget is planned for (0: the module's default, min_blocks)
     staged: bool = False  # decode module: the non-flush step stages its ring in shared memory (kda.cuh KDA_STAGED)
     passes: int = 1  # staged decode module: chunks of ``cols`` columns a block walks under one channel stage (1, 2)
+    row_order: bool = False  # decode module: input 8 is the (row, slot) order (cursor.flush_order), not the slots
 
     @property
     def entry_file(self) -> str:
@@ -130,6 +131,11 @@ class KDASpec:
             raise TypeError(f"KDASpec.staged: expected a bool, got {type(self.staged).__name__}")
         if self.staged and self.num_tokens:  # (its 16-byte rows hold for every valid K, V, cols: kda.cuh asserts)
             raise ValueError(f"KDASpec.staged: the decode module's option (num_tokens 0), got num_tokens="
+                             f"{self.num_tokens}")
+        if not isinstance(self.row_order, bool):
+            raise TypeError(f"KDASpec.row_order: expected a bool, got {type(self.row_order).__name__}")
+        if self.row_order and self.num_tokens:
+            raise ValueError(f"KDASpec.row_order: the decode module's option (num_tokens 0), got num_tokens="
                              f"{self.num_tokens}")
         if isinstance(self.passes, bool) or self.passes not in (1, 2):
             raise ValueError(f"KDASpec.passes: expected 1 or 2, got {self.passes!r}")
@@ -225,7 +231,8 @@ class KDASpec:
                 + ("" if self.lower_bound is None else f"_lb{_f32(self.lower_bound)!r}")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
                 + (f"_r{self.resident}" if self.resident else "") + ("_st" if self.staged else "")
-                + (f"_p{self.passes}" if self.passes > 1 else "") + f"_sm{self.arch}")
+                + (f"_p{self.passes}" if self.passes > 1 else "") + ("_ro" if self.row_order else "")
+                + f"_sm{self.arch}")
 
     def prelude(self) -> str:
         lb = self.lower_bound is not None
@@ -239,6 +246,7 @@ class KDASpec:
             f"#define KDA_LOWER_BOUND {int(lb)}",
             *(["#define KDA_STAGED 1"] if self.staged else []),
             *([f"#define KDA_PASSES {self.passes}"] if self.passes > 1 else []),
+            *(["#define KDA_ROW_ORDER 1"] if self.row_order else []),
             *([f"#define KDA_TOKENS {self.num_tokens}"] if self.num_tokens else []),
             *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;  // {_f32(self.lower_bound)!r}"]
               if lb else []),
@@ -304,9 +312,13 @@ def kda_geometry(H: int, K: int, V: int, batch: int, conventional: bool = False)
 
 def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str = "none", l2norm: bool = True,
              scale: float | None = None, lower_bound: float | None = None, arch: int = 90,
-             conventional: bool = False, num_tokens: int = 0) -> KDASpec:
+             conventional: bool = False, num_tokens: int = 0, row_order: bool = False) -> KDASpec:
     """The module for this geometry and batch (the conventional kernel comes from a module of L = 2 planned with
-    ``conventional``; ``num_tokens`` T >= 1: the verify module, planned as the replay step)."""
+    ``conventional``; ``num_tokens`` T >= 1: the verify module, planned as the replay step; ``row_order``: the
+    decode module that reads its rows' (row, slot) from a flush-first order, KDASpec.row_order)."""
+    if row_order:
+        return dataclasses.replace(kda_spec(act, H, K, V, L, batch, shadow, l2norm, scale, lower_bound, arch),
+                                   row_order=True)
     cl, w = kda_geometry(H, K, V, batch, conventional)
     resident = 0
     if not conventional and not num_tokens:  # 4 blocks an SM where 3 leave a partial last wave (GLM-5.3-Flash)

@@ -52,6 +52,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ... import cursor as cursor_rules
 from ... import cursor_ops
 from ...config import DTYPE_CODES, SUPPORTED_NUM_TOKENS
 from ...launch import (
@@ -170,7 +171,7 @@ def _launch_conventional(kernel, make_spec, q, k, v, f, b, A_log, dt_bias, state
 
 def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
                   state_batch_indices, out, shadow, use_qk_l2norm, scale, lower_bound, check_values,
-                  state_dims=("slots", "H", "K", "V")):
+                  state_dims=("slots", "H", "K", "V"), row_order=None):
     """The checks of one standard decode call, before any launch (the options; shapes and dtypes by name; the rows'
     slots and cursors unless ``check_values`` is off), shared by :func:`kda_replay_decode` and the (V, K) step
     (vk.py: ``state_dims`` (slots, H, V, K), the shadow's too). Returns (batch, H, K, V, S, L, device, y)."""
@@ -179,16 +180,19 @@ def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cach
     _, dev = check_args(_step_args(q, k, v, f, b, A_log, dt_bias, state, state_batch_indices, out,
                                    state_dims=state_dims)
                         + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow,
-                                     shadow_dims=state_dims), _check_sizes)
+                                     shadow_dims=state_dims)
+                        + [Arg("row_order", row_order, ("batch", 2), I32, 8, optional=True)], _check_sizes)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
+        if row_order is not None:
+            cursor_rules.check_row_order(row_order, state_batch_indices)
     require_cuda(q, "q")
     return batch, H, K, V, S, L, dev, torch.empty_like(v) if out is None else out
 
 
 def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
                       state_batch_indices, out=None, shadow=None, use_qk_l2norm=True, scale=None, lower_bound=None,
-                      check_values: bool | None = None):
+                      check_values: bool | None = None, row_order=None):
     """One fused ReplaySSM KDA decode step for one layer; returns y (batch, H, V).
 
     :func:`.reference.replay_decode` is the spec. Non-flush step (cursor + 1 < L): y from the checkpoint (or its
@@ -196,17 +200,25 @@ def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
     (cursor + 1 == L): the fp32 checkpoint becomes the exact fold of the L - 1 ring entries and this token, the
     shadow is rewritten from it, the rings are not written. The cursor is read, not moved: call
     :func:`advance_cursor` once per model step. The shadow must hold the checkpoint's values (bf16, round to
-    nearest even) when the call starts."""
+    nearest even) when the call starts.
+
+    ``row_order`` (batch, 2) int32: the step's rows as (row, slot) in the order the blocks should take them,
+    :func:`trtllm_replayssm.cursor_ops.flush_order`'s flush-first order (once per model step for all layers); the
+    module built for it reads each block's row and slot there instead of ``state_batch_indices``. Every output is
+    what the call without it computes; checked (``check_values``) to be a permutation of the rows with their slots."""
     batch, H, K, V, S, L, dev, y = _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache,
                                                  v_cache, beta_cache, cursor, state_batch_indices, out, shadow,
-                                                 use_qk_l2norm, scale, lower_bound, check_values)
+                                                 use_qk_l2norm, scale, lower_bound, check_values,
+                                                 row_order=row_order)
     if batch == 0:
         return y
     kind = "none" if shadow is None else "bf16"
-    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, L, batch, kind, use_qk_l2norm, scale, lower_bound, arch(dev))
+    spec = kda_spec(DTYPE_CODES[q.dtype], H, K, V, L, batch, kind, use_qk_l2norm, scale, lower_bound, arch(dev),
+                    row_order=row_order is not None)
     bufs = [t.data_ptr() for t in (state, k_cache, u_cache, g_cache, v_cache, beta_cache)]
     sh = [] if shadow is None else [shadow.data_ptr()]
-    args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor)]
+    rows = state_batch_indices if row_order is None else row_order
+    args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, rows, cursor)]
     args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
     launch(spec, "kda_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y

@@ -1,0 +1,172 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The flush-first row order (cursor.flush_order, the replayssm_flush_order kernel, KDASpec.row_order).
+
+CPU: the host rule (a stable three-way partition: flushing rows, the other rows with a slot, the rest), the check of
+a given order, and the launchers' errors before any launch. GPU (marker ``gpu``): the kernel against the host rule
+bit for bit (batches of one tile and of several, padding rows, out-of-range slots unchecked, a poisoned output); the
+KDA decode module built with the order against the plain module bit for bit (y, checkpoint, every ring, the shadow,
+padding rows' NaN, unused slots) over a flush cycle at spread cursors, planned shapes included (staged, two passes).
+"""
+
+import pytest
+import torch
+
+from trtllm_replayssm import cursor, cursor_ops
+from trtllm_replayssm.families.kda import ops as kops
+
+I32 = torch.int32
+
+
+def test_flush_order_is_a_stable_three_way_partition():
+    L = 4
+    cur = torch.tensor([3, 0, 3, 1, 2, 3, 0, 3], dtype=I32)  # slots 0, 2, 5, 7 at L - 1: they flush
+    sbi = torch.tensor([1, 2, -1, 0, 4, 9, 5, 3], dtype=I32)  # slot 9: out of range (8 slots)
+    got = cursor.flush_order(cur, sbi, L)
+    assert got.dtype == I32 and got.tolist() == [[1, 2], [3, 0], [6, 5],  # flushing, in row order
+                                                 [0, 1], [4, 4], [7, 3],  # the other rows with a slot
+                                                 [2, -1], [5, 9]]  # padding, out of range
+    cursor.check_row_order(got, sbi)
+    assert cursor.flush_order(cur, sbi[:0], L).shape == (0, 2)
+    same = torch.tensor([0, 1, 3], dtype=I32)  # nobody flushes: the identity order
+    assert cursor.flush_order(cur, same, L)[:, 0].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda o: o[:-1], r"shape \(5, 2\)"),
+    (lambda o: o[:, :1], r"shape \(5, 2\)"),
+    (lambda o: torch.stack([o[:, 0].flip(0) * 0, o[:, 1]], 1), "each row 0..4 once"),
+    (lambda o: torch.stack([o[:, 0], o[:, 1].roll(1)], 1), "row's slot"),
+])
+def test_check_row_order_names_what_is_wrong(bad, match):
+    sbi = torch.tensor([4, 0, -1, 2, 1], dtype=I32)
+    order = cursor.flush_order(torch.tensor([0, 3, 3, 0, 3], dtype=I32), sbi, 4)
+    with pytest.raises(ValueError, match=match):
+        cursor.check_row_order(bad(order), sbi)
+
+
+def test_flush_order_launcher_rejects_by_name():
+    cur, sbi = torch.zeros(6, dtype=I32), torch.tensor([0, 1, -1], dtype=I32)
+    with pytest.raises(ValueError, match="buffer_len"):
+        cursor_ops.flush_order(cur, sbi, 0)
+    with pytest.raises(ValueError, match="buffer_len"):
+        cursor_ops.flush_order(cur, sbi, True)
+    with pytest.raises((ValueError, TypeError), match="out"):
+        cursor_ops.flush_order(cur, sbi, 4, out=torch.zeros(3, 3, dtype=I32))
+    with pytest.raises((ValueError, TypeError), match="out"):
+        cursor_ops.flush_order(cur, sbi, 4, out=torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises((ValueError, TypeError), match="cursor"):
+        cursor_ops.flush_order(cur.float(), sbi, 4)
+    with pytest.raises(ValueError, match="cursor"):  # the rows' values, before the CUDA check
+        cursor_ops.flush_order(torch.full((6,), 7, dtype=I32), sbi, 4)
+
+
+def _kda_args(batch, slots=8, H=2, K=16, V=16, L=4, device="cpu", shadow=False):
+    g = torch.Generator().manual_seed(0)
+    act = torch.bfloat16
+    q, k, f = (torch.randn(batch, H, K, generator=g).to(act) for _ in range(3))
+    v, b = torch.randn(batch, H, V, generator=g).to(act), torch.randn(batch, H, generator=g).to(act)
+    ring = torch.bfloat16 if shadow else torch.float32
+    t = dict(q=q, k=k, v=v, f=f, b=b, A_log=torch.zeros(H), dt_bias=torch.zeros(H, K),
+             state=torch.zeros(slots, H, K, V), k_cache=torch.zeros(slots, H, L, K, dtype=act),
+             u_cache=torch.zeros(slots, H, L, V, dtype=ring), g_cache=torch.zeros(slots, H, L, K),
+             v_cache=torch.zeros(slots, H, L, V, dtype=act), beta_cache=torch.zeros(slots, H, L),
+             cursor=torch.zeros(slots, dtype=I32), state_batch_indices=torch.arange(batch, dtype=I32))
+    if shadow:
+        t["shadow"] = torch.zeros(slots, H, K, V, dtype=torch.bfloat16)
+    return {n: x.to(device) for n, x in t.items()}
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda a: torch.zeros(3, 2, dtype=I32), ValueError, "row_order"),
+    (lambda a: torch.zeros(4, 2, dtype=torch.int64), (ValueError, TypeError), "row_order"),
+    (lambda a: torch.zeros(4, 2, dtype=I32), ValueError, "row_order: column 0"),
+    (lambda a: torch.tensor([[0, 0], [1, 1], [2, 3], [3, 2]], dtype=I32), ValueError, "row_order: column 1"),
+])
+def test_kda_decode_checks_row_order_before_launch(bad, exc, match):
+    a = _kda_args(4)
+    with pytest.raises(exc, match=match):
+        kops.kda_replay_decode(**a, row_order=bad(a))
+    good = cursor.flush_order(a["cursor"], a["state_batch_indices"], 4)
+    with pytest.raises(ValueError, match="q: expected CUDA"):  # a valid order passes every check; stops at CUDA
+        kops.kda_replay_decode(**a, row_order=good)
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------------
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, slots, L", [(1, 1, 16), (7, 12, 4), (1000, 1400, 16), (1500, 2000, 8),
+                                             (3000, 3100, 16)])
+def test_flush_order_kernel_equals_the_host_rule(batch, slots, L):
+    dev = _cuda()
+    g = torch.Generator().manual_seed(batch)
+    cur = torch.randint(0, L, (slots,), generator=g, dtype=I32)
+    cur[torch.randperm(slots, generator=g)[: slots // 3]] = L - 1  # plenty of flushing rows
+    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
+    sbi[torch.rand(batch, generator=g) < 0.1] = -1  # padding rows
+    want = cursor.flush_order(cur, sbi, L)
+    out = torch.full((batch, 2), -7, dtype=I32, device=dev)  # poisoned: every entry must be written
+    got = cursor_ops.flush_order(cur.to(dev), sbi.to(dev), L, out=out)
+    assert got is out and torch.equal(got.cpu(), want)
+    bad = sbi.clone()
+    bad[0] = slots + 5  # out of range, unchecked: placed with the padding rows, as the host rule does
+    got = cursor_ops.flush_order(cur.to(dev), bad.to(dev), L, check_values=False)
+    assert torch.equal(got.cpu(), cursor.flush_order(cur, bad, L))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geom, batch, shadow, lb", [
+    ((2, 16, 16), 9, False, None), ((3, 48, 40), 11, True, -5.0),
+    ((12, 128, 128), 256, True, None),  # Kimi-K3 TP8 bs256: the planned staged module with two passes
+    ((8, 128, 128), 256, False, -5.0),  # GLM-5.3-Flash TP8 bs256: staged fp32
+])
+def test_kda_decode_with_row_order_equals_without(geom, batch, shadow, lb):
+    """One flush cycle (L + 2 steps) at spread cursors (row i at cursor i mod L, some flushing every step), padding
+    rows and unused slots: the module built with the flush-first order computes every tensor bit for bit as the plain
+    module does."""
+    dev = _cuda()
+    H, K, V = geom
+    L, slots = 16, batch + 5
+    g = torch.Generator().manual_seed(batch)
+    act = torch.bfloat16
+    ring = torch.bfloat16 if shadow else torch.float32
+    state = torch.randn(slots, H, K, V, generator=g) * 0.1
+    base = dict(state=state, k_cache=torch.randn(slots, H, L, K, generator=g).to(act),
+                u_cache=(torch.randn(slots, H, L, V, generator=g) * 0.1).to(ring),
+                g_cache=-torch.rand(slots, H, L, K, generator=g) * 0.3,
+                v_cache=torch.randn(slots, H, L, V, generator=g).to(act), beta_cache=torch.rand(slots, H, L, generator=g))
+    if shadow:
+        base["shadow"] = state.to(torch.bfloat16)
+    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
+    sbi[batch // 2] = -1  # a padding row mid-batch
+    cur = torch.zeros(slots, dtype=I32)
+    cur[sbi[sbi >= 0].long()] = torch.arange(int((sbi >= 0).sum()), dtype=I32) % L
+    A_log = torch.log(torch.rand(H, generator=g) * 15 + 1)
+    dt_bias = torch.randn(H, K, generator=g) * 0.5 - 3
+    sides = [{n: t.clone().to(dev) for n, t in base.items()} | {"cursor": cur.clone().to(dev)} for _ in range(2)]
+    sbi_d = sbi.to(dev)
+    for step in range(L + 2):
+        q, k, f = (torch.randn(batch, H, K, generator=g).to(act).to(dev) for _ in range(3))
+        v = torch.randn(batch, H, V, generator=g).to(act).to(dev)
+        b = torch.randn(batch, H, generator=g).to(act).to(dev)
+        ys = []
+        for i, side in enumerate(sides):
+            y = torch.full((batch, H, V), float("nan"), dtype=act, device=dev)
+            order = cursor_ops.flush_order(side["cursor"], sbi_d, L) if i else None
+            if i and step == 0:
+                flushing = int((side["cursor"][sbi_d[sbi_d >= 0].long()] == L - 1).sum())
+                assert flushing > 0 and order[:flushing, 1].ge(0).all()
+            kops.kda_replay_decode(q, k, v, f, b, A_log.to(dev), dt_bias.to(dev), side["state"], side["k_cache"],
+                                   side["u_cache"], side["g_cache"], side["v_cache"], side["beta_cache"],
+                                   side["cursor"], sbi_d, out=y, shadow=side.get("shadow"), lower_bound=lb,
+                                   row_order=order)
+            kops.advance_cursor(side["cursor"], sbi_d, side["u_cache"])
+            ys.append(y)
+        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), step  # NaN rows included, bit for bit
+        assert torch.isnan(ys[1][batch // 2].float()).all()
+        for n in sides[0]:
+            assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
