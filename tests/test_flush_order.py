@@ -175,3 +175,77 @@ def test_kda_decode_with_row_order_equals_without(geom, batch, shadow, lb):
         for n in sides[0]:
             assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
     assert seen >= batch - 1  # every live row flushed at least once in L + 2 steps (cursors 0..L-1 at the start)
+
+
+# ---- the cache: which launches get the order, and how often (CPU tensors, the kernel executor, emulated launchers)
+def _ordered_cache(monkeypatch, shadow, **kw):
+    from trtllm_replayssm.backend import KernelBackend
+    from trtllm_replayssm.cache import ReplayStateCache
+
+    calls = {"order": 0, "decode": []}
+
+    def flush_order(cur, sbi, L, out=None, check_values=None):
+        calls["order"] += 1
+        out.copy_(cursor.flush_order(cur, sbi, L))
+        return out
+
+    def decode(q, k, v, f, b, A_log, dt_bias, state, *rest, row_order=None, out=None, **kws):
+        calls["decode"].append(None if row_order is None else row_order.clone())
+        return torch.zeros_like(v) if out is None else out
+
+    monkeypatch.setattr(cursor_ops, "flush_order", flush_order)
+    monkeypatch.setattr(cursor_ops, "advance_cursor",
+                        lambda cur, sbi, L, check_values=None, flushes=None: cursor.advance_cursor(cur, sbi, L))
+    monkeypatch.setattr(kops, "kda_replay_decode", decode)
+    cache = ReplayStateCache.for_family("kda", 3, 6, (2, 16, 16), 4, cursor="standard", conv_kernel=4,
+                                        shadow_dtype=shadow, read_shadow=shadow is not None, executor=KernelBackend(),
+                                        check_values=False, **kw)
+    return cache, calls
+
+
+def _steps(cache, steps=6):
+    sbi = torch.tensor([cache.allocate() for _ in range(3)] + [-1], dtype=I32)
+    cache.cursor[sbi[:3].long()] = torch.tensor([3, 1, 2], dtype=I32)  # slot 0 flushes first, at step 0
+    orders = []
+    for _ in range(steps):
+        cache.flush(sbi, 1)
+        for layer in range(3):
+            x = torch.zeros(4, 1, 2, 16, dtype=torch.bfloat16)
+            cache.verify(layer, x, x, x, x, torch.zeros(4, 1, 2, dtype=torch.bfloat16), torch.zeros(2),
+                         torch.zeros(2, 16), sbi)
+        orders.append(cursor.flush_order(cache.cursor, sbi, 4))
+        cache.commit(sbi, None, 1)
+    return orders
+
+
+@pytest.mark.parametrize("shadow, row_order, want", [(torch.bfloat16, None, True), (None, None, False),
+                                                     (torch.bfloat16, False, False), (None, True, True)])
+def test_cache_orders_the_kda_decode_where_it_pays(monkeypatch, shadow, row_order, want):
+    """row_order None: the KDA layers with a bf16 shadow read the order (measured to pay), those without do not;
+    True / False force it. One order launch a step for all layers, each layer given this step's order."""
+    cache, calls = _ordered_cache(monkeypatch, shadow, row_order=row_order)
+    orders = _steps(cache)
+    assert calls["order"] == (6 if want else 0)
+    assert len(calls["decode"]) == 18
+    if want:
+        for step, want_order in enumerate(orders):
+            for layer in range(3):
+                assert torch.equal(calls["decode"][3 * step + layer], want_order), (step, layer)
+        assert calls["decode"][0][0].tolist() == [0, 0]  # slot 0 (cursor L - 1) leads the first step
+    else:
+        assert all(o is None for o in calls["decode"])
+
+
+def test_cache_row_order_option_is_checked():
+    from trtllm_replayssm.cache import ReplayStateCache
+
+    with pytest.raises(TypeError, match="row_order"):
+        ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=1)
+    with pytest.raises(ValueError, match="row_order: .*cursor='ring'"):
+        ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="ring", row_order=True)
+    with pytest.raises(ValueError, match="row_order: .*KDA layers"):
+        ReplayStateCache.for_family("gdn", 1, 2, (2, 2, 16, 16), 4, cursor="standard", row_order=True)
+    # the float64 reference executor (CPU) takes the option and needs no order
+    c = ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=True,
+                                    state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64)
+    assert c.row_order is True and not c.uses_kernels

@@ -375,7 +375,8 @@ class ReplayStateCache:
                  buffer_len: int | None = None, num_draft: int = 0, conv_kernel: int = 4, conv_dim: int | None = None,
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, cursor: str = "ring",
-                 executor=None, layers=None, ckpt_seed: int = 0, flush_phases: bool = False):
+                 executor=None, layers=None, ckpt_seed: int = 0, flush_phases: bool = False,
+                 row_order: bool | None = None):
         positional = dict(num_layers=num_layers, nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups)
         if layers is None:  # the positional form: one family's geometry (POSITIONAL_FAMILY)
             missing = [k for k, v in positional.items() if v is None]
@@ -476,6 +477,19 @@ class ReplayStateCache:
         if not isinstance(flush_phases, bool):
             raise TypeError(f"flush_phases: expected a bool, got {flush_phases!r}")
         self.flush_phases = flush_phases
+        if row_order is not None and not isinstance(row_order, bool):
+            raise TypeError(f"row_order: expected a bool or None (where it was measured to pay), got {row_order!r}")
+        if row_order and (not self.standard or not any(g.reads_row_order for g in self.groups)):
+            raise ValueError("row_order: the flush-first row order is read by the standard decode kernels of "
+                             + " and ".join(families.get(f).label for f in families.names()
+                                            if families.get(f).layer_group and group_class(f).reads_row_order)
+                             + f" layers (cursor='standard'); got cursor={cursor!r}, layers="
+                             f"{[g.family for g in self.groups]}")
+        self.row_order = row_order
+        # (sbi data_ptr, batch) -> the (batch, 2) buffer of that row set's flush-first order (kept: a captured graph
+        # writes and reads it on every replay); the keys whose order this step has launched (:meth:`_row_order`)
+        self._orders: dict = {}
+        self._ordered: set = set()
         # The phase of each slot's first flush (:meth:`allocate`): its cursor starts at this count over zeroed ring
         # entries, which are exact identity entries in every family (module docstring, "Flush phases").
         self._phase = [0] * num_slots
@@ -928,6 +942,7 @@ class ReplayStateCache:
                                "it, or abort_step() and reset its slots, before opening another")
         rows = self._rows(state_batch_indices, "flush") if self._checking() else None
         self._step = (num_tokens, set())
+        self._ordered.clear()
         if self.uses_kernels:
             return None
         rows = self._rows(state_batch_indices, "flush") if rows is None else rows
@@ -942,6 +957,7 @@ class ReplayStateCache:
         must be reset (or prefilled again) before they decode."""
         verified = [] if self._step is None else sorted(self._step[1], key=str)
         self._step = None
+        self._ordered.clear()
         return verified
 
     def _open(self, T: int, state_batch_indices, what: str, key) -> tuple[set, bool]:
@@ -974,10 +990,29 @@ class ReplayStateCache:
         g, i = self._locate(layer)
         bound = g.bind(args, kwargs, "verify")
         verified, check = self._open(g.window(bound), bound.state_batch_indices, "verify", layer)
+        order = self._row_order(g, bound.state_batch_indices, check)
         y = g.step(self.x, g.view(i), self.cursor, bound, standard=self.standard, check=check,
-                   read_shadow=self._reads_shadow())
+                   read_shadow=self._reads_shadow(), **({} if order is None else {"row_order": order}))
         verified.add(layer)
         return y
+
+    def _row_order(self, g, sbi, check: bool):
+        """This step's flush-first row order for group ``g``'s kernels, or None (module docstring, "Row order"):
+        launched once a step for the rows ``sbi`` (the first layer that reads it; the cursor does not move before
+        commit), kept for the step's other layers."""
+        if not (self.uses_kernels and self.standard and g.reads_row_order):
+            return None
+        if not (self.row_order or (self.row_order is None and g.row_order_pays())):
+            return None
+        key = (sbi.data_ptr(), sbi.shape[0])
+        if key not in self._orders:
+            self._orders[key] = torch.empty((sbi.shape[0], 2), dtype=torch.int32, device=sbi.device)
+        if key not in self._ordered:
+            from . import cursor_ops  # cuda.core only where the kernels run
+
+            cursor_ops.flush_order(self.cursor, sbi, self.buffer_len, out=self._orders[key], check_values=check)
+            self._ordered.add(key)
+        return self._orders[key]
 
     def _reads_shadow(self) -> bool:
         return self.uses_kernels or self.read_shadow
@@ -1047,6 +1082,7 @@ class ReplayStateCache:
             flushes = {} if self.ckpt_flushes is None else {"flushes": self.ckpt_flushes}  # counted where it wraps
             self.x.advance_cursor(self.cursor, state_batch_indices, self.buffer_len, check_values=check, **flushes)
             self._step = None
+            self._ordered.clear()
             return
         self.x.spec_commit(self.cursor, n_accepted, state_batch_indices, num_tokens, self.buffer_len,
                            check_values=check)
@@ -1056,6 +1092,7 @@ class ReplayStateCache:
             for conv in windows:  # one layer at a time: the gathered windows stay small
                 conv_rollback_rows(conv, n_accepted, num_tokens, dst)
         self._step = None
+        self._ordered.clear()
 
     def committed_state(self, layer: int, slot: int, *args, **kwargs) -> torch.Tensor:
         """Layer ``layer``'s recurrent state after the committed tokens of ``slot``, float64 (the checkpoint's shape),

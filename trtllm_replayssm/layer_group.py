@@ -53,6 +53,13 @@ class LayerGroup:
     snapshot_aliases: dict = {}  # table name -> snapshot name where it is not prefix + name (older formats)
     standard_reads_shadow = False  # the standard step reads the shadow it keeps (the CPU cache needs read_shadow)
     ckpt8 = False  # the family keeps an 8-bit checkpoint (state float8_e4m3fn) on the standard cursor
+    # The family's standard decode kernel reads a flush-first row order (cursor.flush_order; its step then takes
+    # ``row_order``); :meth:`row_order_pays` is the cache's default (ReplayStateCache row_order None).
+    reads_row_order = False
+
+    def row_order_pays(self) -> bool:
+        """Whether this group's decode launches were measured faster behind the flush-first order."""
+        return False
     # An 8-bit checkpoint's (slots,) flush counts, shared by every layer of the cache, and its seed (layer l of the
     # group draws with seed + l): set by the cache on every group, read by the families that keep one.
     ckpt_flushes = None

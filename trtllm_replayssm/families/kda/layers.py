@@ -45,6 +45,15 @@ class KDALayers(LayerGroup):
     family = "kda"
     snapshot_prefix = "kda_"
     standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
+    reads_row_order = True  # KDASpec.row_order
+
+    def row_order_pays(self) -> bool:
+        """With a bf16 shadow: its flushing blocks are ~6x its others, and a serving batch's launch (rows at spread
+        cursors) ran faster with them first (H100, 3598767437, x conv mixed -> flushing rows first: Kimi-K3 TP8
+        bs32 1.09 -> 1.42, bs256 1.76 -> 2.00; GLM-5.3-Flash TP8 bs128 1.51 -> 1.72). Not without one: the fp32
+        flush (~2.6x its k1) overlaps better interleaved (Kimi bs256 1.69 -> 1.63 first); bench/NOTES.md
+        "Twenty-fourth session"."""
+        return "shadow" in self.t
 
     @staticmethod
     def signature(q, k, v, f, b, A_log, dt_bias, state_batch_indices=None, out=None, use_qk_l2norm: bool = True,
@@ -80,7 +89,7 @@ class KDALayers(LayerGroup):
         return bound.inputs[2].shape[1]
 
     def step(self, executor, view: KDALayerState, cursor, bound: Bound, *, standard: bool, check: bool,
-             read_shadow: bool):
+             read_shadow: bool, row_order=None):
         q, k, v, f, b, A_log, dt_bias = bound.inputs
         sbi, out, opt = bound.state_batch_indices, bound.out, bound.options
         steps = executor.steps(self.family)
@@ -88,7 +97,8 @@ class KDALayers(LayerGroup):
             if out is not None:
                 cursors.check_shape(out, "out", tuple(v.shape))
             y = steps.replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], f[:, 0], b[:, 0], A_log, dt_bias, sbi,
-                                    view.shadow, out=None if out is None else out[:, 0], check_values=check, **opt)
+                                    view.shadow, out=None if out is None else out[:, 0], check_values=check,
+                                    row_order=row_order, **opt)
             return y[:, None] if out is None else out
         return steps.replay_verify(view.buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, view.shadow, out=out,
                                    check_values=check, read_shadow=read_shadow, **opt)

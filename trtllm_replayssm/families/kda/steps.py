@@ -5,7 +5,8 @@
 copy of the checkpoint; the same arguments on both executors:
 
   replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None) -> y (batch, H, V)
-                                                 (slots,) cursor read only; a shadow is always read
+                                                 (slots,) cursor read only; a shadow is always read;
+                                                 ``row_order`` (batch, 2): the kernel's block order
   replay_verify(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None) -> y (batch, T, H, V)
                                                  (slots, 2) ring cursor read only
 
@@ -26,7 +27,9 @@ class Reference(Steps):
     """The float64 spec of :mod:`.reference`."""
 
     def replay_decode(self, buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                      check_values=None, use_qk_l2norm=True, scale=None, lower_bound=None):
+                      check_values=None, use_qk_l2norm=True, scale=None, lower_bound=None, row_order=None):
+        if row_order is not None:  # the order of the kernels' blocks: no row's result depends on it
+            cursors.check_row_order(row_order, sbi)
         sh = None if shadow is None else Shadow.wrap(shadow, None)
         if out is not None:
             cursors.check_shape(out, "out", tuple(v.shape))
@@ -55,13 +58,13 @@ class Kernels(Steps):
     """The CUDA kernels through the validated launchers of :mod:`.ops` (graph-safe)."""
 
     def replay_decode(self, buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                      check_values=None, use_qk_l2norm=True, scale=None, lower_bound=None):
+                      check_values=None, use_qk_l2norm=True, scale=None, lower_bound=None, row_order=None):
         from . import ops as kops  # cuda.core is imported only where the kernels run
 
         return kops.kda_replay_decode(q, k, v, f, b, A_log, dt_bias, buf.state, buf.k_cache, buf.u_cache,
                                       buf.g_cache, buf.v_cache, buf.beta_cache, cursor, sbi, out=out, shadow=shadow,
                                       check_values=check_values, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                                      lower_bound=lower_bound)
+                                      lower_bound=lower_bound, row_order=row_order)
 
     def replay_verify(self, buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None, lower_bound=None):
