@@ -249,3 +249,5 @@ def test_cache_row_order_option_is_checked():
     c = ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=True,
                                     state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64)
     assert c.row_order is True and not c.uses_kernels
+    # the default stays off until the cache's order path has run on a GPU (bench/NOTES.md "Twenty-fourth session")
+    assert ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard").row_order is False

@@ -59,7 +59,20 @@ its count at c over zeroed ring entries, so its first flush comes after L - c to
 over the steps (the kernel benchmarks' "mixed" launch). A zeroed entry is an exact identity in every family: its
 decay is exp(0) = 1 (Mamba-2's stored dt = 0, GDN's and KDA's log-decay g = 0) and it adds nothing (Mamba-2's x = 0
 and dt = 0; the delta rule's beta = 0, so its u = 0 and k u^T = 0), so outputs are those of the unphased request up
-to the rounding of the shifted fold points. The cost is one earlier flush a request.
+to the rounding of the shifted fold points. The cost is one earlier flush a request. Measured (H100, bench/NOTES.md
+"Twenty-fourth session"): a launch whose rows sit at spread positions (what phases make of a static batch, and what
+continuous batching makes anyway) is slower than the lockstep cycle's mean where the flush is long (the bf16-shadow
+KDA and GDN steps, 1.1-1.2x at bs 128-256), level without a shadow: phases flatten the latency spike of the lockstep
+flush step, they do not add throughput, so they stay opt-in.
+
+Row order (``row_order``, standard cursor, the kernel executor; KDA's decode kernels, ``KDASpec.row_order``): the
+decode grids walk the batch rows in order, and a flushing row's blocks are several times longer than the others'
+(the shadow modules' ~6x), so a launch whose flushing rows are spread through the batch ends with a partial wave of
+long blocks. With the order, the first layer a step runs launches :func:`.cursor_ops.flush_order` once (the rows as
+(row, slot), flushing rows first; :func:`.cursor.flush_order` is its spec) and every KDA layer of the step reads its
+rows from it; outputs are bit for bit those without it. ``True`` / ``False`` force it; ``None`` orders where it
+was measured to pay (:meth:`LayerGroup.row_order_pays`: KDA layers with a bf16 shadow). The default is off until the
+cache's order path has run on a GPU.
 
 One speculative step (T <= T_max tokens, rows ``state_batch_indices``, -1 = padding row), the same
 sequence on every device:
@@ -376,7 +389,7 @@ class ReplayStateCache:
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, cursor: str = "ring",
                  executor=None, layers=None, ckpt_seed: int = 0, flush_phases: bool = False,
-                 row_order: bool | None = None):
+                 row_order: bool | None = False):
         positional = dict(num_layers=num_layers, nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups)
         if layers is None:  # the positional form: one family's geometry (POSITIONAL_FAMILY)
             missing = [k for k, v in positional.items() if v is None]
