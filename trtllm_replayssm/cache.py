@@ -499,10 +499,10 @@ class ReplayStateCache:
                              + f" layers (cursor='standard'); got cursor={cursor!r}, layers="
                              f"{[g.family for g in self.groups]}")
         self.row_order = row_order
-        # (sbi data_ptr, batch) -> the (batch, 2) buffer of that row set's flush-first order (kept: a captured graph
-        # writes and reads it on every replay); the keys whose order this step has launched (:meth:`_row_order`)
+        # batch -> the (batch, 2) buffer of the flush-first order (one a batch size, kept: a captured graph writes and
+        # reads it on every replay); batch -> the rows (sbi's data_ptr) whose order this step has launched there
         self._orders: dict = {}
-        self._ordered: set = set()
+        self._ordered: dict = {}
         # The phase of each slot's first flush (:meth:`allocate`): its cursor starts at this count over zeroed ring
         # entries, which are exact identity entries in every family (module docstring, "Flush phases").
         self._phase = [0] * num_slots
@@ -1017,15 +1017,15 @@ class ReplayStateCache:
             return None
         if not (self.row_order or (self.row_order is None and g.row_order_pays())):
             return None
-        key = (sbi.data_ptr(), sbi.shape[0])
-        if key not in self._orders:
-            self._orders[key] = torch.empty((sbi.shape[0], 2), dtype=torch.int32, device=sbi.device)
-        if key not in self._ordered:
+        batch = sbi.shape[0]
+        if batch not in self._orders:
+            self._orders[batch] = torch.empty((batch, 2), dtype=torch.int32, device=sbi.device)
+        if self._ordered.get(batch) != sbi.data_ptr():  # the step's first layer on these rows
             from . import cursor_ops  # cuda.core only where the kernels run
 
-            cursor_ops.flush_order(self.cursor, sbi, self.buffer_len, out=self._orders[key], check_values=check)
-            self._ordered.add(key)
-        return self._orders[key]
+            cursor_ops.flush_order(self.cursor, sbi, self.buffer_len, out=self._orders[batch], check_values=check)
+            self._ordered[batch] = sbi.data_ptr()
+        return self._orders[batch]
 
     def _reads_shadow(self) -> bool:
         return self.uses_kernels or self.read_shadow
