@@ -59,6 +59,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from trtllm_replayssm import (  # noqa: E402
     costs,
+    cursor_ops,
     timing,  # noqa: E402
 )
 from trtllm_replayssm.config import SUPPORTED_NUM_TOKENS  # noqa: E402
@@ -104,11 +105,18 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
         for r in range(R):
             gdn_ops.gdn_conventional_step(*ins[r % len(ins)], A_log, dt_bias, state, sbis[r], out=y, check_values=False)
 
-    def replay(sh):
+    orders = [torch.empty((batch, 2), dtype=torch.int32, device="cuda") for _ in range(R)]
+
+    def replay(sh, ordered=False):
+        """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel
+        (cursor_ops.flush_order, once a model step in serving; here once a launch, its cost included)."""
         def fn():
             for r in range(R):
+                if ordered:
+                    cursor_ops.flush_order(cursor, sbis[r], L, out=orders[r], check_values=False)
                 gdn_ops.gdn_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, u_cache, v_cache, k_cache, g_cache,
-                                          beta_cache, cursor, sbis[r], out=y, shadow=sh, check_values=False)
+                                          beta_cache, cursor, sbis[r], out=y, shadow=sh, check_values=False,
+                                          row_order=orders[r] if ordered else None)
         return fn
 
     if FLA is not None:  # the peer, on the same inputs: checked against our conventional kernel, then timed
@@ -149,10 +157,11 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
             per_k.append(graph_time_us(replay(sh), R)[0])
         timing.spread_cursors(cursor, sbis, L)  # the serving-like launch: ~1/L of its rows flush
         mixed_us = graph_time_us(replay(sh), R)[0]
-        timing.spread_cursors(cursor, sbis, L, flush_first=True)  # the same, flushing rows first (cache.flush_first)
+        mixed_ord_us = graph_time_us(replay(sh, ordered=True), R)[0]  # the same launch, ordered on the device
+        timing.spread_cursors(cursor, sbis, L, flush_first=True)  # the same positions, flushing rows first
         mixed_ff_us = graph_time_us(replay(sh), R)[0]
         _, bk = costs.gdn_bytes_per_position(HV, H, V, K, L, 2, 4, 2 if sh is not None else None)
-        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us)
+        timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us, mixed_ord_us)
     if FLA is not None and isinstance(fla_check, str):
         row["fla_error"] = fla_check
     elif FLA is not None:

@@ -4,14 +4,17 @@
 CPU: the host rule (a stable three-way partition: flushing rows, the other rows with a slot, the rest), the check of
 a given order, and the launchers' errors before any launch. GPU (marker ``gpu``): the kernel against the host rule
 bit for bit (batches of one tile and of several, padding rows, out-of-range slots unchecked, a poisoned output); the
-KDA decode module built with the order against the plain module bit for bit (y, checkpoint, every ring, the shadow,
-padding rows' NaN, unused slots) over a flush cycle at spread cursors, planned shapes included (staged, two passes).
+KDA and Gated DeltaNet decode modules built with the order against the plain modules bit for bit (y, checkpoint,
+every ring, the shadow, padding rows' NaN, unused slots) over a flush cycle at spread cursors, planned shapes
+included (KDA's staged modules with two passes, GDN's two-pass shadow modules).
 """
 
 import pytest
 import torch
 
 from trtllm_replayssm import cursor, cursor_ops
+from trtllm_replayssm.families.gdn import ops as gops
+from trtllm_replayssm.families.gdn.reference import GDNBuffers
 from trtllm_replayssm.families.kda import ops as kops
 
 I32 = torch.int32
@@ -243,11 +246,69 @@ def test_cache_row_order_option_is_checked():
         ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=1)
     with pytest.raises(ValueError, match="row_order: .*cursor='ring'"):
         ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="ring", row_order=True)
-    with pytest.raises(ValueError, match="row_order: .*KDA layers"):
-        ReplayStateCache.for_family("gdn", 1, 2, (2, 2, 16, 16), 4, cursor="standard", row_order=True)
+    with pytest.raises(ValueError, match="row_order: .*GDN and KDA layers"):
+        ReplayStateCache.for_family("mamba2", 1, 2, (2, 16, 16, 1), 4, cursor="standard", row_order=True)
     # the float64 reference executor (CPU) takes the option and needs no order
     c = ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=True,
                                     state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64)
     assert c.row_order is True and not c.uses_kernels
     # the default stays off until the cache's order path has run on a GPU (bench/NOTES.md "Twenty-fourth session")
     assert ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard").row_order is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geom, batch, shadow", [
+    ((4, 2, 64, 64), 9, False), ((6, 3, 128, 128), 11, True),
+    ((32, 16, 128, 128), 64, True),  # Qwen3-Next TP1 bs64: the planned shadow module
+    ((32, 16, 128, 128), 256, False),  # bs256 fp32
+])
+def test_gdn_decode_with_row_order_equals_without(geom, batch, shadow):
+    """The GDN standard decode module built with the flush-first order computes every tensor bit for bit as the
+    plain module does, over L + 2 steps at spread cursors with a padding row and unused slots."""
+    dev = _cuda()
+    HV, H, V, K = geom
+    L, slots = 16, batch + 3
+    g = torch.Generator().manual_seed(batch + 1)
+    act = torch.bfloat16
+    buf = GDNBuffers.alloc(slots, HV, H, V, K, L, act=act)
+    buf.state.copy_(torch.randn(slots, HV, V, K, generator=g) * 0.1)
+    buf.u_cache.copy_(torch.randn(slots, HV, L, V, generator=g) * 0.1)
+    buf.v_cache.copy_(torch.randn(slots, HV, L, V, generator=g))
+    buf.k_cache.copy_(torch.nn.functional.normalize(torch.randn(slots, H, L, K, generator=g), dim=-1))
+    buf.g_cache.copy_(-torch.rand(slots, HV, L, generator=g) * 0.3)
+    buf.beta_cache.copy_(torch.rand(slots, HV, L, generator=g))
+    base = {n: getattr(buf, n) for n in ("state", "u_cache", "v_cache", "k_cache", "g_cache", "beta_cache")}
+    if shadow:
+        base["shadow"] = buf.state.to(torch.bfloat16)
+    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
+    sbi[batch // 2] = -1
+    cur = torch.zeros(slots, dtype=I32)
+    cur[sbi[sbi >= 0].long()] = torch.arange(int((sbi >= 0).sum()), dtype=I32) % L
+    A_log = torch.log(torch.rand(HV, generator=g) * 15 + 1).to(dev)
+    dt_bias = (torch.randn(HV, generator=g) * 0.5 - 3).to(dev)
+    sides = [{n: t.clone().to(dev) for n, t in base.items()} | {"cursor": cur.clone().to(dev)} for _ in range(2)]
+    sbi_d, seen = sbi.to(dev), 0
+    for step in range(L + 2):
+        q, k = (torch.randn(batch, H, K, generator=g).to(act).to(dev) for _ in range(2))
+        v = torch.randn(batch, HV, V, generator=g).to(act).to(dev)
+        a, b = (torch.randn(batch, HV, generator=g).to(act).to(dev) for _ in range(2))
+        ys = []
+        for i, side in enumerate(sides):
+            y = torch.full((batch, HV, V), float("nan"), dtype=act, device=dev)
+            order = cursor_ops.flush_order(side["cursor"], sbi_d, L) if i else None
+            if i:
+                live = sbi_d[sbi_d >= 0].long()
+                flushing = int((side["cursor"][live] == L - 1).sum())
+                lead = order[:flushing, 1].long()
+                assert (lead >= 0).all() and (side["cursor"][lead] == L - 1).all(), step
+                seen += flushing
+            gops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, side["state"], side["u_cache"], side["v_cache"],
+                                   side["k_cache"], side["g_cache"], side["beta_cache"], side["cursor"], sbi_d, out=y,
+                                   shadow=side.get("shadow"), row_order=order)
+            gops.advance_cursor(side["cursor"], sbi_d, side["u_cache"])
+            ys.append(y)
+        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), step
+        assert torch.isnan(ys[1][batch // 2].float()).all()
+        for n in sides[0]:
+            assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
+    assert seen >= batch - 1

@@ -6,6 +6,7 @@ kernels, then buffer lengths, small-batch geometries, head ratios and the q/k op
 shape, for both archs. A compile error fails with NVRTC's log and the spec key.
 """
 
+import dataclasses
 import itertools
 import re
 
@@ -30,8 +31,12 @@ EDGES = [
         ((True, None), (False, 0.125)), ARCHS)
 ]
 
+# the flush-first row order (GDNSpec.row_order): the planned shadow modules (two passes at bs64) and fp32 ones
+ROW_ORDER = [gdn_spec("bf16", HV, H, 128, 128, 16, batch, True, sh, arch=arch, row_order=True)
+             for (HV, H), batch, sh, arch in itertools.product(((32, 16), (4, 2)), (1, 64, 256), ("none", "bf16"), ARCHS)]
 
-@pytest.mark.parametrize("spec", FULL + EDGES, ids=lambda s: s.key)
+
+@pytest.mark.parametrize("spec", FULL + EDGES + ROW_ORDER, ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
@@ -49,6 +54,26 @@ def test_parameter_lists_are_tensorrt_order(shadow, n_sh):
                        ("gdn_conventional", ["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2)):
         params = re.search(rf"\.entry {name}\((.*?)\)", ptx, re.S).group(1)
         assert re.findall(r"\.param \.(u64|u32|b32|s32)", params) == want, name
+
+
+def test_row_order_module():
+    """GDNSpec.row_order: its own key and macro, the same parameter list (input 8 read as (row, slot) pairs by one
+    8-byte load), the standard decode module's option only; gdn_spec(row_order=True) is the planned module with it."""
+    for batch, sh in ((1, "none"), (64, "bf16"), (256, "none")):
+        planned = gdn_spec("bf16", 32, 16, 128, 128, 16, batch, True, sh)
+        ro = gdn_spec("bf16", 32, 16, 128, 128, 16, batch, True, sh, row_order=True)
+        assert ro == dataclasses.replace(planned, row_order=True) and ro.key == planned.key + "_ro"
+    assert "#define GDN_ROW_ORDER 1" in ro.prelude() and "GDN_ROW_ORDER" not in planned.prelude()
+    lists = []
+    for spec in (planned, ro):
+        ptx = cc.compile_spec(spec, "ptx").decode()
+        lists.append(re.findall(r"\.param \.(u64|u32|b32|s32)",
+                                re.search(r"\.entry gdn_replay_decode\((.*?)\)", ptx, re.S).group(1)))
+    assert lists[0] == lists[1] and ("ld.global.nc.v2.u32" in ptx or "ld.global.nc.v2.b32" in ptx)
+    with pytest.raises(ValueError, match="row_order"):
+        GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, num_tokens=2, row_order=True)
+    with pytest.raises(TypeError, match="row_order"):
+        GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, row_order=1)
 
 
 def test_key_is_readable_and_mamba2_keys_unchanged(tmp_path, monkeypatch):

@@ -78,6 +78,8 @@ class GDNSpec:
     # threads per SM the kernels are built for (``__launch_bounds__`` min blocks = resident / threads: caps the
     # registers); grids under one block per SM can afford fewer resident threads and more registers (gdn_plan)
     resident: int = GDN_RESIDENT_THREADS
+    # standard decode only: input 8 is the (row, slot) order (cursor.flush_order), not the slots (gdn.cuh GDN_ROW_ORDER)
+    row_order: bool = False
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -94,6 +96,11 @@ class GDNSpec:
         lpr, rpw, _ = gdn_layout(self.K, self.lanes)
         if self.passes not in (1, 2) or isinstance(self.passes, bool):
             raise ValueError(f"GDNSpec.passes: expected 1 or 2, got {self.passes!r}")
+        if not isinstance(self.row_order, bool):
+            raise TypeError(f"GDNSpec.row_order: expected a bool, got {type(self.row_order).__name__}")
+        if self.row_order and self.num_tokens:
+            raise ValueError(f"GDNSpec.row_order: the standard decode module's option (num_tokens 0), got "
+                             f"num_tokens={self.num_tokens}")
         if self.passes > 1 and self.num_tokens:
             raise ValueError("GDNSpec.passes: the speculative module runs in one pass (passes=1)")
         per_pass = self.rows // self.passes
@@ -136,7 +143,8 @@ class GDNSpec:
                 + (f"_sh-{self.shadow}" if self.shadow != "none" else "")
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}") + f"_sm{self.arch}"
                 + (f"_T{self.num_tokens}" if self.num_tokens else "") + (f"_x{self.passes}" if self.passes > 1 else "")
-                + (f"_r{self.resident}" if self.resident != GDN_RESIDENT_THREADS else ""))
+                + (f"_r{self.resident}" if self.resident != GDN_RESIDENT_THREADS else "")
+                + ("_ro" if self.row_order else ""))
 
     @property
     def threads(self) -> int:
@@ -179,6 +187,7 @@ class GDNSpec:
                 f"constexpr float kScale = {self.scale_f32.hex()}f;  // {self.scale_f32!r}",
                 *([f"constexpr int kT = {self.num_tokens};"] if self.num_tokens else []),
                 *([f"#define GDN_PASSES {self.passes}"] if self.passes > 1 else []),
+                *(["#define GDN_ROW_ORDER 1"] if self.row_order else []),
                 "",
             ]
         )
@@ -270,9 +279,14 @@ def gdn_passes(V: int, K: int, HV: int, batch: int, replay: bool, shadow: str, n
 
 
 def gdn_spec(act: str, HV: int, H: int, V: int, K: int, L: int, batch: int, replay: bool, shadow: str = "none",
-             l2norm: bool = True, scale: float | None = None, arch: int = 90, num_tokens: int = 0) -> GDNSpec:
+             l2norm: bool = True, scale: float | None = None, arch: int = 90, num_tokens: int = 0,
+             row_order: bool = False) -> GDNSpec:
     """The module for this geometry and batch. ``num_tokens`` = T >= 1: the speculative module, with the
-    replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``."""
+    replay geometry for ``gdn_verify`` (``replay``) or the conventional one for ``gdn_native_verify``;
+    ``row_order``: the standard replay module that reads its rows from a flush-first order (GDNSpec.row_order)."""
+    if row_order:
+        return dataclasses.replace(gdn_spec(act, HV, H, V, K, L, batch, replay, shadow, l2norm, scale, arch,
+                                            num_tokens), row_order=True)
     rows, warps, lanes, resident = gdn_plan(V, K, HV, batch, replay, num_tokens)
     passes = gdn_passes(V, K, HV, batch, replay, shadow, num_tokens)
     if replay and not num_tokens and shadow != "none" and passes == 1 and "resident" not in _OVERRIDE:

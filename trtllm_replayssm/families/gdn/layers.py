@@ -32,6 +32,13 @@ class GDNLayers(LayerGroup):
     family = "gdn"
     snapshot_prefix = "gdn_"
     standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
+    reads_row_order = True  # GDNSpec.row_order
+
+    def row_order_pays(self) -> bool:
+        """With a bf16 shadow (its exact refold makes the flushing blocks long): a serving batch's launch ran faster
+        with the flushing rows first (H100, bbd62ef08d, x conv mixed -> flushing rows first, Qwen3-Next: bs32
+        1.60 -> 1.95, bs64 1.83 -> 2.25, bs256 2.28 -> 2.44); fp32 level (bench/NOTES.md "Twenty-fourth session")."""
+        return "shadow" in self.t
     # the names of snapshot format version 1 (rings without the _cache suffix)
     snapshot_aliases = {"u_cache": "gdn_u", "v_cache": "gdn_v", "k_cache": "gdn_k", "g_cache": "gdn_g",
                         "beta_cache": "gdn_beta"}
@@ -80,13 +87,14 @@ class GDNLayers(LayerGroup):
         return bound.inputs[2].shape[1]
 
     def step(self, executor, view: GDNLayerState, cursor, bound: Bound, *, standard: bool, check: bool,
-             read_shadow: bool):
+             read_shadow: bool, row_order=None):
         q, k, v, a, b, A_log, dt_bias = bound.inputs
         sbi, out, opt = bound.state_batch_indices, bound.out, bound.options
         steps = executor.steps(self.family)
         if standard:  # T = 1 on the (slots,) cursor: the standard GDN decode kernel
             y = steps.replay_decode(view.buf, cursor, q[:, 0], k[:, 0], v[:, 0], a[:, 0], b[:, 0], A_log, dt_bias, sbi,
-                                    view.shadow, out=None if out is None else out[:, 0], check_values=check, **opt)
+                                    view.shadow, out=None if out is None else out[:, 0], check_values=check,
+                                    **opt, **({} if row_order is None else {"row_order": row_order}))
             return y[:, None] if out is None else out
         return steps.replay_verify(view.buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, view.shadow, out=out,
                                    check_values=check, read_shadow=read_shadow, **opt)

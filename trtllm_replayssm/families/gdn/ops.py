@@ -71,6 +71,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ... import cursor as cursor_rules
 from ... import cursor_ops
 from ...config import DTYPE_CODES, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS
 from ...launch import (
@@ -178,7 +179,7 @@ def gdn_conventional_step(q, k, v, a, b, A_log, dt_bias, state, state_batch_indi
 
 def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_cache, g_cache, beta_cache, cursor,
                       state_batch_indices, out=None, shadow=None, use_qk_l2norm=True, scale=None,
-                      check_values: bool | None = None):
+                      check_values: bool | None = None, row_order=None):
     """One fused ReplaySSM GDN decode step for one layer; returns y (batch, HV, V).
 
     :func:`.reference.replay_decode` is the spec. Non-flush step (cursor + 1 < L): y from the
@@ -186,23 +187,33 @@ def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
     index cursor. Flush step (cursor + 1 == L): the fp32 checkpoint becomes the exact fold of the L - 1
     buffered (v_j, k_j, g_j, beta_j) and this token, the shadow is rewritten from it, the buffers are
     not written. The cursor is read, not moved: call :func:`advance_cursor` once per model step. The
-    shadow must hold the checkpoint's values (bf16, round to nearest even) when the call starts."""
+    shadow must hold the checkpoint's values (bf16, round to nearest even) when the call starts.
+
+    ``row_order`` (batch, 2) int32: the rows as (row, slot) in flush-first order
+    (:func:`trtllm_replayssm.cursor_ops.flush_order`, once per model step for all layers); the module built for it
+    reads each block's row and slot there. Every output is what the call without it computes; checked
+    (``check_values``) to be a permutation of the rows with their slots."""
     _check_options(use_qk_l2norm, scale)
     batch, H, HV, V, K, S, L = _geometry(q, v, state, u_cache)
     sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out)
-                             + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow))
+                             + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow)
+                             + [Arg("row_order", row_order, ("batch", 2), I32, 8, optional=True)])
     _check_geometry(sizes, q, v)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
+        if row_order is not None:
+            cursor_rules.check_row_order(row_order, state_batch_indices)
     require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:
         return y
     kind = "none" if shadow is None else "bf16"
-    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, arch(dev))
+    spec = gdn_spec(DTYPE_CODES[q.dtype], HV, H, V, K, L, batch, True, kind, use_qk_l2norm, scale, arch(dev),
+                    row_order=row_order is not None)
     bufs = [t.data_ptr() for t in (state, u_cache, v_cache, k_cache, g_cache, beta_cache)]
     sh = [] if shadow is None else [shadow.data_ptr()]
-    args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, state_batch_indices, cursor)]
+    rows = state_batch_indices if row_order is None else row_order
+    args = [t.data_ptr() for t in (q, k, v, a, b, A_log, dt_bias, rows, cursor)]
     args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
     launch(spec, "gdn_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y

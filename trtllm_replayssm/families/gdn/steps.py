@@ -29,7 +29,9 @@ class Reference(Steps):
     """The float64 spec of :mod:`trtllm_replayssm.families.gdn.reference`."""
 
     def replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                      check_values=None, use_qk_l2norm=True, scale=None):
+                      check_values=None, use_qk_l2norm=True, scale=None, row_order=None):
+        if row_order is not None:  # the order of the kernels' blocks: no row's result depends on it
+            cursors.check_row_order(row_order, sbi)
         sh = None if shadow is None else Shadow.wrap(shadow, None)
         if isinstance(v, torch.Tensor) and v.dim() == 3:  # the other shapes: gdn_reference's checks, before a write
             check_rows_out(sbi, out, v.shape)
@@ -59,13 +61,13 @@ class Kernels(Steps):
     """The CUDA kernels through the validated launchers of :mod:`trtllm_replayssm.families.gdn.ops` (graph-safe)."""
 
     def replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
-                      check_values=None, use_qk_l2norm=True, scale=None):
+                      check_values=None, use_qk_l2norm=True, scale=None, row_order=None):
         from . import ops as gdn_ops  # cuda.core is imported only where the kernels run
 
         return gdn_ops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, buf.state, buf.u_cache, buf.v_cache,
                                          buf.k_cache, buf.g_cache, buf.beta_cache, cursor, sbi, out=out,
                                          shadow=shadow, use_qk_l2norm=use_qk_l2norm, scale=scale,
-                                         check_values=check_values)
+                                         check_values=check_values, row_order=row_order)
 
     def replay_verify(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, read_shadow=True, use_qk_l2norm=True, scale=None):
