@@ -239,6 +239,42 @@ def test_cache_orders_the_kda_decode_where_it_pays(monkeypatch, shadow, row_orde
         assert all(o is None for o in calls["decode"])
 
 
+def test_cache_orders_the_gdn_decode_with_a_shadow(monkeypatch):
+    """The GDN layer group reads the same order (row_order None: with a bf16 shadow), one launch a step."""
+    from trtllm_replayssm.backend import KernelBackend
+    from trtllm_replayssm.cache import ReplayStateCache
+
+    calls = {"order": 0, "decode": []}
+
+    def flush_order(cur, sbi, L, out=None, check_values=None):
+        calls["order"] += 1
+        return out.copy_(cursor.flush_order(cur, sbi, L))
+
+    def decode(q, k, v, a, b, A_log, dt_bias, state, *rest, row_order=None, out=None, **kws):
+        calls["decode"].append(None if row_order is None else row_order.clone())
+        return torch.zeros_like(v) if out is None else out
+
+    monkeypatch.setattr(cursor_ops, "flush_order", flush_order)
+    monkeypatch.setattr(cursor_ops, "advance_cursor",
+                        lambda cur, sbi, L, check_values=None, flushes=None: cursor.advance_cursor(cur, sbi, L))
+    monkeypatch.setattr(gops, "gdn_replay_decode", decode)
+    cache = ReplayStateCache.for_family("gdn", 2, 4, (4, 2, 16, 16), 4, cursor="standard", conv_kernel=4,
+                                        shadow_dtype=torch.bfloat16, read_shadow=True, executor=KernelBackend(),
+                                        check_values=False, row_order=None)
+    sbi = torch.tensor([cache.allocate(), -1, cache.allocate()], dtype=I32)
+    cache.cursor[sbi[2].long()] = 3  # row 2 flushes at step 0
+    for _ in range(5):
+        cache.flush(sbi, 1)
+        for layer in range(2):
+            x = torch.zeros(3, 1, 2, 16, dtype=torch.bfloat16)
+            xv = torch.zeros(3, 1, 4, 16, dtype=torch.bfloat16)
+            gate = torch.zeros(3, 1, 4, dtype=torch.bfloat16)
+            cache.verify(layer, x, x, xv, gate, gate, torch.zeros(4), torch.zeros(4), sbi)
+        cache.commit(sbi, None, 1)
+    assert calls["order"] == 5 and len(calls["decode"]) == 10
+    assert calls["decode"][0].tolist() == [[2, 1], [0, 0], [1, -1]]  # the flushing row first, padding last
+
+
 def test_cache_row_order_option_is_checked():
     from trtllm_replayssm.cache import ReplayStateCache
 
