@@ -105,7 +105,7 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
         for r in range(R):
             gdn_ops.gdn_conventional_step(*ins[r % len(ins)], A_log, dt_bias, state, sbis[r], out=y, check_values=False)
 
-    orders = [torch.empty((batch, 2), dtype=torch.int32, device="cuda") for _ in range(R)]
+    orders = [torch.empty((batch, 4), dtype=torch.int32, device="cuda") for _ in range(R)]
 
     def replay(sh, ordered=False):
         """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel

@@ -289,7 +289,7 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
             kops.kda_conventional_step(*ins[r % len(ins)], A_log, dt_bias, state, sbis[r], out=y, lower_bound=lb,
                                        check_values=False)
 
-    orders = [torch.empty((batch, 2), dtype=torch.int32, device="cuda") for _ in range(R)]
+    orders = [torch.empty((batch, 4), dtype=torch.int32, device="cuda") for _ in range(R)]
 
     def replay(sh, ordered=False):
         """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel

@@ -25,26 +25,35 @@ def test_flush_order_is_a_stable_three_way_partition():
     cur = torch.tensor([3, 0, 3, 1, 2, 3, 0, 3], dtype=I32)  # slots 0, 2, 5, 7 at L - 1: they flush
     sbi = torch.tensor([1, 2, -1, 0, 4, 9, 5, 3], dtype=I32)  # slot 9: out of range (8 slots)
     got = cursor.flush_order(cur, sbi, L)
-    assert got.dtype == I32 and got.tolist() == [[1, 2], [3, 0], [6, 5],  # flushing, in row order
-                                                 [0, 1], [4, 4], [7, 3],  # the other rows with a slot
-                                                 [2, -1], [5, 9]]  # padding, out of range
-    cursor.check_row_order(got, sbi)
-    assert cursor.flush_order(cur, sbi[:0], L).shape == (0, 2)
+    assert got.dtype == I32 and got.tolist() == [[1, 2, 3, 0], [3, 0, 3, 0], [6, 5, 3, 0],  # flushing, in row order
+                                                 [0, 1, 0, 0], [4, 4, 2, 0], [7, 3, 1, 0],  # the other rows with a slot
+                                                 [2, -1, 0, 0], [5, 9, 0, 0]]  # padding, out of range
+    cursor.check_row_order(got, sbi, cur)
+    assert cursor.flush_order(cur, sbi[:0], L).shape == (0, 4)
     same = torch.tensor([0, 1, 3], dtype=I32)  # nobody flushes: the identity order
     assert cursor.flush_order(cur, same, L)[:, 0].tolist() == [0, 1, 2]
 
 
+def _col(o, j, x):
+    o = o.clone()
+    o[:, j] = x(o[:, j])
+    return o
+
+
 @pytest.mark.parametrize("bad, match", [
-    (lambda o: o[:-1], r"shape \(5, 2\)"),
-    (lambda o: o[:, :1], r"shape \(5, 2\)"),
-    (lambda o: torch.stack([o[:, 0].flip(0) * 0, o[:, 1]], 1), "each row 0..4 once"),
-    (lambda o: torch.stack([o[:, 0], o[:, 1].roll(1)], 1), "row's slot"),
+    (lambda o: o[:-1], r"shape \(5, 4\)"),
+    (lambda o: o[:, :2], r"shape \(5, 4\)"),
+    (lambda o: _col(o, 0, lambda c: c * 0), "each row 0..4 once"),
+    (lambda o: _col(o, 1, lambda c: c.roll(1)), "row's slot"),
+    (lambda o: _col(o, 2, lambda c: c + 1), "slot's cursor"),
+    (lambda o: _col(o, 3, lambda c: c + 1), "slot's cursor"),
 ])
 def test_check_row_order_names_what_is_wrong(bad, match):
-    sbi = torch.tensor([4, 0, -1, 2, 1], dtype=I32)
-    order = cursor.flush_order(torch.tensor([0, 3, 3, 0, 3], dtype=I32), sbi, 4)
+    sbi, cur = torch.tensor([4, 0, -1, 2, 1], dtype=I32), torch.tensor([0, 3, 3, 0, 3], dtype=I32)
+    order = cursor.flush_order(cur, sbi, 4)
+    cursor.check_row_order(order, sbi, cur)
     with pytest.raises(ValueError, match=match):
-        cursor.check_row_order(bad(order), sbi)
+        cursor.check_row_order(bad(order), sbi, cur)
 
 
 def test_flush_order_launcher_rejects_by_name():
@@ -56,7 +65,7 @@ def test_flush_order_launcher_rejects_by_name():
     with pytest.raises((ValueError, TypeError), match="out"):
         cursor_ops.flush_order(cur, sbi, 4, out=torch.zeros(3, 3, dtype=I32))
     with pytest.raises((ValueError, TypeError), match="out"):
-        cursor_ops.flush_order(cur, sbi, 4, out=torch.zeros(3, 2, dtype=torch.int64))
+        cursor_ops.flush_order(cur, sbi, 4, out=torch.zeros(3, 4, dtype=torch.int64))
     with pytest.raises((ValueError, TypeError), match="cursor"):
         cursor_ops.flush_order(cur.float(), sbi, 4)
     with pytest.raises(ValueError, match="cursor"):  # the rows' values, before the CUDA check
@@ -80,10 +89,14 @@ def _kda_args(batch, slots=8, H=2, K=16, V=16, L=4, device="cpu", shadow=False):
 
 
 @pytest.mark.parametrize("bad, exc, match", [
-    (lambda a: torch.zeros(3, 2, dtype=I32), ValueError, "row_order"),
-    (lambda a: torch.zeros(4, 2, dtype=torch.int64), (ValueError, TypeError), "row_order"),
-    (lambda a: torch.zeros(4, 2, dtype=I32), ValueError, "row_order: column 0"),
-    (lambda a: torch.tensor([[0, 0], [1, 1], [2, 3], [3, 2]], dtype=I32), ValueError, "row_order: column 1"),
+    (lambda a: torch.zeros(3, 4, dtype=I32), ValueError, "row_order"),
+    (lambda a: torch.zeros(4, 2, dtype=I32), ValueError, "row_order"),
+    (lambda a: torch.zeros(4, 4, dtype=torch.int64), (ValueError, TypeError), "row_order"),
+    (lambda a: torch.zeros(4, 4, dtype=I32), ValueError, "row_order: column 0"),
+    (lambda a: torch.tensor([[0, 0, 0, 0], [1, 1, 0, 0], [2, 3, 0, 0], [3, 2, 0, 0]], dtype=I32), ValueError,
+     "row_order: column 1"),
+    (lambda a: torch.tensor([[0, 0, 1, 0], [1, 1, 0, 0], [2, 2, 0, 0], [3, 3, 0, 0]], dtype=I32), ValueError,
+     "row_order: columns 2, 3"),
 ])
 def test_kda_decode_checks_row_order_before_launch(bad, exc, match):
     a = _kda_args(4)
@@ -234,7 +247,7 @@ def test_cache_orders_the_kda_decode_where_it_pays(monkeypatch, shadow, row_orde
         for step, want_order in enumerate(orders):
             for layer in range(3):
                 assert torch.equal(calls["decode"][3 * step + layer], want_order), (step, layer)
-        assert calls["decode"][0][0].tolist() == [0, 0]  # slot 0 (cursor L - 1) leads the first step
+        assert calls["decode"][0][0].tolist() == [0, 0, 3, 0]  # slot 0 (cursor L - 1) leads the first step
     else:
         assert all(o is None for o in calls["decode"])
 
@@ -272,7 +285,7 @@ def test_cache_orders_the_gdn_decode_with_a_shadow(monkeypatch):
             cache.verify(layer, x, x, xv, gate, gate, torch.zeros(4), torch.zeros(4), sbi)
         cache.commit(sbi, None, 1)
     assert calls["order"] == 5 and len(calls["decode"]) == 10
-    assert calls["decode"][0].tolist() == [[2, 1], [0, 0], [1, -1]]  # the flushing row first, padding last
+    assert calls["decode"][0].tolist() == [[2, 1, 3, 0], [0, 0, 0, 0], [1, -1, 0, 0]]  # flushing row first, padding last
 
 
 def test_cache_row_order_option_is_checked():

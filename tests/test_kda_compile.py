@@ -104,7 +104,9 @@ def test_row_order_module():
     lists = [re.search(r"\.entry kda_replay_decode\((.*?)\)", p, re.S).group(1) for p in (plain, ptx)]
     assert [re.findall(r"\.param \.(u64|u32|b32|s32)", x) for x in lists] == [
         ["u64"] * 15 + ["u32"] * 2 + ["u64"] * 7] * 2
-    assert "ld.global.nc.v2.u32" in ptx or "ld.global.nc.v2.b32" in ptx  # the (row, slot) pair: one 8-byte load
+    v4 = r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)"  # (row, slot, cursor, 0): one 16-byte integer load, not in the plain
+    bodies = [p[p.index(".entry kda_replay_decode("):p.index(".entry kda_conventional(")] for p in (plain, ptx)]
+    assert [len(re.findall(v4, b)) for b in bodies] == [0, 1]
     with pytest.raises(ValueError, match="row_order"):
         KDASpec(**BASE, row_order=True, num_tokens=4)
     with pytest.raises(TypeError, match="row_order"):

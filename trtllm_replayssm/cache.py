@@ -69,7 +69,7 @@ Row order (``row_order``, standard cursor, the kernel executor; KDA's decode ker
 decode grids walk the batch rows in order, and a flushing row's blocks are several times longer than the others'
 (the shadow modules' ~6x), so a launch whose flushing rows are spread through the batch ends with a partial wave of
 long blocks. With the order, the first layer a step runs launches :func:`.cursor_ops.flush_order` once (the rows as
-(row, slot), flushing rows first; :func:`.cursor.flush_order` is its spec) and every KDA layer of the step reads its
+(row, slot, cursor), flushing rows first; :func:`.cursor.flush_order` is its spec) and every layer of the step reads its
 rows from it; outputs are bit for bit those without it. ``True`` / ``False`` force it; ``None`` orders where it
 was measured to pay (:meth:`LayerGroup.row_order_pays`: KDA layers with a bf16 shadow). The default is off until the
 cache's order path has run on a GPU.
@@ -499,7 +499,7 @@ class ReplayStateCache:
                              + f" layers (cursor='standard'); got cursor={cursor!r}, layers="
                              f"{[g.family for g in self.groups]}")
         self.row_order = row_order
-        # batch -> the (batch, 2) buffer of the flush-first order (one a batch size, kept: a captured graph writes and
+        # batch -> the (batch, 4) buffer of the flush-first order (one a batch size, kept: a captured graph writes and
         # reads it on every replay); batch -> the rows (sbi's data_ptr) whose order this step has launched there
         self._orders: dict = {}
         self._ordered: dict = {}
@@ -1019,7 +1019,7 @@ class ReplayStateCache:
             return None
         batch = sbi.shape[0]
         if batch not in self._orders:
-            self._orders[batch] = torch.empty((batch, 2), dtype=torch.int32, device=sbi.device)
+            self._orders[batch] = torch.empty((batch, cursors.ORDER_COLUMNS), dtype=torch.int32, device=sbi.device)
         if self._ordered.get(batch) != sbi.data_ptr():  # the step's first layer on these rows
             from . import cursor_ops  # cuda.core only where the kernels run
 

@@ -93,39 +93,52 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int, flushes=None):
     return cursor
 
 
+ORDER_COLUMNS = 4  # a flush-first order's row: (row, slot, cursor, 0), one 16-byte load for a kernel's block
+
+
 def flush_order(cursor, state_batch_indices, buffer_len: int):
-    """The standard cursor's row order for one decode step, flushing rows first: (batch, 2) int32 of (row, slot),
-    a stable three-way partition of the rows: those that flush in this step (slot in [0, S), cursor L - 1), then
-    the other rows with a slot in [0, S), then the rest (padding, out-of-range slots), each class in row order.
+    """The standard cursor's row order for one decode step, flushing rows first: (batch, 4) int32 rows of
+    (row, slot, cursor, 0), a stable three-way partition of the rows: those that flush in this step (slot in
+    [0, S), cursor L - 1), then the other rows with a slot in [0, S), then the rest (padding, out-of-range slots),
+    each class in row order. ``cursor`` is the slot's cursor (0 for the rest).
 
     The decode kernels' grids walk the rows in order, and a flushing row's blocks are several times longer than the
     others': a launch whose flushing rows lead packs its long blocks into the first waves instead of ending with one
-    (bench/NOTES.md "Twenty-fourth session"). A module built with a row order reads its (row, slot) from this in
-    place of ``state_batch_indices`` (``row_order``); every row is computed exactly as without it."""
+    (bench/NOTES.md "Twenty-fourth session"). A module built with a row order reads its block's row, slot and
+    cursor from this in one load, in place of ``state_batch_indices`` and the cursor (``row_order``); every row is
+    computed exactly as without it."""
     sbi = state_batch_indices.long().cpu().tolist()
-    S = cursor.shape[0]
+    cur = cursor.long().cpu().tolist()
+    S = len(cur)
     cls = []
     for s in sbi:
-        cls.append(2 if not 0 <= s < S else (0 if int(cursor[s]) == buffer_len - 1 else 1))
-    order = [(r, sbi[r]) for c in (0, 1, 2) for r in range(len(sbi)) if cls[r] == c]
-    return torch.tensor(order, dtype=torch.int32).reshape(len(sbi), 2)
+        cls.append(2 if not 0 <= s < S else (0 if cur[s] == buffer_len - 1 else 1))
+    order = [(r, sbi[r], cur[sbi[r]] if cls[r] < 2 else 0, 0) for c in (0, 1, 2) for r in range(len(sbi))
+             if cls[r] == c]
+    return torch.tensor(order, dtype=torch.int32).reshape(len(sbi), ORDER_COLUMNS)
 
 
-def check_row_order(row_order, state_batch_indices) -> None:
-    """``row_order`` (batch, 2) int32 is a permutation of the rows, each with its own slot: column 0 holds every
-    row 0..batch-1 once, column 1 the row's slot state_batch_indices[row] (what :func:`flush_order` gives)."""
+def check_row_order(row_order, state_batch_indices, cursor) -> None:
+    """``row_order`` (batch, 4) int32 is a permutation of the rows, each with its own slot and that slot's cursor:
+    column 0 holds every row 0..batch-1 once, column 1 the row's slot state_batch_indices[row], column 2 the
+    slot's cursor (0 for a row without a slot in range), column 3 zero (what :func:`flush_order` gives)."""
     sbi = state_batch_indices.long().cpu()
     ro = row_order.long().cpu()
     batch = sbi.shape[0]
-    if tuple(ro.shape) != (batch, 2):
-        raise ValueError(f"row_order: expected shape ({batch}, 2) (row, slot) for the {batch} rows, got "
-                         f"{tuple(ro.shape)}")
+    if tuple(ro.shape) != (batch, ORDER_COLUMNS):
+        raise ValueError(f"row_order: expected shape ({batch}, {ORDER_COLUMNS}) (row, slot, cursor, 0) for the {batch} "
+                         f"rows, got {tuple(ro.shape)}")
     if sorted(ro[:, 0].tolist()) != list(range(batch)):
         raise ValueError(f"row_order: column 0 must hold each row 0..{batch - 1} once, got {ro[:, 0].tolist()}")
-    bad = [r for r, s in ro.tolist() if s != int(sbi[r])]
+    cur, S = cursor.long().cpu(), cursor.shape[0]
+    bad = [r for r, s, *_ in ro.tolist() if s != int(sbi[r])]
     if bad:
         raise ValueError(f"row_order: column 1 must be each row's slot (state_batch_indices[row]); rows {bad[:8]} "
                          "differ")
+    bad = [r for r, s, c, z in ro.tolist() if c != (int(cur[s]) if 0 <= s < S else 0) or z]
+    if bad:
+        raise ValueError(f"row_order: columns 2, 3 must be the slot's cursor (0 without a slot) and 0; rows {bad[:8]} "
+                         "differ (an order made before the cursor moved?)")
 
 
 # ---- the ring cursor: (start, count) ---------------------------------------------------------------------------

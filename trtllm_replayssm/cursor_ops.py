@@ -23,6 +23,7 @@ import torch
 
 from . import config
 from .config import CKPT8, COMMIT_THREADS, SUPPORTED_NUM_TOKENS, KernelSpec, commit_grid, commit_spec, spec_grid
+from .cursor import ORDER_COLUMNS
 from .families.mamba2.ops import _SNAPSHOT_DIMS, _checked, make_verify_spec
 from .launch import (
     I32,
@@ -97,22 +98,22 @@ ORDER_THREADS = 1024  # replayssm_flush_order's block (kOrderThreads)
 
 
 def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_values: bool | None = None):
-    """The flush-first row order of one standard decode step, on the GPU: (batch, 2) int32 (row, slot), the
+    """The flush-first row order of one standard decode step, on the GPU: (batch, 4) int32 (row, slot, cursor, 0), the
     rows that flush in this step (cursor L - 1) first, then the other rows with a slot, then padding, each class in
     row order (:func:`.cursor.flush_order` is the spec, bit for bit). A decode module built with ``row_order``
     reads it in place of ``state_batch_indices``. Once per model step, after the previous step's cursor move, for
-    all layers (their cursor is shared). ``out`` (batch, 2) int32 to write into (a graph's fixed buffer)."""
+    all layers (their cursor is shared). ``out`` (batch, 4) int32 to write into (a graph's fixed buffer)."""
     if isinstance(buffer_len, bool) or not isinstance(buffer_len, numbers.Integral) or not 1 <= buffer_len <= 32:
         raise ValueError(f"buffer_len: expected an int in 1..32, got {buffer_len!r}")
     check_rank(cursor, "cursor", 1, "(slots,)")
     check_rank(state_batch_indices, "state_batch_indices", 1, "(batch,)")
     batch = state_batch_indices.shape[0]
     if out is None:
-        out = torch.empty((batch, 2), dtype=torch.int32, device=state_batch_indices.device)
+        out = torch.empty((batch, ORDER_COLUMNS), dtype=torch.int32, device=state_batch_indices.device)
     _, dev = _checked([
         Arg("cursor", cursor, ("slots",), I32, None),
         Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
-        Arg("out", out, ("batch", 2), I32, 8),
+        Arg("out", out, ("batch", ORDER_COLUMNS), I32, 16),
     ])
     S = cursor.shape[0]
     if values_checked(check_values):

@@ -9,8 +9,9 @@
 //   kRows, kWarps, kMinBlocks  value rows of one head per block, warps per block, resident blocks
 //   GDN_PASSES                 1 (default) or 2: the block's rows in passes of kRows / GDN_PASSES under one
 //                              prologue (standard decode modules only; see replay_nonflush)
-//   GDN_ROW_ORDER              0: block row blockIdx.y, its slot sbi[row]; 1 (standard decode modules): sbi points to
-//                              (row, slot) int2 pairs in flush-first order (cursor.flush_order; GDNSpec.row_order)
+//   GDN_ROW_ORDER              0: block row blockIdx.y, its slot sbi[row], its cursor cursor[slot]; 1 (standard decode
+//                              modules): sbi points to (row, slot, cursor, 0) int4 rows in flush-first order
+//                              (cursor.flush_order; GDNSpec.row_order)
 //   kLanes                     lanes sharing one state row (4..32; fewer: shorter butterflies)
 //   kL2Norm, kScale            l2-normalise q and k; q scale (K^-1/2 unless given)
 //
@@ -673,18 +674,21 @@ __device__ __forceinline__ void replay_flush(const ReplayArgs& a, const Coords& 
 
 __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   __shared__ alignas(16) unsigned char smem[kSmemBytes];
-#if GDN_ROW_ORDER  // a.sbi holds (row, slot) pairs in flush-first order (replayssm_flush_order): one load, as sbi[b]
+#if GDN_ROW_ORDER  // a.sbi holds (row, slot, cursor, 0) in flush-first order (replayssm_flush_order): one load
   Coords p = block_coords();
-  const int2 rs = reinterpret_cast<const int2*>(a.sbi)[blockIdx.y];
+  const int4 rs = reinterpret_cast<const int4*>(a.sbi)[blockIdx.y];
   p.b = rs.x;
   const int slot = rs.y;
-#else
-  const Coords p = block_coords();
-  const int slot = a.sbi[p.b];
-#endif
   const Lane c = lane_coords();
   if (slot < 0 || slot >= a.nslots) return;
+  const int pos = rs.z;  // the slot's cursor, read by the order kernel (no second dependent load)
+#else
+  const Coords p = block_coords();
+  const Lane c = lane_coords();
+  const int slot = a.sbi[p.b];
+  if (slot < 0 || slot >= a.nslots) return;
   const int pos = a.cursor[slot];
+#endif
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int r = threadIdx.x; r < kRows; r += kThreads)
       a.y[((size_t)p.b * kHV + p.hv) * kV + p.row0 + r] = from_f<act_t>(__int_as_float(0x7fc00000));

@@ -11,9 +11,9 @@
 //   KDA_PASSES                 1: one block a chunk of kCols value columns; 2 (staged decode modules): a block walks two
 //                              chunks of its head under one channel stage, the second chunk's rows staged in shared
 //                              memory by cp.async while the first is reduced (KDASpec.passes)
-//   KDA_ROW_ORDER              0: block row blockIdx.y, its slot sbi[row]; 1 (decode module): sbi points to (row, slot)
-//                              int2 pairs in flush-first order (cursor.flush_order), so the flushing rows' long blocks
-//                              run in the first waves (KDASpec.row_order)
+//   KDA_ROW_ORDER              0: block row blockIdx.y, its slot sbi[row], its cursor cursor[slot]; 1 (decode module):
+//                              sbi points to (row, slot, cursor, 0) int4 rows in flush-first order (cursor.flush_order),
+//                              so the flushing rows' long blocks run in the first waves (KDASpec.row_order)
 //   KDA_LOWER_BOUND, kLowerBound  0: Kimi's gate; 1: GLM-5 Next's gate bounded below by kLowerBound
 //   kH, kK, kV, kL             heads, key dim, value dim, ring length (2..16)
 //   kCVL, kWarps, kMinBlocks   lanes across a state row's block columns (4 columns each), warps, resident blocks
@@ -895,17 +895,19 @@ __device__ __forceinline__ void conventional(const Args& a) {
 
 __device__ __forceinline__ void replay_decode(const Args& a) {
   __shared__ alignas(16) unsigned char smem[kSmemBytes];
-#if KDA_ROW_ORDER  // a.sbi holds (row, slot) pairs in flush-first order (replayssm_flush_order): one load, as sbi[b]
+#if KDA_ROW_ORDER  // a.sbi holds (row, slot, cursor, 0) in flush-first order (replayssm_flush_order): one load
   Coords c = coords();
-  const int2 rs = reinterpret_cast<const int2*>(a.sbi)[blockIdx.y];
+  const int4 rs = reinterpret_cast<const int4*>(a.sbi)[blockIdx.y];
   c.b = rs.x;
   const int slot = rs.y;
+  if (slot < 0 || slot >= a.nslots) return;
+  const int pos = rs.z;  // the slot's cursor, read by the order kernel (no second dependent load)
 #else
   const Coords c = coords();
   const int slot = a.sbi[c.b];
-#endif
   if (slot < 0 || slot >= a.nslots) return;
   const int pos = a.cursor[slot];
+#endif
   if (pos < 0 || pos >= kL) {  // unchecked bad cursor: NaN outputs, nothing else written
     for (int i = threadIdx.x; i < kCols * kPasses; i += kThreads)
       a.y[((size_t)c.b * kH + c.h) * kV + c.chunk * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));

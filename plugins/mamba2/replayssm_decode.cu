@@ -90,48 +90,53 @@ extern "C" __global__ void replayssm_advance_cursor(const int* __restrict__ sbi,
 #endif
 }
 
-// The standard cursor's flush-first row order (cursor.flush_order is the spec, bit for bit): order[i] = (row, slot)
-// of the i-th row of a stable three-way partition: the rows that flush in this step (slot in [0, nslots), cursor
-// kL - 1), then the other rows with a slot, then the rest (padding, out-of-range slots), each class in row order.
-// A decode module built with a row order (KDA_ROW_ORDER) reads its block's (row, slot) here instead of
-// sbi[blockIdx.y], so its long (flushing) blocks run in the first waves. One block of kOrderThreads threads walks
-// the rows in tiles: a count pass, then a placing pass (ranks by warp ballot within a tile, warp offsets in shared
-// memory). Launch: grid (1), block (kOrderThreads); once per model step, after the previous step's cursor move.
+// The standard cursor's flush-first row order (cursor.flush_order is the spec, bit for bit): order[i] = (row, slot,
+// cursor, 0) of the i-th row of a stable three-way partition: the rows that flush in this step (slot in
+// [0, nslots), cursor kL - 1), then the other rows with a slot, then the rest (padding, out-of-range slots; cursor
+// 0), each class in row order. A decode module built with a row order (KDA_ROW_ORDER, GDN_ROW_ORDER) reads its
+// block's row, slot and cursor here in one 16-byte load instead of sbi[blockIdx.y] then cursor[slot], so its long
+// (flushing) blocks run in the first waves. One block of kOrderThreads threads walks the rows in tiles: a count
+// pass, then a placing pass (ranks by warp ballot within a tile, warp offsets in shared memory). Launch: grid (1),
+// block (kOrderThreads); once per model step, after the previous step's cursor move.
 constexpr int kOrderThreads = 1024;
-__device__ __forceinline__ int order_class(const int* sbi, const int* cursor, int r, int batch, int nslots) {
-  if (r >= batch) return 3;
+struct OrderRow {
+  int slot, pos, cls;  // cls 0: flushes, 1: another row with a slot, 2: the rest, 3: past the batch
+};
+__device__ __forceinline__ OrderRow order_row(const int* sbi, const int* cursor, int r, int batch, int nslots) {
+  if (r >= batch) return {0, 0, 3};
   const int slot = sbi[r];
-  if (slot < 0 || slot >= nslots) return 2;
-  return cursor[slot] == kL - 1 ? 0 : 1;
+  if (slot < 0 || slot >= nslots) return {slot, 0, 2};
+  const int pos = cursor[slot];
+  return {slot, pos, pos == kL - 1 ? 0 : 1};
 }
 extern "C" __global__ void __launch_bounds__(kOrderThreads) replayssm_flush_order(const int* __restrict__ sbi,
                                                                                  int batch, int nslots,
                                                                                  const int* __restrict__ cursor,
-                                                                                 int2* __restrict__ order) {
+                                                                                 int4* __restrict__ order) {
   __shared__ int warp_count[3][kOrderThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   int base[3] = {0, 0, 0};
   for (int t = 0; t < batch; t += kOrderThreads) {  // count pass: the flushing rows, the other rows with a slot
-    const int c = order_class(sbi, cursor, t + threadIdx.x, batch, nslots);
+    const int c = order_row(sbi, cursor, t + threadIdx.x, batch, nslots).cls;
     base[1] += __syncthreads_count(c == 0);
     base[2] += __syncthreads_count(c == 1);
   }
   base[2] += base[1];
   for (int t = 0; t < batch; t += kOrderThreads) {  // placing pass, tile by tile (rows in order within a class)
     const int r = t + threadIdx.x;
-    const int c = order_class(sbi, cursor, r, batch, nslots);
+    const OrderRow o = order_row(sbi, cursor, r, batch, nslots);
     unsigned mine = 0;
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
-      const unsigned m = __ballot_sync(0xffffffffu, c == k);
+      const unsigned m = __ballot_sync(0xffffffffu, o.cls == k);
       if (lane == 0) warp_count[k][warp] = __popc(m);
-      if (c == k) mine = m;
+      if (o.cls == k) mine = m;
     }
     __syncthreads();
-    if (c < 3) {
-      int at = base[c] + __popc(mine & ((1u << lane) - 1u));
-      for (int w = 0; w < warp; ++w) at += warp_count[c][w];
-      order[at] = make_int2(r, sbi[r]);
+    if (o.cls < 3) {
+      int at = base[o.cls] + __popc(mine & ((1u << lane) - 1u));
+      for (int w = 0; w < warp; ++w) at += warp_count[o.cls][w];
+      order[at] = make_int4(r, o.slot, o.pos, 0);
     }
 #pragma unroll
     for (int k = 0; k < 3; ++k)

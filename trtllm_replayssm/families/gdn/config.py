@@ -78,7 +78,7 @@ class GDNSpec:
     # threads per SM the kernels are built for (``__launch_bounds__`` min blocks = resident / threads: caps the
     # registers); grids under one block per SM can afford fewer resident threads and more registers (gdn_plan)
     resident: int = GDN_RESIDENT_THREADS
-    # standard decode only: input 8 is the (row, slot) order (cursor.flush_order), not the slots (gdn.cuh GDN_ROW_ORDER)
+    # standard decode only: input 8 is the flush-first order (cursor.flush_order), not the slots (gdn.cuh GDN_ROW_ORDER)
     row_order: bool = False
 
     def __post_init__(self):

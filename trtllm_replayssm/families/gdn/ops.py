@@ -189,20 +189,20 @@ def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
     not written. The cursor is read, not moved: call :func:`advance_cursor` once per model step. The
     shadow must hold the checkpoint's values (bf16, round to nearest even) when the call starts.
 
-    ``row_order`` (batch, 2) int32: the rows as (row, slot) in flush-first order
+    ``row_order`` (batch, 4) int32: the rows as (row, slot, cursor, 0) in flush-first order
     (:func:`trtllm_replayssm.cursor_ops.flush_order`, once per model step for all layers); the module built for it
-    reads each block's row and slot there. Every output is what the call without it computes; checked
+    reads each block's row, slot and cursor there in one load. Every output is what the call without it computes; checked
     (``check_values``) to be a permutation of the rows with their slots."""
     _check_options(use_qk_l2norm, scale)
     batch, H, HV, V, K, S, L = _geometry(q, v, state, u_cache)
     sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out)
                              + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow)
-                             + [Arg("row_order", row_order, ("batch", 2), I32, 8, optional=True)])
+                             + [Arg("row_order", row_order, ("batch", 4), I32, 16, optional=True)])
     _check_geometry(sizes, q, v)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
         if row_order is not None:
-            cursor_rules.check_row_order(row_order, state_batch_indices)
+            cursor_rules.check_row_order(row_order, state_batch_indices, cursor)
     require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:

@@ -31,7 +31,7 @@ class Reference(Steps):
     def replay_decode(self, buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, use_qk_l2norm=True, scale=None, row_order=None):
         if row_order is not None:  # the order of the kernels' blocks: no row's result depends on it
-            cursors.check_row_order(row_order, sbi)
+            cursors.check_row_order(row_order, sbi, cursor)
         sh = None if shadow is None else Shadow.wrap(shadow, None)
         if isinstance(v, torch.Tensor) and v.dim() == 3:  # the other shapes: gdn_reference's checks, before a write
             check_rows_out(sbi, out, v.shape)

@@ -100,7 +100,7 @@ class KDASpec:
     resident: int = 0  # threads an SM the register budget is planned for (0: the module's default, min_blocks)
     staged: bool = False  # decode module: the non-flush step stages its ring in shared memory (kda.cuh KDA_STAGED)
     passes: int = 1  # staged decode module: chunks of ``cols`` columns a block walks under one channel stage (1, 2)
-    row_order: bool = False  # decode module: input 8 is the (row, slot) order (cursor.flush_order), not the slots
+    row_order: bool = False  # decode module: input 8 is the flush-first order (cursor.flush_order), not the slots
 
     @property
     def entry_file(self) -> str:
@@ -315,7 +315,7 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
              conventional: bool = False, num_tokens: int = 0, row_order: bool = False) -> KDASpec:
     """The module for this geometry and batch (the conventional kernel comes from a module of L = 2 planned with
     ``conventional``; ``num_tokens`` T >= 1: the verify module, planned as the replay step; ``row_order``: the
-    decode module that reads its rows' (row, slot) from a flush-first order, KDASpec.row_order)."""
+    decode module that reads its rows from a flush-first order, KDASpec.row_order)."""
     if row_order:
         return dataclasses.replace(kda_spec(act, H, K, V, L, batch, shadow, l2norm, scale, lower_bound, arch),
                                    row_order=True)

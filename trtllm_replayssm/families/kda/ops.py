@@ -181,11 +181,11 @@ def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cach
                                    state_dims=state_dims)
                         + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow,
                                      shadow_dims=state_dims)
-                        + [Arg("row_order", row_order, ("batch", 2), I32, 8, optional=True)], _check_sizes)
+                        + [Arg("row_order", row_order, ("batch", 4), I32, 16, optional=True)], _check_sizes)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
         if row_order is not None:
-            cursor_rules.check_row_order(row_order, state_batch_indices)
+            cursor_rules.check_row_order(row_order, state_batch_indices, cursor)
     require_cuda(q, "q")
     return batch, H, K, V, S, L, dev, torch.empty_like(v) if out is None else out
 
@@ -202,9 +202,10 @@ def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
     :func:`advance_cursor` once per model step. The shadow must hold the checkpoint's values (bf16, round to
     nearest even) when the call starts.
 
-    ``row_order`` (batch, 2) int32: the step's rows as (row, slot) in the order the blocks should take them,
+    ``row_order`` (batch, 4) int32: the step's rows as (row, slot, cursor, 0) in the order the blocks take them,
     :func:`trtllm_replayssm.cursor_ops.flush_order`'s flush-first order (once per model step for all layers); the
-    module built for it reads each block's row and slot there instead of ``state_batch_indices``. Every output is
+    module built for it reads each block's row, slot and cursor there in one load, instead of ``state_batch_indices``
+    and ``cursor``. Every output is
     what the call without it computes; checked (``check_values``) to be a permutation of the rows with their slots."""
     batch, H, K, V, S, L, dev, y = _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache,
                                                  v_cache, beta_cache, cursor, state_batch_indices, out, shadow,

@@ -29,7 +29,7 @@ class Reference(Steps):
     def replay_decode(self, buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None, *, out=None,
                       check_values=None, use_qk_l2norm=True, scale=None, lower_bound=None, row_order=None):
         if row_order is not None:  # the order of the kernels' blocks: no row's result depends on it
-            cursors.check_row_order(row_order, sbi)
+            cursors.check_row_order(row_order, sbi, cursor)
         sh = None if shadow is None else Shadow.wrap(shadow, None)
         if out is not None:
             cursors.check_shape(out, "out", tuple(v.shape))
