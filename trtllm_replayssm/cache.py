@@ -65,14 +65,15 @@ continuous batching makes anyway) is slower than the lockstep cycle's mean where
 KDA and GDN steps, 1.1-1.2x at bs 128-256), level without a shadow: phases flatten the latency spike of the lockstep
 flush step, they do not add throughput, so they stay opt-in.
 
-Row order (``row_order``, standard cursor, the kernel executor; KDA's decode kernels, ``KDASpec.row_order``): the
+Row order (``row_order``, standard cursor, the kernel executor; the KDA and GDN decode kernels, ``KDASpec.row_order``,
+``GDNSpec.row_order``): the
 decode grids walk the batch rows in order, and a flushing row's blocks are several times longer than the others'
 (the shadow modules' ~6x), so a launch whose flushing rows are spread through the batch ends with a partial wave of
 long blocks. With the order, the first layer a step runs launches :func:`.cursor_ops.flush_order` once (the rows as
 (row, slot, cursor), flushing rows first; :func:`.cursor.flush_order` is its spec) and every layer of the step reads its
 rows from it; outputs are bit for bit those without it. ``True`` / ``False`` force it; ``None`` orders where it
-was measured to pay (:meth:`LayerGroup.row_order_pays`: KDA layers with a bf16 shadow). The default is off until the
-cache's order path has run on a GPU.
+was measured to pay (:meth:`LayerGroup.row_order_pays`: KDA and GDN layers with a bf16 shadow). The default is off
+until the cache's order path has run on a GPU.
 
 One speculative step (T <= T_max tokens, rows ``state_batch_indices``, -1 = padding row), the same
 sequence on every device:
