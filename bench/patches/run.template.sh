@@ -6,14 +6,17 @@
 # SP (S3 and the two-pass rows beside the planned ones, s5),
 # E (a GDN change: tests, pair, memcheck), SE (both), A16 (S3 with the verify tests' racecheck and a GDN shape sweep),
 # G (GDN launch shapes alone), SW (a KDA launch-shape sweep), SSW (S3 and the sweep),
-# PF (ncu of the KDA shadow flush and k = 1 at Kimi-K3 TP8 bs256).
+# PF (ncu of the KDA shadow flush and k = 1 at Kimi-K3 TP8 bs256),
+# RO (the flush-first row order: the patched tree's whole GPU suite, sanitizers of the order tests, the mixed / ff /
+# ord columns of bench_kda and bench_gdn).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
 # SPBATCH (s5), SWGEOMS / SWSHAPES / SWBATCH (sw), PFK (pf's positions), RBK (rb's pytest -k).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
-  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF or RB (see the head of this file)"; exit 2;; esac
+  RO) STEPS="r1 r3 r2";;
+  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB or RO (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -115,5 +118,26 @@ for k in ${PFK:-16 1}; do [ $(left) -gt 70 ] || break
   new ncu -i /tmp/r/ncu/sh-k$k.ncu-rep --page source --csv --print-source sass > /tmp/r/ncu/sh-k$k.sass.csv 2>&1
   new ncu -i /tmp/r/ncu/sh-k$k.ncu-rep --page details > /tmp/r/ncu/sh-k$k.txt 2>&1; rm -f /tmp/r/ncu/sh-k$k.ncu-rep
   grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per" /tmp/r/ncu/sh-k$k.txt | head -6; save; done
+fi
+# ---- RO: the flush-first row order (the patched tree: bench/patches/2026-12-07_row-order-default.patch)
+if want r1; then
+echo "== r1 the whole GPU suite, patched $(left)s left"
+mkdir -p /tmp/r/suite; l=$(cap 300 150)
+[ $l -gt 60 ] && new timeout $l python3 scripts/gpu_suite.py --workers 8 --jobs 16 --out /tmp/r/suite > /tmp/r/suite/log.txt 2>&1
+grep -E "^# (result|wall)" /tmp/r/suite/gpu_suite.txt; grep -E "^FAILED|^ERROR" /tmp/r/suite/log.txt | head; save
+fi
+if want r3; then
+echo "== r3 memcheck and racecheck of the order kernel and the row-order modules $(left)s left"
+for k in flush_order kda gdn; do
+  san memcheck 120 40 $k tests/test_flush_order.py "equals and not 256"
+  san racecheck 110 40 $k tests/test_flush_order.py "equals and not 256"
+done
+fi
+if want r2; then
+echo "== r2 mixed / ff / ord, KDA and GDN $(left)s left"
+[ $(left) -gt 60 ] && new timeout $(cap 90 45) python3 scripts/bench_kda.py --batches 32,128,256 --fla-path /none --out /tmp/r \
+  --tag kda-order > /tmp/r/ro-kda.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-kda.txt | tail -7; save
+[ $(left) -gt 45 ] && new timeout $(cap 90 5) python3 scripts/bench_gdn.py --batches 8,32,64,256 --fla-path /none --out /tmp/r \
+  --tag gdn-order > /tmp/r/ro-gdn.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-gdn.txt | tail -6; save
 fi
 echo "== done $(left)s left"; save
