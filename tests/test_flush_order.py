@@ -194,7 +194,9 @@ def test_kda_decode_with_row_order_equals_without(geom, batch, shadow, lb):
 
 
 # ---- the cache: which launches get the order, and how often (CPU tensors, the kernel executor, emulated launchers)
-def _ordered_cache(monkeypatch, shadow, **kw):
+def _emulated_cache(monkeypatch, family, geometry, layers, slots, decode_name, **kw):
+    """A standard-cursor cache of ``family`` on CPU tensors with the kernel executor, whose order and decode
+    launchers are emulated: the order by the host rule, the decode recording the order it was given."""
     from trtllm_replayssm.backend import KernelBackend
     from trtllm_replayssm.cache import ReplayStateCache
 
@@ -202,21 +204,24 @@ def _ordered_cache(monkeypatch, shadow, **kw):
 
     def flush_order(cur, sbi, L, out=None, check_values=None):
         calls["order"] += 1
-        out.copy_(cursor.flush_order(cur, sbi, L))
-        return out
+        return out.copy_(cursor.flush_order(cur, sbi, L))
 
-    def decode(q, k, v, f, b, A_log, dt_bias, state, *rest, row_order=None, out=None, **kws):
+    def decode(q, k, v, *rest, row_order=None, out=None, **kws):
         calls["decode"].append(None if row_order is None else row_order.clone())
         return torch.zeros_like(v) if out is None else out
 
     monkeypatch.setattr(cursor_ops, "flush_order", flush_order)
     monkeypatch.setattr(cursor_ops, "advance_cursor",
                         lambda cur, sbi, L, check_values=None, flushes=None: cursor.advance_cursor(cur, sbi, L))
-    monkeypatch.setattr(kops, "kda_replay_decode", decode)
-    cache = ReplayStateCache.for_family("kda", 3, 6, (2, 16, 16), 4, cursor="standard", conv_kernel=4,
-                                        shadow_dtype=shadow, read_shadow=shadow is not None, executor=KernelBackend(),
-                                        check_values=False, **kw)
+    monkeypatch.setattr(kops if family == "kda" else gops, decode_name, decode)
+    sh = kw.get("shadow_dtype") is not None
+    cache = ReplayStateCache.for_family(family, layers, slots, geometry, 4, cursor="standard", conv_kernel=4,
+                                        read_shadow=sh, executor=KernelBackend(), check_values=False, **kw)
     return cache, calls
+
+
+def _ordered_cache(monkeypatch, shadow, **kw):
+    return _emulated_cache(monkeypatch, "kda", (2, 16, 16), 3, 6, "kda_replay_decode", shadow_dtype=shadow, **kw)
 
 
 def _steps(cache, steps=6):
@@ -254,26 +259,8 @@ def test_cache_orders_the_kda_decode_where_it_pays(monkeypatch, shadow, row_orde
 
 def test_cache_orders_the_gdn_decode_with_a_shadow(monkeypatch):
     """The GDN layer group reads the same order (row_order None: with a bf16 shadow), one launch a step."""
-    from trtllm_replayssm.backend import KernelBackend
-    from trtllm_replayssm.cache import ReplayStateCache
-
-    calls = {"order": 0, "decode": []}
-
-    def flush_order(cur, sbi, L, out=None, check_values=None):
-        calls["order"] += 1
-        return out.copy_(cursor.flush_order(cur, sbi, L))
-
-    def decode(q, k, v, a, b, A_log, dt_bias, state, *rest, row_order=None, out=None, **kws):
-        calls["decode"].append(None if row_order is None else row_order.clone())
-        return torch.zeros_like(v) if out is None else out
-
-    monkeypatch.setattr(cursor_ops, "flush_order", flush_order)
-    monkeypatch.setattr(cursor_ops, "advance_cursor",
-                        lambda cur, sbi, L, check_values=None, flushes=None: cursor.advance_cursor(cur, sbi, L))
-    monkeypatch.setattr(gops, "gdn_replay_decode", decode)
-    cache = ReplayStateCache.for_family("gdn", 2, 4, (4, 2, 16, 16), 4, cursor="standard", conv_kernel=4,
-                                        shadow_dtype=torch.bfloat16, read_shadow=True, executor=KernelBackend(),
-                                        check_values=False, row_order=None)
+    cache, calls = _emulated_cache(monkeypatch, "gdn", (4, 2, 16, 16), 2, 4, "gdn_replay_decode",
+                                   shadow_dtype=torch.bfloat16, row_order=None)
     sbi = torch.tensor([cache.allocate(), -1, cache.allocate()], dtype=I32)
     cache.cursor[sbi[2].long()] = 3  # row 2 flushes at step 0
     for _ in range(5):
