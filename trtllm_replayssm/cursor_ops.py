@@ -83,18 +83,27 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, c
     require_cuda(cursor, "cursor")
     if batch == 0:
         return
-    # Any spec with this L carries the same advance kernel; use the smallest valid one (an 8-bit checkpoint's
-    # module also counts the flushes).
-    if flushes is None:
-        spec = KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev))
-    else:
-        spec = KernelSpec(CKPT8, "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev), variant=config.Variant("staged"))
+    # An 8-bit checkpoint's module also counts the flushes.
+    spec = _cursor_spec(L, dev, ckpt8=flushes is not None)
     launch(spec, "replayssm_advance_cursor", dev, ((batch + 255) // 256, 1, 1), (256, 1, 1),
            [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()]
            + ([] if flushes is None else [flushes.data_ptr()]))
 
 
+def _cursor_spec(L: int, dev, ckpt8: bool = False) -> KernelSpec:
+    """The module that carries the standard cursor's kernels (advance, flush order) for ring length L: any standard
+    decode module with this L carries the same ones; the smallest valid one."""
+    if ckpt8:
+        return KernelSpec(CKPT8, "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev), variant=config.Variant("staged"))
+    return KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev))
+
+
 ORDER_THREADS = 1024  # replayssm_flush_order's block (kOrderThreads)
+
+
+def row_order_arg(t, name: str = "row_order") -> Arg:
+    """The launch check of a flush-first order tensor: (batch, 4) int32, 16-byte rows (the kernels' one load)."""
+    return Arg(name, t, ("batch", ORDER_COLUMNS), I32, 16, optional=True)
 
 
 def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_values: bool | None = None):
@@ -113,7 +122,7 @@ def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_va
     _, dev = _checked([
         Arg("cursor", cursor, ("slots",), I32, None),
         Arg("state_batch_indices", state_batch_indices, ("batch",), I32, None),
-        Arg("out", out, ("batch", ORDER_COLUMNS), I32, 16),
+        row_order_arg(out, "out"),
     ])
     S = cursor.shape[0]
     if values_checked(check_values):
@@ -121,8 +130,7 @@ def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_va
     require_cuda(cursor, "cursor")
     if batch == 0:
         return out
-    spec = KernelSpec("f32", "f32", 1, 8, 128, 1, int(buffer_len), 8, 1, False, arch(dev))
-    launch(spec, "replayssm_flush_order", dev, (1, 1, 1), (ORDER_THREADS, 1, 1),
+    launch(_cursor_spec(int(buffer_len), dev), "replayssm_flush_order", dev, (1, 1, 1), (ORDER_THREADS, 1, 1),
            [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr(), out.data_ptr()])
     return out
 

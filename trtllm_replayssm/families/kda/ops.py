@@ -181,7 +181,7 @@ def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cach
                                    state_dims=state_dims)
                         + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow,
                                      shadow_dims=state_dims)
-                        + [Arg("row_order", row_order, ("batch", 4), I32, 16, optional=True)], _check_sizes)
+                        + [cursor_ops.row_order_arg(row_order)], _check_sizes)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
         if row_order is not None:
