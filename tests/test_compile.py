@@ -7,6 +7,7 @@ shape, for both archs. A compile error fails with NVRTC's log and the spec key.
 """
 
 import contextlib
+import dataclasses
 import itertools
 import re
 
@@ -14,12 +15,14 @@ import pytest
 
 from trtllm_replayssm import compile as cc
 from trtllm_replayssm.config import (
+    CKPT8,
     DEFAULT_VARIANT,
     SHADOW_STAGED_BLOCKS,
     SUPPORTED_BUFFER_LEN,
     SUPPORTED_DSTATE,
     SUPPORTED_HEADDIM,
     KernelSpec,
+    Layout,
     Variant,
     choose_geometry,
     override_variant,
@@ -34,6 +37,12 @@ ARCHS = (90, 100)
 def _spec(state, act, P, N, L, batch, has_z, arch, H=128, G=8):
     rows, warps = choose_geometry(state, P, N, H, batch, act, L)
     return KernelSpec(state, act, H, P, N, G, L, rows, warps, has_z, arch)
+
+
+def plan_spec_of(state, shadow, batch, arch, H=128, P=64, N=128, G=8, L=16):
+    """The shipped plan's standard decode module (config.plan) on the main geometry."""
+    rows, warps, variant = plan(state, "bf16", H, P, N, L, batch, False, shadow)
+    return KernelSpec(state, "bf16", H, P, N, G, L, rows, warps, False, arch, variant, shadow)
 
 
 FULL = [
@@ -91,13 +100,51 @@ BULK = [
         ("fp8", "f32", 128, 64, 128, 5, 16, 4, False), ("none", "bf16", 256, 64, 256, 16, 32, 8, False)], ARCHS)
 ]
 
+# The flush-first row order (KernelSpec.row_order): the planned staged modules (bf16 / fp8 shadow, fp32 at batch
+# <= 4), the 8-bit checkpoint, a one-shot module with z, bulk copies.
+ROW_ORDER = [
+    dataclasses.replace(s, row_order=True) for s in (
+        *(plan_spec_of(st, sh, batch, arch) for st, sh, batch, arch in itertools.product(
+            ("f32",), ("bf16", "fp8"), (1, 32, 256), ARCHS)),
+        *(plan_spec_of(st, "none", batch, arch) for st, batch, arch in itertools.product(("f32", CKPT8), (2,), ARCHS)),
+        plan_spec_of(CKPT8, "none", 256, 90),
+        KernelSpec("f32", "bf16", 128, 64, 128, 8, 16, 32, 4, True, 90, Variant("one_shot", 4)),
+        BULK[1])
+]
 
-@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW + STAGED + ROWS64_WARPS4 + BULK, ids=lambda s: s.key)
+
+@pytest.mark.parametrize("spec", FULL + EDGES + PERSISTENT + SHADOW + STAGED + ROWS64_WARPS4 + BULK + ROW_ORDER,
+                         ids=lambda s: s.key)
 def test_compiles_to_ptx(spec):
     ptx = cc.compile_spec(spec, "ptx").decode()
     assert f".target sm_{spec.arch}" in ptx
     for name in cc.KERNEL_NAMES:
         assert re.search(rf"\.entry {name}\(", ptx), name
+
+
+def test_row_order_module():
+    """KernelSpec.row_order: its own key and macro, the same parameter list (state_batch_indices read as (row, slot,
+    cursor, 0) int4 rows, one 16-byte load a block), the contiguous standard decode module's one-shot and staged
+    kernels only."""
+    planned = plan_spec_of("f32", "bf16", 32, 90)
+    ro = dataclasses.replace(planned, row_order=True)
+    assert ro.key == planned.key + "_ro" and planned.variant.kind == "staged"
+    assert "#define RSSM_ROW_ORDER 1" in ro.prelude() and "RSSM_ROW_ORDER" not in planned.prelude()
+    lists, loads = [], []
+    for spec in (planned, ro):
+        ptx = cc.compile_spec(spec, "ptx").decode()
+        lists.append(re.findall(r"\.param \.(u64|u32|b32|s32)",
+                                re.search(r"\.entry replayssm_decode\((.*?)\)", ptx, re.S).group(1)))
+        body = ptx[ptx.index(".entry replayssm_decode("):]
+        body = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
+        loads.append(len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", body)))  # the order's 16-byte row
+    assert lists[0] == lists[1] and loads == [0, 1]
+    with pytest.raises(ValueError, match="row_order: .*persistent"):
+        dataclasses.replace(plan_spec_of("f32", "none", 256, 90), row_order=True)
+    with pytest.raises(ValueError, match="row_order"):
+        dataclasses.replace(plan_spec_of("f32", "none", 2, 90), row_order=True, layout=Layout(*range(1, 12)))
+    with pytest.raises(TypeError, match="row_order"):
+        dataclasses.replace(planned, row_order=1)
 
 
 def test_decode_parameter_list_is_tensorrt_order():

@@ -16,6 +16,7 @@ from trtllm_replayssm import cursor, cursor_ops
 from trtllm_replayssm.families.gdn import ops as gops
 from trtllm_replayssm.families.gdn.reference import GDNBuffers
 from trtllm_replayssm.families.kda import ops as kops
+from trtllm_replayssm.families.mamba2 import ops as mops
 
 I32 = torch.int32
 
@@ -206,14 +207,14 @@ def _emulated_cache(monkeypatch, family, geometry, layers, slots, decode_name, *
         calls["order"] += 1
         return out.copy_(cursor.flush_order(cur, sbi, L))
 
-    def decode(q, k, v, *rest, row_order=None, out=None, **kws):
+    def decode(*args, row_order=None, out=None, **kws):  # y has the shape of x (Mamba-2) or v (GDN, KDA)
         calls["decode"].append(None if row_order is None else row_order.clone())
-        return torch.zeros_like(v) if out is None else out
+        return torch.zeros_like(args[0 if family == "mamba2" else 2]) if out is None else out
 
     monkeypatch.setattr(cursor_ops, "flush_order", flush_order)
     monkeypatch.setattr(cursor_ops, "advance_cursor",
                         lambda cur, sbi, L, check_values=None, flushes=None: cursor.advance_cursor(cur, sbi, L))
-    monkeypatch.setattr(kops if family == "kda" else gops, decode_name, decode)
+    monkeypatch.setattr({"kda": kops, "gdn": gops, "mamba2": mops}[family], decode_name, decode)
     sh = kw.get("shadow_dtype") is not None
     cache = ReplayStateCache.for_family(family, layers, slots, geometry, 4, cursor="standard", conv_kernel=4,
                                         read_shadow=sh, executor=KernelBackend(), check_values=False, **kw)
@@ -282,7 +283,7 @@ def test_cache_row_order_option_is_checked():
         ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=1)
     with pytest.raises(ValueError, match="row_order: .*cursor='ring'"):
         ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="ring", row_order=True)
-    with pytest.raises(ValueError, match="row_order: .*GDN and KDA layers"):
+    with pytest.raises(ValueError, match="row_order: .*KDA layers.*Mamba-2 layers with a shadow or an 8-bit"):
         ReplayStateCache.for_family("mamba2", 1, 2, (2, 16, 16, 1), 4, cursor="standard", row_order=True)
     # the float64 reference executor (CPU) takes the option and needs no order
     c = ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=True,
@@ -348,3 +349,136 @@ def test_gdn_decode_with_row_order_equals_without(geom, batch, shadow):
         for n in sides[0]:
             assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
     assert seen >= batch - 1
+
+
+# ---- Mamba-2 (KernelSpec.row_order: the one-shot and staged kernels) ----------------------------------------------
+def _mamba2_args(batch, slots=6, H=2, P=64, N=128, G=1, L=4, device="cpu"):
+    from trtllm_replayssm.problems import make_inputs, make_params
+
+    g = torch.Generator().manual_seed(3)
+    x, B, C, dt, _ = make_inputs(batch, H, P, N, G, torch.bfloat16, g, device)
+    prm = make_params(H, g, device)
+    return dict(x=x, B=B, C=C, dt=dt, dt_bias=prm.dt_bias, A=prm.A, D=prm.D,
+                state=torch.zeros(slots, H, P, N, device=device),
+                x_cache=torch.zeros(slots, H, L, P, dtype=torch.bfloat16, device=device),
+                B_cache=torch.zeros(slots, G, L, N, dtype=torch.bfloat16, device=device),
+                dt_cache=torch.zeros(slots, H, L, device=device), cursor=torch.zeros(slots, dtype=I32, device=device),
+                state_batch_indices=torch.arange(batch, dtype=I32, device=device))
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda a: torch.zeros(3, 4, dtype=I32), ValueError, "row_order"),
+    (lambda a: torch.zeros(2, 3, dtype=I32), ValueError, "row_order"),
+    (lambda a: torch.zeros(2, 4, dtype=torch.int64), TypeError, "row_order"),
+    (lambda a: torch.zeros(2, 4, dtype=I32), ValueError, "row_order: column 0"),
+    (lambda a: torch.tensor([[0, 1, 0, 0], [1, 0, 0, 0]], dtype=I32), ValueError, "row_order: column 1"),
+    (lambda a: torch.tensor([[1, 1, 0, 0], [0, 0, 2, 0]], dtype=I32), ValueError, "row_order: columns 2, 3"),
+])
+def test_mamba2_decode_checks_row_order_before_launch(bad, exc, match):
+    """The Mamba-2 launcher checks the order's shape, dtype and (check_values) rows before it needs CUDA."""
+    a = _mamba2_args(2)
+    with pytest.raises(exc, match=match):
+        mops.replay_decode(**a, check_values=True, row_order=bad(a))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("geom, batch, shadow, state", [
+    ((2, 64, 128, 1), 9, "bf16", "f32"), ((3, 64, 128, 1), 3, "none", "f32"),  # fp32 at batch <= 4: staged
+    ((4, 64, 128, 2), 11, "fp8", "f32"), ((4, 64, 128, 2), 11, "none", "fp8"),  # the fp8 shadow, the 8-bit checkpoint
+    ((128, 64, 128, 8), 32, "bf16", "f32"),  # Nemotron-H 8B bs32: the planned bf16-shadow module
+    ((128, 64, 128, 8), 256, "bf16", "f32"),
+])
+def test_mamba2_decode_with_row_order_equals_without(geom, batch, shadow, state):
+    """The Mamba-2 standard decode module built with the flush-first order computes every tensor bit for bit as the
+    plain module does (y with its padding row, checkpoint, rings, shadow and scales, an 8-bit checkpoint's scales and
+    flush counts), over L + 2 steps at spread cursors with a padding row and unused slots."""
+    from trtllm_replayssm.problems import make_inputs, make_params
+
+    dev = _cuda()
+    H, P, N, G = geom
+    L, slots = 16, batch + 3
+    g = torch.Generator().manual_seed(batch + 2)
+    act = torch.bfloat16
+    fp32 = torch.randn(slots, H, P, N, generator=g) * 0.1
+    base = dict(x_cache=torch.randn(slots, H, L, P, generator=g).to(act),
+                B_cache=(torch.randn(slots, G, L, N, generator=g) * N ** -0.5 * 4).to(act),
+                dt_cache=torch.rand(slots, H, L, generator=g) * 0.05)
+    extra = {}
+    if state == "fp8":  # an 8-bit checkpoint: e4m3 rows with fp32 row scales, flush counts
+        scale = fp32.abs().amax(-1).clamp_min(1e-6) / 448
+        base |= dict(state=(fp32 / scale[..., None]).to(torch.float8_e4m3fn), ckpt_scale=scale,
+                     ckpt_flushes=torch.zeros(slots, dtype=I32))
+        extra = dict(ckpt_seed=7)
+    else:
+        base["state"] = fp32
+        if shadow == "bf16":
+            base["shadow"] = fp32.to(torch.bfloat16)
+        elif shadow == "fp8":
+            scale = fp32.abs().amax(-1).clamp_min(1e-6) / 448
+            base |= dict(shadow=(fp32 / scale[..., None]).to(torch.float8_e4m3fn), shadow_scale=scale)
+    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
+    sbi[batch // 2] = -1
+    cur = torch.zeros(slots, dtype=I32)
+    cur[sbi[sbi >= 0].long()] = torch.arange(int((sbi >= 0).sum()), dtype=I32) % L
+    prm = make_params(H, g, dev)
+    sides = [{n: t.clone().to(dev) for n, t in base.items()} | {"cursor": cur.clone().to(dev)} for _ in range(2)]
+    sbi_d, seen = sbi.to(dev), 0
+    for step in range(L + 2):
+        x, B, C, dt, _ = make_inputs(batch, H, P, N, G, act, g, dev)
+        ys = []
+        for i, side in enumerate(sides):
+            y = torch.full((batch, H, P), float("nan"), dtype=act, device=dev)
+            order = cursor_ops.flush_order(side["cursor"], sbi_d, L) if i else None
+            if i:
+                live = sbi_d[sbi_d >= 0].long()
+                flushing = int((side["cursor"][live] == L - 1).sum())
+                lead = order[:flushing, 1].long()
+                assert (lead >= 0).all() and (side["cursor"][lead] == L - 1).all(), step
+                seen += flushing
+            mops.replay_decode(x, B, C, dt, prm.dt_bias, prm.A, prm.D, side["state"], side["x_cache"],
+                               side["B_cache"], side["dt_cache"], side["cursor"], sbi_d, out=y,
+                               shadow=side.get("shadow"), shadow_scale=side.get("shadow_scale"),
+                               ckpt_scale=side.get("ckpt_scale"), ckpt_flushes=side.get("ckpt_flushes"),
+                               row_order=order, **extra)
+            cursor_ops.advance_cursor(side["cursor"], sbi_d, L, flushes=side.get("ckpt_flushes"))
+            ys.append(y)
+        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), step
+        assert torch.isnan(ys[1][batch // 2].float()).all()
+        for n in sides[0]:
+            assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
+    assert seen >= batch - 1
+
+
+def test_cache_orders_the_mamba2_decode_with_a_bf16_shadow(monkeypatch):
+    """The Mamba-2 layer group reads the same order with a bf16 shadow (row_order None), one launch a step."""
+    cache, calls = _emulated_cache(monkeypatch, "mamba2", (2, 16, 16, 1), 2, 4, "replay_decode",
+                                   shadow_dtype=torch.bfloat16, row_order=None)
+    sbi = torch.tensor([cache.allocate(), -1, cache.allocate()], dtype=I32)
+    cache.cursor[sbi[2].long()] = 3  # row 2 flushes at step 0
+    for _ in range(5):
+        cache.flush(sbi, 1)
+        for layer in range(2):
+            x = torch.zeros(3, 1, 2, 16, dtype=torch.bfloat16)
+            bc = torch.zeros(3, 1, 1, 16, dtype=torch.bfloat16)
+            cache.verify(layer, x, bc, bc, torch.zeros(3, 1, 2, dtype=torch.bfloat16), torch.zeros(2), -torch.ones(2),
+                         torch.ones(2), None, sbi)
+        cache.commit(sbi, None, 1)
+    assert calls["order"] == 5 and len(calls["decode"]) == 10
+    assert calls["decode"][0].tolist() == [[2, 1, 3, 0], [0, 0, 0, 0], [1, -1, 0, 0]]
+
+
+@pytest.mark.parametrize("kw, reads", [(dict(), False), (dict(shadow_dtype=torch.bfloat16), True),
+                                       (dict(shadow_dtype=torch.float8_e4m3fn), True),
+                                       (dict(state_dtype=torch.float8_e4m3fn), True)])
+def test_mamba2_group_reads_the_order_where_its_kernels_do(kw, reads):
+    """Mamba-2's one-shot and staged kernels read the order: a shadow or an 8-bit checkpoint always runs them; an fp32
+    checkpoint without one runs the persistent kernel above batch 4, so its group reads none (row_order True is
+    refused there by name). The default orders the measured case only (a bf16 shadow)."""
+    from trtllm_replayssm.cache import ReplayStateCache
+
+    c = ReplayStateCache.for_family("mamba2", 1, 2, (2, 16, 16, 1), 4, cursor="standard", **kw)
+    g = c.groups[0]
+    assert g.reads_row_order is reads and g.row_order_pays() is (kw.get("shadow_dtype") == torch.bfloat16)
+    if reads:
+        assert ReplayStateCache.for_family("mamba2", 1, 2, (2, 16, 16, 1), 4, cursor="standard", row_order=True,
+                                           **kw).row_order is True

@@ -57,8 +57,9 @@ def test_parameter_lists_are_tensorrt_order(shadow, n_sh):
 
 
 def test_row_order_module():
-    """GDNSpec.row_order: its own key and macro, the same parameter list (input 8 read as (row, slot) pairs by one
-    8-byte load), the standard decode module's option only; gdn_spec(row_order=True) is the planned module with it."""
+    """GDNSpec.row_order: its own key and macro, the same parameter list (input 8 read as (row, slot, cursor, 0) int4 rows
+    by one 16-byte load), the standard decode module's option only; gdn_spec(row_order=True) is the planned module
+    with it."""
     for batch, sh in ((1, "none"), (64, "bf16"), (256, "none")):
         planned = gdn_spec("bf16", 32, 16, 128, 128, 16, batch, True, sh)
         ro = gdn_spec("bf16", 32, 16, 128, 128, 16, batch, True, sh, row_order=True)

@@ -94,7 +94,7 @@ def test_parameter_lists_are_tensorrt_order(shadow, n_sh):
 
 
 def test_row_order_module():
-    """KDASpec.row_order: its own key and macro, the same parameter list (input 8 is read as (row, slot) pairs), the
+    """KDASpec.row_order: its own key and macro, the same parameter list (input 8 is read as (row, slot, cursor, 0)), the
     decode module's option only; kda_spec(row_order=True) is the planned module with the flag."""
     s = KDASpec(**BASE, row_order=True)
     assert s.key.endswith("_ro_sm90") and "#define KDA_ROW_ORDER 1" in s.prelude()

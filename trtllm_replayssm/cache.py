@@ -66,14 +66,15 @@ KDA and GDN steps, 1.1-1.2x at bs 128-256), level without a shadow: phases flatt
 flush step, they do not add throughput, so they stay opt-in.
 
 Row order (``row_order``, standard cursor, the kernel executor; the KDA and GDN decode kernels, ``KDASpec.row_order``,
-``GDNSpec.row_order``): the
-decode grids walk the batch rows in order, and a flushing row's blocks are several times longer than the others'
-(the shadow modules' ~6x), so a launch whose flushing rows are spread through the batch ends with a partial wave of
-long blocks. With the order, the first layer a step runs launches :func:`.cursor_ops.flush_order` once (the rows as
-(row, slot, cursor), flushing rows first; :func:`.cursor.flush_order` is its spec) and every layer of the step reads its
-rows from it; outputs are bit for bit those without it. ``True`` / ``False`` force it; ``None`` orders where it
-was measured to pay (:meth:`LayerGroup.row_order_pays`: KDA and GDN layers with a bf16 shadow). The default is off
-until the cache's order path has run on a GPU.
+``GDNSpec.row_order``, and Mamba-2's one-shot and staged kernels, ``KernelSpec.row_order``, which a shadow or an 8-bit
+checkpoint always runs: :attr:`LayerGroup.reads_row_order`): the decode grids walk the batch rows in order, and a
+flushing row's blocks are several times longer than the others' (the shadow modules' ~6x), so a launch whose flushing
+rows are spread through the batch ends with a partial wave of long blocks. With the order, the first layer a step runs
+launches :func:`.cursor_ops.flush_order` once (the rows as (row, slot, cursor), flushing rows first;
+:func:`.cursor.flush_order` is its spec) and every layer of the step reads its rows from it; outputs are bit for bit
+those without it. ``True`` / ``False`` force it; ``None`` orders where it was measured to pay
+(:meth:`LayerGroup.row_order_pays`: KDA, GDN and Mamba-2 layers with a bf16 shadow). The default is off until the
+cache's order path has run on a GPU.
 
 One speculative step (T <= T_max tokens, rows ``state_batch_indices``, -1 = padding row), the same
 sequence on every device:
@@ -494,11 +495,11 @@ class ReplayStateCache:
         if row_order is not None and not isinstance(row_order, bool):
             raise TypeError(f"row_order: expected a bool or None (where it was measured to pay), got {row_order!r}")
         if row_order and (not self.standard or not any(g.reads_row_order for g in self.groups)):
-            raise ValueError("row_order: the flush-first row order is read by the standard decode kernels of "
-                             + " and ".join(families.get(f).label for f in families.names()
-                                            if families.get(f).layer_group and group_class(f).reads_row_order)
-                             + f" layers (cursor='standard'); got cursor={cursor!r}, layers="
-                             f"{[g.family for g in self.groups]}")
+            raise ValueError("row_order: the flush-first row order is read by the standard decode kernels "
+                             "(cursor='standard') of " + ", ".join(
+                                 group_class(f).row_order_layers for f in families.names()
+                                 if families.get(f).layer_group and group_class(f).row_order_layers)
+                             + f"; got cursor={cursor!r}, layers={[g.family for g in self.groups]}")
         self.row_order = row_order
         # batch -> the (batch, 4) buffer of the flush-first order (one a batch size, kept: a captured graph writes and
         # reads it on every replay); batch -> the rows (sbi's data_ptr) whose order this step has launched there

@@ -217,6 +217,9 @@ class KernelSpec:
     num_tokens: int = 0
     # Strided tensors of the standard decode kernel (vLLM's paged state); None: contiguous (families/mamba2/ops.py).
     layout: Layout | None = None
+    # The standard decode module whose one-shot or staged kernel reads its blocks' (row, slot, cursor) from a
+    # flush-first order (cursor.flush_order, RSSM_ROW_ORDER) in place of state_batch_indices and the cursor.
+    row_order: bool = False
 
     def __post_init__(self):
         for name, types in (("state", STATE_CUDA_TYPES), ("act", CUDA_TYPES)):
@@ -261,6 +264,12 @@ class KernelSpec:
         if self.layout is not None and (self.num_tokens or self.shadow != "none"):
             raise ValueError("KernelSpec.layout: the strided layout is for the standard decode module without a "
                              f"shadow, got num_tokens={self.num_tokens}, shadow={self.shadow!r}")
+        if not isinstance(self.row_order, bool):
+            raise TypeError(f"KernelSpec.row_order: expected a bool, got {type(self.row_order).__name__}")
+        if self.row_order and (self.num_tokens or self.layout is not None or self.persistent):
+            raise ValueError("KernelSpec.row_order: the contiguous standard decode module's one-shot or staged kernel "
+                             "(the persistent kernel walks items, not rows), got "
+                             f"num_tokens={self.num_tokens}, layout={self.layout!r}, variant.kind={self.variant.kind!r}")
 
     def _check_ckpt8(self):
         if self.shadow != "none":
@@ -304,6 +313,7 @@ class KernelSpec:
             + (f"_T{self.num_tokens}" if self.num_tokens else "")
             + self.variant.key
             + (self.layout.key if self.layout is not None else "")
+            + ("_ro" if self.row_order else "")
         )
 
     @property
@@ -363,6 +373,7 @@ class KernelSpec:
                 f"#define RSSM_HAS_Z {int(self.has_z)}",
                 *self.variant.prelude(),
                 *(self.layout.prelude() if self.layout is not None else []),
+                *(["#define RSSM_ROW_ORDER 1"] if self.row_order else []),
                 "",
             ]
         )

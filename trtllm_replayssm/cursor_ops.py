@@ -35,6 +35,7 @@ from .launch import (
     check_window,
     launch,
     require_cuda,
+    row_order_arg,
     values_checked,
 )
 
@@ -99,11 +100,6 @@ def _cursor_spec(L: int, dev, ckpt8: bool = False) -> KernelSpec:
 
 
 ORDER_THREADS = 1024  # replayssm_flush_order's block (kOrderThreads)
-
-
-def row_order_arg(t, name: str = "row_order") -> Arg:
-    """The launch check of a flush-first order tensor: (batch, 4) int32, 16-byte rows (the kernels' one load)."""
-    return Arg(name, t, ("batch", ORDER_COLUMNS), I32, 16, optional=True)
 
 
 def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_values: bool | None = None):

@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 
 from . import compile as _compile
+from .cursor import ORDER_COLUMNS
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -67,6 +68,12 @@ class Arg(NamedTuple):
     dtypes: tuple | str
     align: int | None = VECTOR_BYTES
     optional: bool = False
+
+
+def row_order_arg(t, name: str = "row_order") -> Arg:
+    """The launch check of a flush-first order tensor (:func:`.cursor.flush_order`): (batch, 4) int32, 16-byte rows
+    (the decode kernels' one load a block)."""
+    return Arg(name, t, ("batch", ORDER_COLUMNS), I32, 16, optional=True)
 
 
 def vote(values: list, prefer=None):

@@ -54,8 +54,10 @@ class LayerGroup:
     standard_reads_shadow = False  # the standard step reads the shadow it keeps (the CPU cache needs read_shadow)
     ckpt8 = False  # the family keeps an 8-bit checkpoint (state float8_e4m3fn) on the standard cursor
     # The family's standard decode kernel reads a flush-first row order (cursor.flush_order; its step then takes
-    # ``row_order``); :meth:`row_order_pays` is the cache's default (ReplayStateCache row_order None).
+    # ``row_order``), a group's attribute (a property where it depends on the group's tensors); ``row_order_layers``
+    # names those layers in errors; :meth:`row_order_pays` is the cache's default (ReplayStateCache row_order None).
     reads_row_order = False
+    row_order_layers = ""
 
     def row_order_pays(self) -> bool:
         """Whether this group's decode launches were measured faster behind the flush-first order."""

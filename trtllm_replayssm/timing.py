@@ -64,7 +64,7 @@ def spread_cursors(cursor: torch.Tensor, sbis, L: int, flush_first: bool = False
     (cursor i mod L), as in a batch of sequences that started at different tokens; ~1/L of a launch's rows flush.
     The kernel benchmarks' "mixed" launch, against the lockstep cycle (every row at one position, all flushing
     together) whose mean is the amortized step. ``flush_first``: the same positions sorted, longest ring first, so
-    the flushing rows lead the launch (the order :meth:`ReplayStateCache.flush_first` gives a serving batch: the
+    the flushing rows lead the launch (the order ``ReplayStateCache(row_order=)`` gives a serving batch: the
     kernels' grids walk the batch rows in order, and a flushing row's blocks are the long ones)."""
     for sbi in sbis:
         n = sbi.numel()

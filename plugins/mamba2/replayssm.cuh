@@ -16,6 +16,10 @@
 //   RSSM_MIN_BLOCKS                resident blocks per SM of __launch_bounds__ (min_blocks)
 //   RSSM_FLUSH_ROWS                rows of a thread the flush folds at a time (flush_rows)
 //   RSSM_BULK                      the staged kernel's item by bulk copies on an mbarrier (copy="bulk")
+// and from KernelSpec.row_order:
+//   RSSM_ROW_ORDER                 0: block row blockIdx.y, its slot sbi[row], its cursor cursor[slot]; 1 (the
+//                                  one-shot and staged decode kernels): sbi points to (row, slot, cursor, 0) int4
+//                                  rows in flush-first order (cursor.flush_order), one load a block
 //
 // Math (docs/DESIGN.md §1). Per (slot, head): checkpoint S0 (P x N), buffer entries j = 1..k (k = now),
 // c_j = A * sum_{i<=j} dt_i, w_j = dt_j * exp(c_k - c_j):
@@ -49,6 +53,9 @@
 #endif
 #ifndef RSSM_BULK
 #define RSSM_BULK 0
+#endif
+#ifndef RSSM_ROW_ORDER
+#define RSSM_ROW_ORDER 0
 #endif
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -181,15 +188,19 @@ static_assert(kRT <= kLPR, "the lanes of a row group finalize one row each");
 struct Coords {
   int b, h, g, chunk, row0;
 };
-__device__ __forceinline__ Coords block_coords() {
+__device__ __forceinline__ Coords block_coords(int b = blockIdx.y) {  // b: the block's batch row
   Coords c;
-  c.b = blockIdx.y;
+  c.b = b;
   c.h = blockIdx.x / kChunks;
   c.chunk = blockIdx.x % kChunks;
   c.row0 = c.chunk * kRows;
   c.g = c.h / kHPG;
   return c;
 }
+#if RSSM_ROW_ORDER
+// The block's (row, slot, cursor, 0) of the flush-first order (a.sbi in a row-order module; replayssm_flush_order).
+__device__ __forceinline__ int4 ordered_row(const int* sbi) { return reinterpret_cast<const int4*>(sbi)[blockIdx.y]; }
+#endif
 __device__ __forceinline__ int row_base() {  // first of this thread's kRT rows, within the chunk
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   return (warp * kRPW + lane / kLPR) * kRT;
@@ -747,11 +758,23 @@ __device__ __forceinline__ float buffer_sum(const float* w, const float* bc, con
 
 __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   __shared__ ReplaySmem sm;
+#if RSSM_ROW_ORDER  // a.sbi holds (row, slot, cursor, 0) in flush-first order (replayssm_flush_order): one load
+  const int4 ro = ordered_row(a.sbi);
+  const Coords c = block_coords(ro.x);
+  const int slot = ro.y;
+#else
   const Coords c = block_coords();
   const int slot = slot_of_row(a.sbi, c.b);
+#endif
   if (RSSM_SLOT_BAD(slot, a.nslots)) return;  // padding row (or out of range): touch nothing
   const int t = threadIdx.x, lane = t % 32, warp = t / 32;
   const int rb = row_base(), l = t % kLPR;
+#if RSSM_ROW_ORDER
+  const int pos = ro.z;  // the slot's cursor, read by the order kernel
+  const size_t sbase = state_off(slot, c.h, c.row0);
+  issue_rows(sm.S, a, slot, c.h, c.row0, pos == kL - 1);
+  cp_async_commit();
+#else
   // With a shadow the cursor decides which copy of the checkpoint to read, so it comes first.
   constexpr bool kCursorFirst = kShadow != 0;
   int pos = kCursorFirst ? cursor_at(a.cursor, c.b, slot) : 0;
@@ -760,6 +783,7 @@ __device__ __forceinline__ void replay_decode(const ReplayArgs& a) {
   issue_rows(sm.S, a, slot, c.h, c.row0, pos == kL - 1);
   cp_async_commit();
   if (!kCursorFirst) pos = cursor_at(a.cursor, c.b, slot);
+#endif
   const size_t yo = y_off(c.b, c.h) + c.row0 + rb + l;  // the row this lane finalizes
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
     if (l < kRT) a.y[yo] = from_f<act_t>(__int_as_float(0x7fc00000));
@@ -1214,11 +1238,20 @@ constexpr bool kRowsBeforeCursor = (kShadow == 0 || RSSM_CKPT8) && !RSSM_BULK;
 
 __device__ __forceinline__ void replay_decode_staged(const ReplayArgs& a) {
   __shared__ StagedSmem sm;
+#if RSSM_ROW_ORDER  // a.sbi holds (row, slot, cursor, 0) in flush-first order (replayssm_flush_order): one load
+  const int4 ro = ordered_row(a.sbi);
+  const Coords c = block_coords(ro.x);
+  const int slot = ro.y;
+  if (RSSM_SLOT_BAD(slot, a.nslots)) return;  // padding row (or out of range): touch nothing
+  if constexpr (kRowsBeforeCursor) issue_rows(sm.st.S, a, slot, c.h, c.row0, false);
+  const int pos = ro.z;  // the slot's cursor, read by the order kernel
+#else
   const Coords c = block_coords();
   const int slot = slot_of_row(a.sbi, c.b);
   if (RSSM_SLOT_BAD(slot, a.nslots)) return;  // padding row (or out of range): touch nothing
   if constexpr (kRowsBeforeCursor) issue_rows(sm.st.S, a, slot, c.h, c.row0, false);
   const int pos = cursor_at(a.cursor, c.b, slot);
+#endif
   const Item it{c.b, c.h, c.g, c.chunk, c.row0};
   if (pos < 0 || pos >= kL) {  // corrupt cursor: make it loud in y, leave every state alone
     if constexpr (kRowsBeforeCursor) cp_async_wait_all();  // no copy in flight into a finished block's smem

@@ -46,6 +46,7 @@ extern "C" __global__ void __launch_bounds__(rssm::kThreads, rssm::kMinBlocks) r
                      sbi,     cursor, state_in, xc_in, Bc_in, dtc_in,    batch,  nslots,
                      y,       state_out, xc_out, Bc_out, dtc_out, RSSM_SHADOW_ARGS};
 #if RSSM_PERSISTENT
+  static_assert(!RSSM_ROW_ORDER, "the persistent kernel walks items, not rows: no row order (KernelSpec.row_order)");
   rssm::replay_decode_persistent(a);
 #elif RSSM_STAGED
   rssm::replay_decode_staged(a);

@@ -33,6 +33,7 @@ class GDNLayers(LayerGroup):
     snapshot_prefix = "gdn_"
     standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
     reads_row_order = True  # GDNSpec.row_order
+    row_order_layers = "GDN layers"
 
     def row_order_pays(self) -> bool:
         """With a bf16 shadow (its exact refold makes the flushing blocks long): a serving batch's launch ran faster

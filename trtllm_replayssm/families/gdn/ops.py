@@ -89,6 +89,7 @@ from ...launch import (
     check_window,
     launch,
     require_cuda,
+    row_order_arg,
     values_checked,
 )
 from .config import GDN_SUPPORTED_DIMS, gdn_spec
@@ -197,7 +198,7 @@ def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
     batch, H, HV, V, K, S, L = _geometry(q, v, state, u_cache)
     sizes, dev = check_args(_step_args(q, k, v, a, b, A_log, dt_bias, state, state_batch_indices, out)
                              + _buffer_args(u_cache, v_cache, k_cache, g_cache, beta_cache, cursor, shadow)
-                             + [cursor_ops.row_order_arg(row_order)])
+                             + [row_order_arg(row_order)])
     _check_geometry(sizes, q, v)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)

@@ -46,6 +46,7 @@ class KDALayers(LayerGroup):
     snapshot_prefix = "kda_"
     standard_reads_shadow = True  # the standard step always reads the shadow it keeps (as the kernel does)
     reads_row_order = True  # KDASpec.row_order
+    row_order_layers = "KDA layers"
 
     def row_order_pays(self) -> bool:
         """With a bf16 shadow: its flushing blocks are ~6x its others, and a serving batch's launch (rows at spread

@@ -69,6 +69,7 @@ from ...launch import (
     check_spec_values,
     launch,
     require_cuda,
+    row_order_arg,
     values_checked,
 )
 from .config import kda_spec
@@ -181,7 +182,7 @@ def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cach
                                    state_dims=state_dims)
                         + _ring_args(k_cache, u_cache, g_cache, v_cache, beta_cache, cursor, shadow,
                                      shadow_dims=state_dims)
-                        + [cursor_ops.row_order_arg(row_order)], _check_sizes)
+                        + [row_order_arg(row_order)], _check_sizes)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
         if row_order is not None:

@@ -6,7 +6,7 @@ copy of the checkpoint; the same arguments on both executors:
 
   replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None) -> y (batch, H, V)
                                                  (slots,) cursor read only; a shadow is always read;
-                                                 ``row_order`` (batch, 2): the kernel's block order
+                                                 ``row_order`` (batch, 4): the kernel's block order
   replay_verify(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=None) -> y (batch, T, H, V)
                                                  (slots, 2) ring cursor read only
 

@@ -37,6 +37,20 @@ class Mamba2Layers(LayerGroup):
     family = "mamba2"
     snapshot_prefix = ""  # the first family's names are the plain table names (format version 1)
     ckpt8 = True  # an 8-bit checkpoint on the standard cursor (cache.ckpt_flushes / ckpt_seed: LayerGroup)
+    row_order_layers = "Mamba-2 layers with a shadow or an 8-bit checkpoint"
+
+    @property
+    def reads_row_order(self) -> bool:
+        """KernelSpec.row_order: the one-shot and staged kernels, which a shadow or an 8-bit checkpoint always runs; an
+        fp32 checkpoint without one runs the persistent kernel above batch 4, which walks items, not rows."""
+        return "shadow" in self.t or "ckpt_scale" in self.t
+
+    def row_order_pays(self) -> bool:
+        """With a shadow (the staged kernel; its flushing blocks fold the fp32 rows while the others read the shadow):
+        a serving batch's launch ran faster with the flushing rows first (H100, bbd62ef08d, Nemotron-H 8B bf16
+        shadow, x conv mixed -> flushing rows first: bs32 2.20 -> 2.65, bs64 2.55 -> 2.70, bs256 level). The fp8
+        shadow and the 8-bit checkpoint are not measured yet."""
+        return "shadow" in self.t and self.t["shadow"].dtype == torch.bfloat16
 
     @staticmethod
     def signature(x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None):  # noqa: D401
@@ -103,7 +117,7 @@ class Mamba2Layers(LayerGroup):
         return dict(ckpt_scale=self.t["ckpt_scale"][l], ckpt_flushes=self.ckpt_flushes, ckpt_seed=self.ckpt_seed + l)
 
     def step(self, executor, view: LayerState, cursor, bound: Bound, *, standard: bool, check: bool,
-             read_shadow: bool):
+             read_shadow: bool, row_order=None):
         x, B, C, dt, dt_bias, A, D, z = bound.inputs
         sbi, out = bound.state_batch_indices, bound.out
         steps = executor.steps(self.family)
@@ -111,7 +125,8 @@ class Mamba2Layers(LayerGroup):
             y = steps.replay_decode(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x[:, 0], B[:, 0],
                                     C[:, 0], dt[:, 0], dt_bias, A, D, sbi, view.shadow, view.shadow_scale,
                                     z=None if z is None else z[:, 0], out=None if out is None else out[:, 0],
-                                    check_values=check, read_shadow=read_shadow, **self._ckpt8(self._layer_of(view)))
+                                    check_values=check, read_shadow=read_shadow, **self._ckpt8(self._layer_of(view)),
+                                    **({} if row_order is None else {"row_order": row_order}))
             return y[:, None] if out is None else out
         return steps.replay_verify(view.state, view.x_cache, view.B_cache, view.dt_cache, cursor, x, B, C, dt, dt_bias,
                                    A, D, sbi, view.shadow, view.shadow_scale, z=z, out=out, check_values=check,

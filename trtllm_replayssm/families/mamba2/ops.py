@@ -81,11 +81,13 @@ Rules every launcher checks before a launch (TypeError / ValueError naming the t
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import numpy as np
 import torch
 
+from ... import cursor as cursor_rules
 from ...config import (
     CKPT8,
     CKPT8_DTYPE,
@@ -112,6 +114,7 @@ from ...launch import (
     launch,
     ptr,
     require_cuda,
+    row_order_arg,
     sm_count,
     values_checked,
 )
@@ -231,7 +234,7 @@ def _ckpt8_args(state, ckpt_scale, ckpt_flushes, ckpt_seed, shadow) -> list:
 
 def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor,
                   state_batch_indices, z=None, out=None, check_values: bool | None = None, shadow=None,
-                  shadow_scale=None, ckpt_scale=None, ckpt_flushes=None, ckpt_seed: int = 0):
+                  shadow_scale=None, ckpt_scale=None, ckpt_flushes=None, ckpt_seed: int = 0, row_order=None):
     """One fused ReplaySSM decode step (output, append, flush when full); returns y.
 
     The cursor is read, not moved: call :func:`advance_cursor` once per model step (all layers
@@ -245,6 +248,11 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     reads q * scale, the flush folds from it and stores it requantised with stochastic rounding
     (:class:`~trtllm_replayssm.shadow.Checkpoint8` is the spec, bit for bit); call :func:`..cursor_ops.advance_cursor` with
     ``flushes=ckpt_flushes`` so that each flush draws fresh random words.
+    ``row_order`` (batch, 4) int32: the step's rows as (row, slot, cursor, 0) in the order the blocks take them
+    (:func:`trtllm_replayssm.cursor_ops.flush_order`'s flush-first order, once per model step for all layers); the
+    module built for it (``KernelSpec.row_order``: the one-shot and staged kernels, i.e. a shadow, an 8-bit
+    checkpoint or batch <= 4 in the shipped plan; the persistent fp32 kernel walks items and takes none) reads each
+    block's row, slot and cursor there in one load. Every output is what the call without it computes.
     """
     batch, H, P, N, G, S, L = _geometry(x, B, state, x_cache)
     ckpt8 = isinstance(state, torch.Tensor) and state.dtype == CKPT8_DTYPE
@@ -255,16 +263,26 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
     elif ckpt_scale is not None or ckpt_flushes is not None:
         raise ValueError("ckpt_scale / ckpt_flushes: given with a state of dtype "
                          f"{str(state.dtype).replace('torch.', '')}; they belong to an 8-bit (float8_e4m3fn) checkpoint")
-    _checked(args + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots",), shadow, shadow_scale))
+    _checked(args + _ring_args(x_cache, B_cache, dt_cache, cursor, ("slots",), shadow, shadow_scale)
+             + [row_order_arg(row_order)])
     kind = "none" if ckpt8 else shadow_kind(shadow, shadow_scale, state)
     if values_checked(check_values):
         check_indices(state_batch_indices, S, cursor, L)
+        if row_order is not None:
+            cursor_rules.check_row_order(row_order, state_batch_indices, cursor)
     require_cuda(x)
     y = torch.empty_like(x) if out is None else out
     if batch == 0:
         return y
     dev = x.device
     spec = make_spec(state, x, H, P, N, G, L, batch, z is not None, dev, shadow=kind)
+    if row_order is not None:
+        if spec.persistent:
+            raise ValueError(f"row_order: this step runs the persistent kernel ({spec.key}: an fp32 checkpoint "
+                             f"without a shadow at batch {batch}), which walks items and reads no row order; pass "
+                             "none (the order pays with a shadow: ReplayStateCache orders where it was measured)")
+        spec = dataclasses.replace(spec, row_order=True)
+        state_batch_indices = row_order  # the kernel reads its rows there
     sh = [] if shadow is None else [shadow.data_ptr(), ptr(shadow_scale)]  # bf16: no scales (null)
     ck_in = [ckpt_scale.data_ptr(), ckpt_flushes.data_ptr()] if ckpt8 else []
     seed = [np.int32(ckpt_seed)] if ckpt8 else []

@@ -13,7 +13,8 @@ Tensors in the layouts of the state contract (:mod:`trtllm_replayssm.contract`; 
   native_spec_commit(state, snapshots, n_accepted, sbi)                    per layer
 
 ``replay_decode`` / ``replay_verify`` also take ``z``, ``out``, ``check_values`` and ``read_shadow`` (keywords);
-``replay_decode`` an 8-bit checkpoint's ``ckpt_scale``, ``ckpt_flushes``, ``ckpt_seed`` (state float8_e4m3fn).
+``replay_decode`` an 8-bit checkpoint's ``ckpt_scale``, ``ckpt_flushes``, ``ckpt_seed`` (state float8_e4m3fn) and a
+flush-first ``row_order`` (batch, 4) (the kernels' block order; the spec checks it).
 :func:`replay_decode_kw` / :func:`replay_verify_kw`: an executor's step in the launchers' keyword form (the
 builders' graph nodes, the trtllm-serve adapter); :class:`Injected`: that keyword form as an executor's steps.
 """
@@ -48,7 +49,9 @@ class Reference(Steps):
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True,
-                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0):
+                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0, row_order=None):
+        if row_order is not None:  # the order of the kernels' blocks: no row's result depends on it
+            cursors.check_row_order(row_order, sbi, cursor)
         if state.dtype == CKPT8_DTYPE:  # an 8-bit checkpoint: the spec reads and writes it in place
             check_rows_out(sbi, out, x.shape)
             check_decode_rows(cursor, x_cache.shape[2], state.shape[0], x.shape[0], sbi)
@@ -118,12 +121,12 @@ class Kernels(Steps):
 
     def replay_decode(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True,
-                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0):
+                      ckpt_scale=None, ckpt_flushes=None, ckpt_seed=0, row_order=None):
         reads_its_shadow(shadow, read_shadow)
         return self.ops.replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, sbi,
                                       z=z, out=out, check_values=check_values, shadow=shadow,
                                       shadow_scale=shadow_scale, ckpt_scale=ckpt_scale, ckpt_flushes=ckpt_flushes,
-                                      ckpt_seed=ckpt_seed)
+                                      ckpt_seed=ckpt_seed, row_order=row_order)
 
     def replay_verify(self, state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, sbi,
                       shadow=None, shadow_scale=None, *, z=None, out=None, check_values=None, read_shadow=True):
