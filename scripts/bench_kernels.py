@@ -39,7 +39,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trtllm_replayssm import costs, cursor_ops, timing  # noqa: E402
-from trtllm_replayssm.config import plan  # noqa: E402
+from trtllm_replayssm.config import plan as plan_launch  # noqa: E402
 from trtllm_replayssm.families.mamba2 import ops  # noqa: E402
 from trtllm_replayssm.geometries import GEOMETRIES  # noqa: E402
 from trtllm_replayssm.problems import make_inputs, make_params  # noqa: E402
@@ -136,7 +136,7 @@ def bench_point(geom, state_code, act_code, L, batch, mamba_fn, seed=0, ks=None,
 
     orders = [torch.empty((batch, 4), dtype=torch.int32, device="cuda") for _ in range(R)]
     # the device's flush-first order is read by the one-shot and staged kernels (KernelSpec.row_order)
-    orderable = plan(state_code, act_code, H, P, N, L, batch, False, shadow)[2].kind != "persistent"
+    orderable = plan_launch(state_code, act_code, H, P, N, L, batch, False, shadow)[2].kind != "persistent"
 
     def replay(ordered=False):
         """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel

@@ -8,15 +8,15 @@
 # G (GDN launch shapes alone), SW (a KDA launch-shape sweep), SSW (S3 and the sweep),
 # PF (ncu of the KDA shadow flush and k = 1 at Kimi-K3 TP8 bs256),
 # RO (the flush-first row order: the patched tree's whole GPU suite, sanitizers of the order tests, the mixed / ff /
-# ord columns of bench_kda and bench_gdn).
+# ord columns of bench_kda, bench_gdn and bench_kernels (Mamba-2)); RO2 (RO's benchmarks alone, on the warm machine).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
 # SPBATCH (s5), SWGEOMS / SWSHAPES / SWBATCH (sw), PFK (pf's positions), RBK (rb's pytest -k).
 cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
-  RO) STEPS="r1 r3 r2";;
-  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB or RO (see the head of this file)"; exit 2;; esac
+  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";;
+  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO or RO2 (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -128,9 +128,10 @@ grep -E "^# (result|wall)" /tmp/r/suite/gpu_suite.txt; grep -E "^FAILED|^ERROR" 
 fi
 if want r3; then
 echo "== r3 memcheck and racecheck of the order kernel and the row-order modules $(left)s left"
-for k in flush_order kda gdn; do
-  san memcheck 120 40 $k tests/test_flush_order.py "equals and not 256"
-  san racecheck 110 40 $k tests/test_flush_order.py "equals and not 256"
+for kk in "flush_order:kernel_equals_the_host" "kda:kda_decode_with and not 256" "gdn:gdn_decode_with and not 256" \
+          "replayssm_decode:mamba2_decode_with and not 256 and not geom4"; do
+  san memcheck 150 40 ${kk%%:*} tests/test_flush_order.py "${kk#*:}"
+  san racecheck 140 40 ${kk%%:*} tests/test_flush_order.py "${kk#*:}"
 done
 fi
 if want r2; then
@@ -139,5 +140,7 @@ echo "== r2 mixed / ff / ord, KDA and GDN $(left)s left"
   --tag kda-order > /tmp/r/ro-kda.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-kda.txt | tail -7; save
 [ $(left) -gt 45 ] && new timeout $(cap 90 5) python3 scripts/bench_gdn.py --batches 8,32,64,256 --fla-path /none --out /tmp/r \
   --tag gdn-order > /tmp/r/ro-gdn.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-gdn.txt | tail -6; save
+[ $(left) -gt 45 ] && new timeout $(cap 120 5) python3 scripts/bench_kernels.py --quick --mamba-path /none ${ROKERNELS:---shadows bf16,fp8 --batches 1,8,32,64,256} \
+  --out /tmp/r --tag mamba2-order > /tmp/r/ro-mamba2.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-mamba2.txt | tail -12; save
 fi
 echo "== done $(left)s left"; save
