@@ -127,7 +127,7 @@ def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_va
     if batch == 0:
         return out
     launch(_cursor_spec(int(buffer_len), dev), "replayssm_flush_order", dev, (1, 1, 1), (ORDER_THREADS, 1, 1),
-           [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr(), out.data_ptr()])
+           [state_batch_indices.data_ptr(), cursor.data_ptr(), np.int32(batch), np.int32(S), out.data_ptr()])
     return out
 
 

@@ -92,13 +92,14 @@ extern "C" __global__ void replayssm_advance_cursor(const int* __restrict__ sbi,
 }
 
 // The standard cursor's flush-first row order (cursor.flush_order is the spec, bit for bit): order[i] = (row, slot,
-// cursor, 0) of the i-th row of a stable three-way partition: the rows that flush in this step (slot in
-// [0, nslots), cursor kL - 1), then the other rows with a slot, then the rest (padding, out-of-range slots; cursor
-// 0), each class in row order. A decode module built with a row order (KDA_ROW_ORDER, GDN_ROW_ORDER) reads its
-// block's row, slot and cursor here in one 16-byte load instead of sbi[blockIdx.y] then cursor[slot], so its long
-// (flushing) blocks run in the first waves. One block of kOrderThreads threads walks the rows in tiles: a count
-// pass, then a placing pass (ranks by warp ballot within a tile, warp offsets in shared memory). Launch: grid (1),
-// block (kOrderThreads); once per model step, after the previous step's cursor move.
+// cursor, 0) of the i-th row of a stable three-way partition: the rows that flush in this step (slot in [0,
+// nslots), cursor kL - 1), then the other rows with a slot, then the rest (padding, out-of-range slots; cursor 0),
+// each class in row order. A decode module built with a row order (KDA_ROW_ORDER, GDN_ROW_ORDER, RSSM_ROW_ORDER)
+// reads its block's row, slot and cursor here in one 16-byte load instead of sbi[blockIdx.y] then cursor[slot], so
+// its long (flushing) blocks run in the first waves. One block of kOrderThreads threads walks the rows in tiles: a
+// count pass, then a placing pass (ranks by warp ballot within a tile, warp offsets in shared memory). Launch: grid
+// (1), block (kOrderThreads); once per model step, after the previous step's cursor move. Parameters in TensorRT's
+// order (inputs, int32 batch and slots, output: replayssm::flush_order).
 constexpr int kOrderThreads = 1024;
 struct OrderRow {
   int slot, pos, cls;  // cls 0: flushes, 1: another row with a slot, 2: the rest, 3: past the batch
@@ -111,8 +112,8 @@ __device__ __forceinline__ OrderRow order_row(const int* sbi, const int* cursor,
   return {slot, pos, pos == kL - 1 ? 0 : 1};
 }
 extern "C" __global__ void __launch_bounds__(kOrderThreads) replayssm_flush_order(const int* __restrict__ sbi,
-                                                                                 int batch, int nslots,
                                                                                  const int* __restrict__ cursor,
+                                                                                 int batch, int nslots,
                                                                                  int4* __restrict__ order) {
   __shared__ int warp_count[3][kOrderThreads / 32];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
