@@ -674,6 +674,18 @@ def commit_spec(num_tokens: int, buffer_len: int, arch: int) -> KernelSpec:
     return KernelSpec("f32", "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, arch, num_tokens=num_tokens)
 
 
+def cursor_spec(buffer_len: int, arch: int, ckpt8: bool = False) -> KernelSpec:
+    """The module the standard cursor's kernels (``replayssm_advance_cursor``, ``replayssm_flush_order``) are launched
+    from: they depend only on L (and an 8-bit checkpoint's flush counts), so any standard decode module with this L
+    carries them; this is the smallest valid one (cursor_ops and the TensorRT plugin)."""
+    if ckpt8:
+        return KernelSpec(CKPT8, "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, arch, variant=Variant("staged"))
+    return KernelSpec("f32", "f32", 1, 8, 128, 1, buffer_len, 8, 1, False, arch)
+
+
+ORDER_THREADS = 1024  # replayssm_flush_order's block (kOrderThreads): one block walks the rows
+
+
 def commit_grid(batch):
     """Grid of ``replayssm_spec_commit``; ``batch`` may be an int or a symbolic TensorRT expression."""
     return ((batch + (COMMIT_THREADS - 1)) // COMMIT_THREADS, 1, 1)

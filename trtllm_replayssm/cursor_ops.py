@@ -21,8 +21,15 @@ import numbers
 import numpy as np
 import torch
 
-from . import config
-from .config import CKPT8, COMMIT_THREADS, SUPPORTED_NUM_TOKENS, KernelSpec, commit_grid, commit_spec, spec_grid
+from .config import (
+    COMMIT_THREADS,
+    ORDER_THREADS,
+    SUPPORTED_NUM_TOKENS,
+    commit_grid,
+    commit_spec,
+    cursor_spec,
+    spec_grid,
+)
 from .cursor import ORDER_COLUMNS
 from .families.mamba2.ops import _SNAPSHOT_DIMS, _checked, make_verify_spec
 from .launch import (
@@ -85,21 +92,10 @@ def advance_cursor(cursor, state_batch_indices, buffer_len: int | None = None, c
     if batch == 0:
         return
     # An 8-bit checkpoint's module also counts the flushes.
-    spec = _cursor_spec(L, dev, ckpt8=flushes is not None)
+    spec = cursor_spec(L, arch(dev), ckpt8=flushes is not None)
     launch(spec, "replayssm_advance_cursor", dev, ((batch + 255) // 256, 1, 1), (256, 1, 1),
            [state_batch_indices.data_ptr(), np.int32(batch), np.int32(S), cursor.data_ptr()]
            + ([] if flushes is None else [flushes.data_ptr()]))
-
-
-def _cursor_spec(L: int, dev, ckpt8: bool = False) -> KernelSpec:
-    """The module that carries the standard cursor's kernels (advance, flush order) for ring length L: any standard
-    decode module with this L carries the same ones; the smallest valid one."""
-    if ckpt8:
-        return KernelSpec(CKPT8, "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev), variant=config.Variant("staged"))
-    return KernelSpec("f32", "f32", 1, 8, 128, 1, L, 8, 1, False, arch(dev))
-
-
-ORDER_THREADS = 1024  # replayssm_flush_order's block (kOrderThreads)
 
 
 def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_values: bool | None = None):
@@ -126,7 +122,7 @@ def flush_order(cursor, state_batch_indices, buffer_len: int, out=None, check_va
     require_cuda(cursor, "cursor")
     if batch == 0:
         return out
-    launch(_cursor_spec(int(buffer_len), dev), "replayssm_flush_order", dev, (1, 1, 1), (ORDER_THREADS, 1, 1),
+    launch(cursor_spec(int(buffer_len), arch(dev)), "replayssm_flush_order", dev, (1, 1, 1), (ORDER_THREADS, 1, 1),
            [state_batch_indices.data_ptr(), cursor.data_ptr(), np.int32(batch), np.int32(S), out.data_ptr()])
     return out
 
