@@ -7,6 +7,8 @@ TensorRT's parameter order (inputs, batch, slots, outputs). ``register`` runs th
 stand-in of ``tensorrt.plugin`` (TensorRT cannot be installed here); the family's plugins are registered by the
 shared ``trt_plugin.register`` through the family interface (``Family.trt_plugin``), not by name."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -66,6 +68,29 @@ def test_register_through_a_tensorrt_stand_in(fake_trt, name, shadow):  # noqa: 
     attrs = {**ATTRS, "lower_bound_bits": kp.lower_bound_bits(-5.0)}
     _check_registered(fake_trt, name, shadow, attrs, kp.io_shapes("b", "s", *list(attrs.values())[:4], shadow),
                       ("num_heads", 6, "num_heads=6 but the inputs have 4"), kp.aot_kernel)
+
+
+@pytest.mark.parametrize("name, shadow", [(kp.DECODE, "none"), (kp.DECODE_SHADOW, "bf16")])
+def test_decode_plugins_take_the_flush_order_output(fake_trt, name, shadow):  # noqa: F811
+    """With the step's flush_order output (b, 4) as its state_batch_indices input, kda_decode[_shadow] runs the module
+    built for it (KDASpec.row_order); verify refuses it."""
+    attrs = {**ATTRS, "lower_bound_bits": 0}
+    shapes = kp.io_shapes("b", "s", *list(attrs.values())[:4], shadow, row_order=True)
+    assert shapes["state_batch_indices"] == ("b", 4)
+
+    def aot(*args):
+        k = kp.aot_kernel(*args, row_order=True)
+        assert k.spec.row_order and k.spec == dataclasses.replace(kp.aot_kernel(*args).spec, row_order=True)
+        return k
+
+    _check_registered(fake_trt, name, shadow, attrs, shapes, ("num_heads", 6, "num_heads=6 but the inputs have 4"), aot)
+    trt, trtp, registry = fake_trt
+    vshapes = dict(kp.io_shapes("b", "s", *list(attrs.values())[:4], shadow, num_tokens=4), state_batch_indices=("b", 4))
+    verify = kp.VERIFY_SHADOW if shadow != "none" else kp.VERIFY
+    back = {"FP32": "f32", "BF16": "bf16", "FP16": "f16", "INT32": "i32"}
+    dtypes = {n: back[t] for n, t in zip(tp.all_plugins()[verify].inputs, kp.type_combination("bf16", shadow))}
+    with pytest.raises(ValueError, match=r"kda_verify(_shadow)?: state_batch_indices: expected \(batch,\)"):
+        registry[tp.all_plugins()[verify].id]["desc"](*_descs(trtp, verify, vshapes, dtypes), **attrs, num_tokens=4)
 
 
 def _check_registered(trt_stand_in, name, shadow, attrs, shapes, bad, aot):

@@ -337,6 +337,16 @@ def _fake_tensorrt():
         def __init__(self, io_types, layouts, tactics=None):
             self.io_types, self.layouts, self.tactics = io_types, layouts, tactics
 
+    class ShapeExprs(list):
+        @classmethod
+        def from_tuple(cls, shape_exprs):
+            assert isinstance(shape_exprs, tuple), shape_exprs
+            return cls(e if isinstance(e, Sym) else Sym(const=e) for e in shape_exprs)
+
+    def from_shape_expr(shape_expr, dtype):
+        assert isinstance(shape_expr, ShapeExprs), shape_expr
+        return TensorDesc(shape_expr, dtype)
+
     def annotations(fn):
         sig = inspect.signature(fn)
         for name, p in sig.parameters.items():
@@ -389,8 +399,8 @@ def _fake_tensorrt():
             return fn
         return deco
 
-    for obj in (TensorDesc, KernelLaunchParams, SymInt32, SymIntExprs, AutoTuneCombination, register, autotune,
-                aot_impl):
+    for obj in (TensorDesc, KernelLaunchParams, SymInt32, SymIntExprs, AutoTuneCombination, ShapeExprs,
+                from_shape_expr, register, autotune, aot_impl):
         setattr(trtp, obj.__name__, obj)
     return trt, trtp, registry
 
@@ -685,3 +695,99 @@ def test_gdn_onnx_node_matches_the_plugin_contract(tmp_path):
     attrs = [a.name for a in node.attribute if a.name not in ("plugin_namespace", "aot")]
     assert sorted(attrs) == sorted(gp.ATTRIBUTES)
     assert len(node.input) == len(gp.INPUT_NAMES) and len(node.output) == len(gp.OUTPUT_NAMES)
+
+
+# ---- the flush-first row order: replayssm::flush_order and the decode plugins that read its output ------------
+def test_order_kernel_is_what_cursor_ops_launches_in_tensorrt_order():
+    """flush_order's PTX, grid and block are cursor_ops.flush_order's launch (one block of ORDER_THREADS), its
+    parameters in TensorRT's order: the 2 input pointers, int32 batch and slots, the output pointer."""
+    from trtllm_replayssm.config import ORDER_THREADS, cursor_spec
+
+    k = tp.aot_order_kernel(16, 90)
+    assert (k.kernel_name, k.spec, k.block_x, k.shared_mem) == ("replayssm_flush_order", cursor_spec(16, 90),
+                                                               ORDER_THREADS, 0)
+    assert k.grid(7) == k.grid(3000) == (1, 1, 1) and k.extra_args == ("batch", "slots")
+    params = re.search(r"\.entry replayssm_flush_order\((.*?)\)", k.ptx.decode(), re.S).group(1)
+    assert re.findall(r"\.param \.(u64|u32)", params) == ["u64"] * 2 + ["u32"] * 2 + ["u64"]
+    assert tp.order_io_shapes(5, 7) == {"state_batch_indices": (5,), "cursor": (7,), "row_order": (5, 4)}
+    for bad in (0, 33, True, 8.0):
+        with pytest.raises(ValueError, match="buffer_len"):
+            tp.aot_order_kernel(bad, 90)
+
+
+ORDERED_CASES = {  # decode plugins that take the flush_order output as their rows: attrs, shapes, (state, act, shadow)
+    gp.DECODE_SHADOW: (PLUGIN_CASES[gp.DECODE_SHADOW][0],
+                       lambda a: gp.io_shapes("b", "s", *list(a.values())[:5], "bf16", row_order=True),
+                       ("f32", "f16", "bf16")),
+    gp.DECODE: (PLUGIN_CASES[gp.DECODE][0], lambda a: gp.io_shapes("b", "s", *list(a.values())[:5], row_order=True),
+                ("f32", "bf16", None)),
+    mp.SHADOW_PLUGIN_NAME: (PLUGIN_CASES[mp.SHADOW_PLUGIN_NAME][0],
+                            lambda a: mp.io_shapes("b", "s", *a.values(), "fp8", row_order=True), ("f32", "bf16", "fp8")),
+}
+
+
+def test_flush_order_through_a_tensorrt_stand_in(fake_trt):
+    """register(): flush_order's output is a new (b, 4) int32 tensor (no alias); its aot_impl hands TensorRT
+    aot_order_kernel's PTX and launch with batch and slots as the extra args; a ring cursor is refused."""
+    trt, trtp, registry = fake_trt
+    reg = registry[tp.ORDER_PLUGIN_ID]
+    assert (reg["tensors"], reg["attrs"], reg["n_out"]) == (["state_batch_indices", "cursor"], ["buffer_len"], 1)
+    ins = [trtp.TensorDesc([BATCH], "trt.int32"), trtp.TensorDesc([SLOTS], "trt.int32")]
+    L = np.array([16], dtype=np.int32)
+    (out,) = reg["desc"](*ins, buffer_len=L)
+    env = dict(batch=5, slots=7)
+    assert [_ev(d, env) for d in out.shape_expr] == [5, 4] and out.dtype == "trt.int32" and out.aliased_to is None
+    assert [c.io_types for c in reg["tune"](*ins, (out,))] == ["INT32, INT32, INT32"]
+    name, ptx, launch, extra = reg["aot"](*ins, L, (out,), 1)
+    want = tp.aot_order_kernel(16, 90)
+    assert (name, ptx) == (want.kernel_name, want.ptx)
+    assert tuple(_ev(getattr(launch, f"grid_{a}"), env) for a in "xyz") == (1, 1, 1) and launch.block_x == 1024
+    assert [_ev(e, env) for e in extra] == [5, 7]
+    with pytest.raises(ValueError, match="flush_order: cursor: expected shape"):
+        reg["desc"](ins[0], trtp.TensorDesc([SLOTS, Sym(const=2)], "trt.int32"), buffer_len=L)
+    with pytest.raises(ValueError, match="flush_order: buffer_len"):
+        reg["desc"](*ins, buffer_len=np.array([0], dtype=np.int32))
+
+
+@pytest.mark.parametrize("plugin", list(ORDERED_CASES))
+def test_decode_plugins_take_the_flush_order_output(fake_trt, plugin):
+    """A decode plugin whose state_batch_indices input is flush_order's (b, 4) output runs the module built for it
+    (row_order): the same kernel name, grid and parameters, that module's PTX."""
+    trt, trtp, registry = fake_trt
+    info = tp.all_plugins()[plugin]
+    attrs, shapes_of, (state, act, shadow) = ORDERED_CASES[plugin]
+    reg = registry[info.id]
+    shapes, dtypes = shapes_of(attrs), _dtypes(plugin, state, act, shadow)
+    fields = {k: np.array([v], dtype=np.int32) for k, v in attrs.items()}
+    ins = _descs(trtp, plugin, shapes, dtypes)
+    outs = reg["desc"](*ins, **fields)
+    for tactic in sorted(tp.TACTICS):
+        name, ptx, launch, extra = reg["aot"](*ins, *fields.values(), outs, tactic)
+        if plugin in GDN_PLUGINS:
+            plain = gp.aot_kernel(*attrs.values(), act, 90, tactic, shadow or "none")
+            want = gp.aot_kernel(*attrs.values(), act, 90, tactic, shadow or "none", row_order=True)
+        else:
+            plain = mp.aot_kernel(*attrs.values(), state, act, 90, tactic, 132, shadow)
+            want = mp.aot_kernel(*attrs.values(), state, act, 90, tactic, 132, shadow, row_order=True)
+        assert want.spec.row_order and want.spec.key == plain.spec.key + "_ro"
+        assert (name, ptx) == (want.kernel_name, want.ptx) and ptx != plain.ptx
+        assert tuple(_ev(getattr(launch, f"grid_{a}"), dict(batch=5, slots=7)) for a in "xyz") == want.grid(5) == \
+            plain.grid(5)
+
+
+@pytest.mark.parametrize("plugin, rows, match", [
+    (mp.PLUGIN_NAME, ("b", 4), r"mamba2_decode: state_batch_indices: expected \(batch,\), got"),
+    (mp.VERIFY_PLUGIN_NAME, ("b", 4), r"mamba2_verify: state_batch_indices: expected \(batch,\)"),
+    (gp.VERIFY, ("b", 4), r"gdn_verify: state_batch_indices: expected \(batch,\)"),
+    (gp.DECODE, ("b", 3), r"gdn_decode: state_batch_indices: expected \(batch,\) or the flush_order output"),
+])
+def test_rows_input_forms_are_checked(fake_trt, plugin, rows, match):
+    """The flush-first order is taken by the decode plugins whose kernels read it; others, and any other shape, are
+    refused by name."""
+    trt, trtp, registry = fake_trt
+    attrs, shapes_of, (state, act, shadow) = PLUGIN_CASES[plugin]
+    shapes = dict(shapes_of(attrs), state_batch_indices=rows)
+    fields = {k: np.array([v], dtype=np.int32) for k, v in attrs.items()}
+    with pytest.raises(ValueError, match=match):
+        registry[tp.all_plugins()[plugin].id]["desc"](*_descs(trtp, plugin, shapes, _dtypes(plugin, state, act, shadow)),
+                                                      **fields)

@@ -7,7 +7,7 @@ Each family folder declares its plugins (:attr:`~.families.Family.trt_plugin`: M
 families/kda/trt_plugin.py), found through :func:`family_plugins` and registered by :func:`register`. Each plugin
 layer is one kernel launch. Here: the pieces every family's plugins use (the attribute form :data:`IntAttr`,
 :class:`PluginInfo`, :class:`AotKernel`, the dtype / tactic / window / shadow-shape checks, the TensorRT type
-names, the build device) and the one plugin of the shared cursor:
+names, the build device) and the two plugins of the shared cursor:
 
 ``replayssm::spec_commit``: one launch of ``replayssm_spec_commit`` per model step, after sampling
 (all layers share the cursor, whatever their family): the flush the verify layers did (count + 2T > L: start =
@@ -17,6 +17,17 @@ names, the build device) and the one plugin of the shared cursor:
   2  cursor               (S, 2)        int32
 Output: 0 cursor_out aliased to input 2. Attributes: num_tokens, buffer_len. Kernel parameters: the
 3 input pointers, int32 batch, int32 slots, the output pointer. Grid ceil(b / 256), block 256.
+
+``replayssm::flush_order``: one launch of ``replayssm_flush_order`` per model step, before the first recurrent layer
+(all layers share the cursor): the step's rows in flush-first order, (row, slot, cursor, 0) each, the rows whose
+cursor is L - 1 first (:func:`.cursor.flush_order` is the spec, bit for bit). Every decode plugin of the step may take
+it as its ``state_batch_indices`` input, (b, 4) in place of (b,): it then runs the module built for it
+(``row_order``), which reads each block's row, slot and cursor in one load, so the long flushing blocks run first.
+Inputs:
+  0  state_batch_indices  (b,)          int32
+  1  cursor               (S,)          int32, the standard cursor, read only
+Output: 0 row_order (b, 4) int32. Attributes: buffer_len. Kernel parameters: the 2 input pointers, int32 batch,
+int32 slots, the output pointer. Grid 1, block 1024 (one block walks the rows).
 
 Plugin attributes are not serialized with AOT plugins, so every size is compiled into the PTX and checked
 against the input shapes (:func:`shape_attributes` + :func:`check_attributes`, each family's part in its module).
@@ -37,7 +48,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .compile import check_ptx_loadable, compile_spec
-from .config import COMMIT_THREADS, SUPPORTED_NUM_TOKENS, KernelSpec, commit_spec
+from .config import COMMIT_THREADS, ORDER_THREADS, SUPPORTED_NUM_TOKENS, KernelSpec, commit_spec, cursor_spec
+from .cursor import ORDER_COLUMNS
 
 # The annotation of every plugin attribute. TensorRT hands an attribute to create_plugin as a one-element int32
 # array (the ONNX parser's kINT32 field; the network API's likewise): for an ``int`` annotation it calls
@@ -76,6 +88,14 @@ COMMIT_INPUT_NAMES = ("state_batch_indices", "n_accepted", "cursor")
 COMMIT_OUTPUT_NAMES = ("cursor_out",)
 COMMIT_ALIASES = {0: 2}
 COMMIT_TACTICS = (1,)  # one kernel; advertised so that TensorRT always sets a tactic
+
+ORDER_PLUGIN_NAME = "flush_order"
+ORDER_PLUGIN_ID = f"{PLUGIN_NAMESPACE}::{ORDER_PLUGIN_NAME}"
+ORDER_KERNEL_NAME = "replayssm_flush_order"
+ORDER_ATTRIBUTES = ("buffer_len",)
+ORDER_INPUT_NAMES = ("state_batch_indices", "cursor")
+ORDER_OUTPUT_NAMES = ("row_order",)
+ORDER_TACTICS = (1,)
 
 
 
@@ -124,6 +144,8 @@ def decode_verify_plugins(names: tuple, kernel: str, verify_kernel: str, tensors
 PLUGINS = {  # the shared plugins; each family's are in its module (family_plugins)
     COMMIT_PLUGIN_NAME: PluginInfo(COMMIT_PLUGIN_NAME, COMMIT_KERNEL_NAME, COMMIT_INPUT_NAMES, COMMIT_OUTPUT_NAMES,
                                    COMMIT_ALIASES, COMMIT_ATTRIBUTES),
+    ORDER_PLUGIN_NAME: PluginInfo(ORDER_PLUGIN_NAME, ORDER_KERNEL_NAME, ORDER_INPUT_NAMES, ORDER_OUTPUT_NAMES, {},
+                                  ORDER_ATTRIBUTES),
 }
 
 
@@ -203,6 +225,34 @@ def aot_commit_kernel(num_tokens: int, buffer_len: int, arch: int) -> AotKernel:
                      spec, rows_per_block=COMMIT_THREADS)
 
 
+def aot_order_kernel(buffer_len: int, arch: int) -> AotKernel:
+    """PTX and launch parameters of the ``flush_order`` layer (what ``cursor_ops.flush_order`` launches)."""
+    if isinstance(buffer_len, bool) or not isinstance(buffer_len, int) or not 1 <= buffer_len <= 32:
+        raise ValueError(f"buffer_len: expected an int in 1..32, got {buffer_len!r}")
+    spec = cursor_spec(buffer_len, arch)
+    return AotKernel(ORDER_KERNEL_NAME, compile_spec(spec, "ptx"), 1, False, ORDER_THREADS, 0, ("batch", "slots"), spec)
+
+
+def order_io_shapes(batch, slots) -> dict[str, tuple]:
+    """Shapes of every ``flush_order`` input and output."""
+    return {"state_batch_indices": (batch,), "cursor": (slots,), "row_order": (batch, ORDER_COLUMNS)}
+
+
+def check_rows_input(plugin: str, shapes: dict, ordered: bool) -> None:
+    """A decode plugin's ``state_batch_indices`` input: (b,) slots, or with ``ordered`` (a plugin that takes the
+    step's flush-first order) also the ``flush_order`` output (b, 4); a verify plugin's: (b,)."""
+    rows = shapes.get("state_batch_indices")
+    if rows is None or len(rows) == 1 or (ordered and len(rows) == 2 and rows[1] in (ORDER_COLUMNS, None)):
+        return
+    want = f"(batch,) or the flush_order output (batch, {ORDER_COLUMNS})" if ordered else "(batch,)"
+    raise ValueError(f"{all_plugins()[plugin].id}: state_batch_indices: expected {want}, got {tuple(rows)}")
+
+
+def ordered_rows(desc) -> bool:
+    """Whether a plugin's ``state_batch_indices`` input (a TensorDesc) is the flush-first order (b, 4)."""
+    return len(tuple(desc.shape_expr)) == 2
+
+
 def commit_io_shapes(batch, slots) -> dict[str, tuple]:
     """Shapes of every ``spec_commit`` input and output."""
     return {"state_batch_indices": (batch,), "n_accepted": (batch,), "cursor": (slots, 2), "cursor_out": (slots, 2)}
@@ -216,7 +266,7 @@ def shape_attributes(plugin: str, shapes: dict) -> dict:
         shape = shapes.get(name)
         return None if shape is None or len(shape) <= axis else shape[axis]
 
-    if plugin == COMMIT_PLUGIN_NAME:
+    if plugin in PLUGINS:  # spec_commit, flush_order: no attribute shows in their shapes
         return {}
     fam = family_plugins()
     if plugin in fam:
@@ -238,6 +288,14 @@ def check_attributes(plugin: str, attrs: dict, shapes: dict, shadow_kind: str | 
     if plugin == COMMIT_PLUGIN_NAME:
         check_spec_attributes(attrs["num_tokens"], attrs["buffer_len"])
         _check_ring_cursor(plugin, shapes)
+        return
+    if plugin == ORDER_PLUGIN_NAME:
+        if not 1 <= attrs["buffer_len"] <= 32:
+            raise ValueError(f"{ORDER_PLUGIN_ID}: buffer_len: expected 1..32, got {attrs['buffer_len']!r}")
+        for name in ORDER_INPUT_NAMES:
+            if shapes.get(name) is not None and len(shapes[name]) != 1:
+                raise ValueError(f"{ORDER_PLUGIN_ID}: {name}: expected shape ({'batch' if name != 'cursor' else 'slots'},)"
+                                 f", got {tuple(shapes[name])}")
         return
     mod, info = family_plugins()[plugin]
     if "shadow_scale" in info.inputs:  # the row scales' form follows the shadow's dtype
@@ -273,6 +331,7 @@ TRT_TYPE_NAMES = _TRT_TYPE_NAMES  # the name a family's plugin module uses
 
 
 COMMIT_TYPES = ["INT32"] * (len(COMMIT_INPUT_NAMES) + len(COMMIT_OUTPUT_NAMES))
+ORDER_TYPES = ["INT32"] * (len(ORDER_INPUT_NAMES) + len(ORDER_OUTPUT_NAMES))
 
 
 def current_device() -> tuple[int, int]:
@@ -351,11 +410,30 @@ def register():
         k = aot_commit_kernel(_int(num_tokens), _int(buffer_len), arch)
         return result(k, state_batch_indices.shape_expr[0], cursor.shape_expr[0])
 
+    # ---- flush_order ---------------------------------------------------------------------------------------
+    @trtp.register(ORDER_PLUGIN_ID)
+    def _desc_o(state_batch_indices: Desc, cursor: Desc, buffer_len: IntAttr) -> tuple[Desc]:
+        check(ORDER_PLUGIN_NAME, dict(buffer_len=buffer_len), state_batch_indices=state_batch_indices, cursor=cursor)
+        rows = trtp.ShapeExprs.from_tuple((state_batch_indices.shape_expr[0], ORDER_COLUMNS))
+        return (trtp.from_shape_expr(rows, dtype=state_batch_indices.dtype),)
+
+    @trtp.autotune(ORDER_PLUGIN_ID)
+    def _tune_o(state_batch_indices, cursor, outputs) -> Tune:
+        return [trtp.AutoTuneCombination(", ".join(ORDER_TYPES), "LINEAR", list(ORDER_TACTICS))]
+
+    @trtp.aot_impl(ORDER_PLUGIN_ID)
+    def _aot_o(state_batch_indices: Desc, cursor: Desc, buffer_len: IntAttr, outputs: tuple[Desc],
+               tactic: int) -> AotResult:
+        arch, _ = current_device()
+        k = aot_order_kernel(_int(buffer_len), arch)
+        return result(k, state_batch_indices.shape_expr[0], cursor.shape_expr[0])
+
     # ---- the families' plugins (families/<name>/trt_plugin.py), through the shared pieces above ------------------
     import types
 
     ctx = types.SimpleNamespace(trtp=trtp, Desc=Desc, IntAttr=IntAttr, AotResult=AotResult, Tune=Tune, dt_code=dt_code,
-                                shadow_code=shadow_code, check=check, result=result, current_device=current_device)
+                                shadow_code=shadow_code, check=check, result=result, current_device=current_device,
+                                ordered_rows=ordered_rows)
     for mod in {id(m): m for m, _ in family_plugins().values()}.values():
         mod.register(ctx)
 

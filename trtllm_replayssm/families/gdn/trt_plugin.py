@@ -15,7 +15,8 @@ fills; trtllm_replayssm/families/gdn/reference.py). Inputs (H key heads, HV valu
   4  b                    (b, HV)       act, raw (beta = sigmoid(b) inside)
   5  A_log                (HV,)         fp32
   6  dt_bias              (HV,)         fp32
-  7  state_batch_indices  (b,)          int32, -1 = padding row
+  7  state_batch_indices  (b,)          int32, -1 = padding row; or the step's ``replayssm::flush_order`` output
+                                        (b, 4) (gdn_decode[_shadow]: the module that reads its rows there)
   8  cursor               (S,)          int32, read only (advanced once per step, shared with Mamba-2)
   9  state                (S, HV, V, Kd) fp32 checkpoint
   10 u_cache              (S, HV, L, V) fp32      11 v_cache (S, HV, L, V) act
@@ -41,6 +42,7 @@ cursor for every layer, Mamba-2 or GDN).
 # decorates with issubclass(), so they must be classes, not strings.
 
 from ...compile import compile_spec
+from ...cursor import ORDER_COLUMNS
 from ...trt_plugin import (
     ACT_DTYPES,
     TACTICS,
@@ -48,6 +50,7 @@ from ...trt_plugin import (
     AotKernel,
     as_int,
     check_dtypes,
+    check_rows_input,
     check_spec_attributes,
     decode_verify_plugins,
     with_shadow,
@@ -72,12 +75,14 @@ PLUGINS = decode_verify_plugins((DECODE, DECODE_SHADOW, VERIFY, VERIFY_SHADOW), 
 
 
 def aot_kernel(num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
-                   use_qk_l2norm: int, act: str, arch: int, tactic: int = 1, shadow: str = "none") -> AotKernel:
+                   use_qk_l2norm: int, act: str, arch: int, tactic: int = 1, shadow: str = "none",
+                   row_order: bool = False) -> AotKernel:
     """PTX and launch parameters of one ``gdn_decode[_shadow]`` layer: the module and grid that
     ``gdn_ops.gdn_replay_decode`` launches for the tactic's batch geometry (argument order: inputs,
-    batch, slots, outputs)."""
+    batch, slots, outputs); ``row_order``: the module that reads its rows from the flush_order output (input 7
+    (b, 4))."""
     return _aot(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, 0, act, arch, tactic,
-                    shadow)
+                shadow, row_order)
 
 
 def aot_verify_kernel(num_k_heads: int, num_v_heads: int, key_dim: int, value_dim: int, buffer_len: int,
@@ -91,26 +96,27 @@ def aot_verify_kernel(num_k_heads: int, num_v_heads: int, key_dim: int, value_di
 
 
 def _aot(num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, num_tokens, act, arch, tactic,
-         shadow) -> AotKernel:
+         shadow, row_order=False) -> AotKernel:
     check_dtypes("f32", act, tactic)
     if shadow not in ("none", "bf16"):
         raise ValueError(f"shadow: expected 'none' or 'bf16' (the GDN kernels read a bf16 shadow), got {shadow!r}")
     if use_qk_l2norm not in (0, 1, True, False):
         raise ValueError(f"use_qk_l2norm: expected 0 or 1, got {use_qk_l2norm!r}")
     spec = gdn_spec(act, num_v_heads, num_k_heads, value_dim, key_dim, buffer_len, TACTICS[tactic], True, shadow,
-                    bool(use_qk_l2norm), None, arch, num_tokens)
+                    bool(use_qk_l2norm), None, arch, num_tokens, row_order=bool(row_order))
     name = VERIFY_KERNEL_NAME if num_tokens else KERNEL_NAME
     return AotKernel(name, compile_spec(spec, "ptx"), spec.grid(1)[0], True, spec.threads, 0, ("batch", "slots"), spec)
 
 
 def io_shapes(batch, slots, num_k_heads, num_v_heads, key_dim, value_dim, buffer_len,
-                  shadow: str = "none", num_tokens: int = 0) -> dict[str, tuple]:
-    """Shapes of every ``gdn_decode[_shadow]`` input and output; with ``num_tokens`` = T >= 1, those of
-    ``gdn_verify[_shadow]`` (a window axis after the batch, the (slots, 2) ring cursor)."""
+                  shadow: str = "none", num_tokens: int = 0, row_order: bool = False) -> dict[str, tuple]:
+    """Shapes of every ``gdn_decode[_shadow]`` input and output (``row_order``: input 7 the flush_order output);
+    with ``num_tokens`` = T >= 1, those of ``gdn_verify[_shadow]`` (a window axis after the batch, the (slots, 2)
+    ring cursor)."""
     H, HV, K, V, L = num_k_heads, num_v_heads, key_dim, value_dim, buffer_len
     lead = (batch, num_tokens) if num_tokens else (batch,)
     ins = {"q": (*lead, H, K), "k": (*lead, H, K), "v": (*lead, HV, V), "a": (*lead, HV), "b": (*lead, HV),
-           "A_log": (HV,), "dt_bias": (HV,), "state_batch_indices": (batch,),
+           "A_log": (HV,), "dt_bias": (HV,), "state_batch_indices": (batch, ORDER_COLUMNS) if row_order else (batch,),
            "cursor": (slots, 2) if num_tokens else (slots,),
            "state": (slots, HV, V, K), "u_cache": (slots, HV, L, V), "v_cache": (slots, HV, L, V),
            "k_cache": (slots, H, L, K), "g_cache": (slots, HV, L), "beta_cache": (slots, HV, L)}
@@ -148,6 +154,7 @@ def shape_attributes(plugin: str, dim) -> dict:
 def check_attributes(plugin: str, attrs: dict, shapes: dict, check_shadow) -> None:
     """The family's checks past the shape-implied attributes (``check_shadow``: the shared shadow-shape check)."""
     pid = PLUGINS[plugin].id
+    check_rows_input(plugin, shapes, plugin in DECODE_PLUGINS)
     if plugin in (DECODE_SHADOW, VERIFY_SHADOW):  # the kernels read it as the state (bf16)
         check_shadow(plugin, {k: shapes.get(k) for k in ("state", "shadow")}, None)
     if attrs["use_qk_l2norm"] not in (0, 1):
@@ -175,7 +182,7 @@ def register(ctx) -> None:
                 use_qk_l2norm: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         ctx.check(DECODE, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                     value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
-              q=q, v=v, u_cache=u_cache)
+              q=q, v=v, u_cache=u_cache, state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
                 beta_cache.aliased())
 
@@ -193,7 +200,7 @@ def register(ctx) -> None:
                use_qk_l2norm: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = ctx.current_device()
         kern = aot_kernel(*map(as_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm)),
-                              ctx.dt_code[v.dtype], arch, tactic)
+                          ctx.dt_code[v.dtype], arch, tactic, row_order=ctx.ordered_rows(state_batch_indices))
         return ctx.result(kern, v.shape_expr[0], state.shape_expr[0])
 
     # ---- gdn_decode_shadow ---------------------------------------------------------------------------------
@@ -204,7 +211,7 @@ def register(ctx) -> None:
                  buffer_len: IntAttr, use_qk_l2norm: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         ctx.check(DECODE_SHADOW, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                            value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm),
-              q=q, v=v, u_cache=u_cache, state=state, shadow=shadow)
+              q=q, v=v, u_cache=u_cache, state=state, shadow=shadow, state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
                 beta_cache.aliased(), shadow.aliased())
 
@@ -221,7 +228,7 @@ def register(ctx) -> None:
                 buffer_len: IntAttr, use_qk_l2norm: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = ctx.current_device()
         kern = aot_kernel(*map(as_int, (num_k_heads, num_v_heads, key_dim, value_dim, buffer_len, use_qk_l2norm)),
-                              ctx.dt_code[v.dtype], arch, tactic, "bf16")
+                          ctx.dt_code[v.dtype], arch, tactic, "bf16", row_order=ctx.ordered_rows(state_batch_indices))
         return ctx.result(kern, v.shape_expr[0], state.shape_expr[0])
 
     # ---- gdn_verify ----------------------------------------------------------------------------------------
@@ -233,7 +240,8 @@ def register(ctx) -> None:
                  use_qk_l2norm: IntAttr, num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         ctx.check(VERIFY, dict(num_k_heads=num_k_heads, num_v_heads=num_v_heads, key_dim=key_dim,
                                            value_dim=value_dim, buffer_len=buffer_len, use_qk_l2norm=use_qk_l2norm,
-                                           num_tokens=num_tokens), q=q, v=v, u_cache=u_cache, cursor=cursor)
+                                           num_tokens=num_tokens), q=q, v=v, u_cache=u_cache, cursor=cursor,
+              state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
                 beta_cache.aliased())
 
@@ -265,7 +273,7 @@ def register(ctx) -> None:
                                                   value_dim=value_dim, buffer_len=buffer_len,
                                                   use_qk_l2norm=use_qk_l2norm, num_tokens=num_tokens),
               q=q, v=v, u_cache=u_cache, cursor=cursor, state=state,
-              shadow=shadow)
+              shadow=shadow, state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), u_cache.aliased(), v_cache.aliased(), k_cache.aliased(), g_cache.aliased(),
                 beta_cache.aliased(), shadow.aliased())
 

@@ -14,7 +14,8 @@ Inputs (b = batch, S = slots, H heads, K key dim, V value dim, L ring length):
   4  b                    (b, H)        act, the raw beta logit
   5  A_log                (H,)          fp32
   6  dt_bias              (H, K)        fp32
-  7  state_batch_indices  (b,)          int32, -1 = padding row
+  7  state_batch_indices  (b,)          int32, -1 = padding row; or the step's ``replayssm::flush_order`` output
+                                        (b, 4) (kda_decode[_shadow]: the module that reads its rows there)
   8  cursor               (S,)          int32, read only (advanced once per step for every layer)
   9  state                (S, H, K, V)  fp32 checkpoint
   10 k_cache              (S, H, L, K)  act       11 u_cache (S, H, L, V) fp32 (bf16 in kda_decode_shadow)
@@ -44,6 +45,7 @@ The commit is the shared ``spec_commit`` (one cursor for every layer, any family
 import struct
 
 from ...compile import compile_spec
+from ...cursor import ORDER_COLUMNS
 from ...trt_plugin import (
     ACT_DTYPES,
     TACTICS,
@@ -51,6 +53,7 @@ from ...trt_plugin import (
     AotKernel,
     as_int,
     check_dtypes,
+    check_rows_input,
     check_spec_attributes,
     decode_verify_plugins,
     with_shadow,
@@ -99,12 +102,13 @@ def lower_bound_of(bits: int) -> float | None:
 
 
 def aot_kernel(num_heads: int, key_dim: int, value_dim: int, buffer_len: int, use_qk_l2norm: int,
-               lower_bound_bits: int, act: str, arch: int, tactic: int = 1, shadow: str = "none") -> AotKernel:
+               lower_bound_bits: int, act: str, arch: int, tactic: int = 1, shadow: str = "none",
+               row_order: bool = False) -> AotKernel:
     """PTX and launch parameters of one ``kda_decode[_shadow]`` layer: the module and grid that
     ``families.kda.ops.kda_replay_decode`` launches for the tactic's batch geometry (argument order: inputs, batch,
-    slots, outputs)."""
+    slots, outputs); ``row_order``: the module that reads its rows from the flush_order output (input 7 (b, 4))."""
     return _aot(num_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, lower_bound_bits, 0, act, arch, tactic,
-                shadow)
+                shadow, row_order)
 
 
 def aot_verify_kernel(num_heads: int, key_dim: int, value_dim: int, buffer_len: int, use_qk_l2norm: int,
@@ -118,26 +122,27 @@ def aot_verify_kernel(num_heads: int, key_dim: int, value_dim: int, buffer_len: 
 
 
 def _aot(num_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, lower_bound_bits, num_tokens, act, arch, tactic,
-         shadow) -> AotKernel:
+         shadow, row_order=False) -> AotKernel:
     check_dtypes("f32", act, tactic)
     if shadow not in ("none", "bf16"):
         raise ValueError(f"shadow: expected 'none' or 'bf16' (the KDA kernels read a bf16 shadow), got {shadow!r}")
     if use_qk_l2norm not in (0, 1, True, False):
         raise ValueError(f"use_qk_l2norm: expected 0 or 1, got {use_qk_l2norm!r}")
     spec = kda_spec(act, num_heads, key_dim, value_dim, buffer_len, TACTICS[tactic], shadow, bool(use_qk_l2norm), None,
-                    lower_bound_of(lower_bound_bits), arch, num_tokens=num_tokens)
+                    lower_bound_of(lower_bound_bits), arch, num_tokens=num_tokens, row_order=bool(row_order))
     name = VERIFY_KERNEL_NAME if num_tokens else KERNEL_NAME
     return AotKernel(name, compile_spec(spec, "ptx"), spec.grid(1)[0], True, spec.threads, 0, ("batch", "slots"), spec)
 
 
 def io_shapes(batch, slots, num_heads, key_dim, value_dim, buffer_len, shadow: str = "none",
-              num_tokens: int = 0) -> dict[str, tuple]:
-    """Shapes of every ``kda_decode[_shadow]`` input and output; with ``num_tokens`` = T >= 1, those of
-    ``kda_verify[_shadow]`` (a window axis after the batch, the (slots, 2) ring cursor)."""
+              num_tokens: int = 0, row_order: bool = False) -> dict[str, tuple]:
+    """Shapes of every ``kda_decode[_shadow]`` input and output (``row_order``: input 7 the flush_order output);
+    with ``num_tokens`` = T >= 1, those of ``kda_verify[_shadow]`` (a window axis after the batch, the (slots, 2)
+    ring cursor)."""
     H, K, V, L = num_heads, key_dim, value_dim, buffer_len
     lead = (batch, num_tokens) if num_tokens else (batch,)
     ins = {"q": (*lead, H, K), "k": (*lead, H, K), "v": (*lead, H, V), "f": (*lead, H, K), "b": (*lead, H),
-           "A_log": (H,), "dt_bias": (H, K), "state_batch_indices": (batch,),
+           "A_log": (H,), "dt_bias": (H, K), "state_batch_indices": (batch, ORDER_COLUMNS) if row_order else (batch,),
            "cursor": (slots, 2) if num_tokens else (slots,),
            "state": (slots, H, K, V), "k_cache": (slots, H, L, K), "u_cache": (slots, H, L, V),
            "g_cache": (slots, H, L, K), "v_cache": (slots, H, L, V), "beta_cache": (slots, H, L)}
@@ -175,6 +180,7 @@ def shape_attributes(plugin: str, dim) -> dict:
 def check_attributes(plugin: str, attrs: dict, shapes: dict, check_shadow) -> None:
     """The family's checks past the shape-implied attributes (``check_shadow``: the shared shadow-shape check)."""
     pid = PLUGINS[plugin].id
+    check_rows_input(plugin, shapes, plugin in DECODE_PLUGINS)
     if attrs["use_qk_l2norm"] not in (0, 1):
         raise ValueError(f"{pid}: use_qk_l2norm: expected 0 or 1, got {attrs['use_qk_l2norm']!r}")
     if not 2 <= attrs["buffer_len"] <= 16:
@@ -207,7 +213,8 @@ def register(ctx) -> None:
               num_heads: IntAttr, key_dim: IntAttr, value_dim: IntAttr, buffer_len: IntAttr, use_qk_l2norm: IntAttr,
               lower_bound_bits: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         ctx.check(DECODE, dict(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim, buffer_len=buffer_len,
-                               use_qk_l2norm=use_qk_l2norm, lower_bound_bits=lower_bound_bits), q=q, v=v, u_cache=u_cache)
+                               use_qk_l2norm=use_qk_l2norm, lower_bound_bits=lower_bound_bits), q=q, v=v, u_cache=u_cache,
+                  state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), k_cache.aliased(), u_cache.aliased(), g_cache.aliased(), v_cache.aliased(),
                 beta_cache.aliased())
 
@@ -224,7 +231,7 @@ def register(ctx) -> None:
              lower_bound_bits: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = ctx.current_device()
         kern = aot_kernel(*map(as_int, (num_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, lower_bound_bits)),
-                          ctx.dt_code[v.dtype], arch, tactic)
+                          ctx.dt_code[v.dtype], arch, tactic, row_order=ctx.ordered_rows(state_batch_indices))
         return ctx.result(kern, v.shape_expr[0], state.shape_expr[0])
 
     # ---- kda_decode_shadow ---------------------------------------------------------------------------------
@@ -236,7 +243,7 @@ def register(ctx) -> None:
                 lower_bound_bits: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         ctx.check(DECODE_SHADOW, dict(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim, buffer_len=buffer_len,
                                       use_qk_l2norm=use_qk_l2norm, lower_bound_bits=lower_bound_bits),
-                  q=q, v=v, u_cache=u_cache, state=state, shadow=shadow)
+                  q=q, v=v, u_cache=u_cache, state=state, shadow=shadow, state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), k_cache.aliased(), u_cache.aliased(), g_cache.aliased(), v_cache.aliased(),
                 beta_cache.aliased(), shadow.aliased())
 
@@ -253,7 +260,7 @@ def register(ctx) -> None:
                use_qk_l2norm: IntAttr, lower_bound_bits: IntAttr, outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, _ = ctx.current_device()
         kern = aot_kernel(*map(as_int, (num_heads, key_dim, value_dim, buffer_len, use_qk_l2norm, lower_bound_bits)),
-                          ctx.dt_code[v.dtype], arch, tactic, "bf16")
+                          ctx.dt_code[v.dtype], arch, tactic, "bf16", row_order=ctx.ordered_rows(state_batch_indices))
         return ctx.result(kern, v.shape_expr[0], state.shape_expr[0])
 
     # ---- kda_verify ----------------------------------------------------------------------------------------
@@ -265,7 +272,7 @@ def register(ctx) -> None:
                 num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         ctx.check(VERIFY, dict(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim, buffer_len=buffer_len,
                                use_qk_l2norm=use_qk_l2norm, lower_bound_bits=lower_bound_bits, num_tokens=num_tokens),
-                  q=q, v=v, u_cache=u_cache, cursor=cursor)
+                  q=q, v=v, u_cache=u_cache, cursor=cursor, state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), k_cache.aliased(), u_cache.aliased(), g_cache.aliased(), v_cache.aliased(),
                 beta_cache.aliased())
 
@@ -296,7 +303,8 @@ def register(ctx) -> None:
         ctx.check(VERIFY_SHADOW, dict(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim, buffer_len=buffer_len,
                                       use_qk_l2norm=use_qk_l2norm, lower_bound_bits=lower_bound_bits,
                                       num_tokens=num_tokens),
-                  q=q, v=v, u_cache=u_cache, cursor=cursor, state=state, shadow=shadow)
+                  q=q, v=v, u_cache=u_cache, cursor=cursor, state=state, shadow=shadow,
+                  state_batch_indices=state_batch_indices)
         return (v.like(), state.aliased(), k_cache.aliased(), u_cache.aliased(), g_cache.aliased(), v_cache.aliased(),
                 beta_cache.aliased(), shadow.aliased())
 

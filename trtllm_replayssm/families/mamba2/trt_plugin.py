@@ -47,7 +47,10 @@ e4m3), so it is compiled into the PTX like every other type. Two more inputs and
   14 shadow_scale         (S, H, P)     fp32 row scales of an fp8 shadow; with a bf16 shadow a
                                         (1,) placeholder, never read or written
   outputs 5 shadow_out -> input 13, 6 shadow_scale_out -> input 14
-Kernel parameters: the 15 input pointers, int32 batch, int32 slots, the 7 output pointers.
+Kernel parameters: the 15 input pointers, int32 batch, int32 slots, the 7 output pointers. Its input 7 may be the
+step's ``replayssm::flush_order`` output (b, 4) instead of (b,): the staged module built for it reads each block's
+row, slot and cursor there (``KernelSpec.row_order``; the plain ``mamba2_decode`` runs the persistent kernel, which
+walks items, and takes (b,) only).
 
 ``replayssm::mamba2_verify``: one launch of ``replayssm_verify`` (plugins/mamba2/replayssm_spec.cu) per Mamba
 layer of a speculative step: the outputs of the T = 1 + num_draft window tokens from the checkpoint,
@@ -89,6 +92,7 @@ Everything ``register`` hands TensorRT comes from plain functions that the CPU t
 
 from ...compile import compile_spec
 from ...config import KernelSpec, plan, spec_grid, verify_spec
+from ...cursor import ORDER_COLUMNS
 from ...trt_plugin import (
     ACT_DTYPES,
     PLUGIN_NAMESPACE,
@@ -98,6 +102,7 @@ from ...trt_plugin import (
     AotKernel,
     as_int,
     check_dtypes,
+    check_rows_input,
     check_spec_attributes,
     decode_verify_plugins,
     with_shadow,
@@ -136,9 +141,11 @@ PLUGINS = decode_verify_plugins((PLUGIN_NAME, SHADOW_PLUGIN_NAME, VERIFY_PLUGIN_
 
 
 def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len: int, state: str, act: str,
-               arch: int, tactic: int = 1, sm_count: int = 132, shadow: str = "none") -> AotKernel:
+               arch: int, tactic: int = 1, sm_count: int = 132, shadow: str = "none",
+               row_order: bool = False) -> AotKernel:
     """The PTX and launch parameters for one plugin layer (the core of ``aot_impl``); ``shadow``
-    "bf16" / "fp8" for ``mamba2_decode_shadow``."""
+    "bf16" / "fp8" for ``mamba2_decode_shadow``; ``row_order``: the module that reads its rows from the flush_order
+    output (input 7 (b, 4); the one-shot and staged kernels)."""
     if state not in STATE_DTYPES:
         raise ValueError(f"state: expected one of {STATE_DTYPES}, got {state!r}")
     if shadow != "none" and (shadow not in SHADOW_KINDS or state != "f32"):
@@ -147,7 +154,7 @@ def aot_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buffer_len:
     check_dtypes(state, act, tactic)
     rows, warps, variant = plan(state, act, nheads, headdim, dstate, buffer_len, TACTICS[tactic], shadow=shadow)
     spec = KernelSpec(state, act, nheads, headdim, dstate, ngroups, buffer_len, rows, warps, False, arch,
-                      variant=variant, shadow=shadow)
+                      variant=variant, shadow=shadow, row_order=bool(row_order))
     # Persistent blocks: a fixed grid of sm_count * blocks_per_sm, the kernel walks batch*items.
     grid_x = sm_count * spec.blocks_per_sm if spec.persistent else spec.grid(1)[0]
     return AotKernel(KERNEL_NAME, compile_spec(spec, "ptx"), grid_x, not spec.persistent, spec.threads, 0,
@@ -170,13 +177,15 @@ def aot_verify_kernel(nheads: int, headdim: int, dstate: int, ngroups: int, buff
                      ("batch", "slots"), spec)
 
 
-def io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, shadow: str = "none") -> dict[str, tuple]:
+def io_shapes(batch, slots, nheads, headdim, dstate, ngroups, buffer_len, shadow: str = "none",
+              row_order: bool = False) -> dict[str, tuple]:
     """Shapes of every plugin input and output (the contract ``register`` checks); with a shadow,
-    those of ``mamba2_decode_shadow``."""
+    those of ``mamba2_decode_shadow`` (``row_order``: input 7 the flush_order output)."""
     H, P, N, G, L = nheads, headdim, dstate, ngroups, buffer_len
     ins = {"x": (batch, H, P), "B": (batch, G, N), "C": (batch, G, N), "dt": (batch, H), "dt_bias": (H,),
-           "A": (H,), "D": (H,), "state_batch_indices": (batch,), "cursor": (slots,), "state": (slots, H, P, N),
-           "x_cache": (slots, H, L, P), "B_cache": (slots, G, L, N), "dt_cache": (slots, H, L)}
+           "A": (H,), "D": (H,), "state_batch_indices": (batch, ORDER_COLUMNS) if row_order else (batch,),
+           "cursor": (slots,), "state": (slots, H, P, N), "x_cache": (slots, H, L, P), "B_cache": (slots, G, L, N),
+           "dt_cache": (slots, H, L)}
     in_names, out_names, aliases = INPUT_NAMES, OUTPUT_NAMES, ALIASES
     if shadow != "none":
         ins |= {"shadow": (slots, H, P, N), "shadow_scale": (slots, H, P) if shadow == "fp8" else (1,)}
@@ -227,7 +236,9 @@ def shape_attributes(plugin: str, dim) -> dict:
 
 def check_attributes(plugin: str, attrs: dict, shapes: dict, check_shadow) -> None:
     """The family's checks past the shape-implied attributes and the shadow's shapes (both checked by
-    :func:`trtllm_replayssm.trt_plugin.check_attributes`): the verify window and its (slots, 2) cursor."""
+    :func:`trtllm_replayssm.trt_plugin.check_attributes`): the rows input, the verify window and its (slots, 2)
+    cursor."""
+    check_rows_input(plugin, shapes, plugin == SHADOW_PLUGIN_NAME)
     if plugin in VERIFY_PLUGINS:
         check_spec_attributes(attrs["num_tokens"], attrs["buffer_len"])
         cursor = shapes.get("cursor")
@@ -250,7 +261,7 @@ def register(ctx) -> None:
               cursor: Desc, state: Desc, x_cache: Desc, B_cache: Desc, dt_cache: Desc, nheads: IntAttr, headdim: IntAttr,
               dstate: IntAttr, ngroups: IntAttr, buffer_len: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc]:
         check(PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups, buffer_len=buffer_len),
-              x=x, B=B, state=state, x_cache=x_cache)
+              x=x, B=B, state=state, x_cache=x_cache, state_batch_indices=state_batch_indices)
         return x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased()
 
     @trtp.autotune(PLUGIN_ID)
@@ -276,7 +287,7 @@ def register(ctx) -> None:
                  ) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(SHADOW_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
                                        buffer_len=buffer_len), shadow_code.get(shadow.dtype), x=x, B=B, state=state,
-              x_cache=x_cache, shadow=shadow, shadow_scale=shadow_scale)
+              x_cache=x_cache, shadow=shadow, shadow_scale=shadow_scale, state_batch_indices=state_batch_indices)
         return (x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased(), shadow.aliased(),
                 shadow_scale.aliased())
 
@@ -293,7 +304,7 @@ def register(ctx) -> None:
                 outputs: tuple[Desc], tactic: int) -> AotResult:
         arch, sms = current_device()
         k = aot_kernel(*map(_int, (nheads, headdim, dstate, ngroups, buffer_len)), dt_code[state.dtype], dt_code[x.dtype], arch,
-                       tactic, sms, shadow_code[shadow.dtype])
+                       tactic, sms, shadow_code[shadow.dtype], ctx.ordered_rows(state_batch_indices))
         return result(k, x.shape_expr[0], state.shape_expr[0])
 
     # ---- mamba2_verify ---------------------------------------------------------------------------------
@@ -304,7 +315,7 @@ def register(ctx) -> None:
                 Desc, Desc, Desc]:
         check(VERIFY_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
                                        buffer_len=buffer_len, num_tokens=num_tokens),
-              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor)
+              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor, state_batch_indices=state_batch_indices)
         return x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased()
 
     @trtp.autotune(VERIFY_PLUGIN_ID)
@@ -331,7 +342,8 @@ def register(ctx) -> None:
                  buffer_len: IntAttr, num_tokens: IntAttr) -> tuple[Desc, Desc, Desc, Desc, Desc, Desc, Desc]:
         check(VERIFY_SHADOW_PLUGIN_NAME, dict(nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups,
                                               buffer_len=buffer_len, num_tokens=num_tokens), shadow_code.get(shadow.dtype),
-              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor, shadow=shadow, shadow_scale=shadow_scale)
+              x=x, B=B, state=state, x_cache=x_cache, cursor=cursor, shadow=shadow, shadow_scale=shadow_scale,
+              state_batch_indices=state_batch_indices)
         return (x.like(), state.aliased(), x_cache.aliased(), B_cache.aliased(), dt_cache.aliased(), shadow.aliased(),
                 shadow_scale.aliased())
 
