@@ -65,3 +65,31 @@ def test_aot_kernel_launched_as_tensorrt_would(tactic, state, act, L, shadow):
     finally:
         ops.replay_decode = real
     assert torch.equal(placeholder.cpu(), torch.ones(1))
+
+
+@pytest.mark.parametrize("batch, slots, L", [(5, 7, 16), (1500, 1600, 8)])
+def test_flush_order_launched_as_tensorrt_would(batch, slots, L):
+    """replayssm::flush_order by proxy: aot_order_kernel's PTX, grid, block and extra args in TensorRT's order
+    (inputs, batch, slots, output) give the host rule's (row, slot, cursor, 0) rows bit for bit, padding and
+    out-of-range slots included, into a poisoned output."""
+    from cuda.core import Device, LaunchConfig, ObjectCode, Stream, launch
+
+    from trtllm_replayssm import cursor as cursors
+
+    g = torch.Generator().manual_seed(batch)
+    sbi = torch.randperm(slots, generator=g)[:batch].to(torch.int32)
+    sbi[::7] = -1
+    sbi[3 % batch] = slots + 2  # out of range, unchecked: ordered with the padding
+    cur = torch.randint(0, L, (slots,), generator=g, dtype=torch.int32)
+    major, minor = torch.cuda.get_device_capability()
+    k = tp.aot_order_kernel(L, major * 10 + minor)
+    Device().set_current()
+    kern = ObjectCode.from_ptx(k.ptx).get_kernel(k.kernel_name)
+    sbi_d, cur_d = sbi.cuda(), cur.cuda()
+    out = torch.full((batch, 4), -7, dtype=torch.int32, device="cuda")
+    extra = {"batch": batch, "slots": slots}
+    args = [sbi_d.data_ptr(), cur_d.data_ptr()] + [np.int32(extra[n]) for n in k.extra_args] + [out.data_ptr()]
+    stream = Stream.from_handle(torch.cuda.current_stream().cuda_stream)
+    launch(stream, LaunchConfig(grid=k.grid(batch), block=(k.block_x, 1, 1), shmem_size=k.shared_mem), kern, *args)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), cursors.flush_order(cur, sbi, L))
