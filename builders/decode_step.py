@@ -63,7 +63,10 @@ import torch
 import torch.nn.functional as F
 
 from trtllm_replayssm import backend as executors
+from trtllm_replayssm import cursor as cursors
+from trtllm_replayssm import trt_plugin
 from trtllm_replayssm.config import DTYPE_CODES, SUPPORTED_DSTATE, SUPPORTED_HEADDIM
+from trtllm_replayssm.cursor import ORDER_COLUMNS
 from trtllm_replayssm.families.mamba2 import steps as mamba2_steps
 from trtllm_replayssm.families.mamba2 import trt_plugin as mamba2_plugin
 
@@ -119,8 +122,30 @@ class PluginOp(torch.autograd.Function):
                     **{f"{k}_i": v for k, v in node.attrs}, outputs=len(node.like))
         outs = list(outs) if len(node.like) > 1 else [outs]
         for o, i in zip(outs, node.like):
-            o.setType(inputs[i].type())
+            if node.op_type == ORDER_OP_TYPE:  # a new (batch, 4) int32 tensor, not its input's shape
+                o.setType(inputs[i].type().with_sizes([None, ORDER_COLUMNS]))
+            else:
+                o.setType(inputs[i].type())
         return outs if len(outs) > 1 else outs[0]
+
+
+ORDER_OP_TYPE = trt_plugin.ORDER_PLUGIN_NAME
+
+
+def flush_order_node(state_batch_indices, cursor, buffer_len: int):
+    """One ``replayssm::flush_order`` node (trtllm_replayssm/trt_plugin.py): the step's rows (batch, 4) in flush-first
+    order, (row, slot, cursor, 0) each, which the step's decode nodes take as their rows input. Eager: the order kernel
+    on CUDA (cursor_ops.flush_order), its host rule elsewhere (cursor.flush_order), bit for bit the same."""
+
+    def run(sbi, cur):
+        if sbi.is_cuda:
+            from trtllm_replayssm import cursor_ops
+
+            return cursor_ops.flush_order(cur, sbi, buffer_len)
+        return cursors.flush_order(cur, sbi, buffer_len)
+
+    node = PluginNode(ORDER_OP_TYPE, (("buffer_len", buffer_len),), (0,), run)
+    return PluginOp.apply(node, state_batch_indices, cursor)
 
 
 def mamba2_op_type(speculative: bool, shadow: bool) -> str:
@@ -293,6 +318,31 @@ class StepIO:
     give ``state_specs()``, ``max_seq_len``, ``kinds`` (``"linear_attention"`` = an SSM layer), ``_layers`` and
     ``_patched_ssm`` (a layer's checkpoint and standard buffers in the patched model)."""
 
+    # The step's decode nodes read their rows from one replayssm::flush_order node (set_row_order); a step class whose
+    # plain decode plugin takes no order (Mamba-2's mamba2_decode: the persistent kernel) sets ORDER_NEEDS_SHADOW.
+    row_order = False
+    ORDER_NEEDS_SHADOW = False
+
+    def set_row_order(self, on: bool) -> None:
+        """With ``on``, the step's graph gets one ``replayssm::flush_order`` node before its first recurrent layer,
+        whose (batch, 4) output every decode node takes as its rows (the long flushing blocks first; trt_plugin's
+        module docstring). Outputs are those without it, bit for bit. Standard decode only (the verify plugins take
+        (batch,) rows)."""
+        if not isinstance(on, bool):
+            raise TypeError(f"row_order: expected a bool, got {on!r}")
+        if on and self.speculative:
+            raise ValueError("row_order: the flush-first order feeds the standard decode nodes (num_draft 0); the "
+                             f"verify plugins take (batch,) rows, got num_draft={self.num_draft}")
+        if on and self.ORDER_NEEDS_SHADOW and self.shadow == "none":
+            raise ValueError(f"row_order: {self.op_type} takes no order (its kernel walks items, not rows): the order "
+                             "needs a checkpoint shadow (--shadow bf16 or fp8)")
+        self.row_order = on
+
+    def _rows(self, batch: int, cursor, device):
+        """The rows input of the step's decode nodes: arange(batch) (per-row state), or its flush-first order."""
+        sbi = torch.arange(batch, dtype=torch.int32, device=device)
+        return flush_order_node(sbi, cursor, self.buffer_len) if self.row_order else sbi
+
     def _set_tokens(self, num_draft: int, buffer_len: int, conv_kernel: int) -> None:
         """``num_draft``, ``num_tokens`` = T (:func:`check_window`), ``speculative`` (T > 1) and ``window``, the
         conv state's width: the last K inputs at T = 1, a window of K - 1 + num_draft at T > 1."""
@@ -367,6 +417,8 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
     shares its weights. ``num_draft = 0``: standard decode; ``num_draft`` > 0: the speculative verify graph
     (module docstring), whose commit graph is ``spec_step.NemotronHSpecCommit(step)``. ``backend``: the SSM
     node's eager computation (default: the float64 reference of the node, decode or verify)."""
+
+    ORDER_NEEDS_SHADOW = True  # mamba2_decode runs the persistent kernel; mamba2_decode_shadow reads the order
 
     def __init__(self, model, buffer_len: int, max_seq_len: int, state_dtype: torch.dtype = torch.float32,
                  backend=None, moe_formulation: str = "dense", shadow: str = "none", num_draft: int = 0):
@@ -539,7 +591,7 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
         m = self.model.model
         h = m.embeddings(input_ids)
-        sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+        sbi = self._rows(h.shape[0], cursor, h.device)
         new_states, k = [], 0
         for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
             res = h

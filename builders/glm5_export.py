@@ -237,7 +237,7 @@ class Glm5KDADecodeStep(KimiKDADecodeStep):
         m = text_model(self.model)
         h = m.embed_tokens(input_ids)  # (batch, 1, hidden)
         streams = h[:, :, None].expand(-1, -1, self.hc, -1).contiguous()  # the hc module views it flat
-        sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+        sbi = self._rows(h.shape[0], cursor, h.device)
         new_states, j, chosen = [], 0, None
         for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
             post, comb, x = self._hc(layer.attn_hc, streams)

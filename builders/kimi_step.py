@@ -555,7 +555,7 @@ class KimiKDADecodeStep(StepIO, torch.nn.Module):
         """(logits (batch, T, vocab) fp32, new states) of the T tokens ``input_ids`` (batch, T)."""
         m = text_model(self.model)
         h = m.embed_tokens(input_ids)
-        sbi = torch.arange(h.shape[0], dtype=torch.int32, device=h.device)
+        sbi = self._rows(h.shape[0], cursor, h.device)
         new_states, j = [], 0
         for i, (kind, layer) in enumerate(zip(self.kinds, m.layers)):
             hn = layer.input_layernorm(h)

@@ -11,6 +11,8 @@
 * ``mamba2_verify``: :func:`builders.decode_step.verify_reference_backend` (``spec_reference`` flush +
   verify in float64), same outputs; the cursor is read only.
 * ``spec_commit``: :func:`builders.spec_step.commit_reference_backend` on a copy of the cursor.
+* ``flush_order``: the host rule :func:`trtllm_replayssm.cursor.flush_order` (the decode ops read its (b, 4) output as
+  their rows: the order changes no value).
 * ``gdn_decode``: :func:`builders.qwen3_next.reference_backend` (``gdn_reference.replay_decode``), on
   copies of the six GDN state inputs, which become the outputs after y.
 * ``gdn_decode_shadow``, ``gdn_verify_shadow``: the same with a bf16 shadow of the checkpoint last in and out.
@@ -36,6 +38,7 @@ import torch
 from .decode_step import (
     DOMAIN,
     OP_TYPE,
+    ORDER_OP_TYPE,
     SHADOW_OP_TYPE,
     VERIFY_OP_TYPE,
     VERIFY_SHADOW_OP_TYPE,
@@ -236,6 +239,14 @@ def _commit(sbi, n_accepted, cursor, **attrs):
     return cur.numpy()
 
 
+def _order(sbi, cursor, **attrs):
+    """``flush_order``: the host rule (cursor.flush_order), the order kernel's spec bit for bit."""
+    from trtllm_replayssm import cursor as cursors
+
+    return cursors.flush_order(torch.from_numpy(np.array(cursor)), torch.from_numpy(np.array(sbi)),
+                               attrs["buffer_len"]).numpy()
+
+
 def register() -> str:
     """Register the op (once per process); returns the library path for ``SessionOptions.register_custom_ops_library``."""
     global _registered
@@ -255,6 +266,8 @@ def register() -> str:
         onnx_op(op_type=f"{DOMAIN}::{COMMIT_OP_TYPE}", inputs=[i32] * 3, outputs=[i32],
                 attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_tokens": i64,
                        "buffer_len": i64})(_commit)
+        onnx_op(op_type=f"{DOMAIN}::{ORDER_OP_TYPE}", inputs=[i32] * 2, outputs=[i32],
+                attrs={"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "buffer_len": i64})(_order)
         gdn_attrs = {"plugin_namespace": PyCustomOpDef.dt_string, "aot": i64, "num_k_heads": i64,
                      "num_v_heads": i64, "key_dim": i64, "value_dim": i64, "buffer_len": i64, "use_qk_l2norm": i64}
         onnx_op(op_type=f"{DOMAIN}::{GDN_OP_TYPE}", inputs=[f] * 7 + [i32, i32] + [f] * 6, outputs=[f] * 7,

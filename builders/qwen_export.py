@@ -307,7 +307,7 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         h = m.embed_tokens(input_ids)
         batch, T = input_ids.shape[0], self.num_tokens
         cos_sin = self._rope(lengths[:, None] + torch.arange(T, dtype=lengths.dtype, device=h.device)[None, :])
-        sbi = torch.arange(batch, dtype=torch.int32, device=h.device)
+        sbi = self._rows(batch, cursor, h.device)
         new_states, j = [], 0
         for kind, layer in zip(self.kinds, m.layers):
             res = h

@@ -118,6 +118,21 @@ def flush_order(cursor, state_batch_indices, buffer_len: int):
     return torch.tensor(order, dtype=torch.int32).reshape(len(sbi), ORDER_COLUMNS)
 
 
+def split_rows(rows):
+    """A step's rows input as (state_batch_indices (batch,), row_order or None): (batch,) slots as they are, or a
+    flush-first order (batch, 4) (the ``replayssm::flush_order`` output a graph's decode nodes may take) with the
+    slots it carries put back in row order (torch ops on the order's device, graph-safe; a row the order misses
+    stays padding, -1: :func:`check_row_order` names it where values are checked)."""
+    if rows.dim() == 1:
+        return rows, None
+    if rows.dim() != 2 or rows.shape[1] != ORDER_COLUMNS:
+        raise ValueError(f"state_batch_indices: expected (batch,) slots or a flush-first order (batch, {ORDER_COLUMNS}), "
+                         f"got shape {tuple(rows.shape)}")
+    sbi = torch.full((rows.shape[0],), -1, dtype=rows.dtype, device=rows.device)
+    sbi[rows[:, 0].long().clamp(0, max(rows.shape[0] - 1, 0))] = rows[:, 1]
+    return sbi, rows
+
+
 def check_row_order(row_order, state_batch_indices, cursor) -> None:
     """``row_order`` (batch, 4) int32 is a permutation of the rows, each with its own slot and that slot's cursor:
     column 0 holds every row 0..batch-1 once, column 1 the row's slot state_batch_indices[row], column 2 the

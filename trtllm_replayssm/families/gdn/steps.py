@@ -98,10 +98,14 @@ STEPS = {"reference": Reference, "kernels": Kernels}
 
 
 # ---- the builders' form ---------------------------------------------------------------------------------------
-def _kw(method, executor, contiguous: bool):
+def _kw(method, executor, contiguous: bool, decode: bool = False):
     def step(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow=None):
         if contiguous:  # the builders hand views of the projections; TensorRT hands a plugin LINEAR inputs
             q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
+        if decode:  # the rows: (b,) slots, or the step's flush_order output (b, 4) (gdn_decode's input 7)
+            sbi, order = cursors.split_rows(state_batch_indices)
+            return method(buf, cursor, q, k, v, a, b, A_log, dt_bias, sbi, shadow,
+                          **({} if order is None else {"row_order": order}))
         return method(buf, cursor, q, k, v, a, b, A_log, dt_bias, state_batch_indices, shadow)
 
     step.executor = executor
@@ -111,9 +115,9 @@ def _kw(method, executor, contiguous: bool):
 def replay_decode_kw(executor, contiguous: bool = False):
     """The executor's GDN ``replay_decode`` as ``fn(buf, cursor, q, k, v, a, b, A_log, dt_bias,
     state_batch_indices, shadow=None)`` (a bf16 shadow of the checkpoint: read by non-flush steps, rewritten by
-    flushes) (the builders' GDN decode node); ``contiguous``: q, k, v, a, b made contiguous first (the kernels
-    need it)."""
-    return _kw(executor.steps("gdn").replay_decode, executor, contiguous)
+    flushes) (the builders' GDN decode node; ``state_batch_indices`` may be the step's flush-first order (b, 4), as
+    the plugin's rows input may); ``contiguous``: q, k, v, a, b made contiguous first (the kernels need it)."""
+    return _kw(executor.steps("gdn").replay_decode, executor, contiguous, decode=True)
 
 
 def replay_verify_kw(executor, contiguous: bool = False):

@@ -9,7 +9,8 @@ cursor is read only. Attributes are checked against the shapes, as the plugin's 
 
 * :func:`decode_node` (T = 1, cursor (S,)): :func:`.reference.replay_decode` in float64 (a non-flush step appends its
   entry to the rings, the step whose entry is the L-th folds them exactly into the checkpoint and rewrites the
-  shadow); the step advances the cursor once for every layer.
+  shadow); the step advances the cursor once for every layer. Its rows input may be the step's ``flush_order``
+  output (b, 4) (checked, then read as the slots it carries: the order changes no value).
 * :func:`verify_node` (T = 1 + num_draft window tokens, cursor (S, 2) ring (start, committed count)):
   :func:`.reference.spec_step` on a copy of the cursor, what the ``kda_verify`` kernel does: where count + 2T > L the
   committed entries are folded exactly into the checkpoint (the shadow rewritten from it), then the T outputs come
@@ -27,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ... import cursor as cursors
 from ...shadow import Shadow
 from . import reference
 from .trt_plugin import (
@@ -62,7 +64,10 @@ def decode_node(q, k, v, f, b, A_log, dt_bias, state_batch_indices, cursor, stat
     attrs = dict(num_heads=num_heads, key_dim=key_dim, value_dim=value_dim, buffer_len=buffer_len)
     buf, sh = _copies(DECODE if shadow is None else DECODE_SHADOW, 0, q, v,
                       (state, k_cache, u_cache, g_cache, v_cache, beta_cache), shadow, attrs)
-    y = reference.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, state_batch_indices, shadow=sh,
+    sbi, order = cursors.split_rows(state_batch_indices)  # (b,) or the step's flush_order output (b, 4)
+    if order is not None:
+        cursors.check_row_order(order, sbi, cursor)
+    y = reference.replay_decode(buf, cursor, q, k, v, f, b, A_log, dt_bias, sbi, shadow=sh,
                                 use_qk_l2norm=bool(use_qk_l2norm), lower_bound=lower_bound_of(lower_bound_bits))
     return (y.to(v.dtype), *buf.tensors(), *(() if sh is None else (sh.q,)))
 

@@ -161,11 +161,15 @@ STEPS = {"reference": Reference, "kernels": Kernels}
 
 
 # ---- the launchers' keyword form ---------------------------------------------------------------------------
-def _kw(method, executor):
+def _kw(method, executor, decode: bool = False):
     def step(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache, cursor, state_batch_indices, z=None,
              out=None, check_values=None, shadow=None, shadow_scale=None):
+        order = {}
+        if decode:  # the rows: (b,) slots, or the step's flush_order output (b, 4) (mamba2_decode_shadow's input 7)
+            state_batch_indices, ro = cursors.split_rows(state_batch_indices)
+            order = {} if ro is None else {"row_order": ro}
         return method(state, x_cache, B_cache, dt_cache, cursor, x, B, C, dt, dt_bias, A, D, state_batch_indices,
-                      shadow, shadow_scale, z=z, out=out, check_values=check_values)
+                      shadow, shadow_scale, z=z, out=out, check_values=check_values, **order)
 
     step.executor = executor
     return step
@@ -174,8 +178,9 @@ def _kw(method, executor):
 def replay_decode_kw(executor):
     """The executor's Mamba-2 ``replay_decode`` as ``fn(*, x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache,
     dt_cache, cursor, state_batch_indices, z=None, out=None, check_values=None, shadow=None, shadow_scale=None) ->
-    y`` (the signature of ``ops.replay_decode``)."""
-    return _kw(executor.steps("mamba2").replay_decode, executor)
+    y`` (the signature of ``ops.replay_decode``; ``state_batch_indices`` may be the step's flush-first order (b, 4),
+    as the plugin's rows input may)."""
+    return _kw(executor.steps("mamba2").replay_decode, executor, decode=True)
 
 
 def replay_verify_kw(executor):
