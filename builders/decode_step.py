@@ -481,7 +481,7 @@ class NemotronHDecodeStep(StepIO, torch.nn.Module):
         act, state, L = DTYPE_CODES[self.act_dtype], DTYPE_CODES[self.state_dtype], self.buffer_len
         if self.speculative:
             return mamba2_plugin.aot_verify_kernel(H, P, N, G, L, self.num_tokens, state, act, arch, tactic, self.shadow)
-        return mamba2_plugin.aot_kernel(H, P, N, G, L, state, act, arch, tactic, sm_count, self.shadow)
+        return mamba2_plugin.aot_kernel(H, P, N, G, L, state, act, arch, tactic, sm_count, self.shadow, self.row_order)
 
     def plugin_keys(self, sm_count: int) -> dict:
         """config.json's plugin keys after the node's attributes: a standard engine's persistent grid size."""

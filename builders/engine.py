@@ -75,7 +75,9 @@ class BuildOptions:
     ``state_dtype``: the checkpoint state (keys of :data:`DTYPES`); ``arch``: SM of the PTX
     (:data:`SUPPORTED_ARCHS`); ``sm_count``: SMs of the target GPU (persistent-kernel grid); ``num_draft`` > 0: the
     speculative verify + commit pair; ``shadow`` "bf16" / "fp8": a shadow of the fp32 checkpoint per SSM layer
-    (those the kind's family keeps: :attr:`builders.models.ModelKind.shadows`)."""
+    (those the kind's family keeps: :attr:`builders.models.ModelKind.shadows`); ``row_order``: one
+    ``replayssm::flush_order`` node a step feeding every decode node its rows, flushing rows first
+    (:meth:`builders.decode_step.StepIO.set_row_order`)."""
 
     out: pathlib.Path
     model: pathlib.Path | None = None
@@ -91,6 +93,7 @@ class BuildOptions:
     seed: int = 0
     num_draft: int = 0
     shadow: str = "none"
+    row_order: bool = False
     overwrite: bool = False
 
 
@@ -267,12 +270,20 @@ def _step_artifacts(opts, step, entry: dict, tmp):
         return _spec_graphs(opts, step, tmp, plugin, entry, vocab)
 
     log("[4/5] writing config.json and trtexec.sh")
-    sio = _step_io(step, opts, tmp, vocab, f"{DOMAIN}::{op_type}")
+    order = {}
+    if step.row_order:  # one flush_order node a step; the decode nodes read its (batch, 4) output as their rows
+        k = _write_ptx(tmp, lambda: trt_plugin.aot_order_kernel(opts.buffer_len, opts.arch), "flush_order")
+        log(f"[3/5] plugin PTX, {trt_plugin.ORDER_PLUGIN_NAME}: {k.spec.key} (NVRTC)")
+        order = dict(row_order=dict(trt_plugin.PLUGINS[trt_plugin.ORDER_PLUGIN_NAME].manifest(),
+                                    op_type=trt_plugin.ORDER_PLUGIN_NAME, nodes=1, buffer_len=opts.buffer_len,
+                                    kernels=[_kernel_entry(k, 1)]))
+    plugins = f"{DOMAIN}::{op_type}" + (f" and {DOMAIN}::{trt_plugin.ORDER_PLUGIN_NAME}" if order else "")
+    sio = _step_io(step, opts, tmp, vocab, plugins)
     info = trt_plugin.all_plugins()[op_type]
     config = _decode_config(opts, entry, sio, dict(
         op_type=op_type, domain=DOMAIN, plugin_namespace=DOMAIN, aot=1, nodes=nodes, **plugin["attributes"],
         **step.plugin_keys(opts.sm_count), kernels=kernels, inputs=list(info.inputs), outputs=list(info.outputs),
-        aliased_outputs=info.manifest()["aliased_outputs"]))
+        aliased_outputs=info.manifest()["aliased_outputs"], **order))
     return config, [("model.onnx", "model.plan", sio["io_shapes"])]
 
 
@@ -390,6 +401,7 @@ def build(opts: BuildOptions) -> pathlib.Path:
         step = kind.export(model, buffer_len=opts.buffer_len, max_seq_len=opts.max_seq_len,
                            state_dtype=DTYPES[opts.state_dtype], moe_formulation=opts.moe_formulation,
                            shadow=opts.shadow, num_draft=opts.num_draft)
+        step.set_row_order(opts.row_order)
         step.plugin_geometry()
     except ValueError as e:
         raise BuildError(str(e)) from e

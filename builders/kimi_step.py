@@ -418,7 +418,8 @@ class KimiKDADecodeStep(StepIO, torch.nn.Module):
         """The PTX and launch of the step's KDA node for ``tactic`` (the family's aot_impl; no persistent grid)."""
         a = self.plugin_attributes()
         aot = kda_plugin.aot_verify_kernel if self.speculative else kda_plugin.aot_kernel
-        return aot(*a.values(), DTYPE_CODES[self.act_dtype], arch, tactic, self.shadow)
+        return aot(*a.values(), DTYPE_CODES[self.act_dtype], arch, tactic, self.shadow,
+                   **({"row_order": True} if self.row_order else {}))
 
     def plugin_keys(self, sm_count: int) -> dict:
         return {}

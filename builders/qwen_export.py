@@ -188,7 +188,7 @@ class QwenGDNDecodeStep(StepIO, torch.nn.Module):
         act, L = DTYPE_CODES[self.act_dtype], self.buffer_len
         if self.speculative:
             return gdn_plugin.aot_verify_kernel(H, HV, K, V, L, 1, self.num_tokens, act, arch, tactic, self.shadow)
-        return gdn_plugin.aot_kernel(H, HV, K, V, L, 1, act, arch, tactic, self.shadow)
+        return gdn_plugin.aot_kernel(H, HV, K, V, L, 1, act, arch, tactic, self.shadow, self.row_order)
 
     def plugin_keys(self, sm_count: int) -> dict:
         return {}

@@ -80,3 +80,32 @@ def test_graph_with_the_order_equals_the_graph_without(family, tmp_path):
             np.testing.assert_array_equal(a, b, err_msg=f"step {s}: {step.output_names()[j]}", strict=True)
         lengths, cursor = torch.from_numpy(outs[0][1]), torch.from_numpy(outs[0][2])
         states = [[torch.from_numpy(v) for v in o[3:]] for o in outs]
+
+
+def test_engine_directory_with_the_order(tmp_path):
+    """build(row_order=True) (scripts/build_engine.py --row-order): model.onnx with the flush_order node, the decode
+    node's PTX that of the module reading the order, flush_order's PTX and launch in config.json, both plugins named
+    for trtexec; a speculative build is refused by flag."""
+    import json
+
+    from builders.engine import BuildError, BuildOptions, build
+    from trtllm_replayssm import trt_plugin as tp
+    from trtllm_replayssm.families.kda import trt_plugin as kp
+
+    out = build(BuildOptions(out=tmp_path / "e", tiny="kimi_linear", buffer_len=L, max_seq_len=MAX_SEQ, max_batch=2,
+                             shadow="bf16", row_order=True))
+    cfg = json.loads((out / "config.json").read_text())
+    plugin = cfg["plugin"]
+    attrs = [plugin[a] for a in kp.ATTRIBUTES]
+    for k in plugin["kernels"]:
+        assert (out / k["ptx"]).read_bytes() == kp.aot_kernel(*attrs, "f32", 90, k["tactic"], "bf16", row_order=True).ptx
+    order = plugin["row_order"]
+    assert order["op_type"] == tp.ORDER_PLUGIN_NAME and order["inputs"] == list(tp.ORDER_INPUT_NAMES)
+    (k,) = order["kernels"]
+    assert (out / k["ptx"]).read_bytes() == tp.aot_order_kernel(L, 90).ptx and k["grid"] == [1, 1, 1]
+    assert f"{DOMAIN}::{tp.ORDER_PLUGIN_NAME}" in (out / "trtexec.sh").read_text()
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    assert sum(n.op_type == ORDER_OP_TYPE for n in graph.node) == 1
+    with pytest.raises(BuildError, match=r"row_order: .*num_draft=1"):
+        build(BuildOptions(out=tmp_path / "s", tiny="kimi_linear", buffer_len=L, max_seq_len=MAX_SEQ, num_draft=1,
+                           row_order=True))
