@@ -122,6 +122,19 @@ def test_compiles_to_ptx(spec):
         assert re.search(rf"\.entry {name}\(", ptx), name
 
 
+def row_order_entries(plain, ordered, kernel: str) -> bool:
+    """The row-order module's ``kernel`` entry takes the plain one's parameter list and has one 16-byte integer load
+    (the order's row) where the plain entry has none (the GDN test uses it too)."""
+    lists, loads = [], []
+    for spec in (plain, ordered):
+        ptx = cc.compile_spec(spec, "ptx").decode()
+        lists.append(re.findall(r"\.param \.(u64|u32|b32|s32)", re.search(rf"\.entry {kernel}\((.*?)\)", ptx, re.S).group(1)))
+        body = ptx[ptx.index(f".entry {kernel}("):]
+        body = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
+        loads.append(len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", body)))
+    return lists[0] == lists[1] and loads == [0, 1]
+
+
 def test_row_order_module():
     """KernelSpec.row_order: its own key and macro, the same parameter list (state_batch_indices read as (row, slot,
     cursor, 0) int4 rows, one 16-byte load a block), the contiguous standard decode module's one-shot and staged
@@ -130,15 +143,7 @@ def test_row_order_module():
     ro = dataclasses.replace(planned, row_order=True)
     assert ro.key == planned.key + "_ro" and planned.variant.kind == "staged"
     assert "#define RSSM_ROW_ORDER 1" in ro.prelude() and "RSSM_ROW_ORDER" not in planned.prelude()
-    lists, loads = [], []
-    for spec in (planned, ro):
-        ptx = cc.compile_spec(spec, "ptx").decode()
-        lists.append(re.findall(r"\.param \.(u64|u32|b32|s32)",
-                                re.search(r"\.entry replayssm_decode\((.*?)\)", ptx, re.S).group(1)))
-        body = ptx[ptx.index(".entry replayssm_decode("):]
-        body = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
-        loads.append(len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", body)))  # the order's 16-byte row
-    assert lists[0] == lists[1] and loads == [0, 1]
+    assert row_order_entries(planned, ro, "replayssm_decode")
     with pytest.raises(ValueError, match="row_order: .*persistent"):
         dataclasses.replace(plan_spec_of("f32", "none", 256, 90), row_order=True)
     with pytest.raises(ValueError, match="row_order"):

@@ -135,6 +135,44 @@ def test_flush_order_kernel_equals_the_host_rule(batch, slots, L):
     assert torch.equal(got.cpu(), cursor.flush_order(cur, bad, L))
 
 
+def _equal_over_a_cycle(sides, sbi_d, batch, L, y_shape, inputs, launch, advance, seed):
+    """Two copies of a decode problem (``sides``: name -> tensor, with "cursor") stepped L + 2 times at spread cursors:
+    side 0 plain, side 1 behind the device's flush-first order (whose leading rows must be this step's flushing
+    ones); ``inputs(g)`` a step's fresh inputs, ``launch(side, inputs, y, order)``, ``advance(side)``. Every y (NaN
+    padding row included) and every state tensor equal bit for bit after every step, and every live row flushed."""
+    g = torch.Generator().manual_seed(seed)
+    seen = 0
+    for step in range(L + 2):
+        ins = inputs(g)
+        ys = []
+        for i, side in enumerate(sides):
+            y = torch.full(y_shape, float("nan"), dtype=torch.bfloat16, device=sbi_d.device)
+            order = cursor_ops.flush_order(side["cursor"], sbi_d, L) if i else None
+            if i:  # this step's flushing rows lead the order
+                live = sbi_d[sbi_d >= 0].long()
+                flushing = int((side["cursor"][live] == L - 1).sum())
+                lead = order[:flushing, 1].long()
+                assert (lead >= 0).all() and (side["cursor"][lead] == L - 1).all(), step
+                seen += flushing
+            launch(side, ins, y, order)
+            advance(side)
+            ys.append(y)
+        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), step  # NaN rows included, bit for bit
+        assert torch.isnan(ys[1][batch // 2].float()).all()
+        for n in sides[0]:
+            assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
+    assert seen >= batch - 1  # every live row flushed at least once in L + 2 steps (cursors 0..L-1 at the start)
+
+
+def _spread(slots, batch, L, g):
+    """Rows over random slots with a padding row mid-batch, and row i's slot at cursor i mod L (the plain cursor)."""
+    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
+    sbi[batch // 2] = -1
+    cur = torch.zeros(slots, dtype=I32)
+    cur[sbi[sbi >= 0].long()] = torch.arange(int((sbi >= 0).sum()), dtype=I32) % L
+    return sbi, cur
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("geom, batch, shadow, lb", [
     ((2, 16, 16), 9, False, None), ((3, 48, 40), 11, True, -5.0),
@@ -158,40 +196,24 @@ def test_kda_decode_with_row_order_equals_without(geom, batch, shadow, lb):
                 v_cache=torch.randn(slots, H, L, V, generator=g).to(act), beta_cache=torch.rand(slots, H, L, generator=g))
     if shadow:
         base["shadow"] = state.to(torch.bfloat16)
-    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
-    sbi[batch // 2] = -1  # a padding row mid-batch
-    cur = torch.zeros(slots, dtype=I32)
-    cur[sbi[sbi >= 0].long()] = torch.arange(int((sbi >= 0).sum()), dtype=I32) % L
-    A_log = torch.log(torch.rand(H, generator=g) * 15 + 1)
-    dt_bias = torch.randn(H, K, generator=g) * 0.5 - 3
+    sbi, cur = _spread(slots, batch, L, g)
+    A_log = torch.log(torch.rand(H, generator=g) * 15 + 1).to(dev)
+    dt_bias = (torch.randn(H, K, generator=g) * 0.5 - 3).to(dev)
     sides = [{n: t.clone().to(dev) for n, t in base.items()} | {"cursor": cur.clone().to(dev)} for _ in range(2)]
     sbi_d = sbi.to(dev)
-    seen = 0
-    for step in range(L + 2):
+
+    def inputs(g):
         q, k, f = (torch.randn(batch, H, K, generator=g).to(act).to(dev) for _ in range(3))
-        v = torch.randn(batch, H, V, generator=g).to(act).to(dev)
-        b = torch.randn(batch, H, generator=g).to(act).to(dev)
-        ys = []
-        for i, side in enumerate(sides):
-            y = torch.full((batch, H, V), float("nan"), dtype=act, device=dev)
-            order = cursor_ops.flush_order(side["cursor"], sbi_d, L) if i else None
-            if i:  # this step's flushing rows lead the order
-                live = sbi_d[sbi_d >= 0].long()
-                flushing = int((side["cursor"][live] == L - 1).sum())
-                lead = order[:flushing, 1].long()
-                assert (lead >= 0).all() and (side["cursor"][lead] == L - 1).all(), step
-                seen += flushing
-            kops.kda_replay_decode(q, k, v, f, b, A_log.to(dev), dt_bias.to(dev), side["state"], side["k_cache"],
-                                   side["u_cache"], side["g_cache"], side["v_cache"], side["beta_cache"],
-                                   side["cursor"], sbi_d, out=y, shadow=side.get("shadow"), lower_bound=lb,
-                                   row_order=order)
-            kops.advance_cursor(side["cursor"], sbi_d, side["u_cache"])
-            ys.append(y)
-        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), step  # NaN rows included, bit for bit
-        assert torch.isnan(ys[1][batch // 2].float()).all()
-        for n in sides[0]:
-            assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
-    assert seen >= batch - 1  # every live row flushed at least once in L + 2 steps (cursors 0..L-1 at the start)
+        return q, k, torch.randn(batch, H, V, generator=g).to(act).to(dev), f, \
+            torch.randn(batch, H, generator=g).to(act).to(dev)
+
+    def launch(side, ins, y, order):
+        kops.kda_replay_decode(*ins, A_log, dt_bias, side["state"], side["k_cache"], side["u_cache"], side["g_cache"],
+                               side["v_cache"], side["beta_cache"], side["cursor"], sbi_d, out=y,
+                               shadow=side.get("shadow"), lower_bound=lb, row_order=order)
+
+    _equal_over_a_cycle(sides, sbi_d, batch, L, (batch, H, V), inputs, launch,
+                        lambda side: kops.advance_cursor(side["cursor"], sbi_d, side["u_cache"]), batch)
 
 
 # ---- the cache: which launches get the order, and how often (CPU tensors, the kernel executor, emulated launchers)
@@ -258,24 +280,6 @@ def test_cache_orders_the_kda_decode_where_it_pays(monkeypatch, shadow, row_orde
         assert all(o is None for o in calls["decode"])
 
 
-def test_cache_orders_the_gdn_decode_with_a_shadow(monkeypatch):
-    """The GDN layer group reads the same order (row_order None: with a bf16 shadow), one launch a step."""
-    cache, calls = _emulated_cache(monkeypatch, "gdn", (4, 2, 16, 16), 2, 4, "gdn_replay_decode",
-                                   shadow_dtype=torch.bfloat16, row_order=None)
-    sbi = torch.tensor([cache.allocate(), -1, cache.allocate()], dtype=I32)
-    cache.cursor[sbi[2].long()] = 3  # row 2 flushes at step 0
-    for _ in range(5):
-        cache.flush(sbi, 1)
-        for layer in range(2):
-            x = torch.zeros(3, 1, 2, 16, dtype=torch.bfloat16)
-            xv = torch.zeros(3, 1, 4, 16, dtype=torch.bfloat16)
-            gate = torch.zeros(3, 1, 4, dtype=torch.bfloat16)
-            cache.verify(layer, x, x, xv, gate, gate, torch.zeros(4), torch.zeros(4), sbi)
-        cache.commit(sbi, None, 1)
-    assert calls["order"] == 5 and len(calls["decode"]) == 10
-    assert calls["decode"][0].tolist() == [[2, 1, 3, 0], [0, 0, 0, 0], [1, -1, 0, 0]]  # flushing row first, padding last
-
-
 def test_cache_row_order_option_is_checked():
     from trtllm_replayssm.cache import ReplayStateCache
 
@@ -317,38 +321,25 @@ def test_gdn_decode_with_row_order_equals_without(geom, batch, shadow):
     base = {n: getattr(buf, n) for n in ("state", "u_cache", "v_cache", "k_cache", "g_cache", "beta_cache")}
     if shadow:
         base["shadow"] = buf.state.to(torch.bfloat16)
-    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
-    sbi[batch // 2] = -1
-    cur = torch.zeros(slots, dtype=I32)
-    cur[sbi[sbi >= 0].long()] = torch.arange(int((sbi >= 0).sum()), dtype=I32) % L
+    sbi, cur = _spread(slots, batch, L, g)
     A_log = torch.log(torch.rand(HV, generator=g) * 15 + 1).to(dev)
     dt_bias = (torch.randn(HV, generator=g) * 0.5 - 3).to(dev)
     sides = [{n: t.clone().to(dev) for n, t in base.items()} | {"cursor": cur.clone().to(dev)} for _ in range(2)]
-    sbi_d, seen = sbi.to(dev), 0
-    for step in range(L + 2):
+    sbi_d = sbi.to(dev)
+
+    def inputs(g):
         q, k = (torch.randn(batch, H, K, generator=g).to(act).to(dev) for _ in range(2))
         v = torch.randn(batch, HV, V, generator=g).to(act).to(dev)
         a, b = (torch.randn(batch, HV, generator=g).to(act).to(dev) for _ in range(2))
-        ys = []
-        for i, side in enumerate(sides):
-            y = torch.full((batch, HV, V), float("nan"), dtype=act, device=dev)
-            order = cursor_ops.flush_order(side["cursor"], sbi_d, L) if i else None
-            if i:
-                live = sbi_d[sbi_d >= 0].long()
-                flushing = int((side["cursor"][live] == L - 1).sum())
-                lead = order[:flushing, 1].long()
-                assert (lead >= 0).all() and (side["cursor"][lead] == L - 1).all(), step
-                seen += flushing
-            gops.gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, side["state"], side["u_cache"], side["v_cache"],
-                                   side["k_cache"], side["g_cache"], side["beta_cache"], side["cursor"], sbi_d, out=y,
-                                   shadow=side.get("shadow"), row_order=order)
-            gops.advance_cursor(side["cursor"], sbi_d, side["u_cache"])
-            ys.append(y)
-        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), step
-        assert torch.isnan(ys[1][batch // 2].float()).all()
-        for n in sides[0]:
-            assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
-    assert seen >= batch - 1
+        return q, k, v, a, b
+
+    def launch(side, ins, y, order):
+        gops.gdn_replay_decode(*ins, A_log, dt_bias, side["state"], side["u_cache"], side["v_cache"], side["k_cache"],
+                               side["g_cache"], side["beta_cache"], side["cursor"], sbi_d, out=y,
+                               shadow=side.get("shadow"), row_order=order)
+
+    _equal_over_a_cycle(sides, sbi_d, batch, L, (batch, HV, V), inputs, launch,
+                        lambda side: gops.advance_cursor(side["cursor"], sbi_d, side["u_cache"]), batch + 1)
 
 
 # ---- Mamba-2 (KernelSpec.row_order: the one-shot and staged kernels) ----------------------------------------------
@@ -403,65 +394,61 @@ def test_mamba2_decode_with_row_order_equals_without(geom, batch, shadow, state)
     base = dict(x_cache=torch.randn(slots, H, L, P, generator=g).to(act),
                 B_cache=(torch.randn(slots, G, L, N, generator=g) * N ** -0.5 * 4).to(act),
                 dt_cache=torch.rand(slots, H, L, generator=g) * 0.05)
-    extra = {}
+    scale = fp32.abs().amax(-1).clamp_min(1e-6) / 448
     if state == "fp8":  # an 8-bit checkpoint: e4m3 rows with fp32 row scales, flush counts
-        scale = fp32.abs().amax(-1).clamp_min(1e-6) / 448
         base |= dict(state=(fp32 / scale[..., None]).to(torch.float8_e4m3fn), ckpt_scale=scale,
                      ckpt_flushes=torch.zeros(slots, dtype=I32))
-        extra = dict(ckpt_seed=7)
     else:
         base["state"] = fp32
         if shadow == "bf16":
             base["shadow"] = fp32.to(torch.bfloat16)
         elif shadow == "fp8":
-            scale = fp32.abs().amax(-1).clamp_min(1e-6) / 448
             base |= dict(shadow=(fp32 / scale[..., None]).to(torch.float8_e4m3fn), shadow_scale=scale)
-    sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
-    sbi[batch // 2] = -1
-    cur = torch.zeros(slots, dtype=I32)
-    cur[sbi[sbi >= 0].long()] = torch.arange(int((sbi >= 0).sum()), dtype=I32) % L
+    extra = dict(ckpt_seed=7) if state == "fp8" else {}
+    sbi, cur = _spread(slots, batch, L, g)
     prm = make_params(H, g, dev)
     sides = [{n: t.clone().to(dev) for n, t in base.items()} | {"cursor": cur.clone().to(dev)} for _ in range(2)]
-    sbi_d, seen = sbi.to(dev), 0
-    for step in range(L + 2):
-        x, B, C, dt, _ = make_inputs(batch, H, P, N, G, act, g, dev)
-        ys = []
-        for i, side in enumerate(sides):
-            y = torch.full((batch, H, P), float("nan"), dtype=act, device=dev)
-            order = cursor_ops.flush_order(side["cursor"], sbi_d, L) if i else None
-            if i:
-                live = sbi_d[sbi_d >= 0].long()
-                flushing = int((side["cursor"][live] == L - 1).sum())
-                lead = order[:flushing, 1].long()
-                assert (lead >= 0).all() and (side["cursor"][lead] == L - 1).all(), step
-                seen += flushing
-            mops.replay_decode(x, B, C, dt, prm.dt_bias, prm.A, prm.D, side["state"], side["x_cache"],
-                               side["B_cache"], side["dt_cache"], side["cursor"], sbi_d, out=y,
-                               shadow=side.get("shadow"), shadow_scale=side.get("shadow_scale"),
-                               ckpt_scale=side.get("ckpt_scale"), ckpt_flushes=side.get("ckpt_flushes"),
-                               row_order=order, **extra)
-            cursor_ops.advance_cursor(side["cursor"], sbi_d, L, flushes=side.get("ckpt_flushes"))
-            ys.append(y)
-        assert torch.equal(ys[0].view(torch.int16), ys[1].view(torch.int16)), step
-        assert torch.isnan(ys[1][batch // 2].float()).all()
-        for n in sides[0]:
-            assert torch.equal(sides[0][n].view(torch.uint8), sides[1][n].view(torch.uint8)), (step, n)
-    assert seen >= batch - 1
+    sbi_d = sbi.to(dev)
+
+    def launch(side, ins, y, order):
+        x, B, C, dt, _ = ins
+        mops.replay_decode(x, B, C, dt, prm.dt_bias, prm.A, prm.D, side["state"], side["x_cache"], side["B_cache"],
+                           side["dt_cache"], side["cursor"], sbi_d, out=y, shadow=side.get("shadow"),
+                           shadow_scale=side.get("shadow_scale"), ckpt_scale=side.get("ckpt_scale"),
+                           ckpt_flushes=side.get("ckpt_flushes"), row_order=order, **extra)
+
+    _equal_over_a_cycle(sides, sbi_d, batch, L, (batch, H, P), lambda g: make_inputs(batch, H, P, N, G, act, g, dev),
+                        launch, lambda side: cursor_ops.advance_cursor(side["cursor"], sbi_d, L,
+                                                                       flushes=side.get("ckpt_flushes")), batch + 2)
 
 
-def test_cache_orders_the_mamba2_decode_with_a_bf16_shadow(monkeypatch):
-    """The Mamba-2 layer group reads the same order with a bf16 shadow (row_order None), one launch a step."""
-    cache, calls = _emulated_cache(monkeypatch, "mamba2", (2, 16, 16, 1), 2, 4, "replay_decode",
-                                   shadow_dtype=torch.bfloat16, row_order=None)
+def _gdn_layer_inputs():
+    x = torch.zeros(3, 1, 2, 16, dtype=torch.bfloat16)
+    gate = torch.zeros(3, 1, 4, dtype=torch.bfloat16)
+    return x, x, torch.zeros(3, 1, 4, 16, dtype=torch.bfloat16), gate, gate, torch.zeros(4), torch.zeros(4)
+
+
+def _mamba2_layer_inputs():
+    bc = torch.zeros(3, 1, 1, 16, dtype=torch.bfloat16)
+    return (torch.zeros(3, 1, 2, 16, dtype=torch.bfloat16), bc, bc, torch.zeros(3, 1, 2, dtype=torch.bfloat16),
+            torch.zeros(2), -torch.ones(2), torch.ones(2), None)
+
+
+@pytest.mark.parametrize("family, geometry, decode_name, layer_inputs", [
+    ("gdn", (4, 2, 16, 16), "gdn_replay_decode", _gdn_layer_inputs),
+    ("mamba2", (2, 16, 16, 1), "replay_decode", _mamba2_layer_inputs),
+])
+def test_cache_orders_the_decode_with_a_bf16_shadow(monkeypatch, family, geometry, decode_name, layer_inputs):
+    """The GDN and Mamba-2 layer groups read the same order (row_order None: with a bf16 shadow), one launch a
+    step: the flushing row first, padding last."""
+    cache, calls = _emulated_cache(monkeypatch, family, geometry, 2, 4, decode_name, shadow_dtype=torch.bfloat16,
+                                   row_order=None)
     sbi = torch.tensor([cache.allocate(), -1, cache.allocate()], dtype=I32)
     cache.cursor[sbi[2].long()] = 3  # row 2 flushes at step 0
     for _ in range(5):
         cache.flush(sbi, 1)
         for layer in range(2):
-            x = torch.zeros(3, 1, 2, 16, dtype=torch.bfloat16)
-            bc = torch.zeros(3, 1, 1, 16, dtype=torch.bfloat16)
-            cache.verify(layer, x, bc, bc, torch.zeros(3, 1, 2, dtype=torch.bfloat16), torch.zeros(2), -torch.ones(2),
-                         torch.ones(2), None, sbi)
+            cache.verify(layer, *layer_inputs(), sbi)
         cache.commit(sbi, None, 1)
     assert calls["order"] == 5 and len(calls["decode"]) == 10
     assert calls["decode"][0].tolist() == [[2, 1, 3, 0], [0, 0, 0, 0], [1, -1, 0, 0]]

@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from tests.test_compile import row_order_entries
 from trtllm_replayssm import compile as cc
 from trtllm_replayssm.families.gdn import config
 from trtllm_replayssm.families.gdn.config import GDN_SUPPORTED_DIMS, GDNSpec, gdn_geometry, gdn_spec
@@ -65,15 +66,7 @@ def test_row_order_module():
         ro = gdn_spec("bf16", 32, 16, 128, 128, 16, batch, True, sh, row_order=True)
         assert ro == dataclasses.replace(planned, row_order=True) and ro.key == planned.key + "_ro"
     assert "#define GDN_ROW_ORDER 1" in ro.prelude() and "GDN_ROW_ORDER" not in planned.prelude()
-    lists, loads = [], []
-    for spec in (planned, ro):
-        ptx = cc.compile_spec(spec, "ptx").decode()
-        lists.append(re.findall(r"\.param \.(u64|u32|b32|s32)",
-                                re.search(r"\.entry gdn_replay_decode\((.*?)\)", ptx, re.S).group(1)))
-        body = ptx[ptx.index(".entry gdn_replay_decode("):]
-        body = body[:body.index(".entry", 10)] if ".entry" in body[10:] else body
-        loads.append(len(re.findall(r"ld\.global(\.nc)?\.v4\.(u32|b32|s32)", body)))  # the order's 16-byte row
-    assert lists[0] == lists[1] and loads == [0, 1]
+    assert row_order_entries(planned, ro, "gdn_replay_decode")
     with pytest.raises(ValueError, match="row_order"):
         GDNSpec("bf16", 32, 16, 128, 128, 16, 64, 8, num_tokens=2, row_order=True)
     with pytest.raises(TypeError, match="row_order"):
