@@ -128,8 +128,8 @@ grep -E "^# (result|wall)" /tmp/r/suite/gpu_suite.txt; grep -E "^FAILED|^ERROR" 
 fi
 if want r3; then
 echo "== r3 memcheck and racecheck of the order kernel and the row-order modules $(left)s left"
-for kk in "flush_order:kernel_equals_the_host" "kda:kda_decode_with and not 256" "gdn:gdn_decode_with and not 256" \
-          "replayssm_decode:mamba2_decode_with and not 256 and not geom4"; do
+for kk in "flush_order:kernel_equals_the_host" "replayssm_decode:mamba2_decode_with and not 256 and not geom4" \
+          "kda:kda_decode_with and not 256" "gdn:gdn_decode_with and not 256"; do
   san memcheck 150 40 ${kk%%:*} tests/test_flush_order.py "${kk#*:}"
   san racecheck 140 40 ${kk%%:*} tests/test_flush_order.py "${kk#*:}"
 done
