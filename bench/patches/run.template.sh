@@ -9,6 +9,8 @@
 # PF (ncu of the KDA shadow flush and k = 1 at Kimi-K3 TP8 bs256),
 # RO (the flush-first row order: the patched tree's whole GPU suite, sanitizers of the order tests, the mixed / ff /
 # ord columns of bench_kda, bench_gdn and bench_kernels (Mamba-2)); RO2 (RO's benchmarks alone, on the warm machine).
+# RO's environment: ROSAN=1 (also the KDA and GDN row-order sanitizers), ROKDA / ROGDN / ROKERNELS (the benchmarks'
+# batches / bench_kernels' arguments).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
 # SPBATCH (s5), SWGEOMS / SWSHAPES / SWBATCH (sw), PFK (pf's positions), RBK (rb's pytest -k).
 cd "$(dirname "$0")"; ROOT=$PWD
@@ -129,18 +131,18 @@ fi
 if want r3; then
 echo "== r3 memcheck and racecheck of the order kernel and the row-order modules $(left)s left"
 for kk in "flush_order:kernel_equals_the_host" "replayssm_decode:mamba2_decode_with and not 256 and not geom4" \
-          "kda:kda_decode_with and not 256" "gdn:gdn_decode_with and not 256"; do
+          ${ROSAN:+"kda:kda_decode_with and not 256" "gdn:gdn_decode_with and not 256"}; do
   san memcheck 150 40 ${kk%%:*} tests/test_flush_order.py "${kk#*:}"
   san racecheck 140 40 ${kk%%:*} tests/test_flush_order.py "${kk#*:}"
 done
 fi
 if want r2; then
 echo "== r2 mixed / ff / ord, KDA and GDN $(left)s left"
-[ $(left) -gt 60 ] && new timeout $(cap 90 45) python3 scripts/bench_kda.py --batches 32,128,256 --fla-path /none --out /tmp/r \
+[ $(left) -gt 60 ] && new timeout $(cap 90 45) python3 scripts/bench_kda.py --batches ${ROKDA:-32,256} --fla-path /none --out /tmp/r \
   --tag kda-order > /tmp/r/ro-kda.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-kda.txt | tail -7; save
-[ $(left) -gt 45 ] && new timeout $(cap 90 5) python3 scripts/bench_gdn.py --batches 8,32,64,256 --fla-path /none --out /tmp/r \
+[ $(left) -gt 45 ] && new timeout $(cap 80 5) python3 scripts/bench_gdn.py --batches ${ROGDN:-32,64,256} --fla-path /none --out /tmp/r \
   --tag gdn-order > /tmp/r/ro-gdn.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-gdn.txt | tail -6; save
-[ $(left) -gt 45 ] && new timeout $(cap 120 5) python3 scripts/bench_kernels.py --quick --mamba-path /none ${ROKERNELS:---shadows bf16,fp8 --batches 1,8,32,64,256} \
+[ $(left) -gt 45 ] && new timeout $(cap 120 5) python3 scripts/bench_kernels.py --quick --mamba-path /none ${ROKERNELS:---shadows bf16,fp8 --batches 32,64,256} \
   --out /tmp/r --tag mamba2-order > /tmp/r/ro-mamba2.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-mamba2.txt | tail -12; save
 fi
 echo "== done $(left)s left"; save
