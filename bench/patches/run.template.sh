@@ -8,7 +8,8 @@
 # G (GDN launch shapes alone), SW (a KDA launch-shape sweep), SSW (S3 and the sweep),
 # PF (ncu of the KDA shadow flush and k = 1 at Kimi-K3 TP8 bs256),
 # RO (the flush-first row order: the patched tree's whole GPU suite, sanitizers of the order tests, the mixed / ff /
-# ord columns of bench_kda, bench_gdn and bench_kernels (Mamba-2)); RO2 (RO's benchmarks alone, on the warm machine).
+# ord columns of bench_kda, bench_gdn and bench_kernels (Mamba-2)); RO2 (RO's benchmarks alone, on the warm machine);
+# ROS (RO for a short budget: the order's GPU tests instead of the whole suite, then the benchmarks, then sanitizers).
 # RO's environment: ROSAN=1 (also the KDA and GDN row-order sanitizers), ROKDA / ROGDN / ROKERNELS (the benchmarks'
 # batches / bench_kernels' arguments).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
@@ -17,7 +18,7 @@ cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
-  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";;
+  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";;
   *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO or RO2 (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -128,6 +129,13 @@ mkdir -p /tmp/r/suite; l=$(cap 300 150)
 [ $l -gt 60 ] && new timeout $l python3 scripts/gpu_suite.py --workers 8 --jobs 16 --out /tmp/r/suite > /tmp/r/suite/log.txt 2>&1
 grep -E "^# (result|wall)" /tmp/r/suite/gpu_suite.txt; grep -E "^FAILED|^ERROR" /tmp/r/suite/log.txt | head; save
 fi
+if want rs; then  # ROS: the GPU tests the order touches (its kernels, the caches' and servers' steps), not the suite
+echo "== rs the order's GPU tests $(left)s left"
+gputests rs 220 200 -m gpu tests/test_flush_order.py tests/test_trt_plugin_gpu.py tests/test_cache_gpu.py \
+  tests/test_gdn_cache_gpu.py tests/test_kda_cache_gpu.py tests/test_generation_gpu.py tests/test_generation_kda.py \
+  tests/test_generation_qwen.py tests/test_e2e_standard.py
+grep -E "^FAILED|^ERROR" /tmp/r/rs.txt | head
+fi
 if want r3; then
 echo "== r3 memcheck and racecheck of the order kernel and the row-order modules $(left)s left"
 for kk in "flush_order:kernel_equals_the_host" "replayssm_decode:mamba2_decode_with and not 256 and not geom4" \
@@ -137,12 +145,12 @@ for kk in "flush_order:kernel_equals_the_host" "replayssm_decode:mamba2_decode_w
 done
 fi
 if want r2; then
-echo "== r2 mixed / ff / ord, KDA and GDN $(left)s left"
-[ $(left) -gt 60 ] && new timeout $(cap 90 45) python3 scripts/bench_kda.py --batches ${ROKDA:-32,256} --fla-path /none --out /tmp/r \
-  --tag kda-order > /tmp/r/ro-kda.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-kda.txt | tail -7; save
-[ $(left) -gt 45 ] && new timeout $(cap 80 5) python3 scripts/bench_gdn.py --batches ${ROGDN:-32,64,256} --fla-path /none --out /tmp/r \
-  --tag gdn-order > /tmp/r/ro-gdn.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-gdn.txt | tail -6; save
-[ $(left) -gt 45 ] && new timeout $(cap 120 5) python3 scripts/bench_kernels.py --quick --mamba-path /none ${ROKERNELS:---shadows bf16,fp8 --batches 32,64,256} \
+echo "== r2 mixed / ff / ord: Mamba-2, KDA, GDN $(left)s left"
+[ $(left) -gt 60 ] && new timeout $(cap 110 60) python3 scripts/bench_kernels.py --quick --mamba-path /none ${ROKERNELS:---shadows bf16,fp8 --batches 32,64,256} \
   --out /tmp/r --tag mamba2-order > /tmp/r/ro-mamba2.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-mamba2.txt | tail -12; save
+[ $(left) -gt 50 ] && new timeout $(cap 90 40) python3 scripts/bench_kda.py --batches ${ROKDA:-32,256} --fla-path /none --out /tmp/r \
+  --tag kda-order > /tmp/r/ro-kda.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-kda.txt | tail -7; save
+[ $(left) -gt 40 ] && new timeout $(cap 80 5) python3 scripts/bench_gdn.py --batches ${ROGDN:-32,64,256} --fla-path /none --out /tmp/r \
+  --tag gdn-order > /tmp/r/ro-gdn.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-gdn.txt | tail -6; save
 fi
 echo "== done $(left)s left"; save
