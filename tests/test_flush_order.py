@@ -126,7 +126,7 @@ def test_flush_order_kernel_equals_the_host_rule(batch, slots, L):
     sbi = torch.randperm(slots, generator=g)[:batch].to(I32)
     sbi[torch.rand(batch, generator=g) < 0.1] = -1  # padding rows
     want = cursor.flush_order(cur, sbi, L)
-    out = torch.full((batch, 2), -7, dtype=I32, device=dev)  # poisoned: every entry must be written
+    out = torch.full((batch, cursor.ORDER_COLUMNS), -7, dtype=I32, device=dev)  # poisoned: every entry must be written
     got = cursor_ops.flush_order(cur.to(dev), sbi.to(dev), L, out=out)
     assert got is out and torch.equal(got.cpu(), want)
     bad = sbi.clone()
@@ -293,8 +293,8 @@ def test_cache_row_order_option_is_checked():
     c = ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard", row_order=True,
                                     state_dtype=torch.float64, act_dtype=torch.float64, dt_dtype=torch.float64)
     assert c.row_order is True and not c.uses_kernels
-    # the default stays off until the cache's order path has run on a GPU (bench/NOTES.md "Twenty-fourth session")
-    assert ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard").row_order is False
+    # the default: where it was measured to pay
+    assert ReplayStateCache.for_family("kda", 1, 2, (2, 16, 16), 4, cursor="standard").row_order is None
 
 
 @pytest.mark.gpu
@@ -460,12 +460,15 @@ def test_cache_orders_the_decode_with_a_bf16_shadow(monkeypatch, family, geometr
 def test_mamba2_group_reads_the_order_where_its_kernels_do(kw, reads):
     """Mamba-2's one-shot and staged kernels read the order: a shadow or an 8-bit checkpoint always runs them; an fp32
     checkpoint without one runs the persistent kernel above batch 4, so its group reads none (row_order True is
-    refused there by name). The default orders the measured case only (a bf16 shadow)."""
+    refused there by name). The default orders where measured to pay: an fp8 shadow, a bf16 one up to batch 64."""
     from trtllm_replayssm.cache import ReplayStateCache
 
     c = ReplayStateCache.for_family("mamba2", 1, 2, (2, 16, 16, 1), 4, cursor="standard", **kw)
     g = c.groups[0]
-    assert g.reads_row_order is reads and g.row_order_pays() is (kw.get("shadow_dtype") == torch.bfloat16)
+    assert g.reads_row_order is reads
+    sh = kw.get("shadow_dtype")
+    assert [g.row_order_pays(b) for b in (1, 64, 65, 256)] == ([True, True, False, False] if sh == torch.bfloat16
+                                                              else [sh is not None] * 4)
     if reads:
         assert ReplayStateCache.for_family("mamba2", 1, 2, (2, 16, 16, 1), 4, cursor="standard", row_order=True,
                                            **kw).row_order is True

@@ -73,8 +73,8 @@ rows are spread through the batch ends with a partial wave of long blocks. With 
 launches :func:`.cursor_ops.flush_order` once (the rows as (row, slot, cursor), flushing rows first;
 :func:`.cursor.flush_order` is its spec) and every layer of the step reads its rows from it; outputs are bit for bit
 those without it. ``True`` / ``False`` force it; ``None`` orders where it was measured to pay
-(:meth:`LayerGroup.row_order_pays`: KDA, GDN and Mamba-2 layers with a bf16 shadow). The default is off until the
-cache's order path has run on a GPU.
+(:meth:`LayerGroup.row_order_pays`: KDA and GDN layers with a bf16 shadow, Mamba-2 layers with an fp8 shadow or a bf16 one
+up to batch 64), the default.
 
 One speculative step (T <= T_max tokens, rows ``state_batch_indices``, -1 = padding row), the same
 sequence on every device:
@@ -391,7 +391,7 @@ class ReplayStateCache:
                  state_dtype=torch.float32, act_dtype=torch.bfloat16, shadow_dtype=None, dt_dtype=torch.float32,
                  device="cpu", check_values: bool | None = None, read_shadow: bool = False, *, cursor: str = "ring",
                  executor=None, layers=None, ckpt_seed: int = 0, flush_phases: bool = False,
-                 row_order: bool | None = False):
+                 row_order: bool | None = None):
         positional = dict(num_layers=num_layers, nheads=nheads, headdim=headdim, dstate=dstate, ngroups=ngroups)
         if layers is None:  # the positional form: one family's geometry (POSITIONAL_FAMILY)
             missing = [k for k, v in positional.items() if v is None]
@@ -1017,9 +1017,9 @@ class ReplayStateCache:
         commit), kept for the step's other layers."""
         if not (self.uses_kernels and self.standard and g.reads_row_order):
             return None
-        if not (self.row_order or (self.row_order is None and g.row_order_pays())):
-            return None
         batch = sbi.shape[0]
+        if not (self.row_order or (self.row_order is None and g.row_order_pays(batch))):
+            return None
         if batch not in self._orders:
             self._orders[batch] = torch.empty((batch, cursors.ORDER_COLUMNS), dtype=torch.int32, device=sbi.device)
         if self._ordered.get(batch) != sbi.data_ptr():  # the step's first layer on these rows

@@ -59,8 +59,8 @@ class LayerGroup:
     reads_row_order = False
     row_order_layers = ""
 
-    def row_order_pays(self) -> bool:
-        """Whether this group's decode launches were measured faster behind the flush-first order."""
+    def row_order_pays(self, batch: int) -> bool:
+        """Whether this group's decode launches of ``batch`` rows were measured faster behind the flush-first order."""
         return False
     # An 8-bit checkpoint's (slots,) flush counts, shared by every layer of the cache, and its seed (layer l of the
     # group draws with seed + l): set by the cache on every group, read by the families that keep one.

@@ -35,10 +35,12 @@ class GDNLayers(LayerGroup):
     reads_row_order = True  # GDNSpec.row_order
     row_order_layers = "GDN layers"
 
-    def row_order_pays(self) -> bool:
+    def row_order_pays(self, batch: int) -> bool:
         """With a bf16 shadow (its exact refold makes the flushing blocks long): a serving batch's launch ran faster
         with the flushing rows first (H100, bbd62ef08d, x conv mixed -> flushing rows first, Qwen3-Next: bs32
-        1.60 -> 1.95, bs64 1.83 -> 2.25, bs256 2.28 -> 2.44); fp32 level (bench/NOTES.md "Twenty-fourth session")."""
+        1.60 -> 1.95, bs64 1.83 -> 2.25, bs256 2.28 -> 2.44); fp32 level (bench/NOTES.md "Twenty-fourth session").
+        Behind the device's order, one order launch per decode launch (H100, 546673db3e): bs32 1.61 -> 1.75, bs64
+        1.84 -> 2.11, bs256 2.29 -> 2.37."""
         return "shadow" in self.t
     # the names of snapshot format version 1 (rings without the _cache suffix)
     snapshot_aliases = {"u_cache": "gdn_u", "v_cache": "gdn_v", "k_cache": "gdn_k", "g_cache": "gdn_g",

@@ -48,12 +48,15 @@ class KDALayers(LayerGroup):
     reads_row_order = True  # KDASpec.row_order
     row_order_layers = "KDA layers"
 
-    def row_order_pays(self) -> bool:
+    def row_order_pays(self, batch: int) -> bool:
         """With a bf16 shadow: its flushing blocks are ~6x its others, and a serving batch's launch (rows at spread
         cursors) ran faster with them first (H100, 3598767437, x conv mixed -> flushing rows first: Kimi-K3 TP8
         bs32 1.09 -> 1.42, bs256 1.76 -> 2.00; GLM-5.3-Flash TP8 bs128 1.51 -> 1.72). Not without one: the fp32
         flush (~2.6x its k1) overlaps better interleaved (Kimi bs256 1.69 -> 1.63 first); bench/NOTES.md
-        "Twenty-fourth session"."""
+        "Twenty-fourth session". Behind the device's order, one order launch per decode launch (serving pays one a
+        step for all layers; H100, 546673db3e): Kimi-K3 bs32 1.10 -> 1.25, bs256 1.77 -> 1.82; GLM-5.3-Flash bs32
+        0.89 -> 0.83 and bs256 1.51 -> 1.50, level or better once the ~2-3 us order launch is shared by the step's
+        layers ("Twenty-fifth session")."""
         return "shadow" in self.t
 
     @staticmethod

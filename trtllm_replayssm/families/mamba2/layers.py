@@ -45,12 +45,19 @@ class Mamba2Layers(LayerGroup):
         fp32 checkpoint without one runs the persistent kernel above batch 4, which walks items, not rows."""
         return "shadow" in self.t or "ckpt_scale" in self.t
 
-    def row_order_pays(self) -> bool:
-        """With a shadow (the staged kernel; its flushing blocks fold the fp32 rows while the others read the shadow):
-        a serving batch's launch ran faster with the flushing rows first (H100, bbd62ef08d, Nemotron-H 8B bf16
-        shadow, x conv mixed -> flushing rows first: bs32 2.20 -> 2.65, bs64 2.55 -> 2.70, bs256 level). The fp8
-        shadow and the 8-bit checkpoint are not measured yet."""
-        return "shadow" in self.t and self.t["shadow"].dtype == torch.bfloat16
+    # the largest batch a bf16 shadow's launch was measured faster behind the order (bench/NOTES.md)
+    ROW_ORDER_BF16_MAX_BATCH = 64
+
+    def row_order_pays(self, batch: int) -> bool:
+        """With a shadow (the staged kernel; its flushing blocks fold the fp32 rows while the others read the shadow),
+        a serving batch's launch ran faster behind the device's order (H100, 546673db3e, Nemotron-H 8B, x conv, the
+        mixed launch -> the same launch behind one order launch each): fp8 shadow bs32 2.55 -> 3.13, bs64 3.23 ->
+        3.50, bs256 3.90 -> 3.96; bf16 shadow bs32 2.20 -> 2.45, bs64 2.55 -> 2.57, but bs256 2.91 -> 2.82 (its
+        flush is short against the launch there): a bf16 shadow orders up to batch 64. The 8-bit checkpoint is not
+        measured (off)."""
+        if "shadow" not in self.t:
+            return False
+        return self.t["shadow"].dtype != torch.bfloat16 or batch <= self.ROW_ORDER_BF16_MAX_BATCH
 
     @staticmethod
     def signature(x, B, C, dt, dt_bias, A, D, z=None, state_batch_indices=None, out=None):  # noqa: D401
