@@ -9,7 +9,9 @@
 # PF (ncu of the KDA shadow flush and k = 1 at Kimi-K3 TP8 bs256),
 # RO (the flush-first row order: the patched tree's whole GPU suite, sanitizers of the order tests, the mixed / ff /
 # ord columns of bench_kda, bench_gdn and bench_kernels (Mamba-2)); RO2 (RO's benchmarks alone, on the warm machine);
-# ROS (RO for a short budget: the order's GPU tests instead of the whole suite, then the benchmarks, then sanitizers).
+# ROS (RO for a short budget: the order's GPU tests instead of the whole suite, then the benchmarks, then sanitizers),
+# OL (the longest-first order patch: the order's GPU tests and the order kernel's sanitizers on the patched tree, then
+# main's and the patch's benchmarks in one call: the ord columns, Mamba-2, KDA, GDN).
 # RO's environment: ROSAN=1 (also the KDA and GDN row-order sanitizers), ROKDA / ROGDN / ROKERNELS (the benchmarks'
 # batches / bench_kernels' arguments).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
@@ -18,7 +20,7 @@ cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
-  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";;
+  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";; OL) STEPS="ol1 ol2";;
   *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO or RO2 (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
@@ -152,5 +154,20 @@ echo "== r2 mixed / ff / ord: Mamba-2, KDA, GDN $(left)s left"
   --tag kda-order > /tmp/r/ro-kda.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-kda.txt | tail -7; save
 [ $(left) -gt 40 ] && new timeout $(cap 80 5) python3 scripts/bench_gdn.py --batches ${ROGDN:-32,64,256} --fla-path /none --out /tmp/r \
   --tag gdn-order > /tmp/r/ro-gdn.txt 2>&1; grep -v RESULT_JSON /tmp/r/ro-gdn.txt | tail -6; save
+fi
+# ---- OL: the longest-first order (bench/patches/2026-12-08_order-longest-first.patch)
+if want ol1; then
+echo "== ol1 the order's GPU tests and sanitizers, patched $(left)s left"
+gputests ol1 150 300 -m gpu tests/test_flush_order.py tests/test_trt_plugin_gpu.py tests/test_cache_gpu.py \
+  tests/test_gdn_cache_gpu.py tests/test_kda_cache_gpu.py
+grep -E "^FAILED|^ERROR" /tmp/r/ol1.txt | head
+san memcheck 280 40 flush_order tests/test_flush_order.py kernel_equals
+san racecheck 260 40 flush_order tests/test_flush_order.py kernel_equals
+fi
+if want ol2; then
+echo "== ol2 the ord columns, main then the patch $(left)s left"
+pair olm bench_kernels.py 100 --quick --mamba-path /none --shadows bf16,fp8 --batches 32,64,256
+pair olk bench_kda.py 90 --batches 32,256 --fla-path /none
+pair olg bench_gdn.py 80 --batches 32,64,256 --fla-path /none
 fi
 echo "== done $(left)s left"; save
