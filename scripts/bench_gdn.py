@@ -65,7 +65,7 @@ from trtllm_replayssm import (  # noqa: E402
 from trtllm_replayssm.config import SUPPORTED_NUM_TOKENS  # noqa: E402
 from trtllm_replayssm.families.gdn import config  # noqa: E402  (the GDN planner: monkeypatched by the sweeps)
 from trtllm_replayssm.families.gdn import ops as gdn_ops  # noqa: E402
-from trtllm_replayssm.geometries import GDN_GEOMETRIES  # noqa: E402
+from trtllm_replayssm.geometries import GDN_GEOMETRIES, GDN_MODELS  # noqa: E402
 from trtllm_replayssm.timing import copy_ceiling_tbps, graph_time_us  # noqa: E402
 
 ROTATE_BYTES = 512 << 20
@@ -73,7 +73,7 @@ MAX_ROTATIONS = 64
 QWEN3_NEXT = dict(zip(("HV", "H", "V", "K"), GDN_GEOMETRIES["qwen3_next_80b"]))  # (32, 16, 128, 128)
 
 
-def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
+def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT, ordered_cycle: bool = False, layers: int | None = None):
     HV, H, V, K = geom["HV"], geom["H"], geom["V"], geom["K"]
     act = torch.bfloat16
     R = max(1, min(MAX_ROTATIONS, math.ceil(ROTATE_BYTES / (costs.gdn_state_bytes(HV, V, K) * batch))))
@@ -109,15 +109,20 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
 
     def replay(sh, ordered=False):
         """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel
-        (cursor_ops.flush_order, once a model step in serving; here once a launch, its cost included)."""
+        (cursor_ops.flush_order, once a model step in serving; here once a launch, its cost included); "pre": the
+        row-order module on the orders as they are (:func:`order_all` before the timing)."""
         def fn():
             for r in range(R):
-                if ordered:
+                if ordered is True:
                     cursor_ops.flush_order(cursor, sbis[r], L, out=orders[r], check_values=False)
                 gdn_ops.gdn_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, u_cache, v_cache, k_cache, g_cache,
                                           beta_cache, cursor, sbis[r], out=y, shadow=sh, check_values=False,
                                           row_order=orders[r] if ordered else None)
         return fn
+
+    def order_all():
+        for r in range(R):
+            cursor_ops.flush_order(cursor, sbis[r], L, out=orders[r], check_values=False)
 
     if FLA is not None:  # the peer, on the same inputs: checked against our conventional kernel, then timed
         sts = [state[sbis[r].long()].transpose(-1, -2).contiguous() for r in range(R)]  # (batch, HV, K, V)
@@ -162,6 +167,13 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT):
         mixed_ff_us = graph_time_us(replay(sh), R)[0]
         _, bk = costs.gdn_bytes_per_position(HV, H, V, K, L, 2, 4, 2 if sh is not None else None)
         timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us, mixed_ord_us)
+        if ordered_cycle:  # the row-order module's lockstep cycle, its order made once before (a serving step's)
+            per_k_ro = []
+            for k in range(1, L + 1):
+                cursor.fill_(k - 1)
+                order_all()
+                per_k_ro.append(graph_time_us(replay(sh, ordered="pre"), R)[0])
+            timing.add_ordered_cycle(row, name, per_k_ro, graph_time_us(order_all, R)[0], layers)
     if FLA is not None and isinstance(fla_check, str):
         row["fla_error"] = fla_check
     elif FLA is not None:
@@ -343,6 +355,10 @@ def main():
                     help="1: pin every shadow module to one pass per block (the A/B baseline of GDNSpec.passes)")
     ap.add_argument("--replay-rt", choices=("auto", "1", "2", "4"), default="auto",
                     help="pin the replay modules' state rows per thread (a sweep of the planner's small-batch rule)")
+    ap.add_argument("--ordered-cycle", action="store_true",
+                    help="also each variant's lockstep cycle through its row-order module, the order made once before "
+                         "the timed launches (a serving step makes it once for all layers): ro fields, the order's "
+                         "share over the model's GDN layers included in ro x conv step")
     ap.add_argument("--replay-shape", default="",
                     help="LANES:RT:WARPS[:RESIDENT] (- keeps the planner's): pin the replay modules' lanes per row, "
                          "rows per thread, warps per block and resident threads per SM")
@@ -387,7 +403,8 @@ def main():
     meta["fla"] = None if FLA is None else json.loads((args.fla_path / "PEER.json").read_text())
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
-        row = bench_point(b, args.L, geom=geom)
+        row = bench_point(b, args.L, geom=geom, ordered_cycle=args.ordered_cycle,
+                          layers=GDN_MODELS[args.geom].gdn_layers if args.geom in GDN_MODELS else None)
         timing.add_ceiling_pcts(row, ceiling)
         rows.append(row)
         print("RESULT_JSON " + json.dumps({"kind": "row", **meta, **row}), flush=True)
@@ -406,7 +423,8 @@ def main():
               + " | " + timing.mixed_cells(r)
               + (f" | fla {r['fla_us']:7.1f} us ({r['pct_ceiling_fla']:4.1f}%, check {r['fla_check_rel']:.1e}), "
                  f"replay x fla {r['f32_speedup_vs_fla']:.2f} / {r['bf16shadow_speedup_vs_fla']:.2f}"
-                 if "fla_us" in r else ""))
+                 if "fla_us" in r else "")
+              + (" | " + timing.ordered_cells(r) if "order_us" in r else ""))
 
 
 if __name__ == "__main__":

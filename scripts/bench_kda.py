@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 
 from trtllm_replayssm import costs, cursor_ops, timing  # noqa: E402
 from trtllm_replayssm.families.gdn.config import override as gdn_override  # noqa: E402
-from trtllm_replayssm.families.kda import GEOMETRIES  # noqa: E402
+from trtllm_replayssm.families.kda import GEOMETRIES, MODELS  # noqa: E402
 from trtllm_replayssm.families.kda import ops as kops  # noqa: E402
 from trtllm_replayssm.families.kda.config import kda_geometry, kda_vk_spec, override  # noqa: E402
 from trtllm_replayssm.families.kda.layers import ring_dtype  # noqa: E402
@@ -253,9 +253,12 @@ def _bench_conv_resident(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, res
 
 
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
-                peer: bool = True, vk: bool = False, conv_resident: tuple[int, ...] = ()) -> dict:
+                peer: bool = True, vk: bool = False, conv_resident: tuple[int, ...] = (),
+                ordered_cycle: bool = False) -> dict:
     """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla;
-    ``vk``: the (V, K) conventional step's fields (the layout experiment)."""
+    ``vk``: the (V, K) conventional step's fields (the layout experiment); ``ordered_cycle``: also each variant's
+    lockstep cycle through its row-order module, the order made once before the timed launches
+    (:func:`timing.add_ordered_cycle`, the order's share over the model's KDA layers)."""
     H, K, V = GEOMETRIES[geom]
     lb = LOWER_BOUND.get(geom)
     act = torch.bfloat16
@@ -293,17 +296,22 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
 
     def replay(sh, ordered=False):
         """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel
-        (cursor_ops.flush_order, once a model step in serving; here once a launch, its cost included)."""
+        (cursor_ops.flush_order, once a model step in serving; here once a launch, its cost included); "pre": the
+        row-order module on the orders as they are (``order_all`` before the timing)."""
         def fn():
             with override(passes=SHADOW_PASSES if sh is not None and SHADOW_PASSES > 1 else None):
                 for r in range(R):
-                    if ordered:
+                    if ordered is True:
                         cursor_ops.flush_order(cursor, sbis[r], L, out=orders[r], check_values=False)
                     kops.kda_replay_decode(*ins[r % len(ins)], A_log, dt_bias, state, k_cache,
                                            u_rings[None if sh is None else sh.dtype], g_cache, v_cache,
                                            beta_cache, cursor, sbis[r], out=y, shadow=sh, lower_bound=lb,
                                            check_values=False, row_order=orders[r] if ordered else None)
         return fn
+
+    def order_all():
+        for r in range(R):
+            cursor_ops.flush_order(cursor, sbis[r], L, out=orders[r], check_values=False)
 
     row = dict(geom=geom, H=H, K=K, V=V, L=L, batch=batch, rotations=R, act="bf16", lower_bound=lb,
                geometry=kda_geometry(H, K, V, batch), conv_geometry=kda_geometry(H, K, V, batch, conventional=True))
@@ -355,6 +363,14 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
         mixed_ff_us = graph_time_us(replay(sh), R)[0]
         _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16" if sh is not None else None)
         timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us, mixed_ord_us)
+        if ordered_cycle:  # the row-order module's lockstep cycle, its order made once before (a serving step's)
+            per_k_ro = []
+            for k in range(1, L + 1):
+                cursor.fill_(k - 1)
+                order_all()
+                per_k_ro.append(graph_time_us(replay(sh, ordered="pre"), R)[0])
+            layers = MODELS.get(geom.rsplit("_tp", 1)[0], (None,) * 4)[3]
+            timing.add_ordered_cycle(row, name, per_k_ro, graph_time_us(order_all, R)[0], layers)
         row[f"{name}_bound_ratio"] = conv_b * batch / row[f"{name}_bytes_amortized"]
         row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
         if "fla_us" in row:
@@ -377,6 +393,10 @@ def main():
     ap.add_argument("--L", type=int, default=16)
     ap.add_argument("--tag", default="kda-kernels")
     ap.add_argument("--fla-path", type=pathlib.Path, default=ROOT / "third_party" / "fla_peer")
+    ap.add_argument("--ordered-cycle", action="store_true",
+                    help="also each variant's lockstep cycle through its row-order module, the order made once before "
+                         "the timed launches (a serving step makes it once for all layers): ro fields, the order's "
+                         "share over the model's KDA layers included in ro x conv step")
     ap.add_argument("--sweep", default="", help="launch shapes col_lanes:warps[:resident],... timed at positions 1, "
                     "L/2, L for the first geometry at the smallest and largest batch (rows of kind 'sweep'); resident: "
                     "KDASpec.resident (threads an SM the register budget is set for), default the module's")
@@ -436,7 +456,7 @@ def main():
     for geom in geoms:
         for b in ([] if args.sweep_only else batches):
             row = bench_point(geom, b, args.L, vk=args.vk, ks=[] if args.conv_only else None,
-                              conv_resident=conv_resident)
+                              conv_resident=conv_resident, ordered_cycle=args.ordered_cycle)
             timing.add_ceiling_pcts(row, ceiling, names=() if args.conv_only else ("f32", "bf16shadow"))
             for res in conv_resident:
                 row[f"pct_ceiling_conv_r{res}"] = 100 * row["bytes_conv"] / row[f"conv_r{res}_us"] / 1e6 / ceiling
@@ -482,7 +502,8 @@ def main():
                            for n in ("f32", "bf16shadow"))
               + " | " + timing.mixed_cells(r)
               + (f" | fla {r['fla_us']:7.1f} us (check {r['fla_check_rel']:.1e}) x fla {r['f32_speedup_vs_fla']:.2f}"
-                 if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else "")))
+                 if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else ""))
+              + (" | " + timing.ordered_cells(r) if "order_us" in r else ""))
     for r in rows:
         for res in conv_resident:
             print(f"conv r{res} {r['geom']} bs{r['batch']}: {r[f'conv_r{res}_us']:.1f} us "

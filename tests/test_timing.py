@@ -129,3 +129,16 @@ def test_add_replay_cycle_fields_and_the_mixed_launch():
         100 * ff["f32_tbps_mixed_ff"] / 2.0)
     with pytest.raises(ValueError, match="bytes_at"):
         timing.add_replay_cycle(dict(conv_us=2.0), "f32", per_k, {1: 1, 2: 1, 3: 1}, batch)
+
+
+def test_add_ordered_cycle_fields_and_the_orders_share():
+    """The row-order module's lockstep cycle beside the plain one: its amortized step and x conv, and with the model's
+    layer count the order's own launch shared by them."""
+    row = timing.add_ordered_cycle(dict(conv_us=4.0), "f32", [2.0, 2.0, 4.0, 4.0], order_us=3.0, layers=30)
+    assert row["order_us"] == 3.0 and row["f32_ro_us_amortized"] == 3.0 and row["f32_ro_us_flush"] == 4.0
+    assert row["f32_ro_speedup_vs_conv"] == 4.0 / 3.0 and row["f32_ro_speedup_vs_conv_step"] == 4.0 / 3.1
+    assert row["f32_ro_flush_over_conv"] == 1.0 and row["order_layers"] == 30
+    assert timing.ordered_cells(row, ("f32",)) == "ro: order 3.0 us; f32 2.0 / 4.0 / 3.0 (1.29)"
+    bare = timing.add_ordered_cycle(dict(conv_us=4.0), "f32", [2.0, 4.0], order_us=3.0)
+    assert "f32_ro_speedup_vs_conv_step" not in bare and timing.ordered_cells(bare, ("f32",)).endswith("(1.33)")
+    assert timing.ordered_cells(dict(conv_us=1.0)) == ""

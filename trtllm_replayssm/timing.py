@@ -115,6 +115,36 @@ def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, b
     return row
 
 
+def add_ordered_cycle(row: dict, name: str, per_k: list[float], order_us: float, layers: int | None = None) -> dict:
+    """The lockstep cycle of a variant's row-order module (``per_k``: µs at k = 1..L, its order computed before the
+    timed launches, as a serving step computes it once for all its recurrent layers) beside the plain cycle of
+    :func:`add_replay_cycle`: fields ``<name>_ro_us_k``, ``_ro_us_k1``, ``_ro_us_flush``, ``_ro_us_amortized``,
+    ``_ro_speedup_vs_conv``, ``_ro_flush_over_conv``; ``order_us`` the order kernel's own launch (``order_us``); with
+    ``layers`` (the model's recurrent layers sharing one order a step) also ``_ro_speedup_vs_conv_step``, the
+    conventional step over the amortized step plus the order's share."""
+    L = len(per_k)
+    amort = sum(per_k) / L
+    row["order_us"] = order_us
+    row[f"{name}_ro_us_k"] = list(per_k)
+    row[f"{name}_ro_us_k1"], row[f"{name}_ro_us_flush"], row[f"{name}_ro_us_amortized"] = per_k[0], per_k[-1], amort
+    row[f"{name}_ro_speedup_vs_conv"] = row["conv_us"] / amort
+    row[f"{name}_ro_flush_over_conv"] = per_k[-1] / row["conv_us"]
+    if layers:
+        row["order_layers"] = layers
+        row[f"{name}_ro_speedup_vs_conv_step"] = row["conv_us"] / (amort + order_us / layers)
+    return row
+
+
+def ordered_cells(row: dict, names=("f32", "bf16shadow")) -> str:
+    """The benchmark tables' row-order column (:func:`add_ordered_cycle`): each variant's k = 1, flush and amortized
+    µs and x conv (with the order's share where the model's layer count is known)."""
+    if "order_us" not in row:
+        return ""
+    cells = [f"{n} {row[f'{n}_ro_us_k1']:.1f} / {row[f'{n}_ro_us_flush']:.1f} / {row[f'{n}_ro_us_amortized']:.1f} "
+             f"({row.get(f'{n}_ro_speedup_vs_conv_step', row[f'{n}_ro_speedup_vs_conv']):.2f})" for n in names]
+    return f"ro: order {row['order_us']:.1f} us; " + ", ".join(cells)
+
+
 def mixed_cells(row: dict, names=("f32", "bf16shadow")) -> str:
     """The benchmark tables' mixed column: each variant's mixed launch, then (where timed) the same positions with
     the flushing rows first ("ff") and the launch behind the device's order kernel ("ord"), "us (x conv)"."""
