@@ -168,12 +168,7 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT, ordered_cycle: bool = Fals
         _, bk = costs.gdn_bytes_per_position(HV, H, V, K, L, 2, 4, 2 if sh is not None else None)
         timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us, mixed_ord_us)
         if ordered_cycle:  # the row-order module's lockstep cycle, its order made once before (a serving step's)
-            per_k_ro = []
-            for k in range(1, L + 1):
-                cursor.fill_(k - 1)
-                order_all()
-                per_k_ro.append(graph_time_us(replay(sh, ordered="pre"), R)[0])
-            timing.add_ordered_cycle(row, name, per_k_ro, graph_time_us(order_all, R)[0], layers)
+            timing.time_ordered_cycle(row, name, cursor, L, order_all, replay(sh, ordered="pre"), R, layers)
     if FLA is not None and isinstance(fla_check, str):
         row["fla_error"] = fla_check
     elif FLA is not None:

@@ -364,13 +364,8 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
         _, bk = costs.kda_bytes_per_position(H, K, V, L, shadow="bf16" if sh is not None else None)
         timing.add_replay_cycle(row, name, per_k, bk, batch, mixed_us, mixed_ff_us, mixed_ord_us)
         if ordered_cycle:  # the row-order module's lockstep cycle, its order made once before (a serving step's)
-            per_k_ro = []
-            for k in range(1, L + 1):
-                cursor.fill_(k - 1)
-                order_all()
-                per_k_ro.append(graph_time_us(replay(sh, ordered="pre"), R)[0])
             layers = MODELS.get(geom.rsplit("_tp", 1)[0], (None,) * 4)[3]
-            timing.add_ordered_cycle(row, name, per_k_ro, graph_time_us(order_all, R)[0], layers)
+            timing.time_ordered_cycle(row, name, cursor, L, order_all, replay(sh, ordered="pre"), R, layers)
         row[f"{name}_bound_ratio"] = conv_b * batch / row[f"{name}_bytes_amortized"]
         row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
         if "fla_us" in row:

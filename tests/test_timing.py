@@ -142,3 +142,27 @@ def test_add_ordered_cycle_fields_and_the_orders_share():
     bare = timing.add_ordered_cycle(dict(conv_us=4.0), "f32", [2.0, 4.0], order_us=3.0)
     assert "f32_ro_speedup_vs_conv_step" not in bare and timing.ordered_cells(bare, ("f32",)).endswith("(1.33)")
     assert timing.ordered_cells(dict(conv_us=1.0)) == ""
+
+
+def test_time_ordered_cycle_makes_the_order_before_each_position(monkeypatch):
+    """Each position: the cursor set, the orders made (outside the timing), then the module's graph timed; the order's
+    own graph last."""
+    import torch
+
+    seen = []
+    cursor = torch.zeros(3, dtype=torch.int32)
+
+    def order_all():
+        seen.append(("order", int(cursor[0])))
+
+    def replay():
+        pass
+
+    def fake_time(fn, launches, reps=20):
+        seen.append(("time", "replay" if fn is replay else "order", launches))
+        return (1.0 + len(seen), 0.0)
+
+    monkeypatch.setattr(timing, "graph_time_us", fake_time)
+    row = timing.time_ordered_cycle(dict(conv_us=8.0), "f32", cursor, 2, order_all, replay, 5, layers=4)
+    assert seen == [("order", 0), ("time", "replay", 5), ("order", 1), ("time", "replay", 5), ("time", "order", 5)]
+    assert row["f32_ro_us_k"] == [3.0, 5.0] and row["order_us"] == 6.0 and row["f32_ro_speedup_vs_conv_step"] == 8.0 / 5.5

@@ -135,6 +135,19 @@ def add_ordered_cycle(row: dict, name: str, per_k: list[float], order_us: float,
     return row
 
 
+def time_ordered_cycle(row: dict, name: str, cursor, L: int, order_all, replay, rotations: int,
+                       layers: int | None = None) -> dict:
+    """Time a variant's row-order cycle and add it (:func:`add_ordered_cycle`): at each position k the cursor at
+    k - 1, ``order_all()`` (the orders of every rotation, outside the timing), then ``replay`` (the row-order module on
+    them, a graph of ``rotations`` launches); the order kernel's own launch timed as ``order_all``'s graph."""
+    per_k = []
+    for k in range(1, L + 1):
+        cursor.fill_(k - 1)
+        order_all()
+        per_k.append(graph_time_us(replay, rotations)[0])
+    return add_ordered_cycle(row, name, per_k, graph_time_us(order_all, rotations)[0], layers)
+
+
 def ordered_cells(row: dict, names=("f32", "bf16shadow")) -> str:
     """The benchmark tables' row-order column (:func:`add_ordered_cycle`): each variant's k = 1, flush and amortized
     µs and x conv (with the order's share where the model's layer count is known)."""
