@@ -110,7 +110,7 @@ def bench_point(batch, L=16, seed=0, geom=QWEN3_NEXT, ordered_cycle: bool = Fals
     def replay(sh, ordered=False):
         """The replay step of every rotation; ``ordered``: each launch behind the flush-first order kernel
         (cursor_ops.flush_order, once a model step in serving; here once a launch, its cost included); "pre": the
-        row-order module on the orders as they are (:func:`order_all` before the timing)."""
+        row-order module on the orders as they are (``order_all`` before the timing)."""
         def fn():
             for r in range(R):
                 if ordered is True:
