@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from . import compile as _compile
-from .cursor import ORDER_COLUMNS
+from .cursor import ORDER_COLUMNS, check_row_order
 
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -153,8 +153,10 @@ def values_checked(check_values: bool | None) -> bool:
     return check_values if check_values is not None else not capturing()
 
 
-def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.Tensor | None, L: int) -> None:
-    """Value checks that need a device->host copy (skipped while capturing a CUDA graph)."""
+def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.Tensor | None, L: int,
+                  row_order: torch.Tensor | None = None) -> None:
+    """Value checks that need a device->host copy (skipped while capturing a CUDA graph); with ``row_order``, also
+    that it is the rows' order with their slots and cursors (:func:`.cursor.check_row_order`)."""
     sbi = state_batch_indices.cpu()
     bad = sbi[(sbi < -1) | (sbi >= nslots)]
     if bad.numel():
@@ -170,6 +172,8 @@ def check_indices(state_batch_indices: torch.Tensor, nslots: int, cursor: torch.
         if bad.any():
             raise ValueError(f"cursor: expected values in [0, {L}) for the rows' slots, got {cur[bad].tolist()[:8]} "
                              f"(slots {used[bad].tolist()[:8]})")
+    if row_order is not None:
+        check_row_order(row_order, state_batch_indices, cursor)
 
 def check_rank(t, name: str, ndim: int, want: str) -> None:
     if not isinstance(t, torch.Tensor):

@@ -94,16 +94,12 @@ def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, b
     L = len(per_k)
     if sorted(bytes_at) != list(range(1, L + 1)):
         raise ValueError(f"bytes_at: expected the positions 1..{L} of per_k, got {sorted(bytes_at)}")
-    amort = sum(per_k) / L
+    amort = _cycle_times(row, name, per_k)
     bytes_amort = sum(bytes_at.values()) / L * batch
-    row[f"{name}_us_k"] = list(per_k)
-    row[f"{name}_us_k1"], row[f"{name}_us_flush"], row[f"{name}_us_amortized"] = per_k[0], per_k[-1], amort
     row[f"{name}_bytes_amortized"] = bytes_amort
     row[f"{name}_tbps"] = bytes_amort / amort / 1e6
     row[f"{name}_tbps_k1"] = bytes_at[1] * batch / per_k[0] / 1e6
     row[f"{name}_tbps_flush"] = bytes_at[L] * batch / per_k[-1] / 1e6
-    row[f"{name}_speedup_vs_conv"] = row["conv_us"] / amort
-    row[f"{name}_flush_over_conv"] = per_k[-1] / row["conv_us"]
     for tag, us in (("mixed", mixed_us), ("mixed_ff", mixed_ff_us), ("mixed_ord", mixed_ord_us)):
         if us is None:
             continue
@@ -115,6 +111,17 @@ def add_replay_cycle(row: dict, name: str, per_k: list[float], bytes_at: dict, b
     return row
 
 
+def _cycle_times(row: dict, prefix: str, per_k: list[float]) -> float:
+    """A lockstep cycle's time fields ``<prefix>_``: ``us_k``, ``us_k1``, ``us_flush``, ``us_amortized`` (the mean),
+    ``speedup_vs_conv`` and ``flush_over_conv`` (against the row's ``conv_us``); returns the amortized step."""
+    amort = sum(per_k) / len(per_k)
+    row[f"{prefix}_us_k"] = list(per_k)
+    row[f"{prefix}_us_k1"], row[f"{prefix}_us_flush"], row[f"{prefix}_us_amortized"] = per_k[0], per_k[-1], amort
+    row[f"{prefix}_speedup_vs_conv"] = row["conv_us"] / amort
+    row[f"{prefix}_flush_over_conv"] = per_k[-1] / row["conv_us"]
+    return amort
+
+
 def add_ordered_cycle(row: dict, name: str, per_k: list[float], order_us: float, layers: int | None = None) -> dict:
     """The lockstep cycle of a variant's row-order module (``per_k``: µs at k = 1..L, its order computed before the
     timed launches, as a serving step computes it once for all its recurrent layers) beside the plain cycle of
@@ -122,13 +129,8 @@ def add_ordered_cycle(row: dict, name: str, per_k: list[float], order_us: float,
     ``_ro_speedup_vs_conv``, ``_ro_flush_over_conv``; ``order_us`` the order kernel's own launch (``order_us``); with
     ``layers`` (the model's recurrent layers sharing one order a step) also ``_ro_speedup_vs_conv_step``, the
     conventional step over the amortized step plus the order's share."""
-    L = len(per_k)
-    amort = sum(per_k) / L
+    amort = _cycle_times(row, f"{name}_ro", per_k)
     row["order_us"] = order_us
-    row[f"{name}_ro_us_k"] = list(per_k)
-    row[f"{name}_ro_us_k1"], row[f"{name}_ro_us_flush"], row[f"{name}_ro_us_amortized"] = per_k[0], per_k[-1], amort
-    row[f"{name}_ro_speedup_vs_conv"] = row["conv_us"] / amort
-    row[f"{name}_ro_flush_over_conv"] = per_k[-1] / row["conv_us"]
     if layers:
         row["order_layers"] = layers
         row[f"{name}_ro_speedup_vs_conv_step"] = row["conv_us"] / (amort + order_us / layers)

@@ -71,7 +71,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ... import cursor as cursor_rules
 from ... import cursor_ops
 from ...config import DTYPE_CODES, SUPPORTED_DSTATE, SUPPORTED_HEADDIM, SUPPORTED_NUM_TOKENS
 from ...launch import (
@@ -201,9 +200,7 @@ def gdn_replay_decode(q, k, v, a, b, A_log, dt_bias, state, u_cache, v_cache, k_
                              + [row_order_arg(row_order)])
     _check_geometry(sizes, q, v)
     if values_checked(check_values):
-        check_indices(state_batch_indices, S, cursor, L)
-        if row_order is not None:
-            cursor_rules.check_row_order(row_order, state_batch_indices, cursor)
+        check_indices(state_batch_indices, S, cursor, L, row_order)
     require_cuda(q, "q")
     y = torch.empty_like(v) if out is None else out
     if batch == 0:

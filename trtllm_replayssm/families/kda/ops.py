@@ -52,7 +52,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ... import cursor as cursor_rules
 from ... import cursor_ops
 from ...config import DTYPE_CODES, SUPPORTED_NUM_TOKENS
 from ...launch import (
@@ -184,9 +183,7 @@ def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cach
                                      shadow_dims=state_dims)
                         + [row_order_arg(row_order)], _check_sizes)
     if values_checked(check_values):
-        check_indices(state_batch_indices, S, cursor, L)
-        if row_order is not None:
-            cursor_rules.check_row_order(row_order, state_batch_indices, cursor)
+        check_indices(state_batch_indices, S, cursor, L, row_order)
     require_cuda(q, "q")
     return batch, H, K, V, S, L, dev, torch.empty_like(v) if out is None else out
 

@@ -87,7 +87,6 @@ import numbers
 import numpy as np
 import torch
 
-from ... import cursor as cursor_rules
 from ...config import (
     CKPT8,
     CKPT8_DTYPE,
@@ -267,9 +266,7 @@ def replay_decode(x, B, C, dt, dt_bias, A, D, state, x_cache, B_cache, dt_cache,
              + [row_order_arg(row_order)])
     kind = "none" if ckpt8 else shadow_kind(shadow, shadow_scale, state)
     if values_checked(check_values):
-        check_indices(state_batch_indices, S, cursor, L)
-        if row_order is not None:
-            cursor_rules.check_row_order(row_order, state_batch_indices, cursor)
+        check_indices(state_batch_indices, S, cursor, L, row_order)
     require_cuda(x)
     y = torch.empty_like(x) if out is None else out
     if batch == 0:
