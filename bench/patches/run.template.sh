@@ -12,7 +12,9 @@
 # ROS (RO for a short budget: the order's GPU tests instead of the whole suite, then the benchmarks, then sanitizers),
 # OL (the longest-first order patch: the order's GPU tests and the order kernel's sanitizers on the patched tree, then
 # main's and the patch's benchmarks in one call: the ord columns, Mamba-2, KDA, GDN), OC (the row-order modules'
-# lockstep cycle at small batch, --ordered-cycle of bench_kda and bench_gdn: the order made once a step).
+# lockstep cycle at small batch, --ordered-cycle of bench_kda and bench_gdn: the order made once a step, then LS),
+# LS (the KDA and GDN steps at ring lengths LSL (default 4 8) and batches LSBATCH (default 1,8,32): where a short ring
+# pays at small batch).
 # RO's environment: ROSAN=1 (also the KDA and GDN row-order sanitizers), ROKDA / ROGDN / ROKERNELS (the benchmarks'
 # batches / bench_kernels' arguments).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
@@ -21,8 +23,8 @@ cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
-  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";; OL) STEPS="ol1 ol2";; OC) STEPS="oc";;
-  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO or RO2 (see the head of this file)"; exit 2;; esac
+  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";; OL) STEPS="ol1 ol2";; OC) STEPS="oc ls";; LS) STEPS="ls";;
+  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO, RO2, ROS, OL, OC or LS (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -178,5 +180,15 @@ echo "== oc ordered cycles at small batch $(left)s left"
   --fla-path /none --out /tmp/r --tag kda-ordered-cycle > /tmp/r/oc-kda.txt 2>&1; grep -v RESULT_JSON /tmp/r/oc-kda.txt | tail -8; save
 [ $(left) -gt 45 ] && new timeout $(cap 150 5) python3 scripts/bench_gdn.py --ordered-cycle --batches ${OCGDN:-1,8,32} \
   --fla-path /none --out /tmp/r --tag gdn-ordered-cycle > /tmp/r/oc-gdn.txt 2>&1; grep -v RESULT_JSON /tmp/r/oc-gdn.txt | tail -6; save
+fi
+# ---- LS: the ring length at small batch (issue 37's "where replay loses (batch, L)"; main's tree, same call as OC's L = 16)
+if want ls; then
+echo "== ls ring length ${LSL:-4 8} at batch ${LSBATCH:-1,8,32} $(left)s left"
+for L in ${LSL:-4 8}; do
+[ $(left) -gt 50 ] && new timeout $(cap 110 40) python3 scripts/bench_kda.py --L $L --batches ${LSBATCH:-1,8,32} \
+  --fla-path /none --out /tmp/r --tag kda-L$L > /tmp/r/ls-kda-L$L.txt 2>&1; grep -v RESULT_JSON /tmp/r/ls-kda-L$L.txt | tail -7; save
+[ $(left) -gt 40 ] && new timeout $(cap 80 5) python3 scripts/bench_gdn.py --L $L --batches ${LSBATCH:-1,8,32} \
+  --fla-path /none --out /tmp/r --tag gdn-L$L > /tmp/r/ls-gdn-L$L.txt 2>&1; grep -v RESULT_JSON /tmp/r/ls-gdn-L$L.txt | tail -6; save
+done
 fi
 echo "== done $(left)s left"; save
