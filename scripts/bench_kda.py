@@ -232,28 +232,43 @@ def _bench_vk(row, state, ins, sbis, A_log, dt_bias, lb, y, R, rings=None, curso
         _bench_vk_replay(row, state_vk, state, rings, cursor, ins, sbis, A_log, dt_bias, lb, y, R)
 
 
-def _bench_conv_resident(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, residents):
-    """The conventional step's module pinned at other register budgets (``KDASpec.resident``: threads an SM): its
-    outputs and state against the planned module's, bit for bit (the same arithmetic; only ptxas' register budget
-    differs), then timed like it: fields ``conv_r<N>_{bitequal,us,spread_us,speedup}``."""
-    if not residents:
-        return
-    want_st = state.clone()
-    want = kops.kda_conventional_step(*ins[0], A_log, dt_bias, want_st, sbis[0], lower_bound=lb, check_values=False)
-    for res in residents:
-        got_st = state.clone()
-        with override(resident=res):
-            got = kops.kda_conventional_step(*ins[0], A_log, dt_bias, got_st, sbis[0], lower_bound=lb,
-                                             check_values=False)
-            row[f"conv_r{res}_us"], row[f"conv_r{res}_spread_us"] = graph_time_us(conv, R)
-        row[f"conv_r{res}_bitequal"] = bool(torch.equal(got, want) and torch.equal(got_st, want_st))
-        row[f"conv_r{res}_speedup"] = row["conv_us"] / row[f"conv_r{res}_us"]
-        del got_st
-    del want_st
+def conv_variants(residents: tuple[int, ...], bulk_shapes: tuple[tuple[int, ...], ...]) -> list[tuple]:
+    """(tag, pins, reference pins) of the conventional step's pinned modules a row times: ``r<N>`` the planned module at
+    KDASpec.resident N (reference: the planned module; only ptxas' register budget differs); for each bulk shape
+    (col_lanes, warps[, resident]) the one-shot step at that shape ``<cl>x<w>`` (reference: the planned module, so not
+    bit-equal where the shape differs) and ``bulk<cl>x<w>[r<N>]``, KDASpec.bulk (reference: the one-shot step at the
+    same shape: the same arithmetic in the same order)."""
+    out = [(f"r{res}", dict(resident=res), {}) for res in residents]
+    for cl, w, *res in bulk_shapes:
+        shape = dict(col_lanes=cl, warps=w)
+        if f"{cl}x{w}" not in [t for t, _, _ in out]:
+            out.append((f"{cl}x{w}", shape, {}))
+        out.append((f"bulk{cl}x{w}" + (f"r{res[0]}" if res else ""), dict(shape, bulk=True, resident=res[0] if res
+                                                                               else None), shape))
+    return out
+
+
+def _bench_conv_pinned(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, variants):
+    """The conventional step's pinned modules (:func:`conv_variants`): each one's outputs and state against its
+    reference's, bit for bit (``conv_<tag>_bitequal``), then timed like the planned step: fields
+    ``conv_<tag>_{us,spread_us,speedup}`` (speedup: the planned step's time over this one)."""
+    def step(pins):
+        st = state.clone()
+        with override(**pins):
+            y = kops.kda_conventional_step(*ins[0], A_log, dt_bias, st, sbis[0], lower_bound=lb, check_values=False)
+        return y, st
+
+    for tag, pins, ref in variants:
+        (want, want_st), (got, got_st) = step(ref), step(pins)
+        with override(**pins):
+            row[f"conv_{tag}_us"], row[f"conv_{tag}_spread_us"] = graph_time_us(conv, R)
+        row[f"conv_{tag}_bitequal"] = bool(torch.equal(got, want) and torch.equal(got_st, want_st))
+        row[f"conv_{tag}_speedup"] = row["conv_us"] / row[f"conv_{tag}_us"]
+        del want_st, got_st
 
 
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
-                peer: bool = True, vk: bool = False, conv_resident: tuple[int, ...] = (),
+                peer: bool = True, vk: bool = False, conv_pins: list[tuple] = (),
                 ordered_cycle: bool = False) -> dict:
     """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla;
     ``vk``: the (V, K) conventional step's fields (the layout experiment); ``ordered_cycle``: also each variant's
@@ -347,7 +362,7 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
     row["conv_us"], row["conv_spread_us"] = graph_time_us(conv, R)
     row["bytes_conv"] = conv_b * batch
     row["tbps_conv"] = row["bytes_conv"] / row["conv_us"] / 1e6
-    _bench_conv_resident(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, conv_resident)
+    _bench_conv_pinned(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, conv_pins)
     for name, sh in (("f32", None), ("bf16shadow", shadow)):
         per_k = []
         for k in (range(1, L + 1) if ks is None else ks):
@@ -409,6 +424,9 @@ def main():
     ap.add_argument("--conv-resident", default="", help="also the conventional step's module at these "
                     "KDASpec.resident values (threads an SM its register budget is set for), comma-separated: fields "
                     "conv_r<N>_*, checked bit for bit against the planned module")
+    ap.add_argument("--conv-bulk", default="", help="also the conventional step as a persistent stream (KDASpec.bulk) "
+                    "at these launch shapes col_lanes:warps[:resident],... beside the one-shot step at the same shape: "
+                    "fields conv_bulk<cl>x<w>_* (checked bit for bit against conv_<cl>x<w>, the one-shot step)")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
                     "(threads an SM the register budget is set for), comma-separated")
     args = ap.parse_args()
@@ -424,8 +442,6 @@ def main():
         ap.error(f"--geoms: expected names of {sorted(GEOMETRIES)}, got {bad}")
     if not 2 <= args.L <= 16:
         ap.error(f"--L: expected 2..16, got {args.L}")
-    if not torch.cuda.is_available():
-        sys.exit("bench_kda.py needs a CUDA GPU")
     global FLA, VK_SHAPES, SHADOW_PASSES
     try:
         VK_SHAPES = [tuple(int(x) for x in t.split(":")) for t in args.vk_shapes.split(",") if t.strip()]
@@ -439,6 +455,15 @@ def main():
             raise ValueError
     except ValueError:
         ap.error(f"--conv-resident: expected comma-separated thread counts >= 32, got {args.conv_resident!r}")
+    try:
+        bulk_shapes = tuple(tuple(int(t) for t in x.split(":")) for x in args.conv_bulk.split(",") if x.strip())
+        if any(len(sh) not in (2, 3) for sh in bulk_shapes):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--conv-bulk: expected col_lanes:warps[:resident],..., got {args.conv_bulk!r}")
+    conv_pins = conv_variants(conv_resident, bulk_shapes)
+    if not torch.cuda.is_available():  # after every flag's check
+        sys.exit("bench_kda.py needs a CUDA GPU")
     FLA = load_fla(args.fla_path)
     if args.shadow_passes not in (1, 2):
         ap.error(f"--shadow-passes: expected 1 or 2, got {args.shadow_passes}")
@@ -451,10 +476,10 @@ def main():
     for geom in geoms:
         for b in ([] if args.sweep_only else batches):
             row = bench_point(geom, b, args.L, vk=args.vk, ks=[] if args.conv_only else None,
-                              conv_resident=conv_resident, ordered_cycle=args.ordered_cycle)
+                              conv_pins=conv_pins, ordered_cycle=args.ordered_cycle)
             timing.add_ceiling_pcts(row, ceiling, names=() if args.conv_only else ("f32", "bf16shadow"))
-            for res in conv_resident:
-                row[f"pct_ceiling_conv_r{res}"] = 100 * row["bytes_conv"] / row[f"conv_r{res}_us"] / 1e6 / ceiling
+            for tag, _, _ in conv_pins:
+                row[f"pct_ceiling_conv_{tag}"] = 100 * row["bytes_conv"] / row[f"conv_{tag}_us"] / 1e6 / ceiling
             if args.vk:
                 row["pct_ceiling_conv_vk"] = 100 * row["tbps_conv_vk"] / ceiling
             rows.append(row)
@@ -500,11 +525,12 @@ def main():
                  if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else ""))
               + (" | " + timing.ordered_cells(r) if "order_us" in r else ""))
     for r in rows:
-        for res in conv_resident:
-            print(f"conv r{res} {r['geom']} bs{r['batch']}: {r[f'conv_r{res}_us']:.1f} us "
-                  f"({r[f'pct_ceiling_conv_r{res}']:.1f}% of the ceiling) vs planned {r['conv_us']:.1f} us "
-                  f"({r['pct_ceiling_conv']:.1f}%): x{r[f'conv_r{res}_speedup']:.3f}, bit-equal "
-                  f"{r[f'conv_r{res}_bitequal']}")
+        for tag, _, ref in conv_pins:
+            print(f"conv {tag} {r['geom']} bs{r['batch']}: {r[f'conv_{tag}_us']:.1f} us "
+                  f"({r[f'pct_ceiling_conv_{tag}']:.1f}% of the ceiling) vs planned {r['conv_us']:.1f} us "
+                  f"({r['pct_ceiling_conv']:.1f}%): x{r[f'conv_{tag}_speedup']:.3f}, bit-equal to "
+                  f"{'the ' + 'x'.join(str(ref[k]) for k in ('col_lanes', 'warps')) + ' one-shot step' if ref else 'planned'} "
+                  f"{r[f'conv_{tag}_bitequal']}")
         if "conv_vk_us" in r:
             print(f"vk {r['geom']} bs{r['batch']}: (V, K) conventional {r['conv_vk_us']:.1f} us "
                   f"({r['pct_ceiling_conv_vk']:.1f}% of the ceiling) vs (K, V) {r['conv_us']:.1f} us "

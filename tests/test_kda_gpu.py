@@ -120,6 +120,12 @@ CASES = [  # (name, (H, K, V), act, L, batch, slots, gate lower bound, l2norm, s
 ]
 
 
+def _with(case, batch, slots):
+    """``case`` at another batch and slot count (its name says so)."""
+    name, geom, act, L, _, _, *rest = case
+    return (f"{name}_bs{batch}", geom, act, L, batch, slots, *rest)
+
+
 def _sbi(batch, slots, gen):
     perm = torch.randperm(slots, generator=gen)[:batch].to(torch.int32)
     perm[1] = -1  # one padding row
@@ -234,13 +240,29 @@ CONV = [(c, None) for c in CASES[:1] + CASES[2:3] + CASES[4:6]] + [(CASES[0], (4
 
 @pytest.mark.parametrize("case, shape", CONV, ids=[c[0] + ("" if s is None else f"-C{s[0]}W{s[1]}") for c, s in CONV])
 def test_conventional_against_reference(case, shape):
-    if shape is not None:
-        with override(col_lanes=shape[0], warps=shape[1]):
-            return _conventional_against_reference(case)
-    _conventional_against_reference(case)
+    with override(*(shape or ())):
+        _conventional_against_reference(case)
+
+
+# KDASpec.bulk (kda_conventional_bulk, the conventional step as a persistent stream): against the reference, and bit for
+# bit equal to kda_conventional at the same launch shape (the same arithmetic in the same order). Batches large
+# enough that every block walks several items (grid: the resident blocks of the card), padding rows among them.
+BULK = [(_with(CASES[0], batch=40, slots=48), (2, 4)), (_with(CASES[2], batch=40, slots=44), (2, 4)),
+        (_with(CASES[4], batch=200, slots=210), (2, 1)), (_with(CASES[5], batch=120, slots=130), (2, 1))]
+
+
+@pytest.mark.parametrize("case, shape", BULK, ids=[c[0] for c, _ in BULK])
+def test_conventional_bulk_equals_the_one_shot_step(case, shape):
+    runs = []
+    for bulk in (True, False):
+        with override(*shape, bulk=bulk):
+            runs.append(_conventional_against_reference(case))
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i}: bulk and one-shot steps differ"
 
 
 def _conventional_against_reference(case):
+    """Four conventional steps against the float64 reference; returns every step's y and the final state."""
     dev = cuda()
     _, (H, K, V), act, _, batch, slots, lb, l2, _ = case
     gen = torch.Generator().manual_seed(7)
@@ -249,6 +271,7 @@ def _conventional_against_reference(case):
     sbi = _sbi(batch, slots, gen)
     st = state.to(dev)
     unused = [s for s in range(slots) if s not in sbi.tolist()]
+    outs = []
     for step in range(4):
         q, k, v, f, b = make_inputs(batch, H, K, V, act, gen, l2)
         y_ref = kref.conventional_step(state, q, k, v, f, b, A_log, dt_bias, sbi, use_qk_l2norm=l2, lower_bound=lb)
@@ -260,6 +283,8 @@ def _conventional_against_reference(case):
         assert rel(y[live], y_ref[live]) < Y_TOL[act], f"step {step}"
         assert rel(st.cpu(), state) < F32_TOL, f"step {step}"
         assert torch.equal(st.cpu()[unused], state[unused])
+        outs.append(y)
+    return [*outs, st.cpu()]
 
 
 def test_teeth():

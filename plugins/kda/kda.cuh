@@ -67,6 +67,9 @@
 #ifndef KDA_ROW_ORDER
 #define KDA_ROW_ORDER 0
 #endif
+#ifndef KDA_BULK
+#define KDA_BULK 0  // 1: the module also holds kda_conventional_bulk (KDASpec.bulk)
+#endif
 #ifndef KDA_TOKENS
 #define KDA_TOKENS 0  // 0: the decode module; T >= 1: the verify module (kda_spec.cuh), window of T tokens
 #endif
@@ -529,6 +532,12 @@ __device__ __forceinline__ void usum_apply(const Coords& c, Rows& st, UsumSmem& 
   }
 }
 
+// Channel i of this token: its tile entries (exp(g) k, exp(g) q, exp(g), raw k) and its k.k, q.q, k.q partials.
+__device__ __forceinline__ void token_channel(int i, float kt, float qt, float al, TokenSmem& tok, float (&tk)[3]) {
+  tok.ak[i] = al * kt, tok.aq[i] = al * qt, tok.al[i] = al, tok.kr[i] = kt;
+  tk[0] += kt * kt, tk[1] += qt * qt, tk[2] += kt * qt;
+}
+
 // ---- the fold + token step: the conventional step (kFlush false) and the flush (kE buffered entries) ---------
 // S <- the exact fold of the kE buffered entries (ring indices 0 .. kE - 1), then this token; y written; S stored
 // (and the shadow).
@@ -559,8 +568,7 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
     if (kK % kThreads == 0 || i < kK) {
       const float kt = to_f(a.k[in * kK + i]), qt = to_f(a.q[in * kK + i]);
       const float al = expf(gate(to_f(a.f[in * kK + i]), __ldg(a.dt_bias + (size_t)c.h * kK + i), A));
-      sm.tok.ak[i] = al * kt, sm.tok.aq[i] = al * qt, sm.tok.al[i] = al, sm.tok.kr[i] = kt;
-      tk[0] += kt * kt, tk[1] += qt * qt, tk[2] += kt * qt;
+      token_channel(i, kt, qt, al, sm.tok, tk);
       if constexpr (kUsum) usum_channel(a, hs, i, ru, sm);
       else if constexpr (kFlush) fold_channel(a, hs, i, kE, 0, sm);
     }
@@ -597,11 +605,9 @@ __device__ __forceinline__ void fold_step(const Args& a, const Coords& c, int sl
 }
 
 // This token on the folded rows (the flush) or the checkpoint's (the conventional step): the two dots of
-// Diag(exp g) S, then u, y, the rank-1 update; the rows stored (and the shadow). kk, qq, kqr: the token's k.k, q.q,
-// k.q.
-__device__ __forceinline__ void token_tail(const Args& a, const Coords& c, size_t hs, Rows& st, float beta,
-                                           float v_now, float kk, float qq, float kqr, bool write_shadow,
-                                           const TokenSmem& tok) {
+// Diag(exp g) S, then u, y, the rank-1 update of the rows in registers. kk, qq, kqr: the token's k.k, q.q, k.q.
+__device__ __forceinline__ void token_update(const Args& a, const Coords& c, Rows& st, float beta, float v_now,
+                                             float kk, float qq, float kqr, const TokenSmem& tok) {
   const size_t in = (size_t)c.b * kH + c.h;
   const float rk = rnorm(kk), rq = rnorm(qq) * kScale;
   const float d = row_dots(st, c, tok.ak, tok.aq);
@@ -618,6 +624,12 @@ __device__ __forceinline__ void token_tail(const Args& a, const Coords& c, size_
 #pragma unroll
     for (int e = 0; e < 4; ++e) st[r][e] = fmaf(al, st[r][e], kn * ue[e]);
   }
+}
+// token_update, then the rows stored (and the shadow).
+__device__ __forceinline__ void token_tail(const Args& a, const Coords& c, size_t hs, Rows& st, float beta,
+                                           float v_now, float kk, float qq, float kqr, bool write_shadow,
+                                           const TokenSmem& tok) {
+  token_update(a, c, st, beta, v_now, kk, qq, kqr, tok);
   store_rows(st, a.state_out + hs * kK * kV, c);
   if constexpr (KDA_SHADOW) {
     if (write_shadow) store_rows(st, a.sh_out + hs * kK * kV, c);
@@ -937,5 +949,162 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
   } else if constexpr (kStaged) replay_nonflush_staged(a, c, slot, pos, *reinterpret_cast<StagedSmem*>(smem));
   else replay_nonflush(a, c, slot, pos, *reinterpret_cast<ReplaySmem*>(smem));
 }
+
+#if KDA_BULK
+// ---- the conventional step as a persistent stream (KDA_BULK; KDASpec.bulk, an experiment beside kda_conventional) --
+// The one-shot conventional step runs at 84-89% of the copy ceiling at TP8 (bench/NOTES.md): each block loads its
+// rows, waits, computes, stores and exits, so every block pays its chain (slot, rows, inputs, channel stage, reduce)
+// once, and only the other resident blocks cover it. Here a block walks items (batch row, head, chunk of kCols
+// columns) with stride gridDim.x and stages the next item's rows and per-channel inputs in shared memory by cp.async
+// (two stages) while it computes the current one from the other stage; the next item's slot, v column, beta logit,
+// A_log and dt_bias come one item ahead in registers. So the DRAM stream runs across items, and a block's chain
+// overlaps its own next loads, and the updated rows go back through the stage and out as whole lines. The arithmetic is
+// kda_conventional's in the same order (fold_step<false>, token_channel, token_update), so at the same launch shape
+// both give the same bits.
+static_assert(kPasses == 1 && KDA_TOKENS == 0, "KDA_BULK: the conventional step of a one-pass decode module");
+static_assert(kK * (int)sizeof(act_t) % 16 == 0 && kCols % 4 == 0, "KDA_BULK: 16-byte copies of k, q, f and the rows");
+constexpr int kRowPad = kCols + 4;  // floats a staged row: 16 bytes of pad, so a warp's float4 reads of 4 rows spread
+constexpr int kRowVecs = kCols / 4;
+constexpr int kInVecs = kK * (int)sizeof(act_t) / 16;
+struct alignas(16) BulkStage {
+  float rows[kK][kRowPad];  // the item's rows, its kCols columns
+  act_t kin[3][kK];         // its k, q, f (raw)
+};
+struct alignas(16) BulkSmem {
+  BulkStage stage[2];
+  TokenSmem tok;
+  float red[kWarps][4];  // the warps' k.k, q.q, k.q
+};
+
+__device__ __forceinline__ Coords item_coords(int item) {
+  Coords c;
+  const int per_row = kH * kChunks;
+  c.b = item / per_row;
+  const int rem = item - c.b * per_row;
+  c.h = rem / kChunks;
+  c.chunk = rem - c.h * kChunks;
+  c.warp = threadIdx.x / 32;
+  c.lane = threadIdx.x % 32;
+  c.cv = c.lane % kCVL;
+  c.rg = c.lane / kCVL;
+  c.col = c.chunk * kCols + c.warp * kWCols + c.cv * 4;
+  return c;
+}
+
+// One item's copies (this thread's share), committed by the caller as one group.
+__device__ __forceinline__ void stage_item(const Args& a, const Coords& c, int slot, BulkStage& s) {
+  const float* src = a.state_in + ((size_t)slot * kH + c.h) * kK * kV + c.chunk * kCols;
+  for (int t = threadIdx.x; t < kK * kRowVecs; t += kThreads) {
+    const int r = t / kRowVecs, q = t - r * kRowVecs;
+    cp_async16(&s.rows[r][q * 4], src + (size_t)r * kV + q * 4);
+  }
+  const size_t in = ((size_t)c.b * kH + c.h) * kK;
+  for (int t = threadIdx.x; t < 3 * kInVecs; t += kThreads) {
+    const int w = t / kInVecs, q = t - w * kInVecs;
+    const act_t* base = (w == 0 ? a.k : w == 1 ? a.q : a.f) + in;
+    cp_async16(reinterpret_cast<char*>(&s.kin[w][0]) + q * 16, reinterpret_cast<const char*>(base) + q * 16);
+  }
+}
+
+// What an item reads beside its staged tiles, loaded one item ahead.
+struct ItemIn {
+  int slot;
+  act_t v_raw, b_raw;
+  float A;  // exp(A_log[h])
+  float dtb[kCPT];
+};
+__device__ __forceinline__ ItemIn item_inputs(const Args& a, const Coords& c, bool exists) {
+  ItemIn x;
+  x.slot = -1;
+  if (!exists) return x;
+  x.slot = a.sbi[c.b];
+  const size_t in = (size_t)c.b * kH + c.h;
+  x.v_raw = a.v[in * kV + out_col(c)], x.b_raw = a.b[in];
+  x.A = expf(__ldg(a.A_log + c.h));
+#pragma unroll
+  for (int n = 0; n < kCPT; ++n) {
+    const int i = threadIdx.x + n * kThreads;
+    x.dtb[n] = kK % kThreads == 0 || i < kK ? __ldg(a.dt_bias + (size_t)c.h * kK + i) : 0.f;
+  }
+  return x;
+}
+__device__ __forceinline__ bool live(const Args& a, const ItemIn& x) { return x.slot >= 0 && x.slot < a.nslots; }
+
+// The conventional step of one staged item (fold_step<false>'s arithmetic; rows and k, q, f from the stage).
+__device__ __forceinline__ void conventional_item(const Args& a, const Coords& c, const ItemIn& x, BulkStage& s,
+                                                  BulkSmem& sm) {
+  const int bcol = c.col - c.chunk * kCols;
+  Rows st;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) {
+    const float4 t = *reinterpret_cast<const float4*>(&s.rows[c.row(r)][bcol]);
+    st[r][0] = t.x, st[r][1] = t.y, st[r][2] = t.z, st[r][3] = t.w;
+  }
+  float tk[3] = {0.f, 0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < kCPT; ++n) {
+    const int i = threadIdx.x + n * kThreads;
+    if (kK % kThreads == 0 || i < kK) {
+      const float kt = to_f(s.kin[0][i]), qt = to_f(s.kin[1][i]);
+      const float al = expf(gate(to_f(s.kin[2][i]), x.dtb[n], x.A));
+      token_channel(i, kt, qt, al, sm.tok, tk);
+    }
+  }
+  float t4[4] = {tk[0], tk[1], tk[2], 0.f};
+  const float r = transpose_reduce<4, 1>(t4);
+  if (c.lane < 3) sm.red[c.warp][c.lane] = r;
+  const float beta = sigmoid(to_f(x.b_raw));
+  const float v_now = to_f(x.v_raw);
+  __syncthreads();
+  float kk = 0.f, qq = 0.f, kqr = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) kk += sm.red[w][0], qq += sm.red[w][1], kqr += sm.red[w][2];
+  token_update(a, c, st, beta, v_now, kk, qq, kqr, sm.tok);
+  // The rows back through the stage (each lane over its own staged values: no barrier before), then stored as whole
+  // 128-byte lines of consecutive threads, where a warp of the one-shot step writes 16 rows x 32 bytes.
+#pragma unroll
+  for (int r = 0; r < kRT; ++r)
+    *reinterpret_cast<float4*>(&s.rows[c.row(r)][bcol]) = make_float4(st[r][0], st[r][1], st[r][2], st[r][3]);
+  __syncthreads();
+  float* dst = a.state_out + ((size_t)x.slot * kH + c.h) * kK * kV + c.chunk * kCols;
+  for (int t = threadIdx.x; t < kK * kRowVecs; t += kThreads) {
+    const int r = t / kRowVecs, q = t - r * kRowVecs;
+    __stcs(reinterpret_cast<float4*>(dst + (size_t)r * kV + q * 4), *reinterpret_cast<const float4*>(&s.rows[r][q * 4]));
+  }
+}
+
+__device__ __forceinline__ void conventional_bulk(const Args& a) {
+  __shared__ BulkSmem sm;
+  const int total = a.batch * kH * kChunks;
+  int item = blockIdx.x;
+  if (item >= total) return;
+  Coords c = item_coords(item);
+  ItemIn x = item_inputs(a, c, true);
+  if (live(a, x)) stage_item(a, c, x.slot, sm.stage[0]);
+  cp_async_commit();
+  int next = item + gridDim.x;
+  Coords cn = item_coords(next);
+  ItemIn xn = item_inputs(a, cn, next < total);
+  for (int n = 0; item < total; ++n) {
+    const int s = n & 1;
+    // The next item into the other stage: its last reader (item n - 1) finished before the barrier that ended the
+    // previous iteration.
+    if (live(a, xn)) stage_item(a, cn, xn.slot, sm.stage[s ^ 1]);
+    cp_async_commit();
+    const int after = next + gridDim.x;
+    const Coords ca = item_coords(after);
+    const ItemIn xa = item_inputs(a, ca, after < total);  // in flight across this item
+    if (live(a, x)) {
+      cp_async_wait_group<1>();  // this item's group (the next one's may still fly)
+      __syncthreads();
+      conventional_item(a, c, x, sm.stage[s], sm);
+    }
+    __syncthreads();  // the stage and the token tile are read: the next iteration may overwrite them
+    item = next, c = cn, x = xn;
+    next = after, cn = ca, xn = xa;
+  }
+  cp_async_wait_all();
+}
+#endif
 
 }  // namespace kda

@@ -25,13 +25,16 @@ extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_repl
 }
 
 // Conventional KDA step (the baseline): reads and writes the whole state.
-extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_conventional(
-    const act_t* __restrict__ q, const act_t* __restrict__ k, const act_t* __restrict__ v,
-    const act_t* __restrict__ f, const act_t* __restrict__ b, const float* __restrict__ A_log,
-    const float* __restrict__ dt_bias, const int* __restrict__ sbi, const float* state_in, int batch, int nslots,
-    act_t* __restrict__ y, float* state_out) {
-  const kda::Args args{q, k, v, f, b, A_log, dt_bias, sbi, nullptr, state_in, nullptr, nullptr, nullptr, nullptr,
-                       nullptr, nullptr, batch, nslots, y, state_out, nullptr, nullptr, nullptr, nullptr, nullptr,
-                       nullptr};
+extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_conventional(KDA_CONV_PARAMS) {
+  const kda::Args args = KDA_CONV_ARGS;
   kda::conventional(args);
 }
+
+#if KDA_BULK
+// The conventional step as a persistent stream (KDASpec.bulk; kda.cuh conventional_bulk): kda_conventional's
+// parameters; grid (min(batch * H * V / kCols, resident blocks), 1), block (kWarps * 32).
+extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_conventional_bulk(KDA_CONV_PARAMS) {
+  const kda::Args args = KDA_CONV_ARGS;
+  kda::conventional_bulk(args);
+}
+#endif

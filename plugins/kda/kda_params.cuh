@@ -30,3 +30,17 @@
     q, k, v, f, b, A_log, dt_bias, sbi, cursor, state_in, kc_in, uc_in, gc_in, vc_in, bc_in, KDA_SH_IN, batch,    \
         nslots, y, state_out, kc_out, uc_out, gc_out, vc_out, bc_out, KDA_SH_OUT                                  \
   }
+
+// The conventional step's kernels (kda_decode.cu: kda_conventional, and kda_conventional_bulk where KDA_BULK): inputs
+// 1-8 as above, the state; batch, nslots; y, the state (aliased).
+#define KDA_CONV_PARAMS                                                                                           \
+  const act_t *__restrict__ q, const act_t *__restrict__ k, const act_t *__restrict__ v,                          \
+      const act_t *__restrict__ f, const act_t *__restrict__ b, const float *__restrict__ A_log,                  \
+      const float *__restrict__ dt_bias, const int *__restrict__ sbi, const float *state_in, int batch,           \
+      int nslots, act_t *__restrict__ y, float *state_out
+
+#define KDA_CONV_ARGS                                                                                             \
+  kda::Args {                                                                                                     \
+    q, k, v, f, b, A_log, dt_bias, sbi, nullptr, state_in, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,  \
+        batch, nslots, y, state_out, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr                         \
+  }

@@ -22,6 +22,7 @@ from ..gdn.config import GDN_RESIDENT_THREADS, GDNSpec, gdn_plan
 
 ENTRY_FILE = "kda/kda_decode.cu"
 KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
+BULK_KERNEL_NAME = "kda_conventional_bulk"  # KDASpec.bulk
 SPEC_ENTRY_FILE = "kda/kda_spec.cu"
 SPEC_KERNEL_NAMES = ("kda_verify",)
 VK_ENTRY_FILE = "kda/kda_vk.cu"
@@ -71,6 +72,9 @@ STAGED_RESIDENT_THREADS = 512
 VERIFY_RESIDENT_THREADS = 384
 STATE_REGS = 64  # fp32 state values one lane may hold (4 K col_lanes / 32)
 FULL_WAVE_BLOCKS = 2 * SMS  # two blocks per SM of an H100 (132 SMs; an H200 the same)
+# KDASpec.bulk (the conventional step as a persistent stream, kda.cuh conventional_bulk): its blocks an SM by default
+# (a (2, 4) module: 32 state values a lane, ~40 KB of shared memory a block).
+BULK_RESIDENT_THREADS = 512
 
 
 def _f32(x: float) -> float:
@@ -101,6 +105,7 @@ class KDASpec:
     staged: bool = False  # decode module: the non-flush step stages its ring in shared memory (kda.cuh KDA_STAGED)
     passes: int = 1  # staged decode module: chunks of ``cols`` columns a block walks under one channel stage (1, 2)
     row_order: bool = False  # decode module: input 8 is the flush-first order (cursor.flush_order), not the slots
+    bulk: bool = False  # decode module: also kda_conventional_bulk, the conventional step as a persistent stream
 
     @property
     def entry_file(self) -> str:
@@ -109,7 +114,7 @@ class KDASpec:
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return SPEC_KERNEL_NAMES if self.num_tokens else KERNEL_NAMES
+        return SPEC_KERNEL_NAMES if self.num_tokens else KERNEL_NAMES + ((BULK_KERNEL_NAME,) if self.bulk else ())
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -137,6 +142,11 @@ class KDASpec:
         if self.row_order and self.num_tokens:
             raise ValueError(f"KDASpec.row_order: the decode module's option (num_tokens 0), got num_tokens="
                              f"{self.num_tokens}")
+        if not isinstance(self.bulk, bool):
+            raise TypeError(f"KDASpec.bulk: expected a bool, got {type(self.bulk).__name__}")
+        if self.bulk and (self.num_tokens or self.passes != 1):
+            raise ValueError(f"KDASpec.bulk: a one-pass decode module's option (num_tokens 0, passes 1), got "
+                             f"num_tokens={self.num_tokens}, passes={self.passes}")
         if isinstance(self.passes, bool) or self.passes not in (1, 2):
             raise ValueError(f"KDASpec.passes: expected 1 or 2, got {self.passes!r}")
         if self.passes > 1 and not self.staged:
@@ -169,6 +179,10 @@ class KDASpec:
             raise ValueError(f"KDASpec.lower_bound: expected a finite negative float or None, got {self.lower_bound}")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"KDASpec: {self.smem_bytes} bytes of static shared memory, limit {SMEM_LIMIT}")
+        if self.bulk and self.bulk_smem_bytes > SMEM_LIMIT:
+            raise ValueError(f"KDASpec.bulk: two stages of {self.K} rows x {self.cols} columns take "
+                             f"{self.bulk_smem_bytes} bytes of static shared memory, limit {SMEM_LIMIT} (fewer columns "
+                             f"a block: col_lanes x warps)")
 
     @property
     def cols(self) -> int:
@@ -196,6 +210,19 @@ class KDASpec:
                 return max(fold, 8 * self.K + 8 * self.warps * 2 * (e + 1) + ring + rows + 64)
             return fold
         return fold + 8 * T * self.K + 128 * ((self.window_products + 31) // 32) * (self.warps + 1) + 16
+
+    @property
+    def bulk_smem_bytes(self) -> int:
+        """kda.cuh BulkSmem: two stages of the item's rows (K x (cols + 4) fp32) and its k, q, f (3 K act), the token
+        tile (4 K floats) and the warps' three sums."""
+        stage = 4 * self.K * (self.cols + 4) + 3 * self.K * ITEMSIZE[self.act]
+        return 2 * ((stage + 15) // 16 * 16) + 16 * self.K + 16 * self.warps
+
+    def bulk_grid(self, batch: int, sms: int) -> tuple[int, int, int]:
+        """kda_conventional_bulk's grid: one block per item (batch row, head, chunk) up to the resident blocks of
+        ``sms`` SMs (:attr:`min_blocks` each); each walks its items with stride gridDim.x."""
+        items = batch * self.H * (self.V // self.cols)
+        return (max(1, min(items, sms * self.min_blocks)), 1, 1)
 
     @property
     def window_products(self) -> int:
@@ -232,6 +259,7 @@ class KDASpec:
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
                 + (f"_r{self.resident}" if self.resident else "") + ("_st" if self.staged else "")
                 + (f"_p{self.passes}" if self.passes > 1 else "") + ("_ro" if self.row_order else "")
+                + ("_bk" if self.bulk else "")
                 + f"_sm{self.arch}")
 
     def prelude(self) -> str:
@@ -247,6 +275,7 @@ class KDASpec:
             *(["#define KDA_STAGED 1"] if self.staged else []),
             *([f"#define KDA_PASSES {self.passes}"] if self.passes > 1 else []),
             *(["#define KDA_ROW_ORDER 1"] if self.row_order else []),
+            *(["#define KDA_BULK 1"] if self.bulk else []),
             *([f"#define KDA_TOKENS {self.num_tokens}"] if self.num_tokens else []),
             *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;  // {_f32(self.lower_bound)!r}"]
               if lb else []),
@@ -267,11 +296,13 @@ _OVERRIDE: dict = {}
 
 
 def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None,
-             staged: bool | None = None, passes: int | None = None):
+             staged: bool | None = None, passes: int | None = None, bulk: bool | None = None):
     """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
     register budget of the planned modules is set for (KDASpec.resident); ``staged``, ``passes``: KDASpec.staged and
-    KDASpec.passes of the decode modules (passes 2 implies staged)."""
-    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, staged=staged, passes=passes)
+    KDASpec.passes of the decode modules (passes 2 implies staged); ``bulk``: the conventional step's module with
+    KDASpec.bulk (the conventional step then launches kda_conventional_bulk)."""
+    return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, staged=staged, passes=passes,
+                  bulk=bulk)
 
 
 def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
@@ -326,6 +357,9 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
         resident = tail_resident(batch * H * (V // (4 * cl * w)), 32 * w, (RESIDENT_THREADS, TAIL_RESIDENT_THREADS),
                                  margin=margin)
         resident = 0 if resident == RESIDENT_THREADS else resident
+    if conventional and _OVERRIDE.get("bulk"):  # the persistent stream (KDASpec.bulk), its own budget
+        return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
+                       _OVERRIDE.get("resident", BULK_RESIDENT_THREADS), bulk=True)
     spec = KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
                    _OVERRIDE.get("resident", resident))
     if conventional or num_tokens:

@@ -69,9 +69,10 @@ from ...launch import (
     launch,
     require_cuda,
     row_order_arg,
+    sm_count,
     values_checked,
 )
-from .config import kda_spec
+from .config import BULK_KERNEL_NAME, kda_spec
 
 _BF16 = (torch.bfloat16,)
 
@@ -165,6 +166,13 @@ def _launch_conventional(kernel, make_spec, q, k, v, f, b, A_log, dt_bias, state
     spec = make_spec(DTYPE_CODES[q.dtype], arch(dev))
     args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, state)]
     args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
+    if getattr(spec, "bulk", False):  # the persistent stream (config.override(bulk=True)): cp.async of q, k, f, rows
+        for name, t in (("q", q), ("k", k), ("f", f)):  # (the state's 16 bytes: _step_args)
+            if t.data_ptr() % VECTOR_BYTES:
+                raise ValueError(f"{name}: expected a {VECTOR_BYTES}-byte aligned data pointer (the bulk conventional "
+                                 f"step stages it by cp.async), got {t.data_ptr():#x}")
+        launch(spec, BULK_KERNEL_NAME, dev, spec.bulk_grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args)
+        return y
     launch(spec, kernel, dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
