@@ -139,7 +139,9 @@ def test_bulk_module():
         assert kda_spec("bf16", 12, 128, 128, 16, 256).bulk is False  # the replay module is not touched
     assert planned.bulk and planned.min_blocks == 4 and planned.cols == 32
     assert planned.bulk_grid(256, 132) == (528, 1, 1) and planned.bulk_grid(1, 132) == (48, 1, 1)
-    assert planned.bulk_smem_bytes == 2 * (4 * 128 * 36 + 3 * 128 * 2) + 16 * 128 + 16 * 4 <= 48 * 1024
+    assert planned.bulk_smem_bytes == 2 * (4 * 128 * 40 + 3 * 128 * 2) + 16 * 128 + 16 * 4 <= 48 * 1024  # rows of 40
+    ptx = cc.compile_spec(planned, "ptx").decode()
+    assert re.search(rf"\.shared \.align 16 \.b8 \S+\[{planned.bulk_smem_bytes}\]", ptx), "kda.cuh BulkSmem"
     with pytest.raises(ValueError, match="bulk"):
         KDASpec(**BASE, bulk=True, num_tokens=4)
     with pytest.raises(ValueError, match="bulk.*static shared memory"):

@@ -963,7 +963,9 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
 // both give the same bits.
 static_assert(kPasses == 1 && KDA_TOKENS == 0, "KDA_BULK: the conventional step of a one-pass decode module");
 static_assert(kK * (int)sizeof(act_t) % 16 == 0 && kCols % 4 == 0, "KDA_BULK: 16-byte copies of k, q, f and the rows");
-constexpr int kRowPad = kCols + 4;  // floats a staged row: 16 bytes of pad, so a warp's float4 reads of 4 rows spread
+// Floats a staged row: padded so that consecutive row groups start 4 kCVL banks apart, and the 8 lanes of a quarter
+// warp (row groups x kCVL column lanes, a float4 each) read 8 distinct 16-byte bank groups.
+constexpr int kRowPad = kCols + ((4 * kCVL - kCols % 32) % 32 + 32) % 32;
 constexpr int kRowVecs = kCols / 4;
 constexpr int kInVecs = kK * (int)sizeof(act_t) / 16;
 struct alignas(16) BulkStage {

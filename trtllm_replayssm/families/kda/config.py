@@ -213,9 +213,11 @@ class KDASpec:
 
     @property
     def bulk_smem_bytes(self) -> int:
-        """kda.cuh BulkSmem: two stages of the item's rows (K x (cols + 4) fp32) and its k, q, f (3 K act), the token
-        tile (4 K floats) and the warps' three sums."""
-        stage = 4 * self.K * (self.cols + 4) + 3 * self.K * ITEMSIZE[self.act]
+        """kda.cuh BulkSmem: two stages of the item's rows (K x kRowPad fp32: the block's columns padded so that
+        consecutive row groups start 4 col_lanes banks apart) and its k, q, f (3 K act), the token tile (4 K floats)
+        and the warps' three sums."""
+        pad = self.cols + (4 * self.col_lanes - self.cols % 32) % 32
+        stage = 4 * self.K * pad + 3 * self.K * ITEMSIZE[self.act]
         return 2 * ((stage + 15) // 16 * 16) + 16 * self.K + 16 * self.warps
 
     def bulk_grid(self, batch: int, sms: int) -> tuple[int, int, int]:
