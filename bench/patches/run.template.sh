@@ -15,7 +15,8 @@
 # lockstep cycle at small batch, --ordered-cycle of bench_kda and bench_gdn: the order made once a step, then LS),
 # LS (the KDA and GDN steps at ring lengths LSL (default 4 8) and batches LSBATCH (default 1,8,32): where a short ring
 # pays at small batch), CB (main's tree: the persistent conventional KDA step, KDASpec.bulk: its GPU tests, memcheck
-# and racecheck, then bench_kda --conv-only --conv-bulk CBSHAPES at CBBATCH over the TP8 and TP1 geometries).
+# and racecheck, then bench_kda --conv-only --conv-bulk CBSHAPES at CBBATCH over the TP8 and TP1 geometries), SCB (the
+# whole GPU suite of this tree, r1, then CB).
 # RO's environment: ROSAN=1 (also the KDA and GDN row-order sanitizers), ROKDA / ROGDN / ROKERNELS (the benchmarks'
 # batches / bench_kernels' arguments).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
@@ -24,8 +25,8 @@ cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
-  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";; OL) STEPS="ol1 ol2";; OC) STEPS="oc ls";; LS) STEPS="ls";; CB) STEPS="cb";;
-  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO, RO2, ROS, OL, OC, LS or CB (see the head of this file)"; exit 2;; esac
+  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";; OL) STEPS="ol1 ol2";; OC) STEPS="oc ls";; LS) STEPS="ls";; CB) STEPS="cb";; SCB) STEPS="r1 cb";;
+  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO, RO2, ROS, OL, OC, LS, CB or SCB (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
