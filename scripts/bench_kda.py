@@ -267,9 +267,41 @@ def _bench_conv_pinned(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, varia
         del want_st, got_st
 
 
+def _bench_replay_bulk(row, name, sh, cursor, L, R, replay, y, k_cache, shapes):
+    """The standard decode's non-flush steps as a persistent stream (KDASpec.bulk, kda_replay_bulk) at each launch
+    shape (col_lanes, warps[, resident]): first its y and the ring entries it appends against the one-shot step's at
+    the same shape, bit for bit, at position L / 2 (the entry a step appends is the same whoever writes it), then
+    timed at the non-flush positions k = 1..L - 1 (``<name>_bulk<tag>_us_k``). Its cycle estimate takes the planned
+    module's flush (the stream refuses flush rows): ``<name>_bulk<tag>_us_amortized_est`` and
+    ``_speedup_vs_conv_est``. A shape the shared memory cannot take is recorded as ``_error``."""
+    for cl, w, *res in shapes:
+        tag = f"{name}_bulk{cl}x{w}" + (f"r{res[0]}" if res else "")
+        pins = dict(col_lanes=cl, warps=w, bulk=True, resident=res[0] if res else None)
+        cursor.fill_(L // 2 - 1)
+        try:
+            with override(col_lanes=cl, warps=w, staged=False, passes=1):
+                replay(sh)()
+            want = (y.clone(), k_cache.clone())
+            with override(**pins):
+                replay(sh)()
+        except ValueError as e:  # e.g. two stages of fp32 rows and the ring over the static shared memory
+            row[f"{tag}_error"] = str(e)[:200]
+            continue
+        row[f"{tag}_bitequal"] = bool(torch.equal(y, want[0]) and torch.equal(k_cache, want[1]))
+        del want
+        per_k = []
+        for k in range(1, L):
+            cursor.fill_(k - 1)
+            with override(**pins):
+                per_k.append(graph_time_us(replay(sh), R)[0])
+        row[f"{tag}_us_k"] = per_k
+        row[f"{tag}_us_amortized_est"] = (sum(per_k) + row[f"{name}_us_flush"]) / L
+        row[f"{tag}_speedup_vs_conv_est"] = row["conv_us"] / row[f"{tag}_us_amortized_est"]
+
+
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
                 peer: bool = True, vk: bool = False, conv_pins: list[tuple] = (),
-                ordered_cycle: bool = False) -> dict:
+                ordered_cycle: bool = False, replay_bulk: tuple[tuple[int, ...], ...] = ()) -> dict:
     """One row; ``ks``: time only these positions (a launch-shape sweep: no amortized fields), ``peer``: fla;
     ``vk``: the (V, K) conventional step's fields (the layout experiment); ``ordered_cycle``: also each variant's
     lockstep cycle through its row-order module, the order made once before the timed launches
@@ -381,6 +413,7 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
         if ordered_cycle:  # the row-order module's lockstep cycle, its order made once before (a serving step's)
             layers = MODELS.get(geom.rsplit("_tp", 1)[0], (None,) * 4)[3]
             timing.time_ordered_cycle(row, name, cursor, L, order_all, replay(sh, ordered="pre"), R, layers)
+        _bench_replay_bulk(row, name, sh, cursor, L, R, replay, y, k_cache, replay_bulk)
         row[f"{name}_bound_ratio"] = conv_b * batch / row[f"{name}_bytes_amortized"]
         row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
         if "fla_us" in row:
@@ -427,6 +460,10 @@ def main():
     ap.add_argument("--conv-bulk", default="", help="also the conventional step as a persistent stream (KDASpec.bulk) "
                     "at these launch shapes col_lanes:warps[:resident],... beside the one-shot step at the same shape: "
                     "fields conv_bulk<cl>x<w>_* (checked bit for bit against conv_<cl>x<w>, the one-shot step)")
+    ap.add_argument("--replay-bulk", default="", help="also the standard decode's non-flush steps as a persistent stream "
+                    "(KDASpec.bulk, kda_replay_bulk) at these launch shapes col_lanes:warps[:resident],...: fields "
+                    "<name>_bulk<cl>x<w>_* (checked bit for bit against the one-shot step at the same shape; the cycle "
+                    "estimate takes the planned flush)")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
                     "(threads an SM the register budget is set for), comma-separated")
     args = ap.parse_args()
@@ -462,6 +499,12 @@ def main():
     except ValueError:
         ap.error(f"--conv-bulk: expected col_lanes:warps[:resident],..., got {args.conv_bulk!r}")
     conv_pins = conv_variants(conv_resident, bulk_shapes)
+    try:
+        replay_bulk = tuple(tuple(int(t) for t in x.split(":")) for x in args.replay_bulk.split(",") if x.strip())
+        if any(len(sh) not in (2, 3) for sh in replay_bulk):
+            raise ValueError
+    except ValueError:
+        ap.error(f"--replay-bulk: expected col_lanes:warps[:resident],..., got {args.replay_bulk!r}")
     if not torch.cuda.is_available():  # after every flag's check
         sys.exit("bench_kda.py needs a CUDA GPU")
     FLA = load_fla(args.fla_path)
@@ -476,7 +519,7 @@ def main():
     for geom in geoms:
         for b in ([] if args.sweep_only else batches):
             row = bench_point(geom, b, args.L, vk=args.vk, ks=[] if args.conv_only else None,
-                              conv_pins=conv_pins, ordered_cycle=args.ordered_cycle)
+                              conv_pins=conv_pins, ordered_cycle=args.ordered_cycle, replay_bulk=replay_bulk)
             timing.add_ceiling_pcts(row, ceiling, names=() if args.conv_only else ("f32", "bf16shadow"))
             for tag, _, _ in conv_pins:
                 row[f"pct_ceiling_conv_{tag}"] = 100 * row["bytes_conv"] / row[f"conv_{tag}_us"] / 1e6 / ceiling
@@ -525,6 +568,15 @@ def main():
                  if "fla_us" in r else (f" | fla error {r['fla_error'][:80]}" if "fla_error" in r else ""))
               + (" | " + timing.ordered_cells(r) if "order_us" in r else ""))
     for r in rows:
+        for key in sorted(k for k in r if k.endswith("_us_amortized_est")):
+            tag = key[:-len("_us_amortized_est")]
+            planned = r[tag.rsplit("_bulk", 1)[0] + "_us_amortized"]
+            print(f"replay stream {tag} {r['geom']} bs{r['batch']}: k1 {r[f'{tag}_us_k'][0]:.1f} k{r['L'] - 1} "
+                  f"{r[f'{tag}_us_k'][-1]:.1f} us, cycle with the planned flush {r[key]:.1f} us (x conv "
+                  f"{r[f'{tag}_speedup_vs_conv_est']:.2f}; planned cycle {planned:.1f} us), bit-equal to the one-shot "
+                  f"step {r[f'{tag}_bitequal']}")
+        for key in sorted(k for k in r if k.endswith("_error") and "_bulk" in k):
+            print(f"replay stream {key[:-6]} {r['geom']} bs{r['batch']}: {r[key][:100]}")
         for tag, _, ref in conv_pins:
             print(f"conv {tag} {r['geom']} bs{r['batch']}: {r[f'conv_{tag}_us']:.1f} us "
                   f"({r[f'pct_ceiling_conv_{tag}']:.1f}% of the ceiling) vs planned {r['conv_us']:.1f} us "

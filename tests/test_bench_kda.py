@@ -24,7 +24,8 @@ def test_conv_variants_pair_each_bulk_module_with_its_one_shot_shape():
     ]
 
 
-def test_bad_conv_bulk_flag_is_named():
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kda.py"), "--conv-bulk", "2:4:1:1"],
-                       capture_output=True, text=True)
-    assert r.returncode == 2 and "--conv-bulk" in r.stderr
+def test_bad_bulk_flags_are_named():
+    for flag in ("--conv-bulk", "--replay-bulk"):
+        r = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_kda.py"), flag, "2:4:1:1"],
+                           capture_output=True, text=True)
+        assert r.returncode == 2 and flag in r.stderr, r.stderr[-300:]

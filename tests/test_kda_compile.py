@@ -21,6 +21,7 @@ from trtllm_replayssm.families.kda import GEOMETRIES
 from trtllm_replayssm.families.kda import ops as kops
 from trtllm_replayssm.families.kda.config import (
     BULK_KERNEL_NAME,
+    BULK_REPLAY_KERNEL_NAME,
     KERNEL_NAMES,
     SPEC_KERNEL_NAMES,
     KDASpec,
@@ -52,10 +53,10 @@ ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffe
         # the flush-first row order (KDASpec.row_order): the register ring, the staged one, two passes
         dict(row_order=True), dict(row_order=True, col_lanes=4, staged=True, shadow="bf16", passes=2),
         dict(row_order=True, H=3, K=48, V=40, warps=1, act="f32", staged=True),
-        # the conventional step as a persistent stream (KDASpec.bulk): the planned shape, the odd ones, K = 256
-        dict(bulk=True, buffer_len=2), dict(bulk=True, lower_bound=-5.0), dict(bulk=True, H=3, K=48, V=40, warps=1,
-        act="f32"), dict(bulk=True, H=5, K=64, V=24, warps=1, act="f16", l2norm=False), dict(bulk=True, K=256, V=64,
-        warps=1)]
+        # the persistent streams (KDASpec.bulk): the conventional module, the bf16 shadow, the odd shapes, K = 256
+        dict(bulk=True, buffer_len=2), dict(bulk=True, shadow="bf16", lower_bound=-5.0), dict(bulk=True, H=3, K=48,
+        V=40, warps=1, act="f32"), dict(bulk=True, H=5, K=64, V=24, warps=1, act="f16", l2norm=False, buffer_len=5),
+        dict(bulk=True, K=256, V=64, warps=1, buffer_len=4)]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
 VERIFY_PUBLISHED = [
     kda_spec("bf16", *GEOMETRIES[g], 16, batch, sh, lower_bound=lb, arch=arch, num_tokens=T)
@@ -79,7 +80,10 @@ def test_compiles_to_ptx(spec):
     assert f".target sm_{spec.arch}" in ptx
     for name in spec.kernel_names:
         assert re.search(rf"\.entry {name}\(", ptx), name
-    assert (".entry kda_conventional_bulk(" in ptx) == spec.bulk
+    assert (".entry kda_conventional_bulk(" in ptx) == (".entry kda_replay_bulk(" in ptx) == spec.bulk
+    if spec.bulk:  # the static shared memory model of the two streams (KDASpec.bulk_smem_bytes) is the PTX's
+        sizes = re.findall(r"\.shared \.align 16 \.b8 \S*(?:conventional|replay)_bulk\S*\[(\d+)\]", ptx)
+        assert len(sizes) == 2 and max(map(int, sizes)) == spec.bulk_smem_bytes
     assert "__local_depot" not in ptx, "a register array went to local memory"
     assert f"#define KDA_TOKENS {spec.num_tokens}" in cc.source(spec) if spec.num_tokens else True
 
@@ -124,28 +128,31 @@ def test_row_order_module():
 
 
 def test_bulk_module():
-    """KDASpec.bulk: its own key, macro and entry (kda_conventional's parameter list), a one-pass decode module's option
-    that fits two stages in the static shared memory; override(bulk=True) plans the conventional step's module with it
-    (512 resident threads), and its grid is the resident blocks of the card's SMs at most; the launcher names it."""
+    """KDASpec.bulk: its own key, macro and entries (kda_conventional's and kda_replay_decode's parameter lists), a
+    one-pass decode module's option that reads the slots and fits both streams' two stages in the static shared
+    memory; override(bulk=True) plans the decode modules with it (512 resident threads), and its grid is the
+    resident blocks of the card's SMs at most."""
     s = KDASpec(**{**BASE, "buffer_len": 2}, bulk=True)
     assert s.key.endswith("_bk_sm90") and "#define KDA_BULK 1" in s.prelude() and "KDA_BULK" not in KDASpec(**BASE).prelude()
-    assert s.kernel_names == KERNEL_NAMES + (BULK_KERNEL_NAME,) and cc.spec_from_json(cc.spec_to_json(s, "ptx")) == (s, "ptx")
+    assert s.kernel_names == KERNEL_NAMES + (BULK_KERNEL_NAME, BULK_REPLAY_KERNEL_NAME)
+    assert cc.spec_from_json(cc.spec_to_json(s, "ptx")) == (s, "ptx")
     ptx = cc.compile_spec(s, "ptx").decode()
     lists = [re.findall(r"\.param \.(u64|u32|b32|s32)", re.search(rf"\.entry {n}\((.*?)\)", ptx, re.S).group(1))
-             for n in ("kda_conventional", BULK_KERNEL_NAME)]
-    assert lists == [["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2] * 2
+             for n in ("kda_conventional", BULK_KERNEL_NAME, "kda_replay_decode", BULK_REPLAY_KERNEL_NAME)]
+    assert lists == [["u64"] * 9 + ["u32"] * 2 + ["u64"] * 2] * 2 + [["u64"] * 15 + ["u32"] * 2 + ["u64"] * 7] * 2
     with override(col_lanes=2, warps=4, bulk=True):
         planned = kda_spec("bf16", 12, 128, 128, 2, 256, conventional=True)
-        assert kda_spec("bf16", 12, 128, 128, 16, 256).bulk is False  # the replay module is not touched
+        shadow = kda_spec("bf16", 12, 128, 128, 16, 256, "bf16")
+    assert kda_spec("bf16", 12, 128, 128, 16, 256).bulk is False  # only inside the pin
     assert planned.bulk and planned.min_blocks == 4 and planned.cols == 32
+    assert shadow.bulk and not shadow.staged and shadow.passes == 1 and shadow.bulk_smem_bytes <= 48 * 1024
     assert planned.bulk_grid(256, 132) == (528, 1, 1) and planned.bulk_grid(1, 132) == (48, 1, 1)
-    assert planned.bulk_smem_bytes == 2 * (4 * 128 * 40 + 3 * 128 * 2) + 16 * 128 + 16 * 4 <= 48 * 1024  # rows of 40
-    ptx = cc.compile_spec(planned, "ptx").decode()
-    assert re.search(rf"\.shared \.align 16 \.b8 \S+\[{planned.bulk_smem_bytes}\]", ptx), "kda.cuh BulkSmem"
     with pytest.raises(ValueError, match="bulk"):
         KDASpec(**BASE, bulk=True, num_tokens=4)
+    with pytest.raises(ValueError, match="bulk"):
+        KDASpec(**BASE, bulk=True, shadow="bf16", row_order=True)
     with pytest.raises(ValueError, match="bulk.*static shared memory"):
-        KDASpec(**BASE, bulk=True, col_lanes=4, warps=4)  # 64 columns: two stages of 33 KB
+        KDASpec(**BASE, bulk=True)  # fp32 rows of 32 columns beside 15 ring entries: two stages of 35 KB
     with pytest.raises(TypeError, match="bulk"):
         KDASpec(**BASE, bulk=1)
 

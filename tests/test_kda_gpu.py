@@ -201,6 +201,74 @@ def _replay_against_reference(case):
     return ys + [t.cpu() for t in gpu.tensors()] + ([sh.cpu()] if use_shadow else [])
 
 
+# KDASpec.bulk's replay stream (kda_replay_bulk: the non-flush steps as a persistent stream, an experiment): bit for bit
+# the one-shot step at the same launch shape over a few non-flush steps at spread cursors (y, checkpoint, rings,
+# shadow, cursors), with batches that give every block several items; a row at the flush is refused (checked values:
+# ValueError; unchecked: NaN y, its slot untouched).
+BULK_REPLAY = [(_with(CASES[1], batch=40, slots=48), (2, 4)), (_with(CASES[3], batch=40, slots=44), (2, 4)),
+               (_with(CASES[4], batch=200, slots=210), (2, 1)), (_with(CASES[5], batch=120, slots=130), (2, 1))]
+
+
+def _nonflush_steps(case, flush_row=False, check_values=None):
+    """min(3, L - 2) standard decode steps whose rows never reach the flush (cursors spread over [0, L - 2 - steps]);
+    ``flush_row``: one step, with row 0's slot at L - 1. Returns (every step's y, then the buffers, shadow and
+    cursors; the buffers and shadow before the steps; row 0's slot)."""
+    dev = cuda()
+    _, (H, K, V), act, L, batch, slots, lb, l2, use_shadow = case
+    gen = torch.Generator().manual_seed(41)
+    A_log, dt_bias = make_params(H, K, gen)
+    buf = make_buffers(slots, H, K, V, L, act, gen, l2, use_shadow)
+    steps = 1 if flush_row else min(3, L - 2)
+    cursor = torch.randint(0, L - 1 - steps, (slots,), generator=gen, dtype=torch.int32)
+    sbi = _sbi(batch, slots, gen)
+    if flush_row:
+        cursor[sbi[0]] = L - 1
+    gpu = to_dev(buf, dev)
+    sh = Shadow.of(buf.state, "bf16").q.to(dev) if use_shadow else None
+    start = [t.cpu() for t in gpu.tensors()] + ([sh.cpu()] if use_shadow else [])
+    cur, rows = cursor.to(dev), sbi.to(dev)
+    ys = []
+    for _ in range(steps):
+        q, k, v, f, b = make_inputs(batch, H, K, V, act, gen, l2)
+        out = torch.full((batch, H, V), float("nan"), dtype=act, device=dev)
+        kops.kda_replay_decode(*(t.to(dev) for t in (q, k, v, f, b, A_log, dt_bias)), gpu.state, gpu.k_cache,
+                               gpu.u_cache, gpu.g_cache, gpu.v_cache, gpu.beta_cache, cur, rows, out=out, shadow=sh,
+                               use_qk_l2norm=l2, lower_bound=lb, check_values=check_values)
+        ys.append(out.cpu())
+        if not flush_row:
+            live = sbi >= 0
+            assert torch.isfinite(ys[-1][live].float()).all() and torch.isnan(ys[-1][~live].float()).all()
+            kops.advance_cursor(cur, rows, gpu.u_cache)
+    got = ys + [t.cpu() for t in gpu.tensors()] + ([sh.cpu()] if use_shadow else []) + [cur.cpu()]
+    return got, start, int(sbi[0])
+
+
+@pytest.mark.parametrize("case, shape", BULK_REPLAY, ids=[c[0] for c, _ in BULK_REPLAY])
+def test_replay_bulk_equals_the_one_shot_step(case, shape):
+    runs = []
+    for bulk in (True, False):
+        with override(*shape, bulk=bulk, staged=False, passes=1):
+            runs.append(_nonflush_steps(case)[0])
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i}: bulk and one-shot steps differ"
+
+
+def test_replay_bulk_refuses_a_flush_row():
+    case, shape = BULK_REPLAY[0]
+    with override(*shape, bulk=True):
+        with pytest.raises(ValueError, match="non-flush rows only"):
+            _nonflush_steps(case, flush_row=True, check_values=True)
+        (y, *got), start, slot = _nonflush_steps(case, flush_row=True, check_values=False)
+    with override(*shape, bulk=False, staged=False, passes=1):
+        (y_want, *want), _, _ = _nonflush_steps(case, flush_row=True, check_values=False)  # it flushes row 0
+    assert torch.isnan(y[0].float()).all(), "the flush row's y: NaN"
+    assert torch.equal(y[2:].view(torch.uint8), y_want[2:].view(torch.uint8))  # (row 1 is the padding row)
+    keep = [s for s in range(case[5]) if s != slot]
+    for i, (a, b, s0) in enumerate(zip(got, want, start)):  # the cursors (last) were not advanced
+        assert torch.equal(a[slot].view(torch.uint8), s0[slot].view(torch.uint8)), f"buffer {i}: flush slot written"
+        assert torch.equal(a[keep].view(torch.uint8), b[keep].view(torch.uint8)), f"buffer {i}"
+
+
 # KDASpec.staged (the non-flush step's ring staged in shared memory; planned for many-wave grids, e.g. bs256) at the
 # test batches: each case against the reference, and bit for bit equal to the register path (same arithmetic, same
 # order), outputs, checkpoint, rings and shadow, over 3 L + 2 steps.

@@ -14,9 +14,10 @@
 # main's and the patch's benchmarks in one call: the ord columns, Mamba-2, KDA, GDN), OC (the row-order modules'
 # lockstep cycle at small batch, --ordered-cycle of bench_kda and bench_gdn: the order made once a step, then LS),
 # LS (the KDA and GDN steps at ring lengths LSL (default 4 8) and batches LSBATCH (default 1,8,32): where a short ring
-# pays at small batch), CB (main's tree: the persistent conventional KDA step, KDASpec.bulk: its GPU tests, memcheck
-# and racecheck, then bench_kda --conv-only --conv-bulk CBSHAPES at CBBATCH over the TP8 and TP1 geometries), SCB (the
-# whole GPU suite of this tree, r1, then CB).
+# pays at small batch), CB (main's tree: the KDA persistent streams, KDASpec.bulk: their GPU tests, memcheck and
+# racecheck, bench_kda --conv-only --conv-bulk CBSHAPES at CBBATCH over the TP8 and TP1 geometries, then CR), CR
+# (bench_kda --replay-bulk CRSHAPES at CRBATCH, TP8: the non-flush replay stream beside the planned cycle), SCB (the
+# whole GPU suite of this tree, r1, then CB without CR).
 # RO's environment: ROSAN=1 (also the KDA and GDN row-order sanitizers), ROKDA / ROGDN / ROKERNELS (the benchmarks'
 # batches / bench_kernels' arguments).
 # Environment: STAG / SBATCH (the KDA pair's tag and batches), ETAG (the GDN pair's tag), GSHAPES / GBATCH (g1),
@@ -25,8 +26,8 @@ cd "$(dirname "$0")"; ROOT=$PWD
 T0=$(date +%s); BUDGET=${BUDGET:-560}
 case ${1:-S} in S) STEPS="s1 s2 s3 s4";; S3) STEPS="s1 s2 s3";; E) STEPS="e1 e2 e3";; SE) STEPS="s1 s2 s3 e1 e2 e3";;
   SP) STEPS="s1 s2 s3 s5";; A16) STEPS="s1 s3 rv s2 g1";; G) STEPS="g1";; SW) STEPS="sw";; SSW) STEPS="s1 s2 s3 sw";; PF) STEPS="pf";; RB) STEPS="rb";;
-  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";; OL) STEPS="ol1 ol2";; OC) STEPS="oc ls";; LS) STEPS="ls";; CB) STEPS="cb";; SCB) STEPS="r1 cb";;
-  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO, RO2, ROS, OL, OC, LS, CB or SCB (see the head of this file)"; exit 2;; esac
+  RO) STEPS="r1 r3 r2";; RO2) STEPS="r2";; ROS) STEPS="rs r2 r3";; OL) STEPS="ol1 ol2";; OC) STEPS="oc ls";; LS) STEPS="ls";; CB) STEPS="cb cr";; SCB) STEPS="r1 cb";; CR) STEPS="cr";;
+  *) echo "part: S, S3, SP, E, SE, A16, G, SW, SSW, PF, RB, RO, RO2, ROS, OL, OC, LS, CB, SCB or CR (see the head of this file)"; exit 2;; esac
 FLA=$ROOT/../../third_party/fla_peer  # carry "third_party" (scripts/fetch_peers.py --only fla)
 want() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
@@ -195,13 +196,19 @@ done
 fi
 # ---- CB: the conventional KDA step as a persistent stream (KDASpec.bulk; main's tree)
 if want cb; then
-echo "== cb bulk conventional: tests, sanitizers, timing $(left)s left"
+echo "== cb the bulk streams: tests, sanitizers, conventional timing $(left)s left"
 gputests cb-tests 120 200 tests/test_kda_gpu.py -k "bulk or conventional"
 grep -E "^FAILED|^ERROR" /tmp/r/cb-tests.txt | head
-san memcheck 150 50 kda_conventional tests/test_kda_gpu.py bulk
-san racecheck 100 60 kda_conventional tests/test_kda_gpu.py bulk
+san memcheck 150 50 bulk tests/test_kda_gpu.py bulk
+san racecheck 100 60 bulk tests/test_kda_gpu.py bulk
 [ $(left) -gt 50 ] && new timeout $(cap 200 5) python3 scripts/bench_kda.py --conv-only --conv-bulk ${CBSHAPES:-2:4,2:4:640,2:2} \
   --batches ${CBBATCH:-64,128,256} --geoms kimi_k3_tp8,glm5_3_flash_tp8,kimi_k3_tp1,glm5_3_flash_tp1 --fla-path /none \
   --out /tmp/r --tag kda-conv-bulk > /tmp/r/cb-bench.txt 2>&1; grep -v RESULT_JSON /tmp/r/cb-bench.txt | grep "^conv" | tail -40; save
+fi
+if want cr; then
+echo "== cr the non-flush replay stream $(left)s left"
+[ $(left) -gt 50 ] && new timeout $(cap 300 5) python3 scripts/bench_kda.py --replay-bulk ${CRSHAPES:-2:4,2:2} \
+  --batches ${CRBATCH:-128,256} --fla-path /none --out /tmp/r --tag kda-replay-bulk > /tmp/r/cr-bench.txt 2>&1
+grep -v RESULT_JSON /tmp/r/cr-bench.txt | tail -24; save
 fi
 echo "== done $(left)s left"; save

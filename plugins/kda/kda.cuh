@@ -808,6 +808,32 @@ __device__ __forceinline__ void load_pass_rows(Rows& st, const StagedSmem& sm) {
   }
 }
 
+// Channel i of a non-flush step whose ring entries j < m sit in shared memory (kr[j][i], g[j][i]): the suffix decays
+// and the entry products into r1 / r2 (entry dots, then norms), this token's e0 vectors, and its entry appended
+// (the head's first chunk: writer).
+__device__ __forceinline__ void staged_channel(const Args& a, size_t hs, int m, int i, act_t k_raw, float kt, float qt,
+                                               float gt, const act_t (&kr)[kEA][kK], const float (&g)[kEA][kK],
+                                               float (&r1)[kN1], float (&r2)[kN2], ReplaySmem& sm, bool writer) {
+  // Suffix over the entries, newest first: the exponent entry j sees is g_t + sum_{j<i<m} g_i.
+  float run = gt;
+#pragma unroll
+  for (int j = kE - 1; j >= 0; --j) {
+    if (j < m) {
+      const float kj = to_f(kr[j][i]);
+      const float w = expf(run) * kj;
+      r1[j] = fmaf(w, kt, r1[j]), r1[kH1 + j] = fmaf(w, qt, r1[kH1 + j]), r2[j] = fmaf(kj, kj, r2[j]);
+      run += g[j][i];
+    }
+  }
+  const float e0 = expf(run);
+  sm.e0k[i] = e0 * kt, sm.e0q[i] = e0 * qt;
+  r1[kH1 - 1] += kt * kt, r1[kN1 - 1] += qt * qt, r2[kN2 - 1] += kt * qt;
+  if (writer) {
+    a.kc_out[(hs * kL + m) * kK + i] = k_raw;
+    a.gc_out[(hs * kL + m) * kK + i] = gt;
+  }
+}
+
 // The non-flush step with the ring staged (KDA_STAGED): the same arithmetic in the same order as replay_nonflush;
 // with KDA_PASSES 2 the channel stage serves both of the block's chunks.
 __device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coords& c, int slot, int m, StagedSmem& sm) {
@@ -849,26 +875,8 @@ __device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coor
 #pragma unroll
   for (int n = 0; n < kCPT; ++n) {
     const int i = threadIdx.x + n * kThreads;
-    if (kK % kThreads == 0 || i < kK) {
-      // Suffix over the entries, newest first: the exponent entry j sees is g_t + sum_{j<i<m} g_i.
-      float run = gt[n];
-#pragma unroll
-      for (int j = kE - 1; j >= 0; --j) {
-        if (j < m) {
-          const float kj = to_f(sm.kr[j][i]);
-          const float w = expf(run) * kj;
-          r1[j] = fmaf(w, kt[n], r1[j]), r1[kH1 + j] = fmaf(w, qt[n], r1[kH1 + j]), r2[j] = fmaf(kj, kj, r2[j]);
-          run += sm.g[j][i];
-        }
-      }
-      const float e0 = expf(run);
-      sm.e0k[i] = e0 * kt[n], sm.e0q[i] = e0 * qt[n];
-      r1[kH1 - 1] += kt[n] * kt[n], r1[kN1 - 1] += qt[n] * qt[n], r2[kN2 - 1] += kt[n] * qt[n];
-      if (writer) {
-        a.kc_out[(hs * kL + m) * kK + i] = k_raw[n];
-        a.gc_out[(hs * kL + m) * kK + i] = gt[n];
-      }
-    }
+    if (kK % kThreads == 0 || i < kK)
+      staged_channel(a, hs, m, i, k_raw[n], kt[n], qt[n], gt[n], sm.kr, sm.g, r1, r2, sm, writer);
   }
   store_partials(r1, r2, c, sm);
   if constexpr (KDA_SHADOW) {
@@ -963,11 +971,29 @@ __device__ __forceinline__ void replay_decode(const Args& a) {
 // both give the same bits.
 static_assert(kPasses == 1 && KDA_TOKENS == 0, "KDA_BULK: the conventional step of a one-pass decode module");
 static_assert(kK * (int)sizeof(act_t) % 16 == 0 && kCols % 4 == 0, "KDA_BULK: 16-byte copies of k, q, f and the rows");
-// Floats a staged row: padded so that consecutive row groups start 4 kCVL banks apart, and the 8 lanes of a quarter
-// warp (row groups x kCVL column lanes, a float4 each) read 8 distinct 16-byte bank groups.
-constexpr int kRowPad = kCols + ((4 * kCVL - kCols % 32) % 32 + 32) % 32;
+// Elements of a staged row of T: the block's columns padded so that a row's byte stride is an odd multiple of one row
+// group's bytes (kCVL lanes of 4 T), so the row groups of one shared-memory wavefront (128 bytes) fall on distinct
+// banks: a quarter warp's float4 reads, a half warp's 8-byte reads.
+template <typename T>
+__host__ __device__ constexpr int row_pad() {
+  constexpr int g = kCVL * 4 * (int)sizeof(T), rb = kCols * (int)sizeof(T);
+  return kCols + ((g - rb % (2 * g)) % (2 * g) + 2 * g) % (2 * g) / (int)sizeof(T);
+}
+constexpr int kRowPad = row_pad<float>();
 constexpr int kRowVecs = kCols / 4;
 constexpr int kInVecs = kK * (int)sizeof(act_t) / 16;
+// A lane's 4 staged values (one 16-byte or 8-byte shared-memory read).
+__device__ __forceinline__ void lds4(const float* p, float (&o)[4]) {
+  const float4 t = *reinterpret_cast<const float4*>(p);
+  o[0] = t.x, o[1] = t.y, o[2] = t.z, o[3] = t.w;
+}
+__device__ __forceinline__ void lds4(const __nv_bfloat16* p, float (&o)[4]) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(p);
+  const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+  const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+  o[0] = __low2float(lo), o[1] = __high2float(lo), o[2] = __low2float(hi), o[3] = __high2float(hi);
+}
+
 struct alignas(16) BulkStage {
   float rows[kK][kRowPad];  // the item's rows, its kCols columns
   act_t kin[3][kK];         // its k, q, f (raw)
@@ -1038,10 +1064,7 @@ __device__ __forceinline__ void conventional_item(const Args& a, const Coords& c
   const int bcol = c.col - c.chunk * kCols;
   Rows st;
 #pragma unroll
-  for (int r = 0; r < kRT; ++r) {
-    const float4 t = *reinterpret_cast<const float4*>(&s.rows[c.row(r)][bcol]);
-    st[r][0] = t.x, st[r][1] = t.y, st[r][2] = t.z, st[r][3] = t.w;
-  }
+  for (int r = 0; r < kRT; ++r) lds4(&s.rows[c.row(r)][bcol], st[r]);
   float tk[3] = {0.f, 0.f, 0.f};
 #pragma unroll
   for (int n = 0; n < kCPT; ++n) {
@@ -1104,6 +1127,141 @@ __device__ __forceinline__ void conventional_bulk(const Args& a) {
     __syncthreads();  // the stage and the token tile are read: the next iteration may overwrite them
     item = next, c = cn, x = xn;
     next = after, cn = ca, xn = xa;
+  }
+  cp_async_wait_all();
+}
+
+// ---- the non-flush replay step as a persistent stream (KDA_BULK with a ring: kda_replay_bulk; an experiment) ------
+// conventional_bulk's stream for the standard decode's non-flush steps: a block walks items with stride gridDim.x and
+// stages the next item's rows (the shadow's with KDA_SHADOW), ring entries j < m (k_j and g_j of every channel, u_j of
+// its columns) and k, q, f by cp.async while it computes the current one; slots, cursors and the per-item scalars
+// come in registers one to three items ahead. The arithmetic is replay_nonflush_staged's (staged_channel,
+// nonflush_out) in the same order. A flush item (cursor L - 1) does not fit beside two stages in the static shared
+// memory: this kernel refuses it as a bad cursor (NaN y, nothing written), so it times and tests the non-flush steps
+// only; the one-shot kernel does the flush (bench/NOTES.md "The non-flush replay step as a persistent stream").
+static_assert(kCols * (int)sizeof(ring_t) % 16 == 0, "KDA_BULK: 16-byte copies of a u_j's columns");
+constexpr int kStepPad = row_pad<step_t>();
+constexpr int kStepVecs = kCols * (int)sizeof(step_t) / 16;
+struct alignas(16) ReplayStage {
+  step_t rows[kK][kStepPad];   // the item's rows (fp32 checkpoint or bf16 shadow), its kCols columns
+  alignas(16) act_t kr[kEA][kK];  // k_j raw, entries j < m
+  alignas(16) float g[kEA][kK];   // g_j
+  alignas(16) ring_t u[kEA][kCols];  // u_j of the item's columns
+  alignas(16) act_t kin[3][kK];   // this token's k, q, f (raw)
+};
+struct alignas(16) BulkReplaySmem {
+  ReplayStage stage[2];
+  ReplaySmem rs;
+};
+
+__device__ __forceinline__ void stage_replay_item(const Args& a, const Coords& c, int slot, int m, ReplayStage& s) {
+  const size_t hs = (size_t)slot * kH + c.h;
+  const step_t* src = step_rows(a, hs) + c.chunk * kCols;
+  for (int t = threadIdx.x; t < kK * kStepVecs; t += kThreads) {
+    const int r = t / kStepVecs, q = t - r * kStepVecs;
+    cp_async16(reinterpret_cast<char*>(&s.rows[r][0]) + q * 16, reinterpret_cast<const char*>(src + (size_t)r * kV) + q * 16);
+  }
+  constexpr int kKQ = kK * (int)sizeof(act_t) / 16, kGQ = kK * 4 / 16, kUQ = kCols * (int)sizeof(ring_t) / 16;
+  const char* kb = reinterpret_cast<const char*>(a.kc_in + hs * kL * kK);
+  const char* gb = reinterpret_cast<const char*>(a.gc_in + hs * kL * kK);
+  for (int t = threadIdx.x; t < m * kKQ; t += kThreads) cp_async16(reinterpret_cast<char*>(&s.kr[0][0]) + t * 16, kb + t * 16);
+  for (int t = threadIdx.x; t < m * kGQ; t += kThreads) cp_async16(reinterpret_cast<char*>(&s.g[0][0]) + t * 16, gb + t * 16);
+  const char* ub = reinterpret_cast<const char*>(a.uc_in + hs * kL * kV + c.chunk * kCols);
+  for (int t = threadIdx.x; t < m * kUQ; t += kThreads) {
+    const int j = t / kUQ, q = t - j * kUQ;
+    cp_async16(reinterpret_cast<char*>(&s.u[j][0]) + q * 16, ub + (size_t)j * kV * sizeof(ring_t) + q * 16);
+  }
+  const size_t in = ((size_t)c.b * kH + c.h) * kK;
+  for (int t = threadIdx.x; t < 3 * kInVecs; t += kThreads) {
+    const int w = t / kInVecs, q = t - w * kInVecs;
+    const act_t* base = (w == 0 ? a.k : w == 1 ? a.q : a.f) + in;
+    cp_async16(reinterpret_cast<char*>(&s.kin[w][0]) + q * 16, reinterpret_cast<const char*>(base) + q * 16);
+  }
+}
+
+// An item's slot and cursor (-1: none, or a padding row), and whether the stream computes it.
+struct Pos {
+  int slot, pos;
+};
+__device__ __forceinline__ int slot_of(const Args& a, int item, int total) {
+  return item < total ? a.sbi[item / (kH * kChunks)] : -1;
+}
+__device__ __forceinline__ int cursor_of(const Args& a, int slot) {
+  return slot >= 0 && slot < a.nslots ? a.cursor[slot] : -1;
+}
+__device__ __forceinline__ bool streamed(const Args& a, const Pos& p) {
+  return p.slot >= 0 && p.slot < a.nslots && p.pos >= 0 && p.pos < kL - 1;
+}
+
+__device__ __forceinline__ void replay_item(const Args& a, const Coords& c, const ItemIn& x, int m, ReplayStage& s,
+                                            BulkReplaySmem& sm) {
+  const size_t hs = (size_t)x.slot * kH + c.h;
+  const int bcol = c.col - c.chunk * kCols;
+  Rows st;
+#pragma unroll
+  for (int r = 0; r < kRT; ++r) lds4(&s.rows[c.row(r)][bcol], st[r]);
+  const int ocol = out_col(c), kind = out_kind(c);
+  const bool writer = c.chunk == 0;
+  float r1[kN1], r2[kN2];
+#pragma unroll
+  for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kN2; ++i) r2[i] = 0.f;
+#pragma unroll
+  for (int n = 0; n < kCPT; ++n) {
+    const int i = threadIdx.x + n * kThreads;
+    if (kK % kThreads == 0 || i < kK) {
+      const act_t k_raw = s.kin[0][i];
+      const float kt = to_f(k_raw), qt = to_f(s.kin[1][i]);
+      const float gt = gate(to_f(s.kin[2][i]), x.dtb[n], x.A);
+      staged_channel(a, hs, m, i, k_raw, kt, qt, gt, s.kr, s.g, r1, r2, sm.rs, writer);
+    }
+  }
+  store_partials(r1, r2, c, sm.rs);
+  const float beta = sigmoid(to_f(x.b_raw));
+  __syncthreads();
+  const auto uterm = [&](float d, float coef, int kind) {
+    for (int j = 0; j < m; ++j) d = fmaf(__shfl_sync(0xffffffffu, coef, kind * kH1 + j), to_f(s.u[j][bcol]), d);
+    return d;
+  };
+  nonflush_out(a, c, hs, m, st, sm.rs, x.v_raw, beta, ocol, kind, writer, uterm);
+}
+
+__device__ __forceinline__ void replay_bulk(const Args& a) {
+  __shared__ BulkReplaySmem sm;
+  const int total = a.batch * kH * kChunks;
+  const int G = gridDim.x;
+  int item = blockIdx.x;
+  if (item >= total) return;
+  // item n: its Pos and scalars; n + 1: Pos (its copies go out at the top of the loop); n + 2: slot.
+  Pos p{slot_of(a, item, total), 0};
+  p.pos = cursor_of(a, p.slot);
+  Coords c = item_coords(item);
+  ItemIn x = item_inputs(a, c, true);
+  if (streamed(a, p)) stage_replay_item(a, c, p.slot, p.pos, sm.stage[0]);
+  cp_async_commit();
+  Pos pn{slot_of(a, item + G, total), 0};
+  pn.pos = cursor_of(a, pn.slot);
+  int slot2 = slot_of(a, item + 2 * G, total);
+  for (int n = 0; item < total; ++n) {
+    const int sg = n & 1;
+    const int next = item + G;
+    const Coords cn = item_coords(next);
+    if (streamed(a, pn)) stage_replay_item(a, cn, pn.slot, pn.pos, sm.stage[sg ^ 1]);
+    cp_async_commit();
+    const ItemIn xn = item_inputs(a, cn, next < total);  // this item's successor's scalars, in flight across it
+    const Pos p2{slot2, cursor_of(a, slot2)};             // two items on: its cursor (its slot came a loop ago)
+    const int slot3 = slot_of(a, item + 3 * G, total);
+    if (streamed(a, p)) {
+      cp_async_wait_group<1>();  // this item's group (the next one's may still fly)
+      __syncthreads();
+      replay_item(a, c, x, p.pos, sm.stage[sg], sm);
+    } else if (p.slot >= 0 && p.slot < a.nslots) {  // a flush (not streamed here) or a bad cursor: NaN y, nothing else
+      for (int i = threadIdx.x; i < kCols; i += kThreads)
+        a.y[((size_t)c.b * kH + c.h) * kV + c.chunk * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
+    }
+    __syncthreads();  // the stage and the reduce tiles are read: the next iteration may overwrite them
+    item = next, c = cn, x = xn, p = pn, pn = p2, slot2 = slot3;
   }
   cp_async_wait_all();
 }

@@ -37,4 +37,11 @@ extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_conv
   const kda::Args args = KDA_CONV_ARGS;
   kda::conventional_bulk(args);
 }
+
+// The standard decode's non-flush steps as a persistent stream (KDASpec.bulk; kda.cuh replay_bulk, an experiment: a
+// flush row gets NaN y and nothing else): kda_replay_decode's parameters, kda_conventional_bulk's grid.
+extern "C" __global__ void __launch_bounds__(kda::kThreads, kMinBlocks) kda_replay_bulk(KDA_REPLAY_PARAMS) {
+  const kda::Args args = KDA_REPLAY_ARGS;
+  kda::replay_bulk(args);
+}
 #endif

@@ -23,6 +23,7 @@ from ..gdn.config import GDN_RESIDENT_THREADS, GDNSpec, gdn_plan
 ENTRY_FILE = "kda/kda_decode.cu"
 KERNEL_NAMES = ("kda_replay_decode", "kda_conventional")
 BULK_KERNEL_NAME = "kda_conventional_bulk"  # KDASpec.bulk
+BULK_REPLAY_KERNEL_NAME = "kda_replay_bulk"  # KDASpec.bulk: the non-flush steps only (an experiment)
 SPEC_ENTRY_FILE = "kda/kda_spec.cu"
 SPEC_KERNEL_NAMES = ("kda_verify",)
 VK_ENTRY_FILE = "kda/kda_vk.cu"
@@ -114,7 +115,8 @@ class KDASpec:
 
     @property
     def kernel_names(self) -> tuple[str, ...]:
-        return SPEC_KERNEL_NAMES if self.num_tokens else KERNEL_NAMES + ((BULK_KERNEL_NAME,) if self.bulk else ())
+        return SPEC_KERNEL_NAMES if self.num_tokens else KERNEL_NAMES + (
+            (BULK_KERNEL_NAME, BULK_REPLAY_KERNEL_NAME) if self.bulk else ())
 
     def __post_init__(self):
         if self.act not in CUDA_TYPES:
@@ -144,9 +146,10 @@ class KDASpec:
                              f"{self.num_tokens}")
         if not isinstance(self.bulk, bool):
             raise TypeError(f"KDASpec.bulk: expected a bool, got {type(self.bulk).__name__}")
-        if self.bulk and (self.num_tokens or self.passes != 1):
-            raise ValueError(f"KDASpec.bulk: a one-pass decode module's option (num_tokens 0, passes 1), got "
-                             f"num_tokens={self.num_tokens}, passes={self.passes}")
+        if self.bulk and (self.num_tokens or self.passes != 1 or self.row_order):
+            raise ValueError(f"KDASpec.bulk: a one-pass decode module's option that reads the rows' slots (num_tokens "
+                             f"0, passes 1, row_order False), got num_tokens={self.num_tokens}, passes={self.passes}, "
+                             f"row_order={self.row_order}")
         if isinstance(self.passes, bool) or self.passes not in (1, 2):
             raise ValueError(f"KDASpec.passes: expected 1 or 2, got {self.passes!r}")
         if self.passes > 1 and not self.staged:
@@ -180,9 +183,9 @@ class KDASpec:
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"KDASpec: {self.smem_bytes} bytes of static shared memory, limit {SMEM_LIMIT}")
         if self.bulk and self.bulk_smem_bytes > SMEM_LIMIT:
-            raise ValueError(f"KDASpec.bulk: two stages of {self.K} rows x {self.cols} columns take "
-                             f"{self.bulk_smem_bytes} bytes of static shared memory, limit {SMEM_LIMIT} (fewer columns "
-                             f"a block: col_lanes x warps)")
+            raise ValueError(f"KDASpec.bulk: the streams' two stages ({self.K} rows x {self.cols} columns, "
+                             f"{self.buffer_len - 1} ring entries) take {self.bulk_smem_bytes} bytes of static shared "
+                             f"memory, limit {SMEM_LIMIT} (fewer columns a block: col_lanes x warps)")
 
     @property
     def cols(self) -> int:
@@ -213,12 +216,27 @@ class KDASpec:
 
     @property
     def bulk_smem_bytes(self) -> int:
-        """kda.cuh BulkSmem: two stages of the item's rows (K x kRowPad fp32: the block's columns padded so that
-        consecutive row groups start 4 col_lanes banks apart) and its k, q, f (3 K act), the token tile (4 K floats)
-        and the warps' three sums."""
-        pad = self.cols + (4 * self.col_lanes - self.cols % 32) % 32
-        stage = 4 * self.K * pad + 3 * self.K * ITEMSIZE[self.act]
-        return 2 * ((stage + 15) // 16 * 16) + 16 * self.K + 16 * self.warps
+        """The larger static shared memory of the two streams (kda.cuh): BulkSmem (kda_conventional_bulk: two
+        stages of the item's K fp32 rows and its k, q, f, the token tile, the warps' three sums) and BulkReplaySmem
+        (kda_replay_bulk: two stages of the item's rows (fp32, or bf16 beside a shadow), ring entries k_j, g_j of
+        every channel and u_j of its columns (L - 1 of each), k, q, f; the non-flush step's reduce tiles). A staged
+        row is the block's columns padded to an odd multiple of a row group's bytes (kda.cuh row_pad)."""
+        def row_bytes(size):
+            g, rb = 4 * self.col_lanes * size, self.cols * size
+            return rb + (g - rb % (2 * g)) % (2 * g)
+
+        def a16(n):
+            return (n + 15) // 16 * 16
+
+        act, e = ITEMSIZE[self.act], max(self.buffer_len - 1, 1)
+        conv = 2 * a16(self.K * row_bytes(4) + 3 * self.K * act) + 16 * self.K + 16 * self.warps
+        ring = ITEMSIZE[RING_TYPES[self.shadow]]
+        step = 2 if self.shadow != "none" else 4
+        stage = (a16(self.K * row_bytes(step)) + a16(e * self.K * act) + a16(e * self.K * 4) + a16(e * self.cols * ring)
+                 + a16(3 * self.K * act))
+        h1 = 1 << max(self.buffer_len - 1, 0).bit_length()  # kda.cuh kH1: pow2_at_least(kE + 1)
+        replay = 2 * stage + 8 * self.K + 4 * self.warps * 3 * h1
+        return max(conv, replay)
 
     def bulk_grid(self, batch: int, sms: int) -> tuple[int, int, int]:
         """kda_conventional_bulk's grid: one block per item (batch row, head, chunk) up to the resident blocks of
@@ -301,8 +319,9 @@ def override(col_lanes: int | None = None, warps: int | None = None, resident: i
              staged: bool | None = None, passes: int | None = None, bulk: bool | None = None):
     """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
     register budget of the planned modules is set for (KDASpec.resident); ``staged``, ``passes``: KDASpec.staged and
-    KDASpec.passes of the decode modules (passes 2 implies staged); ``bulk``: the conventional step's module with
-    KDASpec.bulk (the conventional step then launches kda_conventional_bulk)."""
+    KDASpec.passes of the decode modules (passes 2 implies staged); ``bulk``: the decode modules with KDASpec.bulk
+    (the conventional step then launches kda_conventional_bulk, the standard decode kda_replay_bulk: its non-flush
+    rows only)."""
     return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, staged=staged, passes=passes,
                   bulk=bulk)
 
@@ -359,7 +378,7 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
         resident = tail_resident(batch * H * (V // (4 * cl * w)), 32 * w, (RESIDENT_THREADS, TAIL_RESIDENT_THREADS),
                                  margin=margin)
         resident = 0 if resident == RESIDENT_THREADS else resident
-    if conventional and _OVERRIDE.get("bulk"):  # the persistent stream (KDASpec.bulk), its own budget
+    if _OVERRIDE.get("bulk") and not num_tokens:  # the persistent streams (KDASpec.bulk), their own budget
         return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
                        _OVERRIDE.get("resident", BULK_RESIDENT_THREADS), bulk=True)
     spec = KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,

@@ -72,7 +72,7 @@ from ...launch import (
     sm_count,
     values_checked,
 )
-from .config import BULK_KERNEL_NAME, kda_spec
+from .config import BULK_KERNEL_NAME, BULK_REPLAY_KERNEL_NAME, kda_spec
 
 _BF16 = (torch.bfloat16,)
 
@@ -167,14 +167,19 @@ def _launch_conventional(kernel, make_spec, q, k, v, f, b, A_log, dt_bias, state
     args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, state)]
     args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
     if getattr(spec, "bulk", False):  # the persistent stream (config.override(bulk=True)): cp.async of q, k, f, rows
-        for name, t in (("q", q), ("k", k), ("f", f)):  # (the state's 16 bytes: _step_args)
-            if t.data_ptr() % VECTOR_BYTES:
-                raise ValueError(f"{name}: expected a {VECTOR_BYTES}-byte aligned data pointer (the bulk conventional "
-                                 f"step stages it by cp.async), got {t.data_ptr():#x}")
+        _check_streamed(q, k, f)
         launch(spec, BULK_KERNEL_NAME, dev, spec.bulk_grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args)
         return y
     launch(spec, kernel, dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
+
+
+def _check_streamed(q, k, f) -> None:
+    """The persistent streams (KDASpec.bulk) stage q, k and f by 16-byte cp.async (the state and the rings: their Args)."""
+    for name, t in (("q", q), ("k", k), ("f", f)):
+        if t.data_ptr() % VECTOR_BYTES:
+            raise ValueError(f"{name}: expected a {VECTOR_BYTES}-byte aligned data pointer (the bulk stream stages it "
+                             f"by cp.async), got {t.data_ptr():#x}")
 
 
 def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
@@ -227,6 +232,16 @@ def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
     rows = state_batch_indices if row_order is None else row_order
     args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, rows, cursor)]
     args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
+    if spec.bulk:  # the non-flush steps as a persistent stream (config.override(bulk=True)): an experiment
+        _check_streamed(q, k, f)
+        if values_checked(check_values):
+            live = state_batch_indices[state_batch_indices >= 0].long()
+            if bool((cursor[live] == L - 1).any()):
+                raise ValueError(f"cursor: the bulk stream (KDASpec.bulk) computes non-flush rows only (cursor < L - 1 "
+                                 f"= {L - 1}); a row at the flush gets NaN y there")
+        launch(spec, BULK_REPLAY_KERNEL_NAME, dev, spec.bulk_grid(batch, sm_count(dev.index)), (spec.threads, 1, 1),
+               args)
+        return y
     launch(spec, "kda_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
