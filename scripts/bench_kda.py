@@ -267,36 +267,49 @@ def _bench_conv_pinned(row, conv, state, ins, sbis, A_log, dt_bias, lb, R, varia
         del want_st, got_st
 
 
-def _bench_replay_bulk(row, name, sh, cursor, L, R, replay, y, k_cache, shapes):
-    """The standard decode's non-flush steps as a persistent stream (KDASpec.bulk, kda_replay_bulk) at each launch
-    shape (col_lanes, warps[, resident]): first its y and the ring entries it appends against the one-shot step's at
-    the same shape, bit for bit, at position L / 2 (the entry a step appends is the same whoever writes it), then
-    timed at the non-flush positions k = 1..L - 1 (``<name>_bulk<tag>_us_k``). Its cycle estimate takes the planned
-    module's flush (the stream refuses flush rows): ``<name>_bulk<tag>_us_amortized_est`` and
-    ``_speedup_vs_conv_est``. A shape the shared memory cannot take is recorded as ``_error``."""
+def _bench_replay_bulk(row, name, sh, cursor, sbis, L, R, replay, y, k_cache, shapes):
+    """The standard decode as a persistent stream (KDASpec.bulk, kda_replay_bulk) at each launch shape (col_lanes,
+    warps[, resident]), in two forms: ``<name>_bulk<tag>``, its non-flush steps alone (flush rows refused; the cycle
+    estimate ``_us_amortized_est`` / ``_speedup_vs_conv_est`` takes the planned module's flush), and
+    ``<name>_bulkf<tag>``, KDASpec.bulk_flush (its flush items folded in a dynamic shared-memory tile, so fewer blocks
+    an SM): the whole cycle, ``_us_k`` at k = 1..L, ``_us_amortized``, ``_speedup_vs_conv``, and the mixed launch
+    (``_us_mixed``, ``_speedup_vs_conv_mixed``: spread cursors, as ``timing.spread_cursors``). Each form's y and the
+    ring entries it appends are first checked against the one-shot step's at the same shape, bit for bit, at
+    position L / 2 (the entry a step appends is the same whoever writes it). A shape the shared memory cannot take
+    is recorded as ``_error``."""
     for cl, w, *res in shapes:
-        tag = f"{name}_bulk{cl}x{w}" + (f"r{res[0]}" if res else "")
-        pins = dict(col_lanes=cl, warps=w, bulk=True, resident=res[0] if res else None)
-        cursor.fill_(L // 2 - 1)
-        try:
-            with override(col_lanes=cl, warps=w, staged=False, passes=1):
-                replay(sh)()
-            want = (y.clone(), k_cache.clone())
+        sfx = f"{cl}x{w}" + (f"r{res[0]}" if res else "")
+        for form, flush in (("bulk", False), ("bulkf", True)):
+            tag = f"{name}_{form}{sfx}"
+            pins = dict(col_lanes=cl, warps=w, bulk=True, bulk_flush=flush, resident=res[0] if res else None)
+            cursor.fill_(L // 2 - 1)
+            try:
+                with override(col_lanes=cl, warps=w, staged=False, passes=1):
+                    replay(sh)()
+                want = (y.clone(), k_cache.clone())
+                with override(**pins):
+                    replay(sh)()
+            except ValueError as e:  # e.g. two stages of fp32 rows and the ring over the static shared memory
+                row[f"{tag}_error"] = str(e)[:200]
+                continue
+            row[f"{tag}_bitequal"] = bool(torch.equal(y, want[0]) and torch.equal(k_cache, want[1]))
+            del want
+            per_k = []
+            for k in range(1, L + flush):
+                cursor.fill_(k - 1)
+                with override(**pins):
+                    per_k.append(graph_time_us(replay(sh), R)[0])
+            row[f"{tag}_us_k"] = per_k
+            if not flush:
+                row[f"{tag}_us_amortized_est"] = (sum(per_k) + row[f"{name}_us_flush"]) / L
+                row[f"{tag}_speedup_vs_conv_est"] = row["conv_us"] / row[f"{tag}_us_amortized_est"]
+                continue
+            row[f"{tag}_us_amortized"] = sum(per_k) / L
+            row[f"{tag}_speedup_vs_conv"] = row["conv_us"] / row[f"{tag}_us_amortized"]
+            timing.spread_cursors(cursor, sbis, L)
             with override(**pins):
-                replay(sh)()
-        except ValueError as e:  # e.g. two stages of fp32 rows and the ring over the static shared memory
-            row[f"{tag}_error"] = str(e)[:200]
-            continue
-        row[f"{tag}_bitequal"] = bool(torch.equal(y, want[0]) and torch.equal(k_cache, want[1]))
-        del want
-        per_k = []
-        for k in range(1, L):
-            cursor.fill_(k - 1)
-            with override(**pins):
-                per_k.append(graph_time_us(replay(sh), R)[0])
-        row[f"{tag}_us_k"] = per_k
-        row[f"{tag}_us_amortized_est"] = (sum(per_k) + row[f"{name}_us_flush"]) / L
-        row[f"{tag}_speedup_vs_conv_est"] = row["conv_us"] / row[f"{tag}_us_amortized_est"]
+                row[f"{tag}_us_mixed"] = graph_time_us(replay(sh), R)[0]
+            row[f"{tag}_speedup_vs_conv_mixed"] = row["conv_us"] / row[f"{tag}_us_mixed"]
 
 
 def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int] | None = None,
@@ -413,7 +426,7 @@ def bench_point(geom: str, batch: int, L: int = 16, seed: int = 0, ks: list[int]
         if ordered_cycle:  # the row-order module's lockstep cycle, its order made once before (a serving step's)
             layers = MODELS.get(geom.rsplit("_tp", 1)[0], (None,) * 4)[3]
             timing.time_ordered_cycle(row, name, cursor, L, order_all, replay(sh, ordered="pre"), R, layers)
-        _bench_replay_bulk(row, name, sh, cursor, L, R, replay, y, k_cache, replay_bulk)
+        _bench_replay_bulk(row, name, sh, cursor, sbis, L, R, replay, y, k_cache, replay_bulk)
         row[f"{name}_bound_ratio"] = conv_b * batch / row[f"{name}_bytes_amortized"]
         row[f"{name}_pct_of_bound"] = 100 * row[f"{name}_speedup_vs_conv"] / row[f"{name}_bound_ratio"]
         if "fla_us" in row:
@@ -460,10 +473,11 @@ def main():
     ap.add_argument("--conv-bulk", default="", help="also the conventional step as a persistent stream (KDASpec.bulk) "
                     "at these launch shapes col_lanes:warps[:resident],... beside the one-shot step at the same shape: "
                     "fields conv_bulk<cl>x<w>_* (checked bit for bit against conv_<cl>x<w>, the one-shot step)")
-    ap.add_argument("--replay-bulk", default="", help="also the standard decode's non-flush steps as a persistent stream "
-                    "(KDASpec.bulk, kda_replay_bulk) at these launch shapes col_lanes:warps[:resident],...: fields "
-                    "<name>_bulk<cl>x<w>_* (checked bit for bit against the one-shot step at the same shape; the cycle "
-                    "estimate takes the planned flush)")
+    ap.add_argument("--replay-bulk", default="", help="also the standard decode as a persistent stream (KDASpec.bulk, "
+                    "kda_replay_bulk) at these launch shapes col_lanes:warps[:resident],...: fields <name>_bulk<cl>x<w>_* "
+                    "(its non-flush steps, the cycle estimated with the planned flush) and <name>_bulkf<cl>x<w>_* "
+                    "(KDASpec.bulk_flush: the whole cycle and the mixed launch), each checked bit for bit against the "
+                    "one-shot step at the same shape")
     ap.add_argument("--verify-resident", default="", help="also verify rows with these KDASpec.resident values "
                     "(threads an SM the register budget is set for), comma-separated")
     args = ap.parse_args()
@@ -575,6 +589,12 @@ def main():
                   f"{r[f'{tag}_us_k'][-1]:.1f} us, cycle with the planned flush {r[key]:.1f} us (x conv "
                   f"{r[f'{tag}_speedup_vs_conv_est']:.2f}; planned cycle {planned:.1f} us), bit-equal to the one-shot "
                   f"step {r[f'{tag}_bitequal']}")
+        for key in sorted(k for k in r if k.endswith("_us_mixed") and "_bulkf" in k):
+            tag = key[:-len("_us_mixed")]
+            print(f"replay stream {tag} {r['geom']} bs{r['batch']}: k1 {r[f'{tag}_us_k'][0]:.1f} flush "
+                  f"{r[f'{tag}_us_k'][-1]:.1f} amortized {r[f'{tag}_us_amortized']:.1f} us (x conv "
+                  f"{r[f'{tag}_speedup_vs_conv']:.2f}), mixed {r[key]:.1f} us (x conv "
+                  f"{r[f'{tag}_speedup_vs_conv_mixed']:.2f}), bit-equal to the one-shot step {r[f'{tag}_bitequal']}")
         for key in sorted(k for k in r if k.endswith("_error") and "_bulk" in k):
             print(f"replay stream {key[:-6]} {r['geom']} bs{r['batch']}: {r[key][:100]}")
         for tag, _, ref in conv_pins:

@@ -56,7 +56,10 @@ ROWS = [dict(), dict(act="f16"), dict(act="f32"), dict(buffer_len=2), dict(buffe
         # the persistent streams (KDASpec.bulk): the conventional module, the bf16 shadow, the odd shapes, K = 256
         dict(bulk=True, buffer_len=2), dict(bulk=True, shadow="bf16", lower_bound=-5.0), dict(bulk=True, H=3, K=48,
         V=40, warps=1, act="f32"), dict(bulk=True, H=5, K=64, V=24, warps=1, act="f16", l2norm=False, buffer_len=5),
-        dict(bulk=True, K=256, V=64, warps=1, buffer_len=4)]
+        dict(bulk=True, K=256, V=64, warps=1, buffer_len=4),
+        # ... whose replay stream folds its flush items in a dynamic shared-memory tile (KDASpec.bulk_flush)
+        dict(bulk=True, bulk_flush=True, shadow="bf16"), dict(bulk=True, bulk_flush=True, H=3, K=48, V=40, warps=1,
+        act="f32", buffer_len=4)]
 EDGES = [KDASpec(**{**BASE, **row, "arch": arch}) for row, arch in itertools.product(ROWS, ARCHS)]
 VERIFY_PUBLISHED = [
     kda_spec("bf16", *GEOMETRIES[g], 16, batch, sh, lower_bound=lb, arch=arch, num_tokens=T)
@@ -84,6 +87,10 @@ def test_compiles_to_ptx(spec):
     if spec.bulk:  # the static shared memory model of the two streams (KDASpec.bulk_smem_bytes) is the PTX's
         sizes = re.findall(r"\.shared \.align 16 \.b8 \S*(?:conventional|replay)_bulk\S*\[(\d+)\]", ptx)
         assert len(sizes) == 2 and max(map(int, sizes)) == spec.bulk_smem_bytes
+        assert ("%dynamic_smem_size" in ptx) == spec.bulk_flush
+        if spec.bulk_flush:  # the flush tile it asks for holds the one-shot kernel's (kFoldBytes <= its static tile)
+            one_shot = re.search(r"\.shared \.align 16 \.b8 \S*replay_decode\S*\[(\d+)\]", ptx)
+            assert int(one_shot.group(1)) <= spec.flush_tile_bytes
     assert "__local_depot" not in ptx, "a register array went to local memory"
     assert f"#define KDA_TOKENS {spec.num_tokens}" in cc.source(spec) if spec.num_tokens else True
 
@@ -155,6 +162,14 @@ def test_bulk_module():
         KDASpec(**BASE, bulk=True)  # fp32 rows of 32 columns beside 15 ring entries: two stages of 35 KB
     with pytest.raises(TypeError, match="bulk"):
         KDASpec(**BASE, bulk=1)
+    with pytest.raises(ValueError, match="bulk_flush"):
+        KDASpec(**BASE, shadow="bf16", bulk_flush=True)
+    f = KDASpec(**BASE, shadow="bf16", bulk=True, bulk_flush=True, resident=512)
+    assert f.key.endswith("_r512_bkf_sm90") and "#define KDA_BULK_FLUSH 1" in f.prelude() and "KDA_BULK_FLUSH" not in s.prelude()
+    assert f.flush_tile_bytes == f.smem_bytes and s.flush_tile_bytes == 0
+    with override(col_lanes=2, warps=4, bulk=True, bulk_flush=True):
+        assert kda_spec("bf16", 12, 128, 128, 16, 256, "bf16") == f
+        assert not kda_spec("bf16", 12, 128, 128, 2, 256, conventional=True).bulk_flush  # the conventional module
 
 
 def test_key_and_prelude():

@@ -253,6 +253,23 @@ def test_replay_bulk_equals_the_one_shot_step(case, shape):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i}: bulk and one-shot steps differ"
 
 
+# KDASpec.bulk_flush: the replay stream folds its flush items too (the one-shot kernel's flush in a dynamic shared-memory
+# tile), so it runs the whole cycle: against the reference over 3 L + 2 steps with rows flushing at different steps
+# (flush and non-flush items in one launch), and bit for bit equal to the one-shot step at the same shape.
+BULK_FLUSH = [(CASES[1], (2, 4)), (_with(CASES[3], batch=40, slots=44), (2, 4)),
+              (_with(CASES[4], batch=200, slots=210), (2, 1)), (_with(CASES[5], batch=120, slots=130), (2, 1))]
+
+
+@pytest.mark.parametrize("case, shape", BULK_FLUSH, ids=[c[0] for c, _ in BULK_FLUSH])
+def test_replay_bulk_with_its_flush_equals_the_one_shot_step(case, shape):
+    runs = []
+    for bulk in (True, False):
+        with override(*shape, bulk=bulk, bulk_flush=bulk, staged=False, passes=1):
+            runs.append(_replay_against_reference(case))
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"item {i}: bulk and one-shot steps differ"
+
+
 def test_replay_bulk_refuses_a_flush_row():
     case, shape = BULK_REPLAY[0]
     with override(*shape, bulk=True):

@@ -213,17 +213,42 @@ def get_kernel(spec, name: str, device: torch.device):
     return kern
 
 
-def launch(spec, name: str, device, grid, block, args, pdl: bool = False) -> None:
+def launch(spec, name: str, device, grid, block, args, pdl: bool = False, shmem: int = 0) -> None:
     """Launch kernel ``name`` of ``spec`` on torch's current stream. ``args``: ints for pointers,
     numpy.int32 for the int32 scalars, in the kernel's parameter order. ``pdl``: as a programmatic dependent launch
     (the kernel may start while the previous one in the stream runs, and waits for it with ``griddepcontrol.wait``
-    before reading what it wrote)."""
+    before reading what it wrote). ``shmem``: bytes of dynamic shared memory (the kernel opted in to them first)."""
     from cuda.core import LaunchConfig, Stream
     from cuda.core import launch as _launch
 
     kern = get_kernel(spec, name, device)
+    if shmem:
+        _allow_dynamic_smem(kern, device.index, shmem)
     stream = Stream.from_handle(torch.cuda.current_stream(device).cuda_stream)
-    _launch(stream, LaunchConfig(grid=grid, block=block, programmatic_stream_serialization=pdl), kern, *args)
+    _launch(stream, LaunchConfig(grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=pdl),
+            kern, *args)
+
+
+_dynamic_smem: set = set()
+
+
+def _allow_dynamic_smem(kern, index: int, nbytes: int) -> None:
+    """Opt ``kern`` in to ``nbytes`` of dynamic shared memory on device ``index`` (beyond the 48 KB a block gets with its
+    static part by default: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES), once per kernel, device and size."""
+    key = (id(kern), index, nbytes)
+    if key in _dynamic_smem:
+        return
+    from cuda.bindings import driver
+
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    h = kern.handle
+    if isinstance(h, driver.CUkernel):  # cuda.core loads modules as libraries: a CUkernel, set per device
+        (err,) = driver.cuKernelSetAttribute(attr, nbytes, h, driver.CUdevice(index))
+    else:
+        (err,) = driver.cuFuncSetAttribute(h, attr, nbytes)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{nbytes} bytes of dynamic shared memory refused ({err!r}) for a kernel of {type(h).__name__}")
+    _dynamic_smem.add(key)
 
 @functools.cache
 def sm_count(index: int) -> int:

@@ -207,7 +207,7 @@ san racecheck 100 60 bulk tests/test_kda_gpu.py bulk
 fi
 if want cr; then
 echo "== cr the non-flush replay stream $(left)s left"
-[ $(left) -gt 50 ] && new timeout $(cap 300 5) python3 scripts/bench_kda.py --replay-bulk ${CRSHAPES:-2:4,2:2} \
+[ $(left) -gt 50 ] && new timeout $(cap 300 5) python3 scripts/bench_kda.py --replay-bulk ${CRSHAPES:-2:4} \
   --batches ${CRBATCH:-128,256} --fla-path /none --out /tmp/r --tag kda-replay-bulk > /tmp/r/cr-bench.txt 2>&1
 grep -v RESULT_JSON /tmp/r/cr-bench.txt | tail -24; save
 fi

@@ -68,7 +68,10 @@
 #define KDA_ROW_ORDER 0
 #endif
 #ifndef KDA_BULK
-#define KDA_BULK 0  // 1: the module also holds kda_conventional_bulk (KDASpec.bulk)
+#define KDA_BULK 0  // 1: the module also holds kda_conventional_bulk and kda_replay_bulk (KDASpec.bulk)
+#endif
+#ifndef KDA_BULK_FLUSH
+#define KDA_BULK_FLUSH 0  // 1: kda_replay_bulk folds its flush items in a dynamic shared-memory tile (KDASpec.bulk_flush)
 #endif
 #ifndef KDA_TOKENS
 #define KDA_TOKENS 0  // 0: the decode module; T >= 1: the verify module (kda_spec.cuh), window of T tokens
@@ -1137,8 +1140,10 @@ __device__ __forceinline__ void conventional_bulk(const Args& a) {
 // its columns) and k, q, f by cp.async while it computes the current one; slots, cursors and the per-item scalars
 // come in registers one to three items ahead. The arithmetic is replay_nonflush_staged's (staged_channel,
 // nonflush_out) in the same order. A flush item (cursor L - 1) does not fit beside two stages in the static shared
-// memory: this kernel refuses it as a bad cursor (NaN y, nothing written), so it times and tests the non-flush steps
-// only; the one-shot kernel does the flush (bench/NOTES.md "The non-flush replay step as a persistent stream").
+// memory: without KDA_BULK_FLUSH this kernel refuses it as a bad cursor (NaN y, nothing written), so it times and tests
+// the non-flush steps only; with it the launch adds a dynamic shared-memory tile (at least kFoldBytes, checked) where
+// the item runs the one-shot kernel's flush (fold_step<true>, from global memory, while the next item's copies fly)
+// (bench/NOTES.md "The non-flush replay step as a persistent stream").
 static_assert(kCols * (int)sizeof(ring_t) % 16 == 0, "KDA_BULK: 16-byte copies of a u_j's columns");
 constexpr int kStepPad = row_pad<step_t>();
 constexpr int kStepVecs = kCols * (int)sizeof(step_t) / 16;
@@ -1227,8 +1232,22 @@ __device__ __forceinline__ void replay_item(const Args& a, const Coords& c, cons
   nonflush_out(a, c, hs, m, st, sm.rs, x.v_raw, beta, ocol, kind, writer, uterm);
 }
 
+#if KDA_BULK_FLUSH
+__device__ __forceinline__ unsigned dynamic_smem_bytes() {
+  unsigned n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+#endif
+
 __device__ __forceinline__ void replay_bulk(const Args& a) {
   __shared__ BulkReplaySmem sm;
+#if KDA_BULK_FLUSH
+  extern __shared__ __align__(16) unsigned char flush_tile[];  // the flush's FoldSmem / UsumSmem
+  const bool can_flush = dynamic_smem_bytes() >= kFoldBytes;
+#else
+  constexpr bool can_flush = false;
+#endif
   const int total = a.batch * kH * kChunks;
   const int G = gridDim.x;
   int item = blockIdx.x;
@@ -1256,7 +1275,15 @@ __device__ __forceinline__ void replay_bulk(const Args& a) {
       cp_async_wait_group<1>();  // this item's group (the next one's may still fly)
       __syncthreads();
       replay_item(a, c, x, p.pos, sm.stage[sg], sm);
-    } else if (p.slot >= 0 && p.slot < a.nslots) {  // a flush (not streamed here) or a bad cursor: NaN y, nothing else
+    } else if (can_flush && p.slot >= 0 && p.slot < a.nslots && p.pos == kL - 1) {
+#if KDA_BULK_FLUSH
+#if KDA_SHADOW
+      fold_step<true>(a, c, p.slot, true, *reinterpret_cast<FoldSmem*>(flush_tile));
+#else
+      fold_step<true>(a, c, p.slot, true, *reinterpret_cast<UsumSmem*>(flush_tile));
+#endif
+#endif
+    } else if (p.slot >= 0 && p.slot < a.nslots) {  // a flush it cannot fold, or a bad cursor: NaN y, nothing else
       for (int i = threadIdx.x; i < kCols; i += kThreads)
         a.y[((size_t)c.b * kH + c.h) * kV + c.chunk * kCols + i] = from_f<act_t>(__int_as_float(0x7fc00000));
     }

@@ -36,6 +36,7 @@ SHADOW_KINDS = ("none", "bf16")
 RING_TYPES = {"none": "f32", "bf16": "bf16"}
 MAX_WARPS = 8
 SMEM_LIMIT = 48 * 1024  # static shared memory of one block
+SMEM_OPTIN_LIMIT = 227 * 1024  # static and dynamic shared memory of one block, opted in (sm_90, sm_100)
 RESIDENT_THREADS = 384  # __launch_bounds__ min blocks = this / threads: ~170 registers a thread
 # The decode module's other budget (4 blocks of 4 warps, 128 registers: 48 bytes of spill at (4, 4) with a shadow, 84
 # for the fp32 ring's u-sum module), planned where it fills the last wave better (config.tail_resident;
@@ -107,6 +108,7 @@ class KDASpec:
     passes: int = 1  # staged decode module: chunks of ``cols`` columns a block walks under one channel stage (1, 2)
     row_order: bool = False  # decode module: input 8 is the flush-first order (cursor.flush_order), not the slots
     bulk: bool = False  # decode module: also kda_conventional_bulk, the conventional step as a persistent stream
+    bulk_flush: bool = False  # bulk module: kda_replay_bulk folds flush items in a dynamic shared-memory tile
 
     @property
     def entry_file(self) -> str:
@@ -150,6 +152,10 @@ class KDASpec:
             raise ValueError(f"KDASpec.bulk: a one-pass decode module's option that reads the rows' slots (num_tokens "
                              f"0, passes 1, row_order False), got num_tokens={self.num_tokens}, passes={self.passes}, "
                              f"row_order={self.row_order}")
+        if not isinstance(self.bulk_flush, bool):
+            raise TypeError(f"KDASpec.bulk_flush: expected a bool, got {type(self.bulk_flush).__name__}")
+        if self.bulk_flush and not self.bulk:
+            raise ValueError("KDASpec.bulk_flush: the bulk module's option (bulk=True)")
         if isinstance(self.passes, bool) or self.passes not in (1, 2):
             raise ValueError(f"KDASpec.passes: expected 1 or 2, got {self.passes!r}")
         if self.passes > 1 and not self.staged:
@@ -182,6 +188,9 @@ class KDASpec:
             raise ValueError(f"KDASpec.lower_bound: expected a finite negative float or None, got {self.lower_bound}")
         if self.smem_bytes > SMEM_LIMIT:
             raise ValueError(f"KDASpec: {self.smem_bytes} bytes of static shared memory, limit {SMEM_LIMIT}")
+        if self.bulk_flush and self.bulk_smem_bytes + self.flush_tile_bytes > SMEM_OPTIN_LIMIT:
+            raise ValueError(f"KDASpec.bulk_flush: {self.bulk_smem_bytes} bytes of stages and a {self.flush_tile_bytes}"
+                             f"-byte flush tile exceed a block's {SMEM_OPTIN_LIMIT} bytes of shared memory")
         if self.bulk and self.bulk_smem_bytes > SMEM_LIMIT:
             raise ValueError(f"KDASpec.bulk: the streams' two stages ({self.K} rows x {self.cols} columns, "
                              f"{self.buffer_len - 1} ring entries) take {self.bulk_smem_bytes} bytes of static shared "
@@ -238,6 +247,13 @@ class KDASpec:
         replay = 2 * stage + 8 * self.K + 4 * self.warps * 3 * h1
         return max(conv, replay)
 
+    @property
+    def flush_tile_bytes(self) -> int:
+        """Dynamic shared memory of kda_replay_bulk with ``bulk_flush`` (its flush items' FoldSmem / UsumSmem): the
+        one-shot kernel's tile, :attr:`smem_bytes` (an upper bound of it; the kernel checks that it got kFoldBytes);
+        0 without it."""
+        return self.smem_bytes if self.bulk_flush else 0
+
     def bulk_grid(self, batch: int, sms: int) -> tuple[int, int, int]:
         """kda_conventional_bulk's grid: one block per item (batch row, head, chunk) up to the resident blocks of
         ``sms`` SMs (:attr:`min_blocks` each); each walks its items with stride gridDim.x."""
@@ -279,7 +295,7 @@ class KDASpec:
                 + ("" if self.scale is None else f"_sc{self.scale_f32.hex()}")
                 + (f"_r{self.resident}" if self.resident else "") + ("_st" if self.staged else "")
                 + (f"_p{self.passes}" if self.passes > 1 else "") + ("_ro" if self.row_order else "")
-                + ("_bk" if self.bulk else "")
+                + ("_bk" if self.bulk else "") + ("f" if self.bulk_flush else "")
                 + f"_sm{self.arch}")
 
     def prelude(self) -> str:
@@ -296,6 +312,7 @@ class KDASpec:
             *([f"#define KDA_PASSES {self.passes}"] if self.passes > 1 else []),
             *(["#define KDA_ROW_ORDER 1"] if self.row_order else []),
             *(["#define KDA_BULK 1"] if self.bulk else []),
+            *(["#define KDA_BULK_FLUSH 1"] if self.bulk_flush else []),
             *([f"#define KDA_TOKENS {self.num_tokens}"] if self.num_tokens else []),
             *([f"constexpr float kLowerBound = {_f32(self.lower_bound).hex()}f;  // {_f32(self.lower_bound)!r}"]
               if lb else []),
@@ -316,14 +333,15 @@ _OVERRIDE: dict = {}
 
 
 def override(col_lanes: int | None = None, warps: int | None = None, resident: int | None = None,
-             staged: bool | None = None, passes: int | None = None, bulk: bool | None = None):
+             staged: bool | None = None, passes: int | None = None, bulk: bool | None = None,
+             bulk_flush: bool | None = None):
     """Pin the planner's launch shape inside the block (benchmark sweeps); ``resident``: the threads an SM the
     register budget of the planned modules is set for (KDASpec.resident); ``staged``, ``passes``: KDASpec.staged and
     KDASpec.passes of the decode modules (passes 2 implies staged); ``bulk``: the decode modules with KDASpec.bulk
     (the conventional step then launches kda_conventional_bulk, the standard decode kda_replay_bulk: its non-flush
-    rows only)."""
+    rows only, or every row with ``bulk_flush``, KDASpec.bulk_flush)."""
     return pinned(_OVERRIDE, col_lanes=col_lanes, warps=warps, resident=resident, staged=staged, passes=passes,
-                  bulk=bulk)
+                  bulk=bulk, bulk_flush=bulk_flush)
 
 
 def _fits(H: int, K: int, V: int, batch: int, cl: int, warps: int) -> bool:
@@ -380,7 +398,8 @@ def kda_spec(act: str, H: int, K: int, V: int, L: int, batch: int, shadow: str =
         resident = 0 if resident == RESIDENT_THREADS else resident
     if _OVERRIDE.get("bulk") and not num_tokens:  # the persistent streams (KDASpec.bulk), their own budget
         return KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
-                       _OVERRIDE.get("resident", BULK_RESIDENT_THREADS), bulk=True)
+                       _OVERRIDE.get("resident", BULK_RESIDENT_THREADS), bulk=True,
+                       bulk_flush=_OVERRIDE.get("bulk_flush", False) and not conventional)
     spec = KDASpec(act, H, K, V, L, cl, w, shadow, l2norm, scale, lower_bound, arch, num_tokens,
                    _OVERRIDE.get("resident", resident))
     if conventional or num_tokens:

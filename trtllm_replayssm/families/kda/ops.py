@@ -234,13 +234,13 @@ def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
     args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
     if spec.bulk:  # the non-flush steps as a persistent stream (config.override(bulk=True)): an experiment
         _check_streamed(q, k, f)
-        if values_checked(check_values):
+        if values_checked(check_values) and not spec.bulk_flush:
             live = state_batch_indices[state_batch_indices >= 0].long()
             if bool((cursor[live] == L - 1).any()):
                 raise ValueError(f"cursor: the bulk stream (KDASpec.bulk) computes non-flush rows only (cursor < L - 1 "
-                                 f"= {L - 1}); a row at the flush gets NaN y there")
+                                 f"= {L - 1}); a row at the flush gets NaN y there (KDASpec.bulk_flush folds them)")
         launch(spec, BULK_REPLAY_KERNEL_NAME, dev, spec.bulk_grid(batch, sm_count(dev.index)), (spec.threads, 1, 1),
-               args)
+               args, shmem=spec.flush_tile_bytes)
         return y
     launch(spec, "kda_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
