@@ -1022,19 +1022,29 @@ __device__ __forceinline__ Coords item_coords(int item) {
   return c;
 }
 
-// One item's copies (this thread's share), committed by the caller as one group.
-__device__ __forceinline__ void stage_item(const Args& a, const Coords& c, int slot, BulkStage& s) {
-  const float* src = a.state_in + ((size_t)slot * kH + c.h) * kK * kV + c.chunk * kCols;
-  for (int t = threadIdx.x; t < kK * kRowVecs; t += kThreads) {
-    const int r = t / kRowVecs, q = t - r * kRowVecs;
-    cp_async16(&s.rows[r][q * 4], src + (size_t)r * kV + q * 4);
+// An item's kCols columns of its K rows (src: the first column of row 0, rows kV apart) into a staged tile, 16 bytes a
+// copy, consecutive threads along a row (whole 128-byte lines); this thread's share.
+template <typename T, int kPad>
+__device__ __forceinline__ void stage_rows(const T* src, T (&rows)[kK][kPad]) {
+  constexpr int kVecs = kCols * (int)sizeof(T) / 16;
+  for (int t = threadIdx.x; t < kK * kVecs; t += kThreads) {
+    const int r = t / kVecs, q = t - r * kVecs;
+    cp_async16(reinterpret_cast<char*>(&rows[r][0]) + q * 16, reinterpret_cast<const char*>(src + (size_t)r * kV) + q * 16);
   }
+}
+// The item's token inputs k, q, f (raw) into kin.
+__device__ __forceinline__ void stage_token(const Args& a, const Coords& c, act_t (&kin)[3][kK]) {
   const size_t in = ((size_t)c.b * kH + c.h) * kK;
   for (int t = threadIdx.x; t < 3 * kInVecs; t += kThreads) {
     const int w = t / kInVecs, q = t - w * kInVecs;
     const act_t* base = (w == 0 ? a.k : w == 1 ? a.q : a.f) + in;
-    cp_async16(reinterpret_cast<char*>(&s.kin[w][0]) + q * 16, reinterpret_cast<const char*>(base) + q * 16);
+    cp_async16(reinterpret_cast<char*>(&kin[w][0]) + q * 16, reinterpret_cast<const char*>(base) + q * 16);
   }
+}
+// One item's copies (this thread's share), committed by the caller as one group.
+__device__ __forceinline__ void stage_item(const Args& a, const Coords& c, int slot, BulkStage& s) {
+  stage_rows(a.state_in + ((size_t)slot * kH + c.h) * kK * kV + c.chunk * kCols, s.rows);
+  stage_token(a, c, s.kin);
 }
 
 // What an item reads beside its staged tiles, loaded one item ahead.
@@ -1146,7 +1156,6 @@ __device__ __forceinline__ void conventional_bulk(const Args& a) {
 // (bench/NOTES.md "The non-flush replay step as a persistent stream").
 static_assert(kCols * (int)sizeof(ring_t) % 16 == 0, "KDA_BULK: 16-byte copies of a u_j's columns");
 constexpr int kStepPad = row_pad<step_t>();
-constexpr int kStepVecs = kCols * (int)sizeof(step_t) / 16;
 struct alignas(16) ReplayStage {
   step_t rows[kK][kStepPad];   // the item's rows (fp32 checkpoint or bf16 shadow), its kCols columns
   alignas(16) act_t kr[kEA][kK];  // k_j raw, entries j < m
@@ -1161,11 +1170,7 @@ struct alignas(16) BulkReplaySmem {
 
 __device__ __forceinline__ void stage_replay_item(const Args& a, const Coords& c, int slot, int m, ReplayStage& s) {
   const size_t hs = (size_t)slot * kH + c.h;
-  const step_t* src = step_rows(a, hs) + c.chunk * kCols;
-  for (int t = threadIdx.x; t < kK * kStepVecs; t += kThreads) {
-    const int r = t / kStepVecs, q = t - r * kStepVecs;
-    cp_async16(reinterpret_cast<char*>(&s.rows[r][0]) + q * 16, reinterpret_cast<const char*>(src + (size_t)r * kV) + q * 16);
-  }
+  stage_rows(step_rows(a, hs) + c.chunk * kCols, s.rows);
   constexpr int kKQ = kK * (int)sizeof(act_t) / 16, kGQ = kK * 4 / 16, kUQ = kCols * (int)sizeof(ring_t) / 16;
   const char* kb = reinterpret_cast<const char*>(a.kc_in + hs * kL * kK);
   const char* gb = reinterpret_cast<const char*>(a.gc_in + hs * kL * kK);
@@ -1176,12 +1181,7 @@ __device__ __forceinline__ void stage_replay_item(const Args& a, const Coords& c
     const int j = t / kUQ, q = t - j * kUQ;
     cp_async16(reinterpret_cast<char*>(&s.u[j][0]) + q * 16, ub + (size_t)j * kV * sizeof(ring_t) + q * 16);
   }
-  const size_t in = ((size_t)c.b * kH + c.h) * kK;
-  for (int t = threadIdx.x; t < 3 * kInVecs; t += kThreads) {
-    const int w = t / kInVecs, q = t - w * kInVecs;
-    const act_t* base = (w == 0 ? a.k : w == 1 ? a.q : a.f) + in;
-    cp_async16(reinterpret_cast<char*>(&s.kin[w][0]) + q * 16, reinterpret_cast<const char*>(base) + q * 16);
-  }
+  stage_token(a, c, s.kin);
 }
 
 // An item's slot and cursor (-1: none, or a padding row), and whether the stream computes it.
