@@ -661,6 +661,11 @@ __device__ __forceinline__ void fold_step_next(const Args& a, const Coords& c, i
 }
 
 // ---- the non-flush ReplaySSM step at position m (entries j < m) ---------------------------------------------
+template <int N>
+__device__ __forceinline__ void zero(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) r[i] = 0.f;
+}
 // The warp's channel-stage partials (entry dots and norms) into shared memory, one lane a value.
 __device__ __forceinline__ void store_partials(float (&r1)[kN1], float (&r2)[kN2], const Coords& c, ReplaySmem& sm) {
   const float t1 = transpose_reduce<kN1, 1>(r1);
@@ -718,10 +723,7 @@ __device__ __forceinline__ void replay_nonflush(const Args& a, const Coords& c, 
   const float A = expf(__ldg(a.A_log + c.h));
   const bool writer = c.chunk == 0;  // the head's first chunk appends the per-channel entry
   float r1[kN1], r2[kN2];
-#pragma unroll
-  for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kN2; ++i) r2[i] = 0.f;
+  zero(r1), zero(r2);
 #pragma unroll
   for (int n = 0; n < kCPT; ++n) {
     const int i = threadIdx.x + n * kThreads;
@@ -856,10 +858,7 @@ __device__ __forceinline__ void replay_nonflush_staged(const Args& a, const Coor
   const float A = expf(__ldg(a.A_log + c.h));
   const bool writer = c.chunk == 0;
   float r1[kN1], r2[kN2];
-#pragma unroll
-  for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kN2; ++i) r2[i] = 0.f;
+  zero(r1), zero(r2);
   // This token's per-channel inputs go out with the rows and the staged ring; the channel stage reads the ring
   // after the barrier.
   act_t k_raw[kCPT];
@@ -1208,10 +1207,7 @@ __device__ __forceinline__ void replay_item(const Args& a, const Coords& c, cons
   const int ocol = out_col(c), kind = out_kind(c);
   const bool writer = c.chunk == 0;
   float r1[kN1], r2[kN2];
-#pragma unroll
-  for (int i = 0; i < kN1; ++i) r1[i] = 0.f;
-#pragma unroll
-  for (int i = 0; i < kN2; ++i) r2[i] = 0.f;
+  zero(r1), zero(r2);
 #pragma unroll
   for (int n = 0; n < kCPT; ++n) {
     const int i = threadIdx.x + n * kThreads;
