@@ -506,19 +506,17 @@ def main():
             raise ValueError
     except ValueError:
         ap.error(f"--conv-resident: expected comma-separated thread counts >= 32, got {args.conv_resident!r}")
-    try:
-        bulk_shapes = tuple(tuple(int(t) for t in x.split(":")) for x in args.conv_bulk.split(",") if x.strip())
-        if any(len(sh) not in (2, 3) for sh in bulk_shapes):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--conv-bulk: expected col_lanes:warps[:resident],..., got {args.conv_bulk!r}")
-    conv_pins = conv_variants(conv_resident, bulk_shapes)
-    try:
-        replay_bulk = tuple(tuple(int(t) for t in x.split(":")) for x in args.replay_bulk.split(",") if x.strip())
-        if any(len(sh) not in (2, 3) for sh in replay_bulk):
-            raise ValueError
-    except ValueError:
-        ap.error(f"--replay-bulk: expected col_lanes:warps[:resident],..., got {args.replay_bulk!r}")
+    def stream_shapes(flag: str, text: str) -> tuple[tuple[int, ...], ...]:
+        try:
+            shapes = tuple(tuple(int(t) for t in x.split(":")) for x in text.split(",") if x.strip())
+            if any(len(sh) not in (2, 3) for sh in shapes):
+                raise ValueError
+        except ValueError:
+            ap.error(f"{flag}: expected col_lanes:warps[:resident],..., got {text!r}")
+        return shapes
+
+    conv_pins = conv_variants(conv_resident, stream_shapes("--conv-bulk", args.conv_bulk))
+    replay_bulk = stream_shapes("--replay-bulk", args.replay_bulk)
     if not torch.cuda.is_available():  # after every flag's check
         sys.exit("bench_kda.py needs a CUDA GPU")
     FLA = load_fla(args.fla_path)

@@ -255,8 +255,8 @@ class KDASpec:
         return self.smem_bytes if self.bulk_flush else 0
 
     def bulk_grid(self, batch: int, sms: int) -> tuple[int, int, int]:
-        """kda_conventional_bulk's grid: one block per item (batch row, head, chunk) up to the resident blocks of
-        ``sms`` SMs (:attr:`min_blocks` each); each walks its items with stride gridDim.x."""
+        """The streams' grid (kda_conventional_bulk, kda_replay_bulk): one block per item (batch row, head, chunk) up
+        to the resident blocks of ``sms`` SMs (:attr:`min_blocks` each); each walks its items with stride gridDim.x."""
         items = batch * self.H * (self.V // self.cols)
         return (max(1, min(items, sms * self.min_blocks)), 1, 1)
 

@@ -166,20 +166,21 @@ def _launch_conventional(kernel, make_spec, q, k, v, f, b, A_log, dt_bias, state
     spec = make_spec(DTYPE_CODES[q.dtype], arch(dev))
     args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, state_batch_indices, state)]
     args += [np.int32(batch), np.int32(S), y.data_ptr(), state.data_ptr()]
-    if getattr(spec, "bulk", False):  # the persistent stream (config.override(bulk=True)): cp.async of q, k, f, rows
-        _check_streamed(q, k, f)
-        launch(spec, BULK_KERNEL_NAME, dev, spec.bulk_grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args)
+    if getattr(spec, "bulk", False):  # the persistent stream (config.override(bulk=True))
+        _launch_stream(spec, BULK_KERNEL_NAME, dev, batch, q, k, f, args)
         return y
     launch(spec, kernel, dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
 
 
-def _check_streamed(q, k, f) -> None:
-    """The persistent streams (KDASpec.bulk) stage q, k and f by 16-byte cp.async (the state and the rings: their Args)."""
+def _launch_stream(spec, kernel, dev, batch, q, k, f, args, shmem: int = 0) -> None:
+    """Launch one of the persistent streams (KDASpec.bulk) over the card's resident blocks. They stage q, k and f by
+    16-byte cp.async (the state and the rings: their Args check them)."""
     for name, t in (("q", q), ("k", k), ("f", f)):
         if t.data_ptr() % VECTOR_BYTES:
             raise ValueError(f"{name}: expected a {VECTOR_BYTES}-byte aligned data pointer (the bulk stream stages it "
                              f"by cp.async), got {t.data_ptr():#x}")
+    launch(spec, kernel, dev, spec.bulk_grid(batch, sm_count(dev.index)), (spec.threads, 1, 1), args, shmem=shmem)
 
 
 def _check_replay(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_cache, v_cache, beta_cache, cursor,
@@ -232,15 +233,13 @@ def kda_replay_decode(q, k, v, f, b, A_log, dt_bias, state, k_cache, u_cache, g_
     rows = state_batch_indices if row_order is None else row_order
     args = [t.data_ptr() for t in (q, k, v, f, b, A_log, dt_bias, rows, cursor)]
     args += bufs + sh + [np.int32(batch), np.int32(S), y.data_ptr()] + bufs + sh
-    if spec.bulk:  # the non-flush steps as a persistent stream (config.override(bulk=True)): an experiment
-        _check_streamed(q, k, f)
+    if spec.bulk:  # the decode step as a persistent stream (config.override(bulk=True)): an experiment
         if values_checked(check_values) and not spec.bulk_flush:
             live = state_batch_indices[state_batch_indices >= 0].long()
             if bool((cursor[live] == L - 1).any()):
                 raise ValueError(f"cursor: the bulk stream (KDASpec.bulk) computes non-flush rows only (cursor < L - 1 "
                                  f"= {L - 1}); a row at the flush gets NaN y there (KDASpec.bulk_flush folds them)")
-        launch(spec, BULK_REPLAY_KERNEL_NAME, dev, spec.bulk_grid(batch, sm_count(dev.index)), (spec.threads, 1, 1),
-               args, shmem=spec.flush_tile_bytes)
+        _launch_stream(spec, BULK_REPLAY_KERNEL_NAME, dev, batch, q, k, f, args, spec.flush_tile_bytes)
         return y
     launch(spec, "kda_replay_decode", dev, spec.grid(batch), (spec.threads, 1, 1), args)
     return y
